@@ -1,0 +1,60 @@
+"""Kernel ops: torch.library custom ops under ``torch.ops.hybrid_compile``.
+
+Each op has a schema, a plain-torch implementation (the CPU path, and for now also the CUDA
+dispatch), a fake implementation for tracing, argument validation in both, and a docstring
+with shapes, dtypes and mutations. :mod:`.reference` holds the independent per-token
+references the ops are tested against.
+
+===============================================  ==========================================
+op                                               module
+===============================================  ==========================================
+causal_conv1d_fn / causal_conv1d_update          :mod:`.conv1d` (+ track_conv_window)
+gdn_gating / chunk_gated_delta_rule              :mod:`.gdn`
+fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
+fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
+ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
+gated_rms_norm                                   :mod:`.norm`
+store_kv_cache / paged_attention_extend /        :mod:`.attention`
+paged_attention_decode / merge_attention_states
+copy_state_slots / commit_speculative_state /    :mod:`.state`
+track_chunk_states
+===============================================  ==========================================
+"""
+
+from . import attention, conv1d, gdn, mamba2, norm, state
+from ._validation import debug_checks_enabled, set_debug_checks
+from .gdn import GDN_CHUNK_SIZE
+
+#: Every kernel op's name in the ``hybrid_compile`` namespace.
+KERNEL_OPS = (
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "track_conv_window",
+    "gdn_gating",
+    "chunk_gated_delta_rule",
+    "fused_sigmoid_gating_delta_rule_update",
+    "fused_recurrent_gated_delta_rule_update",
+    "ssd_chunk_scan",
+    "selective_state_update",
+    "gated_rms_norm",
+    "store_kv_cache",
+    "paged_attention_extend",
+    "paged_attention_decode",
+    "merge_attention_states",
+    "copy_state_slots",
+    "commit_speculative_state",
+    "track_chunk_states",
+)
+
+__all__ = [
+    "KERNEL_OPS",
+    "GDN_CHUNK_SIZE",
+    "attention",
+    "conv1d",
+    "debug_checks_enabled",
+    "gdn",
+    "mamba2",
+    "norm",
+    "set_debug_checks",
+    "state",
+]

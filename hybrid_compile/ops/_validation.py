@@ -1,0 +1,134 @@
+"""Argument checks shared by every kernel op.
+
+Each op validates its arguments at the top of both its real and its fake implementation,
+so a bad call fails with a clear message at trace time as well as at run time. Checks on
+shapes, dtypes and devices are metadata-only and always on. Checks on index *values*
+(slot indices in range) need to read the tensor: on CPU they always run; on CUDA they
+would force a device sync on the hot path, so they run only when debug checks are on
+(``HYBRID_COMPILE_DEBUG=1`` in the environment, or :func:`set_debug_checks`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_debug_checks = os.environ.get("HYBRID_COMPILE_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn on/off the value checks (index ranges) that would sync the device on CUDA."""
+    global _debug_checks
+    _debug_checks = bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    return _debug_checks
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.device.type == "meta"
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[object] | None = None,
+) -> None:
+    """Check rank, dtype and (partially) shape of one tensor argument.
+
+    ``shape`` entries may be ints (or symbolic ints) to match exactly, or ``None`` to skip.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: `{name}` must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{op}: `{name}` must have dtype in ({names}), got {t.dtype}")
+    if shape is not None:
+        if len(shape) != t.dim():
+            raise ValueError(f"{op}: `{name}` must have {len(shape)} dims, got shape {tuple(t.shape)}")
+        for i, want in enumerate(shape):
+            if want is not None and t.shape[i] != want:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(
+                    f"{op}: `{name}` has shape {tuple(t.shape)}, expected {expected} (dim {i} must be {want})"
+                )
+
+
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    """All given (non-None) tensors must live on one device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len({(d.type, d.index) for d in devices.values()}) > 1:
+        listing = ", ".join(f"{n}={d}" for n, d in devices.items())
+        raise RuntimeError(f"{op}: all tensors must be on the same device, got {listing}")
+
+
+def check_divisible(op: str, what: str, a: int, b: int) -> None:
+    if b == 0 or a % b != 0:
+        raise ValueError(f"{op}: {what}: {a} is not divisible by {b}")
+
+
+def should_check_values(*tensors: torch.Tensor) -> bool:
+    """True when value checks may read these tensors: real CPU tensors, or debug mode."""
+    for t in tensors:
+        if _is_fake(t):
+            return False
+    if all(t.device.type == "cpu" for t in tensors):
+        return True
+    return _debug_checks
+
+
+def check_slot_indices(op: str, name: str, indices: torch.Tensor, num_slots: int, *, allow_pad: bool = True) -> None:
+    """Slot indices must lie in [0, num_slots) (or be -1 = padding when allowed)."""
+    if indices.numel() == 0 or not should_check_values(indices):
+        return
+    lo = int(indices.min())
+    hi = int(indices.max())
+    low_bound = -1 if allow_pad else 0
+    if lo < low_bound or hi >= num_slots:
+        pad = " or -1 (padding)" if allow_pad else ""
+        raise IndexError(
+            f"{op}: `{name}` has values in [{lo}, {hi}], must be in [0, {num_slots}){pad}"
+        )
+
+
+def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -> None:
+    """cu_seqlens[0] == 0, non-decreasing, cu_seqlens[-1] == total number of tokens."""
+    if not should_check_values(cu_seqlens):
+        return
+    if cu_seqlens.numel() == 0:
+        raise ValueError(f"{op}: `{name}` must have at least one entry (batch + 1)")
+    first = int(cu_seqlens[0])
+    last = int(cu_seqlens[-1])
+    if first != 0:
+        raise ValueError(f"{op}: `{name}` must start at 0, got {first}")
+    if last != total:
+        raise ValueError(f"{op}: `{name}` must end at the number of tokens ({total}), got {last}")
+    if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"{op}: `{name}` must be non-decreasing, got {cu_seqlens.tolist()}")
+
+
+def check_unique_slots(op: str, name: str, indices: torch.Tensor) -> None:
+    """Non-padding slot indices must be distinct (two requests writing one slot is a bug)."""
+    if indices.numel() < 2 or not should_check_values(indices):
+        return
+    valid = indices[indices >= 0]
+    if valid.numel() != torch.unique(valid).numel():
+        raise ValueError(f"{op}: `{name}` has repeated slot indices {indices.tolist()}")
+
+
+def names_of(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)

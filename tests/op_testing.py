@@ -1,0 +1,73 @@
+"""Helpers shared by the kernel-op tests: varlen batches, tolerances, opcheck, compile checks."""
+
+from __future__ import annotations
+
+import torch
+
+# Request lengths covering the edge cases every varlen op must handle:
+# zero-length and one-token requests, lengths below/at/above the 64-token chunk, not divisible by 64.
+VARLEN_CASES = [
+    [5],
+    [1, 1, 1],
+    [0, 7, 1],
+    [64],
+    [65, 0, 3],
+    [130, 17, 64, 1],
+]
+
+# (atol, rtol) of an op's output against the per-token reference, by input dtype.
+TOLERANCE = {
+    torch.float32: (2e-4, 2e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+def cu_seqlens_of(lens: list[int], device="cpu", dtype=torch.int32) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=dtype, device=device)
+    if lens:
+        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).to(dtype)
+    return out
+
+
+def distinct_slots(batch: int, num_slots: int, *, pad_rows=(), generator=None) -> torch.Tensor:
+    """Random distinct slot indices in [0, num_slots), with -1 at the given rows."""
+    perm = torch.randperm(num_slots, generator=generator)[:batch].to(torch.int32)
+    for r in pad_rows:
+        perm[r] = -1
+    return perm
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32, msg: str = ""):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=msg or None)
+
+
+def run_opcheck(op, args: tuple, kwargs: dict | None = None):
+    """torch.library.opcheck with every test utility; mutated inputs are cloned by opcheck itself."""
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+def compile_and_compare(fn, *args, clone_args=True):
+    """Run ``fn`` eagerly and under torch.compile(fullgraph=True, dynamic=True) on clones of
+    ``args``; return (eager_result, compiled_result, eager_args, compiled_args).
+
+    fullgraph=True makes any graph break an error, so a passing call proves there is none.
+    """
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def clone(a):
+        if isinstance(a, torch.Tensor):
+            return a.clone()
+        if isinstance(a, (list, tuple)):
+            return type(a)(clone(x) for x in a)
+        return a
+
+    eager_args = [clone(a) for a in args] if clone_args else list(args)
+    compiled_args = [clone(a) for a in args] if clone_args else list(args)
+    eager = fn(*eager_args)
+    compiled_fn = torch.compile(fn, fullgraph=True, dynamic=True, backend="inductor")
+    compiled = compiled_fn(*compiled_args)
+    return eager, compiled, eager_args, compiled_args

@@ -1,0 +1,302 @@
+"""Self-check of every kernel op: random inputs, op vs. its per-token reference, timings.
+
+Run by ``hybrid-compile selfcheck``. Each check builds one varlen batch (a padding row, a
+request with initial state, lengths not divisible by 64), runs the op and its independent
+reference from :mod:`.reference`, and reports the largest error over outputs and mutated
+state against the tolerance of the input dtype, plus the op's time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import reference as _ref  # noqa: F401
+from .reference import attention as ref_attn
+from .reference import conv1d as ref_conv
+from .reference import gdn as ref_gdn
+from .reference import mamba2 as ref_mamba2
+
+ops = torch.ops.hybrid_compile
+
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class CheckResult:
+    op: str
+    max_error: float
+    tolerance: float
+    op_ms: float
+    reference_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+
+def _timed(fn: Callable, reps: int = 1):
+    """(result of the last call, median milliseconds per call)."""
+    times, out = [], None
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return out, sorted(times)[len(times) // 2]
+
+
+def _err(*pairs) -> float:
+    """Largest relative-to-scale abs error over (actual, expected) pairs."""
+    worst = 0.0
+    for actual, expected in pairs:
+        a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        if a.numel():
+            worst = max(worst, float((a - e).abs().max()) / scale)
+    return worst
+
+
+class _Batch:
+    """One varlen batch: lengths, cu_seqlens, slots (row 1 is padding), initial-state flags."""
+
+    def __init__(self, lens, num_slots, device, gen):
+        self.lens = lens
+        self.device = device
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        self.T = cu[-1]
+        self.B = len(lens)
+        self.cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        slots = torch.randperm(num_slots, generator=gen)[: self.B].to(torch.int32)
+        slots[1] = -1
+        self.slots = slots.to(device)
+        self.has_init = torch.tensor([i % 2 == 0 for i in range(self.B)], device=device)
+
+
+def _rand(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def check_conv1d(device, dtype, gen, reps) -> list[CheckResult]:
+    D, W, S = 96, 4, 8
+    bt = _Batch([130, 17, 64, 1, 0], S, device, gen)
+    x = _rand(gen, bt.T, D, dtype=dtype, device=device)
+    w = _rand(gen, D, W, dtype=dtype, device=device, scale=0.5)
+    bias = _rand(gen, D, dtype=dtype, device=device)
+    pool = _rand(gen, S, W - 1, D, device=device)
+    cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    results = []
+
+    def run_fn():
+        p = pool.clone()
+        return ops.causal_conv1d_fn(x, w, bias, p, bt.cu, bt.slots, bt.has_init, "silu"), p
+
+    (out, p), ms = _timed(run_fn, reps)
+    (ref_out, ref_pool), ref_ms = _timed(
+        lambda: ref_conv.causal_conv1d_fn_ref(*map(cpu, (x, w, bias, pool, bt.cu, bt.slots, bt.has_init)), "silu")
+    )
+    results.append(CheckResult("causal_conv1d_fn", _err((out, ref_out), (p, ref_pool)), TOLERANCE[dtype], ms, ref_ms))
+
+    L = 3
+    xu = _rand(gen, bt.B, L, D, dtype=dtype, device=device)
+    inter = torch.zeros(bt.B, L, W - 1, D, device=device)
+
+    def run_update():
+        p, it = pool.clone(), inter.clone()
+        return ops.causal_conv1d_update(xu, p, w, bias, "silu", bt.slots, False, it), p, it
+
+    (out, p, it), ms = _timed(run_update, reps)
+    ref = ref_conv.causal_conv1d_update_ref(*map(cpu, (xu, pool, w, bias)), "silu", cpu(bt.slots), False, cpu(inter))
+    _, ref_ms = _timed(
+        lambda: ref_conv.causal_conv1d_update_ref(*map(cpu, (xu, pool, w, bias)), "silu", cpu(bt.slots), False, cpu(inter))
+    )
+    results.append(
+        CheckResult("causal_conv1d_update", _err((out, ref[0]), (p, ref[1]), (it, ref[2])), TOLERANCE[dtype], ms, ref_ms)
+    )
+    return results
+
+
+def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
+    Hk, Hv, K, V, S = 2, 4, 32, 32, 8
+    bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
+    T = bt.T
+    q, k = (_rand(gen, T, Hk, K, dtype=dtype, device=device) for _ in range(2))
+    v = _rand(gen, T, Hv, V, dtype=dtype, device=device)
+    A_log = _rand(gen, Hv, device=device, scale=0.5)
+    dt_bias = _rand(gen, Hv, device=device, scale=0.5)
+    a, b = (_rand(gen, T, Hv, dtype=dtype, device=device) for _ in range(2))
+    pool = _rand(gen, S, Hv, K, V, device=device, scale=0.1)
+    cpu = lambda t: t.cpu()  # noqa: E731
+    results = []
+
+    (g, beta), ms = _timed(lambda: ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0), reps)
+    (rg, rb), ref_ms = _timed(lambda: ref_gdn.gating_ref(*map(cpu, (A_log, a, b, dt_bias))))
+    results.append(CheckResult("gdn_gating", _err((g, rg), (beta, rb)), TOLERANCE[dtype], ms, ref_ms))
+
+    def run_chunk():
+        p = pool.clone()
+        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, p, bt.cu, bt.slots, bt.has_init, True, 0.0, True)
+        return o, cs, p
+
+    (o, cs, p), ms = _timed(run_chunk, reps)
+    (ro, rp, rcs), ref_ms = _timed(
+        lambda: ref_gdn.chunk_gated_delta_rule_ref(
+            *map(cpu, (q, k, v, g, beta, pool, bt.cu, bt.slots, bt.has_init)), True, 0.0, True
+        )
+    )
+    results.append(CheckResult("chunk_gated_delta_rule", _err((o, ro), (p, rp), (cs, rcs)), TOLERANCE[dtype], ms, ref_ms))
+
+    B = bt.B
+    qd, kd = (_rand(gen, B, Hk, K, dtype=dtype, device=device) for _ in range(2))
+    vd = _rand(gen, B, Hv, V, dtype=dtype, device=device)
+    ad, bd = (_rand(gen, B, Hv, dtype=dtype, device=device) for _ in range(2))
+
+    def run_decode():
+        p = pool.clone()
+        return ops.fused_sigmoid_gating_delta_rule_update(
+            A_log, dt_bias, qd, kd, vd, ad, bd, p, bt.slots, True, 0.0, 1.0, 20.0
+        ), p
+
+    (o, p), ms = _timed(run_decode, reps)
+    (ro, rp), ref_ms = _timed(
+        lambda: ref_gdn.fused_sigmoid_gating_delta_rule_update_ref(
+            *map(cpu, (A_log, dt_bias, qd, kd, vd, ad, bd, pool, bt.slots)), True, 0.0
+        )
+    )
+    results.append(
+        CheckResult("fused_sigmoid_gating_delta_rule_update", _err((o, ro), (p, rp)), TOLERANCE[dtype], ms, ref_ms)
+    )
+
+    L = 4
+    qv, kv_ = (_rand(gen, B, L, Hk, K, dtype=dtype, device=device) for _ in range(2))
+    vv = _rand(gen, B, L, Hv, V, dtype=dtype, device=device)
+    gv = -torch.rand(B, L, Hv, generator=gen).to(device)
+    bv = torch.rand(B, L, Hv, generator=gen).to(device)
+    inter = torch.zeros(B, L, Hv, K, V, device=device)
+
+    def run_verify():
+        p, it = pool.clone(), inter.clone()
+        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it), p, it
+
+    (o, p, it), ms = _timed(run_verify, reps)
+    (ro, rp, rit), ref_ms = _timed(
+        lambda: ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
+            *map(cpu, (qv, kv_, vv, gv, bv, pool, bt.slots)), True, 0.0, True, cpu(inter)
+        )
+    )
+    results.append(
+        CheckResult("fused_recurrent_gated_delta_rule_update", _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms)
+    )
+    return results
+
+
+def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
+    H, G, P, N, S, CH = 4, 2, 16, 16, 8, 64
+    bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
+    T = bt.T
+    x = _rand(gen, T, H, P, dtype=dtype, device=device)
+    dt = _rand(gen, T, H, dtype=dtype, device=device)
+    A = -torch.rand(H, generator=gen).to(device) - 0.1
+    Bm, Cm = (_rand(gen, T, G, N, dtype=dtype, device=device) for _ in range(2))
+    D = _rand(gen, H, device=device)
+    dt_bias = _rand(gen, H, device=device, scale=0.5)
+    pool = _rand(gen, S, H, P, N, device=device, scale=0.1)
+    cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    inf = float("inf")
+    results = []
+
+    def run_scan():
+        p = pool.clone()
+        y, _ = ops.ssd_chunk_scan(x, dt, A, Bm, Cm, D, None, dt_bias, True, 0.0, inf, p, bt.cu, bt.slots, bt.has_init, CH, False)
+        return y, p
+
+    (y, p), ms = _timed(run_scan, reps)
+    (ry, rp, _), ref_ms = _timed(
+        lambda: ref_mamba2.ssd_scan_reference(
+            *map(cpu, (x, dt, A, Bm, Cm, D, None, dt_bias)), True, 0.0, inf, *map(cpu, (pool, bt.cu, bt.slots, bt.has_init))
+        )
+    )
+    results.append(CheckResult("ssd_chunk_scan", _err((y, ry), (p, rp)), TOLERANCE[dtype], ms, ref_ms))
+
+    B, L = bt.B, 3
+    xs = _rand(gen, B, L, H, P, dtype=dtype, device=device)
+    dts = _rand(gen, B, L, H, dtype=dtype, device=device)
+    Bs, Cs = (_rand(gen, B, L, G, N, dtype=dtype, device=device) for _ in range(2))
+    inter = torch.zeros(B, L, H, P, N, device=device)
+
+    def run_update():
+        p, it = pool.clone(), inter.clone()
+        y = ops.selective_state_update(xs, dts, A, Bs, Cs, D, None, dt_bias, True, 0.0, inf, p, bt.slots, False, it)
+        return y, p, it
+
+    (y, p, it), ms = _timed(run_update, reps)
+    (ry, rp, rit), ref_ms = _timed(
+        lambda: ref_mamba2.selective_state_update_reference(
+            *map(cpu, (xs, dts, A, Bs, Cs, D, None, dt_bias)), True, 0.0, inf, cpu(pool), cpu(bt.slots), False, cpu(inter)
+        )
+    )
+    results.append(CheckResult("selective_state_update", _err((y, ry), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
+def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
+    Hq, Hkv, Dh, NS = 8, 2, 32, 1024
+    prefix = [40, 0, 100, 7]
+    new = [130, 17, 64, 1]
+    k_cache = _rand(gen, NS, Hkv, Dh, device=device)
+    v_cache = _rand(gen, NS, Hkv, Dh, device=device)
+    perm = torch.randperm(NS - 1, generator=gen) + 1
+    kv_lens = [p + n for p, n in zip(prefix, new)]
+    kv_indices = perm[: sum(kv_lens)].to(device)
+    kv_indptr = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    qo_indptr = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = _rand(gen, sum(new), Hq, Dh, dtype=dtype, device=device)
+    scale = Dh ** -0.5
+    cpu = lambda t: t.cpu()  # noqa: E731
+    results = []
+    (o, lse), ms = _timed(
+        lambda: ops.paged_attention_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, True, -1, 0.0), reps
+    )
+    (ro, rlse), ref_ms = _timed(
+        lambda: ref_attn.paged_attention_extend_ref(*map(cpu, (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)), scale)
+    )
+    results.append(CheckResult("paged_attention_extend", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+
+    qd = _rand(gen, len(new), Hq, Dh, dtype=dtype, device=device)
+    (o, lse), ms = _timed(
+        lambda: ops.paged_attention_decode(qd, k_cache, v_cache, kv_indptr, kv_indices, scale, -1, 0.0), reps
+    )
+    (ro, rlse), ref_ms = _timed(
+        lambda: ref_attn.paged_attention_decode_ref(*map(cpu, (qd, k_cache, v_cache, kv_indptr, kv_indices)), scale)
+    )
+    results.append(CheckResult("paged_attention_decode", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
+CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention)
+
+
+def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:
+    gen = torch.Generator().manual_seed(seed)
+    results: list[CheckResult] = []
+    for check in CHECKS:
+        results.extend(check(torch.device(device), dtype, gen, reps))
+    return results
+
+
+def format_results(results: list[CheckResult]) -> str:
+    lines = [f"{'op':42s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
+    for r in results:
+        lines.append(
+            f"{r.op:42s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
+            f"{'ok' if r.ok else 'FAIL'}"
+        )
+    return "\n".join(lines)

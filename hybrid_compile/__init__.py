@@ -1,15 +1,37 @@
 """hybrid_compile: fast serving of Hugging Face hybrid language models.
 
 Hybrid models mix full-attention layers with linear-attention / state-space layers
-(Qwen3-Next, Qwen3.5, Falcon-H1, NemotronH, Mamba2, Bamba, ...). This package wraps an
-unmodified HF model and runs it through torch.library custom ops, torch.compile and a
-generation engine that owns the KV and Mamba-state pools (see DESIGN.md).
+(Qwen3-Next, Qwen3.5, Falcon-H1, NemotronH, Mamba2, Bamba, ...). :func:`wrap` takes an
+unmodified HF model and returns a :class:`HybridEngine` that runs it through torch.library
+custom ops with its own KV and Mamba-state pools (see DESIGN.md)::
+
+    import hybrid_compile as hc
+    engine = hc.wrap(model)
+    out = engine.generate(input_ids, max_new_tokens=64)
 
 Importing the package registers every kernel op under ``torch.ops.hybrid_compile``.
 """
 
+from __future__ import annotations
+
+from torch import nn
+
 from . import ops  # noqa: F401  (registers the custom ops)
+from .engine import EngineConfig, HybridEngine, SamplingParams
+from .models import supported_model_types
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+
+def wrap(model: nn.Module, config: EngineConfig | dict | None = None, **overrides) -> HybridEngine:
+    """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
+
+    Detects the family from ``model.config.model_type``, patches this instance's layers (other
+    instances are untouched; ``engine.close()`` undoes it), sizes the pools and returns the
+    engine. ``config`` is an :class:`EngineConfig` (or dict); ``overrides`` are its fields as
+    keyword arguments. An unsupported model type raises ValueError listing the supported ones.
+    """
+    return HybridEngine(model, EngineConfig.from_args(config, **overrides))
+
+
+__all__ = ["EngineConfig", "HybridEngine", "SamplingParams", "ops", "supported_model_types", "wrap", "__version__"]

@@ -1,0 +1,329 @@
+"""HybridEngine: the user-facing API — ``generate`` (transformers-like), ``generate_batch``,
+``add_request``/``step`` for driving the engine directly, and ``stats``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..memory import MemoryPools
+from ..models import PatchHandle, family_of
+from .config import EngineConfig, _as_dtype
+from .request import Request
+from .runner import ModelRunner
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler
+
+# transformers generate() arguments we accept and ignore because they do not change the result
+_IGNORED_GENERATE_KWARGS = {"use_cache", "return_dict_in_generate", "output_scores", "output_logits"}
+
+
+@dataclass
+class StepOutput:
+    rid: int
+    token: int | None  # None while a prompt is still being prefilled in chunks
+    finished: bool
+    finish_reason: str | None
+
+
+def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+class HybridEngine:
+    """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+        self.family = family_of(model)
+        self.model = model
+        self.config = config
+        model_device, model_dtype = _model_device_and_dtype(model)
+        self.device = torch.device(config.device) if config.device is not None else model_device
+        if self.device.type != model_device.type or (
+            self.device.index is not None and model_device.index is not None and self.device.index != model_device.index
+        ):
+            raise ValueError(
+                f"EngineConfig.device={self.device} but the model is on {model_device}; the engine uses the model's "
+                "own weights, so move the model first (model.to(device))"
+            )
+        self.dtype = config.resolved_dtype(model_dtype)
+        if self.dtype != model_dtype:
+            raise ValueError(
+                f"EngineConfig.dtype={self.dtype} but the model's weights are {model_dtype}; the engine uses the "
+                "model's own weights, so convert the model first (model.to(dtype))"
+            )
+        self.layout = self.family.layout(
+            model, kv_dtype=self.dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype)
+        )
+        max_context = config.max_context_len or self.layout.max_position_embeddings
+        if config.max_total_tokens is not None:
+            max_context = min(max_context, config.max_total_tokens)
+        self.pools = MemoryPools.from_specs(
+            self.layout.attention,
+            self.layout.mamba,
+            device=self.device,
+            max_running_requests=config.max_running_requests,
+            max_context_len=max_context,
+            page_size=config.page_size,
+            max_total_tokens=config.max_total_tokens,
+            mamba_cache_size=config.mamba_cache_size,
+            memory_fraction=config.memory_fraction,
+            mamba_full_memory_ratio=config.mamba_full_memory_ratio,
+        )
+        self.max_context_len = self.pools.plan.max_context_len
+        self.patch = PatchHandle()
+        self.family.patch(model, self.patch)
+        self.runner = ModelRunner(model, self.pools, self.device)
+        self.scheduler = Scheduler(
+            self.pools,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_running_requests=config.max_running_requests,
+        )
+        self.sampler = Sampler()
+        self._rids = itertools.count()
+        self._arrivals = itertools.count()
+        self._requests: dict[int, Request] = {}
+        self._counters = dict(
+            requests_added=0, requests_finished=0, steps=0, decode_steps=0, extend_steps=0,
+            prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Undo the model patches (the model behaves exactly as before ``wrap``)."""
+        self.patch.undo()
+
+    def __enter__(self) -> "HybridEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests ---------------------------------------------------------------------------
+    def _validate_prompt(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty")
+        vocab = self.layout.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        need = len(prompt) + params.max_new_tokens
+        if need > self.max_context_len:
+            raise ValueError(
+                f"prompt {index} ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"maximum context length {self.max_context_len}"
+            )
+        capacity = self.pools.kv.allocator.total()
+        if self.layout.attention and need > capacity:
+            raise ValueError(
+                f"prompt {index} ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) can never fit in "
+                f"the KV pool ({capacity} token slots); raise max_total_tokens"
+            )
+
+    def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
+        """Queue one prompt (token ids); returns its request id. See :meth:`step`."""
+        return self._add_requests([list(prompt)], [params or SamplingParams()])[0]
+
+    def _add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        # validate everything before queueing anything: bad input loses nothing in flight
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p.validate()
+            self._validate_prompt(i, prompt, p)
+        rids = []
+        for prompt, p in zip(prompts, params):
+            rid = next(self._rids)
+            req = Request(rid=rid, prompt=[int(t) for t in prompt], params=p, arrival=next(self._arrivals))
+            self._requests[rid] = req
+            self.scheduler.add(req)
+            self._counters["requests_added"] += 1
+            rids.append(rid)
+        return rids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine step (one model forward over a mixed batch)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        c = self._counters
+        c["forward_seconds"] += time.perf_counter() - t0
+        c["steps"] += 1
+        c["decode_steps" if batch.mode.value == "decode" else "extend_steps"] += 1
+        sample_rows, sample_reqs = [], []
+        for row, (r, n) in enumerate(zip(batch.requests, batch.extend_lens)):
+            r.num_computed += n
+            if batch.mode.value == "decode":
+                c["decode_tokens"] += n
+            else:
+                c["prefill_tokens"] += n
+            if r.pending == 0:
+                sample_rows.append(row)
+                sample_reqs.append(r)
+        outputs = []
+        if sample_reqs:
+            tokens = self.sampler.sample(
+                logits[sample_rows], [r.rid for r in sample_reqs], [r.params for r in sample_reqs]
+            ).tolist()
+            for r, tok in zip(sample_reqs, tokens):
+                r.append_token(int(tok))
+                c["generated_tokens"] += 1
+                if r.is_finished:
+                    self.scheduler.finish(r)
+                    self.sampler.release(r.rid)
+                    c["requests_finished"] += 1
+                outputs.append(StepOutput(r.rid, int(tok), r.is_finished, r.finish_reason))
+        return outputs
+
+    def pop_finished(self, rid: int) -> Request:
+        req = self._requests[rid]
+        if not req.is_finished:
+            raise ValueError(f"request {rid} has not finished")
+        return self._requests.pop(rid)
+
+    # -- transformers-like API ----------------------------------------------------------------
+    def _sampling_params(
+        self,
+        generation_config: Any = None,
+        *,
+        max_new_tokens=None,
+        do_sample=None,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        stop_token_ids=None,
+        seed=None,
+        ignore_eos=False,
+        **unknown,
+    ) -> SamplingParams:
+        unsupported = sorted(k for k in unknown if k not in _IGNORED_GENERATE_KWARGS)
+        if unsupported:
+            raise ValueError(f"generate(): unsupported argument(s): {', '.join(unsupported)}")
+        base = generation_config if generation_config is not None else getattr(self.model, "generation_config", None)
+
+        def pick(value, name, default):
+            if value is not None:
+                return value
+            v = getattr(base, name, None) if base is not None else None
+            return default if v is None else v
+
+        if base is not None:
+            if getattr(base, "num_beams", 1) not in (None, 1):
+                raise ValueError("generate(): beam search (num_beams > 1) is not supported")
+            if getattr(base, "num_return_sequences", 1) not in (None, 1):
+                raise ValueError("generate(): num_return_sequences > 1 is not supported")
+        eos = pick(eos_token_id, "eos_token_id", ())
+        eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        if generation_config is not None and getattr(generation_config, "max_new_tokens", None) is not None:
+            default_new = generation_config.max_new_tokens
+        else:
+            default_new = 20
+        return SamplingParams(
+            max_new_tokens=int(max_new_tokens if max_new_tokens is not None else default_new),
+            do_sample=bool(pick(do_sample, "do_sample", False)),
+            temperature=float(pick(temperature, "temperature", 1.0)),
+            top_k=int(pick(top_k, "top_k", 0)),
+            top_p=float(pick(top_p, "top_p", 1.0)),
+            seed=seed,
+            eos_token_ids=eos,
+            stop_token_ids=tuple(stop_token_ids or ()),
+            ignore_eos=ignore_eos,
+        )
+
+    def generate_batch(self, prompts: list[list[int]], **sampling) -> list[list[int]]:
+        """Generate for several prompts with continuous batching; returns the new tokens of
+        each prompt, in order. ``sampling``: max_new_tokens, do_sample, temperature, top_k,
+        top_p, eos_token_id, stop_token_ids, seed (per-request seeds derive from it), ignore_eos."""
+        prompts = [list(p) for p in prompts]
+        base = self._sampling_params(**sampling)
+        params = []
+        for i in range(len(prompts)):
+            p = SamplingParams(**{**base.__dict__})
+            if base.seed is not None:
+                p.seed = base.seed + i
+            params.append(p)
+        rids = self._add_requests(prompts, params)
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                if out.finished:
+                    pending.discard(out.rid)
+        return [self.pop_finished(rid).output for rid in rids]
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: Any = None,
+        streamer: Any = None,
+        pad_token_id: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Like ``model.generate``: ``input_ids [B, L]`` (left-padded rows with
+        ``attention_mask``) -> ``[B, L + new]``; rows that stop early are padded with the pad
+        token (or EOS). ``streamer`` (a transformers streamer) needs batch size 1."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        params = self._sampling_params(generation_config, **kwargs)
+        rows = input_ids.tolist()
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError("attention_mask must have the shape of input_ids")
+            mask = attention_mask.bool().tolist()
+            prompts = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(rows, mask)]
+        else:
+            prompts = rows
+        if streamer is not None and len(prompts) != 1:
+            raise ValueError("streaming supports batch size 1 only (as in transformers)")
+        params_list = []
+        for i in range(len(prompts)):
+            p = SamplingParams(**{**params.__dict__})
+            if params.seed is not None:
+                p.seed = params.seed + i
+            params_list.append(p)
+        rids = self._add_requests(prompts, params_list)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                if streamer is not None and out.token is not None:
+                    streamer.put(torch.tensor([out.token]))
+                if out.finished:
+                    pending.discard(out.rid)
+        if streamer is not None:
+            streamer.end()
+        outputs = [self.pop_finished(rid).output for rid in rids]
+        if pad_token_id is None:
+            cfg = generation_config if generation_config is not None else getattr(self.model, "generation_config", None)
+            pad_token_id = getattr(cfg, "pad_token_id", None)
+            if pad_token_id is None:
+                pad_token_id = params.eos_token_ids[0] if params.eos_token_ids else 0
+        width = max(len(o) for o in outputs)
+        new = torch.full((len(outputs), width), int(pad_token_id), dtype=torch.long)
+        for i, o in enumerate(outputs):
+            new[i, : len(o)] = torch.tensor(o, dtype=torch.long)
+        return torch.cat([input_ids.cpu().long(), new], dim=1).to(input_ids.device)
+
+    # -- observability -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = dict(self._counters)
+        c["retractions"] = self.scheduler.num_retractions
+        c["waiting"] = len(self.scheduler.waiting)
+        c["running"] = len(self.scheduler.running)
+        secs = c["forward_seconds"]
+        c["tokens_per_second"] = (c["prefill_tokens"] + c["decode_tokens"]) / secs if secs else 0.0
+        c["memory"] = self.pools.summary()
+        return c

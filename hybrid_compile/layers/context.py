@@ -1,0 +1,113 @@
+"""The forward context: per-step metadata and pool views that the layer ops read.
+
+The engine builds one :class:`ForwardContext` per model forward and installs it with
+:func:`forward_context`; the patched HF layers call layer ops that fetch it with
+:func:`get_forward_context`. This side channel is what works for every HF family (kwargs do
+not reach the mixers in all of them), and it keeps per-step tensors out of the traced graph's
+signature: under torch.compile the layer ops are opaque custom ops, so the context is read
+at run time, never traced.
+
+Outside an engine step there is no context and the patched layers run HF's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"  # every request adds exactly one token and has state
+    EXTEND = "extend"  # prefill / chunked prefill / mixed prefill + decode
+    TARGET_VERIFY = "target_verify"  # speculative verify: a fixed number of draft tokens per request
+
+
+@dataclass
+class ForwardMetadata:
+    """Packed-batch metadata of one step (B requests, N new tokens).
+
+    Attributes:
+        mode: the forward mode.
+        positions: ``[N]`` int64 absolute position of each new token.
+        query_start_loc: ``[B+1]`` int32 cumulative new-token counts (cu_seqlens).
+        seq_lens: ``[B]`` int32 total tokens of each request after this step.
+        prefix_lens: ``[B]`` int32 tokens already cached before this step.
+        mamba_cache_indices: ``[B]`` int32 Mamba slot of each request (-1 = padding).
+        has_initial_state: ``[B]`` bool, the request's Mamba slot holds state to continue from.
+        out_cache_loc: ``[N]`` KV slot each new token's K/V is written to.
+        kv_indptr, kv_indices: ``[B+1]`` / ``[sum seq_lens]`` KV slots of every token of every
+            request, in position order (token-level paged layout).
+        logits_indices: ``[B]`` (or ``[B*L]`` in verify) packed indices whose logits are kept.
+        extend_lens_cpu, seq_lens_cpu: host copies of the per-request lengths.
+        draft_len: tokens per request in TARGET_VERIFY.
+    """
+
+    mode: ForwardMode
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    mamba_cache_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    out_cache_loc: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    logits_indices: torch.Tensor
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    draft_len: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.mamba_cache_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class ForwardContext:
+    """Metadata plus the pool views of every layer for one forward.
+
+    ``kv_caches[layer_id] = (k_cache, v_cache)`` for full-attention layers;
+    ``mamba_caches[layer_id] = (conv_states, ssm_states)`` for linear layers;
+    ``intermediate_caches[layer_id] = (conv_windows, ssm_states)`` per-draft-step buffers
+    (speculative verify only).
+    """
+
+    metadata: ForwardMetadata
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    mamba_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    intermediate_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext | None:
+    """The context of the running engine step, or None outside one."""
+    return _current
+
+
+def require_forward_context(what: str) -> ForwardContext:
+    if _current is None:
+        raise RuntimeError(f"{what} was called outside an engine step (no forward context is set)")
+    return _current
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Install ``ctx`` for the duration of one model forward (not re-entrant)."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("a forward context is already active: engine steps cannot nest")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None

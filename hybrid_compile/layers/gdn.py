@@ -1,0 +1,110 @@
+"""Gated DeltaNet layer op: the recurrent core of a Qwen3-Next-style linear-attention layer.
+
+``hybrid_compile::gdn_layer`` takes the mixer's projections (``mixed_qkv`` before the conv,
+``a``/``b`` gating inputs) and returns the core attention output, reading the layer's conv
+window and SSM state pools from the forward context. Projections, the gated RMSNorm and the
+output projection stay outside (HF's modules, in the compiled pieces), as DESIGN.md asks:
+the op holds only what touches pools and per-step metadata.
+
+By forward mode (seed 000 "Forward Decode / Forward Extend"):
+- DECODE: ``causal_conv1d_update`` + ``fused_sigmoid_gating_delta_rule_update`` in place.
+- EXTEND (prefill, chunked prefill, mixed prefill + decode): ``causal_conv1d_fn`` +
+  ``gdn_gating`` + ``chunk_gated_delta_rule`` with initial states where the request has them.
+- TARGET_VERIFY: speculative verify; not reachable before speculative decoding exists, so it
+  raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
+from .context import ForwardMode, require_forward_context
+
+_kernels = torch.ops.hybrid_compile
+
+
+def _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim):
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != conv_dim:
+        raise ValueError(
+            f"gdn_layer: mixed_qkv must be [tokens, {conv_dim}] (q, k, v channels), got {tuple(mixed_qkv.shape)}"
+        )
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2 or t.shape[0] != mixed_qkv.shape[0] or t.shape[1] != num_v_heads:
+            raise ValueError(f"gdn_layer: {name} must be [tokens, {num_v_heads}], got {tuple(t.shape)}")
+
+
+@torch.library.custom_op("hybrid_compile::gdn_layer", mutates_args=())
+def gdn_layer(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    layer_id: int,
+    num_k_heads: int,
+    head_k_dim: int,
+    num_v_heads: int,
+    head_v_dim: int,
+    activation: str,
+) -> torch.Tensor:
+    """Conv + gated delta rule of one GDN layer for the step's packed tokens.
+
+    Args:
+        mixed_qkv: ``[N, 2*Hk*K + Hv*V]`` projected q, k, v channels before the causal conv.
+        a, b: ``[N, Hv]`` gating projections (decay input and write-strength logits).
+        conv_weight: ``[conv_dim, W]`` depthwise conv weight (HF's ``conv1d.weight.squeeze(1)``).
+        conv_bias: ``[conv_dim]`` or None.
+        A_log, dt_bias: ``[Hv]`` the layer's decay parameters.
+        layer_id: HF layer index (key of ``ForwardContext.mamba_caches``); the conv window pool
+            ``[S, W-1, conv_dim]`` and SSM pool ``[S, Hv, K, V]`` of that layer are updated.
+        activation: the conv activation (HF's ``config.hidden_act``, "silu").
+
+    Returns:
+        ``[N, Hv, V]`` core attention output in mixed_qkv's dtype (zeros for padding rows).
+    """
+    _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    ctx = require_forward_context("hybrid_compile::gdn_layer")
+    md = ctx.metadata
+    conv_states, ssm_states = ctx.mamba_caches[layer_id]
+    key_dim = num_k_heads * head_k_dim
+    n = mixed_qkv.shape[0]
+
+    if md.mode is ForwardMode.DECODE:
+        x = _kernels.causal_conv1d_update(
+            mixed_qkv.unsqueeze(1), conv_states, conv_weight, conv_bias, activation,
+            md.mamba_cache_indices, False, None,
+        ).squeeze(1)
+        q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+        return _kernels.fused_sigmoid_gating_delta_rule_update(
+            A_log, dt_bias,
+            q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
+            v.reshape(n, num_v_heads, head_v_dim), a, b, ssm_states, md.mamba_cache_indices,
+            True, 0.0, 1.0, 20.0,
+        )
+    if md.mode is ForwardMode.EXTEND:
+        x = _kernels.causal_conv1d_fn(
+            mixed_qkv, conv_weight, conv_bias, conv_states, md.query_start_loc,
+            md.mamba_cache_indices, md.has_initial_state, activation,
+        )
+        q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+        g, beta = _kernels.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
+        out, _ = _kernels.chunk_gated_delta_rule(
+            q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
+            v.reshape(n, num_v_heads, head_v_dim), g, beta, ssm_states, md.query_start_loc,
+            md.mamba_cache_indices, md.has_initial_state, True, 0.0, False,
+        )
+        return out
+    raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported yet")
+
+
+@gdn_layer.register_fake
+def _(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, layer_id, num_k_heads, head_k_dim,
+      num_v_heads, head_v_dim, activation):
+    _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    return mixed_qkv.new_zeros(mixed_qkv.shape[0], num_v_heads, head_v_dim)

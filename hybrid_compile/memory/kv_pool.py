@@ -1,0 +1,119 @@
+"""KV pool: the K and V cache of the full-attention layers only.
+
+Linear layers get no KV storage at all; :attr:`KVPool.layer_to_kv_index` maps a model layer
+id to its index among the full-attention layers (SGLang's HybridLinearKVPool mapping).
+
+Layout (fixed by the attention kernel ops, ``hybrid_compile.ops.attention``): per layer
+``k: [num_token_slots, num_kv_heads, head_dim]`` and ``v: [num_token_slots, num_kv_heads,
+v_head_dim]``. Layers with identical shapes and dtype share one stacked tensor
+``[num_layers_in_group, num_token_slots, ...]``; :meth:`KVPool.k_cache` / :meth:`KVPool.v_cache`
+return contiguous per-layer views of it. Slots are token-level (``slot = page * page_size +
+offset``) and handed out by the pool's :class:`~.allocator.TokenSlotAllocator`. Slot 0 (in
+the reserved page 0) is the dummy slot: padded tokens of a CUDA-graph batch write their K/V
+there, and no request ever reads it. K/V of allocated slots are not cleared: every position
+is written by the forward pass before attention reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .allocator import TokenSlotAllocator
+from .specs import AttentionLayerSpec, group_layer_specs, kv_bytes_per_token
+
+
+class KVPool:
+    """K/V buffers of the full-attention layers plus the token-slot allocator.
+
+    Args:
+        specs: the full-attention layers (may be empty: a pure SSM model keeps token slots
+            for bookkeeping but stores no K/V).
+        max_total_tokens: usable token slots; a multiple of ``page_size``.
+        page_size: tokens per page.
+        device: where the buffers live.
+    """
+
+    PADDING_SLOT = TokenSlotAllocator.PADDING_SLOT
+
+    def __init__(
+        self,
+        specs: Sequence[AttentionLayerSpec],
+        max_total_tokens: int,
+        *,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"KVPool: page_size must be >= 1, got {page_size}")
+        if max_total_tokens < 0 or max_total_tokens % page_size != 0:
+            raise ValueError(
+                f"KVPool: max_total_tokens ({max_total_tokens}) must be a non-negative multiple of page_size ({page_size})"
+            )
+        self.specs = group_layer_specs(specs)
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.allocator = TokenSlotAllocator(max_total_tokens // page_size, page_size)
+        self.num_token_slots = self.allocator.num_slots
+        self.layer_ids: list[int] = sorted(i for s in self.specs for i in s.layer_ids)
+        self.layer_to_kv_index: dict[int, int] = {layer: idx for idx, layer in enumerate(self.layer_ids)}
+
+        self.k_buffers: list[torch.Tensor] = []  # one stacked tensor per spec group
+        self.v_buffers: list[torch.Tensor] = []
+        k_views: dict[int, torch.Tensor] = {}
+        v_views: dict[int, torch.Tensor] = {}
+        for spec in self.specs:
+            k = torch.zeros((spec.num_layers, self.num_token_slots, *spec.k_shape), dtype=spec.dtype, device=self.device)
+            v = torch.zeros((spec.num_layers, self.num_token_slots, *spec.v_shape), dtype=spec.dtype, device=self.device)
+            self.k_buffers.append(k)
+            self.v_buffers.append(v)
+            for pos, layer_id in enumerate(spec.layer_ids):
+                k_views[layer_id] = k[pos]
+                v_views[layer_id] = v[pos]
+        # Per-layer views in kv-index order (index = layer_to_kv_index[layer_id]).
+        self.k_caches: list[torch.Tensor] = [k_views[i] for i in self.layer_ids]
+        self.v_caches: list[torch.Tensor] = [v_views[i] for i in self.layer_ids]
+        self.bytes_per_token = kv_bytes_per_token(self.specs)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def kv_index(self, layer_id: int) -> int:
+        """Index of a full-attention layer in the pool; KeyError names the known layers."""
+        try:
+            return self.layer_to_kv_index[layer_id]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer_id} has no KV cache (full-attention layers: {self.layer_ids})"
+            ) from None
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        """``[num_token_slots, num_kv_heads, head_dim]`` view of one layer's K cache."""
+        return self.k_caches[self.kv_index(layer_id)]
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        """``[num_token_slots, num_kv_heads, v_head_dim]`` view of one layer's V cache."""
+        return self.v_caches[self.kv_index(layer_id)]
+
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.kv_index(layer_id)
+        return self.k_caches[idx], self.v_caches[idx]
+
+    def nbytes(self) -> int:
+        """Device bytes of all K/V buffers (including the reserved page)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_buffers, *self.v_buffers))
+
+    # Allocation goes through the token allocator; these delegate for convenience.
+    def alloc(self, n: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n)
+
+    def free(self, slots) -> None:
+        self.allocator.free(slots)
+
+    def available(self) -> int:
+        return self.allocator.available()
+
+    def total(self) -> int:
+        return self.allocator.total()

@@ -1,0 +1,219 @@
+"""Mamba pool: per-request conv windows and recurrent (SSM) states of the linear layers.
+
+Layout (fixed by the kernel ops ``hybrid_compile.ops.conv1d`` / ``gdn`` / ``mamba2`` /
+``state``), per linear layer:
+
+- ``conv[layer]: [num_slots, conv_width - 1, conv_dim]`` (token-major window, conv dtype),
+- ``ssm[layer]: [num_slots, *state_shape]`` (GDN ``[H, K, V]``, Mamba2 ``[H, P, N]``; SSM dtype),
+- with speculative decoding, indexed by batch row (not by slot):
+  ``intermediate_conv[layer]: [max_batch, num_draft_steps, conv_width - 1, conv_dim]`` and
+  ``intermediate_ssm[layer]: [max_batch, num_draft_steps, *state_shape]``.
+
+Layers with identical shapes and dtypes share one stacked tensor per kind
+(``[num_layers_in_group, num_slots, ...]``); the per-layer accessors return contiguous views.
+A slot is handed out per request (or per prefix-cache checkpoint) by :meth:`MambaPool.alloc`,
+which zeroes the slot in every layer on the device — one ``index_fill_`` per stacked tensor,
+no host sync — because a new request starts from the zero state. There is no padding slot:
+padded batch rows use index -1, which every kernel op skips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .allocator import IndexLike, SlotAllocator
+from .specs import MambaLayerSpec, group_layer_specs, mamba_bytes_per_slot
+
+
+@dataclass(frozen=True)
+class MambaLayerCache:
+    """The per-layer views one linear layer's ops need. Intermediate buffers are ``None``
+    without speculative decoding."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    intermediate_conv: torch.Tensor | None
+    intermediate_ssm: torch.Tensor | None
+
+
+class MambaPool:
+    """Conv-window and SSM-state buffers of the linear layers plus their slot allocator.
+
+    Args:
+        specs: the linear-attention / state-space layers (may be empty for a pure
+            transformer: slots are then bookkeeping only).
+        num_slots: Mamba slots (running requests + prefix-cache checkpoints).
+        device: where the buffers live.
+        num_draft_steps: tokens per request in a speculative target-verify pass; 0 (default)
+            allocates no intermediate buffers.
+        max_draft_batch: batch rows of the intermediate buffers (the largest verify batch).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[MambaLayerSpec],
+        num_slots: int,
+        *,
+        device: torch.device | str = "cpu",
+        num_draft_steps: int = 0,
+        max_draft_batch: int = 0,
+    ) -> None:
+        if num_slots < 0:
+            raise ValueError(f"MambaPool: num_slots must be >= 0, got {num_slots}")
+        if num_draft_steps < 0 or max_draft_batch < 0:
+            raise ValueError("MambaPool: num_draft_steps and max_draft_batch must be >= 0")
+        if (num_draft_steps > 0) != (max_draft_batch > 0):
+            raise ValueError(
+                "MambaPool: speculative buffers need both num_draft_steps and max_draft_batch > 0 "
+                f"(got {num_draft_steps} and {max_draft_batch})"
+            )
+        self.specs = group_layer_specs(specs)
+        self.device = torch.device(device)
+        self.num_slots = num_slots
+        self.num_draft_steps = num_draft_steps
+        self.max_draft_batch = max_draft_batch
+        self.allocator = SlotAllocator(num_slots, name="Mamba slot")
+        self.layer_ids: list[int] = sorted(i for s in self.specs for i in s.layer_ids)
+        self.layer_to_mamba_index: dict[int, int] = {layer: i for i, layer in enumerate(self.layer_ids)}
+
+        speculative = num_draft_steps > 0
+        self.conv_buffers: list[torch.Tensor] = []  # one stacked tensor per spec group
+        self.ssm_buffers: list[torch.Tensor] = []
+        self.intermediate_conv_buffers: list[torch.Tensor] = []
+        self.intermediate_ssm_buffers: list[torch.Tensor] = []
+        caches: dict[int, MambaLayerCache] = {}
+        for spec in self.specs:
+            n = spec.num_layers
+            conv = torch.zeros((n, num_slots, *spec.conv_window_shape), dtype=spec.conv_dtype, device=self.device)
+            ssm = torch.zeros((n, num_slots, *spec.state_shape), dtype=spec.ssm_dtype, device=self.device)
+            self.conv_buffers.append(conv)
+            self.ssm_buffers.append(ssm)
+            inter_conv = inter_ssm = None
+            if speculative:
+                rows = (n, max_draft_batch, num_draft_steps)
+                inter_conv = torch.zeros((*rows, *spec.conv_window_shape), dtype=spec.conv_dtype, device=self.device)
+                inter_ssm = torch.zeros((*rows, *spec.state_shape), dtype=spec.ssm_dtype, device=self.device)
+                self.intermediate_conv_buffers.append(inter_conv)
+                self.intermediate_ssm_buffers.append(inter_ssm)
+            for pos, layer_id in enumerate(spec.layer_ids):
+                caches[layer_id] = MambaLayerCache(
+                    conv=conv[pos],
+                    ssm=ssm[pos],
+                    intermediate_conv=None if inter_conv is None else inter_conv[pos],
+                    intermediate_ssm=None if inter_ssm is None else inter_ssm[pos],
+                )
+        # Per-layer views in mamba-index order (index = layer_to_mamba_index[layer_id]).
+        self.layer_caches: list[MambaLayerCache] = [caches[i] for i in self.layer_ids]
+        self.bytes_per_slot = mamba_bytes_per_slot(self.specs)
+
+    # -- per-layer access ---------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def has_speculative_buffers(self) -> bool:
+        return self.num_draft_steps > 0
+
+    def mamba_index(self, layer_id: int) -> int:
+        try:
+            return self.layer_to_mamba_index[layer_id]
+        except KeyError:
+            raise KeyError(f"layer {layer_id} has no Mamba state (linear layers: {self.layer_ids})") from None
+
+    def layer_cache(self, layer_id: int) -> MambaLayerCache:
+        return self.layer_caches[self.mamba_index(layer_id)]
+
+    def conv(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, conv_width - 1, conv_dim]`` view of one layer's conv windows."""
+        return self.layer_cache(layer_id).conv
+
+    def ssm(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, *state_shape]`` view of one layer's SSM states."""
+        return self.layer_cache(layer_id).ssm
+
+    def intermediate_conv(self, layer_id: int) -> torch.Tensor:
+        """``[max_draft_batch, num_draft_steps, conv_width - 1, conv_dim]``, by batch row."""
+        return self._speculative(self.layer_cache(layer_id).intermediate_conv)
+
+    def intermediate_ssm(self, layer_id: int) -> torch.Tensor:
+        """``[max_draft_batch, num_draft_steps, *state_shape]``, by batch row."""
+        return self._speculative(self.layer_cache(layer_id).intermediate_ssm)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every per-layer slot-indexed view (conv and SSM of each layer), for the state ops
+        (``copy_state_slots``, ``commit_speculative_state``) that take a list of pool tensors."""
+        return [t for c in self.layer_caches for t in (c.conv, c.ssm)]
+
+    def intermediate_state_tensors(self) -> list[torch.Tensor]:
+        """The intermediate buffers matching :meth:`state_tensors` one to one."""
+        self._speculative(None if not self.layer_caches else self.layer_caches[0].intermediate_conv)
+        return [t for c in self.layer_caches for t in (c.intermediate_conv, c.intermediate_ssm)]
+
+    def _speculative(self, t: torch.Tensor | None) -> torch.Tensor:
+        if t is None:
+            raise RuntimeError(
+                "MambaPool has no speculative buffers: build it with num_draft_steps > 0 and max_draft_batch > 0"
+            )
+        return t
+
+    # -- slots --------------------------------------------------------------------------
+    def total(self) -> int:
+        return self.allocator.total()
+
+    def available(self) -> int:
+        return self.allocator.available()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` slots whose conv windows and SSM states are zero in every layer, or ``None``."""
+        slots = self.allocator.alloc(n)
+        if slots is not None and slots.numel():
+            self.zero_slots(slots)
+        return slots
+
+    def free(self, slots: IndexLike) -> None:
+        self.allocator.free(slots)
+
+    def zero_slots(self, slots: IndexLike) -> None:
+        """Zero the conv window and SSM state of these slots in every layer (device-side)."""
+        idx = self._device_index(self.allocator.check_allocated(slots, action="zero"))
+        for buf in (*self.conv_buffers, *self.ssm_buffers):
+            buf.index_fill_(1, idx, 0)
+
+    def copy_slots(self, src_slots: IndexLike, dst_slots: IndexLike) -> None:
+        """``state[dst_slots[i]] = state[src_slots[i]]`` in every layer (copy-on-write of a
+        prefix-cache hit). Both sides must be allocated; destinations must be distinct."""
+        src = self.allocator.check_allocated(src_slots, action="copy from", unique=False)
+        dst = self.allocator.check_allocated(dst_slots, action="copy into")
+        if src.numel() != dst.numel():
+            raise ValueError(f"MambaPool.copy_slots: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        src_d, dst_d = self._device_index(src), self._device_index(dst)
+        for buf in (*self.conv_buffers, *self.ssm_buffers):
+            buf.index_copy_(1, dst_d, buf.index_select(1, src_d))
+
+    def fork(self, src_slots: IndexLike) -> torch.Tensor | None:
+        """New slots holding copies of ``src_slots`` (a prefix-cache checkpoint), or ``None``."""
+        src = self.allocator.check_allocated(src_slots, action="fork", unique=False)
+        dst = self.allocator.alloc(src.numel())
+        if dst is None:
+            return None
+        self.copy_slots(src, dst)
+        return dst
+
+    def nbytes(self) -> int:
+        """Device bytes of the slot-indexed buffers (conv + SSM)."""
+        return sum(t.numel() * t.element_size() for t in (*self.conv_buffers, *self.ssm_buffers))
+
+    def speculative_nbytes(self) -> int:
+        """Device bytes of the intermediate (speculative) buffers."""
+        bufs = (*self.intermediate_conv_buffers, *self.intermediate_ssm_buffers)
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    def _device_index(self, idx: torch.Tensor) -> torch.Tensor:
+        # Host -> device copy of a small index tensor; asynchronous on CUDA (no stream sync).
+        return idx.to(self.device, non_blocking=True)

@@ -1,0 +1,150 @@
+"""MemoryPools: every pool of one engine, built from one :class:`~.sizing.MemoryPlan`.
+
+Bundles the KV pool (with its token-slot allocator), the Mamba pool and the request maps,
+and answers the questions the engine and the tests ask about all of them at once:
+:meth:`MemoryPools.summary` (for ``engine.stats()``), :meth:`MemoryPools.free_counts` and
+:meth:`MemoryPools.check_all_free` (nothing leaked once every request is gone and the
+prefix cache is cleared).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .kv_pool import KVPool
+from .mamba_pool import MambaPool
+from .req_to_token import ReqToTokenPool
+from .sizing import MemoryPlan, plan_memory
+from .specs import (
+    AttentionLayerSpec,
+    MambaLayerSpec,
+    check_disjoint_layers,
+    kv_bytes_per_token,
+    mamba_bytes_per_slot,
+)
+
+
+class MemoryPools:
+    """KV pool + Mamba pool + request maps of one engine.
+
+    Args:
+        attention, mamba: layer specs of the full-attention and linear layers.
+        plan: capacities, from :func:`~.sizing.plan_memory` (or use :meth:`from_specs`).
+        device: where every buffer lives.
+
+    Attributes:
+        kv: :class:`~.kv_pool.KVPool` (``kv.allocator`` hands out token slots).
+        mamba: :class:`~.mamba_pool.MambaPool`.
+        req_to_token: :class:`~.req_to_token.ReqToTokenPool` (allocates a Mamba slot per request).
+    """
+
+    def __init__(
+        self,
+        attention: Sequence[AttentionLayerSpec],
+        mamba: Sequence[MambaLayerSpec],
+        plan: MemoryPlan,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        check_disjoint_layers(attention, mamba)
+        need = (kv_bytes_per_token(attention), mamba_bytes_per_slot(mamba))
+        if need != (plan.bytes_per_token, plan.bytes_per_mamba_slot):
+            raise ValueError(
+                "MemoryPools: the plan was made for other layer specs (bytes per token / per Mamba slot "
+                f"{plan.bytes_per_token} / {plan.bytes_per_mamba_slot}, these specs need {need[0]} / {need[1]})"
+            )
+        self.plan = plan
+        self.device = torch.device(device)
+        self.kv = KVPool(attention, plan.max_total_tokens, page_size=plan.page_size, device=self.device)
+        self.mamba = MambaPool(
+            mamba,
+            plan.mamba_cache_size,
+            device=self.device,
+            num_draft_steps=plan.num_draft_steps,
+            max_draft_batch=plan.max_draft_batch,
+        )
+        self.req_to_token = ReqToTokenPool(
+            plan.max_running_requests, plan.max_context_len, device=self.device, mamba_pool=self.mamba
+        )
+
+    @classmethod
+    def from_specs(
+        cls,
+        attention: Sequence[AttentionLayerSpec],
+        mamba: Sequence[MambaLayerSpec],
+        *,
+        device: torch.device | str = "cpu",
+        **plan_kwargs,
+    ) -> "MemoryPools":
+        """Plan with :func:`~.sizing.plan_memory` (``plan_kwargs`` are its keyword arguments,
+        measured on ``device``) and build the pools."""
+        plan = plan_memory(attention, mamba, device=device, **plan_kwargs)
+        return cls(attention, mamba, plan, device=device)
+
+    @property
+    def token_allocator(self):
+        """The KV token-slot allocator (``self.kv.allocator``)."""
+        return self.kv.allocator
+
+    def free_counts(self) -> dict[str, int]:
+        """Free capacity of every allocator right now."""
+        return {
+            "kv_tokens": self.kv.allocator.available(),
+            "kv_pages": self.kv.allocator.available_pages(),
+            "mamba_slots": self.mamba.available(),
+            "request_slots": self.req_to_token.allocator.available(),
+        }
+
+    def used_counts(self) -> dict[str, int]:
+        """Handed-out entries of every allocator right now."""
+        return {
+            "kv_tokens": self.kv.allocator.used(),
+            "kv_pages": self.kv.allocator.num_pages - self.kv.allocator.available_pages(),
+            "mamba_slots": self.mamba.allocator.used(),
+            "request_slots": self.req_to_token.allocator.used(),
+        }
+
+    def check_all_free(self) -> None:
+        """Raise AssertionError naming every allocator that still has entries handed out."""
+        leaks = {k: v for k, v in self.used_counts().items() if v}
+        if leaks:
+            detail = ", ".join(f"{k}: {v} in use" for k, v in leaks.items())
+            raise AssertionError(f"memory pools are not all free ({detail})")
+
+    def summary(self) -> dict:
+        """Capacities, bytes and free counts, for ``engine.stats()``."""
+        return {
+            "device": str(self.device),
+            "page_size": self.plan.page_size,
+            "max_running_requests": self.plan.max_running_requests,
+            "max_context_len": self.plan.max_context_len,
+            "capacity": {
+                "kv_tokens": self.kv.total(),
+                "kv_pages": self.kv.allocator.num_pages,
+                "mamba_slots": self.mamba.total(),
+                "request_slots": self.req_to_token.total(),
+            },
+            "free": self.free_counts(),
+            "used": self.used_counts(),
+            "layers": {"full_attention": list(self.kv.layer_ids), "linear": list(self.mamba.layer_ids)},
+            "bytes": {
+                "per_token": self.kv.bytes_per_token,
+                "per_mamba_slot": self.mamba.bytes_per_slot,
+                "kv": self.kv.nbytes(),
+                "mamba": self.mamba.nbytes(),
+                "speculative": self.mamba.speculative_nbytes(),
+                "request_maps": self.req_to_token.nbytes(),
+                "total": self.nbytes(),
+                "budget": self.plan.budget_bytes,
+            },
+            "sources": {
+                "max_total_tokens": self.plan.max_total_tokens_source,
+                "mamba_cache_size": self.plan.mamba_cache_size_source,
+            },
+        }
+
+    def nbytes(self) -> int:
+        """Device bytes of every pool buffer."""
+        return self.kv.nbytes() + self.mamba.nbytes() + self.mamba.speculative_nbytes() + self.req_to_token.nbytes()

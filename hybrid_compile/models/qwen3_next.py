@@ -1,0 +1,89 @@
+"""Gated DeltaNet families: Qwen3-Next (``qwen3_next``) and Qwen3.5 text models
+(``qwen3_5_text``, ``qwen3_5_moe_text``).
+
+Each ``*GatedDeltaNet`` mixer keeps HF's projections, gated RMSNorm and output projection;
+its conv + delta-rule core runs through the ``gdn_layer`` op. The two generations differ
+only in how the projections are laid out (Qwen3-Next: fused ``in_proj_qkvz``/``in_proj_ba``
+with per-key-head interleaving, undone by HF's own ``fix_query_key_value_ordering``;
+Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). MoE blocks
+and full-attention layers stay HF's modules (attention through the registered function).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import gdn as _gdn_layer  # noqa: F401  (registers gdn_layer)
+from ..layers.context import get_forward_context
+from ..ops.gdn import GDN_CHUNK_SIZE
+from ..memory import AttentionLayerSpec, MambaLayerSpec
+from .base import (
+    ModelLayout,
+    PatchHandle,
+    install_attention,
+    patch_forward,
+)
+
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _is_gdn_mixer(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("A_log", "dt_bias", "conv1d", "norm", "out_proj")) and (
+        hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
+    )
+
+
+def _project(mixer: nn.Module, hidden: torch.Tensor):
+    """hidden ``[N, hidden]`` -> (mixed_qkv ``[N, conv_dim]``, z ``[N, Hv, V]``, b, a ``[N, Hv]``)."""
+    n = hidden.shape[0]
+    if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            mixer.in_proj_qkvz(hidden)[None], mixer.in_proj_ba(hidden)[None]
+        )
+        mixed_qkv = torch.cat((query.reshape(n, -1), key.reshape(n, -1), value.reshape(n, -1)), dim=-1)
+        return mixed_qkv, z[0], b[0], a[0]
+    mixed_qkv = mixer.in_proj_qkv(hidden)
+    z = mixer.in_proj_z(hidden).reshape(n, -1, mixer.head_v_dim)
+    return mixed_qkv, z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+
+
+def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Patched ``*GatedDeltaNet.forward``: HF's code outside an engine step, the layer op inside."""
+    if get_forward_context() is None:
+        return type(self).forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    hidden = hidden_states[0]
+    mixed_qkv, z, b, a = _project(self, hidden)
+    core = torch.ops.hybrid_compile.gdn_layer(
+        mixed_qkv, a, b, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias,
+        int(self.layer_idx), self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim,
+        self.activation,
+    )
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(1, hidden.shape[0], -1))
+
+
+def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    k_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    conv_dim = 2 * k_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    attention, mamba = [], []
+    for i, kind in enumerate(cfg.layer_types[: cfg.num_hidden_layers]):
+        if kind == "full_attention":
+            attention.append(AttentionLayerSpec(i, cfg.num_key_value_heads, head_dim, kv_dtype))
+        elif kind == "linear_attention":
+            mamba.append(MambaLayerSpec(i, cfg.linear_conv_kernel_dim, conv_dim, state_shape, conv_dtype, ssm_dtype))
+        else:
+            raise ValueError(f"{cfg.model_type}: unknown layer type {kind!r} at layer {i}")
+    return ModelLayout(attention, mamba, cfg.vocab_size, cfg.max_position_embeddings, GDN_CHUNK_SIZE)
+
+
+def patch(model: nn.Module, handle: PatchHandle) -> None:
+    install_attention(model, handle)
+    mixers = [m for m in model.modules() if _is_gdn_mixer(m)]
+    if not mixers:
+        raise ValueError(f"{type(model).__name__}: found no Gated DeltaNet mixer to patch")
+    for mixer in mixers:
+        patch_forward(mixer, gdn_mixer_forward, handle)

@@ -27,6 +27,19 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from .demo import run_demo
+
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    result = run_demo(args.device, args.num_prompts, args.max_new_tokens, args.seed, check=not args.no_check)
+    return 0 if result["matches_hf"] in (True, None) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-compile",
@@ -34,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser(
+        "demo",
+        help="serve a small built-in random-weight Qwen3-Next and compare with transformers",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument("--device", default="cpu", help="device of the model (cpu, cuda)")
+    d.add_argument("--num-prompts", type=int, default=6, help="prompts of random lengths")
+    d.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    d.add_argument("--no-check", action="store_true", help="skip the comparison with transformers' generate")
+    d.set_defaults(func=_demo)
     p = sub.add_parser(
         "selfcheck",
         help="check every kernel op against its per-token reference and time it",

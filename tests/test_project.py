@@ -43,3 +43,10 @@ def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "10/10 ops match" in out
+
+
+def test_demo_command_matches_transformers(capsys):
+    assert main(["demo", "--num-prompts", "3", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "3/3 prompts give exactly the engine's tokens" in out
+    assert "all free again" in out

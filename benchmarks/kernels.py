@@ -1,0 +1,318 @@
+"""Kernel benchmarks: our Triton CUDA kernels vs. the plain-torch implementation of the same op
+vs. flash-linear-attention (where it has the same op), on realistic shapes.
+
+    python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels.json]
+
+Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
+8192), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
+head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
+time of each system and, for our kernel, achieved memory bandwidth (decode / memory-bound ops)
+or TFLOP/s (prefill ops) as a fraction of the peak measured in the same run on this device.
+Needs a CUDA device. Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hybrid_compile  # noqa: E402
+from hybrid_compile.ops import attention as A  # noqa: E402
+from hybrid_compile.ops import conv1d as C  # noqa: E402
+from hybrid_compile.ops import gdn as G  # noqa: E402
+from hybrid_compile.ops import mamba2 as M  # noqa: E402
+
+ops = torch.ops.hybrid_compile
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def plain(op):
+    """The plain-torch implementation behind a custom op (what the CPU path runs)."""
+    return op._init_fn
+
+
+def bench(fn, warmup=3, iters=10, max_seconds=2.0):
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    t_start = time.perf_counter()
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+        if time.perf_counter() - t_start > max_seconds:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_peaks():
+    n = 1 << 28  # 512 MiB of bf16 (1 GiB read+write per copy)
+    a = torch.empty(n, dtype=BF16, device=DEV)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a), iters=20)
+    bw = 2 * a.numel() * a.element_size() / (ms * 1e-3)
+    x = torch.randn(8192, 8192, dtype=BF16, device=DEV)
+    y = torch.randn(8192, 8192, dtype=BF16, device=DEV)
+    ms = bench(lambda: x @ y, iters=20)
+    tflops = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return bw, tflops
+
+
+def try_import_fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        return {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def varlen(total, batch):
+    base = total // batch
+    lens = [base] * batch
+    lens[-1] += total - base * batch
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    return lens, cu
+
+
+ROWS = []
+
+
+def record(op, shape, ours, torch_ms=None, fla_ms=None, bytes_moved=None, flops=None, note=""):
+    row = {"op": op, "shape": shape, "ours_ms": ours, "plain_torch_ms": torch_ms, "fla_ms": fla_ms, "note": note}
+    if bytes_moved and ours:
+        row["ours_GBps"] = bytes_moved / (ours * 1e-3) / 1e9
+        row["bw_fraction"] = row["ours_GBps"] * 1e9 / PEAK_BW
+    if flops and ours:
+        row["ours_TFLOPs"] = flops / (ours * 1e-3) / 1e12
+        row["flop_fraction"] = row["ours_TFLOPs"] / PEAK_TFLOPS
+    if torch_ms and ours:
+        row["speedup_vs_plain"] = torch_ms / ours
+    if fla_ms and ours:
+        row["speedup_vs_fla"] = fla_ms / ours
+    ROWS.append(row)
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    extra = ""
+    if "bw_fraction" in row:
+        extra = f"{row['ours_GBps']:.0f} GB/s ({100 * row['bw_fraction']:.0f}% peak)"
+    elif "flop_fraction" in row:
+        extra = f"{row['ours_TFLOPs']:.1f} TFLOP/s ({100 * row['flop_fraction']:.0f}% peak)"
+    print(f"{op:40s} {shape:34s} ours {fmt(ours):>9s}  torch {fmt(torch_ms):>9s}  fla {fmt(fla_ms):>9s}  {extra} {note}",
+          flush=True)
+
+
+def safe(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def bench_gdn(quick, fla):
+    Hk, Hv, K, V, W = 16, 32, 128, 128, 4
+    conv_dim = 2 * Hk * K + Hv * V
+    S = 512
+    ssm = torch.zeros(S, Hv, K, V, dtype=torch.float32, device=DEV)
+    conv_pool = torch.zeros(S, W - 1, conv_dim, dtype=BF16, device=DEV)
+    weight = torch.randn(conv_dim, W, dtype=BF16, device=DEV) * 0.3
+    A_log = torch.randn(Hv, device=DEV) * 0.3
+    dt_bias = torch.randn(Hv, device=DEV) * 0.3
+
+    for batch in ([1, 64, 256] if quick else [1, 16, 64, 128, 256]):
+        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        x = torch.randn(batch, 1, conv_dim, dtype=BF16, device=DEV)
+        bytes_conv = 2 * batch * (W - 1) * conv_dim * 2 + 2 * batch * conv_dim * 2
+        f = lambda: ops.causal_conv1d_update(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
+        p = lambda: plain(C.causal_conv1d_update)(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
+        record("causal_conv1d_update", f"B={batch} D={conv_dim}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+               None, bytes_moved=bytes_conv)
+
+        q = torch.randn(batch, Hk, K, dtype=BF16, device=DEV)
+        k = torch.randn(batch, Hk, K, dtype=BF16, device=DEV)
+        v = torch.randn(batch, Hv, V, dtype=BF16, device=DEV)
+        a = torch.randn(batch, Hv, dtype=BF16, device=DEV)
+        b = torch.randn(batch, Hv, dtype=BF16, device=DEV)
+        state_bytes = 2 * batch * Hv * K * V * 4
+        f = lambda: ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0)  # noqa: E731
+        p = lambda: plain(G.fused_sigmoid_gating_delta_rule_update)(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0)  # noqa: E731
+        fla_ms = None
+        if "recurrent" in fla:
+            state = ssm[:batch].clone()
+            g_ = -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+            rep = Hv // Hk
+            qf, kf = q.repeat_interleave(rep, 1)[:, None], k.repeat_interleave(rep, 1)[:, None]
+            fla_fn = lambda: fla["recurrent"](qf, kf, v[:, None], g_[:, None], b.sigmoid()[:, None], initial_state=state,  # noqa: E731
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+            fla_ms = safe(lambda: bench(fla_fn))
+        record("fused_sigmoid_gating_delta_rule_update", f"B={batch} Hv={Hv} K=V={K}", safe(lambda: bench(f)),
+               safe(lambda: bench(p)), fla_ms, bytes_moved=state_bytes)
+
+        L = 4
+        qv = torch.randn(batch, L, Hk, K, dtype=BF16, device=DEV)
+        kv = torch.randn(batch, L, Hk, K, dtype=BF16, device=DEV)
+        vv = torch.randn(batch, L, Hv, V, dtype=BF16, device=DEV)
+        gv = -torch.rand(batch, L, Hv, device=DEV)
+        bv = torch.rand(batch, L, Hv, device=DEV)
+        inter = torch.zeros(batch, L, Hv, K, V, dtype=BF16, device=DEV)
+        f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
+        p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
+        record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+               None, bytes_moved=batch * Hv * K * V * (4 + L * 2))
+
+    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+        for batch in (1, 8):
+            lens, cu = varlen(total, batch)
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            has = torch.zeros(batch, dtype=torch.bool, device=DEV)
+            x = torch.randn(total, conv_dim, dtype=BF16, device=DEV)
+            f = lambda: ops.causal_conv1d_fn(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
+            p = lambda: plain(C.causal_conv1d_fn)(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
+            record("causal_conv1d_fn", f"T={total} B={batch}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+                   bytes_moved=2 * total * conv_dim * 2)
+
+            q = torch.randn(total, Hk, K, dtype=BF16, device=DEV)
+            k = torch.randn(total, Hk, K, dtype=BF16, device=DEV)
+            v = torch.randn(total, Hv, V, dtype=BF16, device=DEV)
+            a = torch.randn(total, Hv, dtype=BF16, device=DEV)
+            b = torch.randn(total, Hv, dtype=BF16, device=DEV)
+            f = lambda: ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)  # noqa: E731
+            p = lambda: plain(G.gdn_gating)(A_log, a, b, dt_bias, 1.0, 20.0)  # noqa: E731
+            record("gdn_gating", f"T={total}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+                   bytes_moved=total * Hv * (2 + 2 + 4 + 4))
+            g, beta = ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
+            chunk = 64
+            flops = total * Hv * (4 * K * V + 2 * chunk * (K + V) + 2 * chunk * K)
+            f = lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False)  # noqa: E731
+            p = lambda: plain(G.chunk_gated_delta_rule)(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False)  # noqa: E731
+            fla_ms = None
+            if "chunk" in fla:
+                rep = Hv // Hk
+                qf, kf = q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None]
+                fla_fn = lambda: fla["chunk"](qf, kf, v[None], g[None], beta[None], initial_state=ssm[:batch],  # noqa: E731
+                                               output_final_state=True, cu_seqlens=cu.long(),
+                                               use_qk_l2norm_in_kernel=True)
+                fla_ms = safe(lambda: bench(fla_fn))
+            record("chunk_gated_delta_rule", f"T={total} B={batch}", safe(lambda: bench(f)),
+                   safe(lambda: bench(p, iters=3)) if total <= 16384 else None, fla_ms, flops=flops)
+
+
+def bench_mamba2(quick):
+    H, P, N, G_, CH = 128, 64, 128, 8, 256
+    S = 512
+    ssm = torch.zeros(S, H, P, N, dtype=torch.float32, device=DEV)
+    Am = -torch.rand(H, device=DEV) - 0.1
+    D = torch.randn(H, device=DEV)
+    dt_bias = torch.randn(H, device=DEV) * 0.3
+    inf = float("inf")
+    for batch in ([1, 64, 256] if quick else [1, 16, 64, 128, 256]):
+        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        x = torch.randn(batch, 1, H, P, dtype=BF16, device=DEV)
+        dt = torch.randn(batch, 1, H, dtype=BF16, device=DEV)
+        B = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
+        Cm = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
+        f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
+        p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
+        record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+               None, bytes_moved=2 * batch * H * P * N * 4, note="(no fla equivalent)")
+    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+        for batch in (1, 8):
+            lens, cu = varlen(total, batch)
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            has = torch.zeros(batch, dtype=torch.bool, device=DEV)
+            x = torch.randn(total, H, P, dtype=BF16, device=DEV)
+            dt = torch.randn(total, H, dtype=BF16, device=DEV)
+            B = torch.randn(total, G_, N, dtype=BF16, device=DEV)
+            Cm = torch.randn(total, G_, N, dtype=BF16, device=DEV)
+            flops = total * H * (2 * CH * N / H * G_ + 2 * CH * P + 4 * P * N)
+            f = lambda: ops.ssd_chunk_scan(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
+            p = lambda: plain(M.ssd_chunk_scan)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
+            record("ssd_chunk_scan", f"T={total} B={batch}", safe(lambda: bench(f)),
+                   safe(lambda: bench(p, iters=3)) if total <= 16384 else None, None, flops=flops,
+                   note="(no fla equivalent)")
+
+
+def bench_attention(quick):
+    Hq, Hkv, Dh = 16, 2, 256
+    NS = 300_000
+    k_cache = torch.randn(NS, Hkv, Dh, dtype=BF16, device=DEV)
+    v_cache = torch.randn(NS, Hkv, Dh, dtype=BF16, device=DEV)
+    scale = Dh ** -0.5
+    for batch in ([1, 64] if quick else [1, 16, 64, 128]):
+        ctx = 2048
+        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * ctx
+        kv_indices = torch.randperm(NS - 1, device=DEV)[: batch * ctx] + 1
+        q = torch.randn(batch, Hq, Dh, dtype=BF16, device=DEV)
+        f = lambda: ops.paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale, -1, 0.0)  # noqa: E731
+        p = lambda: plain(A.paged_attention_decode)(q, k_cache, v_cache, kv_indptr, kv_indices, scale, -1, 0.0)  # noqa: E731
+        record("paged_attention_decode", f"B={batch} ctx={ctx}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+               bytes_moved=2 * batch * ctx * Hkv * Dh * 2)
+    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+        batch = 1 if total >= 16384 else 4
+        lens, qo = varlen(total, batch)
+        kv_indices = torch.randperm(NS - 1, device=DEV)[:total] + 1
+        q = torch.randn(total, Hq, Dh, dtype=BF16, device=DEV)
+        flops = sum(4 * n * n / 2 * Hq * Dh for n in lens)
+        f = lambda: ops.paged_attention_extend(q, k_cache, v_cache, qo, qo, kv_indices, scale, True, -1, 0.0)  # noqa: E731
+        sdpa_q = q.view(batch, -1, Hq, Dh).transpose(1, 2) if total % batch == 0 else None
+        kd = torch.randn(batch, Hkv, total // batch, Dh, dtype=BF16, device=DEV)
+        sd = lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, kd, kd, is_causal=True, enable_gqa=True)  # noqa: E731
+        record("paged_attention_extend", f"T={total} B={batch}", safe(lambda: bench(f)), None,
+               safe(lambda: bench(sd)) if sdpa_q is not None else None, flops=flops,
+               note="(fla column = torch SDPA on contiguous K/V)")
+
+
+def main():
+    global PEAK_BW, PEAK_TFLOPS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--out", default="benchmarks/results/kernels.json")
+    parser.add_argument("--only", default="gdn,mamba2,attention", help="comma list of groups")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA device")
+    torch.manual_seed(0)
+    PEAK_BW, PEAK_TFLOPS = measure_peaks()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; measured peak {PEAK_BW / 1e9:.0f} GB/s copy bandwidth, {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul")
+    fla = try_import_fla()
+    print(f"flash-linear-attention: {'available' if 'chunk' in fla else fla.get('error')}")
+    groups = args.only.split(",")
+    if "gdn" in groups:
+        bench_gdn(args.quick, fla)
+    if "mamba2" in groups:
+        bench_mamba2(args.quick)
+    if "attention" in groups:
+        bench_attention(args.quick)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "peak_GBps": PEAK_BW / 1e9,
+                   "peak_TFLOPs": PEAK_TFLOPS, "fla": "chunk" in fla, "rows": ROWS}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+PEAK_BW = PEAK_TFLOPS = math.nan
+
+if __name__ == "__main__":
+    main()

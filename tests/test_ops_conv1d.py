@@ -196,7 +196,7 @@ def test_fn_and_update_match_hf(width, dim, activation, module_name):
     xd = torch.randn(2, steps, dim)
     hf_state = states[[3, 0]].transpose(1, 2).contiguous()  # [2, D, W-1]
     hf_out = hf_update(xd.transpose(1, 2).contiguous(), hf_state, weight, bias, activation=activation)
-    got = ops.causal_conv1d_update(xd, states, weight, bias, activation, torch.tensor([3, 0]))
+    got = ops.causal_conv1d_update(xd, states, weight, bias, activation, torch.tensor([3, 0]), False, None)
     assert_close(got, hf_out.transpose(1, 2))
     assert torch.equal(states[[3, 0]], hf_state.transpose(1, 2))
 
@@ -297,7 +297,7 @@ def test_prefill_then_decode_equals_one_prefill(width):
         assert_close(outp[qp[b] : qp[b + 1]], want[qsl_full[b] : qsl_full[b] + prompt[b]])
     for t in range(decode):
         xt = torch.stack([x[qsl_full[b] + prompt[b] + t] for b in range(3)])[:, None]  # [B, 1, D]
-        ot = ops.causal_conv1d_update(xt, step, weight, bias, "silu", idx)
+        ot = ops.causal_conv1d_update(xt, step, weight, bias, "silu", idx, False, None)
         for b in range(3):
             assert_close(ot[b, 0], want[qsl_full[b] + prompt[b] + t])
     assert torch.equal(step, one)

@@ -1,7 +1,7 @@
 """Kernel ops: torch.library custom ops under ``torch.ops.hybrid_compile``.
 
-Each op has a schema, a plain-torch implementation (the CPU path, and for now also the CUDA
-dispatch), a fake implementation for tracing, argument validation in both, and a docstring
+Each op has a schema, a plain-torch implementation (the CPU path), a Triton implementation
+registered as its CUDA kernel (:mod:`.triton`), a fake implementation for tracing, argument validation in both, and a docstring
 with shapes, dtypes and mutations. :mod:`.reference` holds the independent per-token
 references the ops are tested against.
 
@@ -22,6 +22,12 @@ track_chunk_states
 """
 
 from . import attention, conv1d, gdn, mamba2, norm, state
+from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
+from .triton import conv1d as _triton_conv1d  # noqa: F401
+from .triton import elementwise as _triton_elementwise  # noqa: F401
+from .triton import gdn as _triton_gdn  # noqa: F401
+from .triton import mamba2 as _triton_mamba2  # noqa: F401
+from .triton import state as _triton_state  # noqa: F401
 from ._validation import debug_checks_enabled, set_debug_checks
 from .gdn import GDN_CHUNK_SIZE
 

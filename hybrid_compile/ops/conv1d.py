@@ -250,8 +250,8 @@ def causal_conv1d_update(
     bias: Optional[torch.Tensor],
     activation: Optional[str],
     conv_state_indices: torch.Tensor,
-    disable_state_update: bool = False,
-    intermediate_conv_windows: Optional[torch.Tensor] = None,
+    disable_state_update: bool,
+    intermediate_conv_windows: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Causal conv1d for ``L`` new tokens per request from its cached window (decode / verify).
 
@@ -313,8 +313,8 @@ def causal_conv1d_update(
 
 
 @causal_conv1d_update.register_fake
-def _(x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update=False,
-      intermediate_conv_windows=None):
+def _(x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update,
+      intermediate_conv_windows):
     _check_causal_conv1d_update(
         x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
     )

@@ -1,0 +1,240 @@
+"""Triton kernels of the Gated DeltaNet ops (:mod:`hybrid_compile.ops.gdn`), registered as
+their CUDA implementations.
+
+Same schemas, semantics and layouts as the plain-torch ops: q/k ``[..., Hk, K]``, v
+``[..., Hv, V]`` (strided views allowed: every stride is passed to the kernels), value head
+``h`` reads q/k head ``h // (Hv // Hk)``, optional in-kernel L2 norm
+``x * rsqrt(sum(x^2) + 1e-6)``, ``scale <= 0`` means ``K ** -0.5``, fp32 compute, outputs in
+``v.dtype``, state pool ``[num_slots, Hv, K, V]`` fp32/bf16/fp16 read in fp32 and cast on
+write, slot -1 = padding row (zero output, nothing read or written).
+
+Kernels:
+
+- ``_gdn_recurrent_kernel`` (decode ``fused_sigmoid_gating_delta_rule_update`` and verify
+  ``fused_recurrent_gated_delta_rule_update``): grid ``(B, Hv, cdiv(V, BV))``. Each program
+  holds the state block ``[K, BV]`` (K padded to a power of two, loaded whole) in registers,
+  loops over the ``L`` steps (1 for decode) with the gating (decode) and the q/k L2 norm done
+  in-kernel, stores the per-step state into ``intermediate_states[b, t]`` when given, and
+  writes the final state back in place unless ``disable_state_update``. CUDA-graph safe: the
+  grid and the one allocation (``o``) depend on shapes only, no host sync, padding rows are
+  handled inside the kernel.
+- ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk`.
+
+Import this module to register the kernels (``torch.library.register_kernel(..., "cuda")``);
+the launchers also run on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests use them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gdn import _check_chunk, _check_decode, _check_verify
+from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
+
+__all__ = [
+    "chunk_gated_delta_rule_triton",
+    "fused_recurrent_gated_delta_rule_update_triton",
+    "fused_sigmoid_gating_delta_rule_update_triton",
+]
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter,
+    L, scale, softplus_beta, softplus_threshold,
+    s_qb, s_ql, s_qh, s_qd,
+    s_kb, s_kl, s_kh, s_kd,
+    s_vb, s_vl, s_vh, s_vd,
+    s_gb, s_gl, s_gh,
+    s_bb, s_bl, s_bh,
+    s_ob, s_ol, s_oh,
+    s_ps, s_ph, s_pk, s_pv,
+    s_ib, s_il, s_ih, s_ik, s_iv,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
+):
+    """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_hk = i_h // R
+    slot = tl.load(state_indices + i_b).to(tl.int64)
+    live = slot >= 0
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mk = o_k < K
+    mv = o_v < V
+    # padding row: masks that select nothing (no state read or write), zero output
+    m_s = (o_k[:, None] < tl.where(live, K, 0)) & mv[None, :]
+    m_o = o_v < tl.where(live, V, 0)
+
+    p_s = pool + tl.maximum(slot, 0) * s_ps + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
+    S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    if GATING:
+        neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h).to(tl.float32)
+
+    p_q = q + i_b * s_qb + i_hk * s_qh + o_k * s_qd
+    p_k = k + i_b * s_kb + i_hk * s_kh + o_k * s_kd
+    p_v = v + i_b * s_vb + i_h * s_vh + o_v * s_vd
+    p_g = g + i_b * s_gb + i_h * s_gh
+    p_beta = beta + i_b * s_bb + i_h * s_bh
+    p_o = o + i_b * s_ob + i_h * s_oh + o_v
+    for t in range(L):
+        b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
+        if GATING:
+            x = tl.load(p_g + t * s_gl).to(tl.float32) + bias
+            bx = softplus_beta * x
+            sp = tl.where(bx > softplus_threshold, x,
+                          tl.log(1.0 + tl.exp(tl.minimum(bx, softplus_threshold))) / softplus_beta)
+            b_g = neg_a * sp
+            b_beta = tl.sigmoid(tl.load(p_beta + t * s_bl).to(tl.float32))
+        else:
+            b_g = tl.load(p_g + t * s_gl).to(tl.float32)
+            b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
+        if USE_L2:
+            b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        b_q = b_q * scale
+        S = S * tl.exp(b_g)
+        delta = (b_v - tl.sum(S * b_k[:, None], 0)) * b_beta
+        S = S + b_k[:, None] * delta[None, :]
+        b_o = tl.sum(S * b_q[:, None], 0)
+        tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(o.dtype.element_ty), mask=mv)
+        if HAS_INTER:
+            p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
+            tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
+    if UPDATE_STATE:
+        tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
+
+
+def _recurrent_config(rows: int, kd: int, vd: int):
+    """(BK, BV, num_warps) of the recurrent kernel from shapes: the whole K in one block, V split
+    in blocks of 32 (16 when the grid would otherwise be small, to spread the state loads)."""
+    bk = triton.next_power_of_2(kd)
+    vp = triton.next_power_of_2(vd)
+    bv = min(vp, 32)
+    if rows * triton.cdiv(vd, bv) < 512:
+        bv = min(vp, 16)
+    num_warps = 4 if bk * bv >= 4096 else (2 if bk * bv >= 1024 else 1)
+    return bk, bv, num_warps
+
+
+def _check_k(op: str, kd: int) -> None:
+    if kd > MAX_HEAD_K_DIM:
+        raise ValueError(f"{op} (Triton): head_k_dim {kd} > {MAX_HEAD_K_DIM} is not supported")
+
+
+def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, inter, use_qk_l2norm, scale,
+                      softplus_beta, softplus_threshold, gating, update_state):
+    """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv]; o [B, L, Hv, V]."""
+    bs, steps, hk, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    bk, bv, num_warps = _recurrent_config(bs * hv, kd, vd)
+    has_inter = inter is not None
+    it = inter if has_inter else ssm_states  # dummy pointer when absent (never touched)
+    i_strides = inter.stride() if has_inter else (0, 0, 0, 0, 0)
+    a_log = A_log if gating else g
+    dtb = dt_bias if gating else g
+    _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv))](
+        q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it,
+        steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride()[:3],
+        *ssm_states.stride(), *i_strides,
+        R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
+        GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
+        num_warps=num_warps,
+    )
+
+
+def fused_sigmoid_gating_delta_rule_update_triton(
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    use_qk_l2norm: bool,
+    scale: float,
+    softplus_beta: float,
+    softplus_threshold: float,
+) -> torch.Tensor:
+    """Triton implementation of ``fused_sigmoid_gating_delta_rule_update`` (decode; mutates
+    ``ssm_states`` in place). CUDA-graph safe."""
+    bs, hv, vd = v.shape
+    _check_k("fused_sigmoid_gating_delta_rule_update", q.shape[-1])
+    o = torch.empty(bs, hv, vd, dtype=v.dtype, device=v.device)
+    if bs == 0:
+        return o
+    # one step: view [B, ...] as [B, 1, ...] (no copy)
+    _launch_recurrent(q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log, dt_bias, o[:, None],
+                      ssm_states, state_indices, None, use_qk_l2norm, scale, softplus_beta, softplus_threshold,
+                      gating=True, update_state=True)
+    return o
+
+
+def fused_recurrent_gated_delta_rule_update_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    use_qk_l2norm: bool,
+    scale: float,
+    disable_state_update: bool,
+    intermediate_states: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Triton implementation of ``fused_recurrent_gated_delta_rule_update`` (speculative verify;
+    mutates ``ssm_states`` unless ``disable_state_update``, and ``intermediate_states[b, t]`` for
+    real rows and ``t < L``). CUDA-graph safe."""
+    bs, steps, hv, vd = v.shape
+    _check_k("fused_recurrent_gated_delta_rule_update", q.shape[-1])
+    o = torch.empty(bs, steps, hv, vd, dtype=v.dtype, device=v.device)
+    if bs == 0 or steps == 0:
+        return o
+    _launch_recurrent(q, k, v, g, beta, None, None, o, ssm_states, state_indices, intermediate_states,
+                      use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=not disable_state_update)
+    return o
+
+
+# ----------------------------------------------------------------------------------------------
+# registration as the CUDA kernels of the ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_cuda_impl(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm,
+                     scale, output_chunk_states):
+    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state)
+    return chunk_gated_delta_rule_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
+                                         use_qk_l2norm, scale, output_chunk_states)
+
+
+def _decode_cuda_impl(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, scale, softplus_beta,
+                      softplus_threshold):
+    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices)
+    return fused_sigmoid_gating_delta_rule_update_triton(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices,
+                                                         use_qk_l2norm, scale, softplus_beta, softplus_threshold)
+
+
+def _verify_cuda_impl(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
+                      intermediate_states):
+    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states)
+    return fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm,
+                                                          scale, disable_state_update, intermediate_states)
+
+
+torch.library.register_kernel("hybrid_compile::chunk_gated_delta_rule", "cuda", _chunk_cuda_impl)
+torch.library.register_kernel("hybrid_compile::fused_sigmoid_gating_delta_rule_update", "cuda", _decode_cuda_impl)
+torch.library.register_kernel("hybrid_compile::fused_recurrent_gated_delta_rule_update", "cuda", _verify_cuda_impl)

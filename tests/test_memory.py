@@ -525,6 +525,15 @@ def test_plan_from_budget_respects_ratio_and_budget():
     assert high.mamba_cache_size > low.mamba_cache_size and high.max_total_tokens < low.max_total_tokens
 
 
+def test_plan_caps_bound_budget_capacities_but_not_explicit_ones():
+    free = _plan(memory_budget_bytes=4_000_000)
+    capped = _plan(memory_budget_bytes=4_000_000, kv_token_cap=100, mamba_slot_cap=6)
+    assert free.max_total_tokens > 100 and free.mamba_cache_size > 6
+    assert (capped.max_total_tokens, capped.mamba_cache_size) == (100, 6)
+    explicit = _plan(max_total_tokens=300, mamba_cache_size=9, kv_token_cap=100, mamba_slot_cap=6)
+    assert (explicit.max_total_tokens, explicit.mamba_cache_size) == (300, 9)
+
+
 def test_plan_page_size_rounds_to_whole_pages():
     p = _plan(memory_budget_bytes=1_000_000, page_size=16)
     assert p.max_total_tokens % 16 == 0 and p.num_pages == p.max_total_tokens // 16

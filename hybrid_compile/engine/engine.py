@@ -75,6 +75,10 @@ class HybridEngine:
             mamba_cache_size=config.mamba_cache_size,
             memory_fraction=config.memory_fraction,
             mamba_full_memory_ratio=config.mamba_full_memory_ratio,
+            # capacities from the budget never exceed what the engine can use (cached prefixes
+            # included): every request at full context twice over, and 8 Mamba slots per request
+            kv_token_cap=2 * config.max_running_requests * max_context,
+            mamba_slot_cap=8 * config.max_running_requests,
         )
         self.max_context_len = self.pools.plan.max_context_len
         self.patch = PatchHandle()

@@ -121,6 +121,8 @@ def plan_memory(
     mamba_prefix_cache_slots: int = 0,
     num_draft_steps: int = 0,
     max_draft_batch: int | None = None,
+    kv_token_cap: int | None = None,
+    mamba_slot_cap: int | None = None,
     device: torch.device | str = "cpu",
 ) -> MemoryPlan:
     """Capacities of the KV and Mamba pools (see the module docstring for the rules).
@@ -138,6 +140,9 @@ def plan_memory(
             (checkpoints of the prefix cache; 0 without one).
         num_draft_steps: tokens per request in a speculative verify pass (0 = no speculation).
         max_draft_batch: rows of the speculative buffers (default ``max_running_requests``).
+        kv_token_cap, mamba_slot_cap: upper bounds on the capacities that come from the budget
+            (not on explicit ones): more than a workload can use is only memory taken from others,
+            e.g. a pure-SSM model would otherwise turn the whole budget into Mamba slots.
         device: whose free memory to measure.
     """
     for name, value in (("max_running_requests", max_running_requests), ("max_context_len", max_context_len),
@@ -196,6 +201,10 @@ def plan_memory(
             max_total_tokens = max(int(rest // (page_size * bpt)) - 1, 0) * page_size
         elif mamba_cache_size is None:
             mamba_cache_size = int(rest // bps)
+        if tokens_source == "budget" and kv_token_cap is not None:
+            max_total_tokens = min(max_total_tokens, kv_token_cap)
+        if slots_source == "budget" and mamba_slot_cap is not None:
+            mamba_cache_size = min(mamba_cache_size, mamba_slot_cap)
 
     max_total_tokens = int(max_total_tokens) // page_size * page_size
     mamba_cache_size = int(mamba_cache_size)

@@ -69,6 +69,7 @@ class ModelRunner:
             logits_indices=(qsl[1:].to(torch.int64) - 1).to(dev),
             extend_lens_cpu=list(batch.extend_lens),
             seq_lens_cpu=seq.tolist(),
+            prompt_lens=torch.tensor([len(r.prompt) for r in batch.requests], dtype=torch.int32).to(dev),
         )
         return torch.tensor(ids, dtype=torch.int64, device=dev), md
 

@@ -44,6 +44,9 @@ class ForwardMetadata:
         logits_indices: ``[B]`` (or ``[B*L]`` in verify) packed indices whose logits are kept.
         extend_lens_cpu, seq_lens_cpu: host copies of the per-request lengths.
         draft_len: tokens per request in TARGET_VERIFY.
+        prompt_lens: ``[B]`` int32 prompt length of each request, or None. Positions below it are
+            prompt tokens; layers whose HF code treats prompt and generated tokens differently
+            (the Mamba2 mixers clamp ``dt`` only in their prefill path) read it.
     """
 
     mode: ForwardMode
@@ -60,6 +63,7 @@ class ForwardMetadata:
     extend_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     draft_len: int = 0
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

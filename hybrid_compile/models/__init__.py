@@ -11,10 +11,11 @@ from types import ModuleType
 
 from torch import nn
 
-from . import qwen3_next
+from . import bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h, qwen3_next, zamba2
 from .base import ModelLayout, PatchHandle
 
-FAMILIES: dict[str, ModuleType] = {t: qwen3_next for t in qwen3_next.MODEL_TYPES}
+_FAMILY_MODULES = (qwen3_next, mamba2, nemotron_h, falcon_h1, bamba, granitemoehybrid, zamba2)
+FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 
 def supported_model_types() -> list[str]:

@@ -63,7 +63,8 @@ class HybridEngine:
         )
         max_context = config.max_context_len or self.layout.max_position_embeddings
         if config.max_total_tokens is not None:
-            max_context = min(max_context, config.max_total_tokens)
+            # a request can use at most the whole KV pool (whole pages of it)
+            max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size)
         self.pools = MemoryPools.from_specs(
             self.layout.attention,
             self.layout.mamba,
@@ -117,17 +118,14 @@ class HybridEngine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        # max_context_len never exceeds the KV pool's capacity (see __init__), so this also
+        # rejects a request that could never fit in the pool
         need = len(prompt) + params.max_new_tokens
         if need > self.max_context_len:
             raise ValueError(
                 f"prompt {index} ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"maximum context length {self.max_context_len}"
-            )
-        capacity = self.pools.kv.allocator.total()
-        if self.layout.attention and need > capacity:
-            raise ValueError(
-                f"prompt {index} ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) can never fit in "
-                f"the KV pool ({capacity} token slots); raise max_total_tokens"
+                f"maximum context length {self.max_context_len} (the model's limit, max_context_len, or the KV "
+                "pool's capacity max_total_tokens, whichever is smallest)"
             )
 
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
@@ -165,11 +163,12 @@ class HybridEngine:
         c["decode_steps" if batch.mode.value == "decode" else "extend_steps"] += 1
         sample_rows, sample_reqs = [], []
         for row, (r, n) in enumerate(zip(batch.requests, batch.extend_lens)):
+            # prompt positions count as prefill, fed-back output tokens as decode (also inside a
+            # mixed step, and when a retracted request recomputes)
+            prompt_part = max(0, min(len(r.prompt), r.num_computed + n) - r.num_computed)
+            c["prefill_tokens"] += prompt_part
+            c["decode_tokens"] += n - prompt_part
             r.num_computed += n
-            if batch.mode.value == "decode":
-                c["decode_tokens"] += n
-            else:
-                c["prefill_tokens"] += n
             if r.pending == 0:
                 sample_rows.append(row)
                 sample_reqs.append(r)
@@ -228,10 +227,7 @@ class HybridEngine:
                 raise ValueError("generate(): num_return_sequences > 1 is not supported")
         eos = pick(eos_token_id, "eos_token_id", ())
         eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
-        if generation_config is not None and getattr(generation_config, "max_new_tokens", None) is not None:
-            default_new = generation_config.max_new_tokens
-        else:
-            default_new = 20
+        default_new = getattr(base, "max_new_tokens", None) or 20  # transformers' default is 20
         return SamplingParams(
             max_new_tokens=int(max_new_tokens if max_new_tokens is not None else default_new),
             do_sample=bool(pick(do_sample, "do_sample", False)),
@@ -303,7 +299,7 @@ class HybridEngine:
         pending = set(rids)
         while pending:
             for out in self.step():
-                if streamer is not None and out.token is not None:
+                if streamer is not None and out.token is not None and out.rid in pending:
                     streamer.put(torch.tensor([out.token]))
                 if out.finished:
                     pending.discard(out.rid)

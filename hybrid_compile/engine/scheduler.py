@@ -9,7 +9,10 @@ therefore prefilled in chunks, interleaved with other requests' decode steps.
 Pools never grow. When the running requests need more KV slots than are free, the most
 recently admitted request is retracted: its slots are freed and it goes back to the front
 of the queue with its output so far, to be recomputed later (SGLang's ``retract_decode``).
-Nothing is lost and no exception reaches the caller.
+Nothing is lost and no exception reaches the caller. To avoid thrashing, admission keeps a
+reserve of KV slots for the decode tokens the running requests will still need, estimated as
+``new_token_ratio`` x their remaining ``max_new_tokens``; the ratio jumps to 1 after a
+retraction and decays back step by step (SGLang's ``new_token_ratio``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    INITIAL_NEW_TOKEN_RATIO = 0.5
+    MIN_NEW_TOKEN_RATIO = 0.1
+    NEW_TOKEN_RATIO_DECAY = 0.01
+
     def __init__(self, pools: MemoryPools, *, chunked_prefill_size: int, max_running_requests: int) -> None:
         self.pools = pools
         self.chunked_prefill_size = chunked_prefill_size
@@ -47,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        self.new_token_ratio = self.INITIAL_NEW_TOKEN_RATIO
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -83,6 +91,7 @@ class Scheduler:
         self.release(request)
         request.num_retractions += 1
         self.num_retractions += 1
+        self.new_token_ratio = 1.0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -92,6 +101,11 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     # -- one step --------------------------------------------------------------------------
+    def _expected_new_tokens(self, r: Request) -> int:
+        """KV slots a request is expected to take beyond what it holds (one per decode step)."""
+        remaining = r.params.max_new_tokens - len(r.output)
+        return max(1, int(self.new_token_ratio * remaining + 0.999))
+
     def _running_work(self) -> tuple[list[Request], list[int], int]:
         """Running requests of the next step with their token counts, and the budget left:
         decodes take one token; prefills take a chunk of the prefill budget."""
@@ -119,12 +133,15 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.arrival))
         out = [slots]
 
-        # 2. admit waiting requests while everything fits (keep one KV slot per running
-        #    request in reserve for its next decode token)
+        # 2. admit waiting requests while everything fits, keeping a reserve of KV slots for
+        #    the decode tokens the running requests (and this one) are expected to need
+        self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
+        reserve = sum(self._expected_new_tokens(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             r = self.waiting[0]
             n = min(r.pending, budget)
-            if self.pools.kv.allocator.available() < n + len(self.running):
+            own = self._expected_new_tokens(r) + (r.pending - n)
+            if self.pools.kv.allocator.available() < n + reserve + own:
                 break
             req_slots = self.pools.req_to_token.alloc(1)
             if req_slots is None:
@@ -142,6 +159,7 @@ class Scheduler:
             lens.append(n)
             out.append(kv)
             budget -= n
+            reserve += own
 
         if not reqs:
             return None

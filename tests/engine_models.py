@@ -123,7 +123,7 @@ def build_model(kind: str, seed: int = 0, config=None):
 
 
 def vocab_size(model) -> int:
-    return int(model.config.vocab_size)
+    return model.config.get_text_config().vocab_size
 
 
 def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:

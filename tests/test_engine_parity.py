@@ -274,3 +274,32 @@ def test_max_total_tokens_that_is_not_a_whole_number_of_pages():
         with pytest.raises(ValueError, match="prompt 0"):
             engine.generate_batch([prompt + prompt[:5]], max_new_tokens=8)  # 125 + 8 > 128
         assert_pools_restored(engine, initial)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_image_text_model_text_path_matches_hf(kind):
+    """``Qwen3_5(Moe)ForConditionalGeneration`` (model_type qwen3_5 / qwen3_5_moe) wraps too: token
+    prompts run through its text model and equal HF's own generate."""
+    import transformers
+
+    from engine_models import make_config
+
+    text = make_config(kind).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    if kind == "qwen3_5":
+        config, cls = transformers.Qwen3_5Config(text_config=text, vision_config=vision), transformers.Qwen3_5ForConditionalGeneration
+    else:
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+        cls = transformers.Qwen3_5MoeForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(config).float().eval()
+    model.generation_config.eos_token_id = None
+    prompts = random_prompts([5, 40, 1], vocab_size(model), seed=11)
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    with make_engine(model, chunked_prefill_size=16, max_running_requests=2) as engine:
+        initial = engine.pools.free_counts()
+        outputs = engine.generate_batch(prompts, max_new_tokens=8)
+        for i, (p, got, exp) in enumerate(zip(prompts, outputs, expected)):
+            assert_greedy_equal(model, p, got, exp, f"{kind} image-text prompt {i}")
+        assert_pools_restored(engine, initial)

@@ -1,5 +1,6 @@
-"""Gated DeltaNet families: Qwen3-Next (``qwen3_next``) and Qwen3.5 text models
-(``qwen3_5_text``, ``qwen3_5_moe_text``).
+"""Gated DeltaNet families: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text`` /
+``qwen3_5_moe_text`` causal LMs, and the text path of the ``qwen3_5`` / ``qwen3_5_moe``
+image-text models: token prompts only, the vision tower is not run).
 
 Each ``*GatedDeltaNet`` mixer keeps HF's projections, gated RMSNorm and output projection;
 its conv + delta-rule core runs through the ``gdn_layer`` op. The two generations differ
@@ -25,7 +26,7 @@ from .base import (
     patch_forward,
 )
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
 
 
 def _is_gdn_mixer(module: nn.Module) -> bool:

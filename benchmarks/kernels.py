@@ -41,11 +41,7 @@ def plain(op):
     return op._init_fn
 
 
-def bench(fn, warmup=3, iters=10, max_seconds=2.0):
-    """Median milliseconds of fn() with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def _events_ms(fn, iters, max_seconds):
     times = []
     t_start = time.perf_counter()
     for _ in range(iters):
@@ -59,6 +55,43 @@ def bench(fn, warmup=3, iters=10, max_seconds=2.0):
             break
     times.sort()
     return times[len(times) // 2]
+
+
+class Ms(float):
+    """Milliseconds, remembering how they were measured ("cuda_graph" or "eager")."""
+
+    def __new__(cls, value, mode):
+        obj = super().__new__(cls, value)
+        obj.mode = mode
+        return obj
+
+
+def bench(fn, warmup=3, iters=10, max_seconds=2.0, graph=True):
+    """Median milliseconds of fn() on the GPU.
+
+    With ``graph`` (default) the call is captured in a CUDA graph and the graph's replays are
+    timed: that is the kernel time the engine sees under CUDA graphs, free of Python and launch
+    overhead. Calls that cannot be captured (prefill paths that read lengths on the host) are
+    timed eagerly with CUDA events; the returned :class:`Ms` says which.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()  # warm up on the capture stream
+                with torch.cuda.graph(g, stream=stream):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            return Ms(_events_ms(g.replay, iters * 3, max_seconds), "cuda_graph")
+        except Exception:  # noqa: BLE001 - not capturable: time eagerly
+            torch.cuda.synchronize()
+    return Ms(_events_ms(fn, iters, max_seconds), "eager")
 
 
 def measure_peaks():
@@ -97,7 +130,8 @@ ROWS = []
 
 
 def record(op, shape, ours, torch_ms=None, fla_ms=None, bytes_moved=None, flops=None, note=""):
-    row = {"op": op, "shape": shape, "ours_ms": ours, "plain_torch_ms": torch_ms, "fla_ms": fla_ms, "note": note}
+    row = {"op": op, "shape": shape, "ours_ms": ours, "plain_torch_ms": torch_ms, "fla_ms": fla_ms, "note": note,
+           "timing": {k: getattr(v, "mode", None) for k, v in (("ours", ours), ("plain_torch", torch_ms), ("fla", fla_ms))}}
     if bytes_moved and ours:
         row["ours_GBps"] = bytes_moved / (ours * 1e-3) / 1e9
         row["bw_fraction"] = row["ours_GBps"] * 1e9 / PEAK_BW
@@ -109,14 +143,15 @@ def record(op, shape, ours, torch_ms=None, fla_ms=None, bytes_moved=None, flops=
     if fla_ms and ours:
         row["speedup_vs_fla"] = fla_ms / ours
     ROWS.append(row)
-    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    fmt = lambda v: "-" if v is None else (f"{float(v):.4f}" if isinstance(v, float) else str(v))  # noqa: E731
     extra = ""
     if "bw_fraction" in row:
         extra = f"{row['ours_GBps']:.0f} GB/s ({100 * row['bw_fraction']:.0f}% peak)"
     elif "flop_fraction" in row:
         extra = f"{row['ours_TFLOPs']:.1f} TFLOP/s ({100 * row['flop_fraction']:.0f}% peak)"
-    print(f"{op:40s} {shape:34s} ours {fmt(ours):>9s}  torch {fmt(torch_ms):>9s}  fla {fmt(fla_ms):>9s}  {extra} {note}",
-          flush=True)
+    mode = "graph" if getattr(ours, "mode", None) == "cuda_graph" else "eager"
+    print(f"{op:40s} {shape:34s} ours {fmt(ours):>9s} ({mode})  torch {fmt(torch_ms):>9s}  fla {fmt(fla_ms):>9s}  "
+          f"{extra} {note}", flush=True)
 
 
 def safe(fn):
@@ -146,7 +181,7 @@ def bench_gdn(quick, fla):
         bytes_conv = 2 * batch * (W - 1) * conv_dim * 2 + 2 * batch * conv_dim * 2
         f = lambda: ops.causal_conv1d_update(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
         p = lambda: plain(C.causal_conv1d_update)(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
-        record("causal_conv1d_update", f"B={batch} D={conv_dim}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+        record("causal_conv1d_update", f"B={batch} D={conv_dim}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=bytes_conv)
 
         q = torch.randn(batch, Hk, K, dtype=BF16, device=DEV)
@@ -167,7 +202,7 @@ def bench_gdn(quick, fla):
                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
             fla_ms = safe(lambda: bench(fla_fn))
         record("fused_sigmoid_gating_delta_rule_update", f"B={batch} Hv={Hv} K=V={K}", safe(lambda: bench(f)),
-               safe(lambda: bench(p)), fla_ms, bytes_moved=state_bytes)
+               safe(lambda: bench(p, graph=False)), fla_ms, bytes_moved=state_bytes)
 
         L = 4
         qv = torch.randn(batch, L, Hk, K, dtype=BF16, device=DEV)
@@ -178,10 +213,10 @@ def bench_gdn(quick, fla):
         inter = torch.zeros(batch, L, Hv, K, V, dtype=BF16, device=DEV)
         f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
         p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
-        record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+        record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=batch * Hv * K * V * (4 + L * 2))
 
-    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+    for total in ([2048, 32768] if quick else [1024, 2048, 8192, 16384, 32768]):
         for batch in (1, 8):
             lens, cu = varlen(total, batch)
             slots = torch.arange(batch, dtype=torch.int32, device=DEV)
@@ -189,7 +224,7 @@ def bench_gdn(quick, fla):
             x = torch.randn(total, conv_dim, dtype=BF16, device=DEV)
             f = lambda: ops.causal_conv1d_fn(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
             p = lambda: plain(C.causal_conv1d_fn)(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
-            record("causal_conv1d_fn", f"T={total} B={batch}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+            record("causal_conv1d_fn", f"T={total} B={batch}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)), None,
                    bytes_moved=2 * total * conv_dim * 2)
 
             q = torch.randn(total, Hk, K, dtype=BF16, device=DEV)
@@ -199,7 +234,7 @@ def bench_gdn(quick, fla):
             b = torch.randn(total, Hv, dtype=BF16, device=DEV)
             f = lambda: ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)  # noqa: E731
             p = lambda: plain(G.gdn_gating)(A_log, a, b, dt_bias, 1.0, 20.0)  # noqa: E731
-            record("gdn_gating", f"T={total}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+            record("gdn_gating", f"T={total}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)), None,
                    bytes_moved=total * Hv * (2 + 2 + 4 + 4))
             g, beta = ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
             chunk = 64
@@ -214,8 +249,10 @@ def bench_gdn(quick, fla):
                                                output_final_state=True, cu_seqlens=cu.long(),
                                                use_qk_l2norm_in_kernel=True)
                 fla_ms = safe(lambda: bench(fla_fn))
-            record("chunk_gated_delta_rule", f"T={total} B={batch}", safe(lambda: bench(f)),
-                   safe(lambda: bench(p, iters=3)) if total <= 16384 else None, fla_ms, flops=flops)
+            graph_ms = safe(lambda: bench(f))
+            record("chunk_gated_delta_rule", f"T={total} B={batch}", safe(lambda: bench(f, graph=False)),
+                   safe(lambda: bench(p, iters=3, graph=False)) if total <= 16384 else None, fla_ms, flops=flops,
+                   note=f"(eager, like fla; under a CUDA graph {graph_ms:.4f} ms)" if graph_ms else "(eager, like fla)")
 
 
 def bench_mamba2(quick):
@@ -234,9 +271,9 @@ def bench_mamba2(quick):
         Cm = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
         f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
         p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
-        record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p)),
+        record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=2 * batch * H * P * N * 4, note="(no fla equivalent)")
-    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+    for total in ([2048, 32768] if quick else [1024, 2048, 8192, 16384, 32768]):
         for batch in (1, 8):
             lens, cu = varlen(total, batch)
             slots = torch.arange(batch, dtype=torch.int32, device=DEV)
@@ -249,26 +286,26 @@ def bench_mamba2(quick):
             f = lambda: ops.ssd_chunk_scan(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
             p = lambda: plain(M.ssd_chunk_scan)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
             record("ssd_chunk_scan", f"T={total} B={batch}", safe(lambda: bench(f)),
-                   safe(lambda: bench(p, iters=3)) if total <= 16384 else None, None, flops=flops,
+                   safe(lambda: bench(p, iters=3, graph=False)) if total <= 16384 else None, None, flops=flops,
                    note="(no fla equivalent)")
 
 
 def bench_attention(quick):
     Hq, Hkv, Dh = 16, 2, 256
-    NS = 300_000
+    NS = 600_000
     k_cache = torch.randn(NS, Hkv, Dh, dtype=BF16, device=DEV)
     v_cache = torch.randn(NS, Hkv, Dh, dtype=BF16, device=DEV)
     scale = Dh ** -0.5
     for batch in ([1, 64] if quick else [1, 16, 64, 128]):
-        ctx = 2048
+        ctx = 4096
         kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * ctx
         kv_indices = torch.randperm(NS - 1, device=DEV)[: batch * ctx] + 1
         q = torch.randn(batch, Hq, Dh, dtype=BF16, device=DEV)
         f = lambda: ops.paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, scale, -1, 0.0)  # noqa: E731
         p = lambda: plain(A.paged_attention_decode)(q, k_cache, v_cache, kv_indptr, kv_indices, scale, -1, 0.0)  # noqa: E731
-        record("paged_attention_decode", f"B={batch} ctx={ctx}", safe(lambda: bench(f)), safe(lambda: bench(p)), None,
+        record("paged_attention_decode", f"B={batch} ctx={ctx}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)), None,
                bytes_moved=2 * batch * ctx * Hkv * Dh * 2)
-    for total in ([4096, 32768] if quick else [1024, 4096, 16384, 32768]):
+    for total in ([2048, 32768] if quick else [1024, 2048, 8192, 16384, 32768]):
         batch = 1 if total >= 16384 else 4
         lens, qo = varlen(total, batch)
         kv_indices = torch.randperm(NS - 1, device=DEV)[:total] + 1

@@ -58,21 +58,24 @@ def test_copy_state_slots(dtype, index_dtype):
 
 
 def test_copy_any_dtype_and_layouts():
-    """Integer / bool pools, a pool whose slot stride is padded, and a non-contiguous slot (fallback)."""
+    """Integer / bool pools and a pool whose slot stride is padded; a slot that is not one
+    contiguous run is rejected (no silent slow path)."""
     ints = torch.randint(-100, 100, (6, 4), dtype=torch.int64)
     flags = torch.rand(6, 3) > 0.5
     padded = torch.randn(6, 10)[:, :7]  # slot stride 10, slot itself contiguous
-    transposed = torch.randn(5, 6).t()  # [6, 5], slots are strided columns -> torch fallback
-    tensors = [ints, flags, padded, transposed]
+    tensors = [ints, flags, padded]
     src, dst = idx(0, 3, -1), idx(2, 5, 1)
     want = [t.clone() for t in tensors]
     for w in want:
         w[2], w[5] = w[0].clone(), w[3].clone()
-    got = [ints.clone(), flags.clone(), torch.empty(6, 10)[:, :7].copy_(padded), transposed.clone()]
-    assert got[2].stride() == (10, 1) and got[3].stride() == (1, 6)  # the layouts under test
+    got = [ints.clone(), flags.clone(), torch.empty(6, 10)[:, :7].copy_(padded)]
+    assert got[2].stride() == (10, 1)  # the layout under test
     tstate.copy_state_slots_triton(got, src, dst)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+    transposed = torch.randn(5, 6).t()  # [6, 5]: each slot is a strided column
+    with pytest.raises(ValueError, match="one contiguous run"):
+        tstate.copy_state_slots_triton([transposed], src, dst)
 
 
 @pytest.mark.parametrize("steps", [1, 4])

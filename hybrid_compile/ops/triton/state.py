@@ -15,8 +15,8 @@ Rows are copied in parallel: a destination that is another row's source gives an
 result here (the op's docstring forbids it; its plain-torch path gathers first).
 
 Layout: each slot must be one contiguous run (``t[0].is_contiguous()``; the slot stride may be
-anything). The Mamba pool's per-layer views are. Another layout falls back to the plain-torch
-copy of :mod:`hybrid_compile.ops.state`, which syncs the host.
+anything). The Mamba pool's per-layer views are. Another layout raises a ValueError (no silent
+slow path).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .elementwise import cast_rne
-from ..state import _check_commit, _check_copy_state_slots, _check_track, _scatter_rows
+from ..state import _check_commit, _check_copy_state_slots, _check_track
 
 __all__ = ["copy_state_slots_triton", "commit_speculative_state_triton", "track_chunk_states_triton"]
 
@@ -72,6 +72,17 @@ def _slot_is_contiguous(t: torch.Tensor, lead: int) -> bool:
     return inner.is_contiguous()
 
 
+def _require(ok: bool, op: str, *tensors: torch.Tensor) -> None:
+    """The CUDA kernel handles slots that are one contiguous run, bit copies of any dtype and
+    casts between float dtypes; anything else is an error, not a slow path."""
+    if not ok:
+        desc = ", ".join(f"{tuple(t.shape)} strides {t.stride()} {t.dtype}" for t in tensors)
+        raise ValueError(
+            f"{op}: the CUDA kernel needs each slot to be one contiguous run and float (or same) dtypes; "
+            f"got {desc}"
+        )
+
+
 def _operands(src: torch.Tensor, dst: torch.Tensor):
     """(src, dst, cast) for the kernel: same dtype -> integer views (bit copy), else floats + cast."""
     if src.dtype == dst.dtype:
@@ -111,11 +122,8 @@ def copy_state_slots_triton(states: list[torch.Tensor], src_slots: torch.Tensor,
         if s.dim() == 0 or s.numel() == 0:
             continue
         slot_numel = s[0].numel()
-        ok = _slot_is_contiguous(s, 1) and _launch(
-            s, s, src_idx, dst_idx, n, slot_numel, s.stride(0), 0, 0, commit=False
-        )
-        if not ok:
-            _scatter_rows(s, s.clone(), src_slots, dst_slots)
+        _require(_slot_is_contiguous(s, 1), "copy_state_slots", s)
+        _require(_launch(s, s, src_idx, dst_idx, n, slot_numel, s.stride(0), 0, 0, commit=False), "copy_state_slots", s)
 
 
 def commit_speculative_state_triton(
@@ -138,25 +146,11 @@ def commit_speculative_state_triton(
             continue
         slot_numel = s[0].numel()
         steps = inter.shape[1]
-        ok = (
-            _slot_is_contiguous(s, 1)
-            and _slot_is_contiguous(inter, 2)
-            and _launch(inter, s, idx, acc, batch, slot_numel, inter.stride(0), inter.stride(1), steps, commit=True)
+        _require(_slot_is_contiguous(s, 1) and _slot_is_contiguous(inter, 2), "commit_speculative_state", s, inter)
+        _require(
+            _launch(inter, s, idx, acc, batch, slot_numel, inter.stride(0), inter.stride(1), steps, commit=True),
+            "commit_speculative_state", s, inter,
         )
-        if not ok:
-            _commit_fallback(s, inter, idx, acc)
-
-
-def _commit_fallback(s, inter, idx, acc):
-    batch = idx.shape[0]
-    steps = inter.shape[1]
-    idx = idx.to(torch.int64)
-    acc = acc.to(torch.int64)
-    keep = (idx >= 0) & (acc > 0)
-    rows = torch.arange(batch, device=idx.device)
-    flat = inter[:batch].reshape(batch * steps, *inter.shape[2:])
-    src = torch.where(keep, rows * steps + (acc - 1).clamp(min=0), torch.full_like(idx, -1))
-    _scatter_rows(s, flat, src, torch.where(keep, idx, torch.full_like(idx, -1)))
 
 
 def track_chunk_states_triton(
@@ -168,13 +162,12 @@ def track_chunk_states_triton(
         return
     slot_numel = ssm_states[0].numel()
     src_idx, dst_idx = src_chunks.contiguous(), dst_slots.contiguous()
-    ok = (
-        _slot_is_contiguous(ssm_states, 1)
-        and _slot_is_contiguous(chunk_states, 1)
-        and _launch(chunk_states, ssm_states, src_idx, dst_idx, n, slot_numel, chunk_states.stride(0), 0, 0, commit=False)
+    _require(_slot_is_contiguous(ssm_states, 1) and _slot_is_contiguous(chunk_states, 1), "track_chunk_states",
+             ssm_states, chunk_states)
+    _require(
+        _launch(chunk_states, ssm_states, src_idx, dst_idx, n, slot_numel, chunk_states.stride(0), 0, 0, commit=False),
+        "track_chunk_states", ssm_states, chunk_states,
     )
-    if not ok:
-        _scatter_rows(ssm_states, chunk_states, src_chunks, dst_slots)
 
 
 # --------------------------------------------------------------------------------------------

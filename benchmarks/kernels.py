@@ -111,9 +111,11 @@ def measure_peaks():
 
 def try_import_fla():
     try:
+        from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-        return {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule}
+        return {"chunk": chunk_gated_delta_rule, "recurrent": fused_recurrent_gated_delta_rule,
+                "conv": causal_conv1d, "conv_update": causal_conv1d_update}
     except Exception as e:  # noqa: BLE001 - reported in the JSON
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -181,8 +183,13 @@ def bench_gdn(quick, fla):
         bytes_conv = 2 * batch * (W - 1) * conv_dim * 2 + 2 * batch * conv_dim * 2
         f = lambda: ops.causal_conv1d_update(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
         p = lambda: plain(C.causal_conv1d_update)(x, conv_pool, weight, None, "silu", slots, False, None)  # noqa: E731
+        fla_ms = None
+        if "conv_update" in fla:
+            cache = torch.zeros(batch, conv_dim, W, dtype=BF16, device=DEV)  # fla keeps the whole window
+            fla_fn = lambda: fla["conv_update"](x, cache, weight=weight, activation="silu")  # noqa: E731
+            fla_ms = safe(lambda: bench(fla_fn))
         record("causal_conv1d_update", f"B={batch} D={conv_dim}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
-               None, bytes_moved=bytes_conv)
+               fla_ms, bytes_moved=bytes_conv)
 
         q = torch.randn(batch, Hk, K, dtype=BF16, device=DEV)
         k = torch.randn(batch, Hk, K, dtype=BF16, device=DEV)
@@ -224,8 +231,14 @@ def bench_gdn(quick, fla):
             x = torch.randn(total, conv_dim, dtype=BF16, device=DEV)
             f = lambda: ops.causal_conv1d_fn(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
             p = lambda: plain(C.causal_conv1d_fn)(x, weight, None, conv_pool, cu, slots, has, "silu")  # noqa: E731
-            record("causal_conv1d_fn", f"T={total} B={batch}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)), None,
-                   bytes_moved=2 * total * conv_dim * 2)
+            fla_ms = None
+            if "conv" in fla:
+                fla_fn = lambda: fla["conv"](x[None], weight=weight, activation="silu", cu_seqlens=cu.long())  # noqa: E731
+                fla_ms = safe(lambda: bench(fla_fn, graph=False))
+            conv_graph_ms = safe(lambda: bench(f))
+            record("causal_conv1d_fn", f"T={total} B={batch}", safe(lambda: bench(f, graph=False)),
+                   safe(lambda: bench(p, graph=False)), fla_ms, bytes_moved=2 * total * conv_dim * 2,
+                   note=f"(eager, like fla; under a CUDA graph {conv_graph_ms:.4f} ms)" if conv_graph_ms else "(eager)")
 
             q = torch.randn(total, Hk, K, dtype=BF16, device=DEV)
             k = torch.randn(total, Hk, K, dtype=BF16, device=DEV)

@@ -1,0 +1,1003 @@
+"""HybridRadixCache: prefix cache of a hybrid model (KV of the attention layers + Mamba states).
+
+A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to KV pages):
+
+- **Node.** ``key`` is the token ids of the edge from its parent, ``value`` the KV token
+  slots of those tokens (CPU int64, same length), ``mamba_slot`` the Mamba-pool slot holding
+  the recurrent state (conv window + SSM state) *after the last token of the edge*, or
+  ``None``. Children are indexed by the first token of their edge (the first page of tokens
+  when ``page_size > 1``: every edge then holds whole pages, and matches, splits and inserts
+  happen at page boundaries only).
+- **Hybrid hit.** Attention KV can be truncated, a recurrent state cannot be rolled back: a
+  prefix is reusable only up to a node that *ends* with a Mamba state. :meth:`match_prefix`
+  returns the longest such prefix; KV-only nodes beyond it do not count.
+- **Tombstones.** A non-root internal node without a Mamba state (created by a split, or by
+  Mamba eviction of an internal node) keeps its KV for its children. Every non-root *leaf*
+  has a Mamba state: a leaf that loses it is removed with its KV, and a parent left as a
+  state-less leaf is removed too.
+- **Locks.** :meth:`inc_lock_ref` on a node locks its Mamba state (``mamba_lock_ref``) and the
+  KV of the whole path to the root (``full_lock_ref`` of every node on it); so on every node
+  ``full_lock_ref == mamba_lock_ref + sum(child.full_lock_ref)`` and ``full >= mamba``.
+  Locked KV is never evicted; a locked Mamba state is never evicted.
+- **Copy-on-write.** A request never runs on a cached state: :meth:`cow_mamba` copies the hit
+  node's state into the request's private slot; :meth:`cache_unfinished_req` forks the
+  request's state into a fresh slot for the tree.
+- **Dual LRU eviction.** :meth:`evict_kv` removes unlocked *leaves* (KV + state) in LRU order
+  of ``last_access``; :meth:`evict_mamba` frees the state of any unlocked node in LRU order of
+  ``mamba_last_access`` (internal node -> tombstone, leaf -> removed with its KV).
+  :meth:`ensure_free` evicts until the pools can satisfy an allocation (proactive Mamba
+  eviction when the scheduler allocates request slots). The eviction order is given by
+  :meth:`HybridRadixCache.kv_eviction_priority` / :meth:`~HybridRadixCache.mamba_eviction_priority`
+  (lower goes first), which a FLOP-aware policy (Marconi) can override.
+- **Ownership.** Every KV slot and Mamba slot in the tree is allocated in ``pools`` and owned
+  by the tree alone; a request owns the slots it allocated beyond its matched prefix. Handing
+  slots to :meth:`insert` / :meth:`cache_finished_req` transfers them: the tree adopts what is
+  new and frees duplicates of what it already holds. :meth:`reset` frees everything.
+- **Chunk-aligned checkpoints (seed 003).** The tree stores a state at any length it is
+  given; *where* states are taken is the scheduler's policy. The chunked SSM kernels expose
+  states only every ``mamba_align`` tokens from the start of an extend, so
+  :func:`aligned_checkpoint_len` says which length of an extend can be checkpointed (the
+  branch point of :attr:`MatchResult.branching_len` first, else the last aligned boundary).
+  ``mamba_align`` is independent of the KV page size.
+
+Everything here is host-side bookkeeping plus :meth:`MambaPool.copy_slots` /
+:meth:`MambaPool.fork` for state copies; nothing syncs the device.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from ..memory.allocator import IndexLike, as_index_tensor
+from ..memory.pools import MemoryPools
+
+TokenIds = Union[Sequence[int], torch.Tensor]
+
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------
+# checkpoint policy
+# ----------------------------------------------------------------------------------------
+def last_aligned_boundary(start: int, end: int, mamba_align: int, page_size: int = 1) -> int | None:
+    """Largest ``b`` in ``(start, end]`` with ``(b - start) % mamba_align == 0`` (an SSM chunk
+    boundary of an extend starting at ``start``) and ``b % page_size == 0`` (a KV page
+    boundary, where a tree node may end); ``None`` if there is none."""
+    if mamba_align < 1 or page_size < 1:
+        raise ValueError(f"mamba_align ({mamba_align}) and page_size ({page_size}) must be >= 1")
+    step = mamba_align
+    offset = ((end - start) // step) * step
+    while offset > 0:
+        if (start + offset) % page_size == 0:
+            return start + offset
+        offset -= step
+    return None
+
+
+def aligned_checkpoint_len(
+    prefix_len: int,
+    extend_len: int,
+    *,
+    mamba_align: int,
+    page_size: int = 1,
+    branching_len: int | None = None,
+) -> int | None:
+    """Sequence length at which an extend of ``extend_len`` tokens after ``prefix_len`` cached
+    ones can checkpoint its recurrent state for the prefix cache, or ``None``.
+
+    The chunked SSM kernels produce the state after every ``mamba_align`` tokens of the extend
+    (chunk states ``h``) and at its end, so a checkpoint must lie ``k * mamba_align`` tokens
+    after ``prefix_len`` (seed 003 §6.3); it must also end on a KV page. A branch point (where
+    the request's tokens leave a cached path: :attr:`MatchResult.branching_len`) inside the
+    extend is preferred when it is such a boundary, since other requests share the prefix up to
+    it; otherwise the last boundary of the extend is chosen.
+    """
+    if prefix_len < 0 or extend_len < 0:
+        raise ValueError(f"prefix_len ({prefix_len}) and extend_len ({extend_len}) must be >= 0")
+    end = prefix_len + extend_len
+    if (
+        branching_len is not None
+        and prefix_len < branching_len < end
+        and (branching_len - prefix_len) % mamba_align == 0
+        and branching_len % page_size == 0
+    ):
+        return branching_len
+    return last_aligned_boundary(prefix_len, end, mamba_align, page_size)
+
+
+# ----------------------------------------------------------------------------------------
+# tree
+# ----------------------------------------------------------------------------------------
+class TreeNode:
+    """One edge of the radix tree (see the module docstring). The root has an empty key."""
+
+    __slots__ = (
+        "id",
+        "key",
+        "value",
+        "mamba_slot",
+        "children",
+        "parent",
+        "full_lock_ref",
+        "mamba_lock_ref",
+        "last_access",
+        "mamba_last_access",
+        "removed",
+    )
+
+    def __init__(self, node_id: int, key: tuple[int, ...], value: torch.Tensor, parent: "TreeNode | None") -> None:
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.mamba_slot: int | None = None
+        self.children: dict = {}
+        self.parent = parent
+        self.full_lock_ref = 0
+        self.mamba_lock_ref = 0
+        self.last_access = 0
+        self.mamba_last_access = 0
+        self.removed = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.removed
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def is_tombstone(self) -> bool:
+        """Non-root internal node without a Mamba state (keeps KV for its children)."""
+        return self.parent is not None and bool(self.children) and self.mamba_slot is None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, mamba={self.mamba_slot}, "
+            f"locks={self.full_lock_ref}/{self.mamba_lock_ref}, children={len(self.children)})"
+        )
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Answer of :meth:`HybridRadixCache.match_prefix`.
+
+    Attributes:
+        kv_indices: KV slots of the hit (CPU int64, ``prefix_len`` long), owned by the tree.
+        prefix_len: length of the hybrid hit: the longest matched prefix whose end has a Mamba
+            state (page-aligned); 0 when there is none.
+        last_node: node where the hit ends (the root when ``prefix_len == 0``); the request
+            locks it (:meth:`~HybridRadixCache.inc_lock_ref`) and hands it back to
+            ``cache_finished_req`` / ``cache_unfinished_req``.
+        mamba_node: ``last_node`` when it holds the hit's Mamba state, else ``None`` (no hit).
+        kv_match_len: tokens whose KV the tree holds (>= ``prefix_len``; the tokens between
+            the two have KV but no state at their end and are recomputed).
+        branching_len: where the request should checkpoint its state so the KV-only part
+            becomes reusable: the last ``mamba_align`` boundary after ``prefix_len`` not beyond
+            ``kv_match_len`` (and on a page), or ``None`` (seed 003 §3.2).
+    """
+
+    kv_indices: torch.Tensor
+    prefix_len: int
+    last_node: TreeNode
+    mamba_node: TreeNode | None
+    kv_match_len: int
+    branching_len: int | None
+
+
+@dataclass(frozen=True)
+class UnfinishedCacheResult:
+    """Answer of :meth:`HybridRadixCache.cache_unfinished_req`.
+
+    Attributes:
+        kv_indices: the KV slots the request must use for its first ``prefix_len`` tokens from
+            now on (the tree's; the request's duplicates were freed).
+        last_node: the node the request now holds a lock on (the old one was unlocked).
+        prefix_len: tokens of the request now in the tree and locked for it.
+        cached_before: how many of them the tree already held before the call.
+        inserted: False when nothing was cached (no Mamba slot could be found for the state):
+            then ``kv_indices`` / ``last_node`` are what the request passed in.
+    """
+
+    kv_indices: torch.Tensor
+    last_node: TreeNode
+    prefix_len: int
+    cached_before: int
+    inserted: bool
+
+
+class HybridRadixCache:
+    """Prefix cache over token ids for a hybrid model, on the pools of one engine.
+
+    Args:
+        pools: the engine's :class:`~hybrid_compile.memory.MemoryPools`; KV token slots come
+            from ``pools.kv.allocator`` (its ``page_size`` is the tree's), Mamba slots from
+            ``pools.mamba``.
+        mamba_align: the SSM kernel's chunk size (64 for the GDN chunk kernel): the
+            granularity of checkpoints (:meth:`checkpoint_len`, :attr:`MatchResult.branching_len`).
+
+    Token ids are any sequence of ints (or a 1-D integer tensor). Sequences given to
+    :meth:`insert` and :meth:`cache_unfinished_req` must be a whole number of pages.
+    """
+
+    def __init__(self, pools: MemoryPools, *, mamba_align: int = 64) -> None:
+        if mamba_align < 1:
+            raise ValueError(f"HybridRadixCache: mamba_align must be >= 1, got {mamba_align}")
+        self.pools = pools
+        self.kv_allocator = pools.kv.allocator
+        self.mamba_pool = pools.mamba
+        self.page_size = self.kv_allocator.page_size
+        self.mamba_align = mamba_align
+        self._node_ids = itertools.count()
+        # Which slots the tree owns (host masks, for validation and exact accounting).
+        self._kv_owned = torch.zeros(self.kv_allocator.num_slots, dtype=torch.bool)
+        self._mamba_owned = torch.zeros(self.mamba_pool.total(), dtype=torch.bool)
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self.root = TreeNode(next(self._node_ids), (), _NO_SLOTS, None)
+        self._clock = 0
+        self._num_nodes = 0  # non-root nodes
+        self._cached_tokens = 0
+        self._protected_tokens = 0  # tokens of nodes with full_lock_ref > 0
+        self._mamba_held = 0
+        self._mamba_protected = 0  # Mamba states with mamba_lock_ref > 0
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "hit_tokens",
+                "kv_match_tokens",
+                "mamba_hits",
+                "inserted_tokens",
+                "inserted_mamba",
+                "duplicate_tokens_freed",
+                "duplicate_mamba_freed",
+                "kv_evicted_tokens",
+                "kv_evicted_nodes",
+                "kv_evicted_mamba",
+                "mamba_evicted",
+                "mamba_evicted_tokens",
+                "tombstones_created",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------------------------
+    # small helpers
+    # ------------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _as_key(self, token_ids: TokenIds) -> tuple[int, ...]:
+        if isinstance(token_ids, torch.Tensor):
+            return tuple(token_ids.reshape(-1).tolist())
+        return tuple(int(t) for t in token_ids)
+
+    def _child_key(self, key: tuple[int, ...], pos: int = 0):
+        """Children-dict key of the edge starting at ``key[pos]`` (None: less than a page left)."""
+        if self.page_size == 1:
+            return key[pos] if pos < len(key) else None
+        if len(key) - pos < self.page_size:
+            return None
+        return key[pos : pos + self.page_size]
+
+    def _common_len(self, edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+        """Length of the common prefix of ``edge`` and ``key[pos:]``, floored to whole pages."""
+        n = min(len(edge), len(key) - pos)
+        if edge[:n] == key[pos : pos + n]:
+            common = n
+        else:
+            common = next(i for i in range(n) if edge[i] != key[pos + i])
+        return common - common % self.page_size
+
+    def page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _check_attached(self, node: TreeNode) -> None:
+        if node.removed:
+            raise ValueError(f"{node!r} was removed from the tree (evicted or reset)")
+
+    def _check_locked(self, node: TreeNode) -> None:
+        """A request's ``last_node``: attached, and the root or locked (by the request)."""
+        self._check_attached(node)
+        if node is not self.root and node.mamba_lock_ref <= 0:
+            raise ValueError(f"{node!r} is not locked: pass the node the request locked")
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """Nodes from the root's child down to ``node`` (empty for the root)."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def path_kv_indices(self, node: TreeNode) -> torch.Tensor:
+        """KV slots of the whole prefix ending at ``node`` (CPU int64)."""
+        self._check_attached(node)
+        path = self._path(node)
+        return torch.cat([n.value for n in path]) if path else _NO_SLOTS.clone()
+
+    def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
+        """Token ids of the whole prefix ending at ``node``."""
+        self._check_attached(node)
+        return tuple(t for n in self._path(node) for t in n.key)
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def checkpoint_len(self, prefix_len: int, extend_len: int, branching_len: int | None = None) -> int | None:
+        """:func:`aligned_checkpoint_len` with this cache's ``mamba_align`` and page size."""
+        return aligned_checkpoint_len(
+            prefix_len, extend_len, mamba_align=self.mamba_align, page_size=self.page_size, branching_len=branching_len
+        )
+
+    # ------------------------------------------------------------------------------------
+    # structure
+    # ------------------------------------------------------------------------------------
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut ``child``'s edge after ``k`` tokens: a new KV-only parent takes the first ``k``."""
+        assert 0 < k < len(child.key) and k % self.page_size == 0
+        parent = child.parent
+        mid = TreeNode(next(self._node_ids), child.key[:k], child.value[:k].clone(), parent)
+        mid.full_lock_ref = child.full_lock_ref  # every lock through child passes through mid
+        mid.last_access = child.last_access
+        mid.mamba_last_access = child.mamba_last_access
+        child.key = child.key[k:]
+        child.value = child.value[k:].clone()
+        child.parent = mid
+        mid.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(mid.key)] = mid
+        self._num_nodes += 1
+        return mid
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, mamba_slot: int) -> TreeNode:
+        node = TreeNode(next(self._node_ids), key, value.clone(), parent)
+        parent.children[self._child_key(key)] = node
+        self._kv_owned[value] = True
+        self._cached_tokens += len(key)
+        self._num_nodes += 1
+        self._set_mamba(node, mamba_slot)
+        self._counters["inserted_tokens"] += len(key)
+        return node
+
+    def _set_mamba(self, node: TreeNode, slot: int) -> None:
+        node.mamba_slot = int(slot)
+        self._mamba_owned[slot] = True
+        self._mamba_held += 1
+        self._counters["inserted_mamba"] += 1
+
+    def _drop_mamba(self, node: TreeNode) -> None:
+        """Free a node's (unlocked) Mamba state."""
+        assert node.mamba_lock_ref == 0 and node.mamba_slot is not None
+        self.mamba_pool.free([node.mamba_slot])
+        self._mamba_owned[node.mamba_slot] = False
+        node.mamba_slot = None
+        self._mamba_held -= 1
+
+    def _remove_leaf(self, node: TreeNode) -> tuple[int, int]:
+        """Remove an unlocked leaf, freeing its KV and state; returns (tokens, states) freed."""
+        assert node.is_leaf and node.full_lock_ref == 0 and node.parent is not None
+        freed_states = 0
+        if node.mamba_slot is not None:
+            self._drop_mamba(node)
+            freed_states = 1
+        if node.value.numel():
+            self.kv_allocator.free(node.value)
+            self._kv_owned[node.value] = False
+        tokens = len(node.key)
+        self._cached_tokens -= tokens
+        self._num_nodes -= 1
+        del node.parent.children[self._child_key(node.key)]
+        node.parent = None
+        node.removed = True
+        node.value = _NO_SLOTS
+        return tokens, freed_states
+
+    def _prune_stateless_leaves(self, node: TreeNode) -> tuple[int, TreeNode]:
+        """Remove ``node`` and its ancestors while each is an unlocked non-root leaf without a
+        state (a tombstone left childless); returns the tokens freed and the first node kept."""
+        freed = 0
+        while node.parent is not None and node.is_leaf and node.mamba_slot is None and node.full_lock_ref == 0:
+            parent = node.parent
+            freed += self._remove_leaf(node)[0]
+            node = parent
+        return freed, node
+
+    # ------------------------------------------------------------------------------------
+    # locks
+    # ------------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock ``node``'s Mamba state and the KV of its path to the root (no-op on the root).
+
+        Only the root or a node holding a state can be locked (what :meth:`match_prefix` and
+        :meth:`cache_unfinished_req` hand out), so every lock is undone by :meth:`dec_lock_ref`.
+        """
+        self._check_attached(node)
+        if node is self.root:
+            return
+        if node.mamba_slot is None:
+            raise ValueError(f"cannot lock {node!r}: it holds no Mamba state (lock the node of a hit)")
+        if node.mamba_lock_ref == 0:
+            self._mamba_protected += 1
+        node.mamba_lock_ref += 1
+        while node.parent is not None:
+            if node.full_lock_ref == 0:
+                self._protected_tokens += len(node.key)
+            node.full_lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref` of ``node``."""
+        self._check_attached(node)
+        if node is self.root:
+            return
+        if node.mamba_lock_ref <= 0:
+            raise ValueError(f"cannot unlock {node!r}: it is not locked")
+        node.mamba_lock_ref -= 1
+        if node.mamba_lock_ref == 0:
+            self._mamba_protected -= 1
+        while node.parent is not None:
+            node.full_lock_ref -= 1
+            if node.full_lock_ref == 0:
+                self._protected_tokens -= len(node.key)
+            node = node.parent
+
+    # ------------------------------------------------------------------------------------
+    # match
+    # ------------------------------------------------------------------------------------
+    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` whose end has a Mamba state (see
+        :class:`MatchResult`). A match ending inside an edge splits it there (the new parent
+        holds KV only), so the branch point becomes a node. Marks the hit path as recently used.
+
+        The caller limits ``token_ids`` to what may be skipped (a request must compute at
+        least its last prompt token: pass ``prompt[:-1]``), and locks ``last_node`` before
+        anything can evict (:meth:`inc_lock_ref`).
+        """
+        key = self._as_key(token_ids)
+        node, pos = self.root, 0
+        values: list[torch.Tensor] = []
+        best, best_pos, best_values = self.root, 0, 0
+        while True:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            if common < len(child.key):
+                child = self._split(child, common)
+            values.append(child.value)
+            pos += common
+            node = child
+            if child.mamba_slot is not None:
+                best, best_pos, best_values = child, pos, len(values)
+        now = self._tick()
+        for n in self._path(best):
+            n.last_access = now
+        if best is not self.root:
+            best.mamba_last_access = now
+        kv = torch.cat(values[:best_values]) if best_values else _NO_SLOTS.clone()
+        branching = None
+        if pos > best_pos:
+            branching = last_aligned_boundary(best_pos, pos, self.mamba_align, self.page_size)
+        c = self._counters
+        c["lookups"] += 1
+        c["kv_match_tokens"] += pos
+        if best_pos:
+            c["hits"] += 1
+            c["hit_tokens"] += best_pos
+        return MatchResult(
+            kv_indices=kv,
+            prefix_len=best_pos,
+            last_node=best,
+            mamba_node=None if best is self.root else best,
+            kv_match_len=pos,
+            branching_len=branching,
+        )
+
+    def _alloc_mamba_slot(self, protect: TreeNode | None) -> int | None:
+        """One fresh (zeroed) Mamba slot, evicting one cached state if the pool is full while
+        ``protect`` (the state about to be copied) stays locked; ``None`` if none can be had."""
+        slots = self.mamba_pool.alloc(1)
+        if slots is None:
+            if protect is not None:
+                self.inc_lock_ref(protect)
+            try:
+                self.evict_mamba(1)
+            finally:
+                if protect is not None:
+                    self.dec_lock_ref(protect)
+            slots = self.mamba_pool.alloc(1)
+        return None if slots is None else int(slots[0])
+
+    def cow_mamba(self, match: MatchResult, dst_slot: int | None = None) -> int | None:
+        """Copy-on-write of a hit's Mamba state into the request's private slot.
+
+        With ``dst_slot`` (a slot the request owns, e.g. from ``req_to_token.alloc``) the hit's
+        state is copied into it. Without, a fresh slot is allocated (evicting one cached state
+        if the pool is full) and returned; ``None`` if no slot can be had. With no hit
+        (``match.mamba_node is None``) nothing is copied: ``dst_slot`` is returned as is, or a
+        fresh zeroed slot (the state of the empty prefix).
+        """
+        node = match.mamba_node
+        if node is not None:
+            self._check_attached(node)
+            if node.mamba_slot is None:
+                raise RuntimeError(f"the state of {node!r} was evicted since the match: lock the node first")
+        if dst_slot is None:
+            dst = self._alloc_mamba_slot(protect=node)
+            if dst is None:
+                return None
+        else:
+            dst = int(dst_slot)
+            self.mamba_pool.allocator.check_allocated(dst, action="copy a cached state into")
+            if bool(self._mamba_owned[dst]):
+                raise ValueError(f"Mamba slot {dst} belongs to the prefix cache, not to a request")
+        if node is not None:
+            self.mamba_pool.copy_slots([node.mamba_slot], [dst])
+            node.mamba_last_access = self._tick()
+            self._counters["mamba_hits"] += 1
+        return dst
+
+    # ------------------------------------------------------------------------------------
+    # insert
+    # ------------------------------------------------------------------------------------
+    def _walk(self, key: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+        """Read-only: tokens of ``key`` whose KV the tree holds (page-floored) and their slots."""
+        node, pos = self.root, 0
+        values: list[torch.Tensor] = []
+        while True:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, key, pos)
+            values.append(child.value[:common])
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos, (torch.cat(values) if values else _NO_SLOTS.clone())
+
+    def _validate_request_kv(self, key: tuple[int, ...], kv: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Check a request's KV slots for ``key`` before the tree takes them: each is the tree's
+        own slot for that position, or allocated, not the tree's and named once. Returns the
+        tree's matched length and a mask of the request's own slots among the first ones."""
+        if kv.numel() != len(key):
+            raise ValueError(f"{len(key)} token ids but {kv.numel()} KV slots")
+        matched, tree_kv = self._walk(key)
+        own = torch.ones(len(key), dtype=torch.bool)
+        own[:matched] = kv[:matched] != tree_kv
+        own_slots = kv[own]
+        if own_slots.numel():
+            allocated = self.kv_allocator.is_allocated(own_slots)  # raises on out-of-range slots
+            if not bool(allocated.all()):
+                raise ValueError(f"KV slot(s) {own_slots[~allocated][:8].tolist()} are not allocated")
+            if bool(self._kv_owned[own_slots].any()):
+                bad = own_slots[self._kv_owned[own_slots]][:8].tolist()
+                raise ValueError(f"KV slot(s) {bad} belong to the prefix cache at other positions")
+            if own_slots.numel() > 1 and torch.unique(own_slots).numel() != own_slots.numel():
+                raise ValueError("KV slots named more than once")
+        return matched, own[:matched]
+
+    def _check_page_layout(self, kv: torch.Tensor) -> None:
+        ps = self.page_size
+        if ps == 1 or kv.numel() == 0:
+            return
+        pages = kv.view(-1, ps)
+        if bool((pages[:, 0] % ps != 0).any()) or bool((pages - pages[:, :1] != torch.arange(ps)).any()):
+            raise ValueError(f"KV slots must fill whole pages in order (page_size={ps})")
+
+    def _check_state_slot(self, slot: int) -> int:
+        slot = int(slot)
+        self.mamba_pool.allocator.check_allocated(slot, action="cache")
+        if bool(self._mamba_owned[slot]):
+            raise ValueError(f"Mamba slot {slot} already belongs to the prefix cache")
+        return slot
+
+    def _free_request_kv(self, kv: torch.Tensor) -> int:
+        """Free the slots among ``kv`` that the tree does not own; returns how many."""
+        own = kv[~self._kv_owned[kv]] if kv.numel() else kv
+        if own.numel():
+            self.kv_allocator.free(own)
+        return own.numel()
+
+    def _insert_checked(
+        self, key: tuple[int, ...], kv: torch.Tensor, mamba_slot: int | None, matched: int, dup: torch.Tensor
+    ) -> tuple[int, TreeNode | None]:
+        """Insert validated input; returns (tokens already cached, node ending at ``len(key)``
+        or ``None`` when nothing holds a state there)."""
+        now = self._tick()
+        dup_slots = kv[:matched][dup]
+        if dup_slots.numel():
+            self.kv_allocator.free(dup_slots)
+            self._counters["duplicate_tokens_freed"] += dup_slots.numel()
+        if mamba_slot is None:
+            # KV without a state at its end can never be a hit: keep nothing new.
+            self._free_request_kv(kv[matched:])
+            return matched, None
+        node, pos = self.root, 0
+        while pos < matched:
+            child = node.children[self._child_key(key, pos)]
+            common = min(len(child.key), matched - pos)
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            pos += common
+            node = child
+        if matched < len(key):
+            end = self._add_leaf(node, key[matched:], kv[matched:], mamba_slot)
+        elif node is self.root:
+            self.mamba_pool.free([mamba_slot])  # empty sequence: nothing to cache
+            return 0, None
+        elif node.mamba_slot is None:
+            self._set_mamba(node, mamba_slot)
+            end = node
+        else:
+            self.mamba_pool.free([mamba_slot])
+            self._counters["duplicate_mamba_freed"] += 1
+            end = node
+        end.last_access = now
+        end.mamba_last_access = now
+        return matched, end
+
+    def _prepare(self, token_ids: TokenIds, kv_indices: IndexLike) -> tuple[tuple[int, ...], torch.Tensor]:
+        key = self._as_key(token_ids)
+        kv = as_index_tensor(kv_indices)
+        if kv.numel() != len(key):
+            raise ValueError(f"{len(key)} token ids but {kv.numel()} KV slots")
+        return key, kv
+
+    def insert(self, token_ids: TokenIds, kv_indices: IndexLike, mamba_slot: int | None = None) -> int:
+        """Cache a sequence (``cache_finished_req`` semantics); returns how many of its tokens
+        the tree already held.
+
+        Ownership of every slot passes to the tree: KV slots of tokens it already holds are
+        freed (unless they are its own slots, i.e. the request's matched prefix), new tokens
+        are adopted as a new leaf whose state is ``mamba_slot`` (the state after the last
+        token). If the sequence ends at an existing node, ``mamba_slot`` becomes its state
+        (a tombstone revives) or is freed if it has one. Without ``mamba_slot`` new tokens are
+        freed, since KV with no state at its end can never be a hybrid hit.
+
+        ``len(token_ids)`` must be a whole number of pages.
+        """
+        key, kv = self._prepare(token_ids, kv_indices)
+        if len(key) % self.page_size:
+            raise ValueError(f"insert: {len(key)} tokens is not a whole number of pages (page_size={self.page_size})")
+        matched, dup = self._validate_request_kv(key, kv)
+        self._check_page_layout(kv[matched:])
+        if mamba_slot is not None:
+            mamba_slot = self._check_state_slot(mamba_slot)
+        return self._insert_checked(key, kv, mamba_slot, matched, dup)[0]
+
+    def cache_finished_req(
+        self,
+        token_ids: TokenIds,
+        kv_indices: IndexLike,
+        last_node: TreeNode,
+        mamba_slot: int | None = None,
+        *,
+        mamba_len: int | None = None,
+    ) -> int:
+        """A request is done: cache what it computed, free the rest, drop its lock.
+
+        Args:
+            token_ids, kv_indices: every token the request has KV for (``prompt + output[:-1]``)
+                and its slots, the matched prefix (the tree's slots) included.
+            last_node: the node the request locked (``match.last_node`` or the last
+                ``cache_unfinished_req`` result's).
+            mamba_slot: a slot (owned by the request, handed over here) holding the state after
+                the first ``mamba_len`` tokens (default: all of them), or ``None``.
+
+        The first ``mamba_len`` tokens are inserted with the state (see :meth:`insert`); a
+        state at length 0 or at a length that is not a whole number of pages cannot be kept
+        and is freed (then only duplicates of cached KV are resolved).
+        Every other slot is freed. Returns the tokens the tree already held. Afterwards the
+        request owns no KV slot and no Mamba slot (free its request slot with
+        ``free_mamba=False``).
+        """
+        key, kv = self._prepare(token_ids, kv_indices)
+        self._check_locked(last_node)
+        cache_len = len(key) if mamba_len is None else int(mamba_len)
+        if not 0 <= cache_len <= len(key):
+            raise ValueError(f"mamba_len ({cache_len}) must lie in [0, {len(key)}]")
+        if mamba_slot is not None:
+            mamba_slot = self._check_state_slot(mamba_slot)
+        keep_state = mamba_slot is not None and cache_len > 0 and cache_len % self.page_size == 0
+        if not keep_state:
+            cache_len = self.page_floor(len(key))
+        self._validate_request_kv(key, kv)
+        matched, dup = self._validate_request_kv(key[:cache_len], kv[:cache_len])
+        self._check_page_layout(kv[matched:cache_len])
+        # validated: from here on nothing raises
+        if mamba_slot is not None and not keep_state:
+            self.mamba_pool.free([mamba_slot])
+        state = mamba_slot if keep_state else None
+        cached, _ = self._insert_checked(key[:cache_len], kv[:cache_len], state, matched, dup)
+        self._free_request_kv(kv[cache_len:])
+        self.dec_lock_ref(last_node)
+        return cached
+
+    def cache_unfinished_req(
+        self,
+        token_ids: TokenIds,
+        kv_indices: IndexLike,
+        last_node: TreeNode,
+        mamba_slot: int,
+        *,
+        adopt_mamba: bool = False,
+    ) -> UnfinishedCacheResult:
+        """Cache the computed prefix of a running request (chunked prefill) and move its lock.
+
+        Args:
+            token_ids, kv_indices: the prefix to cache (a whole number of pages) and the
+                request's slots for it; the request keeps its slots beyond it.
+            last_node: the node the request holds a lock on.
+            mamba_slot: a slot holding the state after exactly ``token_ids``. By default it is
+                the request's working slot and is forked (copied into a fresh slot for the
+                tree, evicting one cached state if the pool is full); with ``adopt_mamba=True``
+                it is a checkpoint slot (from chunk-boundary tracking) handed over to the tree.
+
+        The request's duplicates of cached KV are freed: it must switch to the returned
+        ``kv_indices`` (write them into ``req_to_token``) and keep the returned ``last_node``
+        for the next call or :meth:`cache_finished_req`.
+        """
+        key, kv = self._prepare(token_ids, kv_indices)
+        self._check_locked(last_node)
+        if len(key) % self.page_size:
+            raise ValueError(
+                f"cache_unfinished_req: {len(key)} tokens is not a whole number of pages (page_size={self.page_size})"
+            )
+        locked_len = sum(len(n.key) for n in self._path(last_node))
+        if len(key) < locked_len:
+            raise ValueError(
+                f"cache_unfinished_req: {len(key)} tokens is shorter than the request's locked prefix ({locked_len})"
+            )
+        unchanged = UnfinishedCacheResult(kv, last_node, locked_len, 0, False)
+        if not key:
+            if adopt_mamba:
+                self.mamba_pool.free([self._check_state_slot(mamba_slot)])
+            return unchanged
+        if adopt_mamba:
+            state = self._check_state_slot(mamba_slot)
+        else:
+            self.mamba_pool.allocator.check_allocated(int(mamba_slot), action="fork")
+            state = self._alloc_mamba_slot(protect=None if last_node is self.root else last_node)
+            if state is None:
+                return unchanged
+            self.mamba_pool.copy_slots([int(mamba_slot)], [state])
+        try:
+            matched, dup = self._validate_request_kv(key, kv)
+            self._check_page_layout(kv[matched:])
+        except ValueError:
+            if not adopt_mamba:
+                self.mamba_pool.free([state])
+            raise
+        cached, end = self._insert_checked(key, kv, state, matched, dup)
+        assert end is not None
+        if end is not last_node:
+            self.inc_lock_ref(end)
+            self.dec_lock_ref(last_node)
+        return UnfinishedCacheResult(self.path_kv_indices(end), end, len(key), cached, True)
+
+    # ------------------------------------------------------------------------------------
+    # eviction
+    # ------------------------------------------------------------------------------------
+    def kv_eviction_priority(self, node: TreeNode):
+        """Sort key of a leaf for :meth:`evict_kv` (lowest first): its last access (LRU)."""
+        return node.last_access
+
+    def mamba_eviction_priority(self, node: TreeNode):
+        """Sort key of a state for :meth:`evict_mamba` (lowest first): its last use (LRU)."""
+        return node.mamba_last_access
+
+    def _kv_evictable(self, node: TreeNode) -> bool:
+        return not node.removed and node.parent is not None and node.is_leaf and node.full_lock_ref == 0
+
+    def _mamba_evictable(self, node: TreeNode) -> bool:
+        if node.removed or node.mamba_slot is None or node.mamba_lock_ref:
+            return False
+        return bool(node.children) or node.full_lock_ref == 0
+
+    def kv_eviction_order(self) -> list[TreeNode]:
+        """The leaves :meth:`evict_kv` may remove now, first victim first (the KV LRU list)."""
+        eligible = [n for n in self.nodes() if self._kv_evictable(n)]
+        return sorted(eligible, key=lambda n: (self.kv_eviction_priority(n), n.id))
+
+    def mamba_eviction_order(self) -> list[TreeNode]:
+        """The nodes whose state :meth:`evict_mamba` may free now, first victim first (the
+        Mamba LRU list)."""
+        eligible = [n for n in self.nodes() if self._mamba_evictable(n)]
+        return sorted(eligible, key=lambda n: (self.mamba_eviction_priority(n), n.id))
+
+    def evict_kv(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` KV slots if possible by removing unlocked leaves (KV
+        and state) in LRU order; a parent left as a leaf becomes a candidate (removed at once
+        if it is a tombstone). Returns the KV tokens freed."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(self.kv_eviction_priority(n), n.id, n) for n in self.nodes() if self._kv_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        c = self._counters
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            if not self._kv_evictable(leaf):
+                continue
+            parent = leaf.parent
+            tokens, states = self._remove_leaf(leaf)
+            freed += tokens
+            c["kv_evicted_nodes"] += 1
+            c["kv_evicted_mamba"] += states
+            pruned, kept = self._prune_stateless_leaves(parent)
+            freed += pruned
+            if self._kv_evictable(kept):  # a leaf now: the next candidate in its turn
+                heapq.heappush(heap, (self.kv_eviction_priority(kept), kept.id, kept))
+        c["kv_evicted_tokens"] += freed
+        return freed
+
+    def evict_mamba(self, num_slots: int) -> int:
+        """Free at least ``num_slots`` cached states if possible, in LRU order of use: an
+        internal node becomes a tombstone (its KV stays for its children); a leaf is removed
+        with its KV (and so are tombstone ancestors it leaves childless). Returns states freed."""
+        if num_slots <= 0:
+            return 0
+        heap = [(self.mamba_eviction_priority(n), n.id, n) for n in self.nodes() if self._mamba_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        c = self._counters
+        while freed < num_slots and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._mamba_evictable(node):
+                continue
+            if node.children:
+                self._drop_mamba(node)
+                c["tombstones_created"] += 1
+            else:
+                parent = node.parent
+                tokens = self._remove_leaf(node)[0]
+                tokens += self._prune_stateless_leaves(parent)[0]
+                c["mamba_evicted_tokens"] += tokens
+            freed += 1
+        c["mamba_evicted"] += freed
+        return freed
+
+    def ensure_free(self, kv_tokens: int = 0, mamba_slots: int = 0) -> bool:
+        """Evict until the KV allocator has ``kv_tokens`` free slots (count whole pages:
+        ``pages * page_size``) and the Mamba pool ``mamba_slots`` free slots; True if both
+        hold afterwards (the scheduler's proactive eviction before allocating)."""
+        short = kv_tokens - self.kv_allocator.available()
+        if short > 0:
+            self.evict_kv(short)
+        short = mamba_slots - self.mamba_pool.available()
+        if short > 0:
+            self.evict_mamba(short)
+        return self.kv_allocator.available() >= kv_tokens and self.mamba_pool.available() >= mamba_slots
+
+    # ------------------------------------------------------------------------------------
+    # accounting
+    # ------------------------------------------------------------------------------------
+    def cached_tokens(self) -> int:
+        """KV tokens held by the tree."""
+        return self._cached_tokens
+
+    def evictable_size(self) -> int:
+        """KV tokens :meth:`evict_kv` could free now (all unlocked nodes)."""
+        return self._cached_tokens - self._protected_tokens
+
+    def protected_size(self) -> int:
+        """KV tokens locked by running requests."""
+        return self._protected_tokens
+
+    def mamba_size(self) -> int:
+        """Mamba slots held by the tree."""
+        return self._mamba_held
+
+    def mamba_evictable_size(self) -> int:
+        """Cached states :meth:`evict_mamba` could free now."""
+        return self._mamba_held - self._mamba_protected
+
+    def mamba_protected_size(self) -> int:
+        return self._mamba_protected
+
+    def stats(self) -> dict:
+        """Tree size, lock totals and counters since construction / :meth:`reset`."""
+        nodes = list(self.nodes())
+        return {
+            "page_size": self.page_size,
+            "mamba_align": self.mamba_align,
+            "cached_tokens": self._cached_tokens,
+            "nodes": len(nodes),
+            "leaves": sum(1 for n in nodes if n.is_leaf),
+            "tombstones": sum(1 for n in nodes if n.is_tombstone),
+            "mamba_slots": self._mamba_held,
+            "evictable_tokens": self.evictable_size(),
+            "protected_tokens": self._protected_tokens,
+            "evictable_mamba_slots": self.mamba_evictable_size(),
+            "protected_mamba_slots": self._mamba_protected,
+            "kv_bytes": self._cached_tokens * self.pools.kv.bytes_per_token,
+            "mamba_bytes": self._mamba_held * self.mamba_pool.bytes_per_slot,
+            **self._counters,
+        }
+
+    def reset(self, *, force: bool = False) -> None:
+        """Free every slot the tree holds and empty it (counters too). Raises RuntimeError while
+        a node is locked unless ``force`` (the lockers' nodes become invalid)."""
+        if self._protected_tokens and not force:
+            raise RuntimeError(f"reset: {self._protected_tokens} cached tokens are locked by running requests")
+        kv = [n.value for n in self.nodes()]
+        states = [n.mamba_slot for n in self.nodes() if n.mamba_slot is not None]
+        for n in self.nodes():
+            n.removed = True
+        if kv:
+            self.kv_allocator.free(torch.cat(kv))
+        if states:
+            self.mamba_pool.free(states)
+        self._kv_owned.zero_()
+        self._mamba_owned.zero_()
+        self._init_tree()
+
+    def check_invariants(self) -> None:
+        """Walk the whole tree and raise AssertionError on any broken invariant: structure,
+        page alignment, locks (``full == mamba + sum(children.full)``, so ``full >= mamba``),
+        every non-root leaf holds a state, ownership masks and pool allocation, counters."""
+        ps = self.page_size
+        assert self.root.mamba_slot is None and self.root.full_lock_ref == 0 and self.root.mamba_lock_ref == 0
+        kv_parts, states = [], []
+        tokens = protected = mamba_protected = count = 0
+        for node in self.nodes():
+            count += 1
+            assert not node.removed and node.parent is not None
+            assert node.parent.children.get(self._child_key(node.key)) is node, f"{node!r}: bad child key"
+            assert len(node.key) > 0 and len(node.key) % ps == 0, f"{node!r}: edge not whole pages"
+            assert node.value.dtype == torch.int64 and node.value.numel() == len(node.key)
+            for ck, child in node.children.items():
+                assert child.parent is node and self._child_key(child.key) == ck
+            children_full = sum(ch.full_lock_ref for ch in node.children.values())
+            assert node.mamba_lock_ref >= 0
+            assert node.full_lock_ref == node.mamba_lock_ref + children_full, f"{node!r}: lock counts"
+            if node.mamba_slot is None:
+                assert node.mamba_lock_ref == 0
+                assert node.children, f"{node!r}: a leaf without a Mamba state"
+            else:
+                states.append(node.mamba_slot)
+                mamba_protected += node.mamba_lock_ref > 0
+            self._check_page_layout(node.value)
+            kv_parts.append(node.value)
+            tokens += len(node.key)
+            protected += len(node.key) if node.full_lock_ref else 0
+        kv = torch.cat(kv_parts) if kv_parts else _NO_SLOTS
+        assert torch.unique(kv).numel() == kv.numel(), "a KV slot is in two nodes"
+        assert bool(self.kv_allocator.is_allocated(kv).all()), "the tree holds a freed KV slot"
+        mask = torch.zeros_like(self._kv_owned)
+        mask[kv] = True
+        assert torch.equal(mask, self._kv_owned), "KV ownership mask out of step"
+        assert len(set(states)) == len(states), "a Mamba slot is in two nodes"
+        if states:
+            assert bool(self.mamba_pool.allocator.is_allocated(states).all()), "the tree holds a freed Mamba slot"
+        mmask = torch.zeros_like(self._mamba_owned)
+        mmask[torch.tensor(states, dtype=torch.int64)] = True
+        assert torch.equal(mmask, self._mamba_owned), "Mamba ownership mask out of step"
+        assert (count, tokens, protected) == (self._num_nodes, self._cached_tokens, self._protected_tokens)
+        assert (len(states), mamba_protected) == (self._mamba_held, self._mamba_protected)
+
+
+__all__ = [
+    "HybridRadixCache",
+    "MatchResult",
+    "TreeNode",
+    "UnfinishedCacheResult",
+    "aligned_checkpoint_len",
+    "last_aligned_boundary",
+]

@@ -1,0 +1,725 @@
+"""Tests of hybrid_compile.cache: the hybrid radix tree (KV + Mamba states) on real pools.
+
+Every test runs on a tiny :class:`MemoryPools` (one attention layer, one linear layer). The
+harness records which token each KV slot holds (``slot_token``) and stamps every Mamba state
+with the id of the prefix it belongs to, so a test can check that a hit's KV slots hold
+exactly the hit's tokens and that its state is exactly the state of that prefix. The random
+test drives request lifecycles (match, lock, copy-on-write, chunked prefill, finish, abort)
+and evictions against a brute-force model (the sets of cached prefixes with KV and with a
+state) and checks every invariant after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybrid_compile.cache import HybridRadixCache, aligned_checkpoint_len, last_aligned_boundary
+from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
+
+ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=2, dtype=torch.float32)]
+LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(1,), conv_dtype=torch.float32)]
+
+
+class Harness:
+    """Pools + cache + ground truth of what every KV slot and Mamba slot holds."""
+
+    def __init__(self, *, page_size: int = 1, kv_tokens: int = 64, mamba_slots: int = 8, mamba_align: int = 4):
+        self.pools = MemoryPools.from_specs(
+            ATTN, LINEAR, max_running_requests=1, max_context_len=page_size * 4,
+            page_size=page_size, max_total_tokens=kv_tokens, mamba_cache_size=mamba_slots,
+        )
+        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align)
+        self.ps = page_size
+        self.alloc = self.pools.kv.allocator
+        self.slot_token = torch.full((self.alloc.num_slots,), -1, dtype=torch.int64)
+        self._ids: dict[tuple, int] = {(): 0}
+
+    # -- ground truth ---------------------------------------------------------------------
+    def prefix_id(self, tokens) -> int:
+        return self._ids.setdefault(tuple(tokens), len(self._ids))
+
+    def write_state(self, slot: int, tokens) -> None:
+        """Stamp a Mamba slot with 'the state after `tokens`' (in the conv window and the SSM state)."""
+        v = float(self.prefix_id(tokens))
+        self.pools.mamba.ssm(0)[slot] = v
+        self.pools.mamba.conv(0)[slot] = v
+
+    def state_of(self, slot: int) -> int:
+        ssm, conv = self.pools.mamba.ssm(0)[slot], self.pools.mamba.conv(0)[slot]
+        assert bool((conv == ssm[0]).all()), "conv window and SSM state of a slot disagree"
+        return int(ssm[0])
+
+    def tokens_at(self, kv: torch.Tensor) -> list[int]:
+        return self.slot_token[kv].tolist()
+
+    # -- a request's own KV -----------------------------------------------------------------
+    def alloc_kv(self, tokens, start: int, evict: bool = True) -> torch.Tensor | None:
+        """Slots for ``tokens[start:]`` (``start`` page-aligned), written with those tokens."""
+        n = len(tokens) - start
+        if evict:
+            self.cache.ensure_free(kv_tokens=self.alloc.pages_needed([start], [n]) * self.ps)
+        kv = self.alloc.alloc_extend([start], [n])
+        if kv is not None:
+            self.slot_token[kv] = torch.tensor(list(tokens[start:]), dtype=torch.int64)
+        return kv
+
+    def new_state(self, tokens) -> int:
+        slot = int(self.pools.mamba.alloc(1)[0])
+        self.write_state(slot, tokens)
+        return slot
+
+    def cache_seq(self, tokens, state_at: int | None = None) -> int:
+        """A whole request: match, lock, copy the hit's state, compute the rest, finish."""
+        tokens = list(tokens)
+        m = self.cache.match_prefix(tokens)
+        self.cache.inc_lock_ref(m.last_node)
+        slot = self.cache.cow_mamba(m)
+        kv = torch.cat([m.kv_indices, self.alloc_kv(tokens, m.prefix_len)])
+        end = len(tokens) if state_at is None else state_at
+        self.write_state(slot, tokens[:end])
+        return self.cache.cache_finished_req(tokens, kv, m.last_node, slot, mamba_len=end)
+
+    # -- tree content ---------------------------------------------------------------------
+    def content(self) -> tuple[set, set]:
+        """(page-aligned prefixes with KV, prefixes with a state) held by the tree, checking
+        on the way that every slot holds the right token / state."""
+        kv_prefixes, state_prefixes = set(), set()
+        for node in self.cache.nodes():
+            path = self.cache.path_tokens(node)
+            start = len(path) - len(node.key)
+            assert self.tokens_at(node.value) == list(node.key)
+            for end in range(start + self.ps, len(path) + 1, self.ps):
+                kv_prefixes.add(path[:end])
+            if node.mamba_slot is not None:
+                state_prefixes.add(path)
+                assert self.state_of(node.mamba_slot) == self.prefix_id(path), "cached state is not its prefix's"
+        return kv_prefixes, state_prefixes
+
+
+def seq(*parts) -> list[int]:
+    out = []
+    for p in parts:
+        out.extend(p)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# checkpoint policy
+# ----------------------------------------------------------------------------------------
+def test_aligned_checkpoint_len_follows_chunk_boundaries_of_the_extend():
+    # seed 003 §6.3.2: prefix 100, extend 210, chunk 64 -> track 192 tokens into the extend
+    assert aligned_checkpoint_len(100, 210, mamba_align=64) == 292
+    assert aligned_checkpoint_len(0, 128, mamba_align=64) == 128  # aligned end: the final state
+    assert aligned_checkpoint_len(0, 63, mamba_align=64) is None  # shorter than a chunk: none
+    assert aligned_checkpoint_len(64, 0, mamba_align=64) is None
+    # a branch point on a chunk boundary of the extend wins over the last boundary
+    assert aligned_checkpoint_len(0, 300, mamba_align=64, branching_len=128) == 128
+    assert aligned_checkpoint_len(0, 300, mamba_align=64, branching_len=100) == 256  # not a boundary
+    assert aligned_checkpoint_len(0, 300, mamba_align=64, branching_len=300) == 256  # not inside
+    # the checkpoint must also end on a KV page: 8 + 8 * k with page 16 -> k odd (40 is skipped)
+    assert aligned_checkpoint_len(8, 32, mamba_align=8, page_size=16) == 32
+    assert aligned_checkpoint_len(10, 250, mamba_align=64, page_size=16) is None  # never on a page
+    assert last_aligned_boundary(8, 72, 64, 16) is None
+    # mamba_align is independent of the page size (a page larger than a chunk too)
+    assert aligned_checkpoint_len(0, 200, mamba_align=64, page_size=128) == 128
+    with pytest.raises(ValueError):
+        aligned_checkpoint_len(-1, 5, mamba_align=64)
+
+
+def test_cache_checkpoint_len_uses_its_alignment_and_page_size():
+    h = Harness(page_size=4, mamba_align=8)
+    assert h.cache.checkpoint_len(4, 21) == 20
+    assert h.cache.checkpoint_len(4, 7) is None
+    with pytest.raises(ValueError):
+        HybridRadixCache(h.pools, mamba_align=0)
+
+
+# ----------------------------------------------------------------------------------------
+# match / insert / split
+# ----------------------------------------------------------------------------------------
+def test_empty_tree_matches_nothing_and_root_locks_are_no_ops():
+    h = Harness()
+    m = h.cache.match_prefix([1, 2, 3])
+    assert (m.prefix_len, m.kv_match_len, m.mamba_node, m.branching_len) == (0, 0, None, None)
+    assert m.last_node is h.cache.root and m.kv_indices.numel() == 0
+    h.cache.inc_lock_ref(m.last_node)
+    h.cache.dec_lock_ref(m.last_node)
+    assert h.cache.protected_size() == 0
+    h.cache.check_invariants()
+
+
+def test_insert_then_match_returns_tree_slots_and_state():
+    h = Harness()
+    tokens = [5, 6, 7, 8, 9]
+    assert h.cache_seq(tokens) == 0
+    m = h.cache.match_prefix(tokens + [1, 2])
+    assert m.prefix_len == 5 and m.kv_match_len == 5 and m.mamba_node is m.last_node
+    assert h.tokens_at(m.kv_indices) == tokens
+    assert h.state_of(m.mamba_node.mamba_slot) == h.prefix_id(tokens)
+    assert h.cache.stats()["hits"] == 1 and h.cache.stats()["hit_tokens"] == 5
+    # the same sequence again: everything is a duplicate; the second state is freed
+    used = h.pools.used_counts()
+    assert h.cache_seq(tokens) == 5
+    assert h.pools.used_counts() == used
+    assert h.cache.stats()["duplicate_mamba_freed"] == 1
+    h.cache.check_invariants()
+
+
+def test_kv_beyond_the_last_state_does_not_count_and_partial_match_splits():
+    h = Harness(mamba_align=2)
+    h.cache_seq([1, 2, 3, 4, 5, 6])
+    m = h.cache.match_prefix([1, 2, 3, 4, 9])  # KV for 4 tokens, but the state is at 6
+    assert (m.prefix_len, m.kv_match_len, m.mamba_node) == (0, 4, None)
+    assert m.branching_len == 4  # checkpoint here and the next such request hits 4 tokens
+    # the match split the edge: new parent [1,2,3,4] holds KV only (a tombstone)
+    nodes = sorted(h.cache.nodes(), key=lambda n: len(n.key))
+    assert [n.key for n in nodes] == [(5, 6), (1, 2, 3, 4)]
+    assert nodes[1].is_tombstone and nodes[1].mamba_slot is None and nodes[0].mamba_slot is not None
+    st = h.cache.stats()
+    assert (st["nodes"], st["tombstones"], st["cached_tokens"], st["mamba_slots"]) == (2, 1, 6, 1)
+    # a checkpoint at the branch point revives the tombstone
+    assert h.cache_seq([1, 2, 3, 4, 9, 9], state_at=4) == 4
+    m = h.cache.match_prefix([1, 2, 3, 4, 7])
+    assert m.prefix_len == 4 and h.state_of(m.mamba_node.mamba_slot) == h.prefix_id([1, 2, 3, 4])
+    assert h.cache.stats()["tombstones"] == 0
+    h.cache.check_invariants()
+    assert h.content()[1] == {(1, 2, 3, 4), (1, 2, 3, 4, 5, 6)}
+
+
+def test_branches_share_the_prefix_node():
+    h = Harness()
+    h.cache_seq([1, 2, 3, 4, 5])
+    h.cache_seq([1, 2, 3, 6, 7])
+    kv_prefixes, states = h.content()
+    assert states == {(1, 2, 3, 4, 5), (1, 2, 3, 6, 7)}
+    assert h.cache.cached_tokens() == 7 and h.pools.used_counts()["kv_tokens"] == 7
+    for tail in ([4, 5], [6, 7]):
+        m = h.cache.match_prefix([1, 2, 3] + tail + [0])
+        assert m.prefix_len == 5 and h.tokens_at(m.kv_indices) == [1, 2, 3] + tail
+    assert h.cache.match_prefix([1, 2, 3]).prefix_len == 0
+    h.cache.check_invariants()
+
+
+def test_insert_without_state_keeps_nothing_new_and_frees_duplicates():
+    h = Harness()
+    h.cache_seq([1, 2, 3])
+    m = h.cache.match_prefix([1, 2, 3])
+    h.cache.inc_lock_ref(m.last_node)
+    own = h.alloc_kv([1, 2, 3, 4, 5], 3)
+    kv = torch.cat([m.kv_indices, own])
+    assert h.cache.cache_finished_req([1, 2, 3, 4, 5], kv, m.last_node, None) == 3
+    assert h.cache.cached_tokens() == 3 and h.pools.used_counts()["kv_tokens"] == 3
+    # plain insert: tokens the tree holds are freed when they are the request's own copies
+    dup = h.alloc_kv([1, 2, 3], 0)
+    assert h.cache.insert([1, 2, 3], dup) == 3
+    assert h.pools.used_counts()["kv_tokens"] == 3
+    h.cache.check_invariants()
+
+
+def test_insert_validates_slots_before_changing_anything():
+    h = Harness()
+    h.cache_seq([1, 2, 3])
+    hit = h.cache.match_prefix([1, 2, 3])
+    tree_kv, tree_state = hit.kv_indices, hit.mamba_node.mamba_slot
+    own = h.alloc_kv([9, 9, 9], 0)
+    slot = h.new_state([9, 9, 9])
+    before = (h.pools.used_counts(), h.cache.stats())
+    with pytest.raises(ValueError, match="other positions"):  # tree slots at the wrong positions
+        h.cache.insert([7, 1, 2, 3], torch.cat([own[:1], tree_kv]), slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        h.cache.insert([7, 7], torch.tensor([60, 61]), slot)
+    with pytest.raises(ValueError, match="more than once"):
+        h.cache.insert([7, 7], own[[0, 0]], slot)
+    with pytest.raises(ValueError, match="token ids but"):
+        h.cache.insert([7, 7], own, slot)
+    with pytest.raises(ValueError, match="already belongs"):
+        h.cache.insert([9, 9, 9], own, tree_state)
+    assert (h.pools.used_counts(), h.cache.stats()) == before
+    h.cache.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------
+# locks
+# ----------------------------------------------------------------------------------------
+def test_locks_cover_the_path_and_keep_full_at_least_mamba():
+    h = Harness()
+    h.cache_seq([1, 2, 3, 4, 5])
+    h.cache_seq([1, 2, 3, 6, 7])
+    h.cache_seq([1, 2, 3], state_at=3)  # the shared node gets a state
+    a = h.cache.match_prefix([1, 2, 3, 4, 5])
+    b = h.cache.match_prefix([1, 2, 3, 6])
+    h.cache.inc_lock_ref(a.last_node)
+    h.cache.inc_lock_ref(b.last_node)
+    shared = b.last_node
+    assert (shared.full_lock_ref, shared.mamba_lock_ref) == (2, 1)
+    assert (a.last_node.full_lock_ref, a.last_node.mamba_lock_ref) == (1, 1)
+    assert h.cache.protected_size() == 5 and h.cache.evictable_size() == 2
+    assert h.cache.mamba_protected_size() == 2 and h.cache.mamba_evictable_size() == 1
+    h.cache.check_invariants()
+    # nothing locked is evicted, whatever is asked
+    assert h.cache.evict_kv(100) == 2
+    assert h.cache.evict_mamba(100) == 0
+    assert h.content()[1] == {(1, 2, 3), (1, 2, 3, 4, 5)}
+    h.cache.dec_lock_ref(a.last_node)
+    h.cache.dec_lock_ref(b.last_node)
+    assert h.cache.protected_size() == 0 and h.cache.mamba_protected_size() == 0
+    with pytest.raises(ValueError, match="not locked"):
+        h.cache.dec_lock_ref(b.last_node)
+    h.cache.check_invariants()
+
+
+def test_tombstones_cannot_be_locked_and_removed_nodes_are_rejected():
+    h = Harness()
+    h.cache_seq([1, 2, 3, 4])
+    h.cache.match_prefix([1, 2, 9])  # split: [1, 2] is a tombstone
+    tomb = next(n for n in h.cache.nodes() if n.is_tombstone)
+    with pytest.raises(ValueError, match="no Mamba state"):
+        h.cache.inc_lock_ref(tomb)
+    leaf = h.cache.match_prefix([1, 2, 3, 4]).last_node
+    h.cache.evict_kv(1)
+    assert leaf.removed and h.cache.stats()["nodes"] == 0  # the tombstone parent went with it
+    with pytest.raises(ValueError, match="removed"):
+        h.cache.inc_lock_ref(leaf)
+
+
+# ----------------------------------------------------------------------------------------
+# eviction
+# ----------------------------------------------------------------------------------------
+def test_evict_kv_takes_lru_leaves_and_prunes_tombstones():
+    h = Harness()
+    h.cache_seq([1, 2, 3, 4])
+    h.cache_seq([1, 2, 5, 6])
+    h.cache_seq([7, 8])
+    h.cache.match_prefix([1, 2, 3, 4])  # [1..4] becomes most recent
+    order = [h.cache.path_tokens(n) for n in h.cache.kv_eviction_order()]
+    assert order == [(1, 2, 5, 6), (7, 8), (1, 2, 3, 4)]  # leaves only, least recent first
+    assert h.cache.evict_kv(1) == 2  # LRU leaf: [1,2,5,6]'s edge [5,6]
+    assert h.content()[1] == {(1, 2, 3, 4), (7, 8)}
+    assert h.cache.evict_kv(1) == 2  # next: [7, 8]
+    assert h.content()[1] == {(1, 2, 3, 4)}
+    # [1,2] is now a tombstone with one child; evicting the child removes it as well
+    assert h.cache.evict_kv(1) == 4
+    assert h.cache.stats()["nodes"] == 0
+    h.pools.check_all_free()
+    st = h.cache.stats()
+    assert (st["kv_evicted_tokens"], st["kv_evicted_nodes"], st["kv_evicted_mamba"]) == (8, 3, 3)
+
+
+def test_evict_kv_frees_parents_that_become_leaves():
+    h = Harness()
+    h.cache_seq([1, 2], state_at=2)
+    h.cache_seq([1, 2, 3, 4])
+    assert h.cache.evict_kv(3) == 4  # the leaf, then its parent (now a leaf)
+    h.pools.check_all_free()
+
+
+def test_evict_mamba_tombstones_internal_nodes_and_removes_leaves():
+    h = Harness()
+    h.cache_seq([1, 2], state_at=2)
+    h.cache_seq([1, 2, 3, 4])
+    h.cache_seq([9, 9])
+    h.cache.match_prefix([9, 9, 1])
+    h.cache.match_prefix([1, 2, 3, 4])  # [1,2,3,4] most recent; [1,2]'s state least recent
+    order = [h.cache.path_tokens(n) for n in h.cache.mamba_eviction_order()]
+    assert order == [(1, 2), (9, 9), (1, 2, 3, 4)]  # internal nodes too
+    assert h.cache.evict_mamba(1) == 1
+    kv_prefixes, states = h.content()
+    assert states == {(1, 2, 3, 4), (9, 9)} and (1, 2) in kv_prefixes  # tombstone keeps its KV
+    assert h.cache.stats()["tombstones"] == 1 and h.cache.stats()["tombstones_created"] == 1
+    assert h.cache.evict_mamba(1) == 1  # leaf [9,9]: removed with its KV
+    assert h.content() == ({(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)}, {(1, 2, 3, 4)})
+    assert h.cache.evict_mamba(1) == 1  # the last leaf goes, and the tombstone above it
+    assert h.cache.stats()["nodes"] == 0 and h.cache.stats()["mamba_evicted_tokens"] == 6
+    h.pools.check_all_free()
+
+
+def test_ensure_free_evicts_for_kv_and_mamba():
+    h = Harness(kv_tokens=8, mamba_slots=3)
+    h.cache_seq([1, 2, 3])
+    h.cache_seq([4, 5, 6])
+    assert h.pools.free_counts()["kv_tokens"] == 2 and h.pools.free_counts()["mamba_slots"] == 1
+    assert h.cache.ensure_free(kv_tokens=4)
+    assert h.pools.free_counts()["kv_tokens"] == 5 and h.cache.cached_tokens() == 3
+    assert h.cache.ensure_free(mamba_slots=3)
+    assert h.cache.stats()["nodes"] == 0
+    assert not h.cache.ensure_free(kv_tokens=9)
+
+
+# ----------------------------------------------------------------------------------------
+# copy-on-write
+# ----------------------------------------------------------------------------------------
+def test_cow_mamba_gives_the_request_a_private_copy():
+    h = Harness()
+    h.cache_seq([1, 2, 3])
+    m = h.cache.match_prefix([1, 2, 3, 4])
+    h.cache.inc_lock_ref(m.last_node)
+    slot = h.cache.cow_mamba(m)
+    assert slot != m.mamba_node.mamba_slot and h.state_of(slot) == h.prefix_id([1, 2, 3])
+    h.write_state(slot, [1, 2, 3, 4])  # the request runs on: the cached state is untouched
+    assert h.state_of(m.mamba_node.mamba_slot) == h.prefix_id([1, 2, 3])
+    # into a slot the request already owns (from req_to_token.alloc)
+    own = int(h.pools.mamba.alloc(1)[0])
+    assert h.cache.cow_mamba(m, own) == own and h.state_of(own) == h.prefix_id([1, 2, 3])
+    with pytest.raises(ValueError, match="belongs to the prefix cache"):
+        h.cache.cow_mamba(m, m.mamba_node.mamba_slot)
+    assert h.cache.stats()["mamba_hits"] == 2
+    # no hit: a fresh zero state, or the given slot untouched
+    miss = h.cache.match_prefix([8])
+    fresh = h.cache.cow_mamba(miss)
+    assert h.state_of(fresh) == 0 and h.cache.cow_mamba(miss, own) == own
+    h.cache.dec_lock_ref(m.last_node)
+
+
+def test_cow_mamba_evicts_another_state_when_the_pool_is_full_but_never_the_source():
+    h = Harness(mamba_slots=2)
+    h.cache_seq([1, 2])
+    h.cache_seq([3, 4])
+    m = h.cache.match_prefix([1, 2])  # the hit is the most recent: LRU would pick [3, 4]...
+    h.cache.match_prefix([3, 4])  # ...make the hit the least recent instead
+    slot = h.cache.cow_mamba(m)  # not locked by the caller: cow protects the source itself
+    assert slot is not None and h.state_of(slot) == h.prefix_id([1, 2])
+    assert h.content()[1] == {(1, 2)}
+    assert h.cache.cow_mamba(m) is None  # pool full, the only cached state is the source
+    h.pools.mamba.free([slot])
+    h.cache.evict_mamba(1)
+    with pytest.raises(ValueError, match="removed"):
+        h.cache.cow_mamba(m)
+
+
+# ----------------------------------------------------------------------------------------
+# chunked prefill and finished requests
+# ----------------------------------------------------------------------------------------
+def test_cache_unfinished_req_moves_the_lock_and_dedupes_kv():
+    h = Harness(mamba_align=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    h.cache_seq(tokens[:2])
+    m = h.cache.match_prefix(tokens)
+    h.cache.inc_lock_ref(m.last_node)
+    work = h.cache.cow_mamba(m)
+    kv = torch.cat([m.kv_indices, h.alloc_kv(tokens, 2)])
+    # chunk 1 computed up to 4: fork the working state into the tree
+    h.write_state(work, tokens[:4])
+    r = h.cache.cache_unfinished_req(tokens[:4], kv[:4], m.last_node, work)
+    assert r.inserted and r.prefix_len == 4 and r.cached_before == 2
+    assert torch.equal(r.kv_indices, kv[:4])  # nothing was a duplicate
+    assert (m.last_node.full_lock_ref, m.last_node.mamba_lock_ref) == (1, 0)
+    assert (r.last_node.full_lock_ref, r.last_node.mamba_lock_ref) == (1, 1)
+    assert h.state_of(r.last_node.mamba_slot) == h.prefix_id(tokens[:4]) and r.last_node.mamba_slot != work
+    # another request caches [1..6] meanwhile; our chunk 2 duplicates its KV
+    h.cache_seq(tokens[:6])
+    h.write_state(work, tokens[:6])
+    r2 = h.cache.cache_unfinished_req(tokens[:6], kv[:6], r.last_node, work)
+    assert r2.cached_before == 6 and h.tokens_at(r2.kv_indices) == tokens[:6]
+    assert not torch.equal(r2.kv_indices[4:], kv[4:6])  # ours were freed: switch to the tree's
+    assert not bool(h.alloc.is_allocated(kv[4:6]).any())
+    kv = torch.cat([r2.kv_indices, kv[6:]])
+    # a checkpoint slot (from tracking) is adopted instead of forked
+    ckpt = h.new_state(tokens[:8])
+    used = h.pools.used_counts()["mamba_slots"]
+    r3 = h.cache.cache_unfinished_req(tokens, kv, r2.last_node, ckpt, adopt_mamba=True)
+    assert r3.last_node.mamba_slot == ckpt and h.pools.used_counts()["mamba_slots"] == used
+    h.write_state(work, tokens)
+    assert h.cache.cache_finished_req(tokens, kv, r3.last_node, work) == 8
+    assert h.cache.protected_size() == 0
+    assert h.pools.used_counts()["kv_tokens"] == h.cache.cached_tokens() == 8
+    assert h.pools.used_counts()["mamba_slots"] == h.cache.mamba_size() == 4
+    h.cache.check_invariants()
+    h.content()
+
+
+def test_cache_unfinished_req_without_a_free_slot_changes_nothing():
+    h = Harness(mamba_slots=1)
+    m = h.cache.match_prefix([1, 2, 3])
+    work = h.cache.cow_mamba(m)
+    kv = h.alloc_kv([1, 2, 3], 0)
+    r = h.cache.cache_unfinished_req([1, 2], kv[:2], m.last_node, work)
+    assert not r.inserted and r.last_node is h.cache.root and torch.equal(r.kv_indices, kv[:2])
+    assert h.cache.cached_tokens() == 0
+
+
+def test_cache_unfinished_req_never_shortens_the_locked_prefix():
+    h = Harness()
+    h.cache_seq([1, 2, 3, 4])
+    m = h.cache.match_prefix([1, 2, 3, 4, 5])
+    h.cache.inc_lock_ref(m.last_node)
+    work = h.cache.cow_mamba(m)
+    with pytest.raises(ValueError, match="shorter than the request's locked prefix"):
+        h.cache.cache_unfinished_req([1, 2], m.kv_indices[:2], m.last_node, work)
+    h.cache.check_invariants()
+
+
+def test_cache_finished_req_keeps_a_checkpoint_and_frees_the_tail():
+    h = Harness(mamba_align=4)
+    tokens = list(range(1, 11))
+    m = h.cache.match_prefix(tokens)
+    h.cache.inc_lock_ref(m.last_node)
+    slot = h.cache.cow_mamba(m)
+    kv = h.alloc_kv(tokens, 0)
+    h.write_state(slot, tokens[:8])  # a tracked checkpoint at 8 tokens
+    assert h.cache.cache_finished_req(tokens, kv, m.last_node, slot, mamba_len=8) == 0
+    assert h.content()[1] == {tuple(tokens[:8])}
+    assert h.pools.used_counts()["kv_tokens"] == 8 and h.pools.used_counts()["mamba_slots"] == 1
+    hit = h.cache.match_prefix(tokens)
+    with pytest.raises(ValueError, match="not locked"):  # the request's lock was dropped already
+        h.cache.cache_finished_req(tokens[:8], hit.kv_indices, hit.last_node)
+
+
+# ----------------------------------------------------------------------------------------
+# pages
+# ----------------------------------------------------------------------------------------
+def test_pages_matches_and_splits_at_page_boundaries():
+    h = Harness(page_size=4, kv_tokens=64, mamba_align=4)
+    a = list(range(1, 13))  # 3 pages
+    h.cache_seq(a)
+    m = h.cache.match_prefix(a[:6] + [0, 0])  # diverges inside page 2: KV match floors to 4
+    assert (m.prefix_len, m.kv_match_len, m.branching_len) == (0, 4, 4)
+    assert sorted(len(n.key) for n in h.cache.nodes()) == [4, 8]
+    b = a[:10] + [0, 0]
+    assert h.cache_seq(b) == 8
+    assert h.content()[1] == {tuple(a), tuple(b)}
+    m = h.cache.match_prefix(b + [5])
+    assert m.prefix_len == 12 and h.tokens_at(m.kv_indices) == b
+    assert bool((m.kv_indices.view(-1, 4)[:, 0] % 4 == 0).all())
+    # a finished request of 10 tokens: only whole pages can be cached, so no state at 10
+    assert h.cache_seq(a[:4] + [7] * 6) == 4
+    assert (*a[:4], 7, 7, 7, 7) not in h.content()[0]
+    with pytest.raises(ValueError, match="whole number of pages"):
+        h.cache.insert([1, 2, 3], torch.tensor([4, 5, 6]))
+    h.cache.check_invariants()
+    assert h.cache.evict_kv(1000) == 16
+    h.pools.check_all_free()
+
+
+def test_pages_reject_slots_out_of_page_order():
+    h = Harness(page_size=4)
+    kv = h.alloc_kv([1, 2, 3, 4], 0)
+    with pytest.raises(ValueError, match="whole pages"):
+        h.cache.insert([1, 2, 3, 4], kv.flip(0), h.new_state([1, 2, 3, 4]))
+
+
+# ----------------------------------------------------------------------------------------
+# stats and reset
+# ----------------------------------------------------------------------------------------
+def test_stats_and_reset_free_everything():
+    h = Harness()
+    h.cache_seq([1, 2, 3])
+    h.cache_seq([1, 2, 4])
+    h.cache.match_prefix([1, 2, 3, 5])
+    st = h.cache.stats()
+    assert st["cached_tokens"] == 4 and st["nodes"] == 3 and st["leaves"] == 2 and st["tombstones"] == 1
+    assert st["mamba_slots"] == 2 and st["evictable_tokens"] == 4 and st["protected_tokens"] == 0
+    assert st["lookups"] == 3 and st["hits"] == 1 and st["hit_tokens"] == 3
+    assert st["kv_bytes"] == 4 * h.pools.kv.bytes_per_token and st["mamba_bytes"] == 2 * h.pools.mamba.bytes_per_slot
+    m = h.cache.match_prefix([1, 2, 3])
+    h.cache.inc_lock_ref(m.last_node)
+    with pytest.raises(RuntimeError, match="locked"):
+        h.cache.reset()
+    h.cache.reset(force=True)
+    assert m.last_node.removed
+    h.pools.check_all_free()
+    assert h.cache.stats()["nodes"] == 0 and h.cache.stats()["lookups"] == 0
+    h.cache_seq([1, 2, 3])  # usable again
+    h.cache.reset()
+    h.pools.check_all_free()
+
+
+# ----------------------------------------------------------------------------------------
+# random request lifecycles against a brute-force model
+# ----------------------------------------------------------------------------------------
+class FakeRequest:
+    def __init__(self, tokens, kv, node, slot, cached):
+        self.tokens = tokens
+        self.kv = kv  # slots of tokens[:len(kv)]; the first `cached` are the tree's
+        self.node = node  # the locked node
+        self.slot = slot  # private working state
+        self.cached = cached
+
+
+def run_random_lifecycles(seed: int, page_size: int, steps: int) -> None:
+    rng = random.Random(seed)
+    ps = page_size
+    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps)
+    cache = h.cache
+    kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds
+    state_model: set[tuple] = set()  # prefixes whose state the tree holds
+    running: list[FakeRequest] = []
+    bases = [[rng.randrange(4) for _ in range(rng.randrange(0, 4 * ps))] for _ in range(3)]
+
+    def new_tokens() -> list[int]:
+        t = rng.choice(bases) + [rng.randrange(4) for _ in range(rng.randrange(1, 3 * ps))]
+        if rng.random() < 0.6:  # often a whole number of pages
+            t = t[: max(ps, len(t) - len(t) % ps)]
+        return t
+
+    def add_to_model(tokens, length) -> None:
+        for end in range(ps, length + 1, ps):
+            kv_model.add(tuple(tokens[:end]))
+        state_model.add(tuple(tokens[:length]))
+
+    def expected_hit(tokens) -> tuple[int, int]:
+        hit = max((n for n in range(1, len(tokens) + 1) if tuple(tokens[:n]) in state_model), default=0)
+        kv = max((n for n in range(ps, len(tokens) + 1, ps) if tuple(tokens[:n]) in kv_model), default=0)
+        return hit, kv
+
+    def check_match(tokens):
+        m = cache.match_prefix(tokens)
+        assert (m.prefix_len, m.kv_match_len) == expected_hit(tokens)
+        assert h.tokens_at(m.kv_indices) == tokens[: m.prefix_len]
+        if m.mamba_node is not None:
+            assert h.state_of(m.mamba_node.mamba_slot) == h.prefix_id(tokens[: m.prefix_len])
+        return m
+
+    def locked_prefixes() -> tuple[set, set]:
+        kv, states = set(), set()
+        for r in running:
+            path = cache.path_tokens(r.node)
+            kv.update(path[:e] for e in range(ps, len(path) + 1, ps))
+            if path:
+                states.add(path)
+        return kv, states
+
+    def check_eviction(before, freed_tokens=None, freed_states=None) -> None:
+        kv_after, states_after = h.content()
+        kv_before, states_before = before
+        locked_kv, locked_states = locked_prefixes()
+        assert kv_after <= kv_before and states_after <= states_before
+        assert locked_kv <= kv_after and locked_states <= states_after, "a locked prefix was evicted"
+        if freed_tokens is not None:
+            assert freed_tokens == (len(kv_before) - len(kv_after)) * ps
+            lost_states = states_before - states_after
+            assert all(p not in kv_after for p in lost_states), "evict_kv made a tombstone"
+        if freed_states is not None:
+            assert freed_states == len(states_before - states_after)
+        kv_model.clear(); kv_model.update(kv_after)
+        state_model.clear(); state_model.update(states_after)
+
+    def start() -> None:
+        tokens = new_tokens()
+        if len(tokens) < 2:
+            return
+        m = check_match(tokens[:-1])
+        cache.inc_lock_ref(m.last_node)
+        before = h.content()
+        slot = cache.cow_mamba(m)  # may evict one state
+        check_eviction(before)
+        if slot is None:
+            cache.dec_lock_ref(m.last_node)
+            return
+        assert h.state_of(slot) == h.prefix_id(tokens[: m.prefix_len])
+        before = h.content()
+        own = h.alloc_kv(tokens, m.prefix_len)  # may evict KV
+        check_eviction(before)
+        if own is None:
+            h.pools.mamba.free([slot])
+            cache.dec_lock_ref(m.last_node)
+            return
+        running.append(FakeRequest(tokens, torch.cat([m.kv_indices, own]), m.last_node, slot, m.prefix_len))
+
+    def chunk(r: FakeRequest) -> None:
+        ends = list(range(r.cached + ps, len(r.tokens) + 1, ps))
+        if not ends:
+            return
+        end = rng.choice(ends)
+        h.write_state(r.slot, r.tokens[:end])
+        adopt = rng.random() < 0.3 and h.pools.mamba.available() > 0
+        state = h.new_state(r.tokens[:end]) if adopt else r.slot
+        before = h.content()
+        res = cache.cache_unfinished_req(r.tokens[:end], r.kv[:end], r.node, state, adopt_mamba=adopt)
+        if res.inserted:
+            assert res.prefix_len == end and h.tokens_at(res.kv_indices) == r.tokens[:end]
+            r.kv = torch.cat([res.kv_indices, r.kv[end:]])
+            r.node, r.cached = res.last_node, end
+            kv_new = {tuple(r.tokens[:e]) for e in range(ps, end + 1, ps)}
+            before = (before[0] | kv_new, before[1] | {tuple(r.tokens[:end])})
+        check_eviction(before)  # forking the state may have evicted one cached state
+
+    def finish(r: FakeRequest) -> None:
+        running.remove(r)
+        n = len(r.tokens)
+        state_len = n if rng.random() < 0.6 else rng.randrange(0, n + 1)
+        h.write_state(r.slot, r.tokens[:state_len])
+        already = cache.cache_finished_req(r.tokens, r.kv, r.node, r.slot, mamba_len=state_len)
+        kept = state_len if state_len % ps == 0 else 0  # 0: no state kept
+        kv_prefix = max((e for e in range(ps, n - n % ps + 1, ps) if tuple(r.tokens[:e]) in kv_model), default=0)
+        assert already == (kv_prefix if kept == 0 else min(kv_prefix, kept))
+        if kept:
+            add_to_model(r.tokens, kept)
+
+    def abort(r: FakeRequest) -> None:
+        running.remove(r)
+        h.alloc.free(r.kv[r.cached :])
+        h.pools.mamba.free([r.slot])
+        cache.dec_lock_ref(r.node)
+
+    for _ in range(steps):
+        op = rng.choices(
+            ["start", "chunk", "finish", "abort", "probe", "evict_kv", "evict_mamba", "ensure_free"],
+            weights=[6, 3, 4, 1, 2, 1, 1, 1],
+        )[0]
+        if op == "start" and len(running) < 4:
+            start()
+        elif op in ("chunk", "finish", "abort") and running:
+            r = rng.choice(running)
+            {"chunk": chunk, "finish": finish, "abort": abort}[op](r)
+        elif op == "probe":
+            check_match(new_tokens())
+        elif op == "evict_kv":
+            before = h.content()
+            want = rng.randrange(1, 8 * ps)
+            freed = cache.evict_kv(want)
+            assert freed >= want or cache.evictable_size() == 0
+            check_eviction(before, freed_tokens=freed)
+        elif op == "evict_mamba":
+            before = h.content()
+            want = rng.randrange(1, 4)
+            freed = cache.evict_mamba(want)
+            assert freed >= want or cache.mamba_evictable_size() == 0
+            check_eviction(before, freed_states=freed)
+        elif op == "ensure_free":
+            before = h.content()
+            kv_want, mamba_want = rng.randrange(0, 24 * ps), rng.randrange(0, 7)
+            ok = cache.ensure_free(kv_tokens=kv_want, mamba_slots=mamba_want)
+            free = h.pools.free_counts()
+            assert ok == (free["kv_tokens"] >= kv_want and free["mamba_slots"] >= mamba_want)
+            check_eviction(before)
+
+        # invariants after every step
+        cache.check_invariants()
+        nodes = list(cache.nodes())
+        assert set(cache.kv_eviction_order()) == {n for n in nodes if n.is_leaf and n.full_lock_ref == 0}
+        assert set(cache.mamba_eviction_order()) == {
+            n for n in nodes if n.mamba_slot is not None and n.mamba_lock_ref == 0 and (n.children or n.full_lock_ref == 0)
+        }
+        kv_content, state_content = h.content()
+        assert (kv_content, state_content) == (kv_model, state_model)
+        used = h.pools.used_counts()
+        assert used["kv_tokens"] == cache.cached_tokens() + sum(len(r.kv) - r.cached for r in running)
+        assert used["mamba_slots"] == cache.mamba_size() + len(running)
+        assert cache.protected_size() == len({p for p in locked_prefixes()[0]}) * ps
+        for r in running:
+            assert not r.node.removed and h.tokens_at(r.kv) == r.tokens[: len(r.kv)]
+
+    for r in list(running):
+        abort(r)
+    assert cache.protected_size() == 0
+    st = cache.stats()
+    assert st["lookups"] > 0
+    cache.reset()
+    h.pools.check_all_free()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_request_lifecycles_match_the_brute_force_model(seed, page_size):
+    run_random_lifecycles(seed, page_size, steps=200)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]))
+def test_random_request_lifecycles_hypothesis_seeds(seed, page_size):
+    run_random_lifecycles(seed, page_size, steps=100)

@@ -19,19 +19,27 @@ from torch import nn
 from . import ops  # noqa: F401  (registers the custom ops)
 from .engine import EngineConfig, HybridEngine, SamplingParams
 from .models import supported_model_types
+from .loading import from_pretrained
 
 __version__ = "0.1.0"
 
 
-def wrap(model: nn.Module, config: EngineConfig | dict | None = None, **overrides) -> HybridEngine:
+def wrap(
+    model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, **overrides
+) -> HybridEngine:
     """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
 
     Detects the family from ``model.config.model_type``, patches this instance's layers (other
     instances are untouched; ``engine.close()`` undoes it), sizes the pools and returns the
     engine. ``config`` is an :class:`EngineConfig` (or dict); ``overrides`` are its fields as
     keyword arguments. An unsupported model type raises ValueError listing the supported ones.
+    ``tokenizer`` (optional, also settable later as ``engine.tokenizer``) lets ``generate`` and
+    ``generate_batch`` take strings and chat messages and return text.
     """
-    return HybridEngine(model, EngineConfig.from_args(config, **overrides))
+    return HybridEngine(model, EngineConfig.from_args(config, **overrides), tokenizer=tokenizer)
 
 
-__all__ = ["EngineConfig", "HybridEngine", "SamplingParams", "ops", "supported_model_types", "wrap", "__version__"]
+__all__ = [
+    "EngineConfig", "HybridEngine", "SamplingParams", "from_pretrained", "ops", "supported_model_types", "wrap",
+    "__version__",
+]

@@ -1,10 +1,18 @@
-"""The ``hybrid-compile`` command line (also ``python -m hybrid_compile``)."""
+"""The ``hybrid-compile`` command line (also ``python -m hybrid_compile``).
+
+Subcommands: ``demo`` (built-in random-weight model), ``selfcheck`` (kernel ops), and for a
+Hugging Face checkpoint directory ``generate``, ``chat`` and ``bench``. Errors the user can fix
+(missing directory, non-hybrid model, missing tokenizer, a prompt too long, ...) print one
+``error: ...`` line and exit with status 2; ``HYBRID_COMPILE_TRACEBACK=1`` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -40,12 +48,307 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["matches_hf"] in (True, None) else 1
 
 
+# ---------------------------------------------------------------------------------------------
+# checkpoint commands: generate, chat, bench
+# ---------------------------------------------------------------------------------------------
+
+
+def _quiet_transformers() -> None:
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+
+
+def _load(args: argparse.Namespace, tokenizer, max_running_requests: int):
+    """from_pretrained with the command line's model / engine options (progress bar on stderr)."""
+    from .loading import from_pretrained
+
+    _quiet_transformers()
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    options = dict(
+        max_running_requests=max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+        memory_fraction=args.memory_fraction,
+    )
+    for name in ("max_total_tokens", "max_context_len"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return from_pretrained(
+        args.model, dtype=None if args.dtype == "auto" else args.dtype,
+        device=None if args.device == "auto" else args.device, tokenizer=tokenizer,
+        trust_remote_code=args.trust_remote_code, progress=not args.no_progress, **options,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    sampling = dict(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.temperature > 0:
+        sampling.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    else:
+        sampling.update(do_sample=False)
+    return sampling
+
+
+def _text_streamer(tokenizer):
+    from transformers import TextStreamer
+
+    return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def _prepare_stdout() -> None:
+    # generated text may hold any character: never crash on a terminal that cannot show it
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    _prepare_stdout()
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = _load(args, args.tokenizer or "required", max_running_requests=1)
+    if args.chat:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+    try:
+        if args.stream:
+            engine.generate(prompt, streamer=_text_streamer(engine.tokenizer), **_sampling(args))
+        else:
+            print(engine.generate(prompt, **_sampling(args)), flush=True)
+    finally:
+        engine.close()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    _prepare_stdout()
+    engine = _load(args, args.tokenizer or "required", max_running_requests=1)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model}: one message per line; /reset starts over, /exit or Ctrl-D ends",
+              file=sys.stderr)
+    try:
+        while True:
+            if interactive:
+                try:
+                    line = input("you> ")
+                except EOFError:
+                    break
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    break
+            text = line.rstrip("\r\n")
+            command = text.strip()
+            if not command:
+                continue
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                messages = list(system)
+                continue
+            messages.append({"role": "user", "content": text})
+            try:
+                if args.stream:
+                    reply = engine.generate(messages, streamer=_text_streamer(engine.tokenizer), **_sampling(args))
+                else:
+                    reply = engine.generate(messages, **_sampling(args))
+                    print(reply, flush=True)
+            except ValueError as e:  # e.g. the conversation outgrew the context: keep the session
+                messages.pop()
+                print(f"error: {_one_line(e)} (/reset starts a new conversation)", file=sys.stderr)
+                continue
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        engine.close()
+    return 0
+
+
+class _StepMeter:
+    """Wraps ``engine.step`` for the duration of a ``generate_batch``: times each step, splits the
+    time into steps that process prompt tokens (prefill, also mixed ones) and decode-only steps,
+    and advances a progress bar as requests finish."""
+
+    def __init__(self, engine, bar) -> None:
+        self.engine, self.bar = engine, bar
+        self.prefill_seconds = self.decode_seconds = 0.0
+        self.prefill_tokens = self.decode_tokens = self.mixed_decode_tokens = 0
+        self.prefill_steps = self.decode_steps = 0
+
+    def __enter__(self) -> "_StepMeter":
+        step = self.engine.step
+
+        def timed_step():
+            before = self.engine.stats()
+            t0 = time.perf_counter()
+            outputs = step()
+            seconds = time.perf_counter() - t0
+            after = self.engine.stats()
+            prefill = after["prefill_tokens"] - before["prefill_tokens"]
+            decode = after["decode_tokens"] - before["decode_tokens"]
+            if prefill:
+                self.prefill_seconds += seconds
+                self.prefill_tokens += prefill
+                self.mixed_decode_tokens += decode
+                self.prefill_steps += 1
+            elif decode:
+                self.decode_seconds += seconds
+                self.decode_tokens += decode
+                self.decode_steps += 1
+            self.bar.update(sum(o.finished for o in outputs))
+            return outputs
+
+        self.engine.step = timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.__dict__.pop("step", None)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    engine = _load(args, False, max_running_requests=args.max_running_requests)
+    try:
+        vocab = engine.layout.vocab_size
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
+        sampling = dict(max_new_tokens=args.output_len, ignore_eos=True, do_sample=False)
+        if args.warmup:  # same prompts, 2 new tokens: compiles / warms the kernels at the timed shapes
+            engine.generate_batch(prompts, **{**sampling, "max_new_tokens": 2})
+        with tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr,
+                  disable=args.no_progress) as bar, _StepMeter(engine, bar) as meter:
+            t0 = time.perf_counter()
+            outputs = engine.generate_batch(prompts, **sampling)
+            wall = time.perf_counter() - t0
+        stats = engine.stats()
+    finally:
+        engine.close()
+    generated = sum(len(o) for o in outputs)
+    rate = lambda n, s: n / s if s > 0 else 0.0  # noqa: E731
+    result = {
+        "model": args.model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_running_requests": args.max_running_requests,
+        "seconds": wall,
+        "prompt_tokens": args.num_prompts * args.input_len,
+        "generated_tokens": generated,
+        "requests_per_s": rate(len(prompts), wall),
+        "output_tokens_per_s": rate(generated, wall),
+        "prefill_tokens_per_s": rate(meter.prefill_tokens, meter.prefill_seconds),
+        "decode_tokens_per_s": rate(meter.decode_tokens, meter.decode_seconds),
+        "prefill_seconds": meter.prefill_seconds,
+        "decode_seconds": meter.decode_seconds,
+        "prefill_steps": meter.prefill_steps,
+        "decode_steps": meter.decode_steps,
+        "decode_tokens_in_prefill_steps": meter.mixed_decode_tokens,
+        "engine_stats": stats,
+    }
+    print(f"{args.model}: {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} new tokens "
+          f"each, on {result['device']} ({result['dtype']}), {args.max_running_requests} running at most")
+    print(f"  prefill  {result['prefill_tokens_per_s']:12.1f} tokens/s  ({meter.prefill_tokens} tokens, "
+          f"{meter.prefill_steps} steps, {meter.prefill_seconds:.3f} s)")
+    print(f"  decode   {result['decode_tokens_per_s']:12.1f} tokens/s  ({meter.decode_tokens} tokens, "
+          f"{meter.decode_steps} steps, {meter.decode_seconds:.3f} s)")
+    print(f"  overall  {result['output_tokens_per_s']:12.1f} new tokens/s, {result['requests_per_s']:.2f} "
+          f"requests/s, {wall:.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"  wrote {args.json}")
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    return text or type(e).__name__
+
+
+def _user_errors(func):
+    """Run a checkpoint command; errors the user can fix become one line and exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        from .loading import LoadError
+
+        try:
+            return func(args)
+        except KeyboardInterrupt:
+            return 130
+        except (LoadError, ValueError, OSError, NotImplementedError) as e:
+            if os.environ.get("HYBRID_COMPILE_TRACEBACK") == "1":
+                raise
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", default=argparse.SUPPRESS,
+                   help="Hugging Face checkpoint directory (config.json + safetensors; a Hub id also works); "
+                   "required")
+
+
+def _add_model_options(p: argparse.ArgumentParser, max_running_requests: int | None) -> None:
+    from .engine.config import EngineConfig
+
+    defaults = EngineConfig()
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N, or auto (the first CUDA device if there is one, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight / activation dtype; auto = the checkpoint's")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code")
+    if max_running_requests is not None:
+        p.add_argument("--max-running-requests", type=int, default=max_running_requests,
+                       help="requests decoded together at most")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV-pool token slots; None = sized from --memory-fraction")
+    p.add_argument("--max-context-len", type=int, default=None,
+                   help="longest prompt + generation; None = the model's limit")
+    p.add_argument("--chunked-prefill-size", type=int, default=defaults.chunked_prefill_size,
+                   help="prompt tokens per engine step at most")
+    p.add_argument("--memory-fraction", type=float, default=defaults.memory_fraction,
+                   help="share of free device memory (RAM on CPU) the pools may use")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of torch (torch.set_num_threads); 0 = torch's default")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars (stderr)")
+
+
+def _add_text_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer directory; None = the model directory")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens generated per reply at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (with --temperature > 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--system", default=None, help="system message put first in the chat template (generate: with --chat); None = none")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-compile",
         description="Fast serving of Hugging Face hybrid (linear attention / SSM + attention) models.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
@@ -69,6 +372,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per op (median reported)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=_selfcheck)
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    g = sub.add_parser(
+        "generate", formatter_class=fmt,
+        help="generate text for one prompt with a local hybrid checkpoint",
+        description="Load a Hugging Face hybrid checkpoint (weights + tokenizer), generate for one prompt and print "
+        "the new text (only the new text, on stdout).",
+    )
+    _add_model_argument(g)
+    g.add_argument("--prompt", required=True, default=argparse.SUPPRESS,
+                   help="the prompt text ('-' reads it from stdin); required")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the tokenizer's chat template")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    _add_text_options(g, max_new_tokens=128)
+    _add_model_options(g, max_running_requests=None)
+    g.set_defaults(func=_user_errors(_generate))
+
+    c = sub.add_parser(
+        "chat", formatter_class=fmt,
+        help="chat with a local hybrid checkpoint over stdin, one message per line",
+        description="Interactive chat: each line read from stdin is a user message; the reply (rendered with the "
+        "tokenizer's chat template) is printed. /reset starts a new conversation; /exit, /quit or end of input "
+        "ends. Each turn resends the whole conversation (the prefix cache that would keep it is not built yet).",
+    )
+    _add_model_argument(c)
+    c.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print replies as they are generated")
+    _add_text_options(c, max_new_tokens=256)
+    _add_model_options(c, max_running_requests=None)
+    c.set_defaults(func=_user_errors(_chat))
+
+    b = sub.add_parser(
+        "bench", formatter_class=fmt,
+        help="time generate_batch on random prompts with a local hybrid checkpoint",
+        description="Time the engine's generate_batch on random token prompts drawn from the checkpoint's "
+        "vocabulary (no tokenizer needed; EOS ignored): prefill tokens/s (steps that process prompt tokens), "
+        "decode tokens/s (decode-only steps) and overall new tokens/s. Prints them and writes a JSON file.",
+    )
+    _add_model_argument(b)
+    b.add_argument("--num-prompts", type=int, default=16, help="number of requests")
+    b.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=64, help="new tokens per request")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the prompts once untimed first (2 new tokens each)")
+    b.add_argument("--json", default="bench.json", help="write the results to this JSON file ('' = do not write)")
+    _add_model_options(b, max_running_requests=16)
+    b.set_defaults(func=_user_errors(_bench))
     return parser
 
 

@@ -32,7 +32,10 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # alias budget per step; default chunked_prefill_size
     enable_prefix_cache: bool = True
     speculative: Any = None
-    compile: bool | None = None  # default: on for CUDA (compile issue)
+    # torch.compile with our backend (hybrid_compile.passes): Dynamo graph split at the layer ops, pieces
+    # compiled by Inductor. None will mean "on for CUDA" once CUDA graphs exist; until then None means off
+    # everywhere (see resolved_compile).
+    compile: bool | None = None
     cuda_graphs: bool | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -74,10 +77,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.mamba_full_memory_ratio must be > 0, got {self.mamba_full_memory_ratio}")
         if self.speculative is not None:
             raise NotImplementedError("EngineConfig.speculative: speculative decoding is not implemented yet")
-        if self.compile:
-            raise NotImplementedError("EngineConfig.compile: the torch.compile backend is not implemented yet")
+        if self.compile not in (None, True, False):
+            raise ValueError(f"EngineConfig.compile must be True, False or None, got {self.compile!r}")
         if self.cuda_graphs:
             raise NotImplementedError("EngineConfig.cuda_graphs: CUDA graphs are not implemented yet")
+
+    def resolved_compile(self, device: torch.device) -> bool:
+        """Whether the engine compiles the model forward. ``compile=None`` (the default) is meant to
+        become "on for CUDA" together with CUDA graphs (compile issue, GPU half); until those exist it
+        means off on every device, so only ``compile=True`` turns it on."""
+        return bool(self.compile)
 
     def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return _as_dtype(self.dtype) if self.dtype is not None else model_dtype

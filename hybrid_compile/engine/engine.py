@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -32,17 +33,40 @@ class StepOutput:
 
 
 def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    devices = {p.device for p in model.parameters()}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "the model has weights on the meta device (offloaded to CPU/disk by an accelerate device_map, or never "
+            "loaded); the engine needs every weight resident on one device: load it with a single-device "
+            "device_map (e.g. device_map='cuda:0')"
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's weights are spread over several devices ({', '.join(sorted(map(str, devices)))}); the "
+            "engine serves from one device: load it with a single-device device_map (e.g. device_map='cuda:0')"
+        )
     p = next(model.parameters())
     return p.device, p.dtype
+
+
+def _is_messages(prompt: Any) -> bool:
+    """A chat conversation: a non-empty list of message dicts (``{"role": ..., "content": ...}``)."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _is_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or _is_messages(prompt)
 
 
 class HybridEngine:
     """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> None:
         self.family = family_of(model)
         self.model = model
         self.config = config
+        # a transformers tokenizer: lets generate / generate_batch take and return text (settable)
+        self.tokenizer = tokenizer
         model_device, model_dtype = _model_device_and_dtype(model)
         self.device = torch.device(config.device) if config.device is not None else model_device
         if self.device.type != model_device.type or (
@@ -83,8 +107,17 @@ class HybridEngine:
         )
         self.max_context_len = self.pools.plan.max_context_len
         self.patch = PatchHandle()
-        self.family.patch(model, self.patch)
-        self.runner = ModelRunner(model, self.pools, self.device)
+        # accelerate's device_map hooks live in instance-level `forward`s; a module the family
+        # patches bypasses its hook while wrapped (every weight is on self.device, so the hook
+        # only moved tensors there) and gets it back on close()
+        hooked = [(m, m.__dict__["forward"]) for m in model.modules() if "forward" in m.__dict__]
+        self.patch.restores.append(lambda: [m.__dict__.__setitem__("forward", f) for m, f in hooked])
+        try:
+            self.family.patch(model, self.patch)
+            self.runner = ModelRunner(model, self.pools, self.device, config)
+        except BaseException:
+            self.patch.undo()  # a failed wrap leaves the model exactly as it was
+            raise
         self.scheduler = Scheduler(
             self.pools,
             chunked_prefill_size=config.chunked_prefill_size,
@@ -227,6 +260,8 @@ class HybridEngine:
                 raise ValueError("generate(): num_return_sequences > 1 is not supported")
         eos = pick(eos_token_id, "eos_token_id", ())
         eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        if not eos and eos_token_id is None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos = (int(self.tokenizer.eos_token_id),)  # the generation config names none: the tokenizer's
         default_new = getattr(base, "max_new_tokens", None) or 20  # transformers' default is 20
         return SamplingParams(
             max_new_tokens=int(max_new_tokens if max_new_tokens is not None else default_new),
@@ -240,11 +275,42 @@ class HybridEngine:
             ignore_eos=ignore_eos,
         )
 
-    def generate_batch(self, prompts: list[list[int]], **sampling) -> list[list[int]]:
+    # -- text -----------------------------------------------------------------------------------
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(
+                "text input needs a tokenizer and this engine has none: pass tokenizer= to wrap() or "
+                "from_pretrained(), set engine.tokenizer = AutoTokenizer.from_pretrained(...), or pass token ids"
+            )
+        return self.tokenizer
+
+    def encode(self, prompt: str | list[dict]) -> list[int]:
+        """A string (tokenized as transformers does, special tokens added) or chat messages (the
+        tokenizer's chat template with ``add_generation_prompt=True``) -> token ids."""
+        tok = self._require_tokenizer()
+        if isinstance(prompt, str):
+            return [int(t) for t in tok(prompt)["input_ids"]]
+        if not _is_messages(prompt):
+            raise TypeError(f"expected a string or a list of chat message dicts, got {type(prompt).__name__}")
+        text = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._require_tokenizer().decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def generate_batch(self, prompts: list, skip_special_tokens: bool = True, **sampling) -> list:
         """Generate for several prompts with continuous batching; returns the new tokens of
         each prompt, in order. ``sampling``: max_new_tokens, do_sample, temperature, top_k,
-        top_p, eos_token_id, stop_token_ids, seed (per-request seeds derive from it), ignore_eos."""
-        prompts = [list(p) for p in prompts]
+        top_p, eos_token_id, stop_token_ids, seed (per-request seeds derive from it), ignore_eos.
+
+        With a tokenizer, a prompt may also be a string or a chat conversation (a list of message
+        dicts, rendered with the chat template and the generation prompt); its result is then the
+        decoded text of its new tokens (``skip_special_tokens``), not token ids."""
+        if isinstance(prompts, str) or _is_messages(prompts):
+            raise TypeError("generate_batch takes a list of prompts; for one prompt use generate()")
+        prompts = list(prompts)
+        is_text = [_is_text(p) for p in prompts]
+        prompts = [self.encode(p) if t else list(p) for p, t in zip(prompts, is_text)]
         base = self._sampling_params(**sampling)
         params = []
         for i in range(len(prompts)):
@@ -258,7 +324,8 @@ class HybridEngine:
             for out in self.step():
                 if out.finished:
                     pending.discard(out.rid)
-        return [self.pop_finished(rid).output for rid in rids]
+        outputs = [self.pop_finished(rid).output for rid in rids]
+        return [self.decode(o, skip_special_tokens) if t else o for o, t in zip(outputs, is_text)]
 
     def generate(
         self,
@@ -268,10 +335,18 @@ class HybridEngine:
         streamer: Any = None,
         pad_token_id: int | None = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | str | list[str]:
         """Like ``model.generate``: ``input_ids [B, L]`` (left-padded rows with
         ``attention_mask``) -> ``[B, L + new]``; rows that stop early are padded with the pad
-        token (or EOS). ``streamer`` (a transformers streamer) needs batch size 1."""
+        token (or EOS). ``streamer`` (a transformers streamer) needs batch size 1.
+
+        With a tokenizer, ``input_ids`` may instead be text: a string or a chat conversation (list
+        of message dicts) -> the generated text (``skip_special_tokens=True`` by default); a list
+        of them -> a list of texts (through :meth:`generate_batch`)."""
+        if _is_text(input_ids) or (
+            isinstance(input_ids, (list, tuple)) and input_ids and all(_is_text(p) for p in input_ids)
+        ):
+            return self._generate_text(input_ids, attention_mask, generation_config, streamer, **kwargs)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2:
@@ -317,6 +392,21 @@ class HybridEngine:
             new[i, : len(o)] = torch.tensor(o, dtype=torch.long)
         return torch.cat([input_ids.cpu().long(), new], dim=1).to(input_ids.device)
 
+    def _generate_text(self, prompts, attention_mask, generation_config, streamer, skip_special_tokens=True, **kw):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with token ids; text prompts are tokenized by the engine")
+        if not _is_text(prompts):  # a list of prompts
+            if streamer is not None:
+                raise ValueError("streaming supports batch size 1 only (as in transformers)")
+            return self.generate_batch(
+                list(prompts), skip_special_tokens=skip_special_tokens, generation_config=generation_config, **kw
+            )
+        ids = self.encode(prompts)
+        out = self.generate(
+            torch.tensor([ids], dtype=torch.long), generation_config=generation_config, streamer=streamer, **kw
+        )
+        return self.decode(out[0, len(ids):].tolist(), skip_special_tokens)
+
     # -- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
         c = dict(self._counters)
@@ -326,4 +416,5 @@ class HybridEngine:
         secs = c["forward_seconds"]
         c["tokens_per_second"] = (c["prefill_tokens"] + c["decode_tokens"]) / secs if secs else 0.0
         c["memory"] = self.pools.summary()
+        c["compile"] = self.runner.compile_stats()
         return c

@@ -1,0 +1,219 @@
+"""Loading: a Hugging Face checkpoint (local directory, or a Hub id) straight into a HybridEngine.
+
+:func:`from_pretrained` is a thin layer over transformers' ``AutoConfig`` /
+``AutoModelForCausalLM.from_pretrained`` (safetensors; ``device_map`` placement through
+accelerate) and ``AutoTokenizer``, followed by :func:`hybrid_compile.wrap`. It checks what can
+be checked before any weight is read — the directory exists, its model type is a supported
+hybrid family, the tokenizer loads when one is required — and reports each failure as one
+clear :class:`LoadError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+
+from .engine import EngineConfig, HybridEngine
+
+# files any of which means "this directory has a tokenizer"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+    "sentencepiece.bpe.model", "tekken.json",
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name
+
+
+class LoadError(ValueError):
+    """A checkpoint cannot be served; the message says why in one line."""
+
+
+class CheckpointNotFoundError(LoadError, FileNotFoundError):
+    """The checkpoint directory does not exist (and the name is no reachable Hub model)."""
+
+
+class UnsupportedModelError(LoadError):
+    """The checkpoint's model type is not a hybrid family hybrid_compile supports."""
+
+
+class TokenizerNotFoundError(LoadError):
+    """Text was requested but the checkpoint (or the given path) has no usable tokenizer."""
+
+
+def _is_local(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``owner/name`` that is no local path (its ``owner`` is not a local directory)."""
+    return bool(_HUB_ID.match(path)) and not os.path.exists(path) and not os.path.isdir(path.split("/")[0])
+
+
+def _check_path(path: str) -> None:
+    if _is_local(path):
+        return
+    looks_local = not _looks_like_hub_id(path)
+    if looks_local:
+        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointNotFoundError(f"model directory {path!r} {what}")
+
+
+def _load_config(path: str, revision: str | None, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    if _is_local(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointNotFoundError(f"{path!r} has no config.json: not a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as e:  # not a local dir and not reachable on the Hub
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointNotFoundError(
+            f"{path!r} is neither a local model directory nor a reachable Hugging Face Hub model ({first})"
+        ) from e
+
+
+def check_model_type(config, where: str = "") -> None:
+    """Raise :class:`UnsupportedModelError` unless ``config.model_type`` is a supported family."""
+    from .models import FAMILIES, supported_model_types
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
+        raise UnsupportedModelError(
+            f"hybrid_compile does not support model type {model_type!r} ({archs}){where}; it serves hybrid "
+            f"models only; supported model types: {', '.join(supported_model_types())}"
+        )
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """Whether a local directory holds tokenizer files (Hub ids: assumed True)."""
+    if not _is_local(path):
+        return True
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """``AutoTokenizer.from_pretrained(path)``, or :class:`TokenizerNotFoundError`."""
+    from transformers import AutoTokenizer
+
+    if _is_local(path) and not has_tokenizer_files(path):
+        raise TokenizerNotFoundError(
+            f"no tokenizer in {path!r} (none of {', '.join(TOKENIZER_FILES[:3])}, ...); text input needs one: "
+            "save it there (tokenizer.save_pretrained) or name another directory"
+        )
+    if not _is_local(path) and not _looks_like_hub_id(path):
+        raise TokenizerNotFoundError(f"tokenizer directory {path!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError / ValueError / ImportError variants
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizerNotFoundError(f"cannot load a tokenizer from {path!r}: {first}") from e
+
+
+def _device_map(device) -> Any:
+    """``device`` -> the ``device_map`` given to transformers (accelerate places the weights)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, dict) or device == "auto":
+        return device
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    return str(device)
+
+
+def _dtype(dtype) -> Any:
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return "auto" if dtype is None else dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise LoadError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return value
+
+
+def from_pretrained(
+    path_or_dir: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    device: str | int | torch.device | dict | None = None,
+    tokenizer: Any = True,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict | None = None,
+    progress: bool = False,
+    **engine_options,
+) -> HybridEngine:
+    """Load a Hugging Face hybrid checkpoint and wrap it: returns a :class:`HybridEngine`.
+
+    - ``path_or_dir``: a local checkpoint directory (``config.json`` + safetensors weights), or a
+      Hub model id.
+    - ``dtype``: ``None``/``"auto"`` (the checkpoint's dtype, as transformers), a ``torch.dtype``
+      or its name (``"bfloat16"``).
+    - ``device``: ``None`` (the first CUDA device if there is one, else CPU), a device
+      (``"cuda:1"``, ``"cpu"``, ``0``), ``"auto"`` or a device-map dict; it becomes transformers'
+      ``device_map``, so accelerate places the weights. The engine serves from one device: a map
+      that spreads the model over several devices or offloads weights is rejected by ``wrap``.
+    - ``tokenizer``: ``True`` loads the checkpoint's tokenizer when it has one (``None``
+      otherwise; text input then raises); ``"required"`` raises :class:`TokenizerNotFoundError`
+      when it has none; a path loads it from there; a tokenizer object is used as is;
+      ``False``/``None`` means token ids only. It becomes ``engine.tokenizer``.
+    - ``model_kwargs``: more keyword arguments for ``AutoModelForCausalLM.from_pretrained``.
+    - ``progress``: show a tqdm progress bar (stderr) over the loading stages (weights, engine).
+    - ``engine_options``: :class:`EngineConfig` fields (``max_running_requests=...``), checked
+      before any weight is read.
+
+    Errors: :class:`CheckpointNotFoundError` (no such directory / no config.json),
+    :class:`UnsupportedModelError` (not a hybrid model; lists the supported model types),
+    :class:`TokenizerNotFoundError`; all are :class:`LoadError` (a ``ValueError``).
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from . import wrap
+
+    path = os.fspath(path_or_dir)
+    path = os.path.expanduser(path)
+    engine_config = EngineConfig.from_args(None, **engine_options)  # typos fail before loading
+    torch_dtype = _dtype(dtype)
+    # everything that can fail on the user's input is checked before the progress bar starts
+    _check_path(path)
+    config = _load_config(path, revision, trust_remote_code)
+    check_model_type(config, where=f" in {path!r}")
+    tok = None
+    if tokenizer is True:
+        if has_tokenizer_files(path):
+            tok = load_tokenizer(path, revision, trust_remote_code)
+    elif tokenizer == "required":
+        tok = load_tokenizer(path, revision, trust_remote_code)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tok = load_tokenizer(os.path.expanduser(os.fspath(tokenizer)), None, trust_remote_code)
+    elif tokenizer not in (False, None):
+        tok = tokenizer
+
+    kwargs = dict(dtype=torch_dtype, device_map=_device_map(device), revision=revision,
+                  trust_remote_code=trust_remote_code)
+    kwargs.update(model_kwargs or {})
+    name = os.path.basename(path.rstrip("/")) or path
+    with tqdm(total=2, desc=f"loading {name}", unit="stage", disable=not progress, file=sys.stderr) as bar:
+        bar.set_postfix_str("weights")
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
+        bar.update()
+        bar.set_postfix_str("engine (pools, patches)")
+        engine = wrap(model, engine_config, tokenizer=tok)
+        bar.update()
+        bar.set_postfix_str("ready")
+    return engine
+
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "LoadError",
+    "TokenizerNotFoundError",
+    "UnsupportedModelError",
+    "check_model_type",
+    "from_pretrained",
+    "has_tokenizer_files",
+    "load_tokenizer",
+]

@@ -1,0 +1,176 @@
+"""Our torch.compile backend: split Dynamo's graph at the layer ops, compile each piece with
+Inductor, run the layer ops eagerly between the pieces.
+
+Dynamo traces the patched HF model over packed tokens in one graph (``fullgraph=True``; the
+layer ops are opaque custom ops whose fake impls give the output shape), with the token count
+symbolic. :func:`~hybrid_compile.passes.split.split_graph` cuts that graph at the splitting
+ops; :class:`PiecewiseCompiler` runs the split module once on the graph's fake inputs (the
+placeholders' ``example_value`` metadata: symbolic shapes included) and replaces every piece
+without a splitting op by Inductor's compiled callable for it (``compile_fx`` on the piece, with
+the piece's fake inputs, so each piece is compiled once for all token counts). The layer-op
+pieces stay as they are: calling them calls the op, which reads the forward context at run time.
+
+This is the CPU half of the compile design (DESIGN.md "Compile"); piecewise CUDA graphs will wrap
+the compiled pieces per token-count bucket here.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
+
+from .split import OpLike, SplitItem, resolve_ops, split_graph
+
+
+@dataclass
+class CompileStats:
+    """What the backend did, accumulated over every graph it compiled (one per Dynamo compile
+    of the frame: more than one means a recompile)."""
+
+    graphs: int = 0  # backend invocations
+    pieces: int = 0  # Inductor-compiled pieces of the latest graph
+    splitting_op_calls: int = 0  # layer-op calls left eager in the latest graph
+    split_ops_seen: dict[str, int] = field(default_factory=dict)  # op name -> calls (latest graph)
+    backend_seconds: float = 0.0  # split + Inductor, all graphs
+    last_graph_seconds: float = 0.0
+    graph_nodes: int = 0  # call nodes of the latest Dynamo graph
+    history: list[dict] = field(default_factory=list)  # per graph: pieces, seconds, symbolic inputs
+
+    def as_dict(self) -> dict:
+        return {
+            "graphs": self.graphs,
+            "pieces": self.pieces,
+            "splitting_op_calls": self.splitting_op_calls,
+            "split_ops_seen": dict(self.split_ops_seen),
+            "backend_seconds": self.backend_seconds,
+            "graph_nodes": self.graph_nodes,
+        }
+
+
+def _fake_inputs(example_inputs: Sequence[Any]):
+    """The graph's inputs as Dynamo traced them: fake tensors with the symbolic sizes Dynamo gave
+    them (the tracing context remembers each input's symbolic context), SymInts as they are.
+    Returns (fake mode, fake inputs)."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise RuntimeError("hybrid_compile backend: no fake mode (must be called by torch.compile / Dynamo)")
+    fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return fake_mode, fakes
+
+
+def _inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], config_patches: dict | None) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+
+
+class PiecewiseCompiler(torch.fx.Interpreter):
+    """Runs the split module on fake inputs; compiles each non-splitting piece with the fake
+    values that reach it (so their shapes are the symbolic ones) and swaps it in."""
+
+    def __init__(self, split_gm: fx.GraphModule, items: list[SplitItem], compile_piece: Callable, fake_mode) -> None:
+        super().__init__(split_gm)
+        self.to_compile = {item.name for item in items if not item.is_splitting_op}
+        self.compile_piece = compile_piece
+        self.fake_mode = fake_mode
+        self.compiled: dict[str, Callable] = {}
+        self.extra_traceback = False
+
+    def run(self, *args):
+        with self.fake_mode, enable_python_dispatcher():
+            return super().run(*args)
+
+    def call_module(self, target, args, kwargs):
+        assert isinstance(target, str)
+        out = super().call_module(target, args, kwargs)
+        if target in self.to_compile:
+            if kwargs:
+                raise RuntimeError(f"hybrid_compile backend: piece {target} called with keyword arguments")
+            submod = self.fetch_attr(target)
+            self.compiled[target] = self.compile_piece(submod, list(args))
+        return out
+
+
+class HybridCompileBackend:
+    """A torch.compile backend object: ``torch.compile(fn, backend=HybridCompileBackend())``.
+
+    Args:
+        splitting_ops: ops to cut the graph at (default: the three layer ops).
+        inductor: compile the pieces with Inductor (False: run them as plain FX code, which is
+            useful to test the split alone).
+        inductor_config: Inductor config patches for every piece.
+    """
+
+    def __init__(
+        self,
+        splitting_ops: Iterable[OpLike] | None = None,
+        *,
+        inductor: bool = True,
+        inductor_config: dict | None = None,
+    ) -> None:
+        self.splitting_ops = resolve_ops(splitting_ops)
+        self.inductor = inductor
+        self.inductor_config = dict(inductor_config or {})
+        self.stats = CompileStats()
+        self.split_gm: fx.GraphModule | None = None  # the latest split module (inspection)
+        self.items: list[SplitItem] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        t0 = time.perf_counter()
+        split_gm, items = split_graph(gm, self.splitting_ops)
+        if self.inductor:
+            fake_mode, fakes = _fake_inputs(example_inputs)
+            compiler = PiecewiseCompiler(
+                split_gm, items, lambda sub, args: _inductor_compile(sub, args, self.inductor_config), fake_mode
+            )
+            compiler.run(*fakes)
+            for name, fn in compiler.compiled.items():
+                # a plain attribute shadows the submodule: the split graph's `self.submod_i(...)` calls it
+                split_gm.__dict__[name] = fn
+            pieces = len(compiler.compiled)
+        else:
+            pieces = sum(1 for item in items if not item.is_splitting_op)
+        seconds = time.perf_counter() - t0
+
+        seen = collections.Counter(str(item.op.name()) for item in items if item.is_splitting_op)
+        s = self.stats
+        s.graphs += 1
+        s.pieces = pieces
+        s.splitting_op_calls = sum(seen.values())
+        s.split_ops_seen = dict(seen)
+        s.backend_seconds += seconds
+        s.last_graph_seconds = seconds
+        s.graph_nodes = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
+        s.history.append({
+            "pieces": pieces,
+            "splitting_op_calls": s.splitting_op_calls,
+            "seconds": seconds,
+            "symbolic_inputs": [str(x) for x in example_inputs if isinstance(x, torch.SymInt)],
+        })
+        self.split_gm, self.items = split_gm, items
+        return split_gm
+
+
+_default_backend: HybridCompileBackend | None = None
+
+
+def hybrid_compile_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """The backend as a plain function (default splitting ops, Inductor pieces); its stats
+    accumulate in :func:`default_backend`. The engine uses its own
+    :class:`HybridCompileBackend` instance per runner."""
+    return default_backend()(gm, example_inputs)
+
+
+def default_backend() -> HybridCompileBackend:
+    global _default_backend
+    if _default_backend is None:
+        _default_backend = HybridCompileBackend()
+    return _default_backend

@@ -14,31 +14,42 @@ L2-normalised (optional) keys/queries and ``r = Hv // Hk`` (value head ``h`` rea
     h_n+1= exp(c_last) h_n + k^T (exp(c_last - c) * v')
     o    = scale * (exp(c) * q h_n + (causal(q.k^T * exp(c_i - c_j))) v')
 
-Pipeline (no host sync; every size comes from shapes):
+Pipeline (no host sync, no torch work besides the allocations; every size comes from shapes).
+Chunk rows: ``NR = T // 64 + B`` (the bound ``max_chunk_rows`` of ``_varlen.py``); row ``n`` =
+chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each program finds
+its request, first token and length from ``cu_seqlens`` itself (``_locate_row``); rows past the
+last chunk do nothing.
 
-0. Chunk table (a few torch ops on device): ``NR = T // 64 + B`` rows (the bound
-   ``max_chunk_rows`` of ``_varlen.py``); row ``n`` = chunk ``n`` in request order, i.e. exactly
-   the ``chunk_states`` row layout; extra rows are marked -1 and their programs do nothing.
 1. ``_chunk_intra_kernel``, grid ``(NR, Hv)``: per (chunk, value head): the cumsum of ``g``
    (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
    blocks of ``BK``, in the input dtype: exact products for bf16/fp16), key norms from the same
-   loads, ``A``, its inverse (exact fp32 forward substitution inside each 16x16 diagonal block
-   in registers, then the block formula for the off-diagonal blocks, as fla's ``solve_tril``),
-   then ``w`` and ``u``. Writes fp32 ``w [T, Hv, K]``, ``u [T, Hv, V]``, ``c [T, Hv]`` and the
-   key inverse norms ``rk [T, Hv]``.
+   loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
+   at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
+   fla's ``solve_tril``), then ``w`` and ``u``. Writes ``w [T, Hv, K]``, ``u [T, Hv, V]``,
+   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]``.
 2. ``_chunk_state_kernel``, grid ``(B, Hv, cdiv(V, BV))``: the sequential pass. The state block
    ``[K, BV]`` (fp32, K padded to a power of two) stays in registers while the program walks
-   its request's chunks: stores ``h_n`` (the chunk state, which IS ``chunk_states`` row
-   ``chunk_row_offsets[b] + n`` when requested), overwrites ``u`` with ``v'``, updates the
-   state, and finally writes it to the pool slot (cast to the pool dtype).
+   its request's chunks (the next chunks' loads in flight, Triton's software pipelining): stores
+   ``h_n`` (the output kernel's copy; ``chunk_states`` row ``chunk_row_offsets[b] + n`` when
+   requested), writes ``v'``, updates the state, and finally writes it to the pool slot (cast
+   to the pool dtype).
 3. ``_chunk_output_kernel``, grid ``(NR, Hv, cdiv(V, BV))``: ``q h_n`` and ``q k^T`` over ``K``
-   blocks (query norms from the same loads), the causal intra-chunk part, output in ``v.dtype``.
+   blocks (query norms from the same loads), the causal intra-chunk part, output in ``v.dtype``
+   (zeros for the rows of a padding request, so ``o`` needs no zero fill).
 
-Padding requests (slot -1) and zero-length requests: nothing read or written, zero output
-(``o`` is zero-initialised) and zero ``chunk_states`` rows.
+Padding requests (slot -1) and zero-length requests: nothing read or written, zero output and
+zero ``chunk_states`` rows.
 
-Precision: fp32 everywhere; matmuls of derived fp32 operands use TF32x3 (near-fp32) when any
-input is fp32 and TF32 when the inputs are bf16/fp16 (their error is far below bf16's).
+Precision. fp32 inputs (any of q/k/v): fp32 everywhere; matmuls of derived fp32 operands use
+TF32x3 (near-fp32). bf16 q/k/v (``CONFIG["lowp"]``, as flash-linear-attention): the recurrent
+state, every sum and ``c``/``beta``/``u`` stay fp32, the inverse ``T`` and its products are
+TF32, and the operands of the large matmuls are bf16 (native MMA, fp32 accumulation): ``w``,
+``v'`` and the output kernel's copy of ``h_n`` are stored in bf16, and ``h_n`` / ``v'`` /
+``exp(c_last - c) v'`` / the causal ``q.k^T`` block are rounded to bf16 as matmul operands.
+Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9e-3 against
+2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
+1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
+the fp32 path.
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
 """
@@ -64,19 +75,39 @@ assert GDN_CHUNK_SIZE == 64, "the Triton chunk kernels are written for 64-token 
 
 
 @triton.jit
-def _inv_unit_lower16(A, n):
-    """(I + A)^-1 of a strictly lower triangular [16, 16] fp32 tile, by forward substitution:
-    row i of the inverse = e_i - A[i, :] @ inverse (rows < i are final already). The row product
-    is a 16x16 matmul with only row i of the left operand non-zero, in exact fp32 ("ieee": FMA,
-    no tensor-core rounding). Rows >= n of A are zero (past the chunk's end), so their inverse
-    rows are identity rows and are not computed."""
-    o = tl.arange(0, 16)
-    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    Ai = eye
+def _stack4(a, b, c, d):
+    """[4, 16, 16] from four [16, 16] tiles (index 0 = a, ..., 3 = d)."""
+    ab = tl.permute(tl.join(a, b), (2, 0, 1))
+    cd = tl.permute(tl.join(c, d), (2, 0, 1))
+    x = tl.permute(tl.join(ab, cd), (3, 0, 1, 2))  # [2, 2, 16, 16]: [0, 0] = a, [0, 1] = b, [1, 0] = c
+    return tl.reshape(x, (4, 16, 16))
+
+
+@triton.jit
+def _unstack4(x):
+    """Inverse of ``_stack4``."""
+    y = tl.permute(tl.reshape(x, (2, 2, 16, 16)), (1, 2, 3, 0))  # [2, 16, 16, 2]: [i, .., .., j] = x[2j + i]
+    ab, cd = tl.split(y)
+    a, b = tl.split(tl.permute(ab, (1, 2, 0)))
+    c, d = tl.split(tl.permute(cd, (1, 2, 0)))
+    return a, b, c, d
+
+
+@triton.jit
+def _inv_unit_lower16x4(A, n):
+    """(I + A_b)^-1 of four strictly lower triangular [16, 16] fp32 tiles at once (``A`` [4, 16, 16],
+    tile b = rows 16b.. of the chunk), by forward substitution in exact fp32: row i of each inverse
+    = e_i - A_b[i, :] @ inverse_b (rows < i are final). Rows past the chunk's end are zero in A, so
+    their inverse rows stay identity rows; no row at or past ``n`` needs computing."""
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    Ai = tl.zeros([4, 16, 16], dtype=tl.float32) + eye[None, :, :]
+    r3 = r[None, :, None]
     for i in range(1, tl.minimum(n, 16)):
-        sel = o[:, None] == i
-        prod = tl.dot(tl.where(sel, A, 0.0), Ai, input_precision="ieee")
-        Ai = tl.where(sel, eye - prod, Ai)
+        sel = r3 == i
+        a_i = tl.sum(tl.where(sel, A, 0.0), 1)  # [4, 16]: row i of each tile
+        row = tl.where(r[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * Ai, 1)
+        Ai = tl.where(sel, row[:, None, :], Ai)
     return Ai
 
 
@@ -92,6 +123,46 @@ def _decay_block(G, bi, ri, ci, rj, cj, DIAG: tl.constexpr):
         return G * (bi * ri)[:, None] * rj[None, :] * tl.exp(d)
 
 
+@triton.jit
+def _locate_row(cu_seqlens, nb, i_r, BB: tl.constexpr):
+    """(request, first token, length) of chunk-state row ``i_r`` (the row layout of ``_varlen.py``:
+    each request's ``ceil(len / 64)`` chunks in request order); request -1 past the last chunk.
+    Reads ``cu_seqlens`` in blocks of ``BB`` requests (no chunk table, no host work)."""
+    zero = i_r * 0
+    acc = zero  # rows of the requests before this block
+    req = zero - 1
+    n = zero
+    start = zero.to(tl.int64)
+    for b0 in range(0, nb, BB):
+        ob = b0 + tl.arange(0, BB)
+        mb = ob < nb
+        lo = tl.load(cu_seqlens + ob, mask=mb, other=0).to(tl.int64)
+        hi = tl.load(cu_seqlens + ob + 1, mask=mb, other=0).to(tl.int64)
+        nc = ((hi - lo + 63) // 64).to(tl.int32)
+        end = acc + tl.cumsum(nc, 0)
+        beg = end - nc
+        hit = (i_r >= beg) & (i_r < end)
+        s = lo + (i_r - beg).to(tl.int64) * 64
+        req += tl.sum(tl.where(hit, ob + 1, 0), 0)
+        start += tl.sum(tl.where(hit, s, 0), 0)
+        n += tl.sum(tl.where(hit, tl.minimum(hi - s, 64).to(tl.int32), 0), 0)
+        acc += tl.sum(nc, 0)
+    return req, start, n
+
+
+@triton.jit
+def _rows_before(cu_seqlens, i_b, BB: tl.constexpr):
+    """First chunk-state row of request ``i_b``: sum of ``ceil(len / 64)`` over the requests before it."""
+    acc = i_b * 0
+    for b0 in range(0, i_b, BB):
+        ob = b0 + tl.arange(0, BB)
+        mb = ob < i_b
+        lo = tl.load(cu_seqlens + ob, mask=mb, other=0).to(tl.int64)
+        hi = tl.load(cu_seqlens + ob + 1, mask=mb, other=0).to(tl.int64)
+        acc += tl.sum(((hi - lo + 63) // 64).to(tl.int32), 0)
+    return acc
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. intra-chunk: cumsum of g, A, (I + A)^-1, w, u
 # ----------------------------------------------------------------------------------------------
@@ -99,25 +170,25 @@ def _decay_block(G, bi, ri, ci, rj, cj, DIAG: tl.constexpr):
 
 @triton.jit
 def _chunk_intra_kernel(
-    k, v, g, beta, state_indices, chunk_req, chunk_start, chunk_len,
+    k, v, g, beta, cu_seqlens, nb, state_indices,
     w, u, gcum, rk,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
     s_gt, s_gh,
     s_bt, s_bh,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, KPREC: tl.constexpr,
-    RAW_K: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    KPREC: tl.constexpr, RAW_K: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     i_hk = i_h // R
-    req = tl.load(chunk_req + i_r)
-    slot = tl.load(state_indices + tl.maximum(req, 0))
-    if (req < 0) | (slot < 0):  # past the last chunk, or a padding request
+    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
+    if req < 0:  # past the last chunk
         return
-    start = tl.load(chunk_start + i_r).to(tl.int64)
-    n = tl.load(chunk_len + i_r)
+    slot = tl.load(state_indices + req)
+    if slot < 0:  # a padding request
+        return
 
     o16 = tl.arange(0, 16)
     t1 = start + o16
@@ -217,10 +288,7 @@ def _chunk_intra_kernel(
 
     # T = (I + A)^-1, block lower triangular: T_ii = inv(I + A_ii),
     # T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    T11 = _inv_unit_lower16(A11, n - 0)
-    T22 = _inv_unit_lower16(A22, n - 16)
-    T33 = _inv_unit_lower16(A33, n - 32)
-    T44 = _inv_unit_lower16(A44, n - 48)
+    T11, T22, T33, T44 = _unstack4(_inv_unit_lower16x4(_stack4(A11, A22, A33, A44), n))
     T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
     T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
     T43 = -tl.dot(T44, tl.dot(A43, T33, input_precision=PREC), input_precision=PREC)
@@ -259,10 +327,10 @@ def _chunk_intra_kernel(
         w4 = tl.dot(T43, x3, w4, input_precision=PREC)
         w4 = tl.dot(T44, x4, w4, input_precision=PREC)
         p_w = w + i_h * K + o_k[None, :]
-        tl.store(p_w + t1[:, None] * (HV * K), w1, mask=m1[:, None] & mk[None, :])
-        tl.store(p_w + t2[:, None] * (HV * K), w2, mask=m2[:, None] & mk[None, :])
-        tl.store(p_w + t3[:, None] * (HV * K), w3, mask=m3[:, None] & mk[None, :])
-        tl.store(p_w + t4[:, None] * (HV * K), w4, mask=m4[:, None] & mk[None, :])
+        tl.store(p_w + t1[:, None] * (HV * K), w1.to(w.dtype.element_ty), mask=m1[:, None] & mk[None, :])
+        tl.store(p_w + t2[:, None] * (HV * K), w2.to(w.dtype.element_ty), mask=m2[:, None] & mk[None, :])
+        tl.store(p_w + t3[:, None] * (HV * K), w3.to(w.dtype.element_ty), mask=m3[:, None] & mk[None, :])
+        tl.store(p_w + t4[:, None] * (HV * K), w4.to(w.dtype.element_ty), mask=m4[:, None] & mk[None, :])
 
     # u = T (beta * v)
     p_v = v + i_h * s_vh
@@ -287,10 +355,10 @@ def _chunk_intra_kernel(
         u4 = tl.dot(T43, x3, u4, input_precision=PREC)
         u4 = tl.dot(T44, x4, u4, input_precision=PREC)
         p_u = u + i_h * V + o_v[None, :]
-        tl.store(p_u + t1[:, None] * (HV * V), u1, mask=m1[:, None] & mv[None, :])
-        tl.store(p_u + t2[:, None] * (HV * V), u2, mask=m2[:, None] & mv[None, :])
-        tl.store(p_u + t3[:, None] * (HV * V), u3, mask=m3[:, None] & mv[None, :])
-        tl.store(p_u + t4[:, None] * (HV * V), u4, mask=m4[:, None] & mv[None, :])
+        tl.store(p_u + t1[:, None] * (HV * V), u1.to(u.dtype.element_ty), mask=m1[:, None] & mv[None, :])
+        tl.store(p_u + t2[:, None] * (HV * V), u2.to(u.dtype.element_ty), mask=m2[:, None] & mv[None, :])
+        tl.store(p_u + t3[:, None] * (HV * V), u3.to(u.dtype.element_ty), mask=m3[:, None] & mv[None, :])
+        tl.store(p_u + t4[:, None] * (HV * V), u4.to(u.dtype.element_ty), mask=m4[:, None] & mv[None, :])
 
     tl.store(gcum + t1 * HV + i_h, c1, mask=m1)
     tl.store(gcum + t2 * HV + i_h, c2, mask=m2)
@@ -309,11 +377,12 @@ def _chunk_intra_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k, w, u, gcum, rk, cu_seqlens, state_indices, has_init, chunk_off, pool, hbuf,
+    k, w, u, vn, gcum, rk, cu_seqlens, state_indices, has_init, pool, hbuf, cstates,
     s_kt, s_kh, s_kd,
     s_ps, s_ph, s_pk, s_pv,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    KP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    KP: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    DOT_F32: tl.constexpr, STORE_CS: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -325,7 +394,7 @@ def _chunk_state_kernel(
     length = tl.where(slot >= 0, eos - bos, 0)
     n_chunks = (length + 63) // 64
     init = (tl.load(has_init + i_b) != 0) & (slot >= 0)
-    row0 = tl.load(chunk_off + i_b).to(tl.int64)
+    row0 = _rows_before(cu_seqlens, i_b, BB).to(tl.int64)
 
     o_k = tl.arange(0, KP)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -337,24 +406,49 @@ def _chunk_state_kernel(
     S = tl.load(p_pool, mask=(o_k[:, None] < k_init) & mv[None, :], other=0.0).to(tl.float32)
 
     o_t = tl.arange(0, 64)
+    p_w = w + i_h * K + o_k[None, :]
+    p_u = u + i_h * V + o_v[None, :]
+    p_vn = vn + i_h * V + o_v[None, :]
     p_k = k + i_hk * s_kh + o_k[:, None] * s_kd
+    o_h = i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+    # the loads are software-pipelined by Triton (num_stages); a hand-written register prefetch of
+    # the next chunk (loop-carried tiles fed to the MMAs) was miscompiled by Triton 3.6 (wrong states)
     for j in range(n_chunks):
         row = row0 + j
-        tl.store(hbuf + (row * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :], S, mask=m_h)
-        t = bos + j * 64 + o_t
-        mt = (j * 64 + o_t) < length
-        b_w = tl.load(w + (t[:, None] * HV + i_h) * K + o_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        p_u = u + (t[:, None] * HV + i_h) * V + o_v[None, :]
-        b_u = tl.load(p_u, mask=mt[:, None] & mv[None, :], other=0.0)
-        vn = b_u - tl.dot(b_w, S, input_precision=PREC)
-        tl.store(p_u, vn, mask=mt[:, None] & mv[None, :])
-        last = tl.minimum(j * 64 + 64, length) - 1
-        c_last = tl.load(gcum + (bos + last) * HV + i_h)
-        c = tl.load(gcum + t * HV + i_h, mask=mt, other=0.0)
-        r_k = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
-        vs = vn * tl.where(mt, tl.exp(c_last - c) * r_k, 0.0)[:, None]
-        kt = tl.load(p_k + t[None, :] * s_kt, mask=mk[:, None] & mt[None, :], other=0.0).to(tl.float32)
-        S = S * tl.exp(c_last) + tl.dot(kt, vs, input_precision=PREC)
+        c_t = bos + j * 64 + o_t
+        c_mt = (j * 64 + o_t) < length
+        c_w = tl.load(p_w + c_t[:, None] * (HV * K), mask=c_mt[:, None] & mk[None, :], other=0.0)
+        c_u = tl.load(p_u + c_t[:, None] * (HV * V), mask=c_mt[:, None] & mv[None, :], other=0.0)
+        c_c = tl.load(gcum + c_t * HV + i_h, mask=c_mt, other=0.0)
+        c_r = tl.load(rk + c_t * HV + i_h, mask=c_mt, other=0.0)
+        c_k = tl.load(p_k + c_t[None, :] * s_kt, mask=mk[:, None] & c_mt[None, :], other=0.0)
+        # the state before this chunk: chunk_states row (fp32) and the output kernel's copy
+        if LOWP:
+            S_d = S.to(hbuf.dtype.element_ty)
+        else:
+            S_d = S
+        tl.store(hbuf + row * (HV * K * V) + o_h, S_d, mask=m_h)
+        if STORE_CS:
+            tl.store(cstates + row * (HV * K * V) + o_h, S, mask=m_h)
+        # v' = u - w h
+        if DOT_F32:
+            wh = tl.dot(c_w.to(tl.float32), S_d.to(tl.float32), input_precision=PREC)
+        else:
+            wh = tl.dot(c_w, S_d, input_precision=PREC)
+        v_new = c_u.to(tl.float32) - wh
+        tl.store(p_vn + c_t[:, None] * (HV * V), v_new.to(vn.dtype.element_ty), mask=c_mt[:, None] & mv[None, :])
+        # h <- exp(c_last) h + k^T (exp(c_last - c) rk v')
+        n_in = tl.minimum(length - j * 64, 64)
+        c_last = tl.sum(tl.where(o_t == n_in - 1, c_c, 0.0), 0)
+        v_s = v_new * tl.where(c_mt, tl.exp(c_last - c_c) * c_r, 0.0)[:, None]
+        if LOWP:
+            v_s = v_s.to(c_k.dtype)
+        else:
+            c_k = c_k.to(tl.float32)
+        if DOT_F32:
+            S = tl.dot(c_k.to(tl.float32), v_s.to(tl.float32), S * tl.exp(c_last), input_precision=PREC)
+        else:
+            S = tl.dot(c_k, v_s, S * tl.exp(c_last), input_precision=PREC)
 
     k_fin = tl.where(length > 0, K, 0)
     tl.store(p_pool, S.to(pool.dtype.element_ty), mask=(o_k[:, None] < k_fin) & mv[None, :])
@@ -367,30 +461,32 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _chunk_output_kernel(
-    q, k, u, gcum, rk, hbuf, state_indices, chunk_req, chunk_start, chunk_len, o, scale,
+    q, k, vn, gcum, rk, hbuf, cu_seqlens, nb, state_indices, o, scale,
     s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_ot, s_oh, s_od,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, RAW_QK: tl.constexpr, PREC: tl.constexpr,
-    QKPREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, RAW_QK: tl.constexpr,
+    PREC: tl.constexpr, QKPREC: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     i_hk = i_h // R
-    req = tl.load(chunk_req + i_r)
-    slot = tl.load(state_indices + tl.maximum(req, 0))
-    if (req < 0) | (slot < 0):  # past the last chunk, or a padding request (o stays zero)
+    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
+    if req < 0:  # past the last chunk
         return
-    start = tl.load(chunk_start + i_r).to(tl.int64)
-    n = tl.load(chunk_len + i_r)
+    slot = tl.load(state_indices + req)
 
     o_t = tl.arange(0, 64)
     t = start + o_t
     mt = o_t < n
     o_v = i_v * BV + tl.arange(0, BV)
     mv = o_v < V
+    p_o = o + t[:, None] * s_ot + i_h * s_oh + o_v[None, :] * s_od
+    if slot < 0:  # a padding request: zero output
+        tl.store(p_o, tl.zeros([64, BV], dtype=o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        return
 
     acc = tl.zeros([64, BV], dtype=tl.float32)
     qk = tl.zeros([64, 64], dtype=tl.float32)
@@ -407,7 +503,13 @@ def _chunk_output_kernel(
         f_q = b_q.to(tl.float32)
         if USE_L2:
             ss += tl.sum(f_q * f_q, 1)
-        acc = tl.dot(f_q, b_h, acc, input_precision=PREC)
+        if LOWP:  # bf16 q and h: native MMA (exact products, fp32 sums)
+            if DOT_F32:
+                acc = tl.dot(f_q, b_h.to(tl.float32), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(b_q, b_h, acc)
+        else:
+            acc = tl.dot(f_q, b_h, acc, input_precision=PREC)
         if RAW_QK:
             qk = tl.dot(b_q, tl.trans(b_k), qk, input_precision=QKPREC)
         else:
@@ -417,14 +519,20 @@ def _chunk_output_kernel(
     r_k = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
     causal = (o_t[:, None] >= o_t[None, :]) & mt[:, None]  # rows past the end: no exp overflow
     P = tl.where(causal, qk * r_k[None, :] * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
-    vn = tl.load(u + (t[:, None] * HV + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-    out = tl.dot(P, vn, acc * tl.exp(c)[:, None], input_precision=PREC)
+    b_vn = tl.load(vn + (t[:, None] * HV + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    if LOWP:
+        if DOT_F32:
+            out = tl.dot(P.to(b_vn.dtype).to(tl.float32), b_vn.to(tl.float32), acc * tl.exp(c)[:, None],
+                         input_precision=PREC)
+        else:
+            out = tl.dot(P.to(b_vn.dtype), b_vn, acc * tl.exp(c)[:, None])
+    else:
+        out = tl.dot(P, b_vn, acc * tl.exp(c)[:, None], input_precision=PREC)
     if USE_L2:
         out = out * (tl.math.rsqrt(ss + 1e-6) * scale)[:, None]
     else:
         out = out * scale
-    tl.store(o + t[:, None] * s_ot + i_h * s_oh + o_v[None, :] * s_od, out.to(o.dtype.element_ty),
-             mask=mt[:, None] & mv[None, :])
+    tl.store(p_o, out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,24 +552,28 @@ def _dot_precision(*tensors: torch.Tensor) -> str:
     return "tf32x3" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 
-def _chunk_table(cu_seqlens: torch.Tensor, num_rows: int, chunk: int):
-    """Chunk table on device: for each of ``num_rows`` rows (chunk-state row layout of
-    ``_varlen.py``) its request (-1 past the last chunk), first token and length, plus each
-    request's first row. Torch ops only, no host sync."""
-    cu = cu_seqlens.to(torch.int64)
-    batch = cu.numel() - 1
-    lens = cu[1:] - cu[:-1]
-    n_chunks = (lens + chunk - 1) // chunk
-    ends = torch.cumsum(n_chunks, 0)
-    first_row = ends - n_chunks
-    rows = torch.arange(num_rows, device=cu.device, dtype=torch.int64)
-    req = torch.searchsorted(ends, rows, right=True)
-    valid = req < batch
-    req_c = req.clamp(max=batch - 1)
-    start = cu[req_c] + (rows - first_row[req_c]) * chunk
-    length = (cu[req_c + 1] - start).clamp(min=0, max=chunk)
-    req = torch.where(valid, req, torch.full_like(req, -1))
-    return req.to(torch.int32), start, length.to(torch.int32), first_row
+#: Launch settings and the low-precision switch, module-level so that
+#: ``benchmarks/profile_gdn_chunk.py`` can compare variants. ``None`` = the default below (chosen
+#: from H100 measurements at Qwen3-Next shapes; see that script).
+CONFIG = {
+    "lowp": True,  # bf16 q/k/v: bf16 MMA operands, bf16 w / v' / h copies (fp32 state, sums, u)
+    "u_bf16": False,  # also u in bf16 (about 3% faster at 32k tokens, about 1.3x the state error)
+    "intra_warps": None,  # 2 on the bf16 path (the 16x16 tiles replicate over more warps), else 4
+    "intra_stages": None,
+    "state_bv": None,  # V block of the sequential pass: 32 for K <= 128
+    "state_warps": None,  # 4 on the bf16 path (K <= 128), else 8
+    "state_stages": None,  # Triton's default (3): the next chunks' loads are in flight
+    "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
+    "out_warps": None,  # 4
+    "out_stages": None,
+}
+
+
+def _launch_opts(warps, stages):
+    opts = {"num_warps": warps}
+    if stages is not None:
+        opts["num_stages"] = stages
+    return opts
 
 
 def chunk_gated_delta_rule_triton(
@@ -479,7 +591,8 @@ def chunk_gated_delta_rule_triton(
     output_chunk_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of ``chunk_gated_delta_rule`` (same arguments, same results; mutates
-    ``ssm_states``). No host sync: the chunk table is built on device."""
+    ``ssm_states``). No host sync and no torch work besides the allocations: each kernel finds its
+    chunk from ``cu_seqlens`` itself."""
     T, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     if kd > MAX_HEAD_K_DIM:
@@ -488,20 +601,33 @@ def chunk_gated_delta_rule_triton(
     batch = state_indices.shape[0]
     dev = v.device
     n_rows = max_chunk_rows(T, batch, C)
-    o = torch.zeros(T, hv, vd, dtype=v.dtype, device=dev)
+    cfg = CONFIG
+    # every token belongs to a chunk row, and every row's program writes its tokens (zeros for a
+    # padding request), so ``o`` needs no zero fill
+    o = torch.empty(T, hv, vd, dtype=v.dtype, device=dev)
     chunk_states = torch.zeros(n_rows if output_chunk_states else 0, hv, kd, vd, dtype=torch.float32, device=dev)
     if T == 0 or batch == 0:
         return o, chunk_states
     scale = float(scale) if scale > 0 else float(kd) ** -0.5
     r = hv // hk
+    bb = min(max(triton.next_power_of_2(batch), 16), 64)
 
-    chunk_req, chunk_start, chunk_len, first_row = _chunk_table(cu_seqlens, n_rows, C)
-    hbuf = chunk_states if output_chunk_states else torch.empty(n_rows, hv, kd, vd, dtype=torch.float32, device=dev)
-    w = torch.empty(T, hv, kd, dtype=torch.float32, device=dev)
-    u = torch.empty(T, hv, vd, dtype=torch.float32, device=dev)
-    gcum = torch.empty(T, hv, dtype=torch.float32, device=dev)
-    rk = torch.empty(T, hv, dtype=torch.float32, device=dev)
-    init = has_initial_state.to(torch.int32)
+    # low precision: bf16 inputs -> bf16 MMA operands and bf16 intermediates
+    lowp = bool(cfg["lowp"]) and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    dot_f32 = not _raw_dot(k)  # the interpreter: cast bf16 operands to fp32 (same products)
+    low = torch.bfloat16
+    f32 = torch.float32
+    w = torch.empty(T, hv, kd, dtype=low if lowp else f32, device=dev)
+    u = torch.empty(T, hv, vd, dtype=low if lowp and cfg["u_bf16"] else f32, device=dev)
+    vn = torch.empty(T, hv, vd, dtype=low if lowp else f32, device=dev)
+    gcum = torch.empty(T, hv, dtype=f32, device=dev)
+    rk = torch.empty(T, hv, dtype=f32, device=dev)
+    if lowp:
+        hbuf = torch.empty(n_rows, hv, kd, vd, dtype=low, device=dev)
+        store_cs = output_chunk_states
+    else:
+        hbuf = chunk_states if output_chunk_states else torch.empty(n_rows, hv, kd, vd, dtype=f32, device=dev)
+        store_cs = False
 
     # tl.dot needs every block dim >= 16
     kp = max(triton.next_power_of_2(kd), 16)
@@ -510,35 +636,40 @@ def chunk_gated_delta_rule_triton(
     prec = _dot_precision(q, k, v)
 
     bv_intra = min(vp, 64)
+    warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
     _chunk_intra_kernel[(n_rows, hv)](
-        k, v, g, beta, state_indices, chunk_req, chunk_start, chunk_len,
+        k, v, g, beta, cu_seqlens, batch, state_indices,
         w, u, gcum, rk,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1),
-        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_intra, USE_L2=bool(use_qk_l2norm), PREC=prec,
-        KPREC=_dot_precision(k), RAW_K=_raw_dot(k), num_warps=4,
+        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
+        KPREC=_dot_precision(k), RAW_K=_raw_dot(k), **_launch_opts(warps_intra, cfg["intra_stages"]),
     )
 
-    bv_state = 64 if kp <= 64 else (32 if kp <= 128 else 16)
-    bv_state = min(bv_state, vp)
+    bv_state = cfg["state_bv"] or (64 if kp <= 64 else (32 if kp <= 128 else 16))
+    bv_state = max(min(bv_state, vp), 16)
+    warps_state = cfg["state_warps"] or (4 if lowp and kp <= 128 else 8)
     _chunk_state_kernel[(batch, hv, triton.cdiv(vd, bv_state))](
-        k, w, u, gcum, rk, cu_seqlens, state_indices, init, first_row, ssm_states, hbuf,
+        k, w, u, vn, gcum, rk, cu_seqlens, state_indices, has_initial_state, ssm_states, hbuf,
+        chunk_states if store_cs else hbuf,
         k.stride(0), k.stride(1), k.stride(2),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        HV=hv, R=r, K=kd, V=vd, KP=kp, BV=bv_state, PREC=prec,
-        num_warps=4 if kp <= 64 else 8,
+        HV=hv, R=r, K=kd, V=vd, KP=kp, BV=bv_state, BB=bb, PREC=prec, LOWP=lowp, DOT_F32=dot_f32,
+        STORE_CS=store_cs,
+        **_launch_opts(warps_state, cfg["state_stages"]),
     )
 
-    bv_out = min(vp, 64)
+    bv_out = max(min(cfg["out_bv"] or (128 if lowp else 64), vp), 16)
+    warps_out = cfg["out_warps"] or 4
     _chunk_output_kernel[(n_rows, hv, triton.cdiv(vd, bv_out))](
-        q, k, u, gcum, rk, hbuf, state_indices, chunk_req, chunk_start, chunk_len, o, scale,
+        q, k, vn, gcum, rk, hbuf, cu_seqlens, batch, state_indices, o, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_out, USE_L2=bool(use_qk_l2norm),
-        RAW_QK=q.dtype == k.dtype and _raw_dot(q), PREC=prec, QKPREC=_dot_precision(q),
-        num_warps=4,
+        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_out, BB=bb, USE_L2=bool(use_qk_l2norm),
+        RAW_QK=q.dtype == k.dtype and _raw_dot(q), PREC=prec, QKPREC=_dot_precision(q), LOWP=lowp,
+        DOT_F32=dot_f32, **_launch_opts(warps_out, cfg["out_stages"]),
     )
     return o, chunk_states

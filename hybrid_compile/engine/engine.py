@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
@@ -30,6 +31,14 @@ class StepOutput:
     token: int | None  # None while a prompt is still being prefilled in chunks
     finished: bool
     finish_reason: str | None
+
+
+def _per_request(base: SamplingParams, n: int) -> list[SamplingParams]:
+    """One copy of ``base`` per prompt; prompt ``i`` of a seeded call samples with seed + i."""
+    return [
+        dataclasses.replace(base, seed=None if base.seed is None else base.seed + i, extra=dict(base.extra))
+        for i in range(n)
+    ]
 
 
 def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -312,13 +321,7 @@ class HybridEngine:
         is_text = [_is_text(p) for p in prompts]
         prompts = [self.encode(p) if t else list(p) for p, t in zip(prompts, is_text)]
         base = self._sampling_params(**sampling)
-        params = []
-        for i in range(len(prompts)):
-            p = SamplingParams(**{**base.__dict__})
-            if base.seed is not None:
-                p.seed = base.seed + i
-            params.append(p)
-        rids = self._add_requests(prompts, params)
+        rids = self._add_requests(prompts, _per_request(base, len(prompts)))
         pending = set(rids)
         while pending:
             for out in self.step():
@@ -362,13 +365,7 @@ class HybridEngine:
             prompts = rows
         if streamer is not None and len(prompts) != 1:
             raise ValueError("streaming supports batch size 1 only (as in transformers)")
-        params_list = []
-        for i in range(len(prompts)):
-            p = SamplingParams(**{**params.__dict__})
-            if params.seed is not None:
-                p.seed = params.seed + i
-            params_list.append(p)
-        rids = self._add_requests(prompts, params_list)
+        rids = self._add_requests(prompts, _per_request(params, len(prompts)))
         if streamer is not None:
             streamer.put(input_ids.cpu())
         pending = set(rids)

@@ -42,6 +42,25 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
 
 Everything here is host-side bookkeeping plus :meth:`MambaPool.copy_slots` /
 :meth:`MambaPool.fork` for state copies; nothing syncs the device.
+
+How the scheduler is meant to use it (not wired yet):
+
+1. Build with ``mamba_align`` = the kernel's chunk size (64 for GDN, the Mamba2 chunk size);
+   plan memory with ``mamba_prefix_cache_slots > 0``.
+2. Admission: ``m = match_prefix(tokens[:-1])`` (once per attempt: it bumps the hit counters),
+   ``inc_lock_ref(m.last_node)``, ``ensure_free(mamba_slots=1)`` before ``req_to_token.alloc``,
+   ``cow_mamba(m, request_mamba_slot)``, write ``m.kv_indices`` into ``req_to_token`` and start
+   at ``num_computed = m.prefix_len`` (page-aligned). Count room as ``available() +
+   evictable_size()`` and ``ensure_free(kv_tokens=...)`` before allocating; evict before retracting.
+3. Finish: ``cache_finished_req(tokens[:num_computed], kv_slots, last_node, mamba_slot,
+   mamba_len=...)`` then ``req_to_token.free(req_slot, free_mamba=False)``.
+4. Retract / abort: free only the request's own ``kv_slots[cached_len:]`` and its slots, then
+   ``dec_lock_ref(last_node)``.
+5. Chunked prefill: at a page boundary, ``cache_unfinished_req`` and rewrite the request's
+   ``req_to_token`` row and ``kv_slots`` with the returned indices (duplicates were freed).
+6. Checkpoints: the layer ops write the chunk state at ``checkpoint_len(...)`` into a slot that is
+   handed over with ``adopt_mamba=True`` or ``mamba_len``.
+7. ``engine.stats()`` merges ``stats()``; ``reset()`` before ``pools.check_all_free()``.
 """
 
 from __future__ import annotations

@@ -458,3 +458,14 @@ def test_wrap_patches_only_its_own_instance_and_close_undoes_it():
         out = again.generate(ids, max_new_tokens=8)
     assert out[0, len(prompt):].tolist() == a_gen[0, len(prompt):].tolist()
     assert not any("forward" in m.__dict__ for m in a.modules())
+
+
+def test_features_not_built_yet_raise_instead_of_being_ignored():
+    """Options whose machinery is not wired yet fail loudly at wrap time (no silent no-op)."""
+    import hybrid_compile as hc
+
+    model = cached_model("qwen3_next_dense", 0)
+    for option in (dict(enable_prefix_cache=True), dict(speculative={"method": "ngram"}), dict(cuda_graphs=True)):
+        with pytest.raises(NotImplementedError, match=next(iter(option))):
+            hc.wrap(model, **option)
+    assert hc.EngineConfig().enable_prefix_cache is False

@@ -465,7 +465,7 @@ def test_features_not_built_yet_raise_instead_of_being_ignored():
     import hybrid_compile as hc
 
     model = cached_model("qwen3_next_dense", 0)
-    for option in (dict(enable_prefix_cache=True), dict(speculative={"method": "ngram"}), dict(cuda_graphs=True)):
+    for option in (dict(speculative={"method": "ngram"}), dict(cuda_graphs=True)):
         with pytest.raises(NotImplementedError, match=next(iter(option))):
             hc.wrap(model, **option)
     assert hc.EngineConfig().enable_prefix_cache is False

@@ -43,7 +43,8 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
 Everything here is host-side bookkeeping plus :meth:`MambaPool.copy_slots` /
 :meth:`MambaPool.fork` for state copies; nothing syncs the device.
 
-How the scheduler is meant to use it (not wired yet):
+How the scheduler uses it (``engine/scheduler.py``, with ``EngineConfig(enable_prefix_cache=True)``;
+steps 5 and 6 are not wired yet):
 
 1. Build with ``mamba_align`` = the kernel's chunk size (64 for GDN, the Mamba2 chunk size);
    plan memory with ``mamba_prefix_cache_slots > 0``.

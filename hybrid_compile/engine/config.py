@@ -30,7 +30,7 @@ class EngineConfig:
     page_size: int = 1
     chunked_prefill_size: int = 2048  # max prefill tokens per step
     max_prefill_tokens: int | None = None  # alias budget per step; default chunked_prefill_size
-    enable_prefix_cache: bool = False  # the radix cache exists (cache/) but is not wired yet
+    enable_prefix_cache: bool = False  # HybridRadixCache: reuse KV + Mamba states of finished requests
     speculative: Any = None
     # torch.compile with our backend (hybrid_compile.passes): Dynamo graph split at the layer ops, pieces
     # compiled by Inductor. None will mean "on for CUDA" once CUDA graphs exist; until then None means off
@@ -75,10 +75,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not self.mamba_full_memory_ratio > 0:
             raise ValueError(f"EngineConfig.mamba_full_memory_ratio must be > 0, got {self.mamba_full_memory_ratio}")
-        if self.enable_prefix_cache:
-            raise NotImplementedError(
-                "EngineConfig.enable_prefix_cache: the prefix cache is not wired into the scheduler yet"
-            )
         if self.speculative is not None:
             raise NotImplementedError("EngineConfig.speculative: speculative decoding is not implemented yet")
         if self.compile not in (None, True, False):

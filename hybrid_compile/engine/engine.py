@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..cache import HybridRadixCache
 from ..memory import MemoryPools
 from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
@@ -107,6 +108,13 @@ class HybridEngine:
             page_size=config.page_size,
             max_total_tokens=config.max_total_tokens,
             mamba_cache_size=config.mamba_cache_size,
+            # the prefix cache keeps finished requests' states: room for a few per request slot
+            # (with an explicit mamba_cache_size, the slots beyond the running requests')
+            mamba_prefix_cache_slots=(
+                4 * config.max_running_requests
+                if config.enable_prefix_cache and config.mamba_cache_size is None
+                else 0
+            ),
             memory_fraction=config.memory_fraction,
             mamba_full_memory_ratio=config.mamba_full_memory_ratio,
             # capacities from the budget never exceed what the engine can use (cached prefixes
@@ -127,10 +135,14 @@ class HybridEngine:
         except BaseException:
             self.patch.undo()  # a failed wrap leaves the model exactly as it was
             raise
+        self.prefix_cache = (
+            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size) if config.enable_prefix_cache else None
+        )
         self.scheduler = Scheduler(
             self.pools,
             chunked_prefill_size=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
+            prefix_cache=self.prefix_cache,
         )
         self.sampler = Sampler()
         self._rids = itertools.count()
@@ -143,8 +155,17 @@ class HybridEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        """Undo the model patches (the model behaves exactly as before ``wrap``)."""
+        """Undo the model patches (the model behaves exactly as before ``wrap``) and empty the
+        prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset(force=True)
         self.patch.undo()
+
+    def clear_prefix_cache(self) -> None:
+        """Free every KV slot and Mamba state the prefix cache holds (and zero its counters).
+        Raises RuntimeError while running requests use cached prefixes; no-op without a cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
 
     def __enter__(self) -> "HybridEngine":
         return self
@@ -414,4 +435,6 @@ class HybridEngine:
         c["tokens_per_second"] = (c["prefill_tokens"] + c["decode_tokens"]) / secs if secs else 0.0
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
+        if self.prefix_cache is not None:
+            c["prefix_cache"] = self.prefix_cache.stats()
         return c

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,10 @@ class Request:
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     num_computed: int = 0
     num_retractions: int = 0
+    # prefix cache: the tree node the request locked, and how many of its first KV slots are
+    # the tree's (the matched prefix; the request must not free them)
+    last_node: Any = None
+    cached_len: int = 0
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:

@@ -13,6 +13,13 @@ Nothing is lost and no exception reaches the caller. To avoid thrashing, admissi
 reserve of KV slots for the decode tokens the running requests will still need, estimated as
 ``new_token_ratio`` x their remaining ``max_new_tokens``; the ratio jumps to 1 after a
 retraction and decays back step by step (SGLang's ``new_token_ratio``).
+
+With a prefix cache (:class:`~hybrid_compile.cache.HybridRadixCache`), admission starts a
+request at its longest cached prefix that ends with a Mamba state (``match_prefix`` of its
+tokens but the last, locked, state copied into the request's own slot); KV room counts the
+cache's evictable tokens, and the cache is evicted before anything is retracted. A finished
+request hands its KV and final state to the cache (exact at its full length; no chunk-boundary
+checkpoints yet); a retracted one frees only its own slots and drops its lock.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import HybridRadixCache
 from ..layers.context import ForwardMode
 from ..memory import MemoryPools
 from .request import Request, RequestStatus
@@ -47,8 +55,16 @@ class Scheduler:
     MIN_NEW_TOKEN_RATIO = 0.1
     NEW_TOKEN_RATIO_DECAY = 0.01
 
-    def __init__(self, pools: MemoryPools, *, chunked_prefill_size: int, max_running_requests: int) -> None:
+    def __init__(
+        self,
+        pools: MemoryPools,
+        *,
+        chunked_prefill_size: int,
+        max_running_requests: int,
+        prefix_cache: HybridRadixCache | None = None,
+    ) -> None:
         self.pools = pools
+        self.cache = prefix_cache
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
         self.waiting: deque[Request] = deque()
@@ -75,16 +91,40 @@ class Scheduler:
         prefix = [r.num_computed for r in reqs]
         return self.pools.kv.allocator.alloc_extend(prefix, extend_lens, self._last_slots(reqs))
 
-    def release(self, request: Request) -> None:
-        """Free everything a request holds (finish or retraction)."""
-        if request.kv_slots.numel():
-            self.pools.kv.allocator.free(request.kv_slots)
-        if request.req_slot is not None:
-            self.pools.req_to_token.free([request.req_slot])
+    def _kv_room(self) -> int:
+        """KV slots that can be had now: free ones plus what the prefix cache could evict."""
+        room = self.pools.kv.allocator.available()
+        if self.cache is not None:
+            room += self.cache.evictable_size()
+        return room
+
+    def _make_room(self, reqs: list[Request], extend_lens: list[int]) -> None:
+        """Evict cached prefixes until the KV of this extend fits (no-op without a cache)."""
+        if self.cache is None or not reqs:
+            return
+        alloc = self.pools.kv.allocator
+        pages = alloc.pages_needed([r.num_computed for r in reqs], extend_lens)
+        self.cache.ensure_free(kv_tokens=pages * alloc.page_size)
+
+    def _reset(self, request: Request) -> None:
         request.kv_slots = torch.zeros(0, dtype=torch.int64)
         request.req_slot = None
         request.mamba_slot = None
         request.num_computed = 0
+        request.last_node = None
+        request.cached_len = 0
+
+    def release(self, request: Request) -> None:
+        """Free everything a request holds (retraction; finish without a prefix cache). Slots
+        of a matched prefix belong to the cache: only the request's lock on them is dropped."""
+        own = request.kv_slots[request.cached_len :]
+        if own.numel():
+            self.pools.kv.allocator.free(own)
+        if request.req_slot is not None:
+            self.pools.req_to_token.free([request.req_slot])
+        if self.cache is not None and request.last_node is not None:
+            self.cache.dec_lock_ref(request.last_node)
+        self._reset(request)
 
     def _retract(self, request: Request) -> None:
         self.running.remove(request)
@@ -97,8 +137,67 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
-        self.release(request)
+        if self.cache is None:
+            self.release(request)
+        else:
+            # the tree takes the computed tokens' KV and the final recurrent state (exact: it is
+            # the state after exactly num_computed tokens); the request slot is freed without it
+            n = request.num_computed
+            self.cache.cache_finished_req(
+                request.token_ids(0, n), request.kv_slots[:n], request.last_node, request.mamba_slot, mamba_len=n
+            )
+            self.pools.req_to_token.free([request.req_slot], free_mamba=False)
+            self._reset(request)
         request.status = RequestStatus.FINISHED
+
+    # -- admission -------------------------------------------------------------------------
+    def _admit(self, r: Request, budget: int, reserve: int) -> torch.Tensor | None:
+        """Give a waiting request its request slot, Mamba slot and the KV slots of its first
+        chunk (after the prefix-cache hit, whose KV and state it starts from); returns the new
+        KV slots, or None (nothing held) when something does not fit."""
+        match = None
+        prefix = 0
+        if self.cache is not None:
+            # everything but the last token may come from the cache (its logits are needed);
+            # a retracted request matches its prompt + output so far
+            match = self.cache.match_prefix(r.token_ids(0, r.seq_len - 1))
+            self.cache.inc_lock_ref(match.last_node)
+            prefix = match.prefix_len
+        pending = r.seq_len - prefix
+        n = min(pending, budget)
+        own = self._expected_new_tokens(r) + (pending - n)
+
+        def give_up(req_slots=None):
+            if req_slots is not None:
+                self.pools.req_to_token.free(req_slots)
+            if match is not None:
+                self.cache.dec_lock_ref(match.last_node)
+            self._reset(r)
+            return None
+
+        if self._kv_room() < n + reserve + own:
+            return give_up()
+        if self.cache is not None:
+            self.cache.ensure_free(mamba_slots=1)
+        req_slots = self.pools.req_to_token.alloc(1)
+        if req_slots is None:
+            return give_up()
+        r.req_slot = int(req_slots[0])
+        r.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
+        if match is not None:
+            r.num_computed = prefix
+            r.kv_slots = match.kv_indices.clone()
+            r.cached_len = prefix
+            r.last_node = match.last_node
+        self._make_room([r], [n])
+        kv = self._alloc_kv([r], [n])
+        if kv is None:
+            return give_up(req_slots)
+        if match is not None:
+            self.cache.cow_mamba(match, r.mamba_slot)
+            if prefix:
+                self.pools.req_to_token.set_tokens(r.req_slot, 0, match.kv_indices)
+        return kv
 
     # -- one step --------------------------------------------------------------------------
     def _expected_new_tokens(self, r: Request) -> int:
@@ -124,9 +223,11 @@ class Scheduler:
         return reqs, lens, budget
 
     def schedule(self) -> ScheduledBatch | None:
-        # 1. running requests; while their KV does not fit, retract the newest and retry
+        # 1. running requests; while their KV does not fit, evict cached prefixes, then retract
+        #    the newest and retry
         while True:
             reqs, lens, budget = self._running_work()
+            self._make_room(reqs, lens)
             slots = self._alloc_kv(reqs, lens) if reqs else torch.zeros(0, dtype=torch.int64)
             if slots is not None:
                 break
@@ -139,27 +240,18 @@ class Scheduler:
         reserve = sum(self._expected_new_tokens(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             r = self.waiting[0]
-            n = min(r.pending, budget)
-            own = self._expected_new_tokens(r) + (r.pending - n)
-            if self.pools.kv.allocator.available() < n + reserve + own:
-                break
-            req_slots = self.pools.req_to_token.alloc(1)
-            if req_slots is None:
-                break
-            kv = self._alloc_kv([r], [n])
+            kv = self._admit(r, budget, reserve)
             if kv is None:
-                self.pools.req_to_token.free(req_slots)
                 break
             self.waiting.popleft()
-            r.req_slot = int(req_slots[0])
-            r.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
             r.status = RequestStatus.RUNNING
             self.running.append(r)
+            n = min(r.pending, budget)
             reqs.append(r)
             lens.append(n)
             out.append(kv)
             budget -= n
-            reserve += own
+            reserve += self._expected_new_tokens(r) + (r.pending - n)
 
         if not reqs:
             return None

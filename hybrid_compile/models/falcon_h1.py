@@ -19,12 +19,9 @@ from torch import nn
 
 from .base import ModelLayout, PatchHandle, install_attention
 from .mamba2_common import (
-    attention_spec,
-    chunk_size_of,
     find_attention_modules,
     find_mamba2_mixers,
-    mamba_spec,
-    max_positions,
+    mamba2_family_layout,
     patch_mixers,
     text_config,
 )
@@ -42,11 +39,10 @@ def mamba_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
-    cfg = text_config(model)
-    mixers = mamba_layers(model)
-    attention = [attention_spec(a, int(a.layer_idx), kv_dtype) for a in find_attention_modules(model)]
-    mamba = [mamba_spec(m, lid, conv_dtype, ssm_dtype) for m, lid in mixers]
-    return ModelLayout(attention, mamba, int(cfg.vocab_size), max_positions(cfg), chunk_size_of(m for m, _ in mixers))
+    return mamba2_family_layout(
+        model, mamba_layers(model), [(a, int(a.layer_idx)) for a in find_attention_modules(model)],
+        kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype,
+    )
 
 
 def patch(model: nn.Module, handle: PatchHandle) -> None:

@@ -151,15 +151,31 @@ def per_layer_mamba_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return [(m, int(m.layer_idx)) for m in mixers]
 
 
+def mamba2_family_layout(
+    model: nn.Module,
+    mixers: Iterable[tuple[nn.Module, int]],
+    attention_uses: Iterable[tuple[nn.Module, int]],
+    *,
+    kv_dtype: torch.dtype,
+    conv_dtype: torch.dtype,
+    ssm_dtype: torch.dtype,
+) -> ModelLayout:
+    """Layout from ``(mixer, Mamba pool id)`` and ``(attention module, KV pool id)`` pairs."""
+    cfg = text_config(model)
+    mixers = list(mixers)
+    attention = [attention_spec(a, kv_id, kv_dtype) for a, kv_id in attention_uses]
+    mamba = [mamba_spec(m, lid, conv_dtype, ssm_dtype) for m, lid in mixers]
+    return ModelLayout(attention, mamba, int(cfg.vocab_size), max_positions(cfg), chunk_size_of(m for m, _ in mixers))
+
+
 def per_layer_layout(
     model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
 ) -> ModelLayout:
     """Layout of a model whose attention modules and Mamba2 mixers each own one HF layer index."""
-    cfg = text_config(model)
-    mixers = per_layer_mamba_layers(model)
-    attention = [attention_spec(a, int(a.layer_idx), kv_dtype) for a in find_attention_modules(model)]
-    mamba = [mamba_spec(m, lid, conv_dtype, ssm_dtype) for m, lid in mixers]
-    return ModelLayout(attention, mamba, int(cfg.vocab_size), max_positions(cfg), chunk_size_of(m for m, _ in mixers))
+    return mamba2_family_layout(
+        model, per_layer_mamba_layers(model), [(a, int(a.layer_idx)) for a in find_attention_modules(model)],
+        kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype,
+    )
 
 
 def per_layer_patch(model: nn.Module, handle: PatchHandle) -> None:

@@ -19,10 +19,7 @@ from torch import nn
 
 from .base import ModelLayout, PatchHandle, install_attention
 from .mamba2_common import (
-    attention_spec,
-    chunk_size_of,
-    max_positions,
-    mamba_spec,
+    mamba2_family_layout,
     patch_mixers,
     per_layer_mamba_layers,
     text_config,
@@ -58,11 +55,9 @@ def attention_uses(model: nn.Module) -> list[tuple[nn.Module, int]]:
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
-    cfg = text_config(model)
-    mixers = mamba_layers(model)
-    attention = [attention_spec(a, kv_id, kv_dtype) for a, kv_id in attention_uses(model)]
-    mamba = [mamba_spec(m, lid, conv_dtype, ssm_dtype) for m, lid in mixers]
-    return ModelLayout(attention, mamba, int(cfg.vocab_size), max_positions(cfg), chunk_size_of(m for m, _ in mixers))
+    return mamba2_family_layout(
+        model, mamba_layers(model), attention_uses(model), kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype
+    )
 
 
 def patch(model: nn.Module, handle: PatchHandle) -> None:

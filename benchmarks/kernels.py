@@ -66,29 +66,41 @@ class Ms(float):
         return obj
 
 
-def bench(fn, warmup=3, iters=10, max_seconds=2.0, graph=True):
-    """Median milliseconds of fn() on the GPU.
+def eager_ms(fn, warmup=3, iters=10, max_seconds=2.0):
+    """Median milliseconds of eager calls of fn(), CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return _events_ms(fn, iters, max_seconds)
 
-    With ``graph`` (default) the call is captured in a CUDA graph and the graph's replays are
-    timed: that is the kernel time the engine sees under CUDA graphs, free of Python and launch
-    overhead. Calls that cannot be captured (prefill paths that read lengths on the host) are
-    timed eagerly with CUDA events; the returned :class:`Ms` says which.
-    """
+
+def cuda_graph_ms(fn, iters=30, max_seconds=2.0):
+    """Median milliseconds of replays of fn() captured in a CUDA graph (raises if fn cannot be
+    captured): the kernel time the engine sees under CUDA graphs, free of launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up on the capture stream
+        with torch.cuda.graph(g, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return _events_ms(g.replay, iters, max_seconds)
+
+
+def bench(fn, warmup=3, iters=10, max_seconds=2.0, graph=True):
+    """Median milliseconds of fn() on the GPU: CUDA-graph replays with ``graph`` (default) when
+    the call can be captured, else eager calls (prefill paths that read lengths on the host);
+    the returned :class:`Ms` says which."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     if graph:
         try:
-            g = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # warm up on the capture stream
-                with torch.cuda.graph(g, stream=stream):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            return Ms(_events_ms(g.replay, iters * 3, max_seconds), "cuda_graph")
+            return Ms(cuda_graph_ms(fn, iters * 3, max_seconds), "cuda_graph")
         except Exception:  # noqa: BLE001 - not capturable: time eagerly
             torch.cuda.synchronize()
     return Ms(_events_ms(fn, iters, max_seconds), "eager")

@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import hybrid_compile  # noqa: E402,F401  (registers the ops)
 from hybrid_compile.ops.triton import gdn_chunk as G  # noqa: E402
+from kernels import cuda_graph_ms, eager_ms  # noqa: E402  (benchmarks/kernels.py: one timing method)
 
 DEV = "cuda"
 HK, HV, K, V = 16, 32, 128, 128
@@ -62,36 +62,6 @@ def make_inputs(total, batch, decay="gating", seed=0):
     slots = torch.arange(batch, dtype=torch.int32, device=DEV)
     pool = torch.randn(batch, HV, K, V, device=DEV, generator=gen) * 0.1
     return q, k, v, g, beta, pool, cu, slots
-
-
-def median_ms(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
-
-def graph_ms(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn()
-        with torch.cuda.graph(g, stream=st):
-            fn()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    return median_ms(g.replay, iters)
 
 
 def host_us(fn, iters=20):
@@ -199,7 +169,7 @@ def main():
             has = torch.zeros(batch, dtype=torch.bool, device=DEV)
             for name, f in systems:
                 fn = lambda: f(inp, pool, has)  # noqa: E731
-                row = {"system": name, "T": total, "B": batch, "eager_ms": median_ms(fn), "graph_ms": graph_ms(fn),
+                row = {"system": name, "T": total, "B": batch, "eager_ms": eager_ms(fn, warmup=2, max_seconds=60), "graph_ms": cuda_graph_ms(fn, 20, max_seconds=60),
                        "host_us": host_us(fn)}
                 if name != "new-op":
                     row["kernels_us"] = kernel_us(fn)
@@ -215,7 +185,7 @@ def main():
                 fn = lambda: fla(qf, kf, v[None], g[None], beta[None], initial_state=st, output_final_state=True,  # noqa: E731
                                  cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True)
                 try:
-                    row = {"system": "fla", "T": total, "B": batch, "eager_ms": median_ms(fn), "kernels_us": kernel_us(fn)}
+                    row = {"system": "fla", "T": total, "B": batch, "eager_ms": eager_ms(fn, warmup=2, max_seconds=60), "kernels_us": kernel_us(fn)}
                     report["rows"].append(row)
                     print(f"T={total:6d} B={batch} fla     eager {row['eager_ms']:.3f} ms  " +
                           "  ".join(f"{k}={v:.0f}" for k, v in row["kernels_us"].items()), flush=True)
@@ -250,7 +220,7 @@ def main():
             fn = lambda: call(G, inp, pool, has)  # noqa: E731
             try:
                 ku = kernel_us(fn, iters=3)
-                gm = graph_ms(fn, iters=5)
+                gm = cuda_graph_ms(fn, 5, max_seconds=60)
             except Exception as e:  # noqa: BLE001
                 print(f"sweep {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

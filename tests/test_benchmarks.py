@@ -1,0 +1,85 @@
+"""The end-to-end benchmark script (benchmarks/e2e.py) runs end to end on CPU with --tiny.
+
+One run covers every worker kind (device/roofline, the logits check, a transformers system, an
+engine mode and a mode the engine cannot run here), every workload, the JSON, the table and
+--resume. Numbers are not asserted (speed belongs to benchmarks); token counts, the logits check
+and the rows' statuses are.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import e2e  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "run.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--tiny", "--device", "cpu", "--threads", "1",
+           "--models", "qwen3_next", "--systems", "hf_eager,ours_eager,ours_cuda_graphs", "--no-plots",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return cmd, out, proc.stdout
+
+
+def test_tiny_run_measures_every_workload_of_each_system(tiny_run):
+    _, out, stdout = tiny_run
+    run = json.loads(out.read_text())
+    s = e2e.settings_for(tiny=True, quick=False)
+    assert run["env"]["status"] == "ok" and run["env"]["copy_bandwidth_GBps"] > 0
+    roof = run["env"]["rooflines"]["qwen3_next"]
+    assert roof["weight_bytes"] == 2 * roof["params"]  # bf16
+    assert roof["roofline_ms_per_step"] > 0
+
+    check = run["checks"]["qwen3_next"]
+    assert check["passed"], check
+    assert check["fp32"]["rel_diff"] <= e2e.FP32_RTOL and check["fp32"]["top1_equal"]
+
+    results = run["results"]["qwen3_next"]
+    hf, ours = results["hf_eager"], results["ours_eager"]
+    # transformers' pure-torch path: no flash-linear-attention kernel anywhere
+    assert hf["status"] == "ok" and not hf["kernel_packages"]["fla"]["available"]
+    assert not any(str(v).startswith("fla.") for v in hf["hf_kernels"].values())
+    assert ours["status"] == "ok" and ours["engine_config"]["compile"] is False
+    prompts, out_lens = e2e.request_list(s, vocab=512)
+    waves = e2e.shared_prefix_waves(s, vocab=512)
+    for r in (hf, ours):
+        w = r["workloads"]
+        assert set(w) == {"decode", "prefill", "cb", "shared_prefix"}, w
+        for b in s.decode_batches:
+            d = w["decode"]["batches"][str(b)]
+            assert d["decode_tokens"] == b * (s.decode_new - 1) and d["decode_tokens_per_s"] > 0
+        assert [int(L) for L in w["prefill"]["lengths"]] == s.prefill_lens
+        assert w["cb"]["requests"] == len(prompts) and w["cb"]["output_tokens"] == sum(out_lens)
+        assert len(w["cb"]["ttft_s"]) == len(prompts) and w["cb"]["ttft_p99_s"] >= w["cb"]["ttft_p50_s"] > 0
+        assert w["shared_prefix"]["requests"] == s.sp_groups * s.sp_per_group == sum(len(x) for x in waves)
+    # waves share each group's system prompt
+    assert all(wave[g][0][: s.sp_system] == waves[0][g][0][: s.sp_system] for wave in waves for g in range(s.sp_groups))
+    # CUDA graphs cannot run on CPU: an "unsupported" row with the engine's message, not a crash
+    graphs = results["ours_cuda_graphs"]
+    assert graphs["status"] == "unsupported" and "CUDA" in graphs["message"]
+    assert "unsupported" in stdout and "ours_eager" in stdout and "logits check: PASS" in stdout
+
+
+def test_resume_keeps_finished_jobs(tiny_run):
+    cmd, out, _ = tiny_run
+    before = json.loads(out.read_text())
+    proc = subprocess.run(cmd + ["--resume", "--workloads", "decode"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads(out.read_text())
+    assert after["results"] == before["results"] and after["checks"] == before["checks"]
+    assert after["env"] == before["env"]
+
+
+def test_unknown_system_is_rejected():
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--systems", "hf_eager,vllm"])

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers the custom ops)
 from .engine import EngineConfig, HybridEngine, SamplingParams
+from .engine.speculative import DraftSource, SpeculativeConfig
 from .models import supported_model_types
 from .loading import from_pretrained
 
@@ -40,6 +41,6 @@ def wrap(
 
 
 __all__ = [
-    "EngineConfig", "HybridEngine", "SamplingParams", "from_pretrained", "ops", "supported_model_types", "wrap",
-    "__version__",
+    "DraftSource", "EngineConfig", "HybridEngine", "SamplingParams", "SpeculativeConfig", "from_pretrained", "ops",
+    "supported_model_types", "wrap", "__version__",
 ]

@@ -66,6 +66,7 @@ def run_demo(
     outputs = engine.generate_batch(prompts, max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - t0
     stats = engine.stats()
+    engine.clear_prefix_cache()  # the prefix cache (on by default) keeps the finished requests' slots
     engine.pools.check_all_free()
     generated = sum(len(o) for o in outputs)
     out(f"engine: {generated} tokens generated in {seconds:.2f} s -> {generated / seconds:.1f} new tokens/s "

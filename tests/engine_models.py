@@ -248,8 +248,26 @@ def make_engine(model, **overrides) -> "hc.HybridEngine":
     return engine
 
 
+def record_prefix_hits(engine) -> list[int]:
+    """Record the hybrid hit length of every prefix-cache lookup of the engine's scheduler."""
+    hits: list[int] = []
+    match = engine.prefix_cache.match_prefix
+
+    def recording_match(tokens):
+        result = match(tokens)
+        hits.append(result.prefix_len)
+        return result
+
+    engine.prefix_cache.match_prefix = recording_match
+    return hits
+
+
 def assert_pools_restored(engine, initial_free: dict) -> None:
-    """Every pool slot is back: nothing leaked, free counts as right after ``wrap``."""
+    """Every pool slot is back: nothing leaked, free counts as right after ``wrap``. The prefix
+    cache (on by default) keeps finished requests' slots: it is checked and emptied first."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.check_invariants()
+        engine.clear_prefix_cache()
     engine.pools.check_all_free()
     assert engine.pools.free_counts() == initial_free
     assert not engine.has_unfinished()

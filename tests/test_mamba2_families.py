@@ -20,6 +20,7 @@ from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, Forwa
 from hybrid_compile.models import FAMILIES
 
 import mamba2_models as mm
+from engine_models import record_prefix_hits
 
 MAX_NEW = 8
 PROMPT_LENS = (1, 150, 17, 64, 5, 33, 100)  # chunked_prefill_size 32, chunk_size 16
@@ -60,6 +61,13 @@ def _case(name: str):
     prompts = [torch.randint(0, mm.VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
     refs, ref_logits = zip(*(_hf_generate(model, p, logits=True) for p in prompts))
     return model, prompts, list(refs), list(ref_logits)
+
+
+def _check_all_free(engine) -> None:
+    """Nothing leaked: the prefix cache (on by default) is checked and emptied, then every pool is free."""
+    engine.prefix_cache.check_invariants()
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
 
 
 def _record_logits(engine) -> dict[int, list[torch.Tensor]]:
@@ -112,7 +120,7 @@ def test_generate_single_prompt(case):
             out = engine.generate(torch.tensor([prompts[i]]), max_new_tokens=MAX_NEW)
             assert out[0, len(prompts[i]):].tolist() == refs[i], f"{name}: prompt {i}"
             torch.testing.assert_close(torch.stack(records[rid]), ref_logits[i], rtol=1e-4, atol=1e-4)
-        engine.pools.check_all_free()
+        _check_all_free(engine)
 
 
 def test_generate_batch_continuous(any_case):
@@ -124,7 +132,7 @@ def test_generate_batch_continuous(any_case):
         records = _record_logits(engine)
         outs = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
         stats = engine.stats()
-        engine.pools.check_all_free()
+        _check_all_free(engine)
     assert sorted(records) == list(range(len(prompts)))  # a fresh engine numbers requests 0, 1, ...
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out == ref, f"{name}: prompt {i} (length {len(prompts[i])})"
@@ -132,6 +140,40 @@ def test_generate_batch_continuous(any_case):
                                    msg=lambda m: f"{name}: prompt {i} logits: {m}")
     assert stats["decode_steps"] > 0 and stats["extend_steps"] > 0
     assert stats["requests_finished"] == len(prompts)
+
+
+@pytest.mark.parametrize("policy", ["lru", "marconi"])
+def test_prefix_cache_hits_at_chunk_aligned_prefixes(case, policy):
+    """Prompts sharing a 60-token prefix, in flight together and again after it is cached: the
+    chunk-aligned checkpoints (chunk_size 16) give hits at multiples of 16 that are no finished
+    request's length (lru: every chunk, so already between requests in flight together; marconi:
+    at the branch points of the second round, hit in the third), and every greedy output equals
+    HF's."""
+    name, model, prompts, refs = case
+    base = prompts[1][:60]
+    tails = [prompts[2][:9], prompts[5][:20], prompts[3][:3]]
+    shared = [base + t for t in tails]
+    order = [0, 1, 0, 2, 1, 2, 0]  # rounds of 2, 3 and 2 requests in flight together
+    batch = [shared[i] for i in order]
+    refs = [_hf_generate(model, p) for p in shared]
+    expected = [refs[i] for i in order]
+    with hc.wrap(model, **ENGINE_ARGS, prefix_cache_policy=policy) as engine:
+        hits = record_prefix_hits(engine)
+        outs = []
+        for start, end in ((0, 2), (2, 5), (5, 7)):
+            outs += engine.generate_batch(batch[start:end], max_new_tokens=MAX_NEW)
+        stats = engine.stats()["prefix_cache"]
+        _check_all_free(engine)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out == ref, f"{name} ({policy}): prompt {i}"
+    finished_lens = {len(p) + MAX_NEW - 1 for p in batch}
+    aligned = [h for h in hits if h and h % 16 == 0 and h not in finished_lens]
+    assert all(h in aligned or h in finished_lens for h in hits if h), f"{name} ({policy}): hits {hits}"
+    assert hits[-2:] == [48, 64] or policy == "lru", f"{name} ({policy}): hits {hits}"  # the branch points
+    assert max(aligned, default=0) >= 48, f"{name} ({policy}): hits {hits}"
+    assert 0 < stats["mamba_hits"] <= sum(1 for h in hits if h)  # a waiting request may match again
+    if policy == "lru":  # a checkpoint every chunk: the second prompt hits while the first is in flight
+        assert hits[1] == 32 and stats["checkpoints_tracked"] + stats["checkpoints_forked"] > 0
 
 
 def test_patched_model_generate_outside_engine(case):
@@ -246,5 +288,5 @@ def test_layer_op_fake_shape_and_verify_mode():
         logits_indices=torch.arange(4), draft_len=2,
     )
     pools = {0: (torch.zeros(2, W - 1, conv_dim), torch.zeros(2, H, P, N))}
-    with forward_context(ForwardContext(md, {}, pools)), pytest.raises(NotImplementedError, match="target_verify"):
+    with forward_context(ForwardContext(md, {}, pools)), pytest.raises(RuntimeError, match="speculative buffers"):
         torch.ops.hybrid_compile.mamba2_layer(*args(4), 0, H, P, G, N, "silu", 16, 0.0, float("inf"), False)

@@ -28,12 +28,13 @@ LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(1,), conv_
 class Harness:
     """Pools + cache + ground truth of what every KV slot and Mamba slot holds."""
 
-    def __init__(self, *, page_size: int = 1, kv_tokens: int = 64, mamba_slots: int = 8, mamba_align: int = 4):
+    def __init__(self, *, page_size: int = 1, kv_tokens: int = 64, mamba_slots: int = 8, mamba_align: int = 4,
+                 policy: str = "lru"):
         self.pools = MemoryPools.from_specs(
             ATTN, LINEAR, max_running_requests=1, max_context_len=page_size * 4,
             page_size=page_size, max_total_tokens=kv_tokens, mamba_cache_size=mamba_slots,
         )
-        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align)
+        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy)
         self.ps = page_size
         self.alloc = self.pools.kv.allocator
         self.slot_token = torch.full((self.alloc.num_slots,), -1, dtype=torch.int64)
@@ -540,10 +541,16 @@ class FakeRequest:
         self.cached = cached
 
 
-def run_random_lifecycles(seed: int, page_size: int, steps: int) -> None:
-    rng = random.Random(seed)
+def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru") -> None:
+    """Random request lifecycles (start = match + lock + copy-on-write + KV allocation, chunk =
+    cache_unfinished_req, finish = cache_finished_req, abort = unlock, probe = match, and explicit
+    evictions) on a small cache, checked against a brute-force model after every step. ``seed``
+    may be a ``random.Random`` (hypothesis' ``st.randoms()``: hypothesis then drives and shrinks
+    the operation sequence)."""
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     ps = page_size
-    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps)
+    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy)
+    kv_capacity, mamba_capacity = h.pools.free_counts()["kv_tokens"], h.pools.free_counts()["mamba_slots"]
     cache = h.cache
     kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds
     state_model: set[tuple] = set()  # prefixes whose state the tree holds
@@ -697,9 +704,13 @@ def run_random_lifecycles(seed: int, page_size: int, steps: int) -> None:
         }
         kv_content, state_content = h.content()
         assert (kv_content, state_content) == (kv_model, state_model)
-        used = h.pools.used_counts()
+        used, free = h.pools.used_counts(), h.pools.free_counts()
         assert used["kv_tokens"] == cache.cached_tokens() + sum(len(r.kv) - r.cached for r in running)
         assert used["mamba_slots"] == cache.mamba_size() + len(running)
+        # pool free counts + tree usage (+ the running requests' own slots) == capacity, in pages
+        held = torch.cat([n.value for n in nodes] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
+        assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == kv_capacity
+        assert free["mamba_slots"] + cache.mamba_size() + len(running) == mamba_capacity
         assert cache.protected_size() == len({p for p in locked_prefixes()[0]}) * ps
         for r in running:
             assert not r.node.removed and h.tokens_at(r.kv) == r.tokens[: len(r.kv)]
@@ -707,19 +718,46 @@ def run_random_lifecycles(seed: int, page_size: int, steps: int) -> None:
     for r in list(running):
         abort(r)
     assert cache.protected_size() == 0
-    st = cache.stats()
-    assert st["lookups"] > 0
+    if not isinstance(seed, random.Random):  # hypothesis may draw a sequence without lookups
+        assert cache.stats()["lookups"] > 0
     cache.reset()
     h.pools.check_all_free()
 
 
+@pytest.mark.parametrize("policy", ["lru", "marconi"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_request_lifecycles_match_the_brute_force_model(seed, page_size):
-    run_random_lifecycles(seed, page_size, steps=200)
+def test_random_request_lifecycles_match_the_brute_force_model(seed, page_size, policy):
+    run_random_lifecycles(seed, page_size, steps=200, policy=policy)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]))
 def test_random_request_lifecycles_hypothesis_seeds(seed, page_size):
     run_random_lifecycles(seed, page_size, steps=100)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), page_size=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(["lru", "marconi"]))
+def test_random_request_lifecycles_hypothesis_drives_the_operations(rng, page_size, policy):
+    """Every operation and argument is drawn from hypothesis' own random source, so a failing
+    sequence shrinks to a minimal one."""
+    run_random_lifecycles(rng, page_size, steps=60, policy=policy)
+
+
+def test_marconi_evicts_branch_points_last_and_prefers_long_prefixes():
+    h = Harness(kv_tokens=64, mamba_slots=8, policy="marconi")
+    h.cache_seq([1, 2, 3, 4, 5, 6])
+    h.cache_seq([1, 2, 3, 4, 7, 8])  # splits at 4: a KV-only branch node
+    (branch,) = [n for n in h.cache.nodes() if len(n.children) == 2]
+    assert branch.mamba_slot is None and h.cache.path_tokens(branch) == (1, 2, 3, 4)
+    h.cache.insert([1, 2, 3, 4], h.cache.path_kv_indices(branch), h.new_state([1, 2, 3, 4]))
+    h.cache_seq([5, 6])  # short and most recent
+    order = h.cache.mamba_eviction_order()
+    assert order[-1] is branch, order  # the branch point goes last although it is the oldest
+    assert h.cache.path_tokens(order[0]) == (1, 2, 3, 4, 5, 6)  # the oldest of equal efficiency first
+    h.cache.marconi_alpha = 10.0  # FLOP efficiency dominates: the short prefix goes first
+    assert h.cache.path_tokens(h.cache.mamba_eviction_order()[0]) == (5, 6)
+    assert h.cache.evict_mamba(1) == 1 and h.cache.match_prefix([5, 6, 7]).prefix_len == 0
+    h.cache.check_invariants()

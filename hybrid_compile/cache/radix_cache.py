@@ -43,8 +43,8 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
 Everything here is host-side bookkeeping plus :meth:`MambaPool.copy_slots` /
 :meth:`MambaPool.fork` for state copies; nothing syncs the device.
 
-How the scheduler uses it (``engine/scheduler.py``, with ``EngineConfig(enable_prefix_cache=True)``;
-steps 5 and 6 are not wired yet):
+How the scheduler uses it (``engine/scheduler.py``, with ``EngineConfig(enable_prefix_cache=True)``,
+the default):
 
 1. Build with ``mamba_align`` = the kernel's chunk size (64 for GDN, the Mamba2 chunk size);
    plan memory with ``mamba_prefix_cache_slots > 0``.
@@ -57,10 +57,18 @@ steps 5 and 6 are not wired yet):
    mamba_len=...)`` then ``req_to_token.free(req_slot, free_mamba=False)``.
 4. Retract / abort: free only the request's own ``kv_slots[cached_len:]`` and its slots, then
    ``dec_lock_ref(last_node)``.
-5. Chunked prefill: at a page boundary, ``cache_unfinished_req`` and rewrite the request's
-   ``req_to_token`` row and ``kv_slots`` with the returned indices (duplicates were freed).
-6. Checkpoints: the layer ops write the chunk state at ``checkpoint_len(...)`` into a slot that is
-   handed over with ``adopt_mamba=True`` or ``mamba_len``.
+5. Chunked prefill: prefill chunks that do not finish a prompt are cut to whole ``mamba_align``
+   chunks; after each EXTEND step, ``cache_unfinished_req`` at the step's checkpoint and rewrite
+   the request's ``req_to_token`` row and ``kv_slots`` with the returned indices (duplicates
+   were freed).
+6. Checkpoints: at ``checkpoint_len(...)`` of each extend (policy ``lru``: the branch point, else
+   the last aligned boundary; ``marconi``: branch points only). One at the end of the extend is
+   the request's own state (forked); one inside it is written by the layer ops (chunk state ``h``
+   + conv window gathered from the inputs, ``layers/tracking.py``) into a fresh slot handed over
+   with ``adopt_mamba=True``. Decoding requests fork their state every
+   ``EngineConfig.prefix_cache_track_interval`` tokens (``lru``; the request's state after the
+   step, so no double buffer is needed); the finish-time state (the last decoded token, all
+   Marconi admits) covers multi-turn reuse.
 7. ``engine.stats()`` merges ``stats()``; ``reset()`` before ``pools.check_all_free()``.
 """
 
@@ -69,7 +77,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import torch
 
@@ -79,6 +87,21 @@ from ..memory.pools import MemoryPools
 TokenIds = Union[Sequence[int], torch.Tensor]
 
 _NO_SLOTS = torch.zeros(0, dtype=torch.int64)
+
+EVICTION_POLICIES = ("lru", "marconi")
+_BRANCH_TIER = 1e6  # Marconi: added to a branch point's score (every normalised score is < 2 + alpha)
+
+
+def _kv_access(node: "TreeNode") -> int:
+    return node.last_access
+
+
+def _mamba_access(node: "TreeNode") -> int:
+    return node.mamba_last_access
+
+
+def _heap_key(entry: tuple):
+    return entry[:2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -240,14 +263,36 @@ class HybridRadixCache:
             ``pools.mamba``.
         mamba_align: the SSM kernel's chunk size (64 for the GDN chunk kernel): the
             granularity of checkpoints (:meth:`checkpoint_len`, :attr:`MatchResult.branching_len`).
+        policy: eviction order. ``"lru"``: least recently used first. ``"marconi"`` (Marconi,
+            arXiv 2411.19379): nodes with at most one child before branch points, each tier
+            lowest ``recency + marconi_alpha * flop_efficiency`` first, both min-max normalised
+            over the candidates, where the FLOP efficiency of a node is the
+            compute a hit on it saves (``prefix_flops`` of its prefix length; default: the
+            length, the linear layers' share) per byte it holds (its Mamba state + its edge's KV).
+            The matching admission policy (checkpoint only at branch points and the last decoded
+            token) is the scheduler's (``Scheduler(checkpoint_policy="marconi")``).
 
     Token ids are any sequence of ints (or a 1-D integer tensor). Sequences given to
     :meth:`insert` and :meth:`cache_unfinished_req` must be a whole number of pages.
     """
 
-    def __init__(self, pools: MemoryPools, *, mamba_align: int = 64) -> None:
+    def __init__(
+        self,
+        pools: MemoryPools,
+        *,
+        mamba_align: int = 64,
+        policy: str = "lru",
+        marconi_alpha: float = 1.0,
+        prefix_flops: Callable[[int], float] | None = None,
+    ) -> None:
         if mamba_align < 1:
             raise ValueError(f"HybridRadixCache: mamba_align must be >= 1, got {mamba_align}")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"HybridRadixCache: policy must be one of {EVICTION_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.marconi_alpha = float(marconi_alpha)
+        self.prefix_flops = prefix_flops or float
+        self._score_norm: tuple[float, float, float] | None = None  # marconi: (min access, access span, max eff)
         self.pools = pools
         self.kv_allocator = pools.kv.allocator
         self.mamba_pool = pools.mamba
@@ -270,6 +315,7 @@ class HybridRadixCache:
         self._counters = dict.fromkeys(
             (
                 "lookups",
+                "lookup_tokens",
                 "hits",
                 "hit_tokens",
                 "kv_match_tokens",
@@ -514,6 +560,7 @@ class HybridRadixCache:
             branching = last_aligned_boundary(best_pos, pos, self.mamba_align, self.page_size)
         c = self._counters
         c["lookups"] += 1
+        c["lookup_tokens"] += len(key)
         c["kv_match_tokens"] += pos
         if best_pos:
             c["hits"] += 1
@@ -815,12 +862,49 @@ class HybridRadixCache:
     # eviction
     # ------------------------------------------------------------------------------------
     def kv_eviction_priority(self, node: TreeNode):
-        """Sort key of a leaf for :meth:`evict_kv` (lowest first): its last access (LRU)."""
+        """Sort key of a leaf for :meth:`evict_kv` (lowest first): its last access (LRU), or
+        the Marconi score."""
+        if self.policy == "marconi":
+            return self._marconi_score(node, node.last_access, with_kv=True)
         return node.last_access
 
     def mamba_eviction_priority(self, node: TreeNode):
-        """Sort key of a state for :meth:`evict_mamba` (lowest first): its last use (LRU)."""
+        """Sort key of a state for :meth:`evict_mamba` (lowest first): its last use (LRU), or
+        the Marconi score."""
+        if self.policy == "marconi":
+            return self._marconi_score(node, node.mamba_last_access, with_kv=False)
         return node.mamba_last_access
+
+    def flop_efficiency(self, node: TreeNode, with_kv: bool = True) -> float:
+        """Compute a hit at ``node`` saves per byte evicting it frees (Marconi): its state, and
+        with ``with_kv`` (KV eviction of a leaf) its edge's KV too."""
+        prefix = sum(len(n.key) for n in self._path(node))
+        held = len(node.key) * self.pools.kv.bytes_per_token if with_kv else 0
+        if node.mamba_slot is not None:
+            held += self.mamba_pool.bytes_per_slot
+        return self.prefix_flops(prefix) / max(held, 1)
+
+    def _begin_ranking(self, candidates: list[TreeNode], access) -> None:
+        """Marconi: min-max normalisers of recency and FLOP efficiency over the candidates."""
+        if self.policy != "marconi" or not candidates:
+            return
+        times = [access(n) for n in candidates]
+        effs = [self.flop_efficiency(n, with_kv=access is _kv_access) for n in candidates]
+        self._score_norm = (min(times), max(max(times) - min(times), 1), max(max(effs), 1e-30))
+
+    def _marconi_score(self, node: TreeNode, last: int, with_kv: bool) -> float:
+        if self._score_norm is None:
+            raise RuntimeError("marconi eviction priority asked outside an eviction ranking")
+        t0, span, eff_max = self._score_norm
+        score = (last - t0) / span + self.marconi_alpha * self.flop_efficiency(node, with_kv) / eff_max
+        # a branch point (>= 2 children: a prefix several sequences share) goes only after every
+        # node with at most one child (Marconi evicts from those first)
+        return score + (_BRANCH_TIER if len(node.children) >= 2 else 0.0)
+
+    def _ranked(self, candidates: list[TreeNode], priority, access) -> list[tuple]:
+        """Heap entries ``(priority, id, node)`` of the candidates."""
+        self._begin_ranking(candidates, access)
+        return [(priority(n), n.id, n) for n in candidates]
 
     def _kv_evictable(self, node: TreeNode) -> bool:
         return not node.removed and node.parent is not None and node.is_leaf and node.full_lock_ref == 0
@@ -833,13 +917,15 @@ class HybridRadixCache:
     def kv_eviction_order(self) -> list[TreeNode]:
         """The leaves :meth:`evict_kv` may remove now, first victim first (the KV LRU list)."""
         eligible = [n for n in self.nodes() if self._kv_evictable(n)]
-        return sorted(eligible, key=lambda n: (self.kv_eviction_priority(n), n.id))
+        return [e[2] for e in sorted(self._ranked(eligible, self.kv_eviction_priority, _kv_access), key=_heap_key)]
 
     def mamba_eviction_order(self) -> list[TreeNode]:
         """The nodes whose state :meth:`evict_mamba` may free now, first victim first (the
         Mamba LRU list)."""
         eligible = [n for n in self.nodes() if self._mamba_evictable(n)]
-        return sorted(eligible, key=lambda n: (self.mamba_eviction_priority(n), n.id))
+        return [
+            e[2] for e in sorted(self._ranked(eligible, self.mamba_eviction_priority, _mamba_access), key=_heap_key)
+        ]
 
     def evict_kv(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` KV slots if possible by removing unlocked leaves (KV
@@ -847,7 +933,7 @@ class HybridRadixCache:
         if it is a tombstone). Returns the KV tokens freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(self.kv_eviction_priority(n), n.id, n) for n in self.nodes() if self._kv_evictable(n)]
+        heap = self._ranked([n for n in self.nodes() if self._kv_evictable(n)], self.kv_eviction_priority, _kv_access)
         heapq.heapify(heap)
         freed = 0
         c = self._counters
@@ -873,7 +959,9 @@ class HybridRadixCache:
         with its KV (and so are tombstone ancestors it leaves childless). Returns states freed."""
         if num_slots <= 0:
             return 0
-        heap = [(self.mamba_eviction_priority(n), n.id, n) for n in self.nodes() if self._mamba_evictable(n)]
+        heap = self._ranked(
+            [n for n in self.nodes() if self._mamba_evictable(n)], self.mamba_eviction_priority, _mamba_access
+        )
         heapq.heapify(heap)
         freed = 0
         c = self._counters
@@ -935,6 +1023,7 @@ class HybridRadixCache:
         """Tree size, lock totals and counters since construction / :meth:`reset`."""
         nodes = list(self.nodes())
         return {
+            "policy": self.policy,
             "page_size": self.page_size,
             "mamba_align": self.mamba_align,
             "cached_tokens": self._cached_tokens,
@@ -948,6 +1037,8 @@ class HybridRadixCache:
             "protected_mamba_slots": self._mamba_protected,
             "kv_bytes": self._cached_tokens * self.pools.kv.bytes_per_token,
             "mamba_bytes": self._mamba_held * self.mamba_pool.bytes_per_slot,
+            "memory_bytes": self._cached_tokens * self.pools.kv.bytes_per_token
+            + self._mamba_held * self.mamba_pool.bytes_per_slot,
             **self._counters,
         }
 

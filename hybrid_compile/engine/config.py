@@ -30,13 +30,19 @@ class EngineConfig:
     page_size: int = 1
     chunked_prefill_size: int = 2048  # max prefill tokens per step
     max_prefill_tokens: int | None = None  # alias budget per step; default chunked_prefill_size
-    enable_prefix_cache: bool = False  # HybridRadixCache: reuse KV + Mamba states of finished requests
-    speculative: Any = None
+    enable_prefix_cache: bool = True  # HybridRadixCache: reuse KV + Mamba states (chunk-aligned checkpoints)
+    prefix_cache_policy: str = "lru"  # "lru" (SGLang) or "marconi" (checkpoint branch points; FLOP-aware eviction)
+    prefix_cache_track_interval: int = 256  # lru: checkpoint decoding requests every this many tokens (0: never)
+    speculative: Any = None  # a SpeculativeConfig or a dict of its fields (engine/speculative)
     # torch.compile with our backend (hybrid_compile.passes): Dynamo graph split at the layer ops, pieces
-    # compiled by Inductor. None will mean "on for CUDA" once CUDA graphs exist; until then None means off
-    # everywhere (see resolved_compile).
+    # compiled by Inductor. None: on for CUDA, off on CPU (see resolved_compile).
     compile: bool | None = None
-    cuda_graphs: bool | None = None
+    # CUDA graphs over the compiled forward (hybrid_compile.passes.cuda_graphs): True = full graphs of
+    # decode steps + piecewise graphs of the compiled pieces, "full" / "piecewise" = only those, False =
+    # off, None = True when compile is on and the device is CUDA (see resolved_cuda_graphs).
+    cuda_graphs: bool | str | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # decode buckets; default 1, 2, 4, 8, 16, 24, 32, 48, ...
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = None  # token buckets; default 2, 4, ..., 512, 1024, ...
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -75,21 +81,61 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not self.mamba_full_memory_ratio > 0:
             raise ValueError(f"EngineConfig.mamba_full_memory_ratio must be > 0, got {self.mamba_full_memory_ratio}")
+        if not isinstance(self.prefix_cache_track_interval, int) or self.prefix_cache_track_interval < 0:
+            raise ValueError(
+                f"EngineConfig.prefix_cache_track_interval must be an integer >= 0, got {self.prefix_cache_track_interval!r}"
+            )
+        if self.prefix_cache_policy not in ("lru", "marconi"):
+            raise ValueError(f"EngineConfig.prefix_cache_policy must be 'lru' or 'marconi', got {self.prefix_cache_policy!r}")
         if self.speculative is not None:
-            raise NotImplementedError("EngineConfig.speculative: speculative decoding is not implemented yet")
+            from .speculative import SpeculativeConfig  # (a dict becomes a validated SpeculativeConfig)
+
+            self.speculative = SpeculativeConfig.coerce(self.speculative)
         if self.compile not in (None, True, False):
             raise ValueError(f"EngineConfig.compile must be True, False or None, got {self.compile!r}")
-        if self.cuda_graphs:
-            raise NotImplementedError("EngineConfig.cuda_graphs: CUDA graphs are not implemented yet")
+        if self.cuda_graphs not in _CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"EngineConfig.cuda_graphs must be True, False, None, 'full' or 'piecewise', got {self.cuda_graphs!r}"
+            )
+        for name in ("cuda_graph_batch_sizes", "piecewise_cuda_graph_tokens"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                sizes = tuple(sizes)
+                if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+                    raise ValueError(f"EngineConfig.{name} must be a non-empty tuple of positive integers, got {sizes!r}")
+                setattr(self, name, sizes)
 
     def resolved_compile(self, device: torch.device) -> bool:
-        """Whether the engine compiles the model forward. ``compile=None`` (the default) is meant to
-        become "on for CUDA" together with CUDA graphs (compile issue, GPU half); until those exist it
-        means off on every device, so only ``compile=True`` turns it on."""
-        return bool(self.compile)
+        """Whether the engine compiles the model forward: ``compile=None`` (the default) means on
+        for CUDA devices, off on CPU."""
+        if self.compile is None:
+            return torch.device(device).type == "cuda"
+        return self.compile
+
+    def resolved_cuda_graphs(self, device: torch.device) -> tuple[bool, bool]:
+        """(full decode graphs, piecewise graphs) on ``device``. ``cuda_graphs=None`` means both when
+        the forward is compiled on CUDA, neither otherwise; an explicit mode needs both (ValueError)."""
+        device = torch.device(device)
+        compiled = self.resolved_compile(device)
+        if self.cuda_graphs is None:
+            on = compiled and device.type == "cuda"
+            return on, on
+        if self.cuda_graphs is False:
+            return False, False
+        if device.type != "cuda":
+            raise ValueError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r} needs a CUDA device, the engine runs on {device}")
+        if not compiled:
+            raise ValueError(
+                f"EngineConfig.cuda_graphs={self.cuda_graphs!r} needs the compiled forward (compile=True or None), "
+                f"got compile={self.compile!r}"
+            )
+        return self.cuda_graphs in (True, "full"), self.cuda_graphs in (True, "piecewise")
 
     def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return _as_dtype(self.dtype) if self.dtype is not None else model_dtype
+
+
+_CUDA_GRAPH_MODES = (None, True, False, "full", "piecewise")
 
 
 def _as_dtype(d: torch.dtype | str) -> torch.dtype:

@@ -21,6 +21,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
+from .speculative import SpeculativeDecoder
 
 # transformers generate() arguments we accept and ignore because they do not change the result
 _IGNORED_GENERATE_KWARGS = {"use_cache", "return_dict_in_generate", "output_scores", "output_logits"}
@@ -96,15 +97,17 @@ class HybridEngine:
             model, kv_dtype=self.dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype)
         )
         max_context = config.max_context_len or self.layout.max_position_embeddings
+        # speculative verify writes the k drafts past a request's last token: k positions of room
+        spec_k = config.speculative.num_draft_tokens if config.speculative is not None else 0
         if config.max_total_tokens is not None:
             # a request can use at most the whole KV pool (whole pages of it)
-            max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size)
+            max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size - spec_k)
         self.pools = MemoryPools.from_specs(
             self.layout.attention,
             self.layout.mamba,
             device=self.device,
             max_running_requests=config.max_running_requests,
-            max_context_len=max_context,
+            max_context_len=max_context + spec_k,
             page_size=config.page_size,
             max_total_tokens=config.max_total_tokens,
             mamba_cache_size=config.mamba_cache_size,
@@ -121,8 +124,12 @@ class HybridEngine:
             # included): every request at full context twice over, and 8 Mamba slots per request
             kv_token_cap=2 * config.max_running_requests * max_context,
             mamba_slot_cap=8 * config.max_running_requests,
+            # speculative verify: per-step intermediate states for every batch row (+ the padding
+            # row of a compiled one-request step)
+            num_draft_steps=spec_k + 1 if spec_k else 0,
+            max_draft_batch=config.max_running_requests + 1 if spec_k else None,
         )
-        self.max_context_len = self.pools.plan.max_context_len
+        self.max_context_len = self.pools.plan.max_context_len - spec_k
         self.patch = PatchHandle()
         # accelerate's device_map hooks live in instance-level `forward`s; a module the family
         # patches bypasses its hook while wrapped (every weight is on self.device, so the hook
@@ -136,15 +143,24 @@ class HybridEngine:
             self.patch.undo()  # a failed wrap leaves the model exactly as it was
             raise
         self.prefix_cache = (
-            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size) if config.enable_prefix_cache else None
+            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy)
+            if config.enable_prefix_cache
+            else None
         )
         self.scheduler = Scheduler(
             self.pools,
             chunked_prefill_size=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             prefix_cache=self.prefix_cache,
+            checkpoint_policy=config.prefix_cache_policy,
+            decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
         self.sampler = Sampler()
+        try:
+            self.speculative = SpeculativeDecoder(self, config.speculative) if config.speculative is not None else None
+        except BaseException:
+            self.patch.undo()  # e.g. an unusable draft model: the target is left exactly as it was
+            raise
         self._rids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[int, Request] = {}
@@ -157,6 +173,8 @@ class HybridEngine:
     def close(self) -> None:
         """Undo the model patches (the model behaves exactly as before ``wrap``) and empty the
         prefix cache."""
+        if self.speculative is not None:
+            self.speculative.close()
         if self.prefix_cache is not None:
             self.prefix_cache.reset(force=True)
         self.patch.undo()
@@ -214,12 +232,19 @@ class HybridEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one engine step (one model forward over a mixed batch)."""
-        batch = self.scheduler.schedule()
+        """Run one engine step (one model forward over a mixed batch, or with speculative
+        decoding a draft + verify step of the decoding requests: engine/speculative)."""
+        if self.speculative is not None:
+            outputs = self.speculative.step()
+            if outputs is not None:
+                return outputs
+        batch = self.scheduler.schedule() if self.speculative is None else self.scheduler.schedule(decodes=False)
         if batch is None:
-            return []
+            # with speculative decoding: no prefill could run this turn, so verify now
+            return (self.speculative.step(force=True) or []) if self.speculative is not None else []
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
+        self.scheduler.commit_checkpoints(batch)  # prefix-cache checkpoints of this step (no-op without)
         c = self._counters
         c["forward_seconds"] += time.perf_counter() - t0
         c["steps"] += 1
@@ -240,15 +265,21 @@ class HybridEngine:
             tokens = self.sampler.sample(
                 logits[sample_rows], [r.rid for r in sample_reqs], [r.params for r in sample_reqs]
             ).tolist()
-            for r, tok in zip(sample_reqs, tokens):
-                r.append_token(int(tok))
-                c["generated_tokens"] += 1
-                if r.is_finished:
-                    self.scheduler.finish(r)
-                    self.sampler.release(r.rid)
-                    c["requests_finished"] += 1
-                outputs.append(StepOutput(r.rid, int(tok), r.is_finished, r.finish_reason))
+            outputs = [self._emit(r, int(tok)) for r, tok in zip(sample_reqs, tokens)]
         return outputs
+
+    def _emit(self, r: Request, token: int) -> StepOutput:
+        """Append a generated token to a request; a finished request is handed to the scheduler."""
+        r.append_token(token)
+        c = self._counters
+        c["generated_tokens"] += 1
+        if r.is_finished:
+            self.scheduler.finish(r)
+            self.sampler.release(r.rid)
+            if self.speculative is not None:
+                self.speculative.release(r.rid)
+            c["requests_finished"] += 1
+        return StepOutput(r.rid, token, r.is_finished, r.finish_reason)
 
     def pop_finished(self, rid: int) -> Request:
         req = self._requests[rid]
@@ -435,6 +466,11 @@ class HybridEngine:
         c["tokens_per_second"] = (c["prefill_tokens"] + c["decode_tokens"]) / secs if secs else 0.0
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
+        if self.speculative is not None:
+            c["speculative"] = self.speculative.stats()
         if self.prefix_cache is not None:
-            c["prefix_cache"] = self.prefix_cache.stats()
+            pc = {**self.prefix_cache.stats(), **self.scheduler.cache_counters}
+            # prefix tokens served from the cache / tokens of the admitted requests
+            pc["token_hit_rate"] = pc["admitted_hit_tokens"] / pc["admitted_tokens"] if pc["admitted_tokens"] else 0.0
+            c["prefix_cache"] = pc
         return c

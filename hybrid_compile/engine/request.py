@@ -43,6 +43,9 @@ class Request:
     # the tree's (the matched prefix; the request must not free them)
     last_node: Any = None
     cached_len: int = 0
+    # where the tree's KV match left its hybrid hit (MatchResult.branching_len): a checkpoint there
+    # makes the shared KV-only part reusable
+    branching_len: int | None = None
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:

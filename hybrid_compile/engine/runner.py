@@ -13,11 +13,18 @@ attending over the dummy KV slot, Mamba index -1), so every compiled call sees >
 graph compiled once (at construction, on a padding-only batch) serves every later step
 without a recompile (Dynamo specialises sizes 0 and 1). Per-step metadata never enters the
 graph: the layer ops read it from the forward context at run time.
+
+With CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`hybrid_compile.passes.cuda_graphs`) a
+DECODE step of at most the largest decode bucket replays a full graph (metadata copied into
+stable buffers, rows padded up to the bucket); other DECODE / EXTEND steps of at most the
+largest token bucket are padded up to it and replay the pieces' graphs with the layer ops
+eager between them; any other step runs the compiled forward without graphs (counted as an
+eager fallback). Graphs are captured at construction, after the compile.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import itertools
 import time
 import types
@@ -29,13 +36,14 @@ from torch import nn
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 from ..memory import MemoryPools
+from ..passes import cuda_graphs as cg
 from .scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
 # compiled steps have at least this many requests (and so tokens): see the module docstring
-_MIN_COMPILED_BATCH = 2
+_MIN_COMPILED_BATCH = cg.MIN_GRAPH_SIZE
 
 
 def _segment_arange(lengths: torch.Tensor) -> torch.Tensor:
@@ -45,36 +53,17 @@ def _segment_arange(lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
 
 
+def _to_device_packed(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Host tensors -> ``dtype`` tensors on ``device`` through one host->device copy (from pinned
+    memory on CUDA: asynchronous, no sync per tensor); the results are views of one tensor."""
+    sizes = [t.numel() for t in tensors]
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=device.type == "cuda")
+    torch.cat([t.reshape(-1).to(dtype) for t in tensors], out=host)
+    return list(host.to(device, non_blocking=True).split(sizes))
+
+
 def _graph_break_count() -> int:
     return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-
-def _pad_one_request(input_ids: torch.Tensor, md: ForwardMetadata, padding_slot: int) -> tuple[torch.Tensor, ForwardMetadata]:
-    """Append a padding request of one token: token id 0 at position 0, its K/V not stored
-    (``out_cache_loc`` -1), attending over the dummy KV slot, Mamba index -1 (every kernel op
-    skips it). Its logits row is last."""
-    n = input_ids.shape[0]
-
-    def cat(t: torch.Tensor, value) -> torch.Tensor:
-        return torch.cat([t, torch.full((1,), value, dtype=t.dtype, device=t.device)])
-
-    padded = dataclasses.replace(
-        md,
-        positions=cat(md.positions, 0),
-        query_start_loc=cat(md.query_start_loc, n + 1),
-        seq_lens=cat(md.seq_lens, 1),
-        prefix_lens=cat(md.prefix_lens, 0),
-        mamba_cache_indices=cat(md.mamba_cache_indices, -1),
-        has_initial_state=cat(md.has_initial_state, False),
-        out_cache_loc=cat(md.out_cache_loc, -1),
-        kv_indptr=torch.cat([md.kv_indptr, md.kv_indptr[-1:] + 1]),  # no host sync
-        kv_indices=cat(md.kv_indices, padding_slot),
-        logits_indices=cat(md.logits_indices, n),
-        extend_lens_cpu=list(md.extend_lens_cpu) + [1],
-        seq_lens_cpu=list(md.seq_lens_cpu) + [1],
-        prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, 1),
-    )
-    return cat(input_ids, 0), padded
 
 
 def _forward_of(model: nn.Module):
@@ -110,12 +99,42 @@ class ModelRunner:
         mamba = pools.mamba
         self.mamba_caches = {layer: (mamba.conv(layer), mamba.ssm(layer)) for layer in mamba.layer_ids}
         self.compiled = config is not None and config.resolved_compile(device)
+        full, piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
         self._compiled_forward = None
         self._backend = None
         self._compile_counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0,
-                                      padded_steps=0)
+                                      padded_steps=0, eager_fallbacks=0)
+        # CUDA graphs (passes/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
+        self._graph_pool = cg.GraphPool() if full or piecewise else None
+        self.piecewise_graphs = cg.PiecewiseGraphs(self._graph_pool) if piecewise else None
+        self.full_graphs: cg.FullGraphRunner | None = None
+        self._max_running_requests = config.max_running_requests if config is not None else 1
+        # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
+        self._rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
+        self._token_buckets: tuple[int, ...] = ()
+        if piecewise:
+            self._token_buckets = cg.normalize_buckets(
+                config.piecewise_cuda_graph_tokens
+                or cg.default_token_buckets(config.chunked_prefill_size, config.max_running_requests)
+            )
         if self.compiled:
             self._setup_compile()
+        try:
+            if full:
+                self._capture_full(config.cuda_graph_batch_sizes
+                                   or cg.default_decode_batch_sizes(config.max_running_requests))
+            if piecewise:
+                self._capture_piecewise()
+            if piecewise or full:
+                # the graphs, their buffers and the compiled code live as long as the engine: keep the
+                # cyclic garbage collector from rescanning them every step (SGLang does the same)
+                gc.freeze()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the {type(model).__name__} "
+                f"forward failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); a graph cannot hold host "
+                "syncs or CPU<->GPU copies. Serve this model with cuda_graphs=False (compiled without graphs)."
+            ) from e
 
     # -- compile ------------------------------------------------------------------------------
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -125,7 +144,7 @@ class ModelRunner:
     def _setup_compile(self) -> None:
         from ..passes.backend import HybridCompileBackend
 
-        self._backend = HybridCompileBackend()
+        self._backend = HybridCompileBackend(piecewise_graphs=self.piecewise_graphs, rewrites=self._rewrite_passes)
         self._compiled_forward = torch.compile(
             _own_code_copy(_forward_of(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
             backend=self._backend, fullgraph=True, dynamic=True,
@@ -141,14 +160,14 @@ class ModelRunner:
             ) from e
         self._compile_counters["warmup_seconds"] = time.perf_counter() - t0
 
-    def _call_compiled(self, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
-        for t in (input_ids, md.positions, md.logits_indices):
+    def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        for t in (input_ids, positions, logits_indices):
             torch._dynamo.mark_dynamic(t, 0)
         breaks = _graph_break_count()
         # floats of the model (eps, attention scale) are constants, not graph inputs; no duck sizing,
         # so that equal token count and batch size at compile time do not become a guard
         with torch._dynamo.config.patch(specialize_float=True), torch.fx.experimental._config.patch(use_duck_shape=False):
-            logits = self._compiled_forward(input_ids, md.positions, md.logits_indices)
+            logits = self._compiled_forward(input_ids, positions, logits_indices)
         c = self._compile_counters
         c["graph_breaks"] += _graph_break_count() - breaks
         c["compiled_steps"] += 1
@@ -159,42 +178,86 @@ class ModelRunner:
         """Compile on a padding-only EXTEND batch (2 requests of 1 and 2 tokens whose K/V are not
         stored, attending over the dummy KV slot, Mamba indices -1: the pools are untouched), so the
         one graph is traced with symbolic sizes >= 2 before serving."""
+        self._run_compiled(*self._padding_step([1, 2]))
+
+    def _padding_step(self, lens: list[int], num_logits: int | None = None) -> tuple[torch.Tensor, ForwardMetadata]:
+        """An EXTEND step of padding requests only (``cg.pad_requests`` on an empty step): running
+        it leaves every pool untouched."""
         dev = self.device
-        slot = self.pools.kv.PADDING_SLOT
-        lens = [1, 2]
-        n, b = sum(lens), len(lens)
         i32 = dict(dtype=torch.int32, device=dev)
-        md = ForwardMetadata(
+        empty = ForwardMetadata(
             mode=ForwardMode.EXTEND,
-            positions=torch.tensor([0, 0, 1], dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, 1, 3], **i32),
-            seq_lens=torch.tensor(lens, **i32),
-            prefix_lens=torch.zeros(b, **i32),
-            mamba_cache_indices=torch.full((b,), -1, **i32),
-            has_initial_state=torch.zeros(b, dtype=torch.bool, device=dev),
-            out_cache_loc=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            kv_indptr=torch.tensor([0, 1, 3], **i32),
-            kv_indices=torch.full((n,), slot, dtype=self.pools.req_to_token.req_to_token.dtype, device=dev),
-            logits_indices=torch.tensor([0, 2], dtype=torch.int64, device=dev),
-            extend_lens_cpu=list(lens),
-            seq_lens_cpu=list(lens),
-            prompt_lens=torch.tensor(lens, **i32),
+            positions=torch.zeros(0, dtype=torch.int64, device=dev),
+            query_start_loc=torch.zeros(1, **i32),
+            seq_lens=torch.zeros(0, **i32),
+            prefix_lens=torch.zeros(0, **i32),
+            mamba_cache_indices=torch.zeros(0, **i32),
+            has_initial_state=torch.zeros(0, dtype=torch.bool, device=dev),
+            out_cache_loc=torch.zeros(0, dtype=torch.int64, device=dev),
+            kv_indptr=torch.zeros(1, **i32),
+            kv_indices=torch.zeros(0, dtype=self.pools.req_to_token.req_to_token.dtype, device=dev),
+            logits_indices=torch.zeros(0, dtype=torch.int64, device=dev),
+            prompt_lens=torch.zeros(0, **i32),
         )
-        input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        return cg.pad_requests(torch.zeros(0, dtype=torch.int64, device=dev), empty, lens,
+                               self.pools.kv.PADDING_SLOT, num_logits)
+
+    def _run_compiled(self, input_ids: torch.Tensor, md: ForwardMetadata, graphs_mode: str | None = None) -> torch.Tensor:
+        """The compiled forward over one step under its forward context; ``graphs_mode``: replay or
+        capture the pieces' CUDA graphs (``cg.PiecewiseGraphs`` modes)."""
         with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
-            self._call_compiled(input_ids, md)
+            if graphs_mode is None:
+                return self._call_compiled(input_ids, md.positions, md.logits_indices)
+            with self.piecewise_graphs.active(graphs_mode):
+                return self._call_compiled(input_ids, md.positions, md.logits_indices)
+
+    def _logits_rows(self, num_tokens: int) -> int:
+        return cg.logits_rows_for_tokens(num_tokens, self._max_running_requests)
+
+    @torch.inference_mode()
+    def _capture_piecewise(self) -> None:
+        """Warm up and capture every piece for every token bucket, largest first (one padding
+        request holding all the bucket's tokens)."""
+        pw = self.piecewise_graphs
+        t0 = time.perf_counter()
+        for n in sorted(self._token_buckets, reverse=True):
+            step = self._padding_step([n], self._logits_rows(n))
+            self._run_compiled(*step)  # warm-up outside the capture
+            torch.cuda.synchronize()
+            self._run_compiled(*step, graphs_mode=pw.CAPTURE)
+            pw.captured_tokens.append(n)
+        torch.cuda.synchronize()
+        pw.capture_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _capture_full(self, batch_sizes) -> None:
+        """Stable buffers + one full graph of the compiled forward per decode bucket."""
+        req_to_token = self.pools.req_to_token.req_to_token
+        sizes = cg.normalize_buckets(batch_sizes)
+        buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
+                                  self.pools.kv.PADDING_SLOT)
+        self.full_graphs = cg.FullGraphRunner(self._call_compiled, buffers, sizes, self.kv_caches, self.mamba_caches,
+                                              self._graph_pool)
+        self.full_graphs.capture_all()
 
     def compile_stats(self) -> dict:
         """What ``engine.stats()["compile"]`` reports: ``enabled``; with compile on also
         ``compile_seconds`` (split + Inductor, every graph), ``warmup_seconds`` (the compile at
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
         ``recompiles`` (graphs - 1), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
-        ``split_ops_seen`` (layer ops left eager between them), ``graph_breaks``, ``compiled_steps``,
-        ``padded_steps`` (steps of one request padded to two)."""
+        ``split_ops_seen`` (layer ops left eager between them), ``graph_breaks``, ``compiled_steps``
+        (calls of the compiled forward outside graph replays: warm-ups and captures included),
+        ``padded_steps`` (steps of one request padded to two), and the CUDA graphs: ``cuda_graphs``
+        (``{"full": bool, "piecewise": bool}``), ``capture_seconds``, ``decode_batch_sizes`` and
+        ``token_buckets`` (captured buckets), ``full_graphs`` / ``piecewise_graphs`` (CUDA graphs
+        captured), ``cuda_graph_replays`` (full decode graphs), ``piecewise_replays`` (steps),
+        ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs) and
+        ``eager_fallbacks`` (steps with graphs on that no graph fitted: the compiled path ran)."""
         if not self.compiled:
             return {"enabled": False}
         s = self._backend.stats
         c = self._compile_counters
+        full, pw = self.full_graphs, self.piecewise_graphs
         return {
             "enabled": True,
             "compile_seconds": s.backend_seconds,
@@ -204,9 +267,20 @@ class ModelRunner:
             "pieces": s.pieces,
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),
+            "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (passes/rewrite.py)
             "graph_breaks": c["graph_breaks"],
             "compiled_steps": c["compiled_steps"],
             "padded_steps": c["padded_steps"],
+            "cuda_graphs": {"full": full is not None, "piecewise": pw is not None},
+            "capture_seconds": (full.capture_seconds if full else 0.0) + (pw.capture_seconds if pw else 0.0),
+            "decode_batch_sizes": [k.batch_size for k in full.graphs] if full else [],
+            "token_buckets": sorted(pw.captured_tokens) if pw else [],
+            "full_graphs": len(full.graphs) if full else 0,
+            "piecewise_graphs": pw.num_graphs if pw else 0,
+            "cuda_graph_replays": full.replays if full else 0,
+            "piecewise_replays": pw.replays if pw else 0,
+            "piecewise_copied_bytes": pw.copied_bytes if pw else 0,
+            "eager_fallbacks": c["eager_fallbacks"],
         }
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMetadata]:
@@ -227,27 +301,40 @@ class ModelRunner:
         kv_indptr = torch.zeros_like(qsl)
         kv_indptr[1:] = torch.cumsum(seq, 0)
         # KV slots of every token of every request, gathered on the device from req_to_token
-        rows = torch.repeat_interleave(req_slots, seq).to(dev)
-        cols = _segment_arange(seq).to(dev)
-        kv_indices = self.pools.req_to_token.req_to_token[rows, cols]
+        rows = torch.repeat_interleave(req_slots, seq)
+        cols = _segment_arange(seq)
         mamba = torch.tensor([r.mamba_slot for r in batch.requests], dtype=torch.int32)
+        prompt_lens = torch.tensor([len(r.prompt) for r in batch.requests], dtype=torch.int32)
+        # two host->device copies in all (input ids first: offset 0 of its device tensor)
+        input_ids, positions, out_cache_loc, logits_indices, rows, cols = _to_device_packed(
+            [torch.tensor(ids, dtype=torch.int64), positions, batch.out_cache_loc, qsl[1:].to(torch.int64) - 1, rows, cols],
+            torch.int64, dev,
+        )
+        qsl_d, kv_indptr_d, seq_d, prefix_d, mamba_d, prompt_d = _to_device_packed(
+            [qsl, kv_indptr, seq, prefix, mamba, prompt_lens], torch.int32, dev
+        )
         md = ForwardMetadata(
             mode=batch.mode,
-            positions=positions.to(dev),
-            query_start_loc=qsl.to(dev),
-            seq_lens=seq.to(torch.int32).to(dev),
-            prefix_lens=prefix.to(torch.int32).to(dev),
-            mamba_cache_indices=mamba.to(dev),
-            has_initial_state=(prefix > 0).to(dev),
-            out_cache_loc=batch.out_cache_loc.to(dev),
-            kv_indptr=kv_indptr.to(dev),
-            kv_indices=kv_indices,
-            logits_indices=(qsl[1:].to(torch.int64) - 1).to(dev),
+            positions=positions,
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            prefix_lens=prefix_d,
+            mamba_cache_indices=mamba_d,
+            has_initial_state=prefix_d > 0,
+            out_cache_loc=out_cache_loc,
+            kv_indptr=kv_indptr_d,
+            kv_indices=self.pools.req_to_token.req_to_token[rows, cols],
+            logits_indices=logits_indices,
             extend_lens_cpu=list(batch.extend_lens),
             seq_lens_cpu=seq.tolist(),
-            prompt_lens=torch.tensor([len(r.prompt) for r in batch.requests], dtype=torch.int32).to(dev),
+            prompt_lens=prompt_d,
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), md
+        if batch.track_slots is not None:
+            # prefix-cache checkpoints inside the extend (scheduler-chosen; layers/tracking.py)
+            md.track_slots = torch.tensor(batch.track_slots, dtype=torch.int32).to(dev)
+            md.track_lens = torch.tensor(batch.track_lens, dtype=torch.int32).to(dev)
+            md.has_tracking = any(s >= 0 for s in batch.track_slots)
+        return input_ids, md
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -257,9 +344,24 @@ class ModelRunner:
             with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
                 return self._model_forward(input_ids, md.positions, md.logits_indices)
         b = md.batch_size
-        while md.batch_size < _MIN_COMPILED_BATCH:
-            input_ids, md = _pad_one_request(input_ids, md, self.pools.kv.PADDING_SLOT)
-        if md.batch_size != b:
+        if self.full_graphs is not None:
+            key = self.full_graphs.key_for(md)
+            if key is not None:
+                return self.full_graphs.replay(key, input_ids, md)
+        if self.piecewise_graphs is not None and md.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
+            n = cg.select_bucket(self._token_buckets, md.num_tokens)
+            if n is not None and b <= self._logits_rows(n):
+                extra = n - md.num_tokens
+                # decode steps stay decode steps: one-token padding requests; else one request of them all
+                pad_lens = ([1] * extra if md.mode is ForwardMode.DECODE else [extra]) if extra else []
+                input_ids, md = cg.pad_requests(input_ids, md, pad_lens, self.pools.kv.PADDING_SLOT,
+                                                self._logits_rows(n))
+                logits = self._run_compiled(input_ids, md, graphs_mode=self.piecewise_graphs.REPLAY)
+                self.piecewise_graphs.replays += 1
+                return logits[:b]
+        if self._graph_pool is not None:  # graphs on, but no graph fits this step: the compiled path
+            self._compile_counters["eager_fallbacks"] += 1
+        if b < _MIN_COMPILED_BATCH:
+            input_ids, md = cg.pad_requests(input_ids, md, [1] * (_MIN_COMPILED_BATCH - b), self.pools.kv.PADDING_SLOT)
             self._compile_counters["padded_steps"] += 1
-        with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
-            return self._call_compiled(input_ids, md)[:b]
+        return self._run_compiled(input_ids, md)[:b]

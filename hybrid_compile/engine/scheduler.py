@@ -18,8 +18,12 @@ With a prefix cache (:class:`~hybrid_compile.cache.HybridRadixCache`), admission
 request at its longest cached prefix that ends with a Mamba state (``match_prefix`` of its
 tokens but the last, locked, state copied into the request's own slot); KV room counts the
 cache's evictable tokens, and the cache is evicted before anything is retracted. A finished
-request hands its KV and final state to the cache (exact at its full length; no chunk-boundary
-checkpoints yet); a retracted one frees only its own slots and drops its lock.
+request hands its KV and final state to the cache (exact at its full length); a retracted one
+frees only its own slots and drops its lock. Prefills checkpoint their state at chunk-aligned
+lengths (seed 003 §6; :meth:`Scheduler._checkpoint_len` says where, per ``checkpoint_policy``):
+the step's :class:`ScheduledBatch` carries the slots the layer ops track into, and
+:meth:`Scheduler.commit_checkpoints` hands them to the cache after the forward, so a long
+prompt's first chunks are reusable while it still runs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from ..layers.context import ForwardMode
 from ..memory import MemoryPools
 from .request import Request, RequestStatus
 
+CHECKPOINT_POLICIES = ("lru", "marconi")
+
 
 @dataclass
 class ScheduledBatch:
@@ -44,6 +50,10 @@ class ScheduledBatch:
     extend_lens: list[int]
     out_cache_loc: torch.Tensor  # CPU int64 KV slots of the new tokens, packed
     mode: ForwardMode
+    # prefix-cache checkpoints inside the extend, per request (None: none this step): a fresh
+    # Mamba slot (-1 = none) and the new tokens before the checkpoint (-1 = none)
+    track_slots: list[int] | None = None
+    track_lens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,9 +72,22 @@ class Scheduler:
         chunked_prefill_size: int,
         max_running_requests: int,
         prefix_cache: HybridRadixCache | None = None,
+        checkpoint_policy: str = "lru",
+        decode_checkpoint_interval: int = 0,
     ) -> None:
+        if checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {checkpoint_policy!r}")
         self.pools = pools
         self.cache = prefix_cache
+        self.checkpoint_policy = checkpoint_policy
+        self.decode_checkpoint_interval = decode_checkpoint_interval  # 0: no decode checkpoints
+        # checkpoints of the last scheduled step, committed to the cache after its forward: the
+        # batch and its (request, sequence length, tracked Mamba slot or None = fork the request's slot)
+        self._pending_checkpoints: tuple[ScheduledBatch | None, list[tuple[Request, int, int | None]]] = (None, [])
+        # what engine.stats()["prefix_cache"] adds to the cache's own counters (admitted requests only:
+        # a request that waits is matched again on every attempt)
+        self.cache_counters = dict(admitted_requests=0, admitted_tokens=0, admitted_hit_tokens=0,
+                                   checkpoints_tracked=0, checkpoints_forked=0, checkpoints_skipped=0)
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
         self.waiting: deque[Request] = deque()
@@ -113,6 +136,7 @@ class Scheduler:
         request.num_computed = 0
         request.last_node = None
         request.cached_len = 0
+        request.branching_len = None
 
     def release(self, request: Request) -> None:
         """Free everything a request holds (retraction; finish without a prefix cache). Slots
@@ -164,7 +188,7 @@ class Scheduler:
             self.cache.inc_lock_ref(match.last_node)
             prefix = match.prefix_len
         pending = r.seq_len - prefix
-        n = min(pending, budget)
+        n = self._chunk_len(prefix, pending, budget)
         own = self._expected_new_tokens(r) + (pending - n)
 
         def give_up(req_slots=None):
@@ -175,6 +199,8 @@ class Scheduler:
             self._reset(r)
             return None
 
+        if n == 0:  # the budget left does not reach the next checkpoint boundary: next step
+            return give_up()
         if self._kv_room() < n + reserve + own:
             return give_up()
         if self.cache is not None:
@@ -189,12 +215,17 @@ class Scheduler:
             r.kv_slots = match.kv_indices.clone()
             r.cached_len = prefix
             r.last_node = match.last_node
+            r.branching_len = match.branching_len
         self._make_room([r], [n])
         kv = self._alloc_kv([r], [n])
         if kv is None:
             return give_up(req_slots)
         if match is not None:
             self.cache.cow_mamba(match, r.mamba_slot)
+            c = self.cache_counters
+            c["admitted_requests"] += 1
+            c["admitted_tokens"] += r.seq_len
+            c["admitted_hit_tokens"] += prefix
             if prefix:
                 self.pools.req_to_token.set_tokens(r.req_slot, 0, match.kv_indices)
         return kv
@@ -205,28 +236,74 @@ class Scheduler:
         remaining = r.params.max_new_tokens - len(r.output)
         return max(1, int(self.new_token_ratio * remaining + 0.999))
 
-    def _running_work(self) -> tuple[list[Request], list[int], int]:
+    def _chunk_len(self, prefix: int, pending: int, budget: int) -> int:
+        """Tokens of a prefill chunk: what the budget allows. With a prefix cache (and a prefill
+        budget of at least ``mamba_align``), a chunk that does not finish the request ends on a
+        multiple of ``mamba_align`` (0 tokens, i.e. wait for the next step, when the budget left
+        does not reach one), so chunks start on the global checkpoint grid and the states at
+        grid lengths, branch points included, can be cached by any request."""
+        n = min(pending, budget)
+        if self.cache is None or n == pending:
+            return n
+        align = self.cache.mamba_align
+        if self.chunked_prefill_size < align:
+            return n
+        return max(0, n - (prefix + n) % align)
+
+    def _running_work(self, decodes: bool = True) -> tuple[list[Request], list[int], int]:
         """Running requests of the next step with their token counts, and the budget left:
-        decodes take one token; prefills take a chunk of the prefill budget."""
+        decodes take one token (none with ``decodes=False``); prefills take a chunk of the
+        prefill budget."""
         budget = self.chunked_prefill_size
         reqs: list[Request] = []
         lens: list[int] = []
         for r in self.running:
             if r.pending == 1 and r.num_computed > 0:
-                reqs.append(r)
-                lens.append(1)
+                if decodes:
+                    reqs.append(r)
+                    lens.append(1)
             elif budget > 0:
-                n = min(r.pending, budget)
+                n = self._chunk_len(r.num_computed, r.pending, budget)
+                if n == 0:  # waits for a budget that reaches its next checkpoint boundary
+                    continue
                 budget -= n
                 reqs.append(r)
                 lens.append(n)
         return reqs, lens, budget
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule_verify(self, draft_len: int) -> ScheduledBatch | None:
+        """A speculative TARGET_VERIFY step of every decoding running request (its pending token
+        + ``draft_len - 1`` drafts), or None when none decodes. KV slots for all ``draft_len``
+        tokens are allocated (the engine frees those of rejected drafts); while they do not fit,
+        cached prefixes are evicted, then the newest request is retracted, as in :meth:`schedule`.
+        Waiting requests are not admitted (the engine alternates with :meth:`schedule`)."""
+        while True:
+            reqs = [r for r in self.running if r.pending == 1 and r.num_computed > 0]
+            if not reqs:
+                return None
+            lens = [draft_len] * len(reqs)
+            self._make_room(reqs, lens)
+            slots = self._alloc_kv(reqs, lens)
+            if slots is not None:
+                break
+            self._retract(max(self.running, key=lambda r: r.arrival))
+        for i, r in enumerate(reqs):
+            r.kv_slots = torch.cat([r.kv_slots, slots[i * draft_len : (i + 1) * draft_len]])
+        return ScheduledBatch(
+            requests=reqs,
+            prefix_lens=[r.num_computed for r in reqs],
+            extend_lens=lens,
+            out_cache_loc=slots,
+            mode=ForwardMode.TARGET_VERIFY,
+        )
+
+    def schedule(self, decodes: bool = True) -> ScheduledBatch | None:
+        """The next mixed step; ``decodes=False`` leaves decoding requests out (speculative
+        decoding advances them in :meth:`schedule_verify` steps)."""
         # 1. running requests; while their KV does not fit, evict cached prefixes, then retract
         #    the newest and retry
         while True:
-            reqs, lens, budget = self._running_work()
+            reqs, lens, budget = self._running_work(decodes)
             self._make_room(reqs, lens)
             slots = self._alloc_kv(reqs, lens) if reqs else torch.zeros(0, dtype=torch.int64)
             if slots is not None:
@@ -246,7 +323,7 @@ class Scheduler:
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             self.running.append(r)
-            n = min(r.pending, budget)
+            n = self._chunk_len(r.num_computed, r.pending, budget)
             reqs.append(r)
             lens.append(n)
             out.append(kv)
@@ -263,10 +340,102 @@ class Scheduler:
             offset += n
         prefix = [r.num_computed for r in reqs]
         decode = all(n == 1 for n in lens) and all(p > 0 for p in prefix)
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             requests=reqs,
             prefix_lens=prefix,
             extend_lens=lens,
             out_cache_loc=out_cache_loc,
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
         )
+        self._drop_pending_checkpoints()
+        if self.cache is not None:
+            self._plan_checkpoints(batch)
+        return batch
+
+    # -- prefix-cache checkpoints (seed 003 §6) -----------------------------------------------
+    def _checkpoint_len(self, r: Request, prefix: int, n: int) -> int | None:
+        """Sequence length inside this extend whose state goes to the cache, or None.
+
+        ``lru`` (SGLang): the branch point if it lies on a chunk boundary of the extend, else
+        the extend's last chunk boundary (so a long prompt becomes reusable chunk by chunk while
+        it runs). ``marconi``: only the branch point (where another cached sequence leaves this
+        one: a prefix known to be shared); the last decoded token's state is cached at finish.
+
+        Decode tokens (one token on top of a state): ``lru`` checkpoints every
+        ``decode_checkpoint_interval`` tokens of the sequence (the request's state after the step
+        is forked: a retracted request, or one that shares part of another's output, resumes
+        there); ``marconi`` relies on the finish-time state.
+        """
+        if n <= 1 and prefix > 0:
+            length = prefix + n
+            interval = self.decode_checkpoint_interval
+            if (
+                self.checkpoint_policy == "marconi"
+                or not interval
+                or length % interval
+                or length % self.cache.page_size
+                or length <= r.cached_len
+            ):
+                return None
+            return length
+        length = self.cache.checkpoint_len(prefix, n, branching_len=r.branching_len)
+        if length is None or length <= r.cached_len:
+            return None
+        if self.checkpoint_policy == "marconi" and length != r.branching_len:
+            return None
+        return length
+
+    def _plan_checkpoints(self, batch: ScheduledBatch) -> None:
+        """Pick each request's checkpoint of this EXTEND. One at the end of its extend is the
+        request's own state after the step (forked into the cache then); one inside it is
+        tracked by the layer ops into a fresh Mamba slot (``track_slots`` / ``track_lens``)."""
+        track_slots, track_lens, planned = [], [], []
+        for r, p, n in zip(batch.requests, batch.prefix_lens, batch.extend_lens):
+            length = self._checkpoint_len(r, p, n)
+            slot = None
+            if length is not None and length < p + n:
+                self.cache.ensure_free(mamba_slots=1)
+                got = self.pools.mamba.alloc(1)
+                if got is None:
+                    self.cache_counters["checkpoints_skipped"] += 1
+                    length = None
+                else:
+                    slot = int(got[0])
+            if length is not None:
+                planned.append((r, length, slot))
+            track_slots.append(-1 if slot is None else slot)
+            track_lens.append(-1 if slot is None else length - p)
+        if any(s >= 0 for s in track_slots):
+            batch.track_slots, batch.track_lens = track_slots, track_lens
+        self._pending_checkpoints = (batch, planned)
+
+    def _drop_pending_checkpoints(self) -> None:
+        """Forget checkpoints of a batch whose forward was never committed (free tracked slots)."""
+        _, planned = self._pending_checkpoints
+        slots = [slot for _, _, slot in planned if slot is not None]
+        if slots:
+            self.pools.mamba.free(slots)
+        self._pending_checkpoints = (None, [])
+
+    def commit_checkpoints(self, batch: ScheduledBatch) -> None:
+        """After ``batch``'s forward (before its requests' ``num_computed`` advance): hand each
+        checkpoint planned for it to the cache (``cache_unfinished_req``; chunked prefill,
+        docstring step 5 of ``cache/radix_cache.py``), move the request's lock to the new node and
+        switch its first KV slots to the tree's."""
+        planned_for, pending = self._pending_checkpoints
+        if planned_for is not batch:
+            return
+        self._pending_checkpoints = (None, [])
+        for r, length, slot in pending:
+            res = self.cache.cache_unfinished_req(
+                r.token_ids(0, length), r.kv_slots[:length], r.last_node,
+                r.mamba_slot if slot is None else slot, adopt_mamba=slot is not None,
+            )
+            if not res.inserted:  # no Mamba slot for the fork
+                self.cache_counters["checkpoints_skipped"] += 1
+                continue
+            self.cache_counters["checkpoints_forked" if slot is None else "checkpoints_tracked"] += 1
+            r.kv_slots = torch.cat([res.kv_indices, r.kv_slots[length:]])
+            self.pools.req_to_token.set_tokens(r.req_slot, 0, res.kv_indices)
+            r.last_node = res.last_node
+            r.cached_len = length

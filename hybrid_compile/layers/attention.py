@@ -3,7 +3,10 @@
 ``hybrid_compile::attention_layer`` is a graph split point: Dynamo sees an opaque op (its fake
 impl returns zeros of the output shape), so the whole model traces in one graph and the
 piecewise backend can cut it here. At run time it reads the forward context (pool views and
-KV indices of the step) and dispatches by forward mode to the paged-attention kernel ops.
+KV indices of the step) and dispatches by forward mode to the paged-attention kernel ops:
+DECODE to ``paged_attention_decode``; EXTEND and TARGET_VERIFY (speculative verify: the draft
+tokens of each request attend causally over its prefix and the drafts before them, with
+``query_start_loc`` as qo_indptr) to ``paged_attention_extend``.
 """
 
 from __future__ import annotations

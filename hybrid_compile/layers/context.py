@@ -47,6 +47,12 @@ class ForwardMetadata:
         prompt_lens: ``[B]`` int32 prompt length of each request, or None. Positions below it are
             prompt tokens; layers whose HF code treats prompt and generated tokens differently
             (the Mamba2 mixers clamp ``dt`` only in their prefill path) read it.
+        track_slots: ``[B]`` int32 Mamba slot receiving a prefix-cache checkpoint of the
+            request's recurrent state inside this EXTEND (-1 = none), or None.
+        track_lens: ``[B]`` int32 new tokens of the extend before that checkpoint (a whole
+            number of SSM chunks, less than the request's extend length; -1 = none), or None.
+        has_tracking: host-side: some request tracks a checkpoint in this step, so the EXTEND
+            layer ops ask their chunk kernels for chunk states (skipped otherwise).
     """
 
     mode: ForwardMode
@@ -64,6 +70,9 @@ class ForwardMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     draft_len: int = 0
     prompt_lens: torch.Tensor | None = None
+    track_slots: torch.Tensor | None = None
+    track_lens: torch.Tensor | None = None
+    has_tracking: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +81,23 @@ class ForwardMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def verify_rows(self) -> int:
+        """TARGET_VERIFY: the leading requests that run ``draft_len`` tokens each (the verify batch,
+        padding rows with Mamba index -1 included). Trailing requests of another length (filler of
+        a padded token count) are not verify rows: the linear layers leave their tokens at zero."""
+        steps = self.draft_len
+        if steps <= 0:
+            raise ValueError(f"TARGET_VERIFY needs draft_len > 0, got {steps}")
+        lens = self.extend_lens_cpu
+        if lens:
+            rows = 0
+            while rows < len(lens) and lens[rows] == steps:
+                rows += 1
+            return rows
+        if self.num_tokens % steps:
+            raise ValueError(f"TARGET_VERIFY: {self.num_tokens} tokens are not a whole number of {steps}-token requests")
+        return self.num_tokens // steps
 
 
 @dataclass
@@ -88,6 +114,15 @@ class ForwardContext:
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
     mamba_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
     intermediate_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def intermediate(self, layer_id: int, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-draft-step buffers of one linear layer (TARGET_VERIFY), or a clear error."""
+        if layer_id not in self.intermediate_caches:
+            raise RuntimeError(
+                f"{op}: TARGET_VERIFY needs the Mamba pool's speculative buffers of layer {layer_id} in the forward "
+                "context (an engine built with EngineConfig.speculative provides them)"
+            )
+        return self.intermediate_caches[layer_id]
 
 
 _current: ForwardContext | None = None

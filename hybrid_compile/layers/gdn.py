@@ -9,9 +9,15 @@ the op holds only what touches pools and per-step metadata.
 By forward mode (seed 000 "Forward Decode / Forward Extend"):
 - DECODE: ``causal_conv1d_update`` + ``fused_sigmoid_gating_delta_rule_update`` in place.
 - EXTEND (prefill, chunked prefill, mixed prefill + decode): ``causal_conv1d_fn`` +
-  ``gdn_gating`` + ``chunk_gated_delta_rule`` with initial states where the request has them.
-- TARGET_VERIFY: speculative verify; not reachable before speculative decoding exists, so it
-  raises.
+  ``gdn_gating`` + ``chunk_gated_delta_rule`` with initial states where the request has them;
+  prefix-cache checkpoints inside the extend when the step asks for them (``layers/tracking.py``).
+- TARGET_VERIFY (speculative verify, seed 000 "Target Verify Flow"): every request runs
+  ``draft_len`` tokens (its last accepted token + the drafts): ``causal_conv1d_update`` over them
+  and ``gdn_gating`` + ``fused_recurrent_gated_delta_rule_update``, both with
+  ``disable_state_update`` and writing the state after every step into the layer's intermediate
+  buffers (``ForwardContext.intermediate_caches``, rows = batch rows); the engine commits the
+  state of the last accepted step afterwards (``commit_speculative_state``). Trailing requests
+  of another length (filler that pads a step to a token-count bucket) are left at zero.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
+from ..ops.gdn import GDN_CHUNK_SIZE
 from .context import ForwardMode, require_forward_context
+from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
 
 _kernels = torch.ops.hybrid_compile
 
@@ -88,19 +96,42 @@ def gdn_layer(
             True, 0.0, 1.0, 20.0,
         )
     if md.mode is ForwardMode.EXTEND:
+        track = tracking(md)  # prefix-cache checkpoints inside the extend (layers/tracking.py)
+        if track:
+            track_conv_checkpoints(md, conv_states, mixed_qkv)
         x = _kernels.causal_conv1d_fn(
             mixed_qkv, conv_weight, conv_bias, conv_states, md.query_start_loc,
             md.mamba_cache_indices, md.has_initial_state, activation,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
         g, beta = _kernels.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
-        out, _ = _kernels.chunk_gated_delta_rule(
+        out, chunk_states = _kernels.chunk_gated_delta_rule(
             q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
             v.reshape(n, num_v_heads, head_v_dim), g, beta, ssm_states, md.query_start_loc,
-            md.mamba_cache_indices, md.has_initial_state, True, 0.0, False,
+            md.mamba_cache_indices, md.has_initial_state, True, 0.0, track,
         )
+        if track:
+            track_ssm_checkpoints(md, ssm_states, chunk_states, GDN_CHUNK_SIZE)
         return out
-    raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported yet")
+    if md.mode is ForwardMode.TARGET_VERIFY:
+        steps = md.draft_len
+        rows = md.verify_rows()
+        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
+        inter_conv, inter_ssm = ctx.intermediate(layer_id, "gdn_layer")
+        idx = md.mamba_cache_indices[:rows]
+        x = _kernels.causal_conv1d_update(
+            mixed_qkv[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, activation, idx, True,
+            inter_conv,
+        )
+        q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+        g, beta = _kernels.gdn_gating(A_log, a[:nv], b[:nv], dt_bias, 1.0, 20.0)
+        out = _kernels.fused_recurrent_gated_delta_rule_update(
+            q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
+            v.reshape(rows, steps, num_v_heads, head_v_dim), g.reshape(rows, steps, num_v_heads),
+            beta.reshape(rows, steps, num_v_heads), ssm_states, idx, True, 0.0, True, inter_ssm,
+        ).reshape(nv, num_v_heads, head_v_dim)
+        return out if nv == n else torch.cat([out, out.new_zeros(n - nv, num_v_heads, head_v_dim)])
+    raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported")
 
 
 @gdn_layer.register_fake

@@ -11,9 +11,14 @@ By forward mode:
 
 - DECODE: ``causal_conv1d_update`` + ``selective_state_update`` in place (one token per request).
 - EXTEND (prefill, chunked prefill, mixed prefill + decode): ``causal_conv1d_fn`` +
-  ``ssd_chunk_scan`` with initial states where the request has them.
-- TARGET_VERIFY: speculative verify; not reachable before speculative decoding exists, so it
-  raises.
+  ``ssd_chunk_scan`` with initial states where the request has them; prefix-cache checkpoints
+  inside the extend when the step asks for them (``layers/tracking.py``).
+- TARGET_VERIFY (speculative verify): every request runs ``draft_len`` tokens (its last accepted
+  token + the drafts) through ``causal_conv1d_update`` + ``selective_state_update`` with
+  ``disable_state_update``, the state after every step going to the layer's intermediate
+  buffers (``ForwardContext.intermediate_caches``, rows = batch rows); the engine commits the
+  state of the last accepted step afterwards (``commit_speculative_state``). Trailing requests
+  of another length (filler that pads a step to a token-count bucket) are left at zero.
 
 ``dt`` limits: transformers' Mamba2 mixers clamp the discretised ``dt`` to ``time_step_limit``
 in their chunked path (the prompt, processed in one forward by ``generate``) and not in their
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from .context import ForwardMode, require_forward_context
+from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
 
 _kernels = torch.ops.hybrid_compile
 
@@ -123,8 +129,8 @@ def mamba2_layer(
     x_dim = num_heads * head_dim
     bc_dim = n_groups * state_size
     A = -torch.exp(A_log.float())
-    if md.mode not in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        raise NotImplementedError(f"mamba2_layer: forward mode {md.mode.value} is not supported yet")
+    if md.mode not in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY):
+        raise NotImplementedError(f"mamba2_layer: forward mode {md.mode.value} is not supported")
 
     # dt arguments of the scan: raw dt + bias + softplus + one clamp for all tokens, or (when HF
     # would clamp only some of them) dt discretised here per token.
@@ -145,17 +151,39 @@ def mamba2_layer(
         )
         return y.reshape(n, num_heads, head_dim)
 
+    if md.mode is ForwardMode.TARGET_VERIFY:
+        steps = md.draft_len
+        rows = md.verify_rows()
+        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
+        inter_conv, inter_ssm = ctx.intermediate(layer_id, "mamba2_layer")
+        idx = md.mamba_cache_indices[:rows]
+        conv = _kernels.causal_conv1d_update(
+            xBC[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, activation, idx, True, inter_conv,
+        )  # [B, L, conv_dim]
+        x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
+        y = _kernels.selective_state_update(
+            x.reshape(rows, steps, num_heads, head_dim), dt[:nv].reshape(rows, steps, num_heads), A,
+            B.reshape(rows, steps, n_groups, state_size), C.reshape(rows, steps, n_groups, state_size),
+            D, None, bias, softplus, lo, hi, ssm_states, idx, True, inter_ssm,
+        ).reshape(nv, num_heads, head_dim)
+        return y if nv == n else torch.cat([y, y.new_zeros(n - nv, num_heads, head_dim)])
+
+    track = tracking(md)  # prefix-cache checkpoints inside the extend (layers/tracking.py)
+    if track:
+        track_conv_checkpoints(md, conv_states, xBC)
     conv = _kernels.causal_conv1d_fn(
         xBC, conv_weight, conv_bias, conv_states, md.query_start_loc, md.mamba_cache_indices,
         md.has_initial_state, activation,
     )
     x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
-    y, _ = _kernels.ssd_chunk_scan(
+    y, chunk_states = _kernels.ssd_chunk_scan(
         x.reshape(n, num_heads, head_dim), dt, A,
         B.reshape(n, n_groups, state_size), C.reshape(n, n_groups, state_size),
         D, None, bias, softplus, lo, hi, ssm_states, md.query_start_loc, md.mamba_cache_indices,
-        md.has_initial_state, chunk_size, False,
+        md.has_initial_state, chunk_size, track,
     )
+    if track:
+        track_ssm_checkpoints(md, ssm_states, chunk_states, chunk_size)
     return y
 
 

@@ -1,10 +1,14 @@
-"""torch.compile backend: FX split pass at the layer ops, Inductor-compiled pieces (CPU half of
-the compile issue); rewrite passes and piecewise / full CUDA-graph runners come with the GPU half.
+"""torch.compile backend: FX split pass at the layer ops, Inductor-compiled pieces, piecewise and
+full CUDA-graph runners.
 
 - :mod:`.split`: ``split_graph`` cuts a Dynamo graph at the splitting ops (default: the layer ops
   ``attention_layer``, ``gdn_layer``, ``mamba2_layer``), each alone in its piece.
 - :mod:`.backend`: ``HybridCompileBackend`` / ``hybrid_compile_backend``: split, compile every other
   piece with Inductor, leave the layer ops as eager calls between them; records compile stats.
+- :mod:`.rewrite`: post-grad rewrite pass (Inductor's ``post_grad_custom_pre_pass``): projections
+  that share an input become one matmul over their weights, packed once by the backend.
+- :mod:`.cuda_graphs`: full CUDA graphs of decode steps over stable metadata buffers, piecewise
+  CUDA graphs of the compiled pieces per token bucket, bucket and padding helpers.
 """
 
 from .backend import CompileStats, HybridCompileBackend, hybrid_compile_backend

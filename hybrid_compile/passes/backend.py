@@ -10,8 +10,10 @@ without a splitting op by Inductor's compiled callable for it (``compile_fx`` on
 the piece's fake inputs, so each piece is compiled once for all token counts). The layer-op
 pieces stay as they are: calling them calls the op, which reads the forward context at run time.
 
-This is the CPU half of the compile design (DESIGN.md "Compile"); piecewise CUDA graphs will wrap
-the compiled pieces per token-count bucket here.
+With ``piecewise_graphs`` (:class:`~hybrid_compile.passes.cuda_graphs.PiecewiseGraphs`) every
+compiled piece is wrapped in a per-token-bucket CUDA-graph runner. With ``rewrites`` (default on)
+the weights of projections that share an input are packed once and every piece runs our
+post-grad pass (:mod:`.rewrite`, Inductor's ``post_grad_custom_pre_pass``) that fuses them.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
+from .rewrite import (
+    PackedWeightsGuard, SharedInputMatmulFusion, pack_shared_input_weights, packed_fake_inputs, packing_signature,
+)
 from .split import OpLike, SplitItem, resolve_ops, split_graph
+
+if TYPE_CHECKING:
+    from .cuda_graphs import PiecewiseGraphs
 
 
 @dataclass
@@ -40,6 +48,7 @@ class CompileStats:
     backend_seconds: float = 0.0  # split + Inductor, all graphs
     last_graph_seconds: float = 0.0
     graph_nodes: int = 0  # call nodes of the latest Dynamo graph
+    rewrites: dict = field(default_factory=dict)  # rewrite pass (.rewrite): packed weights, fused matmuls
     history: list[dict] = field(default_factory=list)  # per graph: pieces, seconds, symbolic inputs
 
     def as_dict(self) -> dict:
@@ -50,6 +59,7 @@ class CompileStats:
             "split_ops_seen": dict(self.split_ops_seen),
             "backend_seconds": self.backend_seconds,
             "graph_nodes": self.graph_nodes,
+            "rewrites": dict(self.rewrites),
         }
 
 
@@ -107,6 +117,10 @@ class HybridCompileBackend:
         inductor: compile the pieces with Inductor (False: run them as plain FX code, which is
             useful to test the split alone).
         inductor_config: Inductor config patches for every piece.
+        rewrites: run our post-grad rewrite pass (:mod:`.rewrite`: projections that share an input
+            become one matmul over weights packed once) on every piece.
+        piecewise_graphs: wrap every compiled piece in a per-bucket CUDA-graph runner of this
+            state (:mod:`.cuda_graphs`); None: the pieces are called directly.
     """
 
     def __init__(
@@ -115,10 +129,18 @@ class HybridCompileBackend:
         *,
         inductor: bool = True,
         inductor_config: dict | None = None,
+        rewrites: bool = True,
+        piecewise_graphs: "PiecewiseGraphs | None" = None,
     ) -> None:
         self.splitting_ops = resolve_ops(splitting_ops)
         self.inductor = inductor
         self.inductor_config = dict(inductor_config or {})
+        self.rewrites = rewrites
+        self.rewrite_pass: SharedInputMatmulFusion | None = None
+        if rewrites and "post_grad_custom_pre_pass" in self.inductor_config:
+            raise ValueError("HybridCompileBackend: inductor_config sets post_grad_custom_pre_pass, which the "
+                             "rewrite pass uses; pass rewrites=False to run your own")
+        self.piecewise_graphs = piecewise_graphs
         self.stats = CompileStats()
         self.split_gm: fx.GraphModule | None = None  # the latest split module (inspection)
         self.items: list[SplitItem] = []
@@ -126,14 +148,26 @@ class HybridCompileBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         t0 = time.perf_counter()
         split_gm, items = split_graph(gm, self.splitting_ops)
+        packed = []  # weight groups packed for the rewrite pass
         if self.inductor:
             fake_mode, fakes = _fake_inputs(example_inputs)
+            config = self.inductor_config
+            if self.rewrites:
+                packed = pack_shared_input_weights(gm, example_inputs)
+                fakes = packed_fake_inputs(fake_mode, fakes, packed)
+                self.rewrite_pass = SharedInputMatmulFusion(packing_signature(packed))
+                config = {**config, "post_grad_custom_pre_pass": self.rewrite_pass}
+                self.stats.rewrites = {"packed_groups": len(packed), "packed_weights": sum(len(g.rows) for g in packed)}
             compiler = PiecewiseCompiler(
-                split_gm, items, lambda sub, args: _inductor_compile(sub, args, self.inductor_config), fake_mode
+                split_gm, items, lambda sub, args: _inductor_compile(sub, args, config), fake_mode
             )
             compiler.run(*fakes)
+            if self.rewrites:  # the pass's counts (it does not run on pieces served by Inductor's cache)
+                self.stats.rewrites.update(self.rewrite_pass.counts.as_dict())
             for name, fn in compiler.compiled.items():
                 # a plain attribute shadows the submodule: the split graph's `self.submod_i(...)` calls it
+                if self.piecewise_graphs is not None:
+                    fn = self.piecewise_graphs.wrap(name, fn)
                 split_gm.__dict__[name] = fn
             pieces = len(compiler.compiled)
         else:
@@ -156,7 +190,7 @@ class HybridCompileBackend:
             "symbolic_inputs": [str(x) for x in example_inputs if isinstance(x, torch.SymInt)],
         })
         self.split_gm, self.items = split_gm, items
-        return split_gm
+        return PackedWeightsGuard(split_gm, packed) if packed else split_gm
 
 
 _default_backend: HybridCompileBackend | None = None

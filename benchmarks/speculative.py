@@ -1,0 +1,211 @@
+"""Speculative decoding benchmark (issue 7): decode tokens/s and mean acceptance length against
+non-speculative decode, in the same run, on the ~1.9 B random-weight Qwen3-Next reference.
+
+    python benchmarks/speculative.py                     # reference model, bf16, CUDA
+    python benchmarks/speculative.py --tiny --device cpu # CPU smoke run (toy model, eager)
+
+Random weights make real drafts meaningless, so besides n-gram lookup and a small draft model
+(a random 4-layer Qwen3-Next with the target's vocabulary, served by our engine machinery) the
+benchmark uses a *replay draft* (``ReplayDraft``): the target's own greedy continuation of each
+prompt, computed beforehand by the non-speculative engine, each draft token corrupted with
+probability q, which sets the acceptance rate (its cost is that of n-gram lookup).
+
+Per engine mode (``--modes``; eager / compiled / compiled + CUDA graphs) one baseline engine and
+one speculative engine per number of draft tokens k (the draft source is swapped in place with
+``engine.speculative.use_source``, so each k compiles once). For every batch size (1 and 8),
+every k and every source (replay at each q, n-gram, draft model): the prompts are prefilled,
+then the decode phase is timed (until every request has ``--new-tokens`` tokens, no EOS):
+``tokens_per_s`` (tokens generated in the decode phase / its wall time), ``speedup`` against the
+baseline at that batch size, ``mean_acceptance_length`` (tokens emitted per request per verify
+step), ``acceptance_rate`` and ``match_tokens`` (how many leading tokens equal the baseline's
+greedy output, mean over requests; bf16 near-ties may flip a token). Output: a printed table and
+JSON (``--out``, default ``benchmarks/results/speculative_<device>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hybrid_compile as hc  # noqa: E402
+from hybrid_compile.engine.speculative import NgramDraft, ReplayDraft, build_draft_source  # noqa: E402
+from reference_models import build_qwen3_next_reference  # noqa: E402
+
+MODES = {
+    "eager": dict(compile=False),
+    "compiled": dict(compile=True, cuda_graphs=False),
+    "graphs": dict(compile=True, cuda_graphs=True),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def build_draft_model(target: torch.nn.Module, tiny: bool) -> torch.nn.Module:
+    """A small random Qwen3-Next with the target's vocabulary (4 layers, hidden 256; toy sizes
+    with ``tiny``), on the target's device and dtype."""
+    cfg = copy.deepcopy(target.config)
+    hidden = 32 if tiny else 256
+    cfg.update(dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_only_layers=list(range(4)),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4,
+    ))
+    p = next(target.parameters())
+    with torch.random.fork_rng(devices=[p.device] if p.device.type == "cuda" else []):
+        torch.manual_seed(1)
+        with torch.device(p.device):
+            model = type(target)._from_config(cfg, dtype=p.dtype)
+    return model.eval()
+
+
+def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Prefill ``prompts``, then time the decode phase; returns tokens/s, outputs and the
+    speculative counters of the decode phase."""
+    params = hc.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine._requests[rid] for rid in rids]
+    while any(not r.output for r in reqs):  # prefill (+ first token)
+        engine.step()
+    before = engine.stats().get("speculative", {})
+    done = sum(len(r.output) for r in reqs)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    after = engine.stats().get("speculative", {})
+    outputs = [engine.pop_finished(rid).output for rid in rids]
+    tokens = sum(len(o) for o in outputs) - done
+    out = {"tokens_per_s": tokens / seconds, "decode_seconds": seconds, "decode_tokens": tokens}
+    if after:
+        d = {k: after[k] - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
+                                                      "emitted", "draft_seconds")}
+        out.update(d)
+        out["mean_acceptance_length"] = d["emitted"] / d["verified_requests"] if d["verified_requests"] else 0.0
+        out["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
+    out["outputs"] = outputs
+    return out
+
+
+def _match(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy-size reference model (CPU smoke run)")
+    ap.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)} (default: graphs on CUDA, eager on CPU)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--draft-tokens", default="2,3,4")
+    ap.add_argument("--qs", default="0,0.1,0.2,0.4,0.7", help="replay corruption probabilities")
+    ap.add_argument("--sources", default="replay,ngram,draft_model")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    modes = (args.modes or ("graphs" if device.type == "cuda" else "eager")).split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.draft_tokens.split(",")]
+    qs = [float(q) for q in args.qs.split(",")]
+    sources = args.sources.split(",")
+    if args.tiny:
+        args.prompt_len, args.new_tokens = min(args.prompt_len, 32), min(args.new_tokens, 16)
+    model = build_qwen3_next_reference(dtype, device, seed=0, tiny=args.tiny)
+    vocab = model.config.vocab_size
+    draft_model = build_draft_model(model, args.tiny) if "draft_model" in sources else None
+    max_bs = max(batches)
+    engine_kw = dict(
+        max_running_requests=max_bs, chunked_prefill_size=max(512, max_bs * args.prompt_len),
+        max_total_tokens=max_bs * (args.prompt_len + args.new_tokens + max(ks) + 8) + 64,
+        mamba_cache_size=max_bs + 2, enable_prefix_cache=False,
+    )
+    prompts = {b: _prompts(b, args.prompt_len, vocab, seed=100 + b) for b in batches}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "engine": dict(engine_kw), "modes": {},
+    }
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"speculative_{'tiny_' if args.tiny else ''}{device.type}.json")
+
+    for mode in modes:
+        print(f"== {mode}", flush=True)
+        res = result["modes"][mode] = {"baseline": {}, "speculative": []}
+        engine = hc.wrap(model, **MODES[mode], **engine_kw)
+        run_decode(engine, prompts[batches[0]][:1], 4)  # warm-up
+        greedy = {}
+        for b in batches:
+            r = run_decode(engine, prompts[b], args.new_tokens)
+            greedy[b] = r.pop("outputs")
+            res["baseline"][str(b)] = r
+            print(f"   baseline b={b}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+        engine.close()
+        del engine
+        gc.collect()
+        # the replay continuation of every prompt: the target's own greedy output
+        continuations = {tuple(p): o for b in batches for p, o in zip(prompts[b], greedy[b])}
+
+        for k in ks:
+            spec = hc.SpeculativeConfig(method="ngram", num_draft_tokens=k)
+            engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
+            run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify shapes
+            plan = [(f"replay_q{q}", lambda q=q: ReplayDraft(continuations, q, vocab, seed=7)) for q in qs
+                    if "replay" in sources]
+            if "ngram" in sources:
+                plan.append(("ngram", lambda: NgramDraft()))
+            if "draft_model" in sources:
+                dm = hc.SpeculativeConfig(method="draft_model", draft_model=draft_model, num_draft_tokens=k)
+                plan.append(("draft_model", lambda dm=dm, engine=engine: build_draft_source(dm, engine)))
+            for name, make in plan:
+                engine.speculative.use_source(make(), name)
+                if name == "draft_model":
+                    run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up of the draft runner
+                for b in batches:
+                    r = run_decode(engine, prompts[b], args.new_tokens)
+                    outputs = r.pop("outputs")
+                    r.update(source=name, k=k, batch=b)
+                    r["speedup"] = r["tokens_per_s"] / res["baseline"][str(b)]["tokens_per_s"]
+                    r["match_tokens"] = sum(_match(o, g) for o, g in zip(outputs, greedy[b])) / b
+                    res["speculative"].append(r)
+                    print(f"   k={k} {name:>14} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
+                          f"accept len {r['mean_acceptance_length']:.2f}  match {r['match_tokens']:.0f}", flush=True)
+            engine.close()
+            del engine
+            gc.collect()
+
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Target verify, acceptance and commit: one speculative decode step of the engine.
+
+A step (:meth:`SpeculativeDecoder.step`) takes every decoding running request, asks the draft
+source for k tokens each, and runs ONE target forward in ``TARGET_VERIFY`` mode over
+``L = k + 1`` tokens per request (its pending token + the drafts; seed 000 "Target Verify
+Flow"). The linear layers leave their main state untouched and write the state after every
+step into the Mamba pool's intermediate buffers (rows = batch rows); attention layers write the
+K/V of all L tokens and attend causally over prefix + drafts. Then, per request:
+
+1. acceptance on the logits of all L positions: greedy keeps the longest prefix of drafts equal
+   to the target's argmax plus the target's token after it (:func:`accept_greedy`); sampling
+   uses speculative rejection sampling (:func:`accept_sampled`), exact for the target's
+   distribution after the request's temperature / top-k / top-p (the Sampler's
+   ``transform_logits``);
+2. truncation at a stop token / ``max_new_tokens`` (the emitted run is cut after it);
+3. commit: ``commit_speculative_state`` copies the state after the last kept step (conv window
+   and SSM state) into the request's slot; ``num_computed`` grows by the kept tokens, the KV
+   slots of the rest are freed (``req_to_token`` entries past ``num_computed`` are never read:
+   the next step overwrites them);
+4. the tokens are appended and finished requests handed to the scheduler (with a prefix cache:
+   exactly their ``num_computed`` tokens' KV and the committed state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...layers.context import ForwardContext, forward_context
+from ...passes.cuda_graphs import pad_requests
+from ..request import Request
+from ..runner import _MIN_COMPILED_BATCH
+from ..sampling import SamplingParams, transform_logits
+from ..scheduler import ScheduledBatch
+from .config import SpeculativeConfig
+from .drafts import build_draft_source
+
+if TYPE_CHECKING:
+    from ..engine import HybridEngine, StepOutput
+
+_kernels = torch.ops.hybrid_compile
+
+
+# -- acceptance ---------------------------------------------------------------------------------
+
+
+def accept_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor) -> list[list[int]]:
+    """Greedy acceptance for a batch.
+
+    Args:
+        target_tokens: ``[B, L]`` the target's argmax at each verify position (position j
+            predicts the token after draft j; position 0 after the pending token).
+        drafts: ``[B, L - 1]`` the draft tokens.
+
+    Returns:
+        Per request the emitted tokens: the longest prefix of drafts that equals the target's
+        tokens, then the target's token at the first mismatch (or after the last draft).
+    """
+    k = drafts.shape[1]
+    match = (drafts == target_tokens[:, :k]).to(torch.int64)
+    accepted = torch.cumprod(match, dim=1).sum(dim=1)  # [B]
+    rows = target_tokens.tolist()
+    return [row[: n + 1] for row, n in zip(rows, accepted.tolist())]
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[L, V]`` fp32 logits -> the request's sampling distribution at each position
+    (temperature, top-k, top-p as the Sampler applies them)."""
+    return torch.stack(
+        [transform_logits(row, params.temperature, params.top_k, params.top_p) for row in logits.float()]
+    ).softmax(dim=-1)
+
+
+def accept_sampled(
+    probs: torch.Tensor,
+    drafts: list[int],
+    generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,
+) -> list[int]:
+    """Speculative (rejection) sampling of one request.
+
+    Draft ``x = drafts[j]`` is accepted with probability ``min(1, p_j(x) / q_j(x))``; at the first
+    rejection the emitted token is drawn from ``normalize(max(0, p_j - q_j))`` and the run ends;
+    when every draft is accepted a bonus token is drawn from ``p_k``. The emitted tokens are
+    then distributed exactly as sequential samples from the target (Leviathan et al. 2023).
+
+    Args:
+        probs: ``[k + 1, V]`` target distributions (``target_probs``).
+        drafts: the k draft tokens.
+        generator: the request's generator (the Sampler's, so seeded requests are reproducible).
+        draft_probs: ``[k, V]`` the draft distributions, or None for a deterministic draft
+            source (one-hot ``q``: accept with probability ``p_j(x)``, resample from ``p_j``
+            without ``x``).
+    """
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        p = probs[j]
+        qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
+        u = float(torch.rand((), generator=generator, device=generator.device))
+        if u * qx < float(p[x]):
+            out.append(x)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = (p - draft_probs[j].to(p.dtype)).clamp(min=0.0)
+        if not float(residual.sum()) > 0.0:  # p <= q everywhere only if p == q: no rejection
+            residual = p
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    return out
+
+
+def truncate_at_stop(request: Request, tokens: list[int]) -> list[int]:
+    """The emitted tokens the request keeps: up to and including its first stop token, and no
+    more than its remaining ``max_new_tokens``."""
+    kept = tokens[: request.params.max_new_tokens - len(request.output)]
+    for i, t in enumerate(kept):
+        if t in request.stop_ids:
+            return kept[: i + 1]
+    return kept
+
+
+def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, vocab_size: int) -> list[list[int]]:
+    """Each request's proposals cut / filled to exactly k (fill: its last proposed token, or
+    its pending token when none was proposed). A token outside the vocabulary raises."""
+    if len(proposals) != len(requests):
+        raise ValueError(f"draft source returned {len(proposals)} proposals for {len(requests)} requests")
+    rows = []
+    for r, row in zip(requests, proposals):
+        row = [int(t) for t in row[:k]]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        fill = row[-1] if row else r.token_ids(r.num_computed, r.num_computed + 1)[0]
+        rows.append(row + [fill] * (k - len(row)))
+    return rows
+
+
+# -- the verify forward -------------------------------------------------------------------------
+
+
+class SpeculativeDecoder:
+    """Runs the speculative decode steps of one engine (module docstring).
+
+    The engine calls :meth:`step` first on every step; it returns None when this step should be
+    a normal one: no request is decoding, or others wait for a prefill and the previous step
+    was a verify (verify steps and prefill steps alternate then, as in SGLang; the engine's
+    normal steps leave decoding requests out, so every generated token after a request's first
+    comes from a verify step and a seeded request draws the same random numbers whatever
+    else runs). ``step(force=True)`` verifies whenever a request decodes (the engine's
+    prefill turn found nothing to run).
+    """
+
+    def __init__(self, engine: "HybridEngine", config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.k = config.num_draft_tokens
+        self.draft_len = self.k + 1
+        mamba = engine.pools.mamba
+        self.intermediate_caches = {
+            layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer)) for layer in mamba.layer_ids
+        }
+        self._states = mamba.state_tensors() if mamba.layer_ids else []
+        self._intermediates = mamba.intermediate_state_tensors() if mamba.layer_ids else []
+        self.source = build_draft_source(config, engine)
+        self.method = config.method
+        self._last_was_verify = False
+        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0)
+        # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
+        self.acceptance_histogram: dict[int, int] = {}
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+    def use_source(self, source, name: str = "custom") -> None:
+        """Switch to another :class:`DraftSource` (the old one is closed) keeping the engine, its
+        pools and compiled graphs: benchmarks compare sources at one ``num_draft_tokens``."""
+        if not callable(getattr(source, "propose", None)):
+            raise TypeError(f"a draft source needs propose(requests, k), got {type(source).__name__}")
+        self.close()
+        self.source = source
+        self.method = name
+
+    def release(self, rid: int) -> None:
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(rid)
+
+    def stats(self) -> dict:
+        """``engine.stats()["speculative"]``: ``verify_steps``; ``verified_requests`` (request rows
+        over all verify steps); ``drafted`` (k per row) and ``accepted`` drafts; ``emitted`` tokens
+        kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
+        correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
+        ``draft_seconds`` (time in the draft source)."""
+        c = dict(self.counters)
+        c["num_draft_tokens"] = self.k
+        c["method"] = self.method
+        c["mean_acceptance_length"] = c["emitted"] / c["verified_requests"] if c["verified_requests"] else 0.0
+        c["acceptance_rate"] = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
+        c["acceptance_histogram"] = dict(sorted(self.acceptance_histogram.items()))
+        return c
+
+    def _wants_verify(self, force: bool) -> bool:
+        sched = self.engine.scheduler
+        decoding = sum(1 for r in sched.running if r.pending == 1 and r.num_computed > 0)
+        if not decoding or force:
+            return bool(decoding)
+        prefilling = decoding < len(sched.running) or (
+            bool(sched.waiting) and len(sched.running) < sched.max_running_requests
+        )
+        return not (prefilling and self._last_was_verify)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduledBatch, drafts: list[list[int]]) -> torch.Tensor:
+        """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position."""
+        runner = self.engine.runner
+        _, md = runner.build_metadata(batch)  # (its input ids hold only the pending tokens)
+        ids = []
+        for r, row in zip(batch.requests, drafts):
+            ids.append(r.token_ids(r.num_computed, r.num_computed + 1)[0])
+            ids.extend(row)
+        n = len(ids)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=runner.device)
+        md = dataclasses.replace(
+            md, logits_indices=torch.arange(n, dtype=torch.int64, device=runner.device), draft_len=self.draft_len
+        )
+        if runner.compiled and md.batch_size < _MIN_COMPILED_BATCH:
+            # compiled steps have >= 2 requests: padding requests of draft_len tokens each
+            pad = [self.draft_len] * (_MIN_COMPILED_BATCH - md.batch_size)
+            input_ids, md = pad_requests(input_ids, md, pad, self.engine.pools.kv.PADDING_SLOT)
+        ctx = ForwardContext(md, runner.kv_caches, runner.mamba_caches, self.intermediate_caches)
+        with forward_context(ctx):
+            if runner.compiled:
+                return runner._call_compiled(input_ids, md.positions, md.logits_indices)[:n]
+            return runner._model_forward(input_ids, md.positions, md.logits_indices)
+
+    def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
+        reqs = batch.requests
+        logits = logits.reshape(len(reqs), self.draft_len, -1)
+        emitted: list[list[int] | None] = [None] * len(reqs)
+        greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            d = torch.tensor([drafts[i] for i in greedy], dtype=torch.int64, device=logits.device)
+            for i, tokens in zip(greedy, accept_greedy(logits[rows].argmax(dim=-1), d)):
+                emitted[i] = tokens
+        sampler = self.engine.sampler
+        for i, r in enumerate(reqs):
+            if emitted[i] is None:
+                gen = sampler.generator_for(r.rid, r.params.seed, logits.device)
+                emitted[i] = accept_sampled(target_probs(logits[i], r.params), drafts[i], gen)
+        return emitted
+
+    def step(self, force: bool = False) -> "list[StepOutput] | None":
+        if not self._wants_verify(force):
+            self._last_was_verify = False
+            return None
+        engine = self.engine
+        # drafts first: a failing draft source leaves every request and pool as it was
+        t0 = time.perf_counter()
+        decoding = [r for r in engine.scheduler.running if r.pending == 1 and r.num_computed > 0]
+        proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, engine.layout.vocab_size)
+        t1 = time.perf_counter()
+        batch = engine.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)
+        if batch is None:
+            self._last_was_verify = False
+            return None
+        self._last_was_verify = True
+        reqs = batch.requests
+        by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
+        drafts = [by_rid[r.rid] for r in reqs]
+        logits = self._forward(batch, drafts)
+        emitted = self._accept(batch, drafts, logits)
+        kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
+
+        # commit: state after the last kept step, KV of the kept tokens only
+        if self._states:
+            steps = torch.tensor([len(t) for t in kept], dtype=torch.int32, device=engine.device)
+            slots = torch.tensor([r.mamba_slot for r in reqs], dtype=torch.int32, device=engine.device)
+            _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
+        for r, tokens in zip(reqs, kept):
+            r.num_computed += len(tokens)
+            engine.pools.kv.allocator.free(r.kv_slots[r.num_computed:])
+            r.kv_slots = r.kv_slots[: r.num_computed]
+        t2 = time.perf_counter()
+
+        c = self.counters
+        c["verify_steps"] += 1
+        c["verified_requests"] += len(reqs)
+        c["drafted"] += self.k * len(reqs)
+        c["draft_seconds"] += t1 - t0
+        outputs = []
+        for r, tokens, full in zip(reqs, kept, emitted):
+            c["accepted"] += len(full) - 1
+            c["emitted"] += len(tokens)
+            self.acceptance_histogram[len(tokens)] = self.acceptance_histogram.get(len(tokens), 0) + 1
+            for tok in tokens:
+                outputs.append(engine._emit(r, tok))
+        ec = engine._counters
+        ec["steps"] += 1
+        ec["decode_tokens"] += sum(len(t) for t in kept)
+        ec["forward_seconds"] += t2 - t1
+        return outputs

@@ -1,0 +1,452 @@
+"""CUDA graphs for the engine: full graphs of pure-decode steps and piecewise graphs of the
+compiled pieces (DESIGN.md "Compile"; seed 000 "CUDA Graph Support", seed 002 §1.2 / §6.2).
+
+Two mechanisms, both on top of the compiled forward (:mod:`.backend`); the model runner
+(``hybrid_compile.engine.runner``) picks one per step and counts the steps that use neither as
+eager fallbacks (batches larger than the largest bucket, EXTEND batches without piecewise
+graphs).
+
+**Full decode graphs** (:class:`FullGraphRunner`): one CUDA graph per decode batch-size bucket
+holding the whole forward, layer ops included. Every per-step tensor the layer ops read lives
+in :class:`GraphBuffers`, stable preallocated device buffers; the :class:`ForwardMetadata`
+installed while capturing is made of views of them (:meth:`GraphBuffers.metadata`). Before a
+replay :meth:`GraphBuffers.fill` copies the step's metadata in and turns rows ``b .. bs-1`` into
+padding requests (one token at position 0, Mamba index -1, ``out_cache_loc`` -1 so no K/V is
+written, ``seq_len`` 1 attending over the KV pool's padding slot): exactly what
+:func:`pad_requests` appends, which the CPU tests check. Graphs are keyed by :class:`GraphKey`
+(mode, batch size, tokens per request), so TARGET_VERIFY graphs (a fixed number of draft tokens
+per request) are one more key with its own token layout in the same buffers.
+
+**Piecewise graphs** (:class:`PiecewiseGraphs`): the backend wraps every Inductor-compiled piece
+in a :class:`PiecewiseGraphPiece`; while the runner replays a token bucket the piece replays its
+graph for that input signature (shapes and int arguments), the layer ops running eagerly
+between the pieces. Inputs are made stable by copying: a piece keeps the tensors it was
+captured with, and at replay copies an argument into the captured one only when its address
+differs (parameters and the outputs of the previous piece's graph have stable addresses and
+are never copied; the layer ops' fresh outputs and the runner's inputs are). The outputs a
+piece returns are its graph's own output tensors (held, so never reused by a later capture in
+the shared pool); they are overwritten by the piece's next replay, which is safe because a
+step consumes them before the next step runs. The runner pads a step to the bucket with one
+padding request holding the extra tokens (:func:`pad_requests`) and pads ``logits_indices`` to
+:func:`logits_rows_for_tokens` rows, so a bucket is one input signature.
+
+All graphs share one memory pool (``torch.cuda.graph_pool_handle()``) and are captured largest
+bucket first, after a warm-up run at the same size (Triton autotuning and lazy initialisation
+happen outside the capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
+
+# Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows
+MIN_GRAPH_SIZE = 2
+
+
+# --------------------------------------------------------------------------------------------
+# buckets
+# --------------------------------------------------------------------------------------------
+
+
+def default_decode_batch_sizes(max_running_requests: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 24, 32, then every 16 to 256 and every 32 beyond, up to (and including)
+    ``max_running_requests``."""
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, max_running_requests + 1, 32))
+    return normalize_buckets([s for s in sizes if s <= max_running_requests] + [max_running_requests])
+
+
+def default_token_buckets(chunked_prefill_size: int, max_running_requests: int) -> tuple[int, ...]:
+    """Powers of two up to 512, then 1024, 2048, ... below the largest step (a full prefill
+    chunk plus one decode token per running request), and that largest step itself."""
+    limit = chunked_prefill_size + max_running_requests
+    sizes = [1 << i for i in range(1, 10) if 1 << i < limit]
+    big = 1024
+    while big < limit:
+        sizes.append(big)
+        big *= 2
+    return normalize_buckets(sizes + [limit])
+
+
+def normalize_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Sorted unique sizes, each at least :data:`MIN_GRAPH_SIZE` (a bucket of 1 is captured and
+    replayed with 2 rows: one of them padding)."""
+    return tuple(sorted({max(MIN_GRAPH_SIZE, int(s)) for s in sizes}))
+
+
+def select_bucket(buckets: Sequence[int], n: int) -> int | None:
+    """The smallest bucket >= n (buckets sorted), or None when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def logits_rows_for_tokens(num_tokens: int, max_running_requests: int) -> int:
+    """Rows of ``logits_indices`` in a piecewise-graph step of ``num_tokens`` (padded) tokens:
+    enough for every request of any batch that fits, fixed per bucket."""
+    return max(MIN_GRAPH_SIZE, min(num_tokens, max_running_requests))
+
+
+# --------------------------------------------------------------------------------------------
+# padding requests
+# --------------------------------------------------------------------------------------------
+
+
+def pad_requests(
+    input_ids: torch.Tensor,
+    md: ForwardMetadata,
+    pad_lens: Sequence[int],
+    padding_slot: int,
+    num_logits: int | None = None,
+) -> tuple[torch.Tensor, ForwardMetadata]:
+    """Append padding requests of ``pad_lens`` tokens each: token id 0 at positions
+    ``0 .. len-1``, K/V not stored (``out_cache_loc`` -1), attending over ``len`` copies of the
+    KV padding slot, Mamba index -1 (every kernel op skips it), no initial state, no prefix-cache
+    tracking. ``logits_indices`` gets one row per padding request (its last token), or, with
+    ``num_logits``, is padded with index 0 up to ``num_logits`` rows. No host sync."""
+    pad_lens = [int(n) for n in pad_lens]
+    if any(n <= 0 for n in pad_lens):
+        raise ValueError(f"pad_requests: padding requests need >= 1 token each, got {pad_lens}")
+    n = input_ids.shape[0]
+    k = sum(pad_lens)
+    dev = input_ids.device
+
+    def cat(t: torch.Tensor, values) -> torch.Tensor:
+        return torch.cat([t, torch.as_tensor(values, dtype=t.dtype).to(dev)])
+
+    def full(t: torch.Tensor, count: int, value) -> torch.Tensor:
+        return torch.cat([t, torch.full((count,), value, dtype=t.dtype, device=dev)])
+
+    ends = torch.tensor(pad_lens, dtype=torch.int64).cumsum(0)
+    local_positions = torch.cat([torch.arange(p, dtype=torch.int64) for p in pad_lens]) if pad_lens else ends
+    p = len(pad_lens)
+    padded = dataclasses.replace(
+        md,
+        positions=cat(md.positions, local_positions),
+        query_start_loc=cat(md.query_start_loc, n + ends),
+        seq_lens=cat(md.seq_lens, pad_lens),
+        prefix_lens=full(md.prefix_lens, p, 0),
+        mamba_cache_indices=full(md.mamba_cache_indices, p, -1),
+        has_initial_state=full(md.has_initial_state, p, False),
+        out_cache_loc=full(md.out_cache_loc, k, -1),
+        kv_indptr=torch.cat([md.kv_indptr, md.kv_indptr[-1:] + ends.to(md.kv_indptr.dtype).to(dev)]),
+        kv_indices=full(md.kv_indices, k, padding_slot),
+        logits_indices=cat(md.logits_indices, n + ends - 1),
+        extend_lens_cpu=list(md.extend_lens_cpu) + pad_lens,
+        seq_lens_cpu=list(md.seq_lens_cpu) + pad_lens,
+        prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, pad_lens),
+    )
+    for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
+        t = getattr(md, name, None)
+        if t is not None:
+            setattr(padded, name, full(t, p, -1))
+    if num_logits is not None:
+        rows = padded.logits_indices[: md.logits_indices.shape[0]]
+        if rows.shape[0] > num_logits:
+            raise ValueError(f"pad_requests: {rows.shape[0]} logits rows do not fit in num_logits={num_logits}")
+        padded.logits_indices = full(rows, num_logits - rows.shape[0], 0)
+    return full(input_ids, k, 0), padded
+
+
+# --------------------------------------------------------------------------------------------
+# stable buffers of the full decode graphs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a full graph is captured for: the forward mode, the (padded) batch size and the
+    new tokens of every request (1 for DECODE; the draft length for TARGET_VERIFY)."""
+
+    mode: ForwardMode
+    batch_size: int
+    tokens_per_request: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_request
+
+
+class GraphBuffers:
+    """Preallocated device buffers of every per-step tensor the layer ops read, sized for
+    ``max_batch`` requests of up to ``max_tokens_per_request`` new tokens and
+    ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); steps
+    copy their values in (:meth:`fill`)."""
+
+    def __init__(
+        self, max_batch: int, max_context_len: int, device: torch.device, kv_index_dtype: torch.dtype,
+        padding_slot: int, max_tokens_per_request: int = 1,
+    ) -> None:
+        self.max_batch = max_batch
+        self.padding_slot = padding_slot
+        t = max_batch * max_tokens_per_request
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        # per-token int64 rows and per-request int32 rows live in one 2-D tensor each, so a step
+        # fills each group with one copy (and its padding rows with one more)
+        self._token_rows = torch.empty(3, t, **i64)
+        self.input_ids, self.positions, self.out_cache_loc = self._token_rows
+        self._token_padding = torch.tensor([[0], [0], [-1]], **i64).expand(3, t)
+        self._request_rows = torch.empty(4, max_batch, **i32)
+        self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = self._request_rows
+        self._request_padding = torch.tensor([[1], [0], [1], [-1]], **i32).expand(4, max_batch)
+        self.logits_indices = torch.arange(t, **i64)
+        self.query_start_loc = torch.arange(max_batch + 1, **i32)
+        self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self.kv_indptr = torch.arange(max_batch + 1, **i32)
+        self.kv_indices = torch.full((max_batch * max(max_context_len, max_tokens_per_request),), padding_slot,
+                                     dtype=kv_index_dtype, device=device)
+        self._ramp = torch.arange(1, max_batch + 1, **i32)  # 1, 2, ...: padding rows' kv_indptr steps
+
+    def metadata(self, key: GraphKey) -> ForwardMetadata:
+        """The metadata a graph of ``key`` is captured with: views of the buffers, every row a
+        padding request (what :meth:`reset` writes)."""
+        if key.mode is not ForwardMode.DECODE:
+            raise NotImplementedError(f"full CUDA graphs: forward mode {key.mode.value} has no graph layout yet")
+        bs = key.batch_size
+        return ForwardMetadata(
+            mode=key.mode,
+            positions=self.positions[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            prefix_lens=self.prefix_lens[:bs],
+            mamba_cache_indices=self.mamba_cache_indices[:bs],
+            has_initial_state=self.has_initial_state[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            kv_indptr=self.kv_indptr[: bs + 1],
+            kv_indices=self.kv_indices,
+            logits_indices=self.logits_indices[:bs],
+            extend_lens_cpu=[1] * bs,
+            seq_lens_cpu=[1] * bs,
+            prompt_lens=self.prompt_lens[:bs],
+        )
+
+    def reset(self, key: GraphKey) -> None:
+        """Every row of ``key`` a padding request (capture and warm-up: the pools are untouched)."""
+        bs = key.batch_size
+        self._token_rows[:, :bs].copy_(self._token_padding[:, :bs])
+        self._request_rows[:, :bs].copy_(self._request_padding[:, :bs])
+        self.has_initial_state[:bs].fill_(False)
+        self.kv_indptr[: bs + 1].copy_(self.query_start_loc[: bs + 1])
+        self.kv_indices[:bs].fill_(self.padding_slot)
+
+    def fill(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> None:
+        """Copy a DECODE step of ``b <= key.batch_size`` requests into the buffers and make rows
+        ``b ..`` padding requests (as :func:`pad_requests` with one-token requests). No host sync:
+        the step's kv length comes from ``md.seq_lens_cpu``."""
+        if md.mode is not ForwardMode.DECODE or key.mode is not ForwardMode.DECODE:
+            raise ValueError(f"GraphBuffers.fill: a DECODE step for a DECODE graph, got {md.mode.value} / {key.mode.value}")
+        if md.prompt_lens is None:
+            raise ValueError("GraphBuffers.fill: the step's metadata has no prompt_lens")
+        b, bs = md.batch_size, key.batch_size
+        if b > bs:
+            raise ValueError(f"GraphBuffers.fill: {b} requests do not fit in a graph of batch size {bs}")
+        pad = bs - b
+        total = sum(md.seq_lens_cpu)
+        self._token_rows[:, :b].copy_(torch.stack([input_ids, md.positions, md.out_cache_loc]))
+        self._request_rows[:, :b].copy_(torch.stack([md.seq_lens, md.prefix_lens, md.prompt_lens, md.mamba_cache_indices]))
+        self.has_initial_state[:b].copy_(md.has_initial_state)
+        if pad:
+            self._token_rows[:, b:bs].copy_(self._token_padding[:, :pad])
+            self._request_rows[:, b:bs].copy_(self._request_padding[:, :pad])
+            self.has_initial_state[b:bs].fill_(False)
+        self.kv_indptr[: b + 1].copy_(md.kv_indptr)
+        self.kv_indices[:total].copy_(md.kv_indices)
+        if pad:
+            torch.add(self._ramp[:pad], md.kv_indptr[b:], out=self.kv_indptr[b + 1: bs + 1])
+            self.kv_indices[total: total + pad].fill_(self.padding_slot)
+
+
+def _capture(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream", fn: Callable[[], Any]) -> Any:
+    """Capture ``fn()`` into ``graph`` on ``stream`` with the shared ``pool`` (what
+    ``torch.cuda.graph`` does, without its per-capture ``gc.collect`` / ``empty_cache``)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+class GraphPool:
+    """The one memory pool and capture stream shared by every graph of a runner."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+
+    def capture(self, graph: "torch.cuda.CUDAGraph", fn: Callable[[], Any]) -> Any:
+        return _capture(graph, self.handle, self.stream, fn)
+
+
+# --------------------------------------------------------------------------------------------
+# full decode graphs
+# --------------------------------------------------------------------------------------------
+
+
+class FullGraphRunner:
+    """Full CUDA graphs of the compiled forward for DECODE steps, one per batch-size bucket.
+
+    Args:
+        forward: ``forward(input_ids, positions, logits_indices) -> logits`` (the compiled
+            forward; it runs under the forward context this class installs).
+        buffers: the stable buffers.
+        batch_sizes: the buckets (normalised: sorted, >= :data:`MIN_GRAPH_SIZE`).
+        kv_caches, mamba_caches: the pool views of the forward context.
+        pool: the shared graph pool.
+    """
+
+    def __init__(self, forward: Callable, buffers: GraphBuffers, batch_sizes: Sequence[int], kv_caches, mamba_caches,
+                 pool: GraphPool) -> None:
+        self.forward = forward
+        self.buffers = buffers
+        self.batch_sizes = normalize_buckets(batch_sizes)
+        if self.batch_sizes[-1] > buffers.max_batch:
+            raise ValueError(f"decode bucket {self.batch_sizes[-1]} exceeds the buffers' {buffers.max_batch} rows")
+        self.kv_caches, self.mamba_caches = kv_caches, mamba_caches
+        self.pool = pool
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def key_for(self, md: ForwardMetadata) -> GraphKey | None:
+        """The graph a step replays, or None (not a DECODE step, or larger than every bucket)."""
+        if md.mode is not ForwardMode.DECODE:
+            return None
+        bs = select_bucket(self.batch_sizes, md.batch_size)
+        return None if bs is None else GraphKey(ForwardMode.DECODE, bs)
+
+    def _run(self, key: GraphKey) -> torch.Tensor:
+        b = self.buffers
+        with forward_context(ForwardContext(b.metadata(key), self.kv_caches, self.mamba_caches)):
+            n = key.num_tokens
+            return self.forward(b.input_ids[:n], b.positions[:n], b.logits_indices[:key.batch_size])
+
+    def capture_all(self) -> None:
+        """Warm up and capture every bucket, largest first."""
+        t0 = time.perf_counter()
+        for bs in sorted(self.batch_sizes, reverse=True):
+            key = GraphKey(ForwardMode.DECODE, bs)
+            self.buffers.reset(key)
+            self._run(key)  # warm-up: lazy init and autotuning outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            out = self.pool.capture(graph, lambda: self._run(key))
+            self.graphs[key] = (graph, out)
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - t0
+
+    def replay(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
+        """Fill the buffers with the step, replay; returns the logits of its ``b`` requests
+        (a view of the graph's output, valid until the next replay)."""
+        graph, out = self.graphs[key]
+        self.buffers.fill(key, input_ids, md)
+        graph.replay()
+        self.replays += 1
+        return out[: md.batch_size]
+
+
+# --------------------------------------------------------------------------------------------
+# piecewise graphs
+# --------------------------------------------------------------------------------------------
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    """What a piece's graph depends on besides tensor contents: tensor shapes/dtypes and every
+    non-tensor argument (the symbolic sizes Inductor passes as ints)."""
+    return tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args
+    )
+
+
+class PiecewiseGraphs:
+    """Piecewise-graph state shared by the pieces of one compiled forward: the mode the runner
+    sets for a step (off: the pieces run their compiled code; ``replay``; ``capture``), the
+    shared pool and counters."""
+
+    OFF, REPLAY, CAPTURE = "off", "replay", "capture"
+
+    def __init__(self, pool: GraphPool) -> None:
+        self.pool = pool
+        self.mode = self.OFF
+        self.pieces: list["PiecewiseGraphPiece"] = []
+        self.captured_tokens: list[int] = []
+        self.capture_seconds = 0.0
+        self.replays = 0  # steps
+        self.copied_bytes = 0  # inputs copied into captured ones at replay (layer-op outputs, step inputs)
+
+    @contextlib.contextmanager
+    def active(self, mode: str) -> Iterator[None]:
+        if mode not in (self.REPLAY, self.CAPTURE):
+            raise ValueError(f"PiecewiseGraphs.active: mode must be 'replay' or 'capture', got {mode!r}")
+        if self.mode != self.OFF:
+            raise RuntimeError("PiecewiseGraphs: steps cannot nest")
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode = self.OFF
+
+    def wrap(self, name: str, fn: Callable) -> "PiecewiseGraphPiece":
+        piece = PiecewiseGraphPiece(name, fn, self)
+        self.pieces.append(piece)
+        return piece
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(p.graphs) for p in self.pieces)
+
+
+@dataclass
+class _PieceGraph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[Any]  # the arguments captured with (tensors kept alive: stable addresses)
+    output: Any
+
+
+class PiecewiseGraphPiece:
+    """One Inductor-compiled piece with its CUDA graphs, one per input signature (token bucket).
+    Called like the piece; what it does depends on :attr:`PiecewiseGraphs.mode`."""
+
+    def __init__(self, name: str, fn: Callable, owner: PiecewiseGraphs) -> None:
+        self.name = name
+        self.fn = fn
+        self.owner = owner
+        self.graphs: dict[tuple, _PieceGraph] = {}
+
+    def __call__(self, *args):
+        mode = self.owner.mode
+        if mode == PiecewiseGraphs.OFF:
+            return self.fn(*args)
+        sig = _signature(args)
+        entry = self.graphs.get(sig)
+        if entry is None:
+            if mode != PiecewiseGraphs.CAPTURE:
+                raise RuntimeError(
+                    f"piecewise CUDA graphs: piece {self.name} has no graph for inputs {sig} (the runner replays "
+                    "only captured token buckets)"
+                )
+            inputs = list(args)
+            graph = torch.cuda.CUDAGraph()
+            output = self.owner.pool.capture(graph, lambda: self.fn(*inputs))
+            entry = self.graphs[sig] = _PieceGraph(graph, inputs, output)
+        else:
+            copied = 0
+            for a, s in zip(args, entry.inputs):
+                if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr():
+                    s.copy_(a)
+                    copied += a.numel() * a.element_size()
+            self.owner.copied_bytes += copied
+        entry.graph.replay()
+        return entry.output

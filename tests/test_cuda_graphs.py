@@ -1,0 +1,320 @@
+"""CUDA graphs of the engine (hybrid_compile.passes.cuda_graphs, engine/runner.py).
+
+CPU (CI):
+- config resolution of ``cuda_graphs`` / ``compile`` and its errors; the engine refuses graphs
+  on CPU.
+- bucket defaults and selection.
+- ``pad_requests`` against a brute-force construction of the padded metadata.
+- ``GraphBuffers.fill`` against ``pad_requests`` on real ``build_metadata`` output of decode
+  steps, and the eager model run over the filled buffers (padding rows included) gives the same
+  logits and the same Mamba / KV pool updates as the unpadded step.
+
+GPU (``@pytest.mark.gpu``): greedy tokens equal between eager ops, compiled, compiled + full
+decode graphs, compiled + piecewise graphs and both (tiny Qwen3-Next and Bamba; single
+prompts and a continuous batch whose decode batch sizes cross the buckets); zero graph breaks
+and recompiles; stats show replays and fallbacks; our Triton kernels run under compile + graphs
+(profiler); an exhausted KV pool (retraction) with graphs on; a forward that syncs with the host
+(transformers' fp32 MoE fallback in NemotronH) fails at capture with a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hybrid_compile as hc
+from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
+from hybrid_compile.passes import cuda_graphs as cg
+
+from engine_models import assert_pools_restored, cached_model, make_engine, random_prompts, single_threaded, vocab_size
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_threaded()
+
+
+# ---------------------------------------------------------------------------------------------
+# config and buckets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_cuda_graph_modes():
+    cfg = hc.EngineConfig()
+    assert cfg.resolved_cuda_graphs(CPU) == (False, False)
+    assert cfg.resolved_cuda_graphs(CUDA) == (True, True)  # compile=None: on for CUDA
+    assert hc.EngineConfig(compile=False).resolved_cuda_graphs(CUDA) == (False, False)
+    assert hc.EngineConfig(cuda_graphs=True).resolved_cuda_graphs(CUDA) == (True, True)
+    assert hc.EngineConfig(cuda_graphs="full").resolved_cuda_graphs(CUDA) == (True, False)
+    assert hc.EngineConfig(cuda_graphs="piecewise").resolved_cuda_graphs(CUDA) == (False, True)
+    assert hc.EngineConfig(cuda_graphs=False).resolved_cuda_graphs(CUDA) == (False, False)
+    for mode in (True, "full", "piecewise"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            hc.EngineConfig(cuda_graphs=mode, compile=True).resolved_cuda_graphs(CPU)
+        with pytest.raises(ValueError, match="needs the compiled forward"):
+            hc.EngineConfig(cuda_graphs=mode, compile=False).resolved_cuda_graphs(CUDA)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        hc.EngineConfig.from_args(cuda_graphs="yes")
+    for name in ("cuda_graph_batch_sizes", "piecewise_cuda_graph_tokens"):
+        with pytest.raises(ValueError, match=name):
+            hc.EngineConfig.from_args(**{name: (4, 0)})
+        with pytest.raises(ValueError, match=name):
+            hc.EngineConfig.from_args(**{name: ()})
+    assert hc.EngineConfig.from_args(cuda_graph_batch_sizes=[1, 3]).cuda_graph_batch_sizes == (1, 3)
+
+
+def test_engine_rejects_cuda_graphs_on_cpu():
+    model = cached_model("qwen3_next_dense", 0)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_engine(model, compile=True, cuda_graphs="full")
+
+
+def test_buckets():
+    assert cg.default_decode_batch_sizes(64) == (2, 4, 8, 16, 24, 32, 48, 64)
+    assert cg.default_decode_batch_sizes(1) == (2,)
+    assert cg.default_decode_batch_sizes(20) == (2, 4, 8, 16, 20)
+    assert cg.default_decode_batch_sizes(300)[-3:] == (256, 288, 300)
+    assert cg.default_token_buckets(2048, 16) == (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 2064)
+    assert cg.default_token_buckets(64, 8) == (2, 4, 8, 16, 32, 64, 72)
+    assert cg.normalize_buckets([8, 1, 3, 8]) == (2, 3, 8)
+    buckets = (2, 4, 8)
+    assert [cg.select_bucket(buckets, n) for n in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, None]
+    assert cg.logits_rows_for_tokens(64, 16) == 16 and cg.logits_rows_for_tokens(4, 16) == 4
+    assert cg.logits_rows_for_tokens(8, 1) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# padding and buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def _metadata(mode, extend, prefix, slots_per_req, mamba, prompt):
+    """A hand-built step: request i has prefix[i] cached and extend[i] new tokens, KV slots
+    slots_per_req[i] (all of its tokens)."""
+    b = len(extend)
+    seq = [p + e for p, e in zip(prefix, extend)]
+    qsl = [0]
+    for e in extend:
+        qsl.append(qsl[-1] + e)
+    kvp = [0]
+    for s in seq:
+        kvp.append(kvp[-1] + s)
+    i32 = dict(dtype=torch.int32)
+    out_loc = [slots_per_req[i][prefix[i] + j] for i in range(b) for j in range(extend[i])]
+    md = ForwardMetadata(
+        mode=mode,
+        positions=torch.tensor([prefix[i] + j for i in range(b) for j in range(extend[i])]),
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor(seq, **i32),
+        prefix_lens=torch.tensor(prefix, **i32),
+        mamba_cache_indices=torch.tensor(mamba, **i32),
+        has_initial_state=torch.tensor([p > 0 for p in prefix]),
+        out_cache_loc=torch.tensor(out_loc),
+        kv_indptr=torch.tensor(kvp, **i32),
+        kv_indices=torch.tensor([s for req in slots_per_req for s in req], **i32),
+        logits_indices=torch.tensor(qsl[1:]) - 1,
+        extend_lens_cpu=list(extend),
+        seq_lens_cpu=list(seq),
+        prompt_lens=torch.tensor(prompt, **i32),
+    )
+    return torch.arange(10, 10 + qsl[-1]), md
+
+
+def test_pad_requests_brute_force():
+    ids, md = _metadata(ForwardMode.EXTEND, [3, 1], [0, 4], [[5, 6, 7], [8, 9, 10, 11, 12]], [1, 2], [3, 2])
+    pids, p = cg.pad_requests(ids, md, [2, 1], padding_slot=0)
+    assert pids.tolist() == ids.tolist() + [0, 0, 0]
+    assert p.positions.tolist() == [0, 1, 2, 4, 0, 1, 0]
+    assert p.query_start_loc.tolist() == [0, 3, 4, 6, 7]
+    assert p.seq_lens.tolist() == [3, 5, 2, 1]
+    assert p.prefix_lens.tolist() == [0, 4, 0, 0]
+    assert p.mamba_cache_indices.tolist() == [1, 2, -1, -1]
+    assert p.has_initial_state.tolist() == [False, True, False, False]
+    assert p.out_cache_loc.tolist() == [5, 6, 7, 12, -1, -1, -1]
+    assert p.kv_indptr.tolist() == [0, 3, 8, 10, 11]
+    assert p.kv_indices.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 0, 0, 0]
+    assert p.logits_indices.tolist() == [2, 3, 5, 6]
+    assert p.extend_lens_cpu == [3, 1, 2, 1] and p.seq_lens_cpu == [3, 5, 2, 1]
+    assert p.prompt_lens.tolist() == [3, 2, 2, 1]
+    for t in (p.query_start_loc, p.seq_lens, p.kv_indptr, p.kv_indices, p.mamba_cache_indices):
+        assert t.dtype == torch.int32
+    # fixed logits rows; nothing to pad
+    _, p = cg.pad_requests(ids, md, [3], padding_slot=0, num_logits=5)
+    assert p.logits_indices.tolist() == [2, 3, 0, 0, 0] and p.batch_size == 3
+    _, p = cg.pad_requests(ids, md, [], padding_slot=0, num_logits=2)
+    assert p.logits_indices.tolist() == [2, 3] and p.num_tokens == 4
+    with pytest.raises(ValueError, match="do not fit"):
+        cg.pad_requests(ids, md, [1], padding_slot=0, num_logits=1)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        cg.pad_requests(ids, md, [0], padding_slot=0)
+
+
+def _assert_buffers_equal_padded(buffers, key, ids, md):
+    """The buffers after ``fill`` hold exactly ``pad_requests`` with one-token requests."""
+    bs, b = key.batch_size, md.batch_size
+    pids, p = cg.pad_requests(ids, md, [1] * (bs - b), buffers.padding_slot)
+    view = buffers.metadata(key)
+    assert torch.equal(buffers.input_ids[:bs], pids)
+    total = sum(p.seq_lens_cpu)
+    for name in ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba_cache_indices", "has_initial_state",
+                 "out_cache_loc", "kv_indptr", "logits_indices", "prompt_lens"):
+        got, want = getattr(view, name), getattr(p, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert torch.equal(view.kv_indices[:total], p.kv_indices)
+
+
+def test_graph_buffers_fill_matches_padding_and_eager_logits():
+    """On real decode steps of the CPU engine: ``fill`` equals ``pad_requests``, and the model over
+    the filled buffers (rows up to the bucket) gives the step's logits and pool updates."""
+    model = cached_model("qwen3_next_dense", 0)
+    prompts = random_prompts([5, 9, 2], vocab_size(model), seed=3)
+    checked = []
+    with make_engine(model, max_running_requests=4) as engine:
+        runner = engine.runner
+        req_to_token = engine.pools.req_to_token.req_to_token
+        buffers = cg.GraphBuffers(6, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT)
+        original = runner.forward
+        mamba_pools = [t for pair in runner.mamba_caches.values() for t in pair]
+        kv_pools = [t for pair in runner.kv_caches.values() for t in pair]
+
+        def forward(batch):
+            if batch.mode is not ForwardMode.DECODE:
+                return original(batch)
+            before = [t.clone() for t in mamba_pools + kv_pools]
+            logits = original(batch)
+            after = [t.clone() for t in mamba_pools + kv_pools]
+            for t, saved in zip(mamba_pools + kv_pools, before):
+                t.copy_(saved)
+            ids, md = runner.build_metadata(batch)
+            for bs in sorted({md.batch_size, md.batch_size + 1, 6}):
+                key = cg.GraphKey(ForwardMode.DECODE, bs)
+                buffers.fill(key, ids, md)
+                _assert_buffers_equal_padded(buffers, key, ids, md)
+                with torch.inference_mode(), forward_context(
+                        ForwardContext(buffers.metadata(key), runner.kv_caches, runner.mamba_caches)):
+                    padded = runner._model_forward(buffers.input_ids[:bs], buffers.positions[:bs],
+                                                   buffers.logits_indices[:bs])
+                torch.testing.assert_close(padded[: md.batch_size], logits, rtol=1e-5, atol=1e-5)
+                for t, want in zip(mamba_pools + kv_pools, after):
+                    torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)
+                    t.copy_(want)  # every variant starts from the step's own result
+                for t, saved in zip(mamba_pools + kv_pools, before):
+                    t.copy_(saved)
+            for t, want in zip(mamba_pools + kv_pools, after):
+                t.copy_(want)
+            checked.append(md.batch_size)
+            return logits
+
+        runner.forward = forward
+        engine.generate_batch(prompts, max_new_tokens=4)
+    assert set(checked) >= {3}
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.fill(cg.GraphKey(ForwardMode.DECODE, 2), *_metadata(ForwardMode.DECODE, [1, 1, 1], [1, 1, 1],
+                                                                        [[1, 2]] * 3, [0, 1, 2], [1, 1, 1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the engine with graphs
+# ---------------------------------------------------------------------------------------------
+
+# decode buckets (1 -> 2), 4: batches of 5..8 decode requests fall back; token buckets up to 64
+# (the chunked prefill size is 64, so a full chunk plus decode tokens falls back)
+GRAPH_KW = dict(cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
+MODES = {
+    "eager": dict(compile=False),
+    "compiled": dict(compile=True, cuda_graphs=False),
+    "full": dict(compile=True, cuda_graphs="full", **GRAPH_KW),
+    "piecewise": dict(compile=True, cuda_graphs="piecewise", **GRAPH_KW),
+    "both": dict(compile=True, cuda_graphs=True, **GRAPH_KW),
+}
+
+
+def _gpu_model(kind: str):
+    if kind in ("bamba", "nemotron_h"):
+        from mamba2_models import BUILDERS
+
+        model = BUILDERS[kind](0)
+    else:
+        model = copy.deepcopy(cached_model(kind, 0))
+    return model.to(CUDA)
+
+
+def _run_mode(model, mode: str, **extra):
+    prompts = random_prompts([37, 1, 90, 5, 64, 3, 20, 11], vocab_size(model), seed=7)
+    singles = random_prompts([1, 130], vocab_size(model), seed=9)
+    new = 10
+    with make_engine(model, **MODES[mode], **extra) as engine:
+        initial = engine.pools.free_counts()
+        single = [engine.generate(torch.tensor([p], device=CUDA), max_new_tokens=new)[0, len(p):].tolist()
+                  for p in singles]
+        batch = engine.generate_batch(prompts, max_new_tokens=new)
+        assert_pools_restored(engine, initial)
+        stats = engine.stats()["compile"]
+    return single + batch, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_next_dense", "bamba"])
+def test_greedy_equal_across_modes(kind):
+    model = _gpu_model(kind)
+    reference, _ = _run_mode(model, "eager")
+    for mode in ("compiled", "full", "piecewise", "both"):
+        got, stats = _run_mode(model, mode)
+        assert got == reference, f"{kind} {mode}: {got} != eager {reference}"
+        assert stats["graphs"] == 1 and stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
+        if mode in ("full", "both"):
+            assert stats["decode_batch_sizes"] == [4, 2] and stats["full_graphs"] == 2
+            assert stats["cuda_graph_replays"] > 0, stats
+        if mode in ("piecewise", "both"):
+            assert stats["token_buckets"] == [4, 16, 64] and stats["piecewise_graphs"] == 3 * stats["pieces"]
+            assert stats["piecewise_replays"] > 0, stats
+        if mode != "compiled":
+            assert stats["eager_fallbacks"] > 0 and stats["capture_seconds"] > 0, stats
+
+
+@pytest.mark.gpu
+def test_our_triton_kernels_run_under_graphs():
+    """The profiler sees our Triton kernels (attention decode/extend, conv, GDN recurrent and
+    chunked) inside the full decode graphs and between the piecewise graphs."""
+    model = _gpu_model("qwen3_next_dense")
+    prompts = random_prompts([20, 3], vocab_size(model), seed=5)
+    with make_engine(model, **MODES["both"]) as engine:
+        engine.generate_batch(prompts, max_new_tokens=2)  # warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.generate_batch(prompts, max_new_tokens=4)
+            torch.cuda.synchronize()
+        stats = engine.stats()["compile"]
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert stats["cuda_graph_replays"] > 0 and stats["piecewise_replays"] > 0
+    for kernel in ("_decode_kernel", "_extend_kernel", "_store_kv_kernel", "_conv1d_update_kernel",
+                   "_gdn_recurrent_kernel", "_chunk_output_kernel"):
+        assert any(kernel in n for n in names), f"{kernel} not among the CUDA kernels: {sorted(names)[:60]}"
+
+
+@pytest.mark.gpu
+def test_pool_exhaustion_retracts_with_graphs():
+    model = _gpu_model("qwen3_next_dense")
+    prompts = random_prompts([60, 58, 62, 55, 61, 59, 63, 57], vocab_size(model), seed=13)
+    kw = dict(max_total_tokens=200, max_running_requests=8, chunked_prefill_size=64)
+    with make_engine(model, compile=False, **kw) as eager:
+        expected = eager.generate_batch(prompts, max_new_tokens=20)
+    with make_engine(model, **MODES["both"], **kw) as engine:
+        initial = engine.pools.free_counts()
+        got = engine.generate_batch(prompts, max_new_tokens=20)
+        assert_pools_restored(engine, initial)
+        stats = engine.stats()
+    assert stats["retractions"] > 0
+    assert stats["compile"]["cuda_graph_replays"] > 0
+    assert got == expected
+
+
+@pytest.mark.gpu
+def test_capture_of_a_host_syncing_forward_fails_clearly():
+    """transformers' fp32 grouped-mm fallback of NemotronH's MoE calls ``.tolist()``: no graph."""
+    model = _gpu_model("nemotron_h")
+    with pytest.raises(RuntimeError, match="CUDA graph capture.*cuda_graphs=False"):
+        make_engine(model, compile=True, cuda_graphs="full", cuda_graph_batch_sizes=(2,))

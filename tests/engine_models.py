@@ -19,7 +19,7 @@ import torch
 
 import hybrid_compile as hc
 
-KINDS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe")
+KINDS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 # Weights are drawn with a larger std than HF's default 0.02: with 0.02 a tiny random model
 # collapses onto a two-token loop after a few steps, which would hide most state bugs; 0.2
@@ -42,6 +42,7 @@ SPECS = {
     "qwen3_next_dense": KindSpec(48, (LIN, LIN, FULL), 192),
     "qwen3_5": KindSpec(32, (FULL, LIN, LIN, FULL), 128),
     "qwen3_5_moe": KindSpec(64, (LIN, FULL, LIN), 256),
+    "olmo_hybrid": KindSpec(32, (LIN, FULL, LIN), 128),
 }
 
 
@@ -94,6 +95,9 @@ def make_config(kind: str):
         return transformers.Qwen3_5MoeTextConfig(
             **kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         )
+    if kind == "olmo_hybrid":
+        # beta = 2 * sigmoid(b): exercises the layer op's beta_scale (negative eigenvalues)
+        return transformers.OlmoHybridConfig(**kw, intermediate_size=64, linear_allow_neg_eigval=True)
     raise KeyError(kind)
 
 
@@ -105,6 +109,7 @@ def model_class(kind: str):
         "qwen3_next_dense": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
+        "olmo_hybrid": transformers.OlmoHybridForCausalLM,
     }[kind]
 
 

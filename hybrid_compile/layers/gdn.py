@@ -45,6 +45,12 @@ def _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim):
             raise ValueError(f"gdn_layer: {name} must be [tokens, {num_v_heads}], got {tuple(t.shape)}")
 
 
+def _gating(A_log, a, b, dt_bias, beta_scale: float):
+    """(g, beta) of the delta rule: HF's softplus decay and ``beta_scale * sigmoid(b)``."""
+    g, beta = _kernels.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
+    return g, (beta * beta_scale if beta_scale != 1.0 else beta)
+
+
 @torch.library.custom_op("hybrid_compile::gdn_layer", mutates_args=())
 def gdn_layer(
     mixed_qkv: torch.Tensor,
@@ -60,6 +66,7 @@ def gdn_layer(
     num_v_heads: int,
     head_v_dim: int,
     activation: str,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """Conv + gated delta rule of one GDN layer for the step's packed tokens.
 
@@ -72,6 +79,8 @@ def gdn_layer(
         layer_id: HF layer index (key of ``ForwardContext.mamba_caches``); the conv window pool
             ``[S, W-1, conv_dim]`` and SSM pool ``[S, Hv, K, V]`` of that layer are updated.
         activation: the conv activation (HF's ``config.hidden_act``, "silu").
+        beta_scale: write strength ``beta = beta_scale * sigmoid(b)``; 2.0 for OLMo-Hybrid's
+            ``allow_neg_eigval`` (beta in [0, 2]: the state transition may get negative eigenvalues).
 
     Returns:
         ``[N, Hv, V]`` core attention output in mixed_qkv's dtype (zeros for padding rows).
@@ -89,6 +98,13 @@ def gdn_layer(
             md.mamba_cache_indices, False, None,
         ).squeeze(1)
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+        if beta_scale != 1.0:  # the fused kernel computes beta = sigmoid(b): gate outside it
+            g, beta = _gating(A_log, a, b, dt_bias, beta_scale)
+            return _kernels.fused_recurrent_gated_delta_rule_update(
+                q.reshape(n, 1, num_k_heads, head_k_dim), k.reshape(n, 1, num_k_heads, head_k_dim),
+                v.reshape(n, 1, num_v_heads, head_v_dim), g.reshape(n, 1, num_v_heads),
+                beta.reshape(n, 1, num_v_heads), ssm_states, md.mamba_cache_indices, True, 0.0, False, None,
+            ).reshape(n, num_v_heads, head_v_dim)
         return _kernels.fused_sigmoid_gating_delta_rule_update(
             A_log, dt_bias,
             q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
@@ -104,7 +120,7 @@ def gdn_layer(
             md.mamba_cache_indices, md.has_initial_state, activation,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
-        g, beta = _kernels.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
+        g, beta = _gating(A_log, a, b, dt_bias, beta_scale)
         out, chunk_states = _kernels.chunk_gated_delta_rule(
             q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
             v.reshape(n, num_v_heads, head_v_dim), g, beta, ssm_states, md.query_start_loc,
@@ -124,7 +140,7 @@ def gdn_layer(
             inter_conv,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
-        g, beta = _kernels.gdn_gating(A_log, a[:nv], b[:nv], dt_bias, 1.0, 20.0)
+        g, beta = _gating(A_log, a[:nv], b[:nv], dt_bias, beta_scale)
         out = _kernels.fused_recurrent_gated_delta_rule_update(
             q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
             v.reshape(rows, steps, num_v_heads, head_v_dim), g.reshape(rows, steps, num_v_heads),
@@ -136,6 +152,6 @@ def gdn_layer(
 
 @gdn_layer.register_fake
 def _(mixed_qkv, a, b, conv_weight, conv_bias, A_log, dt_bias, layer_id, num_k_heads, head_k_dim,
-      num_v_heads, head_v_dim, activation):
+      num_v_heads, head_v_dim, activation, beta_scale=1.0):
     _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     return mixed_qkv.new_zeros(mixed_qkv.shape[0], num_v_heads, head_v_dim)

@@ -1,12 +1,15 @@
-"""Gated DeltaNet families: Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text`` /
+"""Gated DeltaNet families: Qwen3-Next (``qwen3_next``), Qwen3.5 (``qwen3_5_text`` /
 ``qwen3_5_moe_text`` causal LMs, and the text path of the ``qwen3_5`` / ``qwen3_5_moe``
-image-text models: token prompts only, the vision tower is not run).
+image-text models: token prompts only, the vision tower is not run) and OLMo-Hybrid
+(``olmo_hybrid``).
 
 Each ``*GatedDeltaNet`` mixer keeps HF's projections, gated RMSNorm and output projection;
 its conv + delta-rule core runs through the ``gdn_layer`` op. The two generations differ
 only in how the projections are laid out (Qwen3-Next: fused ``in_proj_qkvz``/``in_proj_ba``
 with per-key-head interleaving, undone by HF's own ``fix_query_key_value_ordering``;
-Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). MoE blocks
+Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). OLMo-Hybrid
+has separate ``q/k/v/a/b_proj``, a ``g_proj`` output gate, ``o_norm``/``o_proj`` and, with
+``linear_allow_neg_eigval``, ``beta = 2 * sigmoid(b)`` (the op's ``beta_scale``). MoE blocks
 and full-attention layers stay HF's modules (attention through the registered function).
 """
 
@@ -26,13 +29,15 @@ from .base import (
     patch_forward,
 )
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 
 def _is_gdn_mixer(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("A_log", "dt_bias", "conv1d", "norm", "out_proj")) and (
-        hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
-    )
+    if not all(hasattr(module, a) for a in ("A_log", "dt_bias", "conv1d")):
+        return False
+    if hasattr(module, "norm") and hasattr(module, "out_proj"):  # Qwen3-Next / Qwen3.5
+        return hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
+    return all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "g_proj", "o_norm", "o_proj"))  # OLMo
 
 
 def _project(mixer: nn.Module, hidden: torch.Tensor):
@@ -44,9 +49,12 @@ def _project(mixer: nn.Module, hidden: torch.Tensor):
         )
         mixed_qkv = torch.cat((query.reshape(n, -1), key.reshape(n, -1), value.reshape(n, -1)), dim=-1)
         return mixed_qkv, z[0], b[0], a[0]
-    mixed_qkv = mixer.in_proj_qkv(hidden)
-    z = mixer.in_proj_z(hidden).reshape(n, -1, mixer.head_v_dim)
-    return mixed_qkv, z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+    if hasattr(mixer, "in_proj_qkv"):  # Qwen3.5
+        mixed_qkv = mixer.in_proj_qkv(hidden)
+        z = mixer.in_proj_z(hidden).reshape(n, -1, mixer.head_v_dim)
+        return mixed_qkv, z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+    mixed_qkv = torch.cat((mixer.q_proj(hidden), mixer.k_proj(hidden), mixer.v_proj(hidden)), dim=-1)  # OLMo
+    return mixed_qkv, mixer.g_proj(hidden).reshape(n, -1, mixer.head_v_dim), mixer.b_proj(hidden), mixer.a_proj(hidden)
 
 
 def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -58,10 +66,11 @@ def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=Non
     core = torch.ops.hybrid_compile.gdn_layer(
         mixed_qkv, a, b, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias,
         int(self.layer_idx), self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim,
-        self.activation,
+        self.activation, 2.0 if getattr(self, "allow_neg_eigval", False) else 1.0,
     )
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(1, hidden.shape[0], -1))
+    norm, out_proj = (self.norm, self.out_proj) if hasattr(self, "out_proj") else (self.o_norm, self.o_proj)
+    core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out_proj(core.reshape(1, hidden.shape[0], -1))
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:

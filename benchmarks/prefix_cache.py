@@ -1,7 +1,7 @@
 """Prefix-cache benchmark: SGLang's generated-shared-prefix workload on our engine, with the
 cache off, the LRU policy and the Marconi policy.
 
-    python benchmarks/prefix_cache.py --tiny                # CPU smoke run (toy model, short prompts)
+    python benchmarks/prefix_cache.py --tiny                # CPU smoke run (toy model, ~10-chunk prompts)
     python benchmarks/prefix_cache.py                       # CUDA: reference Qwen3-Next (1.9 B, bf16)
     python benchmarks/prefix_cache.py --system-len 10000 --groups 8 --prompts-per-group 8
 
@@ -10,13 +10,22 @@ system prompts of ``system_len`` random tokens; each group has ``prompts_per_gro
 its system prompt + a question of about ``question_len`` tokens (varied +-50 %); every request
 generates ``output_len`` tokens greedily (no EOS). Arrival: wave 1 is the first prompt of every
 group, submitted together; when it is done the rest is submitted together (in group-interleaved
-order). TTFT = time from ``add_request`` to the step that samples the request's first token;
-throughput = generated tokens (and all tokens) per second over the whole run.
+order). TTFT = time from ``add_request`` to the end of the step that samples the request's first
+token, split into queue wait (to the start of the step that admits it) and prefill (the rest).
+Throughput = generated tokens (and all tokens) per second over the whole run.
 
-Memory-pressure variant (``--pressure``, on by default): the same workload on an engine whose KV
-pool holds only ``pressure_kv_groups`` system prompts and whose Mamba pool is small, with the
-prompts submitted in random group order in waves of ``max_running_requests``; it reports the
-token hit rate (prefix tokens served from the cache / tokens of the admitted requests) of LRU and Marconi.
+Engine: as SGLang's benchmark runs the server in its best mode with every request admitted, each
+system gets the engine defaults (on CUDA: compile + full and piecewise CUDA graphs; ``--eager``
+turns compile off) with ``max_running_requests`` = the largest wave, so TTFT measures prefill,
+not queueing behind other requests' decode. One engine per system (one compile + capture): a
+warm-up, then the measured phases, each on an emptied cache (counters are per phase).
+
+Memory-pressure phase (``--no-pressure`` skips it), cache on only: the same engine with its pools
+cut down by held slots (:class:`Ballast`) so the KV pool fits the running wave plus
+``pressure_kv_groups`` system prompts and the Mamba pool ``pressure_mamba_slots`` states beyond
+the running requests; the prompts come in random group order in waves of ``pressure_wave``. It
+reports the token hit rate (prefix tokens served from the cache / tokens of the admitted
+requests) of LRU and Marconi.
 
 Prints a table and saves JSON under ``benchmarks/results/``.
 """
@@ -42,6 +51,8 @@ SYSTEMS = {
     "lru": dict(enable_prefix_cache=True, prefix_cache_policy="lru"),
     "marconi": dict(enable_prefix_cache=True, prefix_cache_policy="marconi"),
 }
+CACHE_COUNTERS = ("admitted_hit_tokens", "admitted_tokens", "mamba_hits", "kv_evicted_tokens", "mamba_evicted",
+                  "checkpoints_tracked", "checkpoints_forked", "checkpoints_skipped", "admissions_held")
 
 
 def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question_len: int, vocab: int, seed: int):
@@ -57,10 +68,22 @@ def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question
     return [[systems[i] + tokens(rng.randint(lo, hi)) for _ in range(per_group)] for i in range(groups)]
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
 def run_waves(engine, waves: list[list[list[int]]], output_len: int) -> dict:
-    """Submit each wave when the previous one is done; per-request TTFT and the run's throughput."""
+    """Submit each wave when the previous one is done; per-request TTFT split into queue wait
+    (``add_request`` to the start of the step that admits it) and prefill (from there to the end
+    of the step that samples its first token), and the run's throughput."""
     params = hc.SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     ttfts: list[float] = []
+    queue: list[float] = []
     out_tokens = prompt_tokens = 0
     t_start = time.perf_counter()
     for wave in waves:
@@ -69,101 +92,158 @@ def run_waves(engine, waves: list[list[list[int]]], output_len: int) -> dict:
             added[engine.add_request(prompt, params)] = time.perf_counter()
             prompt_tokens += len(prompt)
         first: dict[int, float] = {}
+        admitted: dict[int, float] = {}
         pending = set(added)
         while pending:
-            for out in engine.step():
+            t_step = time.perf_counter()
+            outs = engine.step()
+            t_done = time.perf_counter()
+            for r in engine.scheduler.running:
+                admitted.setdefault(r.rid, t_step)
+            for out in outs:
+                admitted.setdefault(out.rid, t_step)
                 if out.token is not None and out.rid not in first:
-                    first[out.rid] = time.perf_counter()
+                    first[out.rid] = t_done
                 if out.finished and out.rid in pending:
                     pending.discard(out.rid)
                     out_tokens += len(engine.pop_finished(out.rid).output)
         ttfts += [first[rid] - t for rid, t in added.items()]
+        queue += [admitted[rid] - t for rid, t in added.items()]
     seconds = time.perf_counter() - t_start
-    ttfts.sort()
+    prefill = [t - q for t, q in zip(ttfts, queue)]
     return {
         "requests": len(ttfts),
-        "mean_ttft_s": sum(ttfts) / len(ttfts),
-        "p50_ttft_s": ttfts[len(ttfts) // 2],
-        "p99_ttft_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "mean_ttft_s": _mean(ttfts),
+        "p50_ttft_s": sorted(ttfts)[len(ttfts) // 2],
+        "p99_ttft_s": _p99(ttfts),
+        "mean_queue_s": _mean(queue),
+        "mean_prefill_s": _mean(prefill),
+        "p99_prefill_s": _p99(prefill),
         "seconds": seconds,
         "output_tokens_per_s": out_tokens / seconds,
         "total_tokens_per_s": (out_tokens + prompt_tokens) / seconds,
     }
 
 
-def cache_summary(engine) -> dict:
+def cache_counters(engine) -> dict:
     s = engine.stats().get("prefix_cache")
-    if s is None:
-        return {}
-    keys = ("token_hit_rate", "admitted_hit_tokens", "admitted_tokens", "mamba_hits", "tombstones", "kv_evicted_tokens",
-            "mamba_evicted", "checkpoints_tracked", "checkpoints_forked", "checkpoints_skipped", "memory_bytes")
-    return {k: s[k] for k in keys}
+    return {} if s is None else {k: s.get(k, 0) for k in CACHE_COUNTERS}
 
 
-def make_engine(model, system: str, args, **capacity):
-    kw = dict(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size)
-    if args.compile:
-        kw["compile"] = True
-    kw.update(capacity)
-    kw.update(SYSTEMS[system])
-    return hc.wrap(model, **kw)
+def phase(engine, waves, output_len: int) -> dict:
+    """One measured run on an empty prefix cache; cache counters are this run's (deltas)."""
+    engine.clear_prefix_cache()
+    before = cache_counters(engine)
+    r = run_waves(engine, waves, output_len)
+    after = cache_counters(engine)
+    if after:
+        c = {k: after[k] - before[k] for k in after}
+        c["token_hit_rate"] = c["admitted_hit_tokens"] / max(c["admitted_tokens"], 1)
+        s = engine.stats()["prefix_cache"]
+        c["tombstones"], c["memory_bytes"] = s["tombstones"], s["memory_bytes"]
+        r["cache"] = c
+    return r
 
 
-def main_workload(model, args, vocab: int) -> dict:
+class Ballast:
+    """Holds KV and Mamba slots of an engine's pools so that only ``kv_tokens`` / ``mamba_slots``
+    stay free: the memory-pressure phase on the same engine (no second compile + capture)."""
+
+    def __init__(self, engine, kv_tokens: int, mamba_slots: int) -> None:
+        pools = engine.pools
+        self.pools = pools
+        kv_hold = pools.kv.allocator.available() - kv_tokens
+        kv_hold -= kv_hold % pools.kv.allocator.page_size
+        mamba_hold = pools.mamba.available() - mamba_slots
+        if kv_hold < 0 or mamba_hold < 0:
+            raise ValueError(f"pressure capacity (KV {kv_tokens}, Mamba {mamba_slots}) exceeds the engine's free pools "
+                             f"(KV {pools.kv.allocator.available()}, Mamba {pools.mamba.available()})")
+        self.kv = pools.kv.allocator.alloc(kv_hold)
+        self.mamba = pools.mamba.alloc(mamba_hold)
+
+    def release(self) -> None:
+        self.pools.kv.allocator.free(self.kv)
+        self.pools.mamba.free(self.mamba)
+
+
+def engine_config(system: str, args, capacity: dict) -> dict:
+    """Engine defaults (on CUDA: compile + full/piecewise CUDA graphs) with room for a whole wave."""
+    kw = dict(max_running_requests=args.max_running_requests, **capacity, **SYSTEMS[system])
+    if args.chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.eager:
+        kw["compile"] = False
+    return kw
+
+
+def workloads(args, vocab: int):
+    """(main waves, pressure waves, main capacity, pressure capacity)."""
     prompts = shared_prefix_prompts(args.groups, args.prompts_per_group, args.system_len, args.question_len, vocab,
                                     args.seed)
     first = [group[0] for group in prompts]
     rest = [prompts[g][k] for k in range(1, args.prompts_per_group) for g in range(args.groups)]
-    waves = [first, rest] if rest else [first]
-    per_request = args.system_len * 3 // 2 + args.question_len * 2 + args.output_len
-    capacity = dict(max_total_tokens=args.kv_tokens or per_request * (args.groups + args.max_running_requests) * 2,
-                    mamba_cache_size=args.max_running_requests * 8)
-    results = {}
-    for system in args.systems:
-        engine = make_engine(model, system, args, **capacity)
-        try:
-            run_waves(engine, [[first[0]]], 2)  # warm-up (allocator, kernels), then an empty cache
-            engine.clear_prefix_cache()
-            r = run_waves(engine, waves, args.output_len)
-            r["cache"] = cache_summary(engine)
-        finally:
-            engine.close()
-        results[system] = r
-        print(f"  {system:9s} mean TTFT {r['mean_ttft_s'] * 1e3:9.1f} ms  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
-              f"{r['output_tokens_per_s']:9.1f} out tok/s  hit rate {r['cache'].get('token_hit_rate', 0):.3f}",
-              flush=True)
-    base = results.get("no_cache")
-    if base:
-        for r in results.values():
-            r["ttft_speedup_vs_no_cache"] = base["mean_ttft_s"] / r["mean_ttft_s"]
-            r["throughput_ratio_vs_no_cache"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-    return results
-
-
-def pressure_workload(model, args, vocab: int) -> dict:
-    """Random group order, a KV pool for ``pressure_kv_groups`` system prompts, few Mamba slots."""
+    main = [first, rest] if rest else [first]
+    longest = args.system_len + args.question_len * 3 // 2 + args.output_len
     prompts = shared_prefix_prompts(args.groups, args.prompts_per_group, args.system_len, args.question_len, vocab,
                                     args.seed + 1)
     flat = [p for group in prompts for p in group]
     random.Random(args.seed).shuffle(flat)
-    b = args.max_running_requests
-    waves = [flat[i: i + b] for i in range(0, len(flat), b)]
-    longest = max(len(p) for p in flat) + args.output_len
-    capacity = dict(max_total_tokens=int(longest * b + args.system_len * args.pressure_kv_groups),
-                    mamba_cache_size=b + args.pressure_mamba_slots)
-    results = {}
-    for system in [s for s in args.systems if s != "no_cache"]:
-        engine = make_engine(model, system, args, **capacity)
-        try:
-            r = run_waves(engine, waves, args.output_len)
-            r["cache"] = cache_summary(engine)
-        finally:
-            engine.close()
-        results[system] = r
-        print(f"  {system:9s} token hit rate {r['cache']['token_hit_rate']:.3f}  mean TTFT "
-              f"{r['mean_ttft_s'] * 1e3:9.1f} ms  (KV evicted {r['cache']['kv_evicted_tokens']}, Mamba evicted "
-              f"{r['cache']['mamba_evicted']})", flush=True)
-    return {"capacity": capacity, **results}
+    b = args.pressure_wave
+    pressure = [flat[i: i + b] for i in range(0, len(flat), b)]
+    pressure_capacity = dict(kv_tokens=int(longest * b + args.system_len * args.pressure_kv_groups),
+                             mamba_slots=b + args.pressure_mamba_slots)
+    # every request of the largest wave running at once plus every group's prefix cached (and room
+    # for the pressure phase, which cuts the same pools down)
+    main_capacity = dict(
+        max_total_tokens=args.kv_tokens or max(longest * (args.max_running_requests + args.groups),
+                                               pressure_capacity["kv_tokens"]),
+        mamba_cache_size=max(args.max_running_requests * 4, pressure_capacity["mamba_slots"]))
+    return main, pressure, main_capacity, pressure_capacity
+
+
+def run_system(model, system: str, args, vocab: int) -> dict:
+    """One engine for the system: warm-up, the shared-prefix phase, then (cache on) the
+    memory-pressure phase with the pools cut down by a :class:`Ballast`."""
+    main, pressure, capacity, pressure_capacity = workloads(args, vocab)
+    t0 = time.perf_counter()
+    engine = hc.wrap(model, **engine_config(system, args, capacity))
+    out = {"engine_build_s": time.perf_counter() - t0}
+    try:
+        t0 = time.perf_counter()
+        warm = [p[: args.warmup_len] for p in main[0][:2]]
+        run_waves(engine, [warm, warm[:1]], 2)  # compile / allocator warm-up, then an empty cache
+        out["warmup_s"] = time.perf_counter() - t0
+        out["shared_prefix"] = r = phase(engine, main, args.output_len)
+        print(f"  {system:9s} mean TTFT {r['mean_ttft_s'] * 1e3:9.1f} ms (queue {r['mean_queue_s'] * 1e3:8.1f} + "
+              f"prefill {r['mean_prefill_s'] * 1e3:8.1f})  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
+              f"{r['output_tokens_per_s']:8.1f} out tok/s  hit rate {r.get('cache', {}).get('token_hit_rate', 0):.3f}",
+              flush=True)
+        if args.pressure and engine.prefix_cache is not None:
+            engine.clear_prefix_cache()
+            ballast = Ballast(engine, **pressure_capacity)
+            try:
+                out["pressure"] = r = phase(engine, pressure, args.output_len)
+            finally:
+                engine.clear_prefix_cache()
+                ballast.release()
+            c = r["cache"]
+            print(f"  {system:9s} pressure: token hit rate {c['token_hit_rate']:.3f}  mean TTFT "
+                  f"{r['mean_ttft_s'] * 1e3:9.1f} ms  (KV evicted {c['kv_evicted_tokens']}, Mamba evicted "
+                  f"{c['mamba_evicted']})", flush=True)
+    finally:
+        engine.close()
+    return out
+
+
+def main_results(per_system: dict) -> tuple[dict, dict]:
+    shared = {s: r["shared_prefix"] for s, r in per_system.items()}
+    base = shared.get("no_cache")
+    if base:
+        for r in shared.values():
+            r["ttft_speedup_vs_no_cache"] = base["mean_ttft_s"] / r["mean_ttft_s"]
+            r["throughput_ratio_vs_no_cache"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+    pressure = {s: r["pressure"] for s, r in per_system.items() if "pressure" in r}
+    return shared, pressure
 
 
 def parse_args(argv=None):
@@ -174,25 +254,30 @@ def parse_args(argv=None):
     p.add_argument("--system-len", type=int, default=None)
     p.add_argument("--question-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: the largest wave")
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size of the main run (default: roomy)")
+    p.add_argument("--pressure-wave", type=int, default=None, help="requests per wave of the pressure run")
     p.add_argument("--pressure-kv-groups", type=float, default=2.5, help="KV pool: this many system prompts")
     p.add_argument("--pressure-mamba-slots", type=int, default=None, help="Mamba slots beyond the running requests")
     p.add_argument("--no-pressure", dest="pressure", action="store_false")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
-    p.add_argument("--compile", action="store_true", help="EngineConfig.compile=True")
+    p.add_argument("--eager", action="store_true", help="EngineConfig.compile=False (default: the engine's, "
+                   "i.e. compile + CUDA graphs on CUDA)")
+    p.add_argument("--warmup-len", type=int, default=None, help="prompt length of the warm-up requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    defaults = (dict(groups=3, prompts_per_group=4, system_len=300, question_len=24, output_len=8,
-                     max_running_requests=4, chunked_prefill_size=128, pressure_mamba_slots=4)
+    defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,
+                     chunked_prefill_size=256, pressure_wave=8, pressure_mamba_slots=4, warmup_len=300)
                 if args.tiny else
                 dict(groups=8, prompts_per_group=8, system_len=10000, question_len=128, output_len=32,
-                     max_running_requests=16, chunked_prefill_size=4096, pressure_mamba_slots=8))
+                     pressure_wave=16, pressure_mamba_slots=8, warmup_len=3000))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.max_running_requests is None:
+        args.max_running_requests = max(args.groups * (args.prompts_per_group - 1), args.groups, args.pressure_wave)
     return args
 
 
@@ -205,11 +290,13 @@ def main(argv=None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("the full benchmark needs a CUDA device (use --tiny on CPU)")
         device, dtype = "cuda", torch.bfloat16
+    t_start = time.perf_counter()
     model = build_qwen3_next_reference(dtype, device, seed=0, tiny=args.tiny)
     vocab = model.config.vocab_size
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"prefix cache benchmark on {device_name}: {args.groups} groups x {args.prompts_per_group} prompts, system "
-          f"{args.system_len}, question ~{args.question_len}, output {args.output_len}", flush=True)
+          f"{args.system_len}, question ~{args.question_len}, output {args.output_len}, max running "
+          f"{args.max_running_requests}", flush=True)
     run = {
         "device": device_name,
         "torch": torch.__version__,
@@ -217,11 +304,23 @@ def main(argv=None) -> dict:
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "model": "qwen3_next_reference" + ("_tiny" if args.tiny else ""),
     }
-    print("shared-prefix workload:")
-    run["shared_prefix"] = main_workload(model, args, vocab)
-    if args.pressure:
-        print("memory pressure:")
-        run["pressure"] = pressure_workload(model, args, vocab)
+    per_system = {}
+    for system in args.systems:
+        per_system[system] = run_system(model, system, args, vocab)
+    run["engines"] = {s: {k: v for k, v in r.items() if k.endswith("_s")} for s, r in per_system.items()}
+    run["shared_prefix"], run["pressure"] = main_results(per_system)
+    _, _, run["capacity"], run["pressure_capacity"] = workloads(args, vocab)
+    print("shared-prefix workload (mean TTFT = queue wait + prefill):")
+    for s, r in run["shared_prefix"].items():
+        print(f"  {s:9s} {r['mean_ttft_s'] * 1e3:9.1f} ms = {r['mean_queue_s'] * 1e3:8.1f} + "
+              f"{r['mean_prefill_s'] * 1e3:8.1f}   x{r.get('ttft_speedup_vs_no_cache', float('nan')):.2f} vs no cache  "
+              f"hit rate {r.get('cache', {}).get('token_hit_rate', 0):.3f}")
+    if run["pressure"]:
+        print("memory pressure (token hit rate):")
+        for s, r in run["pressure"].items():
+            print(f"  {s:9s} {r['cache']['token_hit_rate']:.3f}")
+    run["total_s"] = time.perf_counter() - t_start
+    print(f"total {run['total_s']:.1f} s")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"prefix_cache_{'tiny' if args.tiny else device_name.replace(' ', '_').lower()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -18,7 +18,10 @@ then the decode phase is timed (until every request has ``--new-tokens`` tokens,
 ``tokens_per_s`` (tokens generated in the decode phase / its wall time), ``speedup`` against the
 baseline at that batch size, ``mean_acceptance_length`` (tokens emitted per request per verify
 step), ``acceptance_rate`` and ``match_tokens`` (how many leading tokens equal the baseline's
-greedy output, mean over requests; bf16 near-ties may flip a token). Output: a printed table and
+greedy output, mean over requests; bf16 near-ties may flip a token), and the decode phase's
+CUDA-graph counters (``cuda_graph_replays`` of decode graphs, ``verify_graph_replays`` of the
+full TARGET_VERIFY graphs, ``eager_fallbacks``: with ``--modes graphs`` every verify step of a
+batch within the buckets replays a verify graph). Output: a printed table and
 JSON (``--out``, default ``benchmarks/results/speculative_<device>.json``).
 """
 
@@ -78,15 +81,26 @@ def build_draft_model(target: torch.nn.Module, tiny: bool) -> torch.nn.Module:
     return model.eval()
 
 
+GRAPH_COUNTERS = ("cuda_graph_replays", "verify_graph_replays", "eager_fallbacks")
+
+
+def _graph_counters(engine) -> dict:
+    """The engine's CUDA-graph counters (zeros without compile): full decode / verify graph replays
+    and steps no graph fitted."""
+    c = engine.stats()["compile"]
+    return {k: c.get(k, 0) for k in GRAPH_COUNTERS}
+
+
 def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Prefill ``prompts``, then time the decode phase; returns tokens/s, outputs and the
-    speculative counters of the decode phase."""
+    """Prefill ``prompts``, then time the decode phase; returns tokens/s, outputs, the
+    speculative counters and the CUDA-graph counters of the decode phase."""
     params = hc.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
     reqs = [engine._requests[rid] for rid in rids]
     while any(not r.output for r in reqs):  # prefill (+ first token)
         engine.step()
     before = engine.stats().get("speculative", {})
+    graphs_before = _graph_counters(engine)
     done = sum(len(r.output) for r in reqs)
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -95,9 +109,11 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     after = engine.stats().get("speculative", {})
+    graphs_after = _graph_counters(engine)
     outputs = [engine.pop_finished(rid).output for rid in rids]
     tokens = sum(len(o) for o in outputs) - done
     out = {"tokens_per_s": tokens / seconds, "decode_seconds": seconds, "decode_tokens": tokens}
+    out.update({k: graphs_after[k] - graphs_before[k] for k in GRAPH_COUNTERS})
     if after:
         d = {k: after[k] - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
                                                       "emitted", "draft_seconds")}
@@ -106,6 +122,11 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
         out["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
     out["outputs"] = outputs
     return out
+
+
+def _graphs_note(r: dict) -> str:
+    return (f"graph replays decode {r['cuda_graph_replays']} verify {r['verify_graph_replays']} "
+            f"fallbacks {r['eager_fallbacks']}")
 
 
 def _match(a: list[int], b: list[int]) -> int:
@@ -166,7 +187,7 @@ def main() -> None:
             r = run_decode(engine, prompts[b], args.new_tokens)
             greedy[b] = r.pop("outputs")
             res["baseline"][str(b)] = r
-            print(f"   baseline b={b}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+            print(f"   baseline b={b}: {r['tokens_per_s']:.1f} tok/s  {_graphs_note(r)}", flush=True)
         engine.close()
         del engine
         gc.collect()
@@ -196,7 +217,8 @@ def main() -> None:
                     r["match_tokens"] = sum(_match(o, g) for o, g in zip(outputs, greedy[b])) / b
                     res["speculative"].append(r)
                     print(f"   k={k} {name:>14} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
-                          f"accept len {r['mean_acceptance_length']:.2f}  match {r['match_tokens']:.0f}", flush=True)
+                          f"accept len {r['mean_acceptance_length']:.2f}  match {r['match_tokens']:.0f}  {_graphs_note(r)}",
+                          flush=True)
             engine.close()
             del engine
             gc.collect()

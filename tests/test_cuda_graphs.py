@@ -7,14 +7,18 @@ CPU (CI):
 - ``pad_requests`` against a brute-force construction of the padded metadata.
 - ``GraphBuffers.fill`` against ``pad_requests`` on real ``build_metadata`` output of decode
   steps, and the eager model run over the filled buffers (padding rows included) gives the same
-  logits and the same Mamba / KV pool updates as the unpadded step.
+  logits and the same Mamba / KV pool updates as the unpadded step; the same for speculative
+  TARGET_VERIFY steps (padding requests of the draft length, every token a logits row, the
+  intermediate states of the real rows equal); which full graph a step replays.
 
 GPU (``@pytest.mark.gpu``): greedy tokens equal between eager ops, compiled, compiled + full
 decode graphs, compiled + piecewise graphs and both (tiny Qwen3-Next and Bamba; single
 prompts and a continuous batch whose decode batch sizes cross the buckets); zero graph breaks
 and recompiles; stats show replays and fallbacks; our Triton kernels run under compile + graphs
 (profiler); an exhausted KV pool (retraction) with graphs on; a forward that syncs with the host
-(transformers' fp32 MoE fallback in NemotronH) fails at capture with a clear error.
+(transformers' fp32 MoE fallback in NemotronH) fails at capture with a clear error;
+speculative decoding (the target as its own draft, n-gram) replays full verify graphs with
+greedy tokens equal to HF's generate and the non-speculative engine.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ import hybrid_compile as hc
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 from hybrid_compile.passes import cuda_graphs as cg
 
-from engine_models import assert_pools_restored, cached_model, make_engine, random_prompts, single_threaded, vocab_size
+from engine_models import (
+    assert_pools_restored,
+    cached_model,
+    hf_greedy,
+    hf_next_logits,
+    make_engine,
+    random_prompts,
+    single_threaded,
+    vocab_size,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -154,17 +167,23 @@ def test_pad_requests_brute_force():
 
 
 def _assert_buffers_equal_padded(buffers, key, ids, md):
-    """The buffers after ``fill`` hold exactly ``pad_requests`` with one-token requests."""
-    bs, b = key.batch_size, md.batch_size
-    pids, p = cg.pad_requests(ids, md, [1] * (bs - b), buffers.padding_slot)
+    """The buffers after ``fill`` hold exactly ``pad_requests`` with requests of the graph's
+    tokens per request (DECODE: 1; TARGET_VERIFY: the draft length, every token a logits row)."""
+    bs, b, steps = key.batch_size, md.batch_size, key.tokens_per_request
+    pids, p = cg.pad_requests(ids, md, [steps] * (bs - b), buffers.padding_slot)
     view = buffers.metadata(key)
-    assert torch.equal(buffers.input_ids[:bs], pids)
+    assert torch.equal(buffers.input_ids[: bs * steps], pids)
     total = sum(p.seq_lens_cpu)
     for name in ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba_cache_indices", "has_initial_state",
                  "out_cache_loc", "kv_indptr", "logits_indices", "prompt_lens"):
         got, want = getattr(view, name), getattr(p, name)
+        if name == "logits_indices" and key.mode is ForwardMode.TARGET_VERIFY:
+            want = torch.arange(bs * steps)
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert torch.equal(view.kv_indices[:total], p.kv_indices)
+    assert view.mode is key.mode and view.extend_lens_cpu == [steps] * bs
+    if key.mode is ForwardMode.TARGET_VERIFY:
+        assert view.draft_len == steps and view.verify_rows() == bs
 
 
 def test_graph_buffers_fill_matches_padding_and_eager_logits():
@@ -181,15 +200,15 @@ def test_graph_buffers_fill_matches_padding_and_eager_logits():
         mamba_pools = [t for pair in runner.mamba_caches.values() for t in pair]
         kv_pools = [t for pair in runner.kv_caches.values() for t in pair]
 
-        def forward(batch):
+        def forward(batch, input_ids=None):
             if batch.mode is not ForwardMode.DECODE:
-                return original(batch)
+                return original(batch, input_ids=input_ids)
             before = [t.clone() for t in mamba_pools + kv_pools]
-            logits = original(batch)
+            logits = original(batch, input_ids=input_ids)
             after = [t.clone() for t in mamba_pools + kv_pools]
             for t, saved in zip(mamba_pools + kv_pools, before):
                 t.copy_(saved)
-            ids, md = runner.build_metadata(batch)
+            ids, md = runner.build_metadata(batch, input_ids)
             for bs in sorted({md.batch_size, md.batch_size + 1, 6}):
                 key = cg.GraphKey(ForwardMode.DECODE, bs)
                 buffers.fill(key, ids, md)
@@ -215,6 +234,101 @@ def test_graph_buffers_fill_matches_padding_and_eager_logits():
     with pytest.raises(ValueError, match="do not fit"):
         buffers.fill(cg.GraphKey(ForwardMode.DECODE, 2), *_metadata(ForwardMode.DECODE, [1, 1, 1], [1, 1, 1],
                                                                         [[1, 2]] * 3, [0, 1, 2], [1, 1, 1]))
+
+
+def test_verify_graph_buffers_fill_matches_padding_and_eager_logits():
+    """TARGET_VERIFY graphs (speculative decoding, k = 2 drafts: 3 tokens per request): on real
+    verify steps of the CPU engine, ``fill`` equals ``pad_requests`` with 3-token padding requests,
+    and the model over the filled buffers (rows up to the bucket, the speculative intermediate
+    buffers in the context) gives the step's logits at every verify position, the same KV / Mamba
+    pool updates (none of the main Mamba state) and the same intermediate states of the real rows."""
+    model = cached_model("qwen3_next_dense", 0)
+    prompts = random_prompts([5, 9, 2], vocab_size(model), seed=3) + [[5, 9, 14, 3] * 4]
+    steps, checked = 3, []
+    spec = dict(method="ngram", num_draft_tokens=steps - 1, ngram_max=3, ngram_min=1)
+    with make_engine(model, max_running_requests=4, speculative=spec) as engine:
+        runner = engine.runner
+        assert runner.draft_len == steps
+        req_to_token = engine.pools.req_to_token.req_to_token
+        rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
+        buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
+                                  max_tokens_per_request=steps)
+        original = runner.forward_verify
+        pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
+        inter = [t for pair in runner.intermediate_caches.values() for t in pair]
+
+        def forward_verify(ids, md):
+            before = [t.clone() for t in pools]
+            logits = original(ids, md)
+            after = [t.clone() for t in pools]
+            inter_after = [t.clone() for t in inter]
+            b = md.batch_size
+            for bs in sorted({b, b + 1, rows}):
+                for t, saved in zip(pools, before):
+                    t.copy_(saved)
+                for t in inter:
+                    t.fill_(float("nan"))  # the real rows must be written again, padding rows may hold anything
+                key = cg.GraphKey(ForwardMode.TARGET_VERIFY, bs, steps)
+                buffers.fill(key, ids, md)
+                _assert_buffers_equal_padded(buffers, key, ids, md)
+                with torch.inference_mode(), forward_context(ForwardContext(
+                        buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
+                    n = key.num_tokens
+                    padded = runner._model_forward(buffers.input_ids[:n], buffers.positions[:n],
+                                                   buffers.logits_indices[:n])
+                assert padded.shape[0] == bs * steps
+                torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
+                for t, want in zip(pools, after):
+                    torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)
+                for t, want in zip(inter, inter_after):
+                    torch.testing.assert_close(t[:b], want[:b], rtol=1e-5, atol=1e-5)
+            for t, want in zip(pools + inter, after + inter_after):
+                t.copy_(want)
+            checked.append(b)
+            return logits
+
+        runner.forward_verify = forward_verify
+        got = engine.generate_batch(prompts, max_new_tokens=6)
+        assert engine.stats()["speculative"]["verify_steps"] > 0
+    with make_engine(model, max_running_requests=4) as plain:
+        assert got == plain.generate_batch(prompts, max_new_tokens=6)
+    assert max(checked) == 4
+    # a step of another draft length, or a DECODE step, does not fill a verify graph
+    ids, md = _metadata(ForwardMode.TARGET_VERIFY, [2, 2], [1, 1], [[1, 2, 3]] * 2, [0, 1], [1, 1])
+    md.draft_len = 2
+    with pytest.raises(ValueError, match="verify graph of 3 tokens"):
+        buffers.fill(cg.GraphKey(ForwardMode.TARGET_VERIFY, 2, 3), ids, md)
+    with pytest.raises(ValueError, match="target_verify graph takes a target_verify step"):
+        buffers.fill(cg.GraphKey(ForwardMode.TARGET_VERIFY, 2, 2), *_metadata(
+            ForwardMode.DECODE, [1, 1], [1, 1], [[1, 2]] * 2, [0, 1], [1, 1]))
+
+
+def test_full_graph_keys_for_decode_and_verify():
+    """Which full graph a step replays (no CUDA needed: nothing is captured)."""
+    buffers = cg.GraphBuffers(4, 16, CPU, torch.int32, 0, max_tokens_per_request=3)
+    inter = {0: (torch.zeros(5, 3, 1, 1), torch.zeros(5, 3, 1))}
+    runner = cg.FullGraphRunner(None, buffers, (1, 4), {}, {}, None, verify_batch_sizes=(2, 4), draft_len=3,
+                                intermediate_caches=inter)
+    V, D = ForwardMode.TARGET_VERIFY, ForwardMode.DECODE
+    assert runner.keys() == [cg.GraphKey(V, 4, 3), cg.GraphKey(V, 2, 3), cg.GraphKey(D, 4), cg.GraphKey(D, 2)]
+    verify = lambda b, steps: _metadata(V, [steps] * b, [1] * b, [[1] * (steps + 1)] * b, list(range(b)), [1] * b)[1]
+    for b, bs in ((1, 2), (2, 2), (3, 4), (4, 4)):
+        md = verify(b, 3)
+        md.draft_len = 3
+        assert runner.key_for(md) == cg.GraphKey(V, bs, 3)
+    md = verify(2, 2)
+    md.draft_len = 2
+    assert runner.key_for(md) is None  # another draft length
+    md = verify(5, 3)
+    md.draft_len = 3
+    assert runner.key_for(md) is None  # larger than every bucket
+    assert runner.key_for(_metadata(D, [1] * 3, [1] * 3, [[1, 2]] * 3, [0, 1, 2], [1] * 3)[1]) == cg.GraphKey(D, 4)
+    assert runner.key_for(_metadata(ForwardMode.EXTEND, [2], [0], [[1, 2]], [0], [2])[1]) is None
+    with pytest.raises(ValueError, match="intermediate buffers"):
+        cg.FullGraphRunner(None, cg.GraphBuffers(8, 16, CPU, torch.int32, 0, 3), (8,), {}, {}, None,
+                           verify_batch_sizes=(8,), draft_len=3, intermediate_caches=inter)
+    with pytest.raises(ValueError, match="draft_len 4"):
+        cg.FullGraphRunner(None, buffers, (4,), {}, {}, None, verify_batch_sizes=(4,), draft_len=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,3 +432,58 @@ def test_capture_of_a_host_syncing_forward_fails_clearly():
     model = _gpu_model("nemotron_h")
     with pytest.raises(RuntimeError, match="CUDA graph capture.*cuda_graphs=False"):
         make_engine(model, compile=True, cuda_graphs="full", cuda_graph_batch_sizes=(2,))
+
+
+def _assert_greedy_close(cpu_model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
+    """``got`` (the engine on the GPU) == ``expected`` (HF's greedy tokens of the same weights on
+    the CPU, the path the CPU tests check the engine against), except a divergence where HF's
+    top-2 logits are within CPU/GPU rounding (1e-4 relative) of each other and the engine picked
+    one of them (tokens after it are not compared: the sequences differ from there)."""
+    assert len(got) == len(expected), f"{what}: {got} vs HF {expected}"
+    i = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if i is None:
+        return
+    logits = hf_next_logits(cpu_model, prompt + expected[:i])
+    top = torch.topk(logits, 2)
+    gap = float(top.values[0] - top.values[1])
+    assert got[i] in top.indices.tolist() and gap <= 1e-4 * max(1.0, float(top.values[0].abs())), (
+        f"{what}: engine diverges from HF greedy at new token {i} (engine {got[i]}, HF {expected[i]}, top-2 logits "
+        f"{top.values.tolist()} at {top.indices.tolist()}):\n  engine {got}\n  HF     {expected}"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["draft_self", "ngram"])
+@pytest.mark.parametrize("kind", ["qwen3_next_dense", "bamba"])
+def test_speculative_verify_replays_full_graphs(kind, method):
+    """Speculative decoding with CUDA graphs: verify steps of <= 4 requests replay full TARGET_VERIFY
+    graphs (k = 3: 4 tokens per request; buckets 2 and 4), larger ones run the compiled forward;
+    greedy tokens equal HF's generate and the non-speculative engine; pools all free afterwards."""
+    model = _gpu_model(kind)
+    cpu_model = copy.deepcopy(model).to(CPU)
+    prompts = random_prompts([37, 1, 90, 5, 64, 3], vocab_size(model), seed=7) + [[5, 9, 14, 3] * 5]
+    single = random_prompts([20], vocab_size(model), seed=9)[0]
+    new, k = 10, 3
+    expected = [hf_greedy(cpu_model, p, new) for p in [single] + prompts]
+    spec = (dict(method="draft_model", draft_model=model, num_draft_tokens=k) if method == "draft_self"
+            else dict(method="ngram", num_draft_tokens=k, ngram_max=3, ngram_min=1))
+    with make_engine(model, **MODES["both"]) as engine:
+        plain = ([engine.generate(torch.tensor([single], device=CUDA), max_new_tokens=new)[0, len(single):].tolist()]
+                 + engine.generate_batch(prompts, max_new_tokens=new))
+    with make_engine(model, **MODES["both"], speculative=spec) as engine:
+        initial = engine.pools.free_counts()
+        got = ([engine.generate(torch.tensor([single], device=CUDA), max_new_tokens=new)[0, len(single):].tolist()]
+               + engine.generate_batch(prompts, max_new_tokens=new))
+        assert_pools_restored(engine, initial)
+        stats = engine.stats()
+    for p, g, pl, e in zip([single] + prompts, got, plain, expected):
+        _assert_greedy_close(cpu_model, p, g, e, f"{kind} {method} speculative")
+        _assert_greedy_close(cpu_model, p, pl, e, f"{kind} plain")
+    c, s = stats["compile"], stats["speculative"]
+    assert c["graphs"] == 1 and c["recompiles"] == 0 and c["graph_breaks"] == 0, c
+    assert c["decode_batch_sizes"] == [4, 2] and c["verify_batch_sizes"] == [4, 2], c
+    assert c["full_graphs"] == 4 and c["capture_seconds"] > 0, c
+    assert c["verify_graph_replays"] > 0, c
+    assert s["verify_steps"] > 0 and s["drafted"] == s["verified_requests"] * k, s
+    if method == "draft_self":
+        assert s["acceptance_rate"] > 0.9, s  # the target drafting for itself (up to GPU near-ties)

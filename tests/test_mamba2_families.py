@@ -74,6 +74,9 @@ def _record_logits(engine) -> dict[int, list[torch.Tensor]]:
     """Capture, per request id, the logits row of every step that samples a token for it."""
     records: dict[int, list[torch.Tensor]] = {}
     forward = engine.runner.forward
+    # one step at a time: a decode step launched ahead (overlap) runs before the previous
+    # step's tokens are appended, so `pending` would not say which requests sample
+    engine.overlap = False
 
     def recording_forward(batch):
         logits = forward(batch)

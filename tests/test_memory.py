@@ -53,7 +53,10 @@ def test_spec_validation():
     with pytest.raises(TypeError, match="dtype"):
         MambaLayerSpec(0, 4, 8, (2, 2), conv_dtype="bf16")
     with pytest.raises(ValueError, match="state_shape"):
-        MambaLayerSpec(0, 4, 8, (), torch.bfloat16)
+        MambaLayerSpec(0, 4, 8, (2, 0), torch.bfloat16)
+    conv_only = MambaLayerSpec(0, 3, 8, (), torch.bfloat16)  # LFM2's short conv: no SSM state
+    assert not conv_only.has_ssm_state and conv_only.ssm_bytes_per_slot_per_layer == 0
+    assert conv_only.bytes_per_slot == 2 * 8 * 2
 
 
 def test_group_layer_specs_merges_identical_and_rejects_overlap():
@@ -426,6 +429,34 @@ def test_mamba_pool_with_state_ops():
         torch.tensor([-1, slots[1].item()], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
     )
     assert torch.all(pool.ssm(6)[slots[1]] == 5) and torch.all(pool.ssm(6)[slots[0]] == 0)
+
+
+def test_mamba_pool_conv_only_layers():
+    """Conv-only layers (``state_shape=()``) next to GDN layers: empty SSM views, no SSM bytes, and
+    zero / copy / speculative commit move their conv windows (checked against plain indexing)."""
+    ops = pytest.importorskip("hybrid_compile.ops.state")
+    conv_only = MambaLayerSpec((8, 9), conv_width=3, conv_dim=16, state_shape=(), conv_dtype=torch.float32)
+    pool = MambaPool(GDN + [conv_only], num_slots=4, num_draft_steps=2, max_draft_batch=2)
+    assert pool.ssm(8).shape == (4, 0) and pool.intermediate_ssm(9).shape == (2, 2, 0)
+    assert pool.conv(9).shape == (4, 2, 16) and pool.intermediate_conv(9).shape == (2, 2, 2, 16)
+    assert pool.nbytes() == 4 * (GDN_BYTES_PER_SLOT + 2 * 2 * 16 * 4)
+    assert len(pool.state_tensors()) == len(pool.intermediate_state_tensors()) == 6 * 2 + 2
+    a = pool.alloc(2)
+    pool.conv(8)[a[0]] = 3.0
+    pool.conv(9)[a[0]] = 4.0
+    pool.copy_slots(a[:1], a[1:])
+    assert torch.all(pool.conv(8)[a[1]] == 3) and torch.all(pool.conv(9)[a[1]] == 4)
+    forked = pool.fork(a[:1])
+    assert torch.all(pool.conv(9)[forked[0]] == 4)
+    pool.zero_slots(a[:1])
+    assert torch.all(pool.conv(8)[a[0]] == 0) and torch.all(pool.conv(8)[a[1]] == 3)
+    steps = torch.arange(2 * 2 * 2 * 16, dtype=torch.float32).reshape(2, 2, 2, 16)
+    pool.intermediate_conv(9).copy_(steps)
+    ops.commit_speculative_state(
+        pool.state_tensors(), pool.intermediate_state_tensors(),
+        torch.tensor([a[1].item(), -1], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32),
+    )
+    assert torch.equal(pool.conv(9)[a[1]], steps[0, 1])  # row 0, its 2nd accepted step
 
 
 # --------------------------------------------------------------------------------------

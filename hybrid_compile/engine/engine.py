@@ -14,17 +14,31 @@ import torch
 from torch import nn
 
 from ..cache import HybridRadixCache
+from ..layers.context import ForwardMode
 from ..memory import MemoryPools
 from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
 from .request import Request
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .speculative import SpeculativeDecoder
 
 # transformers generate() arguments we accept and ignore because they do not change the result
 _IGNORED_GENERATE_KWARGS = {"use_cache", "return_dict_in_generate", "output_scores", "output_logits"}
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose forward ran (or, on a GPU, is queued): its requests that sample, in the order
+    of ``tokens`` (their sampled next tokens, on the device; None when none samples)."""
+
+    batch: ScheduledBatch
+    requests: list[Request]
+    tokens: torch.Tensor | None
+    # on a GPU: the tokens' pinned host copy and the event after which it holds them
+    host_tokens: torch.Tensor | None = None
+    tokens_ready: Any = None  # torch.cuda.Event
 
 
 @dataclass
@@ -161,18 +175,25 @@ class HybridEngine:
         except BaseException:
             self.patch.undo()  # e.g. an unusable draft model: the target is left exactly as it was
             raise
+        # overlap (see step): the DECODE step launched ahead, whose tokens the next step() returns
+        self.overlap = bool(config.extra.get("overlap", True))
+        self._ahead: _LaunchedStep | None = None
         self._rids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[int, Request] = {}
         self._counters = dict(
             requests_added=0, requests_finished=0, steps=0, decode_steps=0, extend_steps=0,
             prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
+            overlapped_steps=0,  # decode steps launched before the previous step's tokens were read
         )
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         """Undo the model patches (the model behaves exactly as before ``wrap``) and empty the
         prefix cache."""
+        if self._ahead is not None:  # a step launched ahead: let it complete, drop its tokens
+            self._ahead.tokens.tolist()
+            self._ahead = None
         if self.speculative is not None:
             self.speculative.close()
         if self.prefix_cache is not None:
@@ -233,15 +254,47 @@ class HybridEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one engine step (one model forward over a mixed batch, or with speculative
-        decoding a draft + verify step of the decoding requests: engine/speculative)."""
+        decoding a draft + verify step of the decoding requests: engine/speculative).
+
+        Overlap: when the step is a DECODE step whose requests all keep decoding whatever tokens
+        they sample (no stop tokens, ``max_new_tokens`` not reached) and nothing waits for
+        admission, the next DECODE step is scheduled and launched (its input ids: this step's
+        sampled tokens, on the device) before this step's tokens are copied to the host, so on
+        a GPU the host's bookkeeping and the next step's preparation overlap the GPU's work. That
+        step is in flight when ``step`` returns; the next call returns its tokens. Outputs are
+        the same as without overlap (``EngineConfig.extra["overlap"] = False`` or setting
+        ``engine.overlap = False`` turns it off)."""
         if self.speculative is not None:
             outputs = self.speculative.step()
             if outputs is not None:
                 return outputs
-        batch = self.scheduler.schedule() if self.speculative is None else self.scheduler.schedule(decodes=False)
-        if batch is None:
-            # with speculative decoding: no prefill could run this turn, so verify now
-            return (self.speculative.step(force=True) or []) if self.speculative is not None else []
+            batch = self.scheduler.schedule(decodes=False)
+            if batch is None:  # no prefill could run this turn, so verify now
+                return self.speculative.step(force=True) or []
+            return self._finish(self._launch(batch))
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            launched = self._launch(batch)
+        if self.overlap and self._keeps_decoding(launched):
+            ahead = self.scheduler.schedule_decode_ahead(launched.batch.requests)
+            if ahead is not None:
+                ahead.input_ids = launched.tokens
+                self._ahead = self._launch(ahead)
+                self._counters["overlapped_steps"] += 1
+        return self._finish(launched)
+
+    def _keeps_decoding(self, launched: "_LaunchedStep") -> bool:
+        """Every request of a launched DECODE step samples a token that cannot finish it."""
+        if launched.batch.mode is not ForwardMode.DECODE or len(launched.requests) != len(launched.batch.requests):
+            return False
+        return all(not r.stop_ids and len(r.output) + 1 < r.params.max_new_tokens for r in launched.requests)
+
+    def _launch(self, batch: ScheduledBatch) -> "_LaunchedStep":
+        """Run a scheduled step's forward and sample its requests' next tokens, leaving them on
+        the device."""
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.scheduler.commit_checkpoints(batch)  # prefix-cache checkpoints of this step (no-op without)
@@ -257,16 +310,37 @@ class HybridEngine:
             c["prefill_tokens"] += prompt_part
             c["decode_tokens"] += n - prompt_part
             r.num_computed += n
-            if r.pending == 0:
+            # every request samples in a step launched ahead (its inputs: tokens still in flight)
+            if r.pending == 0 or batch.input_ids is not None:
                 sample_rows.append(row)
                 sample_reqs.append(r)
-        outputs = []
+        tokens = None
         if sample_reqs:
-            tokens = self.sampler.sample(
-                logits[sample_rows], [r.rid for r in sample_reqs], [r.params for r in sample_reqs]
-            ).tolist()
-            outputs = [self._emit(r, int(tok)) for r, tok in zip(sample_reqs, tokens)]
-        return outputs
+            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            # inference tensors, as the runner's: a next step launched ahead takes them as its
+            # input ids (a compiled forward guards on the tensor kind)
+            with torch.inference_mode():
+                tokens = self.sampler.sample(rows, [r.rid for r in sample_reqs], [r.params for r in sample_reqs])
+            if tokens.device.type == "cuda":
+                # start their copy to the host now, so that reading them waits for this step only
+                # (not for a step launched after it on the same stream)
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                return _LaunchedStep(batch, sample_reqs, tokens, host, ready)
+        return _LaunchedStep(batch, sample_reqs, tokens)
+
+    def _finish(self, launched: "_LaunchedStep") -> list[StepOutput]:
+        """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them."""
+        if launched.tokens is None:
+            return []
+        if launched.tokens_ready is not None:
+            launched.tokens_ready.synchronize()
+            tokens = launched.host_tokens.tolist()
+        else:
+            tokens = launched.tokens.tolist()
+        return [self._emit(r, int(tok)) for r, tok in zip(launched.requests, tokens)]
 
     def _emit(self, r: Request, token: int) -> StepOutput:
         """Append a generated token to a request; a finished request is handed to the scheduler."""

@@ -20,6 +20,16 @@ stable buffers, rows padded up to the bucket); other DECODE / EXTEND steps of at
 largest token bucket are padded up to it and replay the pieces' graphs with the layer ops
 eager between them; any other step runs the compiled forward without graphs (counted as an
 eager fallback). Graphs are captured at construction, after the compile.
+
+Speculative verify steps (:meth:`ModelRunner.forward_verify`, ``draft_len = k + 1`` tokens per
+request) take the same path: a full TARGET_VERIFY graph of the batch-size bucket when one fits,
+else the compiled forward (an eager fallback with graphs on).
+
+Metadata: a DECODE step (the common case) takes a host fast path (``_build_decode_metadata``:
+per-request values from Python lists in one host->device copy, the KV indices gathered on the
+device from ``req_to_token``); its input ids may already be on the device (the engine's overlap
+feeds a step's sampled tokens straight into the next step launched ahead). Every other step
+takes the general path (``_build_extend_metadata``); both give the same tensors.
 """
 
 from __future__ import annotations
@@ -109,6 +119,14 @@ class ModelRunner:
         self.piecewise_graphs = cg.PiecewiseGraphs(self._graph_pool) if piecewise else None
         self.full_graphs: cg.FullGraphRunner | None = None
         self._max_running_requests = config.max_running_requests if config is not None else 1
+        # speculative verify (engine/speculative) of L = k + 1 tokens per request: the pools of a target
+        # engine are built for it (a draft model's runner gets none), with the per-draft-step buffers
+        # its linear layers write (ForwardContext.intermediate_caches)
+        self.draft_len = mamba.num_draft_steps
+        self.intermediate_caches = (
+            {layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer)) for layer in mamba.layer_ids}
+            if self.draft_len else {}
+        )
         # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
         self._rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
         self._token_buckets: tuple[int, ...] = ()
@@ -231,13 +249,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_full(self, batch_sizes) -> None:
-        """Stable buffers + one full graph of the compiled forward per decode bucket."""
+        """Stable buffers + one full graph of the compiled forward per decode bucket, and with
+        speculative decoding one per verify bucket (the decode buckets that fit the intermediate
+        buffers' rows: a verify batch has at most ``max_running_requests`` requests)."""
         req_to_token = self.pools.req_to_token.req_to_token
         sizes = cg.normalize_buckets(batch_sizes)
+        verify_sizes: tuple[int, ...] = ()
+        if self.draft_len:  # (rows of the intermediate buffers: max_running_requests + 1, engine.py)
+            verify_sizes = tuple(s for s in sizes if s <= self.pools.mamba.max_draft_batch)
         buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
-                                  self.pools.kv.PADDING_SLOT)
+                                  self.pools.kv.PADDING_SLOT, max_tokens_per_request=max(1, self.draft_len))
         self.full_graphs = cg.FullGraphRunner(self._call_compiled, buffers, sizes, self.kv_caches, self.mamba_caches,
-                                              self._graph_pool)
+                                              self._graph_pool, verify_batch_sizes=verify_sizes,
+                                              draft_len=self.draft_len, intermediate_caches=self.intermediate_caches)
         self.full_graphs.capture_all()
 
     def compile_stats(self) -> dict:
@@ -250,9 +274,12 @@ class ModelRunner:
         ``padded_steps`` (steps of one request padded to two), and the CUDA graphs: ``cuda_graphs``
         (``{"full": bool, "piecewise": bool}``), ``capture_seconds``, ``decode_batch_sizes`` and
         ``token_buckets`` (captured buckets), ``full_graphs`` / ``piecewise_graphs`` (CUDA graphs
-        captured), ``cuda_graph_replays`` (full decode graphs), ``piecewise_replays`` (steps),
+        captured, verify graphs included), ``verify_batch_sizes`` (captured TARGET_VERIFY buckets),
+        ``cuda_graph_replays`` (full decode graphs), ``verify_graph_replays`` (full verify graphs),
+        ``piecewise_replays`` (steps),
         ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs) and
-        ``eager_fallbacks`` (steps with graphs on that no graph fitted: the compiled path ran)."""
+        ``eager_fallbacks`` (steps with graphs on that no graph fitted, verify steps included: the
+        compiled path ran)."""
         if not self.compiled:
             return {"enabled": False}
         s = self._backend.stats
@@ -273,18 +300,101 @@ class ModelRunner:
             "padded_steps": c["padded_steps"],
             "cuda_graphs": {"full": full is not None, "piecewise": pw is not None},
             "capture_seconds": (full.capture_seconds if full else 0.0) + (pw.capture_seconds if pw else 0.0),
-            "decode_batch_sizes": [k.batch_size for k in full.graphs] if full else [],
+            "decode_batch_sizes": [k.batch_size for k in full.graphs if k.mode is ForwardMode.DECODE] if full else [],
+            "verify_batch_sizes": [k.batch_size for k in full.graphs if k.mode is ForwardMode.TARGET_VERIFY]
+            if full else [],
             "token_buckets": sorted(pw.captured_tokens) if pw else [],
             "full_graphs": len(full.graphs) if full else 0,
             "piecewise_graphs": pw.num_graphs if pw else 0,
             "cuda_graph_replays": full.replays if full else 0,
+            "verify_graph_replays": full.verify_replays if full else 0,
             "piecewise_replays": pw.replays if pw else 0,
             "piecewise_copied_bytes": pw.copied_bytes if pw else 0,
             "eager_fallbacks": c["eager_fallbacks"],
         }
 
-    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMetadata]:
-        """(packed input ids, metadata) of one step, on the device."""
+    def build_metadata(
+        self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ForwardMetadata]:
+        """(packed input ids, metadata) of one step, on the device. A DECODE step's input ids
+        already on the device (``input_ids``, else ``batch.input_ids`` when set: the tokens the
+        previous step sampled, engine overlap) are used as they are."""
+        device_ids = input_ids if input_ids is not None else batch.input_ids
+        if batch.mode is ForwardMode.DECODE and batch.track_slots is None:
+            return self._build_decode_metadata(batch, device_ids)
+        if device_ids is not None:
+            raise ValueError(f"build_metadata: device input ids are for DECODE steps, got a {batch.mode.value} step")
+        return self._build_extend_metadata(batch)
+
+    def _build_decode_metadata(
+        self, batch: ScheduledBatch, device_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ForwardMetadata]:
+        """:meth:`build_metadata` of a DECODE step (one new token per request, the common case),
+        the same tensors as :meth:`_build_extend_metadata` with less host work: every per-request
+        value from Python lists in one host->device copy, the KV indices gathered on the device
+        from ``req_to_token`` (no per-token host tensors)."""
+        dev = self.device
+        reqs = batch.requests
+        b = len(reqs)
+        prefix = batch.prefix_lens
+        seq = [p + 1 for p in prefix]
+        kv_indptr = [0, *itertools.accumulate(seq)]
+        total = kv_indptr[-1]
+        req_slots = [r.req_slot for r in reqs]
+        out_cache_loc = batch.out_cache_loc.tolist()
+        r2t = self.pools.req_to_token
+        width = r2t.max_context_len
+        values = (
+            ([0] * b if device_ids is not None else [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, prefix)])
+            + prefix  # positions
+            + out_cache_loc
+            + list(range(b))  # logits indices
+            # flat index of request i's first req_to_token entry minus its kv_indptr start: the
+            # KV indices are req_to_token.view(-1)[arange(total) + repeat(offset_i, seq_i)]
+            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]
+            + [slot * width + p for slot, p in zip(req_slots, prefix)]  # the new tokens' req_to_token entries
+            # int32 part
+            + list(range(b + 1))  # query_start_loc
+            + kv_indptr + seq + prefix
+            + [r.mamba_slot for r in reqs]
+            + [len(r.prompt) for r in reqs]
+        )
+        host = torch.tensor(values, dtype=torch.int64)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(dev, non_blocking=True)  # one host->device copy
+        input_ids, positions, out_cache_loc_d, logits_indices, offsets, new_entries = packed[: 6 * b].view(6, b).unbind()
+        r2t.set_decode_tokens(req_slots, prefix, out_cache_loc, device_writes=(new_entries, out_cache_loc_d))
+        small = packed[6 * b:].to(torch.int32)
+        qsl_d, kv_indptr_d = small[: 2 * b + 2].view(2, b + 1).unbind()
+        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b + 2:].view(4, b).unbind()
+        flat = torch.arange(total, dtype=torch.int64, device=dev)
+        flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
+        md = ForwardMetadata(
+            mode=ForwardMode.DECODE,
+            positions=positions,
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            prefix_lens=prefix_d,
+            mamba_cache_indices=mamba_d,
+            has_initial_state=prefix_d > 0,
+            out_cache_loc=out_cache_loc_d,
+            kv_indptr=kv_indptr_d,
+            kv_indices=r2t.req_to_token.view(-1)[flat],
+            logits_indices=logits_indices,
+            extend_lens_cpu=[1] * b,
+            seq_lens_cpu=seq,
+            prompt_lens=prompt_d,
+        )
+        if device_ids is not None:
+            if device_ids.shape != (b,) or device_ids.dtype != torch.int64:
+                raise ValueError(f"build_metadata: device input ids must be [{b}] int64, got "
+                                 f"{tuple(device_ids.shape)} {device_ids.dtype}")
+            input_ids = device_ids
+        return input_ids, md
+
+    def _build_extend_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMetadata]:
+        """:meth:`build_metadata` of any step (EXTEND, TARGET_VERIFY, DECODE with checkpoints)."""
         dev = self.device
         prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
@@ -337,9 +447,10 @@ class ModelRunner:
         return input_ids, md
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; returns the logits ``[B, vocab]`` of each request's last new token."""
-        input_ids, md = self.build_metadata(batch)
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns the logits ``[B, vocab]`` of each request's last new token
+        (``input_ids``: see :meth:`build_metadata`)."""
+        input_ids, md = self.build_metadata(batch, input_ids)
         if not self.compiled:
             with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
                 return self._model_forward(input_ids, md.positions, md.logits_indices)
@@ -365,3 +476,30 @@ class ModelRunner:
             input_ids, md = cg.pad_requests(input_ids, md, [1] * (_MIN_COMPILED_BATCH - b), self.pools.kv.PADDING_SLOT)
             self._compile_counters["padded_steps"] += 1
         return self._run_compiled(input_ids, md)[:b]
+
+    @torch.inference_mode()
+    def forward_verify(self, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
+        """Run one TARGET_VERIFY step (``md.draft_len`` tokens per request: ``input_ids`` holds each
+        request's pending token and drafts, ``md.logits_indices`` every token); returns the logits
+        ``[B * draft_len, vocab]`` of every verify position. Same dispatch as :meth:`forward`: a full
+        verify graph when a bucket fits, else the compiled forward (an eager fallback when graphs
+        are on; one request padded to two), else the eager model."""
+        if md.mode is not ForwardMode.TARGET_VERIFY or md.draft_len != self.draft_len or not self.draft_len:
+            raise ValueError(f"forward_verify: a TARGET_VERIFY step of draft_len {self.draft_len} (the engine's "
+                             f"speculative k + 1), got {md.mode.value} with draft_len {md.draft_len}")
+        n = md.num_tokens
+        if self.full_graphs is not None:
+            key = self.full_graphs.key_for(md)
+            if key is not None:
+                return self.full_graphs.replay(key, input_ids, md)
+        if self.compiled:
+            if self._graph_pool is not None:  # graphs on, but no verify graph fits this step
+                self._compile_counters["eager_fallbacks"] += 1
+            if md.batch_size < _MIN_COMPILED_BATCH:  # padding requests of draft_len tokens each
+                pad = [md.draft_len] * (_MIN_COMPILED_BATCH - md.batch_size)
+                input_ids, md = cg.pad_requests(input_ids, md, pad, self.pools.kv.PADDING_SLOT)
+                self._compile_counters["padded_steps"] += 1
+        with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches, self.intermediate_caches)):
+            if self.compiled:
+                return self._call_compiled(input_ids, md.positions, md.logits_indices)[:n]
+            return self._model_forward(input_ids, md.positions, md.logits_indices)

@@ -23,7 +23,11 @@ frees only its own slots and drops its lock. Prefills checkpoint their state at 
 lengths (seed 003 §6; :meth:`Scheduler._checkpoint_len` says where, per ``checkpoint_policy``):
 the step's :class:`ScheduledBatch` carries the slots the layer ops track into, and
 :meth:`Scheduler.commit_checkpoints` hands them to the cache after the forward, so a long
-prompt's first chunks are reusable while it still runs.
+prompt's first chunks are reusable while it still runs. Requests that arrive together and share
+a prefix the tree does not hold yet (no branch point is known before one of them is cached) are
+not prefilled side by side: the first is admitted and checkpoints at the last chunk boundary of
+the shared part (its ``branching_len``); the others wait in the queue (later arrivals may pass
+them) until that state is cached, then start from it (:meth:`Scheduler._wait_for_shared_prefix`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ from ..memory import MemoryPools
 from .request import Request, RequestStatus
 
 CHECKPOINT_POLICIES = ("lru", "marconi")
+WAIT_FOR_SHARED_PREFIX = "wait_for_shared_prefix"  # Scheduler._admit: admit the request in a later step
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares: C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -54,6 +74,9 @@ class ScheduledBatch:
     # Mamba slot (-1 = none) and the new tokens before the checkpoint (-1 = none)
     track_slots: list[int] | None = None
     track_lens: list[int] | None = None
+    # a DECODE step's input ids already on the device (int64 [B]: the tokens the step before
+    # sampled, not yet appended to the requests; engine overlap), or None: from the requests
+    input_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +110,8 @@ class Scheduler:
         # what engine.stats()["prefix_cache"] adds to the cache's own counters (admitted requests only:
         # a request that waits is matched again on every attempt)
         self.cache_counters = dict(admitted_requests=0, admitted_tokens=0, admitted_hit_tokens=0,
-                                   checkpoints_tracked=0, checkpoints_forked=0, checkpoints_skipped=0)
+                                   checkpoints_tracked=0, checkpoints_forked=0, checkpoints_skipped=0,
+                                   admissions_held=0)
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
         self.waiting: deque[Request] = deque()
@@ -104,8 +128,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- resources -------------------------------------------------------------------------
-    def _last_slots(self, reqs: list[Request]) -> torch.Tensor:
-        """Slot of each request's last computed token (-1 if none): page continuation."""
+    def _last_slots(self, reqs: list[Request]) -> torch.Tensor | None:
+        """Slot of each request's last computed token (-1 if none): page continuation (None with
+        pages of one token: nothing continues a page)."""
+        if self.pools.kv.allocator.page_size == 1:
+            return None
         return torch.tensor(
             [int(r.kv_slots[-1]) if r.kv_slots.numel() else -1 for r in reqs], dtype=torch.int64
         )
@@ -175,16 +202,43 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     # -- admission -------------------------------------------------------------------------
-    def _admit(self, r: Request, budget: int, reserve: int) -> torch.Tensor | None:
+    def _wait_for_shared_prefix(self, r: Request, prefix: int) -> bool:
+        """Whether waiting request ``r`` should wait because a running request that shares a longer
+        aligned prefix with it (a branch point the tree cannot know yet: neither is cached) has not
+        computed that prefix yet. If so, that request checkpoints its state at the branch point
+        (its ``branching_len``, Marconi's speculative branch point) and ``r`` is admitted once it is
+        cached, skipping it instead of recomputing it in parallel."""
+        align = self.cache.mamba_align
+        tokens = r.token_ids(0, r.seq_len - 1)
+        for other in self.running:
+            if other.num_computed >= len(other.prompt) or other.prompt[:align] != tokens[:align]:
+                continue
+            shared = common_prefix_len(tokens, other.prompt)
+            point = self.cache.page_floor(shared - shared % align)
+            if point - prefix < align or point <= other.num_computed:
+                continue
+            if other.branching_len not in (None, point) and other.branching_len > other.num_computed:
+                continue  # it checkpoints at another branch point first
+            other.branching_len = point
+            return True
+        return False
+
+    def _admit(self, r: Request, budget: int, reserve: int) -> torch.Tensor | None | str:
         """Give a waiting request its request slot, Mamba slot and the KV slots of its first
         chunk (after the prefix-cache hit, whose KV and state it starts from); returns the new
-        KV slots, or None (nothing held) when something does not fit."""
+        KV slots, None (nothing held) when something does not fit, or ``WAIT_FOR_SHARED_PREFIX``
+        when a running request is about to cache a longer prefix of it
+        (:meth:`_wait_for_shared_prefix`)."""
         match = None
         prefix = 0
         if self.cache is not None:
             # everything but the last token may come from the cache (its logits are needed);
             # a retracted request matches its prompt + output so far
             match = self.cache.match_prefix(r.token_ids(0, r.seq_len - 1))
+            if self._wait_for_shared_prefix(r, match.prefix_len):
+                self.cache_counters["admissions_held"] += 1
+                self._reset(r)
+                return WAIT_FOR_SHARED_PREFIX
             self.cache.inc_lock_ref(match.last_node)
             prefix = match.prefix_len
         pending = r.seq_len - prefix
@@ -297,6 +351,39 @@ class Scheduler:
             mode=ForwardMode.TARGET_VERIFY,
         )
 
+    def schedule_decode_ahead(self, reqs: list[Request]) -> ScheduledBatch | None:
+        """Overlap (engine ``step``): the DECODE step that :meth:`schedule` will return after the
+        step of ``reqs`` now in flight, planned before that step's sampled tokens are appended
+        (each request has just advanced ``num_computed`` past all its tokens; the batch's input
+        ids are the in-flight tokens, on the device). The caller guarantees that none of ``reqs``
+        finishes with its in-flight token. None, changing nothing, unless the result is exactly
+        :meth:`schedule`'s: ``reqs`` are all the running requests (in order) and nothing waits
+        for admission, their KV slots are free without evicting cached prefixes or retracting,
+        and no prefix-cache checkpoint falls on the step."""
+        if self.waiting or len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running)):
+            return None
+        if any(r.pending != 0 or r.num_computed == 0 for r in reqs):
+            return None
+        if self.cache is not None and any(self._checkpoint_len(r, r.num_computed, 1) is not None for r in reqs):
+            return None
+        n = len(reqs)
+        if self.pools.kv.allocator.available() < n:  # (what a page > 1 needs is checked by the allocator)
+            return None
+        prefix = [r.num_computed for r in reqs]
+        slots = self.pools.kv.allocator.alloc_extend(prefix, [1] * n, self._last_slots(reqs))
+        if slots is None:
+            return None
+        # what schedule() does besides: the admission reserve's ratio decays every step
+        self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
+        for i, r in enumerate(reqs):
+            r.kv_slots = torch.cat([r.kv_slots, slots[i : i + 1]])
+        batch = ScheduledBatch(requests=list(reqs), prefix_lens=prefix, extend_lens=[1] * n, out_cache_loc=slots,
+                               mode=ForwardMode.DECODE)
+        self._drop_pending_checkpoints()
+        if self.cache is not None:
+            self._pending_checkpoints = (batch, [])
+        return batch
+
     def schedule(self, decodes: bool = True) -> ScheduledBatch | None:
         """The next mixed step; ``decodes=False`` leaves decoding requests out (speculative
         decoding advances them in :meth:`schedule_verify` steps)."""
@@ -315,12 +402,16 @@ class Scheduler:
         #    the decode tokens the running requests (and this one) are expected to need
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
         reserve = sum(self._expected_new_tokens(r) for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
-            r = self.waiting[0]
+        position = 0  # in the queue, past requests waiting for a shared prefix
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_running_requests:
+            r = self.waiting[position]
             kv = self._admit(r, budget, reserve)
             if kv is None:
                 break
-            self.waiting.popleft()
+            if isinstance(kv, str):
+                position += 1
+                continue
+            del self.waiting[position]
             r.status = RequestStatus.RUNNING
             self.running.append(r)
             n = self._chunk_len(r.num_computed, r.pending, budget)

@@ -120,6 +120,16 @@ class SlotAllocator:
     def check_allocated(self, indices: IndexLike, *, action: str = "use", unique: bool = True) -> torch.Tensor:
         """Raise InvalidSlotError unless every index is in range, in use and (if ``unique``)
         named once; returns the indices as a CPU int64 tensor."""
+        if isinstance(indices, list) and indices:
+            # host list (a step's few request slots): range and uniqueness in Python, one tensor op
+            if (
+                min(indices) >= self.first_index and max(indices) < self.end_index
+                and (not unique or len(set(indices)) == len(indices))
+            ):
+                idx = torch.tensor(indices, dtype=torch.int64)
+                if bool(self._in_use[idx].all()):
+                    return idx
+            # else the checks below name what is wrong
         idx = as_index_tensor(indices)
         self._check_range(idx, action=action)
         if idx.numel() == 0:
@@ -227,6 +237,8 @@ class TokenSlotAllocator:
             The slots of all new tokens, packed request after request (CPU int64,
             ``sum(extend_lens)`` long), or ``None`` (nothing allocated) if not enough pages are free.
         """
+        if self.page_size == 1 and isinstance(prefix_lens, list) and isinstance(extend_lens, list):
+            return self._alloc_extend_token_pages(prefix_lens, extend_lens)
         prefix, extend = self._lens(prefix_lens, extend_lens)
         ps = self.page_size
         in_page, fresh = self._split_in_page(prefix, extend)
@@ -292,6 +304,23 @@ class TokenSlotAllocator:
             out[torch.repeat_interleave(req_start[continuing], n_cont) + segment_arange(n_cont)] = cont_slots
         if fresh_total:
             out[torch.repeat_interleave(req_start + in_page, fresh) + segment_arange(fresh)] = fresh_slots
+        self._in_use[out] = True
+        self._num_used += total
+        return out
+
+    def _alloc_extend_token_pages(self, prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor | None:
+        """:meth:`alloc_extend` with ``page_size == 1`` from host lists (every decode step): each
+        token is a fresh page of its own, so the slots are the pages taken, packed in order."""
+        if len(prefix_lens) != len(extend_lens):
+            raise ValueError(
+                f"KV allocator: prefix_lens ({len(prefix_lens)}) and extend_lens ({len(extend_lens)}) differ in length"
+            )
+        if prefix_lens and min(min(prefix_lens), min(extend_lens)) < 0:
+            raise ValueError("KV allocator: prefix_lens and extend_lens must be >= 0")
+        total = sum(extend_lens)
+        out = self._pages.alloc(total)
+        if out is None:
+            return None
         self._in_use[out] = True
         self._num_used += total
         return out

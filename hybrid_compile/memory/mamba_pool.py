@@ -4,7 +4,9 @@ Layout (fixed by the kernel ops ``hybrid_compile.ops.conv1d`` / ``gdn`` / ``mamb
 ``state``), per linear layer:
 
 - ``conv[layer]: [num_slots, conv_width - 1, conv_dim]`` (token-major window, conv dtype),
-- ``ssm[layer]: [num_slots, *state_shape]`` (GDN ``[H, K, V]``, Mamba2 ``[H, P, N]``; SSM dtype),
+- ``ssm[layer]: [num_slots, *state_shape]`` (GDN ``[H, K, V]``, Mamba2 ``[H, P, N]``; SSM dtype);
+  a conv-only layer (``state_shape == ()``, LFM2's short conv) has no SSM state: its ``ssm`` view
+  is an empty ``[num_slots, 0]`` tensor that no slot operation touches,
 - with speculative decoding, indexed by batch row (not by slot):
   ``intermediate_conv[layer]: [max_batch, num_draft_steps, conv_width - 1, conv_dim]`` and
   ``intermediate_ssm[layer]: [max_batch, num_draft_steps, *state_shape]``.
@@ -31,12 +33,14 @@ from .specs import MambaLayerSpec, group_layer_specs, mamba_bytes_per_slot
 @dataclass(frozen=True)
 class MambaLayerCache:
     """The per-layer views one linear layer's ops need. Intermediate buffers are ``None``
-    without speculative decoding."""
+    without speculative decoding; ``ssm`` / ``intermediate_ssm`` of a conv-only layer
+    (``has_ssm_state`` False) are empty tensors."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
     intermediate_conv: torch.Tensor | None
     intermediate_ssm: torch.Tensor | None
+    has_ssm_state: bool = True
 
 
 class MambaPool:
@@ -87,23 +91,27 @@ class MambaPool:
         caches: dict[int, MambaLayerCache] = {}
         for spec in self.specs:
             n = spec.num_layers
+            state_shape = spec.state_shape if spec.has_ssm_state else (0,)  # conv-only: empty SSM views
             conv = torch.zeros((n, num_slots, *spec.conv_window_shape), dtype=spec.conv_dtype, device=self.device)
-            ssm = torch.zeros((n, num_slots, *spec.state_shape), dtype=spec.ssm_dtype, device=self.device)
+            ssm = torch.zeros((n, num_slots, *state_shape), dtype=spec.ssm_dtype, device=self.device)
             self.conv_buffers.append(conv)
-            self.ssm_buffers.append(ssm)
+            if spec.has_ssm_state:
+                self.ssm_buffers.append(ssm)
             inter_conv = inter_ssm = None
             if speculative:
                 rows = (n, max_draft_batch, num_draft_steps)
                 inter_conv = torch.zeros((*rows, *spec.conv_window_shape), dtype=spec.conv_dtype, device=self.device)
-                inter_ssm = torch.zeros((*rows, *spec.state_shape), dtype=spec.ssm_dtype, device=self.device)
+                inter_ssm = torch.zeros((*rows, *state_shape), dtype=spec.ssm_dtype, device=self.device)
                 self.intermediate_conv_buffers.append(inter_conv)
-                self.intermediate_ssm_buffers.append(inter_ssm)
+                if spec.has_ssm_state:
+                    self.intermediate_ssm_buffers.append(inter_ssm)
             for pos, layer_id in enumerate(spec.layer_ids):
                 caches[layer_id] = MambaLayerCache(
                     conv=conv[pos],
                     ssm=ssm[pos],
                     intermediate_conv=None if inter_conv is None else inter_conv[pos],
                     intermediate_ssm=None if inter_ssm is None else inter_ssm[pos],
+                    has_ssm_state=spec.has_ssm_state,
                 )
         # Per-layer views in mamba-index order (index = layer_to_mamba_index[layer_id]).
         self.layer_caches: list[MambaLayerCache] = [caches[i] for i in self.layer_ids]
@@ -132,7 +140,8 @@ class MambaPool:
         return self.layer_cache(layer_id).conv
 
     def ssm(self, layer_id: int) -> torch.Tensor:
-        """``[num_slots, *state_shape]`` view of one layer's SSM states."""
+        """``[num_slots, *state_shape]`` view of one layer's SSM states (``[num_slots, 0]``, empty,
+        for a conv-only layer)."""
         return self.layer_cache(layer_id).ssm
 
     def intermediate_conv(self, layer_id: int) -> torch.Tensor:
@@ -144,14 +153,18 @@ class MambaPool:
         return self._speculative(self.layer_cache(layer_id).intermediate_ssm)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every per-layer slot-indexed view (conv and SSM of each layer), for the state ops
-        (``copy_state_slots``, ``commit_speculative_state``) that take a list of pool tensors."""
-        return [t for c in self.layer_caches for t in (c.conv, c.ssm)]
+        """Every per-layer slot-indexed view (conv and SSM of each layer; conv only for a conv-only
+        layer), for the state ops (``copy_state_slots``, ``commit_speculative_state``) that take a
+        list of pool tensors."""
+        return [t for c in self.layer_caches for t in ((c.conv, c.ssm) if c.has_ssm_state else (c.conv,))]
 
     def intermediate_state_tensors(self) -> list[torch.Tensor]:
         """The intermediate buffers matching :meth:`state_tensors` one to one."""
         self._speculative(None if not self.layer_caches else self.layer_caches[0].intermediate_conv)
-        return [t for c in self.layer_caches for t in (c.intermediate_conv, c.intermediate_ssm)]
+        return [
+            t for c in self.layer_caches
+            for t in ((c.intermediate_conv, c.intermediate_ssm) if c.has_ssm_state else (c.intermediate_conv,))
+        ]
 
     def _speculative(self, t: torch.Tensor | None) -> torch.Tensor:
         if t is None:

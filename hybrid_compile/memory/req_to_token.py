@@ -171,6 +171,37 @@ class ReqToTokenPool:
             0, flat.to(self.device, non_blocking=True), vals32.to(self.device, non_blocking=True)
         )
 
+    def set_decode_tokens(
+        self, req_slots: list[int], positions: list[int], token_slots: list[int],
+        device_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """A decode step's :meth:`set_tokens_batch` (one token per request, distinct requests),
+        checked on the host lists: ``req_to_token[req_slots[i], positions[i]] = token_slots[i]``.
+        ``device_writes``: the same write already on the device as (flat indices
+        ``req_slots[i] * max_context_len + positions[i]`` int64, ``token_slots`` of any integer
+        dtype), e.g. views of a caller's packed host->device copy; built here when None."""
+        n = len(req_slots)
+        if not (n == len(positions) == len(token_slots)):
+            raise ValueError(
+                f"set_decode_tokens: {n} request slots, {len(positions)} positions and {len(token_slots)} "
+                "token slots: need one of each per request"
+            )
+        if n == 0:
+            return
+        if min(positions) < 0 or max(positions) >= self.max_context_len:
+            raise ValueError(f"set_decode_tokens: positions must lie in [0, max_context_len={self.max_context_len}); "
+                             f"got {positions[:8]}")
+        if min(token_slots) < 0 or max(token_slots) > torch.iinfo(torch.int32).max:
+            raise InvalidSlotError("set_decode_tokens: token slots must be in [0, 2**31)")
+        reqs = self.allocator.check_allocated(list(req_slots), action="write tokens of", unique=True)
+        vals32 = torch.tensor(token_slots, dtype=torch.int32)
+        self._req_to_token_host[reqs, torch.tensor(positions, dtype=torch.int64)] = vals32
+        if device_writes is None:
+            flat = torch.tensor([r * self.max_context_len + p for r, p in zip(req_slots, positions)], dtype=torch.int64)
+            device_writes = (flat.to(self.device, non_blocking=True), vals32.to(self.device, non_blocking=True))
+        flat_d, vals_d = device_writes
+        self.req_to_token.view(-1).index_copy_(0, flat_d, vals_d.to(torch.int32))
+
     def tokens(self, req_slot: int, end: int, start: int = 0) -> torch.Tensor:
         """Token slots of positions ``start .. end - 1`` of a request, from the host mirror
         (CPU int64 copy; no device sync). The device map is :attr:`req_to_token`."""

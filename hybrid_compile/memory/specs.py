@@ -109,7 +109,9 @@ class MambaLayerSpec:
         conv_width: causal conv kernel size W; the pool keeps the last ``W - 1`` inputs.
         conv_dim: channels of the causal conv (e.g. GDN: ``2*K*Hk + V*Hv``; Mamba2:
             ``intermediate + 2*groups*state``).
-        state_shape: per-request recurrent state shape (GDN ``(H, K, V)``, Mamba2 ``(H, P, N)``).
+        state_shape: per-request recurrent state shape (GDN ``(H, K, V)``, Mamba2 ``(H, P, N)``);
+            ``()`` for a conv-only layer (LFM2's short conv): its only state is the conv window,
+            and the pool keeps no SSM tensor for it.
         conv_dtype: conv window dtype (usually the model dtype).
         ssm_dtype: recurrent state dtype (fp32 by default: the state accumulates over the
             whole sequence, and low precision drifts).
@@ -126,9 +128,7 @@ class MambaLayerSpec:
         owner = "MambaLayerSpec"
         object.__setattr__(self, "layer_ids", _normalize_layer_ids(owner, self.layer_ids))
         _check_positive(owner, conv_width=self.conv_width, conv_dim=self.conv_dim)
-        shape = tuple(self.state_shape)
-        if not shape:
-            raise ValueError(f"{owner}: `state_shape` must have at least one dim")
+        shape = tuple(self.state_shape)  # () = conv-only layer
         for d in shape:
             _check_positive(owner, state_shape_dim=d)
         object.__setattr__(self, "state_shape", shape)
@@ -138,6 +138,11 @@ class MambaLayerSpec:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
+
+    @property
+    def has_ssm_state(self) -> bool:
+        """False for a conv-only layer (``state_shape == ()``): no recurrent state tensor."""
+        return bool(self.state_shape)
 
     @property
     def conv_window_shape(self) -> tuple[int, int]:
@@ -150,6 +155,8 @@ class MambaLayerSpec:
 
     @property
     def ssm_bytes_per_slot_per_layer(self) -> int:
+        if not self.has_ssm_state:
+            return 0
         return math.prod(self.state_shape) * _element_size(self.ssm_dtype)
 
     @property

@@ -11,10 +11,10 @@ from types import ModuleType
 
 from torch import nn
 
-from . import falcon_h1, mamba2_per_layer, qwen3_next, zamba2
+from . import falcon_h1, lfm2, mamba2_per_layer, qwen3_next, zamba2
 from .base import ModelLayout, PatchHandle
 
-_FAMILY_MODULES = (qwen3_next, mamba2_per_layer, falcon_h1, zamba2)
+_FAMILY_MODULES = (qwen3_next, mamba2_per_layer, falcon_h1, zamba2, lfm2)
 FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 

@@ -1,5 +1,5 @@
-"""CUDA graphs for the engine: full graphs of pure-decode steps and piecewise graphs of the
-compiled pieces (DESIGN.md "Compile"; seed 000 "CUDA Graph Support", seed 002 §1.2 / §6.2).
+"""CUDA graphs for the engine: full graphs of pure-decode and speculative-verify steps and
+piecewise graphs of the compiled pieces (DESIGN.md "Compile"; seed 000 "CUDA Graph Support", seed 002 §1.2 / §6.2).
 
 Two mechanisms, both on top of the compiled forward (:mod:`.backend`); the model runner
 (``hybrid_compile.engine.runner``) picks one per step and counts the steps that use neither as
@@ -14,8 +14,12 @@ replay :meth:`GraphBuffers.fill` copies the step's metadata in and turns rows ``
 padding requests (one token at position 0, Mamba index -1, ``out_cache_loc`` -1 so no K/V is
 written, ``seq_len`` 1 attending over the KV pool's padding slot): exactly what
 :func:`pad_requests` appends, which the CPU tests check. Graphs are keyed by :class:`GraphKey`
-(mode, batch size, tokens per request), so TARGET_VERIFY graphs (a fixed number of draft tokens
-per request) are one more key with its own token layout in the same buffers.
+(mode, batch size, tokens per request), so TARGET_VERIFY graphs (``L = k + 1`` tokens per
+request: the pending token and k drafts) are one more key with its own token layout in the same
+buffers: padding requests of ``L`` tokens, ``logits_indices`` every one of the ``bs * L`` tokens,
+the host-side values the verify layer ops read (``draft_len``, ``verify_rows()``) fixed per
+graph (every row of a bucket is a verify row), the speculative intermediate buffers indexed by
+batch row (padding rows come after the real ones). A replay returns ``logits[:b * L]``.
 
 **Piecewise graphs** (:class:`PiecewiseGraphs`): the backend wraps every Inductor-compiled piece
 in a :class:`PiecewiseGraphPiece`; while the runner replays a token bucket the piece replays its
@@ -157,7 +161,7 @@ def pad_requests(
 
 
 # --------------------------------------------------------------------------------------------
-# stable buffers of the full decode graphs
+# stable buffers of the full graphs
 # --------------------------------------------------------------------------------------------
 
 
@@ -179,14 +183,22 @@ class GraphBuffers:
     """Preallocated device buffers of every per-step tensor the layer ops read, sized for
     ``max_batch`` requests of up to ``max_tokens_per_request`` new tokens and
     ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); steps
-    copy their values in (:meth:`fill`)."""
+    copy their values in (:meth:`fill`).
+
+    A graph of ``L`` tokens per request (1: DECODE; the draft length: TARGET_VERIFY) has its
+    padding rows laid out as :func:`pad_requests` with requests of ``L`` tokens: ids 0, positions
+    ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba index -1.
+    Its ``query_start_loc`` (``0, L, 2L, ...``) and ``logits_indices`` (every token) never
+    change, so they are constant buffers."""
 
     def __init__(
         self, max_batch: int, max_context_len: int, device: torch.device, kv_index_dtype: torch.dtype,
         padding_slot: int, max_tokens_per_request: int = 1,
     ) -> None:
         self.max_batch = max_batch
+        self.max_tokens_per_request = max_tokens_per_request
         self.padding_slot = padding_slot
+        self.device = device
         t = max_batch * max_tokens_per_request
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
@@ -194,75 +206,104 @@ class GraphBuffers:
         # fills each group with one copy (and its padding rows with one more)
         self._token_rows = torch.empty(3, t, **i64)
         self.input_ids, self.positions, self.out_cache_loc = self._token_rows
-        self._token_padding = torch.tensor([[0], [0], [-1]], **i64).expand(3, t)
         self._request_rows = torch.empty(4, max_batch, **i32)
         self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = self._request_rows
-        self._request_padding = torch.tensor([[1], [0], [1], [-1]], **i32).expand(4, max_batch)
         self.logits_indices = torch.arange(t, **i64)
-        self.query_start_loc = torch.arange(max_batch + 1, **i32)
         self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.kv_indptr = torch.arange(max_batch + 1, **i32)
         self.kv_indices = torch.full((max_batch * max(max_context_len, max_tokens_per_request),), padding_slot,
                                      dtype=kv_index_dtype, device=device)
         self._ramp = torch.arange(1, max_batch + 1, **i32)  # 1, 2, ...: padding rows' kv_indptr steps
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.query_start_loc = self._layout(1)[2]
+
+    def _layout(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token padding ``[3, max_batch * steps]``, request padding ``[4, max_batch]``,
+        ``query_start_loc`` ``[max_batch + 1]``) of requests of ``steps`` tokens; made once."""
+        if not 1 <= steps <= self.max_tokens_per_request:
+            raise ValueError(f"GraphBuffers: {steps} tokens per request, the buffers hold 1..{self.max_tokens_per_request}")
+        if steps not in self._layouts:
+            t, dev = self.max_batch * steps, self.device
+            token = torch.zeros(3, t, dtype=torch.int64, device=dev)
+            token[1] = torch.arange(t, device=dev) % steps
+            token[2] = -1
+            request = torch.tensor([[steps], [0], [steps], [-1]], dtype=torch.int32, device=dev).expand(4, self.max_batch)
+            qsl = torch.arange(self.max_batch + 1, dtype=torch.int32, device=dev) * steps
+            self._layouts[steps] = (token, request, qsl)
+        return self._layouts[steps]
 
     def metadata(self, key: GraphKey) -> ForwardMetadata:
         """The metadata a graph of ``key`` is captured with: views of the buffers, every row a
-        padding request (what :meth:`reset` writes)."""
-        if key.mode is not ForwardMode.DECODE:
-            raise NotImplementedError(f"full CUDA graphs: forward mode {key.mode.value} has no graph layout yet")
-        bs = key.batch_size
+        padding request (what :meth:`reset` writes). Its host-side lists are those of a full
+        bucket (every request ``L`` tokens): what the layer ops read on the host
+        (``verify_rows()``, ``draft_len``) is fixed per graph."""
+        if key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            raise NotImplementedError(f"full CUDA graphs: forward mode {key.mode.value} has no graph layout")
+        bs, steps = key.batch_size, key.tokens_per_request
+        if key.mode is ForwardMode.DECODE and steps != 1:
+            raise ValueError(f"full CUDA graphs: a DECODE graph has 1 token per request, got {steps}")
+        n = key.num_tokens
         return ForwardMetadata(
             mode=key.mode,
-            positions=self.positions[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
+            positions=self.positions[:n],
+            query_start_loc=self._layout(steps)[2][: bs + 1],
             seq_lens=self.seq_lens[:bs],
             prefix_lens=self.prefix_lens[:bs],
             mamba_cache_indices=self.mamba_cache_indices[:bs],
             has_initial_state=self.has_initial_state[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
+            out_cache_loc=self.out_cache_loc[:n],
             kv_indptr=self.kv_indptr[: bs + 1],
             kv_indices=self.kv_indices,
-            logits_indices=self.logits_indices[:bs],
-            extend_lens_cpu=[1] * bs,
-            seq_lens_cpu=[1] * bs,
+            logits_indices=self.logits_indices[:n],
+            extend_lens_cpu=[steps] * bs,
+            seq_lens_cpu=[steps] * bs,
+            draft_len=steps if key.mode is ForwardMode.TARGET_VERIFY else 0,
             prompt_lens=self.prompt_lens[:bs],
         )
 
     def reset(self, key: GraphKey) -> None:
         """Every row of ``key`` a padding request (capture and warm-up: the pools are untouched)."""
-        bs = key.batch_size
-        self._token_rows[:, :bs].copy_(self._token_padding[:, :bs])
-        self._request_rows[:, :bs].copy_(self._request_padding[:, :bs])
+        bs, n = key.batch_size, key.num_tokens
+        token_padding, request_padding, qsl = self._layout(key.tokens_per_request)
+        self._token_rows[:, :n].copy_(token_padding[:, :n])
+        self._request_rows[:, :bs].copy_(request_padding[:, :bs])
         self.has_initial_state[:bs].fill_(False)
-        self.kv_indptr[: bs + 1].copy_(self.query_start_loc[: bs + 1])
-        self.kv_indices[:bs].fill_(self.padding_slot)
+        self.kv_indptr[: bs + 1].copy_(qsl[: bs + 1])
+        self.kv_indices[:n].fill_(self.padding_slot)
 
     def fill(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> None:
-        """Copy a DECODE step of ``b <= key.batch_size`` requests into the buffers and make rows
-        ``b ..`` padding requests (as :func:`pad_requests` with one-token requests). No host sync:
-        the step's kv length comes from ``md.seq_lens_cpu``."""
-        if md.mode is not ForwardMode.DECODE or key.mode is not ForwardMode.DECODE:
-            raise ValueError(f"GraphBuffers.fill: a DECODE step for a DECODE graph, got {md.mode.value} / {key.mode.value}")
+        """Copy a step of ``b <= key.batch_size`` requests of ``L = key.tokens_per_request`` new
+        tokens each (DECODE: 1; TARGET_VERIFY: ``md.draft_len``) into the buffers and make rows
+        ``b ..`` padding requests of ``L`` tokens (as :func:`pad_requests`). No host sync: the
+        step's kv length comes from ``md.seq_lens_cpu``."""
+        if md.mode is not key.mode or key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            raise ValueError(f"GraphBuffers.fill: a {key.mode.value} graph takes a {key.mode.value} step (full graphs: "
+                             f"decode, target_verify), got a {md.mode.value} step")
         if md.prompt_lens is None:
             raise ValueError("GraphBuffers.fill: the step's metadata has no prompt_lens")
+        steps = key.tokens_per_request
         b, bs = md.batch_size, key.batch_size
         if b > bs:
             raise ValueError(f"GraphBuffers.fill: {b} requests do not fit in a graph of batch size {bs}")
-        pad = bs - b
+        if key.mode is ForwardMode.TARGET_VERIFY and (
+                md.draft_len != steps or any(n != steps for n in md.extend_lens_cpu) or md.num_tokens != b * steps):
+            raise ValueError(f"GraphBuffers.fill: a verify graph of {steps} tokens per request got draft_len "
+                             f"{md.draft_len} and extend lengths {md.extend_lens_cpu}")
+        token_padding, request_padding, _ = self._layout(steps)
+        pad, n = bs - b, b * steps
         total = sum(md.seq_lens_cpu)
-        self._token_rows[:, :b].copy_(torch.stack([input_ids, md.positions, md.out_cache_loc]))
+        self._token_rows[:, :n].copy_(torch.stack([input_ids, md.positions, md.out_cache_loc]))
         self._request_rows[:, :b].copy_(torch.stack([md.seq_lens, md.prefix_lens, md.prompt_lens, md.mamba_cache_indices]))
         self.has_initial_state[:b].copy_(md.has_initial_state)
         if pad:
-            self._token_rows[:, b:bs].copy_(self._token_padding[:, :pad])
-            self._request_rows[:, b:bs].copy_(self._request_padding[:, :pad])
+            self._token_rows[:, n: bs * steps].copy_(token_padding[:, : pad * steps])
+            self._request_rows[:, b:bs].copy_(request_padding[:, :pad])
             self.has_initial_state[b:bs].fill_(False)
         self.kv_indptr[: b + 1].copy_(md.kv_indptr)
         self.kv_indices[:total].copy_(md.kv_indices)
         if pad:
-            torch.add(self._ramp[:pad], md.kv_indptr[b:], out=self.kv_indptr[b + 1: bs + 1])
-            self.kv_indices[total: total + pad].fill_(self.padding_slot)
+            torch.add(md.kv_indptr[b:], self._ramp[:pad], alpha=steps, out=self.kv_indptr[b + 1: bs + 1])
+            self.kv_indices[total: total + pad * steps].fill_(self.padding_slot)
 
 
 def _capture(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream", fn: Callable[[], Any]) -> Any:
@@ -291,53 +332,85 @@ class GraphPool:
 
 
 # --------------------------------------------------------------------------------------------
-# full decode graphs
+# full graphs (decode, target verify)
 # --------------------------------------------------------------------------------------------
 
 
 class FullGraphRunner:
-    """Full CUDA graphs of the compiled forward for DECODE steps, one per batch-size bucket.
+    """Full CUDA graphs of the compiled forward, one per batch-size bucket: of DECODE steps, and
+    (with ``verify_batch_sizes``) of TARGET_VERIFY steps of ``draft_len`` tokens per request.
 
     Args:
         forward: ``forward(input_ids, positions, logits_indices) -> logits`` (the compiled
             forward; it runs under the forward context this class installs).
-        buffers: the stable buffers.
-        batch_sizes: the buckets (normalised: sorted, >= :data:`MIN_GRAPH_SIZE`).
+        buffers: the stable buffers (``max_tokens_per_request >= draft_len``).
+        batch_sizes: the decode buckets (normalised: sorted, >= :data:`MIN_GRAPH_SIZE`).
         kv_caches, mamba_caches: the pool views of the forward context.
         pool: the shared graph pool.
+        verify_batch_sizes: the TARGET_VERIFY buckets (none: no verify graphs). A verify graph's
+            request rows are rows of the Mamba pool's intermediate buffers, so a bucket is at most
+            their rows; padding rows come after the real ones and never touch the real rows.
+        draft_len: tokens per request of the verify graphs (the speculative ``k + 1``).
+        intermediate_caches: the verify forward context's per-draft-step buffers
+            (``ForwardContext.intermediate_caches``).
     """
 
     def __init__(self, forward: Callable, buffers: GraphBuffers, batch_sizes: Sequence[int], kv_caches, mamba_caches,
-                 pool: GraphPool) -> None:
+                 pool: GraphPool, verify_batch_sizes: Sequence[int] = (), draft_len: int = 0,
+                 intermediate_caches: dict | None = None) -> None:
         self.forward = forward
         self.buffers = buffers
         self.batch_sizes = normalize_buckets(batch_sizes)
-        if self.batch_sizes[-1] > buffers.max_batch:
-            raise ValueError(f"decode bucket {self.batch_sizes[-1]} exceeds the buffers' {buffers.max_batch} rows")
+        self.verify_batch_sizes = normalize_buckets(verify_batch_sizes) if verify_batch_sizes else ()
+        if self.batch_sizes[-1] > buffers.max_batch or (self.verify_batch_sizes and self.verify_batch_sizes[-1] > buffers.max_batch):
+            raise ValueError(f"full-graph bucket {max(self.batch_sizes + self.verify_batch_sizes)} exceeds the "
+                             f"buffers' {buffers.max_batch} rows")
+        if self.verify_batch_sizes:
+            if not 1 <= draft_len <= buffers.max_tokens_per_request:
+                raise ValueError(f"verify graphs: draft_len {draft_len} must be in 1..{buffers.max_tokens_per_request} "
+                                 "(the buffers' tokens per request)")
+            rows = min((inter[0].shape[0] for inter in (intermediate_caches or {}).values()), default=None)
+            if rows is not None and self.verify_batch_sizes[-1] > rows:
+                raise ValueError(f"verify bucket {self.verify_batch_sizes[-1]} exceeds the {rows} rows of the "
+                                 "speculative intermediate buffers")
+        self.draft_len = draft_len
         self.kv_caches, self.mamba_caches = kv_caches, mamba_caches
+        self.intermediate_caches = dict(intermediate_caches or {})
         self.pool = pool
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
-        self.replays = 0
+        self.replays = 0  # DECODE replays
+        self.verify_replays = 0  # TARGET_VERIFY replays
+
+    def keys(self) -> list[GraphKey]:
+        """Every graph to capture, largest token count first."""
+        keys = [GraphKey(ForwardMode.DECODE, bs) for bs in self.batch_sizes]
+        keys += [GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len) for bs in self.verify_batch_sizes]
+        return sorted(keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
 
     def key_for(self, md: ForwardMetadata) -> GraphKey | None:
-        """The graph a step replays, or None (not a DECODE step, or larger than every bucket)."""
-        if md.mode is not ForwardMode.DECODE:
-            return None
-        bs = select_bucket(self.batch_sizes, md.batch_size)
-        return None if bs is None else GraphKey(ForwardMode.DECODE, bs)
+        """The graph a step replays, or None (not a DECODE step nor a TARGET_VERIFY step of
+        ``draft_len`` tokens per request, or larger than every bucket)."""
+        if md.mode is ForwardMode.DECODE:
+            bs = select_bucket(self.batch_sizes, md.batch_size)
+            return None if bs is None else GraphKey(ForwardMode.DECODE, bs)
+        if md.mode is ForwardMode.TARGET_VERIFY and self.verify_batch_sizes and md.draft_len == self.draft_len \
+                and md.num_tokens == md.batch_size * self.draft_len:
+            bs = select_bucket(self.verify_batch_sizes, md.batch_size)
+            return None if bs is None else GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len)
+        return None
 
     def _run(self, key: GraphKey) -> torch.Tensor:
         b = self.buffers
-        with forward_context(ForwardContext(b.metadata(key), self.kv_caches, self.mamba_caches)):
+        inter = self.intermediate_caches if key.mode is ForwardMode.TARGET_VERIFY else {}
+        with forward_context(ForwardContext(b.metadata(key), self.kv_caches, self.mamba_caches, inter)):
             n = key.num_tokens
-            return self.forward(b.input_ids[:n], b.positions[:n], b.logits_indices[:key.batch_size])
+            return self.forward(b.input_ids[:n], b.positions[:n], b.logits_indices[:n])
 
     def capture_all(self) -> None:
         """Warm up and capture every bucket, largest first."""
         t0 = time.perf_counter()
-        for bs in sorted(self.batch_sizes, reverse=True):
-            key = GraphKey(ForwardMode.DECODE, bs)
+        for key in self.keys():
             self.buffers.reset(key)
             self._run(key)  # warm-up: lazy init and autotuning outside the capture
             torch.cuda.synchronize()
@@ -349,12 +422,16 @@ class FullGraphRunner:
 
     def replay(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
         """Fill the buffers with the step, replay; returns the logits of its ``b`` requests
-        (a view of the graph's output, valid until the next replay)."""
+        (DECODE: ``[b, V]``; TARGET_VERIFY: ``[b * draft_len, V]``, every verify position), a view
+        of the graph's output, valid until the next replay."""
         graph, out = self.graphs[key]
         self.buffers.fill(key, input_ids, md)
         graph.replay()
-        self.replays += 1
-        return out[: md.batch_size]
+        if key.mode is ForwardMode.TARGET_VERIFY:
+            self.verify_replays += 1
+        else:
+            self.replays += 1
+        return out[: md.batch_size * key.tokens_per_request]
 
 
 # --------------------------------------------------------------------------------------------

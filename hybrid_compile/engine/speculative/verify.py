@@ -3,9 +3,11 @@
 A step (:meth:`SpeculativeDecoder.step`) takes every decoding running request, asks the draft
 source for k tokens each, and runs ONE target forward in ``TARGET_VERIFY`` mode over
 ``L = k + 1`` tokens per request (its pending token + the drafts; seed 000 "Target Verify
-Flow"). The linear layers leave their main state untouched and write the state after every
-step into the Mamba pool's intermediate buffers (rows = batch rows); attention layers write the
-K/V of all L tokens and attend causally over prefix + drafts. Then, per request:
+Flow"), through ``ModelRunner.forward_verify`` (with CUDA graphs on: a full TARGET_VERIFY graph
+of the batch-size bucket when one fits). The linear layers leave their main state untouched and
+write the state after every step into the Mamba pool's intermediate buffers (rows = batch
+rows); attention layers write the K/V of all L tokens and attend causally over prefix + drafts.
+Then, per request:
 
 1. acceptance on the logits of all L positions: greedy keeps the longest prefix of drafts equal
    to the target's argmax plus the target's token after it (:func:`accept_greedy`); sampling
@@ -29,10 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...layers.context import ForwardContext, forward_context
-from ...passes.cuda_graphs import pad_requests
 from ..request import Request
-from ..runner import _MIN_COMPILED_BATCH
 from ..sampling import SamplingParams, transform_logits
 from ..scheduler import ScheduledBatch
 from .config import SpeculativeConfig
@@ -163,9 +162,9 @@ class SpeculativeDecoder:
         self.k = config.num_draft_tokens
         self.draft_len = self.k + 1
         mamba = engine.pools.mamba
-        self.intermediate_caches = {
-            layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer)) for layer in mamba.layer_ids
-        }
+        if engine.runner.draft_len != self.draft_len:
+            raise ValueError(f"speculative: the runner verifies {engine.runner.draft_len} tokens per request, the "
+                             f"config {self.draft_len}")
         self._states = mamba.state_tensors() if mamba.layer_ids else []
         self._intermediates = mamba.intermediate_state_tensors() if mamba.layer_ids else []
         self.source = build_draft_source(config, engine)
@@ -220,7 +219,8 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch, drafts: list[list[int]]) -> torch.Tensor:
-        """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position."""
+        """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
+        runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.engine.runner
         _, md = runner.build_metadata(batch)  # (its input ids hold only the pending tokens)
         ids = []
@@ -232,15 +232,7 @@ class SpeculativeDecoder:
         md = dataclasses.replace(
             md, logits_indices=torch.arange(n, dtype=torch.int64, device=runner.device), draft_len=self.draft_len
         )
-        if runner.compiled and md.batch_size < _MIN_COMPILED_BATCH:
-            # compiled steps have >= 2 requests: padding requests of draft_len tokens each
-            pad = [self.draft_len] * (_MIN_COMPILED_BATCH - md.batch_size)
-            input_ids, md = pad_requests(input_ids, md, pad, self.engine.pools.kv.PADDING_SLOT)
-        ctx = ForwardContext(md, runner.kv_caches, runner.mamba_caches, self.intermediate_caches)
-        with forward_context(ctx):
-            if runner.compiled:
-                return runner._call_compiled(input_ids, md.positions, md.logits_indices)[:n]
-            return runner._model_forward(input_ids, md.positions, md.logits_indices)
+        return runner.forward_verify(input_ids, md)
 
     def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
         reqs = batch.requests

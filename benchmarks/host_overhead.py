@@ -1,0 +1,215 @@
+"""Host overhead of a decode step: per-phase host microseconds per pure-decode ``engine.step()``
+(issue 5). Runs on CPU (the host cost is Python work, visible with a tiny model) and on CUDA.
+
+    python benchmarks/host_overhead.py --device cpu --tiny                 # eager ops, tiny model
+    python benchmarks/host_overhead.py --device cuda --modes full          # reference model, full graphs
+
+Phases of one step (each timed by wrapping the engine's own method on the instance):
+- ``schedule``: ``Scheduler.schedule`` or, with overlap, ``Scheduler.schedule_decode_ahead``
+  (which requests, KV slot allocation);
+- ``build_metadata``: ``ModelRunner.build_metadata`` (packed ids, positions, KV indices, copies);
+- ``dispatch``: the rest of ``ModelRunner.forward`` (graph selection, buffer filling, padding,
+  forward context), i.e. ``forward`` minus ``build_metadata`` minus ``model``;
+- ``model``: the model itself (eager forward, compiled call, or graph replay); on CUDA the wrapper
+  synchronises after it, so the GPU time lands here and every other phase is pure host time;
+- ``sample``: ``Sampler.sample``;
+- ``bookkeeping``: the rest of ``engine.step`` (counters, token host copy, appending tokens,
+  finishing requests).
+``host`` = step - model: the host work of one step. Medians over the pure-decode steps of a
+run of ``--batches`` requests (prompt ``--prompt-len``, ``--new-tokens`` new tokens, no EOS).
+Then the same run without timers: ``wall``, the median time of a decode ``engine.step()`` (no
+added sync; with overlap on a GPU, the step rate).
+Each batch runs with ``--overlap`` off and on (engine ``step`` launching the next decode step
+before reading the tokens; on a CPU nothing runs concurrently, so it only moves work).
+Output: printed table + JSON (``--out``, default ``benchmarks/results/host_overhead_<device>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hybrid_compile as hc  # noqa: E402
+from reference_models import build_qwen3_next_reference  # noqa: E402
+
+MODES = {
+    "eager": dict(compile=False),
+    "compiled": dict(compile=True, cuda_graphs=False),
+    "full": dict(compile=True, cuda_graphs="full"),
+}
+PHASES = ("schedule", "build_metadata", "dispatch", "model", "sample", "bookkeeping")
+
+
+class PhaseTimer:
+    """Wraps engine methods on their instances; accumulates the seconds of each phase in the
+    current step."""
+
+    def __init__(self, engine, sync_model: bool) -> None:
+        self.engine = engine
+        self.sync_model = sync_model
+        self.step: dict[str, float] = {}
+        self._undo = []
+        runner = engine.runner
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        if hasattr(engine.scheduler, "schedule_decode_ahead"):  # overlap: the next step planned ahead
+            self._wrap(engine.scheduler, "schedule_decode_ahead", "schedule")
+        self._wrap(runner, "build_metadata", "build_metadata")
+        self._wrap(runner, "forward", "forward")
+        self._wrap(engine.sampler, "sample", "sample")
+        # the innermost model call of each path (only the outermost one on the stack counts)
+        self._depth = 0
+        for name in ("_model_forward", "_run_compiled"):
+            self._wrap(runner, name, "model", model=True)
+        if runner.full_graphs is not None:
+            self._wrap(runner.full_graphs, "replay", "model", model=True)
+
+    def _wrap(self, obj, name: str, phase: str, model: bool = False) -> None:
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if model:
+                self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                out = original(*args, **kwargs)
+                if model and self.sync_model and self._depth == 1:
+                    torch.cuda.synchronize()
+                return out
+            finally:
+                if not model or self._depth == 1:
+                    self.step[phase] = self.step.get(phase, 0.0) + time.perf_counter() - t0
+                if model:
+                    self._depth -= 1
+
+        setattr(obj, name, timed)
+        self._undo.append((obj, name))
+
+    def close(self) -> None:
+        for obj, name in self._undo:
+            obj.__dict__.pop(name, None)
+
+
+def _add(engine, prompts, new_tokens) -> list[int]:
+    return [engine.add_request(p, hc.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+
+
+def _steady(rows: list) -> list:
+    """Drop the first decode steps (warm-up of allocators and caches)."""
+    return rows[min(4, len(rows) // 4):]
+
+
+def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
+    """Step the engine over ``prompts`` twice: with the phase timers (median microseconds per
+    phase over the decode steps), then without them (``wall``: median microseconds of a decode
+    ``engine.step()`` as it is, no added sync: the step rate, overlap included)."""
+    rids = _add(engine, prompts, new_tokens)
+    timer = PhaseTimer(engine, sync_model)
+    rows: list[dict[str, float]] = []
+    try:
+        while engine.has_unfinished():
+            before = engine.stats()["decode_steps"]
+            timer.step = {}
+            t0 = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t0
+            if engine.stats()["decode_steps"] == before:
+                continue
+            s = timer.step
+            row = {k: s.get(k, 0.0) for k in ("schedule", "build_metadata", "model", "sample")}
+            row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
+            row["bookkeeping"] = total - s.get("schedule", 0.0) - s.get("forward", 0.0) - row["sample"]
+            row["step"] = total
+            row["host"] = total - row["model"]
+            rows.append(row)
+    finally:
+        timer.close()
+    for rid in rids:
+        engine.pop_finished(rid)
+    rows = _steady(rows)
+    result = {k: 1e6 * statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "host")}
+
+    rids = _add(engine, prompts, new_tokens)
+    walls = []
+    while engine.has_unfinished():
+        before = engine._counters["decode_steps"]  # (stats() costs more than a step)
+        t0 = time.perf_counter()
+        engine.step()
+        if engine._counters["decode_steps"] != before:
+            walls.append(time.perf_counter() - t0)
+    for rid in rids:
+        engine.pop_finished(rid)
+    result["wall"] = 1e6 * statistics.median(_steady(walls))
+    return result | {"steps": len(rows)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy-size reference model")
+    ap.add_argument("--modes", default=None, help="comma list of " + ",".join(MODES) + " (default: eager on CPU, full on CUDA)")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--overlap", default="off,on",
+                    help="engine overlap settings to run (engine.overlap; an engine without it runs once, as 'n/a')")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    modes = (args.modes or ("full" if device.type == "cuda" else "eager")).split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    model = build_qwen3_next_reference(dtype, device, seed=0, tiny=args.tiny)
+    vocab = model.config.vocab_size
+    max_bs = max(batches)
+    engine_kw = dict(
+        max_running_requests=max_bs, chunked_prefill_size=max(512, args.prompt_len),
+        max_total_tokens=max_bs * (args.prompt_len + args.new_tokens) + 512,
+        mamba_cache_size=max_bs + 2, enable_prefix_cache=False,
+    )
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny, "threads": args.threads,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "unit": "microseconds per decode step",
+        "modes": {},
+    }
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"host_overhead_{'tiny_' if args.tiny else ''}{device.type}.json")
+    g = torch.Generator().manual_seed(0)
+    for mode in modes:
+        engine = hc.wrap(model, **MODES[mode], **engine_kw)
+        result["modes"][mode] = {}
+        settings = args.overlap.split(",") if hasattr(engine, "overlap") else ["n/a"]
+        for b in batches:
+            prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(b)]
+            for overlap in settings:
+                if overlap != "n/a":
+                    engine.overlap = overlap == "on"
+                r = result["modes"][mode].setdefault(f"overlap_{overlap}", {})[str(b)] = run(
+                    engine, prompts, args.new_tokens, device.type == "cuda")
+                print(f"{mode:8s} overlap {overlap:3s} b={b:<3d} wall {r['wall']:8.1f} us/step  host {r['host']:8.1f} us  | "
+                      + "  ".join(f"{k} {r[k]:.1f}" for k in PHASES), flush=True)
+        engine.close()
+        del engine
+        gc.collect()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Short-conv layer op: the recurrent core of an LFM2 ``ShortConv`` mixer (a depthwise causal conv).
+
+``hybrid_compile::short_conv_layer`` takes the gated conv input ``B * x`` (packed tokens) and
+returns the causal conv of it, reading the layer's conv-window pool from the forward context.
+The input projection, both gating products (``B * x`` before, ``C * conv`` after) and the
+output projection stay outside, in the compiled pieces (DESIGN.md: a layer op holds only what
+touches pools and per-step metadata). The layer has no recurrent state besides the conv window
+(its Mamba-pool spec is conv-only, ``state_shape == ()``), and the conv has no activation.
+
+By forward mode (same dispatch as ``layers/gdn.py``):
+- DECODE: ``causal_conv1d_update`` in place.
+- EXTEND (prefill, chunked prefill, mixed prefill + decode): ``causal_conv1d_fn`` continuing from
+  the request's window where it has one; prefix-cache checkpoints inside the extend when the step
+  asks for them (``layers/tracking.py``: only the conv window, there is no chunk state).
+- TARGET_VERIFY (speculative verify): ``causal_conv1d_update`` over each request's ``draft_len``
+  tokens with ``disable_state_update``, writing the window after every step into the layer's
+  intermediate buffer (``ForwardContext.intermediate_caches``) for the engine's commit; trailing
+  requests of another length (bucket filler) are left at zero.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
+from .context import ForwardMode, require_forward_context
+from .tracking import track_conv_checkpoints, tracking
+
+_kernels = torch.ops.hybrid_compile
+
+
+def _check(x: torch.Tensor, conv_weight: torch.Tensor) -> None:
+    if x.dim() != 2 or conv_weight.dim() != 2 or x.shape[1] != conv_weight.shape[0]:
+        raise ValueError(
+            f"short_conv_layer: x must be [tokens, D] and conv_weight [D, W] with the same D, got "
+            f"{tuple(x.shape)} and {tuple(conv_weight.shape)}"
+        )
+
+
+@torch.library.custom_op("hybrid_compile::short_conv_layer", mutates_args=())
+def short_conv_layer(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    layer_id: int,
+) -> torch.Tensor:
+    """Depthwise causal conv (no activation) of one short-conv layer for the step's packed tokens.
+
+    Args:
+        x: ``[N, D]`` conv input (LFM2: ``B * x`` of the input projection).
+        conv_weight: ``[D, W]`` depthwise conv weight (HF's ``conv.weight.squeeze(1)``).
+        conv_bias: ``[D]`` or None.
+        layer_id: HF layer index (key of ``ForwardContext.mamba_caches``); the conv window pool
+            ``[S, W-1, D]`` of that layer is updated.
+
+    Returns:
+        ``[N, D]`` conv output in x's dtype (zeros for padding rows).
+    """
+    _check(x, conv_weight)
+    ctx = require_forward_context("hybrid_compile::short_conv_layer")
+    md = ctx.metadata
+    conv_states = ctx.mamba_caches[layer_id][0]
+
+    if md.mode is ForwardMode.DECODE:
+        return _kernels.causal_conv1d_update(
+            x.unsqueeze(1), conv_states, conv_weight, conv_bias, None, md.mamba_cache_indices, False, None,
+        ).squeeze(1)
+    if md.mode is ForwardMode.EXTEND:
+        if tracking(md):  # prefix-cache checkpoint: the window at the tracked offset, before the conv
+            track_conv_checkpoints(md, conv_states, x)
+        return _kernels.causal_conv1d_fn(
+            x, conv_weight, conv_bias, conv_states, md.query_start_loc, md.mamba_cache_indices,
+            md.has_initial_state, None,
+        )
+    if md.mode is ForwardMode.TARGET_VERIFY:
+        steps = md.draft_len
+        rows = md.verify_rows()
+        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
+        inter_conv = ctx.intermediate(layer_id, "short_conv_layer")[0]
+        out = _kernels.causal_conv1d_update(
+            x[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, None,
+            md.mamba_cache_indices[:rows], True, inter_conv,
+        ).reshape(nv, -1)
+        return out if nv == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - nv, out.shape[1])])
+    raise NotImplementedError(f"short_conv_layer: forward mode {md.mode.value} is not supported")
+
+
+@short_conv_layer.register_fake
+def _(x, conv_weight, conv_bias, layer_id):
+    _check(x, conv_weight)
+    return x.new_zeros(x.shape)

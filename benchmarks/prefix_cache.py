@@ -53,6 +53,8 @@ SYSTEMS = {
 }
 CACHE_COUNTERS = ("admitted_hit_tokens", "admitted_tokens", "mamba_hits", "kv_evicted_tokens", "mamba_evicted",
                   "checkpoints_tracked", "checkpoints_forked", "checkpoints_skipped", "admissions_held")
+ENGINE_COUNTERS = ("steps", "extend_steps", "decode_steps", "prefill_tokens", "decode_tokens", "forward_seconds",
+                   "retractions")
 
 
 def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question_len: int, vocab: int, seed: int):
@@ -131,10 +133,14 @@ def cache_counters(engine) -> dict:
 
 
 def phase(engine, waves, output_len: int) -> dict:
-    """One measured run on an empty prefix cache; cache counters are this run's (deltas)."""
+    """One measured run on an empty prefix cache; cache and engine counters are this run's (deltas:
+    ``forward_seconds`` vs the run's ``seconds`` shows the host's share)."""
     engine.clear_prefix_cache()
     before = cache_counters(engine)
+    engine_before = engine.stats()
     r = run_waves(engine, waves, output_len)
+    engine_after = engine.stats()
+    r["engine"] = {k: engine_after[k] - engine_before[k] for k in ENGINE_COUNTERS}
     after = cache_counters(engine)
     if after:
         c = {k: after[k] - before[k] for k in after}

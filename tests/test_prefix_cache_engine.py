@@ -30,7 +30,7 @@ from engine_models import (
     vocab_size,
 )
 
-MODELS = ("qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "bamba")
+MODELS = ("qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "bamba")
 MAX_NEW = 8
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybrid_compile as hc  # noqa: E402
-from reference_models import build_qwen3_next_reference  # noqa: E402
+from reference_models import build_qwen3_next_reference, random_token_prompts as _prompts, sync_device as _sync  # noqa: E402
 
 MODES = {
     "eager": dict(compile=False),
@@ -48,16 +48,6 @@ MODES = {
     "both": dict(compile=True, cuda_graphs=True),
 }
 CHECK_TOKENS = 32
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _prompts(n, length, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
 def run_decode(engine, prompts, new_tokens, record_logits=False):

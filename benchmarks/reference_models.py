@@ -12,6 +12,8 @@ Weights are drawn by transformers' own initialisation under ``torch.manual_seed(
 seed, dtype and device -> same weights), directly on ``device`` in ``dtype``. ``tiny=True``
 keeps every structural feature (layer pattern, GQA on both layer kinds, tied embeddings) at toy
 sizes for CPU smoke runs. No generation defaults leak in: no EOS, greedy.
+
+Also the small helpers every benchmark shares: :func:`sync_device`, :func:`random_token_prompts`.
 """
 
 from __future__ import annotations
@@ -107,3 +109,15 @@ REFERENCE_BUILDERS = {
     "qwen3_next": build_qwen3_next_reference,
     "nemotron_h": build_nemotron_h_reference,
 }
+
+
+def sync_device(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): timing boundaries of the benchmarks."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_token_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids in [1, vocab) (0 is often the pad token)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]

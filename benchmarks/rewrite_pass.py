@@ -37,18 +37,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hybrid_compile as hc  # noqa: E402
-from benchmarks.reference_models import build_qwen3_next_reference  # noqa: E402
+from benchmarks.reference_models import (  # noqa: E402
+    build_qwen3_next_reference, random_token_prompts as _prompts, sync_device as _sync,
+)
 from hybrid_compile.layers.context import ForwardMode  # noqa: E402
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _prompts(n, length, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
 def record_decode_call(engine, prompts):

@@ -21,6 +21,16 @@ Then the same run without timers: ``wall``, the median time of a decode ``engine
 added sync; with overlap on a GPU, the step rate).
 Each batch runs with ``--overlap`` off and on (engine ``step`` launching the next decode step
 before reading the tokens; on a CPU nothing runs concurrently, so it only moves work).
+
+``--speculative K`` (issue 7): the same for the speculative *verify* steps of an engine with K
+draft tokens, the draft a replay of a continuation that is always wrong (acceptance length 1:
+every step verifies K + 1 tokens per request and emits one). Phases of a verify step:
+``draft`` (the draft source's ``propose``), ``schedule`` (``Scheduler.schedule_verify``),
+``build_metadata``, ``dispatch`` (the rest of the verify forward: ids, graph buffers, context),
+``model``, ``accept`` (acceptance on the logits; with the one host sync of the step),
+``commit`` (``commit_speculative_state``: on CPU its plain-torch implementation, on CUDA its
+kernels or one graph replay), ``kv_free`` (freeing the rejected drafts' KV slots), ``bookkeeping``
+(the rest: fill_drafts, counters, appending tokens). Output key ``verify_k<K>``.
 Output: printed table + JSON (``--out``, default ``benchmarks/results/host_overhead_<device>.json``).
 """
 
@@ -49,6 +59,8 @@ MODES = {
     "full": dict(compile=True, cuda_graphs="full"),
 }
 PHASES = ("schedule", "build_metadata", "dispatch", "model", "sample", "bookkeeping")
+VERIFY_PHASES = ("draft", "schedule", "build_metadata", "dispatch", "model", "accept", "commit", "kv_free",
+                 "bookkeeping")
 
 
 class PhaseTimer:
@@ -67,6 +79,18 @@ class PhaseTimer:
         self._wrap(runner, "build_metadata", "build_metadata")
         self._wrap(runner, "forward", "forward")
         self._wrap(engine.sampler, "sample", "sample")
+        spec = engine.speculative
+        if spec is not None:  # verify steps (the phases of VERIFY_PHASES)
+            self._wrap(spec.source, "propose", "draft")
+            self._wrap(engine.scheduler, "schedule_verify", "schedule")
+            for name in ("build_verify_metadata",):  # the verify fast path, where the runner has one
+                if hasattr(runner, name):
+                    self._wrap(runner, name, "build_metadata")
+            self._wrap(spec, "_forward", "forward")
+            self._wrap(spec, "_accept", "accept")
+            if hasattr(spec, "_commit"):
+                self._wrap(spec, "_commit", "commit")
+            self._wrap(engine.pools.kv.allocator, "free", "kv_free")
         # the innermost model call of each path (only the outermost one on the stack counts)
         self._depth = 0
         for name in ("_model_forward", "_run_compiled"):
@@ -153,6 +177,60 @@ def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
     return result | {"steps": len(rows)}
 
 
+def run_verify(engine, prompts, new_tokens, vocab: int) -> dict[str, float]:
+    """:func:`run` for the verify steps of a speculative engine (module docstring): median
+    microseconds per phase, then ``wall`` without the timers."""
+    from hybrid_compile.engine.speculative import ReplayDraft
+
+    def replay_always_wrong():  # q = 1: every draft differs from the (here irrelevant) continuation
+        return ReplayDraft({tuple(p): [0] * new_tokens for p in prompts}, 1.0, vocab, seed=0)
+
+    def verify_steps() -> int:
+        return engine.speculative.counters["verify_steps"]
+
+    engine.speculative.use_source(replay_always_wrong(), "replay_q1")
+    rids = _add(engine, prompts, new_tokens)
+    timer = PhaseTimer(engine, sync_model=engine.device.type == "cuda")
+    rows: list[dict[str, float]] = []
+    try:
+        while engine.has_unfinished():
+            before = verify_steps()
+            timer.step = {}
+            t0 = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t0
+            if verify_steps() == before:
+                continue
+            s = timer.step
+            row = {k: s.get(k, 0.0) for k in ("draft", "schedule", "build_metadata", "model", "accept", "commit", "kv_free")}
+            row["commit"] -= row["kv_free"] if "commit" in s else 0.0  # (the free runs inside the commit, where it has one)
+            row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
+            row["bookkeeping"] = total - sum(row.values())
+            row["step"] = total
+            row["host"] = total - row["model"]
+            rows.append(row)
+    finally:
+        timer.close()
+    for rid in rids:
+        engine.pop_finished(rid)
+    rows = _steady(rows)
+    result = {k: 1e6 * statistics.median(r[k] for r in rows) for k in (*VERIFY_PHASES, "step", "host")}
+
+    engine.speculative.use_source(replay_always_wrong(), "replay_q1")
+    rids = _add(engine, prompts, new_tokens)
+    walls = []
+    while engine.has_unfinished():
+        before = verify_steps()
+        t0 = time.perf_counter()
+        engine.step()
+        if verify_steps() != before:
+            walls.append(time.perf_counter() - t0)
+    for rid in rids:
+        engine.pop_finished(rid)
+    result["wall"] = 1e6 * statistics.median(_steady(walls))
+    return result | {"steps": len(rows)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -164,6 +242,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--overlap", default="off,on",
                     help="engine overlap settings to run (engine.overlap; an engine without it runs once, as 'n/a')")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="measure the verify steps of a speculative engine with K draft tokens instead (module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -180,14 +260,19 @@ def main():
         max_total_tokens=max_bs * (args.prompt_len + args.new_tokens) + 512,
         mamba_cache_size=max_bs + 2, enable_prefix_cache=False,
     )
+    if args.speculative:
+        engine_kw.update(speculative=hc.SpeculativeConfig(method="ngram", num_draft_tokens=args.speculative),
+                         max_total_tokens=max_bs * (args.prompt_len + args.new_tokens + args.speculative + 1) + 512)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny, "threads": args.threads,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "unit": "microseconds per decode step",
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "unit": f"microseconds per {'verify' if args.speculative else 'decode'} step", "speculative": args.speculative,
         "modes": {},
     }
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"host_overhead_{'tiny_' if args.tiny else ''}{device.type}.json")
+                                   f"host_overhead_{'verify_' if args.speculative else ''}{'tiny_' if args.tiny else ''}"
+                                   f"{device.type}.json")
     g = torch.Generator().manual_seed(0)
     for mode in modes:
         engine = hc.wrap(model, **MODES[mode], **engine_kw)
@@ -195,6 +280,12 @@ def main():
         settings = args.overlap.split(",") if hasattr(engine, "overlap") else ["n/a"]
         for b in batches:
             prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(b)]
+            if args.speculative:
+                r = result["modes"][mode].setdefault(f"verify_k{args.speculative}", {})[str(b)] = run_verify(
+                    engine, prompts, args.new_tokens, vocab)
+                print(f"{mode:8s} verify k={args.speculative} b={b:<3d} wall {r['wall']:8.1f} us/step  host "
+                      f"{r['host']:8.1f} us  | " + "  ".join(f"{k} {r[k]:.1f}" for k in VERIFY_PHASES), flush=True)
+                continue
             for overlap in settings:
                 if overlap != "n/a":
                     engine.overlap = overlap == "on"

@@ -7,8 +7,18 @@ non-speculative decode, in the same run, on the ~1.9 B random-weight Qwen3-Next 
 Random weights make real drafts meaningless, so besides n-gram lookup and a small draft model
 (a random 4-layer Qwen3-Next with the target's vocabulary, served by our engine machinery) the
 benchmark uses a *replay draft* (``ReplayDraft``): the target's own greedy continuation of each
-prompt, computed beforehand by the non-speculative engine, each draft token corrupted with
-probability q, which sets the acceptance rate (its cost is that of n-gram lookup).
+prompt, each draft token corrupted with probability q, which sets the acceptance rate (its cost
+is that of n-gram lookup). The continuation must be the *speculative* engine's own greedy output:
+in bf16 the verify path (extend attention over k + 1 tokens, the recurrent delta rule with
+intermediate states) rounds differently from the decode path, and on a random-weight model
+near-ties flip an argmax after a few dozen tokens, after which a continuation taken from the
+baseline engine is wrong at every step. So per k and batch it is found by a fixed-point iteration
+(``self_consistent_continuations``): start from the baseline's greedy output, run the speculative
+engine with the replay draft at q = 0, take its output as the next continuation, until it stops
+changing (``--replay-rounds`` at most; each round agrees with the previous one strictly further,
+since the verify windows coincide up to the first disagreement). Reported per k and batch:
+``replay_rounds``, ``replay_converged`` and ``replay_baseline_match`` (leading tokens of the
+continuation equal to the baseline's greedy output: bf16 near-ties, not an error).
 
 Per engine mode (``--modes``; eager / compiled / compiled + CUDA graphs) one baseline engine and
 one speculative engine per number of draft tokens k (the draft source is swapped in place with
@@ -18,10 +28,12 @@ then the decode phase is timed (until every request has ``--new-tokens`` tokens,
 ``tokens_per_s`` (tokens generated in the decode phase / its wall time), ``speedup`` against the
 baseline at that batch size, ``mean_acceptance_length`` (tokens emitted per request per verify
 step), ``acceptance_rate`` and ``match_tokens`` (how many leading tokens equal the baseline's
-greedy output, mean over requests; bf16 near-ties may flip a token), and the decode phase's
+greedy output, mean over requests; bf16 near-ties may flip a token), ``replay_match_tokens`` (the
+same against the replay continuation), and the decode phase's
 CUDA-graph counters (``cuda_graph_replays`` of decode graphs, ``verify_graph_replays`` of the
 full TARGET_VERIFY graphs, ``eager_fallbacks``: with ``--modes graphs`` every verify step of a
-batch within the buckets replays a verify graph). Output: a printed table and
+batch within the buckets replays a verify graph and, ``commit_graph_replays``, one commit graph).
+Output: a printed table and
 JSON (``--out``, default ``benchmarks/results/speculative_<device>.json``).
 """
 
@@ -115,8 +127,8 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     out = {"tokens_per_s": tokens / seconds, "decode_seconds": seconds, "decode_tokens": tokens}
     out.update({k: graphs_after[k] - graphs_before[k] for k in GRAPH_COUNTERS})
     if after:
-        d = {k: after[k] - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
-                                                      "emitted", "draft_seconds")}
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
+                                                      "emitted", "draft_seconds", "commit_graph_replays")}
         out.update(d)
         out["mean_acceptance_length"] = d["emitted"] / d["verified_requests"] if d["verified_requests"] else 0.0
         out["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
@@ -136,6 +148,23 @@ def _match(a: list[int], b: list[int]) -> int:
     return n
 
 
+def self_consistent_continuations(engine, prompts: list[list[int]], start: list[list[int]], vocab: int,
+                                  new_tokens: int, max_rounds: int) -> tuple[dict, dict]:
+    """The speculative engine's own greedy continuations of ``prompts`` (module docstring):
+    iterate "replay the continuation at q = 0, take the output" from ``start`` until the output
+    equals the replayed continuation or ``max_rounds`` ran. Returns ({tuple(prompt):
+    continuation}, info: ``rounds``, ``converged``)."""
+    current = [list(o) for o in start]
+    for rounds in range(1, max_rounds + 1):
+        engine.speculative.use_source(ReplayDraft(dict(zip(map(tuple, prompts), current)), 0.0, vocab), "replay_fixpoint")
+        outputs = run_decode(engine, prompts, new_tokens)["outputs"]
+        converged = outputs == current
+        current = outputs
+        if converged:
+            break
+    return dict(zip(map(tuple, prompts), current)), {"rounds": rounds, "converged": converged}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -147,6 +176,8 @@ def main() -> None:
     ap.add_argument("--sources", default="replay,ngram,draft_model")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--replay-rounds", type=int, default=8,
+                    help="at most this many fixed-point rounds for the self-consistent replay continuation")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -191,13 +222,23 @@ def main() -> None:
         engine.close()
         del engine
         gc.collect()
-        # the replay continuation of every prompt: the target's own greedy output
-        continuations = {tuple(p): o for b in batches for p, o in zip(prompts[b], greedy[b])}
-
         for k in ks:
             spec = hc.SpeculativeConfig(method="ngram", num_draft_tokens=k)
             engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
             run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify shapes
+            # the replay continuation of every prompt: this engine's own greedy output (fixed point)
+            continuations, replay_info = {}, {}
+            if "replay" in sources:
+                for b in batches:
+                    conts, info = self_consistent_continuations(engine, prompts[b], greedy[b], vocab,
+                                                                args.new_tokens, args.replay_rounds)
+                    continuations.update(conts)
+                    info["baseline_match"] = sum(_match(conts[tuple(p)], g) for p, g in zip(prompts[b], greedy[b])) / b
+                    replay_info[b] = info
+                    res.setdefault("replay_continuations", []).append(dict(k=k, batch=b, **info))
+                    print(f"   k={k} replay continuation b={b}: {info['rounds']} round(s), "
+                          f"{'converged' if info['converged'] else 'NOT converged'}, "
+                          f"{info['baseline_match']:.0f} leading tokens equal the baseline's greedy", flush=True)
             plan = [(f"replay_q{q}", lambda q=q: ReplayDraft(continuations, q, vocab, seed=7)) for q in qs
                     if "replay" in sources]
             if "ngram" in sources:
@@ -215,6 +256,10 @@ def main() -> None:
                     r.update(source=name, k=k, batch=b)
                     r["speedup"] = r["tokens_per_s"] / res["baseline"][str(b)]["tokens_per_s"]
                     r["match_tokens"] = sum(_match(o, g) for o, g in zip(outputs, greedy[b])) / b
+                    if name.startswith("replay"):
+                        r["replay_match_tokens"] = sum(_match(o, continuations[tuple(p)])
+                                                       for o, p in zip(outputs, prompts[b])) / b
+                        r.update({f"replay_{key}": v for key, v in replay_info[b].items()})
                     res["speculative"].append(r)
                     print(f"   k={k} {name:>14} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
                           f"accept len {r['mean_acceptance_length']:.2f}  match {r['match_tokens']:.0f}  {_graphs_note(r)}",

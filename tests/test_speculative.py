@@ -4,7 +4,9 @@ which accepts everything; another random model, which accepts little; n-gram loo
 HF draft model), with the prefix cache on and pools all free afterwards; speculative sampling
 matches the target's distribution (chi-square against the exact distribution computed from HF
 forwards); the acceptance rules against brute force; the verify layer ops against step-by-step
-decode; the Mamba2 families; compile.
+decode; the Mamba2 families; compile; the verify metadata fast path against the general path;
+the benchmarks' smoke runs (replay continuation a fixed point of the speculative engine, the
+verify host-overhead phases). GPU: the commit as CUDA graphs equals the op, in the engine too.
 """
 
 from __future__ import annotations
@@ -395,6 +397,47 @@ def test_custom_draft_source():
     _finish(engine)
 
 
+def test_verify_metadata_fast_path_equals_general_path():
+    """``ModelRunner.build_verify_metadata`` (one host->device copy, KV indices gathered on the
+    device) gives exactly the tensors of the general path (``_build_extend_metadata`` with every
+    token's logits and the drafts as input ids) on real verify steps of a continuous batch (KV
+    pages of 4, chunked prefills beside), and writes the same ``req_to_token`` entries."""
+    import dataclasses
+
+    model = cached_model(KIND, SEED)
+    prompts = _prompts(model)
+    engine = make_engine(model, speculative=_spec("ngram", model), page_size=4, **ENGINE_ARGS)
+    runner = engine.runner
+    original = runner.build_verify_metadata
+    checked = []
+
+    def build_verify_metadata(batch, drafts):
+        ids, md = original(batch, drafts)
+        r2t = engine.pools.req_to_token
+        fast_map, fast_host = r2t.req_to_token.clone(), r2t._req_to_token_host.clone()
+        want_ids = []
+        for r, row in zip(batch.requests, drafts):
+            want_ids += [r.token_ids(r.num_computed, r.num_computed + 1)[0], *row]
+        _, want = runner._build_extend_metadata(batch)  # (writes the same req_to_token entries again)
+        want = dataclasses.replace(want, logits_indices=torch.arange(md.num_tokens), draft_len=runner.draft_len)
+        assert ids.tolist() == want_ids and ids.dtype == torch.int64
+        for f in dataclasses.fields(want):
+            got, exp = getattr(md, f.name), getattr(want, f.name)
+            if isinstance(exp, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and got.dtype == exp.dtype and torch.equal(got, exp), f.name
+            else:
+                assert got == exp, f.name
+        assert torch.equal(r2t.req_to_token, fast_map) and torch.equal(r2t._req_to_token_host, fast_host)
+        checked.append(md.batch_size)
+        return ids, md
+
+    runner.build_verify_metadata = build_verify_metadata
+    assert engine.generate_batch(prompts, max_new_tokens=MAX_NEW) == _expected(model, prompts)
+    assert len(checked) >= 5 and max(checked) == ENGINE_ARGS["max_running_requests"]
+    del runner.build_verify_metadata
+    _finish(engine)
+
+
 # -- the verify layer ops against step-by-step decode ---------------------------------------------
 
 
@@ -514,3 +557,109 @@ def test_benchmark_tiny_smoke(tmp_path):
     assert set(rows) == {(s, b) for s in ("replay_q0.0", "replay_q0.5", "ngram", "draft_model") for b in (1, 2)}
     # an uncorrupted replay of the target's own greedy output is accepted in full
     assert rows["replay_q0.0", 1]["acceptance_rate"] == 1.0 and rows["replay_q0.0", 1]["match_tokens"] == 8
+    # the replay continuation is the speculative engine's own output (a fixed point; fp32: the baseline's)
+    for b in (1, 2):
+        r = rows["replay_q0.0", b]
+        assert r["replay_converged"] and r["replay_rounds"] >= 1 and r["replay_match_tokens"] == 8
+
+
+def test_replay_continuation_fixed_point(monkeypatch):
+    """``benchmarks/speculative.py``'s ``self_consistent_continuations`` from a wrong start: the
+    first round (every draft rejected) yields the engine's greedy output, the second replays it
+    unchanged: converged in 2 rounds at HF's greedy tokens; 1 round caps it unconverged."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "speculative.py"))
+    model = cached_model(KIND, SEED)
+    prompts = _prompts(model)[:2]
+    new = 6
+    with make_engine(model, speculative=_spec("ngram", model, k=2), **ENGINE_ARGS) as engine:
+        wrong = [[0] * new for _ in prompts]
+        conts, info = bench["self_consistent_continuations"](engine, prompts, wrong, vocab_size(model), new, 8)
+        assert info == {"rounds": 2, "converged": True}
+        assert [conts[tuple(p)] for p in prompts] == [hf_greedy_cached(model, (KIND, SEED), p, new) for p in prompts]
+        _, info = bench["self_consistent_continuations"](engine, prompts, wrong, vocab_size(model), new, 1)
+        assert info == {"rounds": 1, "converged": False}
+
+
+def test_host_overhead_verify_benchmark_smoke(tmp_path, monkeypatch):
+    """``benchmarks/host_overhead.py --speculative K`` times every phase of the verify steps on CPU
+    (acceptance length 1: one token per request per step; no speed asserted)."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--tiny", "--batches", "1,2", "--prompt-len", "8",
+                                      "--new-tokens", "10", "--speculative", "2", "--out", str(out)])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(script), run_name="__main__")
+    result = json.loads(out.read_text())
+    for b in ("1", "2"):
+        row = result["modes"]["eager"]["verify_k2"][b]
+        assert row["steps"] >= 9 - 4 and row["model"] > 0 and row["host"] > 0  # (10 tokens: 9 verify steps, 4 dropped)
+        assert all(row[k] > 0 for k in ("draft", "schedule", "build_metadata", "accept", "commit", "kv_free")), row
+
+
+# -- the commit as CUDA graphs (GPU) --------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_commit_graphs_equal_the_op():
+    """``CommitGraphs`` (one graph replay per commit, buckets 2 and 4) writes exactly what the
+    ``commit_speculative_state`` op writes, for 1 to 4 requests (padding rows skipped, a request
+    with 0 kept steps untouched), in fp32 and bf16 pool tensors."""
+    from hybrid_compile.engine.speculative.verify import CommitGraphs
+
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    states = [torch.randn(7, 3, 5, device=cuda, generator=g), torch.randn(7, 4, 2, 2, device=cuda, generator=g).bfloat16()]
+    inters = [torch.randn(5, 4, 3, 5, device=cuda, generator=g), torch.randn(5, 4, 4, 2, 2, device=cuda, generator=g).bfloat16()]
+    graphs = CommitGraphs(states, inters, (2, 4))
+    assert sorted(graphs.graphs) == [2, 4] and graphs.fits(4) and not graphs.fits(5)
+    cases = [([3], [2]), ([6, 0, 2], [4, 1, 0]), ([1, 5, 4, 2], [1, 2, 3, 4]), ([0, 6], [3, 4])]
+    for slots, steps in cases:
+        for t in inters:  # new intermediate states every step (what a verify forward writes)
+            t.copy_(torch.randn(t.shape, device=cuda, generator=g).to(t.dtype))
+        expected = [s.clone() for s in states]
+        torch.ops.hybrid_compile.commit_speculative_state(
+            expected, inters, torch.tensor(slots, dtype=torch.int32, device=cuda),
+            torch.tensor(steps, dtype=torch.int32, device=cuda))
+        graphs.commit(slots, steps)
+        torch.cuda.synchronize()
+        for got, want in zip(states, expected):
+            assert torch.equal(got, want), (slots, steps)
+    assert graphs.replays == len(cases)
+
+
+@pytest.mark.gpu
+def test_speculative_engine_commits_through_graphs():
+    """With full CUDA graphs the verify steps' commits replay ``CommitGraphs`` (verify batches within
+    the buckets), and the outputs are exactly those of the same engine committing through the
+    op; the target drafting for itself is accepted (a wrong commit would break its state); pools
+    all free afterwards."""
+    import copy
+
+    from engine_models import assert_pools_restored
+
+    model = copy.deepcopy(cached_model("qwen3_next_dense", 0)).to("cuda")
+    prompts = random_prompts([37, 1, 90, 5, 64, 3], vocab_size(model), seed=7) + [[5, 9, 14, 3] * 5]
+    spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3)
+    with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), enable_prefix_cache=False,
+                     piecewise_cuda_graph_tokens=(4, 16, 64), max_running_requests=4, speculative=spec,
+                     extra={"speculative_commit_graphs": True}) as engine:
+        initial = engine.pools.free_counts()
+        graphs = engine.speculative.commit_graphs
+        assert graphs is not None and sorted(graphs.graphs) == sorted(engine.stats()["compile"]["verify_batch_sizes"]) == [2, 4]
+        with_graphs = engine.generate_batch(prompts, max_new_tokens=10)
+        stats = engine.stats()["speculative"]
+        assert stats["commit_graph_replays"] > 0 and stats["acceptance_rate"] > 0.9, stats
+        engine.speculative.commit_graphs = None  # the op, launched per state tensor
+        assert engine.generate_batch(prompts, max_new_tokens=10) == with_graphs
+        engine.speculative.commit_graphs = graphs
+        assert_pools_restored(engine, initial)

@@ -28,8 +28,9 @@ else the compiled forward (an eager fallback with graphs on).
 Metadata: a DECODE step (the common case) takes a host fast path (``_build_decode_metadata``:
 per-request values from Python lists in one host->device copy, the KV indices gathered on the
 device from ``req_to_token``); its input ids may already be on the device (the engine's overlap
-feeds a step's sampled tokens straight into the next step launched ahead). Every other step
-takes the general path (``_build_extend_metadata``); both give the same tensors.
+feeds a step's sampled tokens straight into the next step launched ahead). A TARGET_VERIFY
+step takes the same kind of fast path (``build_verify_metadata``). Every other step takes the
+general path (``_build_extend_metadata``); all give the same tensors.
 """
 
 from __future__ import annotations
@@ -391,6 +392,84 @@ class ModelRunner:
                 raise ValueError(f"build_metadata: device input ids must be [{b}] int64, got "
                                  f"{tuple(device_ids.shape)} {device_ids.dtype}")
             input_ids = device_ids
+        return input_ids, md
+
+    def build_verify_metadata(
+        self, batch: ScheduledBatch, drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, ForwardMetadata]:
+        """(packed input ids, metadata) of a TARGET_VERIFY step (``batch`` from
+        ``Scheduler.schedule_verify``: ``L = draft_len`` new tokens per request, its pending token
+        then ``drafts[i]``; logits of every token), the verify counterpart of
+        :meth:`_build_decode_metadata`: every value from Python lists in one host->device copy, the
+        KV indices gathered on the device from ``req_to_token``."""
+        dev = self.device
+        reqs = batch.requests
+        b = len(reqs)
+        steps = self.draft_len
+        if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) \
+                or len(drafts) != b or any(len(row) != steps - 1 for row in drafts):
+            raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
+                             f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
+                             f"{batch.extend_lens[:8]}")
+        n = b * steps
+        prefix = batch.prefix_lens
+        seq = [p + steps for p in prefix]
+        kv_indptr = [0, *itertools.accumulate(seq)]
+        total = kv_indptr[-1]
+        req_slots = [r.req_slot for r in reqs]
+        out_cache_loc = batch.out_cache_loc.tolist()
+        r2t = self.pools.req_to_token
+        width = r2t.max_context_len
+        ids: list[int] = []
+        for r, p, row in zip(reqs, prefix, drafts):
+            ids.append(r.token_ids(p, p + 1)[0])
+            ids.extend(row)
+        ramp = range(steps)
+        positions = [p + j for p in prefix for j in ramp]
+        values = (
+            ids + positions + out_cache_loc
+            + list(range(n))  # logits indices: every token
+            + [slot * width + q for slot, p in zip(req_slots, prefix) for q in range(p, p + steps)]  # new entries
+            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]  # see _build_decode_metadata
+            # int32 part
+            + list(range(0, n + 1, steps))  # query_start_loc
+            + kv_indptr + seq + prefix
+            + [r.mamba_slot for r in reqs]
+            + [len(r.prompt) for r in reqs]
+        )
+        host = torch.tensor(values, dtype=torch.int64)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(dev, non_blocking=True)  # one host->device copy
+        input_ids, positions_d, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n].view(5, n).unbind()
+        offsets = packed[5 * n: 5 * n + b]
+        # req_to_token rows of the L new tokens: one distinct-request write per verify position
+        by_request = out_cache_loc_d.view(b, steps), new_entries.view(b, steps)
+        for j in ramp:
+            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps],
+                                  device_writes=(by_request[1][:, j], by_request[0][:, j]))
+        small = packed[5 * n + b:].to(torch.int32)
+        qsl_d, kv_indptr_d = small[: 2 * b + 2].view(2, b + 1).unbind()
+        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b + 2:].view(4, b).unbind()
+        flat = torch.arange(total, dtype=torch.int64, device=dev)
+        flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
+        md = ForwardMetadata(
+            mode=ForwardMode.TARGET_VERIFY,
+            positions=positions_d,
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            prefix_lens=prefix_d,
+            mamba_cache_indices=mamba_d,
+            has_initial_state=prefix_d > 0,
+            out_cache_loc=out_cache_loc_d,
+            kv_indptr=kv_indptr_d,
+            kv_indices=r2t.req_to_token.view(-1)[flat],
+            logits_indices=logits_indices,
+            extend_lens_cpu=[steps] * b,
+            seq_lens_cpu=seq,
+            draft_len=steps,
+            prompt_lens=prompt_d,
+        )
         return input_ids, md
 
     def _build_extend_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMetadata]:

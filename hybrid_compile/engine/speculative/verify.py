@@ -16,7 +16,8 @@ Then, per request:
    ``transform_logits``);
 2. truncation at a stop token / ``max_new_tokens`` (the emitted run is cut after it);
 3. commit: ``commit_speculative_state`` copies the state after the last kept step (conv window
-   and SSM state) into the request's slot; ``num_computed`` grows by the kept tokens, the KV
+   and SSM state) into the request's slot (with full CUDA graphs: one graph replay for all the
+   layers, :class:`CommitGraphs`); ``num_computed`` grows by the kept tokens, the KV
    slots of the rest are freed (``req_to_token`` entries past ``num_computed`` are never read:
    the next step overwrites them);
 4. the tokens are appended and finished requests handed to the scheduler (with a prefix cache:
@@ -25,12 +26,12 @@ Then, per request:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from ...passes import cuda_graphs as cg
 from ..request import Request
 from ..sampling import SamplingParams, transform_logits
 from ..scheduler import ScheduledBatch
@@ -46,8 +47,8 @@ _kernels = torch.ops.hybrid_compile
 # -- acceptance ---------------------------------------------------------------------------------
 
 
-def accept_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor) -> list[list[int]]:
-    """Greedy acceptance for a batch.
+def accept_greedy(target_tokens: torch.Tensor | list[list[int]], drafts: torch.Tensor | list[list[int]]) -> list[list[int]]:
+    """Greedy acceptance for a batch (on the host: one device->host copy of the target tokens).
 
     Args:
         target_tokens: ``[B, L]`` the target's argmax at each verify position (position j
@@ -58,11 +59,15 @@ def accept_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor) -> list[lis
         Per request the emitted tokens: the longest prefix of drafts that equals the target's
         tokens, then the target's token at the first mismatch (or after the last draft).
     """
-    k = drafts.shape[1]
-    match = (drafts == target_tokens[:, :k]).to(torch.int64)
-    accepted = torch.cumprod(match, dim=1).sum(dim=1)  # [B]
-    rows = target_tokens.tolist()
-    return [row[: n + 1] for row, n in zip(rows, accepted.tolist())]
+    rows = target_tokens.tolist() if isinstance(target_tokens, torch.Tensor) else target_tokens
+    drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
+    out = []
+    for row, draft in zip(rows, drafts):
+        n = 0
+        while n < len(draft) and draft[n] == row[n]:
+            n += 1
+        out.append(row[: n + 1])
+    return out
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -141,6 +146,58 @@ def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, voc
     return rows
 
 
+# -- the commit as CUDA graphs ------------------------------------------------------------------
+
+
+class CommitGraphs:
+    """``commit_speculative_state`` over every state tensor of the pool as one CUDA graph per
+    verify bucket: one replay instead of one kernel launch per state tensor (two per linear
+    layer) from the host. A step of ``b`` requests copies its slots and step counts into stable
+    buffers (one host->device copy; rows ``b ..`` get slot -1, which the op skips) and replays
+    the graph of the smallest bucket ``>= b``.
+
+    Args:
+        states, intermediates: the op's pool tensors and intermediate buffers (stable: the pools
+            live as long as the engine).
+        batch_sizes: the buckets (the runner's verify graph buckets).
+    """
+
+    def __init__(self, states: list[torch.Tensor], intermediates: list[torch.Tensor], batch_sizes) -> None:
+        self.batch_sizes = cg.normalize_buckets(batch_sizes)
+        self._select = cg.select_bucket
+        self.max_batch = self.batch_sizes[-1]
+        device = states[0].device
+        # [slots (max_batch), accepted steps (max_batch)]: slot -1 = a skipped row
+        self._buffer = torch.full((2 * self.max_batch,), -1, dtype=torch.int32, device=device)
+        slots, steps = self._buffer[: self.max_batch], self._buffer[self.max_batch:]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        pool = cg.GraphPool()  # (its own: the op allocates nothing, so the graphs hold no memory)
+        for bs in sorted(self.batch_sizes, reverse=True):
+            def commit(bs=bs):
+                _kernels.commit_speculative_state(states, intermediates, slots[:bs], steps[:bs])
+
+            commit()  # warm-up outside the capture (Triton compiles); every row is skipped
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            pool.capture(graph, commit)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.max_batch
+
+    def commit(self, slots: list[int], steps: list[int]) -> None:
+        """The op for ``len(slots) <= max_batch`` requests (``fits``), by one graph replay."""
+        b = len(slots)
+        bs = self._select(self.batch_sizes, b)
+        pad = self.max_batch - b
+        host = torch.tensor(slots + [-1] * pad + steps + [0] * pad, dtype=torch.int32).pin_memory()
+        self._buffer.copy_(host, non_blocking=True)
+        self.graphs[bs].replay()
+        self.replays += 1
+
+
 # -- the verify forward -------------------------------------------------------------------------
 
 
@@ -167,6 +224,15 @@ class SpeculativeDecoder:
                              f"config {self.draft_len}")
         self._states = mamba.state_tensors() if mamba.layer_ids else []
         self._intermediates = mamba.intermediate_state_tensors() if mamba.layer_ids else []
+        # with full CUDA graphs: the commit of a verify batch within the verify buckets as one graph.
+        # Opt-in (EngineConfig.extra["speculative_commit_graphs"] = True) until it has run on a GPU:
+        # its capture happens at wrap time, and a capture failure would break every speculative engine
+        full = engine.runner.full_graphs
+        wanted = bool(engine.config.extra.get("speculative_commit_graphs", False))
+        self.commit_graphs = (
+            CommitGraphs(self._states, self._intermediates, full.verify_batch_sizes)
+            if wanted and self._states and full is not None and full.verify_batch_sizes else None
+        )
         self.source = build_draft_source(config, engine)
         self.method = config.method
         self._last_was_verify = False
@@ -198,13 +264,15 @@ class SpeculativeDecoder:
         over all verify steps); ``drafted`` (k per row) and ``accepted`` drafts; ``emitted`` tokens
         kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
-        ``draft_seconds`` (time in the draft source)."""
+        ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
+        one CUDA graph, :class:`CommitGraphs`)."""
         c = dict(self.counters)
         c["num_draft_tokens"] = self.k
         c["method"] = self.method
         c["mean_acceptance_length"] = c["emitted"] / c["verified_requests"] if c["verified_requests"] else 0.0
         c["acceptance_rate"] = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
         c["acceptance_histogram"] = dict(sorted(self.acceptance_histogram.items()))
+        c["commit_graph_replays"] = self.commit_graphs.replays if self.commit_graphs is not None else 0
         return c
 
     def _wants_verify(self, force: bool) -> bool:
@@ -222,17 +290,7 @@ class SpeculativeDecoder:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.engine.runner
-        _, md = runner.build_metadata(batch)  # (its input ids hold only the pending tokens)
-        ids = []
-        for r, row in zip(batch.requests, drafts):
-            ids.append(r.token_ids(r.num_computed, r.num_computed + 1)[0])
-            ids.extend(row)
-        n = len(ids)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=runner.device)
-        md = dataclasses.replace(
-            md, logits_indices=torch.arange(n, dtype=torch.int64, device=runner.device), draft_len=self.draft_len
-        )
-        return runner.forward_verify(input_ids, md)
+        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
 
     def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
         reqs = batch.requests
@@ -240,9 +298,9 @@ class SpeculativeDecoder:
         emitted: list[list[int] | None] = [None] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            d = torch.tensor([drafts[i] for i in greedy], dtype=torch.int64, device=logits.device)
-            for i, tokens in zip(greedy, accept_greedy(logits[rows].argmax(dim=-1), d)):
+            # the argmax of every row on the device, one copy to the host (the step's one sync)
+            targets = logits.argmax(dim=-1).tolist()
+            for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
                 emitted[i] = tokens
         sampler = self.engine.sampler
         for i, r in enumerate(reqs):
@@ -250,6 +308,29 @@ class SpeculativeDecoder:
                 gen = sampler.generator_for(r.rid, r.params.seed, logits.device)
                 emitted[i] = accept_sampled(target_probs(logits[i], r.params), drafts[i], gen)
         return emitted
+
+    def _commit(self, reqs: list[Request], kept: list[list[int]]) -> None:
+        """State after each request's last kept step (one host->device copy of the slots and
+        step counts, then the op; with :class:`CommitGraphs` one graph replay), ``num_computed``
+        past the kept tokens, and the KV slots of the rest freed (one free for the batch)."""
+        engine = self.engine
+        graphs = self.commit_graphs
+        if graphs is not None and graphs.fits(len(reqs)):
+            graphs.commit([r.mamba_slot for r in reqs], [len(t) for t in kept])
+        elif self._states:
+            host = torch.tensor([r.mamba_slot for r in reqs] + [len(t) for t in kept], dtype=torch.int32)
+            if engine.device.type == "cuda":
+                host = host.pin_memory()
+            slots, steps = host.to(engine.device, non_blocking=True).split(len(reqs))
+            _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
+        rejected = []
+        for r, tokens in zip(reqs, kept):
+            r.num_computed += len(tokens)
+            if r.kv_slots.numel() > r.num_computed:
+                rejected.append(r.kv_slots[r.num_computed:])
+                r.kv_slots = r.kv_slots[: r.num_computed]
+        if rejected:  # (last request first: the free stack ends as after one free per request in order)
+            engine.pools.kv.allocator.free(torch.cat(rejected[::-1]) if len(rejected) > 1 else rejected[0])
 
     def step(self, force: bool = False) -> "list[StepOutput] | None":
         if not self._wants_verify(force):
@@ -273,15 +354,7 @@ class SpeculativeDecoder:
         emitted = self._accept(batch, drafts, logits)
         kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
 
-        # commit: state after the last kept step, KV of the kept tokens only
-        if self._states:
-            steps = torch.tensor([len(t) for t in kept], dtype=torch.int32, device=engine.device)
-            slots = torch.tensor([r.mamba_slot for r in reqs], dtype=torch.int32, device=engine.device)
-            _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
-        for r, tokens in zip(reqs, kept):
-            r.num_computed += len(tokens)
-            engine.pools.kv.allocator.free(r.kv_slots[r.num_computed:])
-            r.kv_slots = r.kv_slots[: r.num_computed]
+        self._commit(reqs, kept)
         t2 = time.perf_counter()
 
         c = self.counters

@@ -176,7 +176,7 @@ def test_compile_and_speculative():
     _finish(engine)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next_dense", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"])
 def test_other_qwen_kinds_greedy(kind):
     model = cached_model(kind, 0)
     prompts = random_prompts((5, 30), vocab_size(model), seed=3)

@@ -331,63 +331,11 @@ class ModelRunner:
         self, batch: ScheduledBatch, device_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ForwardMetadata]:
         """:meth:`build_metadata` of a DECODE step (one new token per request, the common case),
-        the same tensors as :meth:`_build_extend_metadata` with less host work: every per-request
-        value from Python lists in one host->device copy, the KV indices gathered on the device
-        from ``req_to_token`` (no per-token host tensors)."""
-        dev = self.device
-        reqs = batch.requests
-        b = len(reqs)
-        prefix = batch.prefix_lens
-        seq = [p + 1 for p in prefix]
-        kv_indptr = [0, *itertools.accumulate(seq)]
-        total = kv_indptr[-1]
-        req_slots = [r.req_slot for r in reqs]
-        out_cache_loc = batch.out_cache_loc.tolist()
-        r2t = self.pools.req_to_token
-        width = r2t.max_context_len
-        values = (
-            ([0] * b if device_ids is not None else [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, prefix)])
-            + prefix  # positions
-            + out_cache_loc
-            + list(range(b))  # logits indices
-            # flat index of request i's first req_to_token entry minus its kv_indptr start: the
-            # KV indices are req_to_token.view(-1)[arange(total) + repeat(offset_i, seq_i)]
-            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]
-            + [slot * width + p for slot, p in zip(req_slots, prefix)]  # the new tokens' req_to_token entries
-            # int32 part
-            + list(range(b + 1))  # query_start_loc
-            + kv_indptr + seq + prefix
-            + [r.mamba_slot for r in reqs]
-            + [len(r.prompt) for r in reqs]
-        )
-        host = torch.tensor(values, dtype=torch.int64)
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(dev, non_blocking=True)  # one host->device copy
-        input_ids, positions, out_cache_loc_d, logits_indices, offsets, new_entries = packed[: 6 * b].view(6, b).unbind()
-        r2t.set_decode_tokens(req_slots, prefix, out_cache_loc, device_writes=(new_entries, out_cache_loc_d))
-        small = packed[6 * b:].to(torch.int32)
-        qsl_d, kv_indptr_d = small[: 2 * b + 2].view(2, b + 1).unbind()
-        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b + 2:].view(4, b).unbind()
-        flat = torch.arange(total, dtype=torch.int64, device=dev)
-        flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
-        md = ForwardMetadata(
-            mode=ForwardMode.DECODE,
-            positions=positions,
-            query_start_loc=qsl_d,
-            seq_lens=seq_d,
-            prefix_lens=prefix_d,
-            mamba_cache_indices=mamba_d,
-            has_initial_state=prefix_d > 0,
-            out_cache_loc=out_cache_loc_d,
-            kv_indptr=kv_indptr_d,
-            kv_indices=r2t.req_to_token.view(-1)[flat],
-            logits_indices=logits_indices,
-            extend_lens_cpu=[1] * b,
-            seq_lens_cpu=seq,
-            prompt_lens=prompt_d,
-        )
+        the same tensors as :meth:`_build_extend_metadata` with less host work
+        (:meth:`_build_uniform_metadata`)."""
+        input_ids, md = self._build_uniform_metadata(batch, ForwardMode.DECODE, 1, None, device_ids is not None)
         if device_ids is not None:
+            b = len(batch.requests)
             if device_ids.shape != (b,) or device_ids.dtype != torch.int64:
                 raise ValueError(f"build_metadata: device input ids must be [{b}] int64, got "
                                  f"{tuple(device_ids.shape)} {device_ids.dtype}")
@@ -400,17 +348,28 @@ class ModelRunner:
         """(packed input ids, metadata) of a TARGET_VERIFY step (``batch`` from
         ``Scheduler.schedule_verify``: ``L = draft_len`` new tokens per request, its pending token
         then ``drafts[i]``; logits of every token), the verify counterpart of
-        :meth:`_build_decode_metadata`: every value from Python lists in one host->device copy, the
-        KV indices gathered on the device from ``req_to_token``."""
-        dev = self.device
-        reqs = batch.requests
-        b = len(reqs)
+        :meth:`_build_decode_metadata` (:meth:`_build_uniform_metadata`)."""
+        b = len(batch.requests)
         steps = self.draft_len
         if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) \
                 or len(drafts) != b or any(len(row) != steps - 1 for row in drafts):
             raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
                              f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
                              f"{batch.extend_lens[:8]}")
+        return self._build_uniform_metadata(batch, ForwardMode.TARGET_VERIFY, steps, drafts, False)
+
+    def _build_uniform_metadata(
+        self, batch: ScheduledBatch, mode: ForwardMode, steps: int, drafts: list[list[int]] | None,
+        ids_on_device: bool,
+    ) -> tuple[torch.Tensor, ForwardMetadata]:
+        """Metadata of a step in which every request adds ``steps`` tokens (DECODE: 1, its pending
+        token; TARGET_VERIFY: its pending token then ``drafts[i]``), logits of every token: every
+        per-request value from Python lists in one host->device copy, the KV indices gathered on the
+        device from ``req_to_token`` (no per-token host tensors). With ``ids_on_device`` the
+        returned input ids are placeholders (the caller has them on the device)."""
+        dev = self.device
+        reqs = batch.requests
+        b = len(reqs)
         n = b * steps
         prefix = batch.prefix_lens
         seq = [p + steps for p in prefix]
@@ -420,17 +379,24 @@ class ModelRunner:
         out_cache_loc = batch.out_cache_loc.tolist()
         r2t = self.pools.req_to_token
         width = r2t.max_context_len
-        ids: list[int] = []
-        for r, p, row in zip(reqs, prefix, drafts):
-            ids.append(r.token_ids(p, p + 1)[0])
-            ids.extend(row)
         ramp = range(steps)
-        positions = [p + j for p in prefix for j in ramp]
+        if ids_on_device:
+            ids = [0] * n
+        else:
+            ids = []
+            for i, (r, p) in enumerate(zip(reqs, prefix)):
+                ids.append(r.token_ids(p, p + 1)[0])
+                if drafts is not None:
+                    ids.extend(drafts[i])
         values = (
-            ids + positions + out_cache_loc
+            ids
+            + [p + j for p in prefix for j in ramp]  # positions
+            + out_cache_loc
             + list(range(n))  # logits indices: every token
             + [slot * width + q for slot, p in zip(req_slots, prefix) for q in range(p, p + steps)]  # new entries
-            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]  # see _build_decode_metadata
+            # flat index of request i's first req_to_token entry minus its kv_indptr start: the
+            # KV indices are req_to_token.view(-1)[arange(total) + repeat(offset_i, seq_i)]
+            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]
             # int32 part
             + list(range(0, n + 1, steps))  # query_start_loc
             + kv_indptr + seq + prefix
@@ -441,9 +407,9 @@ class ModelRunner:
         if dev.type == "cuda":
             host = host.pin_memory()
         packed = host.to(dev, non_blocking=True)  # one host->device copy
-        input_ids, positions_d, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n].view(5, n).unbind()
+        input_ids, positions, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n].view(5, n).unbind()
         offsets = packed[5 * n: 5 * n + b]
-        # req_to_token rows of the L new tokens: one distinct-request write per verify position
+        # req_to_token rows of the new tokens: one distinct-request write per position j
         by_request = out_cache_loc_d.view(b, steps), new_entries.view(b, steps)
         for j in ramp:
             r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps],
@@ -454,8 +420,8 @@ class ModelRunner:
         flat = torch.arange(total, dtype=torch.int64, device=dev)
         flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
         md = ForwardMetadata(
-            mode=ForwardMode.TARGET_VERIFY,
-            positions=positions_d,
+            mode=mode,
+            positions=positions,
             query_start_loc=qsl_d,
             seq_lens=seq_d,
             prefix_lens=prefix_d,
@@ -467,7 +433,7 @@ class ModelRunner:
             logits_indices=logits_indices,
             extend_lens_cpu=[steps] * b,
             seq_lens_cpu=seq,
-            draft_len=steps,
+            draft_len=steps if mode is ForwardMode.TARGET_VERIFY else 0,
             prompt_lens=prompt_d,
         )
         return input_ids, md

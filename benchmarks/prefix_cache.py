@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hybrid_compile as hc  # noqa: E402
+from benchmarks.profiling import StepTrace, kernel_profile  # noqa: E402
 from benchmarks.reference_models import build_qwen3_next_reference  # noqa: E402
 
 SYSTEMS = {
@@ -151,6 +152,21 @@ def phase(engine, waves, output_len: int) -> dict:
     return r
 
 
+def profile_phase(engine, waves, output_len: int, folder: str, system: str) -> list[dict]:
+    """A diagnostic (untimed) run of the phase: per-step forward times by shape and the top
+    kernels, written to ``folder/prefix_cache_<system>_{steps,kernels}.txt``; returns the step
+    summary."""
+    os.makedirs(folder, exist_ok=True)
+    engine.clear_prefix_cache()
+    with StepTrace(engine) as trace, kernel_profile(os.path.join(folder, f"prefix_cache_{system}_kernels.txt"),
+                                                    engine.device):
+        run_waves(engine, waves, output_len)
+    with open(os.path.join(folder, f"prefix_cache_{system}_steps.txt"), "w") as f:
+        f.write(trace.format() + "\n")
+    print(trace.format(), flush=True)
+    return trace.summary()
+
+
 class Ballast:
     """Holds KV and Mamba slots of an engine's pools so that only ``kv_tokens`` / ``mamba_slots``
     stay free: the memory-pressure phase on the same engine (no second compile + capture)."""
@@ -219,6 +235,8 @@ def run_system(model, system: str, args, vocab: int) -> dict:
         warm = [p[: args.warmup_len] for p in main[0][:2]]
         run_waves(engine, [warm, warm[:1]], 2)  # compile / allocator warm-up, then an empty cache
         out["warmup_s"] = time.perf_counter() - t0
+        if args.profile:
+            out["profile_steps"] = profile_phase(engine, main, args.output_len, args.profile, system)
         out["shared_prefix"] = r = phase(engine, main, args.output_len)
         print(f"  {system:9s} mean TTFT {r['mean_ttft_s'] * 1e3:9.1f} ms (queue {r['mean_queue_s'] * 1e3:8.1f} + "
               f"prefill {r['mean_prefill_s'] * 1e3:8.1f})  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
@@ -272,6 +290,9 @@ def parse_args(argv=None):
                    "i.e. compile + CUDA graphs on CUDA)")
     p.add_argument("--warmup-len", type=int, default=None, help="prompt length of the warm-up requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="before the timed shared-prefix phase, a traced run of it: per-step times and top kernels "
+                        "written under DIR (benchmarks/profiling.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,

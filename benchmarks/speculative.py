@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--replay-rounds", type=int, default=8,
                     help="at most this many fixed-point rounds for the self-consistent replay continuation")
+    ap.add_argument("--extra", type=json.loads, default={},
+                    help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -197,7 +199,7 @@ def main() -> None:
     engine_kw = dict(
         max_running_requests=max_bs, chunked_prefill_size=max(512, max_bs * args.prompt_len),
         max_total_tokens=max_bs * (args.prompt_len + args.new_tokens + max(ks) + 8) + 64,
-        mamba_cache_size=max_bs + 2, enable_prefix_cache=False,
+        mamba_cache_size=max_bs + 2, enable_prefix_cache=False, extra=dict(args.extra),
     )
     prompts = {b: _prompts(b, args.prompt_len, vocab, seed=100 + b) for b in batches}
     result = {

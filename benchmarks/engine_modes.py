@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybrid_compile as hc  # noqa: E402
 from reference_models import build_qwen3_next_reference, random_token_prompts as _prompts, sync_device as _sync  # noqa: E402
+from kernels import replay_ms  # noqa: E402  (benchmarks/kernels.py: one timing method)
 
 MODES = {
     "eager": dict(compile=False),
@@ -98,20 +99,13 @@ def run_prefill(engine, prompt, repeats=3):
 
 @torch.inference_mode()
 def graph_replay_ms(engine, iters=50):
-    """GPU time of one replay of the smallest full decode graph (batch 1 pads to it)."""
+    """GPU time of one replay of the smallest full decode graph (batch 1 pads to it): median
+    milliseconds over ``iters`` replays."""
     fg = engine.runner.full_graphs
     key = min(fg.graphs, key=lambda k: k.batch_size)
     graph, _ = fg.graphs[key]
     fg.buffers.reset(key)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return replay_ms(graph, iters)
 
 
 def host_breakdown(engine, prompt, steps=32):

@@ -133,26 +133,28 @@ def _steady(rows: list) -> list:
     return rows[min(4, len(rows) // 4):]
 
 
-def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
-    """Step the engine over ``prompts`` twice: with the phase timers (median microseconds per
-    phase over the decode steps), then without them (``wall``: median microseconds of a decode
-    ``engine.step()`` as it is, no added sync: the step rate, overlap included)."""
+def _measure(engine, prompts, new_tokens, sync_model: bool, phases: tuple[str, ...], counted_steps,
+             phase_row, start=lambda: None) -> dict[str, float]:
+    """Step the engine over ``prompts`` twice, counting only the steps that advance
+    ``counted_steps()``: with the phase timers (median microseconds of each of ``phases``, of
+    ``step`` and of ``host`` = step - model; ``phase_row(timer.step, total)`` turns one step's
+    timed seconds into its phases), then without them (``wall``: median microseconds of such an
+    ``engine.step()`` as it is, no added sync: the step rate, overlap included). ``start()`` runs
+    before each pass."""
+    start()
     rids = _add(engine, prompts, new_tokens)
     timer = PhaseTimer(engine, sync_model)
     rows: list[dict[str, float]] = []
     try:
         while engine.has_unfinished():
-            before = engine.stats()["decode_steps"]
+            before = counted_steps()
             timer.step = {}
             t0 = time.perf_counter()
             engine.step()
             total = time.perf_counter() - t0
-            if engine.stats()["decode_steps"] == before:
+            if counted_steps() == before:
                 continue
-            s = timer.step
-            row = {k: s.get(k, 0.0) for k in ("schedule", "build_metadata", "model", "sample")}
-            row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
-            row["bookkeeping"] = total - s.get("schedule", 0.0) - s.get("forward", 0.0) - row["sample"]
+            row = phase_row(timer.step, total)
             row["step"] = total
             row["host"] = total - row["model"]
             rows.append(row)
@@ -161,15 +163,16 @@ def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
     for rid in rids:
         engine.pop_finished(rid)
     rows = _steady(rows)
-    result = {k: 1e6 * statistics.median(r[k] for r in rows) for k in (*PHASES, "step", "host")}
+    result = {k: 1e6 * statistics.median(r[k] for r in rows) for k in (*phases, "step", "host")}
 
+    start()
     rids = _add(engine, prompts, new_tokens)
     walls = []
     while engine.has_unfinished():
-        before = engine._counters["decode_steps"]  # (stats() costs more than a step)
+        before = counted_steps()
         t0 = time.perf_counter()
         engine.step()
-        if engine._counters["decode_steps"] != before:
+        if counted_steps() != before:
             walls.append(time.perf_counter() - t0)
     for rid in rids:
         engine.pop_finished(rid)
@@ -177,58 +180,42 @@ def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
     return result | {"steps": len(rows)}
 
 
+def run(engine, prompts, new_tokens, sync_model: bool) -> dict[str, float]:
+    """:func:`_measure` over the decode steps (phases of ``PHASES``)."""
+
+    def decode_row(s: dict[str, float], total: float) -> dict[str, float]:
+        row = {k: s.get(k, 0.0) for k in ("schedule", "build_metadata", "model", "sample")}
+        row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
+        row["bookkeeping"] = total - s.get("schedule", 0.0) - s.get("forward", 0.0) - row["sample"]
+        return row
+
+    def decode_steps() -> int:
+        return engine._counters["decode_steps"]  # (stats() costs more than a step)
+
+    return _measure(engine, prompts, new_tokens, sync_model, PHASES, decode_steps, decode_row)
+
+
 def run_verify(engine, prompts, new_tokens, vocab: int) -> dict[str, float]:
-    """:func:`run` for the verify steps of a speculative engine (module docstring): median
-    microseconds per phase, then ``wall`` without the timers."""
+    """:func:`_measure` over the verify steps of a speculative engine (module docstring; phases
+    of ``VERIFY_PHASES``), each pass with a fresh always-wrong draft source."""
     from hybrid_compile.engine.speculative import ReplayDraft
 
-    def replay_always_wrong():  # q = 1: every draft differs from the (here irrelevant) continuation
-        return ReplayDraft({tuple(p): [0] * new_tokens for p in prompts}, 1.0, vocab, seed=0)
+    def use_replay_always_wrong():  # q = 1: every draft differs from the (here irrelevant) continuation
+        source = ReplayDraft({tuple(p): [0] * new_tokens for p in prompts}, 1.0, vocab, seed=0)
+        engine.speculative.use_source(source, "replay_q1")
+
+    def verify_row(s: dict[str, float], total: float) -> dict[str, float]:
+        row = {k: s.get(k, 0.0) for k in ("draft", "schedule", "build_metadata", "model", "accept", "commit", "kv_free")}
+        row["commit"] -= row["kv_free"] if "commit" in s else 0.0  # (the free runs inside the commit, where it has one)
+        row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
+        row["bookkeeping"] = total - sum(row.values())
+        return row
 
     def verify_steps() -> int:
         return engine.speculative.counters["verify_steps"]
 
-    engine.speculative.use_source(replay_always_wrong(), "replay_q1")
-    rids = _add(engine, prompts, new_tokens)
-    timer = PhaseTimer(engine, sync_model=engine.device.type == "cuda")
-    rows: list[dict[str, float]] = []
-    try:
-        while engine.has_unfinished():
-            before = verify_steps()
-            timer.step = {}
-            t0 = time.perf_counter()
-            engine.step()
-            total = time.perf_counter() - t0
-            if verify_steps() == before:
-                continue
-            s = timer.step
-            row = {k: s.get(k, 0.0) for k in ("draft", "schedule", "build_metadata", "model", "accept", "commit", "kv_free")}
-            row["commit"] -= row["kv_free"] if "commit" in s else 0.0  # (the free runs inside the commit, where it has one)
-            row["dispatch"] = s.get("forward", 0.0) - row["build_metadata"] - row["model"]
-            row["bookkeeping"] = total - sum(row.values())
-            row["step"] = total
-            row["host"] = total - row["model"]
-            rows.append(row)
-    finally:
-        timer.close()
-    for rid in rids:
-        engine.pop_finished(rid)
-    rows = _steady(rows)
-    result = {k: 1e6 * statistics.median(r[k] for r in rows) for k in (*VERIFY_PHASES, "step", "host")}
-
-    engine.speculative.use_source(replay_always_wrong(), "replay_q1")
-    rids = _add(engine, prompts, new_tokens)
-    walls = []
-    while engine.has_unfinished():
-        before = verify_steps()
-        t0 = time.perf_counter()
-        engine.step()
-        if verify_steps() != before:
-            walls.append(time.perf_counter() - t0)
-    for rid in rids:
-        engine.pop_finished(rid)
-    result["wall"] = 1e6 * statistics.median(_steady(walls))
-    return result | {"steps": len(rows)}
+    return _measure(engine, prompts, new_tokens, engine.device.type == "cuda", VERIFY_PHASES, verify_steps,
+                    verify_row, start=use_replay_always_wrong)
 
 
 def main():

@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import hybrid_compile  # noqa: E402
 from hybrid_compile.ops import attention as A  # noqa: E402
 from hybrid_compile.ops import conv1d as C  # noqa: E402
 from hybrid_compile.ops import gdn as G  # noqa: E402
@@ -74,21 +73,36 @@ def eager_ms(fn, warmup=3, iters=10, max_seconds=2.0):
     return _events_ms(fn, iters, max_seconds)
 
 
+def capture_graph(fn, warmup=1) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after ``warmup`` calls on the capture stream (raises if fn
+    cannot be captured)."""
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        with torch.cuda.graph(g, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return g
+
+
+def replay_ms(graph, iters=30, max_seconds=2.0):
+    """Median milliseconds of one replay of a captured CUDA graph (after one warm-up replay), CUDA
+    events around each replay."""
+    graph.replay()
+    torch.cuda.synchronize()
+    return _events_ms(graph.replay, iters, max_seconds)
+
+
 def cuda_graph_ms(fn, iters=30, max_seconds=2.0):
     """Median milliseconds of replays of fn() captured in a CUDA graph (raises if fn cannot be
     captured): the kernel time the engine sees under CUDA graphs, free of launch overhead."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up on the capture stream
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return _events_ms(g.replay, iters, max_seconds)
+    return replay_ms(capture_graph(fn), iters, max_seconds)
 
 
 def bench(fn, warmup=3, iters=10, max_seconds=2.0, graph=True):
@@ -106,17 +120,24 @@ def bench(fn, warmup=3, iters=10, max_seconds=2.0, graph=True):
     return Ms(_events_ms(fn, iters, max_seconds), "eager")
 
 
-def measure_peaks():
+def _copy_bytes_per_second():
     n = 1 << 28  # 512 MiB of bf16 (1 GiB read+write per copy)
     a = torch.empty(n, dtype=BF16, device=DEV)
     b = torch.empty_like(a)
     ms = bench(lambda: b.copy_(a), iters=20)
-    bw = 2 * a.numel() * a.element_size() / (ms * 1e-3)
+    return 2 * a.numel() * a.element_size() / (ms * 1e-3)
+
+
+def _matmul_tflops():
     x = torch.randn(8192, 8192, dtype=BF16, device=DEV)
     y = torch.randn(8192, 8192, dtype=BF16, device=DEV)
     ms = bench(lambda: x @ y, iters=20)
-    tflops = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    del a, b, x, y
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def measure_peaks():
+    """(copy bandwidth in bytes/s, bf16 matmul TFLOP/s) of this device."""
+    bw, tflops = _copy_bytes_per_second(), _matmul_tflops()
     torch.cuda.empty_cache()
     return bw, tflops
 
@@ -171,7 +192,7 @@ def record(op, shape, ours, torch_ms=None, fla_ms=None, bytes_moved=None, flops=
 def safe(fn):
     try:
         return fn()
-    except Exception as e:  # noqa: BLE001
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
         return None
 

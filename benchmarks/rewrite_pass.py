@@ -10,8 +10,9 @@ on the unpacked weights): for each batch size, B prompts of ``--prompt`` tokens 
 the first pure-decode step's compiled forward call (the runner's ``_run_compiled``: input ids and
 metadata, batch 1 padded to 2 as the runner does) is recorded. That call is then timed
 
-- ``graph_ms``: captured in a plain ``torch.cuda.graph`` and replayed (CUDA events, median of
-  ``--rounds`` rounds of ``--iters`` replays): the decode step as full CUDA graphs run it;
+- ``graph_ms``: captured in a plain ``torch.cuda.graph`` and replayed (``benchmarks/kernels.py``'s
+  ``replay_ms``: CUDA events, median of ``--rounds`` x ``--iters`` replays): the decode step as
+  full CUDA graphs run it;
 - ``launch_ms``: called directly (wall time per call after a sync, same rounds): eager launches
   of the compiled pieces and the layer ops;
 - ``kernels``: CUDA kernels launched by one call (torch.profiler).
@@ -40,6 +41,7 @@ import hybrid_compile as hc  # noqa: E402
 from benchmarks.reference_models import (  # noqa: E402
     build_qwen3_next_reference, random_token_prompts as _prompts, sync_device as _sync,
 )
+from benchmarks.kernels import capture_graph, replay_ms  # noqa: E402  (one timing method)
 from hybrid_compile.layers.context import ForwardMode  # noqa: E402
 
 
@@ -83,28 +85,9 @@ def time_launches(fn, device, iters, rounds):
 
 
 def time_graph(fn, iters, rounds):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    del graph
-    return statistics.median(times)
+    """Median milliseconds of one replay of fn() captured in a CUDA graph (``iters * rounds``
+    replays; two warm-up calls before the capture)."""
+    return replay_ms(capture_graph(fn, warmup=2), iters * rounds)
 
 
 def count_kernels(fn, device):

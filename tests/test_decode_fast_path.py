@@ -96,6 +96,35 @@ class _Pending:
         return ids[start:end]
 
 
+def test_metadata_tensors_start_16_byte_aligned(model):
+    """Every metadata tensor of every step kind (extend, mixed, decode fast path, verify) starts at
+    a 16-byte aligned address whatever the batch size: Triton specialises kernels on pointer
+    alignment, so a batch-size-dependent offset into the packed buffer would JIT-compile new kernel
+    variants mid-serving (seconds each on a GPU)."""
+    seen = set()
+
+    def check(batch_md):
+        input_ids, md = batch_md
+        for f in dataclasses.fields(md):
+            t = getattr(md, f.name)
+            if isinstance(t, torch.Tensor) and t.numel():
+                assert t.data_ptr() % 16 == 0, (md.mode.value, md.batch_size, f.name)
+        assert input_ids.data_ptr() % 16 == 0
+        seen.add((md.mode.value, md.batch_size))
+        return batch_md
+
+    for spec in (None, dict(method="ngram", num_draft_tokens=2)):
+        with make_engine(model, max_running_requests=5, chunked_prefill_size=16, speculative=spec) as engine:
+            build_uniform = engine.runner._build_uniform_metadata
+            build_extend = engine.runner._build_extend_metadata
+            engine.runner._build_uniform_metadata = lambda *a, **k: check(build_uniform(*a, **k))
+            engine.runner._build_extend_metadata = lambda *a, **k: check(build_extend(*a, **k))
+            prompts = random_prompts([3, 7, 12, 5, 9, 4], vocab_size(model), seed=3)
+            engine.generate_batch(prompts, max_new_tokens=6)
+    assert {m for m, _ in seen} == {"extend", "decode", "target_verify"}
+    assert len({b for m, b in seen if m == "decode"}) >= 3
+
+
 def test_decode_metadata_rejects_bad_device_ids(model):
     with make_engine(model) as engine:
         engine.overlap = False

@@ -213,6 +213,62 @@ def test_stats_counters_match_the_work_done(model, prompts):
         assert_pools_restored(engine, initial)
 
 
+@pytest.mark.parametrize("speculative", [None, dict(method="ngram", num_draft_tokens=2)], ids=["plain", "ngram"])
+def test_kernel_warm_up_leaves_no_trace(model, prompts, speculative):
+    """``warmup_kernels`` (on by default on CUDA) serves two requests at wrap time through every
+    step kind (extend, prefix-cache checkpoint and hit, mixed, decode; verify with speculative)
+    and forgets them: counters at zero, request ids from 0, prefix cache empty, pools as an
+    engine without warm-up has them, outputs equal HF's greedy."""
+    kw = dict(chunked_prefill_size=32, max_running_requests=3, speculative=speculative)
+    with make_engine(model, warmup_kernels=False, **kw) as cold:
+        cold_free = cold.pools.free_counts()
+        assert cold.stats()["warmup_kernels_seconds"] == 0.0
+    with make_engine(model, warmup_kernels=True, **kw) as engine:
+        s = engine.stats()
+        assert s["warmup_kernels_seconds"] > 0
+        assert {s[k] for k in ("requests_added", "requests_finished", "prefill_tokens", "decode_tokens",
+                               "generated_tokens", "steps", "retractions", "waiting", "running")} == {0}
+        assert s["prefix_cache"]["cached_tokens"] == 0 and s["prefix_cache"]["admitted_requests"] == 0
+        if speculative is not None:
+            assert s["speculative"]["verify_steps"] == 0 and s["speculative"]["acceptance_histogram"] == {}
+        assert engine.pools.free_counts() == cold_free
+        assert engine.add_request(prompts[0], hc.SamplingParams(max_new_tokens=4)) == 0
+        while engine.has_unfinished():
+            engine.step()
+        assert_greedy_equal(model, prompts[0], engine.pop_finished(0).output, hf(model, prompts[0], 4))
+        assert_pools_restored(engine, cold_free)
+
+
+def test_warm_up_runs_every_step_kind(model):
+    """The warm-up really goes through a checkpointed extend, a prefix hit and a mixed step (the
+    kernel variants it exists to compile): counted before the counters are restored."""
+    seen = []
+
+    class Spy(hc.HybridEngine):
+        def _warm_up_kernels(self):
+            launch = self._launch
+
+            def spy(batch):
+                seen.append((batch.mode.value, sum(batch.prefix_lens) > 0 and batch.mode.value == "extend",
+                             any(s >= 0 for s in (batch.track_slots or [])), len(batch.requests)))
+                return launch(batch)
+
+            self._launch = spy
+            super()._warm_up_kernels()
+            del self._launch
+
+    engine = Spy(model, hc.EngineConfig(max_running_requests=3, mamba_cache_size=3, max_total_tokens=2048,
+                                        warmup_kernels=True))
+    try:
+        modes = {m for m, _, _, _ in seen}
+        assert modes == {"extend", "decode"}, seen
+        assert any(hit for _, hit, _, _ in seen), "no extend over a cached prefix"
+        assert any(tracked for _, _, tracked, _ in seen), "no prefix-cache checkpoint"
+        assert any(m == "extend" and n == 2 for m, _, _, n in seen), "no mixed extend + decode step"
+    finally:
+        engine.close()
+
+
 def test_prefill_and_decode_token_counters_split_by_token_kind(model, prompts):
     """prefill_tokens counts prompt tokens, decode_tokens counts fed-back output tokens, also
     when a step mixes decodes with another request's prefill chunk."""

@@ -10,6 +10,12 @@ matmul over weights packed once.
   ["rewrites"]`` shows every group fused (MLP gate/up per layer, GDN ``in_proj_qkvz``/``in_proj_ba``,
   attention q/k/v) and greedy tokens equal HF ``generate``; ``extra={"rewrite_passes": False}``
   reaches the backend.
+- Undoing the packing: a backend's ``release_packed_weights`` leaves the packing to another live
+  backend compiled against it, the last one gives every parameter its own storage back (same
+  ``Parameter`` objects, same values); ``engine.close()`` does it for the engine's backend: no two
+  parameters share storage, the packed buffers are freed, values are bitwise those before the wrap,
+  ``save_pretrained`` (safetensors) reloads them, HF ``generate`` is unchanged, and a second
+  wrap + close of the same model packs and unpacks again.
 
 Inductor's FX graph / AOT caches are off here: a piece served from the cache skips the pass, so
 its counters would not show the rewrite.
@@ -18,18 +24,21 @@ its counters would not show the rewrite.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hybrid_compile.passes.backend import HybridCompileBackend
 
 from engine_models import (
     assert_greedy_equal,
     cached_model,
+    hf_greedy,
     hf_greedy_cached,
     make_engine,
     random_prompts,
@@ -87,7 +96,7 @@ def test_pass_packs_weights_once_and_fuses_shared_input_matmuls():
     x = torch.randn(7, 16)
     with torch.no_grad():
         expected, expected2 = block(x), block(x[:5])
-    values = {name: p.detach().clone() for name, p in block.named_parameters()}
+    params, values = _snapshot(block)
 
     backend_off, out_off, _, extern_off = _compile_block(block, x, rewrites=False)
     assert backend_off.stats.rewrites == {}
@@ -124,6 +133,34 @@ def test_pass_packs_weights_once_and_fuses_shared_input_matmuls():
     assert block.gate_proj.weight.untyped_storage().data_ptr() == storage
     assert backend2.stats.rewrites["fused_groups"] == 2
     torch.testing.assert_close(out3, expected)
+
+    # undoing: the packing stays while another live backend uses it; the last one unpacks
+    assert backend.release_packed_weights() == 0
+    assert block.up_proj.weight.untyped_storage().data_ptr() == storage
+    assert backend2.release_packed_weights() == 5
+    assert backend.release_packed_weights() == backend2.release_packed_weights() == 0  # idempotent
+    _assert_own_storage(block, params, values)
+
+
+def _snapshot(model):
+    """The parameters of ``model`` by name and copies of their values."""
+    params = dict(model.named_parameters())
+    return params, {name: p.detach().clone() for name, p in params.items()}
+
+
+def _assert_own_storage(model, params, values):
+    """Every parameter of ``model`` is the same object as in ``params``, has ``values`` bitwise and
+    its own storage."""
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys()
+    for name, p in now.items():
+        assert p is params[name], name
+        assert p.dtype == values[name].dtype and p.device == values[name].device
+        assert p.requires_grad, name  # (every parameter of these models requires grad)
+        assert p.is_contiguous() and p.storage_offset() == 0, name
+        assert torch.equal(p.detach(), values[name]), name
+    ptrs = [p.untyped_storage().data_ptr() for p in now.values()]
+    assert len(set(ptrs)) == len(ptrs), "parameters share storage"
 
 
 def test_replaced_packed_weight_fails_clearly():
@@ -179,3 +216,132 @@ def test_engine_config_turns_the_pass_off():
         (prompt,) = random_prompts([12], vocab_size(model), seed=32)
         tokens = engine.generate_batch([prompt], max_new_tokens=4)[0]
     assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, ("qwen3_next_dense", 0), prompt, 4), "pass off")
+
+
+def test_engine_close_unpacks_the_weights(tmp_path):
+    """close() undoes the packing: the model is as before the wrap (storage, values, save/load,
+    HF generate), and a second wrap of it packs and unpacks again."""
+    model = cached_model("qwen3_next_dense", 0)
+    params, values = _snapshot(model)
+    _assert_own_storage(model, params, values)
+    (prompt,) = random_prompts([11], vocab_size(model), seed=33)
+    new = 5
+    expected = hf_greedy(model, prompt, new)
+    for _ in range(2):
+        with _no_compile_caches():
+            engine = make_engine(model, compile=True)
+        try:
+            groups = engine.runner._backend.packed_groups
+            assert len(groups) == 6
+            buffers = [StorageWeakRef(g.packed.untyped_storage()) for g in groups]
+            mixer = model.model.layers[0].linear_attn
+            assert mixer.in_proj_ba.weight.storage_offset() == mixer.in_proj_qkvz.weight.numel()  # packed
+            tokens = engine.generate_batch([prompt], max_new_tokens=new)[0]
+            assert_greedy_equal(model, prompt, tokens, expected, "wrap before close")
+        finally:
+            engine.close()
+        _assert_own_storage(model, params, values)
+        gc.collect()
+        assert all(b.expired() for b in buffers), "a packed buffer outlives close()"
+        engine.close()  # idempotent
+        _assert_own_storage(model, params, values)
+        with pytest.raises(RuntimeError, match="engine was closed"):  # (a recompile would pack again)
+            engine.generate_batch([prompt], max_new_tokens=1)
+        _assert_own_storage(model, params, values)
+        assert hf_greedy(model, prompt, new) == expected
+
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    reloaded = type(model).from_pretrained(tmp_path)
+    state = reloaded.state_dict()
+    for name, v in values.items():
+        assert torch.equal(state[name], v), name
+
+
+def test_close_without_a_compile_is_a_no_op():
+    model = cached_model("qwen3_next_dense", 0)
+    params, values = _snapshot(model)
+    with make_engine(model, compile=False) as engine:
+        assert engine.runner.release_packed_weights() == 0
+    _assert_own_storage(model, params, values)
+
+
+class _ZeroDrafts:
+    """A draft source proposing token 0 k times (rejected drafts: the output stays the target's)."""
+
+    def propose(self, requests, k):
+        return [[0] * k for _ in requests]
+
+
+def test_self_drafting_target_keeps_its_packing_until_the_engine_closes():
+    """The target drafting for itself is compiled twice (the target's runner packs, the draft's
+    reuses the packing): closing the draft (switching the source) leaves the target's compiled
+    graphs their packed weights; the engine's close unpacks."""
+    model = cached_model("qwen3_next_dense", 0)
+    params, values = _snapshot(model)
+    prompts = random_prompts([7, 20], vocab_size(model), seed=34)
+    new = 5
+    expected = [hf_greedy_cached(model, ("qwen3_next_dense", 0), p, new) for p in prompts]
+    spec = dict(method="draft_model", draft_model=model, num_draft_tokens=2)
+    with _no_compile_caches():
+        engine = make_engine(model, compile=True, speculative=spec)
+    try:
+        target_groups = engine.runner._backend.packed_groups
+        draft_groups = engine.speculative.source.runner._backend.packed_groups
+        assert [g.packed.data_ptr() for g in draft_groups] == [g.packed.data_ptr() for g in target_groups]
+        for phase in ("self-drafting", "after the draft closed"):
+            got = engine.generate_batch(prompts, max_new_tokens=new)
+            for p, g, e in zip(prompts, got, expected):
+                assert_greedy_equal(model, p, g, e, phase)
+            engine.speculative.use_source(_ZeroDrafts())  # closes the self-draft
+            mixer = model.model.layers[0].linear_attn
+            assert mixer.in_proj_ba.weight.storage_offset() == mixer.in_proj_qkvz.weight.numel()  # still packed
+    finally:
+        engine.close()
+    _assert_own_storage(model, params, values)
+
+
+def test_failed_wrap_after_the_compile_unpacks(monkeypatch):
+    """A wrap that fails after the compile packed the weights (e.g. a CUDA graph capture, simulated
+    here) leaves the model's weights as they were."""
+    from hybrid_compile.engine.runner import ModelRunner
+
+    model = cached_model("qwen3_next_dense", 0)
+    params, values = _snapshot(model)
+
+    def failing_capture(self, *args):
+        assert self._backend.packed_groups, "the compile packed nothing"
+        raise RuntimeError("simulated capture failure")
+
+    monkeypatch.setattr(ModelRunner, "_capture_cuda_graphs", failing_capture)
+    with _no_compile_caches(), pytest.raises(RuntimeError, match="simulated capture failure"):
+        make_engine(model, compile=True)
+    _assert_own_storage(model, params, values)
+
+
+@pytest.mark.gpu
+def test_close_unpacks_under_cuda_graphs():
+    """With full and piecewise CUDA graphs (which captured the packed weights' addresses) close()
+    unpacks, frees the packed buffers and the engine refuses to replay; a second wrap packs again
+    and gives the eager engine's tokens."""
+    import copy
+
+    model = copy.deepcopy(cached_model("qwen3_next_dense", 0)).to("cuda")
+    params, values = _snapshot(model)
+    prompts = random_prompts([20, 3], vocab_size(model), seed=35)
+    new = 6
+    with make_engine(model, compile=False) as engine:
+        reference = engine.generate_batch(prompts, max_new_tokens=new)
+    for _ in range(2):
+        with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4),
+                         piecewise_cuda_graph_tokens=(4, 16, 64)) as engine:
+            buffers = [StorageWeakRef(g.packed.untyped_storage()) for g in engine.runner._backend.packed_groups]
+            assert len(buffers) == 6
+            got = engine.generate_batch(prompts, max_new_tokens=new)
+            stats = engine.stats()["compile"]
+            assert stats["cuda_graph_replays"] > 0 and stats["piecewise_replays"] > 0, stats
+        assert got == reference
+        _assert_own_storage(model, params, values)
+        gc.collect()
+        assert all(b.expired() for b in buffers), "a packed buffer outlives close()"
+        with pytest.raises(RuntimeError, match="engine was closed"):
+            engine.generate_batch(prompts, max_new_tokens=1)

@@ -651,8 +651,7 @@ def test_speculative_engine_commits_through_graphs():
     prompts = random_prompts([37, 1, 90, 5, 64, 3], vocab_size(model), seed=7) + [[5, 9, 14, 3] * 5]
     spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3)
     with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), enable_prefix_cache=False,
-                     piecewise_cuda_graph_tokens=(4, 16, 64), max_running_requests=4, speculative=spec,
-                     extra={"speculative_commit_graphs": True}) as engine:
+                     piecewise_cuda_graph_tokens=(4, 16, 64), max_running_requests=4, speculative=spec) as engine:
         initial = engine.pools.free_counts()
         graphs = engine.speculative.commit_graphs
         assert graphs is not None and sorted(graphs.graphs) == sorted(engine.stats()["compile"]["verify_batch_sizes"]) == [2, 4]

@@ -43,6 +43,9 @@ class EngineConfig:
     cuda_graphs: bool | str | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # decode buckets; default 1, 2, 4, 8, 16, 24, 32, 48, ...
     piecewise_cuda_graph_tokens: tuple[int, ...] | None = None  # token buckets; default 2, 4, ..., 512, 1024, ...
+    # serve two short requests at wrap time and forget them, so that every kernel variant serving uses is
+    # JIT-compiled before the first real request (HybridEngine._warm_up_kernels). None: on for CUDA.
+    warmup_kernels: bool | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -91,6 +94,8 @@ class EngineConfig:
             from .speculative import SpeculativeConfig  # (a dict becomes a validated SpeculativeConfig)
 
             self.speculative = SpeculativeConfig.coerce(self.speculative)
+        if self.warmup_kernels not in (None, True, False):
+            raise ValueError(f"EngineConfig.warmup_kernels must be True, False or None, got {self.warmup_kernels!r}")
         if self.compile not in (None, True, False):
             raise ValueError(f"EngineConfig.compile must be True, False or None, got {self.compile!r}")
         if self.cuda_graphs not in _CUDA_GRAPH_MODES:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import time
@@ -153,6 +154,8 @@ class HybridEngine:
         try:
             self.family.patch(model, self.patch)
             self.runner = ModelRunner(model, self.pools, self.device, config)
+            # the rewrite pass's packed projection weights get their own storage again on close()
+            self.patch.restores.append(self.runner.release_packed_weights)
         except BaseException:
             self.patch.undo()  # a failed wrap leaves the model exactly as it was
             raise
@@ -186,6 +189,51 @@ class HybridEngine:
             prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
             overlapped_steps=0,  # decode steps launched before the previous step's tokens were read
         )
+        self.warmup_seconds = 0.0
+        warm = config.warmup_kernels if config.warmup_kernels is not None else self.device.type == "cuda"
+        if warm:
+            try:
+                self._warm_up_kernels()
+            except BaseException:
+                self.close()  # a failed wrap leaves the model exactly as it was
+                raise
+
+    def _warm_up_kernels(self) -> None:
+        """Serve two short requests that share a checkpoint-aligned prefix, then forget them
+        (prefix cache emptied, counters and request ids as before): the Triton kernels' JIT
+        compiles of every variant serving uses (extend with and without a cached prefix, prefix-
+        cache checkpoints, a mixed extend + decode step, decode, speculative verify + commit)
+        happen here, not inside the first real requests that need them (about a second per
+        kernel on a GPU, which would land in their time to first token)."""
+        t0 = time.perf_counter()
+        vocab = self.layout.vocab_size
+        length = max(1, min(2 * self.layout.ssm_chunk_size + 5, self.max_context_len - 4))
+        first = [(7 * i + 3) % vocab for i in range(length)]
+        second = first[: length // 2 + 1] + [(5 * i + 1) % vocab for i in range(length - length // 2)]
+        second = second[: max(1, self.max_context_len - 4)]
+        saved = (copy.deepcopy(self._counters), copy.deepcopy(self.scheduler.cache_counters),
+                 self.scheduler.num_retractions, self.scheduler.new_token_ratio)
+        spec = self.speculative
+        spec_saved = (copy.deepcopy(spec.counters), dict(spec.acceptance_histogram)) if spec is not None else None
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        a = self.add_request(first, params)
+        while not self._requests[a].output:
+            self.step()
+        b = self.add_request(second, params)  # admitted next to a decoding request: a mixed step
+        while self.has_unfinished():
+            self.step()
+        for rid in (a, b):
+            self.pop_finished(rid)
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        (self._counters, self.scheduler.cache_counters, self.scheduler.num_retractions,
+         self.scheduler.new_token_ratio) = saved
+        if spec is not None:
+            spec.counters, spec.acceptance_histogram = spec_saved
+            if spec.commit_graphs is not None:
+                spec.commit_graphs.replays = 0
+        self._rids, self._arrivals = itertools.count(), itertools.count()
+        self.warmup_seconds = time.perf_counter() - t0
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
@@ -540,6 +588,7 @@ class HybridEngine:
         c["tokens_per_second"] = (c["prefill_tokens"] + c["decode_tokens"]) / secs if secs else 0.0
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
+        c["warmup_kernels_seconds"] = self.warmup_seconds
         if self.speculative is not None:
             c["speculative"] = self.speculative.stats()
         if self.prefix_cache is not None:

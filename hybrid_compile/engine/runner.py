@@ -64,13 +64,28 @@ def _segment_arange(lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
 
 
+# Metadata views start at 16-byte aligned offsets of their packed buffer: Triton specialises a
+# kernel on the 16-byte alignment of each pointer, so offsets that depend on the batch size would
+# JIT-compile a new variant of every kernel reading them in the middle of serving.
+_ALIGN_BYTES = 16
+
+
+def _aligned(n: int, dtype: torch.dtype) -> int:
+    """``n`` elements of ``dtype`` rounded up to a whole number of 16-byte units."""
+    per = max(1, _ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    return -(-n // per) * per
+
+
 def _to_device_packed(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Host tensors -> ``dtype`` tensors on ``device`` through one host->device copy (from pinned
-    memory on CUDA: asynchronous, no sync per tensor); the results are views of one tensor."""
+    memory on CUDA: asynchronous, no sync per tensor); the results are views of one tensor, each
+    starting 16-byte aligned."""
     sizes = [t.numel() for t in tensors]
-    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=device.type == "cuda")
-    torch.cat([t.reshape(-1).to(dtype) for t in tensors], out=host)
-    return list(host.to(device, non_blocking=True).split(sizes))
+    padded = [_aligned(n, dtype) for n in sizes]
+    host = torch.zeros(sum(padded), dtype=dtype, pin_memory=device.type == "cuda")
+    for t, view in zip(tensors, host.split(padded)):
+        view[: t.numel()] = t.reshape(-1)
+    return [v[:n] for v, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]
 
 
 def _graph_break_count() -> int:
@@ -113,6 +128,7 @@ class ModelRunner:
         full, piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
         self._compiled_forward = None
         self._backend = None
+        self._released = False  # release_packed_weights ran: the compiled forward must not run again
         self._compile_counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0,
                                       padded_steps=0, eager_fallbacks=0)
         # CUDA graphs (passes/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
@@ -136,8 +152,15 @@ class ModelRunner:
                 config.piecewise_cuda_graph_tokens
                 or cg.default_token_buckets(config.chunked_prefill_size, config.max_running_requests)
             )
-        if self.compiled:
-            self._setup_compile()
+        try:
+            if self.compiled:
+                self._setup_compile()
+            self._capture_cuda_graphs(config, full, piecewise)
+        except BaseException:
+            self.release_packed_weights()  # a failed construction leaves the model's weights as they were
+            raise
+
+    def _capture_cuda_graphs(self, config: "EngineConfig | None", full: bool, piecewise: bool) -> None:
         try:
             if full:
                 self._capture_full(config.cuda_graph_batch_sizes
@@ -150,10 +173,26 @@ class ModelRunner:
                 gc.freeze()
         except RuntimeError as e:
             raise RuntimeError(
-                f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the {type(model).__name__} "
-                f"forward failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); a graph cannot hold host "
+                f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
+                f"{type(self.model).__name__} forward failed "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a graph cannot hold host "
                 "syncs or CPU<->GPU copies. Serve this model with cuda_graphs=False (compiled without graphs)."
             ) from e
+
+    def release_packed_weights(self) -> int:
+        """Undo the rewrite pass's packing of the model's projection weights (the engine's ``close``;
+        :meth:`~hybrid_compile.passes.backend.HybridCompileBackend.release_packed_weights`). A compiled
+        runner refuses to run afterwards (its CUDA graphs read the packed buffers, and a recompile
+        would pack the weights again). Idempotent; a no-op when nothing was compiled."""
+        if self._backend is None:
+            return 0
+        self._released = True
+        return self._backend.release_packed_weights()
+
+    def _refuse_after_release(self) -> None:
+        if self._released:
+            raise RuntimeError("hybrid_compile: this engine was closed (its compiled forward's packed projection "
+                               "weights went back to the model); wrap the model again to serve it")
 
     # -- compile ------------------------------------------------------------------------------
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -388,35 +427,42 @@ class ModelRunner:
                 ids.append(r.token_ids(p, p + 1)[0])
                 if drafts is not None:
                     ids.extend(drafts[i])
+        # rows padded so that every view starts 16-byte aligned (see _ALIGN_BYTES)
+        n64, b64, b32, b1_32 = (_aligned(n, torch.int64), _aligned(b, torch.int64), _aligned(b, torch.int32),
+                                _aligned(b + 1, torch.int32))
+
+        def row(xs: list[int], width_: int) -> list[int]:
+            return xs + [0] * (width_ - len(xs))
+
         values = (
-            ids
-            + [p + j for p in prefix for j in ramp]  # positions
-            + out_cache_loc
-            + list(range(n))  # logits indices: every token
-            + [slot * width + q for slot, p in zip(req_slots, prefix) for q in range(p, p + steps)]  # new entries
+            row(ids, n64)
+            + row([p + j for p in prefix for j in ramp], n64)  # positions
+            + row(out_cache_loc, n64)
+            + row(list(range(n)), n64)  # logits indices: every token
+            + row([slot * width + q for slot, p in zip(req_slots, prefix) for q in range(p, p + steps)], n64)  # new entries
             # flat index of request i's first req_to_token entry minus its kv_indptr start: the
             # KV indices are req_to_token.view(-1)[arange(total) + repeat(offset_i, seq_i)]
-            + [slot * width - start for slot, start in zip(req_slots, kv_indptr)]
+            + row([slot * width - start for slot, start in zip(req_slots, kv_indptr)], b64)
             # int32 part
-            + list(range(0, n + 1, steps))  # query_start_loc
-            + kv_indptr + seq + prefix
-            + [r.mamba_slot for r in reqs]
-            + [len(r.prompt) for r in reqs]
+            + row(list(range(0, n + 1, steps)), b1_32)  # query_start_loc
+            + row(kv_indptr, b1_32) + row(seq, b32) + row(prefix, b32)
+            + row([r.mamba_slot for r in reqs], b32)
+            + row([len(r.prompt) for r in reqs], b32)
         )
         host = torch.tensor(values, dtype=torch.int64)
         if dev.type == "cuda":
             host = host.pin_memory()
         packed = host.to(dev, non_blocking=True)  # one host->device copy
-        input_ids, positions, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n].view(5, n).unbind()
-        offsets = packed[5 * n: 5 * n + b]
+        input_ids, positions, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n64].view(5, n64)[:, :n].unbind()
+        offsets = packed[5 * n64: 5 * n64 + b]
         # req_to_token rows of the new tokens: one distinct-request write per position j
         by_request = out_cache_loc_d.view(b, steps), new_entries.view(b, steps)
         for j in ramp:
             r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps],
                                   device_writes=(by_request[1][:, j], by_request[0][:, j]))
-        small = packed[5 * n + b:].to(torch.int32)
-        qsl_d, kv_indptr_d = small[: 2 * b + 2].view(2, b + 1).unbind()
-        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b + 2:].view(4, b).unbind()
+        small = packed[5 * n64 + b64:].to(torch.int32)
+        qsl_d, kv_indptr_d = small[: 2 * b1_32].view(2, b1_32)[:, : b + 1].unbind()
+        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b1_32:].view(4, b32)[:, :b].unbind()
         flat = torch.arange(total, dtype=torch.int64, device=dev)
         flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
         md = ForwardMetadata(
@@ -499,6 +545,7 @@ class ModelRunner:
         if not self.compiled:
             with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
                 return self._model_forward(input_ids, md.positions, md.logits_indices)
+        self._refuse_after_release()
         b = md.batch_size
         if self.full_graphs is not None:
             key = self.full_graphs.key_for(md)
@@ -532,6 +579,7 @@ class ModelRunner:
         if md.mode is not ForwardMode.TARGET_VERIFY or md.draft_len != self.draft_len or not self.draft_len:
             raise ValueError(f"forward_verify: a TARGET_VERIFY step of draft_len {self.draft_len} (the engine's "
                              f"speculative k + 1), got {md.mode.value} with draft_len {md.draft_len}")
+        self._refuse_after_release()
         n = md.num_tokens
         if self.full_graphs is not None:
             key = self.full_graphs.key_for(md)

@@ -100,6 +100,41 @@ class ForwardMetadata:
         return self.num_tokens // steps
 
 
+@dataclass(frozen=True)
+class VerifyBatch:
+    """One linear layer's view of a TARGET_VERIFY step: the verify requests, their tokens and buffers.
+
+    The leading ``rows`` requests (padding rows with Mamba index -1 included) run ``steps`` tokens
+    each, packed first in the batch; the ``num_tokens = rows * steps`` tokens past them are filler
+    of a padded token count, which the linear layer ops leave at zero (:meth:`pad`).
+
+    Attributes:
+        rows: verify requests (``ForwardMetadata.verify_rows()``).
+        steps: tokens per verify request (``ForwardMetadata.draft_len``).
+        cache_indices: ``[rows]`` int32 Mamba slot of each verify request.
+        intermediates: the layer's per-draft-step buffers ``(conv_windows, ssm_states)``.
+    """
+
+    rows: int
+    steps: int
+    cache_indices: torch.Tensor
+    intermediates: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.steps
+
+    def per_request(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[N, ...]`` packed per-token values -> ``[rows, steps, ...]`` of the verify tokens."""
+        return tokens[: self.num_tokens].reshape(self.rows, self.steps, *tokens.shape[1:])
+
+    def pad(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """``[num_tokens, ...]`` output of the verify tokens -> ``[n, ...]``, filler tokens at zero."""
+        if out.shape[0] == n:
+            return out
+        return torch.cat([out, out.new_zeros(n - out.shape[0], *out.shape[1:])])
+
+
 @dataclass
 class ForwardContext:
     """Metadata plus the pool views of every layer for one forward.
@@ -123,6 +158,12 @@ class ForwardContext:
                 "context (an engine built with EngineConfig.speculative provides them)"
             )
         return self.intermediate_caches[layer_id]
+
+    def verify_batch(self, layer_id: int, op: str) -> VerifyBatch:
+        """The TARGET_VERIFY view of linear layer ``layer_id`` (``op`` names it in errors)."""
+        md = self.metadata
+        rows = md.verify_rows()
+        return VerifyBatch(rows, md.draft_len, md.mamba_cache_indices[:rows], self.intermediate(layer_id, op))
 
 
 _current: ForwardContext | None = None

@@ -130,23 +130,21 @@ def gdn_layer(
             track_ssm_checkpoints(md, ssm_states, chunk_states, GDN_CHUNK_SIZE)
         return out
     if md.mode is ForwardMode.TARGET_VERIFY:
-        steps = md.draft_len
-        rows = md.verify_rows()
-        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
-        inter_conv, inter_ssm = ctx.intermediate(layer_id, "gdn_layer")
-        idx = md.mamba_cache_indices[:rows]
+        verify = ctx.verify_batch(layer_id, "gdn_layer")
+        rows, steps, nv = verify.rows, verify.steps, verify.num_tokens
+        inter_conv, inter_ssm = verify.intermediates
         x = _kernels.causal_conv1d_update(
-            mixed_qkv[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, activation, idx, True,
-            inter_conv,
+            verify.per_request(mixed_qkv), conv_states, conv_weight, conv_bias, activation, verify.cache_indices,
+            True, inter_conv,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
         g, beta = _gating(A_log, a[:nv], b[:nv], dt_bias, beta_scale)
         out = _kernels.fused_recurrent_gated_delta_rule_update(
             q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
             v.reshape(rows, steps, num_v_heads, head_v_dim), g.reshape(rows, steps, num_v_heads),
-            beta.reshape(rows, steps, num_v_heads), ssm_states, idx, True, 0.0, True, inter_ssm,
-        ).reshape(nv, num_v_heads, head_v_dim)
-        return out if nv == n else torch.cat([out, out.new_zeros(n - nv, num_v_heads, head_v_dim)])
+            beta.reshape(rows, steps, num_v_heads), ssm_states, verify.cache_indices, True, 0.0, True, inter_ssm,
+        )
+        return verify.pad(out.reshape(nv, num_v_heads, head_v_dim), n)
     raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported")
 
 

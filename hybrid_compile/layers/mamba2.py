@@ -152,21 +152,20 @@ def mamba2_layer(
         return y.reshape(n, num_heads, head_dim)
 
     if md.mode is ForwardMode.TARGET_VERIFY:
-        steps = md.draft_len
-        rows = md.verify_rows()
-        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
-        inter_conv, inter_ssm = ctx.intermediate(layer_id, "mamba2_layer")
-        idx = md.mamba_cache_indices[:rows]
+        verify = ctx.verify_batch(layer_id, "mamba2_layer")
+        rows, steps = verify.rows, verify.steps
+        inter_conv, inter_ssm = verify.intermediates
         conv = _kernels.causal_conv1d_update(
-            xBC[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, activation, idx, True, inter_conv,
+            verify.per_request(xBC), conv_states, conv_weight, conv_bias, activation, verify.cache_indices, True,
+            inter_conv,
         )  # [B, L, conv_dim]
         x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
         y = _kernels.selective_state_update(
-            x.reshape(rows, steps, num_heads, head_dim), dt[:nv].reshape(rows, steps, num_heads), A,
+            x.reshape(rows, steps, num_heads, head_dim), verify.per_request(dt), A,
             B.reshape(rows, steps, n_groups, state_size), C.reshape(rows, steps, n_groups, state_size),
-            D, None, bias, softplus, lo, hi, ssm_states, idx, True, inter_ssm,
-        ).reshape(nv, num_heads, head_dim)
-        return y if nv == n else torch.cat([y, y.new_zeros(n - nv, num_heads, head_dim)])
+            D, None, bias, softplus, lo, hi, ssm_states, verify.cache_indices, True, inter_ssm,
+        )
+        return verify.pad(y.reshape(verify.num_tokens, num_heads, head_dim), n)
 
     track = tracking(md)  # prefix-cache checkpoints inside the extend (layers/tracking.py)
     if track:

@@ -75,15 +75,12 @@ def short_conv_layer(
             md.has_initial_state, None,
         )
     if md.mode is ForwardMode.TARGET_VERIFY:
-        steps = md.draft_len
-        rows = md.verify_rows()
-        nv = rows * steps  # tokens past them: padding requests of another length, left at zero
-        inter_conv = ctx.intermediate(layer_id, "short_conv_layer")[0]
+        verify = ctx.verify_batch(layer_id, "short_conv_layer")
         out = _kernels.causal_conv1d_update(
-            x[:nv].reshape(rows, steps, -1), conv_states, conv_weight, conv_bias, None,
-            md.mamba_cache_indices[:rows], True, inter_conv,
-        ).reshape(nv, -1)
-        return out if nv == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - nv, out.shape[1])])
+            verify.per_request(x), conv_states, conv_weight, conv_bias, None, verify.cache_indices, True,
+            verify.intermediates[0],
+        )
+        return verify.pad(out.reshape(verify.num_tokens, -1), x.shape[0])
     raise NotImplementedError(f"short_conv_layer: forward mode {md.mode.value} is not supported")
 
 

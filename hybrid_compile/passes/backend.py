@@ -13,7 +13,8 @@ pieces stay as they are: calling them calls the op, which reads the forward cont
 With ``piecewise_graphs`` (:class:`~hybrid_compile.passes.cuda_graphs.PiecewiseGraphs`) every
 compiled piece is wrapped in a per-token-bucket CUDA-graph runner. With ``rewrites`` (default on)
 the weights of projections that share an input are packed once and every piece runs our
-post-grad pass (:mod:`.rewrite`, Inductor's ``post_grad_custom_pre_pass``) that fuses them.
+post-grad pass (:mod:`.rewrite`, Inductor's ``post_grad_custom_pre_pass``) that fuses them;
+:meth:`HybridCompileBackend.release_packed_weights` undoes the packing (the engine's ``close``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from .rewrite import (
-    PackedWeightsGuard, SharedInputMatmulFusion, pack_shared_input_weights, packed_fake_inputs, packing_signature,
+    PackedGroup, PackedWeightsGuard, SharedInputMatmulFusion, pack_shared_input_weights, packed_fake_inputs,
+    packing_signature, unpack_weights,
 )
 from .split import OpLike, SplitItem, resolve_ops, split_graph
 
@@ -137,6 +139,7 @@ class HybridCompileBackend:
         self.inductor_config = dict(inductor_config or {})
         self.rewrites = rewrites
         self.rewrite_pass: SharedInputMatmulFusion | None = None
+        self.packed_groups: list[PackedGroup] = []  # weight groups packed (or reused) for the pass, all graphs
         if rewrites and "post_grad_custom_pre_pass" in self.inductor_config:
             raise ValueError("HybridCompileBackend: inductor_config sets post_grad_custom_pre_pass, which the "
                              "rewrite pass uses; pass rewrites=False to run your own")
@@ -153,7 +156,8 @@ class HybridCompileBackend:
             fake_mode, fakes = _fake_inputs(example_inputs)
             config = self.inductor_config
             if self.rewrites:
-                packed = pack_shared_input_weights(gm, example_inputs)
+                packed = pack_shared_input_weights(gm, example_inputs, user=self)
+                self.packed_groups.extend(packed)
                 fakes = packed_fake_inputs(fake_mode, fakes, packed)
                 self.rewrite_pass = SharedInputMatmulFusion(packing_signature(packed))
                 config = {**config, "post_grad_custom_pre_pass": self.rewrite_pass}
@@ -191,6 +195,15 @@ class HybridCompileBackend:
         })
         self.split_gm, self.items = split_gm, items
         return PackedWeightsGuard(split_gm, packed) if packed else split_gm
+
+    def release_packed_weights(self) -> int:
+        """Stop using the packed weights: the parameters get their own storage again unless another
+        live backend compiled against the same packing (:func:`.rewrite.unpack_weights`), and this
+        backend drops its references to the packed buffers. What it compiled no longer runs once
+        the weights are unpacked. Idempotent; returns the number of parameters unpacked."""
+        unpacked = unpack_weights(self.packed_groups, self)
+        self.packed_groups.clear()
+        return unpacked
 
 
 _default_backend: HybridCompileBackend | None = None

@@ -29,6 +29,10 @@ Two steps, so that no weight is copied per call:
 
 The backend builds the pieces' fake inputs as views of the packed buffer
 (:func:`packed_fake_inputs`), so the adjacency the pass reads is the one of the real weights.
+The packing is undone when the engine closes (:func:`unpack_weights`: every parameter gets its own
+storage again, same values, same ``Parameter`` object) once no other live backend compiled against
+it (the target model drafting for itself, two engines on one model): each backend registers as a
+user of the buffers it packed or reused.
 The pass's ``uuid`` keys Inductor's FX graph cache on this file and on the packing layout
 (the cache key ignores input storage offsets).
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -62,6 +67,7 @@ class PackedGroup:
     input_indices: tuple[int, ...]  # positions of the weights among the graph's inputs
     packed: torch.Tensor  # [sum rows, in_features], the parameters are views of it
     rows: tuple[int, ...]
+    weights: tuple[torch.nn.Parameter, ...]  # the packed parameters, in row order
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -102,12 +108,17 @@ def _already_packed(weights: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[PackedGroup]:
+# the live users (backends) of every packed buffer, by storage: the last one to release it unpacks
+_packing_users: dict[int, weakref.WeakSet] = {}
+
+
+def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any], user: object) -> list[PackedGroup]:
     """Pack the weights of every group of bias-free linears on one input (see the module doc).
 
     Only 2-D contiguous ``nn.Parameter`` weights of one dtype/device and one ``in_features`` that
     are graph inputs (Dynamo lifts parameters) are packed; weights already packed (an earlier compile of
-    the same model) are reused as they are."""
+    the same model) are reused as they are. ``user`` (the backend) is registered as a user of every
+    returned group's buffer until it calls :func:`unpack_weights`."""
     index_of = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     groups = []
     for nodes in _linear_weight_groups(gm):
@@ -130,8 +141,32 @@ def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any])
                 for w, n in zip(ws, rows):
                     w.data = packed[start:start + n]
                     start += n
-        groups.append(PackedGroup(idx, packed, rows))
+        _packing_users.setdefault(_storage_id(packed), weakref.WeakSet()).add(user)
+        groups.append(PackedGroup(idx, packed, rows, tuple(ws)))
     return groups
+
+
+def unpack_weights(groups: Sequence[PackedGroup], user: object) -> int:
+    """``user`` stops using ``groups``' buffers; each buffer no other live user needs is unpacked:
+    every parameter still lying in it gets its own storage again (``param.data = clone``: same
+    values, dtype, device and ``requires_grad``, same ``Parameter`` object, so references to it
+    stay valid). Graphs compiled against an unpacked buffer refuse to run
+    (:class:`PackedWeightsGuard`). Idempotent; returns the number of parameters unpacked."""
+    unpacked = 0
+    for g in groups:
+        storage = _storage_id(g.packed)
+        users = _packing_users.get(storage)
+        if users is not None:
+            users.discard(user)
+            if len(users):
+                continue  # another live backend still reads these weights packed
+            del _packing_users[storage]
+        with torch.inference_mode(False), torch.no_grad():
+            for w in g.weights:
+                if _storage_id(w) == storage:  # not replaced or unpacked since
+                    w.data = w.detach().clone()
+                    unpacked += 1
+    return unpacked
 
 
 def packed_fake_inputs(fake_mode, fakes: list[Any], groups: Sequence[PackedGroup]) -> list[Any]:

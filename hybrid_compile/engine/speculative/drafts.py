@@ -137,6 +137,7 @@ class EngineDraftModel:
             family.patch(model, self.patch)
         try:
             self.runner = ModelRunner(model, self.pools, self.device, cfg)
+            self.patch.restores.append(self.runner.release_packed_weights)  # packed projection weights: on close()
         except BaseException:
             self.patch.undo()
             raise

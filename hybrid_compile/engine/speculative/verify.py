@@ -224,11 +224,10 @@ class SpeculativeDecoder:
                              f"config {self.draft_len}")
         self._states = mamba.state_tensors() if mamba.layer_ids else []
         self._intermediates = mamba.intermediate_state_tensors() if mamba.layer_ids else []
-        # with full CUDA graphs: the commit of a verify batch within the verify buckets as one graph.
-        # Opt-in (EngineConfig.extra["speculative_commit_graphs"] = True) until it has run on a GPU:
-        # its capture happens at wrap time, and a capture failure would break every speculative engine
+        # with full CUDA graphs: the commit of a verify batch within the verify buckets as one graph
+        # (EngineConfig.extra["speculative_commit_graphs"] = False: one op launch per state tensor)
         full = engine.runner.full_graphs
-        wanted = bool(engine.config.extra.get("speculative_commit_graphs", False))
+        wanted = bool(engine.config.extra.get("speculative_commit_graphs", True))
         self.commit_graphs = (
             CommitGraphs(self._states, self._intermediates, full.verify_batch_sizes)
             if wanted and self._states and full is not None and full.verify_batch_sizes else None

@@ -213,7 +213,7 @@ def _attend_block(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_reqs', 'num_rows'])  # batch-dependent counts: one compile for all
 def _extend_kernel(
     Q, K, V, O, LSE, QO, KVP, KVI,
     num_reqs, num_rows,

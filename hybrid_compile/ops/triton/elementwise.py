@@ -56,7 +56,7 @@ def cast_rne(v, dtype: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])  # batch-dependent counts: one compile for all
 def _gdn_gating_kernel(
     A_ptr, a_ptr, b_ptr, dt_ptr, g_ptr, beta_ptr,
     T, H, stride_at, stride_ah, stride_bt, stride_bh,
@@ -151,7 +151,7 @@ def _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cma
     tl.store(out_ptr + rows64[:, None] * D + cols[None, :], cast_rne(p, out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])  # batch-dependent counts: one compile for all
 def _gated_rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr,
     T, D, G, stride_xt, stride_xd, stride_zt, stride_zd, eps,

@@ -168,7 +168,7 @@ def _rows_before(cu_seqlens, i_b, BB: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_intra_kernel(
     k, v, g, beta, cu_seqlens, nb, state_indices,
     w, u, gcum, rk,
@@ -459,7 +459,7 @@ def _chunk_state_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_output_kernel(
     q, k, vn, gcum, rk, hbuf, cu_seqlens, nb, state_indices, o, scale,
     s_qt, s_qh, s_qd,
@@ -610,7 +610,7 @@ def chunk_gated_delta_rule_triton(
         return o, chunk_states
     scale = float(scale) if scale > 0 else float(kd) ** -0.5
     r = hv // hk
-    bb = min(max(triton.next_power_of_2(batch), 16), 64)
+    bb = 64  # requests scanned per block by _locate_row / _rows_before: fixed, not from the batch (one JIT variant)
 
     # low precision: bf16 inputs -> bf16 MMA operands and bf16 intermediates
     lowp = bool(cfg["lowp"]) and q.dtype == k.dtype == v.dtype == torch.bfloat16

@@ -236,7 +236,7 @@ def selective_state_update_triton(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['rows'])  # batch-dependent counts: one compile for all
 def _ssd_dt_cumsum_kernel(
     dt_ptr, A_ptr, dtb_ptr, cseq_ptr, cstart_ptr, clen_ptr, idx_ptr, dt_out_ptr, dA_ptr,
     H, CS, rows, dt_min, dt_max, sdt_t, sdt_h,
@@ -273,7 +273,7 @@ def _ssd_dt_cumsum_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['rows'])  # batch-dependent counts: one compile for all
 def _ssd_chunk_state_kernel(
     x_ptr, B_ptr, dt_ptr, dA_ptr, cseq_ptr, cstart_ptr, clen_ptr, idx_ptr, states_ptr,
     H, P, N, R, CS, rows,
@@ -320,7 +320,7 @@ def _ssd_chunk_state_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['rows'])  # batch-dependent counts: one compile for all
 def _ssd_state_passing_kernel(
     states_ptr, dA_ptr, pool_ptr, idx_ptr, hinit_ptr, nch_ptr, rowoff_ptr,
     H, P, N, CS, rows,
@@ -400,7 +400,7 @@ def _ssd_bmm_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['rows'])  # batch-dependent counts: one compile for all
 def _ssd_chunk_scan_kernel(
     x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_ptr, dA_ptr, states_ptr, cseq_ptr, cstart_ptr, clen_ptr, idx_ptr,
     y_ptr,

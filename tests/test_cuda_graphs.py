@@ -410,6 +410,35 @@ def test_our_triton_kernels_run_under_graphs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_next_dense", "bamba"])
+@pytest.mark.parametrize("mode", ["both", "eager"])
+def test_no_triton_compiles_after_wrap(kind, mode):
+    """After ``wrap`` (its kernel warm-up and graph captures), a continuous batch of varied batch
+    sizes and lengths with prefix-cache hits, checkpoints and mixed steps JIT-compiles no Triton
+    kernel: no constexpr or specialisation of ours depends on the batch's shape (each compile
+    costs about a second, inside some request's time to first token)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks.profiling import TritonCompiles
+
+    model = _gpu_model(kind)
+    vocab = vocab_size(model)
+    shared = random_prompts([150], vocab, seed=1)[0]
+    prompts = random_prompts([5, 33, 70, 1, 129, 17, 260, 9, 64, 48, 3], vocab, seed=2)
+    prompts += [shared[: 140 + i] + p[:7] for i, p in enumerate(prompts[:5])]
+    with make_engine(model, **MODES[mode], max_total_tokens=4096, max_running_requests=8,
+                     chunked_prefill_size=96) as engine:
+        with TritonCompiles() as compiles:
+            for count in (1, 3, 16):
+                engine.generate_batch(prompts[:count], max_new_tokens=5)
+        hits = engine.stats()["prefix_cache"]["admitted_hit_tokens"]
+    assert hits > 0
+    assert compiles.total == 0, compiles.by_kernel
+
+
+@pytest.mark.gpu
 def test_pool_exhaustion_retracts_with_graphs():
     model = _gpu_model("qwen3_next_dense")
     prompts = random_prompts([60, 58, 62, 55, 61, 59, 63, 57], vocab_size(model), seed=13)

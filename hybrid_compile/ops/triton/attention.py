@@ -28,7 +28,8 @@ Kernels
   to an fp32 scratch buffer ``[B, Hq, NUM_SPLITS, Dv]`` (shape-derived size) merged by
   ``_decode_reduce_kernel`` (grid ``(B, Hq)``); with one split the kernel writes the output
   directly. ``NUM_SPLITS`` depends on shapes only (batch, heads, SM count): no host sync, fixed
-  grid, CUDA-graph safe.
+  grid, CUDA-graph safe; it is a runtime argument, not a constexpr, so a new batch size compiles
+  no new variant (no batch-dependent constexpr or integer specialisation anywhere here).
 - ``_merge_kernel``: grid ``(T, cdiv(H, BLOCK_H))``, the log-sum-exp merge of two states.
 
 Dtypes: ``q . k`` runs on tensor cores in bf16/fp16 when ``q`` and ``k_cache`` share that dtype,
@@ -404,15 +405,17 @@ def paged_attention_extend_triton(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# the number of splits follows the batch size: a runtime value (and the split strides, 0 with one
+# split), so that a new batch size compiles no new variant
+@triton.jit(do_not_specialize=["num_splits", "stride_os", "stride_ls"])
 def _decode_kernel(
     Q, K, V, O, LSE, KVP, KVI,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-    qk_mult, cap_mult, window,
+    qk_mult, cap_mult, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -431,7 +434,7 @@ def _decode_kernel(
         lo = tl.maximum(lo, kv_len - window)
     n_vis = kv_len - lo
     # splits used by this request (fewer for short ones), each a multiple of BLOCK_N tokens
-    n_split = tl.maximum(tl.minimum(tl.cdiv(n_vis, MIN_SPLIT_LEN), NUM_SPLITS), 1)
+    n_split = tl.maximum(tl.minimum(tl.cdiv(n_vis, MIN_SPLIT_LEN), num_splits), 1)
     chunk = tl.cdiv(tl.cdiv(n_vis, n_split), BLOCK_N) * BLOCK_N
     s_lo = tl.minimum(lo + split * chunk, kv_len)
     s_hi = tl.minimum(s_lo + chunk, kv_len)
@@ -473,17 +476,17 @@ def _decode_kernel(
     tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     O_PART, LSE_PART, O, LSE,
     stride_pb, stride_ph, stride_ps, stride_qb, stride_qh, stride_qs,
-    stride_ob, stride_oh, stride_lb, stride_lh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    stride_ob, stride_oh, stride_lb, stride_lh, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     part_lse = tl.load(LSE_PART + b * stride_qb + h * stride_qh + offs_s * stride_qs, mask=s_mask, other=float("-inf"))
     m = tl.max(part_lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -566,9 +569,9 @@ def paged_attention_decode_triton(
         q, k_cache, v_cache, o_part, lse_part, kv_indptr, kv_indices,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o_part.stride(0), o_part.stride(1), so, lse_part.stride(0), lse_part.stride(1), sl,
-        qk_mult, cap_mult, sliding_window if use_window else 0,
+        qk_mult, cap_mult, sliding_window if use_window else 0, num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=max(2 * block_n, 64),
+        BLOCK_N=block_n, MIN_SPLIT_LEN=max(2 * block_n, 64),
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
         **cfg,
     )
@@ -577,8 +580,8 @@ def paged_attention_decode_triton(
             o_part, lse_part, o, lse,
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DV=dv,
+            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), num_splits,
+            BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_DECODE_SPLITS)), HEAD_DV=dv,
             BLOCK_DV=triton.next_power_of_2(dv), num_warps=4 if dv >= 128 else 1,
         )
     return o, lse

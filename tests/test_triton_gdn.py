@@ -142,6 +142,21 @@ def test_chunk_strong_decay_and_mixed_dtypes():
     check_pool(got_pool, rpool, pool, slots, torch.float32)
 
 
+def test_chunk_more_requests_than_one_scan_block():
+    """More requests than the kernels scan per block (``bb``, fixed whatever the batch so that a
+    new batch size compiles no new variant): every request finds its chunk rows across blocks."""
+    lens = [1, 5, 64, 2, 70, 3, 1, 9, 0, 4, 65, 2, 7, 1, 3, 12, 6, 1, 30, 2, 8]  # 21 > 16 requests
+    dims = (1, 2, 16, 16)
+    q, k, v, g, beta, pool, cu, slots, has_init = chunk_inputs(lens, dims, torch.float32, torch.float32, (),
+                                                               num_slots=2 * len(lens))
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_triton(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True)
+    ro, rpool, rcs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, True, 0.0, True)
+    assert_close(o, ro, torch.float32)
+    assert_close(cs, rcs, torch.float32)
+    check_pool(got_pool, rpool, pool, slots, torch.float32)
+
+
 def test_chunk_all_padding_and_empty():
     dims = (1, 2, 16, 16)
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_inputs([3, 4], dims, torch.float32, torch.float32, (0, 1))
@@ -330,10 +345,11 @@ def _cpu(*xs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [GPU_LENS, GPU_LENS + [3, 70, 1, 17, 64, 2, 129, 5] * 5], ids=["8reqs", "48reqs"])
 @pytest.mark.parametrize("dtype,pool_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.bfloat16, torch.bfloat16)], ids=["bf16", "f32", "bf16pool"])
-def test_gpu_chunk_matches_torch_op(dtype, pool_dtype):
-    lens = GPU_LENS
+def test_gpu_chunk_matches_torch_op(dtype, pool_dtype, lens):
+    """At model shapes; 48 requests: more than one block of the kernels' request scan."""
     pad_rows = (5,)
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_inputs(lens, QWEN3_NEXT, dtype, pool_dtype, pad_rows, DEV,
                                                                GPU_SLOTS)

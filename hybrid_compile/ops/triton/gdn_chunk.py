@@ -610,7 +610,7 @@ def chunk_gated_delta_rule_triton(
         return o, chunk_states
     scale = float(scale) if scale > 0 else float(kd) ** -0.5
     r = hv // hk
-    bb = 64  # requests scanned per block by _locate_row / _rows_before: fixed, not from the batch (one JIT variant)
+    bb = 16  # requests scanned per block by _locate_row / _rows_before: fixed, not from the batch (one JIT variant)
 
     # low precision: bf16 inputs -> bf16 MMA operands and bf16 intermediates
     lowp = bool(cfg["lowp"]) and q.dtype == k.dtype == v.dtype == torch.bfloat16

@@ -54,9 +54,9 @@ def attention_layer(
     _check(q, k, v)
     # HF's eager attention hands over views of [1, H, T, D] tensors, whose head stride is T * D:
     # Triton specialises kernels on a stride's divisibility, so such a stride would JIT-compile new
-    # variants as T (or the decode batch) changes. Contiguous copies keep every stride fixed (a
-    # no-op on the compiled path, where the inputs are already contiguous).
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # variants as T (or the decode batch) changes. Those get a token-major copy; token-major views
+    # (the compiled path's column slices of a packed projection) keep their fixed strides, uncopied.
+    q, k, v = (t if t.stride(0) == max(t.stride()) else t.contiguous() for t in (q, k, v))
     ctx = require_forward_context("hybrid_compile::attention_layer")
     md = ctx.metadata
     k_cache, v_cache = ctx.kv_caches[layer_id]

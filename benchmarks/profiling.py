@@ -15,10 +15,7 @@ import time
 
 import torch
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .reference_models import sync_device
 
 
 class StepTrace:
@@ -33,10 +30,10 @@ class StepTrace:
         device = self.engine.device
 
         def timed(batch, *args, **kwargs):
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             out = inner(batch, *args, **kwargs)
-            _sync(device)
+            sync_device(device)
             tracked = sum(1 for s in (batch.track_slots or []) if s >= 0)
             self.rows.append(dict(
                 mode=batch.mode.value, requests=len(batch.requests), tokens=batch.num_tokens,
@@ -83,11 +80,11 @@ def kernel_profile(path: str, device: torch.device, row_limit: int = 30):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
         yield prof
-        _sync(device)
+        sync_device(device)
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -211,10 +210,10 @@ class HybridEngine:
         first = [(7 * i + 3) % vocab for i in range(length)]
         second = first[: length // 2 + 1] + [(5 * i + 1) % vocab for i in range(length - length // 2)]
         second = second[: max(1, self.max_context_len - 4)]
-        saved = (copy.deepcopy(self._counters), copy.deepcopy(self.scheduler.cache_counters),
+        saved = (dict(self._counters), dict(self.scheduler.cache_counters),  # (flat dicts of numbers)
                  self.scheduler.num_retractions, self.scheduler.new_token_ratio)
         spec = self.speculative
-        spec_saved = (copy.deepcopy(spec.counters), dict(spec.acceptance_histogram)) if spec is not None else None
+        spec_saved = (dict(spec.counters), dict(spec.acceptance_histogram)) if spec is not None else None
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
         a = self.add_request(first, params)
         while not self._requests[a].output:

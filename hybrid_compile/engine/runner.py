@@ -72,7 +72,7 @@ _ALIGN_BYTES = 16
 
 def _aligned(n: int, dtype: torch.dtype) -> int:
     """``n`` elements of ``dtype`` rounded up to a whole number of 16-byte units."""
-    per = max(1, _ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    per = max(1, _ALIGN_BYTES // dtype.itemsize)
     return -(-n // per) * per
 
 

@@ -1,5 +1,6 @@
 """Kernel benchmarks: our Triton CUDA kernels vs. the plain-torch implementation of the same op
-vs. flash-linear-attention (where it has the same op), on realistic shapes.
+vs. flash-linear-attention (where it has the same op), on realistic shapes; ``skinny_mm`` against
+cuBLAS (``torch.mm``) at the reference model's projection shapes at 1-4 rows.
 
     python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels.json]
 
@@ -366,12 +367,36 @@ def bench_attention(quick):
                note="(fla column = torch SDPA on contiguous K/V)")
 
 
+#: (name, N, K) of the reference Qwen3-Next's projections at decode, packed as the rewrite pass packs them
+SKINNY_SHAPES = (("gdn in_proj_qkvz+ba", 12352, 2048), ("mlp gate+up", 11264, 2048), ("mlp down", 2048, 5632),
+                 ("gdn out_proj / attn o_proj", 2048, 4096), ("attn q+k+v", 9216, 2048), ("lm head", 151936, 2048))
+
+
+def bench_skinny(quick):
+    """skinny_mm (decode projections at 1-4 rows) vs torch.mm (cuBLAS). Each timed call cycles over
+    copies of the weight that together exceed the L2 cache, so every matmul streams from HBM as in a
+    decode step; one CUDA graph per system, time per matmul."""
+    for name, n, k in SKINNY_SHAPES[:3] if quick else SKINNY_SHAPES:
+        copies = max(2, -(-(400 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, dtype=BF16, device=DEV) / k ** 0.5 for _ in range(copies)]
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, dtype=BF16, device=DEV)
+            f = lambda: [ops.skinny_mm(x, w) for w in weights]  # noqa: E731
+            p = lambda: [torch.mm(x, w.t()) for w in weights]  # noqa: E731
+            ours, cublas = safe(lambda: bench(f)), safe(lambda: bench(p))
+            record("skinny_mm", f"{name} M={m} N={n} K={k}", ours and Ms(ours / copies, ours.mode),
+                   cublas and Ms(cublas / copies, cublas.mode), None, bytes_moved=n * k * 2,
+                   note="(torch column = torch.mm, cuBLAS)")
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main():
     global PEAK_BW, PEAK_TFLOPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
-    parser.add_argument("--only", default="gdn,mamba2,attention", help="comma list of groups")
+    parser.add_argument("--only", default="gdn,mamba2,attention,skinny_mm", help="comma list of groups")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -388,6 +413,8 @@ def main():
         bench_mamba2(args.quick)
     if "attention" in groups:
         bench_attention(args.quick)
+    if "skinny_mm" in groups:
+        bench_skinny(args.quick)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "peak_GBps": PEAK_BW / 1e9,

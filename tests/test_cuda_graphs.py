@@ -87,13 +87,14 @@ def test_engine_rejects_cuda_graphs_on_cpu():
 
 
 def test_buckets():
-    assert cg.default_decode_batch_sizes(64) == (2, 4, 8, 16, 24, 32, 48, 64)
-    assert cg.default_decode_batch_sizes(1) == (2,)
-    assert cg.default_decode_batch_sizes(20) == (2, 4, 8, 16, 20)
+    assert cg.default_decode_batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert cg.default_decode_batch_sizes(1) == (1,)
+    assert cg.default_decode_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
     assert cg.default_decode_batch_sizes(300)[-3:] == (256, 288, 300)
     assert cg.default_token_buckets(2048, 16) == (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 2064)
     assert cg.default_token_buckets(64, 8) == (2, 4, 8, 16, 32, 64, 72)
     assert cg.normalize_buckets([8, 1, 3, 8]) == (2, 3, 8)
+    assert cg.normalize_buckets([8, 1, 3, 8], minimum=1) == (1, 3, 8)
     buckets = (2, 4, 8)
     assert [cg.select_bucket(buckets, n) for n in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, None]
     assert cg.logits_rows_for_tokens(64, 16) == 16 and cg.logits_rows_for_tokens(4, 16) == 4
@@ -310,7 +311,7 @@ def test_full_graph_keys_for_decode_and_verify():
     runner = cg.FullGraphRunner(None, buffers, (1, 4), {}, {}, None, verify_batch_sizes=(2, 4), draft_len=3,
                                 intermediate_caches=inter)
     V, D = ForwardMode.TARGET_VERIFY, ForwardMode.DECODE
-    assert runner.keys() == [cg.GraphKey(V, 4, 3), cg.GraphKey(V, 2, 3), cg.GraphKey(D, 4), cg.GraphKey(D, 2)]
+    assert runner.keys() == [cg.GraphKey(V, 4, 3), cg.GraphKey(V, 2, 3), cg.GraphKey(D, 4), cg.GraphKey(D, 1)]
     verify = lambda b, steps: _metadata(V, [steps] * b, [1] * b, [[1] * (steps + 1)] * b, list(range(b)), [1] * b)[1]
     for b, bs in ((1, 2), (2, 2), (3, 4), (4, 4)):
         md = verify(b, 3)
@@ -323,6 +324,8 @@ def test_full_graph_keys_for_decode_and_verify():
     md.draft_len = 3
     assert runner.key_for(md) is None  # larger than every bucket
     assert runner.key_for(_metadata(D, [1] * 3, [1] * 3, [[1, 2]] * 3, [0, 1, 2], [1] * 3)[1]) == cg.GraphKey(D, 4)
+    # batch 1 decodes in its own graph (of the forward specialised to one token), not in the bucket of 2
+    assert runner.key_for(_metadata(D, [1], [1], [[1, 2]], [0], [1])[1]) == cg.GraphKey(D, 1)
     assert runner.key_for(_metadata(ForwardMode.EXTEND, [2], [0], [[1, 2]], [0], [2])[1]) is None
     with pytest.raises(ValueError, match="intermediate buffers"):
         cg.FullGraphRunner(None, cg.GraphBuffers(8, 16, CPU, torch.int32, 0, 3), (8,), {}, {}, None,
@@ -379,9 +382,10 @@ def test_greedy_equal_across_modes(kind):
     for mode in ("compiled", "full", "piecewise", "both"):
         got, stats = _run_mode(model, mode)
         assert got == reference, f"{kind} {mode}: {got} != eager {reference}"
-        assert stats["graphs"] == 1 and stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
-        if mode in ("full", "both"):
-            assert stats["decode_batch_sizes"] == [4, 2] and stats["full_graphs"] == 2
+        assert stats["graphs"] == 1 + stats["one_token_graph"], stats
+        assert stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
+        if mode in ("full", "both"):  # batch 1: a graph of the forward compiled for one token
+            assert stats["decode_batch_sizes"] == [4, 1] and stats["full_graphs"] == 2 and stats["one_token_graph"]
             assert stats["cuda_graph_replays"] > 0, stats
         if mode in ("piecewise", "both"):
             assert stats["token_buckets"] == [4, 16, 64] and stats["piecewise_graphs"] == 3 * stats["pieces"]
@@ -393,7 +397,8 @@ def test_greedy_equal_across_modes(kind):
 @pytest.mark.gpu
 def test_our_triton_kernels_run_under_graphs():
     """The profiler sees our Triton kernels (attention decode/extend, conv, GDN recurrent and
-    chunked) inside the full decode graphs and between the piecewise graphs."""
+    chunked, the skinny matmul of the projections at decode) inside the full decode graphs and
+    between the piecewise graphs."""
     model = _gpu_model("qwen3_next_dense")
     prompts = random_prompts([20, 3], vocab_size(model), seed=5)
     with make_engine(model, **MODES["both"]) as engine:
@@ -405,7 +410,7 @@ def test_our_triton_kernels_run_under_graphs():
     names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     assert stats["cuda_graph_replays"] > 0 and stats["piecewise_replays"] > 0
     for kernel in ("_decode_kernel", "_extend_kernel", "_store_kv_kernel", "_conv1d_update_kernel",
-                   "_gdn_recurrent_kernel", "_chunk_output_kernel"):
+                   "_gdn_recurrent_kernel", "_chunk_output_kernel", "_skinny_mm_kernel"):
         assert any(kernel in n for n in names), f"{kernel} not among the CUDA kernels: {sorted(names)[:60]}"
 
 
@@ -509,8 +514,8 @@ def test_speculative_verify_replays_full_graphs(kind, method):
         _assert_greedy_close(cpu_model, p, g, e, f"{kind} {method} speculative")
         _assert_greedy_close(cpu_model, p, pl, e, f"{kind} plain")
     c, s = stats["compile"], stats["speculative"]
-    assert c["graphs"] == 1 and c["recompiles"] == 0 and c["graph_breaks"] == 0, c
-    assert c["decode_batch_sizes"] == [4, 2] and c["verify_batch_sizes"] == [4, 2], c
+    assert c["graphs"] == 2 and c["one_token_graph"] and c["recompiles"] == 0 and c["graph_breaks"] == 0, c
+    assert c["decode_batch_sizes"] == [4, 1] and c["verify_batch_sizes"] == [4, 2], c
     assert c["full_graphs"] == 4 and c["capture_seconds"] > 0, c
     assert c["verify_graph_replays"] > 0, c
     assert s["verify_steps"] > 0 and s["drafted"] == s["verified_requests"] * k, s

@@ -79,10 +79,10 @@ class Block(nn.Module):
         return att.flatten(1) + self.biased(y).repeat(1, 4)
 
 
-def _compile_block(block, x, rewrites):
+def _compile_block(block, x, rewrites, skinny_matmuls=None):
     torch._dynamo.reset()
     counters.clear()
-    backend = HybridCompileBackend(rewrites=rewrites)
+    backend = HybridCompileBackend(rewrites=rewrites, skinny_matmuls=skinny_matmuls)
     compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
     with _no_compile_caches(), torch.no_grad():
         out = compiled(x)
@@ -111,6 +111,7 @@ def test_pass_packs_weights_once_and_fuses_shared_input_matmuls():
     assert r["packed_groups"] == 2 and r["packed_weights"] == 5
     assert r["pass_runs"] == 1 and r["fused_groups"] == 2 and r["matmuls_removed"] == 3
     assert r["group_sizes"] == {2: 1, 3: 1}
+    assert r["skinny_matmuls"] == 0  # on CPU by default matmuls stay aten.mm
     # Inductor's generated code calls three fewer extern matmuls
     assert extern_off - extern_on == 3, (extern_off, extern_on)
 
@@ -140,6 +141,31 @@ def test_pass_packs_weights_once_and_fuses_shared_input_matmuls():
     assert backend2.release_packed_weights() == 5
     assert backend.release_packed_weights() == backend2.release_packed_weights() == 0  # idempotent
     _assert_own_storage(block, params, values)
+
+
+def test_pass_routes_matmuls_to_skinny_mm():
+    """With ``skinny_matmuls=True`` (the default on CUDA) every bias-free projection left after the
+    fusion (fused gate/up, down, fused q/k/v) becomes ``hybrid_compile::skinny_mm`` (the profiler
+    sees it run); the biased one (``addmm``) stays; outputs equal eager at two token counts."""
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        expected, expected2 = block(x), block(x[:5])
+    torch._dynamo.reset()
+    backend = HybridCompileBackend(skinny_matmuls=True)
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    with _no_compile_caches(), torch.no_grad():
+        out = compiled(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out2 = compiled(x[:5])  # another token count: same graph
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out2, expected2)
+    r = backend.stats.rewrites
+    assert backend.stats.graphs == 1 and r["fused_groups"] == 2 and r["skinny_matmuls"] == 3, r
+    calls = sum(e.count for e in prof.key_averages() if e.key == "hybrid_compile::skinny_mm")
+    assert calls == 3, calls
+    backend.release_packed_weights()
 
 
 def _snapshot(model):
@@ -206,6 +232,21 @@ def test_engine_fuses_projections_and_matches_hf():
                                 "rewrite pass")
     finally:
         engine.close()
+
+
+def test_engine_routes_projections_to_skinny_mm_and_matches_hf():
+    """``extra={"skinny_matmuls": True}`` forces the routing on CPU (the default is CUDA only): every
+    projection matmul of the tiny dense Qwen3-Next (per GDN layer: in_proj, out_proj, gate/up, down;
+    attention: q/k/v, o_proj, gate/up, down; the LM head) runs as ``skinny_mm``; greedy tokens equal HF."""
+    model = cached_model("qwen3_next_dense", 0)
+    with _no_compile_caches(), make_engine(model, compile=True, extra={"skinny_matmuls": True}) as engine:
+        r = engine.stats()["compile"]["rewrites"]
+        assert r["skinny_matmuls"] == 2 * 4 + 4 + 1, r
+        prompts = random_prompts([1, 23], vocab_size(model), seed=33)
+        got = engine.generate_batch(prompts, max_new_tokens=5)
+    for prompt, tokens in zip(prompts, got):
+        assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, ("qwen3_next_dense", 0), prompt, 5),
+                            "skinny_mm")
 
 
 def test_engine_config_turns_the_pass_off():

@@ -146,6 +146,8 @@ class ModelRunner:
         )
         # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
         self._rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
+        # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
+        self._skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
         self._token_buckets: tuple[int, ...] = ()
         if piecewise:
             self._token_buckets = cg.normalize_buckets(
@@ -202,7 +204,9 @@ class ModelRunner:
     def _setup_compile(self) -> None:
         from ..passes.backend import HybridCompileBackend
 
-        self._backend = HybridCompileBackend(piecewise_graphs=self.piecewise_graphs, rewrites=self._rewrite_passes)
+        self._backend = HybridCompileBackend(
+            piecewise_graphs=self.piecewise_graphs, rewrites=self._rewrite_passes, skinny_matmuls=self._skinny_matmuls
+        )
         self._compiled_forward = torch.compile(
             _own_code_copy(_forward_of(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
             backend=self._backend, fullgraph=True, dynamic=True,
@@ -220,7 +224,8 @@ class ModelRunner:
 
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         for t in (input_ids, positions, logits_indices):
-            torch._dynamo.mark_dynamic(t, 0)
+            if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
+                torch._dynamo.mark_dynamic(t, 0)
         breaks = _graph_break_count()
         # floats of the model (eps, attention scale) are constants, not graph inputs; no duck sizing,
         # so that equal token count and batch size at compile time do not become a guard
@@ -293,7 +298,7 @@ class ModelRunner:
         speculative decoding one per verify bucket (the decode buckets that fit the intermediate
         buffers' rows: a verify batch has at most ``max_running_requests`` requests)."""
         req_to_token = self.pools.req_to_token.req_to_token
-        sizes = cg.normalize_buckets(batch_sizes)
+        sizes = cg.normalize_buckets(batch_sizes, minimum=1)  # 1: a graph specialised to one token (FullGraphRunner)
         verify_sizes: tuple[int, ...] = ()
         if self.draft_len:  # (rows of the intermediate buffers: max_running_requests + 1, engine.py)
             verify_sizes = tuple(s for s in sizes if s <= self.pools.mamba.max_draft_batch)
@@ -304,11 +309,16 @@ class ModelRunner:
                                               draft_len=self.draft_len, intermediate_caches=self.intermediate_caches)
         self.full_graphs.capture_all()
 
+    def _one_token_graphs(self) -> int:
+        """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""
+        return int(self.full_graphs is not None and 1 in self.full_graphs.batch_sizes)
+
     def compile_stats(self) -> dict:
         """What ``engine.stats()["compile"]`` reports: ``enabled``; with compile on also
         ``compile_seconds`` (split + Inductor, every graph), ``warmup_seconds`` (the compile at
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
-        ``recompiles`` (graphs - 1), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
+        ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
+        batch 1, see ``cuda_graphs.FullGraphRunner``), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
         ``split_ops_seen`` (layer ops left eager between them), ``graph_breaks``, ``compiled_steps``
         (calls of the compiled forward outside graph replays: warm-ups and captures included),
         ``padded_steps`` (steps of one request padded to two), and the CUDA graphs: ``cuda_graphs``
@@ -330,7 +340,8 @@ class ModelRunner:
             "compile_seconds": s.backend_seconds,
             "warmup_seconds": c["warmup_seconds"],
             "graphs": s.graphs,
-            "recompiles": max(0, s.graphs - 1),
+            "recompiles": max(0, s.graphs - 1 - self._one_token_graphs()),
+            "one_token_graph": bool(self._one_token_graphs()),
             "pieces": s.pieces,
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),

@@ -14,6 +14,7 @@ fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
 fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
 gated_rms_norm                                   :mod:`.norm`
+skinny_mm                                        :mod:`.linear`
 store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
@@ -21,11 +22,12 @@ track_chunk_states
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, gdn, mamba2, norm, state
+from . import attention, conv1d, gdn, linear, mamba2, norm, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import elementwise as _triton_elementwise  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
+from .triton import linear as _triton_linear  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
 from .triton import state as _triton_state  # noqa: F401
 from ._validation import debug_checks_enabled, set_debug_checks
@@ -43,6 +45,7 @@ KERNEL_OPS = (
     "ssd_chunk_scan",
     "selective_state_update",
     "gated_rms_norm",
+    "skinny_mm",
     "store_kv_cache",
     "paged_attention_extend",
     "paged_attention_decode",
@@ -59,6 +62,7 @@ __all__ = [
     "conv1d",
     "debug_checks_enabled",
     "gdn",
+    "linear",
     "mamba2",
     "norm",
     "set_debug_checks",

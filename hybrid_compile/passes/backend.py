@@ -120,7 +120,9 @@ class HybridCompileBackend:
             useful to test the split alone).
         inductor_config: Inductor config patches for every piece.
         rewrites: run our post-grad rewrite pass (:mod:`.rewrite`: projections that share an input
-            become one matmul over weights packed once) on every piece.
+            become one matmul over weights packed once; CUDA matmuls become ``skinny_mm``) on every piece.
+        skinny_matmuls: the rewrite pass's routing of matmuls to ``hybrid_compile::skinny_mm``: None
+            (default) on CUDA, True on every device, False never.
         piecewise_graphs: wrap every compiled piece in a per-bucket CUDA-graph runner of this
             state (:mod:`.cuda_graphs`); None: the pieces are called directly.
     """
@@ -132,12 +134,14 @@ class HybridCompileBackend:
         inductor: bool = True,
         inductor_config: dict | None = None,
         rewrites: bool = True,
+        skinny_matmuls: bool | None = None,
         piecewise_graphs: "PiecewiseGraphs | None" = None,
     ) -> None:
         self.splitting_ops = resolve_ops(splitting_ops)
         self.inductor = inductor
         self.inductor_config = dict(inductor_config or {})
         self.rewrites = rewrites
+        self.skinny_matmuls = skinny_matmuls
         self.rewrite_pass: SharedInputMatmulFusion | None = None
         self.packed_groups: list[PackedGroup] = []  # weight groups packed (or reused) for the pass, all graphs
         if rewrites and "post_grad_custom_pre_pass" in self.inductor_config:
@@ -159,7 +163,7 @@ class HybridCompileBackend:
                 packed = pack_shared_input_weights(gm, example_inputs, user=self)
                 self.packed_groups.extend(packed)
                 fakes = packed_fake_inputs(fake_mode, fakes, packed)
-                self.rewrite_pass = SharedInputMatmulFusion(packing_signature(packed))
+                self.rewrite_pass = SharedInputMatmulFusion(packing_signature(packed), self.skinny_matmuls)
                 config = {**config, "post_grad_custom_pre_pass": self.rewrite_pass}
                 self.stats.rewrites = {"packed_groups": len(packed), "packed_weights": sum(len(g.rows) for g in packed)}
             compiler = PiecewiseCompiler(

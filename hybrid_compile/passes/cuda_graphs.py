@@ -51,7 +51,8 @@ import torch
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 
-# Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows
+# Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows, except
+# the full decode graph of one request, captured from a compile specialised to one token (FullGraphRunner)
 MIN_GRAPH_SIZE = 2
 
 
@@ -64,7 +65,7 @@ def default_decode_batch_sizes(max_running_requests: int) -> tuple[int, ...]:
     """1, 2, 4, 8, 16, 24, 32, then every 16 to 256 and every 32 beyond, up to (and including)
     ``max_running_requests``."""
     sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, max_running_requests + 1, 32))
-    return normalize_buckets([s for s in sizes if s <= max_running_requests] + [max_running_requests])
+    return normalize_buckets([s for s in sizes if s <= max_running_requests] + [max_running_requests], minimum=1)
 
 
 def default_token_buckets(chunked_prefill_size: int, max_running_requests: int) -> tuple[int, ...]:
@@ -79,10 +80,10 @@ def default_token_buckets(chunked_prefill_size: int, max_running_requests: int) 
     return normalize_buckets(sizes + [limit])
 
 
-def normalize_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Sorted unique sizes, each at least :data:`MIN_GRAPH_SIZE` (a bucket of 1 is captured and
-    replayed with 2 rows: one of them padding)."""
-    return tuple(sorted({max(MIN_GRAPH_SIZE, int(s)) for s in sizes}))
+def normalize_buckets(sizes: Sequence[int], minimum: int = MIN_GRAPH_SIZE) -> tuple[int, ...]:
+    """Sorted unique sizes, each at least ``minimum`` (by default :data:`MIN_GRAPH_SIZE`: a bucket
+    of 1 is captured and replayed with 2 rows, one of them padding)."""
+    return tuple(sorted({max(minimum, int(s)) for s in sizes}))
 
 
 def select_bucket(buckets: Sequence[int], n: int) -> int | None:
@@ -344,7 +345,11 @@ class FullGraphRunner:
         forward: ``forward(input_ids, positions, logits_indices) -> logits`` (the compiled
             forward; it runs under the forward context this class installs).
         buffers: the stable buffers (``max_tokens_per_request >= draft_len``).
-        batch_sizes: the decode buckets (normalised: sorted, >= :data:`MIN_GRAPH_SIZE`).
+        batch_sizes: the decode buckets (sorted, unique). A bucket of 1 replays a graph of the
+            compiled forward specialised to one token: Dynamo specialises size 1, so its capture
+            compiles the forward a second time (once, at capture), and batch 1 then runs one row
+            everywhere (the one-row matmul kernel of ``skinny_mm``, no padding request) instead of
+            the bucket of 2. Leave 1 out to skip that compile.
         kv_caches, mamba_caches: the pool views of the forward context.
         pool: the shared graph pool.
         verify_batch_sizes: the TARGET_VERIFY buckets (none: no verify graphs). A verify graph's
@@ -360,7 +365,7 @@ class FullGraphRunner:
                  intermediate_caches: dict | None = None) -> None:
         self.forward = forward
         self.buffers = buffers
-        self.batch_sizes = normalize_buckets(batch_sizes)
+        self.batch_sizes = normalize_buckets(batch_sizes, minimum=1)
         self.verify_batch_sizes = normalize_buckets(verify_batch_sizes) if verify_batch_sizes else ()
         if self.batch_sizes[-1] > buffers.max_batch or (self.verify_batch_sizes and self.verify_batch_sizes[-1] > buffers.max_batch):
             raise ValueError(f"full-graph bucket {max(self.batch_sizes + self.verify_batch_sizes)} exceeds the "

@@ -27,6 +27,12 @@ Two steps, so that no weight is copied per call:
    again (``clone``: the layout every consumer was traced with; Inductor inlines it into pointwise
    consumers, so a copy is only written where a dense buffer leaves the piece or feeds an op).
 
+3. Skinny matmuls (same pass, after step 2): every projection ``mm(x, w.T)`` on CUDA becomes
+   ``hybrid_compile::skinny_mm(x, w)`` (:mod:`hybrid_compile.ops.linear`): a Triton
+   matrix-vector kernel at one row (decode at batch 1) and at two rows for long rows, where it
+   beats cuBLAS; ``torch.mm`` elsewhere. The pieces are compiled for a dynamic token count, so
+   the op picks its kernel at run time (inside a CUDA graph: once, at capture).
+
 The backend builds the pieces' fake inputs as views of the packed buffer
 (:func:`packed_fake_inputs`), so the adjacency the pass reads is the one of the real weights.
 The packing is undone when the engine closes (:func:`unpack_weights`: every parameter gets its own
@@ -49,10 +55,13 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .. import ops as _ops  # noqa: F401  (registers hybrid_compile::skinny_mm)
+
 aten = torch.ops.aten
 
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 _VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,26 +296,32 @@ class RewriteCounts:
     fused_groups: int = 0  # matmul groups merged into one
     matmuls_removed: int = 0  # sum over groups of (members - 1)
     group_sizes: dict[int, int] = field(default_factory=dict)  # members -> groups
+    skinny_matmuls: int = 0  # mm nodes routed to hybrid_compile::skinny_mm
 
     def as_dict(self) -> dict:
         return {"pass_runs": self.graphs, "fused_groups": self.fused_groups, "matmuls_removed": self.matmuls_removed,
-                "group_sizes": dict(self.group_sizes)}
+                "group_sizes": dict(self.group_sizes), "skinny_matmuls": self.skinny_matmuls}
 
 
 class SharedInputMatmulFusion(CustomGraphPass):
-    """Post-grad pass: one ``mm`` over the packed weight for the projections of one input.
+    """Post-grad pass: one ``mm`` over the packed weight for the projections of one input; then
+    every projection ``mm(x, w.T)`` on a CUDA tensor becomes ``hybrid_compile::skinny_mm(x, w)``
+    (its Triton matrix-vector kernel at a few rows, cuBLAS above; :mod:`hybrid_compile.ops.linear`).
 
     Args:
         layout: description of the packing the graphs' inputs follow (:func:`packing_signature`);
             part of :meth:`uuid`, hence of Inductor's FX graph cache key.
+        skinny_matmuls: None (default): route CUDA matmuls to ``skinny_mm``; True: on every device
+            (tests: the CPU op is ``torch.mm``); False: never.
     """
 
-    def __init__(self, layout: str = "") -> None:
+    def __init__(self, layout: str = "", skinny_matmuls: bool | None = None) -> None:
         self.layout = layout
+        self.skinny_matmuls = skinny_matmuls
         self.counts = RewriteCounts()
 
     def uuid(self) -> Any:
-        return (_SOURCE_HASH, self.layout)
+        return (_SOURCE_HASH, self.layout, self.skinny_matmuls)
 
     def __call__(self, graph: fx.Graph) -> None:
         self.counts.graphs += 1
@@ -316,14 +331,34 @@ class SharedInputMatmulFusion(CustomGraphPass):
             if match is not None:
                 groups[match[0]].append(match[1])
         runs = [run for ps in groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)]
-        if not runs:
-            return
         fake_mode = _fake_mode_of(graph)
         order = {node: i for i, node in enumerate(graph.nodes)}
         for run in runs:
             self._fuse(graph, fake_mode, sorted(run, key=lambda p: order[p.mm]))
+        if self.skinny_matmuls is not False and fake_mode is not None:
+            self._route_skinny(graph, fake_mode)
         graph.eliminate_dead_code()
         graph.lint()
+
+    def _route_skinny(self, graph: fx.Graph, fake_mode) -> None:
+        """``mm(x, permute(w, [1, 0]))`` -> ``skinny_mm(x, w)`` (the op picks its kernel by the
+        row count at run time: the pieces are compiled for a dynamic token count)."""
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not aten.mm.default:
+                continue
+            x, wt = node.args
+            if not (isinstance(wt, fx.Node) and wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
+                continue
+            out = node.meta.get("val")
+            if not isinstance(out, torch.Tensor) or out.dtype not in _SKINNY_DTYPES:
+                continue
+            if self.skinny_matmuls is None and out.device.type != "cuda":
+                continue
+            with graph.inserting_before(node):
+                skinny = _call(graph, fake_mode, torch.ops.hybrid_compile.skinny_mm.default, (x, wt.args[0]))
+            node.replace_all_uses_with(skinny)
+            graph.erase_node(node)
+            self.counts.skinny_matmuls += 1
 
     def _fuse(self, graph: fx.Graph, fake_mode, run: list[_Projection]) -> None:
         first = run[0]  # earliest in the graph: its input is defined before every member

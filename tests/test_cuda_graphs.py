@@ -405,6 +405,7 @@ def test_our_triton_kernels_run_under_graphs():
         engine.generate_batch(prompts, max_new_tokens=2)  # warm
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             engine.generate_batch(prompts, max_new_tokens=4)
+            engine.generate_batch(prompts[:1], max_new_tokens=4)  # batch 1: the one-row skinny matmuls
             torch.cuda.synchronize()
         stats = engine.stats()["compile"]
     names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}

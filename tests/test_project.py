@@ -33,7 +33,8 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
         assert singleton.find(f"hybrid_compile::{name}").fake_impl.kernel is not None, f"{name} has no fake impl"
         module_fn = next(
             getattr(m, name) for m in (hybrid_compile.ops.attention, hybrid_compile.ops.conv1d, hybrid_compile.ops.gdn,
-                                        hybrid_compile.ops.mamba2, hybrid_compile.ops.norm, hybrid_compile.ops.state)
+                                        hybrid_compile.ops.mamba2, hybrid_compile.ops.norm, hybrid_compile.ops.state,
+                                        hybrid_compile.ops.linear)
             if hasattr(m, name)
         )
         assert len((module_fn.__doc__ or "").strip()) > 100, f"{name} needs a docstring with shapes and dtypes"
@@ -42,7 +43,7 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
 def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "10/10 ops match" in out
+    assert "11/11 ops match" in out
 
 
 def test_demo_command_matches_transformers(capsys):

@@ -148,6 +148,13 @@ class ModelRunner:
         self._rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
         # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
         self._skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
+        # Inductor config patches for every compiled piece (extra["inductor_config"] adds / overrides). On CUDA
+        # Inductor's combo kernels launch independent pointwise kernels (the projections' splits and copies
+        # feeding the layer ops, the q/k norms) as one: H200, reference Qwen3-Next, batch-1 decode step
+        # 395 -> 311 kernels, 1.76 -> 1.67 ms; batch 16 2.72 -> 2.60 ms; same greedy tokens
+        self._inductor_config = {"combo_kernels": True} if device.type == "cuda" else {}
+        if config is not None:
+            self._inductor_config.update(config.extra.get("inductor_config") or {})
         self._token_buckets: tuple[int, ...] = ()
         if piecewise:
             self._token_buckets = cg.normalize_buckets(
@@ -205,7 +212,8 @@ class ModelRunner:
         from ..passes.backend import HybridCompileBackend
 
         self._backend = HybridCompileBackend(
-            piecewise_graphs=self.piecewise_graphs, rewrites=self._rewrite_passes, skinny_matmuls=self._skinny_matmuls
+            piecewise_graphs=self.piecewise_graphs, rewrites=self._rewrite_passes, skinny_matmuls=self._skinny_matmuls,
+            inductor_config=self._inductor_config,
         )
         self._compiled_forward = torch.compile(
             _own_code_copy(_forward_of(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
@@ -345,6 +353,7 @@ class ModelRunner:
             "pieces": s.pieces,
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),
+            "inductor_config": dict(self._inductor_config),
             "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (passes/rewrite.py)
             "graph_breaks": c["graph_breaks"],
             "compiled_steps": c["compiled_steps"],

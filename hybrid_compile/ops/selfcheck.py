@@ -281,7 +281,16 @@ def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
     return results
 
 
-CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention)
+def check_linear(device, dtype, gen, reps) -> list[CheckResult]:
+    """skinny_mm at one row and at two long rows (its Triton kernel on CUDA) vs an fp64 matmul."""
+    w = _rand(gen, 96, 4160, dtype=dtype, device=device, scale=4160 ** -0.5)
+    x1, x2 = _rand(gen, 1, 4160, dtype=dtype, device=device), _rand(gen, 2, 4160, dtype=dtype, device=device)
+    (y1, y2), ms = _timed(lambda: (ops.skinny_mm(x1, w), ops.skinny_mm(x2, w)), reps)
+    (r1, r2), ref_ms = _timed(lambda: tuple((x.double().cpu() @ w.double().cpu().t()) for x in (x1, x2)))
+    return [CheckResult("skinny_mm", _err((y1, r1), (y2, r2)), TOLERANCE[dtype], ms, ref_ms)]
+
+
+CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention, check_linear)
 
 
 def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:

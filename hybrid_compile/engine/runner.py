@@ -148,11 +148,11 @@ class ModelRunner:
         self._rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
         # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
         self._skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
-        # Inductor config patches for every compiled piece (extra["inductor_config"] adds / overrides). On CUDA
-        # Inductor's combo kernels launch independent pointwise kernels (the projections' splits and copies
-        # feeding the layer ops, the q/k norms) as one: H200, reference Qwen3-Next, batch-1 decode step
-        # 395 -> 311 kernels, 1.76 -> 1.67 ms; batch 16 2.72 -> 2.60 ms; same greedy tokens
-        self._inductor_config = {"combo_kernels": True} if device.type == "cuda" else {}
+        # Inductor config patches for every compiled piece (extra["inductor_config"]). Inductor's combo kernels
+        # ({"combo_kernels": True}: independent pointwise kernels launched as one) cut a batch-1 decode step of
+        # the reference Qwen3-Next from 395 to 311 kernels (H200, 1.76 -> 1.67 ms) but gave wrong tokens with
+        # the one-token decode graph on the tiny Qwen3-Next (torch 2.11), so they stay off by default
+        self._inductor_config = {}
         if config is not None:
             self._inductor_config.update(config.extra.get("inductor_config") or {})
         self._token_buckets: tuple[int, ...] = ()

@@ -152,9 +152,7 @@ class ModelRunner:
         # ({"combo_kernels": True}: independent pointwise kernels launched as one) cut a batch-1 decode step of
         # the reference Qwen3-Next from 395 to 311 kernels (H200, 1.76 -> 1.67 ms) but gave wrong tokens with
         # the one-token decode graph on the tiny Qwen3-Next (torch 2.11), so they stay off by default
-        self._inductor_config = {}
-        if config is not None:
-            self._inductor_config.update(config.extra.get("inductor_config") or {})
+        self._inductor_config = dict(config.extra.get("inductor_config") or {}) if config is not None else {}
         self._token_buckets: tuple[int, ...] = ()
         if piecewise:
             self._token_buckets = cg.normalize_buckets(

@@ -232,14 +232,22 @@ class _Projection:
     value: torch.Tensor  # its fake tensor
 
 
-def _projection(node: fx.Node) -> tuple[Any, _Projection] | None:
-    """``mm(x, permute(w, [1, 0]))`` with ``w`` a 2-D contiguous graph input -> (key of x, match)."""
+def _mm_of_transposed(node: fx.Node) -> tuple[Any, Any] | None:
+    """``mm(x, permute(w, [1, 0]))`` (a bias-free linear after decomposition) -> (x, w)."""
     if node.op != "call_function" or node.target is not aten.mm.default:
         return None
     x, wt = node.args
     if not (isinstance(wt, fx.Node) and wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
         return None
-    w = wt.args[0]
+    return x, wt.args[0]
+
+
+def _projection(node: fx.Node) -> tuple[Any, _Projection] | None:
+    """``mm(x, permute(w, [1, 0]))`` with ``w`` a 2-D contiguous graph input -> (key of x, match)."""
+    match = _mm_of_transposed(node)
+    if match is None:
+        return None
+    x, w = match
     value = w.meta.get("val") if isinstance(w, fx.Node) else None
     if w.op != "placeholder" or not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_contiguous():
         return None
@@ -344,10 +352,8 @@ class SharedInputMatmulFusion(CustomGraphPass):
         """``mm(x, permute(w, [1, 0]))`` -> ``skinny_mm(x, w)`` (the op picks its kernel by the
         row count at run time: the pieces are compiled for a dynamic token count)."""
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not aten.mm.default:
-                continue
-            x, wt = node.args
-            if not (isinstance(wt, fx.Node) and wt.target is aten.permute.default and list(wt.args[1]) == [1, 0]):
+            match = _mm_of_transposed(node)
+            if match is None:
                 continue
             out = node.meta.get("val")
             if not isinstance(out, torch.Tensor) or out.dtype not in _SKINNY_DTYPES:
@@ -355,7 +361,7 @@ class SharedInputMatmulFusion(CustomGraphPass):
             if self.skinny_matmuls is None and out.device.type != "cuda":
                 continue
             with graph.inserting_before(node):
-                skinny = _call(graph, fake_mode, torch.ops.hybrid_compile.skinny_mm.default, (x, wt.args[0]))
+                skinny = _call(graph, fake_mode, torch.ops.hybrid_compile.skinny_mm.default, match)
             node.replace_all_uses_with(skinny)
             graph.erase_node(node)
             self.counts.skinny_matmuls += 1

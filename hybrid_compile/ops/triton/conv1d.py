@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elementwise import cast_rne
+from .elementwise import _pow2, cast_rne
 from ..conv1d import (
     _check_causal_conv1d_fn,
     _check_causal_conv1d_update,
@@ -47,10 +47,6 @@ from ..conv1d import (
 )
 
 __all__ = ["causal_conv1d_fn_triton", "causal_conv1d_update_triton", "track_conv_window_triton"]
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
 
 
 def _warps_1d(block: int) -> int:

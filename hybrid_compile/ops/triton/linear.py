@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..linear import SKINNY_MAX_ROWS, _check_skinny_mm
-from .elementwise import cast_rne
+from .elementwise import _pow2, cast_rne
 
 __all__ = ["skinny_mm_config", "skinny_mm_triton", "use_skinny_kernel"]
 
@@ -65,10 +65,6 @@ def _skinny_mm_kernel(
         _store_row(y_ptr, 1, M, N, rn, n_ok, acc1)
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
 def skinny_mm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[n, k]`` weight and ``rows`` rows of ``x``,
     from a sweep on an H200 at the reference model's shapes (within ~5 % of the best config of
@@ -98,11 +94,10 @@ def skinny_mm_triton(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, i
     if m == 0 or n == 0 or k == 0:
         return x.new_zeros(m, n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    rows = m
-    block_n, block_k, warps, stages = config or skinny_mm_config(n, k, rows)
+    block_n, block_k, warps, stages = config or skinny_mm_config(n, k, m)
     _skinny_mm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return y
 

@@ -12,6 +12,7 @@ import torch
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops.linear import SKINNY_MAX_ROWS
 from hybrid_compile.ops.triton import linear as tlin
+from hybrid_compile.ops.triton.launch import pdl_launch, programmatic_launch_supported
 from op_testing import assert_close, compile_and_compare, run_opcheck
 
 INTERPRETER_ONLY = True
@@ -73,6 +74,15 @@ def test_op_opcheck_and_compile_without_graph_breaks():
     torch.testing.assert_close(compiled, eager)
 
 
+def test_programmatic_launch_switches(monkeypatch):
+    """Off on CPU and under the interpreter, on request for a launch, off everywhere with HYBRID_COMPILE_PDL=0."""
+    assert not programmatic_launch_supported(torch.device("cpu"))
+    assert pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    assert pdl_launch(torch.device("cpu"), True) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("HYBRID_COMPILE_PDL", "0")
+    assert not programmatic_launch_supported(torch.device("cuda"))
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: the registered CUDA op
 # --------------------------------------------------------------------------------------------
@@ -106,3 +116,37 @@ def test_cuda_op_in_a_cuda_graph_and_kernel_choice():
     assert_close(out, _expected(x, w), torch.bfloat16)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("_skinny_mm_kernel" in n for n in names), names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and programmatic_launch_supported(torch.device("cuda"))),
+                    reason="needs a GPU with programmatic dependent launch (Hopper or later)")
+def test_programmatic_launch_waits_for_the_kernel_that_writes_x():
+    """A chain of dependent launches inside a CUDA graph (each kernel's x is written by the kernel
+    right before it: a pointwise op, or the previous skinny_mm) gives the sequential result."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+          for n, k in ((4096, 2048), (2048, 4096), (8192, 2048), (2048, 8192))]
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl):
+        h = x
+        for w in ws:  # x written by a pointwise kernel
+            h = tlin.skinny_mm_triton(torch.tanh(h) * 2, w, pdl=pdl)
+        for w in ws:  # x written by the previous skinny_mm
+            h = tlin.skinny_mm_triton(h, w, pdl=pdl)
+        return h
+
+    chain(True)
+    torch.cuda.synchronize()
+    out = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(chain(True))
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = chain(False)  # the same kernels, launched plainly, one after the other
+        assert torch.equal(out, expected)
+        assert expected.abs().sum() > 0

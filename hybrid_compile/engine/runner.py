@@ -113,6 +113,19 @@ def _own_code_copy(fn, name: str):
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+
+def _default_inductor_config(device: torch.device) -> dict:
+    """Inductor patches the engine applies unless ``extra["inductor_config"]`` overrides them:
+    ``triton.enable_pdl`` where our Triton kernels launch as programmatic dependents."""
+    import torch._inductor.config as inductor_config
+
+    from ..ops.triton.launch import programmatic_launch_supported
+
+    if hasattr(inductor_config.triton, "enable_pdl") and programmatic_launch_supported(torch.device(device)):
+        return {"triton.enable_pdl": True}
+    return {}
+
+
 class ModelRunner:
     def __init__(
         self, model: nn.Module, pools: MemoryPools, device: torch.device, config: "EngineConfig | None" = None
@@ -151,8 +164,11 @@ class ModelRunner:
         # Inductor config patches for every compiled piece (extra["inductor_config"]). Inductor's combo kernels
         # ({"combo_kernels": True}: independent pointwise kernels launched as one) cut a batch-1 decode step of
         # the reference Qwen3-Next from 395 to 311 kernels (H200, 1.76 -> 1.67 ms) but gave wrong tokens with
-        # the one-token decode graph on the tiny Qwen3-Next (torch 2.11), so they stay off by default
-        self._inductor_config = dict(config.extra.get("inductor_config") or {}) if config is not None else {}
+        # the one-token decode graph on the tiny Qwen3-Next (torch 2.11), so they stay off by default.
+        # Inductor's kernels launch as programmatic dependents where ours do (ops/triton/launch.py: only
+        # both sides together pay off)
+        self._inductor_config = _default_inductor_config(device)
+        self._inductor_config.update(config.extra.get("inductor_config") or {} if config is not None else {})
         self._token_buckets: tuple[int, ...] = ()
         if piecewise:
             self._token_buckets = cg.normalize_buckets(

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ..attention import _check_decode, _check_extend, _check_merge, _check_store
+from .launch import pdl_launch, pdl_wait_and_release
 
 _LOG2E = 1.4426950408889634
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -112,7 +113,9 @@ def _store_kv_kernel(
     HKV: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     K_BF16_RNE: tl.constexpr, V_BF16_RNE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot < 0:
@@ -160,6 +163,7 @@ def store_kv_cache_triton(
         K_BF16_RNE=k_cache.dtype == torch.bfloat16 and k.dtype != torch.bfloat16,
         V_BF16_RNE=v_cache.dtype == torch.bfloat16 and v.dtype != torch.bfloat16,
         num_warps=4 if block_h * max(block_d, block_dv) >= 1024 else 1,
+        **pdl_launch(k.device),
     )
 
 
@@ -417,7 +421,9 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -482,7 +488,9 @@ def _decode_reduce_kernel(
     stride_pb, stride_ph, stride_ps, stride_qb, stride_qh, stride_qs,
     stride_ob, stride_oh, stride_lb, stride_lh, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -574,6 +582,7 @@ def paged_attention_decode_triton(
         BLOCK_N=block_n, MIN_SPLIT_LEN=max(2 * block_n, 64),
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
         **cfg,
+        **pdl_launch(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(bsz, hq)](
@@ -583,6 +592,7 @@ def paged_attention_decode_triton(
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1), num_splits,
             BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_DECODE_SPLITS)), HEAD_DV=dv,
             BLOCK_DV=triton.next_power_of_2(dv), num_warps=4 if dv >= 128 else 1,
+            **pdl_launch(o.device),
         )
     return o, lse
 

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .elementwise import _pow2, cast_rne
+from .launch import pdl_launch, pdl_wait_and_release
 from ..conv1d import (
     _check_causal_conv1d_fn,
     _check_causal_conv1d_update,
@@ -270,7 +271,9 @@ def _conv1d_update_kernel(
     stride_ib, stride_il, stride_ik, stride_id,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, BD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     K: tl.constexpr = W - 1
     b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -335,6 +338,7 @@ def _causal_conv1d_update(
         *inter_strides,
         W=width, HAS_BIAS=bias is not None, SILU=silu, HAS_INTER=has_inter,
         UPDATE_STATE=not disable_state_update, BD=bd, num_warps=_warps_1d(bd),
+        **pdl_launch(x.device),
     )
     return out
 

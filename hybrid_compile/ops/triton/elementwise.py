@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..gdn import _check_gdn_gating
 from ..norm import _check_gated_rms_norm
+from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["cast_rne", "gdn_gating_triton", "gated_rms_norm_triton"]
 
@@ -62,7 +63,9 @@ def _gdn_gating_kernel(
     T, H, stride_at, stride_ah, stride_bt, stride_bh,
     sp_beta, sp_threshold,
     BT: tl.constexpr, BH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BH)
     rmask = rows < T
@@ -106,6 +109,7 @@ def gdn_gating_triton(
         T, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         float(softplus_beta), float(softplus_threshold),
         BT=bt, BH=bh, num_warps=4,
+        **pdl_launch(a.device),
     )
     return g, beta
 
@@ -157,7 +161,9 @@ def _gated_rms_norm_kernel(
     T, D, G, stride_xt, stride_xd, stride_zt, stride_zd, eps,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr,
     BR: tl.constexpr, BG: tl.constexpr, NCHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     col0 = tl.program_id(1) * G
     rmask = rows < T
@@ -205,6 +211,7 @@ def _gated_rms_norm(x, weight, z, eps, group_size, norm_before_gate, *, max_grou
         T, D, group_size, x.stride(0), x.stride(1), z_arg.stride(0), z_arg.stride(1), float(eps),
         HAS_Z=has_z, NORM_BEFORE_GATE=bool(norm_before_gate), ROUND=round_code,
         BR=br, BG=bg, NCHUNK=nchunk, num_warps=num_warps,
+        **pdl_launch(x.device),
     )
     return out
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..gdn import _check_chunk, _check_decode, _check_verify
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
+from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = [
     "chunk_gated_delta_rule_triton",
@@ -56,8 +57,10 @@ def _gdn_recurrent_kernel(
     s_ib, s_il, s_ih, s_ik, s_iv,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here."""
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -151,6 +154,7 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         num_warps=num_warps,
+        **pdl_launch(q.device),
     )
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..linear import SKINNY_MAX_ROWS, _check_skinny_mm
 from .elementwise import _pow2, cast_rne
+from .launch import pdl_launch
 
 __all__ = ["skinny_mm_config", "skinny_mm_triton", "use_skinny_kernel"]
 
@@ -36,30 +37,47 @@ def _store_row(y_ptr, row, M, N, rn, n_ok, acc):
              mask=n_ok & ((rn * 0 + row) < M))
 
 
+@triton.jit
+def _weight_tile(w_ptr, rn, kk, n_ok, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at columns ``kk``, in fp32 (and its column mask)."""
+    if EVEN_K:
+        k_ok = tl.full((BLOCK_K,), 1, tl.int1)
+    else:
+        k_ok = kk < K
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    return w.to(tl.float32), k_ok
+
+
 @triton.jit(do_not_specialize=["M"])  # the row count varies per step: one compile per ROWS
 def _skinny_mm_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
+    # the first weight tile is loaded before anything that reads x: under a programmatic dependent
+    # launch (USE_PDL) it streams while the kernel that writes x is still finishing
+    w, k_ok = _weight_tile(w_ptr, rn, rk, n_ok, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and y's memory) belong to the previous kernel until here
     # one 2-D accumulator per row (a 3-D [ROWS, BLOCK_N, BLOCK_K] tile costs layout conversions)
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc0 = _row_product(x_ptr, 0, M, rk, stride_xm, stride_xk, k_ok, w)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if ROWS >= 2:
+        acc1 += _row_product(x_ptr, 1, M, rk, stride_xm, stride_xk, k_ok, w)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        if EVEN_K:
-            k_ok = tl.full((BLOCK_K,), 1, tl.int1)
-        else:
-            k_ok = kk < K
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+        w, k_ok = _weight_tile(w_ptr, rn, kk, n_ok, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
         acc0 += _row_product(x_ptr, 0, M, kk, stride_xm, stride_xk, k_ok, w)
         if ROWS >= 2:
             acc1 += _row_product(x_ptr, 1, M, kk, stride_xm, stride_xk, k_ok, w)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     _store_row(y_ptr, 0, M, N, rn, n_ok, acc0)
     if ROWS >= 2:
         _store_row(y_ptr, 1, M, N, rn, n_ok, acc1)
@@ -85,8 +103,13 @@ def use_skinny_kernel(m: int, k: int) -> bool:
     return m == 1 or (m == 2 and k >= 4096)
 
 
-def skinny_mm_triton(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None):
-    """``x @ weight.T`` for ``x.shape[0] <= SKINNY_MAX_ROWS`` (``config`` overrides the tiles)."""
+def skinny_mm_triton(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+                     pdl: bool | None = None):
+    """``x @ weight.T`` for ``x.shape[0] <= SKINNY_MAX_ROWS`` (``config`` overrides the tiles).
+
+    ``pdl`` (default: :func:`~.launch.programmatic_launch_supported`) launches the kernel as a programmatic
+    dependent launch: it starts while the previous kernel finishes, loads its first weight tile
+    (weights are never written by a decode step) and waits for that kernel before reading ``x``."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SKINNY_MAX_ROWS:
@@ -98,6 +121,7 @@ def skinny_mm_triton(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, i
     _skinny_mm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, m, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device, pdl),
     )
     return y
 

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from .._varlen import chunks_per_request, max_chunk_rows
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
+from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["selective_state_update_triton", "ssd_chunk_scan_triton"]
 
@@ -134,7 +135,9 @@ def _ssu_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -227,6 +230,7 @@ def selective_state_update_triton(
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None,
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
+        **pdl_launch(x.device),
     )
     return out
 

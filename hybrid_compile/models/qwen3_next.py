@@ -57,12 +57,25 @@ def _project(mixer: nn.Module, hidden: torch.Tensor):
     return mixed_qkv, mixer.g_proj(hidden).reshape(n, -1, mixer.head_v_dim), mixer.b_proj(hidden), mixer.a_proj(hidden)
 
 
+def _one_buffer(mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+    """The four layer-op inputs as views of one ``[N, conv_dim + Hv*V + 2*Hv]`` buffer.
+
+    Under compile they leave a piece (the layer op splits the graph there), so each is written to
+    memory: as slices of a fused projection and HF's reordering, Inductor writes them with four
+    copy kernels per layer; as one concatenation, with one (the ops take strided views)."""
+    n, conv_dim, hv = mixed_qkv.shape[0], mixed_qkv.shape[1], b.shape[1]
+    z_dim = z.shape[1] * z.shape[2]
+    flat = torch.cat((mixed_qkv, z.reshape(n, z_dim), b, a), dim=-1)
+    return (flat[:, :conv_dim], flat[:, conv_dim:conv_dim + z_dim].view(n, z.shape[1], z.shape[2]),
+            flat[:, conv_dim + z_dim:conv_dim + z_dim + hv], flat[:, conv_dim + z_dim + hv:])
+
+
 def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """Patched ``*GatedDeltaNet.forward``: HF's code outside an engine step, the layer op inside."""
     if get_forward_context() is None:
         return type(self).forward(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     hidden = hidden_states[0]
-    mixed_qkv, z, b, a = _project(self, hidden)
+    mixed_qkv, z, b, a = _one_buffer(*_project(self, hidden))
     core = torch.ops.hybrid_compile.gdn_layer(
         mixed_qkv, a, b, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias,
         int(self.layer_idx), self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim,

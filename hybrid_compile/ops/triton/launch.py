@@ -14,6 +14,7 @@ tail: measured on an H200 (reference Qwen3-Next, batch-1 decode under a CUDA gra
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,7 +31,13 @@ def programmatic_launch_supported(device: torch.device) -> bool:
         return False
     if os.environ.get("HYBRID_COMPILE_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    """(cached: this is asked at every kernel launch)"""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def pdl_launch(device: torch.device, enabled: bool | None = None) -> dict:

@@ -12,6 +12,7 @@ model runs HF's code, so the oracle may run before, during or after ``wrap``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -170,6 +171,16 @@ def hf_next_logits(model, tokens: list[int]) -> torch.Tensor:
     """HF's fp32 logits ``[V]`` for the token after ``tokens`` (one plain forward, no cache)."""
     ids = torch.tensor([tokens], dtype=torch.long)
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1].float()
+
+
+def assert_metadata_equal(got, want) -> None:
+    """Every field of two ``ForwardMetadata`` equal (tensors: same dtype and values)."""
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

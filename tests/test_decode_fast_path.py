@@ -25,6 +25,7 @@ from hybrid_compile.memory.allocator import InvalidSlotError, SlotAllocator, Tok
 from hybrid_compile.memory.req_to_token import ReqToTokenPool
 from engine_models import (
     assert_greedy_equal,
+    assert_metadata_equal,
     assert_pools_restored,
     cached_model,
     hf_greedy_cached,
@@ -47,15 +48,6 @@ def model():
     return cached_model(KIND, SEED)
 
 
-def _assert_metadata_equal(got, want) -> None:
-    for f in dataclasses.fields(want):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if isinstance(b, torch.Tensor):
-            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f.name
-        else:
-            assert a == b, f.name
-
-
 def test_decode_metadata_equals_general_path(model):
     prompts = random_prompts([5, 9, 2, 13], vocab_size(model), seed=11)
     checked = []
@@ -73,7 +65,7 @@ def test_decode_metadata_equals_general_path(model):
                     assert ids is batch.input_ids
                     want = runner._build_extend_metadata(dataclasses.replace(batch, input_ids=None,
                                                                             requests=[_Pending(r, t) for r, t in zip(batch.requests, ids.tolist())]))[1]
-                _assert_metadata_equal(md, want)
+                assert_metadata_equal(md, want)
                 checked.append((md.batch_size, batch.input_ids is not None))
             return original(batch, input_ids)
 

@@ -30,6 +30,7 @@ from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, Forwa
 import mamba2_models as mm
 from engine_models import (
     assert_greedy_equal,
+    assert_metadata_equal,
     build_model,
     cached_model,
     hf_greedy_cached,
@@ -421,12 +422,7 @@ def test_verify_metadata_fast_path_equals_general_path():
         _, want = runner._build_extend_metadata(batch)  # (writes the same req_to_token entries again)
         want = dataclasses.replace(want, logits_indices=torch.arange(md.num_tokens), draft_len=runner.draft_len)
         assert ids.tolist() == want_ids and ids.dtype == torch.int64
-        for f in dataclasses.fields(want):
-            got, exp = getattr(md, f.name), getattr(want, f.name)
-            if isinstance(exp, torch.Tensor):
-                assert isinstance(got, torch.Tensor) and got.dtype == exp.dtype and torch.equal(got, exp), f.name
-            else:
-                assert got == exp, f.name
+        assert_metadata_equal(md, want)
         assert torch.equal(r2t.req_to_token, fast_map) and torch.equal(r2t._req_to_token_host, fast_host)
         checked.append(md.batch_size)
         return ids, md

@@ -113,7 +113,6 @@ def _own_code_copy(fn, name: str):
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-
 def _default_inductor_config(device: torch.device) -> dict:
     """Inductor patches the engine applies unless ``extra["inductor_config"]`` overrides them:
     ``triton.enable_pdl`` where our Triton kernels launch as programmatic dependents."""
@@ -168,7 +167,8 @@ class ModelRunner:
         # Inductor's kernels launch as programmatic dependents where ours do (ops/triton/launch.py: only
         # both sides together pay off)
         self._inductor_config = _default_inductor_config(device)
-        self._inductor_config.update(config.extra.get("inductor_config") or {} if config is not None else {})
+        if config is not None:
+            self._inductor_config.update(config.extra.get("inductor_config") or {})
         self._token_buckets: tuple[int, ...] = ()
         if piecewise:
             self._token_buckets = cg.normalize_buckets(

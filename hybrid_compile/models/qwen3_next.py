@@ -66,6 +66,7 @@ def _one_buffer(mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: to
     n, conv_dim, hv = mixed_qkv.shape[0], mixed_qkv.shape[1], b.shape[1]
     z_dim = z.shape[1] * z.shape[2]
     flat = torch.cat((mixed_qkv, z.reshape(n, z_dim), b, a), dim=-1)
+    # slices, not torch.split: Inductor hands split outputs to the layer op with other strides than traced
     return (flat[:, :conv_dim], flat[:, conv_dim:conv_dim + z_dim].view(n, z.shape[1], z.shape[2]),
             flat[:, conv_dim + z_dim:conv_dim + z_dim + hv], flat[:, conv_dim + z_dim + hv:])
 

@@ -213,6 +213,29 @@ def test_stats_counters_match_the_work_done(model, prompts):
         assert_pools_restored(engine, initial)
 
 
+def test_a_lone_last_prompt_token_is_prefilled_not_decoded(model, prompts):
+    """DECODE steps hold generated tokens only (the Mamba2 layer op clamps no ``dt`` in them): a
+    prompt whose chunk boundary leaves its last token alone takes one more EXTEND step, and its
+    greedy tokens are still HF's."""
+    from hybrid_compile.layers.context import ForwardMode
+
+    prompt = (prompts[3] + prompts[0])[:33]  # chunks of 32 + 1
+    with make_engine(model, chunked_prefill_size=32) as engine:
+        engine.overlap = False
+        steps = []
+        forward = engine.runner.forward
+
+        def recording_forward(batch):
+            steps.append((batch.mode, list(batch.extend_lens)))
+            return forward(batch)
+
+        engine.runner.forward = recording_forward
+        out = engine.generate(torch.tensor([prompt]), max_new_tokens=3)
+    extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
+    assert steps == [(extend, [32]), (extend, [1]), (decode, [1]), (decode, [1])]
+    assert new_tokens(out, len(prompt)) == [hf(model, prompt, 3)]
+
+
 @pytest.mark.parametrize("speculative", [None, dict(method="ngram", num_draft_tokens=2)], ids=["plain", "ngram"])
 def test_kernel_warm_up_leaves_no_trace(model, prompts, speculative):
     """``warmup_kernels`` (on by default on CUDA) serves two requests at wrap time through every

@@ -416,6 +416,9 @@ def test_ssd_chunk_scan_opcheck(lens, chunk_size, opts, out_chunks):
 def test_selective_state_update_opcheck(batch, steps, opts):
     inp = make_decode(batch, steps, **opts)
     run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(inp[k] for k in DECODE_ORDER))
+    a_log = torch.log(-inp["A"]).to(inp["x"].dtype)  # A_is_log: the op takes A_log (any float dtype)
+    args = tuple(a_log if k == "A" else inp[k] for k in DECODE_ORDER) + (True,)
+    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -222,6 +222,27 @@ def test_selective_state_update_triton_strided_inputs_and_odd_dims():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("a_dtype", [torch.float32, torch.bfloat16])
+def test_selective_state_update_takes_A_log(a_dtype):
+    """A_is_log: the plain op and the kernel take ``A = -exp(A_log)`` themselves (the decode step of
+    the Mamba2 layer op launches nothing for it); same result as passing that ``A``."""
+    inp = make_decode(3, 2, P=16, N=16, dtype=torch.bfloat16, pad_rows=(1,))
+    a_log = torch.log(-inp["A"]).to(a_dtype)
+    given_a = _clone(inp)
+    given_a["A"] = -torch.exp(a_log.float())
+    y_ref = selective_state_update(*(given_a[k] for k in DECODE_ORDER))
+    plain = _clone(inp)
+    plain["A"] = a_log
+    tri = _to(_clone(plain), KDEV)
+    y_op = selective_state_update(*(plain[k] for k in DECODE_ORDER), True)
+    y = tm.selective_state_update_triton(*(tri[k] for k in DECODE_ORDER), True).cpu()
+    assert torch.equal(y_op, y_ref) and torch.equal(plain["ssm_states"], given_a["ssm_states"])
+    assert_close(y, y_ref, torch.bfloat16, msg="kernel with A_log vs plain op with A")
+    assert_close(tri["ssm_states"].cpu(), given_a["ssm_states"], torch.float32, msg="pool")
+    with pytest.raises(ValueError, match="`A`"):  # without the flag, A must be fp32 (already negated)
+        selective_state_update(*(a_log.to(torch.bfloat16) if k == "A" else inp[k] for k in DECODE_ORDER))
+
+
 def test_registered_as_cuda_kernels():
     for op in ("ssd_chunk_scan", "selective_state_update"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hybrid_compile::{op}", "CUDA")

@@ -59,6 +59,13 @@ class Request:
     def pending(self) -> int:
         return self.seq_len - self.num_computed
 
+    @property
+    def decoding(self) -> bool:
+        """Its one pending token is a generated one: the request takes a DECODE step. (A lone
+        last prompt token, left by a chunk boundary or a cached prefix, is prefilled instead:
+        DECODE steps hold generated tokens only, which the Mamba2 layer op relies on.)"""
+        return self.pending == 1 and self.num_computed >= len(self.prompt)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``start:end`` of ``prompt + output``."""
         n = len(self.prompt)

@@ -312,7 +312,7 @@ class Scheduler:
         reqs: list[Request] = []
         lens: list[int] = []
         for r in self.running:
-            if r.pending == 1 and r.num_computed > 0:
+            if r.decoding:
                 if decodes:
                     reqs.append(r)
                     lens.append(1)
@@ -332,7 +332,7 @@ class Scheduler:
         cached prefixes are evicted, then the newest request is retracted, as in :meth:`schedule`.
         Waiting requests are not admitted (the engine alternates with :meth:`schedule`)."""
         while True:
-            reqs = [r for r in self.running if r.pending == 1 and r.num_computed > 0]
+            reqs = [r for r in self.running if r.decoding]
             if not reqs:
                 return None
             lens = [draft_len] * len(reqs)
@@ -430,7 +430,7 @@ class Scheduler:
             r.kv_slots = torch.cat([r.kv_slots, out_cache_loc[offset : offset + n]])
             offset += n
         prefix = [r.num_computed for r in reqs]
-        decode = all(n == 1 for n in lens) and all(p > 0 for p in prefix)
+        decode = all(r.decoding for r in reqs)
         batch = ScheduledBatch(
             requests=reqs,
             prefix_lens=prefix,

@@ -21,7 +21,7 @@ import torch
 
 
 class ForwardMode(enum.Enum):
-    DECODE = "decode"  # every request adds exactly one token and has state
+    DECODE = "decode"  # every request adds exactly one generated token (not a prompt token) and has state
     EXTEND = "extend"  # prefill / chunked prefill / mixed prefill + decode
     TARGET_VERIFY = "target_verify"  # speculative verify: a fixed number of draft tokens per request
 

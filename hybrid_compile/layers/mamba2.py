@@ -25,7 +25,8 @@ in their chunked path (the prompt, processed in one forward by ``generate``) and
 single-token recurrent path (every generated token). With ``clamp_decode_dt=False`` (what every
 HF family does) the op reproduces that per token, whatever the batch mode or chunking: a token
 is clamped iff its position is below its request's prompt length (``metadata.prompt_lens``;
-without it, tokens of a one-token step on top of cached state count as generated).
+without it, tokens of a one-token step on top of cached state count as generated). A DECODE step
+holds generated tokens only (``Request.decoding``), so it clamps none, with no per-token mask.
 """
 
 from __future__ import annotations
@@ -128,14 +129,16 @@ def mamba2_layer(
     n = xBC.shape[0]
     x_dim = num_heads * head_dim
     bc_dim = n_groups * state_size
-    A = -torch.exp(A_log.float())
     if md.mode not in (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY):
         raise NotImplementedError(f"mamba2_layer: forward mode {md.mode.value} is not supported")
 
     # dt arguments of the scan: raw dt + bias + softplus + one clamp for all tokens, or (when HF
-    # would clamp only some of them) dt discretised here per token.
+    # would clamp only some of them) dt discretised here per token. DECODE steps hold generated
+    # tokens only (the scheduler prefills a lone last prompt token), so none of them is clamped.
     bias, softplus, lo, hi = dt_bias, True, dt_min, dt_max
-    if not clamp_decode_dt and not _limits_trivial(dt_min, dt_max):
+    if md.mode is ForwardMode.DECODE and not clamp_decode_dt:
+        lo, hi = 0.0, math.inf
+    elif not clamp_decode_dt and not _limits_trivial(dt_min, dt_max):
         dt = _discretize_dt(dt, dt_bias, dt_min, dt_max, _prompt_token_mask(md, n))
         bias, softplus, lo, hi = None, False, 0.0, math.inf
 
@@ -144,10 +147,10 @@ def mamba2_layer(
             xBC.unsqueeze(1), conv_states, conv_weight, conv_bias, activation, md.mamba_cache_indices, False, None,
         )  # [N, 1, conv_dim]
         x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
-        y = _kernels.selective_state_update(
-            x.reshape(n, 1, num_heads, head_dim), dt.unsqueeze(1), A,
+        y = _kernels.selective_state_update(  # A = -exp(A_log) in the kernel (A_is_log): no glue kernels
+            x.reshape(n, 1, num_heads, head_dim), dt.unsqueeze(1), A_log,
             B.reshape(n, 1, n_groups, state_size), C.reshape(n, 1, n_groups, state_size),
-            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None,
+            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None, True,
         )
         return y.reshape(n, num_heads, head_dim)
 
@@ -161,15 +164,16 @@ def mamba2_layer(
         )  # [B, L, conv_dim]
         x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
         y = _kernels.selective_state_update(
-            x.reshape(rows, steps, num_heads, head_dim), verify.per_request(dt), A,
+            x.reshape(rows, steps, num_heads, head_dim), verify.per_request(dt), A_log,
             B.reshape(rows, steps, n_groups, state_size), C.reshape(rows, steps, n_groups, state_size),
-            D, None, bias, softplus, lo, hi, ssm_states, verify.cache_indices, True, inter_ssm,
+            D, None, bias, softplus, lo, hi, ssm_states, verify.cache_indices, True, inter_ssm, True,
         )
         return verify.pad(y.reshape(verify.num_tokens, num_heads, head_dim), n)
 
     track = tracking(md)  # prefix-cache checkpoints inside the extend (layers/tracking.py)
     if track:
         track_conv_checkpoints(md, conv_states, xBC)
+    A = -torch.exp(A_log.float())
     conv = _kernels.causal_conv1d_fn(
         xBC, conv_weight, conv_bias, conv_states, md.query_start_loc, md.mamba_cache_indices,
         md.has_initial_state, activation,

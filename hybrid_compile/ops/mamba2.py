@@ -130,8 +130,8 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~incl, float("-inf"))
 
 
-def _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max):
-    check_tensor(op, "A", A, dtypes=(torch.float32,), shape=(H,))
+def _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max, A_is_log=False):
+    check_tensor(op, "A_log" if A_is_log else "A", A, dtypes=FLOAT_DTYPES if A_is_log else (torch.float32,), shape=(H,))
     if D is not None:
         check_tensor(op, "D", D, dtypes=FLOAT_DTYPES, shape=(H,))
     if dt_bias is not None:
@@ -359,7 +359,7 @@ def _(
 
 
 def _check_selective_state_update(
-    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states
+    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log=False
 ):
     op = "selective_state_update"
     check_tensor(op, "x", x, ndim=4, dtypes=FLOAT_DTYPES)
@@ -370,7 +370,7 @@ def _check_selective_state_update(
     check_tensor(op, "B", B, shape=(batch, steps, G, N))
     check_tensor(op, "C", C, dtypes=FLOAT_DTYPES, shape=(batch, steps, G, N))
     _check_groups(op, H, G)
-    _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max)
+    _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(batch, steps, H, P))
     check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=FLOAT_DTYPES)
@@ -410,6 +410,7 @@ def selective_state_update(
     state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Mamba2 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
@@ -431,12 +432,14 @@ def selective_state_update(
         intermediate_states: ``[>= B, L, H, P, N]`` fp32/bf16/fp16 or None. **Mutated**:
             ``intermediate_states[b, t]`` = state after step ``t`` of row ``b`` (indexed by
             batch row, not slot).
+        A_is_log: ``A`` is the model's ``A_log`` (``[H]``, any float dtype): the kernel takes
+            ``-exp(A_log)`` itself (a decode step then launches no kernels for it).
 
     Returns:
         ``y`` ``[B, L, H, P]`` in ``x.dtype``.
     """
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
     )
     batch, steps, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
@@ -454,7 +457,7 @@ def selective_state_update(
     dts = _discretize_dt(dt.index_select(0, rows), dt_bias, dt_softplus, dt_min, dt_max).reshape(nb, steps, G, R)
     Bs = B.index_select(0, rows).float()  # [nb, L, G, N]
     Cs = C.index_select(0, rows).float()
-    Af = A.float().reshape(G, R)
+    Af = (-torch.exp(A.float()) if A_is_log else A.float()).reshape(G, R)
     Df = D.float().reshape(G, R, 1) if D is not None else None
     ys = []
     for t in range(steps):
@@ -479,9 +482,9 @@ def selective_state_update(
 @selective_state_update.register_fake
 def _(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-    disable_state_update, intermediate_states,
+    disable_state_update, intermediate_states, A_is_log=False,
 ):
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
     )
     return x.new_empty(x.shape)

@@ -168,7 +168,8 @@ class EngineDraftModel:
         for d, n in zip(reqs, lens):
             d.kv_slots = torch.cat([d.kv_slots, slots[offset:offset + n]])
             offset += n
-        decode = all(n == 1 for n in lens) and all(p > 0 for p in prefix)
+        # DECODE steps hold generated tokens only (see Request.decoding)
+        decode = all(n == 1 and p >= len(d.prompt) for d, n, p in zip(reqs, lens, prefix))
         batch = ScheduledBatch(reqs, prefix, list(lens), slots, ForwardMode.DECODE if decode else ForwardMode.EXTEND)
         logits = self.runner.forward(batch)
         for d, n in zip(reqs, lens):

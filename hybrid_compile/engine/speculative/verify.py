@@ -276,7 +276,7 @@ class SpeculativeDecoder:
 
     def _wants_verify(self, force: bool) -> bool:
         sched = self.engine.scheduler
-        decoding = sum(1 for r in sched.running if r.pending == 1 and r.num_computed > 0)
+        decoding = sum(1 for r in sched.running if r.decoding)
         if not decoding or force:
             return bool(decoding)
         prefilling = decoding < len(sched.running) or (
@@ -338,7 +338,7 @@ class SpeculativeDecoder:
         engine = self.engine
         # drafts first: a failing draft source leaves every request and pool as it was
         t0 = time.perf_counter()
-        decoding = [r for r in engine.scheduler.running if r.pending == 1 and r.num_computed > 0]
+        decoding = [r for r in engine.scheduler.running if r.decoding]
         proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, engine.layout.vocab_size)
         t1 = time.perf_counter()
         batch = engine.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)

@@ -133,7 +133,7 @@ def _ssu_kernel(
     si_b, si_t, si_h, si_p, si_n,
     so_b, so_t, so_h,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr,
+    UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -158,6 +158,8 @@ def _ssu_kernel(
     s_ptrs = state_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
     S = tl.load(s_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + h).to(tl.float32)
+    if A_IS_LOG:
+        A = -tl.exp(A)
     Dh = 0.0
     if HAS_D:
         Dh = tl.load(D_ptr + h).to(tl.float32)
@@ -210,6 +212,7 @@ def selective_state_update_triton(
     state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Triton ``selective_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, H, P = x.shape
@@ -228,7 +231,7 @@ def selective_state_update_triton(
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *_strides(z, 4), *ssm_states.stride(),
         *_strides(intermediate_states, 5), out.stride(0), out.stride(1), out.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None,
+        UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
         **pdl_launch(x.device),
     )
@@ -617,14 +620,14 @@ def _ssd_chunk_scan_cuda_impl(
 
 def _selective_state_update_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-    disable_state_update, intermediate_states,
+    disable_state_update, intermediate_states, A_is_log=False,
 ):
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
     )
     return selective_state_update_triton(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-        disable_state_update, intermediate_states,
+        disable_state_update, intermediate_states, A_is_log,
     )
 
 

@@ -25,9 +25,10 @@ every system):
 Workloads (``--workloads``): ``check`` (our prefill logits against transformers' on the same
 weights: fp32 with a tight tolerance, bf16 against the fp32 logits), ``decode`` (tokens/s at batch
 1, 16, 64; prompt 512, 128 new tokens, no EOS), ``prefill`` (time to first token of one 4k and one
-32k prompt, median of ``PREFILL_REPEATS`` cold runs), ``cb`` (256 requests with seeded random prompt / output lengths, all queued at t=0:
-throughput, mean / p99 TTFT and inter-token latency; transformers runs them as static batches and
-the best batch size counts) and ``shared_prefix`` (groups of prompts sharing a system prompt,
+32k prompt, median of ``PREFILL_REPEATS`` cold runs after a warm-up), ``cb`` (256 requests with
+seeded random prompt / output lengths, all queued at t=0: throughput, mean / p99 TTFT and
+inter-token latency; transformers runs them as static batches and the best batch size counts) and
+``shared_prefix`` (groups of prompts sharing a system prompt,
 submitted in waves: wave k holds the k-th prompt of every group, so with the prefix cache every
 wave after the first reuses the system prompts). The decode roofline at batch 1 is (weight bytes +
 state read and write + KV read) / the memory bandwidth measured in the same run (the best of a
@@ -331,13 +332,10 @@ class HFSystem:
         t0, tf, te = self.run_batch(prompts, new)
         return dict(t0=t0, t_all_first=tf, t_end=te, decode_tokens=len(prompts) * (new - 1))
 
-    def prefill(self, prompt) -> list[float]:
-        self.run_batch([prompt], 1)
-        ttfts = []
-        for _ in range(PREFILL_REPEATS):
-            t0, tf, _ = self.run_batch([prompt], 1)
-            ttfts.append(tf - t0)
-        return ttfts
+    def prefill(self, prompt) -> float:
+        """Time to first token of one prompt."""
+        t0, tf, _ = self.run_batch([prompt], 1)
+        return tf - t0
 
     def request_runs(self, prompts, out_lens, batch_sizes) -> dict:
         """The requests as static batches of each size (in arrival order, all queued at t=0); the
@@ -426,14 +424,11 @@ class OurSystem:
         after = sum(1 for r in rids for t in times[r] if t > t_all_first)
         return dict(t0=t0, t_all_first=t_all_first, t_end=t_end, decode_tokens=after)
 
-    def prefill(self, prompt) -> list[float]:
-        self.run([prompt], [1])
-        ttfts = []
-        for _ in range(PREFILL_REPEATS):
-            self._clear_cache()  # a cold prompt each time (the prefix cache would serve the repeat)
-            t0, rids, times = self.run([prompt], [1])
-            ttfts.append(times[rids[0]][0] - t0)
-        return ttfts
+    def prefill(self, prompt) -> float:
+        """Time to first token of one prompt, cold (the prefix cache would serve a repeat)."""
+        self._clear_cache()
+        t0, rids, times = self.run([prompt], [1])
+        return times[rids[0]][0] - t0
 
     def _summary(self, t0, rids, times, prompts, out_lens, t_end):
         ttfts = [times[r][0] - t0 for r in rids]
@@ -635,7 +630,9 @@ def run_workload(name, runner, s: Settings, vocab: int) -> dict:
         return dict(prompt=s.decode_prompt, new_tokens=s.decode_new, batches=_each(s.decode_batches, decode))
     if name == "prefill":
         def prefill(L):
-            ttfts = runner.prefill(random_prompts(1, L, vocab, seed=200 + L)[0])
+            prompt = random_prompts(1, L, vocab, seed=200 + L)[0]
+            runner.prefill(prompt)  # warm-up
+            ttfts = [runner.prefill(prompt) for _ in range(PREFILL_REPEATS)]
             ttft = statistics.median(ttfts)
             return dict(tokens=L, ttft_s=ttft, tokens_per_s=L / ttft, ttft_samples_s=ttfts)
 

@@ -47,11 +47,12 @@ def test_kernel_tile_configs_and_ragged_k():
         x = torch.randn(m, 4096 + 48)
         w = torch.randn(19, 4096 + 48)
         expected = _expected(x, w)
-        for config in (None, (4, 1024, 8, 1), (8, 512, 4, 2), (2, 256, 4, 3), (16, 64, 4, 1)):
+        for config in (None, (4, 1024, 8, 1), (8, 512, 4, 2), (2, 256, 4, 3), (16, 64, 4, 1), (8, 2048, 8, 2)):
             assert_close(tlin.skinny_mm_triton(x, w, config), expected, torch.float32, msg=f"{m} {config}")
-    assert tlin.skinny_mm_config(2048, 5632, 1) == (4, 1024, 8, 1)
+    assert tlin.skinny_mm_config(2048, 5632, 1) == (8, 2048, 8, 2)
     assert tlin.skinny_mm_config(2048, 5632, 2) == (2, 512, 4, 3)
-    assert tlin.skinny_mm_config(12352, 2048, 1)[:2] == (8, 512)
+    assert tlin.skinny_mm_config(12352, 2048, 1)[:2] == (2, 2048)
+    assert tlin.skinny_mm_config(40, 256, 1)[:2] == (2, 256)
     assert [tlin.use_skinny_kernel(m, k) for m, k in ((1, 2048), (2, 2048), (2, 4096), (3, 8192))] == [
         True, False, True, False]
 

@@ -303,3 +303,19 @@ def test_qwen3_5_image_text_model_text_path_matches_hf(kind):
         for i, (p, got, exp) in enumerate(zip(prompts, outputs, expected)):
             assert_greedy_equal(model, p, got, exp, f"{kind} image-text prompt {i}")
         assert_pools_restored(engine, initial)
+
+
+def test_qwen3_next_projection_split_equals_hf_reordering():
+    """The patched mixer splits Qwen3-Next's per-key-head interleaved projections itself (views that
+    keep the token dimension apart); the values must be those of HF's ``fix_query_key_value_ordering``."""
+    from hybrid_compile.models.qwen3_next import _split_interleaved
+
+    model = cached_model("qwen3_next_dense", 0)
+    mixer = next(m for m in model.modules() if hasattr(m, "in_proj_qkvz"))
+    assert mixer.num_v_heads > mixer.num_k_heads  # several value heads per key head: the interleaving matters
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    qkvz, ba = mixer.in_proj_qkvz(hidden), mixer.in_proj_ba(hidden)
+    q, k, v, z, b, a = mixer.fix_query_key_value_ordering(qkvz[None], ba[None])
+    mixed_qkv, z_ours, b_ours, a_ours = _split_interleaved(mixer, qkvz, ba)
+    assert torch.equal(mixed_qkv, torch.cat((q.reshape(5, -1), k.reshape(5, -1), v.reshape(5, -1)), dim=-1))
+    assert torch.equal(z_ours, z[0]) and torch.equal(b_ours, b[0]) and torch.equal(a_ours, a[0])

@@ -319,22 +319,3 @@ def test_qwen3_next_projection_split_equals_hf_reordering():
     mixed_qkv, z_ours, b_ours, a_ours = _split_interleaved(mixer, qkvz, ba)
     assert torch.equal(mixed_qkv, torch.cat((q.reshape(5, -1), k.reshape(5, -1), v.reshape(5, -1)), dim=-1))
     assert torch.equal(z_ours, z[0]) and torch.equal(b_ours, b[0]) and torch.equal(a_ours, a[0])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_gdn_gated_norm_and_out_proj_fuse_into_one_op(kind):
-    """Every Gated DeltaNet family hands its gated norm (on ``[tokens * heads, head_dim]`` rows, one
-    ``[head_dim]`` weight) + output projection to ``gated_norm_linear``: same result as the modules."""
-    from hybrid_compile.models.base import fused_norm_projection
-
-    model = cached_model(kind, 0)
-    mixer = next(m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias"))
-    norm, out_proj = (mixer.norm, mixer.out_proj) if hasattr(mixer, "out_proj") else (mixer.o_norm, mixer.o_proj)
-    g = torch.Generator().manual_seed(0)
-    core, gate = torch.randn(2, 3, out_proj.in_features, generator=g).unbind()
-    fused = fused_norm_projection(norm, out_proj, core, gate)
-    assert fused is not None
-    with torch.no_grad():
-        vd = mixer.head_v_dim
-        expected = out_proj(norm(core.reshape(-1, vd), gate.reshape(-1, vd)).reshape(3, -1))
-    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)

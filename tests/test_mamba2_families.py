@@ -293,24 +293,3 @@ def test_layer_op_fake_shape_and_verify_mode():
     pools = {0: (torch.zeros(2, W - 1, conv_dim), torch.zeros(2, H, P, N))}
     with forward_context(ForwardContext(md, {}, pools)), pytest.raises(RuntimeError, match="speculative buffers"):
         torch.ops.hybrid_compile.mamba2_layer(*args(4), 0, H, P, G, N, "silu", 16, 0.0, float("inf"), False)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_gated_norm_and_out_proj_fuse_into_one_op_where_exact(name):
-    """Every family's mixer but Falcon-H1's (its norm multiplies by the weight in fp32 before casting)
-    hands its gated norm + output projection to ``gated_norm_linear``; the op's result is the
-    modules' one."""
-    from hybrid_compile.models.base import fused_norm_projection
-
-    model = _case(name)[0]
-    mixer = next(m for m in model.modules() if hasattr(m, "out_proj") and hasattr(m, "A_log"))
-    k = mixer.out_proj.in_features
-    g = torch.Generator().manual_seed(0)
-    y, gate = torch.randn(2, 3, k, generator=g).unbind()
-    fused = fused_norm_projection(mixer.norm, mixer.out_proj, y, gate)
-    if name.startswith("falcon_h1"):
-        assert fused is None
-        return
-    with torch.no_grad():
-        expected = mixer.out_proj(mixer.norm(y[None], gate[None]).to(y.dtype))[0]
-    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,5 @@
-"""skinny_mm and gated_norm_linear (hybrid_compile/ops/linear.py) and their Triton kernels
-(hybrid_compile/ops/triton/linear.py) against an fp64 matmul of the same values (after the norm as
-transformers' gated-norm modules compute it).
+"""skinny_mm (hybrid_compile/ops/linear.py) and its Triton matrix-vector kernel
+(hybrid_compile/ops/triton/linear.py) against an fp64 matmul of the same values.
 
 On CPU the launcher runs under Triton's interpreter (the op itself is ``torch.mm`` there); the
 ``gpu`` tests run the registered CUDA op at the reference model's projection shapes (Triton at one
@@ -86,70 +85,6 @@ def test_programmatic_launch_switches(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# gated_norm_linear: a mixer's gated RMSNorm + output projection
-# --------------------------------------------------------------------------------------------
-
-
-def _hf_gated_norm(x, z, norm_weight, eps, group_size, norm_before_gate):
-    """The norm as transformers' modules write it (Qwen3NextRMSNormGated on ``[tokens * groups, G]``
-    rows with a ``[G]`` weight; MambaRMSNormGated with group_size and a ``[K]`` weight), cast to x's dtype."""
-    dtype = x.dtype
-    t, k = x.shape
-    h = x.float()
-    if not norm_before_gate:
-        h = h * torch.nn.functional.silu(z.float())
-    g = h.reshape(t, k // group_size, group_size)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    w = norm_weight if norm_weight.numel() == k else norm_weight.repeat(k // group_size)
-    out = w * g.reshape(t, k).to(dtype)
-    if norm_before_gate:
-        out = out * torch.nn.functional.silu(z.float())
-    return out.to(dtype)
-
-
-GATED_CASES = [  # (rows, channels, group, norm_before_gate, per-group weight, dtype, out channels)
-    (1, 256, 32, True, True, torch.float32, 24),  # Qwen3-Next order, a [G] weight
-    (1, 256, 64, False, False, torch.bfloat16, 19),  # Mamba2 order, a [K] weight
-    (1, 96, 32, True, True, torch.bfloat16, 8),  # K not a multiple of the tile: a masked tail of whole groups
-    (1, 48, 48, False, False, torch.float32, 8),  # a group that is not a power of two: norm kernel + matvec
-    (3, 256, 32, True, True, torch.bfloat16, 24),  # several rows: norm kernel + matmul
-]
-
-
-@pytest.mark.parametrize("m,k,group,nbg,per_group,dtype,n", GATED_CASES)
-def test_gated_norm_linear_matches_the_norm_modules_then_the_projection(m, k, group, nbg, per_group, dtype, n):
-    g = torch.Generator().manual_seed(k + group + m)
-    packed = torch.randn(m, 2 * k + 8, generator=g).to(dtype)
-    x, z = packed[:, :k], packed[:, k + 8:]  # strided views, as the mixer hands them over
-    norm_weight = (1 + 0.3 * torch.randn(group if per_group else k, generator=g)).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    expected = _expected(_hf_gated_norm(x, z, norm_weight, 1e-6, group, nbg), w)
-    assert_close(tlin.gated_norm_linear_triton(x, z, norm_weight, w, 1e-6, group, nbg), expected, dtype)
-    assert_close(ops.gated_norm_linear(x, z, norm_weight, w, 1e-6, group, nbg), expected, dtype)  # CPU op
-    if m == 1 and not group & (group - 1):  # explicit tiles of the normalising kernel
-        for config in ((4, group, 4, 1), (2, 2 * group, 4, 2)):
-            assert_close(tlin.gated_norm_linear_triton(x, z, norm_weight, w, 1e-6, group, nbg, config), expected,
-                         dtype, msg=str(config))
-
-
-def test_gated_norm_linear_checks_and_compiles_without_graph_breaks():
-    x, z, w = torch.randn(2, 64), torch.randn(2, 64), torch.randn(16, 64)
-    run_opcheck(ops.gated_norm_linear.default, (x, z, torch.rand(32) + 0.5, w, 1e-5, 32, True))
-    run_opcheck(ops.gated_norm_linear.default, (x[:1], z[:1], torch.rand(64) + 0.5, w, 1e-5, 16, False))
-    eager, compiled, _, _ = compile_and_compare(
-        lambda a, b, c, d: ops.gated_norm_linear(a, b, c, d, 1e-6, 32, True) * 2, x, z, torch.ones(32), w)
-    torch.testing.assert_close(compiled, eager)
-    with pytest.raises(ValueError, match="norm_weight"):
-        ops.gated_norm_linear(x, z, torch.ones(8), w, 1e-6, 32, True)
-    with pytest.raises(ValueError, match="group_size"):
-        ops.gated_norm_linear(x, z, torch.ones(64), w, 1e-6, 24, True)
-    with pytest.raises(ValueError, match="z"):
-        ops.gated_norm_linear(x, z[:, :32], torch.ones(64), w, 1e-6, 32, True)
-    with pytest.raises(ValueError, match="whole groups"):
-        tlin.gated_norm_linear_triton(x[:1], z[:1], torch.ones(64), w, 1e-6, 32, True, (2, 16, 4, 1))
-
-
-# --------------------------------------------------------------------------------------------
 # GPU: the registered CUDA op
 # --------------------------------------------------------------------------------------------
 
@@ -163,27 +98,6 @@ def test_cuda_op_at_model_shapes(n, k):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         assert_close(ops.skinny_mm(x, w), _expected(x, w), torch.bfloat16, msg=f"m={m}")
     run_opcheck(ops.skinny_mm.default, (torch.randn(2, k, device="cuda", dtype=torch.bfloat16), w))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("group,nbg,per_group", [(128, True, True), (512, False, False)])
-def test_cuda_gated_norm_linear_at_model_shapes(group, nbg, per_group):
-    """The reference models' output projections (Qwen3-Next: groups of 128, norm then gate; NemotronH:
-    groups of 512, gate then norm), one row (the normalising kernel, found in the profile) and more."""
-    torch.manual_seed(0)
-    k, n = 4096, 2048
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    norm_weight = (1 + 0.3 * torch.randn(group if per_group else k, device="cuda")).to(torch.bfloat16)
-    for m in (1, 2, 5):
-        x, z = torch.randn(2, m, k, device="cuda").to(torch.bfloat16).unbind()
-        expected = _expected(_hf_gated_norm(x, z, norm_weight, 1e-6, group, nbg), w)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = ops.gated_norm_linear(x, z, norm_weight, w, 1e-6, group, nbg)
-            torch.cuda.synchronize()
-        assert_close(got, expected, torch.bfloat16, msg=f"m={m}")
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        assert any("_gated_norm_matvec_kernel" in nm for nm in names) == (m == 1), names
-    run_opcheck(ops.gated_norm_linear.default, (x[:1], z[:1], norm_weight, w, 1e-6, group, nbg))
 
 
 @pytest.mark.gpu

@@ -149,31 +149,3 @@ def patch_forward(module: nn.Module, forward: Callable, handle: PatchHandle) -> 
     """Replace ``module.forward`` on this instance only (the class is untouched)."""
     module.forward = types.MethodType(forward, module)
     handle.restores.append(lambda m=module: m.__dict__.pop("forward", None))
-
-
-# transformers' gated RMSNorm modules the ``gated_norm_linear`` op computes exactly (same casts), by
-# class name: norm then gate over groups of the weight's length (the mixer calls them on
-# ``[tokens * heads, head_dim]`` rows), and gate then norm over ``group_size`` channels
-_NORM_THEN_GATE = frozenset({"Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
-                             "OlmoHybridRMSNormGated"})
-_GATE_THEN_NORM = frozenset({"MambaRMSNormGated", "BambaRMSNormGated", "Zamba2RMSNormGated",
-                             "NemotronHRMSNormGated", "GraniteMoeHybridRMSNormGated"})
-
-
-def fused_norm_projection(norm: nn.Module, out_proj: nn.Module, y: torch.Tensor, gate: torch.Tensor):
-    """``out_proj(norm(y, gate))`` as one ``gated_norm_linear`` op (``[N, out]``; at one row, the norm
-    runs inside the projection's matrix-vector kernel), for ``y`` and ``gate`` ``[N, K]``; None where
-    the modules are not ones it reproduces (another norm class, a non-silu gate, a projection with a
-    bias, of another dtype or not a plain ``nn.Linear``): the caller then runs the modules."""
-    name = type(norm).__name__
-    if name in _NORM_THEN_GATE and getattr(norm, "activation", "silu") == "silu":
-        group_size, norm_before_gate = norm.weight.numel(), True
-    elif name in _GATE_THEN_NORM:
-        group_size, norm_before_gate = int(norm.group_size), False
-    else:
-        return None
-    if type(out_proj) is not nn.Linear or out_proj.bias is not None or out_proj.weight.dtype != y.dtype:
-        return None
-    return torch.ops.hybrid_compile.gated_norm_linear(
-        y, gate, norm.weight, out_proj.weight, float(norm.variance_epsilon), group_size, norm_before_gate
-    )

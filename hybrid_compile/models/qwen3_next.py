@@ -3,9 +3,8 @@
 image-text models: token prompts only, the vision tower is not run) and OLMo-Hybrid
 (``olmo_hybrid``).
 
-Each ``*GatedDeltaNet`` mixer keeps HF's projections; its conv + delta-rule core runs through the
-``gdn_layer`` op, its gated RMSNorm and output projection through ``gated_norm_linear``
-(``base.fused_norm_projection``; HF's modules where that op does not reproduce them). The two generations differ
+Each ``*GatedDeltaNet`` mixer keeps HF's projections, gated RMSNorm and output projection;
+its conv + delta-rule core runs through the ``gdn_layer`` op. The two generations differ
 only in how the projections are laid out (Qwen3-Next: fused ``in_proj_qkvz``/``in_proj_ba``
 with per-key-head interleaving, undone as HF's ``fix_query_key_value_ordering`` does;
 Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). OLMo-Hybrid
@@ -26,7 +25,6 @@ from ..memory import AttentionLayerSpec, MambaLayerSpec
 from .base import (
     ModelLayout,
     PatchHandle,
-    fused_norm_projection,
     install_attention,
     patch_forward,
 )
@@ -96,12 +94,8 @@ def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=Non
         self.activation, 2.0 if getattr(self, "allow_neg_eigval", False) else 1.0,
     )
     norm, out_proj = (self.norm, self.out_proj) if hasattr(self, "out_proj") else (self.o_norm, self.o_proj)
-    n = hidden.shape[0]
-    out = fused_norm_projection(norm, out_proj, core.reshape(n, -1), z.reshape(n, -1))
-    if out is not None:
-        return out[None]
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return out_proj(core.reshape(1, n, -1))
+    return out_proj(core.reshape(1, hidden.shape[0], -1))
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:

@@ -14,7 +14,7 @@ fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
 fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
 gated_rms_norm                                   :mod:`.norm`
-skinny_mm / gated_norm_linear                    :mod:`.linear`
+skinny_mm                                        :mod:`.linear`
 store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
@@ -46,7 +46,6 @@ KERNEL_OPS = (
     "selective_state_update",
     "gated_rms_norm",
     "skinny_mm",
-    "gated_norm_linear",
     "store_kv_cache",
     "paged_attention_extend",
     "paged_attention_decode",

@@ -30,7 +30,7 @@ from ..gdn import _check_gdn_gating
 from ..norm import _check_gated_rms_norm
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["NORM_ROUND_CODES", "cast_rne", "gated_norm_value", "gdn_gating_triton", "gated_rms_norm_triton", "silu"]
+__all__ = ["cast_rne", "gdn_gating_triton", "gated_rms_norm_triton"]
 
 
 def _pow2(n: int) -> int:
@@ -118,8 +118,7 @@ def gdn_gating_triton(
 # gated_rms_norm
 # --------------------------------------------------------------------------------------------
 
-#: ``ROUND`` of :func:`gated_norm_value` by the dtype of ``weight * x`` (torch type promotion)
-NORM_ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_GROUP_BLOCK = 4096
 
 
@@ -131,32 +130,9 @@ def _norm_input(x_ptr, z_ptr, rows64, rmask, cols, cmask, stride_xt, stride_xd, 
     h = tl.load(x_ptr + rows64[:, None] * stride_xt + cols[None, :] * stride_xd, mask=m, other=0.0).to(tl.float32)
     if HAS_Z and not NORM_BEFORE_GATE:
         z = tl.load(z_ptr + rows64[:, None] * stride_zt + cols[None, :] * stride_zd, mask=m, other=0.0)
-        h = h * silu(z.to(tl.float32))
+        z = z.to(tl.float32)
+        h = h * (z * tl.sigmoid(z))
     return h
-
-
-@triton.jit
-def silu(z):
-    """fp32 ``z * sigmoid(z)``. Shared with the normalising matrix-vector kernel (``linear.py``)."""
-    return z * tl.sigmoid(z)
-
-
-@triton.jit
-def gated_norm_value(h, rstd, w, z, x_dtype: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                     ROUND: tl.constexpr):
-    """The norm's fp32 output before its final cast to ``x_dtype``: ``h * rstd`` cast to ``x_dtype``,
-    times the weight ``w`` (rounded as torch's promoted product: ``ROUND``), times ``silu(z)`` in the
-    norm-then-gate order. ``h``, ``rstd``, ``w``, ``z`` broadcast; ``z`` unused without ``HAS_Z``.
-    Shared with the normalising matrix-vector kernel (``linear.py``)."""
-    n = cast_rne(h * rstd, x_dtype).to(tl.float32)  # normalised value cast to the input dtype
-    p = w * n
-    if ROUND == 1:  # weight * x_dtype product is bf16 (torch type promotion)
-        p = cast_rne(p, tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        p = cast_rne(p, tl.float16).to(tl.float32)
-    if HAS_Z and NORM_BEFORE_GATE:
-        p = p * silu(z)
-    return p
 
 
 @triton.jit
@@ -164,12 +140,18 @@ def _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cma
                  stride_zt, stride_zd,
                  HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr):
     m = rmask[:, None] & cmask[None, :]
+    n = h * rstd[:, None]
+    n = cast_rne(n, x_ptr.dtype.element_ty).to(tl.float32)  # normalised value cast to the input dtype
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    z = h
+    p = w[None, :] * n
+    if ROUND == 1:  # weight * x_dtype product is bf16 (torch type promotion)
+        p = cast_rne(p, tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        p = cast_rne(p, tl.float16).to(tl.float32)
     if HAS_Z and NORM_BEFORE_GATE:
         z = tl.load(z_ptr + rows64[:, None] * stride_zt + cols[None, :] * stride_zd, mask=m, other=0.0)
         z = z.to(tl.float32)
-    p = gated_norm_value(h, rstd[:, None], w[None, :], z, x_ptr.dtype.element_ty, HAS_Z, NORM_BEFORE_GATE, ROUND)
+        p = p * (z * tl.sigmoid(z))
     tl.store(out_ptr + rows64[:, None] * D + cols[None, :], cast_rne(p, out_ptr.dtype.element_ty), mask=m)
 
 
@@ -223,7 +205,7 @@ def _gated_rms_norm(x, weight, z, eps, group_size, norm_before_gate, *, max_grou
     num_warps = 4 if br * bg <= 2048 else 8
     has_z = z is not None
     z_arg = z if has_z else x
-    round_code = NORM_ROUND_CODES[torch.promote_types(weight.dtype, x.dtype)]
+    round_code = _ROUND_CODES[torch.promote_types(weight.dtype, x.dtype)]
     _gated_rms_norm_kernel[(triton.cdiv(T, br), D // group_size)](
         x, weight.contiguous(), z_arg, out,
         T, D, group_size, x.stride(0), x.stride(1), z_arg.stride(0), z_arg.stride(1), float(eps),

@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..linear import SKINNY_MAX_ROWS, _check_gated_norm_linear, _check_skinny_mm, norm_weight_per_channel
-from .elementwise import NORM_ROUND_CODES, _pow2, cast_rne, gated_norm_value, gated_rms_norm_triton, silu
+from ..linear import SKINNY_MAX_ROWS, _check_skinny_mm
+from .elementwise import _pow2, cast_rne
 from .launch import pdl_launch
 
-__all__ = ["gated_norm_linear_triton", "skinny_mm_config", "skinny_mm_triton", "use_skinny_kernel"]
+__all__ = ["skinny_mm_config", "skinny_mm_triton", "use_skinny_kernel"]
 
 
 @triton.jit
@@ -130,88 +130,6 @@ def skinny_mm_triton(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, i
     return y
 
 
-@triton.jit
-def _normalised_tile(x_ptr, z_ptr, nw_ptr, kk, k_ok, NW, stride_xk, stride_zk, eps,
-                     G: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr):
-    """The gated norm of ``x[0, kk]`` (``BLOCK_K // G`` whole groups), rounded to x's dtype, in fp32."""
-    h = tl.load(x_ptr + kk * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + kk * stride_zk, mask=k_ok, other=0.0).to(tl.float32)
-    w = tl.load(nw_ptr + kk % NW, mask=k_ok, other=0.0).to(tl.float32)
-    if not NORM_BEFORE_GATE:
-        h = h * silu(z)
-    h = tl.reshape(h, (BLOCK_K // G, G))
-    rstd = tl.math.rsqrt(tl.sum(h * h, 1) / G + eps)
-    p = gated_norm_value(h, rstd[:, None], tl.reshape(w, (BLOCK_K // G, G)), tl.reshape(z, (BLOCK_K // G, G)),
-                         x_ptr.dtype.element_ty, True, NORM_BEFORE_GATE, ROUND)
-    return cast_rne(tl.reshape(p, (BLOCK_K,)), x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _gated_norm_matvec_kernel(
-    x_ptr, z_ptr, nw_ptr, w_ptr, y_ptr, N, K, NW,
-    stride_xk, stride_zk, stride_wn, stride_wk, eps,
-    G: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """``y[0] = gated_norm(x[0], z[0]) @ w.T``: the one-row kernel above with the norm of each ``x``
-    tile computed in the program (``G`` divides ``BLOCK_K``: a tile holds whole groups)."""
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
-    w, k_ok = _weight_tile(w_ptr, rn, rk, n_ok, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    acc = w * _normalised_tile(x_ptr, z_ptr, nw_ptr, rk, k_ok, NW, stride_xk, stride_zk, eps,
-                               G, BLOCK_K, NORM_BEFORE_GATE, ROUND)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + rk
-        w, k_ok = _weight_tile(w_ptr, rn, kk, n_ok, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
-        acc += w * _normalised_tile(x_ptr, z_ptr, nw_ptr, kk, k_ok, NW, stride_xk, stride_zk, eps,
-                                    G, BLOCK_K, NORM_BEFORE_GATE, ROUND)[None, :]
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    _store_row(y_ptr, 0, 1, N, rn, n_ok, acc)
-
-
-def _fused_norm_block_k(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> int | None:
-    """``BLOCK_K`` of the normalising kernel for this call, or None where it does not apply (more than
-    one row; a group that is not a power of two or is wider than the tile)."""
-    if x.shape[0] != 1 or group_size & (group_size - 1):
-        return None
-    block_k = max(skinny_mm_config(weight.shape[0], x.shape[1], 1)[1], group_size)
-    return block_k if block_k <= 4096 else None
-
-
-def gated_norm_linear_triton(x, z, norm_weight, weight, eps: float, group_size: int, norm_before_gate: bool,
-                             config: tuple[int, int, int, int] | None = None, pdl: bool | None = None):
-    """``gated_norm_linear`` on the GPU: one normalising matrix-vector kernel at one row (``config``
-    overrides its tiles, as :func:`skinny_mm_triton`), else ``gated_rms_norm``'s kernel and then
-    ``skinny_mm``'s choice of matmul."""
-    m, k = x.shape
-    n = weight.shape[0]
-    block_k = _fused_norm_block_k(x, weight, group_size)
-    if block_k is None or m == 0 or n == 0:
-        normed = gated_rms_norm_triton(x, norm_weight_per_channel(norm_weight, k), z, eps, group_size,
-                                       norm_before_gate)
-        return _skinny_mm_cuda(normed, weight)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, _, warps, stages = skinny_mm_config(n, k, 1)
-    if config is not None:
-        block_n, block_k, warps, stages = config
-        if block_k % group_size:
-            raise ValueError(f"gated_norm_linear_triton: BLOCK_K {block_k} must hold whole groups of {group_size}")
-    _gated_norm_matvec_kernel[(triton.cdiv(n, block_n),)](
-        x, z, norm_weight, weight, y, n, k, norm_weight.numel(),
-        x.stride(1), z.stride(1), weight.stride(0), weight.stride(1), float(eps),
-        G=group_size, NORM_BEFORE_GATE=bool(norm_before_gate),
-        ROUND=NORM_ROUND_CODES[torch.promote_types(norm_weight.dtype, x.dtype)],
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        **pdl_launch(x.device, pdl),
-    )
-    return y
-
-
 def _skinny_mm_cuda(x, weight):
     _check_skinny_mm(x, weight)
     if not use_skinny_kernel(x.shape[0], x.shape[1]):
@@ -219,10 +137,4 @@ def _skinny_mm_cuda(x, weight):
     return skinny_mm_triton(x, weight)
 
 
-def _gated_norm_linear_cuda(x, z, norm_weight, weight, eps, group_size, norm_before_gate):
-    _check_gated_norm_linear(x, z, norm_weight, weight, eps, group_size)
-    return gated_norm_linear_triton(x, z, norm_weight, weight, eps, group_size, norm_before_gate)
-
-
 torch.library.register_kernel("hybrid_compile::skinny_mm", "cuda", _skinny_mm_cuda)
-torch.library.register_kernel("hybrid_compile::gated_norm_linear", "cuda", _gated_norm_linear_cuda)

@@ -80,6 +80,18 @@ def test_matches_mamba2_module(dtype, D, group_size, with_gate):
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_weight_per_group_matches_the_module_on_head_rows(dtype):
+    """Qwen3-Next's mixer normalises ``[tokens * heads, head_dim]`` rows with a ``[head_dim]`` weight;
+    the op does the same on ``[tokens, heads * head_dim]`` with that weight and group_size head_dim."""
+    T, H, G, eps = 5, 4, 8, 1e-6
+    m = _qwen3_next_norm(G, eps, dtype)
+    x, z = _inputs(T, H * G, dtype)
+    expected = m(x.reshape(-1, G), z.reshape(-1, G)).reshape(T, H * G)
+    out = gated_rms_norm(x, m.weight.detach(), z, eps, G, True)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
 def test_fp32_weight_with_bf16_activations():
     """HF's modules keep the promoted dtype (fp32) there; the op returns x.dtype with the same values rounded."""
     D = 16
@@ -143,6 +155,7 @@ def test_opcheck(T, D, gs, with_z, nbg, dtype):
     [
         (dict(x=torch.randn(2, 3, 16)), ValueError, "gated_rms_norm: `x` must have 2 dims"),
         (dict(weight=torch.randn(8)), ValueError, "gated_rms_norm: `weight`"),
+        (dict(weight=torch.randn(8), group_size=4), ValueError, "D=16 or group_size=4"),
         (dict(z=torch.randn(4, 8)), ValueError, "gated_rms_norm: `z`"),
         (dict(group_size=5), ValueError, "not divisible by 5"),
         (dict(group_size=0), ValueError, "group_size must be > 0"),

@@ -110,6 +110,17 @@ def test_norm_matches_op(dtype, wdtype, D, gs, nbg, with_z, max_group_block):
     assert_close(out, _formula(x, w, z, eps, gs, nbg), dtype)
 
 
+@pytest.mark.parametrize("nbg", [True, False])
+def test_norm_one_weight_per_group(nbg):
+    """A ``[group_size]`` weight scales every group alike: the op with that weight repeated."""
+    x, z = _norm_inputs(6, 64, torch.bfloat16)
+    w = (1.0 + 0.5 * torch.randn(16)).to(torch.bfloat16)
+    out = tel.gated_rms_norm_triton(x, w, z, 1e-6, 16, nbg)
+    want = torch_norm.gated_rms_norm(x, w.repeat(4), z, 1e-6, 16, nbg)
+    assert_close(out, want, torch.bfloat16)
+    assert (out != want).float().mean() < 0.02
+
+
 def test_norm_orders_differ_and_groups_matter():
     x, z = _norm_inputs(3, 16, torch.float32)
     w = torch.randn(16)

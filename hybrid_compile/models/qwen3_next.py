@@ -3,8 +3,9 @@
 image-text models: token prompts only, the vision tower is not run) and OLMo-Hybrid
 (``olmo_hybrid``).
 
-Each ``*GatedDeltaNet`` mixer keeps HF's projections, gated RMSNorm and output projection;
-its conv + delta-rule core runs through the ``gdn_layer`` op. The two generations differ
+Each ``*GatedDeltaNet`` mixer keeps HF's projections and output projection; its conv + delta-rule
+core runs through the ``gdn_layer`` op and its gated RMSNorm through the ``gated_rms_norm`` op
+(``base.gated_norm``). The two generations differ
 only in how the projections are laid out (Qwen3-Next: fused ``in_proj_qkvz``/``in_proj_ba``
 with per-key-head interleaving, undone as HF's ``fix_query_key_value_ordering`` does;
 Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). OLMo-Hybrid
@@ -25,6 +26,7 @@ from ..memory import AttentionLayerSpec, MambaLayerSpec
 from .base import (
     ModelLayout,
     PatchHandle,
+    gated_norm,
     install_attention,
     patch_forward,
 )
@@ -94,8 +96,11 @@ def gdn_mixer_forward(self, hidden_states, cache_params=None, attention_mask=Non
         self.activation, 2.0 if getattr(self, "allow_neg_eigval", False) else 1.0,
     )
     norm, out_proj = (self.norm, self.out_proj) if hasattr(self, "out_proj") else (self.o_norm, self.o_proj)
-    core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return out_proj(core.reshape(1, hidden.shape[0], -1))
+    n = hidden.shape[0]
+    normed = gated_norm(norm, core.reshape(n, -1), z.reshape(n, -1))
+    if normed is None:
+        normed = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out_proj(normed.reshape(1, n, -1))
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:

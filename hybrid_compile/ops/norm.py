@@ -26,7 +26,9 @@ def _check_gated_rms_norm(x, weight, z, eps, group_size):
     op = "gated_rms_norm"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     T, D = x.shape
-    check_tensor(op, "weight", weight, dtypes=FLOAT_DTYPES, shape=(D,))
+    check_tensor(op, "weight", weight, ndim=1, dtypes=FLOAT_DTYPES)
+    if weight.shape[0] not in (D, group_size):
+        raise ValueError(f"{op}: `weight` must have D={D} or group_size={group_size} elements, got {weight.shape[0]}")
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(T, D))
     if group_size <= 0:
@@ -57,7 +59,9 @@ def gated_rms_norm(
 
     Args:
         x: ``[T, D]`` fp32/bf16/fp16 (may be a non-contiguous view).
-        weight: ``[D]`` scale, any float dtype.
+        weight: ``[D]`` scale, any float dtype; or ``[group_size]``, the same scale for every group
+            (Qwen3-Next's norm on ``[tokens * heads, head_dim]`` rows, applied to ``[tokens,
+            heads * head_dim]``).
         z: ``[T, D]`` gate, or None for a plain (grouped) RMSNorm.
         eps: variance epsilon.
         group_size: channels per normalisation group; must divide ``D`` (``D`` = one group,
@@ -72,6 +76,8 @@ def gated_rms_norm(
         once cast to ``x.dtype``, which the mixer does before ``out_proj``.)
     """
     _check_gated_rms_norm(x, weight, z, eps, group_size)
+    if weight.shape[0] != x.shape[1]:
+        weight = weight.repeat(x.shape[1] // group_size)
     input_dtype = x.dtype
     h = x.float()
     if norm_before_gate:

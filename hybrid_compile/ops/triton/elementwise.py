@@ -136,13 +136,13 @@ def _norm_input(x_ptr, z_ptr, rows64, rmask, cols, cmask, stride_xt, stride_xd, 
 
 
 @triton.jit
-def _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D,
+def _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D, NW,
                  stride_zt, stride_zd,
                  HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr):
     m = rmask[:, None] & cmask[None, :]
     n = h * rstd[:, None]
     n = cast_rne(n, x_ptr.dtype.element_ty).to(tl.float32)  # normalised value cast to the input dtype
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols % NW, mask=cmask, other=0.0).to(tl.float32)  # NW: D, or G (one weight per group)
     p = w[None, :] * n
     if ROUND == 1:  # weight * x_dtype product is bf16 (torch type promotion)
         p = cast_rne(p, tl.bfloat16).to(tl.float32)
@@ -158,7 +158,7 @@ def _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cma
 @triton.jit(do_not_specialize=['T'])  # batch-dependent counts: one compile for all
 def _gated_rms_norm_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr,
-    T, D, G, stride_xt, stride_xd, stride_zt, stride_zd, eps,
+    T, D, G, NW, stride_xt, stride_xd, stride_zt, stride_zd, eps,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND: tl.constexpr,
     BR: tl.constexpr, BG: tl.constexpr, NCHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -174,7 +174,7 @@ def _gated_rms_norm_kernel(
         h = _norm_input(x_ptr, z_ptr, rows64, rmask, cols, cmask, stride_xt, stride_xd, stride_zt, stride_zd,
                         HAS_Z, NORM_BEFORE_GATE)
         rstd = tl.math.rsqrt(tl.sum(h * h, 1) / G + eps)
-        _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D, stride_zt, stride_zd,
+        _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D, NW, stride_zt, stride_zd,
                      HAS_Z, NORM_BEFORE_GATE, ROUND)
     else:
         ss = tl.zeros([BR], dtype=tl.float32)
@@ -190,7 +190,7 @@ def _gated_rms_norm_kernel(
             cmask = cols < col0 + G
             h = _norm_input(x_ptr, z_ptr, rows64, rmask, cols, cmask, stride_xt, stride_xd, stride_zt, stride_zd,
                             HAS_Z, NORM_BEFORE_GATE)
-            _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D, stride_zt,
+            _norm_output(h, rstd, x_ptr, w_ptr, z_ptr, out_ptr, rows64, rmask, cols, cmask, D, NW, stride_zt,
                          stride_zd, HAS_Z, NORM_BEFORE_GATE, ROUND)
 
 
@@ -208,7 +208,7 @@ def _gated_rms_norm(x, weight, z, eps, group_size, norm_before_gate, *, max_grou
     round_code = _ROUND_CODES[torch.promote_types(weight.dtype, x.dtype)]
     _gated_rms_norm_kernel[(triton.cdiv(T, br), D // group_size)](
         x, weight.contiguous(), z_arg, out,
-        T, D, group_size, x.stride(0), x.stride(1), z_arg.stride(0), z_arg.stride(1), float(eps),
+        T, D, group_size, weight.numel(), x.stride(0), x.stride(1), z_arg.stride(0), z_arg.stride(1), float(eps),
         HAS_Z=has_z, NORM_BEFORE_GATE=bool(norm_before_gate), ROUND=round_code,
         BR=br, BG=bg, NCHUNK=nchunk, num_warps=num_warps,
         **pdl_launch(x.device),

@@ -325,14 +325,14 @@ def test_qwen3_next_projection_split_equals_hf_reordering():
 def test_gdn_gated_norm_runs_as_our_op(kind):
     """Every Gated DeltaNet family hands its gated norm (HF: ``[tokens * heads, head_dim]`` rows, one
     ``[head_dim]`` weight) to the ``gated_rms_norm`` op on ``[tokens, heads * head_dim]``: the same values."""
-    from hybrid_compile.models.base import gated_norm
+    from hybrid_compile.models.qwen3_next import _gated_norm
 
     model = cached_model(kind, 0)
     mixer = next(m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias"))
     norm = mixer.norm if hasattr(mixer, "out_proj") else mixer.o_norm
     k = mixer.num_v_heads * mixer.head_v_dim
     core, gate = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(0)).unbind()
-    ours = gated_norm(norm, core, gate)
+    ours = _gated_norm(norm, core, gate)
     vd = mixer.head_v_dim
     with torch.no_grad():
         torch.testing.assert_close(ours, norm(core.reshape(-1, vd), gate.reshape(-1, vd)).reshape(3, k), rtol=0, atol=0)

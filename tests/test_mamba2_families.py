@@ -294,19 +294,3 @@ def test_layer_op_fake_shape_and_verify_mode():
     with forward_context(ForwardContext(md, {}, pools)), pytest.raises(RuntimeError, match="speculative buffers"):
         torch.ops.hybrid_compile.mamba2_layer(*args(4), 0, H, P, G, N, "silu", 16, 0.0, float("inf"), False)
 
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_gated_norm_runs_as_our_op_where_exact(name):
-    """Every family's mixer but Falcon-H1's (its norm multiplies by the weight in fp32 before casting)
-    hands its gated norm to the ``gated_rms_norm`` op; the op's result is the module's one."""
-    from hybrid_compile.models.base import gated_norm
-
-    model = _case(name)[0]
-    mixer = next(m for m in model.modules() if hasattr(m, "out_proj") and hasattr(m, "A_log"))
-    y, gate = torch.randn(2, 3, mixer.out_proj.in_features, generator=torch.Generator().manual_seed(0)).unbind()
-    ours = gated_norm(mixer.norm, y, gate)
-    if name.startswith("falcon_h1"):
-        assert ours is None
-        return
-    with torch.no_grad():
-        torch.testing.assert_close(ours, mixer.norm(y, gate).to(y.dtype), rtol=0, atol=0)

@@ -149,32 +149,3 @@ def patch_forward(module: nn.Module, forward: Callable, handle: PatchHandle) -> 
     """Replace ``module.forward`` on this instance only (the class is untouched)."""
     module.forward = types.MethodType(forward, module)
     handle.restores.append(lambda m=module: m.__dict__.pop("forward", None))
-
-
-# transformers' gated RMSNorm modules the ``gated_rms_norm`` op computes exactly (same casts), by
-# class name: norm then gate over groups of the weight's length (the mixers call them on
-# ``[tokens * heads, head_dim]`` rows), and gate then norm over ``group_size`` channels
-_NORM_THEN_GATE = frozenset({"Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
-                             "OlmoHybridRMSNormGated"})
-_GATE_THEN_NORM = frozenset({"MambaRMSNormGated", "BambaRMSNormGated", "Zamba2RMSNormGated",
-                             "NemotronHRMSNormGated", "GraniteMoeHybridRMSNormGated"})
-
-
-def gated_norm(norm: nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
-    """``norm(y, gate)`` in ``y``'s dtype through the ``gated_rms_norm`` op, for ``y`` and ``gate``
-    ``[N, K]``; None where ``norm`` is not a module the op reproduces (the caller runs the module).
-
-    Why: under compile Inductor fuses transformers' norm into one kernel that waits for the layer
-    op before it and holds the next projection back; the op's Triton kernel launches as a
-    programmatic dependent that lets the projection start streaming its weights (H100, 2048x4096
-    output projection at one row: norm + projection 8.1 us, the projection alone 6.8 us)."""
-    name = type(norm).__name__
-    if name in _NORM_THEN_GATE and getattr(norm, "activation", "silu") == "silu":
-        group_size, norm_before_gate = norm.weight.numel(), True
-    elif name in _GATE_THEN_NORM:
-        group_size, norm_before_gate = int(norm.group_size), False
-    else:
-        return None
-    return torch.ops.hybrid_compile.gated_rms_norm(
-        y, norm.weight, gate, float(norm.variance_epsilon), group_size, norm_before_gate
-    )

@@ -4,9 +4,8 @@ GraniteMoeHybrid, Zamba2) and the layout helpers their family modules use.
 Every one of these mixers has the same structure (transformers' ``Mamba2Mixer``): ``in_proj``
 -> split into ``gate | xBC | dt`` -> causal conv over ``xBC`` -> split ``x | B | C`` -> SSD with
 ``A = -exp(A_log)``, ``D``, ``dt_bias``, softplus -> gated RMSNorm(y, gate) -> ``out_proj``.
-The patched forward keeps HF's projections and routes the conv + scan through the ``mamba2_layer``
-op and the gated norm through the ``gated_rms_norm`` op (``base.gated_norm``; HF's module where the
-op does not reproduce it, e.g. Falcon-H1's). Falcon-H1's extras (``ssm_in_multiplier`` before
+The patched forward keeps HF's projections, norm and output projection and routes the conv +
+scan through the ``mamba2_layer`` op. Falcon-H1's extras (``ssm_in_multiplier`` before
 ``in_proj``, the µP ``mup_vector`` after it, an optional norm replaced by ``y * silu(gate)``)
 are read from the mixer when present.
 
@@ -24,7 +23,7 @@ from torch import nn
 from ..layers import mamba2 as _mamba2_layer  # noqa: F401  (registers mamba2_layer)
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
-from .base import ModelLayout, PatchHandle, gated_norm, install_attention, patch_forward
+from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 
 # Context length used when the model has no position limit (pure SSMs such as Mamba2); raise it
 # with EngineConfig.max_context_len.
@@ -122,12 +121,12 @@ def make_mixer_forward(layer_id: int) -> Callable:
             layer_id, int(self.num_heads), int(self.head_dim), int(self.n_groups), int(self.ssm_state_size),
             self.activation, int(self.chunk_size), lo, hi, False,
         )
+        y = y.reshape(1, n, -1)
         if isinstance(self.norm, nn.Identity) or getattr(self, "mamba_rms_norm", True) is False:
-            y = y.reshape(n, -1) * nn.functional.silu(gate)  # Falcon-H1 without the gated norm
+            y = y * nn.functional.silu(gate[None])  # Falcon-H1 without the gated norm
         else:
-            normed = gated_norm(self.norm, y.reshape(n, -1), gate)
-            y = normed if normed is not None else self.norm(y.reshape(n, -1), gate)
-        return self.out_proj(y.to(dtype)[None])
+            y = self.norm(y, gate[None])
+        return self.out_proj(y.to(dtype))
 
     return mamba2_mixer_forward
 

@@ -293,4 +293,3 @@ def test_layer_op_fake_shape_and_verify_mode():
     pools = {0: (torch.zeros(2, W - 1, conv_dim), torch.zeros(2, H, P, N))}
     with forward_context(ForwardContext(md, {}, pools)), pytest.raises(RuntimeError, match="speculative buffers"):
         torch.ops.hybrid_compile.mamba2_layer(*args(4), 0, H, P, G, N, "silu", 16, 0.0, float("inf"), False)
-

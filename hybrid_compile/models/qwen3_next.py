@@ -5,7 +5,7 @@ image-text models: token prompts only, the vision tower is not run) and OLMo-Hyb
 
 Each ``*GatedDeltaNet`` mixer keeps HF's projections and output projection; its conv + delta-rule
 core runs through the ``gdn_layer`` op and its gated RMSNorm through the ``gated_rms_norm`` op
-(``base.gated_norm``). The two generations differ
+(``_gated_norm``). The two generations differ
 only in how the projections are laid out (Qwen3-Next: fused ``in_proj_qkvz``/``in_proj_ba``
 with per-key-head interleaving, undone as HF's ``fix_query_key_value_ordering`` does;
 Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). OLMo-Hybrid

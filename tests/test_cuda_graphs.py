@@ -24,6 +24,7 @@ greedy tokens equal to HF's generate and the non-speculative engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -168,8 +169,8 @@ def test_pad_requests_brute_force():
 
 
 def _assert_buffers_equal_padded(buffers, key, ids, md):
-    """The buffers after ``fill`` hold exactly ``pad_requests`` with requests of the graph's
-    tokens per request (DECODE: 1; TARGET_VERIFY: the draft length, every token a logits row)."""
+    """The buffers hold exactly ``pad_requests`` of the step with requests of the graph's tokens
+    per request (DECODE: 1; TARGET_VERIFY: the draft length, every token a logits row)."""
     bs, b, steps = key.batch_size, md.batch_size, key.tokens_per_request
     pids, p = cg.pad_requests(ids, md, [steps] * (bs - b), buffers.padding_slot)
     view = buffers.metadata(key)
@@ -187,13 +188,27 @@ def _assert_buffers_equal_padded(buffers, key, ids, md):
         assert view.draft_len == steps and view.verify_rows() == bs
 
 
-def test_graph_buffers_fill_matches_padding_and_eager_logits():
-    """On real decode steps of the CPU engine: ``fill`` equals ``pad_requests``, and the model over
-    the filled buffers (rows up to the bucket) gives the step's logits and pool updates."""
+def _build_into(runner, buffers, key, batch, drafts=None):
+    """The runner's metadata of ``batch`` built into ``buffers`` for the graph ``key``; checks the
+    returned metadata are views of the buffers' first rows, marked with the key."""
+    steps = key.tokens_per_request
+    ids, md = runner._build_uniform_metadata(batch, key.mode, steps, drafts, None, graph=key, buffers=buffers)
+    assert md.graph_key == key and md.batch_size == len(batch.requests)
+    assert ids.data_ptr() == buffers.input_ids.data_ptr() and md.positions.data_ptr() == buffers.positions.data_ptr()
+    assert md.kv_indices.data_ptr() == buffers.kv_indices.data_ptr()
+    return ids, md
+
+
+def test_graph_buffers_hold_padded_steps_and_eager_logits():
+    """On real decode steps of the CPU engine, the runner's metadata built into a graph's buffers
+    equal ``pad_requests`` of the general path's metadata (``_build_extend_metadata``) up to the
+    bucket, and the model over the buffers (rows up to the bucket) gives the step's logits and
+    pool updates."""
     model = cached_model("qwen3_next_dense", 0)
     prompts = random_prompts([5, 9, 2], vocab_size(model), seed=3)
     checked = []
     with make_engine(model, max_running_requests=4) as engine:
+        engine.overlap = False  # the step's ids from the requests (the general path's input)
         runner = engine.runner
         req_to_token = engine.pools.req_to_token.req_to_token
         buffers = cg.GraphBuffers(6, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT)
@@ -209,10 +224,12 @@ def test_graph_buffers_fill_matches_padding_and_eager_logits():
             after = [t.clone() for t in mamba_pools + kv_pools]
             for t, saved in zip(mamba_pools + kv_pools, before):
                 t.copy_(saved)
-            ids, md = runner.build_metadata(batch, input_ids)
+            ids, md = runner._build_extend_metadata(batch)
             for bs in sorted({md.batch_size, md.batch_size + 1, 6}):
                 key = cg.GraphKey(ForwardMode.DECODE, bs)
-                buffers.fill(key, ids, md)
+                for t in buffers.outputs(cg.GraphKey(ForwardMode.DECODE, 6)):  # stale values everywhere
+                    t.fill_(7)
+                _build_into(runner, buffers, key, batch)
                 _assert_buffers_equal_padded(buffers, key, ids, md)
                 with torch.inference_mode(), forward_context(
                         ForwardContext(buffers.metadata(key), runner.kv_caches, runner.mamba_caches)):
@@ -227,22 +244,23 @@ def test_graph_buffers_fill_matches_padding_and_eager_logits():
             for t, want in zip(mamba_pools + kv_pools, after):
                 t.copy_(want)
             checked.append(md.batch_size)
+            if md.batch_size == 3:
+                with pytest.raises(ValueError, match="does not fit"):
+                    _build_into(runner, buffers, cg.GraphKey(ForwardMode.DECODE, 2), batch)
             return logits
 
         runner.forward = forward
         engine.generate_batch(prompts, max_new_tokens=4)
     assert set(checked) >= {3}
-    with pytest.raises(ValueError, match="do not fit"):
-        buffers.fill(cg.GraphKey(ForwardMode.DECODE, 2), *_metadata(ForwardMode.DECODE, [1, 1, 1], [1, 1, 1],
-                                                                        [[1, 2]] * 3, [0, 1, 2], [1, 1, 1]))
 
 
-def test_verify_graph_buffers_fill_matches_padding_and_eager_logits():
+def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
     """TARGET_VERIFY graphs (speculative decoding, k = 2 drafts: 3 tokens per request): on real
-    verify steps of the CPU engine, ``fill`` equals ``pad_requests`` with 3-token padding requests,
-    and the model over the filled buffers (rows up to the bucket, the speculative intermediate
-    buffers in the context) gives the step's logits at every verify position, the same KV / Mamba
-    pool updates (none of the main Mamba state) and the same intermediate states of the real rows."""
+    verify steps of the CPU engine, the runner's metadata built into a graph's buffers equal
+    ``pad_requests`` of the general path's metadata with 3-token padding requests, and the model
+    over the buffers (rows up to the bucket, the speculative intermediate buffers in the context)
+    gives the step's logits at every verify position, the same KV / Mamba pool updates (none of
+    the main Mamba state) and the same intermediate states of the real rows."""
     model = cached_model("qwen3_next_dense", 0)
     prompts = random_prompts([5, 9, 2], vocab_size(model), seed=3) + [[5, 9, 14, 3] * 4]
     steps, checked = 3, []
@@ -254,9 +272,14 @@ def test_verify_graph_buffers_fill_matches_padding_and_eager_logits():
         rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
         buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
                                   max_tokens_per_request=steps)
-        original = runner.forward_verify
+        build, original = runner.build_verify_metadata, runner.forward_verify
         pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
         inter = [t for pair in runner.intermediate_caches.values() for t in pair]
+        step = {}
+
+        def build_verify_metadata(batch, drafts):
+            step.update(batch=batch, drafts=drafts)
+            return build(batch, drafts)
 
         def forward_verify(ids, md):
             before = [t.clone() for t in pools]
@@ -264,14 +287,17 @@ def test_verify_graph_buffers_fill_matches_padding_and_eager_logits():
             after = [t.clone() for t in pools]
             inter_after = [t.clone() for t in inter]
             b = md.batch_size
+            batch, drafts = step["batch"], step["drafts"]
+            _, want = runner._build_extend_metadata(batch)
+            want = dataclasses.replace(want, logits_indices=torch.arange(md.num_tokens), draft_len=steps)
             for bs in sorted({b, b + 1, rows}):
                 for t, saved in zip(pools, before):
                     t.copy_(saved)
                 for t in inter:
                     t.fill_(float("nan"))  # the real rows must be written again, padding rows may hold anything
                 key = cg.GraphKey(ForwardMode.TARGET_VERIFY, bs, steps)
-                buffers.fill(key, ids, md)
-                _assert_buffers_equal_padded(buffers, key, ids, md)
+                _build_into(runner, buffers, key, batch, drafts)
+                _assert_buffers_equal_padded(buffers, key, ids, want)
                 with torch.inference_mode(), forward_context(ForwardContext(
                         buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
                     n = key.num_tokens
@@ -279,29 +305,26 @@ def test_verify_graph_buffers_fill_matches_padding_and_eager_logits():
                                                    buffers.logits_indices[:n])
                 assert padded.shape[0] == bs * steps
                 torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
-                for t, want in zip(pools, after):
-                    torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)
-                for t, want in zip(inter, inter_after):
-                    torch.testing.assert_close(t[:b], want[:b], rtol=1e-5, atol=1e-5)
-            for t, want in zip(pools + inter, after + inter_after):
-                t.copy_(want)
+                for t, want_t in zip(pools, after):
+                    torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5)
+                for t, want_t in zip(inter, inter_after):
+                    torch.testing.assert_close(t[:b], want_t[:b], rtol=1e-5, atol=1e-5)
+            for t, want_t in zip(pools + inter, after + inter_after):
+                t.copy_(want_t)
+            # a graph of another draft length, or a DECODE graph, does not take a verify step
+            for key in (cg.GraphKey(ForwardMode.TARGET_VERIFY, rows, 2), cg.GraphKey(ForwardMode.DECODE, rows)):
+                with pytest.raises(ValueError, match="does not fit"):
+                    runner._build_uniform_metadata(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, graph=key,
+                                                   buffers=buffers)
             checked.append(b)
             return logits
 
-        runner.forward_verify = forward_verify
+        runner.build_verify_metadata, runner.forward_verify = build_verify_metadata, forward_verify
         got = engine.generate_batch(prompts, max_new_tokens=6)
         assert engine.stats()["speculative"]["verify_steps"] > 0
     with make_engine(model, max_running_requests=4) as plain:
         assert got == plain.generate_batch(prompts, max_new_tokens=6)
     assert max(checked) == 4
-    # a step of another draft length, or a DECODE step, does not fill a verify graph
-    ids, md = _metadata(ForwardMode.TARGET_VERIFY, [2, 2], [1, 1], [[1, 2, 3]] * 2, [0, 1], [1, 1])
-    md.draft_len = 2
-    with pytest.raises(ValueError, match="verify graph of 3 tokens"):
-        buffers.fill(cg.GraphKey(ForwardMode.TARGET_VERIFY, 2, 3), ids, md)
-    with pytest.raises(ValueError, match="target_verify graph takes a target_verify step"):
-        buffers.fill(cg.GraphKey(ForwardMode.TARGET_VERIFY, 2, 2), *_metadata(
-            ForwardMode.DECODE, [1, 1], [1, 1], [[1, 2]] * 2, [0, 1], [1, 1]))
 
 
 def test_full_graph_keys_for_decode_and_verify():

@@ -1,8 +1,8 @@
 """The host fast path of decode steps (issue 5), on CPU.
 
-- ``ModelRunner._build_decode_metadata`` (DECODE steps) gives exactly the tensors of the general
-  ``_build_extend_metadata`` on real decode steps of a continuous batch (every field, dtype and
-  value), and with device input ids uses them as they are.
+- ``ModelRunner._build_decode_metadata`` (DECODE steps: the ``uniform_step_metadata`` op) gives
+  exactly the tensors of the general ``_build_extend_metadata`` on real decode steps of a
+  continuous batch (every field, dtype and value), and with device input ids takes them as they are.
 - ``ReqToTokenPool.set_decode_tokens`` writes what ``set_tokens_batch`` writes (host mirror and
   device map), and rejects what it rejects; the KV allocator's page-size-1 list path hands out
   exactly the slots of the general path; ``check_allocated`` on a list raises the general errors.
@@ -61,8 +61,8 @@ def test_decode_metadata_equals_general_path(model):
                 if batch.input_ids is None:
                     want_ids, want = runner._build_extend_metadata(batch)
                     assert torch.equal(ids, want_ids)
-                else:  # launched ahead: its tokens are not appended yet; the device ids are used as they are
-                    assert ids is batch.input_ids
+                else:  # launched ahead: its tokens are not appended yet; the device ids are taken as they are
+                    assert torch.equal(ids, batch.input_ids)
                     want = runner._build_extend_metadata(dataclasses.replace(batch, input_ids=None,
                                                                             requests=[_Pending(r, t) for r, t in zip(batch.requests, ids.tolist())]))[1]
                 assert_metadata_equal(md, want)
@@ -148,11 +148,12 @@ def test_set_decode_tokens_equals_set_tokens_batch():
     a.set_tokens_batch(torch.tensor([slots[2], slots[0]]), [7, 5], [1, 1], torch.tensor([40, 41]))
     b.set_decode_tokens([slots[2], slots[0]], [7, 5], [40, 41])
     assert torch.equal(a.req_to_token, b.req_to_token) and torch.equal(a._req_to_token_host, b._req_to_token_host)
-    # with the device write given by the caller
-    flat = torch.tensor([slots[1] * 16 + 2])
-    b.set_decode_tokens([slots[1]], [2], [43], device_writes=(flat, torch.tensor([43])))
+    # the device write left to the caller: the host mirror only
+    before = b.req_to_token.clone()
+    b.set_decode_tokens([slots[1]], [2], [43], write_device=False)
     a.set_tokens(slots[1], 2, [43])
-    assert torch.equal(a.req_to_token, b.req_to_token) and torch.equal(a._req_to_token_host, b._req_to_token_host)
+    assert torch.equal(a._req_to_token_host, b._req_to_token_host) and torch.equal(before, b.req_to_token)
+    assert not torch.equal(a.req_to_token, b.req_to_token)
     with pytest.raises(ValueError, match="positions"):
         b.set_decode_tokens([slots[0]], [16], [1])
     with pytest.raises(ValueError, match="one of each"):

@@ -15,21 +15,22 @@ without a recompile (Dynamo specialises sizes 0 and 1). Per-step metadata never 
 graph: the layer ops read it from the forward context at run time.
 
 With CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`hybrid_compile.passes.cuda_graphs`) a
-DECODE step of at most the largest decode bucket replays a full graph (metadata copied into
-stable buffers, rows padded up to the bucket); other DECODE / EXTEND steps of at most the
-largest token bucket are padded up to it and replay the pieces' graphs with the layer ops
-eager between them; any other step runs the compiled forward without graphs (counted as an
-eager fallback). Graphs are captured at construction, after the compile.
+DECODE step of at most the largest decode bucket replays a full graph (its metadata built
+straight into the graph's stable buffers, rows padded up to the bucket); other DECODE / EXTEND
+steps of at most the largest token bucket are padded up to it and replay the pieces' graphs with
+the layer ops eager between them; any other step runs the compiled forward without graphs
+(counted as an eager fallback). Graphs are captured at construction, after the compile.
 
 Speculative verify steps (:meth:`ModelRunner.forward_verify`, ``draft_len = k + 1`` tokens per
 request) take the same path: a full TARGET_VERIFY graph of the batch-size bucket when one fits,
 else the compiled forward (an eager fallback with graphs on).
 
-Metadata: a DECODE step (the common case) takes a host fast path (``_build_decode_metadata``:
-per-request values from Python lists in one host->device copy, the KV indices gathered on the
-device from ``req_to_token``); its input ids may already be on the device (the engine's overlap
-feeds a step's sampled tokens straight into the next step launched ahead). A TARGET_VERIFY
-step takes the same kind of fast path (``build_verify_metadata``). Every other step takes the
+Metadata: a DECODE step (the common case) takes a fast path (``_build_decode_metadata``: one
+staged row per request from Python lists, one host->device copy, then one op,
+``uniform_step_metadata``, writes the new ``req_to_token`` entries and every tensor, into fresh
+tensors or into a full graph's buffers); its input ids may already be on the device (the engine's
+overlap feeds a step's sampled tokens straight into the next step launched ahead). A
+TARGET_VERIFY step takes the same path (``build_verify_metadata``). Every other step takes the
 general path (``_build_extend_metadata``); all give the same tensors.
 """
 
@@ -47,6 +48,7 @@ from torch import nn
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 from ..memory import MemoryPools
+from ..ops import metadata as md_ops
 from ..passes import cuda_graphs as cg
 from .scheduler import ScheduledBatch
 
@@ -405,15 +407,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, ForwardMetadata]:
         """:meth:`build_metadata` of a DECODE step (one new token per request, the common case),
         the same tensors as :meth:`_build_extend_metadata` with less host work
-        (:meth:`_build_uniform_metadata`)."""
-        input_ids, md = self._build_uniform_metadata(batch, ForwardMode.DECODE, 1, None, device_ids is not None)
+        (:meth:`_build_uniform_metadata`); built straight into the full graph's buffers when one
+        fits the step."""
         if device_ids is not None:
             b = len(batch.requests)
             if device_ids.shape != (b,) or device_ids.dtype != torch.int64:
                 raise ValueError(f"build_metadata: device input ids must be [{b}] int64, got "
                                  f"{tuple(device_ids.shape)} {device_ids.dtype}")
-            input_ids = device_ids
-        return input_ids, md
+        return self._build_uniform_metadata(batch, ForwardMode.DECODE, 1, None, device_ids, self._graph_for(batch, 1))
 
     def build_verify_metadata(
         self, batch: ScheduledBatch, drafts: list[list[int]]
@@ -429,94 +430,98 @@ class ModelRunner:
             raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
                              f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
                              f"{batch.extend_lens[:8]}")
-        return self._build_uniform_metadata(batch, ForwardMode.TARGET_VERIFY, steps, drafts, False)
+        return self._build_uniform_metadata(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None,
+                                            self._graph_for(batch, steps))
+
+    def _graph_for(self, batch: ScheduledBatch, steps: int) -> "cg.GraphKey | None":
+        """The full CUDA graph a uniform step replays (its metadata is then built into the
+        graph's buffers), or None."""
+        if self.full_graphs is None or self._released:
+            return None
+        return self.full_graphs.key_for_step(batch.mode, len(batch.requests), steps)
 
     def _build_uniform_metadata(
         self, batch: ScheduledBatch, mode: ForwardMode, steps: int, drafts: list[list[int]] | None,
-        ids_on_device: bool,
+        device_ids: torch.Tensor | None, graph: "cg.GraphKey | None" = None, buffers: "cg.GraphBuffers | None" = None,
     ) -> tuple[torch.Tensor, ForwardMetadata]:
         """Metadata of a step in which every request adds ``steps`` tokens (DECODE: 1, its pending
-        token; TARGET_VERIFY: its pending token then ``drafts[i]``), logits of every token: every
-        per-request value from Python lists in one host->device copy, the KV indices gathered on the
-        device from ``req_to_token`` (no per-token host tensors). With ``ids_on_device`` the
-        returned input ids are placeholders (the caller has them on the device)."""
-        dev = self.device
+        token; TARGET_VERIFY: its pending token then ``drafts[i]``), logits of every token: one
+        staged row per request (``ops.metadata``) from Python lists, one host->device copy, then
+        the ``uniform_step_metadata`` op writes the new ``req_to_token`` entries and every tensor.
+        ``device_ids``: the step's input ids, already on the device. With ``graph`` the tensors
+        are written into the full graph's stable buffers (``buffers``, by default the runner's),
+        the rows past the step's requests up to the bucket as padding requests; the returned
+        metadata are views of its first rows, with ``graph_key`` set."""
         reqs = batch.requests
         b = len(reqs)
         n = b * steps
+        if graph is not None and (b > graph.batch_size or graph.tokens_per_request != steps or graph.mode is not mode):
+            raise ValueError(f"build metadata: a {mode.value} step of {b} requests of {steps} tokens does not fit the "
+                             f"full graph {graph}")
         prefix = batch.prefix_lens
-        seq = [p + steps for p in prefix]
-        kv_indptr = [0, *itertools.accumulate(seq)]
-        total = kv_indptr[-1]
         req_slots = [r.req_slot for r in reqs]
         out_cache_loc = batch.out_cache_loc.tolist()
         r2t = self.pools.req_to_token
-        width = r2t.max_context_len
-        ramp = range(steps)
-        if ids_on_device:
-            ids = [0] * n
+        for j in range(steps):  # checks and the host mirror; the op writes the device map
+            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps], write_device=False)
+        rows, start = [], 0
+        for i, (r, p) in enumerate(zip(reqs, prefix)):
+            if device_ids is not None:
+                ids = [0] * steps
+            else:
+                ids = r.token_ids(p, p + 1) + (list(drafts[i]) if drafts is not None else [])
+            rows.append(md_ops.staged_row(r.req_slot, p, start, r.mamba_slot, len(r.prompt),
+                                          out_cache_loc[i * steps: (i + 1) * steps], ids))
+            start += p + steps
+        seq = [p + steps for p in prefix]
+        total = start
+        if graph is not None:
+            buffers = buffers if buffers is not None else self.full_graphs.buffers
+            for _ in range(graph.batch_size - b):
+                rows.append(md_ops.padding_row(start, steps))
+                start += steps
+            outputs = buffers.outputs(graph)
         else:
-            ids = []
-            for i, (r, p) in enumerate(zip(reqs, prefix)):
-                ids.append(r.token_ids(p, p + 1)[0])
-                if drafts is not None:
-                    ids.extend(drafts[i])
-        # rows padded so that every view starts 16-byte aligned (see _ALIGN_BYTES)
-        n64, b64, b32, b1_32 = (_aligned(n, torch.int64), _aligned(b, torch.int64), _aligned(b, torch.int32),
-                                _aligned(b + 1, torch.int32))
-
-        def row(xs: list[int], width_: int) -> list[int]:
-            return xs + [0] * (width_ - len(xs))
-
-        values = (
-            row(ids, n64)
-            + row([p + j for p in prefix for j in ramp], n64)  # positions
-            + row(out_cache_loc, n64)
-            + row(list(range(n)), n64)  # logits indices: every token
-            + row([slot * width + q for slot, p in zip(req_slots, prefix) for q in range(p, p + steps)], n64)  # new entries
-            # flat index of request i's first req_to_token entry minus its kv_indptr start: the
-            # KV indices are req_to_token.view(-1)[arange(total) + repeat(offset_i, seq_i)]
-            + row([slot * width - start for slot, start in zip(req_slots, kv_indptr)], b64)
-            # int32 part
-            + row(list(range(0, n + 1, steps)), b1_32)  # query_start_loc
-            + row(kv_indptr, b1_32) + row(seq, b32) + row(prefix, b32)
-            + row([r.mamba_slot for r in reqs], b32)
-            + row([len(r.prompt) for r in reqs], b32)
-        )
-        host = torch.tensor(values, dtype=torch.int64)
-        if dev.type == "cuda":
+            outputs = self._uniform_outputs(b, steps, total)
+        host = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
             host = host.pin_memory()
-        packed = host.to(dev, non_blocking=True)  # one host->device copy
-        input_ids, positions, out_cache_loc_d, logits_indices, new_entries = packed[: 5 * n64].view(5, n64)[:, :n].unbind()
-        offsets = packed[5 * n64: 5 * n64 + b]
-        # req_to_token rows of the new tokens: one distinct-request write per position j
-        by_request = out_cache_loc_d.view(b, steps), new_entries.view(b, steps)
-        for j in ramp:
-            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps],
-                                  device_writes=(by_request[1][:, j], by_request[0][:, j]))
-        small = packed[5 * n64 + b64:].to(torch.int32)
-        qsl_d, kv_indptr_d = small[: 2 * b1_32].view(2, b1_32)[:, : b + 1].unbind()
-        seq_d, prefix_d, mamba_d, prompt_d = small[2 * b1_32:].view(4, b32)[:, :b].unbind()
-        flat = torch.arange(total, dtype=torch.int64, device=dev)
-        flat += torch.repeat_interleave(offsets, seq_d, output_size=total)
+        torch.ops.hybrid_compile.uniform_step_metadata(
+            host.to(self.device, non_blocking=True), device_ids, steps, self.pools.kv.PADDING_SLOT, r2t.req_to_token,
+            *outputs)
+        input_ids, positions, out_cache_loc_d, logits_indices, qsl, seq_d, prefix_d, prompt_d, mamba_d, initial, \
+            kv_indptr, kv_indices = outputs
         md = ForwardMetadata(
             mode=mode,
-            positions=positions,
-            query_start_loc=qsl_d,
-            seq_lens=seq_d,
-            prefix_lens=prefix_d,
-            mamba_cache_indices=mamba_d,
-            has_initial_state=prefix_d > 0,
-            out_cache_loc=out_cache_loc_d,
-            kv_indptr=kv_indptr_d,
-            kv_indices=r2t.req_to_token.view(-1)[flat],
-            logits_indices=logits_indices,
+            positions=positions[:n],
+            query_start_loc=qsl[: b + 1],
+            seq_lens=seq_d[:b],
+            prefix_lens=prefix_d[:b],
+            mamba_cache_indices=mamba_d[:b],
+            has_initial_state=initial[:b],
+            out_cache_loc=out_cache_loc_d[:n],
+            kv_indptr=kv_indptr[: b + 1],
+            kv_indices=kv_indices[:total],
+            logits_indices=logits_indices[:n],
             extend_lens_cpu=[steps] * b,
             seq_lens_cpu=seq,
             draft_len=steps if mode is ForwardMode.TARGET_VERIFY else 0,
-            prompt_lens=prompt_d,
+            prompt_lens=prompt_d[:b],
+            graph_key=graph,
         )
-        return input_ids, md
+        return input_ids[:n], md
+
+    def _uniform_outputs(self, b: int, steps: int, total: int) -> tuple[torch.Tensor, ...]:
+        """Fresh device tensors for the ``uniform_step_metadata`` outputs of ``b`` requests of
+        ``steps`` tokens and ``total`` KV entries (each view 16-byte aligned)."""
+        dev, n = self.device, b * steps
+        tokens = torch.empty(4, _aligned(n, torch.int64), dtype=torch.int64, device=dev)[:, :n]
+        per_request = torch.empty(6, _aligned(b + 1, torch.int32), dtype=torch.int32, device=dev)
+        qsl, kv_indptr = per_request[:2, : b + 1]
+        seq, prefix, prompt, mamba = per_request[2:, :b]
+        initial = torch.empty(b, dtype=torch.bool, device=dev)
+        kv_indices = torch.empty(total, dtype=self.pools.req_to_token.req_to_token.dtype, device=dev)
+        return (*tokens, qsl, seq, prefix, prompt, mamba, initial, kv_indptr, kv_indices)
 
     def _build_extend_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardMetadata]:
         """:meth:`build_metadata` of any step (EXTEND, TARGET_VERIFY, DECODE with checkpoints)."""
@@ -581,10 +586,8 @@ class ModelRunner:
                 return self._model_forward(input_ids, md.positions, md.logits_indices)
         self._refuse_after_release()
         b = md.batch_size
-        if self.full_graphs is not None:
-            key = self.full_graphs.key_for(md)
-            if key is not None:
-                return self.full_graphs.replay(key, input_ids, md)
+        if md.graph_key is not None:  # built into the full graph's buffers
+            return self.full_graphs.replay(md.graph_key, b)
         if self.piecewise_graphs is not None and md.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
             n = cg.select_bucket(self._token_buckets, md.num_tokens)
             if n is not None and b <= self._logits_rows(n):
@@ -615,10 +618,8 @@ class ModelRunner:
                              f"speculative k + 1), got {md.mode.value} with draft_len {md.draft_len}")
         self._refuse_after_release()
         n = md.num_tokens
-        if self.full_graphs is not None:
-            key = self.full_graphs.key_for(md)
-            if key is not None:
-                return self.full_graphs.replay(key, input_ids, md)
+        if md.graph_key is not None:  # built into the verify graph's buffers
+            return self.full_graphs.replay(md.graph_key, md.batch_size)
         if self.compiled:
             if self._graph_pool is not None:  # graphs on, but no verify graph fits this step
                 self._compile_counters["eager_fallbacks"] += 1

@@ -89,9 +89,13 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
-        """logits ``[B, V]`` -> next token ids ``[B]`` (int64, on logits' device)."""
+        """logits ``[B, V]`` -> next token ids ``[B]`` (int64, on logits' device). Greedy rows take
+        the argmax in the logits' own dtype (the ``argmax_rows`` op); sampled rows draw from fp32
+        probabilities."""
+        next_tokens = torch.ops.hybrid_compile.argmax_rows(logits)
+        if all(p.is_greedy for p in params):
+            return next_tokens
         logits = logits.float()
-        next_tokens = logits.argmax(dim=-1)
         for row, (rid, p) in enumerate(zip(request_ids, params)):
             if p.is_greedy:
                 continue

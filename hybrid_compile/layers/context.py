@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -53,6 +53,9 @@ class ForwardMetadata:
             number of SSM chunks, less than the request's extend length; -1 = none), or None.
         has_tracking: host-side: some request tracks a checkpoint in this step, so the EXTEND
             layer ops ask their chunk kernels for chunk states (skipped otherwise).
+        graph_key: host-side: the full CUDA graph (``passes/cuda_graphs.GraphKey``) whose stable
+            buffers hold this step's metadata (the tensors here are views of its first rows; the
+            rows past them are padding requests): the step replays that graph. None otherwise.
     """
 
     mode: ForwardMode
@@ -73,6 +76,7 @@ class ForwardMetadata:
     track_slots: torch.Tensor | None = None
     track_lens: torch.Tensor | None = None
     has_tracking: bool = False
+    graph_key: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -172,14 +172,13 @@ class ReqToTokenPool:
         )
 
     def set_decode_tokens(
-        self, req_slots: list[int], positions: list[int], token_slots: list[int],
-        device_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, req_slots: list[int], positions: list[int], token_slots: list[int], write_device: bool = True,
     ) -> None:
         """A decode step's :meth:`set_tokens_batch` (one token per request, distinct requests),
         checked on the host lists: ``req_to_token[req_slots[i], positions[i]] = token_slots[i]``.
-        ``device_writes``: the same write already on the device as (flat indices
-        ``req_slots[i] * max_context_len + positions[i]`` int64, ``token_slots`` of any integer
-        dtype), e.g. views of a caller's packed host->device copy; built here when None."""
+        ``write_device=False``: only the checks and the host mirror; the caller writes the device
+        map itself (the runner's ``uniform_step_metadata`` op does, with the rest of the step's
+        metadata)."""
         n = len(req_slots)
         if not (n == len(positions) == len(token_slots)):
             raise ValueError(
@@ -196,11 +195,10 @@ class ReqToTokenPool:
         reqs = self.allocator.check_allocated(list(req_slots), action="write tokens of", unique=True)
         vals32 = torch.tensor(token_slots, dtype=torch.int32)
         self._req_to_token_host[reqs, torch.tensor(positions, dtype=torch.int64)] = vals32
-        if device_writes is None:
+        if write_device:
             flat = torch.tensor([r * self.max_context_len + p for r, p in zip(req_slots, positions)], dtype=torch.int64)
-            device_writes = (flat.to(self.device, non_blocking=True), vals32.to(self.device, non_blocking=True))
-        flat_d, vals_d = device_writes
-        self.req_to_token.view(-1).index_copy_(0, flat_d, vals_d.to(torch.int32))
+            self.req_to_token.view(-1).index_copy_(0, flat.to(self.device, non_blocking=True),
+                                                   vals32.to(self.device, non_blocking=True))
 
     def tokens(self, req_slot: int, end: int, start: int = 0) -> torch.Tensor:
         """Token slots of positions ``start .. end - 1`` of a request, from the host mirror

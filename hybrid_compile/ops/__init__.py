@@ -19,16 +19,20 @@ store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
 track_chunk_states
+uniform_step_metadata                            :mod:`.metadata` (engine step metadata)
+argmax_rows                                      :mod:`.sampling` (greedy tokens)
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, gdn, linear, mamba2, norm, state
+from . import attention, conv1d, gdn, linear, mamba2, metadata, norm, sampling, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import elementwise as _triton_elementwise  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
 from .triton import linear as _triton_linear  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
+from .triton import metadata as _triton_metadata  # noqa: F401
+from .triton import sampling as _triton_sampling  # noqa: F401
 from .triton import state as _triton_state  # noqa: F401
 from ._validation import debug_checks_enabled, set_debug_checks
 from .gdn import GDN_CHUNK_SIZE
@@ -53,6 +57,8 @@ KERNEL_OPS = (
     "copy_state_slots",
     "commit_speculative_state",
     "track_chunk_states",
+    "uniform_step_metadata",
+    "argmax_rows",
 )
 
 __all__ = [

@@ -10,10 +10,11 @@ graphs).
 holding the whole forward, layer ops included. Every per-step tensor the layer ops read lives
 in :class:`GraphBuffers`, stable preallocated device buffers; the :class:`ForwardMetadata`
 installed while capturing is made of views of them (:meth:`GraphBuffers.metadata`). Before a
-replay :meth:`GraphBuffers.fill` copies the step's metadata in and turns rows ``b .. bs-1`` into
-padding requests (one token at position 0, Mamba index -1, ``out_cache_loc`` -1 so no K/V is
-written, ``seq_len`` 1 attending over the KV pool's padding slot): exactly what
-:func:`pad_requests` appends, which the CPU tests check. Graphs are keyed by :class:`GraphKey`
+replay the runner builds the step's metadata straight into them (the ``uniform_step_metadata``
+op, one kernel after one host->device copy), rows ``b .. bs-1`` as padding requests (one token at
+position 0, Mamba index -1, ``out_cache_loc`` -1 so no K/V is written, ``seq_len`` 1 attending
+over the KV pool's padding slot): exactly what :func:`pad_requests` appends, which the CPU tests
+check. Graphs are keyed by :class:`GraphKey`
 (mode, batch size, tokens per request), so TARGET_VERIFY graphs (``L = k + 1`` tokens per
 request: the pending token and k drafts) are one more key with its own token layout in the same
 buffers: padding requests of ``L`` tokens, ``logits_indices`` every one of the ``bs * L`` tokens,
@@ -50,6 +51,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
+from ..ops.metadata import padding_row
 
 # Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows, except
 # the full decode graph of one request, captured from a compile specialised to one token (FullGraphRunner)
@@ -148,6 +150,7 @@ def pad_requests(
         extend_lens_cpu=list(md.extend_lens_cpu) + pad_lens,
         seq_lens_cpu=list(md.seq_lens_cpu) + pad_lens,
         prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, pad_lens),
+        graph_key=None,
     )
     for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
         t = getattr(md, name, None)
@@ -183,14 +186,15 @@ class GraphKey:
 class GraphBuffers:
     """Preallocated device buffers of every per-step tensor the layer ops read, sized for
     ``max_batch`` requests of up to ``max_tokens_per_request`` new tokens and
-    ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); steps
-    copy their values in (:meth:`fill`).
+    ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); the runner
+    builds each step's metadata straight into them (:meth:`outputs`, the ``uniform_step_metadata``
+    op), the rows past the step's requests up to the bucket as padding requests.
 
     A graph of ``L`` tokens per request (1: DECODE; the draft length: TARGET_VERIFY) has its
     padding rows laid out as :func:`pad_requests` with requests of ``L`` tokens: ids 0, positions
-    ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba index -1.
-    Its ``query_start_loc`` (``0, L, 2L, ...``) and ``logits_indices`` (every token) never
-    change, so they are constant buffers."""
+    ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba index -1
+    (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_row`). Every buffer is
+    written by every step, so graphs of any ``L`` share them."""
 
     def __init__(
         self, max_batch: int, max_context_len: int, device: torch.device, kv_index_dtype: torch.dtype,
@@ -203,51 +207,34 @@ class GraphBuffers:
         t = max_batch * max_tokens_per_request
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        # per-token int64 rows and per-request int32 rows live in one 2-D tensor each, so a step
-        # fills each group with one copy (and its padding rows with one more)
-        self._token_rows = torch.empty(3, t, **i64)
-        self.input_ids, self.positions, self.out_cache_loc = self._token_rows
-        self._request_rows = torch.empty(4, max_batch, **i32)
-        self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = self._request_rows
-        self.logits_indices = torch.arange(t, **i64)
+        self.input_ids, self.positions, self.out_cache_loc, self.logits_indices = torch.zeros(4, t, **i64)
+        self.query_start_loc, self.kv_indptr = torch.zeros(2, max_batch + 1, **i32)
+        self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = torch.zeros(4, max_batch, **i32)
         self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
-        self.kv_indptr = torch.arange(max_batch + 1, **i32)
         self.kv_indices = torch.full((max_batch * max(max_context_len, max_tokens_per_request),), padding_slot,
                                      dtype=kv_index_dtype, device=device)
-        self._ramp = torch.arange(1, max_batch + 1, **i32)  # 1, 2, ...: padding rows' kv_indptr steps
-        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.query_start_loc = self._layout(1)[2]
 
-    def _layout(self, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token padding ``[3, max_batch * steps]``, request padding ``[4, max_batch]``,
-        ``query_start_loc`` ``[max_batch + 1]``) of requests of ``steps`` tokens; made once."""
-        if not 1 <= steps <= self.max_tokens_per_request:
-            raise ValueError(f"GraphBuffers: {steps} tokens per request, the buffers hold 1..{self.max_tokens_per_request}")
-        if steps not in self._layouts:
-            t, dev = self.max_batch * steps, self.device
-            token = torch.zeros(3, t, dtype=torch.int64, device=dev)
-            token[1] = torch.arange(t, device=dev) % steps
-            token[2] = -1
-            request = torch.tensor([[steps], [0], [steps], [-1]], dtype=torch.int32, device=dev).expand(4, self.max_batch)
-            qsl = torch.arange(self.max_batch + 1, dtype=torch.int32, device=dev) * steps
-            self._layouts[steps] = (token, request, qsl)
-        return self._layouts[steps]
-
-    def metadata(self, key: GraphKey) -> ForwardMetadata:
-        """The metadata a graph of ``key`` is captured with: views of the buffers, every row a
-        padding request (what :meth:`reset` writes). Its host-side lists are those of a full
-        bucket (every request ``L`` tokens): what the layer ops read on the host
-        (``verify_rows()``, ``draft_len``) is fixed per graph."""
+    def _check_key(self, key: GraphKey) -> None:
         if key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise NotImplementedError(f"full CUDA graphs: forward mode {key.mode.value} has no graph layout")
-        bs, steps = key.batch_size, key.tokens_per_request
-        if key.mode is ForwardMode.DECODE and steps != 1:
-            raise ValueError(f"full CUDA graphs: a DECODE graph has 1 token per request, got {steps}")
-        n = key.num_tokens
+        if key.mode is ForwardMode.DECODE and key.tokens_per_request != 1:
+            raise ValueError(f"full CUDA graphs: a DECODE graph has 1 token per request, got {key.tokens_per_request}")
+        if not 1 <= key.tokens_per_request <= self.max_tokens_per_request:
+            raise ValueError(f"GraphBuffers: {key.tokens_per_request} tokens per request, the buffers hold "
+                             f"1..{self.max_tokens_per_request}")
+        if not 1 <= key.batch_size <= self.max_batch:
+            raise ValueError(f"GraphBuffers: a graph of batch size {key.batch_size}, the buffers hold 1..{self.max_batch}")
+
+    def metadata(self, key: GraphKey) -> ForwardMetadata:
+        """The metadata a graph of ``key`` is captured with: views of the buffers. Its host-side
+        lists are those of a full bucket (every request ``L`` tokens): what the layer ops read on
+        the host (``verify_rows()``, ``draft_len``) is fixed per graph."""
+        self._check_key(key)
+        bs, steps, n = key.batch_size, key.tokens_per_request, key.num_tokens
         return ForwardMetadata(
             mode=key.mode,
             positions=self.positions[:n],
-            query_start_loc=self._layout(steps)[2][: bs + 1],
+            query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             prefix_lens=self.prefix_lens[:bs],
             mamba_cache_indices=self.mamba_cache_indices[:bs],
@@ -262,49 +249,24 @@ class GraphBuffers:
             prompt_lens=self.prompt_lens[:bs],
         )
 
-    def reset(self, key: GraphKey) -> None:
-        """Every row of ``key`` a padding request (capture and warm-up: the pools are untouched)."""
+    def outputs(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
+        """The ``uniform_step_metadata`` outputs of a step of graph ``key`` (``key.batch_size`` rows,
+        padding ones included): input_ids, positions, out_cache_loc, logits_indices,
+        query_start_loc, seq_lens, prefix_lens, prompt_lens, mamba_cache_indices,
+        has_initial_state, kv_indptr, kv_indices."""
+        self._check_key(key)
         bs, n = key.batch_size, key.num_tokens
-        token_padding, request_padding, qsl = self._layout(key.tokens_per_request)
-        self._token_rows[:, :n].copy_(token_padding[:, :n])
-        self._request_rows[:, :bs].copy_(request_padding[:, :bs])
-        self.has_initial_state[:bs].fill_(False)
-        self.kv_indptr[: bs + 1].copy_(qsl[: bs + 1])
-        self.kv_indices[:n].fill_(self.padding_slot)
+        return (self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n], self.logits_indices[:n],
+                self.query_start_loc[: bs + 1], self.seq_lens[:bs], self.prefix_lens[:bs], self.prompt_lens[:bs],
+                self.mamba_cache_indices[:bs], self.has_initial_state[:bs], self.kv_indptr[: bs + 1], self.kv_indices)
 
-    def fill(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> None:
-        """Copy a step of ``b <= key.batch_size`` requests of ``L = key.tokens_per_request`` new
-        tokens each (DECODE: 1; TARGET_VERIFY: ``md.draft_len``) into the buffers and make rows
-        ``b ..`` padding requests of ``L`` tokens (as :func:`pad_requests`). No host sync: the
-        step's kv length comes from ``md.seq_lens_cpu``."""
-        if md.mode is not key.mode or key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-            raise ValueError(f"GraphBuffers.fill: a {key.mode.value} graph takes a {key.mode.value} step (full graphs: "
-                             f"decode, target_verify), got a {md.mode.value} step")
-        if md.prompt_lens is None:
-            raise ValueError("GraphBuffers.fill: the step's metadata has no prompt_lens")
+    def reset(self, key: GraphKey) -> None:
+        """Every row of ``key`` a padding request (capture and warm-up: no pool is touched)."""
         steps = key.tokens_per_request
-        b, bs = md.batch_size, key.batch_size
-        if b > bs:
-            raise ValueError(f"GraphBuffers.fill: {b} requests do not fit in a graph of batch size {bs}")
-        if key.mode is ForwardMode.TARGET_VERIFY and (
-                md.draft_len != steps or any(n != steps for n in md.extend_lens_cpu) or md.num_tokens != b * steps):
-            raise ValueError(f"GraphBuffers.fill: a verify graph of {steps} tokens per request got draft_len "
-                             f"{md.draft_len} and extend lengths {md.extend_lens_cpu}")
-        token_padding, request_padding, _ = self._layout(steps)
-        pad, n = bs - b, b * steps
-        total = sum(md.seq_lens_cpu)
-        self._token_rows[:, :n].copy_(torch.stack([input_ids, md.positions, md.out_cache_loc]))
-        self._request_rows[:, :b].copy_(torch.stack([md.seq_lens, md.prefix_lens, md.prompt_lens, md.mamba_cache_indices]))
-        self.has_initial_state[:b].copy_(md.has_initial_state)
-        if pad:
-            self._token_rows[:, n: bs * steps].copy_(token_padding[:, : pad * steps])
-            self._request_rows[:, b:bs].copy_(request_padding[:, :pad])
-            self.has_initial_state[b:bs].fill_(False)
-        self.kv_indptr[: b + 1].copy_(md.kv_indptr)
-        self.kv_indices[:total].copy_(md.kv_indices)
-        if pad:
-            torch.add(md.kv_indptr[b:], self._ramp[:pad], alpha=steps, out=self.kv_indptr[b + 1: bs + 1])
-            self.kv_indices[total: total + pad * steps].fill_(self.padding_slot)
+        staged = torch.tensor([padding_row(i * steps, steps) for i in range(key.batch_size)], dtype=torch.int64)
+        no_requests = self.kv_indices.new_empty(0, steps)  # the req_to_token of no request: padding rows read none
+        torch.ops.hybrid_compile.uniform_step_metadata(staged.to(self.device), None, steps, self.padding_slot,
+                                                      no_requests, *self.outputs(key))
 
 
 def _capture(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream", fn: Callable[[], Any]) -> Any:
@@ -396,12 +358,18 @@ class FullGraphRunner:
     def key_for(self, md: ForwardMetadata) -> GraphKey | None:
         """The graph a step replays, or None (not a DECODE step nor a TARGET_VERIFY step of
         ``draft_len`` tokens per request, or larger than every bucket)."""
-        if md.mode is ForwardMode.DECODE:
-            bs = select_bucket(self.batch_sizes, md.batch_size)
+        if md.mode is ForwardMode.TARGET_VERIFY and (md.draft_len != self.draft_len
+                                                     or md.num_tokens != md.batch_size * self.draft_len):
+            return None
+        return self.key_for_step(md.mode, md.batch_size, md.num_tokens // max(md.batch_size, 1))
+
+    def key_for_step(self, mode: ForwardMode, batch_size: int, tokens_per_request: int) -> GraphKey | None:
+        """:meth:`key_for` of a step of ``batch_size`` requests adding ``tokens_per_request`` tokens each."""
+        if mode is ForwardMode.DECODE and tokens_per_request == 1:
+            bs = select_bucket(self.batch_sizes, batch_size)
             return None if bs is None else GraphKey(ForwardMode.DECODE, bs)
-        if md.mode is ForwardMode.TARGET_VERIFY and self.verify_batch_sizes and md.draft_len == self.draft_len \
-                and md.num_tokens == md.batch_size * self.draft_len:
-            bs = select_bucket(self.verify_batch_sizes, md.batch_size)
+        if mode is ForwardMode.TARGET_VERIFY and self.verify_batch_sizes and tokens_per_request == self.draft_len:
+            bs = select_bucket(self.verify_batch_sizes, batch_size)
             return None if bs is None else GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len)
         return None
 
@@ -425,18 +393,18 @@ class FullGraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - t0
 
-    def replay(self, key: GraphKey, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
-        """Fill the buffers with the step, replay; returns the logits of its ``b`` requests
-        (DECODE: ``[b, V]``; TARGET_VERIFY: ``[b * draft_len, V]``, every verify position), a view
-        of the graph's output, valid until the next replay."""
+    def replay(self, key: GraphKey, batch_size: int) -> torch.Tensor:
+        """Replay the graph of ``key`` over the step the buffers hold (``batch_size`` requests, then
+        padding rows); returns the logits of its requests (DECODE: ``[b, V]``; TARGET_VERIFY:
+        ``[b * draft_len, V]``, every verify position), a view of the graph's output, valid until
+        the next replay."""
         graph, out = self.graphs[key]
-        self.buffers.fill(key, input_ids, md)
         graph.replay()
         if key.mode is ForwardMode.TARGET_VERIFY:
             self.verify_replays += 1
         else:
             self.replays += 1
-        return out[: md.batch_size * key.tokens_per_request]
+        return out[: batch_size * key.tokens_per_request]
 
 
 # --------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ class EngineDraftModel:
         logits = self.runner.forward(batch)
         for d, n in zip(reqs, lens):
             d.num_computed += n
-        return logits[:, : self.vocab_size].argmax(dim=-1)
+        return torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
         live = {r.rid for r in requests}

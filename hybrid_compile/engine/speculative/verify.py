@@ -298,7 +298,8 @@ class SpeculativeDecoder:
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
             # the argmax of every row on the device, one copy to the host (the step's one sync)
-            targets = logits.argmax(dim=-1).tolist()
+            flat = torch.ops.hybrid_compile.argmax_rows(logits.reshape(len(reqs) * self.draft_len, -1))
+            targets = flat.view(len(reqs), self.draft_len).tolist()
             for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
                 emitted[i] = tokens
         sampler = self.engine.sampler

@@ -207,9 +207,12 @@ class GraphBuffers:
         t = max_batch * max_tokens_per_request
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc, self.logits_indices = torch.zeros(4, t, **i64)
-        self.query_start_loc, self.kv_indptr = torch.zeros(2, max_batch + 1, **i32)
-        self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = torch.zeros(4, max_batch, **i32)
+        # one allocation each: every buffer starts 16-byte aligned (Triton specialises kernels on it)
+        self.input_ids, self.positions, self.out_cache_loc, self.logits_indices = (torch.zeros(t, **i64)
+                                                                                 for _ in range(4))
+        self.query_start_loc, self.kv_indptr = (torch.zeros(max_batch + 1, **i32) for _ in range(2))
+        self.seq_lens, self.prefix_lens, self.prompt_lens, self.mamba_cache_indices = (torch.zeros(max_batch, **i32)
+                                                                                     for _ in range(4))
         self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.kv_indices = torch.full((max_batch * max(max_context_len, max_tokens_per_request),), padding_slot,
                                      dtype=kv_index_dtype, device=device)

@@ -27,8 +27,8 @@ def _uniform_step_metadata_kernel(
     staged_ptr, stride_staged, ids_src_ptr, n_ids_src, r2t_ptr, stride_r2t,
     ids_ptr, pos_ptr, ocl_ptr, logits_ptr, qsl_ptr, seq_ptr, prefix_ptr, prompt_ptr, mamba_ptr, init_ptr,
     indptr_ptr, kvi_ptr, padding_slot,
-    STEPS: tl.constexpr, BLOCK_STEPS: tl.constexpr, FIRST_SLOT: tl.constexpr, HAS_IDS_SRC: tl.constexpr,
-    BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr = False,
+    STEPS: tl.constexpr, BLOCK_STEPS: tl.constexpr, FIRST_SLOT: tl.constexpr, BLOCK_KV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_wait_and_release(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -44,9 +44,9 @@ def _uniform_step_metadata_kernel(
     t = r * STEPS + j
     new_slots = tl.load(row + FIRST_SLOT + j, mask=jm, other=0)
     ids = tl.load(row + FIRST_SLOT + STEPS + j, mask=jm, other=0)
-    if HAS_IDS_SRC:
-        from_src = jm & (t < n_ids_src)
-        ids = tl.where(from_src, tl.load(ids_src_ptr + t, mask=from_src, other=0), ids)
+    # device ids (none: n_ids_src 0) a runtime count, not a constexpr: one compiled variant for both
+    from_src = jm & (t < n_ids_src)
+    ids = tl.where(from_src, tl.load(ids_src_ptr + t, mask=from_src, other=0), ids)
     tl.store(ids_ptr + t, ids, mask=jm)
     tl.store(pos_ptr + t, prefix + j, mask=jm)
     tl.store(ocl_ptr + t, new_slots, mask=jm)
@@ -95,7 +95,7 @@ def uniform_step_metadata_triton(
         input_ids, positions, out_cache_loc, logits_indices, query_start_loc, seq_lens, prefix_lens, prompt_lens,
         mamba_cache_indices, has_initial_state, kv_indptr, kv_indices, int(padding_slot),
         STEPS=int(steps), BLOCK_STEPS=triton.next_power_of_2(int(steps)), FIRST_SLOT=_FIRST_SLOT,
-        HAS_IDS_SRC=has_src, BLOCK_KV=_BLOCK_KV, num_warps=4,
+        BLOCK_KV=_BLOCK_KV, num_warps=4,
         **pdl_launch(staged.device),
     )
 

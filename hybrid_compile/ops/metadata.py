@@ -89,23 +89,26 @@ def _check_uniform_step_metadata(staged, ids_src, steps, padding_slot, req_to_to
 
 
 def _check_staged_values(op, staged, steps, req_to_token, kv_indices):
-    """Value checks (host reads: CPU tensors, or debug mode on CUDA)."""
-    slot, prefix, start = staged[:, 0], staged[:, 1], staged[:, 2]
-    real = slot >= 0
+    """Value checks (host reads: CPU tensors, or debug mode on CUDA), on the rows as Python lists
+    (a handful of requests: cheaper than tensor reductions)."""
     num_rows, width = req_to_token.shape
-    if bool((slot >= num_rows).any()) or bool((slot < -1).any()):
-        raise IndexError(f"{op}: request slots must be in [0, {num_rows}) or -1 (padding), got {slot.tolist()[:8]}")
-    valid = slot[real]
-    if valid.numel() != torch.unique(valid).numel():
-        raise ValueError(f"{op}: repeated request slots {slot.tolist()[:8]}")
-    if bool((prefix < 0).any()) or bool((prefix[~real] != 0).any()) or bool((prefix + steps > width).any()):
-        raise ValueError(f"{op}: cached lengths must be >= 0 (0 for padding rows) with {steps} more tokens fitting "
-                         f"a req_to_token row of {width}, got {prefix.tolist()[:8]}")
-    ends = start + prefix + steps
-    if int(start[0]) != 0 or bool((start[1:] != ends[:-1]).any()):
-        raise ValueError(f"{op}: kv_start must be 0 then the running sum of the sequence lengths, got {start.tolist()[:8]}")
-    if int(ends[-1]) > kv_indices.shape[0]:
-        raise ValueError(f"{op}: `kv_indices` holds {kv_indices.shape[0]} entries, the step needs {int(ends[-1])}")
+    seen, end = set(), 0
+    for slot, prefix, start in staged[:, :3].tolist():
+        if not -1 <= slot < num_rows:
+            raise IndexError(f"{op}: request slots must be in [0, {num_rows}) or -1 (padding), got {slot}")
+        if slot >= 0:
+            if slot in seen:
+                raise ValueError(f"{op}: repeated request slots ({slot})")
+            seen.add(slot)
+        if prefix < 0 or (slot < 0 and prefix != 0) or prefix + steps > width:
+            raise ValueError(f"{op}: cached lengths must be >= 0 (0 for padding rows) with {steps} more tokens "
+                             f"fitting a req_to_token row of {width}, got {prefix}")
+        if start != end:
+            raise ValueError(f"{op}: kv_start must be 0 then the running sum of the sequence lengths, got {start} "
+                             f"where {end} was due")
+        end = start + prefix + steps
+    if end > kv_indices.shape[0]:
+        raise ValueError(f"{op}: `kv_indices` holds {kv_indices.shape[0]} entries, the step needs {end}")
 
 
 @torch.library.custom_op("hybrid_compile::uniform_step_metadata", mutates_args=_MUTATED)
@@ -158,27 +161,27 @@ def uniform_step_metadata(
         kv_indptr.zero_()
         return
     dev = staged.device
-    slot, prefix, start, mamba, prompt = staged[:, : len(STAGED_COLUMNS)].unbind(1)
-    new_slots = staged[:, len(STAGED_COLUMNS): len(STAGED_COLUMNS) + steps]
-    ramp = torch.arange(steps, device=dev)
-    real = slot >= 0
-    ids = staged[:, len(STAGED_COLUMNS) + steps:].reshape(-1).clone()
+    cols = len(STAGED_COLUMNS)
+    slot, prefix, start, mamba, prompt = staged[:, :cols].unbind(1)
+    new_slots = staged[:, cols: cols + steps]
+    input_ids.view(rows, steps).copy_(staged[:, cols + steps:])
     if ids_src is not None:
-        ids[: ids_src.shape[0]] = ids_src
-    input_ids.copy_(ids)
-    positions.copy_((prefix[:, None] + ramp).reshape(-1))
-    out_cache_loc.copy_(new_slots.reshape(-1))
-    logits_indices.copy_(torch.arange(rows * steps, device=dev))
+        input_ids[: ids_src.shape[0]] = ids_src
+    positions.view(rows, steps).copy_(prefix[:, None] + torch.arange(steps, device=dev))
+    out_cache_loc.view(rows, steps).copy_(new_slots)
+    torch.arange(rows * steps, out=logits_indices)
+    torch.arange(0, (rows + 1) * steps, steps, out=query_start_loc)
     seq = prefix + steps
-    query_start_loc.copy_(torch.arange(rows + 1, device=dev) * steps)
     kv_indptr[0] = 0
     kv_indptr[1:].copy_(start + seq)
     seq_lens.copy_(seq)
     prefix_lens.copy_(prefix)
     prompt_lens.copy_(prompt)
     mamba_cache_indices.copy_(mamba)
-    has_initial_state.copy_(prefix > 0)
-    req_to_token[slot[real, None], prefix[real, None] + ramp] = new_slots[real].to(req_to_token.dtype)
+    torch.gt(prefix, 0, out=has_initial_state)
+    real = slot >= 0
+    positions_2d = positions.view(rows, steps)
+    req_to_token[slot[real, None], positions_2d[real]] = new_slots[real].to(req_to_token.dtype)
     # every token of every request: req_to_token row entries 0 .. seq-1 (the new ones written above)
     total = int(start[-1] + seq[-1])
     owner = torch.repeat_interleave(torch.arange(rows, device=dev), seq, output_size=total)

@@ -335,21 +335,14 @@ def test_full_graph_keys_for_decode_and_verify():
                                 intermediate_caches=inter)
     V, D = ForwardMode.TARGET_VERIFY, ForwardMode.DECODE
     assert runner.keys() == [cg.GraphKey(V, 4, 3), cg.GraphKey(V, 2, 3), cg.GraphKey(D, 4), cg.GraphKey(D, 1)]
-    verify = lambda b, steps: _metadata(V, [steps] * b, [1] * b, [[1] * (steps + 1)] * b, list(range(b)), [1] * b)[1]
     for b, bs in ((1, 2), (2, 2), (3, 4), (4, 4)):
-        md = verify(b, 3)
-        md.draft_len = 3
-        assert runner.key_for(md) == cg.GraphKey(V, bs, 3)
-    md = verify(2, 2)
-    md.draft_len = 2
-    assert runner.key_for(md) is None  # another draft length
-    md = verify(5, 3)
-    md.draft_len = 3
-    assert runner.key_for(md) is None  # larger than every bucket
-    assert runner.key_for(_metadata(D, [1] * 3, [1] * 3, [[1, 2]] * 3, [0, 1, 2], [1] * 3)[1]) == cg.GraphKey(D, 4)
+        assert runner.key_for(V, b, 3) == cg.GraphKey(V, bs, 3)
+    assert runner.key_for(V, 2, 2) is None  # another draft length
+    assert runner.key_for(V, 5, 3) is None  # larger than every bucket
+    assert runner.key_for(D, 3, 1) == cg.GraphKey(D, 4)
     # batch 1 decodes in its own graph (of the forward specialised to one token), not in the bucket of 2
-    assert runner.key_for(_metadata(D, [1], [1], [[1, 2]], [0], [1])[1]) == cg.GraphKey(D, 1)
-    assert runner.key_for(_metadata(ForwardMode.EXTEND, [2], [0], [[1, 2]], [0], [2])[1]) is None
+    assert runner.key_for(D, 1, 1) == cg.GraphKey(D, 1)
+    assert runner.key_for(ForwardMode.EXTEND, 1, 2) is None
     with pytest.raises(ValueError, match="intermediate buffers"):
         cg.FullGraphRunner(None, cg.GraphBuffers(8, 16, CPU, torch.int32, 0, 3), (8,), {}, {}, None,
                            verify_batch_sizes=(8,), draft_len=3, intermediate_caches=inter)

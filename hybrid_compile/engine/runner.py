@@ -438,7 +438,7 @@ class ModelRunner:
         graph's buffers), or None."""
         if self.full_graphs is None or self._released:
             return None
-        return self.full_graphs.key_for_step(batch.mode, len(batch.requests), steps)
+        return self.full_graphs.key_for(batch.mode, len(batch.requests), steps)
 
     def _build_uniform_metadata(
         self, batch: ScheduledBatch, mode: ForwardMode, steps: int, drafts: list[list[int]] | None,
@@ -477,9 +477,7 @@ class ModelRunner:
         total = start
         if graph is not None:
             buffers = buffers if buffers is not None else self.full_graphs.buffers
-            for _ in range(graph.batch_size - b):
-                rows.append(md_ops.padding_row(start, steps))
-                start += steps
+            rows += md_ops.padding_rows(start, graph.batch_size - b, steps)
             outputs = buffers.outputs(graph)
         else:
             outputs = self._uniform_outputs(b, steps, total)

@@ -25,7 +25,7 @@ import torch
 
 from ._validation import check_same_device, check_tensor, should_check_values
 
-__all__ = ["STAGED_COLUMNS", "padding_row", "staged_row", "staged_width", "uniform_step_metadata"]
+__all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "staged_row", "staged_width", "uniform_step_metadata"]
 
 #: The fixed leading columns of a staged row; the ``steps`` KV slots and ``steps`` ids follow.
 STAGED_COLUMNS = ("req_slot", "prefix_len", "kv_start", "mamba_slot", "prompt_len")
@@ -46,6 +46,11 @@ def padding_row(kv_start: int, steps: int) -> list[int]:
     """The staged row of a padding request of ``steps`` tokens: no request row, nothing cached,
     Mamba slot -1, prompt length ``steps``, no K/V stored, ids 0 (``pad_requests``' padding)."""
     return [-1, 0, kv_start, -1, steps, *([-1] * steps), *([0] * steps)]
+
+
+def padding_rows(kv_start: int, count: int, steps: int) -> list[list[int]]:
+    """``count`` consecutive padding rows, the first starting at ``kv_start`` in ``kv_indices``."""
+    return [padding_row(kv_start + i * steps, steps) for i in range(count)]
 
 
 _MUTATED = ("req_to_token", "input_ids", "positions", "out_cache_loc", "logits_indices", "query_start_loc", "seq_lens",

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
-from ..ops.metadata import padding_row
+from ..ops.metadata import padding_rows
 
 # Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows, except
 # the full decode graph of one request, captured from a compile specialised to one token (FullGraphRunner)
@@ -193,7 +193,7 @@ class GraphBuffers:
     A graph of ``L`` tokens per request (1: DECODE; the draft length: TARGET_VERIFY) has its
     padding rows laid out as :func:`pad_requests` with requests of ``L`` tokens: ids 0, positions
     ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba index -1
-    (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_row`). Every buffer is
+    (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_rows`). Every buffer is
     written by every step, so graphs of any ``L`` share them."""
 
     def __init__(
@@ -266,7 +266,7 @@ class GraphBuffers:
     def reset(self, key: GraphKey) -> None:
         """Every row of ``key`` a padding request (capture and warm-up: no pool is touched)."""
         steps = key.tokens_per_request
-        staged = torch.tensor([padding_row(i * steps, steps) for i in range(key.batch_size)], dtype=torch.int64)
+        staged = torch.tensor(padding_rows(0, key.batch_size, steps), dtype=torch.int64)
         no_requests = self.kv_indices.new_empty(0, steps)  # the req_to_token of no request: padding rows read none
         torch.ops.hybrid_compile.uniform_step_metadata(staged.to(self.device), None, steps, self.padding_slot,
                                                       no_requests, *self.outputs(key))
@@ -358,16 +358,10 @@ class FullGraphRunner:
         keys += [GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len) for bs in self.verify_batch_sizes]
         return sorted(keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
 
-    def key_for(self, md: ForwardMetadata) -> GraphKey | None:
-        """The graph a step replays, or None (not a DECODE step nor a TARGET_VERIFY step of
-        ``draft_len`` tokens per request, or larger than every bucket)."""
-        if md.mode is ForwardMode.TARGET_VERIFY and (md.draft_len != self.draft_len
-                                                     or md.num_tokens != md.batch_size * self.draft_len):
-            return None
-        return self.key_for_step(md.mode, md.batch_size, md.num_tokens // max(md.batch_size, 1))
-
-    def key_for_step(self, mode: ForwardMode, batch_size: int, tokens_per_request: int) -> GraphKey | None:
-        """:meth:`key_for` of a step of ``batch_size`` requests adding ``tokens_per_request`` tokens each."""
+    def key_for(self, mode: ForwardMode, batch_size: int, tokens_per_request: int) -> GraphKey | None:
+        """The graph a step of ``batch_size`` requests adding ``tokens_per_request`` tokens each
+        replays, or None (not a DECODE step nor a TARGET_VERIFY step of ``draft_len`` tokens per
+        request, or larger than every bucket)."""
         if mode is ForwardMode.DECODE and tokens_per_request == 1:
             bs = select_bucket(self.batch_sizes, batch_size)
             return None if bs is None else GraphKey(ForwardMode.DECODE, bs)

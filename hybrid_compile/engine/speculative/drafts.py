@@ -158,7 +158,9 @@ class EngineDraftModel:
         d.output = list(r.output)
         return d
 
-    def _forward(self, reqs: list[Request], lens: list[int]) -> torch.Tensor:
+    def _forward(self, reqs: list[Request]) -> torch.Tensor:
+        """Run every draft request's pending tokens; returns each request's next draft token."""
+        lens = [d.pending for d in reqs]
         prefix = [d.num_computed for d in reqs]
         last = torch.tensor([int(d.kv_slots[-1]) if d.kv_slots.numel() else -1 for d in reqs], dtype=torch.int64)
         slots = self.pools.kv.allocator.alloc_extend(prefix, lens, last)
@@ -168,9 +170,8 @@ class EngineDraftModel:
         for d, n in zip(reqs, lens):
             d.kv_slots = torch.cat([d.kv_slots, slots[offset:offset + n]])
             offset += n
-        # DECODE steps hold generated tokens only (see Request.decoding)
-        decode = all(n == 1 and p >= len(d.prompt) for d, n, p in zip(reqs, lens, prefix))
-        batch = ScheduledBatch(reqs, prefix, list(lens), slots, ForwardMode.DECODE if decode else ForwardMode.EXTEND)
+        decode = all(d.decoding for d in reqs)
+        batch = ScheduledBatch(reqs, prefix, lens, slots, ForwardMode.DECODE if decode else ForwardMode.EXTEND)
         logits = self.runner.forward(batch)
         for d, n in zip(reqs, lens):
             d.num_computed += n
@@ -183,7 +184,7 @@ class EngineDraftModel:
         if not requests:
             return []
         reqs = [self._draft_request(r) for r in requests]
-        tokens = self._forward(reqs, [d.pending for d in reqs]).tolist()
+        tokens = self._forward(reqs).tolist()
         drafts = [[t] for t in tokens]
         if k > 1:
             mamba = self.pools.mamba
@@ -193,7 +194,7 @@ class EngineDraftModel:
             for _ in range(k - 1):
                 for d, t in zip(reqs, tokens):
                     d.output.append(t)
-                tokens = self._forward(reqs, [1] * len(reqs)).tolist()
+                tokens = self._forward(reqs).tolist()  # one pending token each: the last draft
                 for row, t in zip(drafts, tokens):
                     row.append(t)
             # back to the accepted sequence: state from the snapshot, draft KV slots freed

@@ -298,8 +298,7 @@ class SpeculativeDecoder:
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
             # the argmax of every row on the device, one copy to the host (the step's one sync)
-            flat = torch.ops.hybrid_compile.argmax_rows(logits.reshape(len(reqs) * self.draft_len, -1))
-            targets = flat.view(len(reqs), self.draft_len).tolist()
+            targets = torch.ops.hybrid_compile.argmax_rows(logits.flatten(0, 1)).view(len(reqs), -1).tolist()
             for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
                 emitted[i] = tokens
         sampler = self.engine.sampler

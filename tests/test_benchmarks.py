@@ -80,6 +80,44 @@ def test_resume_keeps_finished_jobs(tiny_run):
     assert after["env"] == before["env"]
 
 
+def test_resume_runs_only_the_workloads_a_system_lacks(tiny_run, tmp_path):
+    cmd, out, _ = tiny_run
+    before = json.loads(out.read_text())
+    partial = json.loads(out.read_text())
+    del partial["results"]["qwen3_next"]["ours_eager"]["workloads"]["shared_prefix"]
+    resumed = tmp_path / "resumed.json"
+    resumed.write_text(json.dumps(partial))
+    cmd = [c if c != str(out) else str(resumed) for c in cmd]
+    proc = subprocess.run(cmd + ["--resume", "--workloads", "decode,shared_prefix"], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = json.loads(resumed.read_text())["results"]["qwen3_next"]
+    assert after["hf_eager"] == before["results"]["qwen3_next"]["hf_eager"]  # nothing missing: not rerun
+    ours, ours_before = after["ours_eager"], before["results"]["qwen3_next"]["ours_eager"]
+    assert ours["status"] == "ok" and set(ours["workloads"]) == set(ours_before["workloads"])
+    for w in ("decode", "prefill", "cb"):  # kept as measured before
+        assert ours["workloads"][w] == ours_before["workloads"][w]
+    s = e2e.settings_for(tiny=True, quick=False)
+    assert ours["workloads"]["shared_prefix"]["requests"] == s.sp_groups * s.sp_per_group  # measured now
+
+
+def test_missing_workloads_and_merge_rules():
+    earlier = dict(status="partial", job_wall_s=2.0,
+                   workloads=dict(decode=dict(batches={}), cb=dict(status="error", error="x")))
+    assert e2e.missing_workloads(earlier, "ours_eager", ["check", "decode", "cb", "prefill"]) == ["cb", "prefill"]
+    # a mode measures only its own workloads
+    assert e2e.missing_workloads({}, "ours_prefix_cache", list(e2e.WORKLOADS)) == ["cb", "shared_prefix"]
+    new = dict(status="ok", job_wall_s=3.0, peak_memory_gib=1.0, workloads=dict(cb=dict(output_tokens=5)))
+    merged = e2e.merge_result(earlier, new)
+    assert merged["status"] == "ok" and merged["workloads"] == dict(decode=dict(batches={}), cb=dict(output_tokens=5))
+    assert merged["job_wall_s"] == 5.0 and merged["peak_memory_gib"] == 1.0
+    failed = e2e.merge_result(earlier, dict(status="timeout", job_wall_s=1.0, workloads={}))
+    assert failed["status"] == "timeout" and failed["workloads"] == earlier["workloads"]
+    still = e2e.merge_result(earlier, dict(status="ok", workloads=dict(prefill=dict(lengths={}))))
+    assert still["status"] == "partial"  # cb's error remains
+    assert e2e.merge_result(None, new) is new
+
+
 def test_unknown_system_is_rejected():
     with pytest.raises(SystemExit):
         e2e.parse_args(["--systems", "hf_eager,vllm"])

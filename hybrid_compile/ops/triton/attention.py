@@ -343,7 +343,9 @@ def _extend_config(q: torch.Tensor, d: int, dv: int) -> dict:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=1)
     if max(d, dv) <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=1)
+    # head dim 256 (Qwen3-Next): an H100 sweep of the last 8k chunk of a 32k prompt gave 9.9 ms
+    # for this tile against 29.5 ms for 64 x 64 / 1 stage (387 vs 131 TFLOP/s)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def _dot_modes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[bool, bool]:

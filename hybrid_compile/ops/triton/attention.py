@@ -336,7 +336,7 @@ def _extend_kernel(
 
 
 def _extend_config(q: torch.Tensor, d: int, dv: int) -> dict:
-    # SGLang's Hopper choices; not yet benchmarked here (pass `config=` to the launcher to tune)
+    # head dims <= 128: SGLang's Hopper choices, not benchmarked here (`config=` overrides)
     if _interpreting(q):
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if max(d, dv) <= 64:

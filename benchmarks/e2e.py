@@ -813,9 +813,8 @@ def merge_result(earlier: dict | None, new: dict) -> dict:
         return new
     merged = dict(earlier, **{k: v for k, v in new.items() if k != "workloads"})
     merged["workloads"] = dict(earlier.get("workloads", {}), **new.get("workloads", {}))
-    if earlier.get("status") != "ok" and new.get("status") == "ok" and any(
-            res.get("status") == "error" for res in merged["workloads"].values()):
-        merged["status"] = "partial"
+    if merged["status"] == "ok" and any(res.get("status") == "error" for res in merged["workloads"].values()):
+        merged["status"] = "partial"  # an earlier workload's error that this call did not redo
     merged["job_wall_s"] = earlier.get("job_wall_s", 0.0) + new.get("job_wall_s", 0.0)
     return merged
 

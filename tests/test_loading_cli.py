@@ -216,14 +216,14 @@ def test_streamers_print_exactly_the_returned_text(ckpt, qwen_engine, capsys):
 def test_eos_comes_from_the_generation_config_else_the_tokenizer(qwen_engine):
     engine = qwen_engine
     eos = engine.tokenizer.eos_token_id
-    assert engine._sampling_params().eos_token_ids == (eos,)  # saved in the checkpoint's generation config
+    assert engine._params_for(engine._plan(), 1).eos_token_ids == (eos,)  # saved in the checkpoint's generation config
     saved = engine.model.generation_config.eos_token_id
     try:
         engine.model.generation_config.eos_token_id = None
-        assert engine._sampling_params().eos_token_ids == (eos,)  # the tokenizer's
-        assert engine._sampling_params(eos_token_id=[]).eos_token_ids == ()
+        assert engine._params_for(engine._plan(), 1).eos_token_ids == (eos,)  # the tokenizer's
+        assert engine._params_for(engine._plan(eos_token_id=[]), 1).eos_token_ids == ()
         engine.model.generation_config.eos_token_id = [5, 7]
-        assert engine._sampling_params().eos_token_ids == (5, 7)
+        assert engine._params_for(engine._plan(), 1).eos_token_ids == (5, 7)
     finally:
         engine.model.generation_config.eos_token_id = saved
 

@@ -733,6 +733,10 @@ class HybridEngine:
         return texts if isinstance(out, torch.Tensor) else out
 
     # -- observability -------------------------------------------------------------------------
+    def reset_timings(self) -> None:
+        """Forget the finished requests' timings that ``stats()["ttft"]`` / ``["tpot"]`` summarise."""
+        self._timings.clear()
+
     def stats(self) -> dict:
         c = dict(self._counters)
         c["retractions"] = self.scheduler.num_retractions

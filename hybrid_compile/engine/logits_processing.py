@@ -30,6 +30,28 @@ from .runner import _to_device_packed
 _NEG_INF = float("-inf")
 
 
+# -- the sampling filters, over rows with per-row parameters (transformers' warpers, min_tokens_to_keep=1)
+def top_k_filter(s: torch.Tensor, kth: torch.Tensor, kmax: int) -> torch.Tensor:
+    """Keep each row's top-k entries (ties with the k-th kept): ``kth [R]`` int64 = k - 1 (k <= ``kmax``)."""
+    value = torch.topk(s, min(kmax, s.shape[1])).values.gather(1, kth[:, None])
+    return s.masked_fill(s < value, _NEG_INF)
+
+
+def top_p_filter(s: torch.Tensor, one_minus_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter: drop the least likely entries whose cumulative probability stays <= 1 - top_p
+    (``one_minus_p [R]`` fp32, computed in double as transformers does); the top entry always stays."""
+    sorted_s, order = torch.sort(s, descending=False)
+    remove = sorted_s.softmax(-1).cumsum(-1) <= one_minus_p[:, None]
+    remove[:, -1] = False
+    return s.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def min_p_filter(s: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop entries whose probability is below ``min_p [R]`` x the row's top probability."""
+    probs = s.softmax(-1)
+    return s.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), _NEG_INF)
+
+
 class StepRows:
     """The requests of one sampling step, their parameters and how many tokens each has generated
     (its output plus ``in_flight`` tokens sampled by a step launched ahead, not appended yet)."""
@@ -253,26 +275,11 @@ class LogitsProcessing:
             self._on_rows(x, rows_index(temp) and d_temp, lambda s: s / t_vals[:, None])
         if topk:
             kmax = max(params[i].top_k for i in topk)
-
-            def top_k(s):
-                kth = torch.topk(s, min(kmax, s.shape[1])).values.gather(1, d_kidx[:, None])
-                return s.masked_fill(s < kth, _NEG_INF)
-
-            self._on_rows(x, rows_index(topk) and d_topk, top_k)
+            self._on_rows(x, rows_index(topk) and d_topk, lambda s: top_k_filter(s, d_kidx, kmax))
         if topp:
-            def top_p(s):
-                sorted_s, order = torch.sort(s, descending=False)
-                remove = sorted_s.softmax(-1).cumsum(-1) <= p_vals[:, None]
-                remove[:, -1] = False
-                return s.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
-
-            self._on_rows(x, rows_index(topp) and d_topp, top_p)
+            self._on_rows(x, rows_index(topp) and d_topp, lambda s: top_p_filter(s, p_vals))
         if minp:
-            def min_p(s):
-                probs = s.softmax(-1)
-                return s.masked_fill(probs < mp_vals[:, None] * probs.amax(-1, keepdim=True), _NEG_INF)
-
-            self._on_rows(x, rows_index(minp) and d_minp, min_p)
+            self._on_rows(x, rows_index(minp) and d_minp, lambda s: min_p_filter(s, mp_vals))
         self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "warp") if params[i].do_sample else None)
         if renorm:
             self._on_rows(x, rows_index(renorm) and d_renorm, lambda s: s.log_softmax(-1))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .logits_processing import LogitsProcessing, StepRows
+from .logits_processing import LogitsProcessing, StepRows, top_k_filter, top_p_filter
 from .runner import _to_device_packed
 
 
@@ -185,22 +185,15 @@ def transform_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p
     """Apply temperature, top-k and top-p (nucleus) filtering to one row ``[V]`` of fp32 logits.
 
     Filtered entries become -inf. Matches transformers' TemperatureLogitsWarper, TopKLogitsWarper
-    and TopPLogitsWarper (min_tokens_to_keep=1). (Speculative acceptance's per-row form of the
-    batched warpers in :mod:`.logits_processing`.)
+    and TopPLogitsWarper (min_tokens_to_keep=1): the batched filters of :mod:`.logits_processing`
+    on one row (speculative acceptance's form).
     """
-    logits = logits / temperature
+    x = logits[None] / temperature
     if top_k > 0:
-        k = min(top_k, logits.shape[-1])
-        kth = torch.topk(logits, k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        x = top_k_filter(x, torch.tensor([min(top_k, x.shape[1]) - 1], device=x.device), top_k)
     if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted[-1] = False  # always keep the most likely token
-        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_idx, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
+        x = top_p_filter(x, torch.tensor([1 - top_p], dtype=torch.float32, device=x.device))
+    return x[0]
 
 
 @dataclass

@@ -134,5 +134,5 @@ def test_sampling_penalties_benchmark_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"plain", "penalties", "penalties_sampled"}
     for mode in result["modes"].values():
-        assert mode["steps"] == 3 and mode["median_step_ms"] > 0  # 4 new tokens: 1 prefill + 3 decode steps
+        assert mode["steps"] >= 2 and mode["median_step_ms"] > 0  # (steps launched ahead run inside another call)
     assert result["modes"]["penalties"]["overlapped_steps"] > 0  # penalties do not stop steps launched ahead

@@ -255,10 +255,10 @@ class LogitsProcessing:
             self._on_rows(x, rows_index(counted) and d_counted, penalise)
         self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "mid"))
         if min_bans:
-            x.index_put_((d_min_r, d_min_t), torch.tensor(_NEG_INF, device=x.device))
+            x.index_put_((d_min_r, d_min_t), x.new_full((), _NEG_INF))
         if forced_rows:
             x.index_fill_(0, d_forced, _NEG_INF)
-            x.index_put_((d_fp_r, d_fp_t), torch.tensor(0.0, device=x.device))
+            x.index_put_((d_fp_r, d_fp_t), x.new_zeros(()))
         if infnan:
             def remove_invalid(s):
                 big = torch.finfo(s.dtype)
@@ -269,7 +269,7 @@ class LogitsProcessing:
             self._on_rows(x, rows_index(infnan) and d_infnan, remove_invalid)
         self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "decay"))
         if suppress:
-            x.index_put_((d_sup_r, d_sup_t), torch.tensor(_NEG_INF, device=x.device))
+            x.index_put_((d_sup_r, d_sup_t), x.new_full((), _NEG_INF))
         self._history_stage(x, rows, lambda i: params[i].logits_processors)
         if temp:
             self._on_rows(x, rows_index(temp) and d_temp, lambda s: s / t_vals[:, None])

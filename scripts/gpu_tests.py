@@ -5,10 +5,10 @@
 
 What it runs: ``python -m pytest -m gpu tests/`` (``-m "gpu and smoke"`` with ``--smoke``) with
 this checkout on ``PYTHONPATH`` (so the tree's package is tested even where another copy is
-installed), ``pytest-xdist`` workers on the one GPU when that plugin is installed
-(``--dist loadgroup``: tests that share a module-scoped engine carry one ``xdist_group`` and run in
-one worker), ``pytest-timeout`` per test when installed, and the ``pytest_timings`` plugin beside
-this file, which logs every test phase as it ends.
+installed), ``pytest-xdist`` workers sharing the one GPU (``--dist load``: each free worker takes
+the next tests; ``tests/conftest.py`` gives each worker its share of the CPU threads), a
+``pytest-timeout`` limit per test when asked, and the ``pytest_timings`` plugin beside this file,
+which logs every test phase as it ends.
 
 What it writes under ``--out``: ``junit.xml`` (pytest's), ``pytest.log`` (the whole output),
 ``timings.jsonl`` (one line per test phase), ``timings.md`` / ``timings.json`` (the per-file
@@ -52,7 +52,7 @@ def pytest_command(args, out: str) -> list[str]:
     if args.workers > 1:
         if not _has_module("xdist"):
             raise SystemExit(f"--workers {args.workers} needs pytest-xdist (pip install pytest-xdist), or pass --workers 1")
-        cmd += ["-n", str(args.workers), "--dist", "loadgroup"]
+        cmd += ["-n", str(args.workers), "--dist", "load"]
     if args.test_timeout > 0:
         if not _has_module("pytest_timeout"):
             raise SystemExit("--test-timeout needs pytest-timeout (pip install pytest-timeout), or pass --test-timeout 0")
@@ -74,6 +74,9 @@ def run(args) -> int:
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in [env.get("PYTHONPATH")] if p])
     env["HC_TEST_TIMINGS"] = timings
     env["PYTHONUNBUFFERED"] = "1"
+    if args.workers > 1:
+        # Inductor's pool of compile processes: a share of the cores per worker, not all of them each
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.workers)))
     if args.cold:
         caches = tempfile.mkdtemp(prefix="hc-gpu-tests-caches-")
         env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
@@ -186,8 +189,8 @@ def summarize(path: str, *, wall: float, device: str = "", command=(), timed_out
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help='only the smoke subset (-m "gpu and smoke")')
-    p.add_argument("--workers", "-n", type=int, default=4,
-                   help="pytest-xdist workers sharing the GPU (default 4; 1 = no xdist)")
+    p.add_argument("--workers", "-n", type=int, default=8,
+                   help="pytest-xdist workers sharing the GPU (default 8; 1 = no xdist)")
     p.add_argument("--out", help="folder for junit.xml, pytest.log and the timing table (default: a new temp folder)")
     p.add_argument("--time-limit", type=float, default=0, help="stop pytest after this many seconds (0 = none)")
     p.add_argument("--test-timeout", type=float, default=0,

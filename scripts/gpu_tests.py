@@ -91,6 +91,7 @@ def run(args) -> int:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, start_new_session=True)
         deadline = started + args.time_limit if args.time_limit > 0 else None
+
         def pump():
             for line in proc.stdout:
                 sys.stdout.write(line)

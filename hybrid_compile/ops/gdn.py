@@ -25,7 +25,8 @@ Ops:
                                               optional per-step state buffer.
 
 State pool: ``ssm_states [num_slots, Hv, K, V]`` (fp32/bf16/fp16; read and computed in fp32,
-cast on write). Slot index -1 marks a padding row: no state read or write, zero outputs.
+cast on write; or float8_e4m3fn with ``ssm_scales [num_slots, Hv, V]``, dequantized on read and
+quantized on write, :mod:`.fp8_cache`). Slot index -1 marks a padding row: no state read or write, zero outputs.
 
 The CPU implementations below are plain torch and also serve the CUDA dispatch until Triton
 kernels are registered for "cuda" on the same ops.
@@ -48,6 +49,7 @@ from ._validation import (
     check_unique_slots,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
+from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, read_rows, write_rows
 
 #: Chunk length of the chunked scan; chunk boundaries (and so ``chunk_states`` rows) are
 #: aligned to each request's first new token. The prefix cache relies on this value.
@@ -110,13 +112,20 @@ def _check_heads(op: str, num_k_heads: int, num_v_heads: int) -> None:
         )
 
 
-def _check_pool(op: str, ssm_states: torch.Tensor, hv: int, kd: int, vd: int) -> None:
-    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=FLOAT_DTYPES)
+def _check_pool(op: str, ssm_states: torch.Tensor, hv: int, kd: int, vd: int,
+                ssm_scales: Optional[torch.Tensor] = None) -> None:
+    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=STATE_DTYPES)
     if tuple(ssm_states.shape[1:]) != (hv, kd, vd):
         raise ValueError(
             f"{op}: `ssm_states` has shape {tuple(ssm_states.shape)}, expected [num_slots, {hv}, {kd}, {vd}] "
             f"(num_v_heads, head_k_dim, head_v_dim)"
         )
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", GDN_STATE_SCALE_DIM)
+
+
+#: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, head, value column) over K
+#: (``ssm_scales [num_slots, Hv, V]``, :mod:`.fp8_cache`).
+STATE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +184,7 @@ def _(A_log, a, b, dt_bias, softplus_beta=1.0, softplus_threshold=20.0):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state):
+def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales=None):
     op = "chunk_gated_delta_rule"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     t, hk, kd = q.shape
@@ -187,7 +196,7 @@ def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_in
     _check_heads(op, hk, hv)
     check_tensor(op, "g", g, dtypes=FLOAT_DTYPES, shape=(t, hv))
     check_tensor(op, "beta", beta, dtypes=FLOAT_DTYPES, shape=(t, hv))
-    _check_pool(op, ssm_states, hv, kd, vd)
+    _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
     check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
@@ -203,7 +212,7 @@ def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_in
     check_unique_slots(op, "state_indices", state_indices)
 
 
-@torch.library.custom_op("hybrid_compile::chunk_gated_delta_rule", mutates_args=("ssm_states",))
+@torch.library.custom_op("hybrid_compile::chunk_gated_delta_rule", mutates_args=("ssm_states", "ssm_scales"))
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,6 +226,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool,
     scale: float,
     output_chunk_states: bool,
+    ssm_scales: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over a packed batch of variable-length requests (prefill / extend).
 
@@ -239,6 +249,9 @@ def chunk_gated_delta_rule(
         use_qk_l2norm: L2-normalise q and k per head (``x * rsqrt(sum(x^2) + 1e-6)``) first.
         scale: query scale; ``scale <= 0`` means the default ``K ** -0.5``.
         output_chunk_states: also return the state at the start of every chunk.
+        ssm_scales: ``[num_slots, Hv, V]`` fp32 when ``ssm_states`` is float8_e4m3fn (one scale per
+            value column over K, :mod:`.fp8_cache`): the state is dequantized on read and
+            re-quantized on write. **Mutated** with the slot. None for a float pool.
 
     Returns:
         ``(o, chunk_states)``. ``o``: ``[T, Hv, V]`` in ``v.dtype``. ``chunk_states``: when
@@ -247,7 +260,7 @@ def chunk_gated_delta_rule(
         after ``j * GDN_CHUNK_SIZE`` tokens, i.e. before its chunk ``j``; unused rows zero);
         otherwise an empty ``[0, Hv, K, V]`` fp32 tensor.
     """
-    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state)
+    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     T, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     C = GDN_CHUNK_SIZE
@@ -314,7 +327,7 @@ def chunk_gated_delta_rule(
     act_t = torch.tensor(act, dtype=torch.int64, device=dev)
     slot_t = state_indices.to(torch.int64)[act_t]
     init = has_initial_state[act_t]
-    state = ssm_states.index_select(0, slot_t).float()
+    state = read_rows(ssm_states, ssm_scales, slot_t, GDN_STATE_SCALE_DIM)
     state = torch.where(init[:, None, None, None], state, torch.zeros_like(state))  # [A, H, K, V]
     before = torch.empty(N, hv, kd, vd, dtype=torch.float32, device=dev)  # state before each chunk
     v_new = torch.empty_like(u)
@@ -342,7 +355,7 @@ def chunk_gated_delta_rule(
     out = q_dec @ before + attn @ v_new  # [N, H, C, V]
     out = out.permute(0, 2, 1, 3)[valid]  # [num valid tokens, H, V], in chunk-table order
     o.index_copy_(0, tok[valid], out.to(v.dtype))
-    ssm_states.index_copy_(0, slot_t, state.to(ssm_states.dtype))
+    write_rows(ssm_states, ssm_scales, slot_t, state, GDN_STATE_SCALE_DIM)
 
     if output_chunk_states:
         offs = torch.tensor([row_off[i] for i in act], dtype=torch.int64, device=dev)
@@ -355,8 +368,8 @@ def chunk_gated_delta_rule(
 
 @chunk_gated_delta_rule.register_fake
 def _(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm, scale,
-      output_chunk_states):
-    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state)
+      output_chunk_states, ssm_scales=None):
+    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     T = q.shape[0]
     hv, vd = v.shape[1], v.shape[2]
     kd = q.shape[2]
@@ -391,7 +404,7 @@ def _valid_rows(state_indices: torch.Tensor):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices):
+def _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, ssm_scales=None):
     op = "fused_sigmoid_gating_delta_rule_update"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     bs, hk, kd = q.shape
@@ -405,7 +418,7 @@ def _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices):
     check_tensor(op, "b", b, dtypes=FLOAT_DTYPES, shape=(bs, hv))
     check_tensor(op, "A_log", A_log, dtypes=FLOAT_DTYPES, shape=(hv,))
     check_tensor(op, "dt_bias", dt_bias, dtypes=FLOAT_DTYPES, shape=(hv,))
-    _check_pool(op, ssm_states, hv, kd, vd)
+    _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(bs,))
     check_same_device(
         op, A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=ssm_states,
@@ -416,7 +429,7 @@ def _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices):
 
 
 @torch.library.custom_op(
-    "hybrid_compile::fused_sigmoid_gating_delta_rule_update", mutates_args=("ssm_states",)
+    "hybrid_compile::fused_sigmoid_gating_delta_rule_update", mutates_args=("ssm_states", "ssm_scales")
 )
 def fused_sigmoid_gating_delta_rule_update(
     A_log: torch.Tensor,
@@ -432,6 +445,7 @@ def fused_sigmoid_gating_delta_rule_update(
     scale: float,
     softplus_beta: float,
     softplus_threshold: float,
+    ssm_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode step: gating (as ``gdn_gating``) fused with one delta-rule step per request.
 
@@ -446,11 +460,13 @@ def fused_sigmoid_gating_delta_rule_update(
         use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
         scale: query scale; ``scale <= 0`` means ``K ** -0.5``.
         softplus_beta, softplus_threshold: as in ``gdn_gating``.
+        ssm_scales: ``[num_slots, Hv, V]`` fp32 scales of an FP8 pool (as in
+            ``chunk_gated_delta_rule``), **mutated** with the slot; None for a float pool.
 
     Returns:
         ``o``: ``[B, Hv, V]`` in ``v.dtype``.
     """
-    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices)
+    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, ssm_scales)
     bs, hv, vd = v.shape
     o = torch.zeros(bs, hv, vd, dtype=v.dtype, device=v.device)
     if bs == 0:
@@ -460,9 +476,9 @@ def fused_sigmoid_gating_delta_rule_update(
         return o
     g, beta = _gating(A_log, _gather_rows(a, rows), _gather_rows(b, rows), dt_bias, softplus_beta, softplus_threshold)
     qf, kf = _prep_qk(_gather_rows(q, rows), _gather_rows(k, rows), hv, use_qk_l2norm, scale)
-    state = ssm_states.index_select(0, slots).float()
+    state = read_rows(ssm_states, ssm_scales, slots, GDN_STATE_SCALE_DIM)
     out, state = _recurrent_step(state, qf, kf, _gather_rows(v, rows).float(), g, beta)
-    ssm_states.index_copy_(0, slots, state.to(ssm_states.dtype))
+    write_rows(ssm_states, ssm_scales, slots, state, GDN_STATE_SCALE_DIM)
     if rows is None:
         o.copy_(out)
     else:
@@ -472,8 +488,8 @@ def fused_sigmoid_gating_delta_rule_update(
 
 @fused_sigmoid_gating_delta_rule_update.register_fake
 def _(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, scale, softplus_beta,
-      softplus_threshold):
-    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices)
+      softplus_threshold, ssm_scales=None):
+    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, ssm_scales)
     return v.new_empty(v.shape)
 
 
@@ -482,7 +498,8 @@ def _(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, s
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states):
+def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales=None,
+                  intermediate_scales=None):
     op = "fused_recurrent_gated_delta_rule_update"
     check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bs, steps, hk, kd = q.shape
@@ -494,10 +511,14 @@ def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_stat
     _check_heads(op, hk, hv)
     check_tensor(op, "g", g, dtypes=FLOAT_DTYPES, shape=(bs, steps, hv))
     check_tensor(op, "beta", beta, dtypes=FLOAT_DTYPES, shape=(bs, steps, hv))
-    _check_pool(op, ssm_states, hv, kd, vd)
+    _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(bs,))
+    if intermediate_states is None and intermediate_scales is not None:
+        raise ValueError(f"{op}: `intermediate_scales` without `intermediate_states`")
     if intermediate_states is not None:
-        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=FLOAT_DTYPES)
+        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=STATE_DTYPES)
+        check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", GDN_STATE_SCALE_DIM,
+                     "intermediate_states")
         s = intermediate_states.shape
         if s[0] < bs or s[1] < steps or tuple(s[2:]) != (hv, kd, vd):
             raise ValueError(
@@ -514,7 +535,7 @@ def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_stat
 
 @torch.library.custom_op(
     "hybrid_compile::fused_recurrent_gated_delta_rule_update",
-    mutates_args=("ssm_states", "intermediate_states"),
+    mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )
 def fused_recurrent_gated_delta_rule_update(
     q: torch.Tensor,
@@ -528,6 +549,8 @@ def fused_recurrent_gated_delta_rule_update(
     scale: float,
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
+    ssm_scales: Optional[torch.Tensor] = None,
+    intermediate_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Speculative verify: ``L`` delta-rule steps per request from its slot's state.
 
@@ -547,11 +570,15 @@ def fused_recurrent_gated_delta_rule_update(
         intermediate_states: optional ``[>= B, >= L, Hv, K, V]`` float buffer, indexed by BATCH
             ROW (not slot). **Mutated**: ``intermediate_states[b, t]`` = state after step ``t``
             (cast to the buffer's dtype), for real rows and ``t < L`` only.
+        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, Hv, V]``, ``[>= B, >= L, Hv,
+            V]``) of an FP8 ``ssm_states`` / ``intermediate_states`` (as in
+            ``chunk_gated_delta_rule``), **mutated** with them; None for float buffers.
 
     Returns:
         ``o``: ``[B, L, Hv, V]`` in ``v.dtype``.
     """
-    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states)
+    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
+                  intermediate_scales)
     bs, steps, hv, vd = v.shape
     o = torch.zeros(bs, steps, hv, vd, dtype=v.dtype, device=v.device)
     if bs == 0 or steps == 0:
@@ -563,15 +590,16 @@ def fused_recurrent_gated_delta_rule_update(
     vf = _gather_rows(v, rows).float()
     gf = _gather_rows(g, rows).float()
     bf = _gather_rows(beta, rows).float()
-    state = ssm_states.index_select(0, slots).float()
+    state = read_rows(ssm_states, ssm_scales, slots, GDN_STATE_SCALE_DIM)
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     inter_rows = torch.arange(bs, device=v.device) if rows is None else rows
     for t in range(steps):
         out[:, t], state = _recurrent_step(state, qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t])
         if intermediate_states is not None:
-            intermediate_states[:, t].index_copy_(0, inter_rows, state.to(intermediate_states.dtype))
+            write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
+                       inter_rows, state, GDN_STATE_SCALE_DIM)
     if not disable_state_update:
-        ssm_states.index_copy_(0, slots, state.to(ssm_states.dtype))
+        write_rows(ssm_states, ssm_scales, slots, state, GDN_STATE_SCALE_DIM)
     if rows is None:
         o.copy_(out)
     else:
@@ -581,6 +609,7 @@ def fused_recurrent_gated_delta_rule_update(
 
 @fused_recurrent_gated_delta_rule_update.register_fake
 def _(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-      intermediate_states):
-    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states)
+      intermediate_states, ssm_scales=None, intermediate_scales=None):
+    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
+                  intermediate_scales)
     return v.new_empty(v.shape)

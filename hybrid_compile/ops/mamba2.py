@@ -19,7 +19,8 @@ Two ops:
                               request, optionally recording the state after every step).
 
 Everything is computed in fp32; outputs are in ``x.dtype``; state pools may be
-fp32/bf16/fp16 (read, compute in fp32, cast on write). A state index of -1 marks a padding
+fp32/bf16/fp16 (read, compute in fp32, cast on write), or float8_e4m3fn with fp32 ``ssm_scales
+[num_slots, H, P]`` beside them (dequantized on read, quantized on write, :mod:`.fp8_cache`). A state index of -1 marks a padding
 request: its outputs are zero and no state is read or written.
 """
 
@@ -38,6 +39,11 @@ from ._validation import (
     check_unique_slots,
 )
 from ._varlen import max_chunk_rows
+from .fp8_cache import FP8_DTYPE, MAMBA2_STATE_SCALE_DIM, check_scales, read_rows, write_rows
+
+#: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, head, head-dim row) over N
+#: (``ssm_scales [num_slots, H, P]``, :mod:`.fp8_cache`).
+STATE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 __all__ = ["ssd_chunk_scan", "selective_state_update", "varlen_chunk_table"]
 
@@ -151,7 +157,8 @@ def _check_groups(op, H, G):
 
 
 def _check_ssd_chunk_scan(
-    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size
+    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+    ssm_scales=None,
 ):
     op = "ssd_chunk_scan"
     check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
@@ -165,8 +172,9 @@ def _check_ssd_chunk_scan(
     _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(T, H, P))
-    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=STATE_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, H, P, N))
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", MAMBA2_STATE_SCALE_DIM)
     check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
@@ -184,7 +192,7 @@ def _check_ssd_chunk_scan(
     check_unique_slots(op, "state_indices", state_indices)
 
 
-@torch.library.custom_op("hybrid_compile::ssd_chunk_scan", mutates_args=("ssm_states",))
+@torch.library.custom_op("hybrid_compile::ssd_chunk_scan", mutates_args=("ssm_states", "ssm_scales"))
 def ssd_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -203,6 +211,7 @@ def ssd_chunk_scan(
     has_initial_state: torch.Tensor,
     chunk_size: int,
     output_chunk_states: bool,
+    ssm_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2 SSD scan over a packed varlen batch (prefill / extend), chunked form.
 
@@ -228,6 +237,8 @@ def ssd_chunk_scan(
             no state read or written, zero chunk-state rows. Must be distinct otherwise.
         has_initial_state: ``[B]`` bool; start from ``ssm_states[state_indices[b]]`` when True,
             from zeros when False. A zero-length request leaves its slot untouched.
+        ssm_scales: ``[num_slots, H, P]`` fp32 scales when ``ssm_states`` is float8_e4m3fn (one per
+            head-dim row over N, :mod:`.fp8_cache`), **mutated** with the slot; None for a float pool.
         chunk_size: tokens per chunk (the model's ``chunk_size``, e.g. 256).
         output_chunk_states: also return the state at the start of every chunk.
 
@@ -238,7 +249,8 @@ def ssd_chunk_scan(
         request ``b``; unused rows zero) when ``output_chunk_states``, else ``[0, H, P, N]``.
     """
     _check_ssd_chunk_scan(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+        ssm_scales,
     )
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -263,7 +275,7 @@ def ssd_chunk_scan(
     read = req_ok & has_initial_state
     if bool(read.any()):
         rr = read.nonzero().squeeze(1)
-        init[rr] = ssm_states.index_select(0, slots[rr]).float()
+        init[rr] = read_rows(ssm_states, ssm_scales, slots[rr], MAMBA2_STATE_SCALE_DIM)
 
     # Chunks of the non-padding requests (global row ids kept for the chunk-state layout).
     seq_idx, tok_start, clen = (t.to(torch.int64) for t in varlen_chunk_table(cu_seqlens, Cs))
@@ -334,17 +346,18 @@ def ssd_chunk_scan(
     # Final states of the non-padding, non-empty requests.
     write = (req_ok & (lens > 0)).nonzero().squeeze(1)
     if write.numel() > 0:
-        ssm_states.index_copy_(0, slots[write], cur[write].to(ssm_states.dtype))
+        write_rows(ssm_states, ssm_scales, slots[write], cur[write], MAMBA2_STATE_SCALE_DIM)
     return y_tok.to(x.dtype), chunk_states
 
 
 @ssd_chunk_scan.register_fake
 def _(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
-    has_initial_state, chunk_size, output_chunk_states,
+    has_initial_state, chunk_size, output_chunk_states, ssm_scales=None,
 ):
     _check_ssd_chunk_scan(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+        ssm_scales,
     )
     T, H, P = x.shape
     N = B.shape[2]
@@ -359,7 +372,8 @@ def _(
 
 
 def _check_selective_state_update(
-    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log=False
+    x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log=False,
+    ssm_scales=None, intermediate_scales=None,
 ):
     op = "selective_state_update"
     check_tensor(op, "x", x, ndim=4, dtypes=FLOAT_DTYPES)
@@ -373,11 +387,16 @@ def _check_selective_state_update(
     _check_common_params(op, H, A, D, dt_bias, dt_min, dt_max, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(batch, steps, H, P))
-    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=STATE_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, H, P, N))
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", MAMBA2_STATE_SCALE_DIM)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
+    if intermediate_states is None and intermediate_scales is not None:
+        raise ValueError(f"{op}: `intermediate_scales` without `intermediate_states`")
     if intermediate_states is not None:
-        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=FLOAT_DTYPES)
+        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=STATE_DTYPES)
+        check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", MAMBA2_STATE_SCALE_DIM,
+                     "intermediate_states")
         if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, H, P, N):
             raise ValueError(
                 f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected "
@@ -392,7 +411,8 @@ def _check_selective_state_update(
 
 
 @torch.library.custom_op(
-    "hybrid_compile::selective_state_update", mutates_args=("ssm_states", "intermediate_states")
+    "hybrid_compile::selective_state_update",
+    mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )
 def selective_state_update(
     x: torch.Tensor,
@@ -411,6 +431,8 @@ def selective_state_update(
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
     A_is_log: bool = False,
+    ssm_scales: torch.Tensor | None = None,
+    intermediate_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
@@ -434,12 +456,16 @@ def selective_state_update(
             batch row, not slot).
         A_is_log: ``A`` is the model's ``A_log`` (``[H]``, any float dtype): the kernel takes
             ``-exp(A_log)`` itself (a decode step then launches no kernels for it).
+        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, H, P]``, ``[>= B, L, H, P]``) of
+            an FP8 ``ssm_states`` / ``intermediate_states`` (as in ``ssd_chunk_scan``), **mutated**
+            with them; None for float buffers.
 
     Returns:
         ``y`` ``[B, L, H, P]`` in ``x.dtype``.
     """
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
+        ssm_scales, intermediate_scales,
     )
     batch, steps, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
@@ -452,7 +478,7 @@ def selective_state_update(
         return out.to(x.dtype)
     rs = slots[rows]
 
-    S = ssm_states.index_select(0, rs).float().reshape(nb, G, R, P, N)
+    S = read_rows(ssm_states, ssm_scales, rs, MAMBA2_STATE_SCALE_DIM).reshape(nb, G, R, P, N)
     xs = x.index_select(0, rows).float().reshape(nb, steps, G, R, P)
     dts = _discretize_dt(dt.index_select(0, rows), dt_bias, dt_softplus, dt_min, dt_max).reshape(nb, steps, G, R)
     Bs = B.index_select(0, rows).float()  # [nb, L, G, N]
@@ -469,22 +495,24 @@ def selective_state_update(
             y = y + Df * xs[:, t]
         ys.append(y.reshape(nb, H, P))
         if intermediate_states is not None:
-            intermediate_states[rows, t] = S.reshape(nb, H, P, N).to(intermediate_states.dtype)
+            write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
+                       rows, S.reshape(nb, H, P, N), MAMBA2_STATE_SCALE_DIM)
     y = torch.stack(ys, 1)  # [nb, L, H, P]
     if z is not None:
         y = y * F.silu(z.index_select(0, rows).float())
     out[rows] = y
     if not disable_state_update:
-        ssm_states.index_copy_(0, rs, S.reshape(nb, H, P, N).to(ssm_states.dtype))
+        write_rows(ssm_states, ssm_scales, rs, S.reshape(nb, H, P, N), MAMBA2_STATE_SCALE_DIM)
     return out.to(x.dtype)
 
 
 @selective_state_update.register_fake
 def _(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-    disable_state_update, intermediate_states, A_is_log=False,
+    disable_state_update, intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
 ):
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
+        ssm_scales, intermediate_scales,
     )
     return x.new_empty(x.shape)

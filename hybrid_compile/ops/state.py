@@ -9,6 +9,10 @@ Three ops, one gather/scatter underneath:
 - ``track_chunk_states``    chunk-boundary states returned by a chunked scan (GDN / SSD) ->
                             a cache slot (prefix-cache checkpoints, seed 003 §6).
 
+FP8 pools (:mod:`.fp8_cache`) keep their scales in tensors of their own with the same leading slot
+dimension: the copy and the commit move them like any other pool tensor (listed beside their
+values); ``track_chunk_states`` quantizes the fp32 chunk states into an FP8 pool and its scales.
+
 Index tensors are int32/int64; an entry of -1 in any index (or an accepted length <= 0)
 means "skip this row". Rows are processed in order, so a later row wins if two rows write
 the same destination (callers should not do that; debug checks reject it).
@@ -18,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from .fp8_cache import FP8_DTYPE, check_scales, is_fp8, write_rows
 from ._validation import (
     INDEX_DTYPES,
     check_same_device,
@@ -32,11 +39,15 @@ def _scatter_rows(dst: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor, 
     src_rows = src_rows.to(torch.int64)
     dst_rows = dst_rows.to(torch.int64)
     keep = (src_rows >= 0) & (dst_rows >= 0)
-    if bool(keep.all()):
-        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows).to(dst.dtype))
+    if not bool(keep.all()):
+        dst_rows, src_rows = dst_rows[keep], src_rows[keep]
+    rows = src.index_select(0, src_rows)
+    if is_fp8(dst):  # (torch has no CPU index_copy_ for float8: move the bytes)
+        if rows.dtype != FP8_DTYPE:
+            raise ValueError("a float8 pool tensor takes rows of float8 only (quantize them first)")
+        dst.view(torch.uint8).index_copy_(0, dst_rows, rows.view(torch.uint8))
     else:
-        d, s = dst_rows[keep], src_rows[keep]
-        dst.index_copy_(0, d, src.index_select(0, s).to(dst.dtype))
+        dst.index_copy_(0, dst_rows, rows.to(dst.dtype))
 
 
 def _check_pair_rows(op: str, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -158,9 +169,12 @@ def _(states, intermediate_states, state_indices, accepted_steps):
     _check_commit(states, intermediate_states, state_indices, accepted_steps)
 
 
-def _check_track(ssm_states, chunk_states, src_chunks, dst_slots):
+def _check_track(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales=None, scale_dim=-1):
     op = "track_chunk_states"
     check_tensor(op, "ssm_states", ssm_states)
+    if ssm_states.dim() > 1 and not -(ssm_states.dim() - 1) <= scale_dim < 0:
+        raise ValueError(f"{op}: `scale_dim` must index a slot dim from the end (-1 .. -{ssm_states.dim() - 1})")
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", scale_dim)
     check_tensor(op, "chunk_states", chunk_states)
     if chunk_states.dim() != ssm_states.dim() or tuple(chunk_states.shape[1:]) != tuple(ssm_states.shape[1:]):
         raise ValueError(
@@ -175,9 +189,14 @@ def _check_track(ssm_states, chunk_states, src_chunks, dst_slots):
     check_unique_slots(op, "dst_slots", dst_slots)
 
 
-@torch.library.custom_op("hybrid_compile::track_chunk_states", mutates_args=("ssm_states",))
+@torch.library.custom_op("hybrid_compile::track_chunk_states", mutates_args=("ssm_states", "ssm_scales"))
 def track_chunk_states(
-    ssm_states: torch.Tensor, chunk_states: torch.Tensor, src_chunks: torch.Tensor, dst_slots: torch.Tensor
+    ssm_states: torch.Tensor,
+    chunk_states: torch.Tensor,
+    src_chunks: torch.Tensor,
+    dst_slots: torch.Tensor,
+    ssm_scales: Optional[torch.Tensor] = None,
+    scale_dim: int = -1,
 ) -> None:
     """Checkpoint chunk-boundary SSM states into cache slots: ``ssm_states[dst_slots[i]] = chunk_states[src_chunks[i]]``.
 
@@ -187,12 +206,23 @@ def track_chunk_states(
         chunk_states: ``[num_chunks, *state_shape]`` as returned by ``chunk_gated_delta_rule`` /
             ``ssd_chunk_scan`` with ``output_chunk_states=True`` (state at the start of each chunk).
         src_chunks, dst_slots: ``[N]`` int32/int64; rows with -1 in either are skipped.
+        ssm_scales: fp32 scales of an FP8 ``ssm_states`` (its shape without ``scale_dim`` per slot),
+            **mutated**: the chunk states are quantized into the slots (:mod:`.fp8_cache`). None for
+            a float pool.
+        scale_dim: the slot axis one scale covers (GDN -2, Mamba2 -1); used with ``ssm_scales`` only.
     """
-    _check_track(ssm_states, chunk_states, src_chunks, dst_slots)
-    if src_chunks.numel():
+    _check_track(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales, scale_dim)
+    if not src_chunks.numel():
+        return
+    if ssm_scales is None:
         _scatter_rows(ssm_states, chunk_states, src_chunks, dst_slots)
+        return
+    src, dst = src_chunks.to(torch.int64), dst_slots.to(torch.int64)
+    keep = (src >= 0) & (dst >= 0)
+    src, dst = src[keep], dst[keep]
+    write_rows(ssm_states, ssm_scales, dst, chunk_states.index_select(0, src), scale_dim)
 
 
 @track_chunk_states.register_fake
-def _(ssm_states, chunk_states, src_chunks, dst_slots):
-    _check_track(ssm_states, chunk_states, src_chunks, dst_slots)
+def _(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales=None, scale_dim=-1):
+    _check_track(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales, scale_dim)

@@ -6,7 +6,9 @@ Same schemas, semantics and layouts as the plain-torch ops: q/k ``[..., Hk, K]``
 ``h`` reads q/k head ``h // (Hv // Hk)``, optional in-kernel L2 norm
 ``x * rsqrt(sum(x^2) + 1e-6)``, ``scale <= 0`` means ``K ** -0.5``, fp32 compute, outputs in
 ``v.dtype``, state pool ``[num_slots, Hv, K, V]`` fp32/bf16/fp16 read in fp32 and cast on
-write, slot -1 = padding row (zero output, nothing read or written).
+write (or e4m3 with per-value-column scales, :mod:`..fp8_cache`: the recurrent kernel dequantizes
+on load and quantizes on store; the chunked pipeline stages the batch's states through fp32,
+:func:`.fp8_cache.stage_states`), slot -1 = padding row (zero output, nothing read or written).
 
 Kernels:
 
@@ -32,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
+from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -45,7 +49,7 @@ __all__ = [
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter,
+    q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter, pool_scales, inter_scales,
     L, scale, softplus_beta, softplus_threshold,
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
@@ -55,11 +59,15 @@ def _gdn_recurrent_kernel(
     s_ob, s_ol, s_oh,
     s_ps, s_ph, s_pk, s_pv,
     s_ib, s_il, s_ih, s_ik, s_iv,
+    s_pss, s_psh, s_isb, s_isl, s_ish,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
+    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here."""
+    """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
+    POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
+    (over K, which this program holds whole): dequantized on load, quantized on store."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -78,6 +86,9 @@ def _gdn_recurrent_kernel(
 
     p_s = pool + tl.maximum(slot, 0) * s_ps + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
     S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    p_ss = pool_scales + tl.maximum(slot, 0) * s_pss + i_h * s_psh + o_v
+    if POOL_FP8:
+        S = S * tl.load(p_ss, mask=m_o, other=0.0)[None, :]
     if GATING:
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h).to(tl.float32)
@@ -113,9 +124,19 @@ def _gdn_recurrent_kernel(
         tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(o.dtype.element_ty), mask=mv)
         if HAS_INTER:
             p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-            tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
+            if INTER_FP8:
+                S_q, S_s = quantize_axis(S, 0)
+                tl.store(p_i, S_q.to(inter.dtype.element_ty), mask=m_s)
+                tl.store(inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S_s, mask=m_o)
+            else:
+                tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
     if UPDATE_STATE:
-        tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
+        if POOL_FP8:
+            S_q, S_s = quantize_axis(S, 0)
+            tl.store(p_s, S_q.to(pool.dtype.element_ty), mask=m_s)
+            tl.store(p_ss, S_s, mask=m_o)
+        else:
+            tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
 
 
 def _recurrent_config(rows: int, kd: int, vd: int):
@@ -136,7 +157,7 @@ def _check_k(op: str, kd: int) -> None:
 
 
 def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, inter, use_qk_l2norm, scale,
-                      softplus_beta, softplus_threshold, gating, update_state):
+                      softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None):
     """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv]; o [B, L, Hv, V]."""
     bs, steps, hk, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -146,13 +167,18 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     i_strides = inter.stride() if has_inter else (0, 0, 0, 0, 0)
     a_log = A_log if gating else g
     dtb = dt_bias if gating else g
+    ps = ssm_scales if ssm_scales is not None else g  # dummy pointers when the buffers are float
+    iss = inter_scales if inter_scales is not None else g
+    ps_strides = ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)
+    is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
     _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv))](
-        q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it,
+        q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride()[:3],
-        *ssm_states.stride(), *i_strides,
+        *ssm_states.stride(), *i_strides, *ps_strides, *is_strides,
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
+        POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )
@@ -172,6 +198,7 @@ def fused_sigmoid_gating_delta_rule_update_triton(
     scale: float,
     softplus_beta: float,
     softplus_threshold: float,
+    ssm_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``fused_sigmoid_gating_delta_rule_update`` (decode; mutates
     ``ssm_states`` in place). CUDA-graph safe."""
@@ -183,7 +210,7 @@ def fused_sigmoid_gating_delta_rule_update_triton(
     # one step: view [B, ...] as [B, 1, ...] (no copy)
     _launch_recurrent(q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log, dt_bias, o[:, None],
                       ssm_states, state_indices, None, use_qk_l2norm, scale, softplus_beta, softplus_threshold,
-                      gating=True, update_state=True)
+                      gating=True, update_state=True, ssm_scales=ssm_scales)
     return o
 
 
@@ -199,6 +226,8 @@ def fused_recurrent_gated_delta_rule_update_triton(
     scale: float,
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
+    ssm_scales: Optional[torch.Tensor] = None,
+    intermediate_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``fused_recurrent_gated_delta_rule_update`` (speculative verify;
     mutates ``ssm_states`` unless ``disable_state_update``, and ``intermediate_states[b, t]`` for
@@ -209,7 +238,8 @@ def fused_recurrent_gated_delta_rule_update_triton(
     if bs == 0 or steps == 0:
         return o
     _launch_recurrent(q, k, v, g, beta, None, None, o, ssm_states, state_indices, intermediate_states,
-                      use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=not disable_state_update)
+                      use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=not disable_state_update,
+                      ssm_scales=ssm_scales, inter_scales=intermediate_scales)
     return o
 
 
@@ -218,25 +248,42 @@ def fused_recurrent_gated_delta_rule_update_triton(
 # ----------------------------------------------------------------------------------------------
 
 
+def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
+                                     use_qk_l2norm, scale, output_chunk_states, ssm_scales=None):
+    """The chunked Triton pipeline on a float pool, or on an FP8 pool through an fp32 staging buffer
+    of the batch's states (:func:`.fp8_cache.stage_states`)."""
+    if ssm_scales is None:
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
+                                             has_initial_state, use_qk_l2norm, scale, output_chunk_states)
+    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, GDN_STATE_SCALE_DIM)
+    out = chunk_gated_delta_rule_triton(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm,
+                                        scale, output_chunk_states)
+    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
+    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, GDN_STATE_SCALE_DIM)
+    return out
+
+
 def _chunk_cuda_impl(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm,
-                     scale, output_chunk_states):
-    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state)
-    return chunk_gated_delta_rule_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
-                                         use_qk_l2norm, scale, output_chunk_states)
+                     scale, output_chunk_states, ssm_scales=None):
+    _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
+    return chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
+                                            has_initial_state, use_qk_l2norm, scale, output_chunk_states, ssm_scales)
 
 
 def _decode_cuda_impl(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, scale, softplus_beta,
-                      softplus_threshold):
-    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices)
+                      softplus_threshold, ssm_scales=None):
+    _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, ssm_scales)
     return fused_sigmoid_gating_delta_rule_update_triton(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices,
-                                                         use_qk_l2norm, scale, softplus_beta, softplus_threshold)
+                                                         use_qk_l2norm, scale, softplus_beta, softplus_threshold,
+                                                         ssm_scales)
 
 
 def _verify_cuda_impl(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-                      intermediate_states):
-    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states)
+                      intermediate_states, ssm_scales=None, intermediate_scales=None):
+    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales, intermediate_scales)
     return fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm,
-                                                          scale, disable_state_update, intermediate_states)
+                                                          scale, disable_state_update, intermediate_states,
+                                                          ssm_scales, intermediate_scales)
 
 
 torch.library.register_kernel("hybrid_compile::chunk_gated_delta_rule", "cuda", _chunk_cuda_impl)

@@ -4,7 +4,9 @@ Registered as the CUDA implementations of ``hybrid_compile::ssd_chunk_scan`` and
 ``hybrid_compile::selective_state_update``; the launchers also run on CPU tensors under
 ``TRITON_INTERPRET=1`` (that is how the CPU tests check them). Semantics, layouts and dtype
 rules are those of :mod:`hybrid_compile.ops.mamba2` (all math in fp32, outputs in
-``x.dtype``, state pools fp32/bf16/fp16, slot -1 = padding).
+``x.dtype``, state pools fp32/bf16/fp16 or e4m3 with per-row scales (:mod:`..fp8_cache`: the step
+kernel dequantizes on load and quantizes on store; the chunked scan stages the batch's states
+through fp32, :func:`.fp8_cache.stage_states`), slot -1 = padding).
 
 ``selective_state_update`` (decode / verify): one program per (P block, batch row, head)
 keeps its ``[BLOCK_P, N]`` slice of the state in registers and walks the row's ``L`` steps;
@@ -44,7 +46,9 @@ import triton
 import triton.language as tl
 
 from .._varlen import chunks_per_request, max_chunk_rows
+from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
+from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["selective_state_update_triton", "ssd_chunk_scan_triton"]
@@ -123,6 +127,7 @@ def _pow2(n: int, lo: int = 1) -> int:
 @triton.jit
 def _ssu_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
+    state_scale_ptr, inter_scale_ptr,
     L, P, N, R, dt_min, dt_max,
     sx_b, sx_t, sx_h, sx_p,
     sdt_b, sdt_t, sdt_h,
@@ -132,11 +137,15 @@ def _ssu_kernel(
     ss_s, ss_h, ss_p, ss_n,
     si_b, si_t, si_h, si_p, si_n,
     so_b, so_t, so_h,
+    sss_s, sss_h, sis_b, sis_t, sis_h,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
+    """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per (head, p) row over N (held whole here):
+    dequantized on load, quantized on store."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -157,6 +166,9 @@ def _ssu_kernel(
     mask_pn = mask_p[:, None] & mask_n[None, :]
     s_ptrs = state_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
     S = tl.load(s_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
+    ss_ptrs = state_scale_ptr + slot * sss_s + h * sss_h + offs_p
+    if STATE_FP8:
+        S = S * tl.load(ss_ptrs, mask=mask_p, other=0.0)[:, None]
     A = tl.load(A_ptr + h).to(tl.float32)
     if A_IS_LOG:
         A = -tl.exp(A)
@@ -187,9 +199,19 @@ def _ssu_kernel(
             y = y * (z * tl.sigmoid(z))
         tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
         if HAS_INTER:
-            tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_pn)
+            if INTER_FP8:
+                S_q, S_s = quantize_axis(S, 1)
+                tl.store(i_ptrs + t * si_t, S_q.to(inter_ptr.dtype.element_ty), mask=mask_pn)
+                tl.store(inter_scale_ptr + b * sis_b + t * sis_t + h * sis_h + offs_p, S_s, mask=mask_p)
+            else:
+                tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_pn)
     if UPDATE_STATE:
-        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_pn)
+        if STATE_FP8:
+            S_q, S_s = quantize_axis(S, 1)
+            tl.store(s_ptrs, S_q.to(state_ptr.dtype.element_ty), mask=mask_pn)
+            tl.store(ss_ptrs, S_s, mask=mask_p)
+        else:
+            tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_pn)
 
 
 def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -213,6 +235,8 @@ def selective_state_update_triton(
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
     A_is_log: bool = False,
+    ssm_scales: torch.Tensor | None = None,
+    intermediate_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``selective_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, H, P = x.shape
@@ -227,12 +251,16 @@ def selective_state_update_triton(
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
         dt_bias if dt_bias is not None else A, ssm_states, state_indices,
         intermediate_states if intermediate_states is not None else ssm_states, out,
+        ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
         steps, P, N, H // G, float(dt_min), float(dt_max),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *_strides(z, 4), *ssm_states.stride(),
         *_strides(intermediate_states, 5), out.stride(0), out.stride(1), out.stride(2),
+        *(ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)),
+        *(intermediate_scales.stride()[:3] if intermediate_scales is not None else (0, 0, 0)),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
+        STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         **pdl_launch(x.device),
     )
     return out
@@ -604,30 +632,52 @@ def ssd_chunk_scan_triton(
 # --------------------------------------------------------------------------------------------
 
 
+def ssd_chunk_scan_fp8_aware(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
+    has_initial_state, chunk_size, output_chunk_states, ssm_scales=None,
+):
+    """The SSD Triton pipeline on a float pool, or on an FP8 pool through an fp32 staging buffer of
+    the batch's states (:func:`.fp8_cache.stage_states`)."""
+    if ssm_scales is None:
+        return ssd_chunk_scan_triton(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
+            has_initial_state, chunk_size, output_chunk_states,
+        )
+    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, MAMBA2_STATE_SCALE_DIM)
+    out = ssd_chunk_scan_triton(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, buf, cu_seqlens, rows,
+        has_initial_state, chunk_size, output_chunk_states,
+    )
+    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
+    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, MAMBA2_STATE_SCALE_DIM)
+    return out
+
+
 def _ssd_chunk_scan_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
-    has_initial_state, chunk_size, output_chunk_states,
+    has_initial_state, chunk_size, output_chunk_states, ssm_scales=None,
 ):
     _check_ssd_chunk_scan(
         x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, cu_seqlens, state_indices, has_initial_state,
-        chunk_size,
+        chunk_size, ssm_scales,
     )
-    return ssd_chunk_scan_triton(
+    return ssd_chunk_scan_fp8_aware(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
-        has_initial_state, chunk_size, output_chunk_states,
+        has_initial_state, chunk_size, output_chunk_states, ssm_scales,
     )
 
 
 def _selective_state_update_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-    disable_state_update, intermediate_states, A_is_log=False,
+    disable_state_update, intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
 ):
     _check_selective_state_update(
-        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log
+        x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
+        ssm_scales, intermediate_scales,
     )
     return selective_state_update_triton(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-        disable_state_update, intermediate_states, A_is_log,
+        disable_state_update, intermediate_states, A_is_log, ssm_scales, intermediate_scales,
     )
 
 

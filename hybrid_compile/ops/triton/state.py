@@ -7,6 +7,9 @@ skips it in-kernel when an index is -1 (or, for the commit, ``accepted_steps <= 
 copies ``BLOCK`` elements. No host sync and a grid from shapes only, so every launcher is
 CUDA-graph safe (the commit runs in the speculative decode step).
 
+FP8 pools: their scales are separate slot-indexed tensors, copied and committed like the values
+(bit copies); ``track_chunk_states`` into an FP8 pool quantizes (:func:`.fp8_cache.move_state_rows`).
+
 Same-dtype copies move raw bits (the tensors are viewed as same-width integers), so any dtype
 is copied bit for bit; a cross-dtype copy (commit / track into a lower-precision pool) goes
 through fp32 with round-to-nearest-even, like ``Tensor.to``.
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .elementwise import cast_rne
+from .fp8_cache import move_state_rows
 from ..state import _check_commit, _check_copy_state_slots, _check_track
 
 __all__ = ["copy_state_slots_triton", "commit_speculative_state_triton", "track_chunk_states_triton"]
@@ -154,11 +158,17 @@ def commit_speculative_state_triton(
 
 
 def track_chunk_states_triton(
-    ssm_states: torch.Tensor, chunk_states: torch.Tensor, src_chunks: torch.Tensor, dst_slots: torch.Tensor
+    ssm_states: torch.Tensor, chunk_states: torch.Tensor, src_chunks: torch.Tensor, dst_slots: torch.Tensor,
+    ssm_scales: torch.Tensor | None = None, scale_dim: int = -1,
 ) -> None:
-    """Triton ``track_chunk_states``: ``ssm_states[dst_slots[i]] = chunk_states[src_chunks[i]]``, -1 rows skipped."""
+    """Triton ``track_chunk_states``: ``ssm_states[dst_slots[i]] = chunk_states[src_chunks[i]]``, -1 rows skipped
+    (quantized with ``ssm_scales`` into an FP8 pool)."""
     n = src_chunks.shape[0]
     if n == 0 or ssm_states.numel() == 0 or chunk_states.numel() == 0:
+        return
+    if ssm_scales is not None:
+        move_state_rows(chunk_states, None, src_chunks.contiguous(), ssm_states, ssm_scales, dst_slots.contiguous(),
+                        scale_dim)
         return
     slot_numel = ssm_states[0].numel()
     src_idx, dst_idx = src_chunks.contiguous(), dst_slots.contiguous()
@@ -185,9 +195,9 @@ def _commit_speculative_state_cuda(states, intermediate_states, state_indices, a
     commit_speculative_state_triton(states, intermediate_states, state_indices, accepted_steps)
 
 
-def _track_chunk_states_cuda(ssm_states, chunk_states, src_chunks, dst_slots):
-    _check_track(ssm_states, chunk_states, src_chunks, dst_slots)
-    track_chunk_states_triton(ssm_states, chunk_states, src_chunks, dst_slots)
+def _track_chunk_states_cuda(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales=None, scale_dim=-1):
+    _check_track(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales, scale_dim)
+    track_chunk_states_triton(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales, scale_dim)
 
 
 torch.library.register_kernel("hybrid_compile::copy_state_slots", "cuda", _copy_state_slots_cuda)

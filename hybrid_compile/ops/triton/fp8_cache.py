@@ -1,0 +1,124 @@
+"""Triton pieces of the FP8 cache formats (:mod:`..fp8_cache`): e4m3 values with one fp32 scale
+per vector along one axis.
+
+- ``quantize_axis`` (``@triton.jit``): an fp32 tile -> (e4m3-valued fp32 tile, scales), one scale
+  per vector along axis 0 or 1 of the tile; the kernels that write an FP8 pool (GDN recurrent,
+  Mamba2 step, KV store) call it on the tile they hold, which spans the whole scaled axis.
+- ``move_state_rows``: ``dst[dst_rows[i]] = src[src_rows[i]]`` between an fp32 buffer and an FP8
+  pool (either way), quantizing or dequantizing on the way; rows with -1 are skipped in-kernel.
+  It serves ``track_chunk_states`` into an FP8 pool and the chunked (prefill) scans, which stage
+  the batch's states through an fp32 buffer: dequantize the ``B`` initial states, run the fp32
+  kernel pipeline on the buffer, quantize the ``B`` final states back (one read and one write of
+  each request's state per prefill step, next to the scan's ``O(T)`` work).
+
+Rounding: :func:`~.fp8.round_to_e4m3` before the cast (exact there), so the interpreter on CPU
+and the GPU agree with ``Tensor.to(float8_e4m3fn)`` of the plain-torch path. Shape-only grids,
+no host sync: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8 import FP8_EPS, FP8_MAX
+from ..fp8_cache import is_fp8
+from .fp8 import round_to_e4m3
+
+__all__ = ["move_state_rows", "quantize_axis"]
+
+_EPS = tl.constexpr(FP8_EPS)
+_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quantize_axis(x, AXIS: tl.constexpr):
+    """fp32 tile ``x`` -> (e4m3-valued fp32 tile, fp32 scales): one scale per vector along ``AXIS``
+    (``max(|vector|, 1e-10) / 448``; padded entries must be 0). Cast the values to the pool's
+    e4m3 dtype when storing (exact)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS) / _MAX
+    if AXIS == 0:
+        q = x / scale[None, :]
+    else:
+        q = x / scale[:, None]
+    q = tl.minimum(tl.maximum(q, -_MAX), _MAX)
+    return round_to_e4m3(q), scale
+
+
+@triton.jit
+def _move_rows_kernel(
+    src, src_scales, dst, dst_scales, src_rows, dst_rows,
+    O, RD, I,
+    s_src, s_src_scale, s_dst, s_dst_scale,
+    SRC_FP8: tl.constexpr, DST_FP8: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr,
+):
+    """Slots are contiguous ``[O, RD, I]`` (scales ``[O, I]``, one per vector along RD)."""
+    i = tl.program_id(0)
+    o = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BI + tl.arange(0, BI)
+    a = tl.load(src_rows + i).to(tl.int64)
+    b = tl.load(dst_rows + i).to(tl.int64)
+    ok = (a >= 0) & (b >= 0)
+    r = tl.arange(0, BR)
+    m = (r[:, None] < tl.where(ok, RD, 0)) & (cols[None, :] < I)
+    off = o * RD * I + r[:, None] * I + cols[None, :]
+    x = tl.load(src + tl.maximum(a, 0) * s_src + off, mask=m, other=0.0).to(tl.float32)
+    mc = cols < tl.where(ok, I, 0)
+    if SRC_FP8:
+        s = tl.load(src_scales + tl.maximum(a, 0) * s_src_scale + o * I + cols, mask=mc, other=0.0)
+        x = x * s[None, :]
+    if DST_FP8:
+        x, s = quantize_axis(x, 0)
+        tl.store(dst_scales + tl.maximum(b, 0) * s_dst_scale + o * I + cols, s, mask=mc)
+    tl.store(dst + tl.maximum(b, 0) * s_dst + off, x.to(dst.dtype.element_ty), mask=m)
+
+
+def move_state_rows(src: torch.Tensor, src_scales: torch.Tensor | None, src_rows: torch.Tensor,
+                    dst: torch.Tensor, dst_scales: torch.Tensor | None, dst_rows: torch.Tensor, scale_dim: int) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` (rows with -1 skipped), each of ``src`` / ``dst`` fp32
+    or FP8 with its scales (one per vector along slot axis ``scale_dim``, counted from the end).
+    Every slot must be one contiguous run, the scales' slots too."""
+    n = src_rows.shape[0]
+    if n == 0 or src.numel() == 0:
+        return
+    shape = tuple(src.shape[1:])
+    ax = scale_dim % len(shape)
+    O = 1
+    for d in shape[:ax]:
+        O *= d
+    RD = shape[ax]
+    I = 1
+    for d in shape[ax + 1:]:
+        I *= d
+    for t in (src, dst, src_scales, dst_scales):
+        if t is not None and t.shape[0] and not t[0].is_contiguous():
+            raise ValueError(f"move_state_rows: each slot must be one contiguous run, got strides {t.stride()}")
+    br = triton.next_power_of_2(RD)
+    bi = min(triton.next_power_of_2(I), max(1, 4096 // br))
+    _move_rows_kernel[(n, O, triton.cdiv(I, bi))](
+        src, src_scales if src_scales is not None else src, dst, dst_scales if dst_scales is not None else dst,
+        src_rows, dst_rows, O, RD, I,
+        src.stride(0), src_scales.stride(0) if src_scales is not None else 0,
+        dst.stride(0), dst_scales.stride(0) if dst_scales is not None else 0,
+        SRC_FP8=is_fp8(src), DST_FP8=is_fp8(dst), BR=br, BI=bi,
+        num_warps=4 if br * bi >= 2048 else 1,
+    )
+
+
+def stage_states(pool: torch.Tensor, scales: torch.Tensor, state_indices: torch.Tensor, scale_dim: int):
+    """(fp32 ``[B, *slot_shape]`` copy of the batch's FP8 states, its row indices: ``b`` or -1 for a
+    padding row). Rows of padding requests stay zero."""
+    batch = state_indices.shape[0]
+    buf = torch.zeros((batch, *pool.shape[1:]), dtype=torch.float32, device=pool.device)
+    rows = torch.arange(batch, dtype=torch.int32, device=pool.device)
+    rows = torch.where(state_indices >= 0, rows, -1)
+    move_state_rows(pool, scales, state_indices, buf, None, rows, scale_dim)
+    return buf, rows
+
+
+def unstage_states(buf: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor,
+                   state_indices: torch.Tensor, written: torch.Tensor, scale_dim: int) -> None:
+    """Quantize ``buf[b]`` back into slot ``state_indices[b]`` where ``written[b]`` (bool)."""
+    dst = torch.where(written & (state_indices >= 0), state_indices, -1)
+    move_state_rows(buf, None, rows, pool, scales, dst, scale_dim)

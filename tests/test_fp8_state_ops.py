@@ -1,0 +1,305 @@
+"""FP8 recurrent state (``ssm_state_dtype="fp8"``) in every kernel op that touches the Mamba pool.
+
+Oracle: the same op on an fp32 pool holding the *dequantized* FP8 state, whose written slots are
+then quantized with the format's own rule (:func:`quantize_vectors`). The plain-torch op must equal
+it bit for bit (same arithmetic); the Triton kernels (interpreter on CPU, tiny shapes) must equal
+the plain-torch op to fp32 noise in the outputs and to one e4m3 step in the state. Untouched slots
+stay bit-identical, padding rows are skipped, and every op passes opcheck with the FP8 arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_compile.ops import gdn
+from hybrid_compile.ops.fp8_cache import (
+    FP8_DTYPE, GDN_STATE_SCALE_DIM as GDN_DIM, MAMBA2_STATE_SCALE_DIM as M2_DIM, dequantize_vectors,
+    quantize_vectors,
+)
+from hybrid_compile.ops.triton import fp8_cache as tfp8
+from hybrid_compile.ops.triton import gdn as tgdn
+from hybrid_compile.ops.triton import mamba2 as tm
+from hybrid_compile.ops.triton import state as tstate
+from op_testing import cu_seqlens_of
+from test_ops_mamba2 import DECODE_ORDER, PREFILL_ORDER, make_decode, make_prefill
+from test_triton_gdn import make_gb, make_qkv
+
+INTERPRETER_ONLY = True
+ops = torch.ops.hybrid_compile
+NUM_SLOTS = 10
+
+
+def run_opcheck(op, args, kwargs=None):
+    """opcheck minus ``test_schema``: its mutation check compares inputs with ``torch.allclose``,
+    which has no float8 kernel; the fake-tensor and AOT-dispatch checks (which functionalize the
+    declared mutations and compare the results) run as for every op."""
+    torch.library.opcheck(op, args, kwargs or {},
+                          test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
+
+
+def quantized(pool: torch.Tensor, dim: int):
+    return quantize_vectors(pool, dim)
+
+
+def deq(q, s, dim):
+    return dequantize_vectors(q, s, dim)
+
+
+def assert_state_equal(q, s, ref_fp32, slots, before_q, before_s, dim, exact=True):
+    """Written slots: FP8 (q, s) == quantize(ref_fp32) (exact) or within one e4m3 step of it;
+    other slots bit-identical to before."""
+    written = sorted({int(x) for x in slots if int(x) >= 0})
+    others = [i for i in range(q.shape[0]) if i not in written]
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
+    if others:
+        assert torch.equal(q[others].view(torch.uint8), before_q[others].view(torch.uint8)), "untouched slots changed"
+        assert torch.equal(s[others], before_s[others])
+    if not written:
+        return
+    want_q, want_s = quantize_vectors(ref_fp32[written], dim)
+    got = deq(q[written], s[written], dim)
+    want = deq(want_q, want_s, dim)
+    if exact:
+        assert torch.equal(q[written].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s[written], want_s)
+    else:
+        # one e4m3 step of the vector's scale: 2^-3 relative at the top of the range (448 -> 416..480)
+        step = want_s.unsqueeze(dim) * 32.0
+        assert bool(((got - want).abs() <= step + 1e-6).all()), (got - want).abs().max()
+        torch.testing.assert_close(s[written], want_s, rtol=1e-4, atol=1e-12)
+
+
+def test_quantize_vectors_is_e4m3_with_one_scale_per_vector():
+    x = torch.randn(3, 4, 5, 6) * torch.logspace(-4, 2, 6)  # columns of very different magnitude
+    q, s = quantize_vectors(x, -2)
+    assert q.dtype == FP8_DTYPE and s.shape == (3, 4, 6)
+    # the largest element of each vector maps to +-448, so the rounding is relative to the vector
+    assert torch.equal(q.float().abs().amax(-2), torch.full((3, 4, 6), 448.0))
+    err = (deq(q, s, -2) - x).abs() / x.abs().amax(-2, keepdim=True)
+    assert err.max() <= 2 ** -4 + 1e-6  # half an e4m3 step (3 mantissa bits) of the vector maximum
+    z, zs = quantize_vectors(torch.zeros(2, 3), -1)
+    assert torch.equal(z.float(), torch.zeros(2, 3)) and bool((zs > 0).all())
+
+
+# --------------------------------------------------------------------------------------------
+# GDN
+# --------------------------------------------------------------------------------------------
+
+
+def _gdn_pool(hv, kd, vd):
+    return quantized(torch.randn(NUM_SLOTS, hv, kd, vd) * 0.5, GDN_DIM)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_gdn_decode_fp8_pool(pad):
+    torch.manual_seed(0)
+    bs, hk, hv, kd, vd = 3, 1, 2, 16, 16
+    q, k, v = make_qkv((bs,), hk, hv, kd, vd, torch.float32)
+    a, b = torch.randn(bs, hv), torch.randn(bs, hv)
+    A_log, dt_bias = torch.randn(hv) * 0.3, torch.randn(hv) * 0.3
+    slots = torch.tensor([4, -1, 7] if pad else [4, 0, 7], dtype=torch.int32)
+    pq, ps = _gdn_pool(hv, kd, vd)
+    ref_pool = deq(pq, ps, GDN_DIM)
+    o_ref = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ref_pool, slots, True, 0.0,
+                                                       1.0, 20.0)
+    gq, gs = pq.clone(), ps.clone()
+    o = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, gq, slots, True, 0.0, 1.0, 20.0,
+                                                   ssm_scales=gs)
+    assert torch.equal(o, o_ref)
+    assert_state_equal(gq, gs, ref_pool, slots.tolist(), pq, ps, GDN_DIM)
+    tq, ts = pq.clone(), ps.clone()
+    o_t = tgdn.fused_sigmoid_gating_delta_rule_update_triton(A_log, dt_bias, q, k, v, a, b, tq, slots, True, 0.0,
+                                                             1.0, 20.0, ts)
+    torch.testing.assert_close(o_t, o, atol=1e-5, rtol=1e-5)
+    assert_state_equal(tq, ts, ref_pool, slots.tolist(), pq, ps, GDN_DIM, exact=False)
+    run_opcheck(ops.fused_sigmoid_gating_delta_rule_update,
+                (A_log, dt_bias, q, k, v, a, b, pq.clone(), slots, True, 0.0, 1.0, 20.0), dict(ssm_scales=ps.clone()))
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_gdn_verify_fp8_pool_and_intermediates(disable):
+    torch.manual_seed(1)
+    bs, steps, hk, hv, kd, vd = 3, 3, 1, 2, 16, 16
+    q, k, v = make_qkv((bs, steps), hk, hv, kd, vd, torch.float32)
+    g, beta = make_gb((bs, steps), hv)
+    slots = torch.tensor([2, -1, 5], dtype=torch.int32)
+    pq, ps = _gdn_pool(hv, kd, vd)
+    ref_pool = deq(pq, ps, GDN_DIM)
+    ref_inter = torch.zeros(bs + 1, steps, hv, kd, vd)
+    o_ref = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ref_pool, slots, True, 0.0, disable,
+                                                        ref_inter)
+    iq = torch.zeros(bs + 1, steps, hv, kd, vd, dtype=FP8_DTYPE)
+    iscale = torch.zeros(bs + 1, steps, hv, vd)
+    results = {}
+    for name in ("plain", "triton"):
+        gq, gs, gi, gis = pq.clone(), ps.clone(), iq.clone(), iscale.clone()
+        fn = ops.fused_recurrent_gated_delta_rule_update if name == "plain" else \
+            tgdn.fused_recurrent_gated_delta_rule_update_triton
+        o = fn(q, k, v, g, beta, gq, slots, True, 0.0, disable, gi, gs, gis)
+        torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+        assert_state_equal(gq, gs, ref_pool, [] if disable else slots.tolist(), pq, ps, GDN_DIM,
+                           exact=name == "plain")
+        for row in (0, 2):  # intermediate rows of the real requests, every step
+            for t in range(steps):
+                want_q, want_s = quantize_vectors(ref_inter[row, t], GDN_DIM)
+                got = deq(gi[row, t], gis[row, t], GDN_DIM)
+                want = deq(want_q, want_s, GDN_DIM)
+                assert ((got - want).abs() <= want_s.unsqueeze(GDN_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
+        assert torch.equal(gi[1].view(torch.uint8), iq[1].view(torch.uint8)), "padding row's intermediates written"
+        results[name] = o
+    run_opcheck(ops.fused_recurrent_gated_delta_rule_update,
+                (q, k, v, g, beta, pq.clone(), slots, True, 0.0, disable, iq.clone()),
+                dict(ssm_scales=ps.clone(), intermediate_scales=iscale.clone()))
+
+
+def test_gdn_chunk_fp8_pool_and_tracked_checkpoints():
+    torch.manual_seed(2)
+    lens = [70, 0, 9, 5]
+    hk, hv, kd, vd = 1, 2, 16, 16
+    T = sum(lens)
+    q, k, v = make_qkv((T,), hk, hv, kd, vd, torch.float32)
+    g, beta = make_gb((T,), hv)
+    cu = cu_seqlens_of(lens)
+    slots = torch.tensor([3, 8, -1, 6], dtype=torch.int32)
+    init = torch.tensor([True, True, False, False])
+    pq, ps = _gdn_pool(hv, kd, vd)
+    ref_pool = deq(pq, ps, GDN_DIM)
+    o_ref, cs_ref = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_pool, cu, slots, init, True, 0.0, True)
+    written = [3, 6]  # slot 8's request is empty: untouched; the padding request writes nothing
+    for name in ("plain", "triton"):
+        gq, gs = pq.clone(), ps.clone()
+        if name == "plain":
+            o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, ssm_scales=gs)
+        else:
+            o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, gs)
+        torch.testing.assert_close(o, o_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
+        assert_state_equal(gq, gs, ref_pool, written, pq, ps, GDN_DIM, exact=name == "plain")
+    # a checkpoint of the state after 64 tokens of request 0 goes (quantized) into free slot 1
+    src, dst = torch.tensor([1, -1]), torch.tensor([1, 2])
+    for track in (ops.track_chunk_states, tstate.track_chunk_states_triton):
+        gq, gs = pq.clone(), ps.clone()
+        track(gq, cs_ref, src, dst, gs, GDN_DIM)
+        ref = ref_pool.clone()
+        ref[1] = cs_ref[1]
+        assert_state_equal(gq, gs, ref, [1], pq, ps, GDN_DIM, exact=track is ops.track_chunk_states)
+    run_opcheck(ops.chunk_gated_delta_rule, (q, k, v, g, beta, pq.clone(), cu, slots, init, True, 0.0, True),
+                dict(ssm_scales=ps.clone()))
+    run_opcheck(ops.track_chunk_states, (pq.clone(), cs_ref, src, dst), dict(ssm_scales=ps.clone(), scale_dim=GDN_DIM))
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba2
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps,disable", [(1, False), (3, True)])
+def test_mamba2_step_fp8_pool(steps, disable):
+    torch.manual_seed(3)
+    inp = make_decode(3, steps, pad_rows=(1,), inter=steps > 1, disable=disable)
+    pq, ps = quantized(inp["ssm_states"], M2_DIM)
+    inp["ssm_states"] = deq(pq, ps, M2_DIM)
+    ref_inter = inp["intermediate_states"]
+    y_ref = ops.selective_state_update(*(inp[k] for k in DECODE_ORDER))
+    slots = inp["state_indices"].tolist()
+    for name in ("plain", "triton"):
+        args = dict(inp)
+        args["ssm_states"], ss = pq.clone(), ps.clone()
+        iq = iss = None
+        if ref_inter is not None:
+            iq = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
+            iss = torch.zeros(ref_inter.shape[:-1])
+            args["intermediate_states"] = iq
+        fn = ops.selective_state_update if name == "plain" else tm.selective_state_update_triton
+        y = fn(*(args[k] for k in DECODE_ORDER), False, ss, iss)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, M2_DIM,
+                           exact=name == "plain")
+        if iq is not None:
+            for row in (0, 2):
+                want_q, want_s = quantize_vectors(ref_inter[row], M2_DIM)
+                got, want = deq(iq[row], iss[row], M2_DIM), deq(want_q, want_s, M2_DIM)
+                assert ((got - want).abs() <= want_s.unsqueeze(M2_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
+    args = dict(inp)
+    args["ssm_states"] = pq.clone()
+    extra = dict(ssm_scales=ps.clone())
+    if ref_inter is not None:
+        args["intermediate_states"] = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
+        extra["intermediate_scales"] = torch.zeros(ref_inter.shape[:-1])
+    run_opcheck(ops.selective_state_update, tuple(args[k] for k in DECODE_ORDER), extra)
+
+
+def test_mamba2_chunk_scan_fp8_pool():
+    torch.manual_seed(4)
+    lens = [20, 0, 7, 3]
+    inp = make_prefill(lens, pad_rows=(3,))
+    pq, ps = quantized(inp["ssm_states"], M2_DIM)
+    inp["ssm_states"] = deq(pq, ps, M2_DIM)
+    y_ref, cs_ref = ops.ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), 8, True)
+    slots = inp["state_indices"].tolist()
+    written = [slots[0], slots[2]]
+    for name in ("plain", "triton"):
+        args = dict(inp)
+        args["ssm_states"], ss = pq.clone(), ps.clone()
+        fn = ops.ssd_chunk_scan if name == "plain" else tm.ssd_chunk_scan_fp8_aware
+        y, cs = fn(*(args[k] for k in PREFILL_ORDER), 8, True, ss)
+        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, M2_DIM, exact=name == "plain")
+    args = dict(inp)
+    args["ssm_states"] = pq.clone()
+    run_opcheck(ops.ssd_chunk_scan, tuple(args[k] for k in PREFILL_ORDER) + (8, True), dict(ssm_scales=ps.clone()))
+
+
+# --------------------------------------------------------------------------------------------
+# slot moves: copy and commit move the scales like any pool tensor
+# --------------------------------------------------------------------------------------------
+
+
+def test_copy_and_commit_move_fp8_states_with_their_scales():
+    torch.manual_seed(5)
+    pq, ps = _gdn_pool(2, 4, 8)
+    iq, iscale = quantized(torch.randn(3, 2, 2, 4, 8), GDN_DIM)
+    src, dst = torch.tensor([1, 4, -1]), torch.tensor([6, 2, 3])
+    idx, acc = torch.tensor([7, -1, 0]), torch.tensor([2, 1, 1])
+    for copy, commit in ((ops.copy_state_slots, ops.commit_speculative_state),
+                         (tstate.copy_state_slots_triton, tstate.commit_speculative_state_triton)):
+        q, s = pq.clone(), ps.clone()
+        copy([q, s], src, dst)
+        assert torch.equal(q[6].view(torch.uint8), pq[1].view(torch.uint8)) and torch.equal(s[2], ps[4])
+        assert torch.equal(q[3].view(torch.uint8), pq[3].view(torch.uint8))
+        commit([q, s], [iq, iscale], idx, acc)
+        assert torch.equal(q[7].view(torch.uint8), iq[0, 1].view(torch.uint8)) and torch.equal(s[7], iscale[0, 1])
+        assert torch.equal(q[0].view(torch.uint8), iq[2, 0].view(torch.uint8)) and torch.equal(s[0], iscale[2, 0])
+    run_opcheck(ops.copy_state_slots, ([pq.clone(), ps.clone()], src, dst))
+    run_opcheck(ops.commit_speculative_state, ([pq.clone(), ps.clone()], [iq, iscale], idx, acc))
+
+
+def test_fp8_pool_arguments_are_validated():
+    pq, ps = _gdn_pool(2, 16, 16)
+    q, k, v = make_qkv((1,), 1, 2, 16, 16, torch.float32)
+    a = b = torch.zeros(1, 2)
+    A_log = dt_bias = torch.zeros(2)
+    slots = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs `ssm_scales`"):
+        ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq, slots, True, 0.0, 1.0, 20.0)
+    with pytest.raises(ValueError, match="must be fp32 of shape"):
+        ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq, slots, True, 0.0, 1.0, 20.0,
+                                                   ssm_scales=ps[:, :, :4])
+    with pytest.raises(ValueError, match="only for an FP8"):
+        ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq.float(), slots, True, 0.0, 1.0,
+                                                   20.0, ssm_scales=ps)
+
+
+def test_move_state_rows_round_trips():
+    """The staging kernel: dequantize slots into fp32 rows and quantize them back unchanged."""
+    pq, ps = _gdn_pool(2, 16, 8)
+    idx = torch.tensor([5, -1, 2], dtype=torch.int32)
+    buf, rows = tfp8.stage_states(pq, ps, idx, GDN_DIM)
+    torch.testing.assert_close(buf[0], deq(pq[5], ps[5], GDN_DIM), rtol=0, atol=0)
+    assert torch.equal(buf[1], torch.zeros_like(buf[1]))
+    q, s = pq.clone(), ps.clone()
+    tfp8.unstage_states(buf, rows, q, s, idx, torch.tensor([True, True, False]), GDN_DIM)
+    assert torch.equal(q.view(torch.uint8), pq.view(torch.uint8))
+    torch.testing.assert_close(s, ps, rtol=1e-6, atol=0)

@@ -20,7 +20,12 @@ class EngineConfig:
 
     device: str | torch.device | None = None  # default: the model's device
     dtype: torch.dtype | str | None = None  # activations; default: the model's dtype
+    # recurrent (SSM) state pool: float32 (default), bfloat16 / float16, or "fp8": e4m3 with one fp32
+    # scale per state vector (hybrid_compile.ops.fp8_cache), re-quantized at every write
     ssm_state_dtype: torch.dtype | str = torch.float32
+    # KV cache of the full-attention layers: "auto" = the model dtype, or "fp8": e4m3 with one fp32
+    # scale per token and head (hybrid_compile.ops.fp8_cache)
+    kv_cache_dtype: str = "auto"
     # "fp8": serve the projections and MoE experts in block FP8 (hybrid_compile.quantization); a float
     # model is quantized in place at wrap (irreversible: close() does not restore its float weights); a
     # model already holding FP8 layers (an FP8 checkpoint) is served as loaded. None: as the model is.
@@ -94,6 +99,17 @@ class EngineConfig:
             )
         if self.prefix_cache_policy not in ("lru", "marconi"):
             raise ValueError(f"EngineConfig.prefix_cache_policy must be 'lru' or 'marconi', got {self.prefix_cache_policy!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        try:
+            ssm = _as_dtype(self.ssm_state_dtype)
+        except ValueError:
+            ssm = None
+        if ssm not in _SSM_STATE_DTYPES:
+            raise ValueError(
+                "EngineConfig.ssm_state_dtype must be 'float32', 'bfloat16', 'float16' or 'fp8', got "
+                f"{self.ssm_state_dtype!r}"
+            )
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
         if self.speculative is not None:
@@ -145,13 +161,22 @@ class EngineConfig:
     def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return _as_dtype(self.dtype) if self.dtype is not None else model_dtype
 
+    def resolved_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool dtype: the model's (``"auto"``) or e4m3 (``"fp8"``)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else model_dtype
+
 
 _CUDA_GRAPH_MODES = (None, True, False, "full", "piecewise")
+
+
+_SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 def _as_dtype(d: torch.dtype | str) -> torch.dtype:
     if isinstance(d, torch.dtype):
         return d
+    if str(d) == "fp8":  # the pools' FP8 format (e4m3 with scales)
+        return torch.float8_e4m3fn
     value = getattr(torch, str(d).replace("torch.", ""), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {d!r}")

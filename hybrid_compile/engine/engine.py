@@ -133,7 +133,8 @@ class HybridEngine:
                 "model's own weights, so convert the model first (model.to(dtype))"
             )
         self.layout = self.family.layout(
-            model, kv_dtype=self.dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype)
+            model, kv_dtype=config.resolved_kv_cache_dtype(self.dtype), conv_dtype=self.dtype,
+            ssm_dtype=_as_dtype(config.ssm_state_dtype),
         )
         max_context = config.max_context_len or self.layout.max_position_embeddings
         # speculative verify writes the k drafts past a request's last token: k positions of room

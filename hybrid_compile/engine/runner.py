@@ -135,9 +135,11 @@ class ModelRunner:
         self.pools = pools
         self.device = device
         kv = pools.kv
-        self.kv_caches = {layer: kv.kv_cache(layer) for layer in kv.layer_ids}
+        self.kv_caches = {layer: (*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
         mamba = pools.mamba
-        self.mamba_caches = {layer: (mamba.conv(layer), mamba.ssm(layer)) for layer in mamba.layer_ids}
+        self.mamba_caches = {
+            layer: (mamba.conv(layer), mamba.ssm(layer), mamba.ssm_scale(layer)) for layer in mamba.layer_ids
+        }
         self.compiled = config is not None and config.resolved_compile(device)
         full, piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
         self._compiled_forward = None
@@ -155,7 +157,8 @@ class ModelRunner:
         # its linear layers write (ForwardContext.intermediate_caches)
         self.draft_len = mamba.num_draft_steps
         self.intermediate_caches = (
-            {layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer)) for layer in mamba.layer_ids}
+            {layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer),
+                     mamba.layer_cache(layer).intermediate_ssm_scale) for layer in mamba.layer_ids}
             if self.draft_len else {}
         )
         # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off

@@ -59,16 +59,16 @@ def attention_layer(
     q, k, v = (t if t.stride(0) == max(t.stride()) else t.contiguous() for t in (q, k, v))
     ctx = require_forward_context("hybrid_compile::attention_layer")
     md = ctx.metadata
-    k_cache, v_cache = ctx.kv_caches[layer_id]
-    _kernels.store_kv_cache(k_cache, v_cache, md.out_cache_loc, k, v)
+    k_cache, v_cache, k_scale, v_scale = ctx.kv_caches[layer_id]  # scales: FP8 KV cache only
+    _kernels.store_kv_cache(k_cache, v_cache, md.out_cache_loc, k, v, k_scale, v_scale)
     if md.mode is ForwardMode.DECODE:
         out, _ = _kernels.paged_attention_decode(
-            q, k_cache, v_cache, md.kv_indptr, md.kv_indices, scale, sliding_window, logit_softcap
+            q, k_cache, v_cache, md.kv_indptr, md.kv_indices, scale, sliding_window, logit_softcap, k_scale, v_scale
         )
     else:
         out, _ = _kernels.paged_attention_extend(
             q, k_cache, v_cache, md.query_start_loc, md.kv_indptr, md.kv_indices, scale, True,
-            sliding_window, logit_softcap,
+            sliding_window, logit_softcap, k_scale, v_scale,
         )
     return out
 

@@ -116,13 +116,14 @@ class VerifyBatch:
         rows: verify requests (``ForwardMetadata.verify_rows()``).
         steps: tokens per verify request (``ForwardMetadata.draft_len``).
         cache_indices: ``[rows]`` int32 Mamba slot of each verify request.
-        intermediates: the layer's per-draft-step buffers ``(conv_windows, ssm_states)``.
+        intermediates: the layer's per-draft-step buffers ``(conv_windows, ssm_states, ssm_scales)``
+            (``ssm_scales`` None unless the state is FP8).
     """
 
     rows: int
     steps: int
     cache_indices: torch.Tensor
-    intermediates: tuple[torch.Tensor, torch.Tensor]
+    intermediates: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
     @property
     def num_tokens(self) -> int:
@@ -143,18 +144,19 @@ class VerifyBatch:
 class ForwardContext:
     """Metadata plus the pool views of every layer for one forward.
 
-    ``kv_caches[layer_id] = (k_cache, v_cache)`` for full-attention layers;
-    ``mamba_caches[layer_id] = (conv_states, ssm_states)`` for linear layers;
-    ``intermediate_caches[layer_id] = (conv_windows, ssm_states)`` per-draft-step buffers
-    (speculative verify only).
+    ``kv_caches[layer_id] = (k_cache, v_cache, k_scale, v_scale)`` for full-attention layers;
+    ``mamba_caches[layer_id] = (conv_states, ssm_states, ssm_scales)`` for linear layers;
+    ``intermediate_caches[layer_id] = (conv_windows, ssm_states, ssm_scales)`` per-draft-step
+    buffers (speculative verify only). The scales are the fp32 tensors beside an FP8 pool
+    (``hybrid_compile.ops.fp8_cache``), None for a float pool.
     """
 
     metadata: ForwardMetadata
-    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    mamba_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    intermediate_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kv_caches: dict[int, tuple]
+    mamba_caches: dict[int, tuple]
+    intermediate_caches: dict[int, tuple] = field(default_factory=dict)
 
-    def intermediate(self, layer_id: int, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def intermediate(self, layer_id: int, op: str) -> tuple:
         """The per-draft-step buffers of one linear layer (TARGET_VERIFY), or a clear error."""
         if layer_id not in self.intermediate_caches:
             raise RuntimeError(

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
+from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
 from ..ops.gdn import GDN_CHUNK_SIZE
 from .context import ForwardMode, require_forward_context
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
@@ -88,7 +89,7 @@ def gdn_layer(
     _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     ctx = require_forward_context("hybrid_compile::gdn_layer")
     md = ctx.metadata
-    conv_states, ssm_states = ctx.mamba_caches[layer_id]
+    conv_states, ssm_states, ssm_scales = ctx.mamba_caches[layer_id]
     key_dim = num_k_heads * head_k_dim
     n = mixed_qkv.shape[0]
 
@@ -104,12 +105,13 @@ def gdn_layer(
                 q.reshape(n, 1, num_k_heads, head_k_dim), k.reshape(n, 1, num_k_heads, head_k_dim),
                 v.reshape(n, 1, num_v_heads, head_v_dim), g.reshape(n, 1, num_v_heads),
                 beta.reshape(n, 1, num_v_heads), ssm_states, md.mamba_cache_indices, True, 0.0, False, None,
+                ssm_scales,
             ).reshape(n, num_v_heads, head_v_dim)
         return _kernels.fused_sigmoid_gating_delta_rule_update(
             A_log, dt_bias,
             q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
             v.reshape(n, num_v_heads, head_v_dim), a, b, ssm_states, md.mamba_cache_indices,
-            True, 0.0, 1.0, 20.0,
+            True, 0.0, 1.0, 20.0, ssm_scales,
         )
     if md.mode is ForwardMode.EXTEND:
         track = tracking(md)  # prefix-cache checkpoints inside the extend (layers/tracking.py)
@@ -124,15 +126,15 @@ def gdn_layer(
         out, chunk_states = _kernels.chunk_gated_delta_rule(
             q.reshape(n, num_k_heads, head_k_dim), k.reshape(n, num_k_heads, head_k_dim),
             v.reshape(n, num_v_heads, head_v_dim), g, beta, ssm_states, md.query_start_loc,
-            md.mamba_cache_indices, md.has_initial_state, True, 0.0, track,
+            md.mamba_cache_indices, md.has_initial_state, True, 0.0, track, ssm_scales,
         )
         if track:
-            track_ssm_checkpoints(md, ssm_states, chunk_states, GDN_CHUNK_SIZE)
+            track_ssm_checkpoints(md, ssm_states, chunk_states, GDN_CHUNK_SIZE, ssm_scales, GDN_STATE_SCALE_DIM)
         return out
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "gdn_layer")
         rows, steps, nv = verify.rows, verify.steps, verify.num_tokens
-        inter_conv, inter_ssm = verify.intermediates
+        inter_conv, inter_ssm, inter_scales = verify.intermediates
         x = _kernels.causal_conv1d_update(
             verify.per_request(mixed_qkv), conv_states, conv_weight, conv_bias, activation, verify.cache_indices,
             True, inter_conv,
@@ -143,6 +145,7 @@ def gdn_layer(
             q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
             v.reshape(rows, steps, num_v_heads, head_v_dim), g.reshape(rows, steps, num_v_heads),
             beta.reshape(rows, steps, num_v_heads), ssm_states, verify.cache_indices, True, 0.0, True, inter_ssm,
+            ssm_scales, inter_scales,
         )
         return verify.pad(out.reshape(nv, num_v_heads, head_v_dim), n)
     raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported")

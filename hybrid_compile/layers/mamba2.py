@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from .context import ForwardMode, require_forward_context
+from ..ops.fp8_cache import MAMBA2_STATE_SCALE_DIM
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
 
 _kernels = torch.ops.hybrid_compile
@@ -125,7 +126,7 @@ def mamba2_layer(
     _check(xBC, dt, num_heads, head_dim, n_groups, state_size)
     ctx = require_forward_context("hybrid_compile::mamba2_layer")
     md = ctx.metadata
-    conv_states, ssm_states = ctx.mamba_caches[layer_id]
+    conv_states, ssm_states, ssm_scales = ctx.mamba_caches[layer_id]
     n = xBC.shape[0]
     x_dim = num_heads * head_dim
     bc_dim = n_groups * state_size
@@ -150,14 +151,14 @@ def mamba2_layer(
         y = _kernels.selective_state_update(  # A = -exp(A_log) in the kernel (A_is_log): no glue kernels
             x.reshape(n, 1, num_heads, head_dim), dt.unsqueeze(1), A_log,
             B.reshape(n, 1, n_groups, state_size), C.reshape(n, 1, n_groups, state_size),
-            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None, True,
+            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None, True, ssm_scales,
         )
         return y.reshape(n, num_heads, head_dim)
 
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "mamba2_layer")
         rows, steps = verify.rows, verify.steps
-        inter_conv, inter_ssm = verify.intermediates
+        inter_conv, inter_ssm, inter_scales = verify.intermediates
         conv = _kernels.causal_conv1d_update(
             verify.per_request(xBC), conv_states, conv_weight, conv_bias, activation, verify.cache_indices, True,
             inter_conv,
@@ -167,6 +168,7 @@ def mamba2_layer(
             x.reshape(rows, steps, num_heads, head_dim), verify.per_request(dt), A_log,
             B.reshape(rows, steps, n_groups, state_size), C.reshape(rows, steps, n_groups, state_size),
             D, None, bias, softplus, lo, hi, ssm_states, verify.cache_indices, True, inter_ssm, True,
+            ssm_scales, inter_scales,
         )
         return verify.pad(y.reshape(verify.num_tokens, num_heads, head_dim), n)
 
@@ -183,10 +185,10 @@ def mamba2_layer(
         x.reshape(n, num_heads, head_dim), dt, A,
         B.reshape(n, n_groups, state_size), C.reshape(n, n_groups, state_size),
         D, None, bias, softplus, lo, hi, ssm_states, md.query_start_loc, md.mamba_cache_indices,
-        md.has_initial_state, chunk_size, track,
+        md.has_initial_state, chunk_size, track, ssm_scales,
     )
     if track:
-        track_ssm_checkpoints(md, ssm_states, chunk_states, chunk_size)
+        track_ssm_checkpoints(md, ssm_states, chunk_states, chunk_size, ssm_scales, MAMBA2_STATE_SCALE_DIM)
     return y
 
 

@@ -39,13 +39,15 @@ def track_conv_checkpoints(md: ForwardMetadata, conv_states: torch.Tensor, conv_
 
 
 def track_ssm_checkpoints(
-    md: ForwardMetadata, ssm_states: torch.Tensor, chunk_states: torch.Tensor, chunk_size: int
+    md: ForwardMetadata, ssm_states: torch.Tensor, chunk_states: torch.Tensor, chunk_size: int,
+    ssm_scales: torch.Tensor | None = None, scale_dim: int = -1,
 ) -> None:
     """Copy each tracked request's chunk state at its checkpoint (row ``offset_b +
-    track_lens[b] // chunk_size`` of the ``_varlen`` layout) into its track slot."""
+    track_lens[b] // chunk_size`` of the ``_varlen`` layout) into its track slot (quantized into
+    an FP8 pool's values and ``ssm_scales``, one scale per vector along ``scale_dim``)."""
     offsets = chunk_row_offsets(md.query_start_loc, chunk_size)
     lens = md.track_lens.to(torch.int64)
     slots = md.track_slots.to(torch.int64)
     keep = (slots >= 0) & (lens >= 0) & (md.mamba_cache_indices >= 0)
     src = torch.where(keep, offsets + torch.div(lens, chunk_size, rounding_mode="floor"), -1)
-    _kernels.track_chunk_states(ssm_states, chunk_states, src, torch.where(keep, slots, -1))
+    _kernels.track_chunk_states(ssm_states, chunk_states, src, torch.where(keep, slots, -1), ssm_scales, scale_dim)

@@ -12,6 +12,11 @@ offset``) and handed out by the pool's :class:`~.allocator.TokenSlotAllocator`. 
 the reserved page 0) is the dummy slot: padded tokens of a CUDA-graph batch write their K/V
 there, and no request ever reads it. K/V of allocated slots are not cleared: every position
 is written by the forward pass before attention reads it.
+
+FP8 KV cache (an :class:`~.specs.AttentionLayerSpec` of dtype ``float8_e4m3fn``): K and V hold e4m3
+values and, beside them, fp32 scales ``k_scale / v_scale [num_token_slots, num_kv_heads]`` (one
+per token and head, stacked per group like the values; :meth:`KVPool.kv_scales`). The attention
+ops quantize on write and dequantize on read (``hybrid_compile.ops.fp8_cache``).
 """
 
 from __future__ import annotations
@@ -61,19 +66,30 @@ class KVPool:
 
         self.k_buffers: list[torch.Tensor] = []  # one stacked tensor per spec group
         self.v_buffers: list[torch.Tensor] = []
+        self.scale_buffers: list[torch.Tensor] = []  # FP8 groups: [2 (k, v), layers, slots, heads] fp32
         k_views: dict[int, torch.Tensor] = {}
         v_views: dict[int, torch.Tensor] = {}
+        scale_views: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for spec in self.specs:
             k = torch.zeros((spec.num_layers, self.num_token_slots, *spec.k_shape), dtype=spec.dtype, device=self.device)
             v = torch.zeros((spec.num_layers, self.num_token_slots, *spec.v_shape), dtype=spec.dtype, device=self.device)
             self.k_buffers.append(k)
             self.v_buffers.append(v)
+            scales = None
+            if spec.is_fp8:
+                scales = torch.zeros((2, spec.num_layers, self.num_token_slots, spec.num_kv_heads),
+                                     dtype=torch.float32, device=self.device)
+                self.scale_buffers.append(scales)
             for pos, layer_id in enumerate(spec.layer_ids):
                 k_views[layer_id] = k[pos]
                 v_views[layer_id] = v[pos]
+                scale_views[layer_id] = (None, None) if scales is None else (scales[0, pos], scales[1, pos])
         # Per-layer views in kv-index order (index = layer_to_kv_index[layer_id]).
         self.k_caches: list[torch.Tensor] = [k_views[i] for i in self.layer_ids]
         self.v_caches: list[torch.Tensor] = [v_views[i] for i in self.layer_ids]
+        self.kv_scale_views: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
+            scale_views[i] for i in self.layer_ids
+        ]
         self.bytes_per_token = kv_bytes_per_token(self.specs)
 
     @property
@@ -101,9 +117,17 @@ class KVPool:
         idx = self.kv_index(layer_id)
         return self.k_caches[idx], self.v_caches[idx]
 
+    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``([num_token_slots, num_kv_heads], same)`` fp32 K / V scales of an FP8 layer, else (None, None)."""
+        return self.kv_scale_views[self.kv_index(layer_id)]
+
+    @property
+    def dtypes(self) -> list[str]:
+        return sorted({str(s.dtype).replace("torch.", "") for s in self.specs})
+
     def nbytes(self) -> int:
-        """Device bytes of all K/V buffers (including the reserved page)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k_buffers, *self.v_buffers))
+        """Device bytes of all K/V buffers and FP8 scales (including the reserved page)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_buffers, *self.v_buffers, *self.scale_buffers))
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """``K/V[dst_slots[i]] = K/V[src_slots[i]]`` in every layer (a request forked from another,
@@ -120,7 +144,10 @@ class KVPool:
         src_d = (src.pin_memory() if pin else src).to(self.device, non_blocking=True)
         dst_d = (dst.pin_memory() if pin else dst).to(self.device, non_blocking=True)
         for buf in (*self.k_buffers, *self.v_buffers):
-            buf.index_copy_(1, dst_d, buf.index_select(1, src_d))
+            bits = buf.view(torch.uint8) if buf.dtype == torch.float8_e4m3fn else buf  # (no CPU float8 index_copy_)
+            bits.index_copy_(1, dst_d, bits.index_select(1, src_d))
+        for buf in self.scale_buffers:
+            buf.index_copy_(2, dst_d, buf.index_select(2, src_d))
 
     # Allocation goes through the token allocator; these delegate for convenience.
     def alloc(self, n: int) -> torch.Tensor | None:

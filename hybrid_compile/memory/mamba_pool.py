@@ -11,6 +11,13 @@ Layout (fixed by the kernel ops ``hybrid_compile.ops.conv1d`` / ``gdn`` / ``mamb
   ``intermediate_conv[layer]: [max_batch, num_draft_steps, conv_width - 1, conv_dim]`` and
   ``intermediate_ssm[layer]: [max_batch, num_draft_steps, *state_shape]``.
 
+FP8 state (a spec with ``ssm_dtype=float8_e4m3fn``): ``ssm`` holds e4m3 values and
+``ssm_scale[layer]: [num_slots, *ssm_scale_shape]`` fp32 scales beside it (one per vector along the
+spec's ``ssm_scale_dim``), likewise ``intermediate_ssm_scale``; the scales are slot-indexed like the
+states, so zeroing, copying and committing a slot move them too. The conv windows stay in the
+model dtype: a window is ``W - 1`` inputs (a few percent of a slot's bytes next to the state) and is
+overwritten, not accumulated, each step.
+
 Layers with identical shapes and dtypes share one stacked tensor per kind
 (``[num_layers_in_group, num_slots, ...]``); the per-layer accessors return contiguous views.
 A slot is handed out per request (or per prefix-cache checkpoint) by :meth:`MambaPool.alloc`,
@@ -41,6 +48,9 @@ class MambaLayerCache:
     intermediate_conv: torch.Tensor | None
     intermediate_ssm: torch.Tensor | None
     has_ssm_state: bool = True
+    # FP8 state: fp32 scales beside ``ssm`` / ``intermediate_ssm`` (None for a float state)
+    ssm_scale: torch.Tensor | None = None
+    intermediate_ssm_scale: torch.Tensor | None = None
 
 
 class MambaPool:
@@ -88,6 +98,8 @@ class MambaPool:
         self.ssm_buffers: list[torch.Tensor] = []
         self.intermediate_conv_buffers: list[torch.Tensor] = []
         self.intermediate_ssm_buffers: list[torch.Tensor] = []
+        self.ssm_scale_buffers: list[torch.Tensor] = []  # FP8 state groups only
+        self.intermediate_ssm_scale_buffers: list[torch.Tensor] = []
         caches: dict[int, MambaLayerCache] = {}
         for spec in self.specs:
             n = spec.num_layers
@@ -97,6 +109,10 @@ class MambaPool:
             self.conv_buffers.append(conv)
             if spec.has_ssm_state:
                 self.ssm_buffers.append(ssm)
+            scale = inter_scale = None
+            if spec.ssm_is_fp8:
+                scale = torch.zeros((n, num_slots, *spec.ssm_scale_shape), dtype=torch.float32, device=self.device)
+                self.ssm_scale_buffers.append(scale)
             inter_conv = inter_ssm = None
             if speculative:
                 rows = (n, max_draft_batch, num_draft_steps)
@@ -105,6 +121,9 @@ class MambaPool:
                 self.intermediate_conv_buffers.append(inter_conv)
                 if spec.has_ssm_state:
                     self.intermediate_ssm_buffers.append(inter_ssm)
+                if spec.ssm_is_fp8:
+                    inter_scale = torch.zeros((*rows, *spec.ssm_scale_shape), dtype=torch.float32, device=self.device)
+                    self.intermediate_ssm_scale_buffers.append(inter_scale)
             for pos, layer_id in enumerate(spec.layer_ids):
                 caches[layer_id] = MambaLayerCache(
                     conv=conv[pos],
@@ -112,6 +131,8 @@ class MambaPool:
                     intermediate_conv=None if inter_conv is None else inter_conv[pos],
                     intermediate_ssm=None if inter_ssm is None else inter_ssm[pos],
                     has_ssm_state=spec.has_ssm_state,
+                    ssm_scale=None if scale is None else scale[pos],
+                    intermediate_ssm_scale=None if inter_scale is None else inter_scale[pos],
                 )
         # Per-layer views in mamba-index order (index = layer_to_mamba_index[layer_id]).
         self.layer_caches: list[MambaLayerCache] = [caches[i] for i in self.layer_ids]
@@ -152,19 +173,27 @@ class MambaPool:
         """``[max_draft_batch, num_draft_steps, *state_shape]``, by batch row."""
         return self._speculative(self.layer_cache(layer_id).intermediate_ssm)
 
+    def ssm_scale(self, layer_id: int) -> torch.Tensor | None:
+        """``[num_slots, *ssm_scale_shape]`` fp32 scales of an FP8 state, None for a float state."""
+        return self.layer_cache(layer_id).ssm_scale
+
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every per-layer slot-indexed view (conv and SSM of each layer; conv only for a conv-only
-        layer), for the state ops (``copy_state_slots``, ``commit_speculative_state``) that take a
-        list of pool tensors."""
-        return [t for c in self.layer_caches for t in ((c.conv, c.ssm) if c.has_ssm_state else (c.conv,))]
+        """Every per-layer slot-indexed view (conv, SSM and an FP8 state's scales of each layer;
+        conv only for a conv-only layer), for the state ops (``copy_state_slots``,
+        ``commit_speculative_state``) that take a list of pool tensors."""
+        return [t for c in self.layer_caches for t in (c.conv, c.ssm, c.ssm_scale)[: _num_state_tensors(c)]]
 
     def intermediate_state_tensors(self) -> list[torch.Tensor]:
         """The intermediate buffers matching :meth:`state_tensors` one to one."""
         self._speculative(None if not self.layer_caches else self.layer_caches[0].intermediate_conv)
         return [
             t for c in self.layer_caches
-            for t in ((c.intermediate_conv, c.intermediate_ssm) if c.has_ssm_state else (c.intermediate_conv,))
+            for t in (c.intermediate_conv, c.intermediate_ssm, c.intermediate_ssm_scale)[: _num_state_tensors(c)]
         ]
+
+    @property
+    def ssm_dtypes(self) -> list[str]:
+        return sorted({str(s.ssm_dtype).replace("torch.", "") for s in self.specs if s.has_ssm_state})
 
     def _speculative(self, t: torch.Tensor | None) -> torch.Tensor:
         if t is None:
@@ -193,8 +222,8 @@ class MambaPool:
     def zero_slots(self, slots: IndexLike) -> None:
         """Zero the conv window and SSM state of these slots in every layer (device-side)."""
         idx = self._device_index(self.allocator.check_allocated(slots, action="zero"))
-        for buf in (*self.conv_buffers, *self.ssm_buffers):
-            buf.index_fill_(1, idx, 0)
+        for buf in self._slot_buffers():
+            _bits(buf).index_fill_(1, idx, 0)  # (e4m3 zero is all-zero bits)
 
     def copy_slots(self, src_slots: IndexLike, dst_slots: IndexLike) -> None:
         """``state[dst_slots[i]] = state[src_slots[i]]`` in every layer (copy-on-write of a
@@ -206,8 +235,9 @@ class MambaPool:
         if src.numel() == 0:
             return
         src_d, dst_d = self._device_index(src), self._device_index(dst)
-        for buf in (*self.conv_buffers, *self.ssm_buffers):
-            buf.index_copy_(1, dst_d, buf.index_select(1, src_d))
+        for buf in self._slot_buffers():
+            bits = _bits(buf)
+            bits.index_copy_(1, dst_d, bits.index_select(1, src_d))
 
     def fork(self, src_slots: IndexLike) -> torch.Tensor | None:
         """New slots holding copies of ``src_slots`` (a prefix-cache checkpoint), or ``None``."""
@@ -218,15 +248,28 @@ class MambaPool:
         self.copy_slots(src, dst)
         return dst
 
+    def _slot_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (*self.conv_buffers, *self.ssm_buffers, *self.ssm_scale_buffers)
+
     def nbytes(self) -> int:
-        """Device bytes of the slot-indexed buffers (conv + SSM)."""
-        return sum(t.numel() * t.element_size() for t in (*self.conv_buffers, *self.ssm_buffers))
+        """Device bytes of the slot-indexed buffers (conv + SSM + FP8 scales)."""
+        return sum(t.numel() * t.element_size() for t in self._slot_buffers())
 
     def speculative_nbytes(self) -> int:
         """Device bytes of the intermediate (speculative) buffers."""
-        bufs = (*self.intermediate_conv_buffers, *self.intermediate_ssm_buffers)
+        bufs = (*self.intermediate_conv_buffers, *self.intermediate_ssm_buffers, *self.intermediate_ssm_scale_buffers)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def _device_index(self, idx: torch.Tensor) -> torch.Tensor:
         # Host -> device copy of a small index tensor; asynchronous on CUDA (no stream sync).
         return idx.to(self.device, non_blocking=True)
+
+
+def _num_state_tensors(c: MambaLayerCache) -> int:
+    """Conv only (conv-only layer), conv + SSM, or conv + SSM + scales (FP8 state)."""
+    return 1 if not c.has_ssm_state else (3 if c.ssm_scale is not None else 2)
+
+
+def _bits(buf: torch.Tensor) -> torch.Tensor:
+    """A float8 buffer as uint8 (torch has no CPU ``index_copy_`` / ``index_fill_`` for float8)."""
+    return buf.view(torch.uint8) if buf.dtype == torch.float8_e4m3fn else buf

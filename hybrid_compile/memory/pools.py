@@ -129,6 +129,8 @@ class MemoryPools:
             "free": self.free_counts(),
             "used": self.used_counts(),
             "layers": {"full_attention": list(self.kv.layer_ids), "linear": list(self.mamba.layer_ids)},
+            # pool element dtypes ("float8_e4m3fn": e4m3 values with fp32 scales beside them)
+            "dtypes": {"kv": self.kv.dtypes, "ssm": self.mamba.ssm_dtypes},
             "bytes": {
                 "per_token": self.kv.bytes_per_token,
                 "per_mamba_slot": self.mamba.bytes_per_slot,

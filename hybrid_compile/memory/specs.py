@@ -50,6 +50,11 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+#: The FP8 pool dtype (e4m3); its fp32 scales live beside it (``hybrid_compile.ops.fp8_cache``).
+FP8_POOL_DTYPE = torch.float8_e4m3fn
+_SCALE_BYTES = 4  # one fp32 scale per vector
+
+
 @dataclass(frozen=True)
 class AttentionLayerSpec:
     """Full-attention layers whose K/V live in the KV pool.
@@ -58,7 +63,8 @@ class AttentionLayerSpec:
         layer_ids: the model's layer index (or indices, for several identical layers).
         num_kv_heads: K/V heads per token.
         head_dim: K head dim.
-        dtype: KV cache dtype.
+        dtype: KV cache dtype; ``float8_e4m3fn`` adds one fp32 scale per token and head to K and
+            to V (``[slots, num_kv_heads]`` each, counted in the bytes per token).
         v_head_dim: V head dim; ``None`` means equal to ``head_dim``.
     """
 
@@ -91,8 +97,13 @@ class AttentionLayerSpec:
         return (self.num_kv_heads, self.v_head_dim)
 
     @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_POOL_DTYPE
+
+    @property
     def bytes_per_token_per_layer(self) -> int:
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * _element_size(self.dtype)
+        values = self.num_kv_heads * (self.head_dim + self.v_head_dim) * _element_size(self.dtype)
+        return values + (2 * self.num_kv_heads * _SCALE_BYTES if self.is_fp8 else 0)
 
     @property
     def bytes_per_token(self) -> int:
@@ -114,7 +125,10 @@ class MambaLayerSpec:
             and the pool keeps no SSM tensor for it.
         conv_dtype: conv window dtype (usually the model dtype).
         ssm_dtype: recurrent state dtype (fp32 by default: the state accumulates over the
-            whole sequence, and low precision drifts).
+            whole sequence, and low precision drifts). ``float8_e4m3fn`` adds one fp32 scale per
+            vector along ``ssm_scale_dim`` (:attr:`ssm_scale_shape`, counted in the slot bytes).
+        ssm_scale_dim: the state axis one FP8 scale covers, counted from the end (the axis the
+            family's kernels hold whole: GDN ``-2`` = K of ``(H, K, V)``, Mamba2 ``-1`` = N).
     """
 
     layer_ids: tuple[int, ...]
@@ -123,6 +137,7 @@ class MambaLayerSpec:
     state_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype = torch.float32
+    ssm_scale_dim: int = -1
 
     def __post_init__(self) -> None:
         owner = "MambaLayerSpec"
@@ -134,6 +149,8 @@ class MambaLayerSpec:
         object.__setattr__(self, "state_shape", shape)
         _check_dtype(owner, "conv_dtype", self.conv_dtype)
         _check_dtype(owner, "ssm_dtype", self.ssm_dtype)
+        if shape and not -len(shape) <= self.ssm_scale_dim < 0:
+            raise ValueError(f"{owner}: `ssm_scale_dim` must be in [-{len(shape)}, -1], got {self.ssm_scale_dim}")
 
     @property
     def num_layers(self) -> int:
@@ -154,10 +171,24 @@ class MambaLayerSpec:
         return math.prod(self.conv_window_shape) * _element_size(self.conv_dtype)
 
     @property
+    def ssm_is_fp8(self) -> bool:
+        return self.has_ssm_state and self.ssm_dtype == FP8_POOL_DTYPE
+
+    @property
+    def ssm_scale_shape(self) -> tuple[int, ...] | None:
+        """Per-slot shape of the fp32 scales of an FP8 state (``state_shape`` without
+        ``ssm_scale_dim``), None for a float state."""
+        if not self.ssm_is_fp8:
+            return None
+        dim = self.ssm_scale_dim % len(self.state_shape)
+        return tuple(d for i, d in enumerate(self.state_shape) if i != dim)
+
+    @property
     def ssm_bytes_per_slot_per_layer(self) -> int:
         if not self.has_ssm_state:
             return 0
-        return math.prod(self.state_shape) * _element_size(self.ssm_dtype)
+        scales = math.prod(self.ssm_scale_shape) * _SCALE_BYTES if self.ssm_is_fp8 else 0
+        return math.prod(self.state_shape) * _element_size(self.ssm_dtype) + scales
 
     @property
     def bytes_per_slot_per_layer(self) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..layers import gdn as _gdn_layer  # noqa: F401  (registers gdn_layer)
 from ..layers.context import get_forward_context
+from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
 from ..ops.gdn import GDN_CHUNK_SIZE
 from ..memory import AttentionLayerSpec, MambaLayerSpec
 from .base import (
@@ -134,7 +135,8 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
         if kind == "full_attention":
             attention.append(AttentionLayerSpec(i, cfg.num_key_value_heads, head_dim, kv_dtype))
         elif kind == "linear_attention":
-            mamba.append(MambaLayerSpec(i, cfg.linear_conv_kernel_dim, conv_dim, state_shape, conv_dtype, ssm_dtype))
+            mamba.append(MambaLayerSpec(i, cfg.linear_conv_kernel_dim, conv_dim, state_shape, conv_dtype, ssm_dtype,
+                                        ssm_scale_dim=GDN_STATE_SCALE_DIM))
         else:
             raise ValueError(f"{cfg.model_type}: unknown layer type {kind!r} at layer {i}")
     return ModelLayout(attention, mamba, cfg.vocab_size, cfg.max_position_embeddings, GDN_CHUNK_SIZE)

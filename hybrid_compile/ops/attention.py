@@ -2,7 +2,9 @@
 
 One attention layer's pool is a pair ``k_cache: [num_slots, Hkv, D]``,
 ``v_cache: [num_slots, Hkv, Dv]`` (fp32/bf16/fp16, may differ from the activation dtype;
-every op computes in fp32). A *slot* is one token: with page size 1 a KV index is a slot;
+every op computes in fp32). An FP8 KV cache (``kv_cache_dtype="fp8"``) is float8_e4m3fn with
+fp32 scales ``k_scale / v_scale [num_slots, Hkv]`` beside it, one per token and head
+(:mod:`.fp8_cache`): ``store_kv_cache`` quantizes, the attention ops dequantize what they read. A *slot* is one token: with page size 1 a KV index is a slot;
 larger pages reuse the same token-level indices (``slot = page * page_size + offset``).
 
 The KV tokens of request ``b`` are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, listed in
@@ -36,6 +38,9 @@ import math
 
 import torch
 
+from typing import Optional
+
+from .fp8_cache import FP8_DTYPE, KV_SCALE_DIM, check_scales, dequantize_vectors, is_fp8, read_rows, write_rows
 from ._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -56,9 +61,15 @@ _LOGITS_BUDGET = 1 << 24
 # --------------------------------------------------------------------------------------------
 
 
-def _check_pool(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    check_tensor(op, "k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor(op, "v_cache", v_cache, ndim=3, dtypes=FLOAT_DTYPES)
+#: KV pool dtypes: float, or e4m3 with per-(token, head) fp32 scales.
+KV_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
+
+
+def _check_pool(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale=None, v_scale=None) -> None:
+    check_tensor(op, "k_cache", k_cache, ndim=3, dtypes=KV_DTYPES)
+    check_tensor(op, "v_cache", v_cache, ndim=3, dtypes=KV_DTYPES)
+    check_scales(op, k_cache, k_scale, "k_scale", KV_SCALE_DIM, "k_cache")
+    check_scales(op, v_cache, v_scale, "v_scale", KV_SCALE_DIM, "v_cache")
     if k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[1] != v_cache.shape[1]:
         raise ValueError(
             f"{op}: `k_cache` {tuple(k_cache.shape)} and `v_cache` {tuple(v_cache.shape)} must agree on "
@@ -107,9 +118,9 @@ def _check_kv_indices(op: str, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
 # --------------------------------------------------------------------------------------------
 
 
-def _check_store(k_cache, v_cache, slots, k, v):
+def _check_store(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None):
     op = "store_kv_cache"
-    _check_pool(op, k_cache, v_cache)
+    _check_pool(op, k_cache, v_cache, k_scale, v_scale)
     check_tensor(op, "slots", slots, ndim=1, dtypes=INDEX_DTYPES)
     t = slots.shape[0]
     check_tensor(op, "k", k, dtypes=FLOAT_DTYPES, shape=(t, k_cache.shape[1], k_cache.shape[2]))
@@ -119,9 +130,10 @@ def _check_store(k_cache, v_cache, slots, k, v):
     check_unique_slots(op, "slots", slots)
 
 
-@torch.library.custom_op("hybrid_compile::store_kv_cache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("hybrid_compile::store_kv_cache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def store_kv_cache(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Write the K/V of T new tokens into the pool: ``k_cache[slots[t]] = k[t]``, ``v_cache[slots[t]] = v[t]``.
 
@@ -132,21 +144,23 @@ def store_kv_cache(
             nothing is written). Non-padding slots must be distinct.
         k: ``[T, Hkv, D]``, v: ``[T, Hkv, Dv]``, fp32/bf16/fp16, cast to the pool dtype. May be
             non-contiguous views (e.g. HF's ``key_states[0].transpose(0, 1)``).
+        k_scale, v_scale: ``[num_slots, Hkv]`` fp32 scales of an FP8 ``k_cache`` / ``v_cache``
+            (module docstring), **mutated**: each token's heads are quantized with their own scale.
     """
-    _check_store(k_cache, v_cache, slots, k, v)
+    _check_store(k_cache, v_cache, slots, k, v, k_scale, v_scale)
     if slots.numel() == 0:
         return
     idx = slots.to(torch.int64)
     keep = idx >= 0
     if not bool(keep.all()):
         idx, k, v = idx[keep], k[keep], v[keep]
-    k_cache.index_copy_(0, idx, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, idx, v.to(v_cache.dtype))
+    write_rows(k_cache, k_scale, idx, k, KV_SCALE_DIM)
+    write_rows(v_cache, v_scale, idx, v, KV_SCALE_DIM)
 
 
 @store_kv_cache.register_fake
-def _(k_cache, v_cache, slots, k, v):
-    _check_store(k_cache, v_cache, slots, k, v)
+def _(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None):
+    _check_store(k_cache, v_cache, slots, k, v, k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,10 +198,11 @@ def _attend(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap):
+def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
+                  k_scale=None, v_scale=None):
     op = "paged_attention_extend"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    _check_pool(op, k_cache, v_cache)
+    _check_pool(op, k_cache, v_cache, k_scale, v_scale)
     _check_heads(op, q, k_cache)
     check_tensor(op, "qo_indptr", qo_indptr, ndim=1, dtypes=INDEX_DTYPES)
     check_tensor(op, "kv_indptr", kv_indptr, ndim=1, dtypes=INDEX_DTYPES, shape=(qo_indptr.shape[0],))
@@ -223,6 +238,8 @@ def paged_attention_extend(
     causal: bool = True,
     sliding_window: int = -1,
     logit_softcap: float = 0.0,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed new tokens over each request's paged KV.
 
@@ -247,12 +264,14 @@ def paged_attention_extend(
             (within the window if any).
         sliding_window: ``W > 0`` limits attention to the last ``W`` positions; ``<= 0`` = off.
         logit_softcap: ``> 0`` caps the logits (Gemma-2 style); 0 = off.
+        k_scale, v_scale: ``[num_slots, Hkv]`` fp32 scales of an FP8 KV cache; None for a float one.
 
     Returns:
         ``o``: ``[T, Hq, Dv]`` in ``q.dtype``; ``lse``: ``[T, Hq]`` fp32 natural-log log-sum-exp of
         the (scaled, capped) visible logits. Both fresh tensors.
     """
-    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap)
+    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
+                  k_scale, v_scale)
     t, hq, _ = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     g = hq // hkv
@@ -278,8 +297,8 @@ def paged_attention_extend(
             hi = min(hi, kv_len)
             lo = min(lo, hi)
             idx = kv_indices[k0 + lo : k0 + hi]
-            kf = k_cache.index_select(0, idx).float()
-            vf = v_cache.index_select(0, idx).float()
+            kf = read_rows(k_cache, k_scale, idx, KV_SCALE_DIM)
+            vf = read_rows(v_cache, v_scale, idx, KV_SCALE_DIM)
             qpos = torch.arange(p0, p1 + 1, device=q.device)
             kpos = torch.arange(lo, hi, device=q.device)
             visible = torch.ones(j1 - j0, hi - lo, dtype=torch.bool, device=q.device)
@@ -295,8 +314,10 @@ def paged_attention_extend(
 
 
 @paged_attention_extend.register_fake
-def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0):
-    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap)
+def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0,
+      k_scale=None, v_scale=None):
+    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
+                  k_scale, v_scale)
     t, hq, _ = q.shape
     return q.new_empty(t, hq, v_cache.shape[2]), q.new_empty(t, hq, dtype=torch.float32)
 
@@ -306,10 +327,11 @@ def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True,
 # --------------------------------------------------------------------------------------------
 
 
-def _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap):
+def _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap, k_scale=None,
+                  v_scale=None):
     op = "paged_attention_decode"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    _check_pool(op, k_cache, v_cache)
+    _check_pool(op, k_cache, v_cache, k_scale, v_scale)
     _check_heads(op, q, k_cache)
     check_tensor(op, "kv_indptr", kv_indptr, ndim=1, dtypes=INDEX_DTYPES, shape=(q.shape[0] + 1,))
     _check_scalars(op, sliding_window, logit_softcap)
@@ -327,6 +349,8 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int = -1,
     logit_softcap: float = 0.0,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention: one query per request over all of its kv tokens.
 
@@ -340,12 +364,12 @@ def paged_attention_decode(
         kv_indptr: ``[B + 1]`` int32/int64 into ``kv_indices``. A row with ``kv_len == 0`` is a
             padding row (CUDA-graph batch padding): output 0, lse -inf.
         kv_indices: ``[>= kv_indptr[-1]]`` int32/int64 slots, in position order.
-        scale, sliding_window, logit_softcap: as in :func:`paged_attention_extend`.
+        scale, sliding_window, logit_softcap, k_scale, v_scale: as in :func:`paged_attention_extend`.
 
     Returns:
         ``o``: ``[B, Hq, Dv]`` in ``q.dtype``; ``lse``: ``[B, Hq]`` fp32 (natural log).
     """
-    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap)
+    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap, k_scale, v_scale)
     bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     g = hq // hkv
@@ -377,6 +401,10 @@ def paged_attention_decode(
             slots = torch.where(visible, kv_indices[gather], 0)  # masked entries read slot 0, ignored
             kf = k_cache[slots].float()  # [n, S, Hkv, D]
             vf = v_cache[slots].float()
+            if is_fp8(k_cache):
+                kf = dequantize_vectors(k_cache[slots], k_scale[slots], KV_SCALE_DIM)
+            if is_fp8(v_cache):
+                vf = dequantize_vectors(v_cache[slots], v_scale[slots], KV_SCALE_DIM)
             qf = q[b0:b1].float().reshape(b1 - b0, 1, hkv, g, d)
             ob, lb = _attend(qf, kf, vf, visible[:, None, :], scale, logit_softcap)
             o[b0:b1] = ob[:, 0].to(q.dtype)
@@ -386,8 +414,9 @@ def paged_attention_decode(
 
 
 @paged_attention_decode.register_fake
-def _(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window=-1, logit_softcap=0.0):
-    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap)
+def _(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window=-1, logit_softcap=0.0, k_scale=None,
+      v_scale=None):
+    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap, k_scale, v_scale)
     bsz, hq, _ = q.shape
     return q.new_empty(bsz, hq, v_cache.shape[2]), q.new_empty(bsz, hq, dtype=torch.float32)
 

@@ -120,7 +120,8 @@ class EngineDraftModel:
         dtype = next(model.parameters()).dtype
         self.model = model
         self.device = target.device
-        self.layout = family.layout(model, kv_dtype=dtype, conv_dtype=dtype, ssm_dtype=_as_dtype(cfg.ssm_state_dtype))
+        self.layout = family.layout(model, kv_dtype=cfg.resolved_kv_cache_dtype(dtype), conv_dtype=dtype,
+                                    ssm_dtype=_as_dtype(cfg.ssm_state_dtype))
         self.vocab_size = min(self.layout.vocab_size, target.layout.vocab_size)
         running = cfg.max_running_requests
         # positions up to the target's longest request + the k - 1 draft positions past it

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ..attention import _check_decode, _check_extend, _check_merge, _check_store
+from .fp8_cache import quantize_axis
 from .launch import pdl_launch, pdl_wait_and_release
 
 _LOG2E = 1.4426950408889634
@@ -107,14 +108,16 @@ def _cast_to(x, DST: tl.constexpr, MANUAL_BF16: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KC, VC, SLOTS,
+    K, V, KC, VC, SLOTS, KS, VS,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_kss, stride_ksh, stride_vss, stride_vsh,
     HKV: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    K_BF16_RNE: tl.constexpr, V_BF16_RNE: tl.constexpr,
+    K_BF16_RNE: tl.constexpr, V_BF16_RNE: tl.constexpr, KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
+    """KV_FP8: quantize each (token, head) vector to e4m3 with its own scale (KS / VS)."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -125,23 +128,28 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = h_mask[:, None] & (offs_d < HEAD_D)[None, :]
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(
-        KC + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
-        _cast_to(k, KC.dtype.element_ty, K_BF16_RNE),
-        mask=mask,
-    )
+    if KV_FP8:
+        k, k_s = quantize_axis(tl.where(mask, k.to(tl.float32), 0.0), 1)
+        tl.store(KS + slot * stride_kss + offs_h * stride_ksh, k_s, mask=h_mask)
+        k = k.to(KC.dtype.element_ty)
+    else:
+        k = _cast_to(k, KC.dtype.element_ty, K_BF16_RNE)
+    tl.store(KC + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_v = h_mask[:, None] & (offs_dv < HEAD_DV)[None, :]
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=mask_v)
-    tl.store(
-        VC + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_dv[None, :],
-        _cast_to(v, VC.dtype.element_ty, V_BF16_RNE),
-        mask=mask_v,
-    )
+    if KV_FP8:
+        v, v_s = quantize_axis(tl.where(mask_v, v.to(tl.float32), 0.0), 1)
+        tl.store(VS + slot * stride_vss + offs_h * stride_vsh, v_s, mask=h_mask)
+        v = v.to(VC.dtype.element_ty)
+    else:
+        v = _cast_to(v, VC.dtype.element_ty, V_BF16_RNE)
+    tl.store(VC + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_dv[None, :], v, mask=mask_v)
 
 
 def store_kv_cache_triton(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """``k_cache[slots[t]] = k[t]``, ``v_cache[slots[t]] = v[t]`` (slot -1 skipped), in place."""
     t = slots.shape[0]
@@ -155,13 +163,14 @@ def store_kv_cache_triton(
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     block_h = min(triton.next_power_of_2(hkv), max(1, 4096 // max(block_d, block_dv)))
     grid = (t, triton.cdiv(hkv, block_h))
+    ks, vs, s_strides, kv_fp8 = _scale_args(k_cache, k_scale, v_scale)
     _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slots,
+        k, v, k_cache, v_cache, slots, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *s_strides,
         HKV=hkv, HEAD_D=d, HEAD_DV=dv, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
         K_BF16_RNE=k_cache.dtype == torch.bfloat16 and k.dtype != torch.bfloat16,
-        V_BF16_RNE=v_cache.dtype == torch.bfloat16 and v.dtype != torch.bfloat16,
+        V_BF16_RNE=v_cache.dtype == torch.bfloat16 and v.dtype != torch.bfloat16, KV_FP8=kv_fp8,
         num_warps=4 if block_h * max(block_d, block_dv) >= 1024 else 1,
         **pdl_launch(k.device),
     )
@@ -178,10 +187,15 @@ def _attend_block(
     K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn,
     offs_d, d_mask, offs_dv, dv_mask,
     n0, n_hi, qpos, window, qk_mult, cap_mult,
+    KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """One BLOCK_N step of the online softmax: keys at positions n0 + [0, BLOCK_N) below n_hi."""
+    """One BLOCK_N step of the online softmax: keys at positions n0 + [0, BLOCK_N) below n_hi.
+
+    KV_FP8: K/V are e4m3 with one fp32 scale per token and head (``KS_HEAD`` / ``VS_HEAD``). The
+    e4m3 values convert exactly to q's dtype, so the dots stay on q's dtype; the K scale multiplies
+    the logits' columns and the V scale the probabilities' columns (both per key token)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     slots = tl.load(KVI_REQ + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -189,7 +203,9 @@ def _attend_block(
     if QK_F32:
         s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
     else:
-        s = tl.dot(q, kt)
+        s = tl.dot(q, kt.to(q.dtype))
+    if KV_FP8:
+        s = s * tl.load(KS_HEAD + slots * stride_ksn, mask=n_mask, other=0.0)[None, :]
     s = s * qk_mult
     if USE_SOFTCAP:  # cap * tanh(x / cap), tanh(y) = 2 sigmoid(2y) - 1; then to base 2
         s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_mult
@@ -205,10 +221,15 @@ def _attend_block(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     vv = tl.load(V_HEAD + slots[:, None] * stride_vn + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+    pw = p
+    if KV_FP8:
+        pw = p * tl.load(VS_HEAD + slots * stride_vsn, mask=n_mask, other=0.0)[None, :]
     if PV_F32:
-        pv = tl.dot(p, vv.to(tl.float32), input_precision="ieee")
+        pv = tl.dot(pw, vv.to(tl.float32), input_precision="ieee")
+    elif KV_FP8:
+        pv = tl.dot(pw.to(q.dtype), vv.to(q.dtype))
     else:
-        pv = tl.dot(p.to(vv.dtype), vv)
+        pv = tl.dot(pw.to(vv.dtype), vv)
     acc = acc * alpha[:, None] + pv
     return acc, l_i, m_new
 
@@ -220,14 +241,15 @@ def _attend_block(
 
 @triton.jit(do_not_specialize=['num_reqs', 'num_rows'])  # batch-dependent counts: one compile for all
 def _extend_kernel(
-    Q, K, V, O, LSE, QO, KVP, KVI,
+    Q, K, V, O, LSE, QO, KVP, KVI, KS, VS,
     num_reqs, num_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_lt,
+    stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     qk_mult, cap_mult, window,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    QK_F32: tl.constexpr, PV_F32: tl.constexpr,
+    QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     h = tl.program_id(0)
     # heaviest (last) causal blocks first; heads fastest so the heads of one kv group run together
@@ -291,12 +313,14 @@ def _extend_kernel(
     )
     if QK_F32:
         q = q.to(tl.float32)
-    else:
+    elif not KV_FP8:  # (an FP8 cache's values convert to q's dtype instead)
         q = q.to(K.dtype.element_ty)
 
     kvh = h // GROUP
     K_HEAD = K + kvh * stride_kh
     V_HEAD = V + kvh * stride_vh
+    KS_HEAD = KS + kvh * stride_ksh
+    VS_HEAD = VS + kvh * stride_vsh
     KVI_REQ = KVI + kv_start
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -306,20 +330,20 @@ def _extend_kernel(
     for n0 in range(k_lo, full_lo, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
-            n0, full_lo, qpos, window, qk_mult, cap_mult,
-            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32,
+            n0, full_lo, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
+            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
         )
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
-            n0, full_hi, qpos, window, qk_mult, cap_mult,
-            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32,
+            n0, full_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
+            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
         )
     for n0 in range(full_hi, k_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
-            n0, k_hi, qpos, window, qk_mult, cap_mult,
-            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32,
+            n0, k_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
+            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
         )
 
     seen = (l_i > 0.0) & q_mask
@@ -354,9 +378,18 @@ def _dot_modes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     Triton's interpreter multiplies the raw bits of bf16 operands in ``tl.dot`` (it stores bf16 as
     uint16), so on CPU bf16 operands go through the fp32 path; fp16 dots work there."""
     low = (torch.float16,) if _interpreting(q) else _LOW_PRECISION
+    if k_cache.dtype == torch.float8_e4m3fn:  # e4m3 values convert exactly to q's 16-bit dtype
+        return q.dtype not in low, q.dtype not in low
     qk_f32 = not (q.dtype == k_cache.dtype and q.dtype in low)
     pv_f32 = v_cache.dtype not in low
     return qk_f32, pv_f32
+
+
+def _scale_args(k_cache: torch.Tensor, k_scale, v_scale) -> tuple:
+    """(k_scale, v_scale, their 4 strides, KV_FP8): dummy pointers and zero strides for a float cache."""
+    if k_scale is None:
+        return k_cache, k_cache, (0, 0, 0, 0), False
+    return k_scale, v_scale, (*k_scale.stride(), *v_scale.stride()), True
 
 
 def paged_attention_extend_triton(
@@ -370,6 +403,8 @@ def paged_attention_extend_triton(
     causal: bool = True,
     sliding_window: int = -1,
     logit_softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,17 +426,18 @@ def paged_attention_extend_triton(
     qk_mult, cap_mult, use_softcap = _softmax_params(scale, logit_softcap)
     qk_f32, pv_f32 = _dot_modes(q, k_cache, v_cache)
     use_window = sliding_window > 0
+    ks, vs, s_strides, kv_fp8 = _scale_args(k_cache, k_scale, v_scale)
     grid = (hq, triton.cdiv(t, block_m) + num_reqs)
     _extend_kernel[grid](
-        q, k_cache, v_cache, o, lse, qo_indptr, kv_indptr, kv_indices,
+        q, k_cache, v_cache, o, lse, qo_indptr, kv_indptr, kv_indices, ks, vs,
         num_reqs, t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0), *s_strides,
         qk_mult, cap_mult, sliding_window if use_window else 0,
         GROUP=hq // hkv, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
-        **cfg,
+        KV_FP8=kv_fp8, **cfg,
     )
     return o, lse
 
@@ -415,14 +451,16 @@ def paged_attention_extend_triton(
 # split), so that a new batch size compiles no new variant
 @triton.jit(do_not_specialize=["num_splits", "stride_os", "stride_ls"])
 def _decode_kernel(
-    Q, K, V, O, LSE, KVP, KVI,
+    Q, K, V, O, LSE, KVP, KVI, KS, VS,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+    stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     qk_mult, cap_mult, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
@@ -458,10 +496,12 @@ def _decode_kernel(
     )
     if QK_F32:
         q = q.to(tl.float32)
-    else:
+    elif not KV_FP8:
         q = q.to(K.dtype.element_ty)
     K_HEAD = K + kvh * stride_kh
     V_HEAD = V + kvh * stride_vh
+    KS_HEAD = KS + kvh * stride_ksh
+    VS_HEAD = VS + kvh * stride_vsh
     KVI_REQ = KVI + kv_start
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -469,8 +509,8 @@ def _decode_kernel(
     for n0 in range(s_lo, s_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
-            n0, s_hi, m_i, window, qk_mult, cap_mult,
-            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32,
+            n0, s_hi, m_i, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
+            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
         )
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -545,6 +585,8 @@ def paged_attention_decode_triton(
     scale: float,
     sliding_window: int = -1,
     logit_softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     config: dict | None = None,
@@ -575,14 +617,15 @@ def paged_attention_decode_triton(
         o_part = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
         so, sl = o_part.stride(2), lse_part.stride(2)
+    ks, vs, s_strides, kv_fp8 = _scale_args(k_cache, k_scale, v_scale)
     _decode_kernel[(bsz, head_blocks, num_splits)](
-        q, k_cache, v_cache, o_part, lse_part, kv_indptr, kv_indices,
+        q, k_cache, v_cache, o_part, lse_part, kv_indptr, kv_indices, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o_part.stride(0), o_part.stride(1), so, lse_part.stride(0), lse_part.stride(1), sl,
+        o_part.stride(0), o_part.stride(1), so, lse_part.stride(0), lse_part.stride(1), sl, *s_strides,
         qk_mult, cap_mult, sliding_window if use_window else 0, num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
         BLOCK_N=block_n, MIN_SPLIT_LEN=max(2 * block_n, 64),
-        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
+        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32, KV_FP8=kv_fp8,
         **cfg,
         **pdl_launch(q.device),
     )
@@ -663,23 +706,28 @@ def merge_attention_states_triton(
 # --------------------------------------------------------------------------------------------
 
 
-def _store_kv_cache_cuda(k_cache, v_cache, slots, k, v):
-    _check_store(k_cache, v_cache, slots, k, v)
-    store_kv_cache_triton(k_cache, v_cache, slots, k, v)
+def _store_kv_cache_cuda(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None):
+    _check_store(k_cache, v_cache, slots, k, v, k_scale, v_scale)
+    store_kv_cache_triton(k_cache, v_cache, slots, k, v, k_scale, v_scale)
 
 
 def _paged_attention_extend_cuda(
-    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0
+    q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0,
+    k_scale=None, v_scale=None,
 ):
-    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap)
+    _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
+                  k_scale, v_scale)
     return paged_attention_extend_triton(
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal, sliding_window, logit_softcap
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal, sliding_window, logit_softcap,
+        k_scale, v_scale,
     )
 
 
-def _paged_attention_decode_cuda(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window=-1, logit_softcap=0.0):
-    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap)
-    return paged_attention_decode_triton(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window, logit_softcap)
+def _paged_attention_decode_cuda(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window=-1, logit_softcap=0.0,
+                                 k_scale=None, v_scale=None):
+    _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, logit_softcap, k_scale, v_scale)
+    return paged_attention_decode_triton(q, k_cache, v_cache, kv_indptr, kv_indices, scale, sliding_window, logit_softcap,
+                                         k_scale, v_scale)
 
 
 def _merge_attention_states_cuda(o_a, lse_a, o_b, lse_b):

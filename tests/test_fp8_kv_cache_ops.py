@@ -92,3 +92,34 @@ def test_fp8_cache_needs_its_scales():
     fp8_cache(b)
     with pytest.raises(ValueError, match="needs `k_scale`"):
         ops.paged_attention_decode(*dec_args(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_fp8_cache_at_real_head_dims(d):
+    """store + extend + decode on the GPU at head dim 128 / 256 (bf16 queries) against the plain ops."""
+    torch.manual_seed(3)
+    b = extend_batch([300, 7], prefix_lens=[40, 0], hq=16, hkv=2, d=d, dv=d, q_dtype=torch.bfloat16)
+    kd, vd, ks, vs = fp8_cache(b)
+    args = ext_args(b)
+    o_ref, _ = ops.paged_attention_extend(*args, ks, vs)
+    dev = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    o, _ = ops.paged_attention_extend(*dev, ks.cuda(), vs.cuda())
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    db = decode_batch([1, 500, 33], hq=16, hkv=2, d=d, dv=d, q_dtype=torch.bfloat16)
+    kd, vd, ks, vs = fp8_cache(db)
+    args = dec_args(db)
+    o_ref, _ = ops.paged_attention_decode(*args, ks, vs)
+    dev = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    o, _ = ops.paged_attention_decode(*dev, ks.cuda(), vs.cuda())
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    t, hkv = 64, 2
+    k, v = torch.randn(t, hkv, d, dtype=torch.bfloat16), torch.randn(t, hkv, d, dtype=torch.bfloat16)
+    slots = torch.randperm(100)[:t].to(torch.int32)
+    caches = [torch.zeros(100, hkv, d, dtype=FP8_DTYPE) for _ in range(2)] + [torch.zeros(100, hkv) for _ in range(2)]
+    ops.store_kv_cache(caches[0], caches[1], slots, k, v, caches[2], caches[3])
+    gpu = [c.cuda() for c in caches]
+    ops.store_kv_cache(gpu[0], gpu[1], slots.cuda(), k.cuda(), v.cuda(), gpu[2], gpu[3])
+    for a, c in zip(gpu, caches):
+        assert torch.equal(a.cpu().view(torch.uint8) if a.dtype == FP8_DTYPE else a.cpu(),
+                           c.view(torch.uint8) if c.dtype == FP8_DTYPE else c)

@@ -303,3 +303,58 @@ def test_move_state_rows_round_trips():
     tfp8.unstage_states(buf, rows, q, s, idx, torch.tensor([True, True, False]), GDN_DIM)
     assert torch.equal(q.view(torch.uint8), pq.view(torch.uint8))
     torch.testing.assert_close(s, ps, rtol=1e-6, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the registered CUDA kernels at real shapes against the plain-torch ops
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
+    """Decode, verify and chunked prefill at Qwen3-Next's GDN shape (Hk 16, Hv 32, K = V = 128)."""
+    torch.manual_seed(10)
+    bs, steps, hk, hv, kd, vd, slots_n = 8, 3, 16, 32, 128, 128, 12
+    pq, ps = quantize_vectors(torch.randn(slots_n, hv, kd, vd) * 0.1, GDN_DIM)
+    slots = torch.tensor([3, 0, -1, 7, 1, 11, 5, 9], dtype=torch.int32)
+    q, k, v = make_qkv((bs, steps), hk, hv, kd, vd, torch.bfloat16)
+    g, beta = make_gb((bs, steps), hv)
+    ref_q, ref_s = pq.clone(), ps.clone()
+    o_ref = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ref_q, slots, True, 0.0, False, None,
+                                                        ref_s)
+    dev = [t.cuda() for t in (q, k, v, g, beta, pq, slots, ps)]
+    o = ops.fused_recurrent_gated_delta_rule_update(*dev[:6], dev[6], True, 0.0, False, None, dev[7])
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    got = deq(dev[5].cpu(), dev[7].cpu(), GDN_DIM)
+    want = deq(ref_q, ref_s, GDN_DIM)
+    assert ((got - want).abs() <= ref_s.unsqueeze(GDN_DIM) * 32 + 1e-6).all()
+    lens = [200, 1, 64]
+    T = sum(lens)
+    q, k, v = make_qkv((T,), hk, hv, kd, vd, torch.bfloat16)
+    g, beta = make_gb((T,), hv)
+    cu, idx, init = cu_seqlens_of(lens), torch.tensor([4, 2, 6], dtype=torch.int32), torch.tensor([True, False, True])
+    ref_q, ref_s = pq.clone(), ps.clone()
+    o_ref, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_q, cu, idx, init, True, 0.0, False, ref_s)
+    gq, gs = pq.cuda(), ps.cuda()
+    o, _ = ops.chunk_gated_delta_rule(q.cuda(), k.cuda(), v.cuda(), g.cuda(), beta.cuda(), gq, cu.cuda(), idx.cuda(),
+                                      init.cuda(), True, 0.0, False, gs)
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=3e-2, rtol=3e-2)
+    got, want = deq(gq.cpu(), gs.cpu(), GDN_DIM), deq(ref_q, ref_s, GDN_DIM)
+    assert ((got - want).abs() <= ref_s.unsqueeze(GDN_DIM) * 32 + 1e-4).all()
+
+
+@pytest.mark.gpu
+def test_gpu_mamba2_fp8_pool_at_nemotron_shape():
+    torch.manual_seed(11)
+    inp = make_decode(8, 1, H=32, G=8, P=64, N=128, dtype=torch.bfloat16, pad_rows=(2,), inter=False, num_slots=12)
+    pq, ps = quantize_vectors(inp["ssm_states"], M2_DIM)
+    inp["ssm_states"] = pq.clone()
+    ref_s = ps.clone()
+    y_ref = ops.selective_state_update(*(inp[k] for k in DECODE_ORDER), False, ref_s)
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    dev["ssm_states"] = pq.cuda()
+    gs = ps.cuda()
+    y = ops.selective_state_update(*(dev[k] for k in DECODE_ORDER), False, gs)
+    torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    got, want = deq(dev["ssm_states"].cpu(), gs.cpu(), M2_DIM), deq(inp["ssm_states"], ref_s, M2_DIM)
+    assert ((got - want).abs() <= ref_s.unsqueeze(M2_DIM) * 32 + 1e-6).all()

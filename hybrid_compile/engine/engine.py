@@ -277,6 +277,18 @@ class HybridEngine:
                 "pool's capacity max_total_tokens, whichever is smallest)"
             )
 
+    def validate_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request :meth:`add_request` would refuse (bad sampling values, an
+        empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
+        Reads only the engine's fixed configuration: safe to call from any thread."""
+        params = params or SamplingParams()
+        params.validate()
+        self._validate_prompt(0, [int(t) for t in prompt], params)
+
+    def request(self, rid: int) -> Request:
+        """The request ``rid`` (queued, running, or finished and not yet popped)."""
+        return self._requests[rid]
+
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
         """Queue one prompt (token ids); returns its request id. See :meth:`step`."""
         return self._add_requests([list(prompt)], [params or SamplingParams()])[0]

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an :class:`AsyncEngine`, run by uvicorn.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
+with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+``hybrid-compile serve`` (:func:`run`) starts uvicorn first and loads the model on a thread:
+until the engine is ready ``/health`` and the generation endpoints answer 503.
+
+Each choice of a request (``n`` per prompt, several prompts in one completion request) is one
+engine request with its own stream; its tokens become text through :class:`IncrementalText`,
+which also applies stop strings (the engine request is aborted at a stop string). A client that
+goes away cancels the handler (streaming: starlette cancels the response; non-streaming: a
+watcher of the connection does), which aborts the engine requests at the next step. Errors are
+OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
+500 when an engine step failed under the request (its other requests keep going).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import HybridEngine, SamplingParams
+from .async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from .detokenize import IncrementalText
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatCompletionRequest, CompletionRequest, OpenAIError, check_n, parse_request, sampling_fields, stop_strings,
+    usage,
+)
+
+logger = logging.getLogger("hybrid_compile.serving")
+
+
+class ServerState:
+    """What the handlers share: the engine once loaded, the served name, the metrics."""
+
+    def __init__(self, model_name: str, engine: AsyncEngine | None = None) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self.load_error: BaseException | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name)
+        if engine is not None:
+            engine.observer = self.metrics
+
+    def ready(self) -> AsyncEngine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise OpenAIError(f"the model failed to load: {self.load_error}", status=500)
+            raise OpenAIError("the server is starting: the model is still loading", status=503)
+        return self.engine
+
+
+def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
+              load: Callable[[], HybridEngine] | None = None,
+              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a HybridEngine or AsyncEngine) under ``model_name``;
+    or, with ``load``, the app that calls ``load()`` on a thread at startup and answers 503 until
+    it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
+    closed)."""
+    if (engine is None) == (load is None):
+        raise ValueError("build_app takes either engine= or load=")
+    if isinstance(engine, HybridEngine):
+        engine = AsyncEngine(engine)
+    state = ServerState(model_name, engine)
+
+    def load_in_background() -> None:
+        try:
+            loaded = AsyncEngine(load(), observer=state.metrics)
+        except BaseException as e:  # noqa: BLE001 -- reported, and the server stops (on_load_error)
+            state.load_error = e
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        state.engine = loaded
+        logger.info("model %s loaded: serving", model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = None
+        if load is not None:
+            loader = threading.Thread(target=load_in_background, name="hybrid-compile-load", daemon=True)
+            loader.start()
+        yield
+        if loader is not None:
+            loader.join()
+        if state.engine is not None:
+            state.engine.shutdown(close_engine=load is not None)
+
+    app = FastAPI(title="hybrid_compile", lifespan=lifespan)
+    app.state.serving = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(OpenAIError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        logger.exception("request failed")
+        return JSONResponse(OpenAIError(f"{type(e).__name__}: {e}", status=500).body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        state.ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "hybrid_compile"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_context_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await state.metrics.render(state.engine), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await _json_body(request))
+        engine = _check_model(state, req.model)
+        if req.echo:
+            raise OpenAIError("echo is not supported by this server", param="echo")
+        if req.suffix:
+            raise OpenAIError("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError("best_of other than n is not supported by this server", param="best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
+        prompts = _completion_prompts(engine, req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs)
+        return await gen.respond(request, _CompletionFormat(gen, model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await _json_body(request))
+        engine = _check_model(state, req.model)
+        if not req.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
+            raise OpenAIError("this model's tokenizer has no chat template", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
+        try:
+            prompt = engine.engine.encode([m.as_template_message() for m in req.messages])
+        except Exception as e:  # noqa: BLE001 -- the template rejected the conversation
+            raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # as much as the context leaves
+            max_tokens = engine.max_context_len - len(prompt)
+            if max_tokens <= 0:
+                raise OpenAIError(
+                    f"This model's maximum context length is {engine.max_context_len} tokens; the messages take "
+                    f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs)
+        return await gen.respond(request, _ChatFormat(gen, model_name))
+
+    return app
+
+
+# -- request handling ---------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)",
+            param=None,
+        ) from None
+
+
+def _check_model(state: ServerState, name: str) -> AsyncEngine:
+    engine = state.ready()
+    if name != state.model_name:
+        raise OpenAIError(f"The model `{name}` does not exist (this server serves `{state.model_name}`)",
+                          param="model", code="model_not_found")
+    return engine
+
+
+def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if engine.tokenizer is None:
+                raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
+            p = engine.engine.encode(p)
+        if not p:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        out.append(list(p))
+    return out
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    prompt: list[int]
+    params: SamplingParams
+    text: IncrementalText
+
+
+@dataclass
+class _Event:
+    """One step of one choice: new text (and tokens), and at the end its finish reason."""
+
+    choice: _Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class _Generation:
+    """The engine requests of one API request (one per choice) and their responses."""
+
+    def __init__(self, engine: AsyncEngine, choices: list[_Choice], stream: bool, include_usage: bool,
+                 num_prompts: int) -> None:
+        self.engine, self.choices, self.stream = engine, choices, stream
+        self.include_usage, self.num_prompts = include_usage, num_prompts
+        self.id_suffix = uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @classmethod
+    def plan(cls, engine: AsyncEngine, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
+             prompt_name: str, logprobs: int | None) -> "_Generation":
+        """Check everything before anything is queued: a bad request leaves the engine untouched."""
+        n = check_n(req)
+        stop = stop_strings(req)
+        if max_tokens <= 0:
+            raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
+        fields, more = sampling_fields(req, max_tokens, logprobs)
+        # the in-process generate()'s own mapping (EOS from the generation config or tokenizer)
+        base = dataclasses.replace(engine.engine._sampling_params(**fields), **more)
+        vocab = engine.engine.layout.vocab_size
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise OpenAIError(f"{prompt_name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                                  param=prompt_name)
+            if len(p) + max_tokens > engine.max_context_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {engine.max_context_len} tokens. However, you requested "
+                    f"{len(p) + max_tokens} tokens ({len(p)} in the {prompt_name}, {max_tokens} in the completion). "
+                    f"Please reduce the length of the {prompt_name} or {limit_name}.",
+                    param=limit_name, code="context_length_exceeded",
+                )
+        choices = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                seed = None if base.seed is None else base.seed + j
+                params = dataclasses.replace(base, seed=seed, extra=dict(base.extra))
+                try:
+                    engine.validate(p, params)
+                except ValueError as e:
+                    raise OpenAIError(str(e), param=None) from None
+                text = IncrementalText(engine.tokenizer, req.skip_special_tokens, stop)
+                choices.append(_Choice(len(choices), i, p, params, text))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError("stream_options needs stream=true", param="stream_options")
+        return cls(engine, choices, bool(req.stream), include_usage, len(prompts))
+
+    async def _events(self, choice: _Choice) -> AsyncIterator[_Event]:
+        """The events of one choice; closing this iterator early aborts its engine request."""
+        text = choice.text
+        if text.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer to turn tokens into text", param=None)
+        stream = self.engine.generate_stream(choice.prompt, choice.params)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                text.add(out.new_token_ids)
+                done = out.finished or text.stopped
+                if done:
+                    text.finish()
+                reason = ("stop" if text.stopped else out.finish_reason) if done else None
+                piece = text.take(finished=done)
+                if piece or done or out.logprobs:
+                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason, out.prompt_tokens,
+                                 out.cached_tokens)
+                if done:
+                    return  # at a stop string the engine request is still running: aclosing aborts it
+
+    async def respond(self, request: Request, fmt: "_Format") -> Response:
+        if self.stream:
+            return StreamingResponse(self._sse(fmt), media_type="text/event-stream")
+        collected = await _cancel_on_disconnect(request, _all(self._collect(c) for c in self.choices))
+        if collected is None:  # the client went away: its requests were aborted
+            return Response(status_code=499)
+        return JSONResponse(fmt.response(collected))
+
+    async def _collect(self, choice: _Choice) -> list[_Event]:
+        return [e async for e in self._events(choice)]
+
+    async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for event in self._events(choice):
+                    queue.put_nowait(event)
+            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                queue.put_nowait(e)
+            queue.put_nowait(done)
+
+        for chunk in fmt.start_chunks():
+            yield _sse_data(chunk)
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        finals: dict[int, _Event] = {}
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse_data(_error_of(item).body())
+                    break
+                if item.finish_reason is not None:
+                    finals[item.choice.index] = item
+                yield _sse_data(fmt.chunk(item))
+            else:
+                if self.include_usage:
+                    yield _sse_data(fmt.usage_chunk(self.usage(finals)))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # a client that went away: every choice's engine request is aborted
+                t.cancel()
+
+    def usage(self, finals: dict[int, _Event]) -> dict:
+        prompt_tokens = cached = completion = 0
+        seen_prompts = set()
+        for c in self.choices:
+            completion += c.text.num_tokens
+            if c.prompt_index not in seen_prompts:
+                seen_prompts.add(c.prompt_index)
+                prompt_tokens += len(c.prompt)
+                final = finals.get(c.index)
+                cached += final.cached_tokens if final is not None else 0
+        return usage(prompt_tokens, completion, cached)
+
+
+def _sse_data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_of(e: Exception) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, (EngineStepError, EngineClosedError)):
+        return OpenAIError(str(e), status=500)
+    return OpenAIError(f"{type(e).__name__}: {e}", status=500)
+
+
+async def _all(coros) -> list:
+    """Run coroutines together; the first exception cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise _error_of(t.exception())
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, coro) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it and return None."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+# -- response formats ---------------------------------------------------------------------------------
+
+
+class _Format:
+    def __init__(self, gen: _Generation, model_name: str) -> None:
+        self.gen, self.model_name = gen, model_name
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    def _head(self, obj: str = "text_completion") -> dict:
+        return {"id": f"cmpl-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
+                "model": self.model_name}
+
+    def response(self, collected: list[list[_Event]]) -> dict:
+        choices, finals = [], {}
+        for events in collected:
+            last = events[-1]
+            finals[last.choice.index] = last
+            choices.append({"index": last.choice.index, "text": "".join(e.text for e in events),
+                            "logprobs": None, "finish_reason": last.finish_reason})
+        return {**self._head(), "choices": choices, "usage": self.gen.usage(finals)}
+
+    def chunk(self, e: _Event) -> dict:
+        choice = {"index": e.choice.index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
+        out = {**self._head(), "choices": [choice]}
+        if self.gen.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._head(), "choices": [], "usage": u}
+
+
+class _ChatFormat(_Format):
+    def _head(self, obj: str) -> dict:
+        return {"id": f"chatcmpl-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
+                "model": self.model_name}
+
+    def response(self, collected: list[list[_Event]]) -> dict:
+        choices, finals = [], {}
+        for events in collected:
+            last = events[-1]
+            finals[last.choice.index] = last
+            choices.append({"index": last.choice.index,
+                            "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                            "logprobs": None, "finish_reason": last.finish_reason})
+        return {**self._head("chat.completion"), "choices": choices, "usage": self.gen.usage(finals)}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {**self._head("chat.completion.chunk"), "choices": choices}
+        if self.gen.include_usage:
+            out["usage"] = None
+        return out
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for c in self.gen.choices]
+
+    def chunk(self, e: _Event) -> dict:
+        delta = {"content": e.text} if e.text else {}
+        return self._chunk([{"index": e.choice.index, "delta": delta, "logprobs": None,
+                             "finish_reason": e.finish_reason}])
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": u}
+
+
+# -- hybrid-compile serve ---------------------------------------------------------------------------
+
+
+def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
+        access_log: bool = True) -> int:
+    """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
+    status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    server: uvicorn.Server | None = None
+
+    def stop(e: BaseException) -> None:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    app = build_app(model_name, load=load, on_load_error=stop)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 2 if app.state.serving.load_error is not None else 0

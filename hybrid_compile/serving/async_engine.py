@@ -115,7 +115,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._streams: dict[int, _Stream] = {}  # rid -> stream (driver thread only)
-        self._orphans: set[int] = set()  # aborted requests whose streams were already failed
         self.num_step_errors = 0
 
     # -- public API -------------------------------------------------------------------------------
@@ -259,7 +258,29 @@ class AsyncEngine:
         stream.abort_requested = True
         if stream.rid is None or stream.done or stream.rid not in self._streams:
             return
-        self._dispatch(self.engine.abort(stream.rid) or [], outbox)
+        self._end(stream.rid, outbox)
+
+    def _end(self, rid: int, outbox: dict, error: BaseException | None = None) -> None:
+        """Abort request ``rid`` now (between steps) and end its stream: with its last update
+        (finish reason "abort"), or with ``error`` raised in it. The engine's own final output
+        for it, which a later step returns, is dropped (see _dispatch)."""
+        stream = self._streams.pop(rid)
+        stream.done = True
+        try:
+            self.engine.abort(rid)
+            request = self.engine.pop_finished(rid)
+            reason = request.finish_reason
+        except Exception as e:  # noqa: BLE001 -- the request is gone from our side either way
+            error = error or EngineStepError(f"aborting request {rid} failed: {type(e).__name__}: {e}")
+            reason = "abort"
+        now = time.perf_counter()
+        update = StreamOutput(
+            request_id=rid, new_token_ids=[], num_generated=stream.generated, finished=True, finish_reason=reason,
+            prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens, arrival_time=stream.arrival,
+            first_token_time=stream.first_token_time, time=now,
+        )
+        self.observer.finished(update)
+        outbox.setdefault(stream.loop, []).append((stream, error if error is not None else update))
 
     def _run_call(self, call: _Call) -> None:
         try:
@@ -283,10 +304,7 @@ class AsyncEngine:
         updates: dict[int, StreamOutput] = {}
         for out in outputs:
             stream = self._streams.get(out.rid)
-            if stream is None:
-                if out.finished and out.rid in self._orphans:
-                    self._orphans.discard(out.rid)
-                    self.engine.pop_finished(out.rid)
+            if stream is None:  # an aborted request's final output: it was ended already (_end)
                 continue
             update = updates.get(out.rid)
             if update is None:
@@ -335,18 +353,10 @@ class AsyncEngine:
         failed = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
         failed.__cause__ = error
         touched = set(running)
-        for rid, stream in list(self._streams.items()):
+        for rid in list(self._streams):
             request = self.engine.request(rid)
-            if not (everyone or rid in touched or request.status is not RequestStatus.WAITING):
-                continue
-            del self._streams[rid]
-            stream.done = True
-            try:
-                self._dispatch(self.engine.abort(rid) or [], outbox)
-                self._orphans.add(rid)  # its finished "abort" output comes with a later step
-            except Exception:  # noqa: BLE001 -- the request is gone either way
-                pass
-            outbox.setdefault(stream.loop, []).append((stream, failed))
+            if everyone or rid in touched or request.status is not RequestStatus.WAITING:
+                self._end(rid, outbox, error=failed)
 
     def _close_streams(self, outbox: dict) -> None:
         with self._lock:

@@ -427,70 +427,65 @@ async def _cancel_on_disconnect(request: Request, coro) -> Any:
 
 
 class _Format:
+    """OpenAI's response and chunk bodies of one endpoint (subclasses: the choice objects)."""
+
+    id_prefix = response_object = chunk_object = ""
+
     def __init__(self, gen: _Generation, model_name: str) -> None:
         self.gen, self.model_name = gen, model_name
+
+    def _head(self, obj: str) -> dict:
+        return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
+                "model": self.model_name}
+
+    def response(self, collected: list[list[_Event]]) -> dict:
+        choices, finals = [], {}
+        for events in collected:
+            last = events[-1]
+            finals[last.choice.index] = last
+            choices.append(self.final_choice(last.choice.index, "".join(e.text for e in events), last.finish_reason))
+        return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage(finals)}
+
+    def chunk(self, e: _Event) -> dict:
+        return self._chunk([self.chunk_choice(e)])
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {**self._head(self.chunk_object), "choices": choices}
+        if self.gen.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": u}
 
     def start_chunks(self) -> list[dict]:
         return []
 
 
 class _CompletionFormat(_Format):
-    def _head(self, obj: str = "text_completion") -> dict:
-        return {"id": f"cmpl-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
-                "model": self.model_name}
+    id_prefix, response_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def response(self, collected: list[list[_Event]]) -> dict:
-        choices, finals = [], {}
-        for events in collected:
-            last = events[-1]
-            finals[last.choice.index] = last
-            choices.append({"index": last.choice.index, "text": "".join(e.text for e in events),
-                            "logprobs": None, "finish_reason": last.finish_reason})
-        return {**self._head(), "choices": choices, "usage": self.gen.usage(finals)}
+    def final_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def chunk(self, e: _Event) -> dict:
-        choice = {"index": e.choice.index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
-        out = {**self._head(), "choices": [choice]}
-        if self.gen.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, u: dict) -> dict:
-        return {**self._head(), "choices": [], "usage": u}
+    def chunk_choice(self, e: _Event) -> dict:
+        return self.final_choice(e.choice.index, e.text, e.finish_reason)
 
 
 class _ChatFormat(_Format):
-    def _head(self, obj: str) -> dict:
-        return {"id": f"chatcmpl-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
-                "model": self.model_name}
+    id_prefix, response_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def response(self, collected: list[list[_Event]]) -> dict:
-        choices, finals = [], {}
-        for events in collected:
-            last = events[-1]
-            finals[last.choice.index] = last
-            choices.append({"index": last.choice.index,
-                            "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                            "logprobs": None, "finish_reason": last.finish_reason})
-        return {**self._head("chat.completion"), "choices": choices, "usage": self.gen.usage(finals)}
+    def final_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
 
-    def _chunk(self, choices: list[dict]) -> dict:
-        out = {**self._head("chat.completion.chunk"), "choices": choices}
-        if self.gen.include_usage:
-            out["usage"] = None
-        return out
+    def chunk_choice(self, e: _Event) -> dict:
+        return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": None,
+                "finish_reason": e.finish_reason}
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for c in self.gen.choices]
-
-    def chunk(self, e: _Event) -> dict:
-        delta = {"content": e.text} if e.text else {}
-        return self._chunk([{"index": e.choice.index, "delta": delta, "logprobs": None,
-                             "finish_reason": e.finish_reason}])
-
-    def usage_chunk(self, u: dict) -> dict:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": u}
 
 
 # -- hybrid-compile serve ---------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def _param_name(loc: list[str]) -> str:
 # -- sampling ---------------------------------------------------------------------------------------
 
 
-def _engine_has(name: str) -> bool:
+def engine_has(name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -163,7 +163,7 @@ def sampling_fields(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         fields["stop_token_ids"] = tuple(int(t) for t in req.stop_token_ids)
     if req.logit_bias:
         raise OpenAIError("logit_bias is not supported by this server", param="logit_bias")
-    # fields the engine's SamplingParams may or may not have (see _engine_has)
+    # fields the engine's SamplingParams may or may not have (see engine_has)
     for name, value, neutral, check in (
         ("min_p", req.min_p, 0.0, lambda v: 0.0 <= v <= 1.0),
         ("presence_penalty", req.presence_penalty, 0.0, lambda v: -2.0 <= v <= 2.0),
@@ -175,11 +175,11 @@ def sampling_fields(req: _SamplingRequest, max_tokens: int, logprobs: int | None
             continue
         if not check(value):
             raise OpenAIError(f"{name}={value} is out of range", param=name)
-        if not _engine_has(name):
+        if not engine_has(name):
             raise OpenAIError(f"{name} is not supported by this server's engine yet", param=name)
         more[name] = value
     if logprobs is not None:
-        if not _engine_has("logprobs"):
+        if not engine_has("logprobs"):
             raise OpenAIError("logprobs are not supported by this server's engine yet", param="logprobs")
         more["logprobs"] = logprobs
     return fields, more
@@ -210,3 +210,38 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list, text_offset: int) -> tuple[dict, int]:
+    """OpenAI's completions ``logprobs`` object for generated tokens, and the text offset after
+    them; ``entries[i]`` is the engine's ``(logprob of token i, [(id, logprob), ...] of the top
+    ones)``. Offsets count from ``text_offset`` (the characters of the tokens before these)."""
+    tokens, offsets = [], []
+    for t in token_ids:
+        offsets.append(text_offset)
+        tokens.append(_token_text(tokenizer, t))
+        text_offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{_token_text(tokenizer, i): lp for i, lp in top} for _, top in entries],
+        "text_offset": offsets,
+    }, text_offset
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list) -> dict:
+    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) for generated tokens."""
+
+    def item(token: int, lp: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, x) for i, x in top]}
+                        for t, (lp, top) in zip(token_ids, entries)]}

@@ -38,8 +38,8 @@ from .async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
 from .protocol import (
-    ChatCompletionRequest, CompletionRequest, OpenAIError, check_n, parse_request, sampling_fields, stop_strings,
-    usage,
+    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_has,
+    parse_request, sampling_fields, stop_strings, usage,
 )
 
 logger = logging.getLogger("hybrid_compile.serving")
@@ -265,6 +265,8 @@ class _Generation:
         if max_tokens <= 0:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
         fields, more = sampling_fields(req, max_tokens, logprobs)
+        if stop and engine_has("stop"):  # the engine also ends the request at a stop string
+            more["stop"] = tuple(stop)
         # the in-process generate()'s own mapping (EOS from the generation config or tokenizer)
         base = dataclasses.replace(engine.engine._sampling_params(**fields), **more)
         vocab = engine.engine.layout.vocab_size
@@ -433,6 +435,7 @@ class _Format:
 
     def __init__(self, gen: _Generation, model_name: str) -> None:
         self.gen, self.model_name = gen, model_name
+        self._logprob_chars: dict[int, int] = {}  # per choice: text offset of its next token (logprobs)
 
     def _head(self, obj: str) -> dict:
         return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
@@ -443,11 +446,20 @@ class _Format:
         for events in collected:
             last = events[-1]
             finals[last.choice.index] = last
-            choices.append(self.final_choice(last.choice.index, "".join(e.text for e in events), last.finish_reason))
+            text = "".join(e.text for e in events)
+            logprobs = None
+            if any(e.logprobs for e in events):
+                logprobs, _ = self.logprobs([t for e in events for t in e.token_ids],
+                                            [x for e in events for x in e.logprobs or []], 0)
+            choices.append(self.final_choice(last.choice.index, text, logprobs, last.finish_reason))
         return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage(finals)}
 
     def chunk(self, e: _Event) -> dict:
-        return self._chunk([self.chunk_choice(e)])
+        logprobs = None
+        if e.logprobs:
+            i = e.choice.index
+            logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
+        return self._chunk([self.chunk_choice(e, logprobs)])
 
     def _chunk(self, choices: list[dict]) -> dict:
         out = {**self._head(self.chunk_object), "choices": choices}
@@ -465,22 +477,28 @@ class _Format:
 class _CompletionFormat(_Format):
     id_prefix, response_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def final_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int) -> tuple[dict, int]:
+        return completion_logprobs(self.gen.engine.tokenizer, token_ids, entries, text_offset)
 
-    def chunk_choice(self, e: _Event) -> dict:
-        return self.final_choice(e.choice.index, e.text, e.finish_reason)
+    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
+        return self.final_choice(e.choice.index, e.text, logprobs, e.finish_reason)
 
 
 class _ChatFormat(_Format):
     id_prefix, response_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def final_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int) -> tuple[dict, int]:
+        return chat_logprobs(self.gen.engine.tokenizer, token_ids, entries), text_offset
+
+    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def chunk_choice(self, e: _Event) -> dict:
-        return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": None,
+    def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
+        return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": logprobs,
                 "finish_reason": e.finish_reason}
 
     def start_chunks(self) -> list[dict]:

@@ -494,3 +494,32 @@ def test_async_engine_concurrent_streams_and_early_stop(ckpt):
     engine.pools.check_all_free()
     engine.close()
 
+
+
+def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix():
+    from checkpoints import build_tokenizer
+
+    from hybrid_compile.serving.detokenize import IncrementalText
+
+    tok = build_tokenizer()
+    text = "Hello world! How are you today? numbers 0123 ; é ü"  # multi-byte characters split over tokens
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    inc = IncrementalText(tok)
+    pieces = []
+    for t in ids:
+        inc.add([t])
+        pieces.append(inc.take(finished=False))
+    inc.finish()
+    pieces.append(inc.take(finished=True))
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == inc.text
+    assert all("\ufffd" not in p for p in pieces)
+
+    inc = IncrementalText(tok, stop=["How a", "zzz"])
+    streamed = ""
+    for t in ids:
+        inc.add([t])
+        streamed += inc.take(finished=False)
+        assert not streamed.endswith("How")  # a possible stop-string start is held back
+        if inc.stopped:
+            break
+    assert inc.stopped and streamed + inc.take(finished=True) == "Hello world! " == inc.text

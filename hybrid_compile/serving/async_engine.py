@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from ..engine import HybridEngine, SamplingParams
 from ..engine.request import RequestStatus
+
+logger = logging.getLogger("hybrid_compile.serving")
 
 
 class EngineStepError(RuntimeError):
@@ -115,6 +118,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._streams: dict[int, _Stream] = {}  # rid -> stream (driver thread only)
+        self._failed_last_step = False
         self.num_step_errors = 0
 
     # -- public API -------------------------------------------------------------------------------
@@ -165,6 +169,8 @@ class AsyncEngine:
         """Stop the driver thread after its current step; streams still in flight raise
         :class:`EngineClosedError`. ``close_engine`` also closes the engine (unpatches the model)."""
         self._submit(("close", None))
+        with self._lock:
+            self._closed = True  # (also when the driver thread never started)
         if self._thread is not None:
             self._thread.join()
         if close_engine:
@@ -193,7 +199,9 @@ class AsyncEngine:
 
     def _submit(self, command: tuple) -> None:
         with self._lock:
-            if self._closed and command[0] != "close":
+            if self._closed:
+                if command[0] in ("abort", "close"):  # nothing left to abort or close
+                    return
                 raise EngineClosedError("the AsyncEngine has been shut down")
             self._commands.append(command)
             if self._thread is None and command[0] != "close":
@@ -203,45 +211,53 @@ class AsyncEngine:
 
     # -- driver thread ---------------------------------------------------------------------------
     def _drive(self) -> None:
-        engine = self.engine
-        consecutive_failures = 0
         while True:
-            self._wake.clear()
-            with self._lock:
-                commands = list(self._commands)
-                self._commands.clear()
             outbox: dict[asyncio.AbstractEventLoop, list] = {}
-            stop = False
-            for kind, arg in commands:
-                if kind == "add":
-                    self._add(arg, outbox)
-                elif kind == "abort":
-                    self._abort(arg, outbox)
-                elif kind == "call":
-                    self._run_call(arg)
-                elif kind == "close":
-                    stop = True
-            if stop:
-                self._close_streams(outbox)
-                self._post(outbox)
-                return
-            if not engine.has_unfinished():
-                self._post(outbox)
-                self._wake.wait()
-                continue
-            running = [r.rid for r in engine.scheduler.running]
             try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 -- fail the step's requests, keep serving
-                self.num_step_errors += 1
-                failed_again = consecutive_failures > 0
-                consecutive_failures += 1
-                self._fail_step(e, running, everyone=failed_again, outbox=outbox)
-                self._post(outbox)
-                continue
-            consecutive_failures = 0
-            self._dispatch(outputs, outbox)
+                running = self._iterate(outbox)
+            except Exception as e:  # noqa: BLE001 -- a defect here must not hang every stream
+                logger.exception("the engine's driver thread failed; ending every request in flight")
+                failed = EngineStepError(f"the engine's driver failed: {type(e).__name__}: {e}")
+                for rid in list(self._streams):
+                    self._end(rid, outbox, error=failed)
+                running = True
             self._post(outbox)
+            if not running:
+                return
+
+    def _iterate(self, outbox: dict) -> bool:
+        """Apply the queued commands, then run one step (or sleep until a command comes while
+        nothing is in flight). Returns False once the engine is shut down."""
+        engine = self.engine
+        self._wake.clear()
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, arg in commands:
+            if kind == "add":
+                self._add(arg, outbox)
+            elif kind == "abort":
+                self._abort(arg, outbox)
+            elif kind == "call":
+                self._run_call(arg)
+            elif kind == "close":
+                self._close_streams(outbox)
+                return False
+        if not engine.has_unfinished():
+            if not outbox:
+                self._wake.wait()
+            return True
+        running = [r.rid for r in engine.scheduler.running]
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 -- fail the step's requests, keep serving
+            self.num_step_errors += 1
+            self._fail_step(e, running, everyone=self._failed_last_step, outbox=outbox)
+            self._failed_last_step = True
+            return True
+        self._failed_last_step = False
+        self._dispatch(outputs, outbox)
+        return True
 
     def _add(self, stream: _Stream, outbox: dict) -> None:
         if stream.abort_requested:

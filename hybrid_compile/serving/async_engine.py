@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
 
+import torch
+
 from ..engine import HybridEngine, SamplingParams
 from ..engine.request import RequestStatus
 
@@ -211,6 +213,9 @@ class AsyncEngine:
 
     # -- driver thread ---------------------------------------------------------------------------
     def _drive(self) -> None:
+        device = self.engine.device
+        if device.type == "cuda" and device.index is not None:  # the current CUDA device is per thread
+            torch.cuda.set_device(device)
         while True:
             outbox: dict[asyncio.AbstractEventLoop, list] = {}
             try:

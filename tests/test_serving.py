@@ -513,6 +513,11 @@ def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix(
     pieces.append(inc.take(finished=True))
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == inc.text
     assert all("\ufffd" not in p for p in pieces)
+    inc = IncrementalText(tok)  # several tokens per update (speculative decoding, overlap)
+    for i in range(0, len(ids), 3):
+        inc.add(ids[i : i + 3])
+    inc.finish()
+    assert inc.take(finished=True) == tok.decode(ids, skip_special_tokens=True)
 
     inc = IncrementalText(tok, stop=["How a", "zzz"])
     streamed = ""

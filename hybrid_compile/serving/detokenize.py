@@ -38,14 +38,14 @@ class IncrementalText:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Iterable[int]) -> None:
-        """Append generated tokens (ignored once a stop string was found)."""
+        """Append generated tokens (ignored once a stop string was found); one window decode per
+        call, whatever the number of tokens."""
         if self.stopped:
             return
-        for token in token_ids:
-            self.token_ids.append(int(token))
+        before = len(self.token_ids)
+        self.token_ids.extend(int(t) for t in token_ids)
+        if len(self.token_ids) > before:
             self._advance(final=False)
-            if self.stopped:
-                return
 
     def finish(self) -> None:
         """The sequence ended: decode what was held back for an incomplete character."""

@@ -352,6 +352,18 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
     wait_idle_and_pools_full(server)
 
 
+def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
+         "--port", str(_free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "no/such/dir" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_models_health_and_metrics_parse_with_prometheus_client(server):
     assert server.health_codes[-1] == 200
     models = _client(server).models.list()

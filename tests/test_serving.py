@@ -251,6 +251,60 @@ def test_stop_strings_seeds_and_cached_prompt_tokens(server, ckpt):
     assert r2.choices[0].text == tok.decode(hf_ids(ckpt, longer, 2), skip_special_tokens=True)
 
 
+def test_penalties_min_p_and_logprobs_map_onto_the_engine(server, ckpt):
+    client = _client(server)
+    model, tok = load_hf(ckpt)
+    prompt = PROMPTS[5]
+    ids = tok(prompt)["input_ids"]
+    x = torch.tensor([ids])
+    with torch.inference_mode():  # transformers' own repetition penalty and logits
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
+                             repetition_penalty=1.5)
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0,
+                                  extra_body={"repetition_penalty": 1.5})
+    assert r.choices[0].text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for i, token in enumerate(ref.sequences[0, len(ids):].tolist()):
+        expected = ref.logits[i][0].float().log_softmax(-1)
+        assert lp.tokens[i] == tok.decode([token])
+        assert abs(lp.token_logprobs[i] - expected[token].item()) < 1e-4
+        top = expected.topk(3).values.tolist()
+        # (OpenAI's dict is keyed by token text: ids that decode alike share an entry)
+        values = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert values[0] == pytest.approx(top[0], abs=1e-4)
+        assert all(any(abs(v - t) < 1e-4 for t in top) for v in values)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+    # OpenAI's penalties and min_p with a seed: the in-process engine's generate() with the same settings
+    settings = dict(presence_penalty=0.8, frequency_penalty=0.5, seed=3, temperature=0.9)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, **settings,
+                                  extra_body={"min_p": 0.05, "ignore_eos": True})
+    engine = hc.from_pretrained(ckpt, device="cpu", max_running_requests=2, max_total_tokens=512)
+    try:
+        expected = engine.generate(prompt, max_new_tokens=NEW, do_sample=True, min_p=0.05, ignore_eos=True,
+                                   **settings)
+    finally:
+        engine.close()
+    assert r.choices[0].text == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # many streams at once, disconnects, bad input
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +389,9 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
     assert err(comp, **ok, extra_body={"no_such_field": 1})["param"] == "no_such_field"
     assert err(comp, **{**ok, "temperature": -1})["param"] == "temperature"
     assert err(comp, **{**ok, "max_tokens": 0})["param"] == "max_tokens"
+    assert err(comp, **{**ok, "presence_penalty": 3})["param"] == "presence_penalty"
+    assert err(comp, **ok, extra_body={"min_p": 2})["param"] == "min_p"
+    assert err(comp, **{**ok, "logprobs": 6})["param"] == "logprobs"
     msgs = [{"role": "user", "content": "hi"}]
     assert err(chat, model=NAME, messages=msgs, max_tokens=10_000)["param"] == "max_tokens"
     assert err(chat, model=NAME, messages=msgs, n=0)["param"] == "n"

@@ -306,7 +306,7 @@ class HybridEngine:
         empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
         Reads only the engine's fixed configuration: safe to call from any thread."""
         params = params or SamplingParams()
-        params.validate()
+        self._check_params(0, params)
         self._validate_prompt(0, [int(t) for t in prompt], params)
 
     def request(self, rid: int) -> Request:

@@ -338,9 +338,8 @@ class AsyncEngine:
                 )
             if out.token is not None:
                 update.new_token_ids.append(out.token)
-                logprobs = getattr(out, "logprobs", None)
-                if logprobs is not None:
-                    update.logprobs = (update.logprobs or []) + [logprobs]
+                if out.logprobs is not None:
+                    update.logprobs = (update.logprobs or []) + [out.logprobs]
             if out.finished:
                 update.finished, update.finish_reason = True, out.finish_reason
         for rid, update in updates.items():

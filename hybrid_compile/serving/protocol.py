@@ -11,12 +11,10 @@ Besides OpenAI's own fields the sampling extensions that vLLM and SGLang accept 
 
 from __future__ import annotations
 
-import dataclasses
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-
-from ..engine import SamplingParams
 
 
 class OpenAIError(Exception):
@@ -135,54 +133,40 @@ def _param_name(loc: list[str]) -> str:
 # -- sampling ---------------------------------------------------------------------------------------
 
 
-def engine_has(name: str) -> bool:
-    return name in {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def sampling_fields(req: _SamplingRequest, max_tokens: int, logprobs: int | None) -> tuple[dict, dict]:
-    """OpenAI's sampling fields -> (keyword arguments of ``generate``'s sampling: ``max_new_tokens``,
-    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``ignore_eos``,
-    ``stop_token_ids``; further SamplingParams fields set on top of those). A field with a value
-    the engine cannot honour is a 400 naming it."""
-    fields: dict[str, Any] = dict(max_new_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos)
-    more: dict[str, Any] = {}
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not temperature >= 0:
-        raise OpenAIError(f"temperature must be >= 0, got {temperature}", param="temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise OpenAIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = req.top_k if req.top_k not in (None, -1) else 0
-    if top_k < 0:
-        raise OpenAIError(f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
-    if temperature == 0:  # greedy, as OpenAI's and vLLM's temperature 0
-        fields.update(do_sample=False)
-    else:
-        fields.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-    if req.stop_token_ids:
-        fields["stop_token_ids"] = tuple(int(t) for t in req.stop_token_ids)
+def generate_kwargs(req: _SamplingRequest, max_tokens: int, logprobs: int | None, stop: list[str]) -> dict:
+    """OpenAI's sampling fields -> keyword arguments of the engine's ``generate()`` settings (the
+    one mapping the in-process API uses: fields a request leaves unset fall back to the model's
+    generation config, as transformers' ``generate`` does). Temperature 0 is greedy decoding."""
+    if req.temperature is not None and not req.temperature >= 0:
+        raise OpenAIError(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if req.logit_bias:
         raise OpenAIError("logit_bias is not supported by this server", param="logit_bias")
-    # fields the engine's SamplingParams may or may not have (see engine_has)
-    for name, value, neutral, check in (
-        ("min_p", req.min_p, 0.0, lambda v: 0.0 <= v <= 1.0),
-        ("presence_penalty", req.presence_penalty, 0.0, lambda v: -2.0 <= v <= 2.0),
-        ("frequency_penalty", req.frequency_penalty, 0.0, lambda v: -2.0 <= v <= 2.0),
-        ("repetition_penalty", req.repetition_penalty, 1.0, lambda v: v > 0),
-        ("min_tokens", req.min_tokens, 0, lambda v: 0 <= v <= max_tokens),
-    ):
-        if value is None or value == neutral:
-            continue
-        if not check(value):
-            raise OpenAIError(f"{name}={value} is out of range", param=name)
-        if not engine_has(name):
-            raise OpenAIError(f"{name} is not supported by this server's engine yet", param=name)
-        more[name] = value
-    if logprobs is not None:
-        if not engine_has("logprobs"):
-            raise OpenAIError("logprobs are not supported by this server's engine yet", param="logprobs")
-        more["logprobs"] = logprobs
-    return fields, more
+    kw: dict[str, Any] = dict(
+        max_new_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos, top_p=req.top_p,
+        top_k=0 if req.top_k == -1 else req.top_k,  # vLLM's -1: off
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, min_new_tokens=req.min_tokens, logprobs=logprobs,
+        stop_strings=tuple(stop) or None,
+        stop_token_ids=tuple(int(t) for t in req.stop_token_ids) if req.stop_token_ids else None,
+    )
+    if req.temperature == 0:
+        kw["do_sample"] = False
+    else:  # OpenAI samples by default (temperature: the request's, else the generation config's, else 1)
+        kw.update(do_sample=True, temperature=req.temperature)
+    return kw
+
+
+_ENGINE_FIELD = re.compile(r"SamplingParams\.(\w+)=|generate\(\): (\w+)[=:]")
+
+
+def engine_error(e: ValueError, names: dict[str, str]) -> OpenAIError:
+    """The engine refused a request's settings: a 400 naming the request's field (``names`` maps
+    the engine's field names to the request's where they differ)."""
+    m = _ENGINE_FIELD.search(str(e))
+    field = (m.group(1) or m.group(2)) if m else None
+    field = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop",
+             "do_sample": "temperature", **names}.get(field, field)
+    return OpenAIError(str(e), param=field)
 
 
 def stop_strings(req: _SamplingRequest) -> list[str]:
@@ -231,9 +215,17 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list, text_off
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in entries],
-        "top_logprobs": [{_token_text(tokenizer, i): lp for i, lp in top} for _, top in entries],
+        "top_logprobs": [_by_text(tokenizer, top) for _, top in entries],
         "text_offset": offsets,
     }, text_offset
+
+
+def _by_text(tokenizer, top: list) -> dict:
+    """{token text: logprob}; of ids that decode to the same text the likeliest stays."""
+    out: dict[str, float] = {}
+    for i, lp in top:
+        out.setdefault(_token_text(tokenizer, i), lp)
+    return out
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list) -> dict:

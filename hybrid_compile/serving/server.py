@@ -38,8 +38,8 @@ from .async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
 from .protocol import (
-    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_has,
-    parse_request, sampling_fields, stop_strings, usage,
+    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_error,
+    generate_kwargs, parse_request, stop_strings, usage,
 )
 
 logger = logging.getLogger("hybrid_compile.serving")
@@ -264,11 +264,6 @@ class _Generation:
         stop = stop_strings(req)
         if max_tokens <= 0:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
-        fields, more = sampling_fields(req, max_tokens, logprobs)
-        if stop and engine_has("stop"):  # the engine also ends the request at a stop string
-            more["stop"] = tuple(stop)
-        # the in-process generate()'s own mapping (EOS from the generation config or tokenizer)
-        base = dataclasses.replace(engine.engine._sampling_params(**fields), **more)
         vocab = engine.engine.layout.vocab_size
         for p in prompts:
             bad = [t for t in p if not 0 <= t < vocab]
@@ -282,17 +277,22 @@ class _Generation:
                     f"Please reduce the length of the {prompt_name} or {limit_name}.",
                     param=limit_name, code="context_length_exceeded",
                 )
+        names = {"max_tokens": limit_name, "logprobs": "top_logprobs" if getattr(req, "top_logprobs", None)
+                 else "logprobs"}
         choices = []
-        for i, p in enumerate(prompts):
-            for j in range(n):
-                seed = None if base.seed is None else base.seed + j
-                params = dataclasses.replace(base, seed=seed, extra=dict(base.extra))
-                try:
+        try:
+            # the in-process generate()'s own mapping (defaults and EOS from the generation config)
+            settings = engine.engine._plan(**generate_kwargs(req, max_tokens, logprobs, stop))
+            for i, p in enumerate(prompts):
+                base = engine.engine._params_for(settings, len(p))
+                for j in range(n):  # one engine request per choice; choice j samples with seed + j
+                    params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j,
+                                                 extra=dict(base.extra))
                     engine.validate(p, params)
-                except ValueError as e:
-                    raise OpenAIError(str(e), param=None) from None
-                text = IncrementalText(engine.tokenizer, req.skip_special_tokens, stop)
-                choices.append(_Choice(len(choices), i, p, params, text))
+                    text = IncrementalText(engine.tokenizer, req.skip_special_tokens, stop)
+                    choices.append(_Choice(len(choices), i, p, params, text))
+        except ValueError as e:
+            raise engine_error(e, names) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")

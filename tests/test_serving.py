@@ -12,6 +12,7 @@ others served). Every request is bounded in count and time; the network is 127.0
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -543,6 +544,9 @@ def test_async_engine_concurrent_streams_and_early_stop(ckpt):
 
     async def run():
         results = await asyncio.gather(stop_early(prompts[0]), *(collect(p) for p in prompts))
+        # n = 2 sequences of one prompt (prefilled once), greedy: both are transformers' tokens
+        pair = await async_engine.generate(prompts[1], dataclasses.replace(params, n=2))
+        assert pair == [results[2], results[2]]
         stats = await async_engine.stats()
         return results[1:], stats
 
@@ -556,8 +560,9 @@ def test_async_engine_concurrent_streams_and_early_stop(ckpt):
     finally:
         async_engine.shutdown()
     stats = engine.stats()
-    assert stats["requests_added"] == len(prompts) + 1
-    assert stats["generated_tokens"] < sum(map(len, results)) + 20  # the stopped one ended far before 200
+    assert stats["requests_added"] == len(prompts) + 3
+    # (the stopped one ended far before its 200 tokens)
+    assert stats["generated_tokens"] < sum(map(len, results)) + 2 * len(results[1]) + 20
     assert not engine.has_unfinished() and not engine._requests  # every request popped
     engine.clear_prefix_cache()
     engine.pools.check_all_free()

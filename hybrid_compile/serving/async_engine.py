@@ -21,7 +21,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
@@ -42,9 +42,11 @@ class EngineClosedError(RuntimeError):
 
 @dataclass
 class StreamOutput:
-    """One update of one request: the tokens it generated since the previous update."""
+    """One update of one sequence of a request: the tokens it generated since its previous update.
+    A request of ``n`` sequences (``SamplingParams.n``) has ``index`` 0 .. n-1."""
 
-    request_id: int
+    request_id: int  # the engine's id of this sequence
+    index: int
     new_token_ids: list[int]
     num_generated: int  # tokens generated so far, these included
     finished: bool
@@ -69,13 +71,22 @@ class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
-    rid: int | None = None
-    generated: int = 0
+    rids: list[int] = field(default_factory=list)  # its sequences' engine ids
+    open: int = 0  # sequences not finished
     cached_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     done: bool = False
     abort_requested: bool = False
+
+
+@dataclass
+class _Seq:
+    """One sequence (engine request id) of a stream."""
+
+    stream: _Stream
+    index: int
+    generated: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -119,7 +130,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._streams: dict[int, _Stream] = {}  # rid -> stream (driver thread only)
+        self._seqs: dict[int, _Seq] = {}  # engine rid -> its sequence (driver thread only)
         self._failed_last_step = False
         self.num_step_errors = 0
 
@@ -139,20 +150,22 @@ class AsyncEngine:
         self.engine.validate_request(prompt, params)
 
     def generate_stream(self, prompt: Iterable[int], params: SamplingParams | None = None) -> AsyncIterator[StreamOutput]:
-        """Queue one prompt (token ids) and return an async iterator over its updates, the last one
-        with ``finished=True``. Bad input raises ValueError here, before anything is queued. The
-        request is queued on the first iteration; stopping the iteration early (break, exception,
-        cancellation, or ``aclose()``) aborts it."""
+        """Queue one prompt (token ids) and return an async iterator over its updates; it ends after
+        the update with ``finished=True`` of each of its ``params.n`` sequences (``index``). Bad
+        input raises ValueError here, before anything is queued. The request is queued on the
+        first iteration; stopping the iteration early (break, exception, cancellation, or
+        ``aclose()``) aborts it."""
         prompt = [int(t) for t in prompt]
         params = params if params is not None else SamplingParams()
         self.validate(prompt, params)
         return self._stream(prompt, params)
 
-    async def generate(self, prompt: Iterable[int], params: SamplingParams | None = None) -> list[int]:
-        """All the new tokens of one prompt (a stream read to its end)."""
-        tokens: list[int] = []
+    async def generate(self, prompt: Iterable[int], params: SamplingParams | None = None) -> list[list[int]]:
+        """The new tokens of each sequence of one prompt (a stream read to its end)."""
+        params = params if params is not None else SamplingParams()
+        tokens: list[list[int]] = [[] for _ in range(params.n)]
         async for out in self.generate_stream(prompt, params):
-            tokens.extend(out.new_token_ids)
+            tokens[out.index].extend(out.new_token_ids)
         return tokens
 
     async def call(self, fn: Callable[[HybridEngine], Any]) -> Any:
@@ -183,6 +196,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(prompt, params, asyncio.Queue(), loop, arrival=time.perf_counter())
         self._submit(("add", stream))
+        remaining = params.n
         finished = False
         try:
             while True:
@@ -191,7 +205,8 @@ class AsyncEngine:
                     finished = True  # the driver already let go of it
                     raise item
                 for out in item:
-                    finished = out.finished
+                    remaining -= out.finished
+                    finished = remaining == 0
                     yield out
                 if finished:
                     return
@@ -223,8 +238,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 -- a defect here must not hang every stream
                 logger.exception("the engine's driver thread failed; ending every request in flight")
                 failed = EngineStepError(f"the engine's driver failed: {type(e).__name__}: {e}")
-                for rid in list(self._streams):
-                    self._end(rid, outbox, error=failed)
+                for stream in self._open_streams():
+                    self._end(stream, outbox, error=failed)
                 running = True
             self._post(outbox)
             if not running:
@@ -268,40 +283,48 @@ class AsyncEngine:
         if stream.abort_requested:
             return
         try:
-            stream.rid = self.engine.add_request(stream.prompt, stream.params)
+            first = self.engine.add_request(stream.prompt, stream.params)
         except Exception as e:  # noqa: BLE001 -- the request's own error, raised in its stream
             stream.done = True
             outbox.setdefault(stream.loop, []).append((stream, e))
             return
-        self._streams[stream.rid] = stream
+        stream.rids = self.engine.sequence_ids(first) if stream.params.n > 1 else [first]
+        stream.open = len(stream.rids)
+        for index, rid in enumerate(stream.rids):
+            self._seqs[rid] = _Seq(stream, index)
 
     def _abort(self, stream: _Stream, outbox: dict) -> None:
         stream.abort_requested = True
-        if stream.rid is None or stream.done or stream.rid not in self._streams:
-            return
-        self._end(stream.rid, outbox)
+        if not stream.done:
+            self._end(stream, outbox)
 
-    def _end(self, rid: int, outbox: dict, error: BaseException | None = None) -> None:
-        """Abort request ``rid`` now (between steps) and end its stream: with its last update
-        (finish reason "abort"), or with ``error`` raised in it. The engine's own final output
-        for it, which a later step returns, is dropped (see _dispatch)."""
-        stream = self._streams.pop(rid)
-        stream.done = True
-        try:
-            self.engine.abort(rid)
-            request = self.engine.pop_finished(rid)
-            reason = request.finish_reason
-        except Exception as e:  # noqa: BLE001 -- the request is gone from our side either way
-            error = error or EngineStepError(f"aborting request {rid} failed: {type(e).__name__}: {e}")
-            reason = "abort"
+    def _end(self, stream: _Stream, outbox: dict, error: BaseException | None = None) -> None:
+        """Abort a stream's unfinished sequences now (between steps) and end it: with each one's
+        last update (finish reason "abort"), or with ``error`` raised in it. The engine's own
+        final outputs for them, which a later step returns, are dropped (see _dispatch)."""
         now = time.perf_counter()
-        update = StreamOutput(
-            request_id=rid, new_token_ids=[], num_generated=stream.generated, finished=True, finish_reason=reason,
-            prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens, arrival_time=stream.arrival,
-            first_token_time=stream.first_token_time, time=now,
-        )
-        self.observer.finished(update)
-        outbox.setdefault(stream.loop, []).append((stream, error if error is not None else update))
+        stream.done = True
+        for rid in stream.rids:
+            seq = self._seqs.pop(rid, None)
+            if seq is None:  # finished already
+                continue
+            try:
+                self.engine.abort(rid)
+                reason = self.engine.pop_finished(rid).finish_reason
+            except Exception as e:  # noqa: BLE001 -- the request is gone from our side either way
+                error = error or EngineStepError(f"aborting request {rid} failed: {type(e).__name__}: {e}")
+                reason = "abort"
+            update = StreamOutput(
+                request_id=rid, index=seq.index, new_token_ids=[], num_generated=seq.generated, finished=True,
+                finish_reason=reason, prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens,
+                arrival_time=stream.arrival, first_token_time=seq.first_token_time, time=now,
+            )
+            self.observer.finished(update)
+            if error is None:
+                outbox.setdefault(stream.loop, []).append((stream, update))
+        stream.open = 0
+        if error is not None:
+            outbox.setdefault(stream.loop, []).append((stream, error))
 
     def _run_call(self, call: _Call) -> None:
         try:
@@ -320,21 +343,22 @@ class AsyncEngine:
         call.loop.call_soon_threadsafe(settle)
 
     def _dispatch(self, outputs: list, outbox: dict) -> None:
-        """Group a step's StepOutputs per request into StreamOutputs for the streams' loops."""
+        """Group a step's StepOutputs per sequence into StreamOutputs for the streams' loops."""
         now = time.perf_counter()
         updates: dict[int, StreamOutput] = {}
         for out in outputs:
-            stream = self._streams.get(out.rid)
-            if stream is None:  # an aborted request's final output: it was ended already (_end)
+            seq = self._seqs.get(out.rid)
+            if seq is None:  # an aborted request's final output: it was ended already (_end)
                 continue
+            stream = seq.stream
             update = updates.get(out.rid)
             if update is None:
-                if stream.first_token_time is None and out.token is not None:
+                if seq.first_token_time is None and out.token is not None and seq.index == 0:
                     stream.cached_tokens = self.engine.request(out.rid).num_cached_tokens
                 update = updates[out.rid] = StreamOutput(
-                    request_id=out.rid, new_token_ids=[], num_generated=stream.generated, finished=False,
-                    finish_reason=None, prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens,
-                    arrival_time=stream.arrival, time=now,
+                    request_id=out.rid, index=seq.index, new_token_ids=[], num_generated=seq.generated,
+                    finished=False, finish_reason=None, prompt_tokens=len(stream.prompt),
+                    cached_tokens=stream.cached_tokens, arrival_time=stream.arrival, time=now,
                 )
             if out.token is not None:
                 update.new_token_ids.append(out.token)
@@ -343,25 +367,28 @@ class AsyncEngine:
             if out.finished:
                 update.finished, update.finish_reason = True, out.finish_reason
         for rid, update in updates.items():
-            stream = self._streams[rid]
+            seq = self._seqs[rid]
+            stream = seq.stream
             n = len(update.new_token_ids)
             if n:
-                if stream.first_token_time is None:
-                    stream.first_token_time = now
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
                     self.observer.first_token(now - stream.arrival)
                     if n > 1:
                         self.observer.next_tokens(0.0, n - 1)
                 else:
-                    self.observer.next_tokens(now - stream.last_token_time, n)
-                stream.last_token_time = now
-            stream.generated += n
-            update.num_generated = stream.generated
-            update.first_token_time = stream.first_token_time
+                    self.observer.next_tokens(now - seq.last_token_time, n)
+                seq.last_token_time = now
+            seq.generated += n
+            update.num_generated = seq.generated
+            update.first_token_time = seq.first_token_time
+            update.cached_tokens = stream.cached_tokens
             if update.finished:
-                stream.done = True
-                del self._streams[rid]
+                del self._seqs[rid]
                 self.engine.pop_finished(rid)
                 self.observer.finished(update)
+                stream.open -= 1
+                stream.done = stream.open == 0
             outbox.setdefault(stream.loop, []).append((stream, update))
 
     def _fail_step(self, error: Exception, running: list[int], everyone: bool, outbox: dict) -> None:
@@ -373,18 +400,22 @@ class AsyncEngine:
         failed = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
         failed.__cause__ = error
         touched = set(running)
-        for rid in list(self._streams):
-            request = self.engine.request(rid)
-            if everyone or rid in touched or request.status is not RequestStatus.WAITING:
-                self._end(rid, outbox, error=failed)
+        for stream in self._open_streams():
+            live = [rid for rid in stream.rids if rid in self._seqs]
+            if everyone or any(rid in touched or self.engine.request(rid).status is not RequestStatus.WAITING
+                               for rid in live):
+                self._end(stream, outbox, error=failed)
+
+    def _open_streams(self) -> list[_Stream]:
+        return list({id(seq.stream): seq.stream for seq in self._seqs.values()}.values())
 
     def _close_streams(self, outbox: dict) -> None:
         with self._lock:
             self._closed = True
-        for rid, stream in list(self._streams.items()):
+        for stream in self._open_streams():
             stream.done = True
             outbox.setdefault(stream.loop, []).append((stream, EngineClosedError("the AsyncEngine was shut down")))
-        self._streams.clear()
+        self._seqs.clear()
 
     @staticmethod
     def _post(outbox: dict) -> None:

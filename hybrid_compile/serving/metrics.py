@@ -47,7 +47,7 @@ class ServerMetrics(EngineObserver):
                                             "served from the prefix cache", labels, registry=r).labels(*values)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens", labels,
                                          registry=r).labels(*values)
-        self.requests = Counter(f"{PREFIX}request_finished", "Finished requests, by finish reason",
+        self.requests = Counter(f"{PREFIX}request_finished", "Finished sequences (one per choice), by finish reason",
                                 ["model_name", "finish_reason"], registry=r)
         self._recent: collections.deque = collections.deque()  # (time, tokens) within rate_window
         self._recent_lock = threading.Lock()
@@ -66,8 +66,9 @@ class ServerMetrics(EngineObserver):
 
     def finished(self, output: StreamOutput) -> None:
         self.e2e.observe(output.time - output.arrival_time)
-        self.prompt_tokens.inc(output.prompt_tokens)
-        self.cached_prompt_tokens.inc(output.cached_tokens)
+        if output.index == 0:  # the n sequences of a request share its prompt
+            self.prompt_tokens.inc(output.prompt_tokens)
+            self.cached_prompt_tokens.inc(output.cached_tokens)
         self.requests.labels(self.model_name, output.finish_reason or "unknown").inc()
 
     def _count_tokens(self, n: int) -> None:

@@ -5,9 +5,10 @@ with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` 
 ``hybrid-compile serve`` (:func:`run`) starts uvicorn first and loads the model on a thread:
 until the engine is ready ``/health`` and the generation endpoints answer 503.
 
-Each choice of a request (``n`` per prompt, several prompts in one completion request) is one
-engine request with its own stream; its tokens become text through :class:`IncrementalText`,
-which also applies stop strings (the engine request is aborted at a stop string). A client that
+Each prompt of a request (a completion request may hold several) is one engine request of ``n``
+sequences (``SamplingParams.n``: the prompt is prefilled once), one per choice; a choice's tokens
+become text through :class:`IncrementalText`, which cuts the text at a stop string (the engine
+ends the sequence there too). A client that
 goes away cancels the handler (streaming: starlette cancels the response; non-streaming: a
 watcher of the connection does), which aborts the engine requests at the next step. Errors are
 OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
@@ -227,10 +228,18 @@ def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
 @dataclass
 class _Choice:
     index: int
-    prompt_index: int
+    text: IncrementalText
+    done: bool = False
+
+
+@dataclass
+class _Group:
+    """One prompt's choices: one engine request of ``n`` sequences (the prompt prefilled once)."""
+
     prompt: list[int]
     params: SamplingParams
-    text: IncrementalText
+    choices: list[_Choice]
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -242,17 +251,15 @@ class _Event:
     token_ids: list[int]
     logprobs: list | None
     finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class _Generation:
-    """The engine requests of one API request (one per choice) and their responses."""
+    """The engine requests of one API request (one per prompt, of ``n`` sequences each) and their
+    responses."""
 
-    def __init__(self, engine: AsyncEngine, choices: list[_Choice], stream: bool, include_usage: bool,
-                 num_prompts: int) -> None:
-        self.engine, self.choices, self.stream = engine, choices, stream
-        self.include_usage, self.num_prompts = include_usage, num_prompts
+    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool) -> None:
+        self.engine, self.groups, self.stream, self.include_usage = engine, groups, stream, include_usage
+        self.choices = [c for g in groups for c in g.choices]
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -279,63 +286,69 @@ class _Generation:
                 )
         names = {"max_tokens": limit_name, "logprobs": "top_logprobs" if getattr(req, "top_logprobs", None)
                  else "logprobs"}
-        choices = []
+        if engine.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer to turn tokens into text", param=None)
+        groups = []
         try:
             # the in-process generate()'s own mapping (defaults and EOS from the generation config)
             settings = engine.engine._plan(**generate_kwargs(req, max_tokens, logprobs, stop))
-            for i, p in enumerate(prompts):
-                base = engine.engine._params_for(settings, len(p))
-                for j in range(n):  # one engine request per choice; choice j samples with seed + j
-                    params = dataclasses.replace(base, seed=None if base.seed is None else base.seed + j,
-                                                 extra=dict(base.extra))
-                    engine.validate(p, params)
-                    text = IncrementalText(engine.tokenizer, req.skip_special_tokens, stop)
-                    choices.append(_Choice(len(choices), i, p, params, text))
+            for p in prompts:
+                # choice j of a prompt is its engine request's sequence j (sampling with seed + j)
+                params = dataclasses.replace(engine.engine._params_for(settings, len(p)), n=n)
+                engine.validate(p, params)
+                choices = [_Choice(len(groups) * n + j, IncrementalText(engine.tokenizer, req.skip_special_tokens,
+                                                                        stop)) for j in range(n)]
+                groups.append(_Group(p, params, choices))
         except ValueError as e:
             raise engine_error(e, names) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
-        return cls(engine, choices, bool(req.stream), include_usage, len(prompts))
+        return cls(engine, groups, bool(req.stream), include_usage)
 
-    async def _events(self, choice: _Choice) -> AsyncIterator[_Event]:
-        """The events of one choice; closing this iterator early aborts its engine request."""
-        text = choice.text
-        if text.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer to turn tokens into text", param=None)
-        stream = self.engine.generate_stream(choice.prompt, choice.params)
+    async def _events(self, group: _Group) -> AsyncIterator[_Event]:
+        """The events of one prompt's choices; closing this iterator early aborts its request."""
+        stream = self.engine.generate_stream(group.prompt, group.params)
+        open_choices = len(group.choices)
         async with contextlib.aclosing(stream):
             async for out in stream:
+                choice = group.choices[out.index]
+                if choice.done:  # ended at a stop string before its engine sequence did
+                    continue
+                group.cached_tokens = out.cached_tokens
+                text = choice.text
                 text.add(out.new_token_ids)
                 done = out.finished or text.stopped
                 if done:
                     text.finish()
+                    choice.done = True
+                    open_choices -= 1
                 reason = ("stop" if text.stopped else out.finish_reason) if done else None
                 piece = text.take(finished=done)
                 if piece or done or out.logprobs:
-                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason, out.prompt_tokens,
-                                 out.cached_tokens)
-                if done:
-                    return  # at a stop string the engine request is still running: aclosing aborts it
+                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason)
+                if open_choices == 0:
+                    return  # (a sequence still running after its stop string: aclosing aborts it)
 
     async def respond(self, request: Request, fmt: "_Format") -> Response:
         if self.stream:
             return StreamingResponse(self._sse(fmt), media_type="text/event-stream")
-        collected = await _cancel_on_disconnect(request, _all(self._collect(c) for c in self.choices))
+        collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
         if collected is None:  # the client went away: its requests were aborted
             return Response(status_code=499)
-        return JSONResponse(fmt.response(collected))
+        events = [e for group_events in collected for e in group_events]
+        return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
 
-    async def _collect(self, choice: _Choice) -> list[_Event]:
-        return [e async for e in self._events(choice)]
+    async def _collect(self, group: _Group) -> list[_Event]:
+        return [e async for e in self._events(group)]
 
     async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(choice: _Choice) -> None:
+        async def pump(group: _Group) -> None:
             try:
-                async for event in self._events(choice):
+                async for event in self._events(group):
                     queue.put_nowait(event)
             except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
                 queue.put_nowait(e)
@@ -343,8 +356,7 @@ class _Generation:
 
         for chunk in fmt.start_chunks():
             yield _sse_data(chunk)
-        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
-        finals: dict[int, _Event] = {}
+        tasks = [asyncio.ensure_future(pump(g)) for g in self.groups]
         try:
             remaining = len(tasks)
             while remaining:
@@ -355,28 +367,18 @@ class _Generation:
                 if isinstance(item, Exception):
                     yield _sse_data(_error_of(item).body())
                     break
-                if item.finish_reason is not None:
-                    finals[item.choice.index] = item
                 yield _sse_data(fmt.chunk(item))
             else:
                 if self.include_usage:
-                    yield _sse_data(fmt.usage_chunk(self.usage(finals)))
+                    yield _sse_data(fmt.usage_chunk(self.usage()))
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:  # a client that went away: every choice's engine request is aborted
+            for t in tasks:  # a client that went away: every engine request is aborted
                 t.cancel()
 
-    def usage(self, finals: dict[int, _Event]) -> dict:
-        prompt_tokens = cached = completion = 0
-        seen_prompts = set()
-        for c in self.choices:
-            completion += c.text.num_tokens
-            if c.prompt_index not in seen_prompts:
-                seen_prompts.add(c.prompt_index)
-                prompt_tokens += len(c.prompt)
-                final = finals.get(c.index)
-                cached += final.cached_tokens if final is not None else 0
-        return usage(prompt_tokens, completion, cached)
+    def usage(self) -> dict:
+        return usage(sum(len(g.prompt) for g in self.groups), sum(c.text.num_tokens for c in self.choices),
+                     sum(g.cached_tokens for g in self.groups))
 
 
 def _sse_data(obj: Any) -> str:
@@ -442,17 +444,16 @@ class _Format:
                 "model": self.model_name}
 
     def response(self, collected: list[list[_Event]]) -> dict:
-        choices, finals = [], {}
+        choices = []
         for events in collected:
             last = events[-1]
-            finals[last.choice.index] = last
             text = "".join(e.text for e in events)
             logprobs = None
             if any(e.logprobs for e in events):
                 logprobs, _ = self.logprobs([t for e in events for t in e.token_ids],
                                             [x for e in events for x in e.logprobs or []], 0)
             choices.append(self.final_choice(last.choice.index, text, logprobs, last.finish_reason))
-        return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage(finals)}
+        return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage()}
 
     def chunk(self, e: _Event) -> dict:
         logprobs = None

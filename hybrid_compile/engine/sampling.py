@@ -88,6 +88,24 @@ class Sampler:
     def release(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
 
+    def snapshot(self, requests) -> dict:
+        """The generator states of the sampled ``requests`` (None: no generator yet), for
+        :meth:`restore` when their step is rolled back. Empty (free) when all are greedy."""
+        out = {}
+        for r in requests:
+            if not r.params.is_greedy:
+                gen = self._generators.get(r.rid)
+                out[r.rid] = None if gen is None else gen.get_state()
+        return out
+
+    def restore(self, snapshot: dict) -> None:
+        """Put the generators back as :meth:`snapshot` saw them."""
+        for rid, state in snapshot.items():
+            if state is None:
+                self._generators.pop(rid, None)
+            elif rid in self._generators:
+                self._generators[rid].set_state(state)
+
     def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """logits ``[B, V]`` -> next token ids ``[B]`` (int64, on logits' device). Greedy rows take
         the argmax in the logits' own dtype (the ``argmax_rows`` op); sampled rows draw from fp32

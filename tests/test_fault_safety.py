@@ -288,7 +288,7 @@ def test_generate_that_raises_ends_only_its_own_requests(monkeypatch):
     assert list(engine._requests) == [other]
 
     # 3. the sampling of a step raises (what a user's logits callback does): rolled back
-    sample = engine.sampler.sample
+    sample = engine.sampler.sample_rows
     calls = []
 
     def failing_sample(*args, **kw):
@@ -298,7 +298,7 @@ def test_generate_that_raises_ends_only_its_own_requests(monkeypatch):
         return sample(*args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(engine.sampler, "sample", failing_sample)
+        m.setattr(engine.sampler, "sample_rows", failing_sample)
         with pytest.raises(ValueError, match="bad logits processor"):
             engine.generate_batch(prompts[:2], max_new_tokens=MAX_NEW)
     assert list(engine._requests) == [other]
@@ -314,11 +314,14 @@ def test_generate_that_raises_ends_only_its_own_requests(monkeypatch):
 
 
 def test_seeded_sampling_is_unchanged_by_a_rolled_back_step(monkeypatch):
-    """A seeded sampled request draws the same tokens as without the fault: the generators are
-    restored with the step (the oracle: the same engine's run without a fault)."""
+    """A seeded sampled request with penalties draws the same tokens as without the fault: the
+    generators are restored and the token counts forgotten with the step (the oracle: the same
+    engine's run without a fault)."""
     family = "qwen3_next_dense"
     prompts = _prompts(family)
-    params = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=0.9, top_k=20, seed=5)
+    # penalties too: their per-request token counts (on the device) must forget a rolled-back step's tokens
+    params = dict(max_new_tokens=MAX_NEW, do_sample=True, temperature=0.9, top_k=20, seed=5, presence_penalty=0.7,
+                  repetition_penalty=1.3)
     engine = make_engine(_model(family), **ENGINE_ARGS)
     clean = engine.generate_batch(prompts, **params)
     engine.clear_prefix_cache()
@@ -395,7 +398,7 @@ def test_gpu_cuda_graphs_roll_back_a_host_side_fault_with_overlap(where, monkeyp
     initial = engine.pools.free_counts()
     calls = []
     if where == "sample_ahead":
-        sample = engine.sampler.sample
+        sample = engine.sampler.sample_rows
 
         def faulty(*a, **kw):
             if engine._ahead is None and any(r.decoding for r in engine.scheduler.running) and not calls:
@@ -403,7 +406,7 @@ def test_gpu_cuda_graphs_roll_back_a_host_side_fault_with_overlap(where, monkeyp
                 raise Interrupt("injected into the sampling of a step launched ahead")
             return sample(*a, **kw)
 
-        monkeypatch.setattr(engine.sampler, "sample", faulty)
+        monkeypatch.setattr(engine.sampler, "sample_rows", faulty)
     else:
         launch = engine._forward_and_sample
 
@@ -415,8 +418,8 @@ def test_gpu_cuda_graphs_roll_back_a_host_side_fault_with_overlap(where, monkeyp
                 calls.append(1)
                 raise Interrupt("injected while waiting for a step's tokens")
 
-        def faulty(batch):
-            launched = launch(batch)
+        def faulty(batch, undo):
+            launched = launch(batch, undo)
             if batch.input_ids is not None and not calls:  # a decode step launched ahead
                 launched.tokens_ready = FailingEvent(launched.tokens_ready)
             return launched

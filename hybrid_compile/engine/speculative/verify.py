@@ -359,7 +359,7 @@ class SpeculativeDecoder:
         except BaseException:
             # the verify forward leaves the requests' states as they were (it writes the
             # intermediate buffers only): the drafts' KV slots are all there is to undo
-            engine.sampler.restore(generators)
+            engine.sampler.roll_back(generators, [r.rid for r in reqs])
             engine.scheduler.free_uncomputed_kv(reqs)
             raise
         try:

@@ -227,6 +227,11 @@ def test_greedy_option_equals_transformers(model, engine, prompts, option):
         want = hf_generate(model, prompt, do_sample=False, **kw)
         got = engine.generate(torch.tensor([prompt]), do_sample=False, **kw)
         assert got.tolist() == want.tolist(), kw
+        if prompt is prompts[0]:  # the same settings inside a GenerationConfig
+            from transformers import GenerationConfig
+
+            got = engine.generate(torch.tensor([prompt]), generation_config=GenerationConfig(do_sample=False, **kw))
+            assert got.tolist() == want.tolist(), kw
     assert_pools_restored(engine, initial)
 
 

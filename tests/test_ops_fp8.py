@@ -243,7 +243,8 @@ def test_ops_opcheck_and_compile_without_graph_breaks():
 # --------------------------------------------------------------------------------------------
 
 # Qwen3-Next-80B-A3B-FP8: GDN in_proj_qkvz / out_proj, attention q (gated) / k / o, shared expert
-QWEN3_NEXT_LINEARS = [(12288, 2048), (2048, 4096), (8192, 2048), (512, 2048), (1024, 2048), (2048, 512)]
+QWEN3_NEXT_LINEARS = [(12288, 2048), pytest.param(2048, 4096, marks=pytest.mark.smoke), (8192, 2048), (512, 2048),
+                      (1024, 2048), (2048, 512)]
 
 
 @pytest.mark.gpu
@@ -260,7 +261,7 @@ def test_cuda_linear_at_model_shapes(n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("tokens", [1, pytest.param(16, marks=pytest.mark.smoke), 300])
 def test_cuda_grouped_at_qwen3_next_expert_shapes(tokens):
     """512 experts, top-10, moe_intermediate 512: gate_up [512, 1024, 2048] and down [512, 2048, 512]."""
     torch.manual_seed(0)
@@ -279,6 +280,28 @@ def test_cuda_grouped_at_qwen3_next_expert_shapes(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
+def test_cuda_quantize_op_at_model_shapes():
+    """The registered CUDA op (the quantize kernel): scales ``amax / 448`` per group of 128 (partial
+    last group, an all-zero group), values within e4m3's rounding; with unit scales every tie
+    rounds to the even code exactly."""
+    x = torch.randn(300, 2100) * torch.logspace(-3, 2, 2100)
+    x[7, 128:256] = 0
+    q, s = ops.fp8_quantize_per_token_group(x.cuda())
+    q, s = q.cpu(), s.cpu()
+    assert q.shape == (300, 2100) and q.dtype == fp8.FP8_DTYPE and s.shape == (300, 17)
+    amax = torch.nn.functional.pad(x, (0, 17 * 128 - 2100)).view(300, 17, 128).abs().amax(-1)
+    torch.testing.assert_close(s, amax.clamp(min=fp8.FP8_EPS) / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    scale = s.repeat_interleave(128, 1)[:, :2100]
+    assert bool(((q.float() * scale - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -10).all())
+    assert torch.equal(q[7, 128:256].float(), torch.zeros(128))
+    ties = _with_unit_scale(_rounding_cases())
+    qt, st = ops.fp8_quantize_per_token_group(ties.cuda())
+    assert torch.equal(st.cpu(), torch.ones(ties.shape[0], 1)) and torch.equal(qt.cpu().float(), _quantize_expected(ties))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
 def test_cuda_ops_in_a_cuda_graph():
     torch.manual_seed(0)
     q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)

@@ -606,6 +606,7 @@ def test_host_overhead_verify_benchmark_smoke(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_commit_graphs_equal_the_op():
     """``CommitGraphs`` (one graph replay per commit, buckets 2 and 4) writes exactly what the
     ``commit_speculative_state`` op writes, for 1 to 4 requests (padding rows skipped, a request
@@ -634,6 +635,7 @@ def test_commit_graphs_equal_the_op():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_speculative_engine_commits_through_graphs():
     """With full CUDA graphs the verify steps' commits replay ``CommitGraphs`` (verify batches within
     the buckets), and the outputs are exactly those of the same engine committing through the

@@ -89,7 +89,8 @@ def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype
             f"the model's weights are spread over several devices ({', '.join(sorted(map(str, devices)))}); the "
             "engine serves from one device: load it with a single-device device_map (e.g. device_map='cuda:0')"
         )
-    p = next(model.parameters())
+    # the activation dtype: the first parameter that is not an FP8 weight (embeddings come first)
+    p = next((p for p in model.parameters() if p.dtype != torch.float8_e4m3fn), next(model.parameters()))
     return p.device, p.dtype
 
 
@@ -111,6 +112,11 @@ class HybridEngine:
         self.config = config
         # a transformers tokenizer: lets generate / generate_batch take and return text (settable)
         self.tokenizer = tokenizer
+        if config.quantization == "fp8":
+            from ..quantization import has_fp8_layers, quantize_model
+
+            if not has_fp8_layers(model):
+                quantize_model(model)
         model_device, model_dtype = _model_device_and_dtype(model)
         self.device = torch.device(config.device) if config.device is not None else model_device
         if self.device.type != model_device.type or (

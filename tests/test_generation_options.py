@@ -425,4 +425,3 @@ def test_finished_requests_carry_timings_and_stats_report_ttft_tpot(engine, prom
     assert r.finish_reason == "length"
     s = engine.stats()
     assert s["ttft"]["count"] >= 1 and s["ttft"]["p50"] >= 0 and s["tpot"]["p99"] >= s["tpot"]["p50"]
-

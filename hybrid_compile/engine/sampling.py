@@ -231,6 +231,28 @@ class Sampler:
         self._generators.pop(request_id, None)
         self.processing.release(request_id)
 
+    def snapshot(self, requests) -> dict:
+        """The generator states of the sampled ``requests`` (None: no generator yet), for
+        :meth:`roll_back` when their step is rolled back. Empty (free) when all are greedy."""
+        out = {}
+        for r in requests:
+            if not r.params.is_greedy:
+                gen = self._generators.get(r.rid)
+                out[r.rid] = None if gen is None else gen.get_state()
+        return out
+
+    def roll_back(self, snapshot: dict, request_ids: list[int]) -> None:
+        """A step of these requests was rolled back: the generators as :meth:`snapshot` saw them,
+        and their token counts forgotten (they counted the step's tokens; re-seeded from the
+        requests' prompt and output at their next processed step)."""
+        for rid, state in snapshot.items():
+            if state is None:
+                self._generators.pop(rid, None)
+            elif rid in self._generators:
+                self._generators[rid].set_state(state)
+        for rid in request_ids:
+            self.processing.release(rid)
+
     def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams],
                requests: list[Any] | None = None, in_flight: int = 0) -> torch.Tensor:
         """logits ``[B, V]`` -> next token ids ``[B]`` (int64, on logits' device). See

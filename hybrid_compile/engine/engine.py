@@ -670,6 +670,7 @@ class HybridEngine:
         r.forks = []
         self.scheduler.abort(r)
         r.finish_reason = "abort"
+        r.finish_time = time.perf_counter()
         self.sampler.release(rid)
         if self.speculative is not None:
             self.speculative.release(rid)

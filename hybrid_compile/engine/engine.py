@@ -1,5 +1,35 @@
 """HybridEngine: the user-facing API — ``generate`` (transformers-like), ``generate_batch``,
-``add_request``/``step`` for driving the engine directly, and ``stats``."""
+``add_request``/``step``/``abort`` for driving the engine directly, and ``stats``.
+
+A failed step loses nothing and corrupts nothing. A step is a transaction: its scheduler
+decisions and slot allocations become the requests' own only when the step commits (its
+sampled tokens are emitted). Whatever raises between the launch of a forward and that commit
+(an exception inside the model, a CUDA error or out-of-memory, a user's logits processor,
+Ctrl-C) rolls the step back before the exception propagates, unchanged, to the caller:
+
+- **Recompute, not restore.** The recurrent layers update their conv windows and SSM states in
+  place, layer by layer, so a forward that stops half-way leaves the states of its requests
+  between two sequence lengths. Restoring them would need a copy of every affected state before
+  every step (megabytes per request per step on a real model, paid on every healthy step);
+  instead the requests of a failed step are *recomputed from their last consistent point*:
+  their slots are freed (KV slots of the step included) and they go back to the front of the
+  queue with their prompt and the output emitted so far (``Scheduler.requeue``), to be
+  prefilled again from their longest prefix-cache checkpoint, or from the prompt. The cost is
+  paid only when a step fails. K/V written by the failed step went to slots that are freed with
+  it, and prefix-cache checkpoints are handed to the tree only after a complete forward, so no
+  half-written state is ever seen by a later step.
+- A speculative verify step leaves the main states untouched (only the intermediate buffers
+  are written), so before its commit only the draft tokens' KV slots are freed; the draft
+  source forgets its state of the requests it was proposing for (``engine/speculative``).
+- With overlap, a failure of the decode step launched ahead still emits the tokens of the step
+  before it (they are valid): they are held back and returned by the next :meth:`step`.
+- The random generators of sampled requests and the step counters are restored, so a seeded
+  request draws the same tokens as if the step had never run.
+
+``generate`` / ``generate_batch`` end the requests they added when they raise (for whatever
+reason: a failed step, a streamer that raises, Ctrl-C between steps): :meth:`abort` frees their
+slots and prefix-cache locks; other callers' requests continue untouched.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +72,19 @@ class _LaunchedStep:
     # they hold them
     host_tokens: torch.Tensor | None = None
     tokens_ready: Any = None  # torch.cuda.Event
+    # the sampled requests' generator states before the step (Sampler.snapshot): its roll-back
+    generators: dict = dataclasses.field(default_factory=dict)
     result: SampleResult | None = None
     host_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class _StepUndo:
+    """What a step's roll-back needs: the requests it touched (the batch's, plus sequences forked
+    from them, ``n > 1``) and the generator states of its sampled requests before it."""
+
+    requests: list[Request]
+    generators: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -51,7 +92,7 @@ class StepOutput:
     rid: int
     token: int | None  # None while a prompt is still being prefilled in chunks
     finished: bool
-    finish_reason: str | None  # "stop", "length", "time" (SamplingParams.max_time) or None
+    finish_reason: str | None  # "stop", "length", "time" (SamplingParams.max_time), "abort" or None
     # n > 1: the sequences of one prompt: the group's first rid and this sequence's index in it
     group: int = -1
     index: int = 0
@@ -209,10 +250,16 @@ class HybridEngine:
         self._rids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[int, Request] = {}
+        # outputs produced but not returned yet (the next step() returns them first): tokens of a
+        # step whose successor failed, and aborted requests' final outputs
+        self._undelivered: list[StepOutput] = []
         self._counters = dict(
             requests_added=0, requests_finished=0, steps=0, decode_steps=0, extend_steps=0,
             prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
             overlapped_steps=0,  # decode steps launched before the previous step's tokens were read
+            requests_aborted=0,
+            failed_steps=0,  # steps rolled back by an exception (module docstring)
+            requests_recomputed=0,  # requests of failed steps sent back to be recomputed
             # n > 1: sequences started from a copy of their first sequence's prefilled prompt, and the
             # prompt tokens they did not prefill again
             forked_requests=0, forked_prompt_tokens=0,
@@ -308,6 +355,18 @@ class HybridEngine:
                 "pool's capacity max_total_tokens, whichever is smallest)"
             )
 
+    def validate_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request :meth:`add_request` would refuse (bad sampling values, an
+        empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
+        Reads only the engine's fixed configuration: safe to call from any thread."""
+        params = params or SamplingParams()
+        self._check_params(0, params)
+        self._validate_prompt(0, [int(t) for t in prompt], params)
+
+    def request(self, rid: int) -> Request:
+        """The request ``rid`` (queued, running, or finished and not yet popped)."""
+        return self._requests[rid]
+
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
         """Queue one prompt (token ids); returns its request id. With ``params.n > 1`` the prompt's
         ``n`` sequences get consecutive ids from the returned one (:meth:`sequence_ids`; each
@@ -365,7 +424,8 @@ class HybridEngine:
         return rids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests wait or run, or outputs wait to be returned by :meth:`step`."""
+        return bool(self._undelivered) or self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
         """Run one engine step (one model forward over a mixed batch, or with speculative
@@ -378,7 +438,18 @@ class HybridEngine:
         a GPU the host's bookkeeping and the next step's preparation overlap the GPU's work. That
         step is in flight when ``step`` returns; the next call returns its tokens. Outputs are
         the same as without overlap (``EngineConfig.extra["overlap"] = False`` or setting
-        ``engine.overlap = False`` turns it off)."""
+        ``engine.overlap = False`` turns it off).
+
+        If the step raises, it is rolled back first (module docstring) and the exception
+        propagates unchanged; outputs it could not return come with the next call."""
+        delivered, self._undelivered = self._undelivered, []
+        try:
+            return delivered + self._step()
+        except BaseException:
+            self._undelivered = delivered + self._undelivered
+            raise
+
+    def _step(self) -> list[StepOutput]:
         if self.speculative is not None:
             outputs = self.speculative.step()
             if outputs is not None:
@@ -397,9 +468,29 @@ class HybridEngine:
             ahead = self.scheduler.schedule_decode_ahead(launched.batch.requests)
             if ahead is not None:
                 ahead.input_ids = launched.tokens
-                self._ahead = self._launch(ahead)
+                try:
+                    self._ahead = self._launch(ahead)  # (rolled back if it fails)
+                except BaseException:
+                    # the step before it is complete: its tokens are emitted (the next step()
+                    # returns them) and the requests recompute from there
+                    try:
+                        self._undelivered += self._finish(launched)
+                    except BaseException:
+                        pass  # its tokens are lost too: _finish rolled it back
+                    raise
                 self._counters["overlapped_steps"] += 1
         return self._finish(launched)
+
+    def _roll_back(self, requests: list[Request], generators: dict) -> None:
+        """Undo a step that raised before its commit (module docstring): the sampled requests'
+        generators as before the step, and every unfinished request of it sent back to be
+        recomputed from its last consistent point (``Scheduler.requeue``)."""
+        unique = list({id(r): r for r in requests}.values())
+        self.sampler.roll_back(generators, [r.rid for r in unique])
+        live = [r for r in unique if not r.is_finished]
+        self.scheduler.requeue(live)
+        self._counters["failed_steps"] += 1
+        self._counters["requests_recomputed"] += len(live)
 
     def _keeps_decoding(self, launched: "_LaunchedStep") -> bool:
         """Every request of a launched DECODE step samples a token that cannot finish it (and none
@@ -428,7 +519,17 @@ class HybridEngine:
 
     def _launch(self, batch: ScheduledBatch) -> "_LaunchedStep":
         """Run a scheduled step's forward and sample its requests' next tokens, leaving them on
-        the device."""
+        the device. If anything raises, the step is rolled back first (:meth:`_roll_back`)."""
+        undo = _StepUndo(list(batch.requests))
+        try:
+            launched = self._forward_and_sample(batch, undo)
+        except BaseException:
+            self._roll_back(undo.requests, undo.generators)
+            raise
+        launched.generators = undo.generators
+        return launched
+
+    def _forward_and_sample(self, batch: ScheduledBatch, undo: "_StepUndo") -> "_LaunchedStep":
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.scheduler.commit_checkpoints(batch)  # prefix-cache checkpoints of this step (no-op without)
@@ -449,8 +550,10 @@ class HybridEngine:
                 sample_rows.append(row)
                 sample_reqs.append(r)
         self._fork(sample_rows, sample_reqs)
+        undo.requests += [r for r in sample_reqs if all(r is not q for q in undo.requests)]  # n > 1: forked
         if not sample_reqs:
             return _LaunchedStep(batch, sample_reqs, None)
+        undo.generators = self.sampler.snapshot(sample_reqs)
         rows = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]
         # inference tensors, as the runner's: a next step launched ahead takes them as its
         # input ids (a compiled forward guards on the tensor kind)
@@ -474,14 +577,21 @@ class HybridEngine:
         return _LaunchedStep(batch, sample_reqs, tokens, result=result, host_logprobs=lp)
 
     def _finish(self, launched: "_LaunchedStep") -> list[StepOutput]:
-        """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them."""
+        """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them:
+        the step's commit. If the copy raises (an error of the forward surfacing, Ctrl-C while
+        waiting), the step is rolled back, with the step launched after it on the same requests."""
         if launched.tokens is None:
             return []
-        if launched.tokens_ready is not None:
-            launched.tokens_ready.synchronize()
-            tokens = launched.host_tokens.tolist()
-        else:
-            tokens = launched.tokens.tolist()
+        try:
+            if launched.tokens_ready is not None:
+                launched.tokens_ready.synchronize()
+                tokens = launched.host_tokens.tolist()
+            else:
+                tokens = launched.tokens.tolist()
+        except BaseException:
+            self._ahead = None
+            self._roll_back(launched.batch.requests + launched.requests, launched.generators)
+            raise
         result = launched.result
         reqs = launched.requests
         logprobs = {}
@@ -540,6 +650,44 @@ class HybridEngine:
             c["requests_finished"] += 1
         return StepOutput(r.rid, token, r.is_finished, r.finish_reason, r.group, r.index, logprobs)
 
+    def abort(self, rid: int) -> bool:
+        """Stop a waiting or running request now (between steps: a step boundary). Its slots go
+        back to the pools and its prefix-cache lock is released; it ends with finish reason
+        ``"abort"`` and the output it had, and the next :meth:`step` returns its final
+        :class:`StepOutput` (token None). Other requests are untouched. Returns False (changing
+        nothing) when the request has already finished; an unknown id raises KeyError."""
+        if rid not in self._requests:
+            raise KeyError(f"no request {rid} (never added, or its result was already popped)")
+        r = self._requests[rid]
+        if r.is_finished:
+            return False
+        if self._ahead is not None and any(q is r for q in self._ahead.batch.requests):
+            # a decode step is in flight for it (overlap): complete that step first, so its
+            # other requests keep their tokens; they come with the next step()
+            launched, self._ahead = self._ahead, None
+            self._undelivered += self._finish(launched)
+        for child in r.forks:  # n > 1: sequences waiting for its prefill are prefilled by themselves
+            self.scheduler.add(child)
+        r.forks = []
+        self.scheduler.abort(r)
+        r.finish_reason = "abort"
+        r.finish_time = time.perf_counter()
+        self.sampler.release(rid)
+        if self.speculative is not None:
+            self.speculative.release(rid)
+        self._counters["requests_aborted"] += 1
+        self._undelivered.append(StepOutput(rid, None, True, "abort", r.group, r.index))
+        return True
+
+    def _end_requests(self, rids: list[int]) -> None:
+        """A generate call that raises ends the requests it added: aborted and forgotten."""
+        for rid in rids:
+            if rid in self._requests:
+                self.abort(rid)
+                self._requests.pop(rid)
+        ended = set(rids)
+        self._undelivered = [o for o in self._undelivered if o.rid not in ended]
+
     def pop_finished(self, rid: int) -> Request:
         req = self._requests[rid]
         if not req.is_finished:
@@ -562,12 +710,16 @@ class HybridEngine:
     def _run(self, rids: list[int], streamer: Any = None) -> list[Request]:
         """Step until every request of ``rids`` finishes; returns them (popped), in order."""
         pending = set(rids)
-        while pending:
-            for out in self.step():
-                if streamer is not None and out.token is not None and out.rid in pending:
-                    streamer.put(torch.tensor([out.token]))
-                if out.finished:
-                    pending.discard(out.rid)
+        try:
+            while pending:
+                for out in self.step():
+                    if streamer is not None and out.token is not None and out.rid in pending:
+                        streamer.put(torch.tensor([out.token]))
+                    if out.finished:
+                        pending.discard(out.rid)
+        except BaseException:  # (a failed step, the streamer, Ctrl-C): the call's requests end with it
+            self._end_requests(rids)
+            raise
         return [self.pop_finished(rid) for rid in rids]
 
     # -- text -----------------------------------------------------------------------------------
@@ -686,11 +838,15 @@ class HybridEngine:
             raise ValueError("streaming supports one sequence only (batch size 1, num_return_sequences 1), as in "
                              "transformers")
         rids = self._add_requests(prompts, _per_request(params, len(prompts)))
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        done = self._run(rids, streamer)
-        if streamer is not None:
-            streamer.end()
+        try:
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            done = self._run(rids, streamer)
+            if streamer is not None:
+                streamer.end()
+        except BaseException:
+            self._end_requests(rids)
+            raise
         pad = plan.values.get("pad_token_id")
         if pad is None:
             pad = params.eos_token_ids[0] if params.eos_token_ids else 0

@@ -36,7 +36,7 @@ class SamplingParams:
     ``ignore_eos``), ``stop_token_ids``, ``stop`` (strings; needs the engine's tokenizer; the token
     that completes one is kept, its string is ``Request.stop_str``), ``stopping_criteria``,
     ``max_time`` (seconds from arrival). Outputs: ``n`` sequences (sharing one prefill of the
-    prompt), ``logprobs`` (the sampled token's and the top-``logprobs`` log-probabilities of the
+    prompt; sequence ``j`` samples with ``seed + j``), ``logprobs`` (the sampled token's and the top-``logprobs`` log-probabilities of the
     model's distribution at each generated token), ``output_scores`` / ``output_logits`` (the
     processed scores / raw logits rows, as transformers' ``generate`` returns them).
     ``logits_processors``: callables ``(input_ids [1, L], scores [1, V]) -> scores`` applied to the
@@ -230,6 +230,28 @@ class Sampler:
     def release(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
         self.processing.release(request_id)
+
+    def snapshot(self, requests) -> dict:
+        """The generator states of the sampled ``requests`` (None: no generator yet), for
+        :meth:`roll_back` when their step is rolled back. Empty (free) when all are greedy."""
+        out = {}
+        for r in requests:
+            if not r.params.is_greedy:
+                gen = self._generators.get(r.rid)
+                out[r.rid] = None if gen is None else gen.get_state()
+        return out
+
+    def roll_back(self, snapshot: dict, request_ids: list[int]) -> None:
+        """A step of these requests was rolled back: the generators as :meth:`snapshot` saw them,
+        and their token counts forgotten (they counted the step's tokens; re-seeded from the
+        requests' prompt and output at their next processed step)."""
+        for rid, state in snapshot.items():
+            if state is None:
+                self._generators.pop(rid, None)
+            elif rid in self._generators:
+                self._generators[rid].set_state(state)
+        for rid in request_ids:
+            self.processing.release(rid)
 
     def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams],
                requests: list[Any] | None = None, in_flight: int = 0) -> torch.Tensor:

@@ -186,6 +186,42 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def free_uncomputed_kv(self, requests: list[Request]) -> None:
+        """Free each request's KV slots past its ``num_computed`` tokens (a verify step's rejected
+        drafts, or all its drafts when it failed before its commit); one free for the batch."""
+        rejected = []
+        for r in requests:
+            if r.kv_slots.numel() > r.num_computed:
+                rejected.append(r.kv_slots[r.num_computed:])
+                r.kv_slots = r.kv_slots[: r.num_computed]
+        if rejected:  # (last request first: the free stack ends as after one free per request in order)
+            self.pools.kv.allocator.free(torch.cat(rejected[::-1]) if len(rejected) > 1 else rejected[0])
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Send the requests of a step that failed before its commit back to be recomputed (the
+        engine's roll-back): everything they hold is freed (:meth:`release`: the step's KV slots
+        too), checkpoints planned for the step are dropped, and they return to the front of the
+        queue in arrival order with their output so far, like a retraction (but not counted as
+        one). Idempotent: a request already back in the queue holds nothing."""
+        self._drop_pending_checkpoints()
+        for r in sorted(requests, key=lambda r: r.arrival, reverse=True):
+            if r in self.running:
+                self.running.remove(r)
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self.release(r)
+            r.status = RequestStatus.WAITING
+            self.waiting.appendleft(r)
+
+    def abort(self, request: Request) -> None:
+        """Drop a waiting or running request between steps: its slots freed, its lock released."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+        request.status = RequestStatus.FINISHED
+
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         if self.cache is None:
@@ -305,6 +341,7 @@ class Scheduler:
             return give_up()
         r.req_slot = int(req_slots[0])
         r.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
+        r.num_cached_tokens = min(prefix, len(r.prompt)) if match is not None else 0
         if match is not None:
             r.num_computed = prefix
             r.kv_slots = match.kv_indices.clone()

@@ -125,10 +125,22 @@ def test_gdn_verify_fp8_pool_and_intermediates(disable):
     g, beta = make_gb((bs, steps), hv)
     slots = torch.tensor([2, -1, 5], dtype=torch.int32)
     pq, ps = _gdn_pool(hv, kd, vd)
+    # oracle: L one-token steps of the fp32 op on the dequantized pool, each stored in the FP8
+    # format (quantize + dequantize) as a decode step would: verify must round exactly so
     ref_pool = deq(pq, ps, GDN_DIM)
     ref_inter = torch.zeros(bs + 1, steps, hv, kd, vd)
-    o_ref = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ref_pool, slots, True, 0.0, disable,
-                                                        ref_inter)
+    real = slots[slots >= 0].long()
+    outs = []
+    for t in range(steps):
+        outs.append(ops.fused_recurrent_gated_delta_rule_update(
+            q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], ref_pool, slots, True, 0.0,
+            False, None))
+        ref_inter[:bs][slots >= 0, t] = ref_pool[real]
+        if t < steps - 1:
+            ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
+    o_ref = torch.cat(outs, 1)
+    if disable:
+        ref_pool = deq(pq, ps, GDN_DIM)
     iq = torch.zeros(bs + 1, steps, hv, kd, vd, dtype=FP8_DTYPE)
     iscale = torch.zeros(bs + 1, steps, hv, vd)
     results = {}
@@ -201,8 +213,21 @@ def test_mamba2_step_fp8_pool(steps, disable):
     pq, ps = quantized(inp["ssm_states"], M2_DIM)
     inp["ssm_states"] = deq(pq, ps, M2_DIM)
     ref_inter = inp["intermediate_states"]
-    y_ref = ops.selective_state_update(*(inp[k] for k in DECODE_ORDER))
     slots = inp["state_indices"].tolist()
+    # oracle: L one-token steps of the fp32 op, each stored in the FP8 format as a decode step would
+    one = dict(inp, disable_state_update=False, intermediate_states=None, ssm_states=inp["ssm_states"].clone())
+    real = inp["state_indices"][inp["state_indices"] >= 0].long()
+    ys = []
+    for t in range(steps):
+        step = {k: (v[:, t:t + 1] if k in ("x", "dt", "B", "C", "z") and v is not None else v) for k, v in one.items()}
+        ys.append(ops.selective_state_update(*(step[k] for k in DECODE_ORDER)))
+        if ref_inter is not None:
+            ref_inter[: len(slots)][inp["state_indices"] >= 0, t] = one["ssm_states"][real]
+        if t < steps - 1:
+            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], M2_DIM), M2_DIM)
+    y_ref = torch.cat(ys, 1)
+    if not disable:
+        inp["ssm_states"] = one["ssm_states"]
     for name in ("plain", "triton"):
         args = dict(inp)
         args["ssm_states"], ss = pq.clone(), ps.clone()

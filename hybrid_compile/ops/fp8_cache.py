@@ -32,7 +32,7 @@ from .fp8 import FP8_DTYPE, FP8_EPS, FP8_MAX
 
 __all__ = [
     "FP8_DTYPE", "GDN_STATE_SCALE_DIM", "KV_SCALE_DIM", "MAMBA2_STATE_SCALE_DIM", "dequantize_vectors",
-    "is_fp8", "quantize_vectors", "read_rows", "scale_shape", "write_rows",
+    "is_fp8", "quantize_vectors", "read_rows", "round_trip", "scale_shape", "write_rows",
 ]
 
 #: Axis of a GDN state slot ``[Hv, K, V]`` that one scale covers (K).
@@ -64,6 +64,14 @@ def quantize_vectors(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
 def dequantize_vectors(q: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 ``q * scale`` (``scale`` broadcast along ``dim``)."""
     return q.float() * scale.unsqueeze(dim)
+
+
+def round_trip(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 ``x`` as the FP8 format stores and returns it (quantize, then dequantize). The
+    multi-step (speculative verify) ops apply it between steps, so ``L`` verify steps round the
+    state exactly as ``L`` decode steps, each storing it, do: speculative greedy output equals
+    plain greedy output with an FP8 state too."""
+    return dequantize_vectors(*quantize_vectors(x, dim), dim)
 
 
 def read_rows(pool: torch.Tensor, scales: Optional[torch.Tensor], rows: torch.Tensor, dim: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ from ._validation import (
     check_unique_slots,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
-from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, read_rows, write_rows
+from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
 
 #: Chunk length of the chunked scan; chunk boundaries (and so ``chunk_states`` rows) are
 #: aligned to each request's first new token. The prefix cache relies on this value.
@@ -572,7 +572,9 @@ def fused_recurrent_gated_delta_rule_update(
             (cast to the buffer's dtype), for real rows and ``t < L`` only.
         ssm_scales, intermediate_scales: fp32 scales (``[num_slots, Hv, V]``, ``[>= B, >= L, Hv,
             V]``) of an FP8 ``ssm_states`` / ``intermediate_states`` (as in
-            ``chunk_gated_delta_rule``), **mutated** with them; None for float buffers.
+            ``chunk_gated_delta_rule``), **mutated** with them; None for float buffers. With an FP8
+            pool the state is rounded to the FP8 format between steps, as ``L`` decode steps would
+            store it.
 
     Returns:
         ``o``: ``[B, L, Hv, V]`` in ``v.dtype``.
@@ -598,6 +600,8 @@ def fused_recurrent_gated_delta_rule_update(
         if intermediate_states is not None:
             write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
                        inter_rows, state, GDN_STATE_SCALE_DIM)
+        if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
+            state = round_trip(state, GDN_STATE_SCALE_DIM)
     if not disable_state_update:
         write_rows(ssm_states, ssm_scales, slots, state, GDN_STATE_SCALE_DIM)
     if rows is None:

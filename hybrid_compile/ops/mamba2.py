@@ -39,7 +39,7 @@ from ._validation import (
     check_unique_slots,
 )
 from ._varlen import max_chunk_rows
-from .fp8_cache import FP8_DTYPE, MAMBA2_STATE_SCALE_DIM, check_scales, read_rows, write_rows
+from .fp8_cache import FP8_DTYPE, MAMBA2_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
 
 #: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, head, head-dim row) over N
 #: (``ssm_scales [num_slots, H, P]``, :mod:`.fp8_cache`).
@@ -458,7 +458,8 @@ def selective_state_update(
             ``-exp(A_log)`` itself (a decode step then launches no kernels for it).
         ssm_scales, intermediate_scales: fp32 scales (``[num_slots, H, P]``, ``[>= B, L, H, P]``) of
             an FP8 ``ssm_states`` / ``intermediate_states`` (as in ``ssd_chunk_scan``), **mutated**
-            with them; None for float buffers.
+            with them; None for float buffers. With an FP8 pool the state is rounded to the FP8
+            format between steps, as ``L`` decode steps would store it.
 
     Returns:
         ``y`` ``[B, L, H, P]`` in ``x.dtype``.
@@ -497,6 +498,8 @@ def selective_state_update(
         if intermediate_states is not None:
             write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
                        rows, S.reshape(nb, H, P, N), MAMBA2_STATE_SCALE_DIM)
+        if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
+            S = round_trip(S, MAMBA2_STATE_SCALE_DIM)
     y = torch.stack(ys, 1)  # [nb, L, H, P]
     if z is not None:
         y = y * F.silu(z.index_select(0, rows).float())

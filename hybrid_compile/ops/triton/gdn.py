@@ -62,7 +62,7 @@ def _gdn_recurrent_kernel(
     s_pss, s_psh, s_isb, s_isl, s_ish,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
-    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
+    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
@@ -130,6 +130,9 @@ def _gdn_recurrent_kernel(
                 tl.store(inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S_s, mask=m_o)
             else:
                 tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
+        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+            S_q, S_s = quantize_axis(S, 0)
+            S = tl.where(t < L - 1, S_q * S_s[None, :], S)
     if UPDATE_STATE:
         if POOL_FP8:
             S_q, S_s = quantize_axis(S, 0)
@@ -179,6 +182,7 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
+        ROUND_STEPS=ssm_scales is not None and steps > 1,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )

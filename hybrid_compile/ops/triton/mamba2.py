@@ -141,7 +141,7 @@ def _ssu_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
+    STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per (head, p) row over N (held whole here):
@@ -205,6 +205,9 @@ def _ssu_kernel(
                 tl.store(inter_scale_ptr + b * sis_b + t * sis_t + h * sis_h + offs_p, S_s, mask=mask_p)
             else:
                 tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_pn)
+        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+            S_q, S_s = quantize_axis(S, 1)
+            S = tl.where(t < L - 1, S_q * S_s[:, None], S)
     if UPDATE_STATE:
         if STATE_FP8:
             S_q, S_s = quantize_axis(S, 1)
@@ -261,6 +264,7 @@ def selective_state_update_triton(
         UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
+        ROUND_STEPS=ssm_scales is not None and steps > 1,
         **pdl_launch(x.device),
     )
     return out

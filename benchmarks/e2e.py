@@ -78,6 +78,9 @@ OURS_MODES = {
     # the recurrent state in bf16 (vLLM's default for these layers; transformers and our default
     # keep fp32): half the state bytes, which at batch 64 outweigh the weights
     "ours_bf16_state": dict(base=True, ssm_state_dtype="bfloat16"),
+    # FP8 pools (README "FP8 KV cache and FP8 recurrent state"): e4m3 state / KV cache with scales
+    "ours_fp8_state": dict(base=True, ssm_state_dtype="fp8"),
+    "ours_fp8_kv_cache": dict(base=True, kv_cache_dtype="fp8"),
 }
 SYSTEMS = HF_SYSTEMS + tuple(OURS_MODES)
 # timed prefills per length after the warm-up; the table reports their median (one 4k prefill
@@ -89,6 +92,8 @@ SYSTEM_WORKLOADS = {
     "ours_prefix_cache": ("shared_prefix", "cb"),
     "ours_speculative": ("decode", "cb"),
     "ours_bf16_state": ("decode", "cb"),
+    "ours_fp8_state": ("decode", "cb"),
+    "ours_fp8_kv_cache": ("decode", "cb"),
 }
 MODELS = ("qwen3_next", "nemotron_h")
 # kernel packages transformers uses when they import; hf_eager runs with none of them

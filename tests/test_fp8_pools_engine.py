@@ -151,3 +151,54 @@ def test_fp8_pools_compiled_engine_matches_eager_without_graph_breaks():
     assert dict(torch._dynamo.utils.counters["graph_break"]) == breaks
     with make_engine(model, **kw) as engine:
         assert engine.generate_batch(prompts, max_new_tokens=6) == compiled
+
+
+@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+def test_fp8_verify_then_commit_equals_decode_steps(name):
+    """Layer ops on FP8 pools: a TARGET_VERIFY batch + the commit of the accepted steps leaves the
+    same e4m3 state (values and scales), and gives the same outputs, as one DECODE step per token
+    (verify rounds the state between its steps as decode stores it)."""
+    from hybrid_compile.layers.context import ForwardContext, ForwardMode, forward_context
+    from hybrid_compile.ops.fp8_cache import (
+        GDN_STATE_SCALE_DIM, MAMBA2_STATE_SCALE_DIM, dequantize_vectors, quantize_vectors,
+    )
+    from test_speculative import _layer_cases, _metadata
+
+    dim = GDN_STATE_SCALE_DIM if name == "gdn" else MAMBA2_STATE_SCALE_DIM
+    case = _layer_cases()[name]
+    steps, slots, prefix = 4, [2, 0], [6, 9]
+    g = torch.Generator().manual_seed(6)
+    conv0 = torch.randn(3, case["width"] - 1, case["conv_dim"], generator=g)
+    q0, s0 = quantize_vectors(torch.randn(3, *case["state"], generator=g), dim)
+    inputs = case["inputs"](len(slots) * steps)
+
+    conv, q, s = conv0.clone(), q0.clone(), s0.clone()
+    inter = (torch.zeros(len(slots) + 1, steps, *conv.shape[1:]), torch.zeros(len(slots) + 1, steps, *q.shape[1:],
+             dtype=FP8), torch.zeros(len(slots) + 1, steps, *s.shape[1:]))
+    md = _metadata(ForwardMode.TARGET_VERIFY, slots, prefix, steps, prompt_len=5)
+    with forward_context(ForwardContext(md, {}, {0: (conv, q, s)}, {0: inter})):
+        verify_out = case["op"](*inputs, *case["params"])
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)  # untouched
+
+    dconv, dq, ds = conv0.clone(), q0.clone(), s0.clone()
+    decode_out, states = [], []
+    for t in range(steps):
+        rows = torch.arange(len(slots)) * steps + t
+        md = _metadata(ForwardMode.DECODE, slots, [p + t for p in prefix], 1, prompt_len=5)
+        with forward_context(ForwardContext(md, {}, {0: (dconv, dq, ds)})):
+            decode_out.append(case["op"](*(x[rows] for x in inputs), *case["params"]))
+        states.append((dconv.clone(), dq.clone(), ds.clone()))
+    decode_out = torch.stack(decode_out, dim=1).flatten(0, 1)
+    torch.testing.assert_close(verify_out, decode_out, rtol=1e-6, atol=1e-6)
+
+    accepted = [3, 1]
+    torch.ops.hybrid_compile.commit_speculative_state([conv, q, s], list(inter), torch.tensor(slots),
+                                                      torch.tensor(accepted))
+    for slot, a in zip(slots, accepted):
+        # (decode gates inside its fused GDN kernel, verify outside it: fp32 noise apart, the same
+        # state; a value may sit on an e4m3 rounding boundary, so allow one step of its vector)
+        torch.testing.assert_close(s[slot], states[a - 1][2][slot], rtol=1e-5, atol=0)
+        got = dequantize_vectors(q[slot], s[slot], dim)
+        want = dequantize_vectors(states[a - 1][1][slot], states[a - 1][2][slot], dim)
+        assert ((got - want).abs() <= 32 * s[slot].unsqueeze(dim) + 1e-7).all()
+        assert (q[slot].view(torch.uint8) == states[a - 1][1][slot].view(torch.uint8)).float().mean() > 0.99

@@ -59,7 +59,7 @@ def attention_layer(
     q, k, v = (t if t.stride(0) == max(t.stride()) else t.contiguous() for t in (q, k, v))
     ctx = require_forward_context("hybrid_compile::attention_layer")
     md = ctx.metadata
-    k_cache, v_cache, k_scale, v_scale = ctx.kv_caches[layer_id]  # scales: FP8 KV cache only
+    k_cache, v_cache, k_scale, v_scale = ctx.kv_cache(layer_id)  # scales: FP8 KV cache only
     _kernels.store_kv_cache(k_cache, v_cache, md.out_cache_loc, k, v, k_scale, v_scale)
     if md.mode is ForwardMode.DECODE:
         out, _ = _kernels.paged_attention_decode(

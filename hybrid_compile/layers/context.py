@@ -148,7 +148,9 @@ class ForwardContext:
     ``mamba_caches[layer_id] = (conv_states, ssm_states, ssm_scales)`` for linear layers;
     ``intermediate_caches[layer_id] = (conv_windows, ssm_states, ssm_scales)`` per-draft-step
     buffers (speculative verify only). The scales are the fp32 tensors beside an FP8 pool
-    (``hybrid_compile.ops.fp8_cache``), None for a float pool.
+    (``hybrid_compile.ops.fp8_cache``), None for a float pool; a tuple without them (``(k, v)``,
+    ``(conv, ssm)``) means float pools. Layer ops read them through :meth:`kv_cache`,
+    :meth:`mamba_cache` and :meth:`intermediate`, which always return the full tuples.
     """
 
     metadata: ForwardMetadata
@@ -156,20 +158,35 @@ class ForwardContext:
     mamba_caches: dict[int, tuple]
     intermediate_caches: dict[int, tuple] = field(default_factory=dict)
 
+    def kv_cache(self, layer_id: int) -> tuple:
+        """``(k_cache, v_cache, k_scale, v_scale)`` of a full-attention layer (scales None: float)."""
+        return _full(self.kv_caches[layer_id], 4)
+
+    def mamba_cache(self, layer_id: int) -> tuple:
+        """``(conv_states, ssm_states, ssm_scales)`` of a linear layer (scales None: float state)."""
+        return _full(self.mamba_caches[layer_id], 3)
+
     def intermediate(self, layer_id: int, op: str) -> tuple:
-        """The per-draft-step buffers of one linear layer (TARGET_VERIFY), or a clear error."""
+        """``(conv_windows, ssm_states, ssm_scales)``: the per-draft-step buffers of one linear layer
+        (TARGET_VERIFY), or a clear error."""
         if layer_id not in self.intermediate_caches:
             raise RuntimeError(
                 f"{op}: TARGET_VERIFY needs the Mamba pool's speculative buffers of layer {layer_id} in the forward "
                 "context (an engine built with EngineConfig.speculative provides them)"
             )
-        return self.intermediate_caches[layer_id]
+        return _full(self.intermediate_caches[layer_id], 3)
 
     def verify_batch(self, layer_id: int, op: str) -> VerifyBatch:
         """The TARGET_VERIFY view of linear layer ``layer_id`` (``op`` names it in errors)."""
         md = self.metadata
         rows = md.verify_rows()
         return VerifyBatch(rows, md.draft_len, md.mamba_cache_indices[:rows], self.intermediate(layer_id, op))
+
+
+def _full(entry: tuple, n: int) -> tuple:
+    """A pool-view tuple padded with None up to ``n`` entries (float pools carry no scales)."""
+    entry = tuple(entry)
+    return entry + (None,) * (n - len(entry))
 
 
 _current: ForwardContext | None = None

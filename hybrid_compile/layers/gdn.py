@@ -89,7 +89,7 @@ def gdn_layer(
     _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     ctx = require_forward_context("hybrid_compile::gdn_layer")
     md = ctx.metadata
-    conv_states, ssm_states, ssm_scales = ctx.mamba_caches[layer_id]
+    conv_states, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)
     key_dim = num_k_heads * head_k_dim
     n = mixed_qkv.shape[0]
 

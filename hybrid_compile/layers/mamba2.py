@@ -126,7 +126,7 @@ def mamba2_layer(
     _check(xBC, dt, num_heads, head_dim, n_groups, state_size)
     ctx = require_forward_context("hybrid_compile::mamba2_layer")
     md = ctx.metadata
-    conv_states, ssm_states, ssm_scales = ctx.mamba_caches[layer_id]
+    conv_states, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)
     n = xBC.shape[0]
     x_dim = num_heads * head_dim
     bc_dim = n_groups * state_size

@@ -61,7 +61,7 @@ def short_conv_layer(
     _check(x, conv_weight)
     ctx = require_forward_context("hybrid_compile::short_conv_layer")
     md = ctx.metadata
-    conv_states = ctx.mamba_caches[layer_id][0]
+    conv_states = ctx.mamba_cache(layer_id)[0]
 
     if md.mode is ForwardMode.DECODE:
         return _kernels.causal_conv1d_update(

@@ -127,6 +127,11 @@ def _default_inductor_config(device: torch.device) -> dict:
     return {}
 
 
+def _views(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A layer's pool views without the absent (None) scales of float pools."""
+    return tuple(t for t in tensors if t is not None)
+
+
 class ModelRunner:
     def __init__(
         self, model: nn.Module, pools: MemoryPools, device: torch.device, config: "EngineConfig | None" = None
@@ -135,10 +140,11 @@ class ModelRunner:
         self.pools = pools
         self.device = device
         kv = pools.kv
-        self.kv_caches = {layer: (*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
+        # pool views per layer (ForwardContext), FP8 pools' scales after their values (float pools: none)
+        self.kv_caches = {layer: _views(*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
         mamba = pools.mamba
         self.mamba_caches = {
-            layer: (mamba.conv(layer), mamba.ssm(layer), mamba.ssm_scale(layer)) for layer in mamba.layer_ids
+            layer: _views(mamba.conv(layer), mamba.ssm(layer), mamba.ssm_scale(layer)) for layer in mamba.layer_ids
         }
         self.compiled = config is not None and config.resolved_compile(device)
         full, piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
@@ -157,8 +163,8 @@ class ModelRunner:
         # its linear layers write (ForwardContext.intermediate_caches)
         self.draft_len = mamba.num_draft_steps
         self.intermediate_caches = (
-            {layer: (mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer),
-                     mamba.layer_cache(layer).intermediate_ssm_scale) for layer in mamba.layer_ids}
+            {layer: _views(mamba.intermediate_conv(layer), mamba.intermediate_ssm(layer),
+                           mamba.layer_cache(layer).intermediate_ssm_scale) for layer in mamba.layer_ids}
             if self.draft_len else {}
         )
         # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off

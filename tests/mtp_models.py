@@ -28,9 +28,10 @@ from engine_models import build_model, make_config, model_class
 STD = 0.2
 
 
-def _extended_config(kind: str):
-    """The kind's config with one more layer (full attention; MoE as the kind's layers)."""
-    cfg = make_config(kind)
+def _extended_config(kind: str, config=None):
+    """The kind's config (or ``config``) with one more layer (full attention; MoE as the kind's
+    layers)."""
+    cfg = make_config(kind) if config is None else config
     n = cfg.num_hidden_layers
     cfg = copy.deepcopy(cfg)
     cfg.num_hidden_layers = n + 1
@@ -40,17 +41,17 @@ def _extended_config(kind: str):
     return cfg
 
 
-def write_mtp_checkpoint(kind: str, seed: int, path: str, with_mtp: bool = True):
-    """Save the model ``build_model(kind, seed)`` into ``path`` with ``mtp.*`` tensors (seeded by
-    ``seed``) in its safetensors file; returns the mtp tensors (names without ``mtp.``) and the
-    HF decoder layer saved as ``mtp.layers.0`` (the reference's)."""
+def write_mtp_checkpoint(kind: str, seed: int, path: str, with_mtp: bool = True, model=None):
+    """Save the model ``build_model(kind, seed)`` (or ``model``, of ``kind``) into ``path`` with
+    ``mtp.*`` tensors (seeded by ``seed``) in its safetensors file; returns the mtp tensors (names
+    without ``mtp.``) and the HF decoder layer saved as ``mtp.layers.0`` (the reference's)."""
     from safetensors.torch import load_file, save_file
 
-    model = build_model(kind, seed)
+    model = build_model(kind, seed) if model is None else model
     model.save_pretrained(path)
     if not with_mtp:
         return {}, None
-    cfg = _extended_config(kind)
+    cfg = _extended_config(kind, model.config)
     n = cfg.num_hidden_layers - 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1000 + seed)
@@ -76,7 +77,7 @@ class ReferenceHead:
     ``model`` with HF's modules, eager, whole sequences."""
 
     def __init__(self, kind: str, model, mtp: dict, layer) -> None:
-        cfg = _extended_config(kind)
+        cfg = _extended_config(kind, model.config)
         self.model = model
         self.kind = kind
         self.layer = layer

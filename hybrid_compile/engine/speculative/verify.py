@@ -244,12 +244,14 @@ class SpeculativeDecoder:
         if close is not None:
             close()
 
-    def use_source(self, source, name: str = "custom") -> None:
-        """Switch to another :class:`DraftSource` (the old one is closed) keeping the engine, its
-        pools and compiled graphs: benchmarks compare sources at one ``num_draft_tokens``."""
+    def use_source(self, source, name: str = "custom", close_previous: bool = True) -> None:
+        """Switch to another :class:`DraftSource` (the old one is closed unless ``close_previous``
+        is False: a source that wraps it) keeping the engine, its pools and compiled graphs:
+        benchmarks compare sources at one ``num_draft_tokens``."""
         if not callable(getattr(source, "propose", None)):
             raise TypeError(f"a draft source needs propose(requests, k), got {type(source).__name__}")
-        self.close()
+        if close_previous:
+            self.close()
         self.source = source
         self.method = name
 

@@ -365,6 +365,18 @@ class HybridEngine:
                 "pool's capacity max_total_tokens, whichever is smallest)"
             )
 
+    def validate_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request :meth:`add_request` would refuse (bad sampling values, an
+        empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
+        Reads only the engine's fixed configuration: safe to call from any thread."""
+        params = params or SamplingParams()
+        self._check_params(0, params)
+        self._validate_prompt(0, [int(t) for t in prompt], params)
+
+    def request(self, rid: int) -> Request:
+        """The request ``rid`` (queued, running, or finished and not yet popped)."""
+        return self._requests[rid]
+
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
         """Queue one prompt (token ids); returns its request id. With ``params.n > 1`` the prompt's
         ``n`` sequences get consecutive ids from the returned one (:meth:`sequence_ids`; each
@@ -671,6 +683,7 @@ class HybridEngine:
         r.forks = []
         self.scheduler.abort(r)
         r.finish_reason = "abort"
+        r.finish_time = time.perf_counter()
         self.sampler.release(rid)
         if self.speculative is not None:
             self.speculative.release(rid)

@@ -446,7 +446,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     tiny = dict(rates="4,inf", num_requests=8, input_len=16, output_len=6, system_len=32, max_running_requests=16,
                 max_total_tokens=2048, chunked_prefill_size=128)
-    full = dict(rates="1,2,4,8,16,32,inf", num_requests=200, input_len=512, output_len=128, system_len=2048,
+    full = dict(rates="2,4,8,16,32,inf", num_requests=128, input_len=512, output_len=128, system_len=2048,
                 max_running_requests=64, max_total_tokens=None, chunked_prefill_size=2048)
     for k, v in (tiny if args.tiny else full).items():
         if getattr(args, k) is None:

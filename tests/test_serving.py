@@ -358,6 +358,16 @@ def test_client_disconnect_mid_stream_frees_its_request(server, ckpt):
     generated = after["hybrid_compile_generation_tokens_total"] - before["hybrid_compile_generation_tokens_total"]
     assert 3 <= generated < 300
 
+    # a non-streaming request whose client gives up (times out) mid-generation: aborted too
+    impatient = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=400, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    final = wait_idle_and_pools_full(server)
+    assert final.get(key, 0) == before.get(key, 0) + 2
+    generated = final["hybrid_compile_generation_tokens_total"] - after["hybrid_compile_generation_tokens_total"]
+    assert generated < 400
+
 
 def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_flight(server, ckpt):
     client = _client(server)

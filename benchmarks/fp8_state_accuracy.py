@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 1024, --tiny 32)")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--modes", default=",".join(name for name, _ in MODES),
+                   help="comma-separated subset of the compared engines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/fp8_state_accuracy.json")
     args = p.parse_args(argv)
@@ -145,7 +147,12 @@ def main(argv=None) -> int:
     print(f"{'mode':<24} {'mean':>9} {'p50':>9} {'p90':>9} {'max':>9} {'top1':>7} {'B/token':>8} {'B/slot':>9}")
     print(f"{'fp32_state (reference)':<24} {'':>9} {'':>9} {'':>9} {'':>9} {'':>7} "
           f"{ref['bytes']['per_token']:>8} {ref['bytes']['per_mamba_slot']:>9}")
+    unknown = set(args.modes.split(",")) - {name for name, _ in MODES}
+    if unknown:
+        p.error(f"unknown mode(s) {sorted(unknown)}; known: {[name for name, _ in MODES]}")
     for name, overrides in MODES:
+        if name not in args.modes.split(","):
+            continue
         got = run(model, prompt, steps, args.device, ref["tokens"], **overrides)
         assert got["tokens"] == ref["tokens"], f"{name}: teacher forcing did not hold"
         row = compare(ref["logits"], got["logits"])

@@ -23,3 +23,21 @@ def test_tiny_cpu_run(tmp_path):
         assert all(v["ms_per_step"] > 0 for v in run[mode]["decode"].values())
     assert run["fp8"]["weight_bytes"] < run["bf16"]["weight_bytes"]
     assert "FP8" in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
+
+
+def test_fp8_state_accuracy_tiny_cpu_run(tmp_path):
+    """benchmarks/fp8_state_accuracy.py --tiny: every mode teacher-forced on the reference's tokens;
+    the fp8 state is further from the fp32-state engine than the bf16 state, and its pools smaller."""
+    out = tmp_path / "acc.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8_state_accuracy.py"), "--tiny", "--device", "cpu",
+           "--tokens", "12", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    modes = run["modes"]
+    assert set(modes) == {"bf16_state", "fp8_state", "fp8_kv_cache", "fp8_state_and_kv_cache"}
+    assert all(m["steps"] == 12 for m in modes.values())
+    assert 0 < modes["bf16_state"]["rel_max_error"]["mean"] < modes["fp8_state"]["rel_max_error"]["mean"] < 0.1
+    assert modes["fp8_state"]["bytes"]["per_mamba_slot"] < modes["bf16_state"]["bytes"]["per_mamba_slot"]
+    assert modes["fp8_kv_cache"]["bytes"]["per_token"] < run["reference"]["bytes"]["per_token"]
+    assert modes["fp8_state"]["dtypes"]["ssm"] == ["float8_e4m3fn"]

@@ -159,3 +159,21 @@ def test_mtp_benchmark_tiny_smoke(tmp_path):
     # 6 tokens after the prefill's first: two verify steps of 3 (every draft of the replay right)
     assert rows["mtp_accept3"]["mean_acceptance_length"] == 3.0
     assert rows["mtp"]["head_forwards_per_verify"] >= 2 and rows["mtp"]["draft_ms_per_head_forward"] > 0
+
+
+def test_mtp_with_fp8_pools(checkpoints):
+    """kv_cache_dtype="fp8" covers the head's attention layer too (its KV lives in the target's pool),
+    and with an FP8 state the MTP engine's greedy output equals the plain FP8 engine's."""
+    path, _, _ = checkpoints("qwen3_next_moe")
+    fp8 = dict(kv_cache_dtype="fp8", ssm_state_dtype="fp8")
+    engine = hc.from_pretrained(path, dtype=torch.float32, device="cpu", tokenizer=False,
+                                speculative=dict(method="mtp", num_draft_tokens=K), **fp8, **ARGS)
+    layer = engine.mtp_head.layer_id
+    assert engine.pools.kv.k_cache(layer).dtype == torch.float8_e4m3fn
+    assert all(k is not None for k in engine.pools.kv.kv_scales(layer))
+    prompts = random_prompts((3, 45), vocab_size(engine.model), seed=7)
+    got = engine.generate_batch(prompts, max_new_tokens=NEW)
+    assert engine.stats()["speculative"]["verify_steps"] > 0
+    with hc.wrap(engine.model, **fp8, **ARGS) as plain:
+        assert plain.generate_batch(prompts, max_new_tokens=NEW) == got
+    _finish(engine)

@@ -175,9 +175,9 @@ class HybridEngine:
                 f"EngineConfig.dtype={self.dtype} but the model's weights are {model_dtype}; the engine uses the "
                 "model's own weights, so convert the model first (model.to(dtype))"
             )
+        kv_dtype = config.resolved_kv_cache_dtype(self.dtype)
         self.layout = self.family.layout(
-            model, kv_dtype=config.resolved_kv_cache_dtype(self.dtype), conv_dtype=self.dtype,
-            ssm_dtype=_as_dtype(config.ssm_state_dtype),
+            model, kv_dtype=kv_dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype),
         )
         max_context = config.max_context_len or self.layout.max_position_embeddings
         # speculative verify writes the k drafts past a request's last token: k positions of room
@@ -191,7 +191,7 @@ class HybridEngine:
         if config.speculative is not None and config.speculative.method == "mtp":
             self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
         self.pools = MemoryPools.from_specs(
-            self.layout.attention + ([self.mtp_head.attention_spec(self.dtype)] if self.mtp_head is not None else []),
+            self.layout.attention + ([self.mtp_head.attention_spec(kv_dtype)] if self.mtp_head is not None else []),
             self.layout.mamba,
             device=self.device,
             max_running_requests=config.max_running_requests,

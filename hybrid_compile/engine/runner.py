@@ -134,6 +134,9 @@ class ModelRunner:
         self.model = model
         self.pools = pools
         self.device = device
+        # tensor parallelism (hybrid_compile.distributed): on rank 0, told of every model call (inside its
+        # forward context) so that it broadcasts the step to the other ranks, which run the same call
+        self.step_observer = None
         kv = pools.kv
         self.kv_caches = {layer: kv.kv_cache(layer) for layer in kv.layer_ids}
         mamba = pools.mamba
@@ -222,6 +225,8 @@ class ModelRunner:
     # -- compile ------------------------------------------------------------------------------
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Packed tokens -> logits ``[B, vocab]`` (the eager path)."""
+        if self.step_observer is not None:
+            self.step_observer.forward(False, input_ids)
         return _forward_of(self.model)(input_ids, positions, logits_indices)
 
     def _setup_compile(self) -> None:
@@ -247,6 +252,8 @@ class ModelRunner:
         self._compile_counters["warmup_seconds"] = time.perf_counter() - t0
 
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        if self.step_observer is not None:
+            self.step_observer.forward(True, input_ids)
         for t in (input_ids, positions, logits_indices):
             if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
                 torch._dynamo.mark_dynamic(t, 0)

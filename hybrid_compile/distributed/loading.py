@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class LoadReport:
 class Checkpoint:
     """The safetensors files of a checkpoint directory, opened lazily (memory-mapped)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, model_type: str | None = None) -> None:
         from safetensors import safe_open
 
         self._open = safe_open
@@ -55,14 +56,21 @@ class Checkpoint:
                 f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE} nor {_INDEX}"
             )
         self._handles: dict[str, object] = {}
+        # the model's parameter names -> checkpoint keys, through transformers' own renamings of this
+        # model type (NemotronH's "backbone." -> "model.", Granite's fused experts, ...)
+        self.keys = {_renamed(k, model_type): k for k in self.weight_map}
 
     def _file(self, name: str):
         return self._open(os.path.join(self.path, name), framework="pt", device="cpu")
 
     def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
+        return key in self.keys
 
     def slice(self, key: str):
+        """The checkpoint tensor of model parameter ``key`` (a safetensors slice: nothing read yet)."""
+        return self._slice(self.keys[key])
+
+    def _slice(self, key: str):
         name = self.weight_map[key]
         if name not in self._handles:
             self._handles[name] = self._file(name).__enter__()
@@ -71,7 +79,7 @@ class Checkpoint:
     def total_bytes(self) -> int:
         total = 0
         for key in self.weight_map:
-            s = self.slice(key)
+            s = self._slice(key)
             n = 1
             for d in s.get_shape():
                 n *= d
@@ -82,6 +90,20 @@ class Checkpoint:
         for h in self._handles.values():
             h.__exit__(None, None, None)
         self._handles.clear()
+
+
+def _renamed(key: str, model_type: str | None) -> str:
+    """A checkpoint key under transformers' renamings for ``model_type`` (its conversion mapping's
+    ``WeightRenaming`` entries; the expert-merging converters are the plans' ``experts`` slices)."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+    except ImportError:  # an older transformers without conversion mappings: names are the model's
+        return key
+    for conv in get_checkpoint_conversion_mapping(model_type) or () if model_type else ():
+        if isinstance(conv, WeightRenaming):
+            for src, dst in zip(conv.source_patterns, conv.target_patterns):
+                key = re.sub(src, dst, key)
+    return key
 
 
 def _dtype_size(name: str) -> int:
@@ -179,7 +201,7 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     base_rss = _peak_rss_reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(path, getattr(config, "model_type", None))
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     tied = bool(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
                         "tie_word_embeddings", False))

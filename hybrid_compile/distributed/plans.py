@@ -143,7 +143,10 @@ class ShardPlan:
         cfg = copy.deepcopy(full_config)
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         for k, v in self.local_fields.items():
-            setattr(text, k, v)
+            if isinstance(v, float):  # (Mamba2's expand: a fraction of the hidden size, int-typed in its config)
+                object.__setattr__(text, k, v)
+            else:
+                setattr(text, k, v)
         return cfg
 
     # -- building blocks shared by the families ------------------------------------------------

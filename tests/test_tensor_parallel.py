@@ -275,3 +275,27 @@ def test_follower_failure_reaches_rank0(checkpoints, tmp_path):
     err = results["qwen3_next_moe"]["error"]
     assert err.startswith("TensorParallelError") and "rank 1" in err and "injected fault in the GDN mixer" in err
     assert codes[0] == 0 and codes[1] != 0
+
+
+def test_benchmark_smoke_run(tmp_path):
+    """benchmarks/tensor_parallel.py --device cpu --tiny at TP 1 and 2: every measurement present."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "tensor_parallel.py"), "--device", "cpu", "--tiny",
+           "--tp", "1,2", "--batches", "1,2", "--prefill", "24", "--prompt-len", "8", "--new-tokens", "3",
+           "--workdir", str(tmp_path / "ckpt"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    tp1, tp2 = run["results"]
+    assert (tp1["tp"], tp2["tp"]) == (1, 2) and tp1["all_reduce"] is None
+    for r in (tp1, tp2):
+        assert set(r["decode"]) == {"1", "2"} and r["decode"]["2"]["decode_tokens"] == 2 * 2
+        assert r["prefill"]["24"]["tokens_per_s"] > 0
+    assert tp2["all_reduce"]["all_reduce_calls"] > 0 and tp2["all_reduce"]["all_reduce_ms_per_step"] > 0
+    assert len(tp2["tensor_parallel"]["ranks"]) == 2
+    assert set(run["scaling"]["2"]) == {"decode_1", "decode_2", "prefill_24"}

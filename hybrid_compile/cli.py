@@ -21,8 +21,10 @@ def _selfcheck(args: argparse.Namespace) -> int:
     from .ops.selfcheck import format_results, run_selfcheck
 
     dtype = getattr(torch, args.dtype)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+    try:
+        _check_device(args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"hybrid_compile kernel-op self-check on {args.device}, {args.dtype} inputs (torch {torch.__version__})")
     results = run_selfcheck(args.device, dtype, seed=args.seed, reps=args.reps)
@@ -44,6 +46,11 @@ def _demo(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
+    try:
+        _check_device(args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result = run_demo(args.device, args.num_prompts, args.max_new_tokens, args.seed, check=not args.no_check,
                       tensor_parallel_size=args.tensor_parallel_size)
     return 0 if result["matches_hf"] in (True, None) else 1
@@ -63,10 +70,21 @@ def _quiet_transformers() -> None:
     warnings.filterwarnings("ignore")
 
 
+def _check_device(device: str) -> None:
+    """``--device cuda...`` on a machine without CUDA: a ValueError (one ``error:`` line, exit 2)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available on this machine (torch "
+                         f"{torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA); "
+                         "use --device cpu or --device auto")
+
+
 def _load(args: argparse.Namespace, tokenizer, max_running_requests: int):
     """from_pretrained with the command line's model / engine options (progress bar on stderr)."""
     from .loading import from_pretrained
 
+    _check_device(args.device)
     _quiet_transformers()
     if args.threads > 0:
         import torch
@@ -179,7 +197,7 @@ def _chat(args: argparse.Namespace) -> int:
 class _StepMeter:
     """Wraps ``engine.step`` for the duration of a ``generate_batch``: times each step, splits the
     time into steps that process prompt tokens (prefill, also mixed ones) and decode-only steps,
-    and advances a progress bar as requests finish."""
+    and advances a progress bar per generated token."""
 
     def __init__(self, engine, bar) -> None:
         self.engine, self.bar = engine, bar
@@ -207,7 +225,7 @@ class _StepMeter:
                 self.decode_seconds += seconds
                 self.decode_tokens += decode
                 self.decode_steps += 1
-            self.bar.update(sum(o.finished for o in outputs))
+            self.bar.update(sum(o.token is not None for o in outputs))
             return outputs
 
         self.engine.step = timed_step
@@ -227,9 +245,18 @@ def _bench(args: argparse.Namespace) -> int:
         gen = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
         sampling = dict(max_new_tokens=args.output_len, ignore_eos=True, do_sample=False)
+        from .engine.sampling import SamplingParams
+
+        # the timed requests' own numbers are checked first (not the warm-up's 2 new tokens)
+        try:
+            for i, p in enumerate(prompts):
+                engine._validate_prompt(i, p, SamplingParams(max_new_tokens=args.output_len))
+        except ValueError as e:
+            raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len}: {_one_line(e)}") from e
         if args.warmup:  # same prompts, 2 new tokens: compiles / warms the kernels at the timed shapes
-            engine.generate_batch(prompts, **{**sampling, "max_new_tokens": 2})
-        with tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr,
+            engine.generate_batch(prompts, **{**sampling, "max_new_tokens": min(2, args.output_len)})
+            engine.reset_timings()
+        with tqdm(total=len(prompts) * args.output_len, desc="tokens", unit="tok", file=sys.stderr,
                   disable=args.no_progress) as bar, _StepMeter(engine, bar) as meter:
             t0 = time.perf_counter()
             outputs = engine.generate_batch(prompts, **sampling)
@@ -259,6 +286,8 @@ def _bench(args: argparse.Namespace) -> int:
         "prefill_steps": meter.prefill_steps,
         "decode_steps": meter.decode_steps,
         "decode_tokens_in_prefill_steps": meter.mixed_decode_tokens,
+        "ttft_seconds": stats["ttft"],
+        "tpot_seconds": stats["tpot"],
         "engine_stats": stats,
     }
     print(f"{args.model}: {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} new tokens "
@@ -269,6 +298,11 @@ def _bench(args: argparse.Namespace) -> int:
           f"{meter.decode_steps} steps, {meter.decode_seconds:.3f} s)")
     print(f"  overall  {result['output_tokens_per_s']:12.1f} new tokens/s, {result['requests_per_s']:.2f} "
           f"requests/s, {wall:.3f} s")
+    ms = lambda d, k: f"{1e3 * d[k]:.2f}" if d else "n/a"  # noqa: E731
+    ttft, tpot = stats["ttft"], stats["tpot"]
+    print(f"  TTFT     p50 {ms(ttft, 'p50')} ms, p90 {ms(ttft, 'p90')} ms, p99 {ms(ttft, 'p99')} ms (time to first token)")
+    print(f"  TPOT     p50 {ms(tpot, 'p50')} ms, p90 {ms(tpot, 'p90')} ms, p99 {ms(tpot, 'p99')} ms "
+          "(time per output token after the first)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)
@@ -405,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat with a local hybrid checkpoint over stdin, one message per line",
         description="Interactive chat: each line read from stdin is a user message; the reply (rendered with the "
         "tokenizer's chat template) is printed. /reset starts a new conversation; /exit, /quit or end of input "
-        "ends. Each turn resends the whole conversation (the prefix cache that would keep it is not built yet).",
+        "ends. Each turn sends the whole conversation; the engine's prefix cache (on by default) reuses the KV and "
+        "recurrent state of the earlier turns, so only the new text is prefilled (up to the last checkpoint "
+        "boundary of the cached part).",
     )
     _add_model_argument(c)
     c.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,

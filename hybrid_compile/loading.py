@@ -39,6 +39,11 @@ class UnsupportedModelError(LoadError):
     """The checkpoint's model type is not a hybrid family hybrid_compile supports."""
 
 
+class UnsupportedQuantizationError(LoadError):
+    """The checkpoint's quantization method (or the requested one) is not supported; names it.
+    (The loading-time form of :class:`hybrid_compile.quantization.UnsupportedQuantizationError`.)"""
+
+
 class TokenizerNotFoundError(LoadError):
     """Text was requested but the checkpoint (or the given path) has no usable tokenizer."""
 
@@ -133,6 +138,36 @@ def _dtype(dtype) -> Any:
     return value
 
 
+def _quantization(engine_config: EngineConfig, config, path: str) -> str | None:
+    """The checkpoint's quantization (fine-grained FP8), else the requested one; an unsupported
+    method is one clear :class:`UnsupportedQuantizationError`."""
+    from .quantization import UnsupportedQuantizationError as Unsupported, resolve_quantization
+
+    try:
+        return resolve_quantization(engine_config.quantization, config)
+    except Unsupported as e:
+        raise UnsupportedQuantizationError(f"{e} (in {path!r})") from None
+
+
+def _load_fp8(path: str, config, kwargs: dict, revision: str | None):
+    """FP8 weights kept FP8 on one device (:func:`hybrid_compile.quantization.load_quantized_model`)."""
+    from .quantization import checkpoint_quantization, load_quantized_model
+
+    device = kwargs.pop("device_map")
+    if isinstance(device, dict) or device == "auto":
+        raise LoadError(f"FP8 loading places every weight on one device; got device={device!r}")
+    extra = sorted(set(kwargs) - {"dtype", "revision", "trust_remote_code"})
+    if extra:
+        raise LoadError(f"model_kwargs {', '.join(extra)} are not supported when loading FP8 weights")
+    if not _is_local(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
+    return load_quantized_model(path, config, device=device, dtype=kwargs["dtype"],
+                                quantize=checkpoint_quantization(config) is None,
+                                trust_remote_code=kwargs["trust_remote_code"])
+
+
 def from_pretrained(
     path_or_dir: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
@@ -173,6 +208,13 @@ def from_pretrained(
       and return ``None`` once it is closed. A model whose head counts do not divide raises
       :class:`~hybrid_compile.distributed.ShardingError` before any weight is read.
       ``tensor_parallel_timeout``: seconds a rank waits in a collective before it gives up (300).
+
+    FP8: a checkpoint in the fine-grained FP8 format (``quantization_config.quant_method == "fp8"``,
+    e4m3 weights with 128 x 128 block scales) loads with its weights kept FP8 on the device, and
+    ``quantization="fp8"`` (an :class:`EngineConfig` field) quantizes a float checkpoint's projections and
+    experts as they are read (:mod:`hybrid_compile.quantization`); both load one tensor at a time, so
+    no float copy of the quantized weights ever exists. Any other quantization method raises
+    :class:`UnsupportedQuantizationError` naming it.
 
     Errors: :class:`CheckpointNotFoundError` (no such directory / no config.json),
     :class:`UnsupportedModelError` (not a hybrid model; lists the supported model types),
@@ -217,10 +259,14 @@ def from_pretrained(
     kwargs = dict(dtype=torch_dtype, device_map=_device_map(device), revision=revision,
                   trust_remote_code=trust_remote_code)
     kwargs.update(model_kwargs or {})
+    quantization = _quantization(engine_config, config, path)
     name = os.path.basename(path.rstrip("/")) or path
     with tqdm(total=2, desc=f"loading {name}", unit="stage", disable=not progress, file=sys.stderr) as bar:
         bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
+        if quantization == "fp8":
+            model = _load_fp8(path, config, kwargs, revision)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
         bar.update()
         bar.set_postfix_str("engine (pools, patches)")
         engine = wrap(model, engine_config, tokenizer=tok)
@@ -234,6 +280,7 @@ __all__ = [
     "LoadError",
     "TokenizerNotFoundError",
     "UnsupportedModelError",
+    "UnsupportedQuantizationError",
     "check_model_type",
     "from_pretrained",
     "has_tokenizer_files",

@@ -1,4 +1,5 @@
-"""Test configuration: deterministic seeds, and the `gpu` marker that skips without CUDA."""
+"""Test configuration: deterministic seeds, the `gpu` marker that skips without CUDA, the `smoke`
+marker of the quick GPU subset, and torch's CPU threads split between pytest-xdist workers."""
 
 import os
 
@@ -10,9 +11,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/gpu_tests.py runs the GPU suite in several workers on one GPU) each
+# worker gets its share of the cores for torch's CPU ops (the plain-torch references the GPU
+# tests compare against): every worker at torch's default, one thread per core, oversubscribes
+# the cores several times over and made the CPU references of one test take minutes.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU-only machines")
+    config.addinivalue_line("markers", "smoke: the quick GPU subset (every kernel op and engine mode): -m 'gpu and smoke'")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -393,8 +393,10 @@ def test_bad_input_raises_clear_errors_and_loses_nothing_in_flight(model, prompt
             engine.generate_batch([[3, -1, 4]], max_new_tokens=4)
         with pytest.raises(ValueError, match=r"vocabulary"):
             engine.add_request([vocab + 5])
-        with pytest.raises(ValueError, match="repetition_penalty"):
-            engine.generate(torch.tensor([p]), max_new_tokens=4, repetition_penalty=1.3)
+        with pytest.raises(ValueError, match="guidance_scale"):
+            engine.generate(torch.tensor([p]), max_new_tokens=4, guidance_scale=1.3)
+        with pytest.raises(ValueError, match="not_an_option"):
+            engine.generate(torch.tensor([p]), max_new_tokens=4, not_an_option=1)
         with pytest.raises(ValueError, match="num_beams|beam"):
             engine.generate(torch.tensor([p]), max_new_tokens=4, num_beams=2)
         for bad in (0, -2):

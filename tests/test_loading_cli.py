@@ -124,6 +124,21 @@ def test_cli_non_hybrid_and_missing_tokenizer_errors(ckpt, capsys):
     assert_clean_error(2, capsys.readouterr().err, "supported model types")
 
 
+def test_cli_device_cuda_without_cuda_and_bench_numbers_are_one_clear_line(ckpt, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["generate", "--model", ckpt["qwen"], "--prompt", "x"], ["chat", "--model", ckpt["qwen"]],
+                 ["bench", "--model", ckpt["qwen"]], ["demo"], ["selfcheck"]):
+        assert main([*argv, "--device", "cuda", *(["--no-progress"] if "--model" in argv else [])]) == 2
+        assert_clean_error(2, capsys.readouterr().err, "--device cuda", "no CUDA device")
+    monkeypatch.undo()
+    # the user's numbers, not the warm-up's
+    assert main(["bench", "--model", ckpt["no_tok"], "--num-prompts", "1", "--input-len", "500", "--output-len", "30",
+                 *SMALL_CLI]) == 2
+    assert_clean_error(2, capsys.readouterr().err, "--input-len 500 + --output-len 30", "max_new_tokens (30)")
+
+
 def test_cli_bench_reports_prefill_and_decode_rates_and_writes_json(ckpt, tmp_path, capsys):
     path = tmp_path / "bench.json"
     # a checkpoint without tokenizer is fine: bench sends random token ids
@@ -136,6 +151,8 @@ def test_cli_bench_reports_prefill_and_decode_rates_and_writes_json(ckpt, tmp_pa
     assert result["prompt_tokens"] == 60
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["engine_stats"]["requests_finished"] >= 3
+    assert "TTFT" in out and "TPOT" in out
+    assert result["ttft_seconds"]["count"] == 3 and result["tpot_seconds"]["p50"] > 0
 
 
 def test_every_subcommand_help_lists_each_option_with_its_default(monkeypatch):
@@ -216,14 +233,14 @@ def test_streamers_print_exactly_the_returned_text(ckpt, qwen_engine, capsys):
 def test_eos_comes_from_the_generation_config_else_the_tokenizer(qwen_engine):
     engine = qwen_engine
     eos = engine.tokenizer.eos_token_id
-    assert engine._sampling_params().eos_token_ids == (eos,)  # saved in the checkpoint's generation config
+    assert engine._params_for(engine._plan(), 1).eos_token_ids == (eos,)  # saved in the checkpoint's generation config
     saved = engine.model.generation_config.eos_token_id
     try:
         engine.model.generation_config.eos_token_id = None
-        assert engine._sampling_params().eos_token_ids == (eos,)  # the tokenizer's
-        assert engine._sampling_params(eos_token_id=[]).eos_token_ids == ()
+        assert engine._params_for(engine._plan(), 1).eos_token_ids == (eos,)  # the tokenizer's
+        assert engine._params_for(engine._plan(eos_token_id=[]), 1).eos_token_ids == ()
         engine.model.generation_config.eos_token_id = [5, 7]
-        assert engine._sampling_params().eos_token_ids == (5, 7)
+        assert engine._params_for(engine._plan(), 1).eos_token_ids == (5, 7)
     finally:
         engine.model.generation_config.eos_token_id = saved
 

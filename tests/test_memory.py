@@ -675,6 +675,7 @@ def test_memory_pools_reject_a_plan_for_other_specs():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_memory_pools_on_cuda_allocate_without_host_sync():
     pools = MemoryPools.from_specs(
         ATTN, GDN, device="cuda", max_running_requests=4, max_context_len=32, page_size=4, memory_fraction=0.001,

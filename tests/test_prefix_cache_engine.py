@@ -344,7 +344,7 @@ def _mamba2_case(g, device):
     return dim + h, (w - 1, dim), (h, p, n), chunk, run
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.smoke])])
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 def test_layer_op_tracks_chunk_aligned_checkpoints(kind, device):
     """An EXTEND of three requests (one continuing from a state) with checkpoints at whole chunks
@@ -412,6 +412,7 @@ def test_compiled_forward_tracks_checkpoints_like_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_shared_prefix_workload_on_cuda_matches_cache_off():
     """The Triton path: tracked checkpoints (GDN chunk states + conv windows on the device) give
     the same greedy tokens as the cache off, with hits at chunk-aligned prefixes."""

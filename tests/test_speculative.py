@@ -378,7 +378,7 @@ def test_bad_draft_model_leaves_target_unpatched():
 def test_custom_draft_source():
     """A custom DraftSource (a replay of the target's own greedy continuation) accepts every
     draft when uncorrupted; proposals shorter than k are filled; KV pages of 4 tokens (rejected
-    slots freed inside a page); a token outside the vocabulary is a clear error."""
+    slots freed inside a page); a token outside the vocabulary is a clear error that ends the call's request."""
     model = cached_model(KIND, SEED)
     prompts = _prompts(model)[:3]
     expected = _expected(model, prompts)
@@ -391,10 +391,10 @@ def test_custom_draft_source():
     engine.speculative.use_source(ReplayDraft({tuple(prompts[0]): [vocab_size(model)] * 8}, 0.0, 10**6))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate_batch(prompts[:1], max_new_tokens=4)
-    engine.speculative.use_source(source)  # nothing was lost: the request finishes as it should
-    while engine.has_unfinished():
-        engine.step()
-    assert [r.output for r in engine._requests.values()] == [expected[0][:4]]
+    # the failed call's request ended with it (nothing left running); the engine serves on
+    assert not engine.has_unfinished() and not engine._requests
+    engine.speculative.use_source(source)
+    assert engine.generate_batch(prompts[:1], max_new_tokens=4) == [expected[0][:4]]
     _finish(engine)
 
 
@@ -606,6 +606,7 @@ def test_host_overhead_verify_benchmark_smoke(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_commit_graphs_equal_the_op():
     """``CommitGraphs`` (one graph replay per commit, buckets 2 and 4) writes exactly what the
     ``commit_speculative_state`` op writes, for 1 to 4 requests (padding rows skipped, a request
@@ -634,6 +635,7 @@ def test_commit_graphs_equal_the_op():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_speculative_engine_commits_through_graphs():
     """With full CUDA graphs the verify steps' commits replay ``CommitGraphs`` (verify batches within
     the buckets), and the outputs are exactly those of the same engine committing through the

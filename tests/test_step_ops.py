@@ -246,6 +246,7 @@ def test_argmax_rows_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_cuda_uniform_step_metadata_at_serving_shapes():
     g = torch.Generator().manual_seed(3)
     for steps, R in ((1, 1), (1, 64), (4, 16)):
@@ -259,6 +260,7 @@ def test_cuda_uniform_step_metadata_at_serving_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_cuda_argmax_rows_at_vocab_shapes_and_in_a_graph():
     for B in (1, 16, 64):
         x = _logits(B, 151936, torch.bfloat16, seed=B).cuda()

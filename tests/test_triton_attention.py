@@ -402,7 +402,7 @@ def _cpu(args):
 
 # (hq, hkv, d, dv, q_dtype, cache_dtype)
 GPU_HEADS = [
-    (16, 2, 256, 256, BF16, BF16),  # Qwen3-Next full attention
+    pytest.param((16, 2, 256, 256, BF16, BF16), marks=pytest.mark.smoke),  # Qwen3-Next full attention
     (32, 8, 128, 128, BF16, BF16),
     (8, 1, 80, 80, F16, F16),
     (12, 4, 96, 96, BF16, F32),
@@ -448,6 +448,7 @@ def test_gpu_decode_realistic(heads, window, softcap, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 @pytest.mark.parametrize("cache_dtype", [BF16, F32])
 def test_gpu_store_realistic(cache_dtype):
     hkv, d, t, num_slots = 2, 256, 3000, 10000
@@ -464,6 +465,7 @@ def test_gpu_store_realistic(cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_merge_realistic():
     t, h, dv = 4096, 16, 256
     o_a, o_b = torch.randn(t, h, dv, device=CUDA, dtype=BF16), torch.randn(t, h, dv, device=CUDA, dtype=BF16)
@@ -478,6 +480,7 @@ def test_gpu_merge_realistic():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_opcheck():
     b = extend_batch([5, 0, 17], [3, 2, 0], hq=4, hkv=2, d=64, dv=64, q_dtype=BF16, cache_dtype=BF16, pad_rows=2,
                      device=CUDA)
@@ -498,6 +501,7 @@ def test_gpu_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 @pytest.mark.parametrize("window", [-1, 256])
 def test_gpu_decode_cuda_graph_replay(window):
     """Capture decode once with static buffers, replay with new lengths/slots (padding rows included)."""
@@ -539,6 +543,7 @@ def test_gpu_decode_cuda_graph_replay(window):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_extend_cuda_graph_replay():
     """The extend launcher reads nothing to the host either: capture it and replay new batches."""
     hq, hkv, d, t, nb, max_tokens, num_slots = 16, 2, 128, 64, 4, 4096, 8192

@@ -294,7 +294,8 @@ def _cpu(*ts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lens", [[20000], [700, 1, 0, 3, 64, 129, 2, 2048] + [5] * 40], ids=["long", "many"])
+@pytest.mark.parametrize("lens", [[20000], pytest.param([700, 1, 0, 3, 64, 129, 2, 2048] + [5] * 40, marks=pytest.mark.smoke)],
+                         ids=["long", "many"])
 def test_gpu_fn_model_shapes(lens, pool_dtype):
     assert _cuda_kernel_registered("causal_conv1d_fn")
     dev, width, dim = "cuda", 4, CONV_DIM
@@ -341,6 +342,7 @@ def test_gpu_update_model_shapes(steps, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_track_model_shapes():
     dev, width, dim = "cuda", 4, CONV_DIM
     lens = [300, 2, 0, 64, 1000]
@@ -358,6 +360,7 @@ def test_gpu_track_model_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_opcheck():
     dev, width, dim = "cuda", 4, 256
     weight = torch.randn(dim, width, device=dev)
@@ -379,6 +382,7 @@ def test_gpu_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_update_cuda_graph_replay():
     """Decode conv update captured once, replayed with new inputs and slots (-1 padding rows)."""
     dev, width, dim, batch, num_slots = "cuda", 4, CONV_DIM, 16, 64

@@ -165,6 +165,7 @@ def _registered(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_gating_model_shapes():
     assert _registered("gdn_gating")
     dev, T, hv = "cuda", 4096, 32
@@ -179,6 +180,7 @@ def test_gpu_gating_model_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "rows,D,gs,nbg,wdtype",
     [
@@ -203,6 +205,7 @@ def test_gpu_norm_model_shapes(rows, D, gs, nbg, wdtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_cuda_graph_replay():
     """Gating + norm captured once, replayed with new inputs."""
     dev, T, hv, V = "cuda", 8, 32, 128

@@ -101,6 +101,7 @@ def test_cuda_op_at_model_shapes(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_cuda_op_in_a_cuda_graph_and_kernel_choice():
     w = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)  # one row: the Triton kernel

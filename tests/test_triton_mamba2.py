@@ -286,7 +286,8 @@ def _gpu_compare(actual, expected, dtype, what):
     [
         ([1000, 0, 257, 1, 700], dict(dtype=torch.bfloat16, pad_rows=(3,), init=[True, False, True, True, False])),
         ([513, 256, 40], dict(dtype=torch.bfloat16, pool_dtype=torch.bfloat16, init=[False, True, True])),
-        ([300, 17], dict(H=16, G=2, P=64, N=128, init=[True, False])),  # fp32: exact matmuls
+        pytest.param([300, 17], dict(H=16, G=2, P=64, N=128, init=[True, False]),  # fp32: exact matmuls
+                     marks=pytest.mark.smoke),
     ],
 )
 def test_gpu_ssd_chunk_scan_matches_plain(lens, opts):
@@ -368,6 +369,7 @@ def test_gpu_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_decode_cuda_graph_replay():
     batch, num_slots = 8, 16
     inp = make_decode(batch, 1, **GPU_DIMS, dtype=torch.bfloat16, num_slots=num_slots, inter=False)

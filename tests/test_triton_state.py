@@ -165,6 +165,7 @@ def _model_pools(num_slots, dev, ssm_dtype=torch.float32):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_copy_and_track_model_shapes():
     assert all(_registered(n) for n in ("copy_state_slots", "commit_speculative_state", "track_chunk_states"))
     dev = "cuda"
@@ -187,6 +188,7 @@ def test_gpu_copy_and_track_model_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_gpu_commit_cuda_graph_replay():
     """The speculative commit captured once, replayed with new slots / accepted lengths (-1 rows)."""
     dev, batch, steps, num_slots = "cuda", 8, 4, 32

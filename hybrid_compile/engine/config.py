@@ -21,6 +21,10 @@ class EngineConfig:
     device: str | torch.device | None = None  # default: the model's device
     dtype: torch.dtype | str | None = None  # activations; default: the model's dtype
     ssm_state_dtype: torch.dtype | str = torch.float32
+    # "fp8": serve the projections and MoE experts in block FP8 (hybrid_compile.quantization); a float
+    # model is quantized in place at wrap (irreversible: close() does not restore its float weights); a
+    # model already holding FP8 layers (an FP8 checkpoint) is served as loaded. None: as the model is.
+    quantization: str | None = None
     max_running_requests: int = 16
     max_total_tokens: int | None = None  # KV token capacity
     mamba_cache_size: int | None = None  # Mamba slots
@@ -90,6 +94,8 @@ class EngineConfig:
             )
         if self.prefix_cache_policy not in ("lru", "marconi"):
             raise ValueError(f"EngineConfig.prefix_cache_policy must be 'lru' or 'marconi', got {self.prefix_cache_policy!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
         if self.speculative is not None:
             from .speculative import SpeculativeConfig  # (a dict becomes a validated SpeculativeConfig)
 

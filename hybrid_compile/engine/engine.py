@@ -1,8 +1,39 @@
 """HybridEngine: the user-facing API — ``generate`` (transformers-like), ``generate_batch``,
-``add_request``/``step`` for driving the engine directly, and ``stats``."""
+``add_request``/``step``/``abort`` for driving the engine directly, and ``stats``.
+
+A failed step loses nothing and corrupts nothing. A step is a transaction: its scheduler
+decisions and slot allocations become the requests' own only when the step commits (its
+sampled tokens are emitted). Whatever raises between the launch of a forward and that commit
+(an exception inside the model, a CUDA error or out-of-memory, a user's logits processor,
+Ctrl-C) rolls the step back before the exception propagates, unchanged, to the caller:
+
+- **Recompute, not restore.** The recurrent layers update their conv windows and SSM states in
+  place, layer by layer, so a forward that stops half-way leaves the states of its requests
+  between two sequence lengths. Restoring them would need a copy of every affected state before
+  every step (megabytes per request per step on a real model, paid on every healthy step);
+  instead the requests of a failed step are *recomputed from their last consistent point*:
+  their slots are freed (KV slots of the step included) and they go back to the front of the
+  queue with their prompt and the output emitted so far (``Scheduler.requeue``), to be
+  prefilled again from their longest prefix-cache checkpoint, or from the prompt. The cost is
+  paid only when a step fails. K/V written by the failed step went to slots that are freed with
+  it, and prefix-cache checkpoints are handed to the tree only after a complete forward, so no
+  half-written state is ever seen by a later step.
+- A speculative verify step leaves the main states untouched (only the intermediate buffers
+  are written), so before its commit only the draft tokens' KV slots are freed; the draft
+  source forgets its state of the requests it was proposing for (``engine/speculative``).
+- With overlap, a failure of the decode step launched ahead still emits the tokens of the step
+  before it (they are valid): they are held back and returned by the next :meth:`step`.
+- The random generators of sampled requests and the step counters are restored, so a seeded
+  request draws the same tokens as if the step had never run.
+
+``generate`` / ``generate_batch`` end the requests they added when they raise (for whatever
+reason: a failed step, a streamer that raises, Ctrl-C between steps): :meth:`abort` frees their
+slots and prefix-cache locks; other callers' requests continue untouched.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -18,14 +49,15 @@ from ..layers.context import ForwardMode
 from ..memory import MemoryPools
 from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
+from . import generation_config as gen_config
 from .request import Request
-from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams
+from .runner import ModelRunner, _to_device_packed
+from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import SpeculativeDecoder
 
-# transformers generate() arguments we accept and ignore because they do not change the result
-_IGNORED_GENERATE_KWARGS = {"use_cache", "return_dict_in_generate", "output_scores", "output_logits"}
+# finished requests whose timings stats() summarises (the most recent ones)
+_TIMING_WINDOW = 10_000
 
 
 @dataclass
@@ -36,9 +68,23 @@ class _LaunchedStep:
     batch: ScheduledBatch
     requests: list[Request]
     tokens: torch.Tensor | None
-    # on a GPU: the tokens' pinned host copy and the event after which it holds them
+    # on a GPU: pinned host copies of the tokens (and log-probabilities) and the event after which
+    # they hold them
     host_tokens: torch.Tensor | None = None
     tokens_ready: Any = None  # torch.cuda.Event
+    # the sampled requests' generator states before the step (Sampler.snapshot): its roll-back
+    generators: dict = dataclasses.field(default_factory=dict)
+    result: SampleResult | None = None
+    host_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class _StepUndo:
+    """What a step's roll-back needs: the requests it touched (the batch's, plus sequences forked
+    from them, ``n > 1``) and the generator states of its sampled requests before it."""
+
+    requests: list[Request]
+    generators: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -46,15 +92,29 @@ class StepOutput:
     rid: int
     token: int | None  # None while a prompt is still being prefilled in chunks
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "time" (SamplingParams.max_time), "abort" or None
+    # n > 1: the sequences of one prompt: the group's first rid and this sequence's index in it
+    group: int = -1
+    index: int = 0
+    # SamplingParams.logprobs: (the token's logprob, [(id, logprob)] of the top ones)
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
 
 def _per_request(base: SamplingParams, n: int) -> list[SamplingParams]:
-    """One copy of ``base`` per prompt; prompt ``i`` of a seeded call samples with seed + i."""
+    """One copy of ``base`` per prompt; sequence ``j`` of prompt ``i`` of a seeded call samples
+    with seed + i * base.n + j (:meth:`HybridEngine._add_requests` numbers the sequences)."""
     return [
-        dataclasses.replace(base, seed=None if base.seed is None else base.seed + i, extra=dict(base.extra))
+        dataclasses.replace(base, seed=None if base.seed is None else base.seed + i * base.n, extra=dict(base.extra))
         for i in range(n)
     ]
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(round(q * (len(v) - 1))))]  # noqa: E731
+    return dict(mean=sum(v) / len(v), p50=pick(0.5), p90=pick(0.9), p99=pick(0.99), count=len(v))
 
 
 def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -70,7 +130,8 @@ def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype
             f"the model's weights are spread over several devices ({', '.join(sorted(map(str, devices)))}); the "
             "engine serves from one device: load it with a single-device device_map (e.g. device_map='cuda:0')"
         )
-    p = next(model.parameters())
+    # the activation dtype: the first parameter that is not an FP8 weight (embeddings come first)
+    p = next((p for p in model.parameters() if p.dtype != torch.float8_e4m3fn), next(model.parameters()))
     return p.device, p.dtype
 
 
@@ -92,6 +153,11 @@ class HybridEngine:
         self.config = config
         # a transformers tokenizer: lets generate / generate_batch take and return text (settable)
         self.tokenizer = tokenizer
+        if config.quantization == "fp8":
+            from ..quantization import has_fp8_layers, quantize_model
+
+            if not has_fp8_layers(model):
+                quantize_model(model)
         model_device, model_dtype = _model_device_and_dtype(model)
         self.device = torch.device(config.device) if config.device is not None else model_device
         if self.device.type != model_device.type or (
@@ -173,7 +239,7 @@ class HybridEngine:
             checkpoint_policy=config.prefix_cache_policy,
             decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
             self.speculative = SpeculativeDecoder(self, config.speculative) if config.speculative is not None else None
         except BaseException:
@@ -185,11 +251,21 @@ class HybridEngine:
         self._rids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[int, Request] = {}
+        # outputs produced but not returned yet (the next step() returns them first): tokens of a
+        # step whose successor failed, and aborted requests' final outputs
+        self._undelivered: list[StepOutput] = []
         self._counters = dict(
             requests_added=0, requests_finished=0, steps=0, decode_steps=0, extend_steps=0,
             prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
             overlapped_steps=0,  # decode steps launched before the previous step's tokens were read
+            requests_aborted=0,
+            failed_steps=0,  # steps rolled back by an exception (module docstring)
+            requests_recomputed=0,  # requests of failed steps sent back to be recomputed
+            # n > 1: sequences started from a copy of their first sequence's prefilled prompt, and the
+            # prompt tokens they did not prefill again
+            forked_requests=0, forked_prompt_tokens=0,
         )
+        self._timings: collections.deque = collections.deque(maxlen=_TIMING_WINDOW)  # (ttft, tpot)
         self.warmup_seconds = 0.0
         warm = config.warmup_kernels if config.warmup_kernels is not None else self.device.type == "cuda"
         if warm:
@@ -234,6 +310,7 @@ class HybridEngine:
             if spec.commit_graphs is not None:
                 spec.commit_graphs.replays = 0
         self._rids, self._arrivals = itertools.count(), itertools.count()
+        self._timings.clear()
         self.warmup_seconds = time.perf_counter() - t0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -280,26 +357,64 @@ class HybridEngine:
             )
 
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
-        """Queue one prompt (token ids); returns its request id. See :meth:`step`."""
+        """Queue one prompt (token ids); returns its request id. With ``params.n > 1`` the prompt's
+        ``n`` sequences get consecutive ids from the returned one (:meth:`sequence_ids`; each
+        :class:`StepOutput` names its ``group`` and ``index``). See :meth:`step`."""
         return self._add_requests([list(prompt)], [params or SamplingParams()])[0]
+
+    def sequence_ids(self, rid: int) -> list[int]:
+        """The request ids of the sequences of ``rid``'s prompt (``n`` of them), in order."""
+        first = self._requests[rid]
+        return list(range(first.group, first.group + first.params.n))
+
+    def _check_params(self, i: int, p: SamplingParams) -> None:
+        p.validate(self.layout.vocab_size)
+        if p.stop and self.tokenizer is None:
+            raise ValueError(f"prompt {i}: SamplingParams.stop (stop strings) needs a tokenizer: pass tokenizer= to "
+                             "wrap() / from_pretrained() or set engine.tokenizer")
+        basic = not dataclasses.replace(p, do_sample=False).needs_processing and not (
+            p.do_sample and (p.min_p > 0 or p.typical_p < 1 or p.epsilon_cutoff > 0 or p.eta_cutoff > 0))
+        if self.speculative is not None and not basic:
+            raise ValueError(f"prompt {i}: with speculative decoding (EngineConfig.speculative) a request samples "
+                             "with temperature / top_k / top_p only; penalties, logits processors, min_p, min_tokens, "
+                             "logprobs, scores and stop strings need an engine without speculative decoding")
+
+    def _stop_criteria(self, p: SamplingParams) -> list[tuple[str, Any]]:
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        return [(text, StopStringCriteria(self.tokenizer, [text])) for text in p.stop]
 
     def _add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         # validate everything before queueing anything: bad input loses nothing in flight
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            p.validate()
+            self._check_params(i, p)
             self._validate_prompt(i, prompt, p)
+        stops = [self._stop_criteria(p) if p.stop else [] for p in params]
         rids = []
-        for prompt, p in zip(prompts, params):
-            rid = next(self._rids)
-            req = Request(rid=rid, prompt=[int(t) for t in prompt], params=p, arrival=next(self._arrivals))
-            self._requests[rid] = req
-            self.scheduler.add(req)
-            self._counters["requests_added"] += 1
-            rids.append(rid)
+        now = time.perf_counter()
+        for prompt, p, stop in zip(prompts, params, stops):
+            tokens = [int(t) for t in prompt]
+            group = []
+            for j in range(p.n):
+                # sequence j samples with seed + j; each is a request of n = 1 of its group
+                sp = p if p.n == 1 else dataclasses.replace(
+                    p, seed=None if p.seed is None else p.seed + j, extra=dict(p.extra))
+                rid = next(self._rids)
+                req = Request(rid=rid, prompt=tokens, params=sp, arrival=next(self._arrivals),
+                              group=group[0].rid if group else -1, index=j, arrival_time=now)
+                req.stop_criteria = stop
+                self._requests[rid] = req
+                self._counters["requests_added"] += 1
+                rids.append(rid)
+                group.append(req)
+            # the first sequence is prefilled; the others start from copies of its state (_fork)
+            group[0].forks = group[1:]
+            self.scheduler.add(group[0])
         return rids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests wait or run, or outputs wait to be returned by :meth:`step`."""
+        return bool(self._undelivered) or self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
         """Run one engine step (one model forward over a mixed batch, or with speculative
@@ -312,7 +427,18 @@ class HybridEngine:
         a GPU the host's bookkeeping and the next step's preparation overlap the GPU's work. That
         step is in flight when ``step`` returns; the next call returns its tokens. Outputs are
         the same as without overlap (``EngineConfig.extra["overlap"] = False`` or setting
-        ``engine.overlap = False`` turns it off)."""
+        ``engine.overlap = False`` turns it off).
+
+        If the step raises, it is rolled back first (module docstring) and the exception
+        propagates unchanged; outputs it could not return come with the next call."""
+        delivered, self._undelivered = self._undelivered, []
+        try:
+            return delivered + self._step()
+        except BaseException:
+            self._undelivered = delivered + self._undelivered
+            raise
+
+    def _step(self) -> list[StepOutput]:
         if self.speculative is not None:
             outputs = self.speculative.step()
             if outputs is not None:
@@ -331,19 +457,68 @@ class HybridEngine:
             ahead = self.scheduler.schedule_decode_ahead(launched.batch.requests)
             if ahead is not None:
                 ahead.input_ids = launched.tokens
-                self._ahead = self._launch(ahead)
+                try:
+                    self._ahead = self._launch(ahead)  # (rolled back if it fails)
+                except BaseException:
+                    # the step before it is complete: its tokens are emitted (the next step()
+                    # returns them) and the requests recompute from there
+                    try:
+                        self._undelivered += self._finish(launched)
+                    except BaseException:
+                        pass  # its tokens are lost too: _finish rolled it back
+                    raise
                 self._counters["overlapped_steps"] += 1
         return self._finish(launched)
 
+    def _roll_back(self, requests: list[Request], generators: dict) -> None:
+        """Undo a step that raised before its commit (module docstring): the sampled requests'
+        generators as before the step, and every unfinished request of it sent back to be
+        recomputed from its last consistent point (``Scheduler.requeue``)."""
+        unique = list({id(r): r for r in requests}.values())
+        self.sampler.roll_back(generators, [r.rid for r in unique])
+        live = [r for r in unique if not r.is_finished]
+        self.scheduler.requeue(live)
+        self._counters["failed_steps"] += 1
+        self._counters["requests_recomputed"] += len(live)
+
     def _keeps_decoding(self, launched: "_LaunchedStep") -> bool:
-        """Every request of a launched DECODE step samples a token that cannot finish it."""
+        """Every request of a launched DECODE step samples a token that cannot finish it (and none
+        needs its tokens on the host before its next step)."""
         if launched.batch.mode is not ForwardMode.DECODE or len(launched.requests) != len(launched.batch.requests):
             return False
-        return all(not r.stop_ids and len(r.output) + 1 < r.params.max_new_tokens for r in launched.requests)
+        return all(not r.stop_ids and len(r.output) + 1 < r.params.max_new_tokens and not r.params.needs_history
+                   and r.params.max_time is None for r in launched.requests)
+
+    def _fork(self, sample_rows: list[int], sample_reqs: list[Request]) -> None:
+        """``n > 1``: the other sequences of a prompt whose first sequence just finished its
+        prefill start from copies of its state (``Scheduler.fork``) and sample their first token
+        from its logits row; one that does not fit now is queued and prefilled by itself."""
+        for row, r in list(zip(sample_rows, sample_reqs)):
+            if not r.forks:
+                continue
+            for child in r.forks:
+                if self.scheduler.fork(r, child):
+                    sample_rows.append(row)
+                    sample_reqs.append(child)
+                    self._counters["forked_requests"] += 1
+                    self._counters["forked_prompt_tokens"] += r.num_computed
+                else:
+                    self.scheduler.add(child)
+            r.forks = []
 
     def _launch(self, batch: ScheduledBatch) -> "_LaunchedStep":
         """Run a scheduled step's forward and sample its requests' next tokens, leaving them on
-        the device."""
+        the device. If anything raises, the step is rolled back first (:meth:`_roll_back`)."""
+        undo = _StepUndo(list(batch.requests))
+        try:
+            launched = self._forward_and_sample(batch, undo)
+        except BaseException:
+            self._roll_back(undo.requests, undo.generators)
+            raise
+        launched.generators = undo.generators
+        return launched
+
+    def _forward_and_sample(self, batch: ScheduledBatch, undo: "_StepUndo") -> "_LaunchedStep":
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.scheduler.commit_checkpoints(batch)  # prefix-cache checkpoints of this step (no-op without)
@@ -363,46 +538,143 @@ class HybridEngine:
             if r.pending == 0 or batch.input_ids is not None:
                 sample_rows.append(row)
                 sample_reqs.append(r)
-        tokens = None
-        if sample_reqs:
-            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            # inference tensors, as the runner's: a next step launched ahead takes them as its
-            # input ids (a compiled forward guards on the tensor kind)
-            with torch.inference_mode():
-                tokens = self.sampler.sample(rows, [r.rid for r in sample_reqs], [r.params for r in sample_reqs])
-            if tokens.device.type == "cuda":
-                # start their copy to the host now, so that reading them waits for this step only
-                # (not for a step launched after it on the same stream)
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-                return _LaunchedStep(batch, sample_reqs, tokens, host, ready)
-        return _LaunchedStep(batch, sample_reqs, tokens)
+        self._fork(sample_rows, sample_reqs)
+        undo.requests += [r for r in sample_reqs if all(r is not q for q in undo.requests)]  # n > 1: forked
+        if not sample_reqs:
+            return _LaunchedStep(batch, sample_reqs, None)
+        undo.generators = self.sampler.snapshot(sample_reqs)
+        rows = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]
+        # inference tensors, as the runner's: a next step launched ahead takes them as its
+        # input ids (a compiled forward guards on the tensor kind)
+        with torch.inference_mode():
+            result = self.sampler.sample_rows(rows, [r.rid for r in sample_reqs], [r.params for r in sample_reqs],
+                                              sample_reqs, in_flight=1 if batch.input_ids is not None else 0)
+        tokens = result.tokens
+        if tokens.device.type == "cuda":
+            # start their copy to the host now, so that reading them waits for this step only
+            # (not for a step launched after it on the same stream)
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            host_lp = None
+            if result.logprob_rows:
+                host_lp = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                for t in (result.logprob_values, result.logprob_ids))
+            ready = torch.cuda.Event()
+            ready.record()
+            return _LaunchedStep(batch, sample_reqs, tokens, host, ready, result, host_lp)
+        lp = (result.logprob_values, result.logprob_ids) if result.logprob_rows else None
+        return _LaunchedStep(batch, sample_reqs, tokens, result=result, host_logprobs=lp)
 
     def _finish(self, launched: "_LaunchedStep") -> list[StepOutput]:
-        """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them."""
+        """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them:
+        the step's commit. If the copy raises (an error of the forward surfacing, Ctrl-C while
+        waiting), the step is rolled back, with the step launched after it on the same requests."""
         if launched.tokens is None:
             return []
-        if launched.tokens_ready is not None:
-            launched.tokens_ready.synchronize()
-            tokens = launched.host_tokens.tolist()
-        else:
-            tokens = launched.tokens.tolist()
-        return [self._emit(r, int(tok)) for r, tok in zip(launched.requests, tokens)]
+        try:
+            if launched.tokens_ready is not None:
+                launched.tokens_ready.synchronize()
+                tokens = launched.host_tokens.tolist()
+            else:
+                tokens = launched.tokens.tolist()
+        except BaseException:
+            self._ahead = None
+            self._roll_back(launched.batch.requests + launched.requests, launched.generators)
+            raise
+        result = launched.result
+        reqs = launched.requests
+        logprobs = {}
+        if launched.host_logprobs is not None:
+            values, ids = (t.tolist() for t in launched.host_logprobs)
+            logprobs = logprob_entries(result, values, ids, [r.params for r in reqs])
+        outputs = []
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
+            if result is not None:
+                if i in result.raw_logits:
+                    r.raw_logits.append(result.raw_logits[i])
+                if r.params.output_scores:
+                    r.scores.append(result.scores[i])
+            outputs.append(self._emit(r, int(tok), logprobs.get(i), None if result is None else result.scores.get(i)))
+        return outputs
 
-    def _emit(self, r: Request, token: int) -> StepOutput:
+    def _host_stop(self, r: Request, scores: torch.Tensor | None) -> str | None:
+        """Stop conditions checked on the host after a token: stop strings, the user's stopping
+        criteria, max_time. Returns the finish reason (or None)."""
+        p = r.params
+        if r.stop_criteria or p.stopping_criteria:
+            ids = torch.tensor([r.prompt + r.output], dtype=torch.long)
+            for text, criterion in r.stop_criteria:
+                if bool(criterion(ids, None)[0]):
+                    r.stop_str = text
+                    return "stop"
+            if p.stopping_criteria:
+                dev_ids = ids.to(scores.device)
+                for criterion in p.stopping_criteria:
+                    if bool(torch.as_tensor(criterion(dev_ids, scores[None]))[0]):
+                        return "stop"
+        if p.max_time is not None and time.perf_counter() - r.arrival_time > p.max_time:
+            return "time"
+        return None
+
+    def _emit(self, r: Request, token: int, logprobs=None, scores: torch.Tensor | None = None) -> StepOutput:
         """Append a generated token to a request; a finished request is handed to the scheduler."""
         r.append_token(token)
+        now = time.perf_counter()
+        if r.first_token_time is None:
+            r.first_token_time = now
+        if logprobs is not None and r.logprobs is not None:
+            r.logprobs.append(logprobs)
+        if not r.is_finished:
+            r.finish_reason = self._host_stop(r, scores)
         c = self._counters
         c["generated_tokens"] += 1
         if r.is_finished:
+            r.finish_time = now
+            t = r.timings()
+            self._timings.append((t["ttft"], t["tpot"]))
             self.scheduler.finish(r)
             self.sampler.release(r.rid)
             if self.speculative is not None:
                 self.speculative.release(r.rid)
             c["requests_finished"] += 1
-        return StepOutput(r.rid, token, r.is_finished, r.finish_reason)
+        return StepOutput(r.rid, token, r.is_finished, r.finish_reason, r.group, r.index, logprobs)
+
+    def abort(self, rid: int) -> bool:
+        """Stop a waiting or running request now (between steps: a step boundary). Its slots go
+        back to the pools and its prefix-cache lock is released; it ends with finish reason
+        ``"abort"`` and the output it had, and the next :meth:`step` returns its final
+        :class:`StepOutput` (token None). Other requests are untouched. Returns False (changing
+        nothing) when the request has already finished; an unknown id raises KeyError."""
+        if rid not in self._requests:
+            raise KeyError(f"no request {rid} (never added, or its result was already popped)")
+        r = self._requests[rid]
+        if r.is_finished:
+            return False
+        if self._ahead is not None and any(q is r for q in self._ahead.batch.requests):
+            # a decode step is in flight for it (overlap): complete that step first, so its
+            # other requests keep their tokens; they come with the next step()
+            launched, self._ahead = self._ahead, None
+            self._undelivered += self._finish(launched)
+        for child in r.forks:  # n > 1: sequences waiting for its prefill are prefilled by themselves
+            self.scheduler.add(child)
+        r.forks = []
+        self.scheduler.abort(r)
+        r.finish_reason = "abort"
+        self.sampler.release(rid)
+        if self.speculative is not None:
+            self.speculative.release(rid)
+        self._counters["requests_aborted"] += 1
+        self._undelivered.append(StepOutput(rid, None, True, "abort", r.group, r.index))
+        return True
+
+    def _end_requests(self, rids: list[int]) -> None:
+        """A generate call that raises ends the requests it added: aborted and forgotten."""
+        for rid in rids:
+            if rid in self._requests:
+                self.abort(rid)
+                self._requests.pop(rid)
+        ended = set(rids)
+        self._undelivered = [o for o in self._undelivered if o.rid not in ended]
 
     def pop_finished(self, rid: int) -> Request:
         req = self._requests[rid]
@@ -411,53 +683,32 @@ class HybridEngine:
         return self._requests.pop(rid)
 
     # -- transformers-like API ----------------------------------------------------------------
-    def _sampling_params(
-        self,
-        generation_config: Any = None,
-        *,
-        max_new_tokens=None,
-        do_sample=None,
-        temperature=None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=None,
-        stop_token_ids=None,
-        seed=None,
-        ignore_eos=False,
-        **unknown,
-    ) -> SamplingParams:
-        unsupported = sorted(k for k in unknown if k not in _IGNORED_GENERATE_KWARGS)
-        if unsupported:
-            raise ValueError(f"generate(): unsupported argument(s): {', '.join(unsupported)}")
-        base = generation_config if generation_config is not None else getattr(self.model, "generation_config", None)
+    def _plan(self, generation_config: Any = None, **kwargs) -> gen_config.GeneratePlan:
+        """generate()'s settings merged and checked as transformers does (engine/generation_config.py)."""
+        return gen_config.resolve(getattr(self.model, "generation_config", None), generation_config, kwargs)
 
-        def pick(value, name, default):
-            if value is not None:
-                return value
-            v = getattr(base, name, None) if base is not None else None
-            return default if v is None else v
+    def _params_for(self, plan: gen_config.GeneratePlan, width: int) -> SamplingParams:
+        params = plan.params(width, self.layout.max_position_embeddings)
+        if not params.eos_token_ids and plan.values.get("eos_token_id") is None \
+                and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            # the generation config names no EOS: the tokenizer's
+            params = dataclasses.replace(params, eos_token_ids=(int(self.tokenizer.eos_token_id),))
+        return params
 
-        if base is not None:
-            if getattr(base, "num_beams", 1) not in (None, 1):
-                raise ValueError("generate(): beam search (num_beams > 1) is not supported")
-            if getattr(base, "num_return_sequences", 1) not in (None, 1):
-                raise ValueError("generate(): num_return_sequences > 1 is not supported")
-        eos = pick(eos_token_id, "eos_token_id", ())
-        eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
-        if not eos and eos_token_id is None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos = (int(self.tokenizer.eos_token_id),)  # the generation config names none: the tokenizer's
-        default_new = getattr(base, "max_new_tokens", None) or 20  # transformers' default is 20
-        return SamplingParams(
-            max_new_tokens=int(max_new_tokens if max_new_tokens is not None else default_new),
-            do_sample=bool(pick(do_sample, "do_sample", False)),
-            temperature=float(pick(temperature, "temperature", 1.0)),
-            top_k=int(pick(top_k, "top_k", 0)),
-            top_p=float(pick(top_p, "top_p", 1.0)),
-            seed=seed,
-            eos_token_ids=eos,
-            stop_token_ids=tuple(stop_token_ids or ()),
-            ignore_eos=ignore_eos,
-        )
+    def _run(self, rids: list[int], streamer: Any = None) -> list[Request]:
+        """Step until every request of ``rids`` finishes; returns them (popped), in order."""
+        pending = set(rids)
+        try:
+            while pending:
+                for out in self.step():
+                    if streamer is not None and out.token is not None and out.rid in pending:
+                        streamer.put(torch.tensor([out.token]))
+                    if out.finished:
+                        pending.discard(out.rid)
+        except BaseException:  # (a failed step, the streamer, Ctrl-C): the call's requests end with it
+            self._end_requests(rids)
+            raise
+        return [self.pop_finished(rid) for rid in rids]
 
     # -- text -----------------------------------------------------------------------------------
     def _require_tokenizer(self) -> Any:
@@ -482,10 +733,16 @@ class HybridEngine:
     def decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._require_tokenizer().decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
-    def generate_batch(self, prompts: list, skip_special_tokens: bool = True, **sampling) -> list:
+    def generate_batch(self, prompts: list, skip_special_tokens: bool = True,
+                       params: SamplingParams | list[SamplingParams] | None = None, **sampling) -> list:
         """Generate for several prompts with continuous batching; returns the new tokens of
-        each prompt, in order. ``sampling``: max_new_tokens, do_sample, temperature, top_k,
-        top_p, eos_token_id, stop_token_ids, seed (per-request seeds derive from it), ignore_eos.
+        each prompt, in order (with ``n > 1``: a list of the prompt's ``n`` sequences).
+
+        Settings: ``params``, one :class:`SamplingParams` for every prompt (seeded: prompt ``i``
+        samples with seed + i * n) or a list of one per prompt (used as they are); or keywords as
+        :meth:`generate` takes them (transformers' generation settings, plus stop_token_ids, seed,
+        ignore_eos, logprobs, presence_penalty, frequency_penalty; ``max_length`` / ``min_length``
+        count each prompt's own length).
 
         With a tokenizer, a prompt may also be a string or a chat conversation (a list of message
         dicts, rendered with the chat template and the generation prompt); its result is then the
@@ -495,15 +752,31 @@ class HybridEngine:
         prompts = list(prompts)
         is_text = [_is_text(p) for p in prompts]
         prompts = [self.encode(p) if t else list(p) for p, t in zip(prompts, is_text)]
-        base = self._sampling_params(**sampling)
-        rids = self._add_requests(prompts, _per_request(base, len(prompts)))
-        pending = set(rids)
-        while pending:
-            for out in self.step():
-                if out.finished:
-                    pending.discard(out.rid)
-        outputs = [self.pop_finished(rid).output for rid in rids]
-        return [self.decode(o, skip_special_tokens) if t else o for o, t in zip(outputs, is_text)]
+        if params is not None:
+            if sampling:
+                raise ValueError(f"generate_batch: pass either params= or generation keywords, not both "
+                                 f"(got {', '.join(sorted(sampling))})")
+            if isinstance(params, SamplingParams):
+                per_prompt = _per_request(params, len(prompts))
+            else:
+                per_prompt = list(params)
+                if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+                    raise ValueError(f"generate_batch: params must be one SamplingParams or a list of one per prompt "
+                                     f"({len(prompts)}), got {len(per_prompt)}")
+        else:
+            plan = self._plan(**sampling)
+            per_prompt = [dataclasses.replace(self._params_for(plan, len(p)), seed=None) for p in prompts]
+            seed = (plan.extra or {}).get("seed")
+            for i, p in enumerate(per_prompt):
+                p.seed = None if seed is None else seed + i * p.n
+        rids = self._add_requests(prompts, per_prompt)
+        done = self._run(rids)
+        results, at = [], 0
+        for p, t in zip(per_prompt, is_text):
+            outs = [self.decode(r.output, skip_special_tokens) if t else r.output for r in done[at: at + p.n]]
+            at += p.n
+            results.append(outs[0] if p.n == 1 else outs)
+        return results
 
     def generate(
         self,
@@ -513,10 +786,16 @@ class HybridEngine:
         streamer: Any = None,
         pad_token_id: int | None = None,
         **kwargs,
-    ) -> torch.Tensor | str | list[str]:
+    ) -> Any:
         """Like ``model.generate``: ``input_ids [B, L]`` (left-padded rows with
-        ``attention_mask``) -> ``[B, L + new]``; rows that stop early are padded with the pad
-        token (or EOS). ``streamer`` (a transformers streamer) needs batch size 1.
+        ``attention_mask``) -> ``[B * num_return_sequences, L + new]``; rows that stop early are
+        padded with the pad token (or EOS). ``streamer`` (a transformers streamer) needs one
+        sequence. Every transformers generation setting is honoured or refused with a ValueError
+        naming it (engine/generation_config.py lists them), whether it comes as a keyword, in
+        ``generation_config`` or from the model's own generation config. With
+        ``return_dict_in_generate=True`` the result is transformers' ``GenerateDecoderOnlyOutput``
+        (``sequences``; ``scores`` / ``logits`` with ``output_scores`` / ``output_logits``, one
+        ``[B * n, V]`` tensor per step; rows of sequences that already finished hold -inf there).
 
         With a tokenizer, ``input_ids`` may instead be text: a string or a chat conversation (list
         of message dicts) -> the generated text (``skip_special_tokens=True`` by default); a list
@@ -524,12 +803,17 @@ class HybridEngine:
         if _is_text(input_ids) or (
             isinstance(input_ids, (list, tuple)) and input_ids and all(_is_text(p) for p in input_ids)
         ):
-            return self._generate_text(input_ids, attention_mask, generation_config, streamer, **kwargs)
+            return self._generate_text(input_ids, attention_mask, generation_config, streamer,
+                                       pad_token_id=pad_token_id, **kwargs)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        params = self._sampling_params(generation_config, **kwargs)
+        tokenizer = kwargs.pop("tokenizer", None)
+        if tokenizer is not None and self.tokenizer is None:
+            self.tokenizer = tokenizer  # (transformers needs it for stop_strings)
+        plan = self._plan(generation_config, pad_token_id=pad_token_id, **kwargs)
+        params = self._params_for(plan, input_ids.shape[1])
         rows = input_ids.tolist()
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
@@ -538,35 +822,51 @@ class HybridEngine:
             prompts = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(rows, mask)]
         else:
             prompts = rows
-        if streamer is not None and len(prompts) != 1:
-            raise ValueError("streaming supports batch size 1 only (as in transformers)")
+        if streamer is not None and len(prompts) * params.n != 1:
+            raise ValueError("streaming supports one sequence only (batch size 1, num_return_sequences 1), as in "
+                             "transformers")
         rids = self._add_requests(prompts, _per_request(params, len(prompts)))
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        pending = set(rids)
-        while pending:
-            for out in self.step():
-                if streamer is not None and out.token is not None and out.rid in pending:
-                    streamer.put(torch.tensor([out.token]))
-                if out.finished:
-                    pending.discard(out.rid)
-        if streamer is not None:
-            streamer.end()
-        outputs = [self.pop_finished(rid).output for rid in rids]
-        if pad_token_id is None:
-            cfg = generation_config if generation_config is not None else getattr(self.model, "generation_config", None)
-            pad_token_id = getattr(cfg, "pad_token_id", None)
-            if pad_token_id is None:
-                pad_token_id = params.eos_token_ids[0] if params.eos_token_ids else 0
-        width = max(len(o) for o in outputs)
-        new = torch.full((len(outputs), width), int(pad_token_id), dtype=torch.long)
-        for i, o in enumerate(outputs):
-            new[i, : len(o)] = torch.tensor(o, dtype=torch.long)
-        return torch.cat([input_ids.cpu().long(), new], dim=1).to(input_ids.device)
+        try:
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            done = self._run(rids, streamer)
+            if streamer is not None:
+                streamer.end()
+        except BaseException:
+            self._end_requests(rids)
+            raise
+        pad = plan.values.get("pad_token_id")
+        if pad is None:
+            pad = params.eos_token_ids[0] if params.eos_token_ids else 0
+        width = max(len(r.output) for r in done)
+        new = torch.full((len(done), width), int(pad), dtype=torch.long)
+        for i, r in enumerate(done):
+            new[i, : len(r.output)] = torch.tensor(r.output, dtype=torch.long)
+        prompt_rows = input_ids.cpu().long().repeat_interleave(params.n, dim=0)
+        sequences = torch.cat([prompt_rows, new], dim=1).to(input_ids.device)
+        if not plan.return_dict:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        def per_step(rows_of):
+            if not any(rows_of(r) for r in done):
+                return None
+            vocab = next(rows_of(r)[0] for r in done if rows_of(r)).shape[0]
+            filler = torch.full((vocab,), float("-inf"), device=input_ids.device)
+            return tuple(torch.stack([rows_of(r)[t].to(input_ids.device) if t < len(rows_of(r)) else filler
+                                      for r in done]) for t in range(width))
+
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=per_step(lambda r: r.scores) if params.output_scores else None,
+            logits=per_step(lambda r: r.raw_logits) if params.output_logits else None,
+        )
 
     def _generate_text(self, prompts, attention_mask, generation_config, streamer, skip_special_tokens=True, **kw):
         if attention_mask is not None:
             raise ValueError("attention_mask goes with token ids; text prompts are tokenized by the engine")
+        if kw.get("pad_token_id") is None:
+            kw.pop("pad_token_id", None)
         if not _is_text(prompts):  # a list of prompts
             if streamer is not None:
                 raise ValueError("streaming supports batch size 1 only (as in transformers)")
@@ -577,9 +877,17 @@ class HybridEngine:
         out = self.generate(
             torch.tensor([ids], dtype=torch.long), generation_config=generation_config, streamer=streamer, **kw
         )
-        return self.decode(out[0, len(ids):].tolist(), skip_special_tokens)
+        if isinstance(out, torch.Tensor) and out.shape[0] == 1:
+            return self.decode(out[0, len(ids):].tolist(), skip_special_tokens)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        texts = [self.decode(row[len(ids):].tolist(), skip_special_tokens) for row in sequences]
+        return texts if isinstance(out, torch.Tensor) else out
 
     # -- observability -------------------------------------------------------------------------
+    def reset_timings(self) -> None:
+        """Forget the finished requests' timings that ``stats()["ttft"]`` / ``["tpot"]`` summarise."""
+        self._timings.clear()
+
     def stats(self) -> dict:
         c = dict(self._counters)
         c["retractions"] = self.scheduler.num_retractions
@@ -590,6 +898,9 @@ class HybridEngine:
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
         c["warmup_kernels_seconds"] = self.warmup_seconds
+        # time to first token / per output token of the recently finished requests (seconds)
+        c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])
+        c["tpot"] = _percentiles([t for _, t in self._timings if t is not None])
         if self.speculative is not None:
             c["speculative"] = self.speculative.stats()
         if self.prefix_cache is not None:

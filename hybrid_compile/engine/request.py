@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sampling import SamplingParams
+if TYPE_CHECKING:  # (sampling -> logits_processing -> runner -> scheduler -> request)
+    from .sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -47,9 +48,30 @@ class Request:
     # makes the shared KV-only part reusable
     branching_len: int | None = None
     stop_ids: frozenset[int] = frozenset()
+    # n > 1: the sequences of one prompt share a group (the first sequence's rid) and are told
+    # apart by index; the others wait in ``forks`` of the first until its prompt is prefilled,
+    # then start from copies of its KV and recurrent state (HybridEngine._fork)
+    group: int = -1
+    index: int = 0
+    forks: list["Request"] = field(default_factory=list)
+    # timings (time.perf_counter seconds): arrival, first generated token, finish
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_criteria: list = field(default_factory=list)  # (stop string, its transformers StopStringCriteria)
+    stop_str: str | None = None  # the stop string (SamplingParams.stop) that finished the request
+    # SamplingParams.logprobs: per generated token (its logprob, [(id, logprob)] of the top ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # SamplingParams.output_scores / output_logits: a [V] fp32 row per generated token (device)
+    scores: list[torch.Tensor] = field(default_factory=list)
+    raw_logits: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_ids = self.params.stop_ids()
+        if self.group < 0:
+            self.group = self.rid
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def seq_len(self) -> int:
@@ -85,3 +107,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def timings(self) -> dict[str, float | None]:
+        """Arrival, first-token and finish times (seconds, ``time.perf_counter``), time to first
+        token and mean time per output token after the first (None until known)."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        tpot = None
+        if self.finish_time is not None and self.first_token_time is not None and len(self.output) > 1:
+            tpot = (self.finish_time - self.first_token_time) / (len(self.output) - 1)
+        return dict(arrival=self.arrival_time, first_token=self.first_token_time, finish=self.finish_time,
+                    ttft=ttft, tpot=tpot)

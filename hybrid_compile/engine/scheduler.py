@@ -186,6 +186,42 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def free_uncomputed_kv(self, requests: list[Request]) -> None:
+        """Free each request's KV slots past its ``num_computed`` tokens (a verify step's rejected
+        drafts, or all its drafts when it failed before its commit); one free for the batch."""
+        rejected = []
+        for r in requests:
+            if r.kv_slots.numel() > r.num_computed:
+                rejected.append(r.kv_slots[r.num_computed:])
+                r.kv_slots = r.kv_slots[: r.num_computed]
+        if rejected:  # (last request first: the free stack ends as after one free per request in order)
+            self.pools.kv.allocator.free(torch.cat(rejected[::-1]) if len(rejected) > 1 else rejected[0])
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Send the requests of a step that failed before its commit back to be recomputed (the
+        engine's roll-back): everything they hold is freed (:meth:`release`: the step's KV slots
+        too), checkpoints planned for the step are dropped, and they return to the front of the
+        queue in arrival order with their output so far, like a retraction (but not counted as
+        one). Idempotent: a request already back in the queue holds nothing."""
+        self._drop_pending_checkpoints()
+        for r in sorted(requests, key=lambda r: r.arrival, reverse=True):
+            if r in self.running:
+                self.running.remove(r)
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self.release(r)
+            r.status = RequestStatus.WAITING
+            self.waiting.appendleft(r)
+
+    def abort(self, request: Request) -> None:
+        """Drop a waiting or running request between steps: its slots freed, its lock released."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.release(request)
+        request.status = RequestStatus.FINISHED
+
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         if self.cache is None:
@@ -200,6 +236,47 @@ class Scheduler:
             self.pools.req_to_token.free([request.req_slot], free_mamba=False)
             self._reset(request)
         request.status = RequestStatus.FINISHED
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Start ``child`` (the same prompt, nothing generated) as a running request from copies of
+        ``parent``'s KV and recurrent state after its ``num_computed`` tokens (``n > 1``: the prompt
+        is prefilled once). KV of a prefix the cache holds is shared under a lock (as a prefix-cache
+        hit); the rest is copied into the child's own slots, and the state into its own Mamba slot
+        (``MambaPool.copy_slots``, the cache's copy-on-write). False, changing nothing, when the
+        child does not fit now (it is then prefilled by itself)."""
+        n = parent.num_computed
+        shared = parent.cached_len if self.cache is not None else 0
+        page = self.pools.kv.allocator.page_size
+        if shared % page:
+            raise AssertionError(f"a cached prefix of {shared} tokens is not a whole number of pages of {page}")
+        if len(self.running) >= self.max_running_requests or \
+                self._kv_room() < n - shared + self._expected_new_tokens(child):
+            return False
+        if self.cache is not None:
+            self.cache.ensure_free(mamba_slots=1)
+        req_slots = self.pools.req_to_token.alloc(1)
+        if req_slots is None:
+            return False
+        child.req_slot = int(req_slots[0])
+        child.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
+        child.kv_slots = parent.kv_slots[:shared].clone()
+        child.num_computed = shared
+        if self.cache is not None:
+            self.cache.inc_lock_ref(parent.last_node)
+            child.last_node, child.cached_len = parent.last_node, shared
+        self._make_room([child], [n - shared])
+        kv = self._alloc_kv([child], [n - shared])
+        if kv is None:
+            self.release(child)
+            return False
+        self.pools.kv.copy_slots(parent.kv_slots[shared:n], kv)
+        self.pools.mamba.copy_slots([parent.mamba_slot], [child.mamba_slot])
+        child.kv_slots = torch.cat([child.kv_slots, kv])
+        child.num_computed = n
+        self.pools.req_to_token.set_tokens(child.req_slot, 0, child.kv_slots)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return True
 
     # -- admission -------------------------------------------------------------------------
     def _wait_for_shared_prefix(self, r: Request, prefix: int) -> bool:

@@ -105,6 +105,23 @@ class KVPool:
         """Device bytes of all K/V buffers (including the reserved page)."""
         return sum(t.numel() * t.element_size() for t in (*self.k_buffers, *self.v_buffers))
 
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """``K/V[dst_slots[i]] = K/V[src_slots[i]]`` in every layer (a request forked from another,
+        ``n > 1``). Both sides must be allocated; device-side (host->device index copies only)."""
+        alloc = self.allocator
+        src, dst = torch.as_tensor(src_slots, dtype=torch.int64), torch.as_tensor(dst_slots, dtype=torch.int64)
+        if src.numel() != dst.numel():
+            raise ValueError(f"KVPool.copy_slots: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        if not bool(alloc.is_allocated(src).all()) or not bool(alloc.is_allocated(dst).all()):
+            raise ValueError("KVPool.copy_slots: every source and destination slot must be allocated")
+        pin = self.device.type == "cuda"
+        src_d = (src.pin_memory() if pin else src).to(self.device, non_blocking=True)
+        dst_d = (dst.pin_memory() if pin else dst).to(self.device, non_blocking=True)
+        for buf in (*self.k_buffers, *self.v_buffers):
+            buf.index_copy_(1, dst_d, buf.index_select(1, src_d))
+
     # Allocation goes through the token allocator; these delegate for convenience.
     def alloc(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)

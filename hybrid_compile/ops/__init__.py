@@ -15,6 +15,8 @@ fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
 gated_rms_norm                                   :mod:`.norm`
 skinny_mm                                        :mod:`.linear`
+fp8_quantize_per_token_group / fp8_block_linear  :mod:`.fp8` (block-FP8 weights)
+fp8_grouped_linear                               :mod:`.fp8` (MoE experts)
 store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
@@ -24,10 +26,11 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, gdn, linear, mamba2, metadata, norm, sampling, state
+from . import attention, conv1d, fp8, gdn, linear, mamba2, metadata, norm, sampling, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import elementwise as _triton_elementwise  # noqa: F401
+from .triton import fp8 as _triton_fp8  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
 from .triton import linear as _triton_linear  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
@@ -50,6 +53,9 @@ KERNEL_OPS = (
     "selective_state_update",
     "gated_rms_norm",
     "skinny_mm",
+    "fp8_quantize_per_token_group",
+    "fp8_block_linear",
+    "fp8_grouped_linear",
     "store_kv_cache",
     "paged_attention_extend",
     "paged_attention_decode",
@@ -67,6 +73,7 @@ __all__ = [
     "attention",
     "conv1d",
     "debug_checks_enabled",
+    "fp8",
     "gdn",
     "linear",
     "mamba2",

@@ -325,14 +325,9 @@ class SpeculativeDecoder:
             if observer is not None:  # tensor parallelism: every rank commits its own heads' states
                 observer.commit(slots, steps)
             _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
-        rejected = []
         for r, tokens in zip(reqs, kept):
             r.num_computed += len(tokens)
-            if r.kv_slots.numel() > r.num_computed:
-                rejected.append(r.kv_slots[r.num_computed:])
-                r.kv_slots = r.kv_slots[: r.num_computed]
-        if rejected:  # (last request first: the free stack ends as after one free per request in order)
-            engine.pools.kv.allocator.free(torch.cat(rejected[::-1]) if len(rejected) > 1 else rejected[0])
+        engine.scheduler.free_uncomputed_kv(reqs)
 
     def step(self, force: bool = False) -> "list[StepOutput] | None":
         if not self._wants_verify(force):
@@ -342,7 +337,14 @@ class SpeculativeDecoder:
         # drafts first: a failing draft source leaves every request and pool as it was
         t0 = time.perf_counter()
         decoding = [r for r in engine.scheduler.running if r.decoding]
-        proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, engine.layout.vocab_size)
+        try:
+            proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, engine.layout.vocab_size)
+        except BaseException:
+            # a draft model stopped half-way may hold a half-updated state: it forgets these
+            # requests (and recomputes them from the target's tokens when next asked)
+            for r in decoding:
+                self.release(r.rid)
+            raise
         t1 = time.perf_counter()
         batch = engine.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)
         if batch is None:
@@ -352,11 +354,22 @@ class SpeculativeDecoder:
         reqs = batch.requests
         by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
         drafts = [by_rid[r.rid] for r in reqs]
-        logits = self._forward(batch, drafts)
-        emitted = self._accept(batch, drafts, logits)
-        kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
-
-        self._commit(reqs, kept)
+        generators = engine.sampler.snapshot(reqs)
+        try:
+            logits = self._forward(batch, drafts)
+            emitted = self._accept(batch, drafts, logits)
+            kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
+        except BaseException:
+            # the verify forward leaves the requests' states as they were (it writes the
+            # intermediate buffers only): the drafts' KV slots are all there is to undo
+            engine.sampler.roll_back(generators, [r.rid for r in reqs])
+            engine.scheduler.free_uncomputed_kv(reqs)
+            raise
+        try:
+            self._commit(reqs, kept)
+        except BaseException:  # states half-committed: the requests recompute
+            engine._roll_back(reqs, generators)
+            raise
         t2 = time.perf_counter()
 
         c = self.counters

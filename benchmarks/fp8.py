@@ -1,0 +1,207 @@
+"""FP8 benchmark: our engine in bf16 vs block FP8 on one model, and our FP8 GEMMs vs torch._scaled_mm.
+
+    python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
+    python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
+
+Model: the Qwen3-Next-80B-A3B layer shape on ``--layers`` of its 48 layers (default 8: pattern
+``[linear_attention x3, full_attention] x2``; hidden 2048, vocab 151936, attention 16 q / 2 kv heads
+of dim 256 with the output gate, GDN 16 key / 32 value heads of dim 128, 512 experts top-10 of
+intermediate 512 plus a shared expert of 512; 13.8 B parameters, 1.16 B active per token), random
+bf16 weights built on the GPU. The bf16 engine is measured first; then the same model is quantized
+in place (``quantize_model``: projections and experts to e4m3 with 128 x 128 block scales; embeddings,
+LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measured with the same
+settings. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
+generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token).
+
+Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
+the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quantized e4m3 inputs
+(quantization not included: the strongest baseline torch offers on every supported version) and
+bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import hybrid_compile as hc  # noqa: E402
+from hybrid_compile.ops import fp8 as fp8_ops  # noqa: E402
+from hybrid_compile.quantization import fp8_weight_bytes, quantize_model  # noqa: E402
+from reference_models import _build, random_token_prompts, sync_device  # noqa: E402
+
+# (name, N, K) of the 80B model's projections; experts: (name, E, N, K)
+LINEAR_SHAPES = [("gdn in_proj_qkvz", 12288, 2048), ("gdn out_proj", 2048, 4096), ("attn q_proj", 8192, 2048),
+                 ("attn o_proj", 2048, 4096), ("shared expert gate_up", 1024, 2048), ("shared expert down", 2048, 512)]
+EXPERT_SHAPES = [("experts gate_up", 512, 1024, 2048), ("experts down", 512, 2048, 512)]
+
+
+def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Qwen3NextConfig:
+    lin, full = "linear_attention", "full_attention"
+    sizes = (
+        dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+             num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=128)
+        if tiny else
+        dict(vocab_size=151936, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+             num_experts=512, moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
+    )
+    return transformers.Qwen3NextConfig(
+        **sizes, num_hidden_layers=layers, layer_types=[full if i % 4 == 3 else lin for i in range(layers)],
+        num_experts_per_tok=2 if tiny else 10, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=65536,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def _timed(fn, device) -> float:
+    sync_device(device)
+    t = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - t
+
+
+def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefill_lens, device) -> dict:
+    out = {"decode": {}, "prefill": {}}
+    for b in decode_batches:
+        prompts = random_token_prompts(b, 32, vocab, seed=b)
+        engine.generate_batch(prompts, max_new_tokens=4, do_sample=False)  # warm (graphs, kernels)
+        short = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2, do_sample=False), device)
+        long = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2 + decode_steps, do_sample=False), device)
+        ms = 1e3 * (long - short) / decode_steps
+        out["decode"][str(b)] = {"ms_per_step": ms, "tokens_per_s": b * 1e3 / ms}
+        print(f"  decode batch {b:3d}: {ms:8.3f} ms/step  {b * 1e3 / ms:9.1f} tok/s", flush=True)
+    for n in prefill_lens:
+        prompt = random_token_prompts(1, n, vocab, seed=n)[0]
+        engine.generate_batch([prompt], max_new_tokens=1, do_sample=False)
+        s = _timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
+        out["prefill"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
+        print(f"  prefill {n:6d}: {s * 1e3:9.1f} ms  {n / s:9.0f} tok/s", flush=True)
+    return out
+
+
+def kernel_table(rows_list) -> list[dict]:
+    from kernels import bench
+
+    ops = torch.ops.hybrid_compile
+    dev = "cuda"
+    table = []
+    for name, n, k in LINEAR_SHAPES:
+        q, s = fp8_ops.quantize_weight_blocks(torch.randn(n, k, device=dev) / k ** 0.5)
+        wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        for m in rows_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            xq = x.to(fp8_ops.FP8_DTYPE)
+            sa = torch.ones(m, 1, device=dev)
+            sb = torch.ones(1, n, device=dev)
+            ours = bench(lambda: ops.fp8_block_linear(x, q, s))
+            try:
+                scaled = bench(lambda: torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            except Exception as e:  # noqa: BLE001 - e.g. a shape cuBLASLt refuses (m not a multiple of 16)
+                scaled = None
+                print(f"  torch._scaled_mm {name} m={m}: {type(e).__name__}: {str(e)[:80]}")
+            bf16 = bench(lambda: torch.mm(x, wb.t()))
+            table.append(_row(name, m, n, k, ours, scaled, bf16, 1))
+    for name, e, n, k in EXPERT_SHAPES:
+        q, s = fp8_ops.quantize_weight_blocks(torch.randn(e, n, k, device=dev) / k ** 0.5)
+        for tokens in rows_list:
+            ids = torch.stack([torch.randperm(e, device=dev)[:10] for _ in range(tokens)]).flatten()
+            off = torch.zeros(e + 1, dtype=torch.int64, device=dev)
+            off[1:] = torch.bincount(ids, minlength=e).cumsum(0)
+            x = torch.randn(ids.numel(), k, device=dev, dtype=torch.bfloat16)
+            ours = bench(lambda: ops.fp8_grouped_linear(x, q, s, off))
+            # the same bytes and FLOPs as one dense e4m3 GEMM over all routed rows x one expert's weight
+            # would not be comparable; _scaled_mm has no grouped form on every supported torch: no baseline
+            table.append(_row(name, ids.numel(), n, k, ours, None, None, e))
+    print(f"\n{'kernel':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours ms':>9s} {'_scaled_mm':>10s} {'ratio':>6s} "
+          f"{'bf16 mm':>8s} {'TFLOP/s':>8s}")
+    for r in table:
+        sm = f"{r['scaled_mm_ms']:.4f}" if r["scaled_mm_ms"] else "-"
+        ratio = f"{r['scaled_mm_ms'] / r['ours_ms']:.2f}" if r["scaled_mm_ms"] else "-"
+        bf = f"{r['bf16_mm_ms']:.4f}" if r["bf16_mm_ms"] else "-"
+        print(f"{r['kernel']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_ms']:9.4f} {sm:>10s} {ratio:>6s} "
+              f"{bf:>8s} {r['ours_tflops']:8.1f}")
+    return table
+
+
+def _row(name, m, n, k, ours, scaled, bf16, experts):
+    return {"kernel": name, "m": m, "n": n, "k": k, "experts": experts, "ours_ms": float(ours),
+            "scaled_mm_ms": float(scaled) if scaled is not None else None,
+            "bf16_mm_ms": float(bf16) if bf16 is not None else None,
+            "ours_tflops": 2 * m * n * k / (float(ours) * 1e-3) / 1e12}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=8, help="layers of the 80B shape (48 = the full model)")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    p.add_argument("--out", default="benchmarks/results/fp8.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    tiny = args.tiny
+    decode_batches = (1, 2) if tiny else (1, 16, 64)
+    prefill_lens = (64,) if tiny else (4096, 32768)
+    steps = 2 if tiny else args.decode_steps
+    layers = 4 if tiny else args.layers
+    config = qwen3_next_80b_config(layers, tiny)
+    t = time.perf_counter()
+    model = _build(transformers.Qwen3NextForCausalLM, config, torch.bfloat16, device, seed=0)
+    build_s = time.perf_counter() - t
+    params = sum(p.numel() for p in model.parameters())
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "layers": layers,
+           "params": params, "tiny": tiny, "date": time.strftime("%Y-%m-%d")}
+    print(f"model: {params / 1e9:.2f} B parameters, {layers} layers, built in {build_s:.1f} s on {env['device']}")
+    engine_kw = dict(max_running_requests=max(decode_batches), memory_fraction=args.memory_fraction,
+                     max_context_len=max(prefill_lens) + 64, chunked_prefill_size=min(8192, max(prefill_lens)))
+    results = {"env": env}
+    for mode in ("bf16", "fp8"):
+        if mode == "fp8":
+            t = time.perf_counter()
+            quantize_model(model)
+            sync_device(device)
+            env["quantize_seconds"] = time.perf_counter() - t
+        fp8_bytes, other = fp8_weight_bytes(model)
+        print(f"{mode}: weights {(fp8_bytes + other) / 2**30:.2f} GiB", flush=True)
+        t = time.perf_counter()
+        engine = hc.wrap(model, **engine_kw)
+        wrap_s = time.perf_counter() - t
+        results[mode] = {"weight_bytes": fp8_bytes + other, "wrap_seconds": wrap_s,
+                         **measure_engine(engine, config.vocab_size, decode_batches, steps, prefill_lens, device)}
+        engine.close()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for b in decode_batches:
+        r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results["fp8"]["decode"][str(b)]["ms_per_step"]
+        print(f"decode batch {b}: FP8 {r:.2f}x bf16")
+    for n in prefill_lens:
+        r = results["bf16"]["prefill"][str(n)]["seconds"] / results["fp8"]["prefill"][str(n)]["seconds"]
+        print(f"prefill {n}: FP8 {r:.2f}x bf16")
+    if device.type == "cuda" and not args.no_kernels:
+        del model
+        torch.cuda.empty_cache()
+        results["kernels"] = kernel_table((1, 16, 64, 4096))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

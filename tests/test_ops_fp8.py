@@ -1,0 +1,324 @@
+"""Block-FP8 ops (hybrid_compile/ops/fp8.py) and their Triton kernels (hybrid_compile/ops/triton/fp8.py).
+
+Oracles: the format's definition (e4m3 rounding to nearest even, checked on every tie of the e4m3 grid;
+``scale = max|group| / 448``), an fp64 matmul of the dequantized operands for the plain-torch ops, and
+the plain-torch ops for the kernels. On CPU the kernels run under Triton's interpreter (``tl.dot`` on
+e4m3 operands runs there), tiny shapes; the ``gpu`` tests run the registered CUDA ops at the shapes
+of Qwen3-Next-80B-A3B-FP8 (hidden 2048), under opcheck and in a CUDA graph.
+"""
+
+import pytest
+import torch
+
+import hybrid_compile  # noqa: F401
+from hybrid_compile.ops import fp8
+from hybrid_compile.ops.triton import fp8 as tfp8
+from op_testing import compile_and_compare, run_opcheck
+
+INTERPRETER_ONLY = True
+
+ops = torch.ops.hybrid_compile
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative e4m3fn value, ascending."""
+    codes = torch.arange(0, 127, dtype=torch.uint8)  # 0x7f is NaN
+    return codes.view(fp8.FP8_DTYPE).float()
+
+
+def _rounding_cases() -> torch.Tensor:
+    """Each tie between neighbouring e4m3 values, a float just above and below it, and the values
+    themselves, both signs: the inputs where a rounding or carry mistake shows."""
+    g = _e4m3_grid()
+    mid = (g[1:] + g[:-1]) / 2  # exact in fp32
+    vals = torch.cat([g, mid, torch.nextafter(mid, torch.full_like(mid, 1e9)),
+                      torch.nextafter(mid, torch.zeros_like(mid))])
+    return torch.cat([vals, -vals])
+
+
+def _quantize_expected(v: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto the e4m3 grid, found by search (not by a cast)."""
+    g = _e4m3_grid().double()
+    a = v.double().abs()
+    idx = torch.searchsorted(g, a).clamp(1, len(g) - 1)
+    lo, hi = g[idx - 1], g[idx]
+    pick_hi = (a - lo > hi - a) | ((a - lo == hi - a) & (idx % 2 == 0))  # tie: even code (hi's code is idx)
+    r = torch.where(a >= hi, hi, torch.where(pick_hi, hi, lo))
+    return (torch.sign(v.double()) * r).float()
+
+
+def _with_unit_scale(v: torch.Tensor) -> torch.Tensor:
+    """Rows of 128 whose first element is 448, so the group scale is exactly 1 and q = round(v)."""
+    per_row = fp8.FP8_GROUP - 1
+    n = -(-v.numel() // per_row)
+    body = torch.zeros(n * per_row)
+    body[: v.numel()] = v
+    return torch.cat([torch.full((n, 1), fp8.FP8_MAX), body.view(n, per_row)], 1)
+
+
+def test_quantize_rounds_to_nearest_even_on_every_tie():
+    x = _with_unit_scale(_rounding_cases())
+    expected = _quantize_expected(x)
+    q, s = ops.fp8_quantize_per_token_group(x)
+    assert torch.equal(s, torch.ones(x.shape[0], 1))
+    assert torch.equal(q.float(), expected)
+    qk, sk = tfp8.fp8_quantize_triton(x)  # the kernel's explicit rounding, under the interpreter
+    assert torch.equal(qk.float(), expected) and torch.equal(sk, s)
+
+
+def test_quantize_groups_scales_and_partial_groups():
+    x = torch.randn(5, 300) * torch.logspace(-3, 2, 300)
+    x[1, 128:256] = 0  # an all-zero group: finite scale, zeros
+    q, s = ops.fp8_quantize_per_token_group(x)
+    assert q.shape == (5, 300) and q.dtype == fp8.FP8_DTYPE and s.shape == (5, 3) and s.dtype == torch.float32
+    amax = torch.nn.functional.pad(x, (0, 84)).view(5, 3, 128).abs().amax(-1)
+    torch.testing.assert_close(s, amax.clamp(min=fp8.FP8_EPS) / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    deq = q.float() * s.repeat_interleave(128, 1)[:, :300]
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 for normals, absolute <= 2**-10 * scale below
+    err = (deq - x).abs()
+    assert bool((err <= x.abs() * 2 ** -4 + s.repeat_interleave(128, 1)[:, :300] * 2 ** -10).all())
+    assert torch.equal(q[1, 128:256].float(), torch.zeros(128))
+    qk, sk = tfp8.fp8_quantize_triton(x[:, :])
+    assert torch.equal(qk.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sk, s)
+    xs = torch.randn(3, 600)[:, ::2]  # strided input
+    qk, sk = tfp8.fp8_quantize_triton(xs)
+    q, s = ops.fp8_quantize_per_token_group(xs)
+    assert torch.equal(qk.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sk, s)
+
+
+def test_weight_block_quantization_round_trip():
+    w = torch.randn(3, 200, 260) * torch.linspace(0.01, 3, 260)
+    w[0, :128, :128] = 0
+    q, s = fp8.quantize_weight_blocks(w)
+    assert q.dtype == fp8.FP8_DTYPE and s.shape == (3, 2, 3)
+    assert s[0, 0, 0] == 1.0 and torch.equal(q[0, :128, :128].float(), torch.zeros(128, 128))
+    blocks = torch.nn.functional.pad(w, (0, 124, 0, 56)).view(3, 2, 128, 3, 128)
+    torch.testing.assert_close(s[1:], blocks.abs().amax((2, 4))[1:] / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    deq = fp8.dequantize_weight_blocks(q, s)
+    scale_full = fp8._expand_blocks(s, 200, 260, 128, 128)
+    assert bool(((deq - w).abs() <= w.abs() * 2 ** -4 + scale_full * 2 ** -10).all())
+    # bf16 input, and the weight's own dtype out
+    qb, sb = fp8.quantize_weight_blocks(w[1].to(torch.bfloat16))
+    assert fp8.dequantize_weight_blocks(qb, sb, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float weight"):
+        fp8.quantize_weight_blocks(torch.ones(8, dtype=torch.int32))
+
+
+def _dequantized_product(x, q, s, bias=None):
+    """fp64 product of the dequantized activation and weight: what the op approximates in fp32."""
+    xq, xs = ops.fp8_quantize_per_token_group(x)
+    xd = xq.double() * xs.double().repeat_interleave(128, 1)[:, : x.shape[1]]
+    y = xd @ fp8.dequantize_weight_blocks(q, s, torch.float64).t()
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 100), (3, 130, 300), (70, 256, 128)])
+def test_linear_op_is_the_dequantized_product(m, n, k):
+    x = torch.randn(m, k)
+    q, s = fp8.quantize_weight_blocks(torch.randn(n, k) / k ** 0.5)
+    bias = torch.randn(n)
+    torch.testing.assert_close(ops.fp8_block_linear(x, q, s, bias).double(), _dequantized_product(x, q, s, bias),
+                               rtol=1e-5, atol=1e-5)
+    xb = x.to(torch.bfloat16)
+    yb = ops.fp8_block_linear(xb, q, s)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.double(), _dequantized_product(xb, q, s), rtol=1e-2, atol=1e-2)
+
+
+def _expert_offsets(counts):
+    off = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    off[1:] = torch.tensor(counts).cumsum(0)
+    return off
+
+
+def test_grouped_op_is_each_experts_product():
+    k, n = 200, 96
+    q, s = fp8.quantize_weight_blocks(torch.randn(4, n, k) / k ** 0.5)
+    counts = [3, 0, 9, 1]
+    x = torch.randn(sum(counts), k)
+    off = _expert_offsets(counts)
+    y = ops.fp8_grouped_linear(x, q, s, off)
+    for e in range(4):
+        lo, hi = off[e], off[e + 1]
+        torch.testing.assert_close(y[lo:hi], ops.fp8_block_linear(x[lo:hi], q[e], s[e]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        ops.fp8_grouped_linear(x, q, s, _expert_offsets([3, 0, 9, 2]))
+
+
+def test_op_argument_errors():
+    q, s = fp8.quantize_weight_blocks(torch.randn(64, 64))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        ops.fp8_block_linear(torch.randn(2, 64), q, s[:, :0])
+    with pytest.raises(ValueError, match="input channels"):
+        ops.fp8_block_linear(torch.randn(2, 65), q, s)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.fp8_block_linear(torch.randn(2, 64), q.float(), s)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        ops.fp8_grouped_linear(torch.randn(2, 64), q[None], s[None], torch.tensor([0, 1, 2]))
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 100), (5, 160, 256), (66, 48, 130)])
+def test_linear_kernel_matches_op(m, n, k):
+    """``m <= 64``: activation quantized inside the GEMM; 66 rows: the quantize kernel + FP8 GEMM."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k + 8, generator=g)[:, 4 : 4 + k]  # strided
+    q, s = fp8.quantize_weight_blocks(torch.randn(n, k, generator=g) / k ** 0.5)
+    bias = torch.randn(n, generator=g)
+    expected = ops.fp8_block_linear(x, q, s, bias)
+    torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, bias), expected, rtol=1e-5, atol=1e-5)
+    # an explicit config with narrow column tiles (each divides the 128-row weight block)
+    torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, None, config=(16, 32, 4, 1)),
+                               ops.fp8_block_linear(x, q, s), rtol=1e-5, atol=1e-5)
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(tfp8.fp8_block_linear_triton(xb, q, s).float(),
+                               ops.fp8_block_linear(xb, q, s).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9]])
+def test_grouped_kernel_matches_op(counts):
+    """Empty experts, experts spanning several row tiles, both activation paths (4 and 69 rows)."""
+    k, n = 160, 48
+    q, s = fp8.quantize_weight_blocks(torch.randn(4, n, k) / k ** 0.5)
+    x = torch.randn(sum(counts), k)
+    off = _expert_offsets(counts)
+    expected = ops.fp8_grouped_linear(x, q, s, off)
+    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off.to(torch.int32), config=(16, 16, 4, 1)),
+                               expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_edge_shapes_and_configs():
+    q, s = fp8.quantize_weight_blocks(torch.randn(32, 64))
+    assert tfp8.fp8_block_linear_triton(torch.randn(0, 64), q, s).shape == (0, 32)
+    qz, sz = tfp8.fp8_quantize_triton(torch.randn(0, 64))
+    assert qz.shape == (0, 64) and sz.shape == (0, 1)
+    with pytest.raises(ValueError, match="BN"):
+        tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 48, 4, 1))
+    # decode: narrow column tiles so about two programs per SM stream the weight; prefill: 128 x 128
+    assert tfp8.fp8_gemm_config(1, 2048, 2048, sms=132)[:2] == (16, 16)
+    assert tfp8.fp8_gemm_config(1, 12288, 2048, sms=132)[:2] == (16, 32)
+    assert tfp8.fp8_gemm_config(4096, 2048, 2048, sms=132)[:2] == (128, 128)
+    assert tfp8.fp8_gemm_config(40960, 1024, 2048, grouped=True, experts=512, sms=132)[0] == 64
+
+
+# opcheck's schema test compares inputs before and after the call with torch.allclose, which has no
+# float8 kernel; for ops with e4m3 inputs it is replaced by a bitwise no-mutation check.
+OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _opcheck_fp8_inputs(op, args):
+    before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == fp8.FP8_DTYPE
+              else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
+    op(*args)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a, b), "an input was mutated"
+
+
+def test_ops_opcheck_and_compile_without_graph_breaks():
+    q, s = fp8.quantize_weight_blocks(torch.randn(48, 64))
+    qe, se = fp8.quantize_weight_blocks(torch.randn(3, 32, 48))
+    x = torch.randn(5, 64)
+    off = _expert_offsets([2, 0, 3])
+    run_opcheck(ops.fp8_quantize_per_token_group.default, (x,))
+    _opcheck_fp8_inputs(ops.fp8_block_linear.default, (x, q, s, torch.randn(48)))
+    _opcheck_fp8_inputs(ops.fp8_grouped_linear.default, (x[:, :48], qe, se, off))
+
+    def fn(a, w, ws, we, wes, o):
+        h = torch.relu(ops.fp8_block_linear(a, w, ws)) + 1
+        return ops.fp8_grouped_linear(h, we, wes, o) * 2
+
+    eager, compiled, _, _ = compile_and_compare(fn, x, q, s, qe, se, off)
+    torch.testing.assert_close(compiled, eager)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the registered CUDA ops at the real checkpoints' shapes
+# --------------------------------------------------------------------------------------------
+
+# Qwen3-Next-80B-A3B-FP8: GDN in_proj_qkvz / out_proj, attention q (gated) / k / o, shared expert
+QWEN3_NEXT_LINEARS = [(12288, 2048), pytest.param(2048, 4096, marks=pytest.mark.smoke), (8192, 2048), (512, 2048),
+                      (1024, 2048), (2048, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", QWEN3_NEXT_LINEARS)
+def test_cuda_linear_at_model_shapes(n, k):
+    torch.manual_seed(0)
+    q, s = fp8.quantize_weight_blocks(torch.randn(n, k, device="cuda") / k ** 0.5)
+    for m in (1, 16, 64, 65, 512):  # decode path (quantized in the GEMM) and the prefill path
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        expected = fp8.reference_block_linear(x.float(), q, s)
+        torch.testing.assert_close(ops.fp8_block_linear(x, q, s).float(), expected, rtol=2e-2, atol=2e-2,
+                                   msg=f"m={m}")
+    _opcheck_fp8_inputs(ops.fp8_block_linear.default, (torch.randn(3, k, device="cuda", dtype=torch.bfloat16), q, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, pytest.param(16, marks=pytest.mark.smoke), 300])
+def test_cuda_grouped_at_qwen3_next_expert_shapes(tokens):
+    """512 experts, top-10, moe_intermediate 512: gate_up [512, 1024, 2048] and down [512, 2048, 512]."""
+    torch.manual_seed(0)
+    experts, top_k = 512, 10
+    for n, k in ((1024, 2048), (2048, 512)):
+        q, s = fp8.quantize_weight_blocks(torch.randn(experts, n, k, device="cuda") / k ** 0.5)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).flatten()
+        counts = torch.bincount(ids, minlength=experts)
+        off = torch.zeros(experts + 1, dtype=torch.int64, device="cuda")
+        off[1:] = counts.cumsum(0)
+        x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)
+        expected = fp8.reference_grouped_linear(x.float(), q, s, off)
+        torch.testing.assert_close(ops.fp8_grouped_linear(x, q, s, off).float(), expected, rtol=2e-2, atol=2e-2)
+    _opcheck_fp8_inputs(ops.fp8_grouped_linear.default,
+                        (x[:5], q[:3], s[:3], torch.tensor([0, 2, 2, 5], device="cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_cuda_quantize_op_at_model_shapes():
+    """The registered CUDA op (the quantize kernel): scales ``amax / 448`` per group of 128 (partial
+    last group, an all-zero group), values within e4m3's rounding; with unit scales every tie
+    rounds to the even code exactly."""
+    x = torch.randn(300, 2100) * torch.logspace(-3, 2, 2100)
+    x[7, 128:256] = 0
+    q, s = ops.fp8_quantize_per_token_group(x.cuda())
+    q, s = q.cpu(), s.cpu()
+    assert q.shape == (300, 2100) and q.dtype == fp8.FP8_DTYPE and s.shape == (300, 17)
+    amax = torch.nn.functional.pad(x, (0, 17 * 128 - 2100)).view(300, 17, 128).abs().amax(-1)
+    torch.testing.assert_close(s, amax.clamp(min=fp8.FP8_EPS) / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    scale = s.repeat_interleave(128, 1)[:, :2100]
+    assert bool(((q.float() * scale - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -10).all())
+    assert torch.equal(q[7, 128:256].float(), torch.zeros(128))
+    ties = _with_unit_scale(_rounding_cases())
+    qt, st = ops.fp8_quantize_per_token_group(ties.cuda())
+    assert torch.equal(st.cpu(), torch.ones(ties.shape[0], 1)) and torch.equal(qt.cpu().float(), _quantize_expected(ties))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_cuda_ops_in_a_cuda_graph():
+    torch.manual_seed(0)
+    q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)
+    qe, se = fp8.quantize_weight_blocks(torch.randn(8, 256, 2048, device="cuda") / 45)
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    off = torch.tensor([0, 1, 1, 3, 3, 3, 3, 4, 4], device="cuda")
+
+    def step():
+        return ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn_like(x))
+    off.copy_(torch.tensor([0, 0, 2, 2, 2, 3, 3, 3, 4], device="cuda"))  # routing changes between replays
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, step(), rtol=0, atol=0)

@@ -56,6 +56,7 @@ class TensorParallelEngine(HybridEngine):
         self._broadcaster = StepBroadcaster(tp)
         self.runner.step_observer = self._broadcaster
         self.pools.mamba.observer = self._broadcaster
+        self.pools.kv.observer = self._broadcaster
         if warm:
             self._guarded(self._warm_up_kernels)
 

@@ -8,7 +8,8 @@ does to the device state of the model reaches the followers as one command, in o
   (with the speculative buffers for a verify step). Every rank then runs the same forward, whose
   collectives pair up; the logits are gathered on every rank and sampled on rank 0 only.
 - ``ZERO`` / ``COPY``: Mamba-state writes outside a forward (a new slot zeroed, a prefix-cache
-  copy-on-write or checkpoint); ``COMMIT``: a speculative verify's state commit.
+  copy-on-write or checkpoint, an ``n > 1`` fork); ``KV_COPY``: K/V copied to a forked sequence;
+  ``COMMIT``: a speculative verify's state commit.
 - ``STOP``: the leader's engine closed.
 
 A command is a small header (``torch.distributed.broadcast`` on the gloo control group, which
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
 from .group import TensorParallelGroup
 
-FORWARD, ZERO, COPY, COMMIT, STOP = 1, 2, 3, 4, 5
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY = 1, 2, 3, 4, 5, 6
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 _DTYPES = (None, torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8)
@@ -35,7 +36,7 @@ _MD_LISTS = ("extend_lens_cpu", "seq_lens_cpu")
 
 
 class StepBroadcaster:
-    """Rank 0's side: the runner's ``step_observer`` and the Mamba pool's ``observer``."""
+    """Rank 0's side: the runner's ``step_observer`` and the KV and Mamba pools' ``observer``."""
 
     def __init__(self, tp: TensorParallelGroup) -> None:
         self.tp = tp
@@ -73,6 +74,9 @@ class StepBroadcaster:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._send([COPY, src.numel()], [src, dst])
 
+    def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._send([KV_COPY, src.numel()], [src, dst])
+
     def commit(self, slots: torch.Tensor, steps: torch.Tensor) -> None:
         self._send([COMMIT, slots.numel()], [slots, steps])
 
@@ -80,11 +84,10 @@ class StepBroadcaster:
         self._send([STOP], [])
 
 
-def _receive(tp: TensorParallelGroup) -> tuple[list[int], torch.Tensor | None, int]:
+def _receive(tp: TensorParallelGroup) -> list[int]:
     h = torch.empty(_HEADER, dtype=torch.int64)
     dist.broadcast(h, 0, group=tp.control)
-    header = h.tolist()
-    return header
+    return h.tolist()
 
 
 def _payload(tp: TensorParallelGroup, n: int) -> torch.Tensor:
@@ -138,6 +141,9 @@ def follow(engine, tp: TensorParallelGroup) -> int:
         elif cmd == COPY:
             src, dst = _payload(tp, 2 * header[1]).split(header[1])
             mamba.copy_state(src, dst)
+        elif cmd == KV_COPY:
+            src, dst = _payload(tp, 2 * header[1]).split(header[1])
+            engine.pools.kv.copy_state(src, dst)
         elif cmd == COMMIT:
             slots, steps = _payload(tp, 2 * header[1]).to(torch.int32).split(header[1])
             torch.ops.hybrid_compile.commit_speculative_state(

@@ -227,6 +227,11 @@ def test_greedy_option_equals_transformers(model, engine, prompts, option):
         want = hf_generate(model, prompt, do_sample=False, **kw)
         got = engine.generate(torch.tensor([prompt]), do_sample=False, **kw)
         assert got.tolist() == want.tolist(), kw
+        if prompt is prompts[0]:  # the same settings inside a GenerationConfig
+            from transformers import GenerationConfig
+
+            got = engine.generate(torch.tensor([prompt]), generation_config=GenerationConfig(do_sample=False, **kw))
+            assert got.tolist() == want.tolist(), kw
     assert_pools_restored(engine, initial)
 
 
@@ -420,3 +425,95 @@ def test_finished_requests_carry_timings_and_stats_report_ttft_tpot(engine, prom
     assert r.finish_reason == "length"
     s = engine.stats()
     assert s["ttft"]["count"] >= 1 and s["ttft"]["p50"] >= 0 and s["tpot"]["p99"] >= s["tpot"]["p50"]
+
+
+# ---------------------------------------------------------------------------------------------
+# request control: abort, and a user's processor that raises
+# ---------------------------------------------------------------------------------------------
+
+
+def _drain(engine) -> dict[int, list[int]]:
+    outputs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outputs[o.rid] = o
+    return outputs
+
+
+def test_abort_leaves_every_other_requests_output_unchanged(model, prompts):
+    mixed = [
+        hc.SamplingParams(max_new_tokens=NEW),
+        hc.SamplingParams(max_new_tokens=NEW, presence_penalty=1.0, repetition_penalty=1.3),
+        hc.SamplingParams(max_new_tokens=NEW, do_sample=True, temperature=1.3, seed=9, n=2),
+        hc.SamplingParams(max_new_tokens=NEW, min_p=0.05, do_sample=True, seed=4, logprobs=2),
+    ]
+    lineup = [(prompts[0], mixed[0]), (prompts[1], mixed[1]), (prompts[2], mixed[2]), (prompts[0], mixed[3]),
+              (prompts[1], mixed[0])]
+
+    def run(abort_at: int | None):
+        with make_engine(model, max_running_requests=3) as engine:
+            initial = _initial(engine)
+            rids = [engine.add_request(p, sp) for p, sp in lineup]
+            groups = [engine.sequence_ids(r) for r in rids]
+            victims = []
+            for step in range(12):
+                if step == abort_at:
+                    # a running request (decoding) and one still waiting for admission
+                    running = engine.scheduler.running[1].rid
+                    waiting = engine.scheduler.waiting[-1].rid
+                    victims = [running, waiting]
+                    assert all(engine.abort(v) for v in victims)
+                    assert not engine.abort(victims[0])  # already finished: nothing to do
+                engine.step()
+            _drain(engine)
+            out = {}
+            for g in groups:
+                for rid in g:
+                    r = engine.pop_finished(rid)
+                    out[rid] = (r.output, r.finish_reason, r.logprobs)
+            assert_pools_restored(engine, initial)
+            return out, victims
+
+    base, _ = run(None)
+    aborted, victims = run(abort_at=3)
+    assert len(victims) == 2
+    for rid, (output, reason, lps) in aborted.items():
+        if rid in victims:
+            assert reason == "abort" and len(output) < NEW
+        else:
+            assert (output, reason) == base[rid][:2], rid
+            if lps is not None:
+                torch.testing.assert_close(torch.tensor([lp for lp, _ in lps]),
+                                           torch.tensor([lp for lp, _ in base[rid][2]]))
+
+
+class ProcessorFailure(RuntimeError):
+    pass
+
+
+def test_a_raising_logits_processor_propagates_unchanged_and_the_engine_stays_consistent(model, prompts):
+    calls = []
+    failure = ProcessorFailure("user processor failed")
+
+    def flaky(input_ids, scores):
+        calls.append(input_ids.shape[1])
+        if len(calls) == 3:
+            raise failure
+        return scores
+
+    with make_engine(model) as engine:
+        initial = _initial(engine)
+        other = engine.add_request(prompts[1], hc.SamplingParams(max_new_tokens=NEW, repetition_penalty=1.2))
+        with pytest.raises(ProcessorFailure) as info:
+            engine.generate(torch.tensor([prompts[0]]), max_new_tokens=NEW, logits_processor=[flaky])
+        assert info.value is failure  # the user's own exception object, not a wrapper
+        outputs = _drain(engine)
+        r = engine.pop_finished(other)
+        assert r.output == hf_generate(model, prompts[1], max_new_tokens=NEW, repetition_penalty=1.2)[0, 17:].tolist()
+        assert other in outputs and not engine.has_unfinished()
+        assert_pools_restored(engine, initial)
+        # later requests: transformers' greedy tokens
+        for p in prompts:
+            assert engine.generate(torch.tensor([p]), max_new_tokens=NEW)[0, len(p):].tolist() == _free_run(model, p)
+        assert_pools_restored(engine, initial)

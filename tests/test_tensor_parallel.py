@@ -56,10 +56,14 @@ MODELS = {
     "qwen3_5_moe": lambda: em.build_model("qwen3_5_moe"),
     "nemotron_h": mm.build_nemotron_h,
     "mamba2": mm.build_mamba2,
+    "bamba": mm.build_bamba,
+    "granitemoehybrid": mm.build_granitemoehybrid,
+    "falcon_h1": mm.build_falcon_h1,
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
 }
-TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2")
+TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
+             "granitemoehybrid", "falcon_h1")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 
@@ -220,6 +224,10 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
         hc.from_pretrained(tmp_path, tensor_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="use hc.from_pretrained"):
         hc.wrap(model, tensor_parallel_size=2)
+    zamba = tmp_path / "zamba2"
+    mm.build_zamba2().save_pretrained(zamba)
+    with pytest.raises(ShardingError, match="'zamba2' has no tensor-parallel sharding plan"):
+        hc.from_pretrained(zamba, tensor_parallel_size=2, device="cpu")
 
 
 def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):

@@ -309,9 +309,70 @@ def nemotron_h_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def _mamba2_family(config, size: int, rank: int, *, mixer: str, heads: str, head_dim: str, groups: str,
+                   state: str, mlp: str | None) -> tuple[ShardPlan, dict]:
+    """Bamba / Granite-4 / Falcon-H1: Mamba2 mixers, attention with its own head_dim and an MLP."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    h, hd, g = int(getattr(cfg, heads)), int(getattr(cfg, head_dim)), int(getattr(cfg, groups))
+    _mamba_heads(plan, rf"\.{mixer}", h, hd, g, int(getattr(cfg, state)))
+    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                              _head_dim(cfg))
+    fields = {heads: h // size, groups: g // size, "num_attention_heads": int(cfg.num_attention_heads) // size,
+              "num_key_value_heads": local_kv, "head_dim": _head_dim(cfg)}
+    if mlp is not None:
+        plan.mlp(rf"\.{mlp}", int(cfg.intermediate_size), "intermediate_size")
+        plan.reduce(rf"\.layers\.\d+\.{mlp}")
+        fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    return plan, fields
+
+
+def bamba_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
+    cfg = plan.config
+    expand = cfg.mamba_expand / size  # (the mixer's width is mamba_expand * hidden_size)
+    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    plan.local_fields = fields
+    return plan
+
+
+def falcon_h1_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
+    fields["mamba_d_ssm"] = int(plan.config.mamba_d_ssm) // size
+    plan.local_fields = fields
+    return plan
+
+
+def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp=None)
+    cfg = plan.config
+    expand = cfg.mamba_expand / size
+    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    experts = int(getattr(cfg, "num_local_experts", 0) or 0)
+    if experts:
+        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))
+        plan.reduce(r"\.layers\.\d+\.block_sparse_moe")
+        fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    shared = int(getattr(cfg, "shared_intermediate_size", 0) or 0)
+    if shared:  # input_linear holds [gate | up] rows
+        _split(shared, size, "shared_intermediate_size", plan.family)
+        seg = Segment(shared, 1)
+        plan.add(r"\.shared_mlp\.input_linear\.weight", Slice(0, (seg, seg)))
+        plan.add(r"\.shared_mlp\.output_linear\.weight", Slice(1, (seg,)))
+        plan.reduce(r"\.layers\.\d+\.shared_mlp")
+        fields["shared_intermediate_size"] = shared // size
+    plan.local_fields = fields
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
+    "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
 }
 
 

@@ -191,6 +191,20 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     return engine
 
 
+def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
+                    trust_remote_code: bool) -> None:
+    """A follower rank's whole life: its engine follows rank 0's until rank 0 closes (or any rank
+    fails: this rank then raises the group's first error, or its own when it was first)."""
+    try:
+        engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
+        follow(engine, tp)
+        engine.close()
+    except BaseException as e:
+        err = tp.fail(e)
+        raise (err if err is not None else e)
+    tp.shutdown()
+
+
 def _worker(rank: int, size: int, port: int, device_type: str, timeout: float, threads: int, path: str, config,
             engine_config: EngineConfig, dtype, trust_remote_code: bool) -> None:
     """Entry point of a spawned rank (1..size-1)."""
@@ -198,14 +212,10 @@ def _worker(rank: int, size: int, port: int, device_type: str, timeout: float, t
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timedelta(timeout))
     tp = _group.init_group(rank, size, _group.rank_device(device_type, rank), timeout, store=store)
     try:
-        engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
-        follow(engine, tp)
-        engine.close()
+        _serve_follower(tp, path, config, engine_config, dtype, trust_remote_code)
     except BaseException as e:
-        err = tp.fail(e)
-        print(f"hybrid_compile tensor-parallel rank {rank}: {err if err is not None else repr(e)}", file=sys.stderr)
+        print(f"hybrid_compile tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
-    tp.shutdown()
 
 
 def _timedelta(seconds: float):
@@ -234,15 +244,9 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
         _group.set_current_group(tp)
         if rank != 0:
             try:
-                engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
-                follow(engine, tp)
-                engine.close()
-            except BaseException as e:
-                err = tp.fail(e)
-                raise (err if err is not None else e)
+                _serve_follower(tp, path, config, engine_config, dtype, trust_remote_code)
             finally:
                 _group.set_current_group(None)
-            tp.shutdown()
             return None
         return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, [])
 

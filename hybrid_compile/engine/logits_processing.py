@@ -245,12 +245,17 @@ class LogitsProcessing:
             rows.count_index = None if len(counted) == B else d_counted
             counts = self.token_counts.counts.index_select(0, d_slots)
             seen = counts > 0
-            in_prompt = self.token_counts.prompt_mask.index_select(0, d_slots)
+            any_rep = any(params[i].repetition_penalty != 1.0 for i in counted)
+            any_fp = any(params[i].presence_penalty or params[i].frequency_penalty for i in counted)
 
             def penalise(s):
-                r = rep[:, None]
-                s = torch.where(seen | in_prompt, torch.where(s < 0, s * r, s / r), s)
-                return s - freq[:, None] * counts - pres[:, None] * seen
+                if any_rep:  # transformers' / vLLM's: tokens of the prompt or the output
+                    r = rep[:, None]
+                    mask = seen | self.token_counts.prompt_mask.index_select(0, d_slots)
+                    s = torch.where(mask, torch.where(s < 0, s * r, s / r), s)
+                if any_fp:  # OpenAI's / vLLM's: tokens of the output
+                    s = s - (freq[:, None] * counts + pres[:, None] * seen)
+                return s
 
             self._on_rows(x, rows_index(counted) and d_counted, penalise)
         self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "mid"))

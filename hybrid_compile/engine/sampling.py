@@ -36,7 +36,7 @@ class SamplingParams:
     ``ignore_eos``), ``stop_token_ids``, ``stop`` (strings; needs the engine's tokenizer; the token
     that completes one is kept, its string is ``Request.stop_str``), ``stopping_criteria``,
     ``max_time`` (seconds from arrival). Outputs: ``n`` sequences (sharing one prefill of the
-    prompt), ``logprobs`` (the sampled token's and the top-``logprobs`` log-probabilities of the
+    prompt; sequence ``j`` samples with ``seed + j``), ``logprobs`` (the sampled token's and the top-``logprobs`` log-probabilities of the
     model's distribution at each generated token), ``output_scores`` / ``output_logits`` (the
     processed scores / raw logits rows, as transformers' ``generate`` returns them).
     ``logits_processors``: callables ``(input_ids [1, L], scores [1, V]) -> scores`` applied to the

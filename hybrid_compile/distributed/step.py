@@ -51,10 +51,13 @@ class StepBroadcaster:
             dist.broadcast(flat, 0, group=self.tp.group)
         self.commands += 1
 
-    def forward(self, compiled: bool, input_ids: torch.Tensor) -> None:
+    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = ()) -> None:
         ctx = get_forward_context()
         if ctx is None:
             raise RuntimeError("tensor parallelism: a model call outside a forward context cannot be broadcast")
+        if extra:
+            raise RuntimeError("tensor parallelism: model calls with extra per-token inputs are not broadcast (a "
+                               "feature that feeds them is not supported with tensor_parallel_size > 1)")
         md = ctx.metadata
         if md.graph_key is not None:
             raise RuntimeError("tensor parallelism: full CUDA graph steps are not broadcast (cuda_graphs is off under "

@@ -246,11 +246,8 @@ class ModelRunner:
     # -- compile ------------------------------------------------------------------------------
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
         """Packed tokens -> logits ``[B, vocab]`` (the eager path)."""
-<<<<<<< HEAD
         if self.step_observer is not None:
-            self.step_observer.forward(False, input_ids)
-        return _forward_of(self.model)(input_ids, positions, logits_indices)
-=======
+            self.step_observer.forward(False, input_ids, extra)
         return self._forward_fn(self.model)(input_ids, positions, logits_indices, *extra)
 
     def _extra_zeros(self, n: int) -> tuple[torch.Tensor, ...]:
@@ -268,7 +265,6 @@ class ModelRunner:
             out, hidden = out
             self.hidden_states = hidden[:tokens]
         return out[:rows]
->>>>>>> main
 
     def _setup_compile(self) -> None:
         from ..passes.backend import HybridCompileBackend
@@ -292,15 +288,10 @@ class ModelRunner:
             ) from e
         self._compile_counters["warmup_seconds"] = time.perf_counter() - t0
 
-<<<<<<< HEAD
-    def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        if self.step_observer is not None:
-            self.step_observer.forward(True, input_ids)
-        for t in (input_ids, positions, logits_indices):
-=======
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
+        if self.step_observer is not None:
+            self.step_observer.forward(True, input_ids, extra)
         for t in (input_ids, positions, logits_indices, *extra):
->>>>>>> main
             if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
                 torch._dynamo.mark_dynamic(t, 0)
         breaks = _graph_break_count()

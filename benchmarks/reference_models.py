@@ -105,6 +105,36 @@ def build_nemotron_h_reference(dtype: torch.dtype = torch.bfloat16, device="cuda
     return model
 
 
+def save_random_mtp_head(model, path: str, seed: int = 0, std: float = 0.02) -> str:
+    """Write random ``mtp.*`` tensors for a Qwen3-Next / Qwen3.5 ``model`` into
+    ``path/mtp.safetensors`` (the layout of the releases' MTP head: ``fc``, the three norms and
+    ``layers.0``, a full-attention decoder layer of the family built by transformers, its experts
+    fused as transformers holds them); returns ``path`` (``SpeculativeConfig.mtp_checkpoint``)."""
+    import copy
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg = copy.deepcopy(model.config.get_text_config())
+    n = cfg.num_hidden_layers
+    cfg.layer_types = list(cfg.layer_types[:n]) + ["full_attention"]
+    h = cfg.hidden_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layer = type(model.model.layers[0])(cfg, n)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=std) if p.dim() > 1 else torch.nn.init.zeros_(p)
+        tensors = {f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()}
+        tensors["mtp.fc.weight"] = torch.randn(h, 2 * h) * std
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensors[f"mtp.{name}.weight"] = torch.zeros(h)  # (1 + w) norms: the identity scale
+    dtype = next(model.parameters()).dtype
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, os.path.join(path, "mtp.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
 REFERENCE_BUILDERS = {
     "qwen3_next": build_qwen3_next_reference,
     "nemotron_h": build_nemotron_h_reference,

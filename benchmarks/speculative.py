@@ -33,6 +33,17 @@ same against the replay continuation), and the decode phase's
 CUDA-graph counters (``cuda_graph_replays`` of decode graphs, ``verify_graph_replays`` of the
 full TARGET_VERIFY graphs, ``eager_fallbacks``: with ``--modes graphs`` every verify step of a
 batch within the buckets replays a verify graph and, ``commit_graph_replays``, one commit graph).
+
+MTP (``--sources`` with ``mtp``): the reference model gets a random MTP head
+(``reference_models.save_random_mtp_head``: random weights, so its own drafts are rejected) and
+per chain length k (``--mtp-draft-tokens``, default 1..4) one engine with
+``speculative={"method": "mtp"}``. Rows: ``mtp`` (the head's own drafts: the cost of drafting at
+acceptance length ~1) and ``mtp_accept<L>`` for each ``--accept-lengths`` L <= k + 1: the head runs
+its whole proposal every step (its real cost; ``MTPCostReplay``) but the drafts are the replay
+continuation with exactly the first L - 1 right, so every verify step emits L tokens. Each row
+also reports ``draft_ms_per_verify`` (the head's proposal per verify step), ``head_forwards_per_verify``
+and ``draft_ms_per_head_forward`` against ``decode_step_ms`` (one plain decode step at that batch,
+from the baseline) as ``head_forward_vs_decode_step``.
 Output: a printed table and
 JSON (``--out``, default ``benchmarks/results/speculative_<device>.json``).
 """
@@ -55,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.engine.speculative import NgramDraft, ReplayDraft, build_draft_source  # noqa: E402
-from reference_models import build_qwen3_next_reference  # noqa: E402
+from reference_models import build_qwen3_next_reference, save_random_mtp_head  # noqa: E402
 
 MODES = {
     "eager": dict(compile=False),
@@ -148,15 +159,48 @@ def _match(a: list[int], b: list[int]) -> int:
     return n
 
 
+class MTPCostReplay:
+    """Replay drafts at a fixed acceptance length, with the MTP head's cost: every proposal runs
+    the head's whole proposal (extend + chain; its drafts are dropped) and then proposes each
+    request's continuation with its first ``accept`` tokens right and the rest wrong (``t + 1``),
+    so a verify step over the engine's own greedy continuation emits ``accept + 1`` tokens. The
+    head keeps seeing the target's hidden states (``observe``)."""
+
+    def __init__(self, head, continuations: dict, accept: int, vocab: int) -> None:
+        self.head, self.continuations, self.accept, self.vocab = head, continuations, accept, vocab
+
+    @property
+    def counters(self) -> dict:
+        return self.head.counters
+
+    def observe(self, batch, hidden) -> None:
+        self.head.observe(batch, hidden)
+
+    def release(self, rid: int) -> None:
+        self.head.release(rid)
+
+    def propose(self, requests, k: int) -> list[list[int]]:
+        self.head.propose(requests, k)
+        out = []
+        for r in requests:
+            row = self.continuations.get(tuple(r.prompt), [])[len(r.output):len(r.output) + k]
+            out.append([t if i < self.accept else (t + 1) % self.vocab for i, t in enumerate(row)])
+        return out
+
+
 def self_consistent_continuations(engine, prompts: list[list[int]], start: list[list[int]], vocab: int,
-                                  new_tokens: int, max_rounds: int) -> tuple[dict, dict]:
+                                  new_tokens: int, max_rounds: int, make_source=None) -> tuple[dict, dict]:
     """The speculative engine's own greedy continuations of ``prompts`` (module docstring):
     iterate "replay the continuation at q = 0, take the output" from ``start`` until the output
-    equals the replayed continuation or ``max_rounds`` ran. Returns ({tuple(prompt):
-    continuation}, info: ``rounds``, ``converged``)."""
+    equals the replayed continuation or ``max_rounds`` ran. ``make_source(continuations)``: the
+    replay source (default ``ReplayDraft`` at q = 0; another one wraps the engine's own source,
+    which then stays open). Returns ({tuple(prompt): continuation}, info: ``rounds``,
+    ``converged``)."""
     current = [list(o) for o in start]
+    make = make_source or (lambda conts: ReplayDraft(conts, 0.0, vocab))
     for rounds in range(1, max_rounds + 1):
-        engine.speculative.use_source(ReplayDraft(dict(zip(map(tuple, prompts), current)), 0.0, vocab), "replay_fixpoint")
+        engine.speculative.use_source(make(dict(zip(map(tuple, prompts), current))), "replay_fixpoint",
+                                      close_previous=make_source is None)
         outputs = run_decode(engine, prompts, new_tokens)["outputs"]
         converged = outputs == current
         current = outputs
@@ -176,6 +220,8 @@ def main() -> None:
     ap.add_argument("--sources", default="replay,ngram,draft_model")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--mtp-draft-tokens", default="1,2,3,4", help="MTP chain lengths k (sources with mtp)")
+    ap.add_argument("--accept-lengths", default="2,3,4", help="MTP rows at these fixed acceptance lengths")
     ap.add_argument("--replay-rounds", type=int, default=8,
                     help="at most this many fixed-point rounds for the self-consistent replay continuation")
     ap.add_argument("--extra", type=json.loads, default={},
@@ -210,6 +256,10 @@ def main() -> None:
     out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         f"speculative_{'tiny_' if args.tiny else ''}{device.type}.json")
 
+    if "mtp" in sources:
+        import tempfile
+
+        args.mtp_dir = save_random_mtp_head(model, tempfile.mkdtemp(prefix="mtp_head_"))
     for mode in modes:
         print(f"== {mode}", flush=True)
         res = result["modes"][mode] = {"baseline": {}, "speculative": []}
@@ -224,7 +274,7 @@ def main() -> None:
         engine.close()
         del engine
         gc.collect()
-        for k in ks:
+        for k in (ks if set(sources) & {"replay", "ngram", "draft_model"} else []):
             spec = hc.SpeculativeConfig(method="ngram", num_draft_tokens=k)
             engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
             run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify shapes
@@ -269,11 +319,58 @@ def main() -> None:
             engine.close()
             del engine
             gc.collect()
+        if "mtp" in sources:
+            res["mtp"] = run_mtp(model, mode, engine_kw, prompts, greedy, res["baseline"], vocab, args)
 
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {out_path}")
+
+
+def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, baseline: dict, vocab: int, args) -> list:
+    """The MTP rows of one engine mode (module docstring)."""
+    rows = []
+    batches = sorted(prompts)
+    for k in [int(x) for x in args.mtp_draft_tokens.split(",")]:
+        spec = hc.SpeculativeConfig(method="mtp", num_draft_tokens=k, mtp_checkpoint=args.mtp_dir)
+        engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
+        head = engine.speculative.source
+        run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify and head shapes
+        continuations = {}
+        for b in batches:
+            conts, info = self_consistent_continuations(
+                engine, prompts[b], greedy[b], vocab, args.new_tokens, args.replay_rounds,
+                make_source=lambda c, k=k: MTPCostReplay(head, c, k, vocab))
+            continuations.update(conts)
+            print(f"   mtp k={k} replay continuation b={b}: {info['rounds']} round(s), "
+                  f"{'converged' if info['converged'] else 'NOT converged'}", flush=True)
+        plan = [("mtp", head)] + [(f"mtp_accept{length}", MTPCostReplay(head, continuations, length - 1, vocab))
+                                  for length in (int(x) for x in args.accept_lengths.split(",")) if length <= k + 1]
+        for name, source in plan:
+            engine.speculative.use_source(source, name, close_previous=False)
+            for b in batches:
+                before = dict(head.counters)
+                r = run_decode(engine, prompts[b], args.new_tokens)
+                r.pop("outputs")
+                forwards = sum(head.counters[c] - before[c] for c in ("head_extend_steps", "head_decode_steps"))
+                verifies = max(1, r["verify_steps"])
+                decode_ms = 1000.0 * b / baseline[str(b)]["tokens_per_s"]
+                r.update(source=name, k=k, batch=b, speedup=r["tokens_per_s"] / baseline[str(b)]["tokens_per_s"],
+                         draft_ms_per_verify=1000.0 * r["draft_seconds"] / verifies,
+                         head_forwards_per_verify=forwards / verifies,
+                         draft_ms_per_head_forward=1000.0 * r["draft_seconds"] / max(1, forwards),
+                         decode_step_ms=decode_ms)
+                r["head_forward_vs_decode_step"] = r["draft_ms_per_head_forward"] / decode_ms
+                rows.append(r)
+                print(f"   mtp k={k} {name:>12} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  accept len "
+                      f"{r['mean_acceptance_length']:.2f}  head fwd {r['draft_ms_per_head_forward']:.2f} ms "
+                      f"({100 * r['head_forward_vs_decode_step']:.0f}% of a decode step)  {_graphs_note(r)}", flush=True)
+        engine.speculative.use_source(head, "mtp", close_previous=False)  # (engine.close closes the head)
+        engine.close()
+        del engine
+        gc.collect()
+    return rows
 
 
 if __name__ == "__main__":

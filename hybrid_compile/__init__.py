@@ -21,6 +21,7 @@ from .engine import EngineConfig, HybridEngine, SamplingParams
 from .engine.speculative import DraftSource, SpeculativeConfig
 from .models import supported_model_types
 from .loading import from_pretrained
+from .serving import AsyncEngine, StreamOutput
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,6 @@ def wrap(
 
 
 __all__ = [
-    "DraftSource", "EngineConfig", "HybridEngine", "SamplingParams", "SpeculativeConfig", "from_pretrained", "ops",
-    "supported_model_types", "wrap", "__version__",
+    "AsyncEngine", "DraftSource", "EngineConfig", "HybridEngine", "SamplingParams", "SpeculativeConfig",
+    "StreamOutput", "from_pretrained", "ops", "supported_model_types", "wrap", "__version__",
 ]

@@ -1,7 +1,8 @@
 """The ``hybrid-compile`` command line (also ``python -m hybrid_compile``).
 
 Subcommands: ``demo`` (built-in random-weight model), ``selfcheck`` (kernel ops), and for a
-Hugging Face checkpoint directory ``generate``, ``chat`` and ``bench``. Errors the user can fix
+Hugging Face checkpoint directory ``generate``, ``chat``, ``bench`` and ``serve`` (the HTTP
+server of :mod:`hybrid_compile.serving`). Errors the user can fix
 (missing directory, non-hybrid model, missing tokenizer, a prompt too long, ...) print one
 ``error: ...`` line and exit with status 2; ``HYBRID_COMPILE_TRACEBACK=1`` shows the traceback.
 """
@@ -79,8 +80,9 @@ def _check_device(device: str) -> None:
                          "use --device cpu or --device auto")
 
 
-def _load(args: argparse.Namespace, tokenizer, max_running_requests: int):
-    """from_pretrained with the command line's model / engine options (progress bar on stderr)."""
+def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more_options):
+    """from_pretrained with the command line's model / engine options (progress bar on stderr);
+    ``more_options``: further EngineConfig fields."""
     from .loading import from_pretrained
 
     _check_device(args.device)
@@ -95,7 +97,7 @@ def _load(args: argparse.Namespace, tokenizer, max_running_requests: int):
         hf_logging.disable_progress_bar()
     options = dict(
         max_running_requests=max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-        memory_fraction=args.memory_fraction,
+        memory_fraction=args.memory_fraction, **more_options,
     )
     for name in ("max_total_tokens", "max_context_len"):
         if getattr(args, name) is not None:
@@ -308,6 +310,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .serving.server import run
+    except ImportError as e:
+        raise ValueError(f"serve needs the serve extra (pip install 'hybrid_compile[serve]'): {e}") from None
+
+    def load():
+        return _load(args, args.tokenizer or "required", max_running_requests=args.max_running_requests,
+                     enable_prefix_cache=args.prefix_cache)
+
+    return run(args.served_model_name or args.model, load, host=args.host, port=args.port,
+               log_level=args.log_level, access_log=args.access_log)
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
     return text or type(e).__name__
@@ -457,6 +473,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default="bench.json", help="write the results to this JSON file ('' = do not write)")
     _add_model_options(b, max_running_requests=16)
     b.set_defaults(func=_user_errors(_bench))
+
+    s = sub.add_parser(
+        "serve", formatter_class=fmt,
+        help="serve a local hybrid checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a Hugging Face hybrid checkpoint (weights + tokenizer) over HTTP: /v1/completions, "
+        "/v1/chat/completions (streaming with server-sent events), /v1/models, /health and Prometheus /metrics. "
+        "The server listens at once and loads the model meanwhile (/health answers 503 until it is ready). Needs "
+        "the serve extra: pip install 'hybrid_compile[serve]'.",
+    )
+    _add_model_argument(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send; None = --model as given")
+    s.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory; None = the model directory")
+    s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV and recurrent state of shared prompt prefixes")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request")
+    _add_model_options(s, max_running_requests=64)
+    s.set_defaults(func=_user_errors(_serve))
     return parser
 
 

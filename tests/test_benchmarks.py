@@ -137,3 +137,24 @@ def test_sampling_penalties_benchmark_smoke(tmp_path):
         assert mode["free_running_steps"] >= 2 and mode["synced_steps"] >= 1 and mode["median_step_ms"] > 0
         assert mode["free_running_ms_per_step_vs_plain"] > 0
     assert result["modes"]["penalties"]["overlapped_steps"] > 0  # penalties do not stop steps launched ahead
+
+
+def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
+    """benchmarks/serving.py --tiny: the in-process AsyncEngine and the HTTP server (a live
+    ``hybrid-compile serve`` on 127.0.0.1) each serve every request of every rate."""
+    out = tmp_path / "serving.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--threads", "1", "--rates", "8,inf",
+           "--num-requests", "4", "--output-len", "4", "--cache-dir", str(tmp_path / "models"), "--no-plots",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert set(run["results"]) == {"inprocess", "http"}
+    for mode, per_rate in run["results"].items():
+        assert set(per_rate) == {"8", "inf"}, mode
+        for r in per_rate.values():
+            assert r["failed"] == 0 and r["requests"] == 4 and r["output_tokens"] == 4 * 4, (mode, r)
+            for metric in ("ttft_s", "itl_s", "e2e_s"):
+                assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
+    assert set(run["summary"]["http_vs_inprocess"]) == {"8", "inf"}
+    assert "HTTP throughput" in proc.stdout

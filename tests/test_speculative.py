@@ -248,14 +248,16 @@ def _exact_joint(model, prompt: list[int], vocab: int, params: SamplingParams) -
     return joint
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(do_sample=True, temperature=1.5), SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9)
-], ids=["temperature", "top_k_top_p"])
-def test_speculative_sampling_matches_target_distribution(params):
+@pytest.mark.parametrize("params, source", [
+    (SamplingParams(do_sample=True, temperature=1.5), "replay"),
+    (SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9), "replay"),
+    (SamplingParams(do_sample=True, temperature=1.5), "mtp"),
+], ids=["temperature", "top_k_top_p", "mtp_temperature"])
+def test_speculative_sampling_matches_target_distribution(params, source, tmp_path):
     """Tokens 2 and 3 come out of a verify step (token 1 from the prefill), drafted by a replay
-    of the most likely continuation (deterministic drafts: accepted with probability p(draft),
-    else resampled); the joint distribution of the three tokens over 1600 seeded requests
-    matches the exact one."""
+    of the most likely continuation or by an MTP head of the checkpoint (random weights;
+    deterministic drafts: accepted with probability p(draft), else resampled); the joint
+    distribution of the three tokens over 1600 seeded requests matches the exact one."""
     vocab, samples = 8, 1600
     config = make_config("qwen3_next_dense")
     config.vocab_size = vocab
@@ -266,9 +268,16 @@ def test_speculative_sampling_matches_target_distribution(params):
     b = int(joint[a].sum(1).argmax())
     likely = [a, b, int(joint[a, b].argmax())]
     exact = joint.flatten()
-    source = ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.0, vocab_size=vocab)
+    if source == "mtp":
+        from mtp_models import write_mtp_checkpoint
+
+        write_mtp_checkpoint("qwen3_next_dense", 2, str(tmp_path), model=model)
+        spec = dict(method="mtp", num_draft_tokens=2, mtp_checkpoint=str(tmp_path))
+    else:
+        spec = dict(method="custom", num_draft_tokens=2,
+                    draft_source=ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.0, vocab_size=vocab))
     engine = make_engine(
-        model, speculative=dict(method="custom", draft_source=source, num_draft_tokens=2),
+        model, speculative=spec,
         max_running_requests=64, chunked_prefill_size=256, max_total_tokens=4096, enable_prefix_cache=False,
     )
     sampling = dict(max_new_tokens=3, do_sample=True, temperature=params.temperature, top_k=params.top_k,

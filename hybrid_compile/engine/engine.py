@@ -51,7 +51,9 @@ from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
 from . import generation_config as gen_config
 from .request import Request
-from .runner import ModelRunner, _to_device_packed
+from ..models.base import install_attention
+from ..models.mtp import load_mtp_head
+from .runner import ModelRunner, _to_device_packed, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import SpeculativeDecoder
@@ -182,8 +184,13 @@ class HybridEngine:
         if config.max_total_tokens is not None:
             # a request can use at most the whole KV pool (whole pages of it)
             max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size - spec_k)
+        # speculative method "mtp": the checkpoint's MTP head; its attention layer is one more
+        # full-attention layer of the KV pool (its KV lives in the slots of the target's tokens)
+        self.mtp_head = None
+        if config.speculative is not None and config.speculative.method == "mtp":
+            self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
         self.pools = MemoryPools.from_specs(
-            self.layout.attention,
+            self.layout.attention + ([self.mtp_head.attention_spec(self.dtype)] if self.mtp_head is not None else []),
             self.layout.mamba,
             device=self.device,
             max_running_requests=config.max_running_requests,
@@ -218,7 +225,11 @@ class HybridEngine:
         self.patch.restores.append(lambda: [m.__dict__.__setitem__("forward", f) for m, f in hooked])
         try:
             self.family.patch(model, self.patch)
-            self.runner = ModelRunner(model, self.pools, self.device, config)
+            if self.mtp_head is not None:
+                install_attention(self.mtp_head, self.patch)
+            # an MTP head reads the target's final hidden states: the forward returns them too
+            self.runner = ModelRunner(model, self.pools, self.device, config,
+                                      forward_fn=hidden_states_forward if self.mtp_head is not None else None)
             # the rewrite pass's packed projection weights get their own storage again on close()
             self.patch.restores.append(self.runner.release_packed_weights)
         except BaseException:
@@ -353,6 +364,18 @@ class HybridEngine:
                 f"maximum context length {self.max_context_len} (the model's limit, max_context_len, or the KV "
                 "pool's capacity max_total_tokens, whichever is smallest)"
             )
+
+    def validate_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request :meth:`add_request` would refuse (bad sampling values, an
+        empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
+        Reads only the engine's fixed configuration: safe to call from any thread."""
+        params = params or SamplingParams()
+        self._check_params(0, params)
+        self._validate_prompt(0, [int(t) for t in prompt], params)
+
+    def request(self, rid: int) -> Request:
+        """The request ``rid`` (queued, running, or finished and not yet popped)."""
+        return self._requests[rid]
 
     def add_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> int:
         """Queue one prompt (token ids); returns its request id. With ``params.n > 1`` the prompt's
@@ -536,6 +559,8 @@ class HybridEngine:
             if r.pending == 0 or batch.input_ids is not None:
                 sample_rows.append(row)
                 sample_reqs.append(r)
+        if self.speculative is not None:  # (an MTP draft source reads the step's hidden states)
+            self.speculative.observe(batch)
         self._fork(sample_rows, sample_reqs)
         undo.requests += [r for r in sample_reqs if all(r is not q for q in undo.requests)]  # n > 1: forked
         if not sample_reqs:

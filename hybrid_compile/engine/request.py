@@ -44,6 +44,8 @@ class Request:
     # the tree's (the matched prefix; the request must not free them)
     last_node: Any = None
     cached_len: int = 0
+    # prompt tokens the prefix cache served at the request's (latest) admission
+    num_cached_tokens: int = 0
     # where the tree's KV match left its hybrid hit (MatchResult.branching_len): a checkpoint there
     # makes the shared KV-only part reusable
     branching_len: int | None = None

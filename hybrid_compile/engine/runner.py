@@ -102,6 +102,17 @@ def _forward_of(model: nn.Module):
     return forward
 
 
+def hidden_states_forward(model: nn.Module):
+    """The forward of a causal LM whose head is ``lm_head(final hidden states)`` (the families
+    with MTP heads) that also returns the final (normed) hidden states of every token:
+    ``-> (logits [len(logits_indices), V], hidden [N, H])``. A speculative MTP head reads them."""
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor):
+        hidden = model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
+        return model.lm_head(hidden[logits_indices]), hidden
+
+    return forward
+
+
 _runner_ids = itertools.count()
 
 
@@ -129,9 +140,19 @@ def _default_inductor_config(device: torch.device) -> dict:
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, pools: MemoryPools, device: torch.device, config: "EngineConfig | None" = None
+        self, model: nn.Module, pools: MemoryPools, device: torch.device, config: "EngineConfig | None" = None,
+        forward_fn=None, extra_inputs: tuple = (),
     ) -> None:
+        """``forward_fn(model) -> forward(input_ids, positions, logits_indices, *extra)`` builds the
+        function that runs the model (default: the HF causal LM's forward -> logits); one that returns
+        ``(logits, hidden)`` leaves each step's hidden states in :attr:`hidden_states`.
+        ``extra_inputs``: ``(trailing shape, dtype)`` of each per-token tensor the forward takes after
+        the logits indices (``forward(batch, extra=...)``; padding rows are zeros)."""
         self.model = model
+        self._forward_fn = forward_fn or _forward_of
+        self._extra_specs = tuple(extra_inputs)
+        # the hidden states of every token of the last step, when the forward returns them
+        self.hidden_states: torch.Tensor | None = None
         self.pools = pools
         self.device = device
         kv = pools.kv
@@ -220,9 +241,25 @@ class ModelRunner:
                                "weights went back to the model); wrap the model again to serve it")
 
     # -- compile ------------------------------------------------------------------------------
-    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
         """Packed tokens -> logits ``[B, vocab]`` (the eager path)."""
-        return _forward_of(self.model)(input_ids, positions, logits_indices)
+        return self._forward_fn(self.model)(input_ids, positions, logits_indices, *extra)
+
+    def _extra_zeros(self, n: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(n, *shape, dtype=dtype, device=self.device) for shape, dtype in self._extra_specs)
+
+    @staticmethod
+    def _pad_extra(extra: tuple, n: int) -> tuple:
+        """Extra inputs padded with zero rows up to ``n`` tokens (the padding requests')."""
+        return tuple(torch.cat([e, e.new_zeros(n - e.shape[0], *e.shape[1:])]) if e.shape[0] < n else e for e in extra)
+
+    def _outputs(self, out, rows: int | None, tokens: int):
+        """The logits (first ``rows`` rows) of a forward's output; a ``(logits, hidden)`` output
+        leaves the hidden states of the step's ``tokens`` tokens in :attr:`hidden_states`."""
+        if isinstance(out, tuple):
+            out, hidden = out
+            self.hidden_states = hidden[:tokens]
+        return out[:rows]
 
     def _setup_compile(self) -> None:
         from ..passes.backend import HybridCompileBackend
@@ -232,7 +269,7 @@ class ModelRunner:
             inductor_config=self._inductor_config,
         )
         self._compiled_forward = torch.compile(
-            _own_code_copy(_forward_of(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
+            _own_code_copy(self._forward_fn(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
             backend=self._backend, fullgraph=True, dynamic=True,
         )
         t0 = time.perf_counter()
@@ -246,15 +283,15 @@ class ModelRunner:
             ) from e
         self._compile_counters["warmup_seconds"] = time.perf_counter() - t0
 
-    def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        for t in (input_ids, positions, logits_indices):
+    def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
+        for t in (input_ids, positions, logits_indices, *extra):
             if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
                 torch._dynamo.mark_dynamic(t, 0)
         breaks = _graph_break_count()
         # floats of the model (eps, attention scale) are constants, not graph inputs; no duck sizing,
         # so that equal token count and batch size at compile time do not become a guard
         with torch._dynamo.config.patch(specialize_float=True), torch.fx.experimental._config.patch(use_duck_shape=False):
-            logits = self._compiled_forward(input_ids, positions, logits_indices)
+            logits = self._compiled_forward(input_ids, positions, logits_indices, *extra)
         c = self._compile_counters
         c["graph_breaks"] += _graph_break_count() - breaks
         c["compiled_steps"] += 1
@@ -265,7 +302,8 @@ class ModelRunner:
         """Compile on a padding-only EXTEND batch (2 requests of 1 and 2 tokens whose K/V are not
         stored, attending over the dummy KV slot, Mamba indices -1: the pools are untouched), so the
         one graph is traced with symbolic sizes >= 2 before serving."""
-        self._run_compiled(*self._padding_step([1, 2]))
+        ids, md = self._padding_step([1, 2])
+        self._run_compiled(ids, md, extra=self._extra_zeros(md.num_tokens))
 
     def _padding_step(self, lens: list[int], num_logits: int | None = None) -> tuple[torch.Tensor, ForwardMetadata]:
         """An EXTEND step of padding requests only (``cg.pad_requests`` on an empty step): running
@@ -289,14 +327,16 @@ class ModelRunner:
         return cg.pad_requests(torch.zeros(0, dtype=torch.int64, device=dev), empty, lens,
                                self.pools.kv.PADDING_SLOT, num_logits)
 
-    def _run_compiled(self, input_ids: torch.Tensor, md: ForwardMetadata, graphs_mode: str | None = None) -> torch.Tensor:
+    def _run_compiled(self, input_ids: torch.Tensor, md: ForwardMetadata, graphs_mode: str | None = None,
+                      extra: tuple = ()):
         """The compiled forward over one step under its forward context; ``graphs_mode``: replay or
         capture the pieces' CUDA graphs (``cg.PiecewiseGraphs`` modes)."""
+        extra = self._pad_extra(extra, input_ids.shape[0])
         with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
             if graphs_mode is None:
-                return self._call_compiled(input_ids, md.positions, md.logits_indices)
+                return self._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
             with self.piecewise_graphs.active(graphs_mode):
-                return self._call_compiled(input_ids, md.positions, md.logits_indices)
+                return self._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
 
     def _logits_rows(self, num_tokens: int) -> int:
         return cg.logits_rows_for_tokens(num_tokens, self._max_running_requests)
@@ -309,9 +349,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for n in sorted(self._token_buckets, reverse=True):
             step = self._padding_step([n], self._logits_rows(n))
-            self._run_compiled(*step)  # warm-up outside the capture
+            extra = self._extra_zeros(n)
+            self._run_compiled(*step, extra=extra)  # warm-up outside the capture
             torch.cuda.synchronize()
-            self._run_compiled(*step, graphs_mode=pw.CAPTURE)
+            self._run_compiled(*step, graphs_mode=pw.CAPTURE, extra=extra)
             pw.captured_tokens.append(n)
         torch.cuda.synchronize()
         pw.capture_seconds += time.perf_counter() - t0
@@ -321,6 +362,9 @@ class ModelRunner:
         """Stable buffers + one full graph of the compiled forward per decode bucket, and with
         speculative decoding one per verify bucket (the decode buckets that fit the intermediate
         buffers' rows: a verify batch has at most ``max_running_requests`` requests)."""
+        if self._extra_specs:
+            raise ValueError("full CUDA graphs of a forward with extra inputs are not supported (their inputs would "
+                             "need stable buffers): capture piecewise graphs only")
         req_to_token = self.pools.req_to_token.req_to_token
         sizes = cg.normalize_buckets(batch_sizes, minimum=1)  # 1: a graph specialised to one token (FullGraphRunner)
         verify_sizes: tuple[int, ...] = ()
@@ -575,34 +619,38 @@ class ModelRunner:
         return input_ids, md
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None, extra: tuple = ()) -> torch.Tensor:
         """Run one step; returns the logits ``[B, vocab]`` of each request's last new token
-        (``input_ids``: see :meth:`build_metadata`)."""
+        (``input_ids``: see :meth:`build_metadata`; ``extra``: the per-token extra inputs of the
+        forward, ``extra_inputs``)."""
+        if len(extra) != len(self._extra_specs):
+            raise ValueError(f"forward: this runner's model takes {len(self._extra_specs)} extra input(s), got {len(extra)}")
         input_ids, md = self.build_metadata(batch, input_ids)
+        n = md.num_tokens
         if not self.compiled:
             with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):
-                return self._model_forward(input_ids, md.positions, md.logits_indices)
+                return self._outputs(self._model_forward(input_ids, md.positions, md.logits_indices, *extra), None, n)
         self._refuse_after_release()
         b = md.batch_size
         if md.graph_key is not None:  # built into the full graph's buffers
-            return self.full_graphs.replay(md.graph_key, b)
+            return self._outputs(self.full_graphs.replay(md.graph_key, b), b, n)
         if self.piecewise_graphs is not None and md.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-            n = cg.select_bucket(self._token_buckets, md.num_tokens)
-            if n is not None and b <= self._logits_rows(n):
-                extra = n - md.num_tokens
+            bucket = cg.select_bucket(self._token_buckets, md.num_tokens)
+            if bucket is not None and b <= self._logits_rows(bucket):
+                pad = bucket - md.num_tokens
                 # decode steps stay decode steps: one-token padding requests; else one request of them all
-                pad_lens = ([1] * extra if md.mode is ForwardMode.DECODE else [extra]) if extra else []
-                input_ids, md = cg.pad_requests(input_ids, md, pad_lens, self.pools.kv.PADDING_SLOT,
-                                                self._logits_rows(n))
-                logits = self._run_compiled(input_ids, md, graphs_mode=self.piecewise_graphs.REPLAY)
+                pad_lens = ([1] * pad if md.mode is ForwardMode.DECODE else [pad]) if pad else []
+                padded_ids, padded = cg.pad_requests(input_ids, md, pad_lens, self.pools.kv.PADDING_SLOT,
+                                                     self._logits_rows(bucket))
+                out = self._run_compiled(padded_ids, padded, graphs_mode=self.piecewise_graphs.REPLAY, extra=extra)
                 self.piecewise_graphs.replays += 1
-                return logits[:b]
+                return self._outputs(out, b, md.num_tokens)
         if self._graph_pool is not None:  # graphs on, but no graph fits this step: the compiled path
             self._compile_counters["eager_fallbacks"] += 1
         if b < _MIN_COMPILED_BATCH:
             input_ids, md = cg.pad_requests(input_ids, md, [1] * (_MIN_COMPILED_BATCH - b), self.pools.kv.PADDING_SLOT)
             self._compile_counters["padded_steps"] += 1
-        return self._run_compiled(input_ids, md)[:b]
+        return self._outputs(self._run_compiled(input_ids, md, extra=extra), b, n)
 
     @torch.inference_mode()
     def forward_verify(self, input_ids: torch.Tensor, md: ForwardMetadata) -> torch.Tensor:
@@ -617,7 +665,7 @@ class ModelRunner:
         self._refuse_after_release()
         n = md.num_tokens
         if md.graph_key is not None:  # built into the verify graph's buffers
-            return self.full_graphs.replay(md.graph_key, md.batch_size)
+            return self._outputs(self.full_graphs.replay(md.graph_key, md.batch_size), n, n)
         if self.compiled:
             if self._graph_pool is not None:  # graphs on, but no verify graph fits this step
                 self._compile_counters["eager_fallbacks"] += 1
@@ -627,5 +675,5 @@ class ModelRunner:
                 self._compile_counters["padded_steps"] += 1
         with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches, self.intermediate_caches)):
             if self.compiled:
-                return self._call_compiled(input_ids, md.positions, md.logits_indices)[:n]
-            return self._model_forward(input_ids, md.positions, md.logits_indices)
+                return self._outputs(self._call_compiled(input_ids, md.positions, md.logits_indices), n, n)
+            return self._outputs(self._model_forward(input_ids, md.positions, md.logits_indices), n, n)

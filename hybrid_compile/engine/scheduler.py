@@ -341,6 +341,7 @@ class Scheduler:
             return give_up()
         r.req_slot = int(req_slots[0])
         r.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
+        r.num_cached_tokens = min(prefix, len(r.prompt)) if match is not None else 0
         if match is not None:
             r.num_computed = prefix
             r.kv_slots = match.kv_indices.clone()

@@ -394,14 +394,16 @@ class FullGraphRunner:
         """Replay the graph of ``key`` over the step the buffers hold (``batch_size`` requests, then
         padding rows); returns the logits of its requests (DECODE: ``[b, V]``; TARGET_VERIFY:
         ``[b * draft_len, V]``, every verify position), a view of the graph's output, valid until
-        the next replay."""
+        the next replay (a ``(logits, hidden)`` output: views of both)."""
         graph, out = self.graphs[key]
         graph.replay()
         if key.mode is ForwardMode.TARGET_VERIFY:
             self.verify_replays += 1
         else:
             self.replays += 1
-        return out[: batch_size * key.tokens_per_request]
+        rows = batch_size * key.tokens_per_request
+        # (a forward that also returns hidden states: one row per token in both outputs)
+        return tuple(o[:rows] for o in out) if isinstance(out, tuple) else out[:rows]
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-METHODS = ("draft_model", "ngram", "custom")
+METHODS = ("draft_model", "ngram", "custom", "mtp")
 
 
 @runtime_checkable
@@ -37,7 +37,9 @@ class SpeculativeConfig:
     Attributes:
         method: ``"draft_model"`` (``draft_model`` proposes greedily), ``"ngram"`` (prompt
             lookup: the tokens that followed the latest earlier occurrence of the last n-gram),
-            or ``"custom"`` (``draft_source``, any :class:`DraftSource`).
+            ``"mtp"`` (the multi-token-prediction head the checkpoint ships, ``mtp.*`` tensors,
+            run k times per step as a chain: ``mtp.MTPDraft``) or ``"custom"``
+            (``draft_source``, any :class:`DraftSource`).
         num_draft_tokens: drafts per request per verify step (k); a verify step runs k + 1
             tokens per request and emits 1 to k + 1 of them.
         draft_model: an HF causal LM with the target's vocabulary. A supported hybrid family is
@@ -46,6 +48,10 @@ class SpeculativeConfig:
             time (``drafts.HFDraftModel``).
         ngram_max, ngram_min: longest / shortest n-gram the lookup tries (longest first).
         draft_source: the :class:`DraftSource` of ``method="custom"`` (e.g. a replay draft).
+        mtp_checkpoint: ``method="mtp"``: the checkpoint directory whose safetensors hold the
+            ``mtp.*`` tensors. None: the directory the model was loaded from
+            (``config._name_or_path``, set by ``from_pretrained``; a Hub id is looked up in the
+            local Hub cache). A directory without ``mtp.*`` tensors is one clear error.
     """
 
     method: str = "ngram"
@@ -54,6 +60,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     draft_source: Any = None
+    mtp_checkpoint: Any = None
 
     @classmethod
     def coerce(cls, value: "SpeculativeConfig | dict") -> "SpeculativeConfig":
@@ -90,6 +97,8 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"SpeculativeConfig: need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r} and {self.ngram_max!r}"
                 )
+        if self.mtp_checkpoint is not None and self.method != "mtp":
+            raise ValueError(f"SpeculativeConfig: mtp_checkpoint is only used with method='mtp', not {self.method!r}")
         if self.method == "custom":
             if self.draft_source is None or not callable(getattr(self.draft_source, "propose", None)):
                 raise ValueError("SpeculativeConfig: method='custom' needs draft_source, an object with propose(requests, k)")

@@ -14,6 +14,8 @@
   and frees the draft KV slots: the draft side always ends a proposal at exactly the target's
   accepted sequence, so rejected drafts never reach its state. Cost: the forwards a draft model
   needs anyway (1 extend + k - 1 decodes) plus two state copies (snapshot and restore).
+- :class:`~.mtp.MTPDraft` (``mtp.py``): the checkpoint's multi-token-prediction head, run as a
+  chain over the target's own KV pool.
 - :class:`HFDraftModel`: any other HF causal LM (e.g. a small plain transformer), through HF's
   own forward and ``DynamicCache``, one request at a time, the cache cropped back to the
   accepted sequence after every proposal.
@@ -280,6 +282,12 @@ def build_draft_source(config: SpeculativeConfig, target: "HybridEngine") -> Dra
         return NgramDraft(config.ngram_max, config.ngram_min)
     if config.method == "custom":
         return config.draft_source
+    if config.method == "mtp":
+        from .mtp import MTPDraft
+
+        if getattr(target, "mtp_head", None) is None:
+            raise ValueError("speculative method 'mtp' needs the engine's MTP head (HybridEngine loads it from the checkpoint)")
+        return MTPDraft(target.mtp_head, target)
     model = config.draft_model
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"SpeculativeConfig.draft_model must be an HF causal LM (nn.Module), got {type(model).__name__}")

@@ -244,12 +244,14 @@ class SpeculativeDecoder:
         if close is not None:
             close()
 
-    def use_source(self, source, name: str = "custom") -> None:
-        """Switch to another :class:`DraftSource` (the old one is closed) keeping the engine, its
-        pools and compiled graphs: benchmarks compare sources at one ``num_draft_tokens``."""
+    def use_source(self, source, name: str = "custom", close_previous: bool = True) -> None:
+        """Switch to another :class:`DraftSource` (the old one is closed unless ``close_previous``
+        is False: a source that wraps it) keeping the engine, its pools and compiled graphs:
+        benchmarks compare sources at one ``num_draft_tokens``."""
         if not callable(getattr(source, "propose", None)):
             raise TypeError(f"a draft source needs propose(requests, k), got {type(source).__name__}")
-        self.close()
+        if close_previous:
+            self.close()
         self.source = source
         self.method = name
 
@@ -257,6 +259,14 @@ class SpeculativeDecoder:
         release = getattr(self.source, "release", None)
         if release is not None:
             release(rid)
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        """After a target forward of ``batch`` (its requests' ``num_computed`` already advanced): a
+        draft source with ``observe(batch, hidden_states)`` (the MTP head) gets the target's final
+        hidden states of every token of the step."""
+        observe = getattr(self.source, "observe", None)
+        if observe is not None:
+            observe(batch, self.engine.runner.hidden_states)
 
     def stats(self) -> dict:
         """``engine.stats()["speculative"]``: ``verify_steps``; ``verified_requests`` (request rows
@@ -272,6 +282,8 @@ class SpeculativeDecoder:
         c["acceptance_rate"] = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
         c["acceptance_histogram"] = dict(sorted(self.acceptance_histogram.items()))
         c["commit_graph_replays"] = self.commit_graphs.replays if self.commit_graphs is not None else 0
+        if isinstance(getattr(self.source, "counters", None), dict):  # (the MTP head's forwards)
+            c["draft_source"] = dict(self.source.counters)
         return c
 
     def _wants_verify(self, force: bool) -> bool:
@@ -367,6 +379,7 @@ class SpeculativeDecoder:
         except BaseException:  # states half-committed: the requests recompute
             engine._roll_back(reqs, generators)
             raise
+        self.observe(batch)
         t2 = time.perf_counter()
 
         c = self.counters

@@ -1,0 +1,517 @@
+"""Serving benchmark: Poisson arrivals against ``hybrid-compile serve`` (HTTP, the official
+``openai`` async client) and against the in-process AsyncEngine at the same load, in one run.
+
+    python benchmarks/serving.py --tiny                       # CPU smoke run (toy model)
+    python benchmarks/serving.py                              # CUDA: reference Qwen3-Next (1.9 B, bf16)
+    python benchmarks/serving.py --model DIR --rates 4,8,16,inf --num-requests 300 --dataset shared-prefix
+
+Model: ``--model DIR`` (a checkpoint with its tokenizer), or the reference random-weight Qwen3-Next
+of ``benchmarks/reference_models.py`` saved once into ``--cache-dir`` with a word-level tokenizer
+of its vocabulary (token ``i`` is the word ``t<i>``: every token decodes to text on its own).
+
+Workload: at each request rate (requests/s; ``inf`` = all at once) ``--num-requests`` requests
+arrive as a Poisson process (exponential gaps, seeded). Prompts are token ids: ``random``
+(``--input-len`` random tokens each) or ``shared-prefix`` (``--groups`` system prompts of
+``--system-len`` tokens, each request = one of them + ``--input-len`` random tokens). Every request
+generates ``--output-len`` tokens greedily with EOS ignored. Each rate uses prompts of its own
+(another seed), so no rate finds the previous rate's prompts in the prefix cache.
+
+Modes (``--modes``): ``inprocess`` drives :class:`hybrid_compile.AsyncEngine` directly in this
+process; ``http`` starts ``python -m hybrid_compile serve`` on 127.0.0.1 with the same engine
+options and streams ``/v1/completions`` with the ``openai`` client. Per rate: request and output
+token throughput over the run (first arrival to last finish), TTFT (send to first token),
+inter-token latency (gaps between a request's token updates) and end-to-end latency, each p50 /
+p90 / p99 / mean. The summary names the highest rate whose p99 TTFT stays under
+``--ttft-slo`` seconds, per mode, and compares HTTP with in-process throughput and latency at each
+rate. JSON under ``benchmarks/results/`` (or ``--out``) and PNG plots of latency and throughput vs
+rate beside it (with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hybrid_compile as hc  # noqa: E402
+from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVED_NAME = "bench-model"
+
+
+# -- model -----------------------------------------------------------------------------------------
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of exactly ``vocab_size`` tokens: token ``i`` is the word ``t<i>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def reference_checkpoint(cache_dir: str, tiny: bool, dtype: torch.dtype) -> str:
+    """The reference Qwen3-Next saved (safetensors) with :func:`word_tokenizer`, once per settings."""
+    path = os.path.join(cache_dir, f"qwen3_next_reference{'_tiny' if tiny else ''}_{str(dtype).split('.')[-1]}")
+    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    model = build_qwen3_next_reference(dtype, device, seed=0, tiny=tiny)
+    model.save_pretrained(path, safe_serialization=True)
+    word_tokenizer(model.config.vocab_size).save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return path
+
+
+# -- workload --------------------------------------------------------------------------------------
+
+
+def make_prompts(args, vocab: int, seed: int) -> list[list[int]]:
+    if args.dataset == "random":
+        return random_token_prompts(args.num_requests, args.input_len, vocab, seed)
+    systems = random_token_prompts(args.groups, args.system_len, vocab, seed + 10_000)
+    questions = random_token_prompts(args.num_requests, args.input_len, vocab, seed)
+    rng = random.Random(seed)
+    return [systems[rng.randrange(args.groups)] + q for q in questions]
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (s) of ``n`` Poisson arrivals at ``rate`` per second (all 0 for an infinite rate)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
+    xs = sorted(xs)
+
+    def q(p):
+        return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": sum(xs) / len(xs), "n": len(xs)}
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    """records: one per request {ttft, itls, e2e, tokens, error}."""
+    ok = [r for r in records if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "duration_s": wall,
+        "request_throughput": len(ok) / wall if wall else 0.0,
+        "output_throughput": tokens / wall if wall else 0.0,
+        "output_tokens": tokens,
+        "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "itl_s": percentiles([x for r in ok for x in r["itls"]]),
+        "e2e_s": percentiles([r["e2e"] for r in ok]),
+    }
+
+
+async def run_load(prompts: list[list[int]], offsets: list[float], one_request) -> dict:
+    """Start ``one_request(prompt)`` at each offset; each returns its record."""
+    t0 = time.perf_counter()
+
+    async def at(offset, prompt):
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await one_request(prompt)
+
+    records = await asyncio.gather(*(at(o, p) for o, p in zip(offsets, prompts)))
+    return summarize(list(records), time.perf_counter() - t0)
+
+
+def _record(start: float, times: list[float], tokens: int, error: str | None = None) -> dict:
+    end = time.perf_counter()
+    return {
+        "ttft": times[0] - start if times else None,
+        "itls": [b - a for a, b in zip(times, times[1:])],
+        "e2e": end - start,
+        "tokens": tokens,
+        "error": error,
+    }
+
+
+# -- in-process mode --------------------------------------------------------------------------------
+
+
+def inprocess_request(async_engine: hc.AsyncEngine, output_len: int):
+    params = hc.SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+
+    async def one(prompt):
+        start = time.perf_counter()
+        times, tokens = [], 0
+        try:
+            async for out in async_engine.generate_stream(prompt, params):
+                if out.new_token_ids:
+                    times.append(time.perf_counter())
+                    tokens += len(out.new_token_ids)
+        except Exception as e:  # noqa: BLE001 -- counted as a failed request
+            return _record(start, times, tokens, f"{type(e).__name__}: {e}")
+        return _record(start, times, tokens)
+
+    return one
+
+
+# -- http mode ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m hybrid_compile serve`` on 127.0.0.1 (log in a file)."""
+
+    def __init__(self, model_dir: str, cli_options: list[str], log_path: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+                   NO_PROXY="127.0.0.1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hybrid_compile", "serve", "--model", model_dir, "--served-model-name",
+             SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port), "--no-progress", "--no-access-log",
+             "--log-level", "warning", *cli_options],
+            env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{open(self.log_path).read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def http_request(client, output_len: int):
+    async def one(prompt):
+        start = time.perf_counter()
+        times, tokens = [], 0
+        try:
+            stream = await client.completions.create(
+                model=SERVED_NAME, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(time.perf_counter())
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+        except Exception as e:  # noqa: BLE001 -- counted as a failed request
+            return _record(start, times, tokens, f"{type(e).__name__}: {e}")
+        return _record(start, times, tokens)
+
+    return one
+
+
+# -- run ---------------------------------------------------------------------------------------------
+
+
+def engine_options(args) -> dict:
+    options = dict(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+                   memory_fraction=args.memory_fraction)
+    if args.max_total_tokens is not None:
+        options["max_total_tokens"] = args.max_total_tokens
+    return options
+
+
+def cli_options(args, device: str, dtype: torch.dtype) -> list[str]:
+    opts = ["--device", device, "--dtype", str(dtype).split(".")[-1],
+            "--max-running-requests", str(args.max_running_requests),
+            "--chunked-prefill-size", str(args.chunked_prefill_size), "--memory-fraction", str(args.memory_fraction)]
+    if args.max_total_tokens is not None:
+        opts += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.threads:
+        opts += ["--threads", str(args.threads)]
+    return opts
+
+
+def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
+    engine = hc.from_pretrained(model_dir, dtype=dtype, device=device, tokenizer=False, progress=False,
+                                **engine_options(args))
+    async_engine = hc.AsyncEngine(engine)
+    results = {}
+    try:
+        warm = make_prompts(args, vocab, seed=999)[: min(4, args.num_requests)]
+        asyncio.run(run_load(warm, [0.0] * len(warm), inprocess_request(async_engine, 4)))
+        for i, rate in enumerate(rates):
+            prompts = make_prompts(args, vocab, seed=args.seed + i)
+            offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
+            results[_rate_key(rate)] = asyncio.run(run_load(prompts, offsets, inprocess_request(async_engine,
+                                                                                              args.output_len)))
+            _print_row("inprocess", rate, results[_rate_key(rate)])
+    finally:
+        async_engine.shutdown(close_engine=True)
+        del engine, async_engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
+    import openai
+
+    server = Server(model_dir, cli_options(args, device, dtype), log_path)
+    results = {}
+    try:
+        server.wait_ready(args.server_timeout)
+
+        async def load(prompts, offsets, output_len):
+            async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
+                                          timeout=args.request_timeout) as client:
+                return await run_load(prompts, offsets, http_request(client, output_len))
+
+        warm = make_prompts(args, vocab, seed=999)[: min(4, args.num_requests)]
+        asyncio.run(load(warm, [0.0] * len(warm), 4))
+        for i, rate in enumerate(rates):
+            prompts = make_prompts(args, vocab, seed=args.seed + i)
+            offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
+            results[_rate_key(rate)] = asyncio.run(load(prompts, offsets, args.output_len))
+            _print_row("http", rate, results[_rate_key(rate)])
+    finally:
+        server.stop()
+    return results
+
+
+def _rate_key(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _ms(x) -> str:
+    return "   -  " if x is None else f"{1000 * x:7.1f}"
+
+
+def _print_row(mode: str, rate: float, r: dict) -> None:
+    print(f"{mode:>9} rate {_rate_key(rate):>5}/s: {r['request_throughput']:7.2f} req/s {r['output_throughput']:9.1f} "
+          f"tok/s | TTFT ms p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])} | ITL ms p50 "
+          f"{_ms(r['itl_s']['p50'])} p99 {_ms(r['itl_s']['p99'])} | e2e ms p50 {_ms(r['e2e_s']['p50'])} | "
+          f"failed {r['failed']}", flush=True)
+
+
+def compare(results: dict, rates: list[float], slo: float) -> dict:
+    """Per mode: the highest rate with p99 TTFT under the SLO and its throughput; HTTP / in-process
+    ratios at every rate both measured."""
+    out = {"ttft_slo_s": slo, "best_rate_under_slo": {}, "http_vs_inprocess": {}}
+    for mode, per_rate in results.items():
+        ok = [k for k in map(_rate_key, rates) if k in per_rate and per_rate[k]["failed"] == 0
+              and per_rate[k]["ttft_s"]["p99"] is not None and per_rate[k]["ttft_s"]["p99"] < slo]
+        best = ok[-1] if ok else None
+        out["best_rate_under_slo"][mode] = (
+            {"rate": best, "output_throughput": per_rate[best]["output_throughput"],
+             "request_throughput": per_rate[best]["request_throughput"], "ttft_p99_s": per_rate[best]["ttft_s"]["p99"]}
+            if best else None
+        )
+    if "http" in results and "inprocess" in results:
+        for k in map(_rate_key, rates):
+            h, p = results["http"].get(k), results["inprocess"].get(k)
+            if h and p and p["output_throughput"]:
+                out["http_vs_inprocess"][k] = {
+                    "throughput_ratio": h["output_throughput"] / p["output_throughput"],
+                    "throughput_overhead": 1 - h["output_throughput"] / p["output_throughput"],
+                    "ttft_p50_added_s": _diff(h["ttft_s"]["p50"], p["ttft_s"]["p50"]),
+                    "itl_p50_added_s": _diff(h["itl_s"]["p50"], p["itl_s"]["p50"]),
+                    "e2e_p50_added_s": _diff(h["e2e_s"]["p50"], p["e2e_s"]["p50"]),
+                }
+    return out
+
+
+def _diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def make_plots(run: dict, prefix: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+        return []
+    files = []
+    keys = [_rate_key(r) for r in run["settings"]["rates"]]
+    xs = [float(k) if k != "inf" else None for k in keys]
+    finite = [x for x in xs if x is not None]
+    inf_x = (max(finite) * 2 if finite else 1.0)
+    xs = [x if x is not None else inf_x for x in xs]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, metric, title in zip(axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "inter-token latency", "end-to-end")):
+        for mode, per_rate in run["results"].items():
+            for q, style in (("p50", "-"), ("p99", "--")):
+                ys = [per_rate.get(k, {}).get(metric, {}).get(q) for k in keys]
+                pts = [(x, 1000 * y) for x, y in zip(xs, ys) if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{mode} {q}")
+        ax.set_xscale("log")
+        ax.set_xlabel("request rate (req/s; rightmost = all at once)" if "inf" in keys else "request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{run['model']} on {run['device']}: latency vs request rate")
+    fig.tight_layout()
+    files.append(prefix + "_latency.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for mode, per_rate in run["results"].items():
+        ys = [per_rate.get(k, {}).get("output_throughput") for k in keys]
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{run['model']} on {run['device']}: throughput vs request rate")
+    ax.legend()
+    fig.tight_layout()
+    files.append(prefix + "_throughput.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy reference model on CPU, few short requests (smoke run)")
+    p.add_argument("--model", default=None, help="checkpoint directory with tokenizer; default: the reference model")
+    p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "hybrid_compile_bench"),
+                   help="where the reference checkpoint is saved once")
+    p.add_argument("--modes", default="inprocess,http", help="comma-separated: inprocess, http")
+    p.add_argument("--rates", default=None, help="comma-separated requests/s; inf = all at once")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per rate")
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--input-len", type=int, default=None, help="random prompt tokens (after the system prompt)")
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens per request")
+    p.add_argument("--groups", type=int, default=8, help="shared-prefix: number of system prompts")
+    p.add_argument("--system-len", type=int, default=None, help="shared-prefix: tokens per system prompt")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--memory-fraction", type=float, default=0.8)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads of torch (both modes); 0 = default")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")
+    p.add_argument("--request-timeout", type=float, default=600)
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--out", default=None, help="JSON path (plots beside it)")
+    args = p.parse_args(argv)
+    tiny = dict(rates="4,inf", num_requests=8, input_len=16, output_len=6, system_len=32, max_running_requests=16,
+                max_total_tokens=2048, chunked_prefill_size=128)
+    full = dict(rates="2,4,8,16,32,inf", num_requests=128, input_len=512, output_len=128, system_len=2048,
+                max_running_requests=64, max_total_tokens=None, chunked_prefill_size=2048)
+    for k, v in (tiny if args.tiny else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.tiny:
+        device, dtype = "cpu", torch.float32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the full benchmark needs a CUDA device (use --tiny on CPU)")
+        device, dtype = "cuda", torch.bfloat16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - {"inprocess", "http"})
+    if unknown:
+        raise SystemExit(f"unknown mode(s): {', '.join(unknown)}")
+    os.makedirs(args.cache_dir, exist_ok=True)
+    model_dir = args.model or reference_checkpoint(args.cache_dir, args.tiny, dtype)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    device_name = "cpu" if device == "cpu" else torch.cuda.get_device_name(0)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   f"serving_{'tiny' if args.tiny else device_name.replace(' ', '_').lower()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    results = {}
+    if "inprocess" in modes:
+        results["inprocess"] = run_inprocess(args, model_dir, device, dtype, rates, vocab)
+    if "http" in modes:
+        results["http"] = run_http(args, model_dir, device, dtype, rates, vocab, os.path.splitext(out)[0] + "_server.log")
+    run = {
+        "model": args.model or ("qwen3_next_reference" + ("_tiny" if args.tiny else "")),
+        "device": device_name,
+        "dtype": str(dtype).split(".")[-1],
+        "settings": {**{k: v for k, v in vars(args).items() if k not in ("rates",)},
+                     "rates": [_rate_key(r) for r in rates], "engine_options": engine_options(args)},
+        "versions": {"torch": torch.__version__, "hybrid_compile": hc.__version__},
+        "results": results,
+        "summary": compare(results, rates, args.ttft_slo),
+    }
+    run["settings"]["rates"] = [math.inf if k == "inf" else float(k) for k in run["settings"]["rates"]]
+    if args.plots:
+        run["plots"] = make_plots(run, os.path.splitext(out)[0])
+    run["settings"]["rates"] = [_rate_key(r) for r in rates]
+    with open(out, "w") as f:
+        json.dump(run, f, indent=2)
+    s = run["summary"]
+    for mode, best in s["best_rate_under_slo"].items():
+        if best:
+            print(f"{mode}: highest rate with p99 TTFT < {args.ttft_slo:g} s: {best['rate']}/s -> "
+                  f"{best['output_throughput']:.1f} output tok/s")
+        else:
+            print(f"{mode}: no rate kept p99 TTFT under {args.ttft_slo:g} s")
+    for k, c in s["http_vs_inprocess"].items():
+        print(f"rate {k:>5}/s: HTTP throughput = {100 * c['throughput_ratio']:.1f} % of in-process "
+              f"(TTFT p50 +{_ms(c['ttft_p50_added_s']).strip()} ms, ITL p50 +{_ms(c['itl_p50_added_s']).strip()} ms)")
+    print(f"wrote {out}")
+    return run
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""MTP drafts: the checkpoint's multi-token-prediction head (:mod:`hybrid_compile.models.mtp`)
+proposes the drafts of a verify step, run as a chain of k steps.
+
+The head at position ``i`` reads the target's final hidden state at ``i`` and token ``i + 1``
+and predicts token ``i + 2``. Its attention layer is one more layer of the target's KV pool, so
+its KV of position ``i`` lives in the KV slot of the target's token ``i`` (a cached prefix brings
+it along, rejected drafts free it with the target's) and its forwards reuse the target's
+``req_to_token`` map; it runs through its own :class:`~hybrid_compile.engine.runner.ModelRunner`
+(compiled as the target is; piecewise CUDA graphs, no full graphs: its hidden-state input has no
+stable buffer).
+
+Per request the draft source keeps ``m`` (positions the head has processed) and the target's
+hidden states of the positions after it (:meth:`MTPDraft.observe`, after every target forward;
+a verify step's rows past the accepted ones are dropped by the next observation). A position is
+processed once the token after it is known:
+
+- after a prefill chunk, every position of it but the last of the prompt (``observe``: one head
+  EXTEND over the step's requests);
+- at a verify step (:meth:`MTPDraft.propose`): the positions the last verify accepted, up to the
+  last computed one ``c - 1`` (token ``c`` is the pending one), whose output gives draft 1; then
+  k - 1 DECODE steps at positions ``c .. c + k - 2``, each fed the previous draft and the head's
+  own output hidden state, into KV slots taken for the chain and freed after it.
+
+Positions the target did not compute for this request (a cached prefix, a forked prompt) keep
+the head's KV that their first computation left (for the last cached position, written with the
+token that followed it then); that changes drafts, never outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...layers.context import ForwardMode
+from ..request import Request
+from ..runner import ModelRunner
+from ..scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from ...models.mtp import MTPHead
+    from ..engine import HybridEngine
+
+
+def mtp_forward(head: "MTPHead"):
+    """The runner's forward of an MTP head: ``(input_ids, positions, logits_indices, hidden)`` ->
+    ``(draft logits at logits_indices, the head's hidden states of every token)``."""
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, hidden: torch.Tensor):
+        out = head(input_ids[None], positions[None], hidden[None])[0]
+        return head.lm_head(out[logits_indices]), out
+
+    return forward
+
+
+class _Shifted:
+    """A target request as the head's batch sees it: position ``i`` feeds token ``i + 1``."""
+
+    __slots__ = ("r",)
+
+    def __init__(self, r: Request) -> None:
+        self.r = r
+
+    req_slot = property(lambda self: self.r.req_slot)
+    mamba_slot = property(lambda self: self.r.mamba_slot)
+    prompt = property(lambda self: self.r.prompt)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return self.r.token_ids(start + 1, end + 1)
+
+
+@dataclasses.dataclass
+class _State:
+    """The head's progress on one request: positions ``< m`` processed; ``hidden`` holds the
+    target's hidden states of positions ``start ..``."""
+
+    m: int = 0
+    start: int = 0
+    hidden: torch.Tensor | None = None
+
+    def add(self, position: int, rows: torch.Tensor) -> None:
+        held = 0 if self.hidden is None else self.hidden.shape[0]
+        if self.hidden is not None and self.start <= position <= self.start + held:
+            self.hidden = torch.cat([self.hidden[: position - self.start], rows])
+        else:  # a gap (cached prefix, fork) or a restart (retraction): from here on
+            self.start, self.hidden = position, rows.clone()
+        # positions from here are (re)computed; nothing before the rows can be processed
+        self.m = max(min(self.m, position), self.start)
+
+
+class MTPDraft:
+    """The draft source of ``SpeculativeConfig(method="mtp")`` (module docstring).
+
+    Args:
+        head: the MTP head (``HybridEngine.mtp_head``; its attention layer is in the engine's KV pool).
+        target: the target engine.
+    """
+
+    def __init__(self, head: "MTPHead", target: "HybridEngine") -> None:
+        self.head = head
+        self.engine = target
+        self.vocab_size = target.layout.vocab_size
+        cfg = target.config
+        _, piecewise = cfg.resolved_cuda_graphs(target.device)
+        hidden_size = head.fc.out_features
+        self.runner = ModelRunner(
+            head, target.pools, target.device, dataclasses.replace(cfg, cuda_graphs="piecewise" if piecewise else False),
+            forward_fn=mtp_forward, extra_inputs=(((hidden_size,), target.dtype),))
+        self._states: dict[int, _State] = {}
+        self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0)
+
+    # -- the target's hidden states ---------------------------------------------------------------
+    def observe(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Keep the step's hidden states per request, then process every position whose next
+        token is known (after a prefill chunk: all but the prompt's last)."""
+        offset = 0
+        for r, p, n in zip(batch.requests, batch.prefix_lens, batch.extend_lens):
+            self._states.setdefault(r.rid, _State()).add(p, hidden[offset: offset + n])
+            offset += n
+        if batch.mode is not ForwardMode.TARGET_VERIFY:  # (a verify step's tokens are emitted after this)
+            self._advance(batch.requests)
+
+    def _span(self, r: Request) -> tuple[int, int]:
+        """Positions ``[m, end)`` of ``r`` the head can process now."""
+        st = self._states.get(r.rid)
+        if st is None or st.hidden is None:
+            return 0, 0
+        end = min(st.start + st.hidden.shape[0], r.num_computed, r.seq_len - 1)
+        return st.m, end
+
+    @torch.inference_mode()
+    def _advance(self, requests: list[Request]) -> tuple[list[Request], torch.Tensor, torch.Tensor] | None:
+        """One head EXTEND over every processable position of ``requests``; returns the requests
+        it ran, their draft logits and the head's hidden states at their last processed position."""
+        spans = [(r, *self._span(r)) for r in requests]
+        spans = [(r, m, end) for r, m, end in spans if end > m]
+        if not spans:
+            return None
+        reqs = [r for r, _, _ in spans]
+        prefix = [m for _, m, _ in spans]
+        lens = [end - m for _, m, end in spans]
+        hidden = torch.cat([self._states[r.rid].hidden[m - self._states[r.rid].start: end - self._states[r.rid].start]
+                            for r, m, end in spans])
+        slots = torch.cat([r.kv_slots[m:end] for r, m, end in spans])
+        batch = ScheduledBatch([_Shifted(r) for r in reqs], prefix, lens, slots, ForwardMode.EXTEND)
+        logits = self.runner.forward(batch, extra=(hidden,))
+        last = torch.tensor(lens).cumsum(0) - 1
+        out_hidden = self.runner.hidden_states[last.to(self.runner.hidden_states.device)]
+        for r, _, end in spans:
+            st = self._states[r.rid]
+            st.m = end
+            keep = max(st.start, end - 1)  # the last processed row stays: a repeated proposal redoes it
+            st.hidden, st.start = st.hidden[keep - st.start:], keep
+        c = self.counters
+        c["head_extend_steps"] += 1
+        c["head_tokens"] += sum(lens)
+        return reqs, logits, out_hidden
+
+    # -- proposals --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        sched = self.engine.scheduler
+        live = {r.rid for r in sched.running} | {r.rid for r in sched.waiting}
+        for rid in [rid for rid in self._states if rid not in live]:
+            del self._states[rid]
+        for r in requests:  # draft 1 comes from the last computed position: (re)process it
+            st = self._states.get(r.rid)
+            if st is not None and st.hidden is not None:
+                st.m = max(min(st.m, r.num_computed - 1), st.start)
+        advanced = self._advance(requests)
+        if advanced is None:
+            return [[] for _ in requests]
+        reqs, logits, hidden = advanced
+        tokens = torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
+        steps = [tokens]
+        if k > 1:
+            steps += self._chain(reqs, tokens, hidden, k - 1)
+        rows = torch.stack(steps, dim=1).tolist()  # (the proposal's one device->host copy)
+        by_rid = {r.rid: row for r, row in zip(reqs, rows)}
+        return [by_rid.get(r.rid, []) for r in requests]
+
+    def _chain(self, reqs: list[Request], tokens: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Drafts 2 .. k: ``steps`` head DECODE steps at positions ``c ..`` (``c``: each request's
+        computed tokens), in KV slots taken for the chain and freed after it (none free: the
+        proposal stops at draft 1)."""
+        allocator = self.engine.pools.kv.allocator
+        b = len(reqs)
+        prefix = [r.num_computed for r in reqs]
+        last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)
+        slots = allocator.alloc_extend(prefix, [steps] * b, last)
+        if slots is None:
+            self.counters["chains_cut"] += 1
+            return []
+        out = []
+        try:
+            per_request = slots.view(b, steps)
+            views = [_Shifted(r) for r in reqs]
+            for j in range(steps):
+                batch = ScheduledBatch(views, [p + j for p in prefix], [1] * b, per_request[:, j].contiguous(),
+                                       ForwardMode.DECODE)
+                logits = self.runner.forward(batch, input_ids=tokens, extra=(hidden,))
+                hidden = self.runner.hidden_states
+                tokens = torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
+                out.append(tokens)
+                self.counters["head_decode_steps"] += 1
+        finally:
+            allocator.free(slots)
+        return out
+
+    def release(self, rid: int) -> None:
+        self._states.pop(rid, None)
+
+    def close(self) -> None:
+        self._states.clear()
+        self.runner.release_packed_weights()

@@ -1,0 +1,20 @@
+"""Serving: the engine behind asyncio and over HTTP.
+
+- :mod:`.async_engine` — :class:`AsyncEngine`: many concurrent token streams
+  (``async for out in engine.generate_stream(prompt_ids, params)``) over one
+  :class:`~hybrid_compile.HybridEngine`, whose step loop runs on one driver thread; a stream
+  whose consumer stops is aborted at the next step boundary.
+- :mod:`.protocol` — OpenAI's request fields parsed and checked into the engine's
+  :class:`~hybrid_compile.SamplingParams`, and OpenAI's error bodies.
+- :mod:`.detokenize` — incremental text of a growing token sequence (for streaming).
+- :mod:`.metrics` — the Prometheus metrics of a server.
+- :mod:`.server` — the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``) and ``hybrid-compile serve``.
+
+Only :mod:`.async_engine` is imported here; the HTTP modules need the ``serve`` extra
+(FastAPI, uvicorn, prometheus-client) and are imported on use.
+"""
+
+from .async_engine import AsyncEngine, EngineStepError, StreamOutput
+
+__all__ = ["AsyncEngine", "EngineStepError", "StreamOutput"]

@@ -1,0 +1,444 @@
+"""AsyncEngine: many concurrent token streams over one HybridEngine, for asyncio code.
+
+One driver thread owns the :class:`~hybrid_compile.HybridEngine`: it applies the commands the
+event loop queued (add a request, abort one, run a function on the engine), runs ``step()`` while
+requests are in flight and sleeps on an event while none are. Each step's tokens go back to the
+event loop in one ``call_soon_threadsafe`` call, into the per-request queues the streams await, so
+the event loop never waits for a step (and never touches the engine: the engine is not
+thread-safe, every call into it happens on the driver thread, between steps).
+
+A stream whose consumer stops early (``break``, an exception, a cancelled task — e.g. an HTTP
+client that went away) queues an abort; the driver calls ``engine.abort(rid)`` before the next
+step, which frees the request's slots and prefix-cache locks. If a step raises, the requests that
+were running in it are aborted and their streams raise :class:`EngineStepError`; waiting requests
+and later ones are served as usual (the engine rolls a failed step back, see engine/engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import torch
+
+from ..engine import HybridEngine, SamplingParams
+from ..engine.request import RequestStatus
+
+logger = logging.getLogger("hybrid_compile.serving")
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was running in it; the request was aborted."""
+
+
+class EngineClosedError(RuntimeError):
+    """The AsyncEngine was shut down before this request finished."""
+
+
+@dataclass
+class StreamOutput:
+    """One update of one sequence of a request: the tokens it generated since its previous update.
+    A request of ``n`` sequences (``SamplingParams.n``) has ``index`` 0 .. n-1."""
+
+    request_id: int  # the engine's id of this sequence
+    index: int
+    new_token_ids: list[int]
+    num_generated: int  # tokens generated so far, these included
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache at admission
+    # per new token, when the request asked for logprobs: (logprob of the token, {token: logprob}
+    # of the top alternatives)
+    logprobs: list | None = None
+    # time.perf_counter() of arrival (generate_stream's first iteration), first token, this update
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    time: float = 0.0
+
+
+@dataclass
+class _Stream:
+    """A request in flight: the driver thread's record and the event loop's queue."""
+
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    rids: list[int] = field(default_factory=list)  # its sequences' engine ids
+    open: int = 0  # sequences not finished
+    cached_tokens: int = 0
+    done: bool = False
+    abort_requested: bool = False
+
+
+@dataclass
+class _Seq:
+    """One sequence (engine request id) of a stream."""
+
+    stream: _Stream
+    index: int
+    generated: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Call:
+    fn: Callable[[HybridEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class EngineObserver:
+    """Hooks the driver thread calls as tokens come out (the server's metrics implement them).
+    Every method runs on the driver thread and must be quick."""
+
+    def first_token(self, seconds: float) -> None:
+        """Time to first token of a request (arrival to its first generated token)."""
+
+    def next_tokens(self, seconds: float, num_tokens: int) -> None:
+        """``num_tokens`` more tokens of a request came ``seconds`` after its previous ones."""
+
+    def finished(self, output: StreamOutput) -> None:
+        """A request finished (also when aborted); ``output`` is its last update."""
+
+
+class AsyncEngine:
+    """Asynchronous front of a :class:`~hybrid_compile.HybridEngine`::
+
+        async_engine = hc.AsyncEngine(hc.from_pretrained(path))
+        async for out in async_engine.generate_stream(prompt_ids, hc.SamplingParams(max_new_tokens=32)):
+            print(out.new_token_ids)
+        async_engine.shutdown()
+
+    Any number of streams may run at once, from any number of tasks (of one or several event
+    loops); the engine batches them continuously. The driver thread starts on first use.
+    """
+
+    def __init__(self, engine: HybridEngine, observer: EngineObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer or EngineObserver()
+        self._commands: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._seqs: dict[int, _Seq] = {}  # engine rid -> its sequence (driver thread only)
+        self._failed_last_step = False
+        self.num_step_errors = 0
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_context_len(self) -> int:
+        return self.engine.max_context_len
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine would refuse (empty prompt, token ids outside
+        the vocabulary, prompt + max_new_tokens over the context, bad sampling values). Reads only
+        the engine's fixed configuration: safe from any thread."""
+        self.engine.validate_request(prompt, params)
+
+    def generate_stream(self, prompt: Iterable[int], params: SamplingParams | None = None) -> AsyncIterator[StreamOutput]:
+        """Queue one prompt (token ids) and return an async iterator over its updates; it ends after
+        the update with ``finished=True`` of each of its ``params.n`` sequences (``index``). Bad
+        input raises ValueError here, before anything is queued. The request is queued on the
+        first iteration; stopping the iteration early (break, exception, cancellation, or
+        ``aclose()``) aborts it."""
+        prompt = [int(t) for t in prompt]
+        params = params if params is not None else SamplingParams()
+        self.validate(prompt, params)
+        return self._stream(prompt, params)
+
+    async def generate(self, prompt: Iterable[int], params: SamplingParams | None = None) -> list[list[int]]:
+        """The new tokens of each sequence of one prompt (a stream read to its end)."""
+        params = params if params is not None else SamplingParams()
+        tokens: list[list[int]] = [[] for _ in range(params.n)]
+        async for out in self.generate_stream(prompt, params):
+            tokens[out.index].extend(out.new_token_ids)
+        return tokens
+
+    async def call(self, fn: Callable[[HybridEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the driver thread between two steps and return its result (how to
+        read ``engine.stats()`` or anything else of the engine while streams run)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(("call", _Call(fn, loop, future)))
+        return await future
+
+    async def stats(self) -> dict:
+        """``engine.stats()``, taken between two steps."""
+        return await self.call(lambda engine: engine.stats())
+
+    def shutdown(self, close_engine: bool = False) -> None:
+        """Stop the driver thread after its current step; streams still in flight raise
+        :class:`EngineClosedError`. ``close_engine`` also closes the engine (unpatches the model)."""
+        self._submit(("close", None))
+        with self._lock:
+            self._closed = True  # (also when the driver thread never started)
+        if self._thread is not None:
+            self._thread.join()
+        if close_engine:
+            self.engine.close()
+
+    # -- event-loop side ---------------------------------------------------------------------------
+    async def _stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
+        loop = asyncio.get_running_loop()
+        stream = _Stream(prompt, params, asyncio.Queue(), loop, arrival=time.perf_counter())
+        self._submit(("add", stream))
+        remaining = params.n
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the driver already let go of it
+                    raise item
+                for out in item:
+                    remaining -= out.finished
+                    finished = remaining == 0
+                    yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(("abort", stream))
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            if self._closed:
+                if command[0] in ("abort", "close"):  # nothing left to abort or close
+                    return
+                raise EngineClosedError("the AsyncEngine has been shut down")
+            self._commands.append(command)
+            if self._thread is None and command[0] != "close":
+                self._thread = threading.Thread(target=self._drive, name="hybrid-compile-engine", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    # -- driver thread ---------------------------------------------------------------------------
+    def _drive(self) -> None:
+        device = self.engine.device
+        if device.type == "cuda" and device.index is not None:  # the current CUDA device is per thread
+            torch.cuda.set_device(device)
+        while True:
+            outbox: dict[asyncio.AbstractEventLoop, list] = {}
+            try:
+                running = self._iterate(outbox)
+            except Exception as e:  # noqa: BLE001 -- a defect here must not hang every stream
+                logger.exception("the engine's driver thread failed; ending every request in flight")
+                failed = EngineStepError(f"the engine's driver failed: {type(e).__name__}: {e}")
+                for stream in self._open_streams():
+                    self._end(stream, outbox, error=failed)
+                running = True
+            self._post(outbox)
+            if not running:
+                return
+
+    def _iterate(self, outbox: dict) -> bool:
+        """Apply the queued commands, then run one step (or sleep until a command comes while
+        nothing is in flight). Returns False once the engine is shut down."""
+        engine = self.engine
+        self._wake.clear()
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, arg in commands:
+            if kind == "add":
+                self._add(arg, outbox)
+            elif kind == "abort":
+                self._abort(arg, outbox)
+            elif kind == "call":
+                self._run_call(arg)
+            elif kind == "close":
+                self._close_streams(outbox)
+                return False
+        if not engine.has_unfinished():
+            if not outbox:
+                self._wake.wait()
+            return True
+        running = [r.rid for r in engine.scheduler.running]
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 -- fail the step's requests, keep serving
+            self.num_step_errors += 1
+            self._fail_step(e, running, everyone=self._failed_last_step, outbox=outbox)
+            self._failed_last_step = True
+            return True
+        self._failed_last_step = False
+        self._dispatch(outputs, outbox)
+        return True
+
+    def _add(self, stream: _Stream, outbox: dict) -> None:
+        if stream.abort_requested:
+            return
+        try:
+            first = self.engine.add_request(stream.prompt, stream.params)
+        except Exception as e:  # noqa: BLE001 -- the request's own error, raised in its stream
+            stream.done = True
+            outbox.setdefault(stream.loop, []).append((stream, e))
+            return
+        stream.rids = self.engine.sequence_ids(first) if stream.params.n > 1 else [first]
+        stream.open = len(stream.rids)
+        for index, rid in enumerate(stream.rids):
+            self._seqs[rid] = _Seq(stream, index)
+
+    def _abort(self, stream: _Stream, outbox: dict) -> None:
+        stream.abort_requested = True
+        if not stream.done:
+            self._end(stream, outbox)
+
+    def _end(self, stream: _Stream, outbox: dict, error: BaseException | None = None) -> None:
+        """Abort a stream's unfinished sequences now (between steps) and end it: with each one's
+        last update (finish reason "abort"), or with ``error`` raised in it. The engine's own
+        final outputs for them, which a later step returns, are dropped (see _dispatch)."""
+        now = time.perf_counter()
+        stream.done = True
+        for rid in stream.rids:
+            seq = self._seqs.pop(rid, None)
+            if seq is None:  # finished already
+                continue
+            try:
+                self.engine.abort(rid)
+                reason = self.engine.pop_finished(rid).finish_reason
+            except Exception as e:  # noqa: BLE001 -- the request is gone from our side either way
+                error = error or EngineStepError(f"aborting request {rid} failed: {type(e).__name__}: {e}")
+                reason = "abort"
+            update = StreamOutput(
+                request_id=rid, index=seq.index, new_token_ids=[], num_generated=seq.generated, finished=True,
+                finish_reason=reason, prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens,
+                arrival_time=stream.arrival, first_token_time=seq.first_token_time, time=now,
+            )
+            self.observer.finished(update)
+            if error is None:
+                outbox.setdefault(stream.loop, []).append((stream, update))
+        stream.open = 0
+        if error is not None:
+            outbox.setdefault(stream.loop, []).append((stream, error))
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result, error = call.fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 -- handed to the caller
+            result, error = None, e
+
+        def settle() -> None:
+            if call.future.cancelled():
+                return
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+
+        call.loop.call_soon_threadsafe(settle)
+
+    def _dispatch(self, outputs: list, outbox: dict) -> None:
+        """Group a step's StepOutputs per sequence into StreamOutputs for the streams' loops."""
+        now = time.perf_counter()
+        updates: dict[int, StreamOutput] = {}
+        for out in outputs:
+            seq = self._seqs.get(out.rid)
+            if seq is None:  # an aborted request's final output: it was ended already (_end)
+                continue
+            stream = seq.stream
+            update = updates.get(out.rid)
+            if update is None:
+                if seq.first_token_time is None and out.token is not None and seq.index == 0:
+                    stream.cached_tokens = self.engine.request(out.rid).num_cached_tokens
+                update = updates[out.rid] = StreamOutput(
+                    request_id=out.rid, index=seq.index, new_token_ids=[], num_generated=seq.generated,
+                    finished=False, finish_reason=None, prompt_tokens=len(stream.prompt),
+                    cached_tokens=stream.cached_tokens, arrival_time=stream.arrival, time=now,
+                )
+            if out.token is not None:
+                update.new_token_ids.append(out.token)
+                if out.logprobs is not None:
+                    update.logprobs = (update.logprobs or []) + [out.logprobs]
+            if out.finished:
+                update.finished, update.finish_reason = True, out.finish_reason
+        for rid, update in updates.items():
+            seq = self._seqs[rid]
+            stream = seq.stream
+            n = len(update.new_token_ids)
+            if n:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    self.observer.first_token(now - stream.arrival)
+                    if n > 1:
+                        self.observer.next_tokens(0.0, n - 1)
+                else:
+                    self.observer.next_tokens(now - seq.last_token_time, n)
+                seq.last_token_time = now
+            seq.generated += n
+            update.num_generated = seq.generated
+            update.first_token_time = seq.first_token_time
+            update.cached_tokens = stream.cached_tokens
+            if update.finished:
+                del self._seqs[rid]
+                self.engine.pop_finished(rid)
+                self.observer.finished(update)
+                stream.open -= 1
+                stream.done = stream.open == 0
+            outbox.setdefault(stream.loop, []).append((stream, update))
+
+    def _fail_step(self, error: Exception, running: list[int], everyone: bool, outbox: dict) -> None:
+        """A step raised: abort the requests it touched and fail their streams with
+        :class:`EngineStepError`. Touched: those running before it, and those admitted by it
+        (not waiting any more). A request that was only waiting is left alone, unless this is
+        the second failed step in a row (``everyone``): then every request in flight is failed,
+        so a request that makes every step raise cannot keep the engine failing."""
+        failed = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
+        failed.__cause__ = error
+        touched = set(running)
+        for stream in self._open_streams():
+            live = [rid for rid in stream.rids if rid in self._seqs]
+            if everyone or any(rid in touched or self.engine.request(rid).status is not RequestStatus.WAITING
+                               for rid in live):
+                self._end(stream, outbox, error=failed)
+
+    def _open_streams(self) -> list[_Stream]:
+        return list({id(seq.stream): seq.stream for seq in self._seqs.values()}.values())
+
+    def _close_streams(self, outbox: dict) -> None:
+        with self._lock:
+            self._closed = True
+        for stream in self._open_streams():
+            stream.done = True
+            outbox.setdefault(stream.loop, []).append((stream, EngineClosedError("the AsyncEngine was shut down")))
+        self._seqs.clear()
+
+    @staticmethod
+    def _post(outbox: dict) -> None:
+        """Hand the collected updates to each event loop in one thread-safe call."""
+        for loop, items in outbox.items():
+            batches: dict[int, tuple[_Stream, list]] = {}
+            for stream, item in items:
+                if isinstance(item, BaseException):
+                    batches[id(stream)] = (stream, item)
+                else:
+                    entry = batches.setdefault(id(stream), (stream, []))
+                    if isinstance(entry[1], list):
+                        entry[1].append(item)
+            try:
+                loop.call_soon_threadsafe(_deliver, list(batches.values()))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        outbox.clear()
+
+
+def _deliver(batches: list) -> None:
+    for stream, item in batches:
+        stream.queue.put_nowait(item)
+
+
+__all__ = ["AsyncEngine", "EngineClosedError", "EngineObserver", "EngineStepError", "StreamOutput"]

@@ -1,0 +1,531 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an :class:`AsyncEngine`, run by uvicorn.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
+with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+``hybrid-compile serve`` (:func:`run`) starts uvicorn first and loads the model on a thread:
+until the engine is ready ``/health`` and the generation endpoints answer 503.
+
+Each prompt of a request (a completion request may hold several) is one engine request of ``n``
+sequences (``SamplingParams.n``: the prompt is prefilled once), one per choice; a choice's tokens
+become text through :class:`IncrementalText`, which cuts the text at a stop string (the engine
+ends the sequence there too). A client that
+goes away cancels the handler (streaming: starlette cancels the response; non-streaming: a
+watcher of the connection does), which aborts the engine requests at the next step. Errors are
+OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
+500 when an engine step failed under the request (its other requests keep going).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import HybridEngine, SamplingParams
+from .async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from .detokenize import IncrementalText
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_error,
+    generate_kwargs, parse_request, stop_strings, usage,
+)
+
+logger = logging.getLogger("hybrid_compile.serving")
+
+
+class ServerState:
+    """What the handlers share: the engine once loaded, the served name, the metrics."""
+
+    def __init__(self, model_name: str, engine: AsyncEngine | None = None) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self.load_error: BaseException | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name)
+        if engine is not None:
+            engine.observer = self.metrics
+
+    def ready(self) -> AsyncEngine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise OpenAIError(f"the model failed to load: {self.load_error}", status=500)
+            raise OpenAIError("the server is starting: the model is still loading", status=503)
+        return self.engine
+
+
+def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
+              load: Callable[[], HybridEngine] | None = None,
+              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (a HybridEngine or AsyncEngine) under ``model_name``;
+    or, with ``load``, the app that calls ``load()`` on a thread at startup and answers 503 until
+    it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
+    closed)."""
+    if (engine is None) == (load is None):
+        raise ValueError("build_app takes either engine= or load=")
+    if isinstance(engine, HybridEngine):
+        engine = AsyncEngine(engine)
+    state = ServerState(model_name, engine)
+
+    def load_in_background() -> None:
+        try:
+            loaded = AsyncEngine(load(), observer=state.metrics)
+        except BaseException as e:  # noqa: BLE001 -- reported, and the server stops (on_load_error)
+            state.load_error = e
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        state.engine = loaded
+        logger.info("model %s loaded: serving", model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = None
+        if load is not None:
+            loader = threading.Thread(target=load_in_background, name="hybrid-compile-load", daemon=True)
+            loader.start()
+        yield
+        if loader is not None:
+            loader.join()
+        if state.engine is not None:
+            state.engine.shutdown(close_engine=load is not None)
+
+    app = FastAPI(title="hybrid_compile", lifespan=lifespan)
+    app.state.serving = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(OpenAIError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        logger.exception("request failed")
+        return JSONResponse(OpenAIError(f"{type(e).__name__}: {e}", status=500).body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        state.ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "hybrid_compile"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_context_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await state.metrics.render(state.engine), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await _json_body(request))
+        engine = _check_model(state, req.model)
+        if req.echo:
+            raise OpenAIError("echo is not supported by this server", param="echo")
+        if req.suffix:
+            raise OpenAIError("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError("best_of other than n is not supported by this server", param="best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
+        prompts = _completion_prompts(engine, req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs)
+        return await gen.respond(request, _CompletionFormat(gen, model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await _json_body(request))
+        engine = _check_model(state, req.model)
+        if not req.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if engine.tokenizer is None or getattr(engine.tokenizer, "chat_template", None) is None:
+            raise OpenAIError("this model's tokenizer has no chat template", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
+        try:
+            prompt = engine.engine.encode([m.as_template_message() for m in req.messages])
+        except Exception as e:  # noqa: BLE001 -- the template rejected the conversation
+            raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # as much as the context leaves
+            max_tokens = engine.max_context_len - len(prompt)
+            if max_tokens <= 0:
+                raise OpenAIError(
+                    f"This model's maximum context length is {engine.max_context_len} tokens; the messages take "
+                    f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs)
+        return await gen.respond(request, _ChatFormat(gen, model_name))
+
+    return app
+
+
+# -- request handling ---------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)",
+            param=None,
+        ) from None
+
+
+def _check_model(state: ServerState, name: str) -> AsyncEngine:
+    engine = state.ready()
+    if name != state.model_name:
+        raise OpenAIError(f"The model `{name}` does not exist (this server serves `{state.model_name}`)",
+                          param="model", code="model_not_found")
+    return engine
+
+
+def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if engine.tokenizer is None:
+                raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
+            p = engine.engine.encode(p)
+        if not p:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        out.append(list(p))
+    return out
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: IncrementalText
+    done: bool = False
+
+
+@dataclass
+class _Group:
+    """One prompt's choices: one engine request of ``n`` sequences (the prompt prefilled once)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    choices: list[_Choice]
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Event:
+    """One step of one choice: new text (and tokens), and at the end its finish reason."""
+
+    choice: _Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None = None
+
+
+class _Generation:
+    """The engine requests of one API request (one per prompt, of ``n`` sequences each) and their
+    responses."""
+
+    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool) -> None:
+        self.engine, self.groups, self.stream, self.include_usage = engine, groups, stream, include_usage
+        self.choices = [c for g in groups for c in g.choices]
+        self.id_suffix = uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @classmethod
+    def plan(cls, engine: AsyncEngine, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
+             prompt_name: str, logprobs: int | None) -> "_Generation":
+        """Check everything before anything is queued: a bad request leaves the engine untouched."""
+        n = check_n(req)
+        stop = stop_strings(req)
+        if max_tokens <= 0:
+            raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
+        vocab = engine.engine.layout.vocab_size
+        for p in prompts:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise OpenAIError(f"{prompt_name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                                  param=prompt_name)
+            if len(p) + max_tokens > engine.max_context_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {engine.max_context_len} tokens. However, you requested "
+                    f"{len(p) + max_tokens} tokens ({len(p)} in the {prompt_name}, {max_tokens} in the completion). "
+                    f"Please reduce the length of the {prompt_name} or {limit_name}.",
+                    param=limit_name, code="context_length_exceeded",
+                )
+        names = {"max_tokens": limit_name, "logprobs": "top_logprobs" if getattr(req, "top_logprobs", None)
+                 else "logprobs"}
+        if engine.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer to turn tokens into text", param=None)
+        groups = []
+        try:
+            # the in-process generate()'s own mapping (defaults and EOS from the generation config)
+            settings = engine.engine._plan(**generate_kwargs(req, max_tokens, logprobs, stop))
+            for p in prompts:
+                # choice j of a prompt is its engine request's sequence j (sampling with seed + j)
+                params = dataclasses.replace(engine.engine._params_for(settings, len(p)), n=n)
+                engine.validate(p, params)
+                choices = [_Choice(len(groups) * n + j, IncrementalText(engine.tokenizer, req.skip_special_tokens,
+                                                                        stop)) for j in range(n)]
+                groups.append(_Group(p, params, choices))
+        except ValueError as e:
+            raise engine_error(e, names) from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError("stream_options needs stream=true", param="stream_options")
+        return cls(engine, groups, bool(req.stream), include_usage)
+
+    async def _events(self, group: _Group) -> AsyncIterator[_Event]:
+        """The events of one prompt's choices; closing this iterator early aborts its request."""
+        stream = self.engine.generate_stream(group.prompt, group.params)
+        open_choices = len(group.choices)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                choice = group.choices[out.index]
+                if choice.done:  # ended at a stop string before its engine sequence did
+                    continue
+                group.cached_tokens = out.cached_tokens
+                text = choice.text
+                text.add(out.new_token_ids)
+                done = out.finished or text.stopped
+                if done:
+                    text.finish()
+                    choice.done = True
+                    open_choices -= 1
+                reason = ("stop" if text.stopped else out.finish_reason) if done else None
+                piece = text.take(finished=done)
+                if piece or done or out.logprobs:
+                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason)
+                if open_choices == 0:
+                    return  # (a sequence still running after its stop string: aclosing aborts it)
+
+    async def respond(self, request: Request, fmt: "_Format") -> Response:
+        if self.stream:
+            return StreamingResponse(self._sse(fmt), media_type="text/event-stream")
+        collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
+        if collected is None:  # the client went away: its requests were aborted
+            return Response(status_code=499)
+        events = [e for group_events in collected for e in group_events]
+        return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
+
+    async def _collect(self, group: _Group) -> list[_Event]:
+        return [e async for e in self._events(group)]
+
+    async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(group: _Group) -> None:
+            try:
+                async for event in self._events(group):
+                    queue.put_nowait(event)
+            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                queue.put_nowait(e)
+            queue.put_nowait(done)
+
+        for chunk in fmt.start_chunks():
+            yield _sse_data(chunk)
+        tasks = [asyncio.ensure_future(pump(g)) for g in self.groups]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse_data(_error_of(item).body())
+                    break
+                yield _sse_data(fmt.chunk(item))
+            else:
+                if self.include_usage:
+                    yield _sse_data(fmt.usage_chunk(self.usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # a client that went away: every engine request is aborted
+                t.cancel()
+
+    def usage(self) -> dict:
+        return usage(sum(len(g.prompt) for g in self.groups), sum(c.text.num_tokens for c in self.choices),
+                     sum(g.cached_tokens for g in self.groups))
+
+
+def _sse_data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_of(e: Exception) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, (EngineStepError, EngineClosedError)):
+        return OpenAIError(str(e), status=500)
+    return OpenAIError(f"{type(e).__name__}: {e}", status=500)
+
+
+async def _all(coros) -> list:
+    """Run coroutines together; the first exception cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise _error_of(t.exception())
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, coro) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it and return None."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+# -- response formats ---------------------------------------------------------------------------------
+
+
+class _Format:
+    """OpenAI's response and chunk bodies of one endpoint (subclasses: the choice objects)."""
+
+    id_prefix = response_object = chunk_object = ""
+
+    def __init__(self, gen: _Generation, model_name: str) -> None:
+        self.gen, self.model_name = gen, model_name
+        self._logprob_chars: dict[int, int] = {}  # per choice: text offset of its next token (logprobs)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
+                "model": self.model_name}
+
+    def response(self, collected: list[list[_Event]]) -> dict:
+        choices = []
+        for events in collected:
+            last = events[-1]
+            text = "".join(e.text for e in events)
+            logprobs = None
+            if any(e.logprobs for e in events):
+                logprobs, _ = self.logprobs([t for e in events for t in e.token_ids],
+                                            [x for e in events for x in e.logprobs or []], 0)
+            choices.append(self.final_choice(last.choice.index, text, logprobs, last.finish_reason))
+        return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage()}
+
+    def chunk(self, e: _Event) -> dict:
+        logprobs = None
+        if e.logprobs:
+            i = e.choice.index
+            logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
+        return self._chunk([self.chunk_choice(e, logprobs)])
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {**self._head(self.chunk_object), "choices": choices}
+        if self.gen.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": u}
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+
+class _CompletionFormat(_Format):
+    id_prefix, response_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int) -> tuple[dict, int]:
+        return completion_logprobs(self.gen.engine.tokenizer, token_ids, entries, text_offset)
+
+    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
+        return self.final_choice(e.choice.index, e.text, logprobs, e.finish_reason)
+
+
+class _ChatFormat(_Format):
+    id_prefix, response_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def logprobs(self, token_ids: list[int], entries: list, text_offset: int) -> tuple[dict, int]:
+        return chat_logprobs(self.gen.engine.tokenizer, token_ids, entries), text_offset
+
+    def final_choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
+        return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": logprobs,
+                "finish_reason": e.finish_reason}
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for c in self.gen.choices]
+
+
+# -- hybrid-compile serve ---------------------------------------------------------------------------
+
+
+def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
+        access_log: bool = True) -> int:
+    """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
+    status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    server: uvicorn.Server | None = None
+
+    def stop(e: BaseException) -> None:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    app = build_app(model_name, load=load, on_load_error=stop)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 2 if app.state.serving.load_error is not None else 0

@@ -1,0 +1,121 @@
+"""Tiny checkpoints with a multi-token-prediction head (``mtp.*`` tensors), and the plain-torch
+reference of the head's chain of drafts.
+
+:func:`write_mtp_checkpoint` saves a tiny random model of an engine kind with transformers'
+``save_pretrained`` and adds ``mtp.*`` tensors to its safetensors file, in the layout the
+Qwen3-Next / Qwen3.5 releases use: ``mtp.layers.0.*`` is a full-attention decoder layer saved by
+transformers itself (the extra last layer of the same model with one more layer, so MoE experts
+are stored per expert as in the releases), ``mtp.fc`` / the three norms random. transformers
+drops the ``mtp.*`` tensors when it loads the checkpoint.
+
+:func:`reference_drafts` is the head's definition run with HF's own modules on whole
+sequences (no cache, HF's causal attention): the head at position i reads the target's final
+hidden state at i (HF's forward) and the embedding of token i + 1; draft 1 is the argmax of the
+LM head at the last computed position, each next draft the head one position further fed the
+previous draft and the head's own output hidden state.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import torch
+
+from engine_models import build_model, make_config, model_class
+
+STD = 0.2
+
+
+def _extended_config(kind: str, config=None):
+    """The kind's config (or ``config``) with one more layer (full attention; MoE as the kind's
+    layers)."""
+    cfg = make_config(kind) if config is None else config
+    n = cfg.num_hidden_layers
+    cfg = copy.deepcopy(cfg)
+    cfg.num_hidden_layers = n + 1
+    cfg.layer_types = list(cfg.layer_types) + ["full_attention"]
+    if kind == "qwen3_next_dense":
+        cfg.mlp_only_layers = list(range(n + 1))
+    return cfg
+
+
+def write_mtp_checkpoint(kind: str, seed: int, path: str, with_mtp: bool = True, model=None):
+    """Save the model ``build_model(kind, seed)`` (or ``model``, of ``kind``) into ``path`` with
+    ``mtp.*`` tensors (seeded by ``seed``) in its safetensors file; returns the mtp tensors (names
+    without ``mtp.``) and the HF decoder layer saved as ``mtp.layers.0`` (the reference's)."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_model(kind, seed) if model is None else model
+    model.save_pretrained(path)
+    if not with_mtp:
+        return {}, None
+    cfg = _extended_config(kind, model.config)
+    n = cfg.num_hidden_layers - 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + seed)
+        extended = model_class(kind)(cfg).float()
+        with tempfile.TemporaryDirectory() as tmp:
+            extended.save_pretrained(tmp)
+            saved = load_file(os.path.join(tmp, "model.safetensors"))
+        marker = f"layers.{n}."
+        mtp = {"layers.0." + k.split(marker, 1)[1]: v for k, v in saved.items() if marker in k}
+        h = cfg.hidden_size
+        mtp["fc.weight"] = torch.randn(h, 2 * h) * STD
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            mtp[f"{name}.weight"] = torch.randn(h) * STD
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors.update({"mtp." + k: v.contiguous() for k, v in mtp.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+    return mtp, extended.model.layers[n].eval()
+
+
+class ReferenceHead:
+    """The MTP head of ``mtp`` and ``layer`` (what :func:`write_mtp_checkpoint` returns) over
+    ``model`` with HF's modules, eager, whole sequences."""
+
+    def __init__(self, kind: str, model, mtp: dict, layer) -> None:
+        cfg = _extended_config(kind, model.config)
+        self.model = model
+        self.kind = kind
+        self.layer = layer
+        norm = type(model.model.norm)
+        self.norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            m = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            m.load_state_dict({"weight": mtp[f"{name}.weight"]})
+            self.norms[name] = m.eval()
+        self.fc = mtp["fc.weight"]
+
+    @torch.inference_mode()
+    def outputs(self, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The head's output hidden states at positions ``0 .. len(hidden) - 1``; position i reads
+        ``hidden[i]`` and token ``tokens[i + 1]``."""
+        n = hidden.shape[0]
+        emb = self.model.model.embed_tokens(torch.tensor([tokens[1: n + 1]]))
+        x = torch.cat([self.norms["pre_fc_norm_embedding"](emb), self.norms["pre_fc_norm_hidden"](hidden[None])], -1)
+        x = x @ self.fc.T
+        pos = torch.arange(n)[None]
+        rope_pos = pos[None].expand(3, 1, n) if self.kind.startswith("qwen3_5") else pos
+        rotary = self.model.model.rotary_emb(x, rope_pos)
+        out = self.layer(x, position_embeddings=rotary, attention_mask=None, position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.norms["norm"](out)[0]
+
+    @torch.inference_mode()
+    def drafts(self, tokens: list[int], k: int, vocab: int) -> list[int]:
+        """The k chained drafts after ``tokens`` (the last one is the pending, not yet computed token)."""
+        c = len(tokens) - 1
+        ids = torch.tensor([tokens[:c]])
+        hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        seq, out = list(tokens), []
+        for _ in range(k):
+            h = self.outputs(seq, hidden)
+            last = h[-1]
+            d = int(self.model.lm_head(last)[:vocab].argmax())
+            out.append(d)
+            seq.append(d)
+            hidden = torch.cat([hidden, last[None]])  # the next position reads the head's own output
+        return out

@@ -1,0 +1,614 @@
+"""The OpenAI-compatible server (``hybrid-compile serve``) and the AsyncEngine under it.
+
+One live server per module: ``python -m hybrid_compile serve`` in a subprocess on 127.0.0.1,
+serving a tiny random-weight Qwen3-Next checkpoint saved with its tokenizer
+(:mod:`checkpoints`), driven by the official ``openai`` client (sync and async). The oracle is
+transformers' own greedy ``generate`` on the same checkpoint, decoded with the same tokenizer.
+A second, in-process server (uvicorn on a thread, same checkpoint) covers what needs a hand on
+the engine: 503 while the model loads, and a failing engine step (500 for its requests, the
+others served). Every request is bounded in count and time; the network is 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import hybrid_compile as hc
+from checkpoints import hf_text, load_hf, save_checkpoint
+from engine_models import single_threaded
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NAME = "tiny-qwen3-next"
+NEW = 8  # new tokens per request
+MAX_TOTAL_TOKENS = 4096
+PROMPTS = [
+    "Hello world! How are", "The quick brown", "Hybrid models mix", "Gated delta networks keep",
+    "A small tokenizer for", "numbers 0123", "The lazy dog", "state space layers",
+]
+TIMEOUT = 120  # seconds any one client call may take
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_threaded()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(save_checkpoint(tmp_path_factory.mktemp("serving") / "qwen3_next", "qwen3_next", seed=0))
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post_raw(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class LiveServer:
+    """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe)."""
+
+    def __init__(self, ckpt: str, log: pathlib.Path) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hybrid_compile", "serve", "--model", ckpt, "--served-model-name", NAME,
+             "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
+             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
+             "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log"],
+            env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+        )
+        self.health_codes: list[int] = []
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                code, _ = _get(self.base + "/health")
+            except OSError:  # not listening yet
+                code = None
+            if code is not None:
+                self.health_codes.append(code)
+                if code == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    live = LiveServer(ckpt, tmp_path_factory.mktemp("serving_log") / "server.log")
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+
+
+def _client(server, cls=None):
+    cls = cls or openai.OpenAI
+    return cls(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def metrics(server) -> dict:
+    """The /metrics samples, parsed by prometheus_client's own parser: name -> value (labels of a
+    request-finish counter folded into the name as name{finish_reason})."""
+    code, body = _get(server.base + "/metrics")
+    assert code == 200
+    values = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            key = s.name + (f"{{{s.labels['finish_reason']}}}" if "finish_reason" in s.labels else "")
+            if "le" not in s.labels:
+                values[key] = s.value
+    return values
+
+
+def wait_idle_and_pools_full(server, timeout: float = 60) -> dict:
+    """Wait until no request runs or waits, then check every slot is free or the prefix cache's
+    (and none of the cache's locked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["hybrid_compile_num_requests_running"] == 0 and m["hybrid_compile_num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    p = "hybrid_compile_"
+    assert m[p + "kv_pool_free_tokens"] + m[p + "prefix_cache_kv_tokens"] == m[p + "kv_pool_capacity_tokens"], m
+    assert m[p + "mamba_pool_free_slots"] + m[p + "prefix_cache_mamba_slots"] == m[p + "mamba_pool_capacity_slots"], m
+    assert m[p + "request_pool_free_slots"] == m[p + "request_pool_capacity_slots"], m
+    assert m[p + "prefix_cache_locked_kv_tokens"] == 0 and m[p + "prefix_cache_locked_mamba_slots"] == 0, m
+    return m
+
+
+@torch.inference_mode()
+def hf_ids(ckpt: str, ids: list[int], max_new_tokens: int) -> list[int]:
+    model, _ = load_hf(ckpt)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# text equal to transformers' greedy generate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_completion_and_chat_text_equal_transformers_streaming_and_not(server, ckpt):
+    client = _client(server)
+    prompt = PROMPTS[0]
+    expected = hf_text(ckpt, prompt, NEW)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+    assert r.choices[0].text == expected
+    tok = load_hf(ckpt)[1]
+    n_prompt = len(tok(prompt)["input_ids"])
+    assert r.usage.prompt_tokens == n_prompt and 1 <= r.usage.completion_tokens <= NEW
+    assert r.choices[0].finish_reason in ("stop", "length") and r.model == NAME and r.object == "text_completion"
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    expected_chat = hf_text(ckpt, messages, NEW)
+    c = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW, temperature=0)
+    assert c.choices[0].message.content == expected_chat and c.choices[0].message.role == "assistant"
+    assert c.object == "chat.completion"
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected_chat
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == c.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == c.usage.prompt_tokens
+
+    # token-id prompts, several in one request, n > 1: choice i * n + j is prompt i's j-th sequence
+    ids = [tok(p)["input_ids"] for p in PROMPTS[1:3]]
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=NEW, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    for ch in r.choices:
+        assert ch.text == tok.decode(hf_ids(ckpt, ids[ch.index // 2], NEW), skip_special_tokens=True)
+
+
+def test_stop_strings_seeds_and_cached_prompt_tokens(server, ckpt):
+    client = _client(server)
+    tok = load_hf(ckpt)[1]
+    prompt = PROMPTS[1]
+    full = hf_text(ckpt, prompt, 16)
+    assert len(full) >= 4, full
+    k = next(k for k in range(1, len(full) - 1) if full.find(full[k : k + 2]) == k)
+    stop = full[k : k + 2]  # a 2-character stop string first seen at k
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                      stream=stream)
+        if stream:
+            chunks = list(r)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == (full[:k], "stop"), (stream, stop, full)
+
+    # sampling: the same seed gives the same text, twice and within one request of n = 2
+    kw = dict(model=NAME, prompt=prompt, max_tokens=NEW, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == NEW
+
+    # a prompt extending a finished request's prompt + output hits the prefix cache: reported as cached
+    ids = tok(PROMPTS[2] + " and more words here")["input_ids"]
+    out = hf_ids(ckpt, ids, NEW)
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=NEW, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    longer = ids + out + [5, 6, 7]  # (out ends with EOS if it stopped there: the engine keeps it too)
+    r2 = client.completions.create(model=NAME, prompt=longer, max_tokens=2, temperature=0)
+    assert len(ids) <= r2.usage.prompt_tokens_details.cached_tokens < len(longer)
+    assert r2.choices[0].text == tok.decode(hf_ids(ckpt, longer, 2), skip_special_tokens=True)
+
+
+def test_penalties_min_p_and_logprobs_map_onto_the_engine(server, ckpt):
+    client = _client(server)
+    model, tok = load_hf(ckpt)
+    prompt = PROMPTS[5]
+    ids = tok(prompt)["input_ids"]
+    x = torch.tensor([ids])
+    with torch.inference_mode():  # transformers' own repetition penalty and logits
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
+                             repetition_penalty=1.5)
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0,
+                                  extra_body={"repetition_penalty": 1.5})
+    assert r.choices[0].text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for i, token in enumerate(ref.sequences[0, len(ids):].tolist()):
+        expected = ref.logits[i][0].float().log_softmax(-1)
+        assert lp.tokens[i] == tok.decode([token])
+        assert abs(lp.token_logprobs[i] - expected[token].item()) < 1e-4
+        top = expected.topk(3).values.tolist()
+        # (OpenAI's dict is keyed by token text: ids that decode alike share an entry)
+        values = sorted(lp.top_logprobs[i].values(), reverse=True)
+        assert values[0] == pytest.approx(top[0], abs=1e-4)
+        assert all(any(abs(v - t) < 1e-4 for t in top) for v in values)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+    # OpenAI's penalties and min_p with a seed: the in-process engine's generate() with the same settings
+    settings = dict(presence_penalty=0.8, frequency_penalty=0.5, seed=3, temperature=0.9)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, **settings,
+                                  extra_body={"min_p": 0.05, "ignore_eos": True})
+    engine = hc.from_pretrained(ckpt, device="cpu", max_running_requests=2, max_total_tokens=512)
+    try:
+        expected = engine.generate(prompt, max_new_tokens=NEW, do_sample=True, min_p=0.05, ignore_eos=True,
+                                   **settings)
+    finally:
+        engine.close()
+    assert r.choices[0].text == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# many streams at once, disconnects, bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_64_concurrent_streams_complete_with_the_right_text_and_pools_come_back(server, ckpt):
+    expected = {p: hf_text(ckpt, p, NEW) for p in PROMPTS}
+    before = metrics(server)
+
+    async def one(client, i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0,
+                                                     stream=True)
+            text = "".join([c.choices[0].text async for c in stream])
+        else:
+            stream = await client.chat.completions.create(model=NAME, max_tokens=NEW, temperature=0, stream=True,
+                                                          messages=[{"role": "user", "content": prompt}])
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return i, prompt, text
+
+    async def run():
+        async with _client(server, openai.AsyncOpenAI) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(64))), TIMEOUT)
+
+    results = asyncio.run(run())
+    chat_expected = {p: hf_text(ckpt, [{"role": "user", "content": p}], NEW) for p in PROMPTS}
+    for i, prompt, text in results:
+        assert text == (expected if i % 2 else chat_expected)[prompt], (i, prompt)
+    after = wait_idle_and_pools_full(server)
+    finished = sum(after.get(f"hybrid_compile_request_finished_total{{{r}}}", 0) for r in ("stop", "length"))
+    assert finished - sum(before.get(f"hybrid_compile_request_finished_total{{{r}}}", 0)
+                          for r in ("stop", "length")) == 64
+
+
+def test_client_disconnect_mid_stream_frees_its_request(server, ckpt):
+    client = _client(server)
+    before = metrics(server)
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=300, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()  # the connection goes away mid-stream
+    after = wait_idle_and_pools_full(server)
+    key = "hybrid_compile_request_finished_total{abort}"
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    generated = after["hybrid_compile_generation_tokens_total"] - before["hybrid_compile_generation_tokens_total"]
+    assert 3 <= generated < 300
+
+    # a non-streaming request whose client gives up (times out) mid-generation: aborted too
+    impatient = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=400, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    final = wait_idle_and_pools_full(server)
+    assert final.get(key, 0) == before.get(key, 0) + 2
+    generated = final["hybrid_compile_generation_tokens_total"] - after["hybrid_compile_generation_tokens_total"]
+    assert generated < 400
+
+
+def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_flight(server, ckpt):
+    client = _client(server)
+    expected = hf_text(ckpt, PROMPTS[4], 24)
+    result = {}
+
+    def in_flight():
+        s = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=24, temperature=0, stream=True)
+        result["text"] = "".join(c.choices[0].text for c in s)
+
+    worker = threading.Thread(target=in_flight)
+    worker.start()
+
+    def err(call, **kw):
+        with pytest.raises(openai.BadRequestError) as info:
+            call(**kw)
+        body = info.value.response.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"], body
+        return body["error"]
+
+    comp, chat = client.completions.create, client.chat.completions.create
+    ok = dict(model=NAME, prompt="hi", max_tokens=4)
+    assert err(comp, **{**ok, "model": "no-such-model"})["param"] == "model"
+    assert err(comp, **{**ok, "max_tokens": 10_000})["param"] == "max_tokens"
+    assert err(comp, **{**ok, "n": 0})["param"] == "n"
+    assert err(comp, **{**ok, "prompt": [1, 2, 10_000_000]})["param"] == "prompt"
+    assert err(comp, **{**ok, "prompt": []})["param"] == "prompt"
+    assert err(comp, **{**ok, "logit_bias": {"5": 1.0}})["param"] == "logit_bias"
+    assert err(comp, **ok, extra_body={"no_such_field": 1})["param"] == "no_such_field"
+    assert err(comp, **{**ok, "temperature": -1})["param"] == "temperature"
+    assert err(comp, **{**ok, "max_tokens": 0})["param"] == "max_tokens"
+    assert err(comp, **{**ok, "presence_penalty": 3})["param"] == "presence_penalty"
+    assert err(comp, **ok, extra_body={"min_p": 2})["param"] == "min_p"
+    assert err(comp, **{**ok, "logprobs": 6})["param"] == "logprobs"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert err(chat, model=NAME, messages=msgs, max_tokens=10_000)["param"] == "max_tokens"
+    assert err(chat, model=NAME, messages=msgs, n=0)["param"] == "n"
+    assert err(chat, model=NAME, messages=[{"role": "wizard", "content": "x"}])["param"] == "messages[0].role"
+    # malformed JSON, and a body that is not an object
+    code, body = _post_raw(server.base + "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert code == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    code, body = _post_raw(server.base + "/v1/chat/completions", b"[1, 2]")
+    assert code == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    code, body = _post_raw(server.base + "/v1/no/such/route", b"{}")
+    assert code == 404 and "error" in body
+
+    worker.join(TIMEOUT)
+    assert result["text"] == expected
+    wait_idle_and_pools_full(server)
+
+
+def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
+         "--port", str(_free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "no/such/dir" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_models_health_and_metrics_parse_with_prometheus_client(server):
+    assert server.health_codes[-1] == 200
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    m = metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count", "prefix_cache_hit_rate",
+                 "kv_pool_usage_ratio", "mamba_pool_usage_ratio", "generation_tokens_per_second",
+                 "generation_tokens_total", "prompt_tokens_total", "cached_prompt_tokens_total"):
+        assert f"hybrid_compile_{name}" in m, name
+    assert m["hybrid_compile_time_to_first_token_seconds_count"] > 0
+    assert m["hybrid_compile_inter_token_latency_seconds_count"] > 0
+    assert 0 < m["hybrid_compile_prefix_cache_hit_rate"] < 1  # test_stop_strings_...: one hit at least
+
+
+# ---------------------------------------------------------------------------------------------
+# in process: 503 while loading, a failing step, the AsyncEngine itself
+# ---------------------------------------------------------------------------------------------
+
+
+SMALL = dict(device="cpu", max_running_requests=8, max_total_tokens=1024, chunked_prefill_size=64)
+
+
+class InProcessServer:
+    """build_app(load=...) under uvicorn on a thread: the test holds the engine."""
+
+    def __init__(self, load) -> None:
+        import uvicorn
+
+        from hybrid_compile.serving.server import build_app
+
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.app = build_app(NAME, load=load)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive()
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_503_while_loading_then_a_failed_step_fails_only_its_requests(ckpt):
+    release = threading.Event()
+    holder = {}
+
+    def load():
+        assert release.wait(60)
+        holder["engine"] = hc.from_pretrained(ckpt, **SMALL)
+        return holder["engine"]
+
+    srv = InProcessServer(load)
+    try:
+        code, body = _get(srv.base + "/health")
+        assert code == 503 and json.loads(body)["error"]["type"] == "service_unavailable_error"
+        code, body = _post_raw(srv.base + "/v1/completions", json.dumps({"model": NAME, "prompt": "hi"}).encode())
+        assert code == 503 and set(body["error"]) == {"message", "type", "param", "code"}
+        release.set()
+        deadline = time.monotonic() + 60
+        while _get(srv.base + "/health")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        engine = holder["engine"]
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+        # the request's third forward raises: it gets a 500 body, the server keeps serving (the
+        # engine rolls the failed step back)
+        real_forward = engine.runner.forward
+        calls = {"n": 0}
+
+        def failing_forward(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected step failure")
+            return real_forward(*args, **kwargs)
+
+        engine.runner.forward = failing_forward
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        error = info.value.response.json()["error"]
+        assert "injected step failure" in error["message"] and error["type"] == "internal_server_error"
+        stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == hf_text(ckpt, PROMPTS[0], NEW)
+        assert calls["n"] > 3
+        engine.runner.forward = real_forward
+    finally:
+        release.set()
+        srv.stop()
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+
+
+def test_async_engine_concurrent_streams_and_early_stop(ckpt):
+    engine = hc.from_pretrained(ckpt, **SMALL)
+    tok = engine.tokenizer
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:6]]
+    params = hc.SamplingParams(max_new_tokens=NEW, eos_token_ids=(tok.eos_token_id,))
+    async_engine = hc.AsyncEngine(engine)
+
+    async def collect(ids):
+        tokens, updates = [], []
+        async for out in async_engine.generate_stream(ids, params):
+            tokens.extend(out.new_token_ids)
+            updates.append(out)
+        assert updates[-1].finished and updates[-1].finish_reason in ("stop", "length")
+        assert all(not u.finished for u in updates[:-1]) and updates[-1].num_generated == len(tokens)
+        return tokens
+
+    async def stop_early(ids):
+        async for out in async_engine.generate_stream(ids, hc.SamplingParams(max_new_tokens=200, ignore_eos=True)):
+            if out.num_generated >= 2:
+                break  # the consumer stops: the request is aborted at the next step
+
+    async def run():
+        results = await asyncio.gather(stop_early(prompts[0]), *(collect(p) for p in prompts))
+        # n = 2 sequences of one prompt (prefilled once), greedy: both are transformers' tokens
+        pair = await async_engine.generate(prompts[1], dataclasses.replace(params, n=2))
+        assert pair == [results[2], results[2]]
+        stats = await async_engine.stats()
+        return results[1:], stats
+
+    try:
+        with pytest.raises(ValueError, match="vocabulary"):
+            async_engine.generate_stream([1, 10_000_000], params)
+        results, stats = asyncio.run(run())
+        for ids, tokens in zip(prompts, results):
+            assert tokens == hf_ids(ckpt, ids, NEW)
+        assert stats["running"] == 0 and stats["waiting"] == 0
+    finally:
+        async_engine.shutdown()
+    stats = engine.stats()
+    assert stats["requests_added"] == len(prompts) + 3
+    # (the stopped one ended far before its 200 tokens)
+    assert stats["generated_tokens"] < sum(map(len, results)) + 2 * len(results[1]) + 20
+    assert not engine.has_unfinished() and not engine._requests  # every request popped
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    engine.close()
+
+
+
+def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix():
+    from checkpoints import build_tokenizer
+
+    from hybrid_compile.serving.detokenize import IncrementalText
+
+    tok = build_tokenizer()
+    text = "Hello world! How are you today? numbers 0123 ; é ü"  # multi-byte characters split over tokens
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    inc = IncrementalText(tok)
+    pieces = []
+    for t in ids:
+        inc.add([t])
+        pieces.append(inc.take(finished=False))
+    inc.finish()
+    pieces.append(inc.take(finished=True))
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == inc.text
+    assert all("\ufffd" not in p for p in pieces)
+    inc = IncrementalText(tok)  # several tokens per update (speculative decoding, overlap)
+    for i in range(0, len(ids), 3):
+        inc.add(ids[i : i + 3])
+    inc.finish()
+    assert inc.take(finished=True) == tok.decode(ids, skip_special_tokens=True)
+
+    inc = IncrementalText(tok, stop=["How a", "zzz"])
+    streamed = ""
+    for t in ids:
+        inc.add([t])
+        streamed += inc.take(finished=False)
+        assert not streamed.endswith("How")  # a possible stop-string start is held back
+        if inc.stopped:
+            break
+    assert inc.stopped and streamed + inc.take(finished=True) == "Hello world! " == inc.text

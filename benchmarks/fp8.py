@@ -167,7 +167,10 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "transformers": transformers.__version__, "layers": layers,
            "params": params, "tiny": tiny, "date": time.strftime("%Y-%m-%d")}
     print(f"model: {params / 1e9:.2f} B parameters, {layers} layers, built in {build_s:.1f} s on {env['device']}")
-    engine_kw = dict(max_running_requests=max(decode_batches), memory_fraction=args.memory_fraction,
+    # Mamba slots given explicitly (running requests + as many for the prefix cache): sized from the
+    # budget they would depend on what the first engine left reserved, and differ between the modes
+    engine_kw = dict(max_running_requests=max(decode_batches), mamba_cache_size=2 * max(decode_batches),
+                     memory_fraction=args.memory_fraction,
                      max_context_len=max(prefill_lens) + 64, chunked_prefill_size=min(8192, max(prefill_lens)))
     results = {"env": env}
     for mode in ("bf16", "fp8"):

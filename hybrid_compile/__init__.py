@@ -27,7 +27,8 @@ __version__ = "0.1.0"
 
 
 def wrap(
-    model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, **overrides
+    model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, tensor_parallel_size: int = 1,
+    **overrides,
 ) -> HybridEngine:
     """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
 
@@ -38,6 +39,12 @@ def wrap(
     ``tokenizer`` (optional, also settable later as ``engine.tokenizer``) lets ``generate`` and
     ``generate_batch`` take strings and chat messages and return text.
     """
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"wrap(tensor_parallel_size={tensor_parallel_size}): a model already loaded in this process is served "
+            "from one device; tensor parallelism loads each rank's shard from the checkpoint itself: use "
+            "hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N)"
+        )
     return HybridEngine(model, EngineConfig.from_args(config, **overrides), tokenizer=tokenizer)
 
 

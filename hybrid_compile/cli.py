@@ -52,7 +52,8 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = run_demo(args.device, args.num_prompts, args.max_new_tokens, args.seed, check=not args.no_check)
+    result = run_demo(args.device, args.num_prompts, args.max_new_tokens, args.seed, check=not args.no_check,
+                      tensor_parallel_size=args.tensor_parallel_size)
     return 0 if result["matches_hf"] in (True, None) else 1
 
 
@@ -105,7 +106,8 @@ def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more
     return from_pretrained(
         args.model, dtype=None if args.dtype == "auto" else args.dtype,
         device=None if args.device == "auto" else args.device, tokenizer=tokenizer,
-        trust_remote_code=args.trust_remote_code, progress=not args.no_progress, **options,
+        trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
+        tensor_parallel_size=args.tensor_parallel_size, **options,
     )
 
 
@@ -377,6 +379,13 @@ def _add_model_options(p: argparse.ArgumentParser, max_running_requests: int | N
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of torch (torch.set_num_threads); 0 = torch's default")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars (stderr)")
+    _add_tensor_parallel_option(p)
+
+
+def _add_tensor_parallel_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="serve the model over N processes, one per device (--device cuda: GPUs 0..N-1; cpu: gloo), "
+                   "each loading only its shard")
 
 
 def _add_text_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -410,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     d.add_argument("--no-check", action="store_true", help="skip the comparison with transformers' generate")
+    _add_tensor_parallel_option(d)
     d.set_defaults(func=_demo)
     p = sub.add_parser(
         "selfcheck",

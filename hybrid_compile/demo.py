@@ -49,7 +49,13 @@ def run_demo(
     seed: int = 0,
     check: bool = True,
     out=print,
+    tensor_parallel_size: int = 1,
 ) -> dict:
+    """Serve the demo model and check it against transformers. ``tensor_parallel_size`` > 1: the
+    model is saved to a temporary directory and served from there over that many processes
+    (``hc.from_pretrained(dir, tensor_parallel_size=N)``)."""
+    import tempfile
+
     import hybrid_compile as hc
 
     model = build_demo_model(seed, device)
@@ -60,8 +66,15 @@ def run_demo(
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     out(f"prompts: {num_prompts} of lengths {lengths}, {max_new_tokens} new tokens each")
 
-    engine = hc.wrap(model, max_running_requests=4, chunked_prefill_size=128, max_total_tokens=4096,
-                     mamba_cache_size=16)
+    options = dict(max_running_requests=4, chunked_prefill_size=128, max_total_tokens=4096, mamba_cache_size=16)
+    tmp = None
+    if tensor_parallel_size != 1:
+        tmp = tempfile.TemporaryDirectory(prefix="hybrid_compile_demo_")
+        model.save_pretrained(tmp.name)
+        engine = hc.from_pretrained(tmp.name, tensor_parallel_size=tensor_parallel_size, device=device, **options)
+        out(f"tensor parallelism: {tensor_parallel_size} ranks")
+    else:
+        engine = hc.wrap(model, **options)
     t0 = time.perf_counter()
     outputs = engine.generate_batch(prompts, max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - t0
@@ -77,8 +90,10 @@ def run_demo(
     out(f"  pools: {mem['capacity']['kv_tokens']} KV token slots, {mem['capacity']['mamba_slots']} Mamba slots, "
         f"{mem['bytes']['total'] / 2**20:.1f} MiB; all free again after the run")
     result = {"outputs": outputs, "seconds": seconds, "stats": stats, "matches_hf": None}
+    engine.close()
+    if tmp is not None:
+        tmp.cleanup()
     if check:
-        engine.close()
         t0 = time.perf_counter()
         matches = 0
         for prompt, tokens in zip(prompts, outputs):

@@ -178,8 +178,10 @@ def from_pretrained(
     trust_remote_code: bool = False,
     model_kwargs: dict | None = None,
     progress: bool = False,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_timeout: float | None = None,
     **engine_options,
-) -> HybridEngine:
+) -> HybridEngine | None:
     """Load a Hugging Face hybrid checkpoint and wrap it: returns a :class:`HybridEngine`.
 
     - ``path_or_dir``: a local checkpoint directory (``config.json`` + safetensors weights), or a
@@ -198,6 +200,14 @@ def from_pretrained(
     - ``progress``: show a tqdm progress bar (stderr) over the loading stages (weights, engine).
     - ``engine_options``: :class:`EngineConfig` fields (``max_running_requests=...``), checked
       before any weight is read.
+    - ``tensor_parallel_size``: serve the model over this many processes, one per device (``device``
+      ``"cuda"``: GPU r for rank r; ``"cpu"``: gloo, for tests), each loading only its shard of the
+      safetensors files (:mod:`hybrid_compile.distributed`). From a plain process the other ranks
+      are started here and stopped by ``engine.close()``; under ``torchrun --nproc-per-node N``
+      every rank calls this, rank 0 gets the engine and the others follow its steps inside the call
+      and return ``None`` once it is closed. A model whose head counts do not divide raises
+      :class:`~hybrid_compile.distributed.ShardingError` before any weight is read.
+      ``tensor_parallel_timeout``: seconds a rank waits in a collective before it gives up (300).
 
     FP8: a checkpoint in the fine-grained FP8 format (``quantization_config.quant_method == "fp8"``,
     e4m3 weights with 128 x 128 block scales) loads with its weights kept FP8 on the device, and
@@ -234,6 +244,18 @@ def from_pretrained(
     elif tokenizer not in (False, None):
         tok = tokenizer
 
+    if tensor_parallel_size != 1:
+        from .distributed import launch
+        from .distributed.group import DEFAULT_TIMEOUT_SECONDS
+
+        if model_kwargs:
+            raise ValueError(f"model_kwargs with tensor_parallel_size={tensor_parallel_size}: each rank builds its "
+                             f"shard itself and takes no from_pretrained arguments ({', '.join(model_kwargs)})")
+        if revision is not None or not _is_local(path):
+            raise ValueError("tensor parallelism loads a local checkpoint directory (download it first)")
+        return launch(path, tensor_parallel_size, config, engine_config, dtype=None if torch_dtype == "auto" else torch_dtype,
+                      device=device, tokenizer=tok, trust_remote_code=trust_remote_code,
+                      timeout=tensor_parallel_timeout or DEFAULT_TIMEOUT_SECONDS)
     kwargs = dict(dtype=torch_dtype, device_map=_device_map(device), revision=revision,
                   trust_remote_code=trust_remote_code)
     kwargs.update(model_kwargs or {})

@@ -207,6 +207,8 @@ class HybridEngine:
                 else 0
             ),
             memory_fraction=config.memory_fraction,
+            # tensor parallelism: one budget for every rank (the smallest rank's), so their pools match
+            memory_budget_bytes=config.extra.get("memory_budget_bytes"),
             mamba_full_memory_ratio=config.mamba_full_memory_ratio,
             # capacities from the budget never exceed what the engine can use (cached prefixes
             # included): every request at full context twice over, and 8 Mamba slots per request

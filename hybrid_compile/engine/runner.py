@@ -160,6 +160,9 @@ class ModelRunner:
         self.hidden_states: torch.Tensor | None = None
         self.pools = pools
         self.device = device
+        # tensor parallelism (hybrid_compile.distributed): on rank 0, told of every model call (inside its
+        # forward context) so that it broadcasts the step to the other ranks, which run the same call
+        self.step_observer = None
         kv = pools.kv
         # pool views per layer (ForwardContext), FP8 pools' scales after their values (float pools: none)
         self.kv_caches = {layer: _views(*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
@@ -252,6 +255,8 @@ class ModelRunner:
     # -- compile ------------------------------------------------------------------------------
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
         """Packed tokens -> logits ``[B, vocab]`` (the eager path)."""
+        if self.step_observer is not None:
+            self.step_observer.forward(False, input_ids, extra)
         return self._forward_fn(self.model)(input_ids, positions, logits_indices, *extra)
 
     def _extra_zeros(self, n: int) -> tuple[torch.Tensor, ...]:
@@ -293,6 +298,8 @@ class ModelRunner:
         self._compile_counters["warmup_seconds"] = time.perf_counter() - t0
 
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
+        if self.step_observer is not None:
+            self.step_observer.forward(True, input_ids, extra)
         for t in (input_ids, positions, logits_indices, *extra):
             if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
                 torch._dynamo.mark_dynamic(t, 0)

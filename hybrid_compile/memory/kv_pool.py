@@ -91,6 +91,9 @@ class KVPool:
             scale_views[i] for i in self.layer_ids
         ]
         self.bytes_per_token = kv_bytes_per_token(self.specs)
+        # tensor parallelism (hybrid_compile.distributed): rank 0's pool tells the other ranks' pools
+        # about every K/V write outside a forward (copy_slots)
+        self.observer = None
 
     @property
     def num_layers(self) -> int:
@@ -143,11 +146,17 @@ class KVPool:
         pin = self.device.type == "cuda"
         src_d = (src.pin_memory() if pin else src).to(self.device, non_blocking=True)
         dst_d = (dst.pin_memory() if pin else dst).to(self.device, non_blocking=True)
+        if self.observer is not None:
+            self.observer.copy_kv_slots(src_d, dst_d)
+        self.copy_state(src_d, dst_d)
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The K/V write of :meth:`copy_slots` (device indices, no allocator checks)."""
         for buf in (*self.k_buffers, *self.v_buffers):
             bits = buf.view(torch.uint8) if buf.dtype == torch.float8_e4m3fn else buf  # (no CPU float8 index_copy_)
-            bits.index_copy_(1, dst_d, bits.index_select(1, src_d))
+            bits.index_copy_(1, dst, bits.index_select(1, src))
         for buf in self.scale_buffers:
-            buf.index_copy_(2, dst_d, buf.index_select(2, src_d))
+            buf.index_copy_(2, dst, buf.index_select(2, src))
 
     # Allocation goes through the token allocator; these delegate for convenience.
     def alloc(self, n: int) -> torch.Tensor | None:

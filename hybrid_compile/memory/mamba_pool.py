@@ -137,6 +137,9 @@ class MambaPool:
         # Per-layer views in mamba-index order (index = layer_to_mamba_index[layer_id]).
         self.layer_caches: list[MambaLayerCache] = [caches[i] for i in self.layer_ids]
         self.bytes_per_slot = mamba_bytes_per_slot(self.specs)
+        # tensor parallelism (hybrid_compile.distributed): rank 0's pool tells the other ranks' pools
+        # about every state write outside a forward (zero_slots / copy_slots / a speculative commit)
+        self.observer = None
 
     # -- per-layer access ---------------------------------------------------------------
     @property
@@ -222,6 +225,12 @@ class MambaPool:
     def zero_slots(self, slots: IndexLike) -> None:
         """Zero the conv window and SSM state of these slots in every layer (device-side)."""
         idx = self._device_index(self.allocator.check_allocated(slots, action="zero"))
+        if self.observer is not None:
+            self.observer.zero_slots(idx)
+        self.zero_state(idx)
+
+    def zero_state(self, idx: torch.Tensor) -> None:
+        """The state write of :meth:`zero_slots` (device indices, no allocator checks)."""
         for buf in self._slot_buffers():
             _bits(buf).index_fill_(1, idx, 0)  # (e4m3 zero is all-zero bits)
 
@@ -235,9 +244,15 @@ class MambaPool:
         if src.numel() == 0:
             return
         src_d, dst_d = self._device_index(src), self._device_index(dst)
+        if self.observer is not None:
+            self.observer.copy_slots(src_d, dst_d)
+        self.copy_state(src_d, dst_d)
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The state write of :meth:`copy_slots` (device indices, no allocator checks)."""
         for buf in self._slot_buffers():
             bits = _bits(buf)
-            bits.index_copy_(1, dst_d, bits.index_select(1, src_d))
+            bits.index_copy_(1, dst, bits.index_select(1, src))
 
     def fork(self, src_slots: IndexLike) -> torch.Tensor | None:
         """New slots holding copies of ``src_slots`` (a prefix-cache checkpoint), or ``None``."""

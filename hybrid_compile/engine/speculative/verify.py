@@ -333,6 +333,9 @@ class SpeculativeDecoder:
             if engine.device.type == "cuda":
                 host = host.pin_memory()
             slots, steps = host.to(engine.device, non_blocking=True).split(len(reqs))
+            observer = engine.pools.mamba.observer
+            if observer is not None:  # tensor parallelism: every rank commits its own heads' states
+                observer.commit(slots, steps)
             _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
         for r, tokens in zip(reqs, kept):
             r.num_computed += len(tokens)

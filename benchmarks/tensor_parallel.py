@@ -1,0 +1,272 @@
+"""Tensor-parallel scaling: the same checkpoint served at TP 1 / 2 / 4 (hybrid_compile.distributed).
+
+For each tensor-parallel size: decode tokens/s at batch 1 / 16 / 64 (requests of ``--prompt-len``
+tokens, ``--new-tokens`` each; only the steps after every request's first token are timed),
+prefill tokens/s of one prompt of 4k and 32k tokens, the time rank 0 spends in all-reduces per
+decode step (torch.profiler over a few decode steps: gloo / NCCL all-reduce events), each rank's
+shard and peak memory while loading, and the scaling efficiency
+``tok/s(TP n) / (n * tok/s(TP 1))`` of every measurement.
+
+The model is a checkpoint directory (``--model DIR``) or a random-weight one written once to
+``--workdir`` (``--shape``): ``qwen3_next_80b`` (the Qwen3-Next-80B-A3B shape: 48 layers, 512
+experts, bf16, ~160 GB on disk), ``reference`` (the 1.9 B reference Qwen3-Next of the other
+benchmarks); ``--tiny`` is a toy Qwen3-Next for CPU smoke runs (``--device cpu --tiny``).
+The checkpoint is written tensor by tensor from a meta-device model, so writing the 80B one
+needs disk, not memory.
+
+    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2,4 --workdir /data/ckpt
+    python benchmarks/tensor_parallel.py --device cpu --tiny --tp 1,2     # smoke run
+
+Prints a table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from reference_models import qwen3_next_reference_config, random_token_prompts, sync_device  # noqa: E402
+
+
+def qwen3_next_80b_config():
+    """The Qwen3-Next-80B-A3B shape (random weights)."""
+    import transformers
+
+    return transformers.Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=65536,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def tiny_config():
+    cfg = qwen3_next_reference_config(tiny=True)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads = 4, 2, 4, 4
+    cfg.tie_word_embeddings = False
+    return cfg
+
+
+def write_random_checkpoint(config, path: str, dtype: torch.dtype, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
+    """A safetensors checkpoint of ``config`` with random weights (std 0.02; norms 1, A_log 0),
+    written one shard at a time (``model-XXXXX.safetensors`` + index) from a meta-device model."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    os.makedirs(path, exist_ok=True)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    weight_map, shard, size, index = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, index
+        if shard:
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size, index = {}, 0, index + 1
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for name, p in model.named_parameters():
+        if tied and name == "lm_head.weight":
+            continue  # the embedding's
+        if name.endswith("norm.weight"):
+            t = torch.ones(p.shape, dtype=dtype)
+        elif name.endswith("A_log") or name.endswith("dt_bias"):
+            t = torch.zeros(p.shape, dtype=dtype)
+        else:
+            t = (torch.randn(p.shape, generator=g) * 0.02).to(dtype)
+        shard[name] = t
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config.save_pretrained(path)
+
+
+def decode(engine, batch: int, prompt_len: int, new: int, vocab: int, seed: int) -> dict:
+    from hybrid_compile import SamplingParams
+
+    prompts = random_token_prompts(batch, prompt_len, vocab, seed)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    reqs = [engine._requests[r] for r in rids]
+    while not all(r.output for r in reqs):
+        engine.step()
+    sync_device(engine.device)
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync_device(engine.device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.output) - 1 for r in reqs)
+    for r in rids:
+        engine.pop_finished(r)
+    engine.clear_prefix_cache()
+    return dict(batch=batch, decode_tokens=tokens, steps=steps, seconds=seconds,
+                tokens_per_s=tokens / seconds if seconds else 0.0)
+
+
+def prefill(engine, length: int, vocab: int, seed: int) -> dict:
+    prompt = random_token_prompts(1, length, vocab, seed)[0]
+    sync_device(engine.device)
+    t0 = time.perf_counter()
+    engine.generate_batch([prompt], max_new_tokens=1)
+    sync_device(engine.device)
+    seconds = time.perf_counter() - t0
+    engine.clear_prefix_cache()
+    return dict(length=length, seconds=seconds, tokens_per_s=length / seconds)
+
+
+def all_reduce_per_step(engine, batch: int, vocab: int, steps: int = 4) -> dict:
+    """Rank 0's time in all-reduce collectives per decode step (profiler events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybrid_compile import SamplingParams
+
+    prompts = random_token_prompts(batch, 16, vocab, seed=99)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
+    reqs = [engine._requests[r] for r in rids]
+    while not all(r.output for r in reqs):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        n = 0
+        while engine.has_unfinished() and n < steps:
+            engine.step()
+            n += 1
+        sync_device(engine.device)
+    while engine.has_unfinished():
+        engine.step()
+    for r in rids:
+        engine.pop_finished(r)
+    engine.clear_prefix_cache()
+    us, count = 0.0, 0
+    for e in prof.key_averages():
+        name = e.key.lower()
+        if "all_reduce" in name or "allreduce" in name:
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            us += dev if engine.device.type == "cuda" else e.cpu_time_total
+            count += e.count
+    return dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / max(1, n), all_reduce_calls=count)
+
+
+def run_tp(args, path: str, tp: int, vocab: int) -> dict:
+    import hybrid_compile as hc
+
+    opts = dict(max_running_requests=max(args.batches), chunked_prefill_size=args.chunked_prefill,
+                max_context_len=max(args.prefill + [args.prompt_len + args.new_tokens]) + 8)
+    opts.update(args.extra)
+    t0 = time.perf_counter()
+    engine = hc.from_pretrained(path, dtype=args.dtype, device=args.device, tokenizer=False, tensor_parallel_size=tp,
+                                **opts)
+    out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={})
+    try:
+        decode(engine, 1, 16, 4, vocab, seed=1)  # warm-up
+        for b in args.batches:
+            out["decode"][str(b)] = decode(engine, b, args.prompt_len, args.new_tokens, vocab, seed=b)
+        for L in args.prefill:
+            out["prefill"][str(L)] = prefill(engine, L, vocab, seed=L)
+        out["all_reduce"] = all_reduce_per_step(engine, max(args.batches), vocab) if tp > 1 else None
+        stats = engine.stats()
+        out["tensor_parallel"] = stats.get("tensor_parallel")
+        out["memory"] = stats["memory"]
+    finally:
+        engine.close()
+    return out
+
+
+def efficiency(results: list[dict]) -> dict:
+    base = next((r for r in results if r["tp"] == 1), None)
+    if base is None:
+        return {}
+    eff = {}
+    for r in results:
+        e = {}
+        for kind in ("decode", "prefill"):
+            for k, v in r[kind].items():
+                b = base[kind].get(k)
+                if b and b["tokens_per_s"]:
+                    speedup = v["tokens_per_s"] / b["tokens_per_s"]
+                    e[f"{kind}_{k}"] = dict(speedup=speedup, efficiency=speedup / r["tp"])
+        eff[str(r["tp"])] = e
+    return eff
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a toy Qwen3-Next (CPU smoke run)")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: a random one, see --shape)")
+    ap.add_argument("--shape", default="qwen3_next_80b", choices=["qwen3_next_80b", "reference"])
+    ap.add_argument("--workdir", default="/tmp/hybrid_compile_tp_ckpt", help="where the random checkpoint is written")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prefill", default="4096,32768", help="prefill prompt lengths")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunked-prefill", type=int, default=8192)
+    ap.add_argument("--extra", type=json.loads, default={}, help="more EngineConfig fields (JSON)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.tp = [int(x) for x in args.tp.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.prefill = [int(x) for x in args.prefill.split(",")]
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.tiny and args.prefill == [4096, 32768]:
+        args.prefill = [64]
+    if args.tiny and args.batches == [1, 16, 64]:
+        args.batches = [1, 4]
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        path = args.model
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    else:
+        config = tiny_config() if args.tiny else (
+            qwen3_next_80b_config() if args.shape == "qwen3_next_80b" else qwen3_next_reference_config())
+        path = os.path.join(args.workdir, "tiny" if args.tiny else args.shape)
+        t0 = time.perf_counter()
+        write_random_checkpoint(config, path, dtype)
+        print(f"checkpoint {path} ready ({time.perf_counter() - t0:.1f} s)")
+    vocab = config.get_text_config().vocab_size
+    results = []
+    for tp in args.tp:
+        r = run_tp(args, path, tp, vocab)
+        results.append(r)
+        dec = "  ".join(f"b{b} {v['tokens_per_s']:.1f}" for b, v in r["decode"].items())
+        pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())
+        ar = r["all_reduce"]["all_reduce_ms_per_step"] if r["all_reduce"] else 0.0
+        print(f"TP {tp}: decode tok/s {dec} | prefill tok/s {pre} | all-reduce {ar:.3f} ms/step")
+    result = dict(device=args.device, dtype=args.dtype, model=path, tiny=args.tiny,
+                  gpus=torch.cuda.device_count() if args.device == "cuda" else 0, results=results,
+                  scaling=efficiency(results), torch=torch.__version__)
+    for tp, e in result["scaling"].items():
+        print(f"TP {tp} scaling: " + "  ".join(f"{k} x{v['speedup']:.2f} ({100 * v['efficiency']:.0f} %)"
+                                              for k, v in e.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

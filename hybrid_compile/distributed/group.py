@@ -1,0 +1,192 @@
+"""The tensor-parallel process group: ranks, devices, collectives and the error channel.
+
+One process per device. The default torch.distributed group (NCCL on CUDA, gloo on CPU) carries
+the model's collectives and the steps' packed metadata; a second gloo group with a long timeout
+carries the small step headers that follower ranks block on while the leader (rank 0) is idle.
+The model's collectives are functional collectives (``torch.distributed._functional_collectives``)
+so Dynamo traces them into the graph like any other op.
+
+Errors: a rank that fails records ``rank R: <error>`` in the rendezvous store under one key
+(the first failure wins), then tears its process group down, which breaks every collective the
+other ranks wait in; they read the recorded error and raise :class:`TensorParallelError` with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+_ERROR_KEY = "hybrid_compile/tp/error"
+_ERROR_COUNT = "hybrid_compile/tp/errors"
+# how long a rank whose collective broke waits for the failing rank's recorded error
+_ERROR_WAIT_SECONDS = 10.0
+# the step-header group: followers wait in it for as long as the leader is idle
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed; the message names the rank and its error."""
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place in a tensor-parallel group (see the module docstring)."""
+
+    rank: int
+    size: int
+    device: torch.device
+    group: "dist.ProcessGroup"  # model collectives + step payloads (NCCL on CUDA, gloo on CPU)
+    control: "dist.ProcessGroup"  # step headers (gloo, long timeout)
+    store: "dist.Store"
+    owns_default_group: bool = True  # destroy the default group at shutdown (False: the user made it)
+    closed: bool = field(default=False)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # -- model collectives (traced by Dynamo) ---------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return _waited(funcol.all_reduce(x, "sum", self.group))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., n]`` on every rank -> ``[..., size * n]``, rank r's columns at ``r * n``."""
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        return _waited(gather(x.contiguous(), x.dim() - 1, self.group))
+
+    # -- host-side helpers -----------------------------------------------------------------------
+    def all_min(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return t.tolist()
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), by rank."""
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.control)
+        return [o.tolist() for o in out]
+
+    # -- failures -------------------------------------------------------------------------------
+    def recorded_error(self, wait: float = 0.0) -> str | None:
+        """The first failure any rank recorded, waiting up to ``wait`` seconds for one."""
+        try:
+            if wait > 0:
+                self.store.wait([_ERROR_KEY], datetime.timedelta(seconds=wait))
+            elif not self.store.check([_ERROR_KEY]):
+                return None
+            return self.store.get(_ERROR_KEY).decode(errors="replace")
+        except Exception:  # no key before the deadline, or the store is gone with its host
+            return None
+
+    def fail(self, error: BaseException) -> TensorParallelError | None:
+        """Record this rank's failure (unless another rank's came first) and tear the group down.
+        Returns None when ``error`` is the group's first failure (raise it as it is), else a
+        :class:`TensorParallelError` carrying the first failure (this rank only saw a collective
+        break because of it)."""
+        first_here = False
+        try:
+            if self.store.add(_ERROR_COUNT, 1) == 1:
+                tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+                self.store.set(_ERROR_KEY, f"rank {self.rank}: {type(error).__name__}: {error}\n{tb}")
+                first_here = True
+        except Exception:  # the store's host (rank 0) is gone
+            pass
+        recorded = None if first_here else self.recorded_error(wait=_ERROR_WAIT_SECONDS)
+        self.shutdown()
+        if first_here or isinstance(error, TensorParallelError):
+            return None
+        first = recorded.split("\n", 1)[0] if recorded else f"rank {self.rank}: {type(error).__name__}: {error}"
+        return TensorParallelError(f"tensor-parallel engine failed: {first}")
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            dist.destroy_process_group(self.control)
+        except Exception:
+            pass
+        if self.owns_default_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """Eagerly, a functional collective returns a tensor that waits on first use; wait now, so no
+    collective is left unwaited (a traced graph gets its wait from Dynamo)."""
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when this process was started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+    return None
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise TensorParallelError(
+                f"tensor parallelism: local rank {local_rank} has no CUDA device (this host has "
+                f"{torch.cuda.device_count()}); use at most one rank per GPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_group(
+    rank: int, size: int, device: torch.device, timeout: float, *, store: "dist.Store | None" = None
+) -> TensorParallelGroup:
+    """Join (or reuse) the default process group and build this rank's :class:`TensorParallelGroup`.
+    ``store``: the rendezvous store (spawned ranks); None = torchrun's environment (``env://``)."""
+    owns = not dist.is_initialized()
+    if owns:
+        kwargs = dict(backend=backend_for(device.type), timeout=datetime.timedelta(seconds=timeout))
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        if store is not None:
+            dist.init_process_group(store=store, rank=rank, world_size=size, **kwargs)
+        else:
+            dist.init_process_group(init_method="env://", rank=rank, world_size=size, **kwargs)
+    if dist.get_world_size() != size or dist.get_rank() != rank:
+        raise TensorParallelError(
+            f"tensor_parallel_size={size} but the torch.distributed group of this process has "
+            f"{dist.get_world_size()} ranks (this is rank {dist.get_rank()}); start one process per rank "
+            f"(torchrun --nproc-per-node {size})"
+        )
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return TensorParallelGroup(rank, size, device, dist.group.WORLD, control, store, owns_default_group=owns)
+
+
+_current: TensorParallelGroup | None = None
+
+
+def current_group() -> TensorParallelGroup | None:
+    """The tensor-parallel group this process serves in (None: no tensor parallelism)."""
+    return _current
+
+
+def set_current_group(group: TensorParallelGroup | None) -> None:
+    global _current
+    _current = group

@@ -1,0 +1,57 @@
+"""The collectives inside a rank's model: all-reduced partial sums and the vocab-parallel ends.
+
+These are per-instance forward patches of the rank's own (sharded) model, installed once after
+its weights are loaded (the model exists only for tensor parallelism, so nothing is undone):
+
+- a row-parallel projection (attention ``o_proj``, a mixer's ``out_proj``) or a whole MLP / MoE
+  block computes a partial sum of its output on every rank: its output is all-reduced;
+- the embedding holds rows ``[start, stop)`` of the vocabulary: ids outside it embed to zero and
+  the all-reduce adds the rank that holds them;
+- the LM head holds the same rows of the output projection: the local logits are all-gathered
+  along the vocabulary and cut to the real vocabulary size (the last rank's rows may be padding).
+
+All collectives are functional collectives, so Dynamo traces them with no graph break.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from .group import TensorParallelGroup
+
+
+def _first(output, fn):
+    """Apply ``fn`` to a module output that may be a tuple (tensor first)."""
+    if isinstance(output, tuple):
+        return (fn(output[0]), *output[1:])
+    return fn(output)
+
+
+def reduce_output(module: nn.Module, tp: TensorParallelGroup) -> None:
+    forward = module.forward
+
+    def reduced_forward(self, *args, **kwargs):
+        return _first(forward(*args, **kwargs), tp.all_reduce)
+
+    module.forward = types.MethodType(reduced_forward, module)
+
+
+def vocab_parallel_embedding(module: nn.Embedding, start: int, stop: int, tp: TensorParallelGroup) -> None:
+    def embedding_forward(self, input_ids):
+        inside = (input_ids >= start) & (input_ids < stop)
+        local = torch.where(inside, input_ids - start, torch.zeros_like(input_ids))
+        out = nn.functional.embedding(local, self.weight)
+        return tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+
+    module.forward = types.MethodType(embedding_forward, module)
+
+
+def vocab_parallel_lm_head(module: nn.Linear, vocab_size: int, tp: TensorParallelGroup) -> None:
+    def lm_head_forward(self, hidden):
+        logits = nn.functional.linear(hidden, self.weight, self.bias)
+        return tp.all_gather_last(logits)[..., :vocab_size]
+
+    module.forward = types.MethodType(lm_head_forward, module)

@@ -1,0 +1,253 @@
+"""Sharded loading: one rank's part of a checkpoint, read straight from its safetensors files.
+
+The rank's model is built by transformers from the plan's local config on the meta device
+(accelerate's ``init_empty_weights``; buffers such as RoPE frequencies are computed for real),
+then every parameter is materialised from slices of the checkpoint tensors
+(``safe_open(...).get_slice``: only the slice is read from the memory-mapped file), so no rank
+ever holds the whole model. Each local tensor's shape is checked against the module transformers
+built for the local config: a plan and a config that disagree fail loudly, not silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .plans import ShardPlan, Slice
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+@dataclass
+class LoadReport:
+    """What one rank loaded: bytes of its shard, of the whole checkpoint, and its peak host memory
+    growth while loading (resident set high-water mark, bytes)."""
+
+    shard_bytes: int
+    full_model_bytes: int
+    peak_host_bytes: int
+    peak_device_bytes: int
+
+
+class Checkpoint:
+    """The safetensors files of a checkpoint directory, opened lazily (memory-mapped)."""
+
+    def __init__(self, path: str, model_type: str | None = None) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.path = path
+        index = os.path.join(path, _INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = dict(json.load(f)["weight_map"])
+        elif os.path.isfile(os.path.join(path, _SINGLE)):
+            with self._file(_SINGLE) as f:
+                self.weight_map = {k: _SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE} nor {_INDEX}"
+            )
+        self._handles: dict[str, object] = {}
+        # the model's parameter names -> checkpoint keys, through transformers' own renamings of this
+        # model type (NemotronH's "backbone." -> "model.", Granite's fused experts, ...)
+        self.keys = {_renamed(k, model_type): k for k in self.weight_map}
+
+    def _file(self, name: str):
+        return self._open(os.path.join(self.path, name), framework="pt", device="cpu")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def slice(self, key: str):
+        """The checkpoint tensor of model parameter ``key`` (a safetensors slice: nothing read yet)."""
+        return self._slice(self.keys[key])
+
+    def _slice(self, key: str):
+        name = self.weight_map[key]
+        if name not in self._handles:
+            self._handles[name] = self._file(name).__enter__()
+        return self._handles[name].get_slice(key)
+
+    def total_bytes(self) -> int:
+        total = 0
+        for key in self.weight_map:
+            s = self._slice(key)
+            n = 1
+            for d in s.get_shape():
+                n *= d
+            total += n * _dtype_size(s.get_dtype())
+        return total
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.__exit__(None, None, None)
+        self._handles.clear()
+
+
+def _renamed(key: str, model_type: str | None) -> str:
+    """A checkpoint key under transformers' renamings for ``model_type`` (its conversion mapping's
+    ``WeightRenaming`` entries; the expert-merging converters are the plans' ``experts`` slices)."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+    except ImportError:  # an older transformers without conversion mappings: names are the model's
+        return key
+    for conv in get_checkpoint_conversion_mapping(model_type) or () if model_type else ():
+        if isinstance(conv, WeightRenaming):
+            for src, dst in zip(conv.source_patterns, conv.target_patterns):
+                key = re.sub(src, dst, key)
+    return key
+
+
+def _dtype_size(name: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+            "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(name, 4)
+
+
+def _read(ckpt: Checkpoint, key: str, s: Slice, rank: int, size: int, dim: int | None = None) -> torch.Tensor:
+    """One checkpoint tensor's part for this rank (``s.segments`` along ``dim``)."""
+    sl = ckpt.slice(key)
+    shape = sl.get_shape()
+    dim = s.dim if dim is None else dim
+    if s.vocab is not None:
+        start, stop = s.vocab
+        rows = sl[start:stop]
+        if rows.shape[0] < s.pad_rows:
+            rows = torch.cat([rows, rows.new_zeros(s.pad_rows - rows.shape[0], *rows.shape[1:])])
+        return rows
+    if not s.segments:
+        return sl[:]
+    total = sum(seg.length for seg in s.segments)
+    if shape[dim] != total:
+        raise ValueError(f"tensor parallelism: checkpoint tensor {key!r} has {shape[dim]} entries along dim {dim}, "
+                         f"the sharding plan expects {total}")
+    parts, offset = [], 0
+    for seg in s.segments:
+        for a, b in seg.ranges(offset, rank, size):
+            index = tuple(slice(a, b) if d == dim else slice(None) for d in range(len(shape)))
+            parts.append(sl[index])
+        offset += seg.length
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> torch.Tensor:
+    if name in ckpt or not s.experts:
+        if name not in ckpt:
+            raise KeyError(name)
+        return _read(ckpt, name, s, rank, size)
+    # transformers' fused experts from per-expert checkpoint tensors ("{prefix}.{e}.gate_proj.weight", ...)
+    prefix = name.rsplit(".", 1)[0]
+    per_key = len(s.segments) // len(s.expert_keys)
+    experts = []
+    for e in range(s.experts):
+        parts = []
+        for i, template in enumerate(s.expert_keys):
+            key = template.format(p=prefix, e=e)
+            if key not in ckpt:
+                raise KeyError(key)
+            one = Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key])
+            parts.append(_read(ckpt, key, one, rank, size))
+        experts.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=s.concat_dim))
+    return torch.stack(experts)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, buffer: bool = False) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if buffer:
+        module._buffers[attr] = value
+    else:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+
+
+def _peak_rss_reset() -> int:
+    """Reset the resident-set high-water mark where Linux allows it; returns the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, device: torch.device,
+               trust_remote_code: bool = False) -> tuple[nn.Module, LoadReport]:
+    """This rank's model (local config, sharded weights on ``device``, eval mode) and its report."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    local_config = plan.local_config(config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(local_config, trust_remote_code=trust_remote_code)
+    # the high-water mark of the weights alone (transformers' modules are imported by now)
+    base_rss = _peak_rss_reset()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ckpt = Checkpoint(path, getattr(config, "model_type", None))
+    keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    tied = bool(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                        "tie_word_embeddings", False))
+    shard_bytes = 0
+    try:
+        for name, param in list(model.named_parameters(remove_duplicate=False)):
+            s = plan.slice_of(name)
+            try:
+                value = _read_param(ckpt, name, s, plan.rank, plan.size)
+            except KeyError as e:
+                if tied and name.endswith("lm_head.weight"):
+                    continue  # tied to the embedding below
+                raise ValueError(f"tensor parallelism: the checkpoint in {path!r} has no tensor {e.args[0]!r} "
+                                 f"(for parameter {name!r})") from None
+            if s.rank0_only and plan.rank != 0:
+                value = torch.zeros_like(value)
+            expect = tuple(param.shape) if s.vocab is None else (s.pad_rows, *param.shape[1:])  # vocab rows
+            if tuple(value.shape) != expect:
+                raise ValueError(f"tensor parallelism: rank {plan.rank}'s shard of {name!r} has shape "
+                                 f"{tuple(value.shape)}, the local {plan.family} model expects {expect}")
+            want = dtype if dtype is not None else value.dtype
+            if keep_fp32 and any(k in name for k in keep_fp32):
+                want = torch.float32
+            value = value.to(device=device, dtype=want)
+            shard_bytes += value.numel() * value.element_size()
+            _set_tensor(model, name, value)
+        for name, buf in list(model.named_buffers()):
+            if name in ckpt:  # persistent buffers the checkpoint holds (replicated)
+                value = _read(ckpt, name, Slice(), plan.rank, plan.size)
+                buf = value.to(dtype=buf.dtype)
+            _set_tensor(model, name, buf.to(device), buffer=True)
+        if tied:
+            out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+            if out is not None and out.weight.device.type == "meta":
+                out.weight = inp.weight
+        full = ckpt.total_bytes()
+    finally:
+        ckpt.close()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"tensor parallelism: no checkpoint tensor for {missing[:5]}")
+    model.eval()
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        pass
+    peak = max(0, _status_bytes("VmHWM") - base_rss)
+    dev_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else shard_bytes
+    return model, LoadReport(shard_bytes, full, peak, int(dev_peak))

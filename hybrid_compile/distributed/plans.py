@@ -1,0 +1,388 @@
+"""Sharding plans: how each supported family is split over the ranks of a tensor-parallel group.
+
+A plan, built from the checkpoint's config before any weight is read, does three things:
+
+- :meth:`ShardPlan.local_config`: the config of one rank's model: head counts and intermediate
+  sizes divided by the group size (KV heads / Mamba B-C groups replicated when there are fewer than
+  ranks), so transformers builds every module with the local shapes and the engine's layout sizes
+  pools that hold only the rank's heads. Head counts that do not divide raise one error here.
+- :meth:`ShardPlan.slice_of`: for each parameter of the local model, the parts of the checkpoint
+  tensor(s) it is made of (:class:`Slice`, read with safetensors' ``get_slice``).
+- :attr:`ShardPlan.reduced_modules`: the modules whose outputs are partial sums (row-parallel
+  output projections, MLP and MoE blocks) and get an all-reduce; the embedding and the LM head are
+  vocab-parallel (``distributed/layers.py``).
+
+Layouts split per head (every rank takes contiguous heads; a segment of a fused projection is
+split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
+
+- attention: q/k/v by heads (a KV head is replicated on the ranks whose query heads use it when
+  there are fewer KV heads than ranks), o_proj by input columns.
+- Gated DeltaNet: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` rows are grouped per key head,
+  so whole key-head groups go to a rank; Qwen3.5's separate projections are split per segment;
+  conv channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` by columns.
+- Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
+  when ``n_groups % size == 0``.
+- dense MLP / MoE experts / shared experts: the intermediate dimension.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+SPLIT, REPLICATE_UNIT, ALL = "split", "unit", "all"
+
+
+class ShardingError(ValueError):
+    """The model cannot be split over this many ranks; the message says which count does not divide."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``units`` blocks of ``unit_size`` consecutive indices of a fused dimension. ``SPLIT``: each
+    rank takes ``units / size`` consecutive blocks; ``REPLICATE_UNIT``: rank r takes block
+    ``r * units // size`` (fewer blocks than ranks); ``ALL``: every rank takes all of them."""
+
+    units: int
+    unit_size: int
+    mode: str = SPLIT
+
+    def ranges(self, offset: int, rank: int, size: int) -> list[tuple[int, int]]:
+        if self.mode == ALL:
+            return [(offset, offset + self.units * self.unit_size)]
+        if self.mode == REPLICATE_UNIT:
+            u = rank * self.units // size
+            return [(offset + u * self.unit_size, offset + (u + 1) * self.unit_size)]
+        per = self.units // size
+        return [(offset + rank * per * self.unit_size, offset + (rank + 1) * per * self.unit_size)]
+
+    @property
+    def length(self) -> int:
+        return self.units * self.unit_size
+
+
+@dataclass(frozen=True)
+class Slice:
+    """How one local tensor is read from checkpoint tensor(s).
+
+    ``dim``/``segments``: the full tensor's dimension ``dim`` is the concatenation of
+    ``segments``; the local tensor is the concatenation of each segment's part for this rank
+    (``segments=()``: the whole tensor, replicated). ``pad_rows``: rows of the local tensor
+    (vocab-parallel: the last rank's missing rows are zeros). ``rank0_only``: other ranks hold
+    zeros (the bias of a row-parallel projection, added once by the all-reduce).
+    ``experts``: the local tensor is ``[E, ...]`` stacked from per-expert checkpoint tensors
+    (``key.format(e=...)``), each read with ``dim`` / ``segments``; ``parts`` > 1 concatenates
+    several per-expert keys along ``concat_dim`` first (``gate_up_proj`` from gate and up).
+    """
+
+    dim: int = 0
+    segments: tuple[Segment, ...] = ()
+    pad_rows: int | None = None
+    rank0_only: bool = False
+    vocab: tuple[int, int] | None = None  # (start, stop) rows of the full vocabulary
+    experts: int = 0
+    expert_keys: tuple[str, ...] = ()
+    concat_dim: int = 0
+
+
+def _split(units: int, size: int, what: str, family: str) -> int:
+    if units % size:
+        raise ShardingError(
+            f"tensor_parallel_size={size}: {family} has {what}={units}, which does not divide by {size}; "
+            f"use a tensor_parallel_size that divides it"
+        )
+    return units // size
+
+
+def _kv_mode(kv: int, heads: int, size: int, family: str) -> tuple[int, str]:
+    """(local KV heads, segment mode): split when they divide, else replicated per rank."""
+    if kv % size == 0:
+        return kv // size, SPLIT
+    if size % kv == 0 and heads % size == 0:
+        return 1, REPLICATE_UNIT
+    raise ShardingError(
+        f"tensor_parallel_size={size}: {family} has {kv} KV heads: neither a multiple nor a divisor of {size}"
+    )
+
+
+@dataclass
+class ShardPlan:
+    """Base of the per-family plans (module docstring). ``config``: the checkpoint's (text) config."""
+
+    family: str
+    size: int
+    rank: int
+    config: object
+    rules: list[tuple[re.Pattern, Slice]] = field(default_factory=list)
+    reduced_modules: list[re.Pattern] = field(default_factory=list)
+    # modules matching these are reduced only when they are an MLP or MoE block (NemotronH's mixers)
+    reduced_blocks: list[re.Pattern] = field(default_factory=list)
+    local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
+
+    def add(self, pattern: str, s: Slice) -> None:
+        self.rules.append((re.compile(pattern + r"$"), s))
+
+    def reduce(self, pattern: str) -> None:
+        self.reduced_modules.append(re.compile(pattern + r"$"))
+
+    def slice_of(self, name: str) -> Slice:
+        for pattern, s in self.rules:
+            if pattern.search(name):
+                return s
+        return Slice()  # replicated (norms, routers, ...)
+
+    def is_reduced(self, module_name: str, module) -> bool:
+        if any(p.search(module_name) for p in self.reduced_modules):
+            return True
+        is_block = hasattr(module, "experts") or (hasattr(module, "down_proj") and hasattr(module, "up_proj"))
+        return is_block and any(p.search(module_name) for p in self.reduced_blocks)
+
+    def local_config(self, full_config):
+        """A deep copy of ``full_config`` whose text config has the local sizes."""
+        cfg = copy.deepcopy(full_config)
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        for k, v in self.local_fields.items():
+            if isinstance(v, float):  # (Mamba2's expand: a fraction of the hidden size, int-typed in its config)
+                object.__setattr__(text, k, v)
+            else:
+                setattr(text, k, v)
+        return cfg
+
+    # -- building blocks shared by the families ------------------------------------------------
+    def vocab_parallel(self, *patterns: str) -> None:
+        v = int(self.config.vocab_size)
+        local = -(-v // self.size)
+        start = min(v, self.rank * local)
+        for p in patterns:
+            self.add(p, Slice(pad_rows=local, vocab=(start, min(v, start + local))))
+
+    def attention(self, prefix: str, heads: int, kv: int, head_dim: int, q_rows_per_head: int | None = None) -> None:
+        n = self.size
+        _split(heads, n, "num_attention_heads", self.family)
+        local_kv, mode = _kv_mode(kv, heads, n, self.family)
+        qh = q_rows_per_head or head_dim
+        self.add(prefix + r"\.q_proj\.(weight|bias)", Slice(0, (Segment(heads, qh),)))
+        for proj in ("k_proj", "v_proj"):
+            self.add(prefix + rf"\.{proj}\.(weight|bias)", Slice(0, (Segment(kv, head_dim, mode),)))
+        self.add(prefix + r"\.o_proj\.weight", Slice(1, (Segment(heads, head_dim),)))
+        self.add(prefix + r"\.o_proj\.bias", Slice(rank0_only=True))
+        self.reduce(prefix + r"\.o_proj")
+        return local_kv
+
+    def mlp(self, prefix: str, intermediate: int, what: str, gate: str = "gate_proj", up: str = "up_proj",
+            down: str = "down_proj") -> None:
+        _split(intermediate, self.size, what, self.family)
+        for proj in (gate, up):
+            if proj:
+                self.add(prefix + rf"\.{proj}\.(weight|bias)", Slice(0, (Segment(intermediate, 1),)))
+        self.add(prefix + rf"\.{down}\.weight", Slice(1, (Segment(intermediate, 1),)))
+        self.add(prefix + rf"\.{down}\.bias", Slice(rank0_only=True))
+
+    def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True) -> None:
+        """transformers' fused experts ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I, H]``) and
+        ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors."""
+        _split(intermediate, self.size, "moe_intermediate_size", self.family)
+        seg = Segment(intermediate, 1)
+        if gated:
+            self.add(prefix + r"\.gate_up_proj", Slice(1, (seg, seg), experts=experts, concat_dim=0,
+                                                       expert_keys=("{p}.{e}.gate_proj.weight", "{p}.{e}.up_proj.weight")))
+        else:
+            self.add(prefix + r"\.up_proj", Slice(1, (seg,), experts=experts, expert_keys=("{p}.{e}.up_proj.weight",)))
+        self.add(prefix + r"\.down_proj", Slice(2, (seg,), experts=experts, expert_keys=("{p}.{e}.down_proj.weight",)))
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _head_dim(cfg) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def gdn_plan(config, size: int, rank: int) -> ShardPlan:
+    """Qwen3-Next / Qwen3.5 (dense and MoE)."""
+    cfg = _text(config)
+    family = cfg.model_type
+    plan = ShardPlan(family, size, rank, cfg)
+    if family == "olmo_hybrid":
+        raise ShardingError(
+            f"tensor_parallel_size={size}: olmo_hybrid is not supported with tensor parallelism yet (its q_norm / "
+            "k_norm normalise over all heads at once, which needs a cross-rank norm)"
+        )
+    heads, kv, hd = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), _head_dim(cfg)
+    # Qwen3-Next / Qwen3.5 attention: q_proj holds [query | gate] per head
+    gated = family.startswith(("qwen3_next", "qwen3_5"))
+    local_kv = plan.attention(r"\.self_attn", heads, kv, hd, q_rows_per_head=2 * hd if gated else hd)
+    hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+    kd, vd = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
+    _split(hk, size, "linear_num_key_heads", family)
+    _split(hv, size, "linear_num_value_heads", family)
+    per = hv // hk
+    p = r"\.linear_attn"
+    qkv = (Segment(hk, kd), Segment(hk, kd), Segment(hv, vd))
+    plan.add(p + r"\.in_proj_qkvz\.weight", Slice(0, (Segment(hk, 2 * kd + 2 * per * vd),)))
+    plan.add(p + r"\.in_proj_ba\.weight", Slice(0, (Segment(hk, 2 * per),)))
+    plan.add(p + r"\.in_proj_qkv\.weight", Slice(0, qkv))
+    plan.add(p + r"\.in_proj_z\.weight", Slice(0, (Segment(hv, vd),)))
+    plan.add(p + r"\.in_proj_[ab]\.weight", Slice(0, (Segment(hv, 1),)))
+    plan.add(p + r"\.conv1d\.weight", Slice(0, qkv))
+    plan.add(p + r"\.(A_log|dt_bias)", Slice(0, (Segment(hv, 1),)))
+    plan.add(p + r"\.out_proj\.weight", Slice(1, (Segment(hv, vd),)))
+    plan.reduce(p + r"\.out_proj")
+    if getattr(cfg, "intermediate_size", None):
+        plan.mlp(r"\.mlp", int(cfg.intermediate_size), "intermediate_size")
+    fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
+                  linear_num_key_heads=hk // size, linear_num_value_heads=hv // size)
+    if getattr(cfg, "intermediate_size", None):
+        fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts and getattr(cfg, "moe_intermediate_size", None):
+        plan.fused_experts(r"\.mlp\.experts", experts, int(cfg.moe_intermediate_size))
+        fields["moe_intermediate_size"] = int(cfg.moe_intermediate_size) // size
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        if shared:
+            plan.mlp(r"\.mlp\.shared_expert", shared, "shared_expert_intermediate_size")
+            fields["shared_expert_intermediate_size"] = shared // size
+    plan.reduce(r"\.layers\.\d+\.mlp")  # dense MLP or the whole MoE block (routed + shared experts)
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = fields
+    return plan
+
+
+def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups: int, state: int) -> None:
+    """The Mamba2 mixer's parameters (``in_proj`` rows ``[gate | x | B | C | dt]``, conv channels
+    ``[x | B | C]``), heads split, B/C groups split."""
+    n = plan.size
+    _split(heads, n, "the Mamba2 head count", plan.family)
+    if groups % n:
+        raise ShardingError(
+            f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups, which does not "
+            f"divide by {n} (replicating groups across ranks needs a cross-rank gated norm; not supported yet)"
+        )
+    x, bc = Segment(heads, head_dim), Segment(groups, state)
+    plan.add(prefix + r"\.in_proj\.weight", Slice(0, (x, x, bc, bc, Segment(heads, 1))))
+    plan.add(prefix + r"\.in_proj\.bias", Slice(0, (x, x, bc, bc, Segment(heads, 1))))
+    plan.add(prefix + r"\.conv1d\.(weight|bias)", Slice(0, (x, bc, bc)))
+    plan.add(prefix + r"\.(A_log|D|dt_bias)", Slice(0, (Segment(heads, 1),)))
+    plan.add(prefix + r"\.norm\.weight", Slice(0, (x,)))
+    plan.add(prefix + r"\.out_proj\.weight", Slice(1, (x,)))
+    plan.add(prefix + r"\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(prefix + r"\.out_proj")
+
+
+def mamba2_plan(config, size: int, rank: int) -> ShardPlan:
+    cfg = _text(config)
+    plan = ShardPlan("mamba2", size, rank, cfg)
+    heads, hd, groups = int(cfg.num_heads), int(cfg.head_dim), int(cfg.n_groups)
+    _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.state_size))
+    inter = int(cfg.expand * cfg.hidden_size)
+    if inter != heads * hd:
+        raise ShardingError(f"mamba2: expand * hidden_size = {inter} but num_heads * head_dim = {heads * hd}")
+    plan.local_fields = dict(num_heads=heads // size, n_groups=groups // size, expand=cfg.expand / size)
+    plan.vocab_parallel(r"embeddings\.weight", r"lm_head\.weight")
+    return plan
+
+
+def nemotron_h_plan(config, size: int, rank: int) -> ShardPlan:
+    cfg = _text(config)
+    plan = ShardPlan("nemotron_h", size, rank, cfg)
+    heads, hd, groups = int(cfg.mamba_num_heads), int(cfg.mamba_head_dim), int(cfg.n_groups)
+    _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.ssm_state_size))
+    local_kv = plan.attention(r"\.mixer", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), _head_dim(cfg))
+    fields = dict(mamba_num_heads=heads // size, n_groups=groups // size,
+                  num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv,
+                  head_dim=_head_dim(cfg))
+    plan.mlp(r"\.layers\.\d+\.mixer", int(cfg.intermediate_size), "intermediate_size", gate="")
+    fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    experts = int(getattr(cfg, "n_routed_experts", 0) or 0)
+    if experts:
+        plan.fused_experts(r"\.mixer\.experts", experts, int(cfg.moe_intermediate_size), gated=False)
+        fields["moe_intermediate_size"] = int(cfg.moe_intermediate_size) // size
+        shared = int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0)
+        if shared:
+            plan.mlp(r"\.mixer\.shared_experts", shared, "moe_shared_expert_intermediate_size", gate="")
+            fields["moe_shared_expert_intermediate_size"] = shared // size
+    plan.reduced_blocks.append(re.compile(r"\.layers\.\d+\.mixer$"))  # MLP and MoE mixers
+    plan.local_fields = fields
+    plan.vocab_parallel(r"embeddings\.weight", r"lm_head\.weight")
+    return plan
+
+
+def _mamba2_family(config, size: int, rank: int, *, mixer: str, heads: str, head_dim: str, groups: str,
+                   state: str, mlp: str | None) -> tuple[ShardPlan, dict]:
+    """Bamba / Granite-4 / Falcon-H1: Mamba2 mixers, attention with its own head_dim and an MLP."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    h, hd, g = int(getattr(cfg, heads)), int(getattr(cfg, head_dim)), int(getattr(cfg, groups))
+    _mamba_heads(plan, rf"\.{mixer}", h, hd, g, int(getattr(cfg, state)))
+    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                              _head_dim(cfg))
+    fields = {heads: h // size, groups: g // size, "num_attention_heads": int(cfg.num_attention_heads) // size,
+              "num_key_value_heads": local_kv, "head_dim": _head_dim(cfg)}
+    if mlp is not None:
+        plan.mlp(rf"\.{mlp}", int(cfg.intermediate_size), "intermediate_size")
+        plan.reduce(rf"\.layers\.\d+\.{mlp}")
+        fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    return plan, fields
+
+
+def bamba_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
+    cfg = plan.config
+    expand = cfg.mamba_expand / size  # (the mixer's width is mamba_expand * hidden_size)
+    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    plan.local_fields = fields
+    return plan
+
+
+def falcon_h1_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
+    fields["mamba_d_ssm"] = int(plan.config.mamba_d_ssm) // size
+    plan.local_fields = fields
+    return plan
+
+
+def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
+    plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
+                                  groups="mamba_n_groups", state="mamba_d_state", mlp=None)
+    cfg = plan.config
+    expand = cfg.mamba_expand / size
+    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    experts = int(getattr(cfg, "num_local_experts", 0) or 0)
+    if experts:
+        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))
+        plan.reduce(r"\.layers\.\d+\.block_sparse_moe")
+        fields["intermediate_size"] = int(cfg.intermediate_size) // size
+    shared = int(getattr(cfg, "shared_intermediate_size", 0) or 0)
+    if shared:  # input_linear holds [gate | up] rows
+        _split(shared, size, "shared_intermediate_size", plan.family)
+        seg = Segment(shared, 1)
+        plan.add(r"\.shared_mlp\.input_linear\.weight", Slice(0, (seg, seg)))
+        plan.add(r"\.shared_mlp\.output_linear\.weight", Slice(1, (seg,)))
+        plan.reduce(r"\.layers\.\d+\.shared_mlp")
+        fields["shared_intermediate_size"] = shared // size
+    plan.local_fields = fields
+    return plan
+
+
+PLANS = {
+    "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
+    "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
+    "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
+}
+
+
+def plan_for(config, size: int, rank: int = 0) -> ShardPlan:
+    """The family's plan for ``size`` ranks (one :class:`ShardingError` when it cannot be split)."""
+    model_type = getattr(config, "model_type", None)
+    build = PLANS.get(model_type)
+    if build is None:
+        raise ShardingError(
+            f"tensor_parallel_size={size}: model type {model_type!r} has no tensor-parallel sharding plan yet; "
+            f"tensor parallelism supports: {', '.join(sorted(PLANS))}"
+        )
+    return build(config, size, rank)

@@ -1,0 +1,284 @@
+"""Starting a tensor-parallel engine: processes, per-rank engines, the leader and its shutdown.
+
+:func:`launch` (``hc.from_pretrained(dir, tensor_parallel_size=N)``) runs in one of two ways:
+
+- **spawned** (a plain ``python`` process): this process is rank 0; it starts ranks 1..N-1 with
+  ``torch.multiprocessing`` (start method ``spawn``), all meeting through a ``TCPStore`` it hosts.
+  It returns rank 0's engine; ``engine.close()`` stops and joins the other processes.
+- **torchrun** (``torchrun --nproc-per-node N script.py``, every rank runs the script): rank 0
+  returns its engine; every other rank follows rank 0's steps inside the call and returns
+  ``None`` once rank 0's engine is closed.
+
+Every rank loads only its shard (``distributed/loading.py``), installs the collectives
+(``distributed/layers.py``) and builds a :class:`~hybrid_compile.engine.HybridEngine` over it with
+the same configuration and pool sizes. Rank 0's engine (:class:`TensorParallelEngine`) broadcasts
+every step (``distributed/step.py``); a failure on any rank ends every rank with that error
+(``distributed/group.py``), and the user's process raises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine import EngineConfig, HybridEngine
+from . import group as _group
+from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
+from .layers import reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
+from .loading import LoadReport, load_shard
+from .plans import ShardPlan, plan_for
+from .step import StepBroadcaster, follow
+
+_JOIN_SECONDS = 30.0
+
+
+class TensorParallelEngine(HybridEngine):
+    """Rank 0's engine: a :class:`HybridEngine` whose every step the other ranks run too.
+
+    Its API is the plain engine's. Any exception inside a step ends the whole group (the ranks'
+    collectives would no longer pair up): this engine then raises that error, or the failing
+    rank's as :class:`TensorParallelError`, and every later call raises it too."""
+
+    def __init__(self, model, config: EngineConfig, tp: TensorParallelGroup, *, tokenizer=None,
+                 processes: list | None = None) -> None:
+        warm = config.warmup_kernels if config.warmup_kernels is not None else tp.device.type == "cuda"
+        super().__init__(model, dataclasses.replace(config, warmup_kernels=False), tokenizer=tokenizer)
+        self.config = config
+        self.tp = tp
+        self.load_reports: list[LoadReport] = []
+        self._processes = list(processes or [])
+        self._failure: BaseException | None = None
+        self._broadcaster = StepBroadcaster(tp)
+        self.runner.step_observer = self._broadcaster
+        self.pools.mamba.observer = self._broadcaster
+        self.pools.kv.observer = self._broadcaster
+        if warm:
+            self._guarded(self._warm_up_kernels)
+
+    def _guarded(self, fn, *args):
+        if self._failure is not None:
+            raise TensorParallelError(f"this tensor-parallel engine failed earlier: {self._failure}")
+        try:
+            return fn(*args)
+        except BaseException as e:
+            err = self.tp.fail(e)
+            self._failure = err if err is not None else e
+            self._reap(terminate_after=5.0)
+            if err is None:
+                raise
+            raise err from e
+
+    def step(self):
+        return self._guarded(super().step)
+
+    def close(self) -> None:
+        """Close the engine on every rank and end the group (joins the spawned processes)."""
+        if self.tp.closed:
+            if self.patch.restores:
+                HybridEngine.close(self)
+            self._reap()
+            return
+        try:
+            self._guarded(HybridEngine.close, self)
+            self._broadcaster.stop()
+        finally:
+            self.tp.shutdown()
+            _group.set_current_group(None)
+            self._reap()
+
+    def _reap(self, terminate_after: float = _JOIN_SECONDS) -> None:
+        for p in self._processes:
+            p.join(terminate_after)
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+        self._processes = []
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s["tensor_parallel"] = {
+            "size": self.tp.size,
+            "backend": dist.get_backend(self.tp.group) if not self.tp.closed else None,
+            "commands_broadcast": self._broadcaster.commands,
+            "ranks": [dataclasses.asdict(r) for r in self.load_reports],
+        }
+        return s
+
+
+def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineConfig:
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(
+            f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
+            "would run on rank 0 alone); use method 'ngram'"
+        )
+    if config.cuda_graphs not in (None, False):
+        raise ValueError(
+            f"EngineConfig.cuda_graphs={config.cuda_graphs!r} with tensor_parallel_size={size} is not supported yet "
+            "(tensor-parallel steps run compiled without CUDA graphs); pass cuda_graphs=False or leave it unset"
+        )
+    return dataclasses.replace(config, cuda_graphs=False)
+
+
+def _resolve_device(device: Any) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type if not isinstance(device, dict) else None
+    if kind not in ("cpu", "cuda") or (isinstance(device, (str, torch.device)) and torch.device(device).index is not None):
+        raise ValueError(
+            f"device={device!r} with tensor parallelism: pass 'cuda' (rank r uses GPU r) or 'cpu', not one device "
+            "or a device map"
+        )
+    return kind
+
+
+def _memory_budget(tp: TensorParallelGroup, config: EngineConfig) -> int | None:
+    """The pools' budget, the same on every rank: the smallest rank's share of its free memory (on
+    CPU the ranks share the host's memory, so each takes 1/size of it)."""
+    if "memory_budget_bytes" in config.extra:
+        return config.extra["memory_budget_bytes"]
+    from ..memory.sizing import available_device_memory
+
+    free = available_device_memory(tp.device)
+    if tp.device.type == "cpu":
+        free //= tp.size
+    return tp.all_min([int(free * config.memory_fraction)])[0]
+
+
+def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None:
+    """The all-reduces and the vocab-parallel embedding / LM head of a rank's model (layers.py)."""
+    reduced = 0
+    for name, module in model.named_modules():
+        if name and plan.is_reduced(name, module):
+            reduce_output(module, tp)
+            reduced += 1
+    if not reduced:
+        raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module to all-reduce")
+    embed = model.get_input_embeddings()
+    vocab = int(plan.config.vocab_size)
+    per = embed.weight.shape[0]
+    start = min(vocab, tp.rank * per)
+    vocab_parallel_embedding(embed, start, min(vocab, start + per), tp)
+    head = model.get_output_embeddings()
+    vocab_parallel_lm_head(head, vocab, tp)
+
+
+def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
+                      trust_remote_code: bool, tokenizer=None, processes=None) -> HybridEngine:
+    """Load this rank's shard and build its engine (rank 0: a :class:`TensorParallelEngine`)."""
+    plan = plan_for(config, tp.size, tp.rank)
+    model, report = load_shard(path, config, plan, dtype, tp.device, trust_remote_code)
+    install_collectives(model, plan, tp)
+    extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config))
+    engine_config = dataclasses.replace(engine_config, extra=extra)
+    if tp.is_leader:
+        engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes)
+    else:
+        engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False))
+    reports = tp.gather_ints([report.shard_bytes, report.full_model_bytes, report.peak_host_bytes,
+                              report.peak_device_bytes])
+    capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total()])
+    if any(c != capacities[0] for c in capacities):
+        raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "
+                           "max_total_tokens and mamba_cache_size")
+    if tp.is_leader:
+        engine.load_reports = [LoadReport(*r) for r in reports]
+    return engine
+
+
+def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
+                    trust_remote_code: bool) -> None:
+    """A follower rank's whole life: its engine follows rank 0's until rank 0 closes (or any rank
+    fails: this rank then raises the group's first error, or its own when it was first)."""
+    try:
+        engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
+        follow(engine, tp)
+        engine.close()
+    except BaseException as e:
+        err = tp.fail(e)
+        raise (err if err is not None else e)
+    tp.shutdown()
+
+
+def _worker(rank: int, size: int, port: int, device_type: str, timeout: float, threads: int, path: str, config,
+            engine_config: EngineConfig, dtype, trust_remote_code: bool) -> None:
+    """Entry point of a spawned rank (1..size-1)."""
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=_timedelta(timeout))
+    tp = _group.init_group(rank, size, _group.rank_device(device_type, rank), timeout, store=store)
+    try:
+        _serve_follower(tp, path, config, engine_config, dtype, trust_remote_code)
+    except BaseException as e:
+        print(f"hybrid_compile tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, device, tokenizer=None,
+           trust_remote_code: bool = False, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> HybridEngine | None:
+    """Serve the checkpoint in ``path`` (its ``config`` already read) over ``size`` ranks (module
+    docstring). Everything that can be checked is checked before a process starts or a weight is read."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    device_type = _resolve_device(device)
+    plan_for(config, size)  # head counts that do not divide: one error, before any weight is read
+    engine_config = _check_options(engine_config, size, device_type)
+    if device_type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this host has {torch.cuda.device_count()}")
+    if _group.current_group() is not None:
+        raise RuntimeError("this process already serves a tensor-parallel engine; close it first")
+    env = _group.torchrun_env()
+    if env is not None:
+        rank, world, local_rank = env
+        tp = _group.init_group(rank, size, _group.rank_device(device_type, local_rank), timeout)
+        _group.set_current_group(tp)
+        if rank != 0:
+            try:
+                _serve_follower(tp, path, config, engine_config, dtype, trust_remote_code)
+            finally:
+                _group.set_current_group(None)
+            return None
+        return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, [])
+
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=_timedelta(timeout), wait_for_workers=False)
+    threads = max(1, torch.get_num_threads() // size)
+    ctx = torch.multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        p = ctx.Process(target=_worker, args=(rank, size, store.port, device_type, timeout, threads, path, config,
+                                              engine_config, dtype, trust_remote_code), daemon=True)
+        p.start()
+        processes.append(p)
+    try:
+        tp = _group.init_group(0, size, _group.rank_device(device_type, 0), timeout, store=store)
+    except BaseException:
+        for p in processes:
+            p.terminate()
+        raise
+    _group.set_current_group(tp)
+    return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes)
+
+
+def _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes) -> HybridEngine:
+    try:
+        return build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes)
+    except BaseException as e:
+        err = tp.fail(e)
+        _group.set_current_group(None)
+        for p in processes:
+            p.join(_JOIN_SECONDS)
+            if p.is_alive():
+                p.terminate()
+        if err is None:
+            raise
+        raise err from e

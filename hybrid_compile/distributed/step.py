@@ -1,0 +1,155 @@
+"""Rank 0 broadcasts every step; the other ranks run it.
+
+Rank 0 (the leader) owns the scheduler, the prefix cache, the sampler and the API. Whatever it
+does to the device state of the model reaches the followers as one command, in order:
+
+- ``FORWARD``: a model call (eager or compiled) with its packed input ids and forward metadata
+  (``ForwardMetadata``'s tensors packed into one int64 tensor), inside the same forward context
+  (with the speculative buffers for a verify step). Every rank then runs the same forward, whose
+  collectives pair up; the logits are gathered on every rank and sampled on rank 0 only.
+- ``ZERO`` / ``COPY``: Mamba-state writes outside a forward (a new slot zeroed, a prefix-cache
+  copy-on-write or checkpoint, an ``n > 1`` fork); ``KV_COPY``: K/V copied to a forked sequence;
+  ``COMMIT``: a speculative verify's state commit.
+- ``STOP``: the leader's engine closed.
+
+A command is a small header (``torch.distributed.broadcast`` on the gloo control group, which
+followers wait in while rank 0 is idle) and, when it has tensors, one int64 payload broadcast on
+the device group (NCCL on CUDA). The header's first field is the command, then its fields.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
+from .group import TensorParallelGroup
+
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY = 1, 2, 3, 4, 5, 6
+_HEADER = 64
+_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
+_DTYPES = (None, torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8)
+# ForwardMetadata's tensor fields, in payload order (after the input ids)
+_MD_TENSORS = ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba_cache_indices", "has_initial_state",
+               "out_cache_loc", "kv_indptr", "kv_indices", "logits_indices", "prompt_lens", "track_slots", "track_lens")
+_MD_LISTS = ("extend_lens_cpu", "seq_lens_cpu")
+
+
+class StepBroadcaster:
+    """Rank 0's side: the runner's ``step_observer`` and the KV and Mamba pools' ``observer``."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+        self.commands = 0
+
+    def _send(self, header: list[int], payload: list[torch.Tensor]) -> None:
+        h = torch.zeros(_HEADER, dtype=torch.int64)
+        h[: len(header)] = torch.tensor(header, dtype=torch.int64)
+        dist.broadcast(h, 0, group=self.tp.control)
+        if payload:
+            flat = torch.cat([t.reshape(-1).to(device=self.tp.device, dtype=torch.int64) for t in payload])
+            dist.broadcast(flat, 0, group=self.tp.group)
+        self.commands += 1
+
+    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = ()) -> None:
+        ctx = get_forward_context()
+        if ctx is None:
+            raise RuntimeError("tensor parallelism: a model call outside a forward context cannot be broadcast")
+        if extra:
+            raise RuntimeError("tensor parallelism: model calls with extra per-token inputs are not broadcast (a "
+                               "feature that feeds them is not supported with tensor_parallel_size > 1)")
+        md = ctx.metadata
+        if md.graph_key is not None:
+            raise RuntimeError("tensor parallelism: full CUDA graph steps are not broadcast (cuda_graphs is off under "
+                               "tensor parallelism)")
+        tensors = [input_ids] + [getattr(md, f) for f in _MD_TENSORS]
+        tensors += [torch.tensor(getattr(md, f), dtype=torch.int64) for f in _MD_LISTS]
+        header = [FORWARD, int(compiled), int(bool(ctx.intermediate_caches)), _MODES.index(md.mode), md.draft_len,
+                  int(md.has_tracking)]
+        for t in tensors:
+            header += [0, -1] if t is None else [_DTYPES.index(t.dtype), t.numel()]
+        self._send(header, [t for t in tensors if t is not None])
+
+    # -- the Mamba pool's observer -------------------------------------------------------------
+    def zero_slots(self, idx: torch.Tensor) -> None:
+        self._send([ZERO, idx.numel()], [idx])
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._send([COPY, src.numel()], [src, dst])
+
+    def copy_kv_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._send([KV_COPY, src.numel()], [src, dst])
+
+    def commit(self, slots: torch.Tensor, steps: torch.Tensor) -> None:
+        self._send([COMMIT, slots.numel()], [slots, steps])
+
+    def stop(self) -> None:
+        self._send([STOP], [])
+
+
+def _receive(tp: TensorParallelGroup) -> list[int]:
+    h = torch.empty(_HEADER, dtype=torch.int64)
+    dist.broadcast(h, 0, group=tp.control)
+    return h.tolist()
+
+
+def _payload(tp: TensorParallelGroup, n: int) -> torch.Tensor:
+    flat = torch.empty(n, dtype=torch.int64, device=tp.device)
+    dist.broadcast(flat, 0, group=tp.group)
+    return flat
+
+
+def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
+    compiled, verify, mode, draft_len, has_tracking = header[1:6]
+    specs = [(header[6 + 2 * i], header[7 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
+    flat = _payload(tp, sum(n for _, n in specs if n > 0))
+    values, offset = [], 0
+    for code, n in specs:
+        if n < 0:
+            values.append(None)
+            continue
+        values.append(flat[offset: offset + n].to(_DTYPES[code]))
+        offset += n
+    input_ids, rest = values[0], values[1:]
+    fields = dict(zip(_MD_TENSORS, rest[: len(_MD_TENSORS)]))
+    lists = {f: v.tolist() for f, v in zip(_MD_LISTS, rest[len(_MD_TENSORS):])}
+    md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists)
+    runner = engine.runner
+    inter = runner.intermediate_caches if verify else {}
+    with forward_context(ForwardContext(md, runner.kv_caches, runner.mamba_caches, inter)):
+        if compiled:
+            runner._call_compiled(input_ids, md.positions, md.logits_indices)
+        else:
+            runner._model_forward(input_ids, md.positions, md.logits_indices)
+
+
+@torch.inference_mode()
+def follow(engine, tp: TensorParallelGroup) -> int:
+    """A follower rank's loop: run rank 0's commands on this rank's engine until ``STOP``; returns
+    the number of forwards run."""
+    from ..ops import state as _state_ops  # noqa: F401  (registers the state ops)
+
+    mamba = engine.pools.mamba
+    forwards = 0
+    while True:
+        header = _receive(tp)
+        cmd = header[0]
+        if cmd == STOP:
+            return forwards
+        if cmd == FORWARD:
+            _forward(engine, tp, header)
+            forwards += 1
+        elif cmd == ZERO:
+            mamba.zero_state(_payload(tp, header[1]))
+        elif cmd == COPY:
+            src, dst = _payload(tp, 2 * header[1]).split(header[1])
+            mamba.copy_state(src, dst)
+        elif cmd == KV_COPY:
+            src, dst = _payload(tp, 2 * header[1]).split(header[1])
+            engine.pools.kv.copy_state(src, dst)
+        elif cmd == COMMIT:
+            slots, steps = _payload(tp, 2 * header[1]).to(torch.int32).split(header[1])
+            torch.ops.hybrid_compile.commit_speculative_state(
+                mamba.state_tensors(), mamba.intermediate_state_tensors(), slots, steps)
+        else:
+            raise RuntimeError(f"tensor parallelism: unknown step command {cmd} from rank 0")

@@ -1,0 +1,309 @@
+"""Tensor parallelism (hybrid_compile/distributed) on CPU with gloo: greedy tokens of a model served
+over 2 or 4 ranks equal transformers' single-process ``generate`` token for token.
+
+Most cases run in one group of spawned ranks started the way torchrun starts them (RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment; every rank calls
+``hc.from_pretrained(dir, tensor_parallel_size=N)``, rank 0 drives the engine and writes its
+outputs to a JSON file, the others follow inside the call), one engine after the other, so the
+processes start once per group size. Every case runs with chunked prefill, more prompts than
+running slots (requests join mid-way: mixed batches), the prefix cache on with prompts that
+share prefixes and n-gram speculative decoding. One case is compiled. The spawned path
+(``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
+follower (torchrun-style), and each rank's peak host memory against the full model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import hybrid_compile as hc
+from hybrid_compile.distributed import ShardingError, TensorParallelError
+import engine_models as em
+import mamba2_models as mm
+
+NEW = 6
+OPTIONS = dict(device="cpu", max_total_tokens=512, mamba_cache_size=24, max_running_requests=2, chunked_prefill_size=32,
+               speculative={"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1})
+
+
+def _qwen3_next_4(seed=0):
+    """A Qwen3-Next MoE whose head counts split over 4 ranks (2 KV heads: replicated in pairs)."""
+    cfg = em.make_config("qwen3_next_moe")
+    cfg.num_attention_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads = 8, 4, 8
+    return em.build_model("qwen3_next_moe", seed, config=cfg)
+
+
+def _nemotron_h_4(seed=0):
+    """A NemotronH whose Mamba2 B/C groups (4) and heads split over 4 ranks."""
+    import transformers
+
+    cfg = mm.build_nemotron_h(seed).config
+    cfg = transformers.NemotronHConfig.from_dict({**cfg.to_dict(), "n_groups": 4})
+    torch.manual_seed(seed)
+    return mm._finish(transformers.NemotronHForCausalLM(cfg), seed, dt_bias=-1.5)
+
+
+MODELS = {
+    "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
+    "qwen3_next_dense": lambda: em.build_model("qwen3_next_dense"),
+    "qwen3_5": lambda: em.build_model("qwen3_5"),
+    "qwen3_5_moe": lambda: em.build_model("qwen3_5_moe"),
+    "nemotron_h": mm.build_nemotron_h,
+    "mamba2": mm.build_mamba2,
+    "bamba": mm.build_bamba,
+    "granitemoehybrid": mm.build_granitemoehybrid,
+    "falcon_h1": mm.build_falcon_h1,
+    "qwen3_next_4": _qwen3_next_4,
+    "nemotron_h_4": _nemotron_h_4,
+}
+TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
+             "granitemoehybrid", "falcon_h1")
+FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4")
+COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
+
+
+def _vocab(model) -> int:
+    return model.config.get_text_config().vocab_size
+
+
+def _rounds(model) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """Two rounds of prompts and their HF greedy tokens: a 70-token prompt and a short one, then
+    an extension of the first one's whole sequence (a prefix-cache hit on the finished request's
+    state) and a repetitive prompt (n-gram drafts get accepted)."""
+    a, c = em.random_prompts([70, 5], _vocab(model), seed=3)
+    first = [a, c]
+    expected = [[em.hf_greedy(model, p, NEW) for p in first]]
+    second = [a + expected[0][0] + [5, 6, 7], [3, 4, 5, 3, 4, 5, 3, 4, 5, 3]]
+    expected.append([em.hf_greedy(model, p, NEW) for p in second])
+    return [first, second], expected
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each model saved with save_pretrained, and its HF greedy tokens for every prompt."""
+    out = {}
+    for name, build in MODELS.items():
+        model = build()
+        model.generation_config.do_sample = False
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d)
+        rounds, expected = _rounds(model)
+        out[name] = dict(dir=str(d), model=model, rounds=rounds, expected=expected)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
+    """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    results = {}
+    for case in cases:
+        os.environ["MASTER_PORT"] = str(case["port"])
+        if case.get("fail_rank") == rank:  # a fault on this rank: its third GDN mixer call raises
+            from hybrid_compile.models import qwen3_next
+
+            real, calls = qwen3_next.gdn_mixer_forward, [0]
+
+            def failing(self, *args, **kwargs):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise RuntimeError("injected fault in the GDN mixer")
+                return real(self, *args, **kwargs)
+
+            qwen3_next.gdn_mixer_forward = failing
+        t0 = time.perf_counter()
+        engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
+        if rank != 0:
+            assert engine is None
+            continue
+        try:
+            outputs = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in case["rounds"]]
+        except Exception as e:  # noqa: BLE001 (recorded for the test to check)
+            results[case["name"]] = dict(error=f"{type(e).__name__}: {e}")
+            break
+        stats = engine.stats()
+        engine.close()
+        results[case["name"]] = dict(
+            outputs=outputs, seconds=time.perf_counter() - t0, prefix_hits=stats["prefix_cache"]["admitted_hit_tokens"],
+            verify_steps=stats["speculative"]["verify_steps"], accepted=stats["speculative"]["accepted"],
+            compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
+        )
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+
+
+def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False) -> tuple[dict, list[int]]:
+    for case in cases:
+        case["port"] = _free_port()
+    path = str(tmp_path / f"results_{size}.json")
+    ctx = torch.multiprocessing.start_processes(_rank_main, args=(size, cases, path), nprocs=size, join=False,
+                                                start_method="spawn")
+    deadline = time.time() + 600
+    for p in ctx.processes:
+        p.join(max(1.0, deadline - time.time()))
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    if not expect_failure:
+        assert codes == [0] * size, f"ranks exited with {codes}"
+    with open(path) as f:
+        results = json.load(f)
+    print({name: round(r.get("seconds", 0), 1) for name, r in results.items()})  # (pytest -s: time per case)
+    return results, codes
+
+
+def _case(checkpoints, name, **options) -> dict:
+    ck = checkpoints[name]
+    return dict(name=name, dir=ck["dir"], rounds=ck["rounds"], options={**OPTIONS, **options})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
+    return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(checkpoints, tmp_path_factory):
+    cases = [_case(checkpoints, n) for n in FOUR_RANKS]
+    return _run_group(4, cases, tmp_path_factory.mktemp("tp4"))[0]
+
+
+def _check(checkpoints, results, name) -> dict:
+    r = results[name]
+    ck = checkpoints[name]
+    for batch, got, want in zip(ck["rounds"], r["outputs"], ck["expected"]):
+        for prompt, g, w in zip(batch, got, want):
+            em.assert_greedy_equal(ck["model"], prompt, g, w, what=f"{name} tensor-parallel")
+    assert r["prefix_hits"] > 0, "round two's prompts extend round one's: the prefix cache must hit"
+    assert r["verify_steps"] > 0
+    assert not any(r["pools_used"].values()), r["pools_used"]  # after close: every slot back
+    return r
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_match_hf(checkpoints, two_ranks, name):
+    r = _check(checkpoints, two_ranks, name)
+    assert r["tp"]["size"] == 2 and r["tp"]["commands_broadcast"] > 0
+    ranks = r["tp"]["ranks"]
+    assert len(ranks) == 2 and all(x["shard_bytes"] < 0.75 * x["full_model_bytes"] for x in ranks)
+
+
+def test_compiled_two_ranks_zero_graph_breaks(two_ranks):
+    c = two_ranks[COMPILED]["compile"]
+    assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks_match_hf(checkpoints, four_ranks, name):
+    r = _check(checkpoints, four_ranks, name)
+    assert r["tp"]["size"] == 4
+
+
+def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
+    d = checkpoints["qwen3_next_moe"]["dir"]  # 2 linear key heads
+    with pytest.raises(ShardingError, match="linear_num_key_heads=2.*does not divide by 4"):
+        hc.from_pretrained(d, tensor_parallel_size=4, device="cpu")
+    model = em.build_model("olmo_hybrid")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ShardingError, match="olmo_hybrid is not supported with tensor parallelism"):
+        hc.from_pretrained(tmp_path, tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="use hc.from_pretrained"):
+        hc.wrap(model, tensor_parallel_size=2)
+    zamba = tmp_path / "zamba2"
+    mm.build_zamba2().save_pretrained(zamba)
+    with pytest.raises(ShardingError, match="'zamba2' has no tensor-parallel sharding plan"):
+        hc.from_pretrained(zamba, tensor_parallel_size=2, device="cpu")
+
+
+def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):
+    """from_pretrained spawns rank 1 itself; each rank's peak host memory while loading stays near its
+    shard (about half the model); a fault on rank 0 (the user's process) ends rank 1 too and
+    reaches the caller unchanged."""
+    import transformers
+
+    cfg = em.make_config("qwen3_5")
+    cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size = 8192, 256, 512
+    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    model.save_pretrained(tmp_path)
+    prompt = em.random_prompts([9], 8192, seed=5)[0]
+    expected = em.hf_greedy(model, prompt, NEW)
+    opts = {k: v for k, v in OPTIONS.items() if k != "speculative"}
+    engine = hc.from_pretrained(tmp_path, tensor_parallel_size=2, **opts)
+    try:
+        assert engine.generate_batch([prompt], max_new_tokens=NEW) == [expected]
+        ranks = engine.stats()["tensor_parallel"]["ranks"]
+        full = ranks[0]["full_model_bytes"]
+        for r in ranks:
+            assert 0.45 * full < r["shard_bytes"] < 0.6 * full
+            assert r["peak_host_bytes"] < 0.75 * full, ranks
+        processes = list(engine._processes)
+        from hybrid_compile.models import qwen3_next
+
+        def failing(self, *args, **kwargs):
+            raise ValueError("injected fault on rank 0")
+
+        for m in engine.model.modules():
+            if "forward" in m.__dict__ and getattr(m.__dict__["forward"], "__func__", None) is qwen3_next.gdn_mixer_forward:
+                m.forward = failing.__get__(m)
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="injected fault on rank 0"):
+            engine.generate_batch([prompt], max_new_tokens=NEW)
+        for p in processes:
+            p.join(30)
+            assert p.exitcode not in (None, 0)
+        assert time.perf_counter() - t0 < 60
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            engine.generate_batch([prompt], max_new_tokens=NEW)
+    finally:
+        engine.close()
+
+
+def test_follower_failure_reaches_rank0(checkpoints, tmp_path):
+    """A fault on rank 1 ends rank 1 with it; rank 0's generate raises TensorParallelError naming
+    rank 1 and its error (no hang)."""
+    case = dict(_case(checkpoints, "qwen3_next_moe"), fail_rank=1)
+    t0 = time.perf_counter()
+    results, codes = _run_group(2, [case], tmp_path, expect_failure=True)
+    assert time.perf_counter() - t0 < 120
+    err = results["qwen3_next_moe"]["error"]
+    assert err.startswith("TensorParallelError") and "rank 1" in err and "injected fault in the GDN mixer" in err
+    assert codes[0] == 0 and codes[1] != 0
+
+
+def test_benchmark_smoke_run(tmp_path):
+    """benchmarks/tensor_parallel.py --device cpu --tiny at TP 1 and 2: every measurement present."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "tensor_parallel.py"), "--device", "cpu", "--tiny",
+           "--tp", "1,2", "--batches", "1,2", "--prefill", "24", "--prompt-len", "8", "--new-tokens", "3",
+           "--workdir", str(tmp_path / "ckpt"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    tp1, tp2 = run["results"]
+    assert (tp1["tp"], tp2["tp"]) == (1, 2) and tp1["all_reduce"] is None
+    for r in (tp1, tp2):
+        assert set(r["decode"]) == {"1", "2"} and r["decode"]["2"]["decode_tokens"] == 2 * 2
+        assert r["prefill"]["24"]["tokens_per_s"] > 0
+    assert tp2["all_reduce"]["all_reduce_calls"] > 0 and tp2["all_reduce"]["all_reduce_ms_per_step"] > 0
+    assert len(tp2["tensor_parallel"]["ranks"]) == 2
+    assert set(run["scaling"]["2"]) == {"decode_1", "decode_2", "prefill_24"}

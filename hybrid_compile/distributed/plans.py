@@ -339,12 +339,17 @@ def _mamba2_family(config, size: int, rank: int, *, mixer: str, heads: str, head
     return plan, fields
 
 
+def _local_expand(expand, size: int):
+    """A rank's ``mamba_expand`` (the mixer's width is ``mamba_expand * hidden_size``): an int when
+    it stays whole, else the fraction (set past the config's int type, see ``local_config``)."""
+    local = expand / size
+    return int(local) if float(local).is_integer() else local
+
+
 def bamba_plan(config, size: int, rank: int) -> ShardPlan:
     plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
                                   groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
-    cfg = plan.config
-    expand = cfg.mamba_expand / size  # (the mixer's width is mamba_expand * hidden_size)
-    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    fields["mamba_expand"] = _local_expand(plan.config.mamba_expand, size)
     plan.local_fields = fields
     return plan
 
@@ -365,8 +370,7 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
                                   groups="mamba_n_groups", state="mamba_d_state", mlp=None)
     cfg = plan.config
-    expand = cfg.mamba_expand / size
-    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    fields["mamba_expand"] = _local_expand(cfg.mamba_expand, size)
     experts = int(getattr(cfg, "num_local_experts", 0) or 0)
     if experts:
         plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))

@@ -49,6 +49,17 @@ def _nemotron_h_4(seed=0):
     return mm._finish(transformers.NemotronHForCausalLM(cfg), seed, dt_bias=-1.5)
 
 
+def _one_group(name: str):
+    """A Mamba2-family model with one B/C group: B/C replicated, the gated norm reduced across ranks."""
+    def build(seed=0):
+        model = mm.BUILDERS[name](seed)
+        cfg = model.config.to_dict()
+        cfg["n_groups" if name == "mamba2" else "mamba_n_groups"] = 1
+        torch.manual_seed(seed)
+        return mm._finish(type(model)(type(model.config).from_dict(cfg)), seed)
+    return build
+
+
 MODELS = {
     "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
     "qwen3_next_dense": lambda: em.build_model("qwen3_next_dense"),
@@ -59,12 +70,14 @@ MODELS = {
     "bamba": mm.build_bamba,
     "granitemoehybrid": mm.build_granitemoehybrid,
     "falcon_h1": mm.build_falcon_h1,
+    "mamba2_one_group": _one_group("mamba2"),
+    "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
-             "granitemoehybrid", "falcon_h1")
-FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4")
+             "granitemoehybrid", "falcon_h1", "mamba2_one_group")
+FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 
 

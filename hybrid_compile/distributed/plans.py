@@ -21,7 +21,7 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   so whole key-head groups go to a rank; Qwen3.5's separate projections are split per segment;
   conv channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
-  when ``n_groups % size == 0``.
+  when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
 """
 
@@ -118,6 +118,8 @@ class ShardPlan:
     reduced_modules: list[re.Pattern] = field(default_factory=list)
     # modules matching these are reduced only when they are an MLP or MoE block (NemotronH's mixers)
     reduced_blocks: list[re.Pattern] = field(default_factory=list)
+    # Mamba2 gated norms whose one group spans every rank (n_groups == 1): (pattern, full group size)
+    cross_rank_norms: list[tuple[re.Pattern, int]] = field(default_factory=list)
     local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
 
     def add(self, pattern: str, s: Slice) -> None:
@@ -250,17 +252,25 @@ def gdn_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
-def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups: int, state: int) -> None:
+def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups: int, state: int) -> int:
     """The Mamba2 mixer's parameters (``in_proj`` rows ``[gate | x | B | C | dt]``, conv channels
-    ``[x | B | C]``), heads split, B/C groups split."""
+    ``[x | B | C]``), heads split; B/C groups split when they divide, or with one group, B/C
+    replicated on every rank and the gated norm over that group reduced across the ranks
+    (``layers.cross_rank_gated_norm``). Returns the local group count."""
     n = plan.size
     _split(heads, n, "the Mamba2 head count", plan.family)
-    if groups % n:
+    if groups % n == 0:
+        bc, local_groups = Segment(groups, state), groups // n
+    elif groups == 1:
+        bc, local_groups = Segment(1, state, REPLICATE_UNIT), 1
+        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim))
+    else:
         raise ShardingError(
-            f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups, which does not "
-            f"divide by {n} (replicating groups across ranks needs a cross-rank gated norm; not supported yet)"
+            f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups: neither 1 nor a "
+            f"multiple of {n} (a group shared by some of the ranks needs a norm reduced over a subgroup; not "
+            "supported yet)"
         )
-    x, bc = Segment(heads, head_dim), Segment(groups, state)
+    x = Segment(heads, head_dim)
     plan.add(prefix + r"\.in_proj\.weight", Slice(0, (x, x, bc, bc, Segment(heads, 1))))
     plan.add(prefix + r"\.in_proj\.bias", Slice(0, (x, x, bc, bc, Segment(heads, 1))))
     plan.add(prefix + r"\.conv1d\.(weight|bias)", Slice(0, (x, bc, bc)))
@@ -269,17 +279,18 @@ def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups
     plan.add(prefix + r"\.out_proj\.weight", Slice(1, (x,)))
     plan.add(prefix + r"\.out_proj\.bias", Slice(rank0_only=True))
     plan.reduce(prefix + r"\.out_proj")
+    return local_groups
 
 
 def mamba2_plan(config, size: int, rank: int) -> ShardPlan:
     cfg = _text(config)
     plan = ShardPlan("mamba2", size, rank, cfg)
     heads, hd, groups = int(cfg.num_heads), int(cfg.head_dim), int(cfg.n_groups)
-    _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.state_size))
+    local_groups = _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.state_size))
     inter = int(cfg.expand * cfg.hidden_size)
     if inter != heads * hd:
         raise ShardingError(f"mamba2: expand * hidden_size = {inter} but num_heads * head_dim = {heads * hd}")
-    plan.local_fields = dict(num_heads=heads // size, n_groups=groups // size, expand=cfg.expand / size)
+    plan.local_fields = dict(num_heads=heads // size, n_groups=local_groups, expand=cfg.expand / size)
     plan.vocab_parallel(r"embeddings\.weight", r"lm_head\.weight")
     return plan
 
@@ -288,9 +299,9 @@ def nemotron_h_plan(config, size: int, rank: int) -> ShardPlan:
     cfg = _text(config)
     plan = ShardPlan("nemotron_h", size, rank, cfg)
     heads, hd, groups = int(cfg.mamba_num_heads), int(cfg.mamba_head_dim), int(cfg.n_groups)
-    _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.ssm_state_size))
+    local_groups = _mamba_heads(plan, r"\.mixer", heads, hd, groups, int(cfg.ssm_state_size))
     local_kv = plan.attention(r"\.mixer", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), _head_dim(cfg))
-    fields = dict(mamba_num_heads=heads // size, n_groups=groups // size,
+    fields = dict(mamba_num_heads=heads // size, n_groups=local_groups,
                   num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv,
                   head_dim=_head_dim(cfg))
     plan.mlp(r"\.layers\.\d+\.mixer", int(cfg.intermediate_size), "intermediate_size", gate="")
@@ -315,10 +326,10 @@ def _mamba2_family(config, size: int, rank: int, *, mixer: str, heads: str, head
     cfg = _text(config)
     plan = ShardPlan(cfg.model_type, size, rank, cfg)
     h, hd, g = int(getattr(cfg, heads)), int(getattr(cfg, head_dim)), int(getattr(cfg, groups))
-    _mamba_heads(plan, rf"\.{mixer}", h, hd, g, int(getattr(cfg, state)))
+    local_groups = _mamba_heads(plan, rf"\.{mixer}", h, hd, g, int(getattr(cfg, state)))
     local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
                               _head_dim(cfg))
-    fields = {heads: h // size, groups: g // size, "num_attention_heads": int(cfg.num_attention_heads) // size,
+    fields = {heads: h // size, groups: local_groups, "num_attention_heads": int(cfg.num_attention_heads) // size,
               "num_key_value_heads": local_kv, "head_dim": _head_dim(cfg)}
     if mlp is not None:
         plan.mlp(rf"\.{mlp}", int(cfg.intermediate_size), "intermediate_size")
@@ -328,12 +339,17 @@ def _mamba2_family(config, size: int, rank: int, *, mixer: str, heads: str, head
     return plan, fields
 
 
+def _local_expand(expand, size: int):
+    """A rank's ``mamba_expand`` (the mixer's width is ``mamba_expand * hidden_size``): an int when
+    it stays whole, else the fraction (set past the config's int type, see ``local_config``)."""
+    local = expand / size
+    return int(local) if float(local).is_integer() else local
+
+
 def bamba_plan(config, size: int, rank: int) -> ShardPlan:
     plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
                                   groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
-    cfg = plan.config
-    expand = cfg.mamba_expand / size  # (the mixer's width is mamba_expand * hidden_size)
-    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    fields["mamba_expand"] = _local_expand(plan.config.mamba_expand, size)
     plan.local_fields = fields
     return plan
 
@@ -341,7 +357,11 @@ def bamba_plan(config, size: int, rank: int) -> ShardPlan:
 def falcon_h1_plan(config, size: int, rank: int) -> ShardPlan:
     plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
                                   groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
-    fields["mamba_d_ssm"] = int(plan.config.mamba_d_ssm) // size
+    cfg = plan.config
+    if plan.cross_rank_norms and getattr(cfg, "mamba_rms_norm", False) and getattr(cfg, "mamba_norm_before_gate", False):
+        raise ShardingError(f"tensor_parallel_size={size}: falcon_h1 with one Mamba2 group and a norm before the gate "
+                            "is not supported yet")
+    fields["mamba_d_ssm"] = int(cfg.mamba_d_ssm) // size
     plan.local_fields = fields
     return plan
 
@@ -350,8 +370,7 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     plan, fields = _mamba2_family(config, size, rank, mixer="mamba", heads="mamba_n_heads", head_dim="mamba_d_head",
                                   groups="mamba_n_groups", state="mamba_d_state", mlp=None)
     cfg = plan.config
-    expand = cfg.mamba_expand / size
-    fields["mamba_expand"] = int(expand) if float(expand).is_integer() else expand
+    fields["mamba_expand"] = _local_expand(cfg.mamba_expand, size)
     experts = int(getattr(cfg, "num_local_experts", 0) or 0)
     if experts:
         plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))

@@ -4,6 +4,7 @@ Speed is not asserted; the JSON's structure is, and that the FP8 run really serv
 (fewer weight bytes than the bf16 run of the same model)."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -20,7 +21,8 @@ def test_tiny_cpu_run(tmp_path):
     assert run["env"]["tiny"] and run["env"]["quantize_seconds"] >= 0
     for mode in ("bf16", "fp8"):
         assert set(run[mode]["decode"]) == {"1", "2"} and set(run[mode]["prefill"]) == {"64"}
-        assert all(v["ms_per_step"] > 0 for v in run[mode]["decode"].values())
+        # (a difference of two timings of a few toy steps: its sign is noise on a busy CPU)
+        assert all(math.isfinite(v["ms_per_step"]) for v in run[mode]["decode"].values())
     assert run["fp8"]["weight_bytes"] < run["bf16"]["weight_bytes"]
     assert "FP8" in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
 

@@ -81,9 +81,16 @@ def _check_device(device: str) -> None:
                          "use --device cpu or --device auto")
 
 
+class _FollowerRankDone(Exception):
+    """Raised by :func:`_load` on a torchrun rank other than 0 once it has followed rank 0's engine
+    to its close: that rank's command has nothing more to do and exits 0 (no output, no prompt read)."""
+
+
 def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more_options):
     """from_pretrained with the command line's model / engine options (progress bar on stderr);
-    ``more_options``: further EngineConfig fields."""
+    ``more_options``: further EngineConfig fields. Under ``torchrun`` with ``--tensor-parallel-size``
+    every rank runs the command: ranks other than 0 follow rank 0's steps inside this call and then
+    end their command (:class:`_FollowerRankDone`)."""
     from .loading import from_pretrained
 
     _check_device(args.device)
@@ -103,12 +110,15 @@ def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more
     for name in ("max_total_tokens", "max_context_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    return from_pretrained(
+    engine = from_pretrained(
         args.model, dtype=None if args.dtype == "auto" else args.dtype,
         device=None if args.device == "auto" else args.device, tokenizer=tokenizer,
         trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
         tensor_parallel_size=args.tensor_parallel_size, **options,
     )
+    if engine is None:
+        raise _FollowerRankDone
+    return engine
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -322,8 +332,17 @@ def _serve(args: argparse.Namespace) -> int:
         return _load(args, args.tokenizer or "required", max_running_requests=args.max_running_requests,
                      enable_prefix_cache=args.prefix_cache)
 
+    if _is_torchrun_follower(args):  # only rank 0 listens; the others follow its engine until it closes
+        load()
     return run(args.served_model_name or args.model, load, host=args.host, port=args.port,
                log_level=args.log_level, access_log=args.access_log)
+
+
+def _is_torchrun_follower(args: argparse.Namespace) -> bool:
+    from .distributed.group import torchrun_env
+
+    env = torchrun_env()
+    return args.tensor_parallel_size > 1 and env is not None and env[0] != 0
 
 
 def _one_line(e: BaseException) -> str:
@@ -339,6 +358,8 @@ def _user_errors(func):
 
         try:
             return func(args)
+        except _FollowerRankDone:
+            return 0
         except KeyboardInterrupt:
             return 130
         except (LoadError, ValueError, OSError, NotImplementedError) as e:

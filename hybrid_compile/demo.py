@@ -57,7 +57,10 @@ def run_demo(
     import tempfile
 
     import hybrid_compile as hc
+    from hybrid_compile.distributed.group import torchrun_env
 
+    if tensor_parallel_size != 1 and (torchrun_env() or (0,))[0] != 0:
+        out = lambda *args, **kwargs: None  # noqa: E731  (torchrun: only rank 0 reports)
     model = build_demo_model(seed, device)
     n_params = sum(p.numel() for p in model.parameters())
     out(f"model: random-weight Qwen3-Next, {n_params / 1e6:.1f}M params, layers {model.config.layer_types}, {device}")
@@ -72,6 +75,9 @@ def run_demo(
         tmp = tempfile.TemporaryDirectory(prefix="hybrid_compile_demo_")
         model.save_pretrained(tmp.name)
         engine = hc.from_pretrained(tmp.name, tensor_parallel_size=tensor_parallel_size, device=device, **options)
+        if engine is None:  # a torchrun rank other than 0: it followed rank 0's engine until its close
+            tmp.cleanup()
+            return {"outputs": None, "seconds": None, "stats": None, "matches_hf": None, "follower": True}
         out(f"tensor parallelism: {tensor_parallel_size} ranks")
     else:
         engine = hc.wrap(model, **options)

@@ -64,11 +64,11 @@ def _env() -> dict:
 class Run:
     """One ``python -m hybrid_compile ...`` subprocess, started at once, awaited on demand."""
 
-    def __init__(self, args: list[str], stdin: str | None = None) -> None:
+    def __init__(self, args: list[str], stdin: str | None = None, launcher: tuple[str, ...] = ()) -> None:
         self.args = args
         self._stdin = stdin.encode() if stdin is not None else None
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "hybrid_compile", *args], env=_env(), cwd=ROOT,
+            [sys.executable, *launcher, "-m", "hybrid_compile", *args], env=_env(), cwd=ROOT,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
@@ -94,6 +94,13 @@ def cli_runs(ckpt):
         "chat": Run(["chat", "--model", ckpt["qwen"], "--max-new-tokens", str(NEW), *SMALL_CLI],
                     stdin="\n".join([CHAT_LINES[0], "", CHAT_LINES[1], "/exit", "never sent"]) + "\n"),
         "missing": Run(["generate", "--model", str(ROOT / "no" / "such" / "dir"), "--prompt", "x"]),
+        # tensor parallelism from the command line: ranks spawned by the command, and every rank
+        # running the command under torchrun (only rank 0 prints; the others follow and exit 0)
+        "generate_tp_spawned": Run(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens",
+                                    str(NEW), "--tensor-parallel-size", "2", *SMALL_CLI]),
+        "generate_tp_torchrun": Run(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens",
+                                     str(NEW), "--tensor-parallel-size", "2", *SMALL_CLI],
+                                    launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")),
     }
     yield runs
     for run in runs.values():
@@ -357,6 +364,13 @@ def test_cli_chat_over_stdin_replies_like_transformers_and_stops_at_exit(ckpt, c
     replies = hf_chat(ckpt["qwen"], CHAT_LINES, NEW)
     assert len(set(replies)) == 2  # the second turn sees the first: a different prompt
     assert out == "".join(r + "\n" for r in replies)
+
+
+@pytest.mark.parametrize("launch", ["spawned", "torchrun"])
+def test_cli_generate_with_tensor_parallelism_prints_transformers_greedy_text_once(ckpt, cli_runs, launch):
+    rc, out, err = cli_runs[f"generate_tp_{launch}"].result()
+    assert rc == 0, err
+    assert out == hf_text(ckpt["qwen"], PROMPT, NEW) + "\n"
 
 
 def test_cli_missing_directory_is_one_clear_line(cli_runs):

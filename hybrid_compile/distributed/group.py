@@ -106,10 +106,18 @@ class TensorParallelGroup:
         first = recorded.split("\n", 1)[0] if recorded else f"rank {self.rank}: {type(error).__name__}: {error}"
         return TensorParallelError(f"tensor-parallel engine failed: {first}")
 
-    def shutdown(self) -> None:
+    def shutdown(self, together: bool = False) -> None:
+        """Destroy the groups. ``together`` (a normal close, every rank closing): meet in a barrier
+        first, so no rank tears its connections down while another still uses them (gloo then
+        aborted the slower rank at exit: "terminate called without an active exception")."""
         if self.closed:
             return
         self.closed = True
+        if together:
+            try:
+                dist.barrier(group=self.control)
+            except Exception:  # another rank failed meanwhile: its error travels through the store
+                pass
         try:
             dist.destroy_process_group(self.control)
         except Exception:

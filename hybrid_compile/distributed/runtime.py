@@ -86,6 +86,7 @@ class TensorParallelEngine(HybridEngine):
         try:
             self._guarded(HybridEngine.close, self)
             self._broadcaster.stop()
+            self.tp.shutdown(together=True)
         finally:
             self.tp.shutdown()
             _group.set_current_group(None)
@@ -206,7 +207,7 @@ def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: E
     except BaseException as e:
         err = tp.fail(e)
         raise (err if err is not None else e)
-    tp.shutdown()
+    tp.shutdown(together=True)
 
 
 def _worker(rank: int, size: int, port: int, device_type: str, timeout: float, threads: int, path: str, config,

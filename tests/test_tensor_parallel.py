@@ -7,7 +7,10 @@ WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment; every rank calls
 outputs to a JSON file, the others follow inside the call), one engine after the other, so the
 processes start once per group size. Every case runs with chunked prefill, more prompts than
 running slots (requests join mid-way: mixed batches), the prefix cache on with prompts that
-share prefixes and n-gram speculative decoding. One case is compiled. The spawned path
+share prefixes and n-gram speculative decoding. Variants of some cases at 2 ranks: compiled (a
+Mamba2 and a Gated DeltaNet model), ``n = 2`` sequences per prompt (forks copy the prompt's KV and
+recurrent state on every rank) and a bf16 recurrent state (against the single-process engine with
+the same setting, since HF keeps an fp32 state). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
 follower (torchrun-style), and each rank's peak host memory against the full model size.
 """
@@ -79,6 +82,12 @@ TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "ne
              "granitemoehybrid", "falcon_h1", "mamba2_one_group")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
+# variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
+VARIANTS = (
+    ("qwen3_next_dense@compiled", "qwen3_next_dense", dict(compile=True), 1),
+    ("qwen3_next_moe@n2", "qwen3_next_moe", {}, 2),
+    ("nemotron_h@bf16_state", "nemotron_h", dict(ssm_state_dtype="bfloat16"), 1),
+)
 
 
 def _vocab(model) -> int:
@@ -142,7 +151,8 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             assert engine is None
             continue
         try:
-            outputs = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in case["rounds"]]
+            params = hc.SamplingParams(max_new_tokens=NEW, n=case.get("n", 1))
+            outputs = [engine.generate_batch(batch, params=params) for batch in case["rounds"]]
         except Exception as e:  # noqa: BLE001 (recorded for the test to check)
             results[case["name"]] = dict(error=f"{type(e).__name__}: {e}")
             break
@@ -179,14 +189,15 @@ def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = Fa
     return results, codes
 
 
-def _case(checkpoints, name, **options) -> dict:
-    ck = checkpoints[name]
-    return dict(name=name, dir=ck["dir"], rounds=ck["rounds"], options={**OPTIONS, **options})
+def _case(checkpoints, name, checkpoint=None, n=1, **options) -> dict:
+    ck = checkpoints[checkpoint or name]
+    return dict(name=name, dir=ck["dir"], rounds=ck["rounds"], n=n, options={**OPTIONS, **options})
 
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory):
     cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
+    cases += [_case(checkpoints, name, ck, n, **opts) for name, ck, opts, n in VARIANTS]
     return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
 
 
@@ -196,12 +207,14 @@ def four_ranks(checkpoints, tmp_path_factory):
     return _run_group(4, cases, tmp_path_factory.mktemp("tp4"))[0]
 
 
-def _check(checkpoints, results, name) -> dict:
+def _check(checkpoints, results, name, checkpoint=None, expected=None) -> dict:
+    """The case's tokens equal HF greedy (or ``expected``); with n > 1 every sequence does."""
     r = results[name]
-    ck = checkpoints[name]
-    for batch, got, want in zip(ck["rounds"], r["outputs"], ck["expected"]):
+    ck = checkpoints[checkpoint or name]
+    for batch, got, want in zip(ck["rounds"], r["outputs"], expected or ck["expected"]):
         for prompt, g, w in zip(batch, got, want):
-            em.assert_greedy_equal(ck["model"], prompt, g, w, what=f"{name} tensor-parallel")
+            for seq in (g if g and isinstance(g[0], list) else [g]):
+                em.assert_greedy_equal(ck["model"], prompt, seq, w, what=f"{name} tensor-parallel")
     assert r["prefix_hits"] > 0, "round two's prompts extend round one's: the prefix cache must hit"
     assert r["verify_steps"] > 0
     assert not any(r["pools_used"].values()), r["pools_used"]  # after close: every slot back
@@ -219,6 +232,32 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
 def test_compiled_two_ranks_zero_graph_breaks(two_ranks):
     c = two_ranks[COMPILED]["compile"]
     assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
+
+
+def test_compiled_gated_deltanet_two_ranks_zero_graph_breaks(checkpoints, two_ranks):
+    r = _check(checkpoints, two_ranks, "qwen3_next_dense@compiled", "qwen3_next_dense")
+    c = r["compile"]
+    assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
+
+
+def test_two_sequences_per_prompt_fork_on_every_rank(checkpoints, two_ranks):
+    """n = 2 (greedy): both sequences of each prompt equal HF greedy, so the fork's copies of the
+    prompt's KV and recurrent state reached rank 1 too."""
+    r = _check(checkpoints, two_ranks, "qwen3_next_moe@n2", "qwen3_next_moe")
+    assert all(len(per_prompt) == 2 for batch in r["outputs"] for per_prompt in batch)
+
+
+def test_bf16_recurrent_state_equals_the_single_process_engine(checkpoints, two_ranks):
+    """ssm_state_dtype="bfloat16" over 2 ranks gives the single-process engine's tokens (the same
+    state rounding, on each rank's own heads)."""
+    ck = checkpoints["nemotron_h"]
+    opts = {k: v for k, v in OPTIONS.items() if k != "device"}
+    engine = hc.wrap(ck["model"], ssm_state_dtype="bfloat16", **opts)
+    try:
+        single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
+    finally:
+        engine.close()
+    assert two_ranks["nemotron_h@bf16_state"]["outputs"] == single
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)

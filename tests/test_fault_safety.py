@@ -13,8 +13,10 @@ family. After each:
   greedy tokens, and so does a later request extending the interrupted sequence (served from the
   prefix cache where it is on: it must not have cached a half-updated state).
 
-``generate`` / ``generate_batch`` that raise (a failed step, a streamer, a logits callback) end
-their own requests and leave requests added by others running.
+``generate`` / ``generate_batch`` that raise (a failed step, a streamer, a user's logits processor
+or stopping criterion) end their own requests and leave requests added by others running; no
+output of those is lost. A stopping criterion that raises in a step's commit commits the rows
+before it and rolls back the others (no request is left with KV or state past its tokens).
 """
 
 from __future__ import annotations
@@ -280,6 +282,31 @@ def test_speculative_verify_and_draft_faults(family, cache, monkeypatch):
     for i, (p, out) in enumerate(zip(prompts, got)):
         assert_greedy_equal(model, p, out, _expected(family, p), f"draft fault: request {i}")
     assert source.pools.free_counts() == draft_initial  # the draft side holds nothing once idle
+    _assert_consistent_and_idle(engine, initial)
+    engine.close()
+
+
+def test_max_time_reached_in_a_verify_step():
+    """``max_time`` runs out while a speculative verify step emits several tokens of a request: the
+    check runs before the commit, once after the request's last kept token; the request ends with
+    every verified token (HF's greedy ones), reason ``"time"``, and its slots go back (to the tree)."""
+    family = "qwen3_next_moe"
+    model = _model(family)
+    prompt = _prompts(family)[1]
+    engine = make_engine(model, speculative=dict(method="draft_model", draft_model=model, num_draft_tokens=3),
+                         **ENGINE_ARGS)
+    initial = engine.pools.free_counts()
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=20, max_time=3600.0))
+    while not engine.request(rid).output:
+        engine.step()
+    engine.request(rid).arrival_time -= 7200.0  # the time is up
+    verified = engine.stats()["speculative"]["verify_steps"]
+    outputs = engine.step()
+    assert engine.stats()["speculative"]["verify_steps"] == verified + 1
+    assert len(outputs) == 4 and [o.finished for o in outputs] == [False, False, False, True]  # (the drafts: the model's own)
+    r = engine.pop_finished(rid)
+    assert r.finish_reason == "time" and len(r.output) == 5
+    assert_greedy_equal(model, prompt, r.output, _expected(family, prompt, 5), "max_time in a verify step")
     _assert_consistent_and_idle(engine, initial)
     engine.close()
 

@@ -13,8 +13,10 @@ family. After each:
   greedy tokens, and so does a later request extending the interrupted sequence (served from the
   prefix cache where it is on: it must not have cached a half-updated state).
 
-``generate`` / ``generate_batch`` that raise (a failed step, a streamer, a logits callback) end
-their own requests and leave requests added by others running.
+``generate`` / ``generate_batch`` that raise (a failed step, a streamer, a user's logits processor
+or stopping criterion) end their own requests and leave requests added by others running; no
+output of those is lost. A stopping criterion that raises in a step's commit commits the rows
+before it and rolls back the others (no request is left with KV or state past its tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import hybrid_compile.layers.attention as attention_layer
 import hybrid_compile.layers.gdn as gdn_layer
 import hybrid_compile.layers.mamba2 as mamba2_layer
 import hybrid_compile.layers.short_conv as short_conv_layer
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
 from hybrid_compile.engine import SamplingParams
 from hybrid_compile.layers.context import ForwardMode
 
@@ -97,6 +101,34 @@ class Fault:
                 raise Interrupt(f"injected into {what} (layer op {self.layer}) of a {self.step} step")
             self._calls += 1
         return ctx
+
+
+class _RaisesAt:
+    """Counts its calls; raises ValueError at the ``k``-th (None: never)."""
+
+    def __init__(self, k: int | None) -> None:
+        self.k, self.calls = k, 0
+
+    def _count(self) -> None:
+        self.calls += 1
+        if self.calls == self.k:
+            raise ValueError(f"raised at call {self.k}")
+
+
+class RaisingProcessor(_RaisesAt, LogitsProcessor):
+    """A user's logits processor: the identity, but it raises at its ``k``-th call."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._count()
+        return scores
+
+
+class RaisingCriterion(_RaisesAt, StoppingCriteria):
+    """A user's stopping criterion: never stops, but it raises at its ``k``-th call."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self._count()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,25 +239,28 @@ def test_faults_at_every_kind_of_step(family, cache, monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_next_moe", "nemotron_h"])
 def test_compiled_engine_recovers(family, monkeypatch):
-    """The same through the compiled forward (the fault raised inside a layer op of the split graph)."""
+    """The same through the compiled forward (the fault raised inside a layer op of the split graph):
+    a later chunk, a mixed prefill + decode step, a decode step."""
     model = _model(family)
     engine = make_engine(model, compile=True, **ENGINE_ARGS)
     initial = engine.pools.free_counts()
     _interrupted_run(family, engine, monkeypatch, "later_chunk", 1)
-    _interrupted_run(family, engine, monkeypatch, "decode", _layer_ops(engine) - 1)
+    n = _layer_ops(engine)  # (counted once compiled: a first call also counts the traced ops)
+    _interrupted_run(family, engine, monkeypatch, "mixed", n // 2)
+    _interrupted_run(family, engine, monkeypatch, "decode", n - 1)
     assert engine.stats()["compile"]["graph_breaks"] == 0
     _assert_consistent_and_idle(engine, initial)
     engine.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "nemotron_h"])
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "no_cache"])
-def test_speculative_verify_and_draft_faults(cache, monkeypatch):
-    """Speculative decoding with a draft model: a fault in the verify forward (the main states are
-    untouched: only the drafts' KV slots are undone), then one inside the draft model's own forward
-    (it forgets those requests and recomputes them)."""
-    family = "qwen3_next_moe"
+def test_speculative_verify_and_draft_faults(family, cache, monkeypatch):
+    """Speculative decoding with a draft model (of the same family, other weights): a fault in the
+    verify forward (the main states are untouched: only the drafts' KV slots are undone), then one
+    inside the draft model's own forward (it forgets those requests and recomputes them)."""
     model = _model(family)
-    draft = build_model(family, seed=1)
+    draft = build_model(family, seed=1) if family == "qwen3_next_moe" else mm.build_nemotron_h(2)
     engine = make_engine(model, enable_prefix_cache=cache,
                          speculative=dict(method="draft_model", draft_model=draft, num_draft_tokens=3), **ENGINE_ARGS)
     initial = engine.pools.free_counts()
@@ -247,6 +282,31 @@ def test_speculative_verify_and_draft_faults(cache, monkeypatch):
     for i, (p, out) in enumerate(zip(prompts, got)):
         assert_greedy_equal(model, p, out, _expected(family, p), f"draft fault: request {i}")
     assert source.pools.free_counts() == draft_initial  # the draft side holds nothing once idle
+    _assert_consistent_and_idle(engine, initial)
+    engine.close()
+
+
+def test_max_time_reached_in_a_verify_step():
+    """``max_time`` runs out while a speculative verify step emits several tokens of a request: the
+    check runs before the commit, once after the request's last kept token; the request ends with
+    every verified token (HF's greedy ones), reason ``"time"``, and its slots go back (to the tree)."""
+    family = "qwen3_next_moe"
+    model = _model(family)
+    prompt = _prompts(family)[1]
+    engine = make_engine(model, speculative=dict(method="draft_model", draft_model=model, num_draft_tokens=3),
+                         **ENGINE_ARGS)
+    initial = engine.pools.free_counts()
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=20, max_time=3600.0))
+    while not engine.request(rid).output:
+        engine.step()
+    engine.request(rid).arrival_time -= 7200.0  # the time is up
+    verified = engine.stats()["speculative"]["verify_steps"]
+    outputs = engine.step()
+    assert engine.stats()["speculative"]["verify_steps"] == verified + 1
+    assert len(outputs) == 4 and [o.finished for o in outputs] == [False, False, False, True]  # (the drafts: the model's own)
+    r = engine.pop_finished(rid)
+    assert r.finish_reason == "time" and len(r.output) == 5
+    assert_greedy_equal(model, prompt, r.output, _expected(family, prompt, 5), "max_time in a verify step")
     _assert_consistent_and_idle(engine, initial)
     engine.close()
 
@@ -287,20 +347,11 @@ def test_generate_that_raises_ends_only_its_own_requests(monkeypatch):
         engine.generate(torch.tensor([prompts[1]]), streamer=Broken(), max_new_tokens=MAX_NEW)
     assert list(engine._requests) == [other]
 
-    # 3. the sampling of a step raises (what a user's logits callback does): rolled back
-    sample = engine.sampler.sample_rows
-    calls = []
-
-    def failing_sample(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("bad logits processor")
-        return sample(*args, **kw)
-
-    with monkeypatch.context() as m:
-        m.setattr(engine.sampler, "sample_rows", failing_sample)
-        with pytest.raises(ValueError, match="bad logits processor"):
-            engine.generate_batch(prompts[:2], max_new_tokens=MAX_NEW)
+    # 3. a user's logits processor raises (at its second call: the step's sampling): rolled back
+    processor = RaisingProcessor(2)
+    with pytest.raises(ValueError, match="raised at call 2"):
+        engine.generate_batch(prompts[:2], max_new_tokens=MAX_NEW, logits_processor=LogitsProcessorList([processor]))
+    assert processor.calls == 2
     assert list(engine._requests) == [other]
 
     while engine.has_unfinished():
@@ -309,6 +360,166 @@ def test_generate_that_raises_ends_only_its_own_requests(monkeypatch):
     got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
     for i, (p, out) in enumerate(zip(prompts, got)):
         assert_greedy_equal(model, p, out, _expected(family, p), f"after the failed calls: request {i}")
+    _assert_consistent_and_idle(engine, initial)
+    engine.close()
+
+
+def _drain(engine) -> list:
+    """Step until idle; every output the steps returned."""
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    return events
+
+
+def _assert_events_complete(events: list, rid: int, output: list[int]) -> None:
+    """Each token of the request came as exactly one output of step(), in order; it finished once."""
+    assert [o.token for o in events if o.rid == rid and o.token is not None] == output, rid
+    assert sum(o.finished for o in events if o.rid == rid) == 1, rid
+
+
+def _assert_between_steps(engine) -> None:
+    """No request holds KV or recurrent state past its tokens (each running one has tokens to
+    feed, and KV for exactly its computed ones); the radix tree is consistent."""
+    assert engine._ahead is None
+    for r in engine.scheduler.running:
+        assert r.pending >= 1 and r.kv_slots.numel() == r.num_computed, (r.rid, r.pending, r.num_computed)
+    for r in engine.scheduler.waiting:
+        assert r.num_computed == 0 and r.kv_slots.numel() == 0 and r.mamba_slot is None, r.rid
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_dense", "nemotron_h"])
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no_cache"])
+def test_a_raising_logits_processor_ends_only_its_generate_call(family, cache):
+    """A user's logits processor (a transformers LogitsProcessorList) passed to ``generate`` raises
+    at its 3rd call, in a step beside two requests of another caller (add_request): the step is
+    rolled back and the exception reaches the caller unchanged; the call's request ends; the other
+    requests end with HF's greedy tokens, each token coming once from step(); the interrupted
+    prompt, resubmitted with a processor that does not raise, too."""
+    model = _model(family)
+    prompts = _prompts(family)
+    engine = make_engine(model, enable_prefix_cache=cache, **ENGINE_ARGS)
+    initial = engine.pools.free_counts()
+    others = [engine.add_request(p, SamplingParams(max_new_tokens=MAX_NEW)) for p in (prompts[0], prompts[2])]
+    processor = RaisingProcessor(3)
+    with pytest.raises(ValueError, match="raised at call 3"):
+        engine.generate(torch.tensor([prompts[1]]), logits_processor=LogitsProcessorList([processor]),
+                        max_new_tokens=MAX_NEW)
+    assert processor.calls == 3 and sorted(engine._requests) == others
+    stats = engine.stats()
+    assert stats["failed_steps"] == 1 and stats["requests_recomputed"] == 3  # the others were in the failed step
+    _assert_between_steps(engine)
+    events = _drain(engine)
+    for rid, p in zip(others, (prompts[0], prompts[2])):
+        out = engine.pop_finished(rid).output
+        _assert_events_complete(events, rid, out)
+        assert_greedy_equal(model, p, out, _expected(family, p), f"{family}: the other caller's request {rid}")
+    again = RaisingProcessor(None)
+    got = engine.generate(torch.tensor([prompts[1]]), logits_processor=LogitsProcessorList([again]),
+                          max_new_tokens=MAX_NEW)[0, len(prompts[1]):].tolist()
+    assert again.calls == len(got)
+    assert_greedy_equal(model, prompts[1], got, _expected(family, prompts[1]), f"{family}: resubmitted")
+    _assert_consistent_and_idle(engine, initial)
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_dense", "nemotron_h"])
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no_cache"])
+def test_a_raising_stopping_criterion_commits_the_rows_before_it_only(family, cache):
+    """A user's stopping criterion raises at a later step of three decoding requests (driven by
+    step()): the row before it commits (its output comes with the next step), its row and the row
+    after it are rolled back (none keeps KV or state past its tokens); continued, every request
+    ends with HF's greedy tokens, each token coming once from step(). Then inside
+    ``generate_batch`` beside another caller's request: the call's requests end with it, the other
+    one and the resubmitted prompts end with HF's tokens."""
+    model = _model(family)
+    prompts = _prompts(family)
+    engine = make_engine(model, enable_prefix_cache=cache, **ENGINE_ARGS)
+    initial = engine.pools.free_counts()
+
+    # 1. step(): the middle request's criterion raises at its 4th call (every request has one: no step runs ahead)
+    criteria = [RaisingCriterion(None), RaisingCriterion(4), RaisingCriterion(None)]
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=MAX_NEW, stopping_criteria=(c,)))
+            for p, c in zip(prompts, criteria)]
+    events, raised = [], 0
+    while engine.has_unfinished():
+        before = {rid: len(engine.request(rid).output) for rid in rids}
+        try:
+            events += engine.step()
+        except ValueError as e:
+            assert str(e) == "raised at call 4"
+            raised += 1
+            _assert_between_steps(engine)
+            # every request sampled in that step (rows in admission order): the first one committed
+            assert [len(engine.request(rid).output) - before[rid] for rid in rids] == [1, 0, 0]
+            assert [engine.request(rid).num_computed for rid in rids[1:]] == [0, 0]  # rolled back
+            assert criteria[2].calls == before[rids[2]]  # the check of the row after it never ran
+    assert raised == 1 and engine.stats()["failed_steps"] == 1
+    for rid, p in zip(rids, prompts):
+        out = engine.pop_finished(rid).output
+        _assert_events_complete(events, rid, out)
+        assert_greedy_equal(model, p, out, _expected(family, p), f"{family}: request {rid}")
+
+    # 2. generate_batch, beside another caller's request
+    other = engine.add_request(prompts[2], SamplingParams(max_new_tokens=MAX_NEW))
+    criterion = RaisingCriterion(5)
+    with pytest.raises(ValueError, match="raised at call 5"):
+        engine.generate_batch(prompts[:2], max_new_tokens=MAX_NEW, stopping_criteria=StoppingCriteriaList([criterion]))
+    assert list(engine._requests) == [other]
+    _assert_between_steps(engine)
+    events = _drain(engine)
+    out = engine.pop_finished(other).output
+    _assert_events_complete(events, other, out)
+    assert_greedy_equal(model, prompts[2], out, _expected(family, prompts[2]), f"{family}: the other caller's request")
+    got = engine.generate_batch(prompts[:2], max_new_tokens=MAX_NEW,
+                                stopping_criteria=StoppingCriteriaList([RaisingCriterion(None)]))
+    for i, (p, out) in enumerate(zip(prompts[:2], got)):
+        assert_greedy_equal(model, p, out, _expected(family, p), f"{family}: resubmitted request {i}")
+    _assert_consistent_and_idle(engine, initial)
+    engine.close()
+
+
+def test_other_callers_outputs_are_never_lost():
+    """The steps of a ``generate`` call also produce outputs of requests added by others: those come
+    with the next step(), whether the call returns or raises — also the outputs after the one
+    whose streamer ``put`` raised, in the same step."""
+    family = "qwen3_next_dense"
+    model = _model(family)
+    prompts = _prompts(family)
+    engine = make_engine(model, **ENGINE_ARGS)
+    initial = engine.pools.free_counts()
+    first = engine.add_request(prompts[2], SamplingParams(max_new_tokens=MAX_NEW))  # its rows come before the call's
+    short = random_prompts((6,), vocab_size(model), seed=13)[0]
+    added = []
+
+    class Streamer:
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 1:  # (the prompt) another caller adds a request: its rows come after the call's
+                added.append(engine.add_request(short, SamplingParams(max_new_tokens=MAX_NEW)))
+            elif self.puts == 2:  # the call's first token; the added request's first one follows it in the step
+                raise RuntimeError("client went away")
+
+        def end(self):
+            raise AssertionError("end() of a failed stream")
+
+    with pytest.raises(RuntimeError, match="client went away"):
+        engine.generate(torch.tensor([prompts[1]]), streamer=Streamer(), max_new_tokens=MAX_NEW)
+    later = added[0]
+    assert sorted(engine._requests) == [first, later]
+    assert len(engine.request(later).output) == 1  # its first token came in the step whose put raised
+    # a call that returns: the others' outputs of its steps wait for step() too
+    got = engine.generate(torch.tensor([prompts[1]]), max_new_tokens=MAX_NEW)[0, len(prompts[1]):].tolist()
+    assert_greedy_equal(model, prompts[1], got, _expected(family, prompts[1]), "the generate call")
+    events = _drain(engine)
+    for rid, p in ((first, prompts[2]), (later, short)):
+        out = engine.pop_finished(rid).output
+        _assert_events_complete(events, rid, out)
+        assert_greedy_equal(model, p, out, _expected(family, p), f"the other caller's request {rid}")
     _assert_consistent_and_idle(engine, initial)
     engine.close()
 

@@ -25,10 +25,22 @@ Ctrl-C) rolls the step back before the exception propagates, unchanged, to the c
   before it (they are valid): they are held back and returned by the next :meth:`step`.
 - The random generators of sampled requests and the step counters are restored, so a seeded
   request draws the same tokens as if the step had never run.
+- **The commit is two phases.** First every row's host-side stop checks run (stop strings, the
+  user's ``stopping_criteria``, ``max_time``: :meth:`HybridEngine._host_stop`), on the row's
+  tokens as they would be once appended, changing nothing; then the rows are committed (tokens
+  appended, finished requests handed to the scheduler), which runs no user code. If a row's
+  checks raise, the rows before it commit (their outputs come with the next :meth:`step`), and
+  that row and the rows after it, whose checks never ran, are rolled back as above (recomputed,
+  their generators restored): no request is left with its KV or state advanced past its output,
+  and every one of them ends with the same tokens as without the fault. A speculative verify step
+  runs its checks before its commit too; a raise there undoes the whole verify step.
 
 ``generate`` / ``generate_batch`` end the requests they added when they raise (for whatever
 reason: a failed step, a streamer that raises, Ctrl-C between steps): :meth:`abort` frees their
-slots and prefix-cache locks; other callers' requests continue untouched.
+slots and prefix-cache locks; other callers' requests continue untouched. The outputs of other
+callers' requests that such a call's steps produce are not its own: they wait for the next
+:meth:`step` (whether the call returns or raises), so a caller driving :meth:`step` never misses
+one.
 """
 
 from __future__ import annotations
@@ -489,7 +501,7 @@ class HybridEngine:
                     try:
                         self._undelivered += self._finish(launched)
                     except BaseException:
-                        pass  # its tokens are lost too: _finish rolled it back
+                        pass  # _finish rolled back what it could not commit (its commits wait in _undelivered)
                     raise
                 self._counters["overlapped_steps"] += 1
         return self._finish(launched)
@@ -594,7 +606,13 @@ class HybridEngine:
     def _finish(self, launched: "_LaunchedStep") -> list[StepOutput]:
         """Copy a launched step's sampled tokens to the host (waits for its forward) and emit them:
         the step's commit. If the copy raises (an error of the forward surfacing, Ctrl-C while
-        waiting), the step is rolled back, with the step launched after it on the same requests."""
+        waiting), the step is rolled back, with the step launched after it on the same requests.
+
+        The commit runs in two phases (module docstring): first every row's host-side stop checks
+        (stop strings, the user's ``stopping_criteria``), which change nothing; then the rows are
+        committed, which runs no user code. If a row's checks raise, the rows before it commit,
+        that row and the rows after it are rolled back (recomputed), the committed rows' outputs
+        wait for the next :meth:`step`, and the exception propagates unchanged."""
         if launched.tokens is None:
             return []
         try:
@@ -604,54 +622,83 @@ class HybridEngine:
             else:
                 tokens = launched.tokens.tolist()
         except BaseException:
-            self._ahead = None
-            self._roll_back(launched.batch.requests + launched.requests, launched.generators)
+            self._roll_back_launched(launched)
             raise
         result = launched.result
         reqs = launched.requests
+        scores = {} if result is None else result.scores
+        # 1. the checks that run user code, before anything is committed
+        stops, error = [], None
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
+            try:
+                stops.append(self._host_stop(r, [int(tok)], scores.get(i)))
+            except BaseException as e:
+                error = e
+                break
+        if error is not None and self._ahead is not None:  # (a step launched ahead reads these tokens)
+            self._roll_back_launched(launched)
+            raise error
+        committed = len(stops)
+        if error is not None:
+            failed = reqs[committed:]
+            self._roll_back(failed, {rid: g for rid, g in launched.generators.items()
+                                     if any(r.rid == rid for r in failed)})
+        # 2. the commit of the rows whose checks ran
         logprobs = {}
         if launched.host_logprobs is not None:
             values, ids = (t.tolist() for t in launched.host_logprobs)
             logprobs = logprob_entries(result, values, ids, [r.params for r in reqs])
         outputs = []
-        for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        for i, (r, tok, stop) in enumerate(zip(reqs[:committed], tokens, stops)):
             if result is not None:
                 if i in result.raw_logits:
                     r.raw_logits.append(result.raw_logits[i])
                 if r.params.output_scores:
                     r.scores.append(result.scores[i])
-            outputs.append(self._emit(r, int(tok), logprobs.get(i), None if result is None else result.scores.get(i)))
+            outputs.append(self._emit(r, int(tok), stop, logprobs.get(i)))
+        if error is not None:
+            self._undelivered += outputs  # (the next step() returns them)
+            raise error
         return outputs
 
-    def _host_stop(self, r: Request, scores: torch.Tensor | None) -> str | None:
-        """Stop conditions checked on the host after a token: stop strings, the user's stopping
-        criteria, max_time. Returns the finish reason (or None)."""
+    def _roll_back_launched(self, launched: "_LaunchedStep") -> None:
+        """Roll back a launched step that cannot commit, with the step launched ahead on its requests."""
+        self._ahead = None
+        self._roll_back(launched.batch.requests + launched.requests, launched.generators)
+
+    def _host_stop(self, r: Request, tokens: list[int], scores: torch.Tensor | None) -> tuple[str, str | None] | None:
+        """Stop conditions checked on the host once ``tokens`` are appended to ``r``'s output
+        (which is not changed: the commit's first phase): stop strings, the user's stopping
+        criteria, max_time. Returns the finish reason and the stop string, or None (also when the
+        last token finishes the request by itself: a stop token, ``max_new_tokens``)."""
         p = r.params
+        if tokens[-1] in r.stop_ids or len(r.output) + len(tokens) >= p.max_new_tokens:
+            return None
         if r.stop_criteria or p.stopping_criteria:
-            ids = torch.tensor([r.prompt + r.output], dtype=torch.long)
+            ids = torch.tensor([r.prompt + r.output + tokens], dtype=torch.long)
             for text, criterion in r.stop_criteria:
                 if bool(criterion(ids, None)[0]):
-                    r.stop_str = text
-                    return "stop"
+                    return "stop", text
             if p.stopping_criteria:
                 dev_ids = ids.to(scores.device)
                 for criterion in p.stopping_criteria:
                     if bool(torch.as_tensor(criterion(dev_ids, scores[None]))[0]):
-                        return "stop"
+                        return "stop", None
         if p.max_time is not None and time.perf_counter() - r.arrival_time > p.max_time:
-            return "time"
+            return "time", None
         return None
 
-    def _emit(self, r: Request, token: int, logprobs=None, scores: torch.Tensor | None = None) -> StepOutput:
-        """Append a generated token to a request; a finished request is handed to the scheduler."""
+    def _emit(self, r: Request, token: int, stop: tuple[str, str | None] | None = None, logprobs=None) -> StepOutput:
+        """Append a generated token to a request (``stop``: what :meth:`_host_stop` found for it);
+        a finished request is handed to the scheduler. Runs no user code."""
         r.append_token(token)
         now = time.perf_counter()
         if r.first_token_time is None:
             r.first_token_time = now
         if logprobs is not None and r.logprobs is not None:
             r.logprobs.append(logprobs)
-        if not r.is_finished:
-            r.finish_reason = self._host_stop(r, scores)
+        if not r.is_finished and stop is not None:
+            r.finish_reason, r.stop_str = stop
         c = self._counters
         c["generated_tokens"] += 1
         if r.is_finished:
@@ -723,18 +770,29 @@ class HybridEngine:
         return params
 
     def _run(self, rids: list[int], streamer: Any = None) -> list[Request]:
-        """Step until every request of ``rids`` finishes; returns them (popped), in order."""
-        pending = set(rids)
+        """Step until every request of ``rids`` finishes; returns them (popped), in order. The
+        steps' outputs for other requests (added by other callers, who drive :meth:`step`) are
+        not this call's: the next :meth:`step` returns them, also when the call raises."""
+        own, pending = set(rids), set(rids)
+        others: list[StepOutput] = []
+        outs: collections.deque = collections.deque()
         try:
             while pending:
-                for out in self.step():
+                outs.extend(self.step())
+                while outs:
+                    out = outs.popleft()
+                    if out.rid not in own:
+                        others.append(out)
+                        continue
                     if streamer is not None and out.token is not None and out.rid in pending:
                         streamer.put(torch.tensor([out.token]))
                     if out.finished:
                         pending.discard(out.rid)
         except BaseException:  # (a failed step, the streamer, Ctrl-C): the call's requests end with it
+            self._undelivered = others + list(outs) + self._undelivered
             self._end_requests(rids)
             raise
+        self._undelivered = others + self._undelivered
         return [self.pop_finished(rid) for rid in rids]
 
     # -- text -----------------------------------------------------------------------------------

@@ -371,6 +371,9 @@ class SpeculativeDecoder:
             logits = self._forward(batch, drafts)
             emitted = self._accept(batch, drafts, logits)
             kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
+            # the host-side stop checks before anything is committed (HybridEngine._finish), once
+            # per request after its last kept token
+            stops = [engine._host_stop(r, tokens, None) for r, tokens in zip(reqs, kept)]
         except BaseException:
             # the verify forward leaves the requests' states as they were (it writes the
             # intermediate buffers only): the drafts' KV slots are all there is to undo
@@ -391,12 +394,12 @@ class SpeculativeDecoder:
         c["drafted"] += self.k * len(reqs)
         c["draft_seconds"] += t1 - t0
         outputs = []
-        for r, tokens, full in zip(reqs, kept, emitted):
+        for r, tokens, full, stop in zip(reqs, kept, emitted, stops):
             c["accepted"] += len(full) - 1
             c["emitted"] += len(tokens)
             self.acceptance_histogram[len(tokens)] = self.acceptance_histogram.get(len(tokens), 0) + 1
-            for tok in tokens:
-                outputs.append(engine._emit(r, tok))
+            for j, tok in enumerate(tokens):
+                outputs.append(engine._emit(r, tok, stop if j == len(tokens) - 1 else None))
         ec = engine._counters
         ec["steps"] += 1
         ec["decode_tokens"] += sum(len(t) for t in kept)

@@ -16,6 +16,7 @@ import torch
 import hybrid_compile as hc
 from engine_models import (
     PAD_TOKEN_ID,
+    RecordingStreamer,
     assert_pools_restored,
     cached_model,
     hf_next_logits,
@@ -315,17 +316,6 @@ def test_greedy_num_return_sequences_is_refused_as_transformers_does(model, engi
     assert engine.stats()["requests_added"] == before
 
 
-class RecordingStreamer:  # transformers' streamer protocol: put(prompt [1, L]), put(token [1]) ..., end()
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, value):
-        self.puts.append(value.tolist())
-
-    def end(self):
-        self.ended = True
-
-
 def test_call_arguments_are_honoured_or_refused(model, engine, prompts):
     initial = _initial(engine)
     # streamer: one prompt, one sequence, fed as generate() feeds it
@@ -333,21 +323,24 @@ def test_call_arguments_are_honoured_or_refused(model, engine, prompts):
     (out,) = engine.generate_batch(prompts[:1], max_new_tokens=NEW, streamer=streamers[0])
     engine.generate(torch.tensor([prompts[0]]), max_new_tokens=NEW, streamer=streamers[1])
     assert out == _free_run(model, prompts[0])
-    assert streamers[0].puts == streamers[1].puts == [[prompts[0]]] + [[t] for t in out]
-    assert streamers[0].ended and streamers[1].ended
+    assert streamers[0].calls == streamers[1].calls == \
+        [("put", [prompts[0]])] + [("put", [t]) for t in out] + [("end", None)]
     before = engine.stats()["requests_added"]
     for kw, name in [
         (dict(streamer=RecordingStreamer()), "streamer"),  # two prompts
         (dict(attention_mask=torch.ones(2, 17)), "attention_mask"),
         (dict(skip_special_tokens=False), "skip_special_tokens"),  # token ids in, token ids out
+        (dict(logprobs=2), "logprobs"),  # outputs the call would not return
+        (dict(return_dict_in_generate=True, output_scores=True), "return_dict_in_generate"),
     ]:
         with pytest.raises(ValueError, match=name):
             engine.generate_batch(prompts[:2], max_new_tokens=2, **kw)
     with pytest.raises(ValueError, match="streamer"):
         engine.generate_batch(prompts[:1], streamer=RecordingStreamer(),
                               params=hc.SamplingParams(max_new_tokens=2, n=2, do_sample=True))
-    with pytest.raises(ValueError, match="skip_special_tokens"):
-        engine.generate(torch.tensor([prompts[0]]), max_new_tokens=2, skip_special_tokens=True)
+    for kw, name in [(dict(skip_special_tokens=True), "skip_special_tokens"), (dict(logprobs=0), "logprobs")]:
+        with pytest.raises(ValueError, match=name):
+            engine.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **kw)
     with pytest.raises(ValueError, match="encoder_repetition_penalty"):
         engine.generate_batch(prompts[:1], params=hc.SamplingParams(encoder_repetition_penalty=0.0))
     with pytest.raises(TypeError, match="extra"):  # no catch-all field that nothing reads

@@ -112,6 +112,16 @@ def _per_request(base: SamplingParams, n: int) -> list[SamplingParams]:
     ]
 
 
+def _refuse_dropped_outputs(plan: gen_config.GeneratePlan, call: str) -> None:
+    """Settings that ask for an output ``call`` does not return raise (never computed, then dropped)."""
+    if (plan.extra or {}).get("logprobs") is not None:
+        raise ValueError(f"{call}: logprobs={plan.extra['logprobs']!r}: {call} returns tokens, not log-probabilities; "
+                         "read them per token through add_request() / step() (StepOutput.logprobs, Request.logprobs)")
+    if call == "generate_batch" and plan.return_dict:
+        raise ValueError("generate_batch: return_dict_in_generate=True: generate_batch returns token lists; use "
+                         "generate() for transformers' GenerateDecoderOnlyOutput (scores, logits)")
+
+
 def _percentiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -785,8 +795,9 @@ class HybridEngine:
         Settings: ``params``, one :class:`SamplingParams` for every prompt (seeded: prompt ``i``
         samples with seed + i * n) or a list of one per prompt (used as they are); or keywords as
         :meth:`generate` takes them (transformers' generation settings, plus stop_token_ids, seed,
-        ignore_eos, logprobs, presence_penalty, frequency_penalty; ``max_length`` / ``min_length``
-        count each prompt's own length).
+        ignore_eos, presence_penalty, frequency_penalty; ``max_length`` / ``min_length`` count each
+        prompt's own length). Settings whose output a token list cannot carry (``logprobs``,
+        ``return_dict_in_generate``) raise: :meth:`add_request` / :meth:`step` give log-probabilities.
 
         With a tokenizer, a prompt may also be a string or a chat conversation (a list of message
         dicts, rendered with the chat template and the generation prompt); its result is then the
@@ -823,6 +834,7 @@ class HybridEngine:
                                      f"({len(prompts)}), got {len(per_prompt)}")
         else:
             plan = self._plan(**sampling)
+            _refuse_dropped_outputs(plan, "generate_batch")
             per_prompt = [dataclasses.replace(self._params_for(plan, len(p)), seed=None) for p in prompts]
             seed = (plan.extra or {}).get("seed")
             for i, p in enumerate(per_prompt):
@@ -881,6 +893,7 @@ class HybridEngine:
                              "with token ids generate() returns token ids")
         kwargs.pop("skip_special_tokens", None)
         plan = self._plan(generation_config, pad_token_id=pad_token_id, **kwargs)
+        _refuse_dropped_outputs(plan, "generate()")
         params = self._params_for(plan, input_ids.shape[1])
         rows = input_ids.tolist()
         if attention_mask is not None:

@@ -16,6 +16,7 @@ import torch
 import hybrid_compile as hc
 from engine_models import (
     PAD_TOKEN_ID,
+    RecordingStreamer,
     assert_pools_restored,
     cached_model,
     hf_next_logits,
@@ -133,7 +134,15 @@ def _processor_cases(V):
         (dict(min_tokens=50, eos_token_ids=tuple(eos)), [lp.MinNewTokensLengthLogitsProcessor(0, 50, eos)]),
         (dict(suppress_tokens=(1, 2, 6)), [lp.SuppressTokensLogitsProcessor([1, 2, 6])]),
         (dict(remove_invalid_values=True), [lp.InfNanRemoveLogitsProcessor()]),
-        (dict(exponential_decay_length_penalty=(2, 1.3), eos_token_ids=(3,)), None),
+        (dict(exponential_decay_length_penalty=(2, 1.3), eos_token_ids=(3,)),
+         lambda prompt: [lp.ExponentialDecayLengthPenalty((2, 1.3), 3, len(prompt))]),
+        # the encoder processors, with the prompt as encoder input (as transformers for a decoder-only model)
+        (dict(encoder_repetition_penalty=1.6, repetition_penalty=1.2),
+         lambda prompt: [lp.EncoderRepetitionPenaltyLogitsProcessor(1.6, torch.tensor([prompt])),
+                         lp.RepetitionPenaltyLogitsProcessor(1.2)]),
+        (dict(encoder_no_repeat_ngram_size=2, no_repeat_ngram_size=3),
+         lambda prompt: [lp.NoRepeatNGramLogitsProcessor(3),
+                         lp.EncoderNoRepeatNGramLogitsProcessor(2, torch.tensor([prompt]))]),
         (dict(renormalize_logits=True, repetition_penalty=0.8), [lp.RepetitionPenaltyLogitsProcessor(0.8), lp.LogitNormalization()]),
         (dict(do_sample=True, temperature=0.7, top_k=9, top_p=0.8, min_p=0.05),
          [lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(9), lp.TopPLogitsWarper(0.8), lp.MinPLogitsWarper(0.05)]),
@@ -157,11 +166,12 @@ def test_batched_processing_equals_transformers_processors_row_by_row():
     for i, (kw, procs) in enumerate(cases):
         p = hc.SamplingParams(max_new_tokens=100, **kw)
         prompt = torch.randint(0, V, (9,), generator=g).tolist()
+        prompt[4:6] = [7, 30]  # a prompt bigram that the output's last token (7) starts
         out = [7, 11, 4, 7]
         r = Request(rid=i, prompt=prompt, params=p)
         r.output = list(out)
-        if procs is None:
-            procs = [lp.ExponentialDecayLengthPenalty((2, 1.3), 3, len(prompt))]
+        if callable(procs):
+            procs = procs(prompt)
         ids = torch.tensor([prompt + out])
         row = logits[i : i + 1].clone()
         for proc in procs:
@@ -200,6 +210,8 @@ GREEDY_OPTIONS = [
     dict(sequence_bias={}),
     dict(exponential_decay_length_penalty=(2, 1.5), eos_token_id=[]),
     dict(renormalize_logits=True, remove_invalid_values=True),
+    dict(encoder_repetition_penalty=1.5),  # transformers: on a decoder-only model, with the prompt as encoder input
+    dict(encoder_no_repeat_ngram_size=1),
 ]
 
 
@@ -285,12 +297,56 @@ def test_num_return_sequences_shares_one_prefill_and_samples_like_transformers(m
             assert got.tolist() == want, prefix_cache
             assert s["prefill_tokens"] == len(prompt), "the prompt was prefilled more than once"
             assert s["forked_requests"] == n - 1 and s["forked_prompt_tokens"] == (n - 1) * len(prompt)
-            # greedy: n copies of transformers' greedy output; two prompts, in prompt-major order
-            got = engine.generate_batch(prompts[:2], max_new_tokens=NEW, num_return_sequences=2)
+            # SamplingParams(n=2), greedy: n copies of transformers' greedy output; prompt-major order
+            got = engine.generate_batch(prompts[:2], params=hc.SamplingParams(max_new_tokens=NEW, n=2))
             assert got == [[_free_run(model, p)] * 2 for p in prompts[:2]]
             if engine.prefix_cache is not None:
                 engine.clear_prefix_cache()
             assert_pools_restored(engine, initial)
+
+
+def test_greedy_num_return_sequences_is_refused_as_transformers_does(model, engine, prompts):
+    before = engine.stats()["requests_added"]
+    with pytest.raises(ValueError, match="num_return_sequences"):  # the oracle: transformers refuses it too
+        hf_generate(model, prompts[0], max_new_tokens=2, do_sample=False, num_return_sequences=2)
+    with pytest.raises(ValueError, match=r"num_return_sequences=2 \(from argument\) with greedy"):
+        engine.generate(torch.tensor([prompts[0]]), max_new_tokens=2, num_return_sequences=2)
+    with pytest.raises(ValueError, match="num_return_sequences=3"):
+        engine.generate_batch(prompts[:1], max_new_tokens=2, num_return_sequences=3)
+    assert engine.stats()["requests_added"] == before
+
+
+def test_call_arguments_are_honoured_or_refused(model, engine, prompts):
+    initial = _initial(engine)
+    # streamer: one prompt, one sequence, fed as generate() feeds it
+    streamers = [RecordingStreamer(), RecordingStreamer()]
+    (out,) = engine.generate_batch(prompts[:1], max_new_tokens=NEW, streamer=streamers[0])
+    engine.generate(torch.tensor([prompts[0]]), max_new_tokens=NEW, streamer=streamers[1])
+    assert out == _free_run(model, prompts[0])
+    assert streamers[0].calls == streamers[1].calls == \
+        [("put", [prompts[0]])] + [("put", [t]) for t in out] + [("end", None)]
+    before = engine.stats()["requests_added"]
+    for kw, name in [
+        (dict(streamer=RecordingStreamer()), "streamer"),  # two prompts
+        (dict(attention_mask=torch.ones(2, 17)), "attention_mask"),
+        (dict(skip_special_tokens=False), "skip_special_tokens"),  # token ids in, token ids out
+        (dict(logprobs=2), "logprobs"),  # outputs the call would not return
+        (dict(return_dict_in_generate=True, output_scores=True), "return_dict_in_generate"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            engine.generate_batch(prompts[:2], max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match="streamer"):
+        engine.generate_batch(prompts[:1], streamer=RecordingStreamer(),
+                              params=hc.SamplingParams(max_new_tokens=2, n=2, do_sample=True))
+    for kw, name in [(dict(skip_special_tokens=True), "skip_special_tokens"), (dict(logprobs=0), "logprobs")]:
+        with pytest.raises(ValueError, match=name):
+            engine.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **kw)
+    with pytest.raises(ValueError, match="encoder_repetition_penalty"):
+        engine.generate_batch(prompts[:1], params=hc.SamplingParams(encoder_repetition_penalty=0.0))
+    with pytest.raises(TypeError, match="extra"):  # no catch-all field that nothing reads
+        hc.SamplingParams(extra={"top_a": 0.1})
+    assert engine.stats()["requests_added"] == before
+    assert_pools_restored(engine, initial)
 
 
 def test_return_dict_in_generate_gives_transformers_output_with_scores_and_logits(model, engine, prompts):
@@ -339,6 +395,22 @@ def test_checkpoint_generation_config_is_honoured(tmp_path):
         r = engine.pop_finished(rid)
         assert r.output == got[0, ids.shape[1]:].tolist()[: len(r.output)] and r.stop_str == stop
         assert r.finish_reason == "stop"
+        # tokenizer= is used for the call (stop strings, text, decoding), the engine's own after it
+        engine.tokenizer = None
+        try:
+            got = engine.generate_batch([ids[0].tolist()], stop_strings=[stop, "zzz"], tokenizer=tok)
+            assert got[0] == want[0, ids.shape[1]:].tolist()
+            with pytest.raises(ValueError, match="stop"):
+                engine.generate_batch([ids[0].tolist()], stop_strings=[stop])
+            new = engine.generate_batch([ids[0].tolist()], max_new_tokens=4, forced_eos_token_id=tok.eos_token_id)[0]
+            assert new[-1] == tok.eos_token_id
+            texts = [engine.generate_batch(["Hello world! The quick brown fox"], tokenizer=tok, max_new_tokens=4,
+                                           forced_eos_token_id=tok.eos_token_id, skip_special_tokens=skip)[0]
+                     for skip in (False, True)]
+            assert texts == [tok.decode(new, skip_special_tokens=skip) for skip in (False, True)]
+            assert texts[0] != texts[1] and engine.tokenizer is None
+        finally:
+            engine.tokenizer = tok
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -118,9 +119,19 @@ def _per_request(base: SamplingParams, n: int) -> list[SamplingParams]:
     """One copy of ``base`` per prompt; sequence ``j`` of prompt ``i`` of a seeded call samples
     with seed + i * base.n + j (:meth:`HybridEngine._add_requests` numbers the sequences)."""
     return [
-        dataclasses.replace(base, seed=None if base.seed is None else base.seed + i * base.n, extra=dict(base.extra))
+        dataclasses.replace(base, seed=None if base.seed is None else base.seed + i * base.n)
         for i in range(n)
     ]
+
+
+def _refuse_dropped_outputs(plan: gen_config.GeneratePlan, call: str) -> None:
+    """Settings that ask for an output ``call`` does not return raise (never computed, then dropped)."""
+    if (plan.extra or {}).get("logprobs") is not None:
+        raise ValueError(f"{call}: logprobs={plan.extra['logprobs']!r}: {call} returns tokens, not log-probabilities; "
+                         "read them per token through add_request() / step() (StepOutput.logprobs, Request.logprobs)")
+    if call == "generate_batch" and plan.return_dict:
+        raise ValueError("generate_batch: return_dict_in_generate=True: generate_batch returns token lists; use "
+                         "generate() for transformers' GenerateDecoderOnlyOutput (scores, logits)")
 
 
 def _percentiles(values: list[float]) -> dict[str, float] | None:
@@ -433,8 +444,7 @@ class HybridEngine:
             group = []
             for j in range(p.n):
                 # sequence j samples with seed + j; each is a request of n = 1 of its group
-                sp = p if p.n == 1 else dataclasses.replace(
-                    p, seed=None if p.seed is None else p.seed + j, extra=dict(p.extra))
+                sp = p if p.n == 1 else dataclasses.replace(p, seed=None if p.seed is None else p.seed + j)
                 rid = next(self._rids)
                 req = Request(rid=rid, prompt=tokens, params=sp, arrival=next(self._arrivals),
                               group=group[0].rid if group else -1, index=j, arrival_time=now)
@@ -769,14 +779,17 @@ class HybridEngine:
             params = dataclasses.replace(params, eos_token_ids=(int(self.tokenizer.eos_token_id),))
         return params
 
-    def _run(self, rids: list[int], streamer: Any = None) -> list[Request]:
-        """Step until every request of ``rids`` finishes; returns them (popped), in order. The
-        steps' outputs for other requests (added by other callers, who drive :meth:`step`) are
-        not this call's: the next :meth:`step` returns them, also when the call raises."""
+    def _run(self, rids: list[int], streamer: Any = None, prompt: torch.Tensor | None = None) -> list[Request]:
+        """Step until every request of ``rids`` finishes; returns them (popped), in order. A
+        transformers ``streamer`` (one sequence) gets ``prompt`` ``[1, L]``, each new token, then
+        ``end()``. The steps' outputs for other requests (added by other callers, who drive
+        :meth:`step`) are not this call's: the next :meth:`step` returns them, also when the call raises."""
         own, pending = set(rids), set(rids)
         others: list[StepOutput] = []
         outs: collections.deque = collections.deque()
         try:
+            if streamer is not None:
+                streamer.put(prompt)
             while pending:
                 outs.extend(self.step())
                 while outs:
@@ -788,6 +801,8 @@ class HybridEngine:
                         streamer.put(torch.tensor([out.token]))
                     if out.finished:
                         pending.discard(out.rid)
+            if streamer is not None:
+                streamer.end()
         except BaseException:  # (a failed step, the streamer, Ctrl-C): the call's requests end with it
             self._undelivered = others + list(outs) + self._undelivered
             self._end_requests(rids)
@@ -818,24 +833,51 @@ class HybridEngine:
     def decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._require_tokenizer().decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
-    def generate_batch(self, prompts: list, skip_special_tokens: bool = True,
-                       params: SamplingParams | list[SamplingParams] | None = None, **sampling) -> list:
+    @contextlib.contextmanager
+    def _call_tokenizer(self, tokenizer: Any):
+        """``tokenizer=`` of a generate / generate_batch call: the engine's tokenizer for the call
+        (text prompts, stop strings, decoding), the engine's own again after it."""
+        saved = self.tokenizer
+        self.tokenizer = tokenizer
+        try:
+            yield
+        finally:
+            self.tokenizer = saved
+
+    def generate_batch(self, prompts: list, skip_special_tokens: bool | None = None,
+                       params: SamplingParams | list[SamplingParams] | None = None, streamer: Any = None,
+                       tokenizer: Any = None, **sampling) -> list:
         """Generate for several prompts with continuous batching; returns the new tokens of
         each prompt, in order (with ``n > 1``: a list of the prompt's ``n`` sequences).
 
         Settings: ``params``, one :class:`SamplingParams` for every prompt (seeded: prompt ``i``
         samples with seed + i * n) or a list of one per prompt (used as they are); or keywords as
         :meth:`generate` takes them (transformers' generation settings, plus stop_token_ids, seed,
-        ignore_eos, logprobs, presence_penalty, frequency_penalty; ``max_length`` / ``min_length``
-        count each prompt's own length).
+        ignore_eos, presence_penalty, frequency_penalty; ``max_length`` / ``min_length`` count each
+        prompt's own length). Settings whose output a token list cannot carry (``logprobs``,
+        ``return_dict_in_generate``) raise: :meth:`add_request` / :meth:`step` give log-probabilities.
 
         With a tokenizer, a prompt may also be a string or a chat conversation (a list of message
         dicts, rendered with the chat template and the generation prompt); its result is then the
-        decoded text of its new tokens (``skip_special_tokens``), not token ids."""
+        decoded text of its new tokens (``skip_special_tokens``, default True; refused when no
+        prompt is text), not token ids. ``tokenizer``: used for this call instead of the engine's.
+        ``streamer`` (a transformers streamer): one prompt with one sequence only, as in
+        :meth:`generate`. ``attention_mask`` is refused (prompts are unpadded lists)."""
+        if tokenizer is not None:
+            with self._call_tokenizer(tokenizer):
+                return self.generate_batch(prompts, skip_special_tokens, params, streamer, **sampling)
         if isinstance(prompts, str) or _is_messages(prompts):
             raise TypeError("generate_batch takes a list of prompts; for one prompt use generate()")
+        if sampling.get("attention_mask") is not None:
+            raise ValueError("generate_batch: attention_mask has no meaning here: each prompt is its own unpadded "
+                             "token list (or text); for a padded [batch, length] tensor use generate(input_ids, "
+                             "attention_mask=...)")
+        sampling.pop("attention_mask", None)
         prompts = list(prompts)
         is_text = [_is_text(p) for p in prompts]
+        if skip_special_tokens is not None and not any(is_text):
+            raise ValueError("generate_batch: skip_special_tokens applies to text prompts (their results are decoded "
+                             "text); these prompts are token ids and their results are token ids")
         prompts = [self.encode(p) if t else list(p) for p, t in zip(prompts, is_text)]
         if params is not None:
             if sampling:
@@ -850,15 +892,20 @@ class HybridEngine:
                                      f"({len(prompts)}), got {len(per_prompt)}")
         else:
             plan = self._plan(**sampling)
+            _refuse_dropped_outputs(plan, "generate_batch")
             per_prompt = [dataclasses.replace(self._params_for(plan, len(p)), seed=None) for p in prompts]
             seed = (plan.extra or {}).get("seed")
             for i, p in enumerate(per_prompt):
                 p.seed = None if seed is None else seed + i * p.n
+        if streamer is not None and (len(prompts) != 1 or per_prompt[0].n != 1):
+            raise ValueError("generate_batch: streamer supports one sequence only (one prompt, n = 1), as "
+                             "transformers' streamers do")
         rids = self._add_requests(prompts, per_prompt)
-        done = self._run(rids)
+        done = self._run(rids, streamer, None if streamer is None else torch.tensor(prompts, dtype=torch.long))
+        skip = True if skip_special_tokens is None else skip_special_tokens
         results, at = [], 0
         for p, t in zip(per_prompt, is_text):
-            outs = [self.decode(r.output, skip_special_tokens) if t else r.output for r in done[at: at + p.n]]
+            outs = [self.decode(r.output, skip) if t else r.output for r in done[at: at + p.n]]
             at += p.n
             results.append(outs[0] if p.n == 1 else outs)
         return results
@@ -884,7 +931,12 @@ class HybridEngine:
 
         With a tokenizer, ``input_ids`` may instead be text: a string or a chat conversation (list
         of message dicts) -> the generated text (``skip_special_tokens=True`` by default); a list
-        of them -> a list of texts (through :meth:`generate_batch`)."""
+        of them -> a list of texts (through :meth:`generate_batch`). ``tokenizer``: used for this
+        call instead of the engine's (stop strings, text)."""
+        tokenizer = kwargs.pop("tokenizer", None)
+        if tokenizer is not None:
+            with self._call_tokenizer(tokenizer):
+                return self.generate(input_ids, attention_mask, generation_config, streamer, pad_token_id, **kwargs)
         if _is_text(input_ids) or (
             isinstance(input_ids, (list, tuple)) and input_ids and all(_is_text(p) for p in input_ids)
         ):
@@ -894,10 +946,12 @@ class HybridEngine:
             input_ids = input_ids[None]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        tokenizer = kwargs.pop("tokenizer", None)
-        if tokenizer is not None and self.tokenizer is None:
-            self.tokenizer = tokenizer  # (transformers needs it for stop_strings)
+        if kwargs.get("skip_special_tokens") is not None:
+            raise ValueError("generate(): skip_special_tokens applies to text prompts (the result is decoded text); "
+                             "with token ids generate() returns token ids")
+        kwargs.pop("skip_special_tokens", None)
         plan = self._plan(generation_config, pad_token_id=pad_token_id, **kwargs)
+        _refuse_dropped_outputs(plan, "generate()")
         params = self._params_for(plan, input_ids.shape[1])
         rows = input_ids.tolist()
         if attention_mask is not None:
@@ -911,15 +965,7 @@ class HybridEngine:
             raise ValueError("streaming supports one sequence only (batch size 1, num_return_sequences 1), as in "
                              "transformers")
         rids = self._add_requests(prompts, _per_request(params, len(prompts)))
-        try:
-            if streamer is not None:
-                streamer.put(input_ids.cpu())
-            done = self._run(rids, streamer)
-            if streamer is not None:
-                streamer.end()
-        except BaseException:
-            self._end_requests(rids)
-            raise
+        done = self._run(rids, streamer, input_ids.cpu())
         pad = plan.values.get("pad_token_id")
         if pad is None:
             pad = params.eos_token_ids[0] if params.eos_token_ids else 0

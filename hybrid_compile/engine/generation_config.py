@@ -44,6 +44,11 @@ HONOURED = {
     "eta_cutoff": "eta filter when sampling",
     "repetition_penalty": "transformers' repetition penalty (prompt and generated tokens)",
     "no_repeat_ngram_size": "n-grams never repeat",
+    "encoder_repetition_penalty": "the prompt's tokens favoured (> 1) or penalised (< 1): transformers applies it to a "
+                                  "decoder-only model with the prompt as encoder input (here each request's own "
+                                  "prompt: a left-padded row's pad tokens are not part of it)",
+    "encoder_no_repeat_ngram_size": "n-grams of the prompt never generated (transformers: with the prompt as encoder "
+                                    "input; here each request's own prompt)",
     "bad_words_ids": "token sequences never generated",
     "sequence_bias": "bias of token sequences",
     "renormalize_logits": "log-softmax of the processed scores",
@@ -74,8 +79,6 @@ NO_EFFECT = {
     "length_penalty": "beam search only (num_beams is 1)",
     "bos_token_id": "used by transformers only when generate() gets no input ids",
     "decoder_start_token_id": "encoder-decoder models only",
-    "encoder_repetition_penalty": "encoder-decoder models only (transformers ignores it for decoder-only)",
-    "encoder_no_repeat_ngram_size": "encoder-decoder models only (transformers ignores it for decoder-only)",
     "is_assistant": "marks an assistant model's config",
     "num_assistant_tokens": "assisted generation only (refused: assistant_model / prompt_lookup_num_tokens)",
     "num_assistant_tokens_schedule": "assisted generation only",
@@ -207,6 +210,8 @@ class GeneratePlan:
             eta_cutoff=float(v.get("eta_cutoff") or 0.0),
             repetition_penalty=float(v.get("repetition_penalty") or 1.0),
             no_repeat_ngram_size=int(v.get("no_repeat_ngram_size") or 0),
+            encoder_repetition_penalty=float(v.get("encoder_repetition_penalty") or 1.0),
+            encoder_no_repeat_ngram_size=int(v.get("encoder_no_repeat_ngram_size") or 0),
             bad_words_ids=tuple(tuple(int(t) for t in w) for w in (v.get("bad_words_ids") or ())),
             sequence_bias=tuple((tuple(int(t) for t in s), float(b)) for s, b in (bias or ())),
             suppress_tokens=tuple(int(t) for t in (v.get("suppress_tokens") or ())),
@@ -280,6 +285,13 @@ def resolve(model_config: Any, generation_config: Any, kwargs: dict[str, Any]) -
     if (values.get("num_beams") or 1) != 1:
         raise ValueError(f"generate(): num_beams={values['num_beams']} (from {source.get('num_beams', 'defaults')}): "
                          "beam search is not supported")
+    if (values.get("num_return_sequences") or 1) > 1 and not values.get("do_sample"):
+        # transformers' GenerationConfig.validate: greedy decoding gives one sequence per prompt
+        raise ValueError(f"generate(): num_return_sequences={values['num_return_sequences']} (from "
+                         f"{source.get('num_return_sequences')}) with greedy decoding (do_sample=False): greedy "
+                         "methods without beam search do not support num_return_sequences different than 1, as in "
+                         "transformers; sample (do_sample=True), or pass SamplingParams(n=...) for copies of the "
+                         "greedy sequence")
     explicit_max_length = "max_length" in source
     if callable(processors) and not isinstance(processors, (list, tuple)):
         processors = (processors,)

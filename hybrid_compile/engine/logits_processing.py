@@ -1,11 +1,11 @@
 """Logits processing of one step's rows, batched on the device, in transformers' order.
 
 Order (transformers' ``_get_logits_processor``, then vLLM's penalties next to the repetition
-penalty): sequence bias -> repetition penalty -> presence / frequency penalties -> no-repeat n-gram
--> bad words -> minimum length (stop tokens banned) -> forced BOS / EOS -> inf/nan removal ->
-exponential decay length penalty -> suppressed tokens (always / at the first token) -> the user's
-processors -> (sampling rows) temperature, top-k, top-p, min-p, typical, epsilon, eta -> log-softmax
-renormalisation.
+penalty): sequence bias -> encoder repetition penalty -> repetition penalty -> presence / frequency
+penalties -> no-repeat n-gram -> encoder no-repeat n-gram -> bad words -> minimum length (stop
+tokens banned) -> forced BOS / EOS -> inf/nan removal -> exponential decay length penalty ->
+suppressed tokens (always / at the first token) -> the user's processors -> (sampling rows)
+temperature, top-k, top-p, min-p, typical, epsilon, eta -> log-softmax renormalisation.
 
 The built-in stages that only need what the host knows without waiting for the device (a row's
 parameters, how many tokens it has generated) are batched tensor ops over the rows that use them,
@@ -15,8 +15,10 @@ device, :class:`TokenCounts`, updated with the sampled tokens on the device: no 
 engine keeps launching decode steps ahead), minimum length, forced tokens, suppression,
 temperature, top-k, top-p, min-p, renormalisation. Stages that read a request's token history
 (n-gram and bad-word bans, sequence bias, length decay, typical / epsilon / eta, the user's
-processors) run transformers' own processor classes on the request's row with its tokens; the
-engine never launches such a request's steps ahead (``SamplingParams.needs_history``).
+processors) and the encoder processors (transformers applies them to a decoder-only model with the
+prompt as the encoder input: here each request's own prompt) run transformers' own processor
+classes on the request's row with its tokens; the engine never launches such a request's steps
+ahead (``SamplingParams.needs_history``).
 """
 
 from __future__ import annotations
@@ -151,10 +153,19 @@ class LogitsProcessing:
         if procs is None:
             eos = list(p.eos_token_ids) or None
             procs = {"pre": [], "mid": [], "decay": [], "warp": []}
+            prompt = None
+            if p.encoder_repetition_penalty != 1.0 or p.encoder_no_repeat_ngram_size:
+                # the encoder input transformers gives a decoder-only model: the prompt [1, P]
+                prompt = self._stage([r.prompt], torch.int64)[0][None]
             if p.sequence_bias:
                 procs["pre"].append(lp.SequenceBiasLogitsProcessor([[list(s), float(b)] for s, b in p.sequence_bias]))
+            if p.encoder_repetition_penalty != 1.0:
+                procs["pre"].append(lp.EncoderRepetitionPenaltyLogitsProcessor(
+                    float(p.encoder_repetition_penalty), prompt))
             if p.no_repeat_ngram_size:
                 procs["mid"].append(lp.NoRepeatNGramLogitsProcessor(p.no_repeat_ngram_size))
+            if p.encoder_no_repeat_ngram_size:
+                procs["mid"].append(lp.EncoderNoRepeatNGramLogitsProcessor(p.encoder_no_repeat_ngram_size, prompt))
             if p.bad_words_ids:
                 procs["mid"].append(lp.NoBadWordsLogitsProcessor([list(w) for w in p.bad_words_ids], eos))
             if p.exponential_decay_length_penalty is not None:
@@ -238,8 +249,7 @@ class LogitsProcessing:
             [float(params[i].min_p) for i in minp],
         ], torch.float32)
 
-        self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "pre")
-                            if params[i].sequence_bias else None)
+        self._history_stage(x, rows, lambda i: self._hf_processors(i, rows, "pre"))
         if counted:
             rows.count_rows, rows.count_slots = counted, d_slots
             rows.count_index = None if len(counted) == B else d_counted

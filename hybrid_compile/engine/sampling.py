@@ -30,7 +30,9 @@ class SamplingParams:
     Penalties: ``repetition_penalty`` (transformers' / vLLM's: on prompt and generated tokens),
     ``presence_penalty`` / ``frequency_penalty`` (vLLM's / OpenAI's: on generated tokens),
     ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
-    ``begin_suppress_tokens``. Length: ``max_new_tokens``, ``min_tokens`` (no stop token before
+    ``begin_suppress_tokens``, ``encoder_repetition_penalty`` / ``encoder_no_repeat_ngram_size``
+    (transformers' encoder processors with the request's prompt as the encoder input: > 1 favours
+    the prompt's tokens; n-grams of the prompt are not generated). Length: ``max_new_tokens``, ``min_tokens`` (no stop token before
     that many new tokens), ``forced_eos_token_ids`` (the last allowed token is forced to one of
     them), ``exponential_decay_length_penalty``. Stops: ``eos_token_ids`` (off with
     ``ignore_eos``), ``stop_token_ids``, ``stop`` (strings; needs the engine's tokenizer; the token
@@ -66,6 +68,8 @@ class SamplingParams:
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
     no_repeat_ngram_size: int = 0
+    encoder_repetition_penalty: float = 1.0
+    encoder_no_repeat_ngram_size: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
     suppress_tokens: tuple[int, ...] = ()
@@ -80,7 +84,6 @@ class SamplingParams:
     max_time: float | None = None
     output_scores: bool = False
     output_logits: bool = False
-    extra: dict = field(default_factory=dict)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field with a value out of range."""
@@ -108,8 +111,11 @@ class SamplingParams:
             bad("repetition_penalty", "must be > 0 (1 = off)")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a tuple of non-empty strings")
-        if not is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
-            bad("no_repeat_ngram_size", "must be an integer >= 0")
+        for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if not isinstance(self.encoder_repetition_penalty, (int, float)) or not self.encoder_repetition_penalty > 0:
+            bad("encoder_repetition_penalty", "must be > 0 (1 = off)")
         if self.max_time is not None and not self.max_time > 0:
             bad("max_time", "must be > 0 seconds")
         if self.do_sample:
@@ -159,7 +165,8 @@ class SamplingParams:
         """Needs the request's tokens on the host before each step (processors and stop
         conditions that read them): such a request's steps are never launched ahead."""
         return bool(
-            self.no_repeat_ngram_size or self.bad_words_ids or self.sequence_bias or self.logits_processors
+            self.no_repeat_ngram_size or self.bad_words_ids or self.sequence_bias
+            or self.encoder_repetition_penalty != 1.0 or self.encoder_no_repeat_ngram_size or self.logits_processors
             or self.stopping_criteria or self.stop or self.exponential_decay_length_penalty is not None
             or (self.do_sample and (self.typical_p < 1.0 or self.epsilon_cutoff > 0.0 or self.eta_cutoff > 0.0))
         )

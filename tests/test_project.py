@@ -227,6 +227,28 @@ def test_the_checks_of_the_import_graph_can_fail(tmp_path):
         ("hybrid_compile.q", 6, "function"), ("hybrid_compile.q.r", 6, "function")]
 
 
+def test_no_private_engine_attribute_is_used_outside_engine_py():
+    """Other modules talk to HybridEngine through its public attributes (the speculative decoder
+    gets what it needs passed explicitly); a subclass may use its own inherited ``self._*``."""
+    engine_py = ROOT / "hybrid_compile" / "engine" / "engine.py"
+    cls = next(n for n in ast.parse(engine_py.read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "HybridEngine")
+    private = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+               and not n.name.endswith("__")}
+    private |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr.startswith("_")}
+    assert {"_emit", "_counters", "_roll_back", "_plan", "_params_for", "_validate_prompt"} <= private
+    uses = []
+    for module, path in _package_modules().items():
+        if path == engine_py:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                uses.append(f"  {path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not uses, "private HybridEngine attributes used outside engine.py:\n" + "\n".join(uses)
+
+
 # One fresh interpreter loads the third-party modules the package imports (torch, triton, ...),
 # then forks one child per part, each importing that part into a process where no hybrid_compile
 # module is loaded yet (the children run side by side; the parent reports each failure).

@@ -1,5 +1,5 @@
 """Project wiring: the README commands, CI, the op registry, the self-check command and the
-package's import graph (no cycle, the layers of DESIGN.md)."""
+package's import graph (no cycle, the layers of the architecture)."""
 
 import ast
 import os
@@ -61,7 +61,7 @@ def test_demo_command_matches_transformers(capsys):
 
 # -- the import graph -----------------------------------------------------------------------------
 #
-# The package's parts, lowest layer first: DESIGN.md's ops -> memory -> cache/layers ->
+# The package's parts, lowest layer first: the architecture's ops -> memory -> cache/layers ->
 # passes/models -> engine, then what is built on the engine. A part is a top-level subpackage or
 # top-level module of hybrid_compile ("__init__": the package root, which re-exports the API).
 # quantization (FP8 linear modules, FP8 checkpoint reading) imports only ops and is used by models

@@ -119,7 +119,7 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     speculative counters and the CUDA-graph counters of the decode phase."""
     params = hc.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
-    reqs = [engine._requests[rid] for rid in rids]
+    reqs = [engine.request(rid) for rid in rids]
     while any(not r.output for r in reqs):  # prefill (+ first token)
         engine.step()
     before = engine.stats().get("speculative", {})

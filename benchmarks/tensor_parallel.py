@@ -106,7 +106,7 @@ def decode(engine, batch: int, prompt_len: int, new: int, vocab: int, seed: int)
     prompts = random_token_prompts(batch, prompt_len, vocab, seed)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
-    reqs = [engine._requests[r] for r in rids]
+    reqs = [engine.request(r) for r in rids]
     while not all(r.output for r in reqs):
         engine.step()
     sync_device(engine.device)
@@ -143,7 +143,7 @@ def all_reduce_per_step(engine, batch: int, vocab: int, steps: int = 4) -> dict:
 
     prompts = random_token_prompts(batch, 16, vocab, seed=99)
     rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
-    reqs = [engine._requests[r] for r in rids]
+    reqs = [engine.request(r) for r in rids]
     while not all(r.output for r in reqs):
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])

@@ -261,8 +261,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         # the timed requests' own numbers are checked first (not the warm-up's 2 new tokens)
         try:
-            for i, p in enumerate(prompts):
-                engine._validate_prompt(i, p, SamplingParams(max_new_tokens=args.output_len))
+            for p in prompts:
+                engine.validate_request(p, SamplingParams(max_new_tokens=args.output_len))
         except ValueError as e:
             raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len}: {_one_line(e)}") from e
         if args.warmup:  # same prompts, 2 new tokens: compiles / warms the kernels at the timed shapes

@@ -1,8 +1,9 @@
-"""Loading: a Hugging Face checkpoint (local directory, or a Hub id) straight into a HybridEngine.
+"""Loading: a Hugging Face model (:func:`wrap`, a model already in memory) or checkpoint (local
+directory, or a Hub id: :func:`from_pretrained`) straight into a HybridEngine.
 
 :func:`from_pretrained` is a thin layer over transformers' ``AutoConfig`` /
 ``AutoModelForCausalLM.from_pretrained`` (safetensors; ``device_map`` placement through
-accelerate) and ``AutoTokenizer``, followed by :func:`hybrid_compile.wrap`. It checks what can
+accelerate) and ``AutoTokenizer``, followed by :func:`wrap`. It checks what can
 be checked before any weight is read — the directory exists, its model type is a supported
 hybrid family, the tokenizer loads when one is required — and reports each failure as one
 clear :class:`LoadError`.
@@ -16,6 +17,7 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
 
 from .engine import EngineConfig, HybridEngine
 
@@ -168,6 +170,28 @@ def _load_fp8(path: str, config, kwargs: dict, revision: str | None):
                                 trust_remote_code=kwargs["trust_remote_code"])
 
 
+def wrap(
+    model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, tensor_parallel_size: int = 1,
+    **overrides,
+) -> HybridEngine:
+    """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
+
+    Detects the family from ``model.config.model_type``, patches this instance's layers (other
+    instances are untouched; ``engine.close()`` undoes it), sizes the pools and returns the
+    engine. ``config`` is an :class:`EngineConfig` (or dict); ``overrides`` are its fields as
+    keyword arguments. An unsupported model type raises ValueError listing the supported ones.
+    ``tokenizer`` (optional, also settable later as ``engine.tokenizer``) lets ``generate`` and
+    ``generate_batch`` take strings and chat messages and return text.
+    """
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"wrap(tensor_parallel_size={tensor_parallel_size}): a model already loaded in this process is served "
+            "from one device; tensor parallelism loads each rank's shard from the checkpoint itself: use "
+            "hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N)"
+        )
+    return HybridEngine(model, EngineConfig.from_args(config, **overrides), tokenizer=tokenizer)
+
+
 def from_pretrained(
     path_or_dir: str | os.PathLike,
     dtype: torch.dtype | str | None = None,
@@ -222,8 +246,6 @@ def from_pretrained(
     """
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
-
-    from . import wrap
 
     path = os.fspath(path_or_dir)
     path = os.path.expanduser(path)

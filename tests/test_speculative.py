@@ -620,7 +620,7 @@ def test_commit_graphs_equal_the_op():
     """``CommitGraphs`` (one graph replay per commit, buckets 2 and 4) writes exactly what the
     ``commit_speculative_state`` op writes, for 1 to 4 requests (padding rows skipped, a request
     with 0 kept steps untouched), in fp32 and bf16 pool tensors."""
-    from hybrid_compile.engine.speculative.verify import CommitGraphs
+    from hybrid_compile.engine.speculative.decoder import CommitGraphs
 
     cuda = torch.device("cuda")
     g = torch.Generator(device=cuda).manual_seed(0)

@@ -113,7 +113,8 @@ class EngineConfig:
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"EngineConfig.quantization must be None or 'fp8', got {self.quantization!r}")
         if self.speculative is not None:
-            from .speculative import SpeculativeConfig  # (a dict becomes a validated SpeculativeConfig)
+            # a dict becomes a validated SpeculativeConfig
+            from .speculative import SpeculativeConfig  # lazy: engine.speculative imports engine.config
 
             self.speculative = SpeculativeConfig.coerce(self.speculative)
         if self.warmup_kernels not in (None, True, False):

@@ -66,10 +66,10 @@ from . import generation_config as gen_config
 from .request import Request
 from ..models.base import install_attention
 from ..models.mtp import load_mtp_head
-from .runner import ModelRunner, _to_device_packed, hidden_states_forward
+from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
-from .speculative import SpeculativeDecoder
+from .speculative import SpeculativeDecoder, build_draft_source
 
 # finished requests whose timings stats() summarises (the most recent ones)
 _TIMING_WINDOW = 10_000
@@ -276,7 +276,7 @@ class HybridEngine:
         )
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
-            self.speculative = SpeculativeDecoder(self, config.speculative) if config.speculative is not None else None
+            self.speculative = self._speculative_decoder() if config.speculative is not None else None
         except BaseException:
             self.patch.undo()  # e.g. an unusable draft model: the target is left exactly as it was
             raise
@@ -309,6 +309,27 @@ class HybridEngine:
             except BaseException:
                 self.close()  # a failed wrap leaves the model exactly as it was
                 raise
+
+    def _speculative_decoder(self) -> SpeculativeDecoder:
+        """The decoder of ``EngineConfig.speculative``: the parts of this engine it drives and its
+        callbacks into it, passed explicitly (it never sees the engine; the draft source reads the
+        engine as a ``DraftTarget``)."""
+        spec = self.config.speculative
+        return SpeculativeDecoder(
+            spec, lambda: build_draft_source(spec, self), scheduler=self.scheduler, runner=self.runner,
+            sampler=self.sampler, pools=self.pools, emit=self._emit, host_stop=self._host_stop,
+            roll_back=self._roll_back,
+            count_step=self._count_verify_step, vocab_size=self.layout.vocab_size,
+            # EngineConfig.extra["speculative_commit_graphs"] = False: one op launch per state tensor
+            commit_graphs=bool(self.config.extra.get("speculative_commit_graphs", True)),
+        )
+
+    def _count_verify_step(self, tokens: int, seconds: float) -> None:
+        """A speculative verify step that kept ``tokens`` tokens in ``seconds`` of forward time."""
+        c = self._counters
+        c["steps"] += 1
+        c["decode_tokens"] += tokens
+        c["forward_seconds"] += seconds
 
     def _warm_up_kernels(self) -> None:
         """Serve two short requests that share a checkpoint-aligned prefix, then forget them
@@ -398,6 +419,16 @@ class HybridEngine:
         params = params or SamplingParams()
         self._check_params(0, params)
         self._validate_prompt(0, [int(t) for t in prompt], params)
+
+    def generate_settings(self, generation_config: Any = None, **kwargs) -> gen_config.GeneratePlan:
+        """:meth:`generate`'s settings (keywords, ``generation_config``, the model's own generation
+        config) merged and checked as transformers does; one it refuses raises ValueError naming it."""
+        return self._plan(generation_config, **kwargs)
+
+    def sampling_params(self, settings: gen_config.GeneratePlan, prompt_len: int) -> SamplingParams:
+        """The :class:`SamplingParams` :meth:`generate` gives a prompt of ``prompt_len`` tokens under
+        ``settings`` (:meth:`generate_settings`; the tokenizer's EOS when the settings name none)."""
+        return self._params_for(settings, prompt_len)
 
     def request(self, rid: int) -> Request:
         """The request ``rid`` (queued, running, or finished and not yet popped)."""

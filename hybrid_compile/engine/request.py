@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # (sampling -> logits_processing -> runner -> scheduler -> request)
+if TYPE_CHECKING:
     from .sampling import SamplingParams
 
 

@@ -51,6 +51,7 @@ from ..memory import MemoryPools
 from ..ops import metadata as md_ops
 from ..passes import cuda_graphs as cg
 from .scheduler import ScheduledBatch
+from .transfer import aligned as _aligned, to_device_packed as _to_device_packed
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -64,30 +65,6 @@ def _segment_arange(lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths
     return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
-
-
-# Metadata views start at 16-byte aligned offsets of their packed buffer: Triton specialises a
-# kernel on the 16-byte alignment of each pointer, so offsets that depend on the batch size would
-# JIT-compile a new variant of every kernel reading them in the middle of serving.
-_ALIGN_BYTES = 16
-
-
-def _aligned(n: int, dtype: torch.dtype) -> int:
-    """``n`` elements of ``dtype`` rounded up to a whole number of 16-byte units."""
-    per = max(1, _ALIGN_BYTES // dtype.itemsize)
-    return -(-n // per) * per
-
-
-def _to_device_packed(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Host tensors -> ``dtype`` tensors on ``device`` through one host->device copy (from pinned
-    memory on CUDA: asynchronous, no sync per tensor); the results are views of one tensor, each
-    starting 16-byte aligned."""
-    sizes = [t.numel() for t in tensors]
-    padded = [_aligned(n, dtype) for n in sizes]
-    host = torch.zeros(sum(padded), dtype=dtype, pin_memory=device.type == "cuda")
-    for t, view in zip(tensors, host.split(padded)):
-        view[: t.numel()] = t.reshape(-1)
-    return [v[:n] for v, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]
 
 
 def _graph_break_count() -> int:

@@ -291,10 +291,10 @@ class _Generation:
         groups = []
         try:
             # the in-process generate()'s own mapping (defaults and EOS from the generation config)
-            settings = engine.engine._plan(**generate_kwargs(req, max_tokens, logprobs, stop))
+            settings = engine.engine.generate_settings(**generate_kwargs(req, max_tokens, logprobs, stop))
             for p in prompts:
                 # choice j of a prompt is its engine request's sequence j (sampling with seed + j)
-                params = dataclasses.replace(engine.engine._params_for(settings, len(p)), n=n)
+                params = dataclasses.replace(engine.engine.sampling_params(settings, len(p)), n=n)
                 engine.validate(p, params)
                 choices = [_Choice(len(groups) * n + j, IncrementalText(engine.tokenizer, req.skip_special_tokens,
                                                                         stop)) for j in range(n)]

@@ -1,16 +1,24 @@
-"""Speculative decoding for hybrid models: draft sources (n-gram, replay, draft models), the
-target verify step with per-step intermediate states, acceptance (greedy and rejection
-sampling) and the commit of the accepted state, KV and tokens.
+"""Speculative decoding for hybrid models: draft sources (n-gram, replay, draft models, the MTP
+head), the target verify step with per-step intermediate states, acceptance (greedy and
+rejection sampling) and the commit of the accepted state, KV and tokens.
 
 ``EngineConfig.speculative`` takes a :class:`SpeculativeConfig` (or a dict of its fields); the
-engine then runs its decode steps through :class:`~.verify.SpeculativeDecoder`.
+engine then runs its decode steps through :class:`~.decoder.SpeculativeDecoder`.
+
+- ``config.py``: :class:`SpeculativeConfig`, the :class:`DraftSource` protocol and
+  :class:`DraftTarget` (what a draft source reads of the target engine);
+- ``drafts.py``: the draft sources and :func:`build_draft_source`; ``mtp.py``: the MTP head's;
+- ``acceptance.py``: greedy and sampled acceptance, the cut at a stop token;
+- ``decoder.py``: :class:`SpeculativeDecoder` (the draft + verify + commit step) and
+  :class:`~.decoder.CommitGraphs`.
 """
 
-from .config import DraftSource, SpeculativeConfig
+from .acceptance import accept_greedy, accept_sampled, target_probs, truncate_at_stop
+from .config import DraftSource, DraftTarget, SpeculativeConfig
+from .decoder import SpeculativeDecoder
 from .drafts import EngineDraftModel, HFDraftModel, NgramDraft, ReplayDraft, build_draft_source
-from .verify import SpeculativeDecoder, accept_greedy, accept_sampled, target_probs, truncate_at_stop
 
 __all__ = [
-    "DraftSource", "EngineDraftModel", "HFDraftModel", "NgramDraft", "ReplayDraft", "SpeculativeConfig",
+    "DraftSource", "DraftTarget", "EngineDraftModel", "HFDraftModel", "NgramDraft", "ReplayDraft", "SpeculativeConfig",
     "SpeculativeDecoder", "accept_greedy", "accept_sampled", "build_draft_source", "target_probs", "truncate_at_stop",
 ]

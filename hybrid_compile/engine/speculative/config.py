@@ -1,5 +1,6 @@
-"""Speculative decoding settings (:class:`SpeculativeConfig`) and the draft-source protocol
-(:class:`DraftSource`) that every way of proposing draft tokens implements."""
+"""Speculative decoding settings (:class:`SpeculativeConfig`), the draft-source protocol
+(:class:`DraftSource`) that every way of proposing draft tokens implements, and what a draft
+source may read of the target engine (:class:`DraftTarget`)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,39 @@ class DraftSource(Protocol):
     none) is allowed: the engine fills the verify batch's fixed width with copies of the last
     proposed token (a guess like any other; rejected drafts cost nothing but their compute).
     Proposals must be deterministic given the request (the draft distribution is one-hot), which
-    is what makes speculative *sampling* exact (see ``verify.accept_sampled``).
+    is what makes speculative *sampling* exact (see ``acceptance.accept_sampled``).
 
     ``release(rid)`` (optional) is called once a request finishes, so a source with per-request
     state can drop it; ``close()`` (optional) when the engine closes.
     """
 
     def propose(self, requests: list, k: int) -> list[list[int]]: ...
+
+
+class DraftTarget(Protocol):
+    """The target engine as a draft source sees it (a :class:`~hybrid_compile.engine.HybridEngine`
+    is one): the public attributes the sources of :mod:`.drafts` and :mod:`.mtp` read.
+
+    Attributes:
+        config: its ``EngineConfig``.
+        model: the target HF model (a draft model that is the target shares its patches).
+        device, dtype: where and in which activation dtype it runs.
+        layout: the family's model layout (``vocab_size``).
+        max_context_len: the longest request it serves.
+        pools: its ``MemoryPools`` (the MTP head writes its KV into the target's KV pool).
+        scheduler: its ``Scheduler`` (``running`` / ``waiting``: the requests still alive).
+        mtp_head: the checkpoint's MTP head (``method="mtp"``), else None.
+    """
+
+    config: Any
+    model: Any
+    device: Any
+    dtype: Any
+    layout: Any
+    max_context_len: int
+    pools: Any
+    scheduler: Any
+    mtp_head: Any
 
 
 @dataclass

@@ -20,13 +20,15 @@
   own forward and ``DynamicCache``, one request at a time, the cache cropped back to the
   accepted sequence after every proposal.
 
-:func:`build_draft_source` picks one from a :class:`~.config.SpeculativeConfig`.
+:func:`build_draft_source` picks one from a :class:`~.config.SpeculativeConfig`; a source that
+needs the target engine reads it as a :class:`~.config.DraftTarget` (public attributes only).
+:func:`fill_drafts` cuts / fills a source's proposals to the verify step's width.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,10 +39,7 @@ from ..config import _as_dtype
 from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
-from .config import DraftSource, SpeculativeConfig
-
-if TYPE_CHECKING:
-    from ..engine import HybridEngine
+from .config import DraftSource, DraftTarget, SpeculativeConfig
 
 
 class NgramDraft:
@@ -116,7 +115,7 @@ class EngineDraftModel:
         k: drafts per request per proposal.
     """
 
-    def __init__(self, model: torch.nn.Module, target: "HybridEngine", k: int) -> None:
+    def __init__(self, model: torch.nn.Module, target: DraftTarget, k: int) -> None:
         family = family_of(model)
         cfg = target.config
         dtype = next(model.parameters()).dtype
@@ -237,7 +236,7 @@ class HFDraftModel:
     one request at a time, greedy; after each proposal the cache is cropped back to the
     request's accepted sequence."""
 
-    def __init__(self, model: torch.nn.Module, target: "HybridEngine") -> None:
+    def __init__(self, model: torch.nn.Module, target: DraftTarget) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -277,7 +276,7 @@ class HFDraftModel:
         self._caches.clear()
 
 
-def build_draft_source(config: SpeculativeConfig, target: "HybridEngine") -> DraftSource:
+def build_draft_source(config: SpeculativeConfig, target: DraftTarget) -> DraftSource:
     """The draft source a :class:`SpeculativeConfig` asks for."""
     if config.method == "ngram":
         return NgramDraft(config.ngram_max, config.ngram_min)
@@ -300,3 +299,19 @@ def build_draft_source(config: SpeculativeConfig, target: "HybridEngine") -> Dra
     except ValueError:
         return HFDraftModel(model, target)
     return EngineDraftModel(model, target, config.num_draft_tokens)
+
+
+def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, vocab_size: int) -> list[list[int]]:
+    """Each request's proposals cut / filled to exactly k (fill: its last proposed token, or
+    its pending token when none was proposed). A token outside the vocabulary raises."""
+    if len(proposals) != len(requests):
+        raise ValueError(f"draft source returned {len(proposals)} proposals for {len(requests)} requests")
+    rows = []
+    for r, row in zip(requests, proposals):
+        row = [int(t) for t in row[:k]]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        fill = row[-1] if row else r.token_ids(r.num_computed, r.num_computed + 1)[0]
+        rows.append(row + [fill] * (k - len(row)))
+    return rows

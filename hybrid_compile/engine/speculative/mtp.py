@@ -37,10 +37,10 @@ from ...layers.context import ForwardMode
 from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
+from .config import DraftTarget
 
 if TYPE_CHECKING:
     from ...models.mtp import MTPHead
-    from ..engine import HybridEngine
 
 
 def mtp_forward(head: "MTPHead"):
@@ -96,9 +96,9 @@ class MTPDraft:
         target: the target engine.
     """
 
-    def __init__(self, head: "MTPHead", target: "HybridEngine") -> None:
+    def __init__(self, head: "MTPHead", target: DraftTarget) -> None:
         self.head = head
-        self.engine = target
+        self.target = target
         self.vocab_size = target.layout.vocab_size
         cfg = target.config
         _, piecewise = cfg.resolved_cuda_graphs(target.device)
@@ -159,7 +159,7 @@ class MTPDraft:
     # -- proposals --------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
-        sched = self.engine.scheduler
+        sched = self.target.scheduler
         live = {r.rid for r in sched.running} | {r.rid for r in sched.waiting}
         for rid in [rid for rid in self._states if rid not in live]:
             del self._states[rid]
@@ -183,7 +183,7 @@ class MTPDraft:
         """Drafts 2 .. k: ``steps`` head DECODE steps at positions ``c ..`` (``c``: each request's
         computed tokens), in KV slots taken for the chain and freed after it (none free: the
         proposal stops at draft 1)."""
-        allocator = self.engine.pools.kv.allocator
+        allocator = self.target.pools.kv.allocator
         b = len(reqs)
         prefix = [r.num_computed for r in reqs]
         last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)

@@ -1,149 +1,51 @@
-"""Target verify, acceptance and commit: one speculative decode step of the engine.
+"""The speculative decoder: one draft + verify + commit step of the engine's decoding requests.
 
 A step (:meth:`SpeculativeDecoder.step`) takes every decoding running request, asks the draft
 source for k tokens each, and runs ONE target forward in ``TARGET_VERIFY`` mode over
-``L = k + 1`` tokens per request (its pending token + the drafts; seed 000 "Target Verify
-Flow"), through ``ModelRunner.forward_verify`` (with CUDA graphs on: a full TARGET_VERIFY graph
-of the batch-size bucket when one fits). The linear layers leave their main state untouched and
+``L = k + 1`` tokens per request (its pending token + the drafts), through
+``ModelRunner.forward_verify`` (with CUDA graphs on: a full TARGET_VERIFY graph of the
+batch-size bucket when one fits). The linear layers leave their main state untouched and
 write the state after every step into the Mamba pool's intermediate buffers (rows = batch
 rows); attention layers write the K/V of all L tokens and attend causally over prefix + drafts.
 Then, per request:
 
-1. acceptance on the logits of all L positions: greedy keeps the longest prefix of drafts equal
-   to the target's argmax plus the target's token after it (:func:`accept_greedy`); sampling
-   uses speculative rejection sampling (:func:`accept_sampled`), exact for the target's
-   distribution after the request's temperature / top-k / top-p (the Sampler's
-   ``transform_logits``);
+1. acceptance on the logits of all L positions (:mod:`.acceptance`): greedy keeps the longest
+   prefix of drafts equal to the target's argmax plus the target's token after it; sampling
+   uses speculative rejection sampling, exact for the target's distribution after the
+   request's temperature / top-k / top-p (the Sampler's ``transform_logits``);
 2. truncation at a stop token / ``max_new_tokens`` (the emitted run is cut after it);
 3. commit: ``commit_speculative_state`` copies the state after the last kept step (conv window
    and SSM state) into the request's slot (with full CUDA graphs: one graph replay for all the
    layers, :class:`CommitGraphs`); ``num_computed`` grows by the kept tokens, the KV
    slots of the rest are freed (``req_to_token`` entries past ``num_computed`` are never read:
    the next step overwrites them);
-4. the tokens are appended and finished requests handed to the scheduler (with a prefix cache:
-   exactly their ``num_computed`` tokens' KV and the committed state).
+4. the tokens are emitted through the engine's emit callback, which appends them and hands
+   finished requests to the scheduler (with a prefix cache: exactly their ``num_computed``
+   tokens' KV and the committed state).
+
+The decoder never sees the engine: it gets the parts it drives (scheduler, runner, sampler,
+pools, the draft source) and four callbacks into the engine (check a request's host-side stop
+conditions, emit a token, roll a failed step back, count a step) explicitly.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 import torch
 
+from ...memory import MemoryPools
 from ...passes import cuda_graphs as cg
 from ..request import Request
-from ..sampling import SamplingParams, transform_logits
-from ..scheduler import ScheduledBatch
-from .config import SpeculativeConfig
-from .drafts import build_draft_source
-
-if TYPE_CHECKING:
-    from ..engine import HybridEngine, StepOutput
+from ..runner import ModelRunner
+from ..sampling import Sampler
+from ..scheduler import ScheduledBatch, Scheduler
+from .acceptance import accept_greedy, accept_sampled, target_probs, truncate_at_stop
+from .config import DraftSource, SpeculativeConfig
+from .drafts import fill_drafts
 
 _kernels = torch.ops.hybrid_compile
-
-
-# -- acceptance ---------------------------------------------------------------------------------
-
-
-def accept_greedy(target_tokens: torch.Tensor | list[list[int]], drafts: torch.Tensor | list[list[int]]) -> list[list[int]]:
-    """Greedy acceptance for a batch (on the host: one device->host copy of the target tokens).
-
-    Args:
-        target_tokens: ``[B, L]`` the target's argmax at each verify position (position j
-            predicts the token after draft j; position 0 after the pending token).
-        drafts: ``[B, L - 1]`` the draft tokens.
-
-    Returns:
-        Per request the emitted tokens: the longest prefix of drafts that equals the target's
-        tokens, then the target's token at the first mismatch (or after the last draft).
-    """
-    rows = target_tokens.tolist() if isinstance(target_tokens, torch.Tensor) else target_tokens
-    drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
-    out = []
-    for row, draft in zip(rows, drafts):
-        n = 0
-        while n < len(draft) and draft[n] == row[n]:
-            n += 1
-        out.append(row[: n + 1])
-    return out
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[L, V]`` fp32 logits -> the request's sampling distribution at each position
-    (temperature, top-k, top-p as the Sampler applies them)."""
-    return torch.stack(
-        [transform_logits(row, params.temperature, params.top_k, params.top_p) for row in logits.float()]
-    ).softmax(dim=-1)
-
-
-def accept_sampled(
-    probs: torch.Tensor,
-    drafts: list[int],
-    generator: torch.Generator,
-    draft_probs: torch.Tensor | None = None,
-) -> list[int]:
-    """Speculative (rejection) sampling of one request.
-
-    Draft ``x = drafts[j]`` is accepted with probability ``min(1, p_j(x) / q_j(x))``; at the first
-    rejection the emitted token is drawn from ``normalize(max(0, p_j - q_j))`` and the run ends;
-    when every draft is accepted a bonus token is drawn from ``p_k``. The emitted tokens are
-    then distributed exactly as sequential samples from the target (Leviathan et al. 2023).
-
-    Args:
-        probs: ``[k + 1, V]`` target distributions (``target_probs``).
-        drafts: the k draft tokens.
-        generator: the request's generator (the Sampler's, so seeded requests are reproducible).
-        draft_probs: ``[k, V]`` the draft distributions, or None for a deterministic draft
-            source (one-hot ``q``: accept with probability ``p_j(x)``, resample from ``p_j``
-            without ``x``).
-    """
-    out: list[int] = []
-    for j, x in enumerate(drafts):
-        p = probs[j]
-        qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
-        u = float(torch.rand((), generator=generator, device=generator.device))
-        if u * qx < float(p[x]):
-            out.append(x)
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - draft_probs[j].to(p.dtype)).clamp(min=0.0)
-        if not float(residual.sum()) > 0.0:  # p <= q everywhere only if p == q: no rejection
-            residual = p
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
-    return out
-
-
-def truncate_at_stop(request: Request, tokens: list[int]) -> list[int]:
-    """The emitted tokens the request keeps: up to and including its first stop token, and no
-    more than its remaining ``max_new_tokens``."""
-    kept = tokens[: request.params.max_new_tokens - len(request.output)]
-    for i, t in enumerate(kept):
-        if t in request.stop_ids:
-            return kept[: i + 1]
-    return kept
-
-
-def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, vocab_size: int) -> list[list[int]]:
-    """Each request's proposals cut / filled to exactly k (fill: its last proposed token, or
-    its pending token when none was proposed). A token outside the vocabulary raises."""
-    if len(proposals) != len(requests):
-        raise ValueError(f"draft source returned {len(proposals)} proposals for {len(requests)} requests")
-    rows = []
-    for r, row in zip(requests, proposals):
-        row = [int(t) for t in row[:k]]
-        bad = [t for t in row if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        fill = row[-1] if row else r.token_ids(r.num_computed, r.num_computed + 1)[0]
-        rows.append(row + [fill] * (k - len(row)))
-    return rows
 
 
 # -- the commit as CUDA graphs ------------------------------------------------------------------
@@ -211,28 +113,70 @@ class SpeculativeDecoder:
     comes from a verify step and a seeded request draws the same random numbers whatever
     else runs). ``step(force=True)`` verifies whenever a request decodes (the engine's
     prefill turn found nothing to run).
+
+    Args:
+        config: the settings (``num_draft_tokens``, ``method``).
+        source: a callable that builds the draft source (called last, once the decoder's own
+            setup succeeded; the decoder owns the source: :meth:`close` closes it).
+        scheduler, runner, sampler, pools: the target engine's (the runner verifies
+            ``num_draft_tokens + 1`` tokens per request; the pools hold the intermediate buffers).
+        emit: ``emit(request, token, stop) -> output``: the engine appends a kept token to the
+            request (``stop``: the result of ``host_stop`` for its last kept token, else None;
+            handing a finished request to the scheduler) and returns the step output for it.
+        host_stop: ``host_stop(request, tokens, scores)``: the engine's host-side stop checks
+            (stop strings, user stopping criteria, ``max_time``) as if ``tokens`` were appended;
+            they run before anything is committed, since a user's check may raise.
+        roll_back: ``roll_back(requests, generators)``: the engine recomputes ``requests`` (and
+            restores the generator states ``generators``, ``Sampler.snapshot``) after a commit
+            that raised half-way.
+        count_step: ``count_step(tokens, seconds)``: the engine counts a verify step that kept
+            ``tokens`` tokens in ``seconds`` of forward time.
+        vocab_size: the target's vocabulary size (drafts outside it are refused).
+        commit_graphs: with full CUDA graphs, commit verify batches within the verify buckets as
+            one graph replay (:class:`CommitGraphs`); False: one op launch per state tensor.
     """
 
-    def __init__(self, engine: "HybridEngine", config: SpeculativeConfig) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        source: Callable[[], DraftSource],
+        *,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        pools: MemoryPools,
+        emit: Callable[[Request, int, Any], Any],
+        host_stop: Callable[[Request, list[int], Any], Any],
+        roll_back: Callable[[list[Request], dict], None],
+        count_step: Callable[[int, float], None],
+        vocab_size: int,
+        commit_graphs: bool = True,
+    ) -> None:
         self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.pools = pools
+        self._emit = emit
+        self._host_stop = host_stop
+        self._roll_back = roll_back
+        self._count_step = count_step
+        self.vocab_size = vocab_size
         self.k = config.num_draft_tokens
         self.draft_len = self.k + 1
-        mamba = engine.pools.mamba
-        if engine.runner.draft_len != self.draft_len:
-            raise ValueError(f"speculative: the runner verifies {engine.runner.draft_len} tokens per request, the "
+        mamba = pools.mamba
+        if runner.draft_len != self.draft_len:
+            raise ValueError(f"speculative: the runner verifies {runner.draft_len} tokens per request, the "
                              f"config {self.draft_len}")
         self._states = mamba.state_tensors() if mamba.layer_ids else []
         self._intermediates = mamba.intermediate_state_tensors() if mamba.layer_ids else []
         # with full CUDA graphs: the commit of a verify batch within the verify buckets as one graph
-        # (EngineConfig.extra["speculative_commit_graphs"] = False: one op launch per state tensor)
-        full = engine.runner.full_graphs
-        wanted = bool(engine.config.extra.get("speculative_commit_graphs", True))
+        full = runner.full_graphs
         self.commit_graphs = (
             CommitGraphs(self._states, self._intermediates, full.verify_batch_sizes)
-            if wanted and self._states and full is not None and full.verify_batch_sizes else None
+            if commit_graphs and self._states and full is not None and full.verify_batch_sizes else None
         )
-        self.source = build_draft_source(config, engine)
+        self.source = source()
         self.method = config.method
         self._last_was_verify = False
         self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0)
@@ -266,7 +210,7 @@ class SpeculativeDecoder:
         hidden states of every token of the step."""
         observe = getattr(self.source, "observe", None)
         if observe is not None:
-            observe(batch, self.engine.runner.hidden_states)
+            observe(batch, self.runner.hidden_states)
 
     def stats(self) -> dict:
         """``engine.stats()["speculative"]``: ``verify_steps``; ``verified_requests`` (request rows
@@ -287,7 +231,7 @@ class SpeculativeDecoder:
         return c
 
     def _wants_verify(self, force: bool) -> bool:
-        sched = self.engine.scheduler
+        sched = self.scheduler
         decoding = sum(1 for r in sched.running if r.decoding)
         if not decoding or force:
             return bool(decoding)
@@ -300,7 +244,7 @@ class SpeculativeDecoder:
     def _forward(self, batch: ScheduledBatch, drafts: list[list[int]]) -> torch.Tensor:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
-        runner = self.engine.runner
+        runner = self.runner
         return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
 
     def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
@@ -313,7 +257,7 @@ class SpeculativeDecoder:
             targets = torch.ops.hybrid_compile.argmax_rows(logits.flatten(0, 1)).view(len(reqs), -1).tolist()
             for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
                 emitted[i] = tokens
-        sampler = self.engine.sampler
+        sampler = self.sampler
         for i, r in enumerate(reqs):
             if emitted[i] is None:
                 gen = sampler.generator_for(r.rid, r.params.seed, logits.device)
@@ -324,33 +268,34 @@ class SpeculativeDecoder:
         """State after each request's last kept step (one host->device copy of the slots and
         step counts, then the op; with :class:`CommitGraphs` one graph replay), ``num_computed``
         past the kept tokens, and the KV slots of the rest freed (one free for the batch)."""
-        engine = self.engine
         graphs = self.commit_graphs
         if graphs is not None and graphs.fits(len(reqs)):
             graphs.commit([r.mamba_slot for r in reqs], [len(t) for t in kept])
         elif self._states:
             host = torch.tensor([r.mamba_slot for r in reqs] + [len(t) for t in kept], dtype=torch.int32)
-            if engine.device.type == "cuda":
+            device = self.pools.device
+            if device.type == "cuda":
                 host = host.pin_memory()
-            slots, steps = host.to(engine.device, non_blocking=True).split(len(reqs))
-            observer = engine.pools.mamba.observer
+            slots, steps = host.to(device, non_blocking=True).split(len(reqs))
+            observer = self.pools.mamba.observer
             if observer is not None:  # tensor parallelism: every rank commits its own heads' states
                 observer.commit(slots, steps)
             _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
         for r, tokens in zip(reqs, kept):
             r.num_computed += len(tokens)
-        engine.scheduler.free_uncomputed_kv(reqs)
+        self.scheduler.free_uncomputed_kv(reqs)
 
-    def step(self, force: bool = False) -> "list[StepOutput] | None":
+    def step(self, force: bool = False) -> list | None:
+        """One draft + verify + commit step (class docstring): the outputs of the emitted tokens
+        (``emit``'s), or None when this step should be a normal one."""
         if not self._wants_verify(force):
             self._last_was_verify = False
             return None
-        engine = self.engine
         # drafts first: a failing draft source leaves every request and pool as it was
         t0 = time.perf_counter()
-        decoding = [r for r in engine.scheduler.running if r.decoding]
+        decoding = [r for r in self.scheduler.running if r.decoding]
         try:
-            proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, engine.layout.vocab_size)
+            proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, self.vocab_size)
         except BaseException:
             # a draft model stopped half-way may hold a half-updated state: it forgets these
             # requests (and recomputes them from the target's tokens when next asked)
@@ -358,7 +303,7 @@ class SpeculativeDecoder:
                 self.release(r.rid)
             raise
         t1 = time.perf_counter()
-        batch = engine.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)
+        batch = self.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)
         if batch is None:
             self._last_was_verify = False
             return None
@@ -366,24 +311,24 @@ class SpeculativeDecoder:
         reqs = batch.requests
         by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
         drafts = [by_rid[r.rid] for r in reqs]
-        generators = engine.sampler.snapshot(reqs)
+        generators = self.sampler.snapshot(reqs)
         try:
             logits = self._forward(batch, drafts)
             emitted = self._accept(batch, drafts, logits)
             kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
             # the host-side stop checks before anything is committed (HybridEngine._finish), once
             # per request after its last kept token
-            stops = [engine._host_stop(r, tokens, None) for r, tokens in zip(reqs, kept)]
+            stops = [self._host_stop(r, tokens, None) for r, tokens in zip(reqs, kept)]
         except BaseException:
             # the verify forward leaves the requests' states as they were (it writes the
             # intermediate buffers only): the drafts' KV slots are all there is to undo
-            engine.sampler.roll_back(generators, [r.rid for r in reqs])
-            engine.scheduler.free_uncomputed_kv(reqs)
+            self.sampler.roll_back(generators, [r.rid for r in reqs])
+            self.scheduler.free_uncomputed_kv(reqs)
             raise
         try:
             self._commit(reqs, kept)
         except BaseException:  # states half-committed: the requests recompute
-            engine._roll_back(reqs, generators)
+            self._roll_back(reqs, generators)
             raise
         self.observe(batch)
         t2 = time.perf_counter()
@@ -399,9 +344,6 @@ class SpeculativeDecoder:
             c["emitted"] += len(tokens)
             self.acceptance_histogram[len(tokens)] = self.acceptance_histogram.get(len(tokens), 0) + 1
             for j, tok in enumerate(tokens):
-                outputs.append(engine._emit(r, tok, stop if j == len(tokens) - 1 else None))
-        ec = engine._counters
-        ec["steps"] += 1
-        ec["decode_tokens"] += sum(len(t) for t in kept)
-        ec["forward_seconds"] += t2 - t1
+                outputs.append(self._emit(r, tok, stop if j == len(tokens) - 1 else None))
+        self._count_step(sum(len(t) for t in kept), t2 - t1)
         return outputs

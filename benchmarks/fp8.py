@@ -1,6 +1,7 @@
 """FP8 benchmark: our engine in bf16 vs block FP8 on one model, and our FP8 GEMMs vs torch._scaled_mm.
 
     python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
+    python benchmarks/fp8.py --no-engines              # only the kernel table
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
 
 Model: the Qwen3-Next-80B-A3B layer shape on ``--layers`` of its 48 layers (default 8: pattern
@@ -16,7 +17,9 @@ generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one ge
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
 the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quantized e4m3 inputs
 (quantization not included: the strongest baseline torch offers on every supported version) and
-bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON.
+bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON
+after each part (an out-of-memory kernel table is recorded as such; ``--no-engines`` runs only the
+kernel table, in a process of its own).
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    p.add_argument("--no-engines", action="store_true",
+                   help="only the kernel table (e.g. in its own process when the engines left too little memory)")
     p.add_argument("--out", default="benchmarks/results/fp8.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -159,6 +164,16 @@ def main(argv=None) -> int:
     steps = 2 if tiny else args.decode_steps
     layers = 4 if tiny else args.layers
     config = qwen3_next_80b_config(layers, tiny)
+    if args.no_engines:
+        if device.type != "cuda" or args.no_kernels:
+            p.error("--no-engines runs only the kernel table: it needs --device cuda and no --no-kernels")
+        results = {"env": {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                           "date": time.strftime("%Y-%m-%d")}, "kernels": kernel_table((1, 16, 64, 4096))}
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {out}")
+        return 0
     t = time.perf_counter()
     model = _build(transformers.Qwen3NextForCausalLM, config, torch.bfloat16, device, seed=0)
     build_s = time.perf_counter() - t
@@ -173,6 +188,12 @@ def main(argv=None) -> int:
                      memory_fraction=args.memory_fraction,
                      max_context_len=max(prefill_lens) + 64, chunked_prefill_size=min(8192, max(prefill_lens)))
     results = {"env": env}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each part: a later failure (out of memory, a time limit) keeps the rest
+        out.write_text(json.dumps(results, indent=2))
+
     for mode in ("bf16", "fp8"):
         if mode == "fp8":
             t = time.perf_counter()
@@ -193,7 +214,9 @@ def main(argv=None) -> int:
                          **measure_engine(engine, config.vocab_size, decode_batches, steps, prefill_lens, device)}
         engine.close()
         del engine
+        save()
         if device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
     for b in decode_batches:
         r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results["fp8"]["decode"][str(b)]["ms_per_step"]
@@ -203,11 +226,14 @@ def main(argv=None) -> int:
         print(f"prefill {n}: FP8 {r:.2f}x bf16")
     if device.type == "cuda" and not args.no_kernels:
         del model
+        gc.collect()
         torch.cuda.empty_cache()
-        results["kernels"] = kernel_table((1, 16, 64, 4096))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+        try:
+            results["kernels"] = kernel_table((1, 16, 64, 4096))
+        except torch.cuda.OutOfMemoryError as e:  # recorded and reported, the engine results stay
+            results["kernels"] = {"error": f"out of memory: {e}"}
+            print(f"kernel table: out of memory ({str(e).splitlines()[0]}); rerun with --no-engines", flush=True)
+    save()
     print(f"wrote {out}")
     return 0
 

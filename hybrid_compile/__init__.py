@@ -3,7 +3,7 @@
 Hybrid models mix full-attention layers with linear-attention / state-space layers
 (Qwen3-Next, Qwen3.5, Falcon-H1, NemotronH, Mamba2, Bamba, ...). :func:`wrap` takes an
 unmodified HF model and returns a :class:`HybridEngine` that runs it through torch.library
-custom ops with its own KV and Mamba-state pools (see DESIGN.md)::
+custom ops with its own KV and Mamba-state pools (README: "How it works")::
 
     import hybrid_compile as hc
     engine = hc.wrap(model)

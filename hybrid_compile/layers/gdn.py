@@ -3,15 +3,15 @@
 ``hybrid_compile::gdn_layer`` takes the mixer's projections (``mixed_qkv`` before the conv,
 ``a``/``b`` gating inputs) and returns the core attention output, reading the layer's conv
 window and SSM state pools from the forward context. Projections, the gated RMSNorm and the
-output projection stay outside (HF's modules, in the compiled pieces), as DESIGN.md asks:
-the op holds only what touches pools and per-step metadata.
+output projection stay outside (HF's modules, in the compiled, graph-captured pieces): the op
+holds only what touches pools and per-step metadata.
 
-By forward mode (seed 000 "Forward Decode / Forward Extend"):
+By forward mode:
 - DECODE: ``causal_conv1d_update`` + ``fused_sigmoid_gating_delta_rule_update`` in place.
 - EXTEND (prefill, chunked prefill, mixed prefill + decode): ``causal_conv1d_fn`` +
   ``gdn_gating`` + ``chunk_gated_delta_rule`` with initial states where the request has them;
   prefix-cache checkpoints inside the extend when the step asks for them (``layers/tracking.py``).
-- TARGET_VERIFY (speculative verify, seed 000 "Target Verify Flow"): every request runs
+- TARGET_VERIFY (speculative verify): every request runs
   ``draft_len`` tokens (its last accepted token + the drafts): ``causal_conv1d_update`` over them
   and ``gdn_gating`` + ``fused_recurrent_gated_delta_rule_update``, both with
   ``disable_state_update`` and writing the state after every step into the layer's intermediate

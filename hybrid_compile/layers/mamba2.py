@@ -4,8 +4,8 @@ Bamba, GraniteMoeHybrid, Zamba2).
 ``hybrid_compile::mamba2_layer`` takes the mixer's projected ``xBC`` channels (before the causal
 conv) and raw ``dt``, and returns the SSM output ``y`` (``D`` skip included, gate not applied),
 reading the layer's conv window and SSM state pools from the forward context. ``in_proj``, the
-gated RMSNorm and ``out_proj`` stay outside as HF's modules (DESIGN.md: the op holds only what
-touches pools and per-step metadata).
+gated RMSNorm and ``out_proj`` stay outside as HF's modules, in the compiled (graph-captured)
+pieces: the op holds only what touches pools and per-step metadata.
 
 By forward mode:
 

@@ -3,8 +3,8 @@
 ``hybrid_compile::short_conv_layer`` takes the gated conv input ``B * x`` (packed tokens) and
 returns the causal conv of it, reading the layer's conv-window pool from the forward context.
 The input projection, both gating products (``B * x`` before, ``C * conv`` after) and the
-output projection stay outside, in the compiled pieces (DESIGN.md: a layer op holds only what
-touches pools and per-step metadata). The layer has no recurrent state besides the conv window
+output projection stay outside, in the compiled pieces (a layer op holds only what touches
+pools and per-step metadata). The layer has no recurrent state besides the conv window
 (its Mamba-pool spec is conv-only, ``state_shape == ()``), and the conv has no activation.
 
 By forward mode (same dispatch as ``layers/gdn.py``):

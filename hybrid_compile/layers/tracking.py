@@ -1,8 +1,8 @@
 """Prefix-cache checkpoints inside an EXTEND step, shared by the GDN and Mamba2 layer ops.
 
 The scheduler picks, per request of an EXTEND step, a length inside its extend at which the
-recurrent state goes to the prefix cache (seed 003 §6: a whole number of SSM chunks after the
-request's first new token) and a fresh Mamba slot for it (``ForwardMetadata.track_slots`` /
+recurrent state goes to the prefix cache (a whole number of SSM chunks after the request's
+first new token: the chunked scans have a state only there) and a fresh Mamba slot for it (``ForwardMetadata.track_slots`` /
 ``track_lens``). A layer op then
 
 1. gathers the conv window at that offset from the conv *inputs* (``track_conv_window``,

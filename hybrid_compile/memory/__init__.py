@@ -1,6 +1,6 @@
 """Memory pools: KV pool (full-attention layers only), Mamba pool (conv windows + SSM states,
 plus speculative intermediate buffers), request-to-token and request-to-Mamba maps, and the
-sizing of all of them from one memory budget. (Filled by the engine issue.)
+sizing of all of them from one memory budget.
 
 Modules, one job each:
 

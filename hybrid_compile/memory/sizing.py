@@ -6,7 +6,7 @@
    speculative intermediate buffers (sized by batch, not by slot).
 2. Explicit capacities (``max_total_tokens``, ``mamba_cache_size``) are taken as given.
 3. What the budget has left is split between the pools by ``mamba_full_memory_ratio`` =
-   Mamba bytes / KV bytes (seed 001 §6.3: ``mamba = rest * ratio / (1 + ratio)``). When one
+   Mamba bytes / KV bytes (``mamba = rest * ratio / (1 + ratio)``). When one
    capacity is explicit, the other pool gets all that is left of the budget after it.
    A pool whose layers cost no bytes (no full-attention layers, or no linear layers) takes
    no share of the budget.

@@ -1,5 +1,5 @@
 """Falcon-H1 (``falcon_h1``): every decoder layer runs an attention branch and a Mamba2 branch in
-parallel on the same normed input and adds them (seed 000 "Example: Falcon H1"), with µP
+parallel on the same normed input and adds them, with µP
 multipliers around both (``attention_in/out_multiplier``, ``ssm_in/out_multiplier``, the
 per-channel ``mup_vector`` on ``in_proj``'s output, ``key_multiplier``, embedding / LM-head /
 MLP multipliers).

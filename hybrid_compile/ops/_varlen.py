@@ -5,7 +5,7 @@ A packed batch holds the tokens of B requests back to back; ``cu_seqlens`` (a.k.
 request ``b``. The chunked scans (GDN delta rule, Mamba2 SSD) cut every request into
 chunks aligned to *that request's* first new token, so a chunk boundary is always a whole
 number of chunks into the extend; this is what makes chunk-boundary states reusable by the
-prefix cache (seed 003).
+prefix cache (``cache/radix_cache.py`` stores states only at such lengths).
 
 Chunk-state rows: an op that returns chunk states returns ``max_chunk_rows(T, B, C)`` rows,
 a bound that depends on shapes only (so the fake impl needs no data-dependent size).

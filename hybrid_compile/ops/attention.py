@@ -1,4 +1,5 @@
-"""Paged attention over a token-level KV pool (seed 002 §4.1, indptr/indices format).
+"""Paged attention over a token-level KV pool (CSR format: ``kv_indptr`` / ``kv_indices`` list each
+request's KV slots).
 
 One attention layer's pool is a pair ``k_cache: [num_slots, Hkv, D]``,
 ``v_cache: [num_slots, Hkv, Dv]`` (fp32/bf16/fp16, may differ from the activation dtype;

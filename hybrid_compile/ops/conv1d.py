@@ -20,7 +20,8 @@ Three ops:
                              over ``[B, L, D]``, optionally recording the window after
                              every step for the commit op.
 - ``track_conv_window``      prefix-cache checkpoint of the window at a given new-token
-                             offset of each request (seed 003 §6.3.2).
+                             offset of each request (the conv half of a chunk-boundary
+                             checkpoint, ``layers/tracking.py``).
 
 Computation is fp32 internally; outputs have ``x``'s dtype; pools may be fp32/bf16/fp16
 (read, compute in fp32, cast on write). Slot index -1 marks a padding request: its outputs
@@ -376,8 +377,8 @@ def track_conv_window(
     ``causal_conv1d_fn`` would leave after consuming only its first ``track_lens[b]`` new
     tokens. Inputs before the request's first new token come from its initial window
     (``conv_states[cache_indices[b]]`` if ``has_initial_state[b]``, else zeros). This is the
-    conv half of a prefix-cache checkpoint (seed 003 §6.3.2 ``_init_track_conv_indices``),
-    done correctly also when ``track_lens[b] < W-1``.
+    conv half of a prefix-cache checkpoint (``layers/tracking.py``), correct also when
+    ``track_lens[b] < W-1`` (the window then reaches back into the initial window).
 
     MUST be called BEFORE ``causal_conv1d_fn`` runs on the same batch: that op overwrites
     ``conv_states[cache_indices[b]]``, the source of the initial window. All windows are

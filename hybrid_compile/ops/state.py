@@ -5,9 +5,9 @@ Three ops, one gather/scatter underneath:
 - ``copy_state_slots``      slot -> slot inside the same pool tensors (copy-on-write of a
                             prefix-cache hit into the request's private slot).
 - ``commit_speculative_state``  per request, the intermediate state of its last accepted
-                            draft step -> its main slot (seed 000 "Commit Phase").
+                            draft step -> its main slot (after a speculative verify step).
 - ``track_chunk_states``    chunk-boundary states returned by a chunked scan (GDN / SSD) ->
-                            a cache slot (prefix-cache checkpoints, seed 003 §6).
+                            a cache slot (prefix-cache checkpoints at chunk boundaries).
 
 FP8 pools (:mod:`.fp8_cache`) keep their scales in tensors of their own with the same leading slot
 dimension: the copy and the commit move them like any other pool tensor (listed beside their

@@ -1,4 +1,4 @@
-"""A generation request and its progress through the engine."""
+"""A generation request and its progress through the engine, and the per-token output of a step."""
 
 from __future__ import annotations
 
@@ -119,3 +119,19 @@ class Request:
             tpot = (self.finish_time - self.first_token_time) / (len(self.output) - 1)
         return dict(arrival=self.arrival_time, first_token=self.first_token_time, finish=self.finish_time,
                     ttft=ttft, tpot=tpot)
+
+
+@dataclass
+class StepOutput:
+    """One event of one request in a step: a generated token (or, while a prompt is prefilled in
+    chunks, none) and whether the request finished."""
+
+    rid: int
+    token: int | None  # None while a prompt is still being prefilled in chunks
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "time" (SamplingParams.max_time), "abort" or None
+    # n > 1: the sequences of one prompt: the group's first rid and this sequence's index in it
+    group: int = -1
+    index: int = 0
+    # SamplingParams.logprobs: (the token's logprob, [(id, logprob)] of the top ones)
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None

@@ -29,11 +29,12 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 from . import attention, conv1d, fp8, gdn, linear, mamba2, metadata, norm, sampling, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
-from .triton import elementwise as _triton_elementwise  # noqa: F401
 from .triton import fp8 as _triton_fp8  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
+from .triton import gdn_gating as _triton_gdn_gating  # noqa: F401
 from .triton import linear as _triton_linear  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
+from .triton import norm as _triton_norm  # noqa: F401
 from .triton import metadata as _triton_metadata  # noqa: F401
 from .triton import sampling as _triton_sampling  # noqa: F401
 from .triton import state as _triton_state  # noqa: F401

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elementwise import _pow2, cast_rne
+from .common import cast_rne, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 from ..conv1d import (
     _check_causal_conv1d_fn,
@@ -193,7 +193,7 @@ _FN_BLOCK_B = 64
 
 def _fn_blocks(dim: int):
     # [16, 128] with 4 warps stays well under ~160 registers without spills on sm_90
-    return _FN_BLOCK_T, min(128, _pow2(dim))
+    return _FN_BLOCK_T, min(128, pow2(dim))
 
 
 def _causal_conv1d_fn(
@@ -223,7 +223,7 @@ def _causal_conv1d_fn(
         W=width, HAS_BIAS=bias is not None, SILU=silu, BT=bt, BD=bd, BB=bb,
         num_warps=4,
     )
-    bdw = block_d or min(256, _pow2(dim))
+    bdw = block_d or min(256, pow2(dim))
     _conv1d_fwd_window_kernel[(batch, triton.cdiv(dim, bdw))](
         x, conv_states, qsl, idx, init,
         dim, x.stride(0), x.stride(1), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
@@ -323,7 +323,7 @@ def _causal_conv1d_update(
     out = torch.empty((batch, steps, dim), dtype=x.dtype, device=x.device)
     if batch == 0 or steps == 0:
         return out.zero_()
-    bd = block_d or min(256, _pow2(dim))
+    bd = block_d or min(256, pow2(dim))
     idx = conv_state_indices.contiguous()
     inter = intermediate_conv_windows
     has_inter = inter is not None
@@ -421,7 +421,7 @@ def _track_conv_window(
     if batch == 0:
         return
     k, dim = conv_states.shape[1], conv_states.shape[2]
-    bd = block_d or min(256, _pow2(dim))
+    bd = block_d or min(256, pow2(dim))
     qsl = query_start_loc.contiguous()
     idx = cache_indices.contiguous()
     init = has_initial_state.contiguous().view(torch.uint8)

@@ -38,7 +38,7 @@ import triton.language as tl
 from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
-from .elementwise import _pow2, cast_rne
+from .common import cast_rne, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["fp8_gemm_config", "fp8_block_linear_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton",
@@ -175,7 +175,7 @@ def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: i
     """
     rows_per_group = m / max(experts, 1) if grouped else m
     if m <= QUANT_IN_GEMM_MAX_ROWS or rows_per_group <= 16:
-        bm = 16 if rows_per_group <= 16 else min(64, _pow2(m))
+        bm = 16 if rows_per_group <= 16 else min(64, pow2(m))
         tiles_m = min(m, _cdiv(m, bm) + experts) if grouped else _cdiv(m, bm)
         bn = 128
         while bn > 16 and _cdiv(n, bn) * tiles_m < 2 * sms:
@@ -233,7 +233,7 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl):
         a.stride(0), a.stride(1), a_scale.stride(0),
         w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
         QUANT_A=quant_a, GROUPED=grouped, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=FP8_BLOCK,
-        BLOCK_E=_pow2(experts), num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
+        BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
     )
     return y
 

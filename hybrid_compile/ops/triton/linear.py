@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..linear import SKINNY_MAX_ROWS, _check_skinny_mm
-from .elementwise import _pow2, cast_rne
+from .common import cast_rne, pow2
 from .launch import pdl_launch
 
 __all__ = ["skinny_mm_config", "skinny_mm_triton", "use_skinny_kernel"]
@@ -94,10 +94,10 @@ def skinny_mm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     once. Two rows: from the H200 sweep."""
     if rows == 2:
         block_k = 512 if k % 1024 else 1024
-        return 2, min(block_k, max(16, _pow2(k))), 4, 3 if block_k == 512 else 1
+        return 2, min(block_k, max(16, pow2(k))), 4, 3 if block_k == 512 else 1
     if k >= 4096:
         return 8, 2048, 8, 2
-    return 2, min(2048, max(16, _pow2(k))), 4, 2
+    return 2, min(2048, max(16, pow2(k))), 4, 2
 
 
 def use_skinny_kernel(m: int, k: int) -> bool:

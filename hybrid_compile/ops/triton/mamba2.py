@@ -49,6 +49,7 @@ from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
 from .fp8_cache import quantize_axis, stage_states, unstage_states
+from .common import pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["selective_state_update_triton", "ssd_chunk_scan_triton"]
@@ -113,10 +114,6 @@ def _dot_mode(*tensors: torch.Tensor) -> int:
     if _INTERPRET and torch.bfloat16 in dtypes:
         return _DOT_EMULATE
     return _DOT_LOWP
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(max(int(n), 1)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,8 +244,8 @@ def selective_state_update_triton(
     out = torch.empty(batch, steps, H, P, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    BLOCK_N = _pow2(N, 2)
-    BLOCK_P = min(_pow2(P, 2), max(2, 1024 // BLOCK_N))
+    BLOCK_N = pow2(N, 2)
+    BLOCK_P = min(pow2(P, 2), max(2, 1024 // BLOCK_N))
     grid = (triton.cdiv(P, BLOCK_P), batch, H)
     _ssu_kernel[grid](
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
@@ -514,18 +511,18 @@ def _ssd_chunk_scan_kernel(
 
 def _chunk_state_config(P: int, N: int, CS: int, dot: int) -> dict:
     """Blocks of _ssd_chunk_state (tile [BLOCK_P, BLOCK_N] of the state, BLOCK_L tokens per step)."""
-    return dict(BLOCK_P=min(64, _pow2(P, 16)), BLOCK_N=min(128, _pow2(N, 16)), BLOCK_L=min(64, _pow2(CS, 16)),
+    return dict(BLOCK_P=min(64, pow2(P, 16)), BLOCK_N=min(128, pow2(N, 16)), BLOCK_L=min(64, pow2(CS, 16)),
                 num_warps=8, num_stages=1 if dot == _DOT_IEEE else 2)
 
 
 def _bmm_config(N: int, CS: int, dot: int) -> dict:
-    return dict(BLOCK_M=min(64, _pow2(CS, 16)), BLOCK_S=min(64, _pow2(CS, 16)), BLOCK_K=min(64, _pow2(N, 16)),
+    return dict(BLOCK_M=min(64, pow2(CS, 16)), BLOCK_S=min(64, pow2(CS, 16)), BLOCK_K=min(64, pow2(N, 16)),
                 num_warps=4, num_stages=2)
 
 
 def _scan_config(P: int, N: int, CS: int, dot: int) -> dict:
-    bm = min(64, _pow2(CS, 16))
-    return dict(BLOCK_M=bm, BLOCK_K=bm, BLOCK_P=min(64, _pow2(P, 16)), BLOCK_N=min(64, _pow2(N, 16)),
+    bm = min(64, pow2(CS, 16))
+    return dict(BLOCK_M=bm, BLOCK_K=bm, BLOCK_P=min(64, pow2(P, 16)), BLOCK_N=min(64, pow2(N, 16)),
                 num_warps=4, num_stages=2)
 
 
@@ -583,8 +580,8 @@ def ssd_chunk_scan_triton(
     dot = _dot_mode(x, B, C)
 
     # 1. dt + cumsum
-    BLOCK_L = _pow2(CS)
-    BLOCK_H = min(_pow2(H), max(1, 4096 // BLOCK_L))
+    BLOCK_L = pow2(CS)
+    BLOCK_H = min(pow2(H), max(1, 4096 // BLOCK_L))
     _ssd_dt_cumsum_kernel[(rows, triton.cdiv(H, BLOCK_H))](
         dt, A, dt_bias if dt_bias is not None else A, cseq, cstart, clen, state_indices, dt_out, dA_cs,
         H, CS, rows, float(dt_min), float(dt_max), dt.stride(0), dt.stride(1),
@@ -601,7 +598,7 @@ def ssd_chunk_scan_triton(
     )
 
     # 3. state passing (writes the pool)
-    BLOCK = min(1024, _pow2(P * N))
+    BLOCK = min(1024, pow2(P * N))
     _ssd_state_passing_kernel[(triton.cdiv(P * N, BLOCK), batch, H)](
         states, dA_cs, ssm_states, state_indices, hinit, nch, row_off,
         H, P, N, CS, rows, *ssm_states.stride(), hinit.stride(0),

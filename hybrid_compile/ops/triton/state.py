@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .elementwise import cast_rne
+from .common import cast_rne
 from .fp8_cache import move_state_rows
 from ..state import _check_commit, _check_copy_state_slots, _check_track
 

@@ -1,4 +1,4 @@
-"""Triton gdn_gating and gated_rms_norm kernels (hybrid_compile/ops/triton/elementwise.py) against the
+"""Triton gdn_gating and gated_rms_norm kernels (hybrid_compile/ops/triton/gdn_gating.py, norm.py) against the
 plain-torch ops, the per-token gating reference and a direct fp32 norm formula.
 
 On CPU the launchers run under Triton's interpreter; the ``gpu`` tests run the registered CUDA ops
@@ -13,7 +13,7 @@ import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import gdn as torch_gdn
 from hybrid_compile.ops import norm as torch_norm
 from hybrid_compile.ops.reference import gdn as ref
-from hybrid_compile.ops.triton import elementwise as tel
+from hybrid_compile.ops.triton import gdn_gating as tgg, norm as tnorm
 from op_testing import assert_close, run_opcheck
 
 # CPU tests here call the launchers on CPU tensors under Triton's interpreter (see conftest).
@@ -42,7 +42,7 @@ def test_gating_matches_op_and_reference(T, hv, sp_beta, sp_thr, dtype):
         ab[0, 0] = 30.0  # far above the threshold
         ab[1, 1] = -40.0  # exp underflows
     a, b = ab[:, :hv], ab[:, hv + 3 :]
-    g, beta = tel.gdn_gating_triton(A_log, a, b, dt_bias, sp_beta, sp_thr)
+    g, beta = tgg.gdn_gating_triton(A_log, a, b, dt_bias, sp_beta, sp_thr)
     assert g.dtype == torch.float32 and beta.dtype == torch.float32
     assert g.shape == (T, hv) and g.is_contiguous() and beta.is_contiguous()
     rg, rb = ref.gating_ref(A_log, a, b, dt_bias, sp_beta, sp_thr)
@@ -58,7 +58,7 @@ def test_gating_matches_op_and_reference(T, hv, sp_beta, sp_thr, dtype):
 def test_gating_low_precision_params():
     A_log, dt_bias = _gating_params(5)
     a, b = torch.randn(9, 5).to(torch.float16), torch.randn(9, 5).to(torch.float16)
-    g, beta = tel.gdn_gating_triton(A_log.bfloat16(), a, b, dt_bias.bfloat16())
+    g, beta = tgg.gdn_gating_triton(A_log.bfloat16(), a, b, dt_bias.bfloat16())
     og, ob = torch_gdn.gdn_gating(A_log.bfloat16(), a, b, dt_bias.bfloat16())
     assert_close(g, og)
     assert_close(beta, ob)
@@ -98,7 +98,7 @@ def test_norm_matches_op(dtype, wdtype, D, gs, nbg, with_z, max_group_block):
     x, z = _norm_inputs(T, D, dtype)
     z = z if with_z else None
     w = (1.0 + 0.5 * torch.randn(D)).to(wdtype)
-    out = tel._gated_rms_norm(x, w, z, eps, gs, nbg, max_group_block=max_group_block)
+    out = tnorm._gated_rms_norm(x, w, z, eps, gs, nbg, max_group_block=max_group_block)
     want = torch_norm.gated_rms_norm(x, w, z, eps, gs, nbg)
     assert out.dtype == dtype and out.shape == (T, D) and out.is_contiguous()
     if dtype == torch.float32:
@@ -115,7 +115,7 @@ def test_norm_one_weight_per_group(nbg):
     """A ``[group_size]`` weight scales every group alike: the op with that weight repeated."""
     x, z = _norm_inputs(6, 64, torch.bfloat16)
     w = (1.0 + 0.5 * torch.randn(16)).to(torch.bfloat16)
-    out = tel.gated_rms_norm_triton(x, w, z, 1e-6, 16, nbg)
+    out = tnorm.gated_rms_norm_triton(x, w, z, 1e-6, 16, nbg)
     want = torch_norm.gated_rms_norm(x, w.repeat(4), z, 1e-6, 16, nbg)
     assert_close(out, want, torch.bfloat16)
     assert (out != want).float().mean() < 0.02
@@ -124,15 +124,15 @@ def test_norm_one_weight_per_group(nbg):
 def test_norm_orders_differ_and_groups_matter():
     x, z = _norm_inputs(3, 16, torch.float32)
     w = torch.randn(16)
-    a = tel.gated_rms_norm_triton(x, w, z, 1e-6, 16, True)
-    b = tel.gated_rms_norm_triton(x, w, z, 1e-6, 16, False)
-    c = tel.gated_rms_norm_triton(x, w, z, 1e-6, 4, False)
+    a = tnorm.gated_rms_norm_triton(x, w, z, 1e-6, 16, True)
+    b = tnorm.gated_rms_norm_triton(x, w, z, 1e-6, 16, False)
+    c = tnorm.gated_rms_norm_triton(x, w, z, 1e-6, 4, False)
     assert not torch.allclose(a, b, atol=1e-3) and not torch.allclose(b, c, atol=1e-3)
     assert_close(c, _formula(x, w, z, 1e-6, 4, False))
 
 
 def test_norm_empty_and_hf_module():
-    out = tel.gated_rms_norm_triton(torch.randn(0, 16), torch.ones(16), None, 1e-6, 16, True)
+    out = tnorm.gated_rms_norm_triton(torch.randn(0, 16), torch.ones(16), None, 1e-6, 16, True)
     assert out.shape == (0, 16)
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
@@ -141,17 +141,17 @@ def test_norm_empty_and_hf_module():
         m.weight.copy_(1.0 + 0.5 * torch.randn(32))
     m = m.to(torch.bfloat16)
     x, z = _norm_inputs(5, 32, torch.bfloat16)
-    out = tel.gated_rms_norm_triton(x, m.weight.detach(), z, 1e-6, 32, True)
+    out = tnorm.gated_rms_norm_triton(x, m.weight.detach(), z, 1e-6, 32, True)
     assert_close(out, m(x, z), torch.bfloat16)
 
 
 def test_cuda_impls_validate_arguments():
     with pytest.raises(ValueError, match=r"gated_rms_norm: .*multiple of group_size"):
-        tel._gated_rms_norm_cuda(torch.randn(3, 10), torch.ones(10), None, 1e-6, 4, True)
+        tnorm._gated_rms_norm_cuda(torch.randn(3, 10), torch.ones(10), None, 1e-6, 4, True)
     with pytest.raises(ValueError, match=r"gdn_gating: `b` has shape"):
         A_log, dt = _gating_params(3)
-        tel._gdn_gating_cuda(A_log, torch.randn(4, 3), torch.randn(4, 2), dt)
-    out = tel._gated_rms_norm_cuda(torch.randn(3, 8), torch.ones(8), None, 1e-6, 4, True)
+        tgg._gdn_gating_cuda(A_log, torch.randn(4, 3), torch.randn(4, 2), dt)
+    out = tnorm._gated_rms_norm_cuda(torch.randn(3, 8), torch.ones(8), None, 1e-6, 4, True)
     assert out.shape == (3, 8)
 
 

@@ -1,0 +1,30 @@
+"""Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes) and :func:`cast_rne`
+(fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
+otherwise truncates fp32 -> bf16)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["cast_rne", "pow2"]
+
+
+def pow2(n: int, lo: int = 1) -> int:
+    """The smallest power of two >= ``n`` (and >= ``lo``): block sizes of the launchers."""
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+@triton.jit
+def cast_rne(v, dtype: tl.constexpr):
+    """fp32 ``v`` cast to ``dtype`` rounding to nearest even, as torch does.
+
+    The GPU backend already rounds this way; Triton's interpreter truncates fp32 -> bf16, so the
+    bf16 case rounds explicitly on the bits (the final cast is then exact). NaN stays NaN.
+    Shared by the sibling kernel modules.
+    """
+    if dtype == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        v = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+    return v.to(dtype)

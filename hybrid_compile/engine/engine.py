@@ -53,7 +53,7 @@ from . import generation_config as gen_config
 from .request import Request
 from ..models.base import install_attention
 from ..models.mtp import load_mtp_head
-from .runner import ModelRunner, _to_device_packed, hidden_states_forward
+from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import SpeculativeDecoder

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .runner import _to_device_packed
+from .forward_batch import to_device_packed
 
 _NEG_INF = float("-inf")
 
@@ -70,7 +70,7 @@ class StepRows:
         if self.in_flight:
             raise RuntimeError("a request whose processing reads its tokens was launched ahead of its last token")
         r = self.requests[i]
-        return _to_device_packed([torch.tensor(r.prompt + r.output, dtype=torch.int64)], torch.int64, device)[0][None]
+        return to_device_packed([torch.tensor(r.prompt + r.output, dtype=torch.int64)], torch.int64, device)[0][None]
 
 
 class TokenCounts:
@@ -109,7 +109,7 @@ class TokenCounts:
                     slot = self.capacity
                     self._grow(2 * self.capacity)
                 self.slot_of[r.rid] = slot
-                prompt, output = _to_device_packed(
+                prompt, output = to_device_packed(
                     [torch.tensor(r.prompt, dtype=torch.int64), torch.tensor(r.output, dtype=torch.int64)],
                     torch.int64, self.device)
                 self.counts[slot].zero_()
@@ -139,7 +139,7 @@ class LogitsProcessing:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _stage(self, lists: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
-        return _to_device_packed([torch.tensor(v, dtype=dtype) for v in lists], dtype, self.device)
+        return to_device_packed([torch.tensor(v, dtype=dtype) for v in lists], dtype, self.device)
 
     def _hf_processors(self, i: int, rows: StepRows, stage: str) -> list[Any]:
         """Row ``i``'s transformers processors of a history stage (``pre``, ``mid``, ``decay``,

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from .forward_batch import to_device_packed
 from .logits_processing import LogitsProcessing, StepRows, top_k_filter, top_p_filter
-from .runner import _to_device_packed
 
 
 @dataclass
@@ -289,7 +289,7 @@ class Sampler:
         if want:
             # log-probabilities of the model's distribution (the raw logits, vLLM's default)
             index = None if len(want) == len(params) else \
-                _to_device_packed([torch.tensor(want, dtype=torch.int64)], torch.int64, raw.device)[0]
+                to_device_packed([torch.tensor(want, dtype=torch.int64)], torch.int64, raw.device)[0]
             lp = torch.log_softmax(raw if index is None else raw.index_select(0, index), dim=-1)
             k = max(params[i].logprobs for i in want)
             top = torch.topk(lp, k, dim=-1)

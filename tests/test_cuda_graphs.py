@@ -1,11 +1,12 @@
-"""CUDA graphs of the engine (hybrid_compile.passes.cuda_graphs, engine/runner.py).
+"""CUDA graphs of the engine (hybrid_compile.passes.cuda_graphs; engine/graph_setup.py captures them,
+engine/runner.py replays them, engine/forward_batch.py builds steps into their buffers and pads steps).
 
 CPU (CI):
 - config resolution of ``cuda_graphs`` / ``compile`` and its errors; the engine refuses graphs
   on CPU.
 - bucket defaults and selection.
 - ``pad_requests`` against a brute-force construction of the padded metadata.
-- ``GraphBuffers.fill`` against ``pad_requests`` on real ``build_metadata`` output of decode
+- ``GraphBuffers.fill`` against ``pad_requests`` on real ``ForwardBatchBuilder`` output of decode
   steps, and the eager model run over the filled buffers (padding rows included) gives the same
   logits and the same Mamba / KV pool updates as the unpadded step; the same for speculative
   TARGET_VERIFY steps (padding requests of the draft length, every token a logits row, the
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 import hybrid_compile as hc
+from hybrid_compile.engine.forward_batch import pad_requests
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 from hybrid_compile.passes import cuda_graphs as cg
 
@@ -142,7 +144,7 @@ def _metadata(mode, extend, prefix, slots_per_req, mamba, prompt):
 
 def test_pad_requests_brute_force():
     ids, md = _metadata(ForwardMode.EXTEND, [3, 1], [0, 4], [[5, 6, 7], [8, 9, 10, 11, 12]], [1, 2], [3, 2])
-    pids, p = cg.pad_requests(ids, md, [2, 1], padding_slot=0)
+    pids, p = pad_requests(ids, md, [2, 1], padding_slot=0)
     assert pids.tolist() == ids.tolist() + [0, 0, 0]
     assert p.positions.tolist() == [0, 1, 2, 4, 0, 1, 0]
     assert p.query_start_loc.tolist() == [0, 3, 4, 6, 7]
@@ -159,21 +161,21 @@ def test_pad_requests_brute_force():
     for t in (p.query_start_loc, p.seq_lens, p.kv_indptr, p.kv_indices, p.mamba_cache_indices):
         assert t.dtype == torch.int32
     # fixed logits rows; nothing to pad
-    _, p = cg.pad_requests(ids, md, [3], padding_slot=0, num_logits=5)
+    _, p = pad_requests(ids, md, [3], padding_slot=0, num_logits=5)
     assert p.logits_indices.tolist() == [2, 3, 0, 0, 0] and p.batch_size == 3
-    _, p = cg.pad_requests(ids, md, [], padding_slot=0, num_logits=2)
+    _, p = pad_requests(ids, md, [], padding_slot=0, num_logits=2)
     assert p.logits_indices.tolist() == [2, 3] and p.num_tokens == 4
     with pytest.raises(ValueError, match="do not fit"):
-        cg.pad_requests(ids, md, [1], padding_slot=0, num_logits=1)
+        pad_requests(ids, md, [1], padding_slot=0, num_logits=1)
     with pytest.raises(ValueError, match=">= 1 token"):
-        cg.pad_requests(ids, md, [0], padding_slot=0)
+        pad_requests(ids, md, [0], padding_slot=0)
 
 
 def _assert_buffers_equal_padded(buffers, key, ids, md):
     """The buffers hold exactly ``pad_requests`` of the step with requests of the graph's tokens
     per request (DECODE: 1; TARGET_VERIFY: the draft length, every token a logits row)."""
     bs, b, steps = key.batch_size, md.batch_size, key.tokens_per_request
-    pids, p = cg.pad_requests(ids, md, [steps] * (bs - b), buffers.padding_slot)
+    pids, p = pad_requests(ids, md, [steps] * (bs - b), buffers.padding_slot)
     view = buffers.metadata(key)
     assert torch.equal(buffers.input_ids[: bs * steps], pids)
     total = sum(p.seq_lens_cpu)
@@ -193,7 +195,7 @@ def _build_into(runner, buffers, key, batch, drafts=None):
     """The runner's metadata of ``batch`` built into ``buffers`` for the graph ``key``; checks the
     returned metadata are views of the buffers' first rows, marked with the key."""
     steps = key.tokens_per_request
-    ids, md = runner._build_uniform_metadata(batch, key.mode, steps, drafts, None, graph=key, buffers=buffers)
+    ids, md = runner.batch_builder.build_uniform(batch, key.mode, steps, drafts, None, graph=key, buffers=buffers)
     assert md.graph_key == key and md.batch_size == len(batch.requests)
     assert ids.data_ptr() == buffers.input_ids.data_ptr() and md.positions.data_ptr() == buffers.positions.data_ptr()
     assert md.kv_indices.data_ptr() == buffers.kv_indices.data_ptr()
@@ -202,7 +204,7 @@ def _build_into(runner, buffers, key, batch, drafts=None):
 
 def test_graph_buffers_hold_padded_steps_and_eager_logits():
     """On real decode steps of the CPU engine, the runner's metadata built into a graph's buffers
-    equal ``pad_requests`` of the general path's metadata (``_build_extend_metadata``) up to the
+    equal ``pad_requests`` of the general path's metadata (``ForwardBatchBuilder.build_extend``) up to the
     bucket, and the model over the buffers (rows up to the bucket) gives the step's logits and
     pool updates."""
     model = cached_model("qwen3_next_dense", 0)
@@ -225,7 +227,7 @@ def test_graph_buffers_hold_padded_steps_and_eager_logits():
             after = [t.clone() for t in mamba_pools + kv_pools]
             for t, saved in zip(mamba_pools + kv_pools, before):
                 t.copy_(saved)
-            ids, md = runner._build_extend_metadata(batch)
+            ids, md = runner.batch_builder.build_extend(batch)
             for bs in sorted({md.batch_size, md.batch_size + 1, 6}):
                 key = cg.GraphKey(ForwardMode.DECODE, bs)
                 for t in buffers.outputs(cg.GraphKey(ForwardMode.DECODE, 6)):  # stale values everywhere
@@ -289,7 +291,7 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
             inter_after = [t.clone() for t in inter]
             b = md.batch_size
             batch, drafts = step["batch"], step["drafts"]
-            _, want = runner._build_extend_metadata(batch)
+            _, want = runner.batch_builder.build_extend(batch)
             want = dataclasses.replace(want, logits_indices=torch.arange(md.num_tokens), draft_len=steps)
             for bs in sorted({b, b + 1, rows}):
                 for t, saved in zip(pools, before):
@@ -315,8 +317,8 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
             # a graph of another draft length, or a DECODE graph, does not take a verify step
             for key in (cg.GraphKey(ForwardMode.TARGET_VERIFY, rows, 2), cg.GraphKey(ForwardMode.DECODE, rows)):
                 with pytest.raises(ValueError, match="does not fit"):
-                    runner._build_uniform_metadata(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, graph=key,
-                                                   buffers=buffers)
+                    runner.batch_builder.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None,
+                                                       graph=key, buffers=buffers)
             checked.append(b)
             return logits
 

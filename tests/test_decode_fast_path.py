@@ -1,7 +1,7 @@
 """The host fast path of decode steps (issue 5), on CPU.
 
-- ``ModelRunner._build_decode_metadata`` (DECODE steps: the ``uniform_step_metadata`` op) gives
-  exactly the tensors of the general ``_build_extend_metadata`` on real decode steps of a
+- ``ForwardBatchBuilder.build_decode`` (DECODE steps: the ``uniform_step_metadata`` op) gives
+  exactly the tensors of the general ``build_extend`` on real decode steps of a
   continuous batch (every field, dtype and value), and with device input ids takes them as they are.
 - ``ReqToTokenPool.set_decode_tokens`` writes what ``set_tokens_batch`` writes (host mirror and
   device map), and rejects what it rejects; the KV allocator's page-size-1 list path hands out
@@ -53,18 +53,19 @@ def test_decode_metadata_equals_general_path(model):
     checked = []
     with make_engine(model, max_running_requests=4) as engine:
         runner = engine.runner
+        builder = runner.batch_builder
         original = runner.forward
 
         def forward(batch, input_ids=None):
             if batch.mode is ForwardMode.DECODE:
-                ids, md = runner._build_decode_metadata(batch, input_ids if input_ids is not None else batch.input_ids)
+                ids, md = builder.build_decode(batch, input_ids if input_ids is not None else batch.input_ids)
                 if batch.input_ids is None:
-                    want_ids, want = runner._build_extend_metadata(batch)
+                    want_ids, want = builder.build_extend(batch)
                     assert torch.equal(ids, want_ids)
                 else:  # launched ahead: its tokens are not appended yet; the device ids are taken as they are
                     assert torch.equal(ids, batch.input_ids)
-                    want = runner._build_extend_metadata(dataclasses.replace(batch, input_ids=None,
-                                                                            requests=[_Pending(r, t) for r, t in zip(batch.requests, ids.tolist())]))[1]
+                    want = builder.build_extend(dataclasses.replace(batch, input_ids=None,
+                                                                    requests=[_Pending(r, t) for r, t in zip(batch.requests, ids.tolist())]))[1]
                 assert_metadata_equal(md, want)
                 checked.append((md.batch_size, batch.input_ids is not None))
             return original(batch, input_ids)
@@ -107,10 +108,10 @@ def test_metadata_tensors_start_16_byte_aligned(model):
 
     for spec in (None, dict(method="ngram", num_draft_tokens=2)):
         with make_engine(model, max_running_requests=5, chunked_prefill_size=16, speculative=spec) as engine:
-            build_uniform = engine.runner._build_uniform_metadata
-            build_extend = engine.runner._build_extend_metadata
-            engine.runner._build_uniform_metadata = lambda *a, **k: check(build_uniform(*a, **k))
-            engine.runner._build_extend_metadata = lambda *a, **k: check(build_extend(*a, **k))
+            builder = engine.runner.batch_builder
+            build_uniform, build_extend = builder.build_uniform, builder.build_extend
+            builder.build_uniform = lambda *a, **k: check(build_uniform(*a, **k))
+            builder.build_extend = lambda *a, **k: check(build_extend(*a, **k))
             prompts = random_prompts([3, 7, 12, 5, 9, 4], vocab_size(model), seed=3)
             engine.generate_batch(prompts, max_new_tokens=6)
     assert {m for m, _ in seen} == {"extend", "decode", "target_verify"}

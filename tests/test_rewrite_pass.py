@@ -252,7 +252,7 @@ def test_engine_routes_projections_to_skinny_mm_and_matches_hf():
 def test_engine_config_turns_the_pass_off():
     model = cached_model("qwen3_next_dense", 0)
     with make_engine(model, compile=True, extra={"rewrite_passes": False}) as engine:
-        assert engine.runner._backend.rewrites is False
+        assert engine.runner.graphs.backend.rewrites is False
         assert engine.stats()["compile"]["rewrites"] == {}
         (prompt,) = random_prompts([12], vocab_size(model), seed=32)
         tokens = engine.generate_batch([prompt], max_new_tokens=4)[0]
@@ -272,7 +272,7 @@ def test_engine_close_unpacks_the_weights(tmp_path):
         with _no_compile_caches():
             engine = make_engine(model, compile=True)
         try:
-            groups = engine.runner._backend.packed_groups
+            groups = engine.runner.graphs.backend.packed_groups
             assert len(groups) == 6
             buffers = [StorageWeakRef(g.packed.untyped_storage()) for g in groups]
             mixer = model.model.layers[0].linear_attn
@@ -326,8 +326,8 @@ def test_self_drafting_target_keeps_its_packing_until_the_engine_closes():
     with _no_compile_caches():
         engine = make_engine(model, compile=True, speculative=spec)
     try:
-        target_groups = engine.runner._backend.packed_groups
-        draft_groups = engine.speculative.source.runner._backend.packed_groups
+        target_groups = engine.runner.graphs.backend.packed_groups
+        draft_groups = engine.speculative.source.runner.graphs.backend.packed_groups
         assert [g.packed.data_ptr() for g in draft_groups] == [g.packed.data_ptr() for g in target_groups]
         for phase in ("self-drafting", "after the draft closed"):
             got = engine.generate_batch(prompts, max_new_tokens=new)
@@ -344,16 +344,16 @@ def test_self_drafting_target_keeps_its_packing_until_the_engine_closes():
 def test_failed_wrap_after_the_compile_unpacks(monkeypatch):
     """A wrap that fails after the compile packed the weights (e.g. a CUDA graph capture, simulated
     here) leaves the model's weights as they were."""
-    from hybrid_compile.engine.runner import ModelRunner
+    from hybrid_compile.engine.graph_setup import CompiledGraphs
 
     model = cached_model("qwen3_next_dense", 0)
     params, values = _snapshot(model)
 
     def failing_capture(self, *args):
-        assert self._backend.packed_groups, "the compile packed nothing"
+        assert self.backend.packed_groups, "the compile packed nothing"
         raise RuntimeError("simulated capture failure")
 
-    monkeypatch.setattr(ModelRunner, "_capture_cuda_graphs", failing_capture)
+    monkeypatch.setattr(CompiledGraphs, "capture_cuda_graphs", failing_capture)
     with _no_compile_caches(), pytest.raises(RuntimeError, match="simulated capture failure"):
         make_engine(model, compile=True)
     _assert_own_storage(model, params, values)
@@ -377,7 +377,7 @@ def test_close_unpacks_under_cuda_graphs():
                          piecewise_cuda_graph_tokens=(4, 16, 64)) as engine:
             # (the one-token compile of the batch-1 decode graph reuses the packing: same buffers)
             buffers = list({g.packed.untyped_storage().data_ptr(): StorageWeakRef(g.packed.untyped_storage())
-                            for g in engine.runner._backend.packed_groups}.values())
+                            for g in engine.runner.graphs.backend.packed_groups}.values())
             assert len(buffers) == 6
             got = engine.generate_batch(prompts, max_new_tokens=new)
             stats = engine.stats()["compile"]

@@ -409,7 +409,7 @@ def test_custom_draft_source():
 
 def test_verify_metadata_fast_path_equals_general_path():
     """``ModelRunner.build_verify_metadata`` (one host->device copy, KV indices gathered on the
-    device) gives exactly the tensors of the general path (``_build_extend_metadata`` with every
+    device) gives exactly the tensors of the general path (``ForwardBatchBuilder.build_extend`` with every
     token's logits and the drafts as input ids) on real verify steps of a continuous batch (KV
     pages of 4, chunked prefills beside), and writes the same ``req_to_token`` entries."""
     import dataclasses
@@ -428,7 +428,7 @@ def test_verify_metadata_fast_path_equals_general_path():
         want_ids = []
         for r, row in zip(batch.requests, drafts):
             want_ids += [r.token_ids(r.num_computed, r.num_computed + 1)[0], *row]
-        _, want = runner._build_extend_metadata(batch)  # (writes the same req_to_token entries again)
+        _, want = runner.batch_builder.build_extend(batch)  # (writes the same req_to_token entries again)
         want = dataclasses.replace(want, logits_indices=torch.arange(md.num_tokens), draft_len=runner.draft_len)
         assert ids.tolist() == want_ids and ids.dtype == torch.int64
         assert_metadata_equal(md, want)
@@ -507,7 +507,7 @@ def test_verify_then_commit_equals_decode_steps(name):
 
     # the same verify batch with a trailing 3-token padding request (a token-count bucket's
     # filler): same outputs, zeros for the filler, the same intermediate states
-    from hybrid_compile.passes.cuda_graphs import pad_requests
+    from hybrid_compile.engine.forward_batch import pad_requests
 
     md = _metadata(ForwardMode.TARGET_VERIFY, slots, prefix, steps, prompt_len=5)
     md.extend_lens_cpu, md.seq_lens_cpu = [steps] * len(slots), md.seq_lens.tolist()

@@ -1,5 +1,10 @@
-"""Generation engine: scheduler (continuous batching, chunked prefill, retraction), model
-runner (forward batch metadata + forward context), sampler, and the HybridEngine API."""
+"""Generation engine: the HybridEngine API and its step loop (:mod:`.engine`), the scheduler
+(continuous batching, chunked prefill, retraction: :mod:`.scheduler`), the forward batch of a
+step (a scheduled batch turned into packed input ids and forward metadata, padding for the
+compiled forward and CUDA graphs included: :mod:`.forward_batch`), the compile and CUDA-graph
+setup (which graphs, warm-up, capture: :mod:`.graph_setup`), the model runner (runs one step
+under its forward context: :mod:`.runner`), the sampler (:mod:`.sampling`) and speculative
+decoding (:mod:`.speculative`)."""
 
 from .config import EngineConfig
 from .engine import HybridEngine, StepOutput

@@ -177,8 +177,8 @@ class ReqToTokenPool:
         """A decode step's :meth:`set_tokens_batch` (one token per request, distinct requests),
         checked on the host lists: ``req_to_token[req_slots[i], positions[i]] = token_slots[i]``.
         ``write_device=False``: only the checks and the host mirror; the caller writes the device
-        map itself (the runner's ``uniform_step_metadata`` op does, with the rest of the step's
-        metadata)."""
+        map itself (the ``uniform_step_metadata`` op of ``engine/forward_batch.py`` does, with the
+        rest of the step's metadata)."""
         n = len(req_slots)
         if not (n == len(positions) == len(token_slots)):
             raise ValueError(

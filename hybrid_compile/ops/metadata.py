@@ -2,7 +2,7 @@
 which each request adds the same number of tokens (DECODE: 1; TARGET_VERIFY: the draft length),
 built in one op from one small host->device copy.
 
-The runner (``engine/runner.py``) stages one int64 row per request on the host and copies the
+The engine (``engine/forward_batch.py``) stages one int64 row per request on the host and copies the
 rows to the device at once; the op then writes the request's new ``req_to_token`` entries and
 every metadata tensor the layer ops read: into fresh tensors for an eager or compiled step, or
 straight into a full CUDA graph's stable buffers (``passes/cuda_graphs.py``), padding rows

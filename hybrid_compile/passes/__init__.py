@@ -8,7 +8,8 @@ full CUDA-graph runners.
 - :mod:`.rewrite`: post-grad rewrite pass (Inductor's ``post_grad_custom_pre_pass``): projections
   that share an input become one matmul over their weights, packed once by the backend.
 - :mod:`.cuda_graphs`: full CUDA graphs of decode steps over stable metadata buffers, piecewise
-  CUDA graphs of the compiled pieces per token bucket, bucket and padding helpers.
+  CUDA graphs of the compiled pieces per token bucket, bucket helpers (the engine decides which
+  graphs to capture in ``engine/graph_setup.py`` and pads steps in ``engine/forward_batch.py``).
 """
 
 from .backend import CompileStats, HybridCompileBackend, hybrid_compile_backend

@@ -1,21 +1,22 @@
 """CUDA graphs for the engine: full graphs of pure-decode and speculative-verify steps and
 piecewise graphs of the compiled pieces (DESIGN.md "Compile"; seed 000 "CUDA Graph Support", seed 002 §1.2 / §6.2).
 
-Two mechanisms, both on top of the compiled forward (:mod:`.backend`); the model runner
-(``hybrid_compile.engine.runner``) picks one per step and counts the steps that use neither as
-eager fallbacks (batches larger than the largest bucket, EXTEND batches without piecewise
-graphs).
+Two mechanisms, both on top of the compiled forward (:mod:`.backend`). The engine decides
+which graphs to capture and captures them (``hybrid_compile.engine.graph_setup``); the model
+runner (``hybrid_compile.engine.runner``) picks one per step and counts the steps that use
+neither as eager fallbacks (batches larger than the largest bucket, EXTEND batches without
+piecewise graphs); a step's metadata, padding included, is built by
+``hybrid_compile.engine.forward_batch``.
 
 **Full decode graphs** (:class:`FullGraphRunner`): one CUDA graph per decode batch-size bucket
 holding the whole forward, layer ops included. Every per-step tensor the layer ops read lives
 in :class:`GraphBuffers`, stable preallocated device buffers; the :class:`ForwardMetadata`
 installed while capturing is made of views of them (:meth:`GraphBuffers.metadata`). Before a
-replay the runner builds the step's metadata straight into them (the ``uniform_step_metadata``
+replay the engine builds the step's metadata straight into them (the ``uniform_step_metadata``
 op, one kernel after one host->device copy), rows ``b .. bs-1`` as padding requests (one token at
 position 0, Mamba index -1, ``out_cache_loc`` -1 so no K/V is written, ``seq_len`` 1 attending
-over the KV pool's padding slot): exactly what :func:`pad_requests` appends, which the CPU tests
-check. Graphs are keyed by :class:`GraphKey`
-(mode, batch size, tokens per request), so TARGET_VERIFY graphs (``L = k + 1`` tokens per
+over the KV pool's padding slot): exactly what ``forward_batch.pad_requests`` appends, which the
+CPU tests check. Graphs are keyed by :class:`GraphKey` (mode, batch size, tokens per request), so TARGET_VERIFY graphs (``L = k + 1`` tokens per
 request: the pending token and k drafts) are one more key with its own token layout in the same
 buffers: padding requests of ``L`` tokens, ``logits_indices`` every one of the ``bs * L`` tokens,
 the host-side values the verify layer ops read (``draft_len``, ``verify_rows()``) fixed per
@@ -32,8 +33,8 @@ are never copied; the layer ops' fresh outputs and the runner's inputs are). The
 piece returns are its graph's own output tensors (held, so never reused by a later capture in
 the shared pool); they are overwritten by the piece's next replay, which is safe because a
 step consumes them before the next step runs. The runner pads a step to the bucket with one
-padding request holding the extra tokens (:func:`pad_requests`) and pads ``logits_indices`` to
-:func:`logits_rows_for_tokens` rows, so a bucket is one input signature.
+padding request holding the extra tokens (``forward_batch.pad_requests``) and pads
+``logits_indices`` to :func:`logits_rows_for_tokens` rows, so a bucket is one input signature.
 
 All graphs share one memory pool (``torch.cuda.graph_pool_handle()``) and are captured largest
 bucket first, after a warm-up run at the same size (Triton autotuning and lazy initialisation
@@ -43,7 +44,6 @@ happen outside the capture).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -103,68 +103,6 @@ def logits_rows_for_tokens(num_tokens: int, max_running_requests: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# padding requests
-# --------------------------------------------------------------------------------------------
-
-
-def pad_requests(
-    input_ids: torch.Tensor,
-    md: ForwardMetadata,
-    pad_lens: Sequence[int],
-    padding_slot: int,
-    num_logits: int | None = None,
-) -> tuple[torch.Tensor, ForwardMetadata]:
-    """Append padding requests of ``pad_lens`` tokens each: token id 0 at positions
-    ``0 .. len-1``, K/V not stored (``out_cache_loc`` -1), attending over ``len`` copies of the
-    KV padding slot, Mamba index -1 (every kernel op skips it), no initial state, no prefix-cache
-    tracking. ``logits_indices`` gets one row per padding request (its last token), or, with
-    ``num_logits``, is padded with index 0 up to ``num_logits`` rows. No host sync."""
-    pad_lens = [int(n) for n in pad_lens]
-    if any(n <= 0 for n in pad_lens):
-        raise ValueError(f"pad_requests: padding requests need >= 1 token each, got {pad_lens}")
-    n = input_ids.shape[0]
-    k = sum(pad_lens)
-    dev = input_ids.device
-
-    def cat(t: torch.Tensor, values) -> torch.Tensor:
-        return torch.cat([t, torch.as_tensor(values, dtype=t.dtype).to(dev)])
-
-    def full(t: torch.Tensor, count: int, value) -> torch.Tensor:
-        return torch.cat([t, torch.full((count,), value, dtype=t.dtype, device=dev)])
-
-    ends = torch.tensor(pad_lens, dtype=torch.int64).cumsum(0)
-    local_positions = torch.cat([torch.arange(p, dtype=torch.int64) for p in pad_lens]) if pad_lens else ends
-    p = len(pad_lens)
-    padded = dataclasses.replace(
-        md,
-        positions=cat(md.positions, local_positions),
-        query_start_loc=cat(md.query_start_loc, n + ends),
-        seq_lens=cat(md.seq_lens, pad_lens),
-        prefix_lens=full(md.prefix_lens, p, 0),
-        mamba_cache_indices=full(md.mamba_cache_indices, p, -1),
-        has_initial_state=full(md.has_initial_state, p, False),
-        out_cache_loc=full(md.out_cache_loc, k, -1),
-        kv_indptr=torch.cat([md.kv_indptr, md.kv_indptr[-1:] + ends.to(md.kv_indptr.dtype).to(dev)]),
-        kv_indices=full(md.kv_indices, k, padding_slot),
-        logits_indices=cat(md.logits_indices, n + ends - 1),
-        extend_lens_cpu=list(md.extend_lens_cpu) + pad_lens,
-        seq_lens_cpu=list(md.seq_lens_cpu) + pad_lens,
-        prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, pad_lens),
-        graph_key=None,
-    )
-    for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
-        t = getattr(md, name, None)
-        if t is not None:
-            setattr(padded, name, full(t, p, -1))
-    if num_logits is not None:
-        rows = padded.logits_indices[: md.logits_indices.shape[0]]
-        if rows.shape[0] > num_logits:
-            raise ValueError(f"pad_requests: {rows.shape[0]} logits rows do not fit in num_logits={num_logits}")
-        padded.logits_indices = full(rows, num_logits - rows.shape[0], 0)
-    return full(input_ids, k, 0), padded
-
-
-# --------------------------------------------------------------------------------------------
 # stable buffers of the full graphs
 # --------------------------------------------------------------------------------------------
 
@@ -186,15 +124,16 @@ class GraphKey:
 class GraphBuffers:
     """Preallocated device buffers of every per-step tensor the layer ops read, sized for
     ``max_batch`` requests of up to ``max_tokens_per_request`` new tokens and
-    ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); the runner
-    builds each step's metadata straight into them (:meth:`outputs`, the ``uniform_step_metadata``
-    op), the rows past the step's requests up to the bucket as padding requests.
+    ``max_context_len`` tokens each. Graphs capture views of them (:meth:`metadata`); the engine
+    (``engine/forward_batch.py``) builds each step's metadata straight into them (:meth:`outputs`,
+    the ``uniform_step_metadata`` op), the rows past the step's requests up to the bucket as
+    padding requests.
 
     A graph of ``L`` tokens per request (1: DECODE; the draft length: TARGET_VERIFY) has its
-    padding rows laid out as :func:`pad_requests` with requests of ``L`` tokens: ids 0, positions
-    ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba index -1
-    (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_rows`). Every buffer is
-    written by every step, so graphs of any ``L`` share them."""
+    padding rows laid out as ``forward_batch.pad_requests`` with requests of ``L`` tokens: ids 0,
+    positions ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba
+    index -1 (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_rows`). Every
+    buffer is written by every step, so graphs of any ``L`` share them."""
 
     def __init__(
         self, max_batch: int, max_context_len: int, device: torch.device, kv_index_dtype: torch.dtype,

@@ -9,7 +9,7 @@ tail: measured on an H200 (reference Qwen3-Next, batch-1 decode under a CUDA gra
 1.66 ms/step with both sides on. Either side alone was slower (1.80-1.82 ms).
 
 ``HYBRID_COMPILE_PDL=0`` turns it off (for our kernels here and for Inductor's, see
-``engine/runner.py``).
+``engine/graph_setup.py``).
 """
 
 from __future__ import annotations

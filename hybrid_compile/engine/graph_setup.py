@@ -1,0 +1,298 @@
+"""Compile and CUDA-graph orchestration of a model runner (:mod:`.runner`): what is compiled,
+which CUDA graphs are captured, the warm-up and the capture loops, and the compile stats.
+
+With ``EngineConfig.compile`` the model forward runs through ``torch.compile(fullgraph=True)``
+with our backend (:mod:`hybrid_compile.passes`): one Dynamo graph split at the layer ops,
+pieces compiled by Inductor. The token count and the batch size are dynamic dimensions; a
+step of one request is padded with one padding request (one token whose K/V are not stored,
+attending over the dummy KV slot, Mamba index -1; :func:`~.forward_batch.pad_requests`), so every
+compiled call sees >= 2 tokens and >= 2 requests and the graph compiled once (at construction, on
+a padding-only batch: :meth:`CompiledGraphs.compile`) serves every later step without a recompile
+(Dynamo specialises sizes 0 and 1). Per-step metadata never enters the graph: the layer ops read
+it from the forward context at run time.
+
+With CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`hybrid_compile.passes.cuda_graphs`) the
+graphs are captured at construction, after the compile (:meth:`CompiledGraphs.capture_cuda_graphs`):
+a full graph of the whole forward per decode batch-size bucket (``cuda_graph_batch_sizes``, and
+with speculative decoding one per verify bucket), and the pieces' graphs per token bucket
+(``piecewise_cuda_graph_tokens``), largest first, each after a warm-up run. Which graph a step
+replays is the runner's choice (:meth:`.runner.ModelRunner.forward`); its metadata is built by
+:mod:`.forward_batch`.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+import types
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx.experimental._config  # noqa: F401  (config patched around compiled calls)
+from torch import nn
+
+from ..layers.context import ForwardMode
+from ..passes import cuda_graphs as cg
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .runner import ModelRunner
+
+
+def _graph_break_count() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+_runner_ids = itertools.count()
+
+
+def _own_code_copy(fn, name: str):
+    """``fn`` with a private copy of its code object. Dynamo keeps its compiled graphs and its
+    recompile limit per code object: without a copy every runner of the process would share
+    one cache (and one limit of 8 entries) for the same forward function."""
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _default_inductor_config(device: torch.device) -> dict:
+    """Inductor patches the engine applies unless ``extra["inductor_config"]`` overrides them:
+    ``triton.enable_pdl`` where our Triton kernels launch as programmatic dependents."""
+    import torch._inductor.config as inductor_config
+
+    from ..ops.triton.launch import programmatic_launch_supported
+
+    if hasattr(inductor_config.triton, "enable_pdl") and programmatic_launch_supported(torch.device(device)):
+        return {"triton.enable_pdl": True}
+    return {}
+
+
+class CompiledGraphs:
+    """The compiled forward of one model runner and the CUDA graphs over it.
+
+    Built from the engine config (whether to compile, which graphs, their buckets, the backend's
+    settings); :meth:`setup` compiles on a padding-only step and captures the graphs, running
+    their steps through the runner (``_run_compiled``, ``_call_compiled``); :meth:`call` is one
+    call of the compiled forward; :meth:`stats` is ``engine.stats()["compile"]``.
+
+    ``forward_fn(model)`` builds the function compiled (the runner's)."""
+
+    def __init__(self, model: nn.Module, forward_fn, device: torch.device, config: "EngineConfig | None") -> None:
+        self.model = model
+        self.forward_fn = forward_fn
+        self.device = device
+        self.config = config
+        self.enabled = config is not None and config.resolved_compile(device)
+        self.full, self.piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
+        full, piecewise = self.full, self.piecewise
+        self.compiled_forward = None
+        self.backend = None
+        self.released = False  # release_packed_weights ran: the compiled forward must not run again
+        self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
+        # CUDA graphs (passes/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
+        self.graph_pool = cg.GraphPool() if full or piecewise else None
+        self.piecewise_graphs = cg.PiecewiseGraphs(self.graph_pool) if piecewise else None
+        self.full_graphs: cg.FullGraphRunner | None = None
+        self.max_running_requests = config.max_running_requests if config is not None else 1
+        # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
+        self.rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
+        # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
+        self.skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
+        # Inductor config patches for every compiled piece (extra["inductor_config"]). Inductor's combo kernels
+        # ({"combo_kernels": True}: independent pointwise kernels launched as one) cut a batch-1 decode step of
+        # the reference Qwen3-Next from 395 to 311 kernels (H200, 1.76 -> 1.67 ms) but gave wrong tokens with
+        # the one-token decode graph on the tiny Qwen3-Next (torch 2.11), so they stay off by default.
+        # Inductor's kernels launch as programmatic dependents where ours do (ops/triton/launch.py: only
+        # both sides together pay off)
+        self.inductor_config = _default_inductor_config(device)
+        if config is not None:
+            self.inductor_config.update(config.extra.get("inductor_config") or {})
+        self.token_buckets: tuple[int, ...] = ()
+        if piecewise:
+            self.token_buckets = cg.normalize_buckets(
+                config.piecewise_cuda_graph_tokens
+                or cg.default_token_buckets(config.chunked_prefill_size, config.max_running_requests)
+            )
+
+    def setup(self, runner: "ModelRunner") -> None:
+        """Compile (when enabled), then capture the CUDA graphs (when any), running the warm-up and
+        capture steps through ``runner``."""
+        if self.enabled:
+            self.compile(runner)
+        self.capture_cuda_graphs(runner)
+
+    def release_packed_weights(self) -> int:
+        """Undo the rewrite pass's packing of the model's projection weights
+        (:meth:`~hybrid_compile.passes.backend.HybridCompileBackend.release_packed_weights`) and
+        mark the compiled forward released. Idempotent; a no-op when nothing was compiled."""
+        if self.backend is None:
+            return 0
+        self.released = True
+        return self.backend.release_packed_weights()
+
+    # -- compile ------------------------------------------------------------------------------
+    def compile(self, runner: "ModelRunner") -> None:
+        from ..passes.backend import HybridCompileBackend
+
+        self.backend = HybridCompileBackend(
+            piecewise_graphs=self.piecewise_graphs, rewrites=self.rewrite_passes, skinny_matmuls=self.skinny_matmuls,
+            inductor_config=self.inductor_config,
+        )
+        self.compiled_forward = torch.compile(
+            _own_code_copy(self.forward_fn(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
+            backend=self.backend, fullgraph=True, dynamic=True,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._warmup(runner)
+        except torch._dynamo.exc.Unsupported as e:  # a graph break under fullgraph=True
+            raise RuntimeError(
+                f"EngineConfig.compile=True: the forward of {type(self.model).__name__} does not trace into one "
+                f"graph (torch.compile graph break: {str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                "hybrid_compile needs a single graph to split at the layer ops. Serve this model with compile=False."
+            ) from e
+        self.counters["warmup_seconds"] = time.perf_counter() - t0
+
+    def call(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
+        """One call of the compiled forward (the caller installs the forward context)."""
+        for t in (input_ids, positions, logits_indices, *extra):
+            if t.shape[0] >= cg.MIN_GRAPH_SIZE:  # (size 1: the decode graph of one request, a specialised compile)
+                torch._dynamo.mark_dynamic(t, 0)
+        breaks = _graph_break_count()
+        # floats of the model (eps, attention scale) are constants, not graph inputs; no duck sizing,
+        # so that equal token count and batch size at compile time do not become a guard
+        with torch._dynamo.config.patch(specialize_float=True), torch.fx.experimental._config.patch(use_duck_shape=False):
+            logits = self.compiled_forward(input_ids, positions, logits_indices, *extra)
+        c = self.counters
+        c["graph_breaks"] += _graph_break_count() - breaks
+        c["compiled_steps"] += 1
+        return logits
+
+    @torch.inference_mode()
+    def _warmup(self, runner: "ModelRunner") -> None:
+        """Compile on a padding-only EXTEND batch (2 requests of 1 and 2 tokens whose K/V are not
+        stored, attending over the dummy KV slot, Mamba indices -1: the pools are untouched), so the
+        one graph is traced with symbolic sizes >= 2 before serving."""
+        ids, md = runner.batch_builder.padding_step([1, 2])
+        runner._run_compiled(ids, md, extra=runner._extra_zeros(md.num_tokens))
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+    def logits_rows(self, num_tokens: int) -> int:
+        """Rows of ``logits_indices`` in a piecewise-graph step of ``num_tokens`` (padded) tokens."""
+        return cg.logits_rows_for_tokens(num_tokens, self.max_running_requests)
+
+    def capture_cuda_graphs(self, runner: "ModelRunner") -> None:
+        config, full, piecewise = self.config, self.full, self.piecewise
+        try:
+            if full:
+                self._capture_full(runner, config.cuda_graph_batch_sizes
+                                   or cg.default_decode_batch_sizes(config.max_running_requests))
+            if piecewise:
+                self._capture_piecewise(runner)
+            if piecewise or full:
+                # the graphs, their buffers and the compiled code live as long as the engine: keep the
+                # cyclic garbage collector from rescanning them every step (SGLang does the same)
+                gc.freeze()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
+                f"{type(self.model).__name__} forward failed "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a graph cannot hold host "
+                "syncs or CPU<->GPU copies. Serve this model with cuda_graphs=False (compiled without graphs)."
+            ) from e
+
+    @torch.inference_mode()
+    def _capture_piecewise(self, runner: "ModelRunner") -> None:
+        """Warm up and capture every piece for every token bucket, largest first (one padding
+        request holding all the bucket's tokens)."""
+        pw = self.piecewise_graphs
+        t0 = time.perf_counter()
+        for n in sorted(self.token_buckets, reverse=True):
+            step = runner.batch_builder.padding_step([n], self.logits_rows(n))
+            extra = runner._extra_zeros(n)
+            runner._run_compiled(*step, extra=extra)  # warm-up outside the capture
+            torch.cuda.synchronize()
+            runner._run_compiled(*step, graphs_mode=pw.CAPTURE, extra=extra)
+            pw.captured_tokens.append(n)
+        torch.cuda.synchronize()
+        pw.capture_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _capture_full(self, runner: "ModelRunner", batch_sizes) -> None:
+        """Stable buffers + one full graph of the compiled forward per decode bucket, and with
+        speculative decoding one per verify bucket (the decode buckets that fit the intermediate
+        buffers' rows: a verify batch has at most ``max_running_requests`` requests)."""
+        if runner._extra_specs:
+            raise ValueError("full CUDA graphs of a forward with extra inputs are not supported (their inputs would "
+                             "need stable buffers): capture piecewise graphs only")
+        pools, draft_len = runner.pools, runner.draft_len
+        req_to_token = pools.req_to_token.req_to_token
+        sizes = cg.normalize_buckets(batch_sizes, minimum=1)  # 1: a graph specialised to one token (FullGraphRunner)
+        verify_sizes: tuple[int, ...] = ()
+        if draft_len:  # (rows of the intermediate buffers: max_running_requests + 1, engine.py)
+            verify_sizes = tuple(s for s in sizes if s <= pools.mamba.max_draft_batch)
+        buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
+                                  pools.kv.PADDING_SLOT, max_tokens_per_request=max(1, draft_len))
+        self.full_graphs = cg.FullGraphRunner(runner._call_compiled, buffers, sizes, runner.kv_caches,
+                                              runner.mamba_caches, self.graph_pool, verify_batch_sizes=verify_sizes,
+                                              draft_len=draft_len, intermediate_caches=runner.intermediate_caches)
+        self.full_graphs.capture_all()
+
+    def _one_token_graphs(self) -> int:
+        """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""
+        return int(self.full_graphs is not None and 1 in self.full_graphs.batch_sizes)
+
+    # -- stats --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """What ``engine.stats()["compile"]`` reports: ``enabled``; with compile on also
+        ``compile_seconds`` (split + Inductor, every graph), ``warmup_seconds`` (the compile at
+        construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
+        ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
+        batch 1, see ``cuda_graphs.FullGraphRunner``), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
+        ``split_ops_seen`` (layer ops left eager between them), ``graph_breaks``, ``compiled_steps``
+        (calls of the compiled forward outside graph replays: warm-ups and captures included),
+        ``padded_steps`` (steps of one request padded to two), and the CUDA graphs: ``cuda_graphs``
+        (``{"full": bool, "piecewise": bool}``), ``capture_seconds``, ``decode_batch_sizes`` and
+        ``token_buckets`` (captured buckets), ``full_graphs`` / ``piecewise_graphs`` (CUDA graphs
+        captured, verify graphs included), ``verify_batch_sizes`` (captured TARGET_VERIFY buckets),
+        ``cuda_graph_replays`` (full decode graphs), ``verify_graph_replays`` (full verify graphs),
+        ``piecewise_replays`` (steps),
+        ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs) and
+        ``eager_fallbacks`` (steps with graphs on that no graph fitted, verify steps included: the
+        compiled path ran)."""
+        if not self.enabled:
+            return {"enabled": False}
+        s = self.backend.stats
+        c = self.counters
+        full, pw = self.full_graphs, self.piecewise_graphs
+        return {
+            "enabled": True,
+            "compile_seconds": s.backend_seconds,
+            "warmup_seconds": c["warmup_seconds"],
+            "graphs": s.graphs,
+            "recompiles": max(0, s.graphs - 1 - self._one_token_graphs()),
+            "one_token_graph": bool(self._one_token_graphs()),
+            "pieces": s.pieces,
+            "splitting_op_calls": s.splitting_op_calls,
+            "split_ops_seen": dict(s.split_ops_seen),
+            "inductor_config": dict(self.inductor_config),
+            "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (passes/rewrite.py)
+            "graph_breaks": c["graph_breaks"],
+            "compiled_steps": c["compiled_steps"],
+            "padded_steps": c["padded_steps"],
+            "cuda_graphs": {"full": full is not None, "piecewise": pw is not None},
+            "capture_seconds": (full.capture_seconds if full else 0.0) + (pw.capture_seconds if pw else 0.0),
+            "decode_batch_sizes": [k.batch_size for k in full.graphs if k.mode is ForwardMode.DECODE] if full else [],
+            "verify_batch_sizes": [k.batch_size for k in full.graphs if k.mode is ForwardMode.TARGET_VERIFY]
+            if full else [],
+            "token_buckets": sorted(pw.captured_tokens) if pw else [],
+            "full_graphs": len(full.graphs) if full else 0,
+            "piecewise_graphs": pw.num_graphs if pw else 0,
+            "cuda_graph_replays": full.replays if full else 0,
+            "verify_graph_replays": full.verify_replays if full else 0,
+            "piecewise_replays": pw.replays if pw else 0,
+            "piecewise_copied_bytes": pw.copied_bytes if pw else 0,
+            "eager_fallbacks": c["eager_fallbacks"],
+        }

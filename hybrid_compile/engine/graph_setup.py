@@ -37,7 +37,9 @@ from ..passes import cuda_graphs as cg
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .runner import ModelRunner
+
+# "ModelRunner" in annotations: the runner (engine/runner.py) owns a CompiledGraphs and passes
+# itself in; importing it here, even for type checking, would make the two modules a cycle
 
 
 def _graph_break_count() -> int:

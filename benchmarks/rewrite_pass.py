@@ -1,5 +1,5 @@
 """Rewrite-pass benchmark: decode-step time of the compiled reference model with our post-grad
-rewrite pass (``hybrid_compile.passes.rewrite``: projections sharing an input fused into one
+rewrite pass (``hybrid_compile.compilation.rewrite``: projections sharing an input fused into one
 matmul over weights packed once) on vs off.
 
     python benchmarks/rewrite_pass.py                              # reference Qwen3-Next, bf16, CUDA

@@ -22,8 +22,8 @@ import torch._dynamo
 
 import hybrid_compile as hc
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
-from hybrid_compile.passes.backend import HybridCompileBackend
-from hybrid_compile.passes.split import DEFAULT_SPLITTING_OPS, resolve_op, resolve_ops, split_graph
+from hybrid_compile.compilation.backend import HybridCompileBackend
+from hybrid_compile.compilation.split import DEFAULT_SPLITTING_OPS, resolve_op, resolve_ops, split_graph
 
 from engine_models import (
     assert_greedy_equal,

@@ -1,4 +1,4 @@
-"""CUDA graphs of the engine (hybrid_compile.passes.cuda_graphs; engine/graph_setup.py captures them,
+"""CUDA graphs of the engine (hybrid_compile.compilation.cuda_graphs; engine/graph_setup.py captures them,
 engine/runner.py replays them, engine/forward_batch.py builds steps into their buffers and pads steps).
 
 CPU (CI):
@@ -34,7 +34,7 @@ import torch
 import hybrid_compile as hc
 from hybrid_compile.engine.forward_batch import pad_requests
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
-from hybrid_compile.passes import cuda_graphs as cg
+from hybrid_compile.compilation import cuda_graphs as cg
 
 from engine_models import (
     assert_pools_restored,

@@ -62,7 +62,7 @@ def test_demo_command_matches_transformers(capsys):
 # -- the import graph -----------------------------------------------------------------------------
 #
 # The package's parts, lowest layer first: the architecture's ops -> memory -> cache/layers ->
-# passes/models -> engine, then what is built on the engine. A part is a top-level subpackage or
+# compilation/models -> engine, then what is built on the engine. A part is a top-level subpackage or
 # top-level module of hybrid_compile ("__init__": the package root, which re-exports the API).
 # quantization (FP8 linear modules, FP8 checkpoint reading) imports only ops and is used by models
 # and engine; distributed (tensor parallelism) and serving (the async engine, the OpenAI server)
@@ -72,7 +72,7 @@ LAYERS = [
     {"ops"},
     {"memory"},
     {"cache", "layers", "quantization"},
-    {"passes", "models"},
+    {"compilation", "models"},
     {"engine"},
     {"distributed", "serving"},
     {"loading"},

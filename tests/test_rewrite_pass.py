@@ -1,4 +1,4 @@
-"""Post-grad rewrite pass (hybrid_compile.passes.rewrite): projections sharing an input become one
+"""Post-grad rewrite pass (hybrid_compile.compilation.rewrite): projections sharing an input become one
 matmul over weights packed once.
 
 - On a small module (gate/up MLP + q/k/v projections, a biased projection that must stay alone):
@@ -33,7 +33,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hybrid_compile.passes.backend import HybridCompileBackend
+from hybrid_compile.compilation.backend import HybridCompileBackend
 
 from engine_models import (
     assert_greedy_equal,

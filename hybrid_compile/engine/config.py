@@ -43,10 +43,10 @@ class EngineConfig:
     prefix_cache_policy: str = "lru"  # "lru" (SGLang) or "marconi" (checkpoint branch points; FLOP-aware eviction)
     prefix_cache_track_interval: int = 256  # lru: checkpoint decoding requests every this many tokens (0: never)
     speculative: Any = None  # a SpeculativeConfig or a dict of its fields (engine/speculative)
-    # torch.compile with our backend (hybrid_compile.passes): Dynamo graph split at the layer ops, pieces
+    # torch.compile with our backend (hybrid_compile.compilation): Dynamo graph split at the layer ops, pieces
     # compiled by Inductor. None: on for CUDA, off on CPU (see resolved_compile).
     compile: bool | None = None
-    # CUDA graphs over the compiled forward (hybrid_compile.passes.cuda_graphs): True = full graphs of
+    # CUDA graphs over the compiled forward (hybrid_compile.compilation.cuda_graphs): True = full graphs of
     # decode steps + piecewise graphs of the compiled pieces, "full" / "piecewise" = only those, False =
     # off, None = True when compile is on and the device is CUDA (see resolved_cuda_graphs).
     cuda_graphs: bool | str | None = None

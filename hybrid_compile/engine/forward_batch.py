@@ -4,7 +4,7 @@ into what the model forward reads, on the device: the packed input ids and the
 context (:data:`ForwardBatch`). Every kind of step's metadata is built here
 (:class:`ForwardBatchBuilder`), and so is the padding of a step with padding requests
 (:func:`pad_requests`: for the compiled forward and the CUDA graphs of
-:mod:`hybrid_compile.passes.cuda_graphs`). The model runner (:mod:`.runner`) runs the result.
+:mod:`hybrid_compile.compilation.cuda_graphs`). The model runner (:mod:`.runner`) runs the result.
 
 Three paths, all giving the same tensors:
 
@@ -42,7 +42,7 @@ from .transfer import aligned as _aligned, to_device_packed
 
 if TYPE_CHECKING:
     from ..memory import MemoryPools
-    from ..passes.cuda_graphs import FullGraphRunner, GraphBuffers, GraphKey
+    from ..compilation.cuda_graphs import FullGraphRunner, GraphBuffers, GraphKey
     from .scheduler import ScheduledBatch
 
 #: The forward batch of one step: (packed input ids ``[N]``, its forward metadata).

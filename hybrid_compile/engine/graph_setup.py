@@ -2,7 +2,7 @@
 which CUDA graphs are captured, the warm-up and the capture loops, and the compile stats.
 
 With ``EngineConfig.compile`` the model forward runs through ``torch.compile(fullgraph=True)``
-with our backend (:mod:`hybrid_compile.passes`): one Dynamo graph split at the layer ops,
+with our backend (:mod:`hybrid_compile.compilation`): one Dynamo graph split at the layer ops,
 pieces compiled by Inductor. The token count and the batch size are dynamic dimensions; a
 step of one request is padded with one padding request (one token whose K/V are not stored,
 attending over the dummy KV slot, Mamba index -1; :func:`~.forward_batch.pad_requests`), so every
@@ -11,7 +11,7 @@ a padding-only batch: :meth:`CompiledGraphs.compile`) serves every later step wi
 (Dynamo specialises sizes 0 and 1). Per-step metadata never enters the graph: the layer ops read
 it from the forward context at run time.
 
-With CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`hybrid_compile.passes.cuda_graphs`) the
+With CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`hybrid_compile.compilation.cuda_graphs`) the
 graphs are captured at construction, after the compile (:meth:`CompiledGraphs.capture_cuda_graphs`):
 a full graph of the whole forward per decode batch-size bucket (``cuda_graph_batch_sizes``, and
 with speculative decoding one per verify bucket), and the pieces' graphs per token bucket
@@ -33,7 +33,7 @@ import torch.fx.experimental._config  # noqa: F401  (config patched around compi
 from torch import nn
 
 from ..layers.context import ForwardMode
-from ..passes import cuda_graphs as cg
+from ..compilation import cuda_graphs as cg
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -93,12 +93,12 @@ class CompiledGraphs:
         self.backend = None
         self.released = False  # release_packed_weights ran: the compiled forward must not run again
         self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
-        # CUDA graphs (passes/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
+        # CUDA graphs (compilation/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
         self.graph_pool = cg.GraphPool() if full or piecewise else None
         self.piecewise_graphs = cg.PiecewiseGraphs(self.graph_pool) if piecewise else None
         self.full_graphs: cg.FullGraphRunner | None = None
         self.max_running_requests = config.max_running_requests if config is not None else 1
-        # our post-grad rewrite pass (passes/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
+        # our post-grad rewrite pass (compilation/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
         self.rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
         # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
         self.skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
@@ -127,7 +127,7 @@ class CompiledGraphs:
 
     def release_packed_weights(self) -> int:
         """Undo the rewrite pass's packing of the model's projection weights
-        (:meth:`~hybrid_compile.passes.backend.HybridCompileBackend.release_packed_weights`) and
+        (:meth:`~hybrid_compile.compilation.backend.HybridCompileBackend.release_packed_weights`) and
         mark the compiled forward released. Idempotent; a no-op when nothing was compiled."""
         if self.backend is None:
             return 0
@@ -136,7 +136,7 @@ class CompiledGraphs:
 
     # -- compile ------------------------------------------------------------------------------
     def compile(self, runner: "ModelRunner") -> None:
-        from ..passes.backend import HybridCompileBackend
+        from ..compilation.backend import HybridCompileBackend
 
         self.backend = HybridCompileBackend(
             piecewise_graphs=self.piecewise_graphs, rewrites=self.rewrite_passes, skinny_matmuls=self.skinny_matmuls,
@@ -280,7 +280,7 @@ class CompiledGraphs:
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),
             "inductor_config": dict(self.inductor_config),
-            "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (passes/rewrite.py)
+            "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (compilation/rewrite.py)
             "graph_breaks": c["graph_breaks"],
             "compiled_steps": c["compiled_steps"],
             "padded_steps": c["padded_steps"],

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 from ..memory import MemoryPools
-from ..passes import cuda_graphs as cg
+from ..compilation import cuda_graphs as cg
 from .forward_batch import ForwardBatch, ForwardBatchBuilder, pad_requests
 from .graph_setup import CompiledGraphs
 
@@ -127,7 +127,7 @@ class ModelRunner:
 
     def release_packed_weights(self) -> int:
         """Undo the rewrite pass's packing of the model's projection weights (the engine's ``close``;
-        :meth:`~hybrid_compile.passes.backend.HybridCompileBackend.release_packed_weights`). A compiled
+        :meth:`~hybrid_compile.compilation.backend.HybridCompileBackend.release_packed_weights`). A compiled
         runner refuses to run afterwards (its CUDA graphs read the packed buffers, and a recompile
         would pack the weights again). Idempotent; a no-op when nothing was compiled."""
         released = self.graphs.release_packed_weights()

@@ -3,5 +3,5 @@
 They take activations plus the layer index, read pools and per-step metadata from the
 forward context and dispatch to the kernel ops of :mod:`hybrid_compile.ops` by forward mode.
 Their fake impls return zero-filled outputs of the right shape, so Dynamo traces a whole model
-in one graph and the compile backend (:mod:`hybrid_compile.passes`) cuts it at these ops.
+in one graph and the compile backend (:mod:`hybrid_compile.compilation`) cuts it at these ops.
 """

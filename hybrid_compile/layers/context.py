@@ -53,7 +53,7 @@ class ForwardMetadata:
             number of SSM chunks, less than the request's extend length; -1 = none), or None.
         has_tracking: host-side: some request tracks a checkpoint in this step, so the EXTEND
             layer ops ask their chunk kernels for chunk states (skipped otherwise).
-        graph_key: host-side: the full CUDA graph (``passes/cuda_graphs.GraphKey``) whose stable
+        graph_key: host-side: the full CUDA graph (``compilation/cuda_graphs.GraphKey``) whose stable
             buffers hold this step's metadata (the tensors here are views of its first rows; the
             rows past them are padding requests): the step replays that graph. None otherwise.
     """

@@ -3,7 +3,7 @@
 At batch 1 a decode step's projections are matrix-vector products that only stream the
 weights; cuBLAS runs them at 55-90 % of the memory bandwidth on an H200, the long-row ones as
 split-K kernels plus a separate reduction kernel. ``skinny_mm`` is the op the compile backend's
-rewrite pass (:mod:`hybrid_compile.passes.rewrite`) puts in place of the projections' ``mm``
+rewrite pass (:mod:`hybrid_compile.compilation.rewrite`) puts in place of the projections' ``mm``
 nodes: its CUDA implementation runs a Triton matrix-vector kernel (:mod:`.triton.linear`) at
 one row, and at two rows for long rows, where it beats cuBLAS; elsewhere it calls ``torch.mm``.
 The CPU implementation is ``torch.mm`` (the ground truth the kernel is tested against).

@@ -5,7 +5,7 @@ built in one op from one small host->device copy.
 The engine (``engine/forward_batch.py``) stages one int64 row per request on the host and copies the
 rows to the device at once; the op then writes the request's new ``req_to_token`` entries and
 every metadata tensor the layer ops read: into fresh tensors for an eager or compiled step, or
-straight into a full CUDA graph's stable buffers (``passes/cuda_graphs.py``), padding rows
+straight into a full CUDA graph's stable buffers (``compilation/cuda_graphs.py``), padding rows
 included. On CUDA it is one Triton kernel (:mod:`.triton.metadata`) where the torch ops of the
 general path take about twenty small kernels (about 60 us of a 1.9 ms batch-1 decode step on an
 H100).

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from ...memory import MemoryPools
-from ...passes import cuda_graphs as cg
+from ...compilation import cuda_graphs as cg
 from ..request import Request
 from ..runner import ModelRunner
 from ..sampling import Sampler

@@ -3,14 +3,14 @@ Inductor, run the layer ops eagerly between the pieces.
 
 Dynamo traces the patched HF model over packed tokens in one graph (``fullgraph=True``; the
 layer ops are opaque custom ops whose fake impls give the output shape), with the token count
-symbolic. :func:`~hybrid_compile.passes.split.split_graph` cuts that graph at the splitting
+symbolic. :func:`~hybrid_compile.compilation.split.split_graph` cuts that graph at the splitting
 ops; :class:`PiecewiseCompiler` runs the split module once on the graph's fake inputs (the
 placeholders' ``example_value`` metadata: symbolic shapes included) and replaces every piece
 without a splitting op by Inductor's compiled callable for it (``compile_fx`` on the piece, with
 the piece's fake inputs, so each piece is compiled once for all token counts). The layer-op
 pieces stay as they are: calling them calls the op, which reads the forward context at run time.
 
-With ``piecewise_graphs`` (:class:`~hybrid_compile.passes.cuda_graphs.PiecewiseGraphs`) every
+With ``piecewise_graphs`` (:class:`~hybrid_compile.compilation.cuda_graphs.PiecewiseGraphs`) every
 compiled piece is wrapped in a per-token-bucket CUDA-graph runner. With ``rewrites`` (default on)
 the weights of projections that share an input are packed once and every piece runs our
 post-grad pass (:mod:`.rewrite`, Inductor's ``post_grad_custom_pre_pass``) that fuses them;

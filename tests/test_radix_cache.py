@@ -893,3 +893,56 @@ def test_eviction_order_matches_ranking_every_candidate(seed, policy, alpha):
         assert [n.id for n in new.cache.nodes()] == [n.id for n in ref.cache.nodes()]
         new.cache.check_invariants()
     assert evictions >= 20
+
+
+def test_policy_registry_validates_names_once_for_config_and_cache():
+    import hybrid_compile as hc
+
+    for bad in ("fifo", None, "LRU"):
+        with pytest.raises(ValueError, match=r"must be one of \('lru', 'marconi'\)") as cfg:
+            hc.EngineConfig.from_args(prefix_cache_policy=bad)
+        assert "EngineConfig.prefix_cache_policy" in str(cfg.value)
+        with pytest.raises(ValueError, match=r"HybridRadixCache: policy must be one of \('lru', 'marconi'\)"):
+            HybridRadixCache(Harness().pools, policy=bad)
+    h = Harness(policy="marconi")
+    assert isinstance(h.cache.policy, MarconiPolicy) and h.cache.stats()["policy"] == "marconi"
+    h.cache.marconi_alpha = 3.0
+    assert h.cache.policy.alpha == 3.0 and h.cache.marconi_alpha == 3.0
+
+
+def test_policies_place_checkpoints():
+    from hybrid_compile.cache import LRUPolicy, NoPrefixCachePolicy
+
+    grid = dict(mamba_align=4, page_size=2)
+    lru, marconi, off = LRUPolicy(), MarconiPolicy(), NoPrefixCachePolicy()
+    # extend 0 -> 14: the last chunk boundary (12), or the branch point 8 when it is on the grid
+    assert lru.checkpoint_len(0, 14, **grid) == 12
+    assert lru.checkpoint_len(0, 14, branching_len=8, **grid) == 8
+    assert marconi.checkpoint_len(0, 14, **grid) is None  # branch points only
+    assert marconi.checkpoint_len(0, 14, branching_len=8, **grid) == 8
+    assert lru.checkpoint_len(0, 14, cached_len=12, **grid) is None  # already cached
+    # a decode token: every decode_interval tokens (LRU) on a page; never for Marconi
+    assert lru.checkpoint_len(15, 1, decode_interval=8, **grid) == 16
+    assert lru.checkpoint_len(14, 1, decode_interval=8, **grid) is None
+    assert lru.checkpoint_len(15, 1, **grid) is None  # interval 0: none
+    assert marconi.checkpoint_len(15, 1, decode_interval=8, **grid) is None
+    assert off.checkpoint_len(0, 14, branching_len=8, **grid) is None and not off.waits_for_shared_prefix
+
+
+def test_null_prefix_cache_holds_nothing_and_frees_what_it_is_handed():
+    from hybrid_compile.cache import NullPrefixCache
+
+    h = Harness(kv_tokens=16, mamba_slots=2)
+    cache = NullPrefixCache(h.pools)
+    m = cache.match_prefix([1, 2, 3])
+    assert (m.prefix_len, m.kv_match_len, m.mamba_node, m.branching_len) == (0, 0, None, None)
+    assert m.kv_indices.numel() == 0
+    cache.inc_lock_ref(m.last_node)
+    slot = int(h.pools.mamba.alloc(1)[0])
+    assert cache.cow_mamba(m, slot) == slot
+    kv = h.alloc.alloc(5)
+    assert cache.evictable_size() == 0 and cache.evict_kv(5) == 0 and cache.evict_mamba(1) == 0
+    assert cache.ensure_free(kv_tokens=11, mamba_slots=1) and not cache.ensure_free(kv_tokens=12)
+    assert cache.cache_finished_req([1, 2, 3, 4, 5], kv, m.last_node, slot, mamba_len=5) == 0
+    h.pools.check_all_free()
+    cache.reset()

@@ -20,11 +20,12 @@ validate a name for ``EngineConfig.prefix_cache_policy`` and the cache alike):
 - ``"marconi"`` (Marconi, arXiv 2411.19379): checkpoint branch points only (and the finish-time state).
   Evict nodes with at most one child before branch points, each tier lowest
   ``recency + alpha * flop_efficiency`` first, both min-max normalised over the candidates of the
-  eviction call. The normalisation changes with every call, so no fixed order exists: the index keeps
-  the candidates sorted by recency and by efficiency and merges them with Fagin's threshold algorithm
-  (exact; it reads candidates until the best one found is below the score any unread one can have:
-  a few when recency and efficiency agree, about sqrt(n) when they are independent, all n in the
-  worst case).
+  eviction call. The normalisation changes with every call, so no fixed order exists: the index
+  groups the candidates by (tier, efficiency), each group a heap by recency (its first node is its
+  best, the score being monotone in both), and a call visits the groups in ascending efficiency only
+  while a group's efficiency alone could still beat the best node found (exact; the cost grows with
+  the number of groups visited, not with n: O(g log n) for g groups of efficiency below the best
+  score, every group only in the worst case).
 
 :class:`NoPrefixCachePolicy` is the policy of the null cache (``enable_prefix_cache=False``): no
 checkpoints, nothing to evict.
@@ -32,6 +33,7 @@ checkpoints, nothing to evict.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -355,31 +357,13 @@ class _LRURanking(_Ranking):
         return None
 
 
-class _HeapWalk:
-    """Ascending walk over a binary heap's entries without changing it (a heap of positions)."""
-
-    __slots__ = ("heap", "front")
-
-    def __init__(self, heap: list) -> None:
-        self.heap = heap
-        self.front = [(heap[0], 0)] if heap else []
-
-    def next(self):
-        if not self.front:
-            return None
-        entry, i = heapq.heappop(self.front)
-        heap = self.heap
-        for j in (2 * i + 1, 2 * i + 2):
-            if j < len(heap):
-                heapq.heappush(self.front, (heap[j], j))
-        return entry
-
-
 class MarconiIndex(EvictionIndex):
-    """Marconi: per tier (branch point or not) a min-heap by access time and one by FLOP
-    efficiency, and max-heaps of both over all candidates (for the normalisers); lazy deletion
-    by version as in :class:`LRUIndex`. A ranking fixes the normalisers of the call and merges
-    the two orders with the threshold algorithm (module docstring)."""
+    """Marconi: the candidates grouped by (tier, FLOP efficiency), each group a min-heap by access
+    time, the efficiencies of each tier in a sorted list; min- and max-heaps of the access times
+    (lazy deletion by version as in :class:`LRUIndex`). A node's score is monotone in its access
+    time and its efficiency, so a group's first node is its best, and a group whose efficiency
+    alone scores above the best node found cannot hold a better one: a ranking visits groups in
+    ascending efficiency only until then (the module docstring)."""
 
     def __init__(self, policy: MarconiPolicy, evictable, access, efficiency) -> None:
         super().__init__(evictable, access)
@@ -387,13 +371,15 @@ class MarconiIndex(EvictionIndex):
         self.efficiency = efficiency
         self._clear_heaps()
         self._deferred: dict[int, object] = {}  # nodes changed during a ranking: reindexed after it
+        self._ungrouped: set[int] = set()  # nodes that joined a ranking (in no group until it ends)
+        self._emptied: list[tuple[int, float]] = []  # groups emptied during a ranking
         self._session: "_MarconiRanking | None" = None
 
     def _clear_heaps(self) -> None:
-        self.by_t = ([], [])  # per tier: (access, id, ver, node)
-        self.by_e = ([], [])  # per tier: (efficiency, id, ver, node)
+        self.groups: dict[tuple[int, float], list] = {}  # (tier, efficiency) -> [heap of (t, id, ver, node), live]
+        self.effs: tuple[list[float], list[float]] = ([], [])  # per tier: the groups' efficiencies, ascending
+        self.min_t: list[tuple] = []  # (access, id, ver, node)
         self.max_t: list[tuple] = []  # (-access, id, ver, node)
-        self.max_e: list[tuple] = []  # (-efficiency, id, ver, node)
         self._entries = 0
 
     def _key(self, node) -> tuple[int, int, float]:
@@ -403,7 +389,7 @@ class MarconiIndex(EvictionIndex):
         old = self.rec.get(node.id)
         if not self.evictable(node):
             if old is not None:
-                del self.rec[node.id]
+                self._forget(node.id)
             self._deferred.pop(node.id, None)
             return
         if self._in_ranking:
@@ -413,19 +399,43 @@ class MarconiIndex(EvictionIndex):
                 self._session.join(node, self._key(node))
             return
         key = self._key(node)
-        if old is not None and old[1:4] == key:
-            return
+        if old is not None:
+            if old[1:4] == key:
+                return
+            self._forget(node.id)
         self._push(node, key)
+
+    def _forget(self, nid: int) -> None:
+        _, tier, _, e, _ = self.rec.pop(nid)
+        if nid in self._ungrouped:
+            self._ungrouped.discard(nid)
+        else:
+            group = self.groups[(tier, e)]
+            group[1] -= 1
+            if group[1] == 0:
+                if self._in_ranking:
+                    self._emptied.append((tier, e))  # (dropped after the call: the ranking walks the lists)
+                else:
+                    self._drop_group(tier, e)
+
+    def _drop_group(self, tier: int, e: float) -> None:
+        del self.groups[(tier, e)]
+        effs = self.effs[tier]
+        del effs[bisect.bisect_left(effs, e)]
 
     def _push(self, node, key) -> None:
         tier, t, e = key
         ver = next(self._ver)
-        self.rec[node.id] = (ver, tier, t, e, node)
         nid = node.id
-        heapq.heappush(self.by_t[tier], (t, nid, ver, node))
-        heapq.heappush(self.by_e[tier], (e, nid, ver, node))
+        self.rec[nid] = (ver, tier, t, e, node)
+        group = self.groups.get((tier, e))
+        if group is None:
+            group = self.groups[(tier, e)] = [[], 0]
+            bisect.insort(self.effs[tier], e)
+        group[1] += 1
+        heapq.heappush(group[0], (t, nid, ver, node))
+        heapq.heappush(self.min_t, (t, nid, ver, node))
         heapq.heappush(self.max_t, (-t, nid, ver, node))
-        heapq.heappush(self.max_e, (-e, nid, ver, node))
         self._entries += 1
         if self._entries > 2 * len(self.rec) + self._COMPACT_MIN:
             self._compact()
@@ -436,15 +446,10 @@ class MarconiIndex(EvictionIndex):
 
     def _compact(self) -> None:
         live = list(self.rec.values())
+        self.rec.clear()
         self._clear_heaps()
         for ver, tier, t, e, node in live:
-            self.by_t[tier].append((t, node.id, ver, node))
-            self.by_e[tier].append((e, node.id, ver, node))
-            self.max_t.append((-t, node.id, ver, node))
-            self.max_e.append((-e, node.id, ver, node))
-        for h in (*self.by_t, *self.by_e, self.max_t, self.max_e):
-            heapq.heapify(h)
-        self._entries = len(live)
+            self._push(node, (tier, t, e))
 
     def _clean_top(self, heap: list) -> tuple | None:
         while heap and not self._valid(heap[0]):
@@ -456,30 +461,36 @@ class MarconiIndex(EvictionIndex):
 
     def _end_ranking(self) -> None:
         self._session = None
+        emptied, self._emptied = self._emptied, []
+        for key in emptied:
+            group = self.groups.get(key)
+            if group is not None and group[1] == 0:
+                self._drop_group(*key)
         deferred, self._deferred = self._deferred, {}
         for node in deferred.values():
-            self.rec.pop(node.id, None)  # its key changed: push it afresh
+            if node.id in self.rec:
+                self._forget(node.id)  # its key changed (or it joined): group it afresh
             self.update(node)
 
 
 class _MarconiRanking(_Ranking):
     def __enter__(self) -> "_MarconiRanking":
         index = self.index
-        for h in (*index.by_t, *index.by_e, index.max_t, index.max_e):
-            index._clean_top(h)
-        self.result: list[tuple] = []  # (score, id, ver, node): exact scores of the nodes read
-        self.seen: set[int] = set()
-        self.walks = []  # per tier: [walk by t, walk by e, last t read, last e read]
+        self.result: list[tuple] = []  # (score, id, ver, node, (group heap, tier, eff) or None): each visited group's best
+        self.pos = [0, 0]  # per tier: groups visited (in ascending efficiency)
         self.norms = None
+        self.exhaustive = False
         if index.rec:
-            t0 = min(h[0][0] for h in index.by_t if h)
-            self.norms = (t0, max(-index.max_t[0][0] - t0, 1), max(-index.max_e[0][0], 1e-30))
+            t0 = index._clean_top(index.min_t)[0]
+            t_max = -index._clean_top(index.max_t)[0]
+            e_max = max(effs[-1] for effs in index.effs if effs)
+            self.norms = (t0, max(t_max - t0, 1), max(e_max, 1e-30))
             alpha = index.policy.alpha
-            if alpha >= 0 and not math.isnan(alpha):
-                self.walks = [[_HeapWalk(index.by_t[k]), _HeapWalk(index.by_e[k]), None, None, 0] for k in (0, 1)]
-            else:  # the score is not monotone in the efficiency: rank every candidate now
-                for ver, tier, t, e, node in index.rec.values():
-                    self._score(node, ver, tier, t, e)
+            if not alpha >= 0:  # the score is not monotone in the efficiency: visit every group now
+                self.exhaustive = True
+                for k in (0, 1):
+                    while self.pos[k] < len(index.effs[k]):
+                        self._visit(k)
         index._session = self
         super().__enter__()
         return self
@@ -488,52 +499,52 @@ class _MarconiRanking(_Ranking):
         super().__exit__(*exc)
         self.index._end_ranking()
 
-    def _score(self, node, ver, tier, t, e) -> None:
-        self.seen.add(node.id)
-        heapq.heappush(self.result, (self.index.policy.score(t, e, tier, self.norms), node.id, ver, node))
+    def _push_best(self, heap: list, tier: int, e: float) -> None:
+        top = self.index._clean_top(heap)  # (pops only: the groups take no push during a call)
+        if top is not None:
+            t, nid, ver, node = top
+            score = self.index.policy.score(t, e, tier, self.norms)
+            heapq.heappush(self.result, (score, nid, ver, node, (heap, tier, e)))
+
+    def _visit(self, k: int) -> None:
+        e = self.index.effs[k][self.pos[k]]
+        self.pos[k] += 1
+        self._push_best(self.index.groups[(k, e)][0], k, e)
 
     def join(self, node, key) -> None:
         tier, t, e = key
         ver = next(self.index._ver)
         self.index.rec[node.id] = (ver, tier, t, e, node)
-        self.index._deferred[node.id] = node  # its heap entries are pushed after the call
+        self.index._ungrouped.add(node.id)
+        self.index._deferred[node.id] = node  # grouped after the call
         if self.norms is None:  # no candidate at the start: the normalisers of this one alone
             self.norms = MarconiPolicy.norms([t], [e])
-        self._score(node, ver, tier, t, e)
+        heapq.heappush(self.result, (self.index.policy.score(t, e, tier, self.norms), node.id, ver, node, None))
 
     def _bound(self, k: int) -> float:
-        walk = self.walks[k]
-        if walk[0] is None:
+        """The lowest score a node of a group of tier ``k`` not visited yet can have."""
+        effs = self.index.effs[k]
+        if self.pos[k] >= len(effs):
             return math.inf
-        if walk[2] is None or walk[3] is None:
-            return -math.inf
-        return self.index.policy.score(walk[2], walk[3], k, self.norms)
-
-    def _advance(self, k: int) -> None:
-        walk = self.walks[k]
-        side = 0 if walk[2] is None else 1 if walk[3] is None else walk[4]
-        walk[4] ^= 1
-        entry = walk[side].next()
-        if entry is None:  # every candidate of the tier was read
-            walk[0] = walk[1] = None
-            return
-        walk[2 + side] = entry[0]
-        if entry[1] not in self.seen and self.index._valid(entry):
-            ver, tier, t, e, node = self.index.rec[entry[1]]
-            self._score(node, ver, tier, t, e)
+        return self.index.policy.score(self.norms[0], effs[self.pos[k]], k, self.norms)
 
     def pop(self):
         index, result = self.index, self.result
         while True:
             while result and not index._valid(result[0]):
-                heapq.heappop(result)
-            bounds = [self._bound(k) for k in range(len(self.walks))]
-            bound = min(bounds, default=math.inf)
+                group = heapq.heappop(result)[4]
+                if group is not None:  # a group's best left: its next one
+                    self._push_best(*group)
+            bounds = [self._bound(0), self._bound(1)]
+            bound = min(bounds)
             if result and (result[0][0] < bound or bound == math.inf):
-                _, nid, _, node = heapq.heappop(result)
-                del index.rec[nid]  # handed out: the tree removes it or reindexes it
+                _, nid, _, node, group = heapq.heappop(result)
+                index._forget(nid)  # handed out: the tree removes it or reindexes it
                 index._deferred.pop(nid, None)
+                if group is not None:
+                    heapq.heappop(group[0])  # (it was the group's first)
+                    self._push_best(*group)
                 return node
             if bound == math.inf:
                 return None
-            self._advance(bounds.index(bound))
+            self._visit(bounds.index(bound))

@@ -26,15 +26,18 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
   of ``last_access``; :meth:`evict_mamba` frees the state of any unlocked node in LRU order of
   ``mamba_last_access`` (internal node -> tombstone, leaf -> removed with its KV).
   :meth:`ensure_free` evicts until the pools can satisfy an allocation (proactive Mamba
-  eviction when the scheduler allocates request slots). The eviction order is given by
-  :meth:`HybridRadixCache.kv_eviction_priority` / :meth:`~HybridRadixCache.mamba_eviction_priority`
-  (lower goes first), which a FLOP-aware policy (Marconi) can override.
+  eviction when the scheduler allocates request slots). The order is the policy's
+  (``policy.py``: LRU, or Marconi's FLOP-aware score), kept by two eviction indexes that every
+  change of a node's candidacy or key updates (:meth:`HybridRadixCache._reindex`), so an eviction
+  call does not look at every node; :meth:`~HybridRadixCache.kv_eviction_order` /
+  :meth:`~HybridRadixCache.mamba_eviction_order` rank every candidate (the reference order).
 - **Ownership.** Every KV slot and Mamba slot in the tree is allocated in ``pools`` and owned
   by the tree alone; a request owns the slots it allocated beyond its matched prefix. Handing
   slots to :meth:`insert` / :meth:`cache_finished_req` transfers them: the tree adopts what is
   new and frees duplicates of what it already holds. :meth:`reset` frees everything.
 - **Chunk-aligned checkpoints (seed 003).** The tree stores a state at any length it is
-  given; *where* states are taken is the scheduler's policy. The chunked SSM kernels expose
+  given; *where* states are taken is the policy's (``cache.policy.checkpoint_len``, asked by the
+  scheduler). The chunked SSM kernels expose
   states only every ``mamba_align`` tokens from the start of an extend, so
   :func:`aligned_checkpoint_len` says which length of an extend can be checkpointed (the
   branch point of :attr:`MatchResult.branching_len` first, else the last aligned boundary).
@@ -61,7 +64,7 @@ the default):
    chunks; after each EXTEND step, ``cache_unfinished_req`` at the step's checkpoint and rewrite
    the request's ``req_to_token`` row and ``kv_slots`` with the returned indices (duplicates
    were freed).
-6. Checkpoints: at ``checkpoint_len(...)`` of each extend (policy ``lru``: the branch point, else
+6. Checkpoints: at ``policy.checkpoint_len(...)`` of each extend (``lru``: the branch point, else
    the last aligned boundary; ``marconi``: branch points only). One at the end of the extend is
    the request's own state (forked); one inside it is written by the layer ops (chunk state ``h``
    + conv window gathered from the inputs, ``layers/tracking.py``) into a fresh slot handed over

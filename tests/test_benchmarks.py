@@ -173,7 +173,7 @@ def test_radix_eviction_benchmark_smoke(tmp_path):
     for rows in result["results"].values():
         assert set(rows) == {"100", "400"}
         for n, r in rows.items():
-            assert r["nodes"] >= int(n) and r["evictions"] == int(n) // 10
+            assert r["nodes"] >= int(n) and r["evictions"] == min(20, int(n) // 10)
             assert r["kv_per_call_us"]["calls"] == r["evictions"] and r["kv_per_call_us"]["median"] > 0
             assert r["mamba_bulk_nodes"] == r["evictions"] and r["kv_bulk_nodes"] > 0
             assert r["nodes_after"] < r["nodes"]

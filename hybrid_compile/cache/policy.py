@@ -223,7 +223,8 @@ class NoPrefixCachePolicy(PrefixCachePolicy):
     name = "off"
     waits_for_shared_prefix = False
 
-    def checkpoint_len(self, prefix_len, extend_len, **_) -> None:
+    def checkpoint_len(self, prefix_len, extend_len, *, mamba_align, page_size, cached_len=0, branching_len=None,
+                       decode_interval=0) -> None:
         return None
 
     def rank(self, candidates, access, efficiency) -> list:

@@ -142,8 +142,9 @@ class Scheduler:
         return self.pools.kv.allocator.available() + self.cache.evictable_size()
 
     def _make_room(self, reqs: list[Request], extend_lens: list[int]) -> None:
-        """Evict cached prefixes until the KV of this extend fits (no-op without a cache)."""
-        if not reqs:
+        """Evict cached prefixes until the KV of this extend fits (no-op when nothing is evictable,
+        e.g. without a cache)."""
+        if not reqs or not self.cache.evictable_size():
             return
         alloc = self.pools.kv.allocator
         pages = alloc.pages_needed([r.num_computed for r in reqs], extend_lens)

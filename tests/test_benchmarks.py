@@ -158,3 +158,22 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
                 assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
     assert set(run["summary"]["http_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout
+
+
+def test_radix_eviction_benchmark_smoke(tmp_path):
+    """benchmarks/radix_eviction.py on small trees: every policy and size measured, JSON written,
+    the trees evicted as asked (check_invariants runs inside after the evictions)."""
+    out = tmp_path / "radix_eviction.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "radix_eviction.py"), "--sizes", "100,400",
+           "--evictions", "20", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"lru", "marconi"}
+    for rows in result["results"].values():
+        assert set(rows) == {"100", "400"}
+        for n, r in rows.items():
+            assert r["nodes"] >= int(n) and r["evictions"] == min(20, int(n) // 10)
+            assert r["kv_per_call_us"]["calls"] == r["evictions"] and r["kv_per_call_us"]["median"] > 0
+            assert r["mamba_bulk_nodes"] == r["evictions"] and r["kv_bulk_nodes"] > 0
+            assert r["nodes_after"] < r["nodes"]

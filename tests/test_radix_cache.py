@@ -11,6 +11,7 @@ state) and checks every invariant after every step.
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybrid_compile.cache import HybridRadixCache, aligned_checkpoint_len, last_aligned_boundary
+from hybrid_compile.cache.policy import MarconiPolicy
 from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
 
 ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=2, dtype=torch.float32)]
@@ -761,3 +763,186 @@ def test_marconi_evicts_branch_points_last_and_prefers_long_prefixes():
     assert h.cache.path_tokens(h.cache.mamba_eviction_order()[0]) == (5, 6)
     assert h.cache.evict_mamba(1) == 1 and h.cache.match_prefix([5, 6, 7]).prefix_len == 0
     h.cache.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------
+# eviction index vs ranking every candidate on each call
+# ----------------------------------------------------------------------------------------
+class FullRankCache(HybridRadixCache):
+    """The oracle: each eviction call sorts every evictable node of the tree by the policy's key
+    (its score over the call's candidates for Marconi) and evicts in that order, a leaf exposed
+    on the way joining with its key then (the eviction before the incremental index)."""
+
+    def _full_rank(self, evictable, access, efficiency):
+        cands = [n for n in self.nodes() if evictable(n)]
+        if self.policy.name == "marconi" and cands:
+            norms = MarconiPolicy.norms([access(n) for n in cands], [efficiency(n) for n in cands])
+
+            def key(n):
+                return self.policy.score(access(n), efficiency(n), 1 if len(n.children) >= 2 else 0, norms)
+        else:
+            key = access
+        heap = [(key(n), n.id, n) for n in cands]
+        heapq.heapify(heap)
+        return heap, key
+
+    def evict_kv(self, num_tokens):
+        if num_tokens <= 0:
+            return 0
+        heap, key = self._full_rank(self._kv_evictable, lambda n: n.last_access, self._kv_efficiency)
+        freed, c = 0, self._counters
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)[2]
+            if not self._kv_evictable(leaf):
+                continue
+            parent = leaf.parent
+            tokens, states = self._remove_leaf(leaf)
+            freed += tokens
+            c["kv_evicted_nodes"] += 1
+            c["kv_evicted_mamba"] += states
+            pruned, kept = self._prune_stateless_leaves(parent)
+            freed += pruned
+            if self._kv_evictable(kept):
+                heapq.heappush(heap, (key(kept), kept.id, kept))
+        c["kv_evicted_tokens"] += freed
+        return freed
+
+    def evict_mamba(self, num_slots):
+        if num_slots <= 0:
+            return 0
+        heap, _ = self._full_rank(self._mamba_evictable, lambda n: n.mamba_last_access, self._mamba_efficiency)
+        freed, c = 0, self._counters
+        while freed < num_slots and heap:
+            node = heapq.heappop(heap)[2]
+            if not self._mamba_evictable(node):
+                continue
+            if node.children:
+                self._drop_mamba(node)
+                c["tombstones_created"] += 1
+            else:
+                parent = node.parent
+                tokens = self._remove_leaf(node)[0] + self._prune_stateless_leaves(parent)[0]
+                c["mamba_evicted_tokens"] += tokens
+            freed += 1
+        c["mamba_evicted"] += freed
+        return freed
+
+
+@pytest.mark.parametrize("policy,alpha", [("lru", 1.0), ("marconi", 1.0), ("marconi", 0.05), ("marconi", 20.0),
+                                          ("marconi", -0.5)])
+@pytest.mark.parametrize("seed", range(3))
+def test_eviction_order_matches_ranking_every_candidate(seed, policy, alpha):
+    """A random workload (inserts with states at random lengths, hits, locks held across steps,
+    single and bulk evictions of both lists) runs on the indexed cache and on one that ranks
+    every candidate on each call: the same victims every time (same trees, same counters), and a
+    one-victim eviction takes the first node of the brute-force order."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2])
+    new, ref = Harness(page_size=ps, kv_tokens=96, mamba_slots=24), Harness(page_size=ps, kv_tokens=96, mamba_slots=24)
+    new.cache = HybridRadixCache(new.pools, mamba_align=2, policy=policy, marconi_alpha=alpha)
+    ref.cache = FullRankCache(ref.pools, mamba_align=2, policy=policy, marconi_alpha=alpha)
+    locks: list[int] = []  # ids of locked nodes, the same in both trees
+
+    def both(fn):
+        a, b = fn(new), fn(ref)
+        assert a == b
+        return a
+
+    def node_by_id(h, nid):
+        return next(n for n in h.cache.nodes() if n.id == nid)
+
+    evictions = 0
+    for _ in range(260):
+        op = rng.choices(["insert", "hit", "lock", "unlock", "kv1", "mamba1", "kv", "mamba"],
+                         weights=[6, 3, 2, 2, 2, 2, 1, 1])[0]
+        if op == "insert" and new.pools.free_counts()["mamba_slots"] > 0:
+            tokens = [rng.randint(1, 3) for _ in range(ps * rng.randint(1, 6))]
+            state_at = rng.choice([len(tokens), ps * rng.randint(1, len(tokens) // ps)])
+            if new.alloc.available() >= len(tokens) + ps:
+                both(lambda h: h.cache_seq(tokens, state_at=state_at))
+        elif op == "hit":
+            tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
+            both(lambda h: h.cache.match_prefix(tokens).prefix_len)
+        elif op == "lock":
+            tokens = [rng.randint(1, 3) for _ in range(rng.randint(1, 12))]
+            ms = [h.cache.match_prefix(tokens) for h in (new, ref)]
+            if ms[0].mamba_node is not None:
+                assert ms[0].last_node.id == ms[1].last_node.id
+                for h, m in zip((new, ref), ms):
+                    h.cache.inc_lock_ref(m.last_node)
+                locks.append(ms[0].last_node.id)
+        elif op == "unlock" and locks:
+            nid = locks.pop(rng.randrange(len(locks)))
+            for h in (new, ref):
+                h.cache.dec_lock_ref(node_by_id(h, nid))
+        elif op in ("kv1", "mamba1"):
+            order = new.cache.kv_eviction_order() if op == "kv1" else new.cache.mamba_eviction_order()
+            freed = both(lambda h: h.cache.evict_kv(1) if op == "kv1" else h.cache.evict_mamba(1))
+            if order:
+                evictions += 1
+                first = order[0]
+                assert freed >= 1 and (first.removed or (op == "mamba1" and first.mamba_slot is None))
+        elif op == "kv":
+            want = rng.randint(1, 40)
+            evictions += both(lambda h: h.cache.evict_kv(want)) > 0
+        elif op == "mamba":
+            want = rng.randint(1, 8)
+            evictions += both(lambda h: h.cache.evict_mamba(want)) > 0
+        assert new.content() == ref.content()
+        assert new.cache.stats() == ref.cache.stats()
+        assert [n.id for n in new.cache.nodes()] == [n.id for n in ref.cache.nodes()]
+        new.cache.check_invariants()
+    assert evictions >= 20
+
+
+def test_policy_registry_validates_names_once_for_config_and_cache():
+    import hybrid_compile as hc
+
+    for bad in ("fifo", None, "LRU"):
+        with pytest.raises(ValueError, match=r"must be one of \('lru', 'marconi'\)") as cfg:
+            hc.EngineConfig.from_args(prefix_cache_policy=bad)
+        assert "EngineConfig.prefix_cache_policy" in str(cfg.value)
+        with pytest.raises(ValueError, match=r"HybridRadixCache: policy must be one of \('lru', 'marconi'\)"):
+            HybridRadixCache(Harness().pools, policy=bad)
+    h = Harness(policy="marconi")
+    assert isinstance(h.cache.policy, MarconiPolicy) and h.cache.stats()["policy"] == "marconi"
+    h.cache.marconi_alpha = 3.0
+    assert h.cache.policy.alpha == 3.0 and h.cache.marconi_alpha == 3.0
+
+
+def test_policies_place_checkpoints():
+    from hybrid_compile.cache import LRUPolicy, NoPrefixCachePolicy
+
+    grid = dict(mamba_align=4, page_size=2)
+    lru, marconi, off = LRUPolicy(), MarconiPolicy(), NoPrefixCachePolicy()
+    # extend 0 -> 14: the last chunk boundary (12), or the branch point 8 when it is on the grid
+    assert lru.checkpoint_len(0, 14, **grid) == 12
+    assert lru.checkpoint_len(0, 14, branching_len=8, **grid) == 8
+    assert marconi.checkpoint_len(0, 14, **grid) is None  # branch points only
+    assert marconi.checkpoint_len(0, 14, branching_len=8, **grid) == 8
+    assert lru.checkpoint_len(0, 14, cached_len=12, **grid) is None  # already cached
+    # a decode token: every decode_interval tokens (LRU) on a page; never for Marconi
+    assert lru.checkpoint_len(15, 1, decode_interval=8, **grid) == 16
+    assert lru.checkpoint_len(14, 1, decode_interval=8, **grid) is None
+    assert lru.checkpoint_len(15, 1, **grid) is None  # interval 0: none
+    assert marconi.checkpoint_len(15, 1, decode_interval=8, **grid) is None
+    assert off.checkpoint_len(0, 14, branching_len=8, **grid) is None and not off.waits_for_shared_prefix
+
+
+def test_null_prefix_cache_holds_nothing_and_frees_what_it_is_handed():
+    from hybrid_compile.cache import NullPrefixCache
+
+    h = Harness(kv_tokens=16, mamba_slots=2)
+    cache = NullPrefixCache(h.pools)
+    m = cache.match_prefix([1, 2, 3])
+    assert (m.prefix_len, m.kv_match_len, m.mamba_node, m.branching_len) == (0, 0, None, None)
+    assert m.kv_indices.numel() == 0
+    cache.inc_lock_ref(m.last_node)
+    slot = int(h.pools.mamba.alloc(1)[0])
+    assert cache.cow_mamba(m, slot) == slot
+    kv = h.alloc.alloc(5)
+    assert cache.evictable_size() == 0 and cache.evict_kv(5) == 0 and cache.evict_mamba(1) == 0
+    assert cache.ensure_free(kv_tokens=11, mamba_slots=1) and not cache.ensure_free(kv_tokens=12)
+    assert cache.cache_finished_req([1, 2, 3, 4, 5], kv, m.last_node, slot, mamba_len=5) == 0
+    h.pools.check_all_free()
+    cache.reset()

@@ -26,15 +26,18 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
   of ``last_access``; :meth:`evict_mamba` frees the state of any unlocked node in LRU order of
   ``mamba_last_access`` (internal node -> tombstone, leaf -> removed with its KV).
   :meth:`ensure_free` evicts until the pools can satisfy an allocation (proactive Mamba
-  eviction when the scheduler allocates request slots). The eviction order is given by
-  :meth:`HybridRadixCache.kv_eviction_priority` / :meth:`~HybridRadixCache.mamba_eviction_priority`
-  (lower goes first), which a FLOP-aware policy (Marconi) can override.
+  eviction when the scheduler allocates request slots). The order is the policy's
+  (``policy.py``: LRU, or Marconi's FLOP-aware score), kept by two eviction indexes that every
+  change of a node's candidacy or key updates (:meth:`HybridRadixCache._reindex`), so an eviction
+  call does not look at every node; :meth:`~HybridRadixCache.kv_eviction_order` /
+  :meth:`~HybridRadixCache.mamba_eviction_order` rank every candidate (the reference order).
 - **Ownership.** Every KV slot and Mamba slot in the tree is allocated in ``pools`` and owned
   by the tree alone; a request owns the slots it allocated beyond its matched prefix. Handing
   slots to :meth:`insert` / :meth:`cache_finished_req` transfers them: the tree adopts what is
   new and frees duplicates of what it already holds. :meth:`reset` frees everything.
 - **Chunk-aligned checkpoints (seed 003).** The tree stores a state at any length it is
-  given; *where* states are taken is the scheduler's policy. The chunked SSM kernels expose
+  given; *where* states are taken is the policy's (``cache.policy.checkpoint_len``, asked by the
+  scheduler). The chunked SSM kernels expose
   states only every ``mamba_align`` tokens from the start of an extend, so
   :func:`aligned_checkpoint_len` says which length of an extend can be checkpointed (the
   branch point of :attr:`MatchResult.branching_len` first, else the last aligned boundary).
@@ -61,7 +64,7 @@ the default):
    chunks; after each EXTEND step, ``cache_unfinished_req`` at the step's checkpoint and rewrite
    the request's ``req_to_token`` row and ``kv_slots`` with the returned indices (duplicates
    were freed).
-6. Checkpoints: at ``checkpoint_len(...)`` of each extend (policy ``lru``: the branch point, else
+6. Checkpoints: at ``policy.checkpoint_len(...)`` of each extend (``lru``: the branch point, else
    the last aligned boundary; ``marconi``: branch points only). One at the end of the extend is
    the request's own state (forked); one inside it is written by the layer ops (chunk state ``h``
    + conv window gathered from the inputs, ``layers/tracking.py``) into a fresh slot handed over
@@ -74,7 +77,6 @@ the default):
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, Union
@@ -83,13 +85,11 @@ import torch
 
 from ..memory.allocator import IndexLike, as_index_tensor
 from ..memory.pools import MemoryPools
+from .policy import PrefixCachePolicy, aligned_checkpoint_len, last_aligned_boundary, make_policy  # noqa: F401
 
 TokenIds = Union[Sequence[int], torch.Tensor]
 
 _NO_SLOTS = torch.zeros(0, dtype=torch.int64)
-
-EVICTION_POLICIES = ("lru", "marconi")
-_BRANCH_TIER = 1e6  # Marconi: added to a branch point's score (every normalised score is < 2 + alpha)
 
 
 def _kv_access(node: "TreeNode") -> int:
@@ -98,59 +98,6 @@ def _kv_access(node: "TreeNode") -> int:
 
 def _mamba_access(node: "TreeNode") -> int:
     return node.mamba_last_access
-
-
-def _heap_key(entry: tuple):
-    return entry[:2]
-
-
-# ----------------------------------------------------------------------------------------
-# checkpoint policy
-# ----------------------------------------------------------------------------------------
-def last_aligned_boundary(start: int, end: int, mamba_align: int, page_size: int = 1) -> int | None:
-    """Largest ``b`` in ``(start, end]`` with ``(b - start) % mamba_align == 0`` (an SSM chunk
-    boundary of an extend starting at ``start``) and ``b % page_size == 0`` (a KV page
-    boundary, where a tree node may end); ``None`` if there is none."""
-    if mamba_align < 1 or page_size < 1:
-        raise ValueError(f"mamba_align ({mamba_align}) and page_size ({page_size}) must be >= 1")
-    step = mamba_align
-    offset = ((end - start) // step) * step
-    while offset > 0:
-        if (start + offset) % page_size == 0:
-            return start + offset
-        offset -= step
-    return None
-
-
-def aligned_checkpoint_len(
-    prefix_len: int,
-    extend_len: int,
-    *,
-    mamba_align: int,
-    page_size: int = 1,
-    branching_len: int | None = None,
-) -> int | None:
-    """Sequence length at which an extend of ``extend_len`` tokens after ``prefix_len`` cached
-    ones can checkpoint its recurrent state for the prefix cache, or ``None``.
-
-    The chunked SSM kernels produce the state after every ``mamba_align`` tokens of the extend
-    (chunk states ``h``) and at its end, so a checkpoint must lie ``k * mamba_align`` tokens
-    after ``prefix_len`` (seed 003 §6.3); it must also end on a KV page. A branch point (where
-    the request's tokens leave a cached path: :attr:`MatchResult.branching_len`) inside the
-    extend is preferred when it is such a boundary, since other requests share the prefix up to
-    it; otherwise the last boundary of the extend is chosen.
-    """
-    if prefix_len < 0 or extend_len < 0:
-        raise ValueError(f"prefix_len ({prefix_len}) and extend_len ({extend_len}) must be >= 0")
-    end = prefix_len + extend_len
-    if (
-        branching_len is not None
-        and prefix_len < branching_len < end
-        and (branching_len - prefix_len) % mamba_align == 0
-        and branching_len % page_size == 0
-    ):
-        return branching_len
-    return last_aligned_boundary(prefix_len, end, mamba_align, page_size)
 
 
 # ----------------------------------------------------------------------------------------
@@ -171,6 +118,7 @@ class TreeNode:
         "last_access",
         "mamba_last_access",
         "removed",
+        "prefix_len",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], value: torch.Tensor, parent: "TreeNode | None") -> None:
@@ -185,6 +133,7 @@ class TreeNode:
         self.last_access = 0
         self.mamba_last_access = 0
         self.removed = False
+        self.prefix_len = len(key) + (parent.prefix_len if parent is not None else 0)  # tokens from the root
 
     @property
     def is_root(self) -> bool:
@@ -263,14 +212,16 @@ class HybridRadixCache:
             ``pools.mamba``.
         mamba_align: the SSM kernel's chunk size (64 for the GDN chunk kernel): the
             granularity of checkpoints (:meth:`checkpoint_len`, :attr:`MatchResult.branching_len`).
-        policy: eviction order. ``"lru"``: least recently used first. ``"marconi"`` (Marconi,
-            arXiv 2411.19379): nodes with at most one child before branch points, each tier
-            lowest ``recency + marconi_alpha * flop_efficiency`` first, both min-max normalised
-            over the candidates, where the FLOP efficiency of a node is the
+        policy: a name of :data:`~hybrid_compile.cache.policy.POLICIES` or a
+            :class:`~hybrid_compile.cache.policy.PrefixCachePolicy`; it orders eviction and tells
+            the scheduler where to checkpoint (``cache.policy``). ``"lru"``: least recently used
+            first. ``"marconi"`` (Marconi, arXiv 2411.19379): nodes with at most one child before
+            branch points, each tier lowest ``recency + marconi_alpha * flop_efficiency`` first,
+            both min-max normalised over the candidates, where the FLOP efficiency of a node is the
             compute a hit on it saves (``prefix_flops`` of its prefix length; default: the
             length, the linear layers' share) per byte it holds (its Mamba state + its edge's KV).
-            The matching admission policy (checkpoint only at branch points and the last decoded
-            token) is the scheduler's (``Scheduler(checkpoint_policy="marconi")``).
+        marconi_alpha: Marconi's weight of FLOP efficiency (settable later: ``cache.marconi_alpha``).
+        prefix_flops: fixed at construction (the eviction indexes keep each node's efficiency).
 
     Token ids are any sequence of ints (or a 1-D integer tensor). Sequences given to
     :meth:`insert` and :meth:`cache_unfinished_req` must be a whole number of pages.
@@ -281,18 +232,15 @@ class HybridRadixCache:
         pools: MemoryPools,
         *,
         mamba_align: int = 64,
-        policy: str = "lru",
+        policy: str | PrefixCachePolicy = "lru",
         marconi_alpha: float = 1.0,
         prefix_flops: Callable[[int], float] | None = None,
     ) -> None:
         if mamba_align < 1:
             raise ValueError(f"HybridRadixCache: mamba_align must be >= 1, got {mamba_align}")
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"HybridRadixCache: policy must be one of {EVICTION_POLICIES}, got {policy!r}")
-        self.policy = policy
-        self.marconi_alpha = float(marconi_alpha)
+        self.policy = make_policy(policy, marconi_alpha=marconi_alpha, what="HybridRadixCache: policy")
+        self._marconi_alpha = float(marconi_alpha)
         self.prefix_flops = prefix_flops or float
-        self._score_norm: tuple[float, float, float] | None = None  # marconi: (min access, access span, max eff)
         self.pools = pools
         self.kv_allocator = pools.kv.allocator
         self.mamba_pool = pools.mamba
@@ -306,6 +254,9 @@ class HybridRadixCache:
 
     def _init_tree(self) -> None:
         self.root = TreeNode(next(self._node_ids), (), _NO_SLOTS, None)
+        # the eviction candidates, kept up to date by _reindex (policy.EvictionIndex)
+        self._kv_index = self.policy.eviction_index(self._kv_evictable, _kv_access, self._kv_efficiency)
+        self._mamba_index = self.policy.eviction_index(self._mamba_evictable, _mamba_access, self._mamba_efficiency)
         self._clock = 0
         self._num_nodes = 0  # non-root nodes
         self._cached_tokens = 0
@@ -427,6 +378,7 @@ class HybridRadixCache:
         mid.children[self._child_key(child.key)] = child
         parent.children[self._child_key(mid.key)] = mid
         self._num_nodes += 1
+        self._reindex(child)  # a shorter edge: less KV to free (Marconi's efficiency)
         return mid
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, mamba_slot: int) -> TreeNode:
@@ -437,6 +389,7 @@ class HybridRadixCache:
         self._num_nodes += 1
         self._set_mamba(node, mamba_slot)
         self._counters["inserted_tokens"] += len(key)
+        self._reindex(parent)
         return node
 
     def _set_mamba(self, node: TreeNode, slot: int) -> None:
@@ -444,6 +397,7 @@ class HybridRadixCache:
         self._mamba_owned[slot] = True
         self._mamba_held += 1
         self._counters["inserted_mamba"] += 1
+        self._reindex(node)
 
     def _drop_mamba(self, node: TreeNode) -> None:
         """Free a node's (unlocked) Mamba state."""
@@ -452,6 +406,7 @@ class HybridRadixCache:
         self._mamba_owned[node.mamba_slot] = False
         node.mamba_slot = None
         self._mamba_held -= 1
+        self._reindex(node)
 
     def _remove_leaf(self, node: TreeNode) -> tuple[int, int]:
         """Remove an unlocked leaf, freeing its KV and state; returns (tokens, states) freed."""
@@ -466,10 +421,13 @@ class HybridRadixCache:
         tokens = len(node.key)
         self._cached_tokens -= tokens
         self._num_nodes -= 1
-        del node.parent.children[self._child_key(node.key)]
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
         node.parent = None
         node.removed = True
         node.value = _NO_SLOTS
+        self._reindex(node)
+        self._reindex(parent)
         return tokens, freed_states
 
     def _prune_stateless_leaves(self, node: TreeNode) -> tuple[int, TreeNode]:
@@ -499,11 +457,13 @@ class HybridRadixCache:
         if node.mamba_lock_ref == 0:
             self._mamba_protected += 1
         node.mamba_lock_ref += 1
+        locked = node
         while node.parent is not None:
             if node.full_lock_ref == 0:
                 self._protected_tokens += len(node.key)
             node.full_lock_ref += 1
             node = node.parent
+        self._reindex(locked)  # (its ancestors have children: their candidacy does not change)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_lock_ref` of ``node``."""
@@ -515,11 +475,13 @@ class HybridRadixCache:
         node.mamba_lock_ref -= 1
         if node.mamba_lock_ref == 0:
             self._mamba_protected -= 1
+        unlocked = node
         while node.parent is not None:
             node.full_lock_ref -= 1
             if node.full_lock_ref == 0:
                 self._protected_tokens -= len(node.key)
             node = node.parent
+        self._reindex(unlocked)
 
     # ------------------------------------------------------------------------------------
     # match
@@ -554,6 +516,7 @@ class HybridRadixCache:
             n.last_access = now
         if best is not self.root:
             best.mamba_last_access = now
+            self._reindex(best)  # (the rest of the path has children: not a candidate of either list)
         kv = torch.cat(values[:best_values]) if best_values else _NO_SLOTS.clone()
         branching = None
         if pos > best_pos:
@@ -615,6 +578,7 @@ class HybridRadixCache:
         if node is not None:
             self.mamba_pool.copy_slots([node.mamba_slot], [dst])
             node.mamba_last_access = self._tick()
+            self._reindex(node)
             self._counters["mamba_hits"] += 1
         return dst
 
@@ -717,6 +681,7 @@ class HybridRadixCache:
             end = node
         end.last_access = now
         end.mamba_last_access = now
+        self._reindex(end)
         return matched, end
 
     def _prepare(self, token_ids: TokenIds, kv_indices: IndexLike) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -861,50 +826,30 @@ class HybridRadixCache:
     # ------------------------------------------------------------------------------------
     # eviction
     # ------------------------------------------------------------------------------------
-    def kv_eviction_priority(self, node: TreeNode):
-        """Sort key of a leaf for :meth:`evict_kv` (lowest first): its last access (LRU), or
-        the Marconi score."""
-        if self.policy == "marconi":
-            return self._marconi_score(node, node.last_access, with_kv=True)
-        return node.last_access
+    @property
+    def marconi_alpha(self) -> float:
+        """Marconi's weight of FLOP efficiency in its eviction score (unused by other policies)."""
+        return getattr(self.policy, "alpha", self._marconi_alpha)
 
-    def mamba_eviction_priority(self, node: TreeNode):
-        """Sort key of a state for :meth:`evict_mamba` (lowest first): its last use (LRU), or
-        the Marconi score."""
-        if self.policy == "marconi":
-            return self._marconi_score(node, node.mamba_last_access, with_kv=False)
-        return node.mamba_last_access
+    @marconi_alpha.setter
+    def marconi_alpha(self, value: float) -> None:
+        self._marconi_alpha = float(value)
+        if hasattr(self.policy, "alpha"):
+            self.policy.alpha = float(value)
 
     def flop_efficiency(self, node: TreeNode, with_kv: bool = True) -> float:
         """Compute a hit at ``node`` saves per byte evicting it frees (Marconi): its state, and
         with ``with_kv`` (KV eviction of a leaf) its edge's KV too."""
-        prefix = sum(len(n.key) for n in self._path(node))
         held = len(node.key) * self.pools.kv.bytes_per_token if with_kv else 0
         if node.mamba_slot is not None:
             held += self.mamba_pool.bytes_per_slot
-        return self.prefix_flops(prefix) / max(held, 1)
+        return self.prefix_flops(node.prefix_len) / max(held, 1)
 
-    def _begin_ranking(self, candidates: list[TreeNode], access) -> None:
-        """Marconi: min-max normalisers of recency and FLOP efficiency over the candidates."""
-        if self.policy != "marconi" or not candidates:
-            return
-        times = [access(n) for n in candidates]
-        effs = [self.flop_efficiency(n, with_kv=access is _kv_access) for n in candidates]
-        self._score_norm = (min(times), max(max(times) - min(times), 1), max(max(effs), 1e-30))
+    def _kv_efficiency(self, node: TreeNode) -> float:
+        return self.flop_efficiency(node, with_kv=True)
 
-    def _marconi_score(self, node: TreeNode, last: int, with_kv: bool) -> float:
-        if self._score_norm is None:
-            raise RuntimeError("marconi eviction priority asked outside an eviction ranking")
-        t0, span, eff_max = self._score_norm
-        score = (last - t0) / span + self.marconi_alpha * self.flop_efficiency(node, with_kv) / eff_max
-        # a branch point (>= 2 children: a prefix several sequences share) goes only after every
-        # node with at most one child (Marconi evicts from those first)
-        return score + (_BRANCH_TIER if len(node.children) >= 2 else 0.0)
-
-    def _ranked(self, candidates: list[TreeNode], priority, access) -> list[tuple]:
-        """Heap entries ``(priority, id, node)`` of the candidates."""
-        self._begin_ranking(candidates, access)
-        return [(priority(n), n.id, n) for n in candidates]
+    def _mamba_efficiency(self, node: TreeNode) -> float:
+        return self.flop_efficiency(node, with_kv=False)
 
     def _kv_evictable(self, node: TreeNode) -> bool:
         return not node.removed and node.parent is not None and node.is_leaf and node.full_lock_ref == 0
@@ -914,70 +859,74 @@ class HybridRadixCache:
             return False
         return bool(node.children) or node.full_lock_ref == 0
 
+    def _reindex(self, node: TreeNode) -> None:
+        """Tell the eviction indexes that ``node``'s candidacy or key may have changed."""
+        self._kv_index.update(node)
+        self._mamba_index.update(node)
+
     def kv_eviction_order(self) -> list[TreeNode]:
-        """The leaves :meth:`evict_kv` may remove now, first victim first (the KV LRU list)."""
+        """The leaves :meth:`evict_kv` may remove now, first victim first (the KV LRU list):
+        every node of the tree sorted by the policy's key (the reference the index follows)."""
         eligible = [n for n in self.nodes() if self._kv_evictable(n)]
-        return [e[2] for e in sorted(self._ranked(eligible, self.kv_eviction_priority, _kv_access), key=_heap_key)]
+        return self.policy.rank(eligible, _kv_access, self._kv_efficiency)
 
     def mamba_eviction_order(self) -> list[TreeNode]:
         """The nodes whose state :meth:`evict_mamba` may free now, first victim first (the
-        Mamba LRU list)."""
+        Mamba LRU list): every node of the tree sorted by the policy's key."""
         eligible = [n for n in self.nodes() if self._mamba_evictable(n)]
-        return [
-            e[2] for e in sorted(self._ranked(eligible, self.mamba_eviction_priority, _mamba_access), key=_heap_key)
-        ]
+        return self.policy.rank(eligible, _mamba_access, self._mamba_efficiency)
 
     def evict_kv(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` KV slots if possible by removing unlocked leaves (KV
-        and state) in LRU order; a parent left as a leaf becomes a candidate (removed at once
-        if it is a tombstone). Returns the KV tokens freed."""
+        and state) in the policy's order (:meth:`kv_eviction_order` at the start of the call); a
+        parent left as a leaf becomes a candidate (removed at once if it is a tombstone).
+        Returns the KV tokens freed."""
         if num_tokens <= 0:
             return 0
-        heap = self._ranked([n for n in self.nodes() if self._kv_evictable(n)], self.kv_eviction_priority, _kv_access)
-        heapq.heapify(heap)
         freed = 0
         c = self._counters
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            if not self._kv_evictable(leaf):
-                continue
-            parent = leaf.parent
-            tokens, states = self._remove_leaf(leaf)
-            freed += tokens
-            c["kv_evicted_nodes"] += 1
-            c["kv_evicted_mamba"] += states
-            pruned, kept = self._prune_stateless_leaves(parent)
-            freed += pruned
-            if self._kv_evictable(kept):  # a leaf now: the next candidate in its turn
-                heapq.heappush(heap, (self.kv_eviction_priority(kept), kept.id, kept))
+        with self._kv_index.ranking() as ranking:
+            while freed < num_tokens:
+                leaf = ranking.pop()
+                if leaf is None:
+                    break
+                if not self._kv_evictable(leaf):
+                    continue
+                parent = leaf.parent
+                tokens, states = self._remove_leaf(leaf)
+                freed += tokens
+                c["kv_evicted_nodes"] += 1
+                c["kv_evicted_mamba"] += states
+                # a parent left as a leaf joins the ranking (_reindex); a tombstone one goes now
+                freed += self._prune_stateless_leaves(parent)[0]
         c["kv_evicted_tokens"] += freed
         return freed
 
     def evict_mamba(self, num_slots: int) -> int:
-        """Free at least ``num_slots`` cached states if possible, in LRU order of use: an
-        internal node becomes a tombstone (its KV stays for its children); a leaf is removed
-        with its KV (and so are tombstone ancestors it leaves childless). Returns states freed."""
+        """Free at least ``num_slots`` cached states if possible, in the policy's order of use
+        (:meth:`mamba_eviction_order` at the start of the call): an internal node becomes a
+        tombstone (its KV stays for its children); a leaf is removed with its KV (and so are
+        tombstone ancestors it leaves childless). Returns states freed."""
         if num_slots <= 0:
             return 0
-        heap = self._ranked(
-            [n for n in self.nodes() if self._mamba_evictable(n)], self.mamba_eviction_priority, _mamba_access
-        )
-        heapq.heapify(heap)
         freed = 0
         c = self._counters
-        while freed < num_slots and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._mamba_evictable(node):
-                continue
-            if node.children:
-                self._drop_mamba(node)
-                c["tombstones_created"] += 1
-            else:
-                parent = node.parent
-                tokens = self._remove_leaf(node)[0]
-                tokens += self._prune_stateless_leaves(parent)[0]
-                c["mamba_evicted_tokens"] += tokens
-            freed += 1
+        with self._mamba_index.ranking() as ranking:
+            while freed < num_slots:
+                node = ranking.pop()
+                if node is None:
+                    break
+                if not self._mamba_evictable(node):
+                    continue
+                if node.children:
+                    self._drop_mamba(node)
+                    c["tombstones_created"] += 1
+                else:
+                    parent = node.parent
+                    tokens = self._remove_leaf(node)[0]
+                    tokens += self._prune_stateless_leaves(parent)[0]
+                    c["mamba_evicted_tokens"] += tokens
+                freed += 1
         c["mamba_evicted"] += freed
         return freed
 
@@ -1023,7 +972,7 @@ class HybridRadixCache:
         """Tree size, lock totals and counters since construction / :meth:`reset`."""
         nodes = list(self.nodes())
         return {
-            "policy": self.policy,
+            "policy": self.policy.name,
             "page_size": self.page_size,
             "mamba_align": self.mamba_align,
             "cached_tokens": self._cached_tokens,
@@ -1102,6 +1051,14 @@ class HybridRadixCache:
         assert torch.equal(mmask, self._mamba_owned), "Mamba ownership mask out of step"
         assert (count, tokens, protected) == (self._num_nodes, self._cached_tokens, self._protected_tokens)
         assert (len(states), mamba_protected) == (self._mamba_held, self._mamba_protected)
+        nodes = list(self.nodes())
+        for node in nodes:
+            assert node.prefix_len == node.parent.prefix_len + len(node.key), f"{node!r}: prefix length"
+        for index, evictable, access in ((self._kv_index, self._kv_evictable, _kv_access),
+                                         (self._mamba_index, self._mamba_evictable, _mamba_access)):
+            expected = {n.id: access(n) for n in nodes if evictable(n)}
+            assert {nid: rec[2] if len(rec) > 3 else rec[1] for nid, rec in index.rec.items()} == expected, \
+                "eviction index out of step with the tree"
 
 
 __all__ = [

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..cache.policy import check_policy_name
+
 
 @dataclass
 class EngineConfig:
@@ -97,8 +99,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.prefix_cache_track_interval must be an integer >= 0, got {self.prefix_cache_track_interval!r}"
             )
-        if self.prefix_cache_policy not in ("lru", "marconi"):
-            raise ValueError(f"EngineConfig.prefix_cache_policy must be 'lru' or 'marconi', got {self.prefix_cache_policy!r}")
+        check_policy_name(self.prefix_cache_policy, what="EngineConfig.prefix_cache_policy")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         try:

@@ -220,6 +220,7 @@ class HybridEngine(GenerateAPI):
         except BaseException:
             self.patch.undo()  # a failed wrap leaves the model exactly as it was
             raise
+        # the radix tree, None when off (the scheduler then runs on a NullPrefixCache)
         self.prefix_cache = (
             HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy)
             if config.enable_prefix_cache
@@ -230,7 +231,6 @@ class HybridEngine(GenerateAPI):
             chunked_prefill_size=config.chunked_prefill_size,
             max_running_requests=config.max_running_requests,
             prefix_cache=self.prefix_cache,
-            checkpoint_policy=config.prefix_cache_policy,
             decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
@@ -316,8 +316,7 @@ class HybridEngine(GenerateAPI):
             self.step()
         for rid in (a, b):
             self.pop_finished(rid)
-        if self.prefix_cache is not None:
-            self.prefix_cache.reset()
+        self.scheduler.cache.reset()
         (self._counters, self.scheduler.cache_counters, self.scheduler.num_retractions,
          self.scheduler.new_token_ratio) = saved
         if spec is not None:
@@ -337,15 +336,13 @@ class HybridEngine(GenerateAPI):
             self._ahead = None
         if self.speculative is not None:
             self.speculative.close()
-        if self.prefix_cache is not None:
-            self.prefix_cache.reset(force=True)
+        self.scheduler.cache.reset(force=True)
         self.patch.undo()
 
     def clear_prefix_cache(self) -> None:
         """Free every KV slot and Mamba state the prefix cache holds (and zero its counters).
         Raises RuntimeError while running requests use cached prefixes; no-op without a cache."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.reset()
+        self.scheduler.cache.reset()
 
     def __enter__(self) -> "HybridEngine":
         return self

@@ -20,7 +20,7 @@ tokens but the last, locked, state copied into the request's own slot); KV room 
 cache's evictable tokens, and the cache is evicted before anything is retracted. A finished
 request hands its KV and final state to the cache (exact at its full length); a retracted one
 frees only its own slots and drops its lock. Prefills checkpoint their state at chunk-aligned
-lengths (seed 003 §6; :meth:`Scheduler._checkpoint_len` says where, per ``checkpoint_policy``):
+lengths (seed 003 §6; the cache's policy says where: :meth:`Scheduler._checkpoint_len`):
 the step's :class:`ScheduledBatch` carries the slots the layer ops track into, and
 :meth:`Scheduler.commit_checkpoints` hands them to the cache after the forward, so a long
 prompt's first chunks are reusable while it still runs. Requests that arrive together and share
@@ -37,12 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import HybridRadixCache
+from ..cache import HybridRadixCache, NullPrefixCache
 from ..layers.context import ForwardMode
 from ..memory import MemoryPools
 from .request import Request, RequestStatus
 
-CHECKPOINT_POLICIES = ("lru", "marconi")
 WAIT_FOR_SHARED_PREFIX = "wait_for_shared_prefix"  # Scheduler._admit: admit the request in a later step
 
 
@@ -94,15 +93,12 @@ class Scheduler:
         *,
         chunked_prefill_size: int,
         max_running_requests: int,
-        prefix_cache: HybridRadixCache | None = None,
-        checkpoint_policy: str = "lru",
+        prefix_cache: HybridRadixCache | NullPrefixCache | None = None,
         decode_checkpoint_interval: int = 0,
     ) -> None:
-        if checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {checkpoint_policy!r}")
         self.pools = pools
-        self.cache = prefix_cache
-        self.checkpoint_policy = checkpoint_policy
+        # None: no prefix cache (a NullPrefixCache: one code path); its policy places checkpoints
+        self.cache = prefix_cache if prefix_cache is not None else NullPrefixCache(pools)
         self.decode_checkpoint_interval = decode_checkpoint_interval  # 0: no decode checkpoints
         # checkpoints of the last scheduled step, committed to the cache after its forward: the
         # batch and its (request, sequence length, tracked Mamba slot or None = fork the request's slot)
@@ -143,14 +139,12 @@ class Scheduler:
 
     def _kv_room(self) -> int:
         """KV slots that can be had now: free ones plus what the prefix cache could evict."""
-        room = self.pools.kv.allocator.available()
-        if self.cache is not None:
-            room += self.cache.evictable_size()
-        return room
+        return self.pools.kv.allocator.available() + self.cache.evictable_size()
 
     def _make_room(self, reqs: list[Request], extend_lens: list[int]) -> None:
-        """Evict cached prefixes until the KV of this extend fits (no-op without a cache)."""
-        if self.cache is None or not reqs:
+        """Evict cached prefixes until the KV of this extend fits (no-op when nothing is evictable,
+        e.g. without a cache)."""
+        if not reqs or not self.cache.evictable_size():
             return
         alloc = self.pools.kv.allocator
         pages = alloc.pages_needed([r.num_computed for r in reqs], extend_lens)
@@ -166,14 +160,14 @@ class Scheduler:
         request.branching_len = None
 
     def release(self, request: Request) -> None:
-        """Free everything a request holds (retraction; finish without a prefix cache). Slots
-        of a matched prefix belong to the cache: only the request's lock on them is dropped."""
+        """Free everything a request holds (retraction, abort, roll-back). Slots of a matched
+        prefix belong to the cache: only the request's lock on them is dropped."""
         own = request.kv_slots[request.cached_len :]
         if own.numel():
             self.pools.kv.allocator.free(own)
         if request.req_slot is not None:
             self.pools.req_to_token.free([request.req_slot])
-        if self.cache is not None and request.last_node is not None:
+        if request.last_node is not None:
             self.cache.dec_lock_ref(request.last_node)
         self._reset(request)
 
@@ -224,17 +218,14 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
-        if self.cache is None:
-            self.release(request)
-        else:
-            # the tree takes the computed tokens' KV and the final recurrent state (exact: it is
-            # the state after exactly num_computed tokens); the request slot is freed without it
-            n = request.num_computed
-            self.cache.cache_finished_req(
-                request.token_ids(0, n), request.kv_slots[:n], request.last_node, request.mamba_slot, mamba_len=n
-            )
-            self.pools.req_to_token.free([request.req_slot], free_mamba=False)
-            self._reset(request)
+        # the tree takes the computed tokens' KV and the final recurrent state (exact: it is
+        # the state after exactly num_computed tokens); the request slot is freed without it
+        n = request.num_computed
+        self.cache.cache_finished_req(
+            request.token_ids(0, n), request.kv_slots[:n], request.last_node, request.mamba_slot, mamba_len=n
+        )
+        self.pools.req_to_token.free([request.req_slot], free_mamba=False)
+        self._reset(request)
         request.status = RequestStatus.FINISHED
 
     def fork(self, parent: Request, child: Request) -> bool:
@@ -245,15 +236,14 @@ class Scheduler:
         (``MambaPool.copy_slots``, the cache's copy-on-write). False, changing nothing, when the
         child does not fit now (it is then prefilled by itself)."""
         n = parent.num_computed
-        shared = parent.cached_len if self.cache is not None else 0
+        shared = parent.cached_len
         page = self.pools.kv.allocator.page_size
         if shared % page:
             raise AssertionError(f"a cached prefix of {shared} tokens is not a whole number of pages of {page}")
         if len(self.running) >= self.max_running_requests or \
                 self._kv_room() < n - shared + self._expected_new_tokens(child):
             return False
-        if self.cache is not None:
-            self.cache.ensure_free(mamba_slots=1)
+        self.cache.ensure_free(mamba_slots=1)
         req_slots = self.pools.req_to_token.alloc(1)
         if req_slots is None:
             return False
@@ -261,9 +251,8 @@ class Scheduler:
         child.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
         child.kv_slots = parent.kv_slots[:shared].clone()
         child.num_computed = shared
-        if self.cache is not None:
-            self.cache.inc_lock_ref(parent.last_node)
-            child.last_node, child.cached_len = parent.last_node, shared
+        self.cache.inc_lock_ref(parent.last_node)
+        child.last_node, child.cached_len = parent.last_node, shared
         self._make_room([child], [n - shared])
         kv = self._alloc_kv([child], [n - shared])
         if kv is None:
@@ -285,6 +274,8 @@ class Scheduler:
         computed that prefix yet. If so, that request checkpoints its state at the branch point
         (its ``branching_len``, Marconi's speculative branch point) and ``r`` is admitted once it is
         cached, skipping it instead of recomputing it in parallel."""
+        if not self.cache.policy.waits_for_shared_prefix:
+            return False
         align = self.cache.mamba_align
         tokens = r.token_ids(0, r.seq_len - 1)
         for other in self.running:
@@ -306,18 +297,15 @@ class Scheduler:
         KV slots, None (nothing held) when something does not fit, or ``WAIT_FOR_SHARED_PREFIX``
         when a running request is about to cache a longer prefix of it
         (:meth:`_wait_for_shared_prefix`)."""
-        match = None
-        prefix = 0
-        if self.cache is not None:
-            # everything but the last token may come from the cache (its logits are needed);
-            # a retracted request matches its prompt + output so far
-            match = self.cache.match_prefix(r.token_ids(0, r.seq_len - 1))
-            if self._wait_for_shared_prefix(r, match.prefix_len):
-                self.cache_counters["admissions_held"] += 1
-                self._reset(r)
-                return WAIT_FOR_SHARED_PREFIX
-            self.cache.inc_lock_ref(match.last_node)
-            prefix = match.prefix_len
+        # everything but the last token may come from the cache (its logits are needed);
+        # a retracted request matches its prompt + output so far
+        match = self.cache.match_prefix(r.token_ids(0, r.seq_len - 1))
+        if self._wait_for_shared_prefix(r, match.prefix_len):
+            self.cache_counters["admissions_held"] += 1
+            self._reset(r)
+            return WAIT_FOR_SHARED_PREFIX
+        self.cache.inc_lock_ref(match.last_node)
+        prefix = match.prefix_len
         pending = r.seq_len - prefix
         n = self._chunk_len(prefix, pending, budget)
         own = self._expected_new_tokens(r) + (pending - n)
@@ -325,8 +313,7 @@ class Scheduler:
         def give_up(req_slots=None):
             if req_slots is not None:
                 self.pools.req_to_token.free(req_slots)
-            if match is not None:
-                self.cache.dec_lock_ref(match.last_node)
+            self.cache.dec_lock_ref(match.last_node)
             self._reset(r)
             return None
 
@@ -334,32 +321,29 @@ class Scheduler:
             return give_up()
         if self._kv_room() < n + reserve + own:
             return give_up()
-        if self.cache is not None:
-            self.cache.ensure_free(mamba_slots=1)
+        self.cache.ensure_free(mamba_slots=1)
         req_slots = self.pools.req_to_token.alloc(1)
         if req_slots is None:
             return give_up()
         r.req_slot = int(req_slots[0])
         r.mamba_slot = int(self.pools.req_to_token.mamba_slots(req_slots)[0])
-        r.num_cached_tokens = min(prefix, len(r.prompt)) if match is not None else 0
-        if match is not None:
-            r.num_computed = prefix
-            r.kv_slots = match.kv_indices.clone()
-            r.cached_len = prefix
-            r.last_node = match.last_node
-            r.branching_len = match.branching_len
+        r.num_cached_tokens = min(prefix, len(r.prompt))
+        r.num_computed = prefix
+        r.kv_slots = match.kv_indices.clone()
+        r.cached_len = prefix
+        r.last_node = match.last_node
+        r.branching_len = match.branching_len
         self._make_room([r], [n])
         kv = self._alloc_kv([r], [n])
         if kv is None:
             return give_up(req_slots)
-        if match is not None:
-            self.cache.cow_mamba(match, r.mamba_slot)
-            c = self.cache_counters
-            c["admitted_requests"] += 1
-            c["admitted_tokens"] += r.seq_len
-            c["admitted_hit_tokens"] += prefix
-            if prefix:
-                self.pools.req_to_token.set_tokens(r.req_slot, 0, match.kv_indices)
+        self.cache.cow_mamba(match, r.mamba_slot)
+        c = self.cache_counters
+        c["admitted_requests"] += 1
+        c["admitted_tokens"] += r.seq_len
+        c["admitted_hit_tokens"] += prefix
+        if prefix:
+            self.pools.req_to_token.set_tokens(r.req_slot, 0, match.kv_indices)
         return kv
 
     # -- one step --------------------------------------------------------------------------
@@ -375,7 +359,7 @@ class Scheduler:
         does not reach one), so chunks start on the global checkpoint grid and the states at
         grid lengths, branch points included, can be cached by any request."""
         n = min(pending, budget)
-        if self.cache is None or n == pending:
+        if n == pending:
             return n
         align = self.cache.mamba_align
         if self.chunked_prefill_size < align:
@@ -442,7 +426,7 @@ class Scheduler:
             return None
         if any(r.pending != 0 or r.num_computed == 0 for r in reqs):
             return None
-        if self.cache is not None and any(self._checkpoint_len(r, r.num_computed, 1) is not None for r in reqs):
+        if any(self._checkpoint_len(r, r.num_computed, 1) is not None for r in reqs):
             return None
         n = len(reqs)
         if self.pools.kv.allocator.available() < n:  # (what a page > 1 needs is checked by the allocator)
@@ -458,8 +442,7 @@ class Scheduler:
         batch = ScheduledBatch(requests=list(reqs), prefix_lens=prefix, extend_lens=[1] * n, out_cache_loc=slots,
                                mode=ForwardMode.DECODE)
         self._drop_pending_checkpoints()
-        if self.cache is not None:
-            self._pending_checkpoints = (batch, [])
+        self._pending_checkpoints = (batch, [])
         return batch
 
     def schedule(self, decodes: bool = True) -> ScheduledBatch | None:
@@ -517,42 +500,19 @@ class Scheduler:
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
         )
         self._drop_pending_checkpoints()
-        if self.cache is not None:
-            self._plan_checkpoints(batch)
+        self._plan_checkpoints(batch)
         return batch
 
     # -- prefix-cache checkpoints (seed 003 §6) -----------------------------------------------
     def _checkpoint_len(self, r: Request, prefix: int, n: int) -> int | None:
-        """Sequence length inside this extend whose state goes to the cache, or None.
-
-        ``lru`` (SGLang): the branch point if it lies on a chunk boundary of the extend, else
-        the extend's last chunk boundary (so a long prompt becomes reusable chunk by chunk while
-        it runs). ``marconi``: only the branch point (where another cached sequence leaves this
-        one: a prefix known to be shared); the last decoded token's state is cached at finish.
-
-        Decode tokens (one token on top of a state): ``lru`` checkpoints every
-        ``decode_checkpoint_interval`` tokens of the sequence (the request's state after the step
-        is forked: a retracted request, or one that shares part of another's output, resumes
-        there); ``marconi`` relies on the finish-time state.
-        """
-        if n <= 1 and prefix > 0:
-            length = prefix + n
-            interval = self.decode_checkpoint_interval
-            if (
-                self.checkpoint_policy == "marconi"
-                or not interval
-                or length % interval
-                or length % self.cache.page_size
-                or length <= r.cached_len
-            ):
-                return None
-            return length
-        length = self.cache.checkpoint_len(prefix, n, branching_len=r.branching_len)
-        if length is None or length <= r.cached_len:
-            return None
-        if self.checkpoint_policy == "marconi" and length != r.branching_len:
-            return None
-        return length
+        """Sequence length inside this extend whose state goes to the cache, or None: the cache's
+        policy decides (``cache/policy.py``: ``lru`` the branch point or the extend's last chunk
+        boundary, and every ``decode_checkpoint_interval`` decode tokens; ``marconi`` branch points
+        only; none without a cache)."""
+        return self.cache.policy.checkpoint_len(
+            prefix, n, mamba_align=self.cache.mamba_align, page_size=self.cache.page_size,
+            cached_len=r.cached_len, branching_len=r.branching_len, decode_interval=self.decode_checkpoint_interval,
+        )
 
     def _plan_checkpoints(self, batch: ScheduledBatch) -> None:
         """Pick each request's checkpoint of this EXTEND. One at the end of its extend is the

@@ -1,6 +1,6 @@
 """HybridRadixCache: prefix cache of a hybrid model (KV of the attention layers + Mamba states).
 
-A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to KV pages):
+A radix tree over token ids (the design of SGLang's ``MambaRadixCache``, extended to KV pages):
 
 - **Node.** ``key`` is the token ids of the edge from its parent, ``value`` the KV token
   slots of those tokens (CPU int64, same length), ``mamba_slot`` the Mamba-pool slot holding
@@ -35,7 +35,7 @@ A radix tree over token ids (seed 001, SGLang's ``MambaRadixCache``, extended to
   by the tree alone; a request owns the slots it allocated beyond its matched prefix. Handing
   slots to :meth:`insert` / :meth:`cache_finished_req` transfers them: the tree adopts what is
   new and frees duplicates of what it already holds. :meth:`reset` frees everything.
-- **Chunk-aligned checkpoints (seed 003).** The tree stores a state at any length it is
+- **Chunk-aligned checkpoints.** The tree stores a state at any length it is
   given; *where* states are taken is the policy's (``cache.policy.checkpoint_len``, asked by the
   scheduler). The chunked SSM kernels expose
   states only every ``mamba_align`` tokens from the start of an extend, so
@@ -171,7 +171,7 @@ class MatchResult:
             the two have KV but no state at their end and are recomputed).
         branching_len: where the request should checkpoint its state so the KV-only part
             becomes reusable: the last ``mamba_align`` boundary after ``prefix_len`` not beyond
-            ``kv_match_len`` (and on a page), or ``None`` (seed 003 §3.2).
+            ``kv_match_len`` (and on a page), or ``None``.
     """
 
     kv_indices: torch.Tensor

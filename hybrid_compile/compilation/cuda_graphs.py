@@ -1,5 +1,5 @@
 """CUDA graphs for the engine: full graphs of pure-decode and speculative-verify steps and
-piecewise graphs of the compiled pieces (DESIGN.md "Compile"; seed 000 "CUDA Graph Support", seed 002 §1.2 / §6.2).
+piecewise graphs of the compiled pieces.
 
 Two mechanisms, both on top of the compiled forward (:mod:`.backend`). The engine decides
 which graphs to capture and captures them (``hybrid_compile.engine.graph_setup``); the model

@@ -6,7 +6,7 @@ turns the pieces into submodules ``submod_<i>`` of a new top-level graph that ca
 order (``keep_original_order=True``: the node order, hence the order of side effects, stays
 the original one). The backend compiles the pieces without a splitting op and leaves the
 others as eager calls of the opaque custom op (the op reads the forward context at run time).
-This is vLLM's ``split_graph`` idea (seed 002 §1.2 describes SGLang's equivalent).
+This is vLLM's ``split_graph`` idea (SGLang's piecewise CUDA graphs cut the same way).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class EngineConfig:
 
     Capacities left as None are derived from a memory budget: ``memory_fraction`` of the free
     device memory (or of available RAM on CPU), split between the Mamba pool and the KV pool
-    so that mamba bytes / KV bytes = ``mamba_full_memory_ratio`` (seed 001 §6).
+    so that mamba bytes / KV bytes = ``mamba_full_memory_ratio`` (``memory/sizing.py``).
     """
 
     device: str | torch.device | None = None  # default: the model's device

@@ -20,7 +20,7 @@ tokens but the last, locked, state copied into the request's own slot); KV room 
 cache's evictable tokens, and the cache is evicted before anything is retracted. A finished
 request hands its KV and final state to the cache (exact at its full length); a retracted one
 frees only its own slots and drops its lock. Prefills checkpoint their state at chunk-aligned
-lengths (seed 003 §6; the cache's policy says where: :meth:`Scheduler._checkpoint_len`):
+lengths (the cache's policy says where: :meth:`Scheduler._checkpoint_len`):
 the step's :class:`ScheduledBatch` carries the slots the layer ops track into, and
 :meth:`Scheduler.commit_checkpoints` hands them to the cache after the forward, so a long
 prompt's first chunks are reusable while it still runs. Requests that arrive together and share
@@ -503,7 +503,7 @@ class Scheduler:
         self._plan_checkpoints(batch)
         return batch
 
-    # -- prefix-cache checkpoints (seed 003 §6) -----------------------------------------------
+    # -- prefix-cache checkpoints -------------------------------------------------------------
     def _checkpoint_len(self, r: Request, prefix: int, n: int) -> int | None:
         """Sequence length inside this extend whose state goes to the cache, or None: the cache's
         policy decides (``cache/policy.py``: ``lru`` the branch point or the extend's last chunk

@@ -308,7 +308,7 @@ def test_qwen3_5_image_text_model_text_path_matches_hf(kind):
 def test_qwen3_next_projection_split_equals_hf_reordering():
     """The patched mixer splits Qwen3-Next's per-key-head interleaved projections itself (views that
     keep the token dimension apart); the values must be those of HF's ``fix_query_key_value_ordering``."""
-    from hybrid_compile.models.qwen3_next import _split_interleaved
+    from hybrid_compile.models.gated_deltanet import _split_interleaved
 
     model = cached_model("qwen3_next_dense", 0)
     mixer = next(m for m in model.modules() if hasattr(m, "in_proj_qkvz"))
@@ -325,7 +325,7 @@ def test_qwen3_next_projection_split_equals_hf_reordering():
 def test_gdn_gated_norm_runs_as_our_op(kind):
     """Every Gated DeltaNet family hands its gated norm (HF: ``[tokens * heads, head_dim]`` rows, one
     ``[head_dim]`` weight) to the ``gated_rms_norm`` op on ``[tokens, heads * head_dim]``: the same values."""
-    from hybrid_compile.models.qwen3_next import _gated_norm
+    from hybrid_compile.models.gated_deltanet import _gated_norm
 
     model = cached_model(kind, 0)
     mixer = next(m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias"))

@@ -134,9 +134,9 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
     for case in cases:
         os.environ["MASTER_PORT"] = str(case["port"])
         if case.get("fail_rank") == rank:  # a fault on this rank: its third GDN mixer call raises
-            from hybrid_compile.models import qwen3_next
+            from hybrid_compile.models import gated_deltanet
 
-            real, calls = qwen3_next.gdn_mixer_forward, [0]
+            real, calls = gated_deltanet.gdn_mixer_forward, [0]
 
             def failing(self, *args, **kwargs):
                 calls[0] += 1
@@ -144,7 +144,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
                     raise RuntimeError("injected fault in the GDN mixer")
                 return real(self, *args, **kwargs)
 
-            qwen3_next.gdn_mixer_forward = failing
+            gated_deltanet.gdn_mixer_forward = failing
         t0 = time.perf_counter()
         engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
         if rank != 0:
@@ -304,13 +304,13 @@ def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):
             assert 0.45 * full < r["shard_bytes"] < 0.6 * full
             assert r["peak_host_bytes"] < 0.75 * full, ranks
         processes = list(engine._processes)
-        from hybrid_compile.models import qwen3_next
+        from hybrid_compile.models import gated_deltanet
 
         def failing(self, *args, **kwargs):
             raise ValueError("injected fault on rank 0")
 
         for m in engine.model.modules():
-            if "forward" in m.__dict__ and getattr(m.__dict__["forward"], "__func__", None) is qwen3_next.gdn_mixer_forward:
+            if "forward" in m.__dict__ and getattr(m.__dict__["forward"], "__func__", None) is gated_deltanet.gdn_mixer_forward:
                 m.forward = failing.__get__(m)
         t0 = time.perf_counter()
         with pytest.raises(ValueError, match="injected fault on rank 0"):

@@ -1,4 +1,10 @@
-"""Model families: one module per HF family that detects it and patches its layer classes.
+"""Model families: detect a model's family and patch its layer classes. One module per mechanism
+patched: :mod:`.gated_deltanet` (the Gated DeltaNet mixers of Qwen3-Next, Qwen3.5 and OLMo-Hybrid),
+:mod:`.mamba2` (Mamba2 mixers and attention, one HF layer index each: Mamba2, NemotronH, Bamba,
+Granite-4), :mod:`.falcon_h1` (parallel attention + Mamba2 in every layer), :mod:`.zamba2`
+(Mamba2 layers + a shared attention block), :mod:`.short_conv` (LFM2's short convolutions);
+:mod:`.mamba2_common` holds the Mamba2 mixer forward they share, :mod:`.mtp` the
+multi-token-prediction heads, :mod:`.base` the patch handle and the attention hook.
 
 ``FAMILIES`` maps ``config.model_type`` to the family module, which provides
 ``layout(model) -> ModelLayout`` (what the pools need) and ``patch(model, handle)`` (per
@@ -11,10 +17,10 @@ from types import ModuleType
 
 from torch import nn
 
-from . import falcon_h1, lfm2, mamba2_per_layer, qwen3_next, zamba2
+from . import falcon_h1, gated_deltanet, mamba2, short_conv, zamba2
 from .base import ModelLayout, PatchHandle
 
-_FAMILY_MODULES = (qwen3_next, mamba2_per_layer, falcon_h1, zamba2, lfm2)
+_FAMILY_MODULES = (gated_deltanet, mamba2, falcon_h1, zamba2, short_conv)
 FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 

@@ -73,13 +73,14 @@ MODELS = {
     "bamba": mm.build_bamba,
     "granitemoehybrid": mm.build_granitemoehybrid,
     "falcon_h1": mm.build_falcon_h1,
+    "olmo_hybrid": lambda: em.build_model("olmo_hybrid"),
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
-             "granitemoehybrid", "falcon_h1", "mamba2_one_group")
+             "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
@@ -270,10 +271,9 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     d = checkpoints["qwen3_next_moe"]["dir"]  # 2 linear key heads
     with pytest.raises(ShardingError, match="linear_num_key_heads=2.*does not divide by 4"):
         hc.from_pretrained(d, tensor_parallel_size=4, device="cpu")
-    model = em.build_model("olmo_hybrid")
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ShardingError, match="olmo_hybrid is not supported with tensor parallelism"):
-        hc.from_pretrained(tmp_path, tensor_parallel_size=2, device="cpu")
+    model = checkpoints["olmo_hybrid"]["model"]  # 2 KV heads: its cross-rank k_norm needs them split
+    with pytest.raises(ShardingError, match="num_key_value_heads=2.*does not divide by 4"):
+        hc.from_pretrained(checkpoints["olmo_hybrid"]["dir"], tensor_parallel_size=4, device="cpu")
     with pytest.raises(ValueError, match="use hc.from_pretrained"):
         hc.wrap(model, tensor_parallel_size=2)
     zamba = tmp_path / "zamba2"

@@ -16,10 +16,13 @@ Layouts split per head (every rank takes contiguous heads; a segment of a fused 
 split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
 
 - attention: q/k/v by heads (a KV head is replicated on the ranks whose query heads use it when
-  there are fewer KV heads than ranks), o_proj by input columns.
+  there are fewer KV heads than ranks), o_proj by input columns. OLMo-Hybrid's ``q_norm`` /
+  ``k_norm`` (one RMSNorm over all heads) are split with their heads and reduce their sum of
+  squares across the ranks (``cross_rank_norms``; its KV heads must divide).
 - Gated DeltaNet: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` rows are grouped per key head,
-  so whole key-head groups go to a rank; Qwen3.5's separate projections are split per segment;
-  conv channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` by columns.
+  so whole key-head groups go to a rank; Qwen3.5's and OLMo-Hybrid's separate projections are
+  split per segment (OLMo-Hybrid's conv is saved as three tensors: ``Slice.concat_keys``); conv
+  channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
   when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
@@ -74,6 +77,9 @@ class Slice:
     ``experts``: the local tensor is ``[E, ...]`` stacked from per-expert checkpoint tensors
     (``key.format(e=...)``), each read with ``dim`` / ``segments``; ``parts`` > 1 concatenates
     several per-expert keys along ``concat_dim`` first (``gate_up_proj`` from gate and up).
+    ``concat_keys``: when the checkpoint has no tensor of the parameter's name, the full tensor is
+    the concatenation along ``dim`` of these keys (``{p}``: the parent of the parameter's module), e.g.
+    OLMo-Hybrid's ``conv1d`` saved as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``.
     """
 
     dim: int = 0
@@ -84,6 +90,7 @@ class Slice:
     experts: int = 0
     expert_keys: tuple[str, ...] = ()
     concat_dim: int = 0
+    concat_keys: tuple[str, ...] = ()
 
 
 def _split(units: int, size: int, what: str, family: str) -> int:
@@ -118,8 +125,9 @@ class ShardPlan:
     reduced_modules: list[re.Pattern] = field(default_factory=list)
     # modules matching these are reduced only when they are an MLP or MoE block (NemotronH's mixers)
     reduced_blocks: list[re.Pattern] = field(default_factory=list)
-    # Mamba2 gated norms whose one group spans every rank (n_groups == 1): (pattern, full group size)
-    cross_rank_norms: list[tuple[re.Pattern, int]] = field(default_factory=list)
+    # RMSNorms over channels split across every rank (layers.cross_rank_rms_norm): (pattern, full width,
+    # gated: a Mamba2 gated norm whose one group spans every rank, n_groups == 1)
+    cross_rank_norms: list[tuple[re.Pattern, int, bool]] = field(default_factory=list)
     local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
 
     def add(self, pattern: str, s: Slice) -> None:
@@ -203,18 +211,21 @@ def _head_dim(cfg) -> int:
 
 
 def gdn_plan(config, size: int, rank: int) -> ShardPlan:
-    """Qwen3-Next / Qwen3.5 (dense and MoE)."""
+    """Qwen3-Next / Qwen3.5 (dense and MoE) / OLMo-Hybrid."""
     cfg = _text(config)
     family = cfg.model_type
     plan = ShardPlan(family, size, rank, cfg)
-    if family == "olmo_hybrid":
-        raise ShardingError(
-            f"tensor_parallel_size={size}: olmo_hybrid is not supported with tensor parallelism yet (its q_norm / "
-            "k_norm normalise over all heads at once, which needs a cross-rank norm)"
-        )
     heads, kv, hd = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), _head_dim(cfg)
     # Qwen3-Next / Qwen3.5 attention: q_proj holds [query | gate] per head
     gated = family.startswith(("qwen3_next", "qwen3_5"))
+    if family == "olmo_hybrid":
+        # q_norm / k_norm normalise all heads at once: each rank holds its heads' weights and the
+        # norm's sum of squares is all-reduced; a KV head replicated on several ranks would count twice
+        _split(kv, size, "num_key_value_heads", family)
+        plan.add(r"\.self_attn\.q_norm\.weight", Slice(0, (Segment(heads, hd),)))
+        plan.add(r"\.self_attn\.k_norm\.weight", Slice(0, (Segment(kv, hd),)))
+        plan.cross_rank_norms += [(re.compile(r"\.self_attn\.q_norm$"), heads * hd, False),
+                                  (re.compile(r"\.self_attn\.k_norm$"), kv * hd, False)]
     local_kv = plan.attention(r"\.self_attn", heads, kv, hd, q_rows_per_head=2 * hd if gated else hd)
     hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
     kd, vd = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
@@ -228,10 +239,13 @@ def gdn_plan(config, size: int, rank: int) -> ShardPlan:
     plan.add(p + r"\.in_proj_qkv\.weight", Slice(0, qkv))
     plan.add(p + r"\.in_proj_z\.weight", Slice(0, (Segment(hv, vd),)))
     plan.add(p + r"\.in_proj_[ab]\.weight", Slice(0, (Segment(hv, 1),)))
-    plan.add(p + r"\.conv1d\.weight", Slice(0, qkv))
+    plan.add(p + r"\.[qk]_proj\.weight", Slice(0, (Segment(hk, kd),)))  # OLMo-Hybrid's separate projections
+    plan.add(p + r"\.[vg]_proj\.weight", Slice(0, (Segment(hv, vd),)))
+    plan.add(p + r"\.[ab]_proj\.weight", Slice(0, (Segment(hv, 1),)))
+    plan.add(p + r"\.conv1d\.weight", Slice(0, qkv, concat_keys=tuple(f"{{p}}.{x}_conv1d.weight" for x in "qkv")))
     plan.add(p + r"\.(A_log|dt_bias)", Slice(0, (Segment(hv, 1),)))
-    plan.add(p + r"\.out_proj\.weight", Slice(1, (Segment(hv, vd),)))
-    plan.reduce(p + r"\.out_proj")
+    plan.add(p + r"\.(out|o)_proj\.weight", Slice(1, (Segment(hv, vd),)))
+    plan.reduce(p + r"\.(out|o)_proj")
     if getattr(cfg, "intermediate_size", None):
         plan.mlp(r"\.mlp", int(cfg.intermediate_size), "intermediate_size")
     fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
@@ -263,7 +277,7 @@ def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups
         bc, local_groups = Segment(groups, state), groups // n
     elif groups == 1:
         bc, local_groups = Segment(1, state, REPLICATE_UNIT), 1
-        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim))
+        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim, True))
     else:
         raise ShardingError(
             f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups: neither 1 nor a "

@@ -232,6 +232,10 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     local_config = plan.local_config(config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(local_config, trust_remote_code=trust_remote_code)
+        for name, module in list(model.named_modules()):
+            for pattern, rebuild in plan.local_modules:
+                if pattern.search(name):
+                    rebuild(module)
     # the high-water mark of the weights alone (transformers' modules are imported by now)
     base_rss = _peak_rss_reset()
     if device.type == "cuda":

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 SPLIT, REPLICATE_UNIT, ALL = "split", "unit", "all"
 
@@ -129,6 +130,9 @@ class ShardPlan:
     # gated: a Mamba2 gated norm whose one group spans every rank, n_groups == 1)
     cross_rank_norms: list[tuple[re.Pattern, int, bool]] = field(default_factory=list)
     local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
+    # modules that transformers builds from sizes the local config cannot shrink (LFM2's short conv:
+    # from hidden_size), rebuilt on the meta device with the local sizes: (pattern, rebuild(module))
+    local_modules: list[tuple[re.Pattern, Callable]] = field(default_factory=list)
 
     def add(self, pattern: str, s: Slice) -> None:
         self.rules.append((re.compile(pattern + r"$"), s))
@@ -167,7 +171,8 @@ class ShardPlan:
         for p in patterns:
             self.add(p, Slice(pad_rows=local, vocab=(start, min(v, start + local))))
 
-    def attention(self, prefix: str, heads: int, kv: int, head_dim: int, q_rows_per_head: int | None = None) -> None:
+    def attention(self, prefix: str, heads: int, kv: int, head_dim: int, q_rows_per_head: int | None = None,
+                  out: str = "o_proj") -> int:
         n = self.size
         _split(heads, n, "num_attention_heads", self.family)
         local_kv, mode = _kv_mode(kv, heads, n, self.family)
@@ -175,9 +180,9 @@ class ShardPlan:
         self.add(prefix + r"\.q_proj\.(weight|bias)", Slice(0, (Segment(heads, qh),)))
         for proj in ("k_proj", "v_proj"):
             self.add(prefix + rf"\.{proj}\.(weight|bias)", Slice(0, (Segment(kv, head_dim, mode),)))
-        self.add(prefix + r"\.o_proj\.weight", Slice(1, (Segment(heads, head_dim),)))
-        self.add(prefix + r"\.o_proj\.bias", Slice(rank0_only=True))
-        self.reduce(prefix + r"\.o_proj")
+        self.add(prefix + rf"\.{out}\.weight", Slice(1, (Segment(heads, head_dim),)))
+        self.add(prefix + rf"\.{out}\.bias", Slice(rank0_only=True))
+        self.reduce(prefix + rf"\.{out}")
         return local_kv
 
     def mlp(self, prefix: str, intermediate: int, what: str, gate: str = "gate_proj", up: str = "up_proj",
@@ -189,17 +194,20 @@ class ShardPlan:
         self.add(prefix + rf"\.{down}\.weight", Slice(1, (Segment(intermediate, 1),)))
         self.add(prefix + rf"\.{down}\.bias", Slice(rank0_only=True))
 
-    def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True) -> None:
+    def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True,
+                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         """transformers' fused experts ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I, H]``) and
-        ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors."""
+        ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors (``names``: the
+        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``)."""
         _split(intermediate, self.size, "moe_intermediate_size", self.family)
         seg = Segment(intermediate, 1)
+        gate, up, down = (f"{{p}}.{{e}}.{n}.weight" for n in names)
         if gated:
             self.add(prefix + r"\.gate_up_proj", Slice(1, (seg, seg), experts=experts, concat_dim=0,
-                                                       expert_keys=("{p}.{e}.gate_proj.weight", "{p}.{e}.up_proj.weight")))
+                                                       expert_keys=(gate, up)))
         else:
-            self.add(prefix + r"\.up_proj", Slice(1, (seg,), experts=experts, expert_keys=("{p}.{e}.up_proj.weight",)))
-        self.add(prefix + r"\.down_proj", Slice(2, (seg,), experts=experts, expert_keys=("{p}.{e}.down_proj.weight",)))
+            self.add(prefix + r"\.up_proj", Slice(1, (seg,), experts=experts, expert_keys=(up,)))
+        self.add(prefix + r"\.down_proj", Slice(2, (seg,), experts=experts, expert_keys=(down,)))
 
 
 def _text(config):
@@ -402,10 +410,74 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def _local_short_conv(channels: int) -> Callable:
+    """Rebuild an LFM2 ``*ShortConv`` (built by transformers with ``hidden_size`` channels) with
+    ``channels`` local ones: ``in_proj`` rows ``[B | C | x]``, the depthwise conv and ``out_proj``'s
+    input columns (its output stays the whole hidden size)."""
+    def rebuild(mixer) -> None:
+        from torch import nn
+
+        conv, inp, out = mixer.conv, mixer.in_proj, mixer.out_proj
+        mixer.conv = nn.Conv1d(channels, channels, kernel_size=conv.kernel_size, groups=channels,
+                               bias=conv.bias is not None, padding=conv.padding, device=conv.weight.device)
+        mixer.in_proj = nn.Linear(inp.in_features, 3 * channels, bias=inp.bias is not None, device=inp.weight.device)
+        mixer.out_proj = nn.Linear(channels, out.out_features, bias=out.bias is not None, device=out.weight.device)
+    return rebuild
+
+
+def _lfm2_ff_dim(cfg) -> int:
+    """The dense feed-forward width transformers' LFM2 MLP builds (``block_auto_adjust_ff_dim``:
+    2/3 of ``intermediate_size``, times ``block_ffn_dim_multiplier``, rounded up to a multiple of
+    ``block_multiple_of``)."""
+    inter = int(cfg.intermediate_size)
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):
+        inter = int(2 * inter / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            inter = int(cfg.block_ffn_dim_multiplier * inter)
+            inter = cfg.block_multiple_of * ((inter + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return inter
+
+
+def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
+    """LFM2 / LFM2-MoE: attention by heads (``out_proj``; the per-head q/k layernorms replicated),
+    the short conv's ``hidden_size`` channels split (rebuilt with the local count:
+    ``local_modules``), the dense MLP (``w1`` / ``w3`` / ``w2``) and the experts by their
+    intermediate dimension."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    hd = _head_dim(cfg)
+    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd,
+                              out="out_proj")
+    hidden = int(cfg.hidden_size)
+    channels = _split(hidden, size, "hidden_size (the short conv's channels)", plan.family)
+    c = Segment(hidden, 1)
+    plan.add(r"\.conv\.in_proj\.(weight|bias)", Slice(0, (c, c, c)))
+    plan.add(r"\.conv\.conv\.(weight|bias)", Slice(0, (c,)))
+    plan.add(r"\.conv\.out_proj\.weight", Slice(1, (c,)))
+    plan.add(r"\.conv\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(r"\.layers\.\d+\.conv\.out_proj")
+    plan.local_modules.append((re.compile(r"\.layers\.\d+\.conv$"), _local_short_conv(channels)))
+    ff = _lfm2_ff_dim(cfg)
+    plan.mlp(r"\.feed_forward", ff, "the feed-forward width", gate="w1", up="w3", down="w2")
+    fields = dict(num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv, head_dim=hd,
+                  intermediate_size=ff // size)
+    if hasattr(cfg, "block_auto_adjust_ff_dim"):
+        fields["block_auto_adjust_ff_dim"] = False  # the local width is set as it is
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts:
+        plan.fused_experts(r"\.feed_forward\.experts", experts, int(cfg.moe_intermediate_size), names=("w1", "w3", "w2"))
+        fields["moe_intermediate_size"] = int(cfg.moe_intermediate_size) // size
+    plan.reduce(r"\.layers\.\d+\.feed_forward")  # dense MLP or the whole MoE block
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = fields
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
+    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan,
 }
 
 

@@ -94,6 +94,7 @@ MODELS = {
     "olmo_hybrid": lambda: em.build_model("olmo_hybrid"),
     "lfm2": _lfm2,
     "lfm2_moe": lambda: lfm2._build("lfm2_moe", 0),
+    "zamba2": mm.build_zamba2,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
@@ -101,7 +102,7 @@ MODELS = {
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
-             "lfm2", "lfm2_moe")
+             "lfm2", "lfm2_moe", "zamba2")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
@@ -309,10 +310,12 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     lfm.block_auto_adjust_ff_dim, lfm.intermediate_size = False, 66
     with pytest.raises(ShardingError, match="lfm2 has the feed-forward width=66, which does not divide by 4"):
         plan_for(lfm, 4)
-    zamba = tmp_path / "zamba2"
-    mm.build_zamba2().save_pretrained(zamba)
-    with pytest.raises(ShardingError, match="'zamba2' has no tensor-parallel sharding plan"):
-        hc.from_pretrained(zamba, tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ShardingError, match="zamba2 has the Mamba2 head count=8, which does not divide by 3"):
+        hc.from_pretrained(checkpoints["zamba2"]["dir"], tensor_parallel_size=3, device="cpu")
+    import transformers
+
+    with pytest.raises(ShardingError, match="'llama' has no tensor-parallel sharding plan"):
+        plan_for(transformers.LlamaConfig(), 2)
 
 
 def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):

@@ -1,10 +1,12 @@
 """Sharded loading: one rank's part of a checkpoint, read straight from its safetensors files.
 
 The rank's model is built by transformers from the plan's local config on the meta device
-(accelerate's ``init_empty_weights``; buffers such as RoPE frequencies are computed for real),
+(accelerate's ``init_empty_weights``; buffers such as RoPE frequencies are computed for real;
+the plan's ``local_modules`` rebuilt there with their local sizes),
 then every parameter is materialised from slices of the checkpoint tensors
 (``safe_open(...).get_slice``: only the slice is read from the memory-mapped file), so no rank
-ever holds the whole model. Each local tensor's shape is checked against the module transformers
+ever holds the whole model. Parameters transformers ties to another (a tied LM head, Zamba2's
+shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 """
 
@@ -242,8 +244,9 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = Checkpoint(path, getattr(config, "model_type", None))
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    tied = bool(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                        "tie_word_embeddings", False))
+    # parameters transformers ties to another (the LM head to the embedding, Zamba2's later uses of
+    # a shared block to its first): {tied name: source name}, not in the checkpoint when tied
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     shard_bytes = 0
     try:
         for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -251,8 +254,8 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
             try:
                 value = _read_param(ckpt, name, s, plan.rank, plan.size)
             except KeyError as e:
-                if tied and name.endswith("lm_head.weight"):
-                    continue  # tied to the embedding below
+                if name in tied:
+                    continue  # tied to its source below
                 raise ValueError(f"tensor parallelism: the checkpoint in {path!r} has no tensor {e.args[0]!r} "
                                  f"(for parameter {name!r})") from None
             if s.rank0_only and plan.rank != 0:
@@ -272,10 +275,11 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
                 value = _read(ckpt, name, Slice(), plan.rank, plan.size)
                 buf = value.to(dtype=buf.dtype)
             _set_tensor(model, name, buf.to(device), buffer=True)
-        if tied:
-            out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-            if out is not None and out.weight.device.type == "meta":
-                out.weight = inp.weight
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, source in tied.items():
+            if name in params and params[name].device.type == "meta":
+                module_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, params[source])
         full = ckpt.total_bytes()
     finally:
         ckpt.close()

@@ -6,6 +6,8 @@ A plan, built from the checkpoint's config before any weight is read, does three
   sizes divided by the group size (KV heads / Mamba B-C groups replicated when there are fewer than
   ranks), so transformers builds every module with the local shapes and the engine's layout sizes
   pools that hold only the rank's heads. Head counts that do not divide raise one error here.
+  Modules that transformers sizes from fields the local config must keep whole (LFM2's short conv,
+  Zamba2's adapters) are rebuilt on the meta device by :attr:`ShardPlan.local_modules`.
 - :meth:`ShardPlan.slice_of`: for each parameter of the local model, the parts of the checkpoint
   tensor(s) it is made of (:class:`Slice`, read with safetensors' ``get_slice``).
 - :attr:`ShardPlan.reduced_modules`: the modules whose outputs are partial sums (row-parallel
@@ -25,6 +27,10 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
   when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
+- LFM2 short conv: its ``hidden_size`` channels (``in_proj`` rows ``[B | C | x]``, the conv,
+  ``out_proj`` columns), rebuilt on the meta device with the local count (``local_modules``).
+- Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
+  the projection they add to (rebuilt with local rows), their down projections replicated.
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
 """
 
@@ -410,6 +416,53 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def zamba2_plan(config, size: int, rank: int) -> ShardPlan:
+    """Zamba2: Mamba2 mixers by heads; the shared transformer blocks' attention (input
+    ``2 * hidden_size``) by heads and their MLP (``gate_up_proj`` rows ``[gate | up]``) by the
+    intermediate dimension. The per-use LoRA adapters' down projections (``...adapter_list.i.0``)
+    are replicated and their up projections split like the projection they add to. A block's
+    uses share its weights: the tied copies are the loader's (transformers' tied-weight keys)."""
+    cfg = _text(config)
+    plan = ShardPlan("zamba2", size, rank, cfg)
+    h, hd, g = int(cfg.n_mamba_heads), int(cfg.mamba_headdim), int(cfg.mamba_ngroups)
+    local_groups = _mamba_heads(plan, r"\.mamba", h, hd, g, int(cfg.mamba_d_state))
+    heads, kv, ahd = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.attention_head_dim)
+    attn = r"\.shared_transformer\.self_attn"
+    local_kv = plan.attention(attn, heads, kv, ahd)
+    plan.add(attn + r"\.linear_q_adapter_list\.\d+\.1\.weight", Slice(0, (Segment(heads, ahd),)))
+    _, kv_mode = _kv_mode(kv, heads, size, plan.family)
+    plan.add(attn + r"\.linear_[kv]_adapter_list\.\d+\.1\.weight", Slice(0, (Segment(kv, ahd, kv_mode),)))
+    # transformers sizes the adapters' outputs by attention_hidden_size (the whole q/k/v width)
+    plan.local_modules += [(re.compile(attn + r"\.linear_q_adapter_list\.\d+$"), _local_adapter(heads // size * ahd)),
+                           (re.compile(attn + r"\.linear_[kv]_adapter_list\.\d+$"), _local_adapter(local_kv * ahd))]
+    inter = int(cfg.intermediate_size)
+    ff = r"\.shared_transformer\.feed_forward"
+    _split(inter, size, "intermediate_size", plan.family)
+    seg = Segment(inter, 1)
+    plan.add(ff + r"\.gate_up_proj(_adapter_list\.\d+\.1)?\.weight", Slice(0, (seg, seg)))
+    plan.add(ff + r"\.gate_up_proj\.bias", Slice(0, (seg, seg)))
+    plan.add(ff + r"\.down_proj\.weight", Slice(1, (seg,)))
+    plan.add(ff + r"\.down_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(r"\.layers\.\d+\.shared_transformer\.feed_forward")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(n_mamba_heads=h // size, mamba_ngroups=local_groups,
+                             mamba_expand=_local_expand(cfg.mamba_expand, size), num_attention_heads=heads // size,
+                             num_key_value_heads=local_kv, intermediate_size=inter // size)
+    return plan
+
+
+def _local_adapter(rows: int) -> Callable:
+    """Rebuild a Zamba2 LoRA adapter (``Sequential(down, up)``; ``Identity`` where a use has none)
+    with an up projection of ``rows`` local output rows."""
+    def rebuild(adapter) -> None:
+        from torch import nn
+
+        if isinstance(adapter, nn.Sequential):
+            up = adapter[1]
+            adapter[1] = nn.Linear(up.in_features, rows, bias=up.bias is not None, device=up.weight.device)
+    return rebuild
+
+
 def _local_short_conv(channels: int) -> Callable:
     """Rebuild an LFM2 ``*ShortConv`` (built by transformers with ``hidden_size`` channels) with
     ``channels`` local ones: ``in_proj`` rows ``[B | C | x]``, the depthwise conv and ``out_proj``'s
@@ -477,7 +530,7 @@ PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
-    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan,
+    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
 }
 
 

@@ -17,6 +17,7 @@ follower (torchrun-style), and each rank's peak host memory against the full mod
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -27,8 +28,11 @@ import torch
 
 import hybrid_compile as hc
 from hybrid_compile.distributed import ShardingError, TensorParallelError
+from hybrid_compile.distributed.plans import plan_for
+from hybrid_compile.models import family_of
 import engine_models as em
 import mamba2_models as mm
+import test_lfm2 as lfm2
 
 NEW = 6
 OPTIONS = dict(device="cpu", max_total_tokens=512, mamba_cache_size=24, max_running_requests=2, chunked_prefill_size=32,
@@ -63,6 +67,20 @@ def _one_group(name: str):
     return build
 
 
+def _lfm2(seed=0):
+    """LFM2 with a conv bias (row-parallel out_proj bias: added once) and ``block_auto_adjust_ff_dim``
+    (the MLP is 2/3 of intermediate_size 64, times 2, rounded up to a multiple of 16: 96, not 64)."""
+    import transformers
+
+    cfg = transformers.Lfm2Config(**lfm2._common(True), block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=2.0,
+                                  block_multiple_of=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Lfm2ForCausalLM(cfg).float().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 MODELS = {
     "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
     "qwen3_next_dense": lambda: em.build_model("qwen3_next_dense"),
@@ -73,13 +91,18 @@ MODELS = {
     "bamba": mm.build_bamba,
     "granitemoehybrid": mm.build_granitemoehybrid,
     "falcon_h1": mm.build_falcon_h1,
+    "olmo_hybrid": lambda: em.build_model("olmo_hybrid"),
+    "lfm2": _lfm2,
+    "lfm2_moe": lambda: lfm2._build("lfm2_moe", 0),
+    "zamba2": mm.build_zamba2,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
-             "granitemoehybrid", "falcon_h1", "mamba2_one_group")
+             "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
+             "lfm2", "lfm2_moe", "zamba2")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
@@ -162,6 +185,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             outputs=outputs, seconds=time.perf_counter() - t0, prefix_hits=stats["prefix_cache"]["admitted_hit_tokens"],
             verify_steps=stats["speculative"]["verify_steps"], accepted=stats["speculative"]["accepted"],
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
+            kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
         )
     if rank == 0:
         with open(result_path, "w") as f:
@@ -227,6 +251,13 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
     assert r["tp"]["size"] == 2 and r["tp"]["commands_broadcast"] > 0
     ranks = r["tp"]["ranks"]
     assert len(ranks) == 2 and all(x["shard_bytes"] < 0.75 * x["full_model_bytes"] for x in ranks)
+    # the pools hold the rank's heads and conv channels: half the single-process layout's (one KV
+    # head is replicated; one Mamba2 B/C group too, so that case's conv is checked by its tokens)
+    model = checkpoints[name]["model"]
+    full = family_of(model).layout(model, kv_dtype=torch.float32, conv_dtype=torch.float32, ssm_dtype=torch.float32)
+    assert r["kv_heads"] == [a.num_kv_heads // 2 if a.num_kv_heads % 2 == 0 else 1 for a in full.attention]
+    if name != "mamba2_one_group":
+        assert r["conv_dims"] == [m.conv_dim // 2 for m in full.mamba]
 
 
 def test_compiled_two_ranks_zero_graph_breaks(two_ranks):
@@ -270,16 +301,21 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     d = checkpoints["qwen3_next_moe"]["dir"]  # 2 linear key heads
     with pytest.raises(ShardingError, match="linear_num_key_heads=2.*does not divide by 4"):
         hc.from_pretrained(d, tensor_parallel_size=4, device="cpu")
-    model = em.build_model("olmo_hybrid")
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ShardingError, match="olmo_hybrid is not supported with tensor parallelism"):
-        hc.from_pretrained(tmp_path, tensor_parallel_size=2, device="cpu")
+    model = checkpoints["olmo_hybrid"]["model"]  # 2 KV heads: its cross-rank k_norm needs them split
+    with pytest.raises(ShardingError, match="num_key_value_heads=2.*does not divide by 4"):
+        hc.from_pretrained(checkpoints["olmo_hybrid"]["dir"], tensor_parallel_size=4, device="cpu")
     with pytest.raises(ValueError, match="use hc.from_pretrained"):
         hc.wrap(model, tensor_parallel_size=2)
-    zamba = tmp_path / "zamba2"
-    mm.build_zamba2().save_pretrained(zamba)
-    with pytest.raises(ShardingError, match="'zamba2' has no tensor-parallel sharding plan"):
-        hc.from_pretrained(zamba, tensor_parallel_size=2, device="cpu")
+    lfm = copy.deepcopy(checkpoints["lfm2"]["model"].config)  # a dense MLP 66 wide: the plan refuses 4 ranks
+    lfm.block_auto_adjust_ff_dim, lfm.intermediate_size = False, 66
+    with pytest.raises(ShardingError, match="lfm2 has the feed-forward width=66, which does not divide by 4"):
+        plan_for(lfm, 4)
+    with pytest.raises(ShardingError, match="zamba2 has the Mamba2 head count=8, which does not divide by 3"):
+        hc.from_pretrained(checkpoints["zamba2"]["dir"], tensor_parallel_size=3, device="cpu")
+    import transformers
+
+    with pytest.raises(ShardingError, match="'llama' has no tensor-parallel sharding plan"):
+        plan_for(transformers.LlamaConfig(), 2)
 
 
 def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ its weights are loaded (the model exists only for tensor parallelism, so nothing
   the all-reduce adds the rank that holds them;
 - the LM head holds the same rows of the output projection: the local logits are all-gathered
   along the vocabulary and cut to the real vocabulary size (the last rank's rows may be padding);
-- a Mamba2 gated norm over a group that spans every rank (``n_groups == 1``) all-reduces its sum
-  of squares and divides by the whole group's size.
+- an RMSNorm over channels split across every rank (a Mamba2 gated norm over one group that spans
+  every rank, ``n_groups == 1``; OLMo-Hybrid's attention ``q_norm`` / ``k_norm``) all-reduces its
+  sum of squares and divides by the whole width.
 
 All collectives are functional collectives, so Dynamo traces them with no graph break.
 """
@@ -59,21 +60,27 @@ def vocab_parallel_lm_head(module: nn.Linear, vocab_size: int, tp: TensorParalle
     module.forward = types.MethodType(lm_head_forward, module)
 
 
-def cross_rank_gated_norm(module: nn.Module, group_size: int, tp: TensorParallelGroup) -> None:
-    """transformers' Mamba2 gated RMSNorm (gate, then the norm over ``group_size`` channels) on this
-    rank's slice of one group that spans every rank: the mean of squares is the all-reduced sum of
-    squares over ``group_size``."""
-    if getattr(module, "norm_before_gate", False) or not hasattr(module, "variance_epsilon"):
-        raise ValueError(f"tensor parallelism: the gated norm {type(module).__name__} (gate after the norm, or no "
+def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, gated: bool) -> None:
+    """An RMSNorm over ``width`` channels split across every rank, on this rank's slice: the mean of
+    squares is the all-reduced sum of squares over ``width``. ``gated``: transformers' Mamba2 gated
+    RMSNorm (the silu gate, then the norm over one group that spans every rank); else a plain
+    RMSNorm (OLMo-Hybrid's attention ``q_norm`` / ``k_norm`` over all heads at once)."""
+    if (gated and getattr(module, "norm_before_gate", False)) or not hasattr(module, "variance_epsilon"):
+        raise ValueError(f"tensor parallelism: the norm {type(module).__name__} (gate after the norm, or no "
                          "variance_epsilon) cannot be reduced across ranks")
+
+    def normalised(h: torch.Tensor) -> torch.Tensor:
+        variance = tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / width
+        return h * torch.rsqrt(variance + module.variance_epsilon)
 
     def gated_norm_forward(self, hidden_states, gate=None):
         dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)
         if gate is not None:
             h = h * nn.functional.silu(gate.to(torch.float32))
-        variance = tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / group_size
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return self.weight * normalised(h).to(dtype)
 
-    module.forward = types.MethodType(gated_norm_forward, module)
+    def norm_forward(self, hidden_states):
+        return (self.weight * normalised(hidden_states.to(torch.float32))).to(hidden_states.dtype)
+
+    module.forward = types.MethodType(gated_norm_forward if gated else norm_forward, module)

@@ -1,10 +1,12 @@
 """Sharded loading: one rank's part of a checkpoint, read straight from its safetensors files.
 
 The rank's model is built by transformers from the plan's local config on the meta device
-(accelerate's ``init_empty_weights``; buffers such as RoPE frequencies are computed for real),
+(accelerate's ``init_empty_weights``; buffers such as RoPE frequencies are computed for real;
+the plan's ``local_modules`` rebuilt there with their local sizes),
 then every parameter is materialised from slices of the checkpoint tensors
 (``safe_open(...).get_slice``: only the slice is read from the memory-mapped file), so no rank
-ever holds the whole model. Each local tensor's shape is checked against the module transformers
+ever holds the whole model. Parameters transformers ties to another (a tied LM head, Zamba2's
+shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 """
 
@@ -111,6 +113,23 @@ def _dtype_size(name: str) -> int:
             "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}.get(name, 4)
 
 
+def _ranges(s: Slice, key: str, length: int, rank: int, size: int, dim: int) -> list[tuple[int, int]]:
+    """This rank's index ranges along ``dim`` (of ``length`` entries) of checkpoint tensor ``key``."""
+    total = sum(seg.length for seg in s.segments)
+    if length != total:
+        raise ValueError(f"tensor parallelism: checkpoint tensor {key!r} has {length} entries along dim {dim}, "
+                         f"the sharding plan expects {total}")
+    ranges, offset = [], 0
+    for seg in s.segments:
+        ranges += seg.ranges(offset, rank, size)
+        offset += seg.length
+    return ranges
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _read(ckpt: Checkpoint, key: str, s: Slice, rank: int, size: int, dim: int | None = None) -> torch.Tensor:
     """One checkpoint tensor's part for this rank (``s.segments`` along ``dim``)."""
     sl = ckpt.slice(key)
@@ -124,26 +143,44 @@ def _read(ckpt: Checkpoint, key: str, s: Slice, rank: int, size: int, dim: int |
         return rows
     if not s.segments:
         return sl[:]
-    total = sum(seg.length for seg in s.segments)
-    if shape[dim] != total:
-        raise ValueError(f"tensor parallelism: checkpoint tensor {key!r} has {shape[dim]} entries along dim {dim}, "
-                         f"the sharding plan expects {total}")
-    parts, offset = [], 0
-    for seg in s.segments:
-        for a, b in seg.ranges(offset, rank, size):
-            index = tuple(slice(a, b) if d == dim else slice(None) for d in range(len(shape)))
-            parts.append(sl[index])
-        offset += seg.length
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    return _cat([sl[_index(len(shape), dim, a, b)] for a, b in _ranges(s, key, shape[dim], rank, size, dim)], dim)
+
+
+def _index(ndim: int, dim: int, a: int, b: int) -> tuple:
+    return tuple(slice(a, b) if d == dim else slice(None) for d in range(ndim))
+
+
+def _read_concatenated(ckpt: Checkpoint, keys: list[str], s: Slice, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of the concatenation of checkpoint tensors ``keys`` along ``s.dim`` (each
+    tensor read only where this rank's ranges overlap it)."""
+    pieces = [ckpt.slice(k) for k in keys]
+    lengths = [p.get_shape()[s.dim] for p in pieces]
+    if not s.segments:
+        return _cat([p[:] for p in pieces], s.dim)
+    parts = []
+    for a, b in _ranges(s, " + ".join(keys), sum(lengths), rank, size, s.dim):
+        start = 0
+        for piece, n in zip(pieces, lengths):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                parts.append(piece[_index(len(piece.get_shape()), s.dim, lo - start, hi - start)])
+            start += n
+    return _cat(parts, s.dim)
 
 
 def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> torch.Tensor:
+    prefix = name.rsplit(".", 1)[0]
+    if name not in ckpt and s.concat_keys:  # one parameter stored as several tensors (OLMo-Hybrid's conv)
+        keys = [template.format(p=name.rsplit(".", 2)[0]) for template in s.concat_keys]
+        for key in keys:
+            if key not in ckpt:
+                raise KeyError(key)
+        return _read_concatenated(ckpt, keys, s, rank, size)
     if name in ckpt or not s.experts:
         if name not in ckpt:
             raise KeyError(name)
         return _read(ckpt, name, s, rank, size)
     # transformers' fused experts from per-expert checkpoint tensors ("{prefix}.{e}.gate_proj.weight", ...)
-    prefix = name.rsplit(".", 1)[0]
     per_key = len(s.segments) // len(s.expert_keys)
     experts = []
     for e in range(s.experts):
@@ -154,7 +191,7 @@ def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> 
                 raise KeyError(key)
             one = Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key])
             parts.append(_read(ckpt, key, one, rank, size))
-        experts.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=s.concat_dim))
+        experts.append(_cat(parts, s.concat_dim))
     return torch.stack(experts)
 
 
@@ -197,14 +234,19 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     local_config = plan.local_config(config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(local_config, trust_remote_code=trust_remote_code)
+        for name, module in list(model.named_modules()):
+            for pattern, rebuild in plan.local_modules:
+                if pattern.search(name):
+                    rebuild(module)
     # the high-water mark of the weights alone (transformers' modules are imported by now)
     base_rss = _peak_rss_reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = Checkpoint(path, getattr(config, "model_type", None))
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    tied = bool(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                        "tie_word_embeddings", False))
+    # parameters transformers ties to another (the LM head to the embedding, Zamba2's later uses of
+    # a shared block to its first): {tied name: source name}, not in the checkpoint when tied
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     shard_bytes = 0
     try:
         for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -212,8 +254,8 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
             try:
                 value = _read_param(ckpt, name, s, plan.rank, plan.size)
             except KeyError as e:
-                if tied and name.endswith("lm_head.weight"):
-                    continue  # tied to the embedding below
+                if name in tied:
+                    continue  # tied to its source below
                 raise ValueError(f"tensor parallelism: the checkpoint in {path!r} has no tensor {e.args[0]!r} "
                                  f"(for parameter {name!r})") from None
             if s.rank0_only and plan.rank != 0:
@@ -233,10 +275,11 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
                 value = _read(ckpt, name, Slice(), plan.rank, plan.size)
                 buf = value.to(dtype=buf.dtype)
             _set_tensor(model, name, buf.to(device), buffer=True)
-        if tied:
-            out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-            if out is not None and out.weight.device.type == "meta":
-                out.weight = inp.weight
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, source in tied.items():
+            if name in params and params[name].device.type == "meta":
+                module_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, params[source])
         full = ckpt.total_bytes()
     finally:
         ckpt.close()

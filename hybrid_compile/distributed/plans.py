@@ -6,6 +6,8 @@ A plan, built from the checkpoint's config before any weight is read, does three
   sizes divided by the group size (KV heads / Mamba B-C groups replicated when there are fewer than
   ranks), so transformers builds every module with the local shapes and the engine's layout sizes
   pools that hold only the rank's heads. Head counts that do not divide raise one error here.
+  Modules that transformers sizes from fields the local config must keep whole (LFM2's short conv,
+  Zamba2's adapters) are rebuilt on the meta device by :attr:`ShardPlan.local_modules`.
 - :meth:`ShardPlan.slice_of`: for each parameter of the local model, the parts of the checkpoint
   tensor(s) it is made of (:class:`Slice`, read with safetensors' ``get_slice``).
 - :attr:`ShardPlan.reduced_modules`: the modules whose outputs are partial sums (row-parallel
@@ -16,12 +18,19 @@ Layouts split per head (every rank takes contiguous heads; a segment of a fused 
 split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
 
 - attention: q/k/v by heads (a KV head is replicated on the ranks whose query heads use it when
-  there are fewer KV heads than ranks), o_proj by input columns.
+  there are fewer KV heads than ranks), o_proj by input columns. OLMo-Hybrid's ``q_norm`` /
+  ``k_norm`` (one RMSNorm over all heads) are split with their heads and reduce their sum of
+  squares across the ranks (``cross_rank_norms``; its KV heads must divide).
 - Gated DeltaNet: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` rows are grouped per key head,
-  so whole key-head groups go to a rank; Qwen3.5's separate projections are split per segment;
-  conv channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` by columns.
+  so whole key-head groups go to a rank; Qwen3.5's and OLMo-Hybrid's separate projections are
+  split per segment (OLMo-Hybrid's conv is saved as three tensors: ``Slice.concat_keys``); conv
+  channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
   when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
+- LFM2 short conv: its ``hidden_size`` channels (``in_proj`` rows ``[B | C | x]``, the conv,
+  ``out_proj`` columns), rebuilt on the meta device with the local count (``local_modules``).
+- Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
+  the projection they add to (rebuilt with local rows), their down projections replicated.
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
 """
 
@@ -30,6 +39,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 SPLIT, REPLICATE_UNIT, ALL = "split", "unit", "all"
 
@@ -74,6 +84,9 @@ class Slice:
     ``experts``: the local tensor is ``[E, ...]`` stacked from per-expert checkpoint tensors
     (``key.format(e=...)``), each read with ``dim`` / ``segments``; ``parts`` > 1 concatenates
     several per-expert keys along ``concat_dim`` first (``gate_up_proj`` from gate and up).
+    ``concat_keys``: when the checkpoint has no tensor of the parameter's name, the full tensor is
+    the concatenation along ``dim`` of these keys (``{p}``: the parent of the parameter's module), e.g.
+    OLMo-Hybrid's ``conv1d`` saved as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``.
     """
 
     dim: int = 0
@@ -84,6 +97,7 @@ class Slice:
     experts: int = 0
     expert_keys: tuple[str, ...] = ()
     concat_dim: int = 0
+    concat_keys: tuple[str, ...] = ()
 
 
 def _split(units: int, size: int, what: str, family: str) -> int:
@@ -118,9 +132,13 @@ class ShardPlan:
     reduced_modules: list[re.Pattern] = field(default_factory=list)
     # modules matching these are reduced only when they are an MLP or MoE block (NemotronH's mixers)
     reduced_blocks: list[re.Pattern] = field(default_factory=list)
-    # Mamba2 gated norms whose one group spans every rank (n_groups == 1): (pattern, full group size)
-    cross_rank_norms: list[tuple[re.Pattern, int]] = field(default_factory=list)
+    # RMSNorms over channels split across every rank (layers.cross_rank_rms_norm): (pattern, full width,
+    # gated: a Mamba2 gated norm whose one group spans every rank, n_groups == 1)
+    cross_rank_norms: list[tuple[re.Pattern, int, bool]] = field(default_factory=list)
     local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
+    # modules that transformers builds from sizes the local config cannot shrink (LFM2's short conv:
+    # from hidden_size), rebuilt on the meta device with the local sizes: (pattern, rebuild(module))
+    local_modules: list[tuple[re.Pattern, Callable]] = field(default_factory=list)
 
     def add(self, pattern: str, s: Slice) -> None:
         self.rules.append((re.compile(pattern + r"$"), s))
@@ -159,7 +177,8 @@ class ShardPlan:
         for p in patterns:
             self.add(p, Slice(pad_rows=local, vocab=(start, min(v, start + local))))
 
-    def attention(self, prefix: str, heads: int, kv: int, head_dim: int, q_rows_per_head: int | None = None) -> None:
+    def attention(self, prefix: str, heads: int, kv: int, head_dim: int, q_rows_per_head: int | None = None,
+                  out: str = "o_proj") -> int:
         n = self.size
         _split(heads, n, "num_attention_heads", self.family)
         local_kv, mode = _kv_mode(kv, heads, n, self.family)
@@ -167,9 +186,9 @@ class ShardPlan:
         self.add(prefix + r"\.q_proj\.(weight|bias)", Slice(0, (Segment(heads, qh),)))
         for proj in ("k_proj", "v_proj"):
             self.add(prefix + rf"\.{proj}\.(weight|bias)", Slice(0, (Segment(kv, head_dim, mode),)))
-        self.add(prefix + r"\.o_proj\.weight", Slice(1, (Segment(heads, head_dim),)))
-        self.add(prefix + r"\.o_proj\.bias", Slice(rank0_only=True))
-        self.reduce(prefix + r"\.o_proj")
+        self.add(prefix + rf"\.{out}\.weight", Slice(1, (Segment(heads, head_dim),)))
+        self.add(prefix + rf"\.{out}\.bias", Slice(rank0_only=True))
+        self.reduce(prefix + rf"\.{out}")
         return local_kv
 
     def mlp(self, prefix: str, intermediate: int, what: str, gate: str = "gate_proj", up: str = "up_proj",
@@ -181,17 +200,20 @@ class ShardPlan:
         self.add(prefix + rf"\.{down}\.weight", Slice(1, (Segment(intermediate, 1),)))
         self.add(prefix + rf"\.{down}\.bias", Slice(rank0_only=True))
 
-    def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True) -> None:
+    def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True,
+                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         """transformers' fused experts ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I, H]``) and
-        ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors."""
+        ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors (``names``: the
+        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``)."""
         _split(intermediate, self.size, "moe_intermediate_size", self.family)
         seg = Segment(intermediate, 1)
+        gate, up, down = (f"{{p}}.{{e}}.{n}.weight" for n in names)
         if gated:
             self.add(prefix + r"\.gate_up_proj", Slice(1, (seg, seg), experts=experts, concat_dim=0,
-                                                       expert_keys=("{p}.{e}.gate_proj.weight", "{p}.{e}.up_proj.weight")))
+                                                       expert_keys=(gate, up)))
         else:
-            self.add(prefix + r"\.up_proj", Slice(1, (seg,), experts=experts, expert_keys=("{p}.{e}.up_proj.weight",)))
-        self.add(prefix + r"\.down_proj", Slice(2, (seg,), experts=experts, expert_keys=("{p}.{e}.down_proj.weight",)))
+            self.add(prefix + r"\.up_proj", Slice(1, (seg,), experts=experts, expert_keys=(up,)))
+        self.add(prefix + r"\.down_proj", Slice(2, (seg,), experts=experts, expert_keys=(down,)))
 
 
 def _text(config):
@@ -203,18 +225,21 @@ def _head_dim(cfg) -> int:
 
 
 def gdn_plan(config, size: int, rank: int) -> ShardPlan:
-    """Qwen3-Next / Qwen3.5 (dense and MoE)."""
+    """Qwen3-Next / Qwen3.5 (dense and MoE) / OLMo-Hybrid."""
     cfg = _text(config)
     family = cfg.model_type
     plan = ShardPlan(family, size, rank, cfg)
-    if family == "olmo_hybrid":
-        raise ShardingError(
-            f"tensor_parallel_size={size}: olmo_hybrid is not supported with tensor parallelism yet (its q_norm / "
-            "k_norm normalise over all heads at once, which needs a cross-rank norm)"
-        )
     heads, kv, hd = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), _head_dim(cfg)
     # Qwen3-Next / Qwen3.5 attention: q_proj holds [query | gate] per head
     gated = family.startswith(("qwen3_next", "qwen3_5"))
+    if family == "olmo_hybrid":
+        # q_norm / k_norm normalise all heads at once: each rank holds its heads' weights and the
+        # norm's sum of squares is all-reduced; a KV head replicated on several ranks would count twice
+        _split(kv, size, "num_key_value_heads", family)
+        plan.add(r"\.self_attn\.q_norm\.weight", Slice(0, (Segment(heads, hd),)))
+        plan.add(r"\.self_attn\.k_norm\.weight", Slice(0, (Segment(kv, hd),)))
+        plan.cross_rank_norms += [(re.compile(r"\.self_attn\.q_norm$"), heads * hd, False),
+                                  (re.compile(r"\.self_attn\.k_norm$"), kv * hd, False)]
     local_kv = plan.attention(r"\.self_attn", heads, kv, hd, q_rows_per_head=2 * hd if gated else hd)
     hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
     kd, vd = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
@@ -228,10 +253,13 @@ def gdn_plan(config, size: int, rank: int) -> ShardPlan:
     plan.add(p + r"\.in_proj_qkv\.weight", Slice(0, qkv))
     plan.add(p + r"\.in_proj_z\.weight", Slice(0, (Segment(hv, vd),)))
     plan.add(p + r"\.in_proj_[ab]\.weight", Slice(0, (Segment(hv, 1),)))
-    plan.add(p + r"\.conv1d\.weight", Slice(0, qkv))
+    plan.add(p + r"\.[qk]_proj\.weight", Slice(0, (Segment(hk, kd),)))  # OLMo-Hybrid's separate projections
+    plan.add(p + r"\.[vg]_proj\.weight", Slice(0, (Segment(hv, vd),)))
+    plan.add(p + r"\.[ab]_proj\.weight", Slice(0, (Segment(hv, 1),)))
+    plan.add(p + r"\.conv1d\.weight", Slice(0, qkv, concat_keys=tuple(f"{{p}}.{x}_conv1d.weight" for x in "qkv")))
     plan.add(p + r"\.(A_log|dt_bias)", Slice(0, (Segment(hv, 1),)))
-    plan.add(p + r"\.out_proj\.weight", Slice(1, (Segment(hv, vd),)))
-    plan.reduce(p + r"\.out_proj")
+    plan.add(p + r"\.(out|o)_proj\.weight", Slice(1, (Segment(hv, vd),)))
+    plan.reduce(p + r"\.(out|o)_proj")
     if getattr(cfg, "intermediate_size", None):
         plan.mlp(r"\.mlp", int(cfg.intermediate_size), "intermediate_size")
     fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
@@ -263,7 +291,7 @@ def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups
         bc, local_groups = Segment(groups, state), groups // n
     elif groups == 1:
         bc, local_groups = Segment(1, state, REPLICATE_UNIT), 1
-        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim))
+        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim, True))
     else:
         raise ShardingError(
             f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups: neither 1 nor a "
@@ -388,10 +416,121 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def zamba2_plan(config, size: int, rank: int) -> ShardPlan:
+    """Zamba2: Mamba2 mixers by heads; the shared transformer blocks' attention (input
+    ``2 * hidden_size``) by heads and their MLP (``gate_up_proj`` rows ``[gate | up]``) by the
+    intermediate dimension. The per-use LoRA adapters' down projections (``...adapter_list.i.0``)
+    are replicated and their up projections split like the projection they add to. A block's
+    uses share its weights: the tied copies are the loader's (transformers' tied-weight keys)."""
+    cfg = _text(config)
+    plan = ShardPlan("zamba2", size, rank, cfg)
+    h, hd, g = int(cfg.n_mamba_heads), int(cfg.mamba_headdim), int(cfg.mamba_ngroups)
+    local_groups = _mamba_heads(plan, r"\.mamba", h, hd, g, int(cfg.mamba_d_state))
+    heads, kv, ahd = int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(cfg.attention_head_dim)
+    attn = r"\.shared_transformer\.self_attn"
+    local_kv = plan.attention(attn, heads, kv, ahd)
+    plan.add(attn + r"\.linear_q_adapter_list\.\d+\.1\.weight", Slice(0, (Segment(heads, ahd),)))
+    _, kv_mode = _kv_mode(kv, heads, size, plan.family)
+    plan.add(attn + r"\.linear_[kv]_adapter_list\.\d+\.1\.weight", Slice(0, (Segment(kv, ahd, kv_mode),)))
+    # transformers sizes the adapters' outputs by attention_hidden_size (the whole q/k/v width)
+    plan.local_modules += [(re.compile(attn + r"\.linear_q_adapter_list\.\d+$"), _local_adapter(heads // size * ahd)),
+                           (re.compile(attn + r"\.linear_[kv]_adapter_list\.\d+$"), _local_adapter(local_kv * ahd))]
+    inter = int(cfg.intermediate_size)
+    ff = r"\.shared_transformer\.feed_forward"
+    _split(inter, size, "intermediate_size", plan.family)
+    seg = Segment(inter, 1)
+    plan.add(ff + r"\.gate_up_proj(_adapter_list\.\d+\.1)?\.weight", Slice(0, (seg, seg)))
+    plan.add(ff + r"\.gate_up_proj\.bias", Slice(0, (seg, seg)))
+    plan.add(ff + r"\.down_proj\.weight", Slice(1, (seg,)))
+    plan.add(ff + r"\.down_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(r"\.layers\.\d+\.shared_transformer\.feed_forward")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(n_mamba_heads=h // size, mamba_ngroups=local_groups,
+                             mamba_expand=_local_expand(cfg.mamba_expand, size), num_attention_heads=heads // size,
+                             num_key_value_heads=local_kv, intermediate_size=inter // size)
+    return plan
+
+
+def _local_adapter(rows: int) -> Callable:
+    """Rebuild a Zamba2 LoRA adapter (``Sequential(down, up)``; ``Identity`` where a use has none)
+    with an up projection of ``rows`` local output rows."""
+    def rebuild(adapter) -> None:
+        from torch import nn
+
+        if isinstance(adapter, nn.Sequential):
+            up = adapter[1]
+            adapter[1] = nn.Linear(up.in_features, rows, bias=up.bias is not None, device=up.weight.device)
+    return rebuild
+
+
+def _local_short_conv(channels: int) -> Callable:
+    """Rebuild an LFM2 ``*ShortConv`` (built by transformers with ``hidden_size`` channels) with
+    ``channels`` local ones: ``in_proj`` rows ``[B | C | x]``, the depthwise conv and ``out_proj``'s
+    input columns (its output stays the whole hidden size)."""
+    def rebuild(mixer) -> None:
+        from torch import nn
+
+        conv, inp, out = mixer.conv, mixer.in_proj, mixer.out_proj
+        mixer.conv = nn.Conv1d(channels, channels, kernel_size=conv.kernel_size, groups=channels,
+                               bias=conv.bias is not None, padding=conv.padding, device=conv.weight.device)
+        mixer.in_proj = nn.Linear(inp.in_features, 3 * channels, bias=inp.bias is not None, device=inp.weight.device)
+        mixer.out_proj = nn.Linear(channels, out.out_features, bias=out.bias is not None, device=out.weight.device)
+    return rebuild
+
+
+def _lfm2_ff_dim(cfg) -> int:
+    """The dense feed-forward width transformers' LFM2 MLP builds (``block_auto_adjust_ff_dim``:
+    2/3 of ``intermediate_size``, times ``block_ffn_dim_multiplier``, rounded up to a multiple of
+    ``block_multiple_of``)."""
+    inter = int(cfg.intermediate_size)
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):
+        inter = int(2 * inter / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            inter = int(cfg.block_ffn_dim_multiplier * inter)
+            inter = cfg.block_multiple_of * ((inter + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return inter
+
+
+def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
+    """LFM2 / LFM2-MoE: attention by heads (``out_proj``; the per-head q/k layernorms replicated),
+    the short conv's ``hidden_size`` channels split (rebuilt with the local count:
+    ``local_modules``), the dense MLP (``w1`` / ``w3`` / ``w2``) and the experts by their
+    intermediate dimension."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    hd = _head_dim(cfg)
+    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd,
+                              out="out_proj")
+    hidden = int(cfg.hidden_size)
+    channels = _split(hidden, size, "hidden_size (the short conv's channels)", plan.family)
+    c = Segment(hidden, 1)
+    plan.add(r"\.conv\.in_proj\.(weight|bias)", Slice(0, (c, c, c)))
+    plan.add(r"\.conv\.conv\.(weight|bias)", Slice(0, (c,)))
+    plan.add(r"\.conv\.out_proj\.weight", Slice(1, (c,)))
+    plan.add(r"\.conv\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(r"\.layers\.\d+\.conv\.out_proj")
+    plan.local_modules.append((re.compile(r"\.layers\.\d+\.conv$"), _local_short_conv(channels)))
+    ff = _lfm2_ff_dim(cfg)
+    plan.mlp(r"\.feed_forward", ff, "the feed-forward width", gate="w1", up="w3", down="w2")
+    fields = dict(num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv, head_dim=hd,
+                  intermediate_size=ff // size)
+    if hasattr(cfg, "block_auto_adjust_ff_dim"):
+        fields["block_auto_adjust_ff_dim"] = False  # the local width is set as it is
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts:
+        plan.fused_experts(r"\.feed_forward\.experts", experts, int(cfg.moe_intermediate_size), names=("w1", "w3", "w2"))
+        fields["moe_intermediate_size"] = int(cfg.moe_intermediate_size) // size
+    plan.reduce(r"\.layers\.\d+\.feed_forward")  # dense MLP or the whole MoE block
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = fields
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
+    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
 }
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..engine import EngineConfig, HybridEngine
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
-from .layers import cross_rank_gated_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
+from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
 from .loading import LoadReport, load_shard
 from .plans import ShardPlan, plan_for
 from .step import StepBroadcaster, follow
@@ -152,16 +152,16 @@ def _memory_budget(tp: TensorParallelGroup, config: EngineConfig) -> int | None:
 
 
 def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None:
-    """The all-reduces, the cross-rank gated norms and the vocab-parallel embedding / LM head of a
+    """The all-reduces, the cross-rank norms and the vocab-parallel embedding / LM head of a
     rank's model (layers.py)."""
     reduced = 0
     for name, module in model.named_modules():
         if name and plan.is_reduced(name, module):
             reduce_output(module, tp)
             reduced += 1
-        for pattern, group_size in plan.cross_rank_norms:
+        for pattern, width, gated in plan.cross_rank_norms:
             if name and pattern.search(name):
-                cross_rank_gated_norm(module, group_size, tp)
+                cross_rank_rms_norm(module, width, tp, gated)
     if not reduced:
         raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module to all-reduce")
     embed = model.get_input_embeddings()

@@ -52,12 +52,14 @@ def short_conv_forward(self, hidden_states, past_key_values=None, attention_mask
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # the conv width of each mixer as built (hidden_size; a tensor-parallel rank's share of it)
+    channels = {int(m.layer_idx): int(m.conv.weight.shape[0]) for m in model.modules() if _is_short_conv(m)}
     attention, mamba = [], []
     for i, kind in enumerate(cfg.layer_types[: cfg.num_hidden_layers]):
         if kind == "full_attention":
             attention.append(AttentionLayerSpec(i, cfg.num_key_value_heads, head_dim, kv_dtype))
         elif kind == "conv":
-            mamba.append(MambaLayerSpec(i, cfg.conv_L_cache, cfg.hidden_size, (), conv_dtype, ssm_dtype))
+            mamba.append(MambaLayerSpec(i, cfg.conv_L_cache, channels[i], (), conv_dtype, ssm_dtype))
         else:
             raise ValueError(f"{cfg.model_type}: unknown layer type {kind!r} at layer {i}")
     return ModelLayout(attention, mamba, cfg.vocab_size, cfg.max_position_embeddings, SHORT_CONV_CHECKPOINT_ALIGN)

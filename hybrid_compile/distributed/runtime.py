@@ -57,8 +57,11 @@ class TensorParallelEngine(HybridEngine):
         self.runner.step_observer = self._broadcaster
         self.pools.mamba.observer = self._broadcaster
         self.pools.kv.observer = self._broadcaster
-        if warm:
-            self._guarded(self._warm_up_kernels)
+        if warm:  # (after the broadcaster is installed: the other ranks run the warm-up's steps too)
+            self.startup.plan("warmup")
+            with self.startup.phase("warmup"):
+                self._guarded(self._warm_up_kernels)
+            self.startup.finish()  # total_s with the warm-up
 
     def _guarded(self, fn, *args):
         if self._failure is not None:

@@ -61,6 +61,16 @@ def test_progress_bar_names_each_phase(capsys):
     assert any("2/2 phases" in line and "ready" in line for line in lines), lines
 
 
+def test_speculative_and_warm_up_phases():
+    model = cached_model("qwen3_next_dense", 0)
+    engine, wall = _timed(lambda: make_engine(model, warmup_kernels=True,
+                                              speculative=dict(method="ngram", num_draft_tokens=2)))
+    with engine:
+        stats = engine.stats()
+    _check_breakdown(stats["startup"], wall, {"pools", "patch", "speculative", "warmup"})
+    assert 0 < stats["warmup_kernels_seconds"] <= stats["startup"]["warmup_s"]
+
+
 def test_compiled_wrap_times_the_compile_phase():
     model = cached_model("qwen3_next_dense", 0)
     engine, wall = _timed(lambda: make_engine(model, compile=True))

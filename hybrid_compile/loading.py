@@ -271,6 +271,7 @@ def from_pretrained(
     elif tokenizer not in (False, None):
         tok = tokenizer
 
+    name = os.path.basename(path.rstrip("/")) or path
     if tensor_parallel_size != 1:
         from .distributed import launch
         from .distributed.group import DEFAULT_TIMEOUT_SECONDS
@@ -280,14 +281,15 @@ def from_pretrained(
                              f"shard itself and takes no from_pretrained arguments ({', '.join(model_kwargs)})")
         if revision is not None or not _is_local(path):
             raise ValueError("tensor parallelism loads a local checkpoint directory (download it first)")
-        return launch(path, tensor_parallel_size, config, engine_config, dtype=None if torch_dtype == "auto" else torch_dtype,
-                      device=device, tokenizer=tok, trust_remote_code=trust_remote_code,
-                      timeout=tensor_parallel_timeout or DEFAULT_TIMEOUT_SECONDS)
+        with Startup(progress, desc=f"loading {name} (rank 0 of {tensor_parallel_size})") as startup:
+            return launch(path, tensor_parallel_size, config, engine_config,
+                          dtype=None if torch_dtype == "auto" else torch_dtype, device=device, tokenizer=tok,
+                          trust_remote_code=trust_remote_code, timeout=tensor_parallel_timeout or DEFAULT_TIMEOUT_SECONDS,
+                          startup=startup)
     kwargs = dict(dtype=torch_dtype, device_map=_device_map(device), revision=revision,
                   trust_remote_code=trust_remote_code)
     kwargs.update(model_kwargs or {})
     quantization = _quantization(engine_config, config, path)
-    name = os.path.basename(path.rstrip("/")) or path
     with Startup(progress, desc=f"loading {name}") as startup:
         startup.plan("load")
         with startup.phase("load"):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from .engine import EngineConfig, HybridEngine
+from .engine.startup import Startup
 
 # files any of which means "this directory has a tokenizer"
 TOKENIZER_FILES = (
@@ -172,7 +172,7 @@ def _load_fp8(path: str, config, kwargs: dict, revision: str | None):
 
 def wrap(
     model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, tensor_parallel_size: int = 1,
-    **overrides,
+    progress: bool = False, **overrides,
 ) -> HybridEngine:
     """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
 
@@ -181,7 +181,9 @@ def wrap(
     engine. ``config`` is an :class:`EngineConfig` (or dict); ``overrides`` are its fields as
     keyword arguments. An unsupported model type raises ValueError listing the supported ones.
     ``tokenizer`` (optional, also settable later as ``engine.tokenizer``) lets ``generate`` and
-    ``generate_batch`` take strings and chat messages and return text.
+    ``generate_batch`` take strings and chat messages and return text. ``progress``: show a tqdm
+    bar (stderr) over the start-up phases (pools, patch, compile, capture, warm-up); off, nothing is
+    printed. Either way ``engine.stats()["startup"]`` has each phase's seconds (:mod:`.engine.startup`).
     """
     if tensor_parallel_size != 1:
         raise ValueError(
@@ -189,7 +191,9 @@ def wrap(
             "from one device; tensor parallelism loads each rank's shard from the checkpoint itself: use "
             "hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N)"
         )
-    return HybridEngine(model, EngineConfig.from_args(config, **overrides), tokenizer=tokenizer)
+    engine_config = EngineConfig.from_args(config, **overrides)
+    with Startup(progress) as startup:
+        return HybridEngine(model, engine_config, tokenizer=tokenizer, startup=startup)
 
 
 def from_pretrained(
@@ -221,7 +225,9 @@ def from_pretrained(
       when it has none; a path loads it from there; a tokenizer object is used as is;
       ``False``/``None`` means token ids only. It becomes ``engine.tokenizer``.
     - ``model_kwargs``: more keyword arguments for ``AutoModelForCausalLM.from_pretrained``.
-    - ``progress``: show a tqdm progress bar (stderr) over the loading stages (weights, engine).
+    - ``progress``: show a tqdm progress bar (stderr) over the start-up phases (load, pools, patch,
+      compile, capture, warm-up: :mod:`hybrid_compile.engine.startup`); ``engine.stats()["startup"]``
+      has each phase's seconds, ``load_s`` the weights' (with or without the bar).
     - ``engine_options``: :class:`EngineConfig` fields (``max_running_requests=...``), checked
       before any weight is read.
     - ``tensor_parallel_size``: serve the model over this many processes, one per device (``device``
@@ -244,7 +250,6 @@ def from_pretrained(
     :class:`UnsupportedModelError` (not a hybrid model; lists the supported model types),
     :class:`TokenizerNotFoundError`; all are :class:`LoadError` (a ``ValueError``).
     """
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     path = os.fspath(path_or_dir)
@@ -266,6 +271,7 @@ def from_pretrained(
     elif tokenizer not in (False, None):
         tok = tokenizer
 
+    name = os.path.basename(path.rstrip("/")) or path
     if tensor_parallel_size != 1:
         from .distributed import launch
         from .distributed.group import DEFAULT_TIMEOUT_SECONDS
@@ -275,26 +281,23 @@ def from_pretrained(
                              f"shard itself and takes no from_pretrained arguments ({', '.join(model_kwargs)})")
         if revision is not None or not _is_local(path):
             raise ValueError("tensor parallelism loads a local checkpoint directory (download it first)")
-        return launch(path, tensor_parallel_size, config, engine_config, dtype=None if torch_dtype == "auto" else torch_dtype,
-                      device=device, tokenizer=tok, trust_remote_code=trust_remote_code,
-                      timeout=tensor_parallel_timeout or DEFAULT_TIMEOUT_SECONDS)
+        with Startup(progress, desc=f"loading {name} (rank 0 of {tensor_parallel_size})") as startup:
+            return launch(path, tensor_parallel_size, config, engine_config,
+                          dtype=None if torch_dtype == "auto" else torch_dtype, device=device, tokenizer=tok,
+                          trust_remote_code=trust_remote_code, timeout=tensor_parallel_timeout or DEFAULT_TIMEOUT_SECONDS,
+                          startup=startup)
     kwargs = dict(dtype=torch_dtype, device_map=_device_map(device), revision=revision,
                   trust_remote_code=trust_remote_code)
     kwargs.update(model_kwargs or {})
     quantization = _quantization(engine_config, config, path)
-    name = os.path.basename(path.rstrip("/")) or path
-    with tqdm(total=2, desc=f"loading {name}", unit="stage", disable=not progress, file=sys.stderr) as bar:
-        bar.set_postfix_str("weights")
-        if quantization == "fp8":
-            model = _load_fp8(path, config, kwargs, revision)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
-        bar.update()
-        bar.set_postfix_str("engine (pools, patches)")
-        engine = wrap(model, engine_config, tokenizer=tok)
-        bar.update()
-        bar.set_postfix_str("ready")
-    return engine
+    with Startup(progress, desc=f"loading {name}") as startup:
+        startup.plan("load")
+        with startup.phase("load"):
+            if quantization == "fp8":
+                model = _load_fp8(path, config, kwargs, revision)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
+        return HybridEngine(model, engine_config, tokenizer=tok, startup=startup)
 
 
 __all__ = [

@@ -318,10 +318,11 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
         plan_for(transformers.LlamaConfig(), 2)
 
 
-def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):
+def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch, capsys):
     """from_pretrained spawns rank 1 itself; each rank's peak host memory while loading stays near its
-    shard (about half the model); a fault on rank 0 (the user's process) ends rank 1 too and
-    reaches the caller unchanged."""
+    shard (about half the model); rank 0's start-up phases (its shard's load included) are timed and
+    shown with progress=True; a fault on rank 0 (the user's process) ends rank 1 too and reaches the
+    caller unchanged."""
     import transformers
 
     cfg = em.make_config("qwen3_5")
@@ -331,8 +332,13 @@ def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch):
     prompt = em.random_prompts([9], 8192, seed=5)[0]
     expected = em.hf_greedy(model, prompt, NEW)
     opts = {k: v for k, v in OPTIONS.items() if k != "speculative"}
-    engine = hc.from_pretrained(tmp_path, tensor_parallel_size=2, **opts)
+    engine = hc.from_pretrained(tmp_path, tensor_parallel_size=2, progress=True, **opts)
     try:
+        startup = engine.stats()["startup"]
+        assert min(startup["load_s"], startup["pools_s"], startup["patch_s"]) > 0, startup
+        assert sum(v for k, v in startup.items() if k != "total_s") <= startup["total_s"], startup
+        err = capsys.readouterr().err.replace("\r", "\n")
+        assert "(rank 0 of 2)" in err and ", load]" in err and "3/3 phases" in err and ", ready]" in err, err
         assert engine.generate_batch([prompt], max_new_tokens=NEW) == [expected]
         ranks = engine.stats()["tensor_parallel"]["ranks"]
         full = ranks[0]["full_model_bytes"]

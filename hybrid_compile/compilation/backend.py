@@ -15,6 +15,13 @@ compiled piece is wrapped in a per-token-bucket CUDA-graph runner. With ``rewrit
 the weights of projections that share an input are packed once and every piece runs our
 post-grad pass (:mod:`.rewrite`, Inductor's ``post_grad_custom_pre_pass``) that fuses them;
 :meth:`HybridCompileBackend.release_packed_weights` undoes the packing (the engine's ``close``).
+
+Every piece goes through Inductor's own caches: the AOTAutograd cache and the FX graph cache
+(``torch._functorch.config.enable_autograd_cache``, ``torch._inductor.config.fx_graph_cache``,
+on by default; on disk under ``TORCHINDUCTOR_CACHE_DIR``), so a second process compiling the same
+model with the same settings loads each piece's compiled code instead of compiling it. The
+rewrite pass is a ``CustomGraphPass`` whose ``uuid`` is part of the cache key. The cache
+lookups of the backend's pieces are counted in ``CompileStats.caches``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,23 @@ if TYPE_CHECKING:
     from .cuda_graphs import PiecewiseGraphs
 
 
+# CompileStats.caches key -> (torch._dynamo.utils.counters group, counter) that Inductor increments
+_CACHE_COUNTERS = {
+    "fx_graph_hits": ("inductor", "fxgraph_cache_hit"),
+    "fx_graph_misses": ("inductor", "fxgraph_cache_miss"),
+    "fx_graph_bypasses": ("inductor", "fxgraph_cache_bypass"),
+    "autograd_hits": ("aot_autograd", "autograd_cache_hit"),
+    "autograd_misses": ("aot_autograd", "autograd_cache_miss"),
+    "autograd_bypasses": ("aot_autograd", "autograd_cache_bypass"),
+}
+
+
+def _cache_counts() -> dict[str, int]:
+    """The process's Inductor cache counters now (:data:`_CACHE_COUNTERS`)."""
+    counters = torch._dynamo.utils.counters
+    return {key: counters[group][name] for key, (group, name) in _CACHE_COUNTERS.items()}
+
+
 @dataclass
 class CompileStats:
     """What the backend did, accumulated over every graph it compiled (one per Dynamo compile
@@ -52,6 +76,9 @@ class CompileStats:
     graph_nodes: int = 0  # call nodes of the latest Dynamo graph
     rewrites: dict = field(default_factory=dict)  # rewrite pass (.rewrite): packed weights, fused matmuls
     history: list[dict] = field(default_factory=list)  # per graph: pieces, seconds, symbolic inputs
+    # Inductor's cache lookups for the pieces, all graphs: fx_graph_{hits,misses,bypasses} (FX graph
+    # cache), autograd_{hits,misses,bypasses} (AOTAutograd cache)
+    caches: dict = field(default_factory=lambda: dict.fromkeys(_CACHE_COUNTERS, 0))
 
     def as_dict(self) -> dict:
         return {
@@ -62,6 +89,7 @@ class CompileStats:
             "backend_seconds": self.backend_seconds,
             "graph_nodes": self.graph_nodes,
             "rewrites": dict(self.rewrites),
+            "caches": dict(self.caches),
         }
 
 
@@ -169,7 +197,10 @@ class HybridCompileBackend:
             compiler = PiecewiseCompiler(
                 split_gm, items, lambda sub, args: _inductor_compile(sub, args, config), fake_mode
             )
+            before = _cache_counts()
             compiler.run(*fakes)
+            for key, count in _cache_counts().items():
+                self.stats.caches[key] += count - before[key]
             if self.rewrites:  # the pass's counts (it does not run on pieces served by Inductor's cache)
                 self.stats.rewrites.update(self.rewrite_pass.counts.as_dict())
             for name, fn in compiler.compiled.items():

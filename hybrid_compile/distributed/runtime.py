@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
+from ..engine.startup import Startup
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
 from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
@@ -45,9 +46,10 @@ class TensorParallelEngine(HybridEngine):
     rank's as :class:`TensorParallelError`, and every later call raises it too."""
 
     def __init__(self, model, config: EngineConfig, tp: TensorParallelGroup, *, tokenizer=None,
-                 processes: list | None = None) -> None:
+                 processes: list | None = None, startup: Startup | None = None) -> None:
         warm = config.warmup_kernels if config.warmup_kernels is not None else tp.device.type == "cuda"
-        super().__init__(model, dataclasses.replace(config, warmup_kernels=False), tokenizer=tokenizer)
+        super().__init__(model, dataclasses.replace(config, warmup_kernels=False), tokenizer=tokenizer,
+                         startup=startup)
         self.config = config
         self.tp = tp
         self.load_reports: list[LoadReport] = []
@@ -57,8 +59,11 @@ class TensorParallelEngine(HybridEngine):
         self.runner.step_observer = self._broadcaster
         self.pools.mamba.observer = self._broadcaster
         self.pools.kv.observer = self._broadcaster
-        if warm:
-            self._guarded(self._warm_up_kernels)
+        if warm:  # (after the broadcaster is installed: the other ranks run the warm-up's steps too)
+            self.startup.plan("warmup")
+            with self.startup.phase("warmup"):
+                self._guarded(self._warm_up_kernels)
+            self.startup.finish()  # total_s with the warm-up
 
     def _guarded(self, fn, *args):
         if self._failure is not None:
@@ -174,17 +179,23 @@ def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None
 
 
 def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
-                      trust_remote_code: bool, tokenizer=None, processes=None) -> HybridEngine:
-    """Load this rank's shard and build its engine (rank 0: a :class:`TensorParallelEngine`)."""
+                      trust_remote_code: bool, tokenizer=None, processes=None,
+                      startup: Startup | None = None) -> HybridEngine:
+    """Load this rank's shard and build its engine (rank 0: a :class:`TensorParallelEngine`);
+    ``startup`` times (and shows) the load and the engine's phases (default: a silent one)."""
+    startup = startup if startup is not None else Startup()
     plan = plan_for(config, tp.size, tp.rank)
-    model, report = load_shard(path, config, plan, dtype, tp.device, trust_remote_code)
+    startup.plan("load")
+    with startup.phase("load"):
+        model, report = load_shard(path, config, plan, dtype, tp.device, trust_remote_code)
     install_collectives(model, plan, tp)
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config))
     engine_config = dataclasses.replace(engine_config, extra=extra)
     if tp.is_leader:
-        engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes)
+        engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,
+                                      startup=startup)
     else:
-        engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False))
+        engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False), startup=startup)
     reports = tp.gather_ints([report.shard_bytes, report.full_model_bytes, report.peak_host_bytes,
                               report.peak_device_bytes])
     capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total()])
@@ -230,9 +241,12 @@ def _timedelta(seconds: float):
 
 
 def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, device, tokenizer=None,
-           trust_remote_code: bool = False, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> HybridEngine | None:
+           trust_remote_code: bool = False, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+           startup: Startup | None = None) -> HybridEngine | None:
     """Serve the checkpoint in ``path`` (its ``config`` already read) over ``size`` ranks (module
-    docstring). Everything that can be checked is checked before a process starts or a weight is read."""
+    docstring). Everything that can be checked is checked before a process starts or a weight is read.
+    ``startup``: rank 0's start-up phases (its load and engine; with progress, its bar): the other
+    ranks' are silent."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     device_type = _resolve_device(device)
@@ -253,7 +267,7 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
             finally:
                 _group.set_current_group(None)
             return None
-        return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, [])
+        return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, [], startup)
 
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=_timedelta(timeout), wait_for_workers=False)
     threads = max(1, torch.get_num_threads() // size)
@@ -271,12 +285,13 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
             p.terminate()
         raise
     _group.set_current_group(tp)
-    return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes)
+    return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes, startup)
 
 
-def _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes) -> HybridEngine:
+def _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes, startup) -> HybridEngine:
     try:
-        return build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes)
+        return build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes,
+                                 startup)
     except BaseException as e:
         err = tp.fail(e)
         _group.set_current_group(None)

@@ -2,7 +2,8 @@
 (continuous batching, chunked prefill, retraction: :mod:`.scheduler`), the forward batch of a
 step (a scheduled batch turned into packed input ids and forward metadata, padding for the
 compiled forward and CUDA graphs included: :mod:`.forward_batch`), the compile and CUDA-graph
-setup (which graphs, warm-up, capture: :mod:`.graph_setup`), the model runner (runs one step
+setup (which graphs, warm-up, capture: :mod:`.graph_setup`), the start-up phases' timing and
+progress bar (:mod:`.startup`), the model runner (runs one step
 under its forward context: :mod:`.runner`), the sampler (:mod:`.sampling`) and speculative
 decoding (:mod:`.speculative`)."""
 

@@ -70,6 +70,7 @@ from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
 from .speculative import SpeculativeDecoder, build_draft_source
+from .startup import Startup
 
 # finished requests whose timings stats() summarises (the most recent ones)
 _TIMING_WINDOW = 10_000
@@ -129,9 +130,14 @@ def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype
 
 
 class HybridEngine(GenerateAPI):
-    """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`."""
+    """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`.
 
-    def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> None:
+    ``startup``: the :class:`~.startup.Startup` that times (and, with progress on, shows) the
+    construction's phases; default: a new one, silent. ``stats()["startup"]`` reports it."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None,
+                 startup: Startup | None = None) -> None:
+        self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
         self.model = model
         self.config = config
@@ -157,6 +163,10 @@ class HybridEngine(GenerateAPI):
                 f"EngineConfig.dtype={self.dtype} but the model's weights are {model_dtype}; the engine uses the "
                 "model's own weights, so convert the model first (model.to(dtype))"
             )
+        warm = config.warmup_kernels if config.warmup_kernels is not None else self.device.type == "cuda"
+        is_mtp = config.speculative is not None and config.speculative.method == "mtp"
+        self.startup.plan(*("load",) * is_mtp, "pools", "patch", *("speculative",) * (config.speculative is not None),
+                          *("warmup",) * warm)  # (compile and capture: the runner's, CompiledGraphs.setup)
         kv_dtype = config.resolved_kv_cache_dtype(self.dtype)
         self.layout = self.family.layout(
             model, kv_dtype=kv_dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype),
@@ -170,37 +180,39 @@ class HybridEngine(GenerateAPI):
         # speculative method "mtp": the checkpoint's MTP head; its attention layer is one more
         # full-attention layer of the KV pool (its KV lives in the slots of the target's tokens)
         self.mtp_head = None
-        if config.speculative is not None and config.speculative.method == "mtp":
-            self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
-        self.pools = MemoryPools.from_specs(
-            self.layout.attention + ([self.mtp_head.attention_spec(kv_dtype)] if self.mtp_head is not None else []),
-            self.layout.mamba,
-            device=self.device,
-            max_running_requests=config.max_running_requests,
-            max_context_len=max_context + spec_k,
-            page_size=config.page_size,
-            max_total_tokens=config.max_total_tokens,
-            mamba_cache_size=config.mamba_cache_size,
-            # the prefix cache keeps finished requests' states: room for a few per request slot
-            # (with an explicit mamba_cache_size, the slots beyond the running requests')
-            mamba_prefix_cache_slots=(
-                4 * config.max_running_requests
-                if config.enable_prefix_cache and config.mamba_cache_size is None
-                else 0
-            ),
-            memory_fraction=config.memory_fraction,
-            # tensor parallelism: one budget for every rank (the smallest rank's), so their pools match
-            memory_budget_bytes=config.extra.get("memory_budget_bytes"),
-            mamba_full_memory_ratio=config.mamba_full_memory_ratio,
-            # capacities from the budget never exceed what the engine can use (cached prefixes
-            # included): every request at full context twice over, and 8 Mamba slots per request
-            kv_token_cap=2 * config.max_running_requests * max_context,
-            mamba_slot_cap=8 * config.max_running_requests,
-            # speculative verify: per-step intermediate states for every batch row (+ the padding
-            # row of a compiled one-request step)
-            num_draft_steps=spec_k + 1 if spec_k else 0,
-            max_draft_batch=config.max_running_requests + 1 if spec_k else None,
-        )
+        if is_mtp:
+            with self.startup.phase("load"):
+                self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
+        with self.startup.phase("pools"):
+            self.pools = MemoryPools.from_specs(
+                self.layout.attention + ([self.mtp_head.attention_spec(kv_dtype)] if self.mtp_head is not None else []),
+                self.layout.mamba,
+                device=self.device,
+                max_running_requests=config.max_running_requests,
+                max_context_len=max_context + spec_k,
+                page_size=config.page_size,
+                max_total_tokens=config.max_total_tokens,
+                mamba_cache_size=config.mamba_cache_size,
+                # the prefix cache keeps finished requests' states: room for a few per request slot
+                # (with an explicit mamba_cache_size, the slots beyond the running requests')
+                mamba_prefix_cache_slots=(
+                    4 * config.max_running_requests
+                    if config.enable_prefix_cache and config.mamba_cache_size is None
+                    else 0
+                ),
+                memory_fraction=config.memory_fraction,
+                # tensor parallelism: one budget for every rank (the smallest rank's), so their pools match
+                memory_budget_bytes=config.extra.get("memory_budget_bytes"),
+                mamba_full_memory_ratio=config.mamba_full_memory_ratio,
+                # capacities from the budget never exceed what the engine can use (cached prefixes
+                # included): every request at full context twice over, and 8 Mamba slots per request
+                kv_token_cap=2 * config.max_running_requests * max_context,
+                mamba_slot_cap=8 * config.max_running_requests,
+                # speculative verify: per-step intermediate states for every batch row (+ the padding
+                # row of a compiled one-request step)
+                num_draft_steps=spec_k + 1 if spec_k else 0,
+                max_draft_batch=config.max_running_requests + 1 if spec_k else None,
+            )
         self.max_context_len = self.pools.plan.max_context_len - spec_k
         self.patch = PatchHandle()
         # accelerate's device_map hooks live in instance-level `forward`s; a module the family
@@ -209,12 +221,14 @@ class HybridEngine(GenerateAPI):
         hooked = [(m, m.__dict__["forward"]) for m in model.modules() if "forward" in m.__dict__]
         self.patch.restores.append(lambda: [m.__dict__.__setitem__("forward", f) for m, f in hooked])
         try:
-            self.family.patch(model, self.patch)
-            if self.mtp_head is not None:
-                install_attention(self.mtp_head, self.patch)
+            with self.startup.phase("patch"):
+                self.family.patch(model, self.patch)
+                if self.mtp_head is not None:
+                    install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,
-                                      forward_fn=hidden_states_forward if self.mtp_head is not None else None)
+                                      forward_fn=hidden_states_forward if self.mtp_head is not None else None,
+                                      startup=self.startup)
             # the rewrite pass's packed projection weights get their own storage again on close()
             self.patch.restores.append(self.runner.release_packed_weights)
         except BaseException:
@@ -235,7 +249,10 @@ class HybridEngine(GenerateAPI):
         )
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
-            self.speculative = self._speculative_decoder() if config.speculative is not None else None
+            self.speculative = None
+            if config.speculative is not None:
+                with self.startup.phase("speculative"):
+                    self.speculative = self._speculative_decoder()
         except BaseException:
             self.patch.undo()  # e.g. an unusable draft model: the target is left exactly as it was
             raise
@@ -261,13 +278,14 @@ class HybridEngine(GenerateAPI):
         )
         self._timings: collections.deque = collections.deque(maxlen=_TIMING_WINDOW)  # (ttft, tpot)
         self.warmup_seconds = 0.0
-        warm = config.warmup_kernels if config.warmup_kernels is not None else self.device.type == "cuda"
         if warm:
             try:
-                self._warm_up_kernels()
+                with self.startup.phase("warmup"):
+                    self._warm_up_kernels()
             except BaseException:
                 self.close()  # a failed wrap leaves the model exactly as it was
                 raise
+        self.startup.finish()
 
     def _speculative_decoder(self) -> SpeculativeDecoder:
         """The decoder of ``EngineConfig.speculative``: the parts of this engine it drives and its
@@ -758,6 +776,7 @@ class HybridEngine(GenerateAPI):
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
         c["warmup_kernels_seconds"] = self.warmup_seconds
+        c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         # time to first token / per output token of the recently finished requests (seconds)
         c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])
         c["tpot"] = _percentiles([t for _, t in self._timings if t is not None])

@@ -37,6 +37,7 @@ from ..compilation import cuda_graphs as cg
 
 if TYPE_CHECKING:
     from .config import EngineConfig
+    from .startup import Startup
 
 # "ModelRunner" in annotations: the runner (engine/runner.py) owns a CompiledGraphs and passes
 # itself in; importing it here, even for type checking, would make the two modules a cycle
@@ -69,6 +70,18 @@ def _default_inductor_config(device: torch.device) -> dict:
     if hasattr(inductor_config.triton, "enable_pdl") and programmatic_launch_supported(torch.device(device)):
         return {"triton.enable_pdl": True}
     return {}
+
+
+def _inductor_caches() -> dict:
+    """Inductor's on-disk caches the compiled pieces go through: whether the FX graph cache and the
+    AOTAutograd cache are on, and their directory (``TORCHINDUCTOR_CACHE_DIR``)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    off = bool(inductor_config.force_disable_caches)
+    return {"fx_graph_cache": bool(inductor_config.fx_graph_cache) and not off,
+            "autograd_cache": bool(functorch_config.enable_autograd_cache) and not off, "dir": cache_dir()}
 
 
 class CompiledGraphs:
@@ -118,12 +131,17 @@ class CompiledGraphs:
                 or cg.default_token_buckets(config.chunked_prefill_size, config.max_running_requests)
             )
 
-    def setup(self, runner: "ModelRunner") -> None:
+    def setup(self, runner: "ModelRunner", startup: "Startup") -> None:
         """Compile (when enabled), then capture the CUDA graphs (when any), running the warm-up and
-        capture steps through ``runner``."""
+        capture steps through ``runner``; ``startup`` times the two phases."""
+        capture = self.full or self.piecewise
+        startup.plan(*("compile",) * self.enabled, *("capture",) * capture)
         if self.enabled:
-            self.compile(runner)
-        self.capture_cuda_graphs(runner)
+            with startup.phase("compile"):
+                self.compile(runner)
+        if capture:
+            with startup.phase("capture"):
+                self.capture_cuda_graphs(runner)
 
     def release_packed_weights(self) -> int:
         """Undo the rewrite pass's packing of the model's projection weights
@@ -253,7 +271,9 @@ class CompiledGraphs:
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
         ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
         batch 1, see ``cuda_graphs.FullGraphRunner``), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
-        ``split_ops_seen`` (layer ops left eager between them), ``graph_breaks``, ``compiled_steps``
+        ``split_ops_seen`` (layer ops left eager between them), ``caches`` (Inductor's on-disk
+        caches: ``fx_graph_cache`` / ``autograd_cache`` on, their ``dir``, and the pieces' lookups:
+        ``fx_graph_hits`` / ``_misses`` / ``_bypasses``, ``autograd_hits`` / ...), ``graph_breaks``, ``compiled_steps``
         (calls of the compiled forward outside graph replays: warm-ups and captures included),
         ``padded_steps`` (steps of one request padded to two), and the CUDA graphs: ``cuda_graphs``
         (``{"full": bool, "piecewise": bool}``), ``capture_seconds``, ``decode_batch_sizes`` and
@@ -281,6 +301,7 @@ class CompiledGraphs:
             "split_ops_seen": dict(s.split_ops_seen),
             "inductor_config": dict(self.inductor_config),
             "rewrites": dict(s.rewrites),  # post-grad rewrite pass: packed weights, fused matmuls (compilation/rewrite.py)
+            "caches": {**_inductor_caches(), **s.caches},  # the pieces' lookups in Inductor's caches (backend.py)
             "graph_breaks": c["graph_breaks"],
             "compiled_steps": c["compiled_steps"],
             "padded_steps": c["padded_steps"],

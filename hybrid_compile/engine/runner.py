@@ -34,6 +34,7 @@ from ..memory import MemoryPools
 from ..compilation import cuda_graphs as cg
 from .forward_batch import ForwardBatch, ForwardBatchBuilder, pad_requests
 from .graph_setup import CompiledGraphs
+from .startup import Startup
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -70,13 +71,15 @@ def _views(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
 class ModelRunner:
     def __init__(
         self, model: nn.Module, pools: MemoryPools, device: torch.device, config: "EngineConfig | None" = None,
-        forward_fn=None, extra_inputs: tuple = (),
+        forward_fn=None, extra_inputs: tuple = (), startup: "Startup | None" = None,
     ) -> None:
         """``forward_fn(model) -> forward(input_ids, positions, logits_indices, *extra)`` builds the
         function that runs the model (default: the HF causal LM's forward -> logits); one that returns
         ``(logits, hidden)`` leaves each step's hidden states in :attr:`hidden_states`.
         ``extra_inputs``: ``(trailing shape, dtype)`` of each per-token tensor the forward takes after
-        the logits indices (``forward(batch, extra=...)``; padding rows are zeros)."""
+        the logits indices (``forward(batch, extra=...)``; padding rows are zeros). ``startup``: the
+        engine's :class:`~.startup.Startup`, which times the compile and capture phases (default: a
+        silent one of this runner's own)."""
         self.model = model
         self._forward_fn = forward_fn or _forward_of
         self._extra_specs = tuple(extra_inputs)
@@ -109,7 +112,7 @@ class ModelRunner:
         self.graphs = CompiledGraphs(model, self._forward_fn, device, config)
         self.compiled = self.graphs.enabled
         try:
-            self.graphs.setup(self)
+            self.graphs.setup(self, startup if startup is not None else Startup())
         except BaseException:
             self.release_packed_weights()  # a failed construction leaves the model's weights as they were
             raise

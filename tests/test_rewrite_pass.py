@@ -349,11 +349,14 @@ def test_failed_wrap_after_the_compile_unpacks(monkeypatch):
     model = cached_model("qwen3_next_dense", 0)
     params, values = _snapshot(model)
 
-    def failing_capture(self, *args):
+    compile_then_capture = CompiledGraphs.setup
+
+    def failing_capture(self, *args):  # the compile runs; the capture that would follow fails
+        compile_then_capture(self, *args)
         assert self.backend.packed_groups, "the compile packed nothing"
         raise RuntimeError("simulated capture failure")
 
-    monkeypatch.setattr(CompiledGraphs, "capture_cuda_graphs", failing_capture)
+    monkeypatch.setattr(CompiledGraphs, "setup", failing_capture)
     with _no_compile_caches(), pytest.raises(RuntimeError, match="simulated capture failure"):
         make_engine(model, compile=True)
     _assert_own_storage(model, params, values)

@@ -163,6 +163,28 @@ def test_cli_bench_reports_prefill_and_decode_rates_and_writes_json(ckpt, tmp_pa
     assert result["ttft_seconds"]["count"] == 3 and result["tpot_seconds"]["p50"] > 0
 
 
+def test_bench_progress_advances_once_per_generated_token(qwen_engine):
+    """bench's progress bar (cli._StepMeter) moves with every step by the tokens that step generated,
+    not once at the end; the engine's own step is back in place afterwards."""
+    from hybrid_compile.cli import _StepMeter
+
+    class Bar:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, n):
+            self.updates.append(n)
+
+    bar = Bar()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with _StepMeter(qwen_engine, bar) as meter:
+        out = qwen_engine.generate_batch(prompts, max_new_tokens=5, ignore_eos=True)
+    assert "step" not in qwen_engine.__dict__
+    assert sum(bar.updates) == sum(len(o) for o in out) == 10
+    assert sum(1 for n in bar.updates if n) >= 5  # tokens arrive over (at least) 5 steps
+    assert meter.prefill_steps >= 1 and meter.decode_steps >= 1 and meter.decode_tokens > 0
+
+
 def test_every_subcommand_help_lists_each_option_with_its_default(monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one line per option: no wrapping inside option names
     parser = build_parser()

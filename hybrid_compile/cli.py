@@ -332,17 +332,12 @@ def _serve(args: argparse.Namespace) -> int:
         return _load(args, args.tokenizer or "required", max_running_requests=args.max_running_requests,
                      enable_prefix_cache=args.prefix_cache)
 
-    if _is_torchrun_follower(args):  # only rank 0 listens; the others follow its engine until it closes
-        load()
+    from .distributed.group import is_torchrun_follower
+
+    if is_torchrun_follower(args.tensor_parallel_size):
+        load()  # only rank 0 listens: a follower follows its engine until it closes, then _load ends the command
     return run(args.served_model_name or args.model, load, host=args.host, port=args.port,
                log_level=args.log_level, access_log=args.access_log)
-
-
-def _is_torchrun_follower(args: argparse.Namespace) -> bool:
-    from .distributed.group import torchrun_env
-
-    env = torchrun_env()
-    return args.tensor_parallel_size > 1 and env is not None and env[0] != 0
 
 
 def _one_line(e: BaseException) -> str:

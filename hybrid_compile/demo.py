@@ -57,9 +57,9 @@ def run_demo(
     import tempfile
 
     import hybrid_compile as hc
-    from hybrid_compile.distributed.group import torchrun_env
+    from hybrid_compile.distributed.group import is_torchrun_follower
 
-    if tensor_parallel_size != 1 and (torchrun_env() or (0,))[0] != 0:
+    if is_torchrun_follower(tensor_parallel_size):
         out = lambda *args, **kwargs: None  # noqa: E731  (torchrun: only rank 0 reports)
     model = build_demo_model(seed, device)
     n_params = sum(p.numel() for p in model.parameters())

@@ -149,6 +149,13 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return None
 
 
+def is_torchrun_follower(tensor_parallel_size: int) -> bool:
+    """Whether this process is a rank other than 0 of a tensor-parallel engine started by torchrun:
+    its ``from_pretrained(..., tensor_parallel_size=N)`` follows rank 0's steps and returns None."""
+    env = torchrun_env()
+    return tensor_parallel_size > 1 and env is not None and env[0] != 0
+
+
 def rank_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():

@@ -231,7 +231,7 @@ def bench_gdn(quick, fla):
         a = torch.randn(batch, Hv, dtype=BF16, device=DEV)
         b = torch.randn(batch, Hv, dtype=BF16, device=DEV)
         state_bytes = 2 * batch * Hv * K * V * 4
-        f = lambda: ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0)  # noqa: E731
+        f = lambda: ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0, ssm_scales=None)  # noqa: E731
         p = lambda: plain(G.fused_sigmoid_gating_delta_rule_update)(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0)  # noqa: E731
         fla_ms = None
         if "recurrent" in fla:
@@ -252,7 +252,7 @@ def bench_gdn(quick, fla):
         gv = -torch.rand(batch, L, Hv, device=DEV)
         bv = torch.rand(batch, L, Hv, device=DEV)
         inter = torch.zeros(batch, L, Hv, K, V, dtype=BF16, device=DEV)
-        f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
+        f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)  # noqa: E731
         p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
         record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=batch * Hv * K * V * (4 + L * 2))
@@ -286,7 +286,7 @@ def bench_gdn(quick, fla):
             g, beta = ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
             chunk = 64
             flops = total * Hv * (4 * K * V + 2 * chunk * (K + V) + 2 * chunk * K)
-            f = lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False)  # noqa: E731
+            f = lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False, ssm_scales=None)  # noqa: E731
             p = lambda: plain(G.chunk_gated_delta_rule)(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False)  # noqa: E731
             fla_ms = None
             if "chunk" in fla:
@@ -316,7 +316,7 @@ def bench_mamba2(quick):
         dt = torch.randn(batch, 1, H, dtype=BF16, device=DEV)
         B = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
         Cm = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
-        f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
+        f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None, A_is_log=False, ssm_scales=None, intermediate_scales=None)  # noqa: E731
         p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
         record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=2 * batch * H * P * N * 4, note="(no fla equivalent)")
@@ -330,7 +330,7 @@ def bench_mamba2(quick):
             B = torch.randn(total, G_, N, dtype=BF16, device=DEV)
             Cm = torch.randn(total, G_, N, dtype=BF16, device=DEV)
             flops = total * H * (2 * CH * N / H * G_ + 2 * CH * P + 4 * P * N)
-            f = lambda: ops.ssd_chunk_scan(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
+            f = lambda: ops.ssd_chunk_scan(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False, ssm_scales=None)  # noqa: E731
             p = lambda: plain(M.ssd_chunk_scan)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
             record("ssd_chunk_scan", f"T={total} B={batch}", safe(lambda: bench(f)),
                    safe(lambda: bench(p, iters=3, graph=False)) if total <= 16384 else None, None, flops=flops,

@@ -160,7 +160,7 @@ def main():
         systems.append(("old", lambda inp, pool, has: call(old, inp, pool, has)))
     systems.append(("new", lambda inp, pool, has: call(G, inp, pool, has)))
     systems.append(("new-op", lambda inp, pool, has: ops.chunk_gated_delta_rule(
-        *inp[:5], pool, inp[6], inp[7], has, True, 0.0, False)))
+        *inp[:5], pool, inp[6], inp[7], has, True, 0.0, False, ssm_scales=None)))
 
     for batch in [int(x) for x in args.batch.split(",")]:
         for total in [int(x) for x in args.tokens.split(",")]:

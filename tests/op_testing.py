@@ -43,9 +43,25 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=msg or None)
 
 
+def with_omitted_optionals(op, args: tuple, kwargs: dict | None = None) -> dict:
+    """``kwargs`` plus None for each optional argument of ``op`` the call leaves out: the ops give their
+    mutated optional arguments (FP8 scales, intermediate states) no default (tests/test_project.py says why)."""
+    kwargs = dict(kwargs or {})
+    if isinstance(op, torch._ops.OpOverload):
+        schema = op._schema
+    elif isinstance(op, torch._ops.OpOverloadPacket):
+        schema = op.default._schema
+    else:  # a torch.library.custom_op definition
+        schema = op._opoverload._schema
+    for arg in schema.arguments[len(args):]:
+        if arg.name not in kwargs and not arg.has_default_value() and isinstance(arg.type, torch.OptionalType):
+            kwargs[arg.name] = None
+    return kwargs
+
+
 def run_opcheck(op, args: tuple, kwargs: dict | None = None):
     """torch.library.opcheck with every test utility; mutated inputs are cloned by opcheck itself."""
-    torch.library.opcheck(op, args, kwargs or {})
+    torch.library.opcheck(op, args, with_omitted_optionals(op, args, kwargs))
 
 
 def compile_and_compare(fn, *args, clone_args=True):

@@ -21,7 +21,7 @@ from hybrid_compile.ops.triton import fp8_cache as tfp8
 from hybrid_compile.ops.triton import gdn as tgdn
 from hybrid_compile.ops.triton import mamba2 as tm
 from hybrid_compile.ops.triton import state as tstate
-from op_testing import cu_seqlens_of
+from op_testing import cu_seqlens_of, with_omitted_optionals
 from test_ops_mamba2 import DECODE_ORDER, PREFILL_ORDER, make_decode, make_prefill
 from test_triton_gdn import make_gb, make_qkv
 
@@ -34,7 +34,7 @@ def run_opcheck(op, args, kwargs=None):
     """opcheck minus ``test_schema``: its mutation check compares inputs with ``torch.allclose``,
     which has no float8 kernel; the fake-tensor and AOT-dispatch checks (which functionalize the
     declared mutations and compare the results) run as for every op."""
-    torch.library.opcheck(op, args, kwargs or {},
+    torch.library.opcheck(op, args, with_omitted_optionals(op, args, kwargs),
                           test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
 
 
@@ -102,7 +102,7 @@ def test_gdn_decode_fp8_pool(pad):
     pq, ps = _gdn_pool(hv, kd, vd)
     ref_pool = deq(pq, ps, GDN_DIM)
     o_ref = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ref_pool, slots, True, 0.0,
-                                                       1.0, 20.0)
+                                                       1.0, 20.0, ssm_scales=None)
     gq, gs = pq.clone(), ps.clone()
     o = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, gq, slots, True, 0.0, 1.0, 20.0,
                                                    ssm_scales=gs)
@@ -134,7 +134,7 @@ def test_gdn_verify_fp8_pool_and_intermediates(disable):
     for t in range(steps):
         outs.append(ops.fused_recurrent_gated_delta_rule_update(
             q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], ref_pool, slots, True, 0.0,
-            False, None))
+            False, None, ssm_scales=None, intermediate_scales=None))
         ref_inter[:bs][slots >= 0, t] = ref_pool[real]
         if t < steps - 1:
             ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
@@ -177,7 +177,7 @@ def test_gdn_chunk_fp8_pool_and_tracked_checkpoints():
     init = torch.tensor([True, True, False, False])
     pq, ps = _gdn_pool(hv, kd, vd)
     ref_pool = deq(pq, ps, GDN_DIM)
-    o_ref, cs_ref = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_pool, cu, slots, init, True, 0.0, True)
+    o_ref, cs_ref = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_pool, cu, slots, init, True, 0.0, True, ssm_scales=None)
     written = [3, 6]  # slot 8's request is empty: untouched; the padding request writes nothing
     for name in ("plain", "triton"):
         gq, gs = pq.clone(), ps.clone()
@@ -220,7 +220,7 @@ def test_mamba2_step_fp8_pool(steps, disable):
     ys = []
     for t in range(steps):
         step = {k: (v[:, t:t + 1] if k in ("x", "dt", "B", "C", "z") and v is not None else v) for k, v in one.items()}
-        ys.append(ops.selective_state_update(*(step[k] for k in DECODE_ORDER)))
+        ys.append(ops.selective_state_update(*(step[k] for k in DECODE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None))
         if ref_inter is not None:
             ref_inter[: len(slots)][inp["state_indices"] >= 0, t] = one["ssm_states"][real]
         if t < steps - 1:
@@ -248,7 +248,7 @@ def test_mamba2_step_fp8_pool(steps, disable):
                 assert ((got - want).abs() <= want_s.unsqueeze(M2_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
     args = dict(inp)
     args["ssm_states"] = pq.clone()
-    extra = dict(ssm_scales=ps.clone())
+    extra = dict(A_is_log=False, ssm_scales=ps.clone())
     if ref_inter is not None:
         args["intermediate_states"] = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
         extra["intermediate_scales"] = torch.zeros(ref_inter.shape[:-1])
@@ -261,7 +261,7 @@ def test_mamba2_chunk_scan_fp8_pool():
     inp = make_prefill(lens, pad_rows=(3,))
     pq, ps = quantized(inp["ssm_states"], M2_DIM)
     inp["ssm_states"] = deq(pq, ps, M2_DIM)
-    y_ref, cs_ref = ops.ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), 8, True)
+    y_ref, cs_ref = ops.ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), 8, True, ssm_scales=None)
     slots = inp["state_indices"].tolist()
     written = [slots[0], slots[2]]
     for name in ("plain", "triton"):
@@ -308,7 +308,7 @@ def test_fp8_pool_arguments_are_validated():
     A_log = dt_bias = torch.zeros(2)
     slots = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs `ssm_scales`"):
-        ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq, slots, True, 0.0, 1.0, 20.0)
+        ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq, slots, True, 0.0, 1.0, 20.0, ssm_scales=None)
     with pytest.raises(ValueError, match="must be fp32 of shape"):
         ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pq, slots, True, 0.0, 1.0, 20.0,
                                                    ssm_scales=ps[:, :, :4])
@@ -346,9 +346,9 @@ def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
     g, beta = make_gb((bs, steps), hv)
     ref_q, ref_s = pq.clone(), ps.clone()
     o_ref = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ref_q, slots, True, 0.0, False, None,
-                                                        ref_s)
+                                                        ref_s, intermediate_scales=None)
     dev = [t.cuda() for t in (q, k, v, g, beta, pq, slots, ps)]
-    o = ops.fused_recurrent_gated_delta_rule_update(*dev[:6], dev[6], True, 0.0, False, None, dev[7])
+    o = ops.fused_recurrent_gated_delta_rule_update(*dev[:6], dev[6], True, 0.0, False, None, dev[7], intermediate_scales=None)
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
     got = deq(dev[5].cpu(), dev[7].cpu(), GDN_DIM)
     want = deq(ref_q, ref_s, GDN_DIM)
@@ -375,11 +375,11 @@ def test_gpu_mamba2_fp8_pool_at_nemotron_shape():
     pq, ps = quantize_vectors(inp["ssm_states"], M2_DIM)
     inp["ssm_states"] = pq.clone()
     ref_s = ps.clone()
-    y_ref = ops.selective_state_update(*(inp[k] for k in DECODE_ORDER), False, ref_s)
+    y_ref = ops.selective_state_update(*(inp[k] for k in DECODE_ORDER), False, ref_s, intermediate_scales=None)
     dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     dev["ssm_states"] = pq.cuda()
     gs = ps.cuda()
-    y = ops.selective_state_update(*(dev[k] for k in DECODE_ORDER), False, gs)
+    y = ops.selective_state_update(*(dev[k] for k in DECODE_ORDER), False, gs, intermediate_scales=None)
     torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     got, want = deq(dev["ssm_states"].cpu(), gs.cpu(), M2_DIM), deq(inp["ssm_states"], ref_s, M2_DIM)
     assert ((got - want).abs() <= ref_s.unsqueeze(M2_DIM) * 32 + 1e-6).all()

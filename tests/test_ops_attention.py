@@ -129,7 +129,7 @@ def test_store_kv_cache_matches_ref(cache_dtype, kv_dtype, index_dtype):
     slots = torch.tensor([7, -1, 0, 12, -1, 3], dtype=index_dtype)
     want_k, want_v = store_kv_cache_ref(k_cache, v_cache, slots, k, v)
     before_k = k_cache.clone()
-    ops.store_kv_cache(k_cache, v_cache, slots, k, v)
+    ops.store_kv_cache(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None)
     # written slots hold the cast values, every other slot is bit-identical to before
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     untouched = [s for s in range(num_slots) if s not in (7, 0, 12, 3)]
@@ -140,8 +140,8 @@ def test_store_kv_cache_matches_ref(cache_dtype, kv_dtype, index_dtype):
 def test_store_kv_cache_empty_and_all_padding():
     k_cache, v_cache = make_pool(4, 1)
     before = k_cache.clone(), v_cache.clone()
-    ops.store_kv_cache(k_cache, v_cache, torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, D), torch.zeros(0, 1, D))
-    ops.store_kv_cache(k_cache, v_cache, torch.tensor([-1, -1]), torch.randn(2, 1, D), torch.randn(2, 1, D))
+    ops.store_kv_cache(k_cache, v_cache, torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, D), torch.zeros(0, 1, D), k_scale=None, v_scale=None)
+    ops.store_kv_cache(k_cache, v_cache, torch.tensor([-1, -1]), torch.randn(2, 1, D), torch.randn(2, 1, D), k_scale=None, v_scale=None)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
@@ -465,17 +465,17 @@ def test_store_invalid():
     k, v = torch.randn(3, 2, D), torch.randn(3, 2, D)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"store_kv_cache: `k` has shape"):
-        ops.store_kv_cache(k_cache, v_cache, slots, torch.randn(3, 1, D), v)
+        ops.store_kv_cache(k_cache, v_cache, slots, torch.randn(3, 1, D), v, k_scale=None, v_scale=None)
     with pytest.raises(ValueError, match=r"store_kv_cache: `slots` must have dtype"):
-        ops.store_kv_cache(k_cache, v_cache, slots.float(), k, v)
+        ops.store_kv_cache(k_cache, v_cache, slots.float(), k, v, k_scale=None, v_scale=None)
     with pytest.raises(IndexError, match=r"store_kv_cache: `slots` has values in \[0, 6\]"):
-        ops.store_kv_cache(k_cache, v_cache, torch.tensor([0, 6, 1]), k, v)
+        ops.store_kv_cache(k_cache, v_cache, torch.tensor([0, 6, 1]), k, v, k_scale=None, v_scale=None)
     with pytest.raises(ValueError, match=r"store_kv_cache: `slots` has repeated"):
-        ops.store_kv_cache(k_cache, v_cache, torch.tensor([2, 1, 2]), k, v)
+        ops.store_kv_cache(k_cache, v_cache, torch.tensor([2, 1, 2]), k, v, k_scale=None, v_scale=None)
     with pytest.raises(ValueError, match=r"store_kv_cache: `k_cache`.*must agree"):
-        ops.store_kv_cache(k_cache, torch.randn(5, 2, D), slots, k, v)
+        ops.store_kv_cache(k_cache, torch.randn(5, 2, D), slots, k, v, k_scale=None, v_scale=None)
     with pytest.raises(ValueError, match=r"store_kv_cache: `k_cache` must have dtype"):
-        ops.store_kv_cache(k_cache.int(), v_cache, slots, k, v)
+        ops.store_kv_cache(k_cache.int(), v_cache, slots, k, v, k_scale=None, v_scale=None)
 
 
 def test_extend_invalid():
@@ -566,7 +566,7 @@ def test_compile_store_extend_decode_merge():
     qo_indptr, kv_indptr = cu_seqlens_of(q_lens), cu_seqlens_of(kv_lens)
 
     def fn(k_cache, v_cache, q, k, v, new_slots, qo_indptr, kv_indptr, kv_indices):
-        ops.store_kv_cache(k_cache, v_cache, new_slots, k[0].transpose(0, 1), v)
+        ops.store_kv_cache(k_cache, v_cache, new_slots, k[0].transpose(0, 1), v, k_scale=None, v_scale=None)
         o, lse = ops.paged_attention_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, SCALE, True, 4, 0.0)
         od, lsed = ops.paged_attention_decode(q[:3], k_cache, v_cache, kv_indptr, kv_indices, SCALE, -1, 1.5)
         om, lsem = ops.merge_attention_states(o[:3], lse[:3], od, lsed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -146,7 +147,7 @@ def test_chunk_matches_reference(case, dtype):
     if len(lens) > 2:
         has_init[2] = False
     pool_op = pool.clone()
-    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, l2, scale, True)
+    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, l2, scale, True, ssm_scales=None)
     ro, rpool, rcs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, l2, scale, True)
     assert o.dtype == dtype and o.shape == v.shape and o.is_contiguous()
     assert cs.dtype == torch.float32 and cs.shape == (max_chunk_rows(sum(lens), len(lens), C), *pool.shape[1:])
@@ -161,7 +162,7 @@ def test_chunk_matches_reference(case, dtype):
         assert torch.all(cs[offs[r] : offs[r] + n] == 0)
     # without chunk states: same output, 0-row tensor
     pool2 = pool.clone()
-    o2, cs2 = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool2, cu, slots, has_init, l2, scale, False)
+    o2, cs2 = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool2, cu, slots, has_init, l2, scale, False, ssm_scales=None)
     assert cs2.shape == (0, *pool.shape[1:]) and cs2.dtype == torch.float32
     torch.testing.assert_close(o2, o, atol=0, rtol=0)
     torch.testing.assert_close(pool2, pool_op, atol=0, rtol=0)
@@ -172,7 +173,7 @@ def test_chunk_low_precision_pool(pool_dtype):
     lens = [65, 0, 3]
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_case(lens, DIMS[1], torch.float32, pool_dtype, init=True)
     pool_op = pool.clone()
-    o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, False)
+    o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, False, ssm_scales=None)
     ro, rpool, _ = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, True, 0.0, False)
     assert_close(o, ro, torch.float32)
     check_pool(pool_op, rpool, pool, slots, pool_dtype)
@@ -182,10 +183,10 @@ def test_chunk_all_padding_and_empty():
     dims = DIMS[1]
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_case([3, 4], dims, torch.float32, pad_rows=(0, 1))
     pool_op = pool.clone()
-    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True)
+    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True, ssm_scales=None)
     assert torch.all(o == 0) and torch.all(cs == 0) and torch.equal(pool_op, pool)
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_case([], dims, torch.float32)
-    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True)
+    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True, ssm_scales=None)
     assert o.shape == (0, 4, 8) and cs.shape == (0, 4, 16, 8)
 
 
@@ -196,7 +197,7 @@ def test_chunk_split_in_two_calls_equals_one_call():
     q, k, v, g, beta, pool, cu, slots, _ = chunk_case(lens, dims, torch.float32)
     init = torch.tensor([True, False, True])
     pool_one = pool.clone()
-    o_one, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_one, cu, slots, init, True, 0.0, False)
+    o_one, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_one, cu, slots, init, True, 0.0, False, ssm_scales=None)
 
     second = [n - f for n, f in zip(lens, first)]
 
@@ -209,11 +210,11 @@ def test_chunk_split_in_two_calls_equals_one_call():
 
     pool_two = pool.clone()
     o_a, _ = ops.chunk_gated_delta_rule(*[part(x, 0) for x in (q, k, v, g, beta)], pool_two, cu_seqlens_of(first),
-                                        slots, init, True, 0.0, False)
+                                        slots, init, True, 0.0, False, ssm_scales=None)
     # second call continues from the slot: every request that had tokens (or an initial state) before
     init_b = torch.tensor([f > 0 or bool(i) for f, i in zip(first, init)])
     o_b, _ = ops.chunk_gated_delta_rule(*[part(x, 1) for x in (q, k, v, g, beta)], pool_two, cu_seqlens_of(second),
-                                        slots, init_b, True, 0.0, False)
+                                        slots, init_b, True, 0.0, False, ssm_scales=None)
     ca, cb = cu_seqlens_of(first).tolist(), cu_seqlens_of(second).tolist()
     o_two = torch.cat([torch.cat([o_a[ca[i] : ca[i + 1]], o_b[cb[i] : cb[i + 1]]]) for i in range(len(lens))])
     assert_close(o_two, o_one, torch.float32)
@@ -226,7 +227,7 @@ def test_chunk_states_rows_of_130_token_request():
     q, k, v, g, beta, pool, cu, slots, _ = chunk_case(lens, dims, torch.float32)
     has_init = torch.tensor([False, True])
     pool_op = pool.clone()
-    _, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True)
+    _, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_op, cu, slots, has_init, True, 0.0, True, ssm_scales=None)
     assert cs.shape[0] == max_chunk_rows(147, 2, C) == 4
     s = 17
     _, states = ref.delta_rule_ref(q[s:], k[s:], v[s:], g[s:], beta[s:], pool[slots[1]], True, 0.0)
@@ -256,7 +257,7 @@ def test_chunk_matches_transformers(dims, with_init):
     init = pool[1].clone() if with_init else None
     pool_op = pool.clone()
     o, _ = ops.chunk_gated_delta_rule(
-        q, k, v, g, beta, pool_op, cu_seqlens_of([L]), torch.tensor([1]), torch.tensor([with_init]), True, 0.0, False
+        q, k, v, g, beta, pool_op, cu_seqlens_of([L]), torch.tensor([1]), torch.tensor([with_init]), True, 0.0, False, ssm_scales=None,
     )
     # transformers >= 5.2x expands grouped q/k heads inside these functions, older versions in the
     # model's forward (both with repeat_interleave): expand here so either version applies.
@@ -289,7 +290,7 @@ def test_decode_and_verify_match_transformers():
     # verify: all L steps at once
     pv = pool.clone()
     inter = torch.zeros(1, L, hv, kd, vd)
-    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pv, torch.tensor([2]), True, 0.0, False, inter)
+    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pv, torch.tensor([2]), True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None)
     assert_close(o, ho, torch.float32)
     assert_close(pv[2], hs[0], torch.float32)
     assert_close(inter[0, -1], hs[0], torch.float32)
@@ -297,7 +298,7 @@ def test_decode_and_verify_match_transformers():
     pd = pool.clone()
     for t in range(L):
         od = ops.fused_sigmoid_gating_delta_rule_update(
-            A_log, dt_bias, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], pd, torch.tensor([2]), True, 0.0, 1.0, 20.0
+            A_log, dt_bias, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], pd, torch.tensor([2]), True, 0.0, 1.0, 20.0, ssm_scales=None,
         )
         assert_close(od, ho[:, t], torch.float32)
     assert_close(pd[2], hs[0], torch.float32)
@@ -329,7 +330,7 @@ def test_decode_matches_reference(dtype, pool_dtype, dims, pad_rows):
     l2 = dims[2] == 16
     scale = 0.0 if l2 else 0.3
     pool_op = pool.clone()
-    o = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool_op, slots, l2, scale, 1.0, 20.0)
+    o = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool_op, slots, l2, scale, 1.0, 20.0, ssm_scales=None)
     ro, rpool = ref.fused_sigmoid_gating_delta_rule_update_ref(A_log, dt_bias, q, k, v, a, b, pool, slots, l2, scale)
     assert o.dtype == dtype and o.shape == v.shape
     tol_dtype = torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype) else torch.float32
@@ -353,15 +354,15 @@ def test_decode_after_prefill_equals_longer_prefill():
     long_lens = [n + 1 for n in lens]
     cu_long = cu_seqlens_of(long_lens)
     pool_long = pool.clone()
-    o_long, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_long, cu_long, slots, init, True, 0.0, False)
+    o_long, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool_long, cu_long, slots, init, True, 0.0, False, ssm_scales=None)
     last = cu_long[1:].long() - 1
     keep = torch.ones(T + len(lens), dtype=torch.bool)
     keep[last] = False
     pool_pd = pool.clone()
     ops.chunk_gated_delta_rule(q[keep], k[keep], v[keep], g[keep], beta[keep], pool_pd, cu_seqlens_of(lens), slots,
-                               init, True, 0.0, False)
+                               init, True, 0.0, False, ssm_scales=None)
     od = ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q[last], k[last], v[last], a[last], b[last],
-                                                    pool_pd, slots, True, 0.0, 1.0, 20.0)
+                                                    pool_pd, slots, True, 0.0, 1.0, 20.0, ssm_scales=None)
     assert_close(od, o_long[last], torch.float32)
     assert_close(pool_pd, pool_long, torch.float32)
     assert torch.equal(pool_pd[[i for i in range(NUM_SLOTS) if i not in slots.tolist()]],
@@ -399,7 +400,7 @@ def test_verify_matches_reference(dtype, pool_dtype, inter_dtype, disable_state_
     pool_op = pool.clone()
     inter_op = None if inter is None else inter.clone()
     o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool_op, slots, True, 0.0,
-                                                    disable_state_update, inter_op)
+                                                    disable_state_update, inter_op, ssm_scales=None, intermediate_scales=None)
     ro, rpool, rinter = ref.fused_recurrent_gated_delta_rule_update_ref(
         q, k, v, g, beta, pool, slots, True, 0.0, disable_state_update, inter)
     tol_dtype = torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype) else torch.float32
@@ -434,11 +435,11 @@ def test_verify_intermediate_equals_prefix_states():
     ver_idx = torch.stack([torch.arange(int(cu_total[i]) + prefix[i], int(cu_total[i + 1])) for i in range(2)])  # [B, L]
     p = pool.clone()
     ops.chunk_gated_delta_rule(q[pre_idx], k[pre_idx], v[pre_idx], g[pre_idx], beta[pre_idx], p,
-                               cu_seqlens_of(prefix), slots, init, True, 0.0, False)
+                               cu_seqlens_of(prefix), slots, init, True, 0.0, False, ssm_scales=None)
     inter = torch.zeros(2, L, hv, kd, vd)
     p_after_prefill = p.clone()
     o = ops.fused_recurrent_gated_delta_rule_update(q[ver_idx], k[ver_idx], v[ver_idx], g[ver_idx], beta[ver_idx],
-                                                    p, slots, True, 0.0, True, inter)
+                                                    p, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)
     assert torch.equal(p, p_after_prefill)  # disable_state_update
     for i in range(2):
         s, e = int(cu_total[i]), int(cu_total[i + 1])
@@ -487,7 +488,7 @@ def test_verify_opcheck(pad_rows, with_inter, disable):
 
 def test_chunk_invalid():
     q, k, v, g, beta, pool, cu, slots, hi = chunk_case([3, 4], DIMS[1], torch.float32)
-    op = ops.chunk_gated_delta_rule
+    op = functools.partial(ops.chunk_gated_delta_rule, ssm_scales=None)
     with pytest.raises(ValueError, match="chunk_gated_delta_rule.*`k`"):
         op(q, k[:, :1], v, g, beta, pool, cu, slots, hi, True, 0.0, False)
     with pytest.raises(ValueError, match="chunk_gated_delta_rule.*multiple"):
@@ -510,7 +511,7 @@ def test_chunk_invalid():
 
 def test_decode_invalid():
     A_log, dt_bias, q, k, v, a, b, pool, slots = decode_case(3, DIMS[1], torch.float32)
-    op = ops.fused_sigmoid_gating_delta_rule_update
+    op = functools.partial(ops.fused_sigmoid_gating_delta_rule_update, ssm_scales=None)
     with pytest.raises(ValueError, match="fused_sigmoid_gating_delta_rule_update.*`a`"):
         op(A_log, dt_bias, q, k, v, a[:2], b, pool, slots, True, 0.0, 1.0, 20.0)
     with pytest.raises(ValueError, match="fused_sigmoid_gating_delta_rule_update.*`A_log`"):
@@ -525,7 +526,7 @@ def test_decode_invalid():
 
 def test_verify_invalid():
     q, k, v, g, beta, pool, slots = verify_case(2, 3, DIMS[1], torch.float32)
-    op = ops.fused_recurrent_gated_delta_rule_update
+    op = functools.partial(ops.fused_recurrent_gated_delta_rule_update, ssm_scales=None, intermediate_scales=None)
     with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule_update.*`intermediate_states`"):
         op(q, k, v, g, beta, pool, slots, True, 0.0, False, torch.zeros(1, 3, *pool.shape[1:]))
     with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule_update.*`intermediate_states`"):
@@ -544,11 +545,11 @@ def test_fake_impl_shapes():
     q, k, v, g, beta, pool, cu, slots, hi = chunk_case([130, 0, 7], DIMS[1], torch.bfloat16)
     with FakeTensorMode() as mode:
         fq, fk, fv, fg, fb, fp, fcu, fs, fhi = (mode.from_tensor(x) for x in (q, k, v, g, beta, pool, cu, slots, hi))
-        o, cs = ops.chunk_gated_delta_rule(fq, fk, fv, fg, fb, fp, fcu, fs, fhi, True, 0.0, True)
+        o, cs = ops.chunk_gated_delta_rule(fq, fk, fv, fg, fb, fp, fcu, fs, fhi, True, 0.0, True, ssm_scales=None)
         assert o.shape == v.shape and o.dtype == torch.bfloat16
         assert cs.shape == (137 // 64 + 3, 4, 16, 8) and cs.dtype == torch.float32
         with pytest.raises(ValueError, match="chunk_gated_delta_rule.*`beta`"):
-            ops.chunk_gated_delta_rule(fq, fk, fv, fg, fb[:, :1], fp, fcu, fs, fhi, True, 0.0, True)
+            ops.chunk_gated_delta_rule(fq, fk, fv, fg, fb[:, :1], fp, fcu, fs, fhi, True, 0.0, True, ssm_scales=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,7 +571,7 @@ def test_compile_prefill_decode_verify():
 
     def prefill(q, k, v, a, b, pool, cu, slots, hi):
         g, beta = ops.gdn_gating(A_log, a, b, dt_bias, 1.0, 20.0)
-        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, slots, hi, True, 0.0, True)
+        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, cu, slots, hi, True, 0.0, True, ssm_scales=None)
         return o * 2, cs
 
     eager, compiled, ea, ca = compile_and_compare(prefill, q, k, v, a, b, pool, cu, slots, hi)
@@ -585,7 +586,7 @@ def test_compile_prefill_decode_verify():
     dslots = torch.tensor([1, -1, 4])
 
     def decode(q, k, v, a, b, pool, slots):
-        return ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool, slots, True, 0.0, 1.0, 20.0) + 1
+        return ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool, slots, True, 0.0, 1.0, 20.0, ssm_scales=None) + 1
 
     eager, compiled, ea, ca = compile_and_compare(decode, dq, dk, dv, da, db, pool, dslots)
     torch.testing.assert_close(compiled, eager)
@@ -597,7 +598,7 @@ def test_compile_prefill_decode_verify():
     inter = torch.zeros(B, L, hv, kd, vd)
 
     def verify(q, k, v, g, beta, pool, slots, inter):
-        return ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, False, inter) * 3
+        return ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None) * 3
 
     eager, compiled, ea, ca = compile_and_compare(verify, vq, vk, vv, vg, vb, pool, dslots, inter)
     torch.testing.assert_close(compiled, eager)

@@ -73,7 +73,7 @@ DECODE_ORDER = (
 
 
 def run_prefill(inp, chunk_size, output_chunk_states=True):
-    return ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), chunk_size, output_chunk_states)
+    return ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), chunk_size, output_chunk_states, ssm_scales=None)
 
 
 def ref_prefill(inp):
@@ -101,7 +101,7 @@ def make_decode(
 
 
 def run_decode(inp):
-    return selective_state_update(*(inp[k] for k in DECODE_ORDER))
+    return selective_state_update(*(inp[k] for k in DECODE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
 
 
 def ref_decode(inp):
@@ -415,7 +415,7 @@ def test_ssd_chunk_scan_opcheck(lens, chunk_size, opts, out_chunks):
 )
 def test_selective_state_update_opcheck(batch, steps, opts):
     inp = make_decode(batch, steps, **opts)
-    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(inp[k] for k in DECODE_ORDER))
+    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(inp[k] for k in DECODE_ORDER) + (False,))
     a_log = torch.log(-inp["A"]).to(inp["x"].dtype)  # A_is_log: the op takes A_log (any float dtype)
     args = tuple(a_log if k == "A" else inp[k] for k in DECODE_ORDER) + (True,)
     run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, args)
@@ -508,10 +508,10 @@ def test_compile_prefill_then_decode():
 
     def fn(x, dt, A, B, C, D, z, dt_bias, ssm_states, cu, idx, has_init, xd, dtd, Bd, Cd, zd, inter):
         y, cs = torch.ops.hybrid_compile.ssd_chunk_scan(
-            x, dt, A, B, C, D, z, dt_bias, True, 0.0, INF, ssm_states, cu, idx, has_init, 8, True
+            x, dt, A, B, C, D, z, dt_bias, True, 0.0, INF, ssm_states, cu, idx, has_init, 8, True, ssm_scales=None,
         )
         yd = torch.ops.hybrid_compile.selective_state_update(
-            xd, dtd, A, Bd, Cd, D, zd, dt_bias, True, 0.0, INF, ssm_states, idx, False, inter
+            xd, dtd, A, Bd, Cd, D, zd, dt_bias, True, 0.0, INF, ssm_states, idx, False, inter, A_is_log=False, ssm_scales=None, intermediate_scales=None,
         )
         return y * 2, cs, yd + 1
 

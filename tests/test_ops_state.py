@@ -67,7 +67,7 @@ def test_track_chunk_states():
     want = ssm.clone()
     want[1] = chunk_states[4]
     want[7] = chunk_states[0]
-    ops.track_chunk_states(ssm, chunk_states, src, dst)
+    ops.track_chunk_states(ssm, chunk_states, src, dst, ssm_scales=None, scale_dim=-1)
     assert torch.equal(ssm, want)
     run_opcheck(ops.track_chunk_states, (ssm, chunk_states, src, dst))
 
@@ -76,7 +76,7 @@ def test_empty_index_lists_are_no_ops():
     conv, ssm = pools()
     before = conv.clone()
     ops.copy_state_slots([conv], idx(), idx())
-    ops.track_chunk_states(ssm, torch.randn(0, *ssm.shape[1:]), idx(), idx())
+    ops.track_chunk_states(ssm, torch.randn(0, *ssm.shape[1:]), idx(), idx(), ssm_scales=None, scale_dim=-1)
     assert torch.equal(conv, before)
 
 
@@ -99,9 +99,9 @@ def test_invalid_arguments():
     with pytest.raises(IndexError, match="accepted_steps"):
         ops.commit_speculative_state([ssm], [torch.randn(2, 3, *ssm.shape[1:])], idx(0, 1), idx(1, 4))
     with pytest.raises(ValueError, match="slot shape"):
-        ops.track_chunk_states(ssm, torch.randn(3, 2, 4, 4), idx(0), idx(0))
+        ops.track_chunk_states(ssm, torch.randn(3, 2, 4, 4), idx(0), idx(0), ssm_scales=None, scale_dim=-1)
     with pytest.raises(IndexError, match="src_chunks"):
-        ops.track_chunk_states(ssm, torch.randn(3, *ssm.shape[1:]), idx(3), idx(0))
+        ops.track_chunk_states(ssm, torch.randn(3, *ssm.shape[1:]), idx(3), idx(0), ssm_scales=None, scale_dim=-1)
 
 
 def test_compiled_state_ops_match_eager():
@@ -112,7 +112,7 @@ def test_compiled_state_ops_match_eager():
     def step(conv, ssm, inter, chunk_states, src, dst, slots, accepted):
         ops.copy_state_slots([conv, ssm], src, dst)
         ops.commit_speculative_state([ssm], [inter], slots, accepted)
-        ops.track_chunk_states(ssm, chunk_states, idx(1), idx(7))
+        ops.track_chunk_states(ssm, chunk_states, idx(1), idx(7), ssm_scales=None, scale_dim=-1)
         return ssm.sum(dim=(1, 2, 3)) + conv.sum(dim=(1, 2))
 
     args = (conv, ssm, inter, chunk_states, idx(0, 1), idx(4, 5), idx(2, -1, 6), idx(1, 2, 2))

@@ -46,6 +46,36 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
         assert len((module_fn.__doc__ or "").strip()) > 100, f"{name} needs a docstring with shapes and dtypes"
 
 
+def _ops_with_defaulted_mutated_args(namespace: str = "hybrid_compile") -> list[str]:
+    import hybrid_compile.layers  # noqa: F401  (registers the layer-level ops too)
+
+    found = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith(f"{namespace}::"):
+            continue
+        schema = torch._C._get_schema(name, "")
+        for arg in schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write and arg.has_default_value():
+                found.append(f"{name}({arg.name})")
+    return found
+
+
+def test_no_op_gives_a_mutated_argument_a_default():
+    """torch 2.11 (the GPU machine's) hands a Python kernel the arguments without the trailing ones equal to
+    their defaults, and then bumps the version of each mutated argument by its position: a mutated argument
+    with a default (``ssm_scales=None``) raises ``IndexError: tuple index out of range`` there. So every
+    mutated argument is required; this walks every registered ``hybrid_compile::`` schema."""
+    found = _ops_with_defaulted_mutated_args()
+    assert len(torch._C._dispatch_get_all_op_names()) > 0
+    assert not found, f"mutated arguments with a default (make them required): {found}"
+
+
+def test_the_mutated_default_check_can_fail():
+    lib = torch.library.Library("hybrid_compile_selftest", "FRAGMENT")
+    lib.define("defaulted_mutation(Tensor x, Tensor(a!)? out=None) -> ()")
+    found = _ops_with_defaulted_mutated_args("hybrid_compile_selftest")
+    assert found == ["hybrid_compile_selftest::defaulted_mutation(out)"]
+
 def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out

@@ -119,7 +119,7 @@ def test_store_matches_ref(cache_dtype, kv_dtype, index_dtype):
     slots = torch.tensor([7, -1, 0, 14, -1, 3, 9], dtype=index_dtype)
     want_k, want_v = store_kv_cache_ref(k_cache, v_cache, slots, k, v)
     op_k, op_v = k_cache.clone(), v_cache.clone()
-    attn.store_kv_cache(op_k, op_v, slots, k, v)
+    attn.store_kv_cache(op_k, op_v, slots, k, v, k_scale=None, v_scale=None)
     before = k_cache.clone(), v_cache.clone()
     tri.store_kv_cache_triton(k_cache, v_cache, slots, k, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
@@ -459,8 +459,8 @@ def test_gpu_store_realistic(cache_dtype):
     slots = torch.randperm(num_slots, device=CUDA)[:t]
     slots[::7] = -1
     want_k, want_v = k_cache.cpu(), v_cache.cpu()
-    attn.store_kv_cache(want_k, want_v, slots.cpu(), k.cpu(), v.cpu())
-    ops.store_kv_cache(k_cache, v_cache, slots, k, v)
+    attn.store_kv_cache(want_k, want_v, slots.cpu(), k.cpu(), v.cpu(), k_scale=None, v_scale=None)
+    ops.store_kv_cache(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None)
     assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
 
 

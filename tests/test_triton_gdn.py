@@ -99,7 +99,7 @@ def test_chunk_matches_op_and_reference(case):
     got_pool = pool.clone()
     o, cs = tgdn.chunk_gated_delta_rule_triton(q, k, v, g, beta, got_pool, cu, slots, has_init, l2, scale, True)
     op_pool = pool.clone()
-    op_o, op_cs = gdn.chunk_gated_delta_rule(q, k, v, g, beta, op_pool, cu, slots, has_init, l2, scale, True)
+    op_o, op_cs = gdn.chunk_gated_delta_rule(q, k, v, g, beta, op_pool, cu, slots, has_init, l2, scale, True, ssm_scales=None)
     ro, rpool, rcs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, l2, scale, True)
 
     assert o.dtype == dtype and o.shape == v.shape and o.is_contiguous()
@@ -218,7 +218,7 @@ def test_decode_matches_op_and_reference(dtype, pool_dtype, dims, l2, sp, pad_ro
     o = tgdn.fused_sigmoid_gating_delta_rule_update_triton(A_log, dt_bias, q, k, v, a, b, got_pool, slots, l2, scale,
                                                           *sp)
     op_pool = pool.clone()
-    op_o = gdn.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, op_pool, slots, l2, scale, *sp)
+    op_o = gdn.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, op_pool, slots, l2, scale, *sp, ssm_scales=None)
     ro, rpool = ref.fused_sigmoid_gating_delta_rule_update_ref(A_log, dt_bias, q, k, v, a, b, pool, slots, l2, scale,
                                                                *sp)
     tol = tol_dtype(dtype, pool_dtype)
@@ -278,7 +278,7 @@ def test_verify_matches_op_and_reference(dtype, pool_dtype, inter_dtype, disable
                                                             disable_state_update, got_inter)
     op_pool, op_inter = pool.clone(), None if inter is None else inter.clone()
     op_o = gdn.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, op_pool, slots, l2, scale,
-                                                       disable_state_update, op_inter)
+                                                       disable_state_update, op_inter, ssm_scales=None, intermediate_scales=None)
     ro, rpool, rinter = ref.fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, pool, slots, l2, scale,
                                                                         disable_state_update, inter)
     tol = tol_dtype(dtype, pool_dtype)
@@ -363,11 +363,11 @@ def test_gpu_chunk_matches_torch_op(dtype, pool_dtype, lens):
     q, k, v, g, beta, pool, cu, slots, has_init = chunk_inputs(lens, QWEN3_NEXT, dtype, pool_dtype, pad_rows, DEV,
                                                                GPU_SLOTS)
     got_pool = pool.clone()
-    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True)
+    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True, ssm_scales=None)
     _sync()
     cq, ck, cv, cg, cb, cpool, ccu, cslots, chi = _cpu(q, k, v, g, beta, pool, cu, slots, has_init)
     want_pool = cpool.clone()
-    want_o, want_cs = gdn.chunk_gated_delta_rule(cq, ck, cv, cg, cb, want_pool, ccu, cslots, chi, True, 0.0, True)
+    want_o, want_cs = gdn.chunk_gated_delta_rule(cq, ck, cv, cg, cb, want_pool, ccu, cslots, chi, True, 0.0, True, ssm_scales=None)
     tol = tol_dtype(dtype, pool_dtype)
     assert_close(o.cpu(), want_o, tol, msg="output")
     check_pool(got_pool.cpu(), want_pool, cpool, cslots, tol)
@@ -376,7 +376,7 @@ def test_gpu_chunk_matches_torch_op(dtype, pool_dtype, lens):
     assert torch.all(o[cu[5] : cu[6]] == 0) and torch.all(cs[offs[5] : offs[5] + 2] == 0)
     # no chunk states: same output
     pool2 = pool.clone()
-    o2, cs2 = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool2, cu, slots, has_init, True, 0.0, False)
+    o2, cs2 = ops.chunk_gated_delta_rule(q, k, v, g, beta, pool2, cu, slots, has_init, True, 0.0, False, ssm_scales=None)
     assert cs2.shape[0] == 0 and torch.equal(o2, o) and torch.equal(pool2, got_pool)
 
 
@@ -388,10 +388,10 @@ def test_gpu_decode_matches_torch_op(dtype, pool_dtype, B):
     args = decode_inputs(B, QWEN3_NEXT, dtype, pool_dtype, pad, DEV, GPU_SLOTS)
     pool = args[7]
     got_pool = pool.clone()
-    o = ops.fused_sigmoid_gating_delta_rule_update(*args[:7], got_pool, args[8], True, 0.0, 1.0, 20.0)
+    o = ops.fused_sigmoid_gating_delta_rule_update(*args[:7], got_pool, args[8], True, 0.0, 1.0, 20.0, ssm_scales=None)
     cargs = _cpu(*args)
     want_pool = cargs[7].clone()
-    want = gdn.fused_sigmoid_gating_delta_rule_update(*cargs[:7], want_pool, cargs[8], True, 0.0, 1.0, 20.0)
+    want = gdn.fused_sigmoid_gating_delta_rule_update(*cargs[:7], want_pool, cargs[8], True, 0.0, 1.0, 20.0, ssm_scales=None)
     tol = tol_dtype(dtype, pool_dtype)
     assert_close(o.cpu(), want, tol)
     check_pool(got_pool.cpu(), want_pool, cargs[7], cargs[8], tol)
@@ -406,11 +406,11 @@ def test_gpu_verify_matches_torch_op(dtype, disable):
     q, k, v, g, beta, pool, slots = verify_inputs(B, L, QWEN3_NEXT, dtype, torch.float32, (3,), DEV, GPU_SLOTS)
     inter = torch.zeros(B, L + 1, hv, kd, vd, device=DEV)
     got_pool, got_inter = pool.clone(), inter.clone()
-    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter)
+    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter, ssm_scales=None, intermediate_scales=None)
     cq, ck, cv, cg, cb, cpool, cslots, cinter = _cpu(q, k, v, g, beta, pool, slots, inter)
     want_pool, want_inter = cpool.clone(), cinter.clone()
     want = gdn.fused_recurrent_gated_delta_rule_update(cq, ck, cv, cg, cb, want_pool, cslots, True, 0.0, disable,
-                                                       want_inter)
+                                                       want_inter, ssm_scales=None, intermediate_scales=None)
     tol = tol_dtype(dtype)
     assert_close(o.cpu(), want, tol)
     if disable:
@@ -449,10 +449,10 @@ def test_gpu_decode_and_verify_in_cuda_graph():
 
     def decode():
         return ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool, slots, True, 0.0,
-                                                          1.0, 20.0)
+                                                          1.0, 20.0, ssm_scales=None)
 
     def verify():
-        return ops.fused_recurrent_gated_delta_rule_update(vq, vk, vv, vg, vb, pool, slots, True, 0.0, True, inter)
+        return ops.fused_recurrent_gated_delta_rule_update(vq, vk, vv, vg, vb, pool, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)
 
     pool0 = pool.clone()
     s = torch.cuda.Stream()
@@ -477,7 +477,7 @@ def test_gpu_decode_and_verify_in_cuda_graph():
         before = pool.cpu()
         want_pool = before.clone()
         want = gdn.fused_sigmoid_gating_delta_rule_update(*_cpu(A_log, dt_bias, q, k, v, a, b), want_pool,
-                                                          slots.cpu(), True, 0.0, 1.0, 20.0)
+                                                          slots.cpu(), True, 0.0, 1.0, 20.0, ssm_scales=None)
         g_dec.replay()
         torch.cuda.synchronize()
         assert_close(out_dec.cpu(), want, torch.bfloat16, msg=f"decode replay {it}")
@@ -492,7 +492,7 @@ def test_gpu_decode_and_verify_in_cuda_graph():
         before = pool.cpu()
         want_inter = torch.zeros(B, L, hv, kd, vd)
         want = gdn.fused_recurrent_gated_delta_rule_update(*_cpu(vq, vk, vv, vg, vb), before.clone(), slots.cpu(),
-                                                           True, 0.0, True, want_inter)
+                                                           True, 0.0, True, want_inter, ssm_scales=None, intermediate_scales=None)
         g_ver.replay()
         torch.cuda.synchronize()
         assert_close(out_ver.cpu(), want, torch.bfloat16, msg=f"verify replay {it}")

@@ -105,7 +105,7 @@ def gdn_layer(
                 q.reshape(n, 1, num_k_heads, head_k_dim), k.reshape(n, 1, num_k_heads, head_k_dim),
                 v.reshape(n, 1, num_v_heads, head_v_dim), g.reshape(n, 1, num_v_heads),
                 beta.reshape(n, 1, num_v_heads), ssm_states, md.mamba_cache_indices, True, 0.0, False, None,
-                ssm_scales,
+                ssm_scales, intermediate_scales=None,
             ).reshape(n, num_v_heads, head_v_dim)
         return _kernels.fused_sigmoid_gating_delta_rule_update(
             A_log, dt_bias,

@@ -134,7 +134,7 @@ def _check_store(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None):
 @torch.library.custom_op("hybrid_compile::store_kv_cache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def store_kv_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
 ) -> None:
     """Write the K/V of T new tokens into the pool: ``k_cache[slots[t]] = k[t]``, ``v_cache[slots[t]] = v[t]``.
 

@@ -226,7 +226,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool,
     scale: float,
     output_chunk_states: bool,
-    ssm_scales: Optional[torch.Tensor] = None,
+    ssm_scales: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over a packed batch of variable-length requests (prefill / extend).
 
@@ -445,7 +445,7 @@ def fused_sigmoid_gating_delta_rule_update(
     scale: float,
     softplus_beta: float,
     softplus_threshold: float,
-    ssm_scales: Optional[torch.Tensor] = None,
+    ssm_scales: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Decode step: gating (as ``gdn_gating``) fused with one delta-rule step per request.
 
@@ -549,8 +549,8 @@ def fused_recurrent_gated_delta_rule_update(
     scale: float,
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
-    ssm_scales: Optional[torch.Tensor] = None,
-    intermediate_scales: Optional[torch.Tensor] = None,
+    ssm_scales: Optional[torch.Tensor],
+    intermediate_scales: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Speculative verify: ``L`` delta-rule steps per request from its slot's state.
 

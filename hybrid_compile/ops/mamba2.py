@@ -211,7 +211,7 @@ def ssd_chunk_scan(
     has_initial_state: torch.Tensor,
     chunk_size: int,
     output_chunk_states: bool,
-    ssm_scales: torch.Tensor | None = None,
+    ssm_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2 SSD scan over a packed varlen batch (prefill / extend), chunked form.
 
@@ -430,9 +430,9 @@ def selective_state_update(
     state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
-    A_is_log: bool = False,
-    ssm_scales: torch.Tensor | None = None,
-    intermediate_scales: torch.Tensor | None = None,
+    A_is_log: bool,
+    ssm_scales: torch.Tensor | None,
+    intermediate_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """Mamba2 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 

@@ -143,7 +143,7 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_chunk():
         p = pool.clone()
-        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, p, bt.cu, bt.slots, bt.has_init, True, 0.0, True)
+        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, p, bt.cu, bt.slots, bt.has_init, True, 0.0, True, ssm_scales=None)
         return o, cs, p
 
     (o, cs, p), ms = _timed(run_chunk, reps)
@@ -162,7 +162,7 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
     def run_decode():
         p = pool.clone()
         return ops.fused_sigmoid_gating_delta_rule_update(
-            A_log, dt_bias, qd, kd, vd, ad, bd, p, bt.slots, True, 0.0, 1.0, 20.0
+            A_log, dt_bias, qd, kd, vd, ad, bd, p, bt.slots, True, 0.0, 1.0, 20.0, ssm_scales=None,
         ), p
 
     (o, p), ms = _timed(run_decode, reps)
@@ -184,7 +184,7 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_verify():
         p, it = pool.clone(), inter.clone()
-        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it), p, it
+        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it, ssm_scales=None, intermediate_scales=None), p, it
 
     (o, p, it), ms = _timed(run_verify, reps)
     (ro, rp, rit), ref_ms = _timed(
@@ -215,7 +215,7 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_scan():
         p = pool.clone()
-        y, _ = ops.ssd_chunk_scan(x, dt, A, Bm, Cm, D, None, dt_bias, True, 0.0, inf, p, bt.cu, bt.slots, bt.has_init, CH, False)
+        y, _ = ops.ssd_chunk_scan(x, dt, A, Bm, Cm, D, None, dt_bias, True, 0.0, inf, p, bt.cu, bt.slots, bt.has_init, CH, False, ssm_scales=None)
         return y, p
 
     (y, p), ms = _timed(run_scan, reps)
@@ -234,7 +234,7 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_update():
         p, it = pool.clone(), inter.clone()
-        y = ops.selective_state_update(xs, dts, A, Bs, Cs, D, None, dt_bias, True, 0.0, inf, p, bt.slots, False, it)
+        y = ops.selective_state_update(xs, dts, A, Bs, Cs, D, None, dt_bias, True, 0.0, inf, p, bt.slots, False, it, A_is_log=False, ssm_scales=None, intermediate_scales=None)
         return y, p, it
 
     (y, p, it), ms = _timed(run_update, reps)

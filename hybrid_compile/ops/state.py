@@ -195,8 +195,8 @@ def track_chunk_states(
     chunk_states: torch.Tensor,
     src_chunks: torch.Tensor,
     dst_slots: torch.Tensor,
-    ssm_scales: Optional[torch.Tensor] = None,
-    scale_dim: int = -1,
+    ssm_scales: Optional[torch.Tensor],
+    scale_dim: int,
 ) -> None:
     """Checkpoint chunk-boundary SSM states into cache slots: ``ssm_states[dst_slots[i]] = chunk_states[src_chunks[i]]``.
 

@@ -63,8 +63,9 @@ def round_to_e4m3(v):
 def _quantize_tile(x):
     """``[R, 128]`` fp32 -> (e4m3-valued fp32 tile, per-row fp32 scale)."""
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(amax, FP8_EPS_C) / FP8_MAX_C
-    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
+    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
+    scale = tl.math.div_rn(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
     return round_to_e4m3(q), scale
 
 

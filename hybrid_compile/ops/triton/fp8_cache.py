@@ -37,11 +37,12 @@ def quantize_axis(x, AXIS: tl.constexpr):
     """fp32 tile ``x`` -> (e4m3-valued fp32 tile, fp32 scales): one scale per vector along ``AXIS``
     (``max(|vector|, 1e-10) / 448``; padded entries must be 0). Cast the values to the pool's
     e4m3 dtype when storing (exact)."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS) / _MAX
+    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX)
     if AXIS == 0:
-        q = x / scale[None, :]
+        q = tl.math.div_rn(x, scale[None, :])
     else:
-        q = x / scale[:, None]
+        q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -_MAX), _MAX)
     return round_to_e4m3(q), scale
 

@@ -69,7 +69,7 @@ def test_track_chunk_states():
     want[7] = chunk_states[0]
     ops.track_chunk_states(ssm, chunk_states, src, dst, ssm_scales=None, scale_dim=-1)
     assert torch.equal(ssm, want)
-    run_opcheck(ops.track_chunk_states, (ssm, chunk_states, src, dst))
+    run_opcheck(ops.track_chunk_states, (ssm, chunk_states, src, dst, None, -1))
 
 
 def test_empty_index_lists_are_no_ops():

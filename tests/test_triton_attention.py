@@ -490,7 +490,8 @@ def test_gpu_opcheck():
     k_cache, v_cache = _pool(10, 2, 64, 64, BF16, CUDA)
     slots = torch.tensor([4, -1, 0, 9], device=CUDA)
     torch.library.opcheck(
-        ops.store_kv_cache, (k_cache, v_cache, slots, torch.randn(4, 2, 64, device=CUDA), torch.randn(4, 2, 64, device=CUDA))
+        ops.store_kv_cache, (k_cache, v_cache, slots, torch.randn(4, 2, 64, device=CUDA), torch.randn(4, 2, 64, device=CUDA), None,
+                                None)
     )
     lse_a = torch.randn(5, 2, device=CUDA)
     lse_a[1] = NEG_INF

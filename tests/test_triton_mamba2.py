@@ -363,9 +363,9 @@ def test_gpu_opcheck():
     pre = _to(make_prefill([5, 12], H=2, G=1, P=16, N=16, with_D=False, with_z=False), "cuda")
     run_opcheck(torch.ops.hybrid_compile.ssd_chunk_scan.default, tuple(pre[k] for k in PREFILL_ORDER) + (8, False))
     dec = _to(make_decode(3, 2, P=16, N=16, pad_rows=(1,)), "cuda")
-    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(dec[k] for k in DECODE_ORDER))
+    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(dec[k] for k in DECODE_ORDER) + (False,))
     dec = _to(make_decode(4, 1, P=16, N=16, inter=False, dtype=torch.bfloat16), "cuda")
-    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(dec[k] for k in DECODE_ORDER))
+    run_opcheck(torch.ops.hybrid_compile.selective_state_update.default, tuple(dec[k] for k in DECODE_ORDER) + (False,))
 
 
 @pytest.mark.gpu
@@ -377,7 +377,7 @@ def test_gpu_decode_cuda_graph_replay():
     op = torch.ops.hybrid_compile.selective_state_update
 
     def call():
-        return op(*(static[k] for k in DECODE_ORDER))
+        return op(*(static[k] for k in DECODE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
 
     pool0 = static["ssm_states"].clone()
     s = torch.cuda.Stream()

@@ -184,7 +184,7 @@ def test_gpu_copy_and_track_model_shapes():
     ops.track_chunk_states(ssm, chunks, s_src, s_dst, ssm_scales=None, scale_dim=-1)
     assert torch.equal(ssm.cpu(), want)
     run_opcheck(ops.copy_state_slots, (states[:2], src, dst))
-    run_opcheck(ops.track_chunk_states, (ssm, chunks, s_src, s_dst))
+    run_opcheck(ops.track_chunk_states, (ssm, chunks, s_src, s_dst, None, -1))
 
 
 @pytest.mark.gpu

@@ -64,8 +64,8 @@ def _quantize_tile(x):
     """``[R, 128]`` fp32 -> (e4m3-valued fp32 tile, per-row fp32 scale)."""
     amax = tl.max(tl.abs(x), axis=1)
     # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
-    scale = tl.math.div_rn(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+    scale = tl.fdiv(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C, ieee_rounding=True)
+    q = tl.minimum(tl.maximum(tl.fdiv(x, scale[:, None], ieee_rounding=True), -FP8_MAX_C), FP8_MAX_C)
     return round_to_e4m3(q), scale
 
 

@@ -38,11 +38,11 @@ def quantize_axis(x, AXIS: tl.constexpr):
     (``max(|vector|, 1e-10) / 448``; padded entries must be 0). Cast the values to the pool's
     e4m3 dtype when storing (exact)."""
     # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX)
+    scale = tl.fdiv(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX, ieee_rounding=True)
     if AXIS == 0:
-        q = tl.math.div_rn(x, scale[None, :])
+        q = tl.fdiv(x, scale[None, :], ieee_rounding=True)
     else:
-        q = tl.math.div_rn(x, scale[:, None])
+        q = tl.fdiv(x, scale[:, None], ieee_rounding=True)
     q = tl.minimum(tl.maximum(q, -_MAX), _MAX)
     return round_to_e4m3(q), scale
 

@@ -350,9 +350,12 @@ def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
     dev = [t.cuda() for t in (q, k, v, g, beta, pq, slots, ps)]
     o = ops.fused_recurrent_gated_delta_rule_update(*dev[:6], dev[6], True, 0.0, False, None, dev[7], intermediate_scales=None)
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
-    got = deq(dev[5].cpu(), dev[7].cpu(), GDN_DIM)
-    want = deq(ref_q, ref_s, GDN_DIM)
-    assert ((got - want).abs() <= ref_s.unsqueeze(GDN_DIM) * 32 + 1e-6).all()
+    got_s = dev[7].cpu()
+    got, want = deq(dev[5].cpu(), got_s, GDN_DIM), deq(ref_q, ref_s, GDN_DIM)
+    # the fp32 recurrences differ in rounding, so a value may land one e4m3 step away (<= 32 x its scale at
+    # the top of the range) and the two scales may differ slightly (times the largest code, 448)
+    tol = 32 * torch.maximum(ref_s, got_s) + 448 * (got_s - ref_s).abs()
+    assert ((got - want).abs() <= tol.unsqueeze(GDN_DIM) + 1e-6).all()
     lens = [200, 1, 64]
     T = sum(lens)
     q, k, v = make_qkv((T,), hk, hv, kd, vd, torch.bfloat16)

@@ -1,13 +1,13 @@
-"""Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes) and :func:`cast_rne`
+"""Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
-otherwise truncates fp32 -> bf16)."""
+otherwise truncates fp32 -> bf16) and :func:`div_rn` (IEEE-rounded fp32 division)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "pow2"]
+__all__ = ["cast_rne", "div_rn", "pow2"]
 
 
 def pow2(n: int, lo: int = 1) -> int:
@@ -28,3 +28,15 @@ def cast_rne(v, dtype: tl.constexpr):
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
         v = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
     return v.to(dtype)
+
+
+@triton.jit
+def div_rn(x, y):
+    """``x / y`` rounded to nearest as IEEE (and torch on the CPU) divides; ``y`` broadcasts to ``x``'s shape.
+
+    Triton's fp32 ``/`` is an approximate division on NVIDIA GPUs (off by an ulp at times), the
+    ``ieee_rounding`` flag of ``tl.fdiv`` is ignored by Triton 3.6, and ``tl.math.div_rn`` does not
+    broadcast: hence the explicit broadcast (adding zeros is exact). The FP8 quantizers use it so the
+    GPU writes the same bytes as the plain-torch path.
+    """
+    return tl.math.div_rn(x, y + tl.zeros_like(x))

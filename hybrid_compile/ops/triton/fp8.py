@@ -38,7 +38,7 @@ import triton.language as tl
 from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
-from .common import cast_rne, pow2
+from .common import cast_rne, div_rn, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["fp8_gemm_config", "fp8_block_linear_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton",
@@ -63,9 +63,8 @@ def round_to_e4m3(v):
 def _quantize_tile(x):
     """``[R, 128]`` fp32 -> (e4m3-valued fp32 tile, per-row fp32 scale)."""
     amax = tl.max(tl.abs(x), axis=1)
-    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
-    scale = tl.fdiv(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C, ieee_rounding=True)
-    q = tl.minimum(tl.maximum(tl.fdiv(x, scale[:, None], ieee_rounding=True), -FP8_MAX_C), FP8_MAX_C)
+    scale = div_rn(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C)  # IEEE divisions: the CPU path's bytes
+    q = tl.minimum(tl.maximum(div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
     return round_to_e4m3(q), scale
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..fp8 import FP8_EPS, FP8_MAX
 from ..fp8_cache import is_fp8
+from .common import div_rn
 from .fp8 import round_to_e4m3
 
 __all__ = ["move_state_rows", "quantize_axis"]
@@ -37,12 +38,11 @@ def quantize_axis(x, AXIS: tl.constexpr):
     """fp32 tile ``x`` -> (e4m3-valued fp32 tile, fp32 scales): one scale per vector along ``AXIS``
     (``max(|vector|, 1e-10) / 448``; padded entries must be 0). Cast the values to the pool's
     e4m3 dtype when storing (exact)."""
-    # IEEE-rounded divisions (Triton's fp32 `/` is approximate on NVIDIA): the same bytes as the CPU path
-    scale = tl.fdiv(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX, ieee_rounding=True)
+    scale = div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX)  # IEEE divisions: the CPU path's bytes
     if AXIS == 0:
-        q = tl.fdiv(x, scale[None, :], ieee_rounding=True)
+        q = div_rn(x, scale[None, :])
     else:
-        q = tl.fdiv(x, scale[:, None], ieee_rounding=True)
+        q = div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -_MAX), _MAX)
     return round_to_e4m3(q), scale
 

@@ -352,9 +352,10 @@ def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
     got_s = dev[7].cpu()
     got, want = deq(dev[5].cpu(), got_s, GDN_DIM), deq(ref_q, ref_s, GDN_DIM)
-    # the fp32 recurrences differ in rounding, so a value may land one e4m3 step away (<= 32 x its scale at
-    # the top of the range) and the two scales may differ slightly (times the largest code, 448)
-    tol = 32 * torch.maximum(ref_s, got_s) + 448 * (got_s - ref_s).abs()
+    # the fp32 recurrences differ in rounding, so each of the `steps` re-quantizing writes may land a value
+    # one e4m3 step away (<= 32 x its scale at the top of the range), and the two scales may differ
+    # slightly (times the largest code, 448)
+    tol = steps * 32 * torch.maximum(ref_s, got_s) + 448 * (got_s - ref_s).abs()
     assert ((got - want).abs() <= tol.unsqueeze(GDN_DIM) + 1e-6).all()
     lens = [200, 1, 64]
     T = sum(lens)
@@ -368,7 +369,10 @@ def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
                                       init.cuda(), True, 0.0, False, gs)
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=3e-2, rtol=3e-2)
     got, want = deq(gq.cpu(), gs.cpu(), GDN_DIM), deq(ref_q, ref_s, GDN_DIM)
-    assert ((got - want).abs() <= ref_s.unsqueeze(GDN_DIM) * 32 + 1e-4).all()
+    # the chunked kernels' fp32 states differ like their outputs (3 % of a vector's largest value, 448 x its
+    # scale), plus one e4m3 step (<= 32 x the scale)
+    ratio = ((got - want).abs() / torch.maximum(ref_s, gs.cpu()).unsqueeze(GDN_DIM)).max().item()
+    assert ratio <= 32 + 0.03 * 448, f"state off by {ratio:.1f} x its scale"
 
 
 @pytest.mark.gpu

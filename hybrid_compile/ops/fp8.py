@@ -32,7 +32,7 @@ from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_te
 
 __all__ = [
     "FP8_BLOCK", "FP8_DTYPE", "FP8_GROUP", "FP8_MAX", "dequantize_weight_blocks", "fp8_block_linear",
-    "fp8_grouped_linear", "fp8_quantize_per_token_group", "quantize_weight_blocks", "reference_block_linear",
+    "amax_to_scale", "fp8_grouped_linear", "fp8_quantize_per_token_group", "quantize_weight_blocks", "reference_block_linear",
     "reference_grouped_linear", "reference_quantize",
 ]
 
@@ -96,6 +96,13 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, scale_inv
 
 
+def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, 1e-10) / 448`` rounded as IEEE division on every device. The divisor is a tensor on
+    ``amax``'s device: torch on CUDA turns a division by a Python scalar into a multiplication by its
+    reciprocal (an ulp off at times), which would quantize differently from the CPU and the kernels."""
+    return amax.clamp(min=FP8_EPS) / amax.new_tensor(FP8_MAX)
+
+
 def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU implementation of ``fp8_quantize_per_token_group`` in plain torch."""
     m, k = x.shape
@@ -103,7 +110,7 @@ def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     pad = g * FP8_GROUP - k
     xg = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(m, g, FP8_GROUP)
-    scale = xg.abs().amax(-1).clamp(min=FP8_EPS) / FP8_MAX
+    scale = amax_to_scale(xg.abs().amax(-1))
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, g * FP8_GROUP)[:, :k]
     return q.contiguous(), scale
 

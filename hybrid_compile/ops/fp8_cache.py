@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .fp8 import FP8_DTYPE, FP8_EPS, FP8_MAX
+from .fp8 import FP8_DTYPE, FP8_MAX, amax_to_scale
 
 __all__ = [
     "FP8_DTYPE", "GDN_STATE_SCALE_DIM", "KV_SCALE_DIM", "MAMBA2_STATE_SCALE_DIM", "dequantize_vectors",
@@ -56,7 +56,7 @@ def scale_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
 def quantize_vectors(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (any float) -> (e4m3 values of ``x``'s shape, fp32 scales with ``dim`` removed)."""
     xf = x.float()
-    scale = xf.abs().amax(dim).clamp(min=FP8_EPS) / FP8_MAX
+    scale = amax_to_scale(xf.abs().amax(dim))
     q = (xf / scale.unsqueeze(dim)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

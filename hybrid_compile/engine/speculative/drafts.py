@@ -301,17 +301,25 @@ def build_draft_source(config: SpeculativeConfig, target: DraftTarget) -> DraftS
     return EngineDraftModel(model, target, config.num_draft_tokens)
 
 
+def check_draft_tokens(rows: list[list[int]], vocab_size: int) -> list[list[int]]:
+    """The rows as ints; a token outside the vocabulary raises."""
+    out = []
+    for row in rows:
+        row = [int(t) for t in row]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        out.append(row)
+    return out
+
+
 def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, vocab_size: int) -> list[list[int]]:
     """Each request's proposals cut / filled to exactly k (fill: its last proposed token, or
     its pending token when none was proposed). A token outside the vocabulary raises."""
     if len(proposals) != len(requests):
         raise ValueError(f"draft source returned {len(proposals)} proposals for {len(requests)} requests")
     rows = []
-    for r, row in zip(requests, proposals):
-        row = [int(t) for t in row[:k]]
-        bad = [t for t in row if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    for r, row in zip(requests, check_draft_tokens([row[:k] for row in proposals], vocab_size)):
         fill = row[-1] if row else r.token_ids(r.num_computed, r.num_computed + 1)[0]
         rows.append(row + [fill] * (k - len(row)))
     return rows

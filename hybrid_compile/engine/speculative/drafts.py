@@ -40,6 +40,7 @@ from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
 from .config import DraftSource, DraftTarget, SpeculativeConfig
+from .tree import DraftTree, candidate_rows, pick_next, tree_from_topk_chain
 
 
 class NgramDraft:
@@ -161,7 +162,7 @@ class EngineDraftModel:
         return d
 
     def _forward(self, reqs: list[Request]) -> torch.Tensor:
-        """Run every draft request's pending tokens; returns each request's next draft token."""
+        """Run every draft request's pending tokens; returns each request's logits of its next token."""
         lens = [d.pending for d in reqs]
         prefix = [d.num_computed for d in reqs]
         last = torch.tensor([int(d.kv_slots[-1]) if d.kv_slots.numel() else -1 for d in reqs], dtype=torch.int64)
@@ -177,16 +178,28 @@ class EngineDraftModel:
         logits = self.runner.forward(batch)
         for d, n in zip(reqs, lens):
             d.num_computed += n
-        return torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
+        return logits[:, : self.vocab_size]
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return self._chain(requests, k, 1)[0]
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """The greedy chain with its top-k alternatives at every depth (``tree_from_topk_chain``)."""
+        steps = self._chain(requests, depth, topk)[1]
+        return [tree_from_topk_chain(row, budget) for row in candidate_rows(steps)] if requests else []
+
+    def _chain(self, requests: list[Request], k: int, topk: int) -> tuple[list[list[int]], list]:
+        """The greedy chain of k drafts per request, and with ``topk > 1`` each step's top-k
+        (``pick_next``)."""
         live = {r.rid for r in requests}
         for rid in [rid for rid in self._reqs if rid not in live]:
             self.release(rid)  # finished or retracted: its slots go back (recomputed if it returns)
         if not requests:
-            return []
+            return [], []
         reqs = [self._draft_request(r) for r in requests]
-        tokens = self._forward(reqs).tolist()
+        next_tokens, cands = pick_next(self._forward(reqs), topk)
+        steps = [cands] if cands is not None else []
+        tokens = next_tokens.tolist()
         drafts = [[t] for t in tokens]
         if k > 1:
             mamba = self.pools.mamba
@@ -196,7 +209,9 @@ class EngineDraftModel:
             for _ in range(k - 1):
                 for d, t in zip(reqs, tokens):
                     d.output.append(t)
-                tokens = self._forward(reqs).tolist()  # one pending token each: the last draft
+                next_tokens, cands = pick_next(self._forward(reqs), topk)  # one pending token each: the last draft
+                steps += [cands] if cands is not None else []
+                tokens = next_tokens.tolist()
                 for row, t in zip(drafts, tokens):
                     row.append(t)
             # back to the accepted sequence: state from the snapshot, draft KV slots freed
@@ -205,7 +220,7 @@ class EngineDraftModel:
                 self.pools.kv.allocator.free(d.kv_slots[n:])
                 d.kv_slots = d.kv_slots[:n]
                 d.num_computed = n
-        return drafts
+        return drafts, steps
 
     def release(self, rid: int) -> None:
         entry = self._reqs.pop(rid, None)
@@ -247,13 +262,30 @@ class HFDraftModel:
         self._caches: dict[int, tuple[Any, int]] = {}  # rid -> (cache, tokens in it)
 
     @torch.inference_mode()
-    def _next(self, cache: Any, tokens: list[int], start: int) -> int:
+    def _next(self, cache: Any, tokens: list[int], start: int, topk: int = 1):
+        """(the greedy next token, its step's ``pick_next`` top-k or None)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(tokens), device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return int(out.logits[0, -1, : self.vocab_size].argmax())
+        logits = out.logits[0, -1:, : self.vocab_size]
+        if topk == 1:
+            return int(logits[0].argmax()), None
+        token, cands = pick_next(logits, topk)
+        return int(token[0]), cands
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return [[t for t, _ in row] for row in self._chains(requests, k, 1)]
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """The greedy chain with its top-k alternatives at every depth (``tree_from_topk_chain``)."""
+        out = []
+        for row in self._chains(requests, depth, topk):
+            steps = [cands for _, cands in row]
+            out.append(tree_from_topk_chain(candidate_rows(steps)[0], budget))
+        return out
+
+    def _chains(self, requests: list[Request], k: int, topk: int) -> list[list[tuple]]:
+        """Per request its k greedy steps ``(token, top-k or None)``."""
         live = {r.rid for r in requests}
         for rid in [rid for rid in self._caches if rid not in live]:
             self.release(rid)
@@ -261,9 +293,9 @@ class HFDraftModel:
         for r in requests:
             cache, n = self._caches.get(r.rid) or (self._cache_class(config=self.model.config), 0)
             tokens = r.prompt + r.output
-            row = [self._next(cache, tokens[n:], n)]
+            row = [self._next(cache, tokens[n:], n, topk)]
             for i in range(k - 1):
-                row.append(self._next(cache, [row[-1]], len(tokens) + i))
+                row.append(self._next(cache, [row[-1][0]], len(tokens) + i, topk))
             _crop(cache, len(tokens))
             self._caches[r.rid] = (cache, len(tokens))
             drafts.append(row)

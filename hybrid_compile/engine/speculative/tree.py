@@ -21,7 +21,6 @@ its last node.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -184,9 +183,24 @@ def accept_tree_sampled(probs: torch.Tensor, tree: DraftTree, generator: torch.G
         path.append(node)
 
 
-def topk_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, V]`` draft logits -> (``[B, k]`` top-k tokens, their log-probabilities), best first
-    (on the device; the draft sources copy them to the host once per proposal)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    values, tokens = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-    return tokens, values.nan_to_num(neginf=-math.inf)
+# -- what a draft source's chain gives ----------------------------------------------------------
+
+
+def pick_next(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One step of a draft's greedy chain from its ``[B, V]`` logits: (the chain's tokens ``[B]``,
+    with ``topk > 1`` also the ``[B, topk]`` top-k tokens and their log-probabilities, best first;
+    the chain continues with the first). On the device."""
+    if topk == 1:
+        return torch.ops.hybrid_compile.argmax_rows(logits), None
+    values, tokens = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(topk, logits.shape[-1]), dim=-1)
+    return tokens[:, 0].contiguous(), (tokens, values)
+
+
+def candidate_rows(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[list[tuple[int, float]]]]:
+    """A chain's per-step top-k (``pick_next``'s, ``[B, topk]`` each) -> per request, per depth,
+    ``(token, log-probability)`` candidates: ``tree_from_topk_chain``'s input (one host copy)."""
+    if not steps:
+        return []
+    tokens = torch.stack([t for t, _ in steps], 1).tolist()  # [B, depth, topk]
+    logps = torch.stack([lp for _, lp in steps], 1).tolist()
+    return [[list(zip(tt, ll)) for tt, ll in zip(tb, lb)] for tb, lb in zip(tokens, logps)]

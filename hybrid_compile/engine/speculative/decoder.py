@@ -193,7 +193,8 @@ class SpeculativeDecoder:
                              f"propose_tree(requests, depth, topk, budget); {type(self.source).__name__} has none")
         self.method = config.method
         self._last_was_verify = False
-        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0)
+        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0,
+                             tree_kv_moves=0)
         # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
         self.acceptance_histogram: dict[int, int] = {}
 
@@ -236,7 +237,9 @@ class SpeculativeDecoder:
         kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
         ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
-        one CUDA graph, :class:`CommitGraphs`)."""
+        one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
+        tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose K/V moved from a
+        node off the first-child chain into its position)."""
         c = dict(self.counters)
         c["num_draft_tokens"] = self.k
         c["topk"] = self.config.topk
@@ -311,6 +314,7 @@ class SpeculativeDecoder:
                     dst.append(loc[base + d])
         if src:
             self.pools.kv.copy_slots(torch.tensor(src), torch.tensor(dst))
+            self.counters["tree_kv_moves"] += len(src)
 
     def _path_rows(self, paths: list[list[int]]) -> torch.Tensor:
         """Every verify token's row, each request's accepted path first (position order)."""

@@ -27,6 +27,7 @@ needs the target engine reads it as a :class:`~.config.DraftTarget` (public attr
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -104,6 +105,54 @@ class ReplayDraft:
             pos = len(r.output)
             out.append([self._corrupt(t) for t in cont[pos:pos + k]])
         return out
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """Draft trees of a draft whose candidates, in rank order, are each the continuation's
+        token with probability ``1 - q`` (so rank ``r`` holds it with probability
+        ``q ** (r - 1) * (1 - q)``; ``topk = 1`` is :meth:`propose`'s chain): the ``budget`` nodes
+        of the full ``topk``-ary tree of ``depth`` with the best rank scores
+        (``tree_from_ranks``); the continuation's path through it holds its tokens, every other
+        node a random other token."""
+        out = []
+        for r in requests:
+            cont = self.continuations.get(tuple(r.prompt), [])
+            pos = len(r.output)
+            true = cont[pos:pos + depth]
+            ranks = []  # the rank the continuation's token takes at each depth (topk: not among them)
+            for _ in true:
+                rank = 0
+                while rank < topk and self.rng.random() < self.q:
+                    rank += 1
+                ranks.append(rank)
+            out.append(self._tree(true, ranks, depth, topk, budget))
+        return out
+
+    def _tree(self, true: list[int], ranks: list[int], depth: int, topk: int, budget: int) -> DraftTree:
+        score = math.log(max(self.q, 1e-6))  # (a rank's log-probability, up to a constant)
+        best = sorted((sum(rank_path) * score * -1, len(rank_path), rank_path)
+                      for rank_path in _rank_paths(depth, topk))[:budget]
+        best = sorted(best, key=lambda b: (b[1], b[2]))
+        index = {}
+        tokens, parents = [], []
+        for _, d, rank_path in best:
+            on_path = d <= len(true) and list(rank_path) == ranks[:d]
+            token = true[d - 1] if on_path else self._other(true[d - 1] if d <= len(true) else -1)
+            tokens.append(token)
+            parents.append(index[rank_path[:-1]] if d > 1 else 0)
+            index[rank_path] = len(tokens)
+        return DraftTree(tokens, parents)
+
+    def _other(self, token: int) -> int:
+        other = self.rng.randrange(self.vocab_size - 1)
+        return other + (0 <= token <= other)
+
+
+def _rank_paths(depth: int, topk: int):
+    """Every node of the full ``topk``-ary tree of ``depth`` as its tuple of child ranks."""
+    frontier = [()]
+    for _ in range(depth):
+        frontier = [p + (r,) for p in frontier for r in range(topk)]
+        yield from frontier
 
 
 class EngineDraftModel:

@@ -135,22 +135,22 @@ def fill_tree(tree: DraftTree, nodes: int, pending: int) -> DraftTree:
 
 def accept_tree_greedy(targets: list[int], tree: DraftTree) -> tuple[list[int], list[int]]:
     """Greedy acceptance along a tree: ``targets[j]`` is the target's argmax after verify token
-    ``j``. From the root, follow the (first) child whose token equals the target's token; stop
-    where none does. Returns (emitted tokens, accepted path): the path's drafts then the target's
+    ``j``. A node is accepted when its token equals the target's token after its parent and its
+    parent is accepted; the deepest accepted node wins (siblings may repeat a token: the first of
+    the deepest). Returns (emitted tokens, accepted path): the path's drafts then the target's
     token after the path's last node; the path holds the root and the accepted nodes (one per
     emitted token)."""
     parents = verify_parents(tree)
-    kids = _children(parents)
     tokens = [None] + list(tree.tokens)
-    node, emitted, path = 0, [], [0]
-    while True:
-        want = targets[node]
-        emitted.append(want)
-        nxt = next((c for c in kids[node] if tokens[c] == want), None)
-        if nxt is None:
-            return emitted, path
-        node = nxt
-        path.append(node)
+    best = [0]  # the longest accepted path so far
+    paths = {0: [0]}
+    for c in range(1, len(parents)):  # parents precede children: one pass in node order
+        p = parents[c]
+        if p in paths and tokens[c] == targets[p]:
+            paths[c] = paths[p] + [c]
+            if len(paths[c]) > len(best):
+                best = paths[c]
+    return [tokens[c] for c in best[1:]] + [targets[best[-1]]], best
 
 
 def accept_tree_sampled(probs: torch.Tensor, tree: DraftTree, generator: torch.Generator) -> tuple[list[int], list[int]]:

@@ -3,7 +3,7 @@ non-speculative engine token for token with every draft source (the target as it
 which accepts everything; another random model, which accepts little; n-gram lookup; a plain
 HF draft model), with the prefix cache on and pools all free afterwards; speculative sampling
 matches the target's distribution (chi-square against the exact distribution computed from HF
-forwards); the acceptance rules against brute force; the verify layer ops against step-by-step
+forwards; chains and a draft tree); the acceptance rules against brute force; the verify layer ops against step-by-step
 decode; the Mamba2 families; compile; the verify metadata fast path against the general path;
 the benchmarks' smoke runs (replay continuation a fixed point of the speculative engine, the
 verify host-overhead phases). GPU: the commit as CUDA graphs equals the op, in the engine too.
@@ -252,7 +252,8 @@ def _exact_joint(model, prompt: list[int], vocab: int, params: SamplingParams) -
     (SamplingParams(do_sample=True, temperature=1.5), "replay"),
     (SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9), "replay"),
     (SamplingParams(do_sample=True, temperature=1.5), "mtp"),
-], ids=["temperature", "top_k_top_p", "mtp_temperature"])
+    (SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9), "replay_tree"),
+], ids=["temperature", "top_k_top_p", "mtp_temperature", "tree_top_k_top_p"])
 def test_speculative_sampling_matches_target_distribution(params, source, tmp_path):
     """Tokens 2 and 3 come out of a verify step (token 1 from the prefill), drafted by a replay
     of the most likely continuation or by an MTP head of the checkpoint (random weights;
@@ -273,6 +274,9 @@ def test_speculative_sampling_matches_target_distribution(params, source, tmp_pa
 
         write_mtp_checkpoint("qwen3_next_dense", 2, str(tmp_path), model=model)
         spec = dict(method="mtp", num_draft_tokens=2, mtp_checkpoint=str(tmp_path))
+    elif source == "replay_tree":  # a draft tree (topk 2): tree rejection sampling (engine/speculative/tree.py)
+        spec = dict(method="custom", num_draft_tokens=2, topk=2, num_tree_nodes=4,
+                    draft_source=ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.5, vocab_size=vocab))
     else:
         spec = dict(method="custom", num_draft_tokens=2,
                     draft_source=ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.0, vocab_size=vocab))

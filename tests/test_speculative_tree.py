@@ -251,3 +251,28 @@ def test_tree_options_are_validated():
         make_engine(model, speculative=dict(method="custom", draft_source=ChainOnly(), topk=2))
     model_again = make_engine(model, **ENGINE_ARGS)  # the failed wrap left the model unpatched
     model_again.close()
+
+
+@pytest.mark.parametrize("topk", [2, 4])
+def test_mtp_tree_greedy_equals_hf(topk, tmp_path):
+    """The checkpoint's MTP head gives its top-k at every depth of its chain; pages of 4, prefix
+    cache (continuations hit it); the head is fed the accepted path's hidden states in order."""
+    from engine_models import hf_greedy
+    from mtp_models import write_mtp_checkpoint
+
+    write_mtp_checkpoint("qwen3_next_moe", 0, str(tmp_path))
+    engine = hc.from_pretrained(
+        str(tmp_path), dtype=torch.float32, device="cpu", tokenizer=False, page_size=4, enable_prefix_cache=True,
+        speculative=dict(method="mtp", num_draft_tokens=3, topk=topk, num_tree_nodes=2 * topk + 1),
+        max_running_requests=2, chunked_prefill_size=32, max_total_tokens=4096, mamba_cache_size=12,
+        max_context_len=256)
+    model = engine.model
+    prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)
+    got = engine.generate_batch(prompts, max_new_tokens=8)
+    assert got == [hf_greedy(model, p, 8) for p in prompts]
+    follow = [p + g for p, g in zip(prompts, got)]
+    assert engine.generate_batch(follow, max_new_tokens=4) == [hf_greedy(model, p, 4) for p in follow]
+    stats = engine.stats()
+    assert stats["speculative"]["draft_nodes"] == 2 * topk + 1 and stats["prefix_cache"]["hit_tokens"] > 0
+    assert stats["speculative"]["draft_source"]["head_decode_steps"] > 0
+    _finish(engine)

@@ -91,6 +91,7 @@ class ReplayDraft:
         self.q = q
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
+        self.seed = seed
 
     def _corrupt(self, token: int) -> int:
         if self.rng.random() >= self.q:
@@ -112,22 +113,25 @@ class ReplayDraft:
         ``q ** (r - 1) * (1 - q)``; ``topk = 1`` is :meth:`propose`'s chain): the ``budget`` nodes
         of the full ``topk``-ary tree of ``depth`` with the best rank scores
         (``tree_from_ranks``); the continuation's path through it holds its tokens, every other
-        node a random other token."""
+        node a random other token. Deterministic given the request (its prompt and output length):
+        a seeded sampled request is reproducible."""
         out = []
         for r in requests:
             cont = self.continuations.get(tuple(r.prompt), [])
             pos = len(r.output)
             true = cont[pos:pos + depth]
+            rng = random.Random(f"{self.seed}:{r.prompt}:{pos}")
             ranks = []  # the rank the continuation's token takes at each depth (topk: not among them)
             for _ in true:
                 rank = 0
-                while rank < topk and self.rng.random() < self.q:
+                while rank < topk and rng.random() < self.q:
                     rank += 1
                 ranks.append(rank)
-            out.append(self._tree(true, ranks, depth, topk, budget))
+            out.append(self._tree(true, ranks, depth, topk, budget, rng))
         return out
 
-    def _tree(self, true: list[int], ranks: list[int], depth: int, topk: int, budget: int) -> DraftTree:
+    def _tree(self, true: list[int], ranks: list[int], depth: int, topk: int, budget: int,
+              rng: random.Random) -> DraftTree:
         score = math.log(max(self.q, 1e-6))  # (a rank's log-probability, up to a constant)
         best = sorted((sum(rank_path) * score * -1, len(rank_path), rank_path)
                       for rank_path in _rank_paths(depth, topk))[:budget]
@@ -136,14 +140,14 @@ class ReplayDraft:
         tokens, parents = [], []
         for _, d, rank_path in best:
             on_path = d <= len(true) and list(rank_path) == ranks[:d]
-            token = true[d - 1] if on_path else self._other(true[d - 1] if d <= len(true) else -1)
+            token = true[d - 1] if on_path else self._other(true[d - 1] if d <= len(true) else -1, rng)
             tokens.append(token)
             parents.append(index[rank_path[:-1]] if d > 1 else 0)
             index[rank_path] = len(tokens)
         return DraftTree(tokens, parents)
 
-    def _other(self, token: int) -> int:
-        other = self.rng.randrange(self.vocab_size - 1)
+    def _other(self, token: int, rng: random.Random) -> int:
+        other = rng.randrange(self.vocab_size - 1)
         return other + (0 <= token <= other)
 
 

@@ -268,8 +268,9 @@ class SpeculativeDecoder:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.runner
-        tree = None if trees is None else tree_metadata(trees)
-        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts, tree))
+        if trees is None:
+            return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
+        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts, tree_metadata(trees)))
 
     def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor,
                 trees: list[DraftTree] | None) -> tuple[list[list[int]], list[list[int]]]:

@@ -253,7 +253,7 @@ class CompiledGraphs:
         verify_sizes: tuple[int, ...] = ()
         spec = self.config.speculative if self.config is not None else None
         # (a draft tree's verify metadata, tree mask and parents, have no stable buffers: its
-        # steps run the piecewise graphs, counted as eager_fallbacks of the full graphs)
+        # steps run the compiled forward without graphs, counted as eager_fallbacks)
         if draft_len and not (spec is not None and spec.is_tree):  # (rows: max_running_requests + 1, engine.py)
             verify_sizes = tuple(s for s in sizes if s <= pools.mamba.max_draft_batch)
         buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,

@@ -27,7 +27,16 @@ from hybrid_compile.engine.speculative import (
 from hybrid_compile.engine.speculative.tree import ancestor_bits, depths, fill_tree, verify_parents
 
 import mamba2_models as mm
-from engine_models import assert_greedy_equal, cached_model, hf_greedy_cached, make_engine, random_prompts, single_threaded, vocab_size
+from engine_models import (
+    assert_greedy_equal,
+    cached_model,
+    hf_greedy,
+    hf_greedy_cached,
+    make_engine,
+    random_prompts,
+    single_threaded,
+    vocab_size,
+)
 
 KIND, SEED = "qwen3_next_moe", 0
 MAX_NEW = 12
@@ -96,12 +105,7 @@ def test_nemotron_h_tree_greedy_equals_hf(topk):
     model = mm.BUILDERS["nemotron_h"](1)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, mm.VOCAB, (n,), generator=g).tolist() for n in (1, 40, 9)]
-    expected = []
-    for p in prompts:
-        x = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)
-        expected.append(out[0, len(p):].tolist())
+    expected = [hf_greedy(model, p, 10) for p in prompts]
     source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=mm.VOCAB, seed=topk)
     engine = hc.wrap(model, speculative=_tree_spec(source, topk), max_running_requests=2, chunked_prefill_size=32,
                      max_context_len=256, max_total_tokens=2048, mamba_cache_size=8, page_size=4)
@@ -257,7 +261,6 @@ def test_tree_options_are_validated():
 def test_mtp_tree_greedy_equals_hf(topk, tmp_path):
     """The checkpoint's MTP head gives its top-k at every depth of its chain; pages of 4, prefix
     cache (continuations hit it); the head is fed the accepted path's hidden states in order."""
-    from engine_models import hf_greedy
     from mtp_models import write_mtp_checkpoint
 
     write_mtp_checkpoint("qwen3_next_moe", 0, str(tmp_path))
@@ -302,7 +305,7 @@ def test_gpu_tree_engine_matches_hf_with_graphs():
 
     from engine_models import PAD_TOKEN_ID
 
-    def hf_greedy(model, prompt, n):
+    def hf_greedy_gpu(model, prompt, n):
         ids = torch.tensor([prompt], device="cuda")
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=0,
                              do_sample=False, pad_token_id=PAD_TOKEN_ID)
@@ -313,7 +316,7 @@ def test_gpu_tree_engine_matches_hf_with_graphs():
         model = model.to("cuda")
         vocab = vocab_size(model) if name == "qwen3_next" else mm.VOCAB
         prompts = random_prompts([37, 1, 90, 5], vocab, seed=7)
-        expected = [hf_greedy(model, p, 10) for p in prompts]
+        expected = [hf_greedy_gpu(model, p, 10) for p in prompts]
         for topk in (2, 4):
             source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab)
             with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), page_size=4,

@@ -297,6 +297,9 @@ def _conv1d_update_kernel(
     for t in range(L):
         acc = bias
         if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
             par = tl.load(parent_ptr + b.to(tl.int64) * stride_pb + t * stride_pl).to(tl.int64)
             from_slot = par < 0
             par_base = inter_base + tl.maximum(par, 0) * stride_il

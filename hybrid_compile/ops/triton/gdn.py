@@ -104,6 +104,9 @@ def _gdn_recurrent_kernel(
     p_o = o + i_b * s_ob + i_h * s_oh + o_v
     for t in range(L):
         if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
             par = tl.load(parents + i_b * s_parb + t * s_parl).to(tl.int64)
             par_2d = o_k[:, None] * 0 + par  # (a scalar mask term breaks the interpreter: a tensor)
             S_slot = tl.load(p_s, mask=m_s & (par_2d < 0), other=0.0).to(tl.float32)

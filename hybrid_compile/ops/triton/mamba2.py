@@ -185,6 +185,9 @@ def _ssu_kernel(
     i_ptrs = inter_ptr + b * si_b + h * si_h + offs_p[:, None] * si_p + offs_n[None, :] * si_n
     for t in range(L):
         if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
             par = tl.load(parent_ptr + b * spar_b + t * spar_t).to(tl.int64)
             par_2d = offs_p[:, None] * 0 + par  # (a scalar mask term breaks the interpreter: a tensor)
             S_slot = tl.load(s_ptrs, mask=mask_pn & (par_2d < 0), other=0.0).to(tl.float32)

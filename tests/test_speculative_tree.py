@@ -350,3 +350,17 @@ def test_gpu_tree_engine_matches_hf_with_graphs():
                 assert engine.generate_batch(prompts, max_new_tokens=10) == expected, (name, topk)
                 spec = engine.stats()["speculative"]
                 assert spec["tree_kv_moves"] > 0 and spec["verify_steps"] > 0
+
+
+def test_lfm2_short_conv_tree_greedy_equals_hf():
+    """LFM2's gated short conv (conv-only state) over a draft tree: each node's window from its parent's."""
+    import test_lfm2 as lfm2
+
+    model = lfm2._model("lfm2")
+    prompts = random_prompts((1, 40, 9), lfm2.VOCAB, seed=13)
+    expected = lfm2._expected("lfm2", prompts)
+    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=lfm2.VOCAB, seed=2)
+    engine = make_engine(model, speculative=_tree_spec(source, 2), page_size=4, **lfm2.ENGINE_ARGS)
+    assert engine.generate_batch(prompts, max_new_tokens=lfm2.MAX_NEW) == expected
+    assert engine.stats()["speculative"]["tree_kv_moves"] > 0
+    _finish(engine)

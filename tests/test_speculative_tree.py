@@ -25,6 +25,7 @@ from hybrid_compile.engine.speculative import (
     tree_from_topk_chain,
 )
 from hybrid_compile.engine.speculative.tree import ancestor_bits, depths, fill_tree, verify_parents
+from hybrid_compile.ops.reference.tree import root_path
 
 import mamba2_models as mm
 from engine_models import (
@@ -151,14 +152,6 @@ def test_nemotron_h_tree_greedy_equals_hf(topk):
 # -- tree construction and acceptance against brute force ---------------------------------------
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
-
-
 def test_tree_from_topk_chain_brute_force():
     """The kept nodes are the ``budget`` candidates of highest cumulative log-probability, each
     under the chain node of the depth before; metadata as the definitions say."""
@@ -189,7 +182,7 @@ def test_tree_from_topk_chain_brute_force():
             assert parent == 0 if d == 0 else tree.tokens[parent - 1] == cands[d - 1][0][0]
         bits = ancestor_bits(parents)
         for node in range(len(parents)):
-            assert [i for i in range(64) if (bits[node] >> i) & 1] == sorted(_path(parents, node))
+            assert [i for i in range(64) if (bits[node] >> i) & 1] == sorted(root_path(parents, node))
 
 
 def test_accept_tree_greedy_brute_force():
@@ -204,11 +197,11 @@ def test_accept_tree_greedy_brute_force():
         targets = [rng.randrange(3) for _ in range(n + 1)]
         tokens = [None] + tree.tokens
         ok = [node for node in range(n + 1)
-              if all(tokens[c] == targets[vp[c]] for c in _path(vp, node)[1:])]
-        deepest = max(len(_path(vp, node)) for node in ok)
+              if all(tokens[c] == targets[vp[c]] for c in root_path(vp, node)[1:])]
+        deepest = max(len(root_path(vp, node)) for node in ok)
         emitted, path = accept_tree_greedy(targets, tree)
         assert len(path) == deepest == len(emitted)
-        assert path == _path(vp, path[-1]) and path[-1] in ok
+        assert path == root_path(vp, path[-1]) and path[-1] in ok
         assert emitted == [tokens[c] for c in path[1:]] + [targets[path[-1]]]
 
 

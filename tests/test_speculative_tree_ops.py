@@ -15,6 +15,7 @@ from hybrid_compile.ops.reference import attention as ref_attn
 from hybrid_compile.ops.reference import conv1d as ref_conv
 from hybrid_compile.ops.reference import gdn as ref_gdn
 from hybrid_compile.ops.reference import mamba2 as ref_m2
+from hybrid_compile.ops.reference import tree as ref_tree
 from hybrid_compile.ops.triton import attention as tattn
 from hybrid_compile.ops.triton import conv1d as tconv
 from hybrid_compile.ops.triton import gdn as tgdn
@@ -28,36 +29,12 @@ ops = torch.ops.hybrid_compile
 TREES = [[-1, 0, 0, 1, 2, 1], [-1, 0, 1, 0, 3, 3], [-1, 0, 1, 2, 3, 4]]
 
 
-def _path(parents: list[int], t: int) -> list[int]:
-    out = []
-    while t >= 0:
-        out.append(t)
-        t = parents[t]
-    return out[::-1]
-
-
 def _parents(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32)
 
 
 def _bits(parents: list[int]) -> list[int]:
-    return [sum(1 << a for a in _path(parents, t)) for t in range(len(parents))]
-
-
-def _oracle(run_chain, per_token: list[torch.Tensor], parents: torch.Tensor, batch: int, steps: int):
-    """Per node: the chain reference over its root path -> (outputs [B, L, ...], stored states
-    [B, L, ...]) of the path's last step."""
-    outs, states = [], []
-    for t in range(steps):
-        o_t, s_t = [], []
-        for b in range(batch):
-            path = torch.tensor(_path(parents[b].tolist(), t))
-            o, s = run_chain(b, [x[b:b + 1, path] for x in per_token], len(path))
-            o_t.append(o[0, -1])
-            s_t.append(s[0, -1])
-        outs.append(torch.stack(o_t))
-        states.append(torch.stack(s_t))
-    return torch.stack(outs, 1), torch.stack(states, 1)
+    return ref_tree.ancestor_bits(parents)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +64,7 @@ def test_conv1d_update_tree_matches_chain_reference_per_path():
                                                       torch.zeros(1, n, *inter.shape[2:]))
         return o, win
 
-    want_out, want_win = _oracle(chain, [x], parents, 3, 6)
+    want_out, want_win = ref_tree.tree_by_paths(chain, [x], parents)
     real = [0, 2]
     assert_close(out[real], want_out[real])
     assert_close(t_out[real], want_out[real])
@@ -131,7 +108,7 @@ def test_gdn_verify_tree_matches_chain_reference_per_path():
             *xs, pool, idx[b:b + 1], True, 0.0, True, torch.zeros(1, n, *inter.shape[2:]))
         return o, st
 
-    want_out, want_state = _oracle(chain, [q, k, v, g, beta], parents, 3, 6)
+    want_out, want_state = ref_tree.tree_by_paths(chain, [q, k, v, g, beta], parents)
     real = [0, 1]
     for o, buf in ((out, got_inter), (t_out, t_inter)):
         assert_close(o[real], want_out[real])
@@ -170,7 +147,7 @@ def test_mamba2_verify_tree_matches_chain_reference_per_path():
             a["state_indices"][b:b + 1], True, torch.zeros(1, n, *a["intermediate_states"].shape[2:]))
         return y * torch.nn.functional.silu(z), st  # (the op gates y by silu(z) after the recurrence)
 
-    want_out, want_state = _oracle(chain, [a["x"], a["dt"], a["B"], a["C"], a["z"]], parents, 3, 6)
+    want_out, want_state = ref_tree.tree_by_paths(chain, [a["x"], a["dt"], a["B"], a["C"], a["z"]], parents)
     real = [1, 2]
     for o, d in ((out, got), (t_out, tri)):
         assert_close(o[real], want_out[real])
@@ -204,7 +181,7 @@ def test_attention_tree_mask_matches_reference_over_each_path():
     for b, tree in enumerate(TREES):
         slots = kv_indices[kv_indptr[b]: kv_indptr[b + 1]]
         for t in range(L):
-            path = _path(tree, t)
+            path = ref_tree.root_path(tree, t)
             keys = slots[list(range(prefix[b])) + [prefix[b] + a for a in path]]
             o, l = ref_attn.paged_attention_extend_ref(
                 q[b * L + t: b * L + t + 1], k_cache, v_cache, torch.tensor([0, 1]),
@@ -252,11 +229,6 @@ def test_opcheck_tree_arguments():
 DEV = "cuda"
 
 
-def _random_trees(batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
-    rows = [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, nodes)] for _ in range(batch)]
-    return _parents(rows)
-
-
 def _both(op, args: list, mutated: list[int]):
     """The op on CPU and on CUDA from the same inputs -> (cpu out, cuda out, [(cpu, cuda) mutated])."""
     cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -270,7 +242,7 @@ def _both(op, args: list, mutated: list[int]):
 def test_gpu_tree_verify_ops_match_torch_ops():
     gen = torch.Generator().manual_seed(0)
     B, L = 8, 16
-    parents = _random_trees(B, L, gen)
+    parents = ref_tree.random_parents(B, L, gen)
     idx = torch.randperm(32, generator=gen)[:B].to(torch.int32)
     idx[3] = -1
     # Qwen3-Next GDN: conv over 8192 channels (width 4), 32 value heads of 128 x 128

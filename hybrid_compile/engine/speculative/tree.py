@@ -8,8 +8,8 @@ the tree whose node ``j`` has parent ``j - 1``. The target runs every node at po
 (:func:`ancestor_bits`, the attention op's ``tree_mask``), and its recurrent layers start each
 node from its parent's state (:func:`verify_parents`, the ops' ``parent_indices``).
 
-Acceptance walks the tree from the root: greedy (:func:`accept_tree_greedy`) follows the child
-whose token is the target's argmax (the longest accepted path); sampling
+Acceptance walks the tree from the root: greedy (:func:`accept_tree_greedy`) keeps the longest
+path whose every token is the target's argmax after its parent; sampling
 (:func:`accept_tree_sampled`) tries the children in order with the recursive rejection scheme
 for deterministic drafts (accept child ``x`` with probability ``p(x)``, else remove ``x`` from
 ``p`` and renormalise; when no child is left, sample the residual), which emits exactly the

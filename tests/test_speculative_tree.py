@@ -1,8 +1,8 @@
 """Speculative draft trees (``SpeculativeConfig.topk > 1``, engine/speculative/tree.py): greedy
 output equal to transformers' ``generate`` and the non-speculative engine with top-k 2 and 4,
 depth 3, KV pages of 4 and the prefix cache on, on Qwen3-Next (GDN) and NemotronH (Mamba2),
-drafted by a replay tree (the continuation at random ranks: accepted paths leave the first-child
-chain, so their K/V moves) and by a draft model; tree construction and greedy acceptance against
+drafted by a replay tree (the continuation at random ranks, so accepted paths run through
+later siblings and their K/V moves into place) and by a draft model; tree construction and greedy acceptance against
 brute force; tree rejection sampling exact on a tiny vocabulary; the option errors.
 """
 
@@ -76,7 +76,7 @@ def test_qwen3_next_tree_greedy_equals_hf_and_plain_engine(topk):
     stats = engine.stats()
     spec = stats["speculative"]
     assert spec["draft_nodes"] == 3 * topk + 2 and spec["drafted"] == spec["verified_requests"] * (3 * topk + 2)
-    assert spec["tree_kv_moves"] > 0  # accepted paths through second-or-later children
+    assert spec["tree_kv_moves"] > 0  # accepted nodes away from their position's verify token: K/V moved
     assert max(spec["acceptance_histogram"]) == 4  # whole depth-3 paths accepted
     assert stats["prefix_cache"]["hit_tokens"] > 0
     _finish(engine)

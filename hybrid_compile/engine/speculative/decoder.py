@@ -238,8 +238,8 @@ class SpeculativeDecoder:
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
         ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
         one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
-        tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose K/V moved from a
-        node off the first-child chain into its position)."""
+        tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose node is not the
+        verify token of their position, so their K/V moved there)."""
         c = dict(self.counters)
         c["num_draft_tokens"] = self.k
         c["topk"] = self.config.topk

@@ -177,6 +177,25 @@ def test_compile_and_speculative():
     _finish(engine)
 
 
+def test_compile_and_tree_verify():
+    """A draft-tree verify (topk 2, engine/speculative/tree.py) runs through the compiled graph too (the
+    layer ops read the tree mask and parents from the context; the graph is the chain's, so this
+    reuses its compiled code): no graph break, one request padded to two (the padding rows get
+    tree metadata), K/V of accepted paths moved."""
+    model = cached_model(KIND, SEED)
+    prompts = _prompts(model)[:2]
+    expected = _expected(model, prompts)
+    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab_size(model))
+    spec = dict(method="custom", draft_source=source, num_draft_tokens=3, topk=2, num_tree_nodes=6)
+    engine = make_engine(model, speculative=spec, compile=True, **ENGINE_ARGS)
+    got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW) + engine.generate_batch(prompts[:1], max_new_tokens=MAX_NEW)
+    for p, g, e in zip(prompts + prompts[:1], got, expected + expected[:1]):
+        assert_greedy_equal(model, p, g, e, "compiled tree")
+    stats = engine.stats()
+    assert stats["compile"]["graph_breaks"] == 0 and stats["speculative"]["tree_kv_moves"] > 0
+    _finish(engine)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"])
 def test_other_qwen_kinds_greedy(kind):
     model = cached_model(kind, 0)

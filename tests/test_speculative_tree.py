@@ -299,21 +299,6 @@ def test_mtp_tree_greedy_equals_hf(topk, tmp_path):
     _finish(engine)
 
 
-def test_compiled_tree_verify_zero_graph_breaks():
-    """The tree verify runs through the compiled graph (the layer ops read the tree mask and
-    parents from the forward context): no graph break, one request padded to two."""
-    model = cached_model(KIND, SEED)
-    prompts = random_prompts((4, 20), vocab_size(model), seed=5)
-    expected = [hf_greedy_cached(model, (KIND, SEED), p, 8) for p in prompts]
-    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab_size(model))
-    engine = make_engine(model, speculative=_tree_spec(source, 2), compile=True, **ENGINE_ARGS)
-    got = engine.generate_batch(prompts, max_new_tokens=8) + engine.generate_batch(prompts[:1], max_new_tokens=8)
-    assert got == expected + expected[:1]
-    stats = engine.stats()
-    assert stats["compile"]["graph_breaks"] == 0 and stats["speculative"]["tree_kv_moves"] > 0
-    _finish(engine)
-
-
 @pytest.mark.gpu
 def test_gpu_tree_engine_matches_hf_with_graphs():
     """On CUDA (Triton ops, compile, CUDA graphs on: tree verify steps run the compiled forward

@@ -109,8 +109,9 @@ def tree_from_topk_chain(candidates: list[list[tuple[int, float]]], budget: int)
         else:
             break
     kept = sorted(sorted(scored)[:budget], key=lambda s: (s[1], s[2]))
-    tokens, parents, chain_node = [], [], 0  # chain_node: the verify node of the chain at the previous depth
-    node_of: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}  # (depth, rank) -> its verify node
     for _, d, rank, token in kept:
         parent = 0 if d == 0 else node_of[(d - 1, 0)]
         tokens.append(token)

@@ -108,10 +108,10 @@ def _gdn_recurrent_kernel(
             # those stores visible whatever thread reads them back
             tl.debug_barrier()
             par = tl.load(parents + i_b * s_parb + t * s_parl).to(tl.int64)
-            par_2d = o_k[:, None] * 0 + par  # (a scalar mask term breaks the interpreter: a tensor)
-            S_slot = tl.load(p_s, mask=m_s & (par_2d < 0), other=0.0).to(tl.float32)
+            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
+            S_slot = tl.load(p_s, mask=tl.where(par < 0, m_s, False), other=0.0).to(tl.float32)
             p_par = inter + i_b * s_ib + tl.maximum(par, 0) * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-            S_par = tl.load(p_par, mask=m_s & (par_2d >= 0), other=0.0).to(tl.float32)
+            S_par = tl.load(p_par, mask=tl.where(par >= 0, m_s, False), other=0.0).to(tl.float32)
             S = tl.where(par < 0, S_slot, S_par)
         b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)

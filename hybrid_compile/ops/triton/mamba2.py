@@ -189,9 +189,10 @@ def _ssu_kernel(
             # those stores visible whatever thread reads them back
             tl.debug_barrier()
             par = tl.load(parent_ptr + b * spar_b + t * spar_t).to(tl.int64)
-            par_2d = offs_p[:, None] * 0 + par  # (a scalar mask term breaks the interpreter: a tensor)
-            S_slot = tl.load(s_ptrs, mask=mask_pn & (par_2d < 0), other=0.0).to(tl.float32)
-            S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=mask_pn & (par_2d >= 0), other=0.0).to(tl.float32)
+            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
+            S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask_pn, False), other=0.0).to(tl.float32)
+            S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask_pn, False),
+                            other=0.0).to(tl.float32)
             S = tl.where(par < 0, S_slot, S_par)
         x = tl.load(x_ptrs + t * sx_t, mask=mask_p, other=0.0).to(tl.float32)
         dt = tl.load(dt_p + t * sdt_t).to(tl.float32)

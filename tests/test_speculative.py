@@ -140,17 +140,24 @@ def test_plain_engine_agrees():
     _finish(engine)
 
 
+@pytest.mark.parametrize("draft", ["chain", "tree"])
 @pytest.mark.parametrize("case", ["eos", "retraction"])
-def test_stop_token_inside_accepted_run_and_retraction(case):
+def test_stop_token_inside_accepted_run_and_retraction(case, draft):
     """An EOS inside an accepted run ends the request there (the rest of the run is dropped, its
     state not committed); a KV pool too small for every request's verify tokens retracts and
-    recomputes without changing any output."""
+    recomputes without changing any output. ``tree``: the same over draft trees (topk 2, 8
+    nodes: a replay tree of the greedy output, the accepted path cut at the EOS's node)."""
     model = cached_model(KIND, SEED)
     prompts = _prompts(model)
     eos = _expected(model, prompts)[1][5] if case == "eos" else None  # proposed mid-run by the draft
     expected = _expected(model, prompts, eos)
     args = dict(ENGINE_ARGS, max_total_tokens=100) if case == "retraction" else ENGINE_ARGS
-    engine = make_engine(model, speculative=_spec("draft_self", model), **args)
+    spec = _spec("draft_self", model)
+    if draft == "tree":
+        continuations = {tuple(p): e for p, e in zip(prompts, _expected(model, prompts))}
+        spec = dict(method="custom", num_draft_tokens=3, topk=2, num_tree_nodes=8,
+                    draft_source=ReplayDraft(continuations, q=0.3, vocab_size=vocab_size(model), seed=5))
+    engine = make_engine(model, speculative=spec, **args)
     if case == "retraction":  # admit without a reserve for future tokens: the verify steps overrun the pool
         engine.scheduler.new_token_ratio = engine.scheduler.MIN_NEW_TOKEN_RATIO = 0.0
     got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)

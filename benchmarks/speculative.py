@@ -44,6 +44,14 @@ continuation with exactly the first L - 1 right, so every verify step emits L to
 also reports ``draft_ms_per_verify`` (the head's proposal per verify step), ``head_forwards_per_verify``
 and ``draft_ms_per_head_forward`` against ``decode_step_ms`` (one plain decode step at that batch,
 from the baseline) as ``head_forward_vs_decode_step``.
+Draft trees (``--trees``, e.g. ``2x3x8,2x3x16,4x3x8,4x3x16``: top-k x depth x node budget): per
+tree shape one engine with ``speculative={"method": "custom", "topk": k, "num_draft_tokens": depth,
+"num_tree_nodes": budget}`` whose source is the replay draft's tree form
+(``ReplayDraft.propose_tree``: each candidate in rank order is the continuation's token with
+probability 1 - q, so rank r holds it with probability q^r (1 - q); ``topk = 1`` is the chain
+replay at the same q), over the tree engine's own greedy continuation (the same fixed point).
+Rows ``tree_replay_q<q>`` carry ``topk``, ``depth``, ``tree_nodes``; compare them with the chain
+rows ``replay_q<q>`` at ``k = depth``. A budget over the full tree's size is skipped (printed).
 Output: a printed table and
 JSON (``--out``, default ``benchmarks/results/speculative_<device>.json``).
 """
@@ -220,6 +228,8 @@ def main() -> None:
     ap.add_argument("--sources", default="replay,ngram,draft_model")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--trees", default="",
+                    help="draft tree shapes topk x depth x nodes, comma list (e.g. 2x3x8,4x3x16); empty: none")
     ap.add_argument("--mtp-draft-tokens", default="1,2,3,4", help="MTP chain lengths k (sources with mtp)")
     ap.add_argument("--accept-lengths", default="2,3,4", help="MTP rows at these fixed acceptance lengths")
     ap.add_argument("--replay-rounds", type=int, default=8,
@@ -236,6 +246,7 @@ def main() -> None:
     ks = [int(k) for k in args.draft_tokens.split(",")]
     qs = [float(q) for q in args.qs.split(",")]
     sources = args.sources.split(",")
+    trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
     if args.tiny:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 32), min(args.new_tokens, 16)
     model = build_qwen3_next_reference(dtype, device, seed=0, tiny=args.tiny)
@@ -244,7 +255,7 @@ def main() -> None:
     max_bs = max(batches)
     engine_kw = dict(
         max_running_requests=max_bs, chunked_prefill_size=max(512, max_bs * args.prompt_len),
-        max_total_tokens=max_bs * (args.prompt_len + args.new_tokens + max(ks) + 8) + 64,
+        max_total_tokens=max_bs * (args.prompt_len + args.new_tokens + max(ks + [n for _, _, n in trees]) + 8) + 64,
         mamba_cache_size=max_bs + 2, enable_prefix_cache=False, extra=dict(args.extra),
     )
     prompts = {b: _prompts(b, args.prompt_len, vocab, seed=100 + b) for b in batches}
@@ -321,11 +332,55 @@ def main() -> None:
             gc.collect()
         if "mtp" in sources:
             res["mtp"] = run_mtp(model, mode, engine_kw, prompts, greedy, res["baseline"], vocab, args)
+        if trees:
+            res["trees"] = run_trees(model, mode, engine_kw, prompts, greedy, res["baseline"], vocab, trees, qs, args)
 
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {out_path}")
+
+
+def run_trees(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, baseline: dict, vocab: int,
+              trees: list[tuple[int, int, int]], qs: list[float], args) -> list:
+    """The draft-tree rows of one engine mode (module docstring)."""
+    rows = []
+    batches = sorted(prompts)
+    for topk, depth, nodes in trees:
+        spec = hc.SpeculativeConfig(method="custom", draft_source=ReplayDraft({}, 0.0, vocab), num_draft_tokens=depth,
+                                    topk=topk)
+        if not depth <= nodes <= spec.max_tree_nodes():
+            print(f"   tree {topk}x{depth}x{nodes}: skipped (a tree of depth {depth} and top-k {topk} holds "
+                  f"{spec.max_tree_nodes()} nodes)", flush=True)
+            continue
+        spec.num_tree_nodes = nodes
+        engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
+        run_decode(engine, prompts[batches[0]][:1], 2 * depth + 2)  # warm-up: compile the verify shapes
+        continuations = {}
+        for b in batches:
+            conts, info = self_consistent_continuations(engine, prompts[b], greedy[b], vocab, args.new_tokens,
+                                                        args.replay_rounds)
+            continuations.update(conts)
+            print(f"   tree {topk}x{depth}x{nodes} replay continuation b={b}: {info['rounds']} round(s), "
+                  f"{'converged' if info['converged'] else 'NOT converged'}", flush=True)
+        for q in qs:
+            name = f"tree_replay_q{q}"
+            engine.speculative.use_source(ReplayDraft(continuations, q, vocab, seed=7), name)
+            for b in batches:
+                r = run_decode(engine, prompts[b], args.new_tokens)
+                outputs = r.pop("outputs")
+                r.update(source=name, topk=topk, depth=depth, tree_nodes=nodes, k=depth, batch=b,
+                         speedup=r["tokens_per_s"] / baseline[str(b)]["tokens_per_s"],
+                         replay_match_tokens=sum(_match(o, continuations[tuple(p)])
+                                                 for o, p in zip(outputs, prompts[b])) / b)
+                rows.append(r)
+                print(f"   tree {topk}x{depth}x{nodes} {name:>16} b={b}: {r['tokens_per_s']:8.1f} tok/s  "
+                      f"x{r['speedup']:.2f}  accept len {r['mean_acceptance_length']:.2f}  {_graphs_note(r)}",
+                      flush=True)
+        engine.close()
+        del engine
+        gc.collect()
+    return rows
 
 
 def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, baseline: dict, vocab: int, args) -> list:

@@ -177,3 +177,25 @@ def test_radix_eviction_benchmark_smoke(tmp_path):
             assert r["kv_per_call_us"]["calls"] == r["evictions"] and r["kv_per_call_us"]["median"] > 0
             assert r["mamba_bulk_nodes"] == r["evictions"] and r["kv_bulk_nodes"] > 0
             assert r["nodes_after"] < r["nodes"]
+
+
+def test_speculative_benchmark_tree_rows_tiny(tmp_path):
+    """benchmarks/speculative.py --trees runs on CPU with --tiny: draft-tree rows (top-k 2 and 4,
+    depth 3, budgets 8 and 16) beside the chain rows at the same replay q; a budget over the full
+    tree is skipped; an uncorrupted replay tree is accepted in full."""
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--tiny", "--device", "cpu", "--batches", "1",
+           "--draft-tokens", "3", "--qs", "0,0.5", "--sources", "replay", "--trees", "2x3x8,2x3x16,4x3x16",
+           "--new-tokens", "8", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tree 2x3x16: skipped" in proc.stdout
+    run = json.loads(out.read_text())["modes"]["eager"]
+    rows = {(r["topk"], r["tree_nodes"], r["source"]): r for r in run["trees"]}
+    assert set(rows) == {(k, n, f"tree_replay_q{q}") for k, n in ((2, 8), (4, 16)) for q in (0.0, 0.5)}
+    for (k, n, source), r in rows.items():
+        assert r["depth"] == 3 and r["replay_match_tokens"] == 8 and r["drafted"] == n * r["verified_requests"]
+        if source == "tree_replay_q0.0":  # 7 tokens after the prefill's first: verify steps of 4, then the cut
+            assert r["mean_acceptance_length"] == 3.5
+    assert {r["source"] for r in run["speculative"]} == {"replay_q0.0", "replay_q0.5"}

@@ -3,7 +3,7 @@ non-speculative engine token for token with every draft source (the target as it
 which accepts everything; another random model, which accepts little; n-gram lookup; a plain
 HF draft model), with the prefix cache on and pools all free afterwards; speculative sampling
 matches the target's distribution (chi-square against the exact distribution computed from HF
-forwards); the acceptance rules against brute force; the verify layer ops against step-by-step
+forwards; chains and a draft tree); the acceptance rules against brute force; the verify layer ops against step-by-step
 decode; the Mamba2 families; compile; the verify metadata fast path against the general path;
 the benchmarks' smoke runs (replay continuation a fixed point of the speculative engine, the
 verify host-overhead phases). GPU: the commit as CUDA graphs equals the op, in the engine too.
@@ -140,17 +140,24 @@ def test_plain_engine_agrees():
     _finish(engine)
 
 
+@pytest.mark.parametrize("draft", ["chain", "tree"])
 @pytest.mark.parametrize("case", ["eos", "retraction"])
-def test_stop_token_inside_accepted_run_and_retraction(case):
+def test_stop_token_inside_accepted_run_and_retraction(case, draft):
     """An EOS inside an accepted run ends the request there (the rest of the run is dropped, its
     state not committed); a KV pool too small for every request's verify tokens retracts and
-    recomputes without changing any output."""
+    recomputes without changing any output. ``tree``: the same over draft trees (topk 2, 8
+    nodes: a replay tree of the greedy output, the accepted path cut at the EOS's node)."""
     model = cached_model(KIND, SEED)
     prompts = _prompts(model)
     eos = _expected(model, prompts)[1][5] if case == "eos" else None  # proposed mid-run by the draft
     expected = _expected(model, prompts, eos)
     args = dict(ENGINE_ARGS, max_total_tokens=100) if case == "retraction" else ENGINE_ARGS
-    engine = make_engine(model, speculative=_spec("draft_self", model), **args)
+    spec = _spec("draft_self", model)
+    if draft == "tree":
+        continuations = {tuple(p): e for p, e in zip(prompts, _expected(model, prompts))}
+        spec = dict(method="custom", num_draft_tokens=3, topk=2, num_tree_nodes=8,
+                    draft_source=ReplayDraft(continuations, q=0.3, vocab_size=vocab_size(model), seed=5))
+    engine = make_engine(model, speculative=spec, **args)
     if case == "retraction":  # admit without a reserve for future tokens: the verify steps overrun the pool
         engine.scheduler.new_token_ratio = engine.scheduler.MIN_NEW_TOKEN_RATIO = 0.0
     got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
@@ -174,6 +181,25 @@ def test_compile_and_speculative():
         assert_greedy_equal(model, p, g, e, "compile")
     stats = engine.stats()
     assert stats["compile"]["graph_breaks"] == 0 and stats["speculative"]["verify_steps"] > 0
+    _finish(engine)
+
+
+def test_compile_and_tree_verify():
+    """A draft-tree verify (topk 2, engine/speculative/tree.py) runs through the compiled graph too (the
+    layer ops read the tree mask and parents from the context; the graph is the chain's, so this
+    reuses its compiled code): no graph break, one request padded to two (the padding rows get
+    tree metadata), K/V of accepted paths moved."""
+    model = cached_model(KIND, SEED)
+    prompts = _prompts(model)[:2]
+    expected = _expected(model, prompts)
+    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab_size(model))
+    spec = dict(method="custom", draft_source=source, num_draft_tokens=3, topk=2, num_tree_nodes=6)
+    engine = make_engine(model, speculative=spec, compile=True, **ENGINE_ARGS)
+    got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW) + engine.generate_batch(prompts[:1], max_new_tokens=MAX_NEW)
+    for p, g, e in zip(prompts + prompts[:1], got, expected + expected[:1]):
+        assert_greedy_equal(model, p, g, e, "compiled tree")
+    stats = engine.stats()
+    assert stats["compile"]["graph_breaks"] == 0 and stats["speculative"]["tree_kv_moves"] > 0
     _finish(engine)
 
 
@@ -252,7 +278,8 @@ def _exact_joint(model, prompt: list[int], vocab: int, params: SamplingParams) -
     (SamplingParams(do_sample=True, temperature=1.5), "replay"),
     (SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9), "replay"),
     (SamplingParams(do_sample=True, temperature=1.5), "mtp"),
-], ids=["temperature", "top_k_top_p", "mtp_temperature"])
+    (SamplingParams(do_sample=True, temperature=0.9, top_k=5, top_p=0.9), "replay_tree"),
+], ids=["temperature", "top_k_top_p", "mtp_temperature", "tree_top_k_top_p"])
 def test_speculative_sampling_matches_target_distribution(params, source, tmp_path):
     """Tokens 2 and 3 come out of a verify step (token 1 from the prefill), drafted by a replay
     of the most likely continuation or by an MTP head of the checkpoint (random weights;
@@ -273,6 +300,9 @@ def test_speculative_sampling_matches_target_distribution(params, source, tmp_pa
 
         write_mtp_checkpoint("qwen3_next_dense", 2, str(tmp_path), model=model)
         spec = dict(method="mtp", num_draft_tokens=2, mtp_checkpoint=str(tmp_path))
+    elif source == "replay_tree":  # a draft tree (topk 2): tree rejection sampling (engine/speculative/tree.py)
+        spec = dict(method="custom", num_draft_tokens=2, topk=2, num_tree_nodes=4,
+                    draft_source=ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.5, vocab_size=vocab))
     else:
         spec = dict(method="custom", num_draft_tokens=2,
                     draft_source=ReplayDraft({tuple(prompt): likely + [0, 0]}, q=0.0, vocab_size=vocab))

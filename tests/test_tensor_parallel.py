@@ -218,10 +218,23 @@ def _case(checkpoints, name, checkpoint=None, n=1, **options) -> dict:
     return dict(name=name, dir=ck["dir"], rounds=ck["rounds"], n=n, options={**OPTIONS, **options})
 
 
+def _tree_case(checkpoints, name: str, ck: str) -> dict:
+    """A draft-tree variant (top-k 2, depth 3, 6 nodes): a replay tree of HF's greedy tokens whose
+    accepted paths leave the first-child chain (tree mask, parents and path KV moves on every rank)."""
+    from hybrid_compile.engine.speculative import ReplayDraft
+
+    c = checkpoints[ck]
+    conts = {tuple(p): e for batch, exp in zip(c["rounds"], c["expected"]) for p, e in zip(batch, exp)}
+    spec = dict(method="custom", num_draft_tokens=3, topk=2, num_tree_nodes=6,
+                draft_source=ReplayDraft(conts, q=0.5, vocab_size=_vocab(c["model"]), seed=1))
+    return _case(checkpoints, name, ck, speculative=spec)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory):
     cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
     cases += [_case(checkpoints, name, ck, n, **opts) for name, ck, opts, n in VARIANTS]
+    cases.append(_tree_case(checkpoints, "qwen3_next_moe@tree", "qwen3_next_moe"))
     return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
 
 
@@ -258,6 +271,11 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
     assert r["kv_heads"] == [a.num_kv_heads // 2 if a.num_kv_heads % 2 == 0 else 1 for a in full.attention]
     if name != "mamba2_one_group":
         assert r["conv_dims"] == [m.conv_dim // 2 for m in full.mamba]
+
+
+def test_draft_tree_two_ranks_match_hf(checkpoints, two_ranks):
+    """Speculative draft trees under tensor parallelism: the tree metadata travel with the step."""
+    _check(checkpoints, two_ranks, "qwen3_next_moe@tree", "qwen3_next_moe")
 
 
 def test_compiled_two_ranks_zero_graph_breaks(two_ranks):

@@ -31,7 +31,8 @@ _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 _DTYPES = (None, torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8)
 # ForwardMetadata's tensor fields, in payload order (after the input ids)
 _MD_TENSORS = ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba_cache_indices", "has_initial_state",
-               "out_cache_loc", "kv_indptr", "kv_indices", "logits_indices", "prompt_lens", "track_slots", "track_lens")
+               "out_cache_loc", "kv_indptr", "kv_indices", "logits_indices", "prompt_lens", "track_slots", "track_lens",
+               "tree_mask", "tree_parents")  # (draft trees: tree_parents travels flat, [rows, draft_len] again)
 _MD_LISTS = ("extend_lens_cpu", "seq_lens_cpu")
 
 
@@ -113,6 +114,8 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     input_ids, rest = values[0], values[1:]
     fields = dict(zip(_MD_TENSORS, rest[: len(_MD_TENSORS)]))
     lists = {f: v.tolist() for f, v in zip(_MD_LISTS, rest[len(_MD_TENSORS):])}
+    if fields["tree_parents"] is not None:
+        fields["tree_parents"] = fields["tree_parents"].view(-1, draft_len)
     md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists)
     runner = engine.runner
     inter = runner.intermediate_caches if verify else {}

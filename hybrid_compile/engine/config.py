@@ -118,6 +118,9 @@ class EngineConfig:
             from .speculative import SpeculativeConfig  # lazy: engine.speculative imports engine.config
 
             self.speculative = SpeculativeConfig.coerce(self.speculative)
+            if self.speculative.is_tree and ssm is torch.float8_e4m3fn:
+                raise ValueError("EngineConfig: draft trees (speculative topk > 1) are not supported with "
+                                 "ssm_state_dtype='fp8' (a node's state is read back from the intermediate buffer)")
         if self.warmup_kernels not in (None, True, False):
             raise ValueError(f"EngineConfig.warmup_kernels must be True, False or None, got {self.warmup_kernels!r}")
         if self.compile not in (None, True, False):

@@ -173,7 +173,8 @@ class HybridEngine(GenerateAPI):
         )
         max_context = config.max_context_len or self.layout.max_position_embeddings
         # speculative verify writes the k drafts past a request's last token: k positions of room
-        spec_k = config.speculative.num_draft_tokens if config.speculative is not None else 0
+        # (a draft tree: its nodes, each in a KV slot of the verify row)
+        spec_k = config.speculative.draft_nodes if config.speculative is not None else 0
         if config.max_total_tokens is not None:
             # a request can use at most the whole KV pool (whole pages of it)
             max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size - spec_k)

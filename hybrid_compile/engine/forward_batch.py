@@ -101,6 +101,12 @@ def pad_requests(
         prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, pad_lens),
         graph_key=None,
     )
+    if md.tree_mask is not None:  # a draft tree's verify: padding tokens see everything (their KV is padding)
+        padded.tree_mask = full(md.tree_mask, k, -1)
+        steps = md.draft_len
+        verify_pads = next((i for i, n in enumerate(pad_lens) if n != steps), len(pad_lens))
+        chain = torch.arange(-1, steps - 1, dtype=md.tree_parents.dtype, device=dev)
+        padded.tree_parents = torch.cat([md.tree_parents, chain.expand(verify_pads, steps)])
     for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
         t = getattr(md, name, None)
         if t is not None:
@@ -150,11 +156,14 @@ class ForwardBatchBuilder:
                                  f"{tuple(device_ids.shape)} {device_ids.dtype}")
         return self.build_uniform(batch, ForwardMode.DECODE, 1, None, device_ids, self._graph_for(batch, 1))
 
-    def build_verify(self, batch: ScheduledBatch, drafts: list[list[int]]) -> ForwardBatch:
+    def build_verify(self, batch: ScheduledBatch, drafts: list[list[int]], tree: tuple | None = None) -> ForwardBatch:
         """(packed input ids, metadata) of a TARGET_VERIFY step (``batch`` from
         ``Scheduler.schedule_verify``: ``L = draft_len`` new tokens per request, its pending token
         then ``drafts[i]``; logits of every token), the verify counterpart of
-        :meth:`build_decode` (:meth:`build_uniform`)."""
+        :meth:`build_decode` (:meth:`build_uniform`). ``tree``: draft trees (``drafts[i]`` their
+        tokens), ``(parents, depths, ancestor bits)`` of every verify token per request
+        (``speculative.tree.tree_metadata``): positions ``prefix + depth``, ``tree_mask`` and
+        ``tree_parents`` are set, and no full graph is used (their metadata have no stable buffers)."""
         b = len(batch.requests)
         steps = self.draft_len
         if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) \
@@ -162,8 +171,18 @@ class ForwardBatchBuilder:
             raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
                              f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
                              f"{batch.extend_lens[:8]}")
-        return self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None,
-                                  self._graph_for(batch, steps))
+        if tree is None:
+            return self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None,
+                                      self._graph_for(batch, steps))
+        input_ids, md = self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, None)
+        parents, depth_rows, bit_rows = tree
+        positions = [p + d for p, row in zip(batch.prefix_lens, depth_rows) for d in row]
+        bits = [x for row in bit_rows for x in row]
+        md.positions, md.tree_mask, parents_d = to_device_packed(
+            [torch.tensor(positions, dtype=torch.int64), torch.tensor(bits, dtype=torch.int64),
+             torch.tensor(parents, dtype=torch.int64).flatten()], torch.int64, self.device)
+        md.tree_parents = parents_d.to(torch.int32).view(b, steps)
+        return input_ids, md
 
     def _graph_for(self, batch: ScheduledBatch, steps: int) -> GraphKey | None:
         """The full CUDA graph a uniform step replays (its metadata is then built into the

@@ -251,7 +251,10 @@ class CompiledGraphs:
         req_to_token = pools.req_to_token.req_to_token
         sizes = cg.normalize_buckets(batch_sizes, minimum=1)  # 1: a graph specialised to one token (FullGraphRunner)
         verify_sizes: tuple[int, ...] = ()
-        if draft_len:  # (rows of the intermediate buffers: max_running_requests + 1, engine.py)
+        spec = self.config.speculative if self.config is not None else None
+        # (a draft tree's verify metadata, tree mask and parents, have no stable buffers: its
+        # steps run the compiled forward without graphs, counted as eager_fallbacks)
+        if draft_len and not (spec is not None and spec.is_tree):  # (rows: max_running_requests + 1, engine.py)
             verify_sizes = tuple(s for s in sizes if s <= pools.mamba.max_draft_batch)
         buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
                                   pools.kv.PADDING_SLOT, max_tokens_per_request=max(1, draft_len))

@@ -6,7 +6,8 @@ piecewise backend can cut it here. At run time it reads the forward context (poo
 KV indices of the step) and dispatches by forward mode to the paged-attention kernel ops:
 DECODE to ``paged_attention_decode``; EXTEND and TARGET_VERIFY (speculative verify: the draft
 tokens of each request attend causally over its prefix and the drafts before them, with
-``query_start_loc`` as qo_indptr) to ``paged_attention_extend``.
+``query_start_loc`` as qo_indptr; a draft tree's tokens see only their ancestors among the drafts,
+``ForwardMetadata.tree_mask``) to ``paged_attention_extend``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def attention_layer(
     else:
         out, _ = _kernels.paged_attention_extend(
             q, k_cache, v_cache, md.query_start_loc, md.kv_indptr, md.kv_indices, scale, True,
-            sliding_window, logit_softcap, k_scale, v_scale,
+            sliding_window, logit_softcap, k_scale, v_scale, md.tree_mask,
         )
     return out
 

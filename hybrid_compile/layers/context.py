@@ -53,6 +53,10 @@ class ForwardMetadata:
             number of SSM chunks, less than the request's extend length; -1 = none), or None.
         has_tracking: host-side: some request tracks a checkpoint in this step, so the EXTEND
             layer ops ask their chunk kernels for chunk states (skipped otherwise).
+        tree_mask: TARGET_VERIFY of draft trees: ``[N]`` int64 ancestor bits of each token among its
+            request's verify tokens (``paged_attention_extend``'s ``tree_mask``), else None.
+        tree_parents: TARGET_VERIFY of draft trees: ``[rows, draft_len]`` int32 parent of each verify
+            token in its row (-1: the root; the recurrent ops' ``parent_indices``), else None.
         graph_key: host-side: the full CUDA graph (``compilation/cuda_graphs.GraphKey``) whose stable
             buffers hold this step's metadata (the tensors here are views of its first rows; the
             rows past them are padding requests): the step replays that graph. None otherwise.
@@ -76,6 +80,8 @@ class ForwardMetadata:
     track_slots: torch.Tensor | None = None
     track_lens: torch.Tensor | None = None
     has_tracking: bool = False
+    tree_mask: torch.Tensor | None = None
+    tree_parents: torch.Tensor | None = None
     graph_key: Any = None
 
     @property
@@ -118,12 +124,15 @@ class VerifyBatch:
         cache_indices: ``[rows]`` int32 Mamba slot of each verify request.
         intermediates: the layer's per-draft-step buffers ``(conv_windows, ssm_states, ssm_scales)``
             (``ssm_scales`` None unless the state is FP8).
+        parents: ``[rows, steps]`` int32 parent of each verify token (a draft tree; the ops'
+            ``parent_indices``), or None for chains.
     """
 
     rows: int
     steps: int
     cache_indices: torch.Tensor
     intermediates: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    parents: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,7 +189,8 @@ class ForwardContext:
         """The TARGET_VERIFY view of linear layer ``layer_id`` (``op`` names it in errors)."""
         md = self.metadata
         rows = md.verify_rows()
-        return VerifyBatch(rows, md.draft_len, md.mamba_cache_indices[:rows], self.intermediate(layer_id, op))
+        parents = None if md.tree_parents is None else md.tree_parents[:rows]
+        return VerifyBatch(rows, md.draft_len, md.mamba_cache_indices[:rows], self.intermediate(layer_id, op), parents)
 
 
 def _full(entry: tuple, n: int) -> tuple:

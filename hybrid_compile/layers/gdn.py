@@ -137,7 +137,7 @@ def gdn_layer(
         inter_conv, inter_ssm, inter_scales = verify.intermediates
         x = _kernels.causal_conv1d_update(
             verify.per_request(mixed_qkv), conv_states, conv_weight, conv_bias, activation, verify.cache_indices,
-            True, inter_conv,
+            True, inter_conv, verify.parents,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
         g, beta = _gating(A_log, a[:nv], b[:nv], dt_bias, beta_scale)
@@ -145,7 +145,7 @@ def gdn_layer(
             q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
             v.reshape(rows, steps, num_v_heads, head_v_dim), g.reshape(rows, steps, num_v_heads),
             beta.reshape(rows, steps, num_v_heads), ssm_states, verify.cache_indices, True, 0.0, True, inter_ssm,
-            ssm_scales, inter_scales,
+            ssm_scales, inter_scales, verify.parents,
         )
         return verify.pad(out.reshape(nv, num_v_heads, head_v_dim), n)
     raise NotImplementedError(f"gdn_layer: forward mode {md.mode.value} is not supported")

@@ -161,14 +161,14 @@ def mamba2_layer(
         inter_conv, inter_ssm, inter_scales = verify.intermediates
         conv = _kernels.causal_conv1d_update(
             verify.per_request(xBC), conv_states, conv_weight, conv_bias, activation, verify.cache_indices, True,
-            inter_conv,
+            inter_conv, verify.parents,
         )  # [B, L, conv_dim]
         x, B, C = torch.split(conv, [x_dim, bc_dim, bc_dim], dim=-1)
         y = _kernels.selective_state_update(
             x.reshape(rows, steps, num_heads, head_dim), verify.per_request(dt), A_log,
             B.reshape(rows, steps, n_groups, state_size), C.reshape(rows, steps, n_groups, state_size),
             D, None, bias, softplus, lo, hi, ssm_states, verify.cache_indices, True, inter_ssm, True,
-            ssm_scales, inter_scales,
+            ssm_scales, inter_scales, verify.parents,
         )
         return verify.pad(y.reshape(verify.num_tokens, num_heads, head_dim), n)
 

@@ -78,7 +78,7 @@ def short_conv_layer(
         verify = ctx.verify_batch(layer_id, "short_conv_layer")
         out = _kernels.causal_conv1d_update(
             verify.per_request(x), conv_states, conv_weight, conv_bias, None, verify.cache_indices, True,
-            verify.intermediates[0],
+            verify.intermediates[0], verify.parents,
         )
         return verify.pad(out.reshape(verify.num_tokens, -1), x.shape[0])
     raise NotImplementedError(f"short_conv_layer: forward mode {md.mode.value} is not supported")

@@ -132,3 +132,42 @@ def check_unique_slots(op: str, name: str, indices: torch.Tensor) -> None:
 
 def names_of(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tree_parents(
+    op: str, parents: torch.Tensor | None, batch: int, steps: int, *, has_intermediate: bool,
+    disable_state_update: bool, fp8: bool,
+) -> None:
+    """``parent_indices`` of a speculative draft TREE verify (``[B, L]`` int32/int64; node ``t``'s
+    recurrence starts from the state after node ``parents[b, t]``, ``-1`` = the slot's state; a
+    chain is ``parents[b, t] = t - 1``). Parents come before their children (``-1 <= parent < t``),
+    the per-node states go to the intermediate buffer (needed: a child reads its parent's there)
+    and the slot's own state is left alone."""
+    if parents is None:
+        return
+    check_tensor(op, "parent_indices", parents, ndim=2, dtypes=INDEX_DTYPES, shape=(batch, steps))
+    if not has_intermediate:
+        raise ValueError(f"{op}: `parent_indices` (a draft tree) needs the intermediate buffer: each node starts "
+                         "from its parent's state there")
+    if not disable_state_update:
+        raise ValueError(f"{op}: `parent_indices` (a draft tree) needs disable_state_update=True: a tree has no "
+                         "single final state to write back")
+    if fp8:
+        raise ValueError(f"{op}: `parent_indices` (a draft tree) is not supported with FP8 state buffers")
+    if parents.numel() and should_check_values(parents):
+        t = torch.arange(steps, device=parents.device)
+        bad = ((parents < -1) | (parents >= t)).nonzero()
+        if bad.numel():
+            b, s = bad[0].tolist()
+            raise ValueError(f"{op}: `parent_indices[{b}, {s}]` = {int(parents[b, s])}, must be in [-1, {s}) "
+                             "(a parent precedes its children)")
+
+
+def tree_start_states(initial: torch.Tensor, history: list[torch.Tensor], parents: torch.Tensor) -> torch.Tensor:
+    """The state each row starts node ``t = len(history)`` from (plain-torch impls of the tree verify):
+    ``initial[b]`` where ``parents[b] == -1``, else ``history[parents[b]][b]`` (the state stored
+    after that node). ``initial``: ``[B, ...]``; ``history``: the states after nodes ``0 .. t-1``;
+    ``parents``: ``[B]``."""
+    stacked = torch.stack([initial, *history])  # [t + 1, B, ...]
+    pick = (parents.to(torch.int64) + 1).to(initial.device)
+    return stacked[pick, torch.arange(initial.shape[0], device=initial.device)]

@@ -55,6 +55,8 @@ from ._validation import (
 # Upper bound on the number of fp32 logits materialised at once by the plain-torch paths
 # (extend: per query block; decode: per group of requests). 2**24 floats = 64 MiB.
 _LOGITS_BUDGET = 1 << 24
+#: New tokens per request a ``tree_mask`` can describe (one int64 of ancestor bits per token).
+MAX_TREE_TOKENS = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +202,7 @@ def _attend(
 
 
 def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
-                  k_scale=None, v_scale=None):
+                  k_scale=None, v_scale=None, causal=True, tree_mask=None):
     op = "paged_attention_extend"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _check_pool(op, k_cache, v_cache, k_scale, v_scale)
@@ -225,6 +227,15 @@ def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding
                 f"kv_len {kv_lens[bad].tolist()}); the new tokens' K/V must be stored in the pool and listed in "
                 f"`kv_indices` before calling extend"
             )
+    if tree_mask is not None:
+        check_tensor(op, "tree_mask", tree_mask, ndim=1, dtypes=(torch.int64,), shape=(q.shape[0],))
+        if not causal or sliding_window > 0:
+            raise ValueError(f"{op}: `tree_mask` (a draft tree) needs causal=True and no sliding window")
+        if should_check_values(qo_indptr) and qo_indptr.numel() > 1:
+            longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+            if longest > MAX_TREE_TOKENS:
+                raise ValueError(f"{op}: `tree_mask` holds one bit per new token: at most {MAX_TREE_TOKENS} new tokens "
+                                 f"per request, got {longest}")
 
 
 @torch.library.custom_op("hybrid_compile::paged_attention_extend", mutates_args=())
@@ -241,6 +252,7 @@ def paged_attention_extend(
     logit_softcap: float = 0.0,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill / extend attention of packed new tokens over each request's paged KV.
 
@@ -266,13 +278,17 @@ def paged_attention_extend(
         sliding_window: ``W > 0`` limits attention to the last ``W`` positions; ``<= 0`` = off.
         logit_softcap: ``> 0`` caps the logits (Gemma-2 style); 0 = off.
         k_scale, v_scale: ``[num_slots, Hkv]`` fp32 scales of an FP8 KV cache; None for a float one.
+        tree_mask: optional ``[T]`` int64: a speculative draft TREE. Bit ``i`` of row ``j``'s mask
+            says whether query ``j`` of its request sees that request's new token ``i`` (its
+            ancestors and itself); every query still sees the whole cached prefix
+            (``kv_len - q_len`` tokens). At most 64 new tokens per request; causal, no window.
 
     Returns:
         ``o``: ``[T, Hq, Dv]`` in ``q.dtype``; ``lse``: ``[T, Hq]`` fp32 natural-log log-sum-exp of
         the (scaled, capped) visible logits. Both fresh tensors.
     """
     _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
-                  k_scale, v_scale)
+                  k_scale, v_scale, causal, tree_mask)
     t, hq, _ = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     g = hq // hkv
@@ -307,6 +323,10 @@ def paged_attention_extend(
                 visible &= kpos[None, :] <= qpos[:, None]
             if sliding_window > 0:
                 visible &= kpos[None, :] > qpos[:, None] - sliding_window
+            if tree_mask is not None:  # new tokens: only the query's ancestors (its mask bits)
+                rel = kpos - first_pos
+                bits = tree_mask[q0 + j0 : q0 + j1, None] >> rel.clamp(0, MAX_TREE_TOKENS - 1)[None, :]
+                visible &= (rel[None, :] < 0) | (bits & 1).bool()
             qf = q[q0 + j0 : q0 + j1].float().reshape(j1 - j0, hkv, g, -1)
             ob, lb = _attend(qf[None], kf[None], vf[None], visible[None], scale, logit_softcap)
             o[q0 + j0 : q0 + j1] = ob[0].to(q.dtype)
@@ -316,9 +336,9 @@ def paged_attention_extend(
 
 @paged_attention_extend.register_fake
 def _(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0,
-      k_scale=None, v_scale=None):
+      k_scale=None, v_scale=None, tree_mask=None):
     _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
-                  k_scale, v_scale)
+                  k_scale, v_scale, causal, tree_mask)
     t, hq, _ = q.shape
     return q.new_empty(t, hq, v_cache.shape[2]), q.new_empty(t, hq, dtype=torch.float32)
 

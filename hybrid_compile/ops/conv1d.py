@@ -42,8 +42,10 @@ from ._validation import (
     check_same_device,
     check_slot_indices,
     check_tensor,
+    check_tree_parents,
     check_unique_slots,
     should_check_values,
+    tree_start_states,
 )
 
 _SILU_NAMES = ("silu", "swish")
@@ -213,7 +215,8 @@ def _(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_
 
 
 def _check_causal_conv1d_update(
-    x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
+    x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows,
+    parent_indices=None,
 ):
     op = "causal_conv1d_update"
     _is_silu(op, activation)
@@ -239,6 +242,8 @@ def _check_causal_conv1d_update(
     )
     check_slot_indices(op, "conv_state_indices", conv_state_indices, conv_states.shape[0])
     check_unique_slots(op, "conv_state_indices", conv_state_indices)
+    check_tree_parents(op, parent_indices, batch, steps, has_intermediate=intermediate_conv_windows is not None,
+                       disable_state_update=disable_state_update, fp8=False)
 
 
 @torch.library.custom_op(
@@ -253,6 +258,7 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_conv_windows: Optional[torch.Tensor],
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal conv1d for ``L`` new tokens per request from its cached window (decode / verify).
 
@@ -276,12 +282,18 @@ def causal_conv1d_update(
             indexed by BATCH ROW (not slot). **Mutated**: row ``[b, t]`` = window after step
             ``t`` (the ``W-1`` most recent inputs, row 0 oldest) for non-padding ``b``;
             ``commit_speculative_state`` later copies row ``[b, accepted-1]`` into the slot.
+        parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (speculative verify of
+            top-k > 1 drafts). Node ``t`` continues the window stored after node
+            ``parent_indices[b, t]`` (its row of ``intermediate_conv_windows``, as stored), or the
+            slot's window for ``-1``; ``-1 <= parent < t``. Needs the intermediate buffer and
+            ``disable_state_update``. None: a chain (``parent = t - 1``).
 
     Returns:
         ``[B, L, D]`` in ``x``'s dtype.
     """
     _check_causal_conv1d_update(
-        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
+        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows,
+        parent_indices,
     )
     silu = _is_silu("causal_conv1d_update", activation)
     batch, steps, dim = x.shape
@@ -293,6 +305,8 @@ def causal_conv1d_update(
     idx = conv_state_indices.to(torch.int64)
     valid = idx >= 0
     win = _initial_windows(conv_states, idx, valid)  # [B, K, D]
+    if parent_indices is not None:
+        return _conv1d_update_tree(x, win, weight, bias, silu, valid, intermediate_conv_windows, parent_indices)
     stream = torch.cat([win, x.float()], dim=1)  # [B, K + L, D]
 
     wf = weight.float()
@@ -313,11 +327,33 @@ def causal_conv1d_update(
     return y.to(x.dtype)
 
 
+def _conv1d_update_tree(x, win, weight, bias, silu, valid, inter, parents) -> torch.Tensor:
+    """``causal_conv1d_update`` over a draft tree: node ``t`` appends ``x[:, t]`` to its parent's
+    stored window (``win``: the slots' windows, for parent -1)."""
+    steps = x.shape[1]
+    dst = inter[: x.shape[0]]
+    wf = weight.float()
+    history: list[torch.Tensor] = []  # window after each node, as stored
+    ys = []
+    for t in range(steps):
+        stream = torch.cat([tree_start_states(win, history, parents[:, t]), x[:, t, None].float()], dim=1)  # [B, W, D]
+        y = torch.zeros_like(stream[:, 0])
+        for w in range(wf.shape[1]):
+            y.addcmul_(stream[:, w], wf[:, w])
+        ys.append(_finish(y, bias, silu))
+        stored = stream[:, 1:].to(dst.dtype)
+        dst[:, t] = torch.where(valid[:, None, None], stored, dst[:, t])
+        history.append(stored.float())
+    y = torch.where(valid[:, None, None], torch.stack(ys, 1), torch.zeros((), device=x.device))
+    return y.to(x.dtype)
+
+
 @causal_conv1d_update.register_fake
 def _(x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update,
-      intermediate_conv_windows):
+      intermediate_conv_windows, parent_indices=None):
     _check_causal_conv1d_update(
-        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
+        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows,
+        parent_indices,
     )
     return x.new_empty(x.shape)
 

@@ -46,7 +46,9 @@ from ._validation import (
     check_same_device,
     check_slot_indices,
     check_tensor,
+    check_tree_parents,
     check_unique_slots,
+    tree_start_states,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
@@ -499,7 +501,7 @@ def _(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, s
 
 
 def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales=None,
-                  intermediate_scales=None):
+                  intermediate_scales=None, disable_state_update=True, parent_indices=None):
     op = "fused_recurrent_gated_delta_rule_update"
     check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bs, steps, hk, kd = q.shape
@@ -531,6 +533,9 @@ def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_stat
     )
     check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
     check_unique_slots(op, "state_indices", state_indices)
+    check_tree_parents(op, parent_indices, bs, steps, has_intermediate=intermediate_states is not None,
+                       disable_state_update=disable_state_update,
+                       fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
 @torch.library.custom_op(
@@ -551,6 +556,7 @@ def fused_recurrent_gated_delta_rule_update(
     intermediate_states: Optional[torch.Tensor],
     ssm_scales: Optional[torch.Tensor],
     intermediate_scales: Optional[torch.Tensor],
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Speculative verify: ``L`` delta-rule steps per request from its slot's state.
 
@@ -575,12 +581,17 @@ def fused_recurrent_gated_delta_rule_update(
             ``chunk_gated_delta_rule``), **mutated** with them; None for float buffers. With an FP8
             pool the state is rounded to the FP8 format between steps, as ``L`` decode steps would
             store it.
+        parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Node
+            ``t`` starts from the state stored after node ``parent_indices[b, t]`` (its row of
+            ``intermediate_states``, as stored), or the slot's state for ``-1``;
+            ``-1 <= parent < t``. Needs ``intermediate_states``, ``disable_state_update`` and
+            float buffers. None: a chain (``parent = t - 1``).
 
     Returns:
         ``o``: ``[B, L, Hv, V]`` in ``v.dtype``.
     """
     _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
-                  intermediate_scales)
+                  intermediate_scales, disable_state_update, parent_indices)
     bs, steps, hv, vd = v.shape
     o = torch.zeros(bs, steps, hv, vd, dtype=v.dtype, device=v.device)
     if bs == 0 or steps == 0:
@@ -595,8 +606,14 @@ def fused_recurrent_gated_delta_rule_update(
     state = read_rows(ssm_states, ssm_scales, slots, GDN_STATE_SCALE_DIM)
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
     inter_rows = torch.arange(bs, device=v.device) if rows is None else rows
+    initial, history = state, []  # (a tree: the states after each node, as stored)
+    parents = None if parent_indices is None else _gather_rows(parent_indices, rows)
     for t in range(steps):
+        if parents is not None:
+            state = tree_start_states(initial, history, parents[:, t])
         out[:, t], state = _recurrent_step(state, qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t])
+        if parents is not None:
+            history.append(state.to(intermediate_states.dtype).float())
         if intermediate_states is not None:
             write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
                        inter_rows, state, GDN_STATE_SCALE_DIM)
@@ -613,7 +630,7 @@ def fused_recurrent_gated_delta_rule_update(
 
 @fused_recurrent_gated_delta_rule_update.register_fake
 def _(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-      intermediate_states, ssm_scales=None, intermediate_scales=None):
+      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None):
     _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
-                  intermediate_scales)
+                  intermediate_scales, disable_state_update, parent_indices)
     return v.new_empty(v.shape)

@@ -36,7 +36,9 @@ from ._validation import (
     check_same_device,
     check_slot_indices,
     check_tensor,
+    check_tree_parents,
     check_unique_slots,
+    tree_start_states,
 )
 from ._varlen import max_chunk_rows
 from .fp8_cache import FP8_DTYPE, MAMBA2_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
@@ -373,7 +375,7 @@ def _(
 
 def _check_selective_state_update(
     x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log=False,
-    ssm_scales=None, intermediate_scales=None,
+    ssm_scales=None, intermediate_scales=None, disable_state_update=True, parent_indices=None,
 ):
     op = "selective_state_update"
     check_tensor(op, "x", x, ndim=4, dtypes=FLOAT_DTYPES)
@@ -408,6 +410,9 @@ def _check_selective_state_update(
     )
     check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
     check_unique_slots(op, "state_indices", state_indices)
+    check_tree_parents(op, parent_indices, batch, steps, has_intermediate=intermediate_states is not None,
+                       disable_state_update=disable_state_update,
+                       fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
 @torch.library.custom_op(
@@ -433,6 +438,7 @@ def selective_state_update(
     A_is_log: bool,
     ssm_scales: torch.Tensor | None,
     intermediate_scales: torch.Tensor | None,
+    parent_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
@@ -460,13 +466,18 @@ def selective_state_update(
             an FP8 ``ssm_states`` / ``intermediate_states`` (as in ``ssd_chunk_scan``), **mutated**
             with them; None for float buffers. With an FP8 pool the state is rounded to the FP8
             format between steps, as ``L`` decode steps would store it.
+        parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Node
+            ``t`` starts from the state stored after node ``parent_indices[b, t]`` (its row of
+            ``intermediate_states``, as stored), or the slot's state for ``-1``;
+            ``-1 <= parent < t``. Needs ``intermediate_states``, ``disable_state_update`` and
+            float buffers. None: a chain (``parent = t - 1``).
 
     Returns:
         ``y`` ``[B, L, H, P]`` in ``x.dtype``.
     """
     _check_selective_state_update(
         x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
-        ssm_scales, intermediate_scales,
+        ssm_scales, intermediate_scales, disable_state_update, parent_indices,
     )
     batch, steps, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
@@ -487,7 +498,11 @@ def selective_state_update(
     Af = (-torch.exp(A.float()) if A_is_log else A.float()).reshape(G, R)
     Df = D.float().reshape(G, R, 1) if D is not None else None
     ys = []
+    initial, history = S, []  # (a tree: the states after each node, as stored)
+    parents = None if parent_indices is None else parent_indices.index_select(0, rows)
     for t in range(steps):
+        if parents is not None:
+            S = tree_start_states(initial, history, parents[:, t])
         d = dts[:, t]  # [nb, G, R]
         dBx = (d[..., None] * xs[:, t])[..., None] * Bs[:, t, :, None, None, :]  # [nb, G, R, P, N]
         S = S * torch.exp(d * Af)[..., None, None] + dBx
@@ -498,6 +513,8 @@ def selective_state_update(
         if intermediate_states is not None:
             write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
                        rows, S.reshape(nb, H, P, N), MAMBA2_STATE_SCALE_DIM)
+        if parents is not None:
+            history.append(S.to(intermediate_states.dtype).float())
         if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
             S = round_trip(S, MAMBA2_STATE_SCALE_DIM)
     y = torch.stack(ys, 1)  # [nb, L, H, P]
@@ -513,9 +530,10 @@ def selective_state_update(
 def _(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
     disable_state_update, intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+    parent_indices=None,
 ):
     _check_selective_state_update(
         x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
-        ssm_scales, intermediate_scales,
+        ssm_scales, intermediate_scales, disable_state_update, parent_indices,
     )
     return x.new_empty(x.shape)

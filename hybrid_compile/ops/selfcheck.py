@@ -19,6 +19,7 @@ from .reference import attention as ref_attn
 from .reference import conv1d as ref_conv
 from .reference import gdn as ref_gdn
 from .reference import mamba2 as ref_mamba2
+from .reference import tree as ref_tree
 
 ops = torch.ops.hybrid_compile
 
@@ -290,7 +291,116 @@ def check_linear(device, dtype, gen, reps) -> list[CheckResult]:
     return [CheckResult("skinny_mm", _err((y1, r1), (y2, r2)), TOLERANCE[dtype], ms, ref_ms)]
 
 
-CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention, check_linear)
+def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
+    """The verify ops over speculative draft trees (``parent_indices``, ``tree_mask``) against the
+    chain references run along every node's root path (``reference.tree``): 4 requests (one a
+    padding row) of 10-node random trees."""
+    B, L, S = 4, 10, 8
+    parents = ref_tree.random_parents(B, L, gen)
+    slots = torch.randperm(S, generator=gen)[:B].to(torch.int32)
+    slots[1] = -1
+    real = [0, 2, 3]
+    P_, slots_d = parents.to(device), slots.to(device)
+    inf = float("inf")
+    results = []
+
+    def result(name, op_fn, chain, per_token):
+        (got_out, got_state), ms = _timed(op_fn, reps)
+        (want_out, want_state), ref_ms = _timed(lambda: ref_tree.tree_by_paths(chain, per_token, parents))
+        err = _err((got_out[real], want_out[real]), (got_state[real], want_state[real]))
+        results.append(CheckResult(name + " (tree)", err, TOLERANCE[dtype], ms, ref_ms))
+
+    D, W = 96, 4
+    x = _rand(gen, B, L, D, dtype=dtype, device=device)
+    w, bias = _rand(gen, D, W, dtype=dtype, device=device, scale=0.5), _rand(gen, D, dtype=dtype, device=device)
+    pool = _rand(gen, S, W - 1, D, device=device)
+
+    def conv_op():
+        it = torch.zeros(B, L, W - 1, D, device=device)
+        return ops.causal_conv1d_update(x, pool.clone(), w, bias, "silu", slots_d, True, it, P_), it
+
+    def conv_chain(b, xs, n):
+        o, _, it = ref_conv.causal_conv1d_update_ref(xs[0], pool.cpu(), w.cpu(), bias.cpu(), "silu", slots[b:b + 1],
+                                                     True, torch.zeros(1, n, W - 1, D))
+        return o, it
+
+    result("causal_conv1d_update", conv_op, conv_chain, [x])
+
+    Hk, Hv, K, V = 2, 4, 32, 32
+    q, k = (_rand(gen, B, L, Hk, K, dtype=dtype, device=device) for _ in range(2))
+    v = _rand(gen, B, L, Hv, V, dtype=dtype, device=device)
+    g = -torch.rand(B, L, Hv, generator=gen).to(device)
+    beta = torch.rand(B, L, Hv, generator=gen).to(device)
+    gpool = _rand(gen, S, Hv, K, V, device=device, scale=0.1)
+
+    def gdn_op():
+        it = torch.zeros(B, L, Hv, K, V, device=device)
+        o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, gpool.clone(), slots_d, True, 0.0, True, it,
+                                                        None, None, P_)
+        return o, it
+
+    def gdn_chain(b, xs, n):
+        o, _, it = ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
+            *xs, gpool.cpu(), slots[b:b + 1], True, 0.0, True, torch.zeros(1, n, Hv, K, V))
+        return o, it
+
+    result("fused_recurrent_gated_delta_rule_update", gdn_op, gdn_chain, [q, k, v, g, beta])
+
+    H, G, P, N = 4, 2, 16, 16
+    xs = _rand(gen, B, L, H, P, dtype=dtype, device=device)
+    dts = _rand(gen, B, L, H, dtype=dtype, device=device)
+    A = -torch.rand(H, generator=gen).to(device) - 0.1
+    Bs, Cs = (_rand(gen, B, L, G, N, dtype=dtype, device=device) for _ in range(2))
+    Dm, dt_bias = _rand(gen, H, device=device), _rand(gen, H, device=device, scale=0.5)
+    mpool = _rand(gen, S, H, P, N, device=device, scale=0.1)
+
+    def m2_op():
+        it = torch.zeros(B, L, H, P, N, device=device)
+        y = ops.selective_state_update(xs, dts, A, Bs, Cs, Dm, None, dt_bias, True, 0.0, inf, mpool.clone(), slots_d,
+                                       True, it, False, None, None, P_)
+        return y, it
+
+    def m2_chain(b, ins, n):
+        y, _, it = ref_mamba2.selective_state_update_reference(
+            ins[0], ins[1], A.cpu(), ins[2], ins[3], Dm.cpu(), None, dt_bias.cpu(), True, 0.0, inf, mpool.cpu(),
+            slots[b:b + 1], True, torch.zeros(1, n, H, P, N))
+        return y, it
+
+    result("selective_state_update", m2_op, m2_chain, [xs, dts, Bs, Cs])
+
+    # attention: every node sees the prefix and its root path; the reference attends a chain of the path
+    Hq, Hkv, Dh, NS = 8, 2, 32, 512
+    prefix = [40, 0, 100, 7]
+    k_cache, v_cache = _rand(gen, NS, Hkv, Dh, device=device), _rand(gen, NS, Hkv, Dh, device=device)
+    kv_lens = [p + L for p in prefix]
+    kv_indices = (torch.randperm(NS - 1, generator=gen) + 1)[: sum(kv_lens)]
+    kv_indptr = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qo_indptr = torch.arange(0, B * L + 1, L, dtype=torch.int32)
+    qa = _rand(gen, B * L, Hq, Dh, dtype=dtype, device=device)
+    mask = torch.tensor([m for row in parents.tolist() for m in ref_tree.ancestor_bits(row)], dtype=torch.int64)
+    scale = Dh ** -0.5
+    (o, lse), ms = _timed(lambda: ops.paged_attention_extend(
+        qa, k_cache, v_cache, qo_indptr.to(device), kv_indptr.to(device), kv_indices.to(device), scale, True, -1, 0.0,
+        None, None, mask.to(device)), reps)
+
+    def attention_by_paths():
+        outs = []
+        for b in range(B):
+            slots_b = kv_indices[kv_indptr[b]: kv_indptr[b + 1]]
+            for t in range(L):
+                keys = slots_b[list(range(prefix[b])) + [prefix[b] + a for a in ref_tree.root_path(parents[b].tolist(), t)]]
+                ro, rl = ref_attn.paged_attention_extend_ref(
+                    qa[b * L + t: b * L + t + 1].cpu(), k_cache.cpu(), v_cache.cpu(), torch.tensor([0, 1]),
+                    torch.tensor([0, len(keys)]), keys, scale)
+                outs.append((ro[0], rl[0]))
+        return torch.stack([a for a, _ in outs]), torch.stack([b for _, b in outs])
+
+    (ro, rlse), ref_ms = _timed(attention_by_paths)
+    results.append(CheckResult("paged_attention_extend (tree)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
+CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention, check_linear, check_trees)
 
 
 def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:
@@ -302,10 +412,10 @@ def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed:
 
 
 def format_results(results: list[CheckResult]) -> str:
-    lines = [f"{'op':42s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
+    lines = [f"{'op':48s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
     for r in results:
         lines.append(
-            f"{r.op:42s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
+            f"{r.op:48s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
             f"{'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(lines)

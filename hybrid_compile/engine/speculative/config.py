@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 METHODS = ("draft_model", "ngram", "custom", "mtp")
+#: Methods whose draft source gives k candidates per step (``propose_tree``): draft trees (top-k > 1).
+TREE_METHODS = ("draft_model", "mtp", "custom")
+#: Verify tokens per request a draft tree may have (root + nodes): one int64 of ancestor bits each.
+MAX_TREE_TOKENS = 64
 
 
 @runtime_checkable
@@ -25,6 +29,11 @@ class DraftSource(Protocol):
 
     ``release(rid)`` (optional) is called once a request finishes, so a source with per-request
     state can drop it; ``close()`` (optional) when the engine closes.
+
+    Draft trees (``SpeculativeConfig.topk > 1``) need ``propose_tree(requests, depth, topk,
+    budget)`` instead: one :class:`~.tree.DraftTree` per request of at most ``budget`` nodes, at
+    most ``depth`` deep, at most ``topk`` children per node (deterministic given the request, as
+    ``propose``'s tokens).
     """
 
     def propose(self, requests: list, k: int) -> list[list[int]]: ...
@@ -68,7 +77,19 @@ class SpeculativeConfig:
             run k times per step as a chain: ``mtp.MTPDraft``) or ``"custom"``
             (``draft_source``, any :class:`DraftSource`).
         num_draft_tokens: drafts per request per verify step (k); a verify step runs k + 1
-            tokens per request and emits 1 to k + 1 of them.
+            tokens per request and emits 1 to k + 1 of them. With ``topk > 1``: the draft tree's
+            depth (a verify step emits 1 to depth + 1 tokens).
+        topk: candidates per draft position. 1: a chain of ``num_draft_tokens`` drafts. ``> 1``: a
+            draft TREE (``draft_model``, ``mtp``, or a ``custom`` source with ``propose_tree``;
+            n-gram drafts stay chains and raise): the draft's greedy chain with its top-k
+            alternatives at every depth (``tree.tree_from_topk_chain``), verified in one forward
+            with a tree attention mask and one recurrent state per node; the longest accepted
+            path (greedy) or tree rejection sampling (exact) picks the emitted tokens.
+        num_tree_nodes: ``topk > 1``: the tree's draft nodes per request (the verify step runs
+            ``num_tree_nodes + 1`` tokens per request), the nodes of highest draft probability.
+            None: ``num_draft_tokens * topk`` (every candidate). At least ``num_draft_tokens``, at
+            most the nodes the source can give (the full ``topk``-ary tree for ``custom``,
+            ``num_draft_tokens * topk`` for ``draft_model`` / ``mtp``) and 63.
         draft_model: an HF causal LM with the target's vocabulary. A supported hybrid family is
             served by our own engine machinery with its own pools (``drafts.EngineDraftModel``);
             any other model runs through HF's own forward with its KV cache, one request at a
@@ -83,6 +104,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_draft_tokens: int = 3
+    topk: int = 1
+    num_tree_nodes: Any = None
     draft_model: Any = None
     ngram_max: int = 4
     ngram_min: int = 1
@@ -110,11 +133,47 @@ class SpeculativeConfig:
         result.validate()
         return result
 
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def draft_nodes(self) -> int:
+        """Draft tokens per request of a verify step (a chain's k, a tree's nodes); the step runs
+        one more (the pending token)."""
+        if not self.is_tree:
+            return self.num_draft_tokens
+        return self.num_tree_nodes if self.num_tree_nodes is not None else self.num_draft_tokens * self.topk
+
+    def max_tree_nodes(self) -> int:
+        """The most draft nodes the method's tree can hold (``num_tree_nodes``' upper bound)."""
+        depth, k = self.num_draft_tokens, self.topk
+        full = sum(k ** d for d in range(1, depth + 1)) if self.method == "custom" else depth * k
+        return min(full, MAX_TREE_TOKENS - 1)
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"SpeculativeConfig.num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
+        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1:
+            raise ValueError(f"SpeculativeConfig.topk must be a positive integer, got {self.topk!r}")
+        if self.topk > 1 and self.method not in TREE_METHODS:
+            raise ValueError(f"SpeculativeConfig.topk={self.topk} (a draft tree) needs a draft source that gives "
+                             f"top-k candidates ({', '.join(TREE_METHODS)}); method {self.method!r} proposes a chain: "
+                             "use topk=1")
+        if self.num_tree_nodes is not None:
+            if self.topk == 1:
+                raise ValueError("SpeculativeConfig.num_tree_nodes is the node budget of a draft tree: it needs topk > 1")
+            most = self.max_tree_nodes()
+            if not isinstance(self.num_tree_nodes, int) or not self.num_draft_tokens <= self.num_tree_nodes <= most:
+                raise ValueError(
+                    f"SpeculativeConfig.num_tree_nodes must be an integer in [num_draft_tokens, {most}] (the most "
+                    f"nodes a {self.method!r} tree of depth {self.num_draft_tokens} and topk {self.topk} holds), "
+                    f"got {self.num_tree_nodes!r}")
+        elif self.topk > 1 and self.draft_nodes > MAX_TREE_TOKENS - 1:
+            raise ValueError(f"SpeculativeConfig: a draft tree of num_draft_tokens * topk = {self.draft_nodes} nodes is "
+                             f"over the {MAX_TREE_TOKENS - 1} a verify step holds: set num_tree_nodes")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("SpeculativeConfig: method='draft_model' needs draft_model (an HF causal LM)")
         if self.method != "draft_model" and self.draft_model is not None:

@@ -23,6 +23,14 @@ Then, per request:
    finished requests to the scheduler (with a prefix cache: exactly their ``num_computed``
    tokens' KV and the committed state).
 
+Draft trees (``SpeculativeConfig.topk > 1``, :mod:`.tree`): the source proposes one tree per
+request (``propose_tree``), the verify row holds its ``num_tree_nodes + 1`` tokens (each at
+``prefix + depth``, attending to the prefix and its ancestors, its recurrent state started from
+its parent's), acceptance walks the tree, and the commit first copies the K/V of the accepted
+path's nodes into the positions they take (node ``path[d]`` -> verify token ``d``, all layers:
+so every request keeps whole pages of position-ordered KV, page size > 1 and the prefix cache
+included), then commits the state of the path's last node.
+
 The decoder never sees the engine: it gets the parts it drives (scheduler, runner, sampler,
 pools, the draft source) and four callbacks into the engine (check a request's host-side stop
 conditions, emit a token, roll a failed step back, count a step) explicitly.
@@ -43,7 +51,8 @@ from ..sampling import Sampler
 from ..scheduler import ScheduledBatch, Scheduler
 from .acceptance import accept_greedy, accept_sampled, target_probs, truncate_at_stop
 from .config import DraftSource, SpeculativeConfig
-from .drafts import fill_drafts
+from .drafts import check_draft_tokens, fill_drafts
+from .tree import DraftTree, accept_tree_greedy, accept_tree_sampled, fill_tree, tree_metadata
 
 _kernels = torch.ops.hybrid_compile
 
@@ -162,8 +171,9 @@ class SpeculativeDecoder:
         self._roll_back = roll_back
         self._count_step = count_step
         self.vocab_size = vocab_size
-        self.k = config.num_draft_tokens
-        self.draft_len = self.k + 1
+        self.k = config.num_draft_tokens  # (a tree's depth)
+        self.tree = config.is_tree
+        self.draft_len = config.draft_nodes + 1
         mamba = pools.mamba
         if runner.draft_len != self.draft_len:
             raise ValueError(f"speculative: the runner verifies {runner.draft_len} tokens per request, the "
@@ -177,9 +187,14 @@ class SpeculativeDecoder:
             if commit_graphs and self._states and full is not None and full.verify_batch_sizes else None
         )
         self.source = source()
+        if self.tree and not callable(getattr(self.source, "propose_tree", None)):
+            self.close()
+            raise ValueError(f"SpeculativeConfig.topk={config.topk} (a draft tree) needs a draft source with "
+                             f"propose_tree(requests, depth, topk, budget); {type(self.source).__name__} has none")
         self.method = config.method
         self._last_was_verify = False
-        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0)
+        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0,
+                             tree_kv_moves=0)
         # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
         self.acceptance_histogram: dict[int, int] = {}
 
@@ -194,6 +209,8 @@ class SpeculativeDecoder:
         benchmarks compare sources at one ``num_draft_tokens``."""
         if not callable(getattr(source, "propose", None)):
             raise TypeError(f"a draft source needs propose(requests, k), got {type(source).__name__}")
+        if self.tree and not callable(getattr(source, "propose_tree", None)):
+            raise TypeError(f"a draft tree (topk > 1) needs a source with propose_tree, got {type(source).__name__}")
         if close_previous:
             self.close()
         self.source = source
@@ -204,13 +221,15 @@ class SpeculativeDecoder:
         if release is not None:
             release(rid)
 
-    def observe(self, batch: ScheduledBatch) -> None:
+    def observe(self, batch: ScheduledBatch, rows: torch.Tensor | None = None) -> None:
         """After a target forward of ``batch`` (its requests' ``num_computed`` already advanced): a
         draft source with ``observe(batch, hidden_states)`` (the MTP head) gets the target's final
-        hidden states of every token of the step."""
+        hidden states of every token of the step (``rows``: in this order; a tree verify puts each
+        request's accepted path first, in position order)."""
         observe = getattr(self.source, "observe", None)
         if observe is not None:
-            observe(batch, self.runner.hidden_states)
+            hidden = self.runner.hidden_states
+            observe(batch, hidden if rows is None else hidden[rows.to(hidden.device)])
 
     def stats(self) -> dict:
         """``engine.stats()["speculative"]``: ``verify_steps``; ``verified_requests`` (request rows
@@ -218,9 +237,13 @@ class SpeculativeDecoder:
         kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
         ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
-        one CUDA graph, :class:`CommitGraphs`)."""
+        one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
+        tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose node is not the
+        verify token of their position, so their K/V moved there)."""
         c = dict(self.counters)
         c["num_draft_tokens"] = self.k
+        c["topk"] = self.config.topk
+        c["draft_nodes"] = self.draft_len - 1
         c["method"] = self.method
         c["mean_acceptance_length"] = c["emitted"] / c["verified_requests"] if c["verified_requests"] else 0.0
         c["acceptance_rate"] = c["accepted"] / c["drafted"] if c["drafted"] else 0.0
@@ -241,38 +264,78 @@ class SpeculativeDecoder:
         return not (prefilling and self._last_was_verify)
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch, drafts: list[list[int]]) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, drafts: list[list[int]], trees: list[DraftTree] | None) -> torch.Tensor:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.runner
-        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
+        if trees is None:
+            return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
+        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts, tree_metadata(trees)))
 
-    def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
+    def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor,
+                trees: list[DraftTree] | None) -> tuple[list[list[int]], list[list[int]]]:
+        """(emitted tokens, accepted path: the verify node of each) per request."""
         reqs = batch.requests
         logits = logits.reshape(len(reqs), self.draft_len, -1)
         emitted: list[list[int] | None] = [None] * len(reqs)
+        paths: list[list[int] | None] = [None] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
             # the argmax of every row on the device, one copy to the host (the step's one sync)
             targets = torch.ops.hybrid_compile.argmax_rows(logits.flatten(0, 1)).view(len(reqs), -1).tolist()
-            for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
-                emitted[i] = tokens
+            if trees is None:
+                for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
+                    emitted[i] = tokens
+            else:
+                for i in greedy:
+                    emitted[i], paths[i] = accept_tree_greedy(targets[i], trees[i])
         sampler = self.sampler
         for i, r in enumerate(reqs):
             if emitted[i] is None:
                 gen = sampler.generator_for(r.rid, r.params.seed, logits.device)
-                emitted[i] = accept_sampled(target_probs(logits[i], r.params), drafts[i], gen)
-        return emitted
+                probs = target_probs(logits[i], r.params)
+                if trees is None:
+                    emitted[i] = accept_sampled(probs, drafts[i], gen)
+                else:
+                    emitted[i], paths[i] = accept_tree_sampled(probs, trees[i], gen)
+        if trees is None:  # a chain's path is its first tokens
+            paths = [list(range(len(e))) for e in emitted]
+        return emitted, paths
 
-    def _commit(self, reqs: list[Request], kept: list[list[int]]) -> None:
-        """State after each request's last kept step (one host->device copy of the slots and
+    def _move_path_kv(self, batch: ScheduledBatch, paths: list[list[int]]) -> None:
+        """Tree verify: the K/V of each kept path node ``path[d]`` into verify token ``d``'s slot
+        (position ``prefix + d``), in every layer (one gather, then one scatter per buffer)."""
+        loc = batch.out_cache_loc.tolist()
+        src, dst = [], []
+        for i, path in enumerate(paths):
+            base = i * self.draft_len
+            for d, node in enumerate(path):
+                if node != d:
+                    src.append(loc[base + node])
+                    dst.append(loc[base + d])
+        if src:
+            self.pools.kv.copy_slots(torch.tensor(src), torch.tensor(dst))
+            self.counters["tree_kv_moves"] += len(src)
+
+    def _path_rows(self, paths: list[list[int]]) -> torch.Tensor:
+        """Every verify token's row, each request's accepted path first (position order)."""
+        rows = []
+        for i, path in enumerate(paths):
+            base = i * self.draft_len
+            rest = sorted(set(range(self.draft_len)) - set(path))
+            rows.extend(base + j for j in list(path) + rest)
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def _commit(self, reqs: list[Request], kept: list[list[int]], paths: list[list[int]]) -> None:
+        """State after each request's last kept node (one host->device copy of the slots and
         step counts, then the op; with :class:`CommitGraphs` one graph replay), ``num_computed``
         past the kept tokens, and the KV slots of the rest freed (one free for the batch)."""
+        steps = [path[len(t) - 1] + 1 for t, path in zip(kept, paths)]  # (a chain: len(t))
         graphs = self.commit_graphs
         if graphs is not None and graphs.fits(len(reqs)):
-            graphs.commit([r.mamba_slot for r in reqs], [len(t) for t in kept])
+            graphs.commit([r.mamba_slot for r in reqs], steps)
         elif self._states:
-            host = torch.tensor([r.mamba_slot for r in reqs] + [len(t) for t in kept], dtype=torch.int32)
+            host = torch.tensor([r.mamba_slot for r in reqs] + steps, dtype=torch.int32)
             device = self.pools.device
             if device.type == "cuda":
                 host = host.pin_memory()
@@ -295,7 +358,16 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         decoding = [r for r in self.scheduler.running if r.decoding]
         try:
-            proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, self.vocab_size)
+            if self.tree:
+                nodes = self.draft_len - 1
+                proposed = self.source.propose_tree(decoding, self.k, self.config.topk, nodes)
+                if len(proposed) != len(decoding):
+                    raise ValueError(f"draft source returned {len(proposed)} trees for {len(decoding)} requests")
+                trees_of = [fill_tree(t, nodes, r.token_ids(r.num_computed, r.num_computed + 1)[0])
+                            for t, r in zip(proposed, decoding)]
+                proposals = check_draft_tokens([t.tokens for t in trees_of], self.vocab_size)
+            else:
+                proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, self.vocab_size)
         except BaseException:
             # a draft model stopped half-way may hold a half-updated state: it forgets these
             # requests (and recomputes them from the target's tokens when next asked)
@@ -311,10 +383,14 @@ class SpeculativeDecoder:
         reqs = batch.requests
         by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
         drafts = [by_rid[r.rid] for r in reqs]
+        trees = None
+        if self.tree:
+            tree_of = {r.rid: t for r, t in zip(decoding, trees_of)}
+            trees = [tree_of[r.rid] for r in reqs]
         generators = self.sampler.snapshot(reqs)
         try:
-            logits = self._forward(batch, drafts)
-            emitted = self._accept(batch, drafts, logits)
+            logits = self._forward(batch, drafts, trees)
+            emitted, paths = self._accept(batch, drafts, logits, trees)
             kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
             # the host-side stop checks before anything is committed (HybridEngine._finish), once
             # per request after its last kept token
@@ -326,17 +402,19 @@ class SpeculativeDecoder:
             self.scheduler.free_uncomputed_kv(reqs)
             raise
         try:
-            self._commit(reqs, kept)
+            if self.tree:
+                self._move_path_kv(batch, paths)
+            self._commit(reqs, kept, paths)
         except BaseException:  # states half-committed: the requests recompute
             self._roll_back(reqs, generators)
             raise
-        self.observe(batch)
+        self.observe(batch, self._path_rows(paths) if self.tree else None)
         t2 = time.perf_counter()
 
         c = self.counters
         c["verify_steps"] += 1
         c["verified_requests"] += len(reqs)
-        c["drafted"] += self.k * len(reqs)
+        c["drafted"] += (self.draft_len - 1) * len(reqs)
         c["draft_seconds"] += t1 - t0
         outputs = []
         for r, tokens, full, stop in zip(reqs, kept, emitted, stops):

@@ -27,6 +27,7 @@ needs the target engine reads it as a :class:`~.config.DraftTarget` (public attr
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
 from .config import DraftSource, DraftTarget, SpeculativeConfig
+from .tree import DraftTree, candidate_rows, pick_next, tree_from_topk_chain
 
 
 class NgramDraft:
@@ -89,6 +91,7 @@ class ReplayDraft:
         self.q = q
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
+        self.seed = seed
 
     def _corrupt(self, token: int) -> int:
         if self.rng.random() >= self.q:
@@ -103,6 +106,57 @@ class ReplayDraft:
             pos = len(r.output)
             out.append([self._corrupt(t) for t in cont[pos:pos + k]])
         return out
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """Draft trees of a draft whose candidates, in rank order, are each the continuation's
+        token with probability ``1 - q`` (so rank ``r`` holds it with probability
+        ``q ** (r - 1) * (1 - q)``; ``topk = 1`` is :meth:`propose`'s chain): the ``budget`` nodes
+        of the full ``topk``-ary tree of ``depth`` with the best rank scores
+        (``tree_from_ranks``); the continuation's path through it holds its tokens, every other
+        node a random other token. Deterministic given the request (its prompt and output length):
+        a seeded sampled request is reproducible."""
+        out = []
+        for r in requests:
+            cont = self.continuations.get(tuple(r.prompt), [])
+            pos = len(r.output)
+            true = cont[pos:pos + depth]
+            rng = random.Random(f"{self.seed}:{r.prompt}:{pos}")
+            ranks = []  # the rank the continuation's token takes at each depth (topk: not among them)
+            for _ in true:
+                rank = 0
+                while rank < topk and rng.random() < self.q:
+                    rank += 1
+                ranks.append(rank)
+            out.append(self._tree(true, ranks, depth, topk, budget, rng))
+        return out
+
+    def _tree(self, true: list[int], ranks: list[int], depth: int, topk: int, budget: int,
+              rng: random.Random) -> DraftTree:
+        score = math.log(max(self.q, 1e-6))  # (a rank's log-probability, up to a constant)
+        best = sorted((sum(rank_path) * score * -1, len(rank_path), rank_path)
+                      for rank_path in _rank_paths(depth, topk))[:budget]
+        best = sorted(best, key=lambda b: (b[1], b[2]))
+        index = {}
+        tokens, parents = [], []
+        for _, d, rank_path in best:
+            on_path = d <= len(true) and list(rank_path) == ranks[:d]
+            token = true[d - 1] if on_path else self._other(true[d - 1] if d <= len(true) else -1, rng)
+            tokens.append(token)
+            parents.append(index[rank_path[:-1]] if d > 1 else 0)
+            index[rank_path] = len(tokens)
+        return DraftTree(tokens, parents)
+
+    def _other(self, token: int, rng: random.Random) -> int:
+        other = rng.randrange(self.vocab_size - 1)
+        return other + (0 <= token <= other)
+
+
+def _rank_paths(depth: int, topk: int):
+    """Every node of the full ``topk``-ary tree of ``depth`` as its tuple of child ranks."""
+    frontier = [()]
+    for _ in range(depth):
+        frontier = [p + (r,) for p in frontier for r in range(topk)]
+        yield from frontier
 
 
 class EngineDraftModel:
@@ -161,7 +215,7 @@ class EngineDraftModel:
         return d
 
     def _forward(self, reqs: list[Request]) -> torch.Tensor:
-        """Run every draft request's pending tokens; returns each request's next draft token."""
+        """Run every draft request's pending tokens; returns each request's logits of its next token."""
         lens = [d.pending for d in reqs]
         prefix = [d.num_computed for d in reqs]
         last = torch.tensor([int(d.kv_slots[-1]) if d.kv_slots.numel() else -1 for d in reqs], dtype=torch.int64)
@@ -177,16 +231,28 @@ class EngineDraftModel:
         logits = self.runner.forward(batch)
         for d, n in zip(reqs, lens):
             d.num_computed += n
-        return torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
+        return logits[:, : self.vocab_size]
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return self._chain(requests, k, 1)[0]
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """The greedy chain with its top-k alternatives at every depth (``tree_from_topk_chain``)."""
+        steps = self._chain(requests, depth, topk)[1]
+        return [tree_from_topk_chain(row, budget) for row in candidate_rows(steps)] if requests else []
+
+    def _chain(self, requests: list[Request], k: int, topk: int) -> tuple[list[list[int]], list]:
+        """The greedy chain of k drafts per request, and with ``topk > 1`` each step's top-k
+        (``pick_next``)."""
         live = {r.rid for r in requests}
         for rid in [rid for rid in self._reqs if rid not in live]:
             self.release(rid)  # finished or retracted: its slots go back (recomputed if it returns)
         if not requests:
-            return []
+            return [], []
         reqs = [self._draft_request(r) for r in requests]
-        tokens = self._forward(reqs).tolist()
+        next_tokens, cands = pick_next(self._forward(reqs), topk)
+        steps = [cands] if cands is not None else []
+        tokens = next_tokens.tolist()
         drafts = [[t] for t in tokens]
         if k > 1:
             mamba = self.pools.mamba
@@ -196,7 +262,9 @@ class EngineDraftModel:
             for _ in range(k - 1):
                 for d, t in zip(reqs, tokens):
                     d.output.append(t)
-                tokens = self._forward(reqs).tolist()  # one pending token each: the last draft
+                next_tokens, cands = pick_next(self._forward(reqs), topk)  # one pending token each: the last draft
+                steps += [cands] if cands is not None else []
+                tokens = next_tokens.tolist()
                 for row, t in zip(drafts, tokens):
                     row.append(t)
             # back to the accepted sequence: state from the snapshot, draft KV slots freed
@@ -205,7 +273,7 @@ class EngineDraftModel:
                 self.pools.kv.allocator.free(d.kv_slots[n:])
                 d.kv_slots = d.kv_slots[:n]
                 d.num_computed = n
-        return drafts
+        return drafts, steps
 
     def release(self, rid: int) -> None:
         entry = self._reqs.pop(rid, None)
@@ -247,13 +315,30 @@ class HFDraftModel:
         self._caches: dict[int, tuple[Any, int]] = {}  # rid -> (cache, tokens in it)
 
     @torch.inference_mode()
-    def _next(self, cache: Any, tokens: list[int], start: int) -> int:
+    def _next(self, cache: Any, tokens: list[int], start: int, topk: int = 1):
+        """(the greedy next token, its step's ``pick_next`` top-k or None)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(tokens), device=self.device)[None]
         out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return int(out.logits[0, -1, : self.vocab_size].argmax())
+        logits = out.logits[0, -1:, : self.vocab_size]
+        if topk == 1:
+            return int(logits[0].argmax()), None
+        token, cands = pick_next(logits, topk)
+        return int(token[0]), cands
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return [[t for t, _ in row] for row in self._chains(requests, k, 1)]
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """The greedy chain with its top-k alternatives at every depth (``tree_from_topk_chain``)."""
+        out = []
+        for row in self._chains(requests, depth, topk):
+            steps = [cands for _, cands in row]
+            out.append(tree_from_topk_chain(candidate_rows(steps)[0], budget))
+        return out
+
+    def _chains(self, requests: list[Request], k: int, topk: int) -> list[list[tuple]]:
+        """Per request its k greedy steps ``(token, top-k or None)``."""
         live = {r.rid for r in requests}
         for rid in [rid for rid in self._caches if rid not in live]:
             self.release(rid)
@@ -261,9 +346,9 @@ class HFDraftModel:
         for r in requests:
             cache, n = self._caches.get(r.rid) or (self._cache_class(config=self.model.config), 0)
             tokens = r.prompt + r.output
-            row = [self._next(cache, tokens[n:], n)]
+            row = [self._next(cache, tokens[n:], n, topk)]
             for i in range(k - 1):
-                row.append(self._next(cache, [row[-1]], len(tokens) + i))
+                row.append(self._next(cache, [row[-1][0]], len(tokens) + i, topk))
             _crop(cache, len(tokens))
             self._caches[r.rid] = (cache, len(tokens))
             drafts.append(row)
@@ -301,17 +386,25 @@ def build_draft_source(config: SpeculativeConfig, target: DraftTarget) -> DraftS
     return EngineDraftModel(model, target, config.num_draft_tokens)
 
 
+def check_draft_tokens(rows: list[list[int]], vocab_size: int) -> list[list[int]]:
+    """The rows as ints; a token outside the vocabulary raises."""
+    out = []
+    for row in rows:
+        row = [int(t) for t in row]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        out.append(row)
+    return out
+
+
 def fill_drafts(proposals: list[list[int]], requests: list[Request], k: int, vocab_size: int) -> list[list[int]]:
     """Each request's proposals cut / filled to exactly k (fill: its last proposed token, or
     its pending token when none was proposed). A token outside the vocabulary raises."""
     if len(proposals) != len(requests):
         raise ValueError(f"draft source returned {len(proposals)} proposals for {len(requests)} requests")
     rows = []
-    for r, row in zip(requests, proposals):
-        row = [int(t) for t in row[:k]]
-        bad = [t for t in row if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"draft source proposed token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    for r, row in zip(requests, check_draft_tokens([row[:k] for row in proposals], vocab_size)):
         fill = row[-1] if row else r.token_ids(r.num_computed, r.num_computed + 1)[0]
         rows.append(row + [fill] * (k - len(row)))
     return rows

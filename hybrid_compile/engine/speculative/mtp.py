@@ -38,6 +38,7 @@ from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
 from .config import DraftTarget
+from .tree import DraftTree, candidate_rows, pick_next, tree_from_topk_chain
 
 if TYPE_CHECKING:
     from ...models.mtp import MTPHead
@@ -157,8 +158,19 @@ class MTPDraft:
         return reqs, logits, out_hidden
 
     # -- proposals --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        rows, _ = self._propose(requests, k, 1)
+        return rows
+
+    def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
+        """The head's greedy chain with its top-k alternatives at every depth
+        (``tree_from_topk_chain``); a request the head cannot draft for gets an empty tree."""
+        _, by_rid = self._propose(requests, depth, topk)
+        return [tree_from_topk_chain(by_rid.get(r.rid, []), budget) for r in requests]
+
+    @torch.inference_mode()
+    def _propose(self, requests: list[Request], k: int, topk: int) -> tuple[list[list[int]], dict]:
+        """(the chain of k drafts per request, with ``topk > 1`` ``{rid: candidate_rows row}``)."""
         sched = self.target.scheduler
         live = {r.rid for r in sched.running} | {r.rid for r in sched.waiting}
         for rid in [rid for rid in self._states if rid not in live]:
@@ -169,20 +181,22 @@ class MTPDraft:
                 st.m = max(min(st.m, r.num_computed - 1), st.start)
         advanced = self._advance(requests)
         if advanced is None:
-            return [[] for _ in requests]
+            return [[] for _ in requests], {}
         reqs, logits, hidden = advanced
-        tokens = torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
-        steps = [tokens]
+        tokens, cands = pick_next(logits[:, : self.vocab_size], topk)
+        steps, top = [tokens], [cands] if cands is not None else []
         if k > 1:
-            steps += self._chain(reqs, tokens, hidden, k - 1)
+            steps += self._chain(reqs, tokens, hidden, k - 1, topk, top)
         rows = torch.stack(steps, dim=1).tolist()  # (the proposal's one device->host copy)
         by_rid = {r.rid: row for r, row in zip(reqs, rows)}
-        return [by_rid.get(r.rid, []) for r in requests]
+        top_by_rid = {r.rid: row for r, row in zip(reqs, candidate_rows(top))}
+        return [by_rid.get(r.rid, []) for r in requests], top_by_rid
 
-    def _chain(self, reqs: list[Request], tokens: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def _chain(self, reqs: list[Request], tokens: torch.Tensor, hidden: torch.Tensor, steps: int, topk: int = 1,
+               top: list | None = None) -> list[torch.Tensor]:
         """Drafts 2 .. k: ``steps`` head DECODE steps at positions ``c ..`` (``c``: each request's
         computed tokens), in KV slots taken for the chain and freed after it (none free: the
-        proposal stops at draft 1)."""
+        proposal stops at draft 1). With ``topk > 1`` each step's top-k is appended to ``top``."""
         allocator = self.target.pools.kv.allocator
         b = len(reqs)
         prefix = [r.num_computed for r in reqs]
@@ -200,8 +214,10 @@ class MTPDraft:
                                        ForwardMode.DECODE)
                 logits = self.runner.forward(batch, input_ids=tokens, extra=(hidden,))
                 hidden = self.runner.hidden_states
-                tokens = torch.ops.hybrid_compile.argmax_rows(logits[:, : self.vocab_size])
+                tokens, cands = pick_next(logits[:, : self.vocab_size], topk)
                 out.append(tokens)
+                if cands is not None:
+                    top.append(cands)
                 self.counters["head_decode_steps"] += 1
         finally:
             allocator.free(slots)

@@ -190,6 +190,7 @@ def _attend_block(
     KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr,
+    tree_bits, tree_base, TREE_MASK: tl.constexpr,
 ):
     """One BLOCK_N step of the online softmax: keys at positions n0 + [0, BLOCK_N) below n_hi.
 
@@ -214,6 +215,10 @@ def _attend_block(
         visible = visible & (offs_n[None, :] <= qpos[:, None])
     if WINDOW_MASK:
         visible = visible & (offs_n[None, :] > qpos[:, None] - window)
+    if TREE_MASK:  # a draft tree: new tokens (from tree_base on) only where the query's ancestor bit is set
+        rel = offs_n - tree_base
+        bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+        visible = visible & ((rel[None, :] < 0) | (bit != 0))
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -241,7 +246,7 @@ def _attend_block(
 
 @triton.jit(do_not_specialize=['num_reqs', 'num_rows'])  # batch-dependent counts: one compile for all
 def _extend_kernel(
-    Q, K, V, O, LSE, QO, KVP, KVI, KS, VS,
+    Q, K, V, O, LSE, QO, KVP, KVI, KS, VS, TREE,
     num_reqs, num_rows,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_lt,
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
@@ -249,8 +254,10 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
+    QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr = False, USE_TREE: tl.constexpr = False,
 ):
+    """USE_TREE: ``TREE`` ``[T]`` int64 ancestor bits per query (a speculative draft tree): the
+    request's new tokens are masked by them; the unmasked interior stops at the cached prefix."""
     h = tl.program_id(0)
     # heaviest (last) causal blocks first; heads fastest so the heads of one kv group run together
     bid = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -291,6 +298,8 @@ def _extend_kernel(
     if CAUSAL:
         k_hi = tl.minimum(kv_len, last_pos + 1)
         full_hi = tl.minimum(k_hi, first_pos + 1)
+    if USE_TREE:
+        full_hi = tl.minimum(full_hi, pos_base)
     if USE_WINDOW:
         k_lo = tl.maximum(k_lo, first_pos - window + 1)
         full_lo = tl.maximum(k_lo, last_pos - window + 1)
@@ -325,25 +334,28 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    tree_bits = tl.zeros([BLOCK_M], tl.int64)
+    if USE_TREE:
+        tree_bits = tl.load(TREE + q_start + offs_m, mask=q_mask, other=0)
 
     # window edge (masked), interior (unmasked), causal diagonal (masked)
     for n0 in range(k_lo, full_lo, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, full_lo, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
-            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
+            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, False,
         )
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, full_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
-            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
+            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, False,
         )
     for n0 in range(full_hi, k_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, k_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
-            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
+            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, USE_TREE,
         )
 
     seen = (l_i > 0.0) & q_mask
@@ -405,6 +417,7 @@ def paged_attention_extend_triton(
     logit_softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,6 +443,7 @@ def paged_attention_extend_triton(
     grid = (hq, triton.cdiv(t, block_m) + num_reqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, o, lse, qo_indptr, kv_indptr, kv_indices, ks, vs,
+        tree_mask if tree_mask is not None else kv_indptr,
         num_reqs, t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), *s_strides,
@@ -437,7 +451,7 @@ def paged_attention_extend_triton(
         GROUP=hq // hkv, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
-        KV_FP8=kv_fp8, **cfg,
+        KV_FP8=kv_fp8, USE_TREE=tree_mask is not None, **cfg,
     )
     return o, lse
 
@@ -510,7 +524,7 @@ def _decode_kernel(
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, s_hi, m_i, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
-            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8,
+            BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, m_i, 0, False,
         )
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -713,13 +727,13 @@ def _store_kv_cache_cuda(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=No
 
 def _paged_attention_extend_cuda(
     q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal=True, sliding_window=-1, logit_softcap=0.0,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, tree_mask=None,
 ):
     _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding_window, logit_softcap,
-                  k_scale, v_scale)
+                  k_scale, v_scale, causal, tree_mask)
     return paged_attention_extend_triton(
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, scale, causal, sliding_window, logit_softcap,
-        k_scale, v_scale,
+        k_scale, v_scale, tree_mask,
     )
 
 

@@ -264,15 +264,19 @@ def _stream_load(x_base, state_base, pos, stride_xl, stride_sk, m, K: tl.constex
 
 @triton.jit
 def _conv1d_update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, idx_ptr, out_ptr, inter_ptr,
+    x_ptr, w_ptr, bias_ptr, state_ptr, idx_ptr, out_ptr, inter_ptr, parent_ptr,
     L, D,
     stride_xb, stride_xl, stride_xd, stride_wd, stride_ww,
     stride_ss, stride_sk, stride_sd,
     stride_ib, stride_il, stride_ik, stride_id,
+    stride_pb, stride_pl,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, BD: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    """TREE: a draft tree (``parent_ptr`` ``[B, L]``): node ``t``'s window is its parent's row of the
+    intermediate buffer (written earlier by this same program, channel for channel) or the slot's
+    window for parent -1, then ``x[t]``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     K: tl.constexpr = W - 1
     b = tl.program_id(0)
@@ -292,15 +296,38 @@ def _conv1d_update_kernel(
         bias = tl.zeros([BD], dtype=tl.float32)
     for t in range(L):
         acc = bias
-        for w in tl.static_range(W):
-            v = _stream_load(x_base, state_base, t + w, stride_xl, stride_sk, m, K)
-            wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=dmask, other=0.0).to(tl.float32)
-            acc += v * wv
+        if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
+            par = tl.load(parent_ptr + b.to(tl.int64) * stride_pb + t * stride_pl).to(tl.int64)
+            from_slot = par < 0
+            par_base = inter_base + tl.maximum(par, 0) * stride_il
+            xt = tl.load(x_base + t * stride_xl, mask=m, other=0.0).to(tl.float32)
+            for w in tl.static_range(W):
+                if w < K:
+                    sv = tl.load(state_base + w * stride_sk, mask=_and(m, from_slot), other=0.0).to(tl.float32)
+                    pv = tl.load(par_base + w * stride_ik, mask=_and(m, par >= 0), other=0.0).to(tl.float32)
+                    v = tl.where(from_slot, sv, pv)
+                    if w > 0:  # the node's stored window: rows 1.. of its input window, then x[t]
+                        tl.store(inter_base + t * stride_il + (w - 1) * stride_ik,
+                                 cast_rne(v, inter_ptr.dtype.element_ty), mask=m)
+                else:
+                    v = xt
+                    tl.store(inter_base + t * stride_il + (K - 1) * stride_ik,
+                             cast_rne(v, inter_ptr.dtype.element_ty), mask=m)
+                wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=dmask, other=0.0).to(tl.float32)
+                acc += v * wv
+        else:
+            for w in tl.static_range(W):
+                v = _stream_load(x_base, state_base, t + w, stride_xl, stride_sk, m, K)
+                wv = tl.load(w_ptr + d * stride_wd + w * stride_ww, mask=dmask, other=0.0).to(tl.float32)
+                acc += v * wv
         if SILU:
             acc = acc * tl.sigmoid(acc)
         acc = tl.where(valid, acc, 0.0)
         tl.store(out_base + t * D, cast_rne(acc, out_ptr.dtype.element_ty), mask=dmask)
-        if HAS_INTER:
+        if HAS_INTER and not TREE:
             for j in tl.static_range(K):
                 v = _stream_load(x_base, state_base, t + 1 + j, stride_xl, stride_sk, m, K)
                 dst = inter_base + t * stride_il + j * stride_ik
@@ -315,7 +342,7 @@ def _conv1d_update_kernel(
 
 def _causal_conv1d_update(
     x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update=False,
-    intermediate_conv_windows=None, *, block_d: Optional[int] = None,
+    intermediate_conv_windows=None, parent_indices=None, *, block_d: Optional[int] = None,
 ):
     silu = _is_silu("causal_conv1d_update", activation)
     batch, steps, dim = x.shape
@@ -330,14 +357,15 @@ def _causal_conv1d_update(
     inter_arg = inter if has_inter else conv_states
     inter_strides = inter.stride() if has_inter else (0, 0, 0, 0)
     bias_arg = bias if bias is not None else weight
+    tree = parent_indices is not None
     _conv1d_update_kernel[(batch, triton.cdiv(dim, bd))](
-        x, weight, bias_arg, conv_states, idx, out, inter_arg,
+        x, weight, bias_arg, conv_states, idx, out, inter_arg, parent_indices if tree else idx,
         steps, dim,
         x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-        *inter_strides,
+        *inter_strides, *(parent_indices.stride() if tree else (0, 0)),
         W=width, HAS_BIAS=bias is not None, SILU=silu, HAS_INTER=has_inter,
-        UPDATE_STATE=not disable_state_update, BD=bd, num_warps=_warps_1d(bd),
+        UPDATE_STATE=not disable_state_update, BD=bd, TREE=tree, num_warps=_warps_1d(bd),
         **pdl_launch(x.device),
     )
     return out
@@ -352,11 +380,12 @@ def causal_conv1d_update_triton(
     conv_state_indices: torch.Tensor,
     disable_state_update: bool = False,
     intermediate_conv_windows: Optional[torch.Tensor] = None,
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton ``causal_conv1d_update`` (same arguments and semantics as the op). CUDA-graph safe."""
     return _causal_conv1d_update(
         x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update,
-        intermediate_conv_windows,
+        intermediate_conv_windows, parent_indices,
     )
 
 
@@ -466,13 +495,15 @@ def _causal_conv1d_fn_cuda(x, weight, bias, conv_states, query_start_loc, cache_
 
 def _causal_conv1d_update_cuda(
     x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update=False,
-    intermediate_conv_windows=None,
+    intermediate_conv_windows=None, parent_indices=None,
 ):
     _check_causal_conv1d_update(
-        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
+        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows,
+        parent_indices,
     )
     return causal_conv1d_update_triton(
-        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows
+        x, conv_states, weight, bias, activation, conv_state_indices, disable_state_update, intermediate_conv_windows,
+        parent_indices,
     )
 
 

@@ -49,7 +49,7 @@ __all__ = [
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter, pool_scales, inter_scales,
+    q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter, pool_scales, inter_scales, parents,
     L, scale, softplus_beta, softplus_threshold,
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
@@ -59,13 +59,16 @@ def _gdn_recurrent_kernel(
     s_ob, s_ol, s_oh,
     s_ps, s_ph, s_pk, s_pv,
     s_ib, s_il, s_ih, s_ik, s_iv,
-    s_pss, s_psh, s_isb, s_isl, s_ish,
+    s_pss, s_psh, s_isb, s_isl, s_ish, s_parb, s_parl,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
     POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
+    TREE: a draft tree (``parents`` ``[B, L]``, float buffers): step ``t`` starts from the state
+    stored after its parent (the row of ``inter`` this program wrote, element for element), or
+    from the slot's state for parent -1.
     POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
     (over K, which this program holds whole): dequantized on load, quantized on store."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
@@ -100,6 +103,16 @@ def _gdn_recurrent_kernel(
     p_beta = beta + i_b * s_bb + i_h * s_bh
     p_o = o + i_b * s_ob + i_h * s_oh + o_v
     for t in range(L):
+        if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
+            par = tl.load(parents + i_b * s_parb + t * s_parl).to(tl.int64)
+            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
+            S_slot = tl.load(p_s, mask=tl.where(par < 0, m_s, False), other=0.0).to(tl.float32)
+            p_par = inter + i_b * s_ib + tl.maximum(par, 0) * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
+            S_par = tl.load(p_par, mask=tl.where(par >= 0, m_s, False), other=0.0).to(tl.float32)
+            S = tl.where(par < 0, S_slot, S_par)
         b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
         b_v = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
@@ -160,7 +173,8 @@ def _check_k(op: str, kd: int) -> None:
 
 
 def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, inter, use_qk_l2norm, scale,
-                      softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None):
+                      softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None,
+                      parents=None):
     """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv]; o [B, L, Hv, V]."""
     bs, steps, hk, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -176,13 +190,15 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
     _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv))](
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
+        parents if parents is not None else state_indices,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride()[:3],
         *ssm_states.stride(), *i_strides, *ps_strides, *is_strides,
+        *(parents.stride() if parents is not None else (0, 0)),
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
-        ROUND_STEPS=ssm_scales is not None and steps > 1,
+        ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parents is not None,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )
@@ -232,6 +248,7 @@ def fused_recurrent_gated_delta_rule_update_triton(
     intermediate_states: Optional[torch.Tensor],
     ssm_scales: Optional[torch.Tensor] = None,
     intermediate_scales: Optional[torch.Tensor] = None,
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``fused_recurrent_gated_delta_rule_update`` (speculative verify;
     mutates ``ssm_states`` unless ``disable_state_update``, and ``intermediate_states[b, t]`` for
@@ -243,7 +260,7 @@ def fused_recurrent_gated_delta_rule_update_triton(
         return o
     _launch_recurrent(q, k, v, g, beta, None, None, o, ssm_states, state_indices, intermediate_states,
                       use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=not disable_state_update,
-                      ssm_scales=ssm_scales, inter_scales=intermediate_scales)
+                      ssm_scales=ssm_scales, inter_scales=intermediate_scales, parents=parent_indices)
     return o
 
 
@@ -283,11 +300,12 @@ def _decode_cuda_impl(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, 
 
 
 def _verify_cuda_impl(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-                      intermediate_states, ssm_scales=None, intermediate_scales=None):
-    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales, intermediate_scales)
+                      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None):
+    _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales, intermediate_scales,
+                  disable_state_update, parent_indices)
     return fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm,
                                                           scale, disable_state_update, intermediate_states,
-                                                          ssm_scales, intermediate_scales)
+                                                          ssm_scales, intermediate_scales, parent_indices)
 
 
 torch.library.register_kernel("hybrid_compile::chunk_gated_delta_rule", "cuda", _chunk_cuda_impl)

@@ -124,7 +124,7 @@ def _dot_mode(*tensors: torch.Tensor) -> int:
 @triton.jit
 def _ssu_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
-    state_scale_ptr, inter_scale_ptr,
+    state_scale_ptr, inter_scale_ptr, parent_ptr,
     L, P, N, R, dt_min, dt_max,
     sx_b, sx_t, sx_h, sx_p,
     sdt_b, sdt_t, sdt_h,
@@ -134,15 +134,17 @@ def _ssu_kernel(
     ss_s, ss_h, ss_p, ss_n,
     si_b, si_t, si_h, si_p, si_n,
     so_b, so_t, so_h,
-    sss_s, sss_h, sis_b, sis_t, sis_h,
+    sss_s, sss_h, sis_b, sis_t, sis_h, spar_b, spar_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per (head, p) row over N (held whole here):
-    dequantized on load, quantized on store."""
+    dequantized on load, quantized on store. TREE: a draft tree (``parent_ptr`` ``[B, L]``, float
+    buffers): step ``t`` starts from the state stored after its parent (the row of ``inter`` this
+    program wrote, element for element), or from the slot's state for parent -1."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -182,6 +184,16 @@ def _ssu_kernel(
     C_ptrs = C_ptr + b * sC_b + g * sC_g + offs_n * sC_n
     i_ptrs = inter_ptr + b * si_b + h * si_h + offs_p[:, None] * si_p + offs_n[None, :] * si_n
     for t in range(L):
+        if TREE:
+            # the parent's row was stored by this program's threads in an earlier step: make
+            # those stores visible whatever thread reads them back
+            tl.debug_barrier()
+            par = tl.load(parent_ptr + b * spar_b + t * spar_t).to(tl.int64)
+            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
+            S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask_pn, False), other=0.0).to(tl.float32)
+            S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask_pn, False),
+                            other=0.0).to(tl.float32)
+            S = tl.where(par < 0, S_slot, S_par)
         x = tl.load(x_ptrs + t * sx_t, mask=mask_p, other=0.0).to(tl.float32)
         dt = tl.load(dt_p + t * sdt_t).to(tl.float32)
         dt = _discretize(dt, bias, dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS)
@@ -237,6 +249,7 @@ def selective_state_update_triton(
     A_is_log: bool = False,
     ssm_scales: torch.Tensor | None = None,
     intermediate_scales: torch.Tensor | None = None,
+    parent_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``selective_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, H, P = x.shape
@@ -252,16 +265,18 @@ def selective_state_update_triton(
         dt_bias if dt_bias is not None else A, ssm_states, state_indices,
         intermediate_states if intermediate_states is not None else ssm_states, out,
         ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
+        parent_indices if parent_indices is not None else state_indices,
         steps, P, N, H // G, float(dt_min), float(dt_max),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *_strides(z, 4), *ssm_states.stride(),
         *_strides(intermediate_states, 5), out.stride(0), out.stride(1), out.stride(2),
         *(ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)),
         *(intermediate_scales.stride()[:3] if intermediate_scales is not None else (0, 0, 0)),
+        *(parent_indices.stride() if parent_indices is not None else (0, 0)),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         UPDATE_STATE=not disable_state_update, HAS_INTER=intermediate_states is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
-        ROUND_STEPS=ssm_scales is not None and steps > 1,
+        ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
         **pdl_launch(x.device),
     )
     return out
@@ -671,14 +686,15 @@ def _ssd_chunk_scan_cuda_impl(
 def _selective_state_update_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
     disable_state_update, intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+    parent_indices=None,
 ):
     _check_selective_state_update(
         x, dt, A, B, C, D, z, dt_bias, dt_min, dt_max, ssm_states, state_indices, intermediate_states, A_is_log,
-        ssm_scales, intermediate_scales,
+        ssm_scales, intermediate_scales, disable_state_update, parent_indices,
     )
     return selective_state_update_triton(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, state_indices,
-        disable_state_update, intermediate_states, A_is_log, ssm_scales, intermediate_scales,
+        disable_state_update, intermediate_states, A_is_log, ssm_scales, intermediate_scales, parent_indices,
     )
 
 

@@ -1,0 +1,284 @@
+"""The verify kernel ops over a speculative draft TREE (``parent_indices`` / ``tree_mask``):
+``causal_conv1d_update``, ``fused_recurrent_gated_delta_rule_update``, ``selective_state_update``
+and ``paged_attention_extend``, the plain-torch op and the Triton launcher (interpreter on CPU),
+each against an oracle that knows nothing of trees: every node's root path run as a CHAIN through
+the per-token reference (``ops/reference``), whose last step must equal the node's output and
+stored state. opcheck for every changed op; the ``gpu`` tests run the CUDA ops at model shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_compile.ops.reference import attention as ref_attn
+from hybrid_compile.ops.reference import conv1d as ref_conv
+from hybrid_compile.ops.reference import gdn as ref_gdn
+from hybrid_compile.ops.reference import mamba2 as ref_m2
+from hybrid_compile.ops.reference import tree as ref_tree
+from hybrid_compile.ops.triton import attention as tattn
+from hybrid_compile.ops.triton import conv1d as tconv
+from hybrid_compile.ops.triton import gdn as tgdn
+from hybrid_compile.ops.triton import mamba2 as tm2
+from op_testing import assert_close, run_opcheck
+
+INTERPRETER_ONLY = True  # the CPU tests call the Triton launchers under the interpreter (conftest)
+
+ops = torch.ops.hybrid_compile
+# two trees of 6 nodes (node 0 = the root, the request's pending token) and a chain
+TREES = [[-1, 0, 0, 1, 2, 1], [-1, 0, 1, 0, 3, 3], [-1, 0, 1, 2, 3, 4]]
+
+
+def _parents(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _bits(parents: list[int]) -> list[int]:
+    return ref_tree.ancestor_bits(parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# conv1d
+# ---------------------------------------------------------------------------------------------
+
+
+def _conv_inputs(B=3, L=6, D=40, W=4, slots=(2, -1, 5)):
+    x = torch.randn(B, L, D)
+    states = torch.randn(8, W - 1, D)
+    weight, bias = torch.randn(D, W) * 0.5, torch.randn(D)
+    idx = torch.tensor(slots, dtype=torch.int32)
+    inter = torch.full((B + 1, L, W - 1, D), 7.0)
+    return x, states, weight, bias, idx, inter
+
+
+def test_conv1d_update_tree_matches_chain_reference_per_path():
+    x, states, weight, bias, idx, inter = _conv_inputs()
+    parents = _parents(TREES)
+    got_states, got_inter = states.clone(), inter.clone()
+    out = ops.causal_conv1d_update(x, got_states, weight, bias, "silu", idx, True, got_inter, parents)
+    t_states, t_inter = states.clone(), inter.clone()
+    t_out = tconv.causal_conv1d_update_triton(x, t_states, weight, bias, "silu", idx, True, t_inter, parents)
+
+    def chain(b, xs, n):
+        o, _, win = ref_conv.causal_conv1d_update_ref(xs[0], states, weight, bias, "silu", idx[b:b + 1], True,
+                                                      torch.zeros(1, n, *inter.shape[2:]))
+        return o, win
+
+    want_out, want_win = ref_tree.tree_by_paths(chain, [x], parents)
+    real = [0, 2]
+    assert_close(out[real], want_out[real])
+    assert_close(t_out[real], want_out[real])
+    assert_close(got_inter[real], want_win[real])
+    assert_close(t_inter[real], want_win[real])
+    assert torch.all(out[1] == 0) and torch.all(t_out[1] == 0)
+    for buf in (got_inter, t_inter):  # padding row and spare row untouched
+        assert torch.all(buf[1] == 7.0) and torch.all(buf[3] == 7.0)
+    assert torch.equal(got_states, states) and torch.equal(t_states, states)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet
+# ---------------------------------------------------------------------------------------------
+
+
+def _gdn_inputs(B=3, L=6, hk=1, hv=2, kd=16, vd=16):
+    q = torch.randn(B, L, hk, kd)
+    k = torch.randn(B, L, hk, kd) / kd ** 0.5
+    v = torch.randn(B, L, hv, vd)
+    g = -torch.rand(B, L, hv) * 0.4 - 0.01
+    beta = torch.rand(B, L, hv)
+    pool = torch.randn(8, hv, kd, vd) * 0.5
+    idx = torch.tensor([4, 1, -1], dtype=torch.int32)
+    inter = torch.full((B, L, hv, kd, vd), 7.0)
+    return q, k, v, g, beta, pool, idx, inter
+
+
+def test_gdn_verify_tree_matches_chain_reference_per_path():
+    q, k, v, g, beta, pool, idx, inter = _gdn_inputs()
+    parents = _parents(TREES)
+    got_pool, got_inter = pool.clone(), inter.clone()
+    out = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, idx, True, 0.0, True, got_inter,
+                                                      None, None, parents)
+    t_pool, t_inter = pool.clone(), inter.clone()
+    t_out = tgdn.fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, t_pool, idx, True, 0.0, True,
+                                                                t_inter, None, None, parents)
+
+    def chain(b, xs, n):
+        o, _, st = ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
+            *xs, pool, idx[b:b + 1], True, 0.0, True, torch.zeros(1, n, *inter.shape[2:]))
+        return o, st
+
+    want_out, want_state = ref_tree.tree_by_paths(chain, [q, k, v, g, beta], parents)
+    real = [0, 1]
+    for o, buf in ((out, got_inter), (t_out, t_inter)):
+        assert_close(o[real], want_out[real])
+        assert_close(buf[real], want_state[real])
+        assert torch.all(o[2] == 0) and torch.all(buf[2] == 7.0)
+    assert torch.equal(got_pool, pool) and torch.equal(t_pool, pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba2
+# ---------------------------------------------------------------------------------------------
+
+
+def _m2_inputs(B=3, L=6, H=4, P=8, G=2, N=16):
+    return dict(
+        x=torch.randn(B, L, H, P), dt=torch.randn(B, L, H), A=-torch.rand(H) - 0.5, B=torch.randn(B, L, G, N),
+        C=torch.randn(B, L, G, N), D=torch.randn(H), z=torch.randn(B, L, H, P), dt_bias=torch.randn(H) * 0.1,
+        dt_softplus=True, dt_min=0.0, dt_max=float("inf"), ssm_states=torch.randn(8, H, P, N) * 0.5,
+        state_indices=torch.tensor([-1, 3, 6], dtype=torch.int32), disable_state_update=True,
+        intermediate_states=torch.full((B, L, H, P, N), 7.0),
+    )
+
+
+def test_mamba2_verify_tree_matches_chain_reference_per_path():
+    a = _m2_inputs()
+    parents = _parents(TREES)
+    got = {**a, "ssm_states": a["ssm_states"].clone(), "intermediate_states": a["intermediate_states"].clone()}
+    out = ops.selective_state_update(*got.values(), False, None, None, parents)
+    tri = {**a, "ssm_states": a["ssm_states"].clone(), "intermediate_states": a["intermediate_states"].clone()}
+    t_out = tm2.selective_state_update_triton(*tri.values(), False, None, None, parents)
+
+    def chain(b, xs, n):
+        x, dt, B_, C_, z = xs
+        y, _, st = ref_m2.selective_state_update_reference(
+            x, dt, a["A"], B_, C_, a["D"], None, a["dt_bias"], True, 0.0, float("inf"), a["ssm_states"],
+            a["state_indices"][b:b + 1], True, torch.zeros(1, n, *a["intermediate_states"].shape[2:]))
+        return y * torch.nn.functional.silu(z), st  # (the op gates y by silu(z) after the recurrence)
+
+    want_out, want_state = ref_tree.tree_by_paths(chain, [a["x"], a["dt"], a["B"], a["C"], a["z"]], parents)
+    real = [1, 2]
+    for o, d in ((out, got), (t_out, tri)):
+        assert_close(o[real], want_out[real])
+        assert_close(d["intermediate_states"][real], want_state[real])
+        assert torch.all(o[0] == 0) and torch.all(d["intermediate_states"][0] == 7.0)
+        assert torch.equal(d["ssm_states"], a["ssm_states"])
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+def test_attention_tree_mask_matches_reference_over_each_path():
+    """Node t of a tree sees the cached prefix and its ancestors: the reference attention of a
+    request whose new tokens are exactly its root path (a chain) gives the same output."""
+    torch.manual_seed(0)
+    hq, hkv, d, L = 4, 2, 16, 6
+    prefix = [5, 0, 19]
+    kv_lens = [p + L for p in prefix]
+    k_cache, v_cache = torch.randn(64, hkv, d), torch.randn(64, hkv, d)
+    kv_indices = torch.randperm(64)[: sum(kv_lens)].to(torch.int32)
+    kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qo = torch.arange(0, 3 * L + 1, L, dtype=torch.int32)
+    q = torch.randn(3 * L, hq, d)
+    mask = torch.tensor([b for tree in TREES for b in _bits(tree)], dtype=torch.int64)
+    out, lse = ops.paged_attention_extend(q, k_cache, v_cache, qo, kv_indptr, kv_indices, d ** -0.5, True, -1, 0.0,
+                                          None, None, mask)
+    t_out, t_lse = tattn.paged_attention_extend_triton(q, k_cache, v_cache, qo, kv_indptr, kv_indices, d ** -0.5,
+                                                       True, -1, 0.0, None, None, mask)
+    for b, tree in enumerate(TREES):
+        slots = kv_indices[kv_indptr[b]: kv_indptr[b + 1]]
+        for t in range(L):
+            path = ref_tree.root_path(tree, t)
+            keys = slots[list(range(prefix[b])) + [prefix[b] + a for a in path]]
+            o, l = ref_attn.paged_attention_extend_ref(
+                q[b * L + t: b * L + t + 1], k_cache, v_cache, torch.tensor([0, 1]),
+                torch.tensor([0, len(keys)]), keys, d ** -0.5)
+            for got, got_l in ((out, lse), (t_out, t_lse)):
+                assert_close(got[b * L + t], o[0])
+                assert_close(got_l[b * L + t], l[0])
+
+
+def test_tree_arguments_are_validated():
+    x, states, weight, bias, idx, inter = _conv_inputs()
+    with pytest.raises(ValueError, match="parent precedes"):
+        ops.causal_conv1d_update(x, states, weight, bias, "silu", idx, True, inter, _parents([[-1, 1, 0, 0, 0, 0]] * 3))
+    with pytest.raises(ValueError, match="disable_state_update"):
+        ops.causal_conv1d_update(x, states, weight, bias, "silu", idx, False, inter, _parents(TREES))
+    with pytest.raises(ValueError, match="intermediate buffer"):
+        ops.causal_conv1d_update(x, states, weight, bias, "silu", idx, True, None, _parents(TREES))
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="sliding window"):
+        ops.paged_attention_extend(q, torch.randn(8, 2, 16), torch.randn(8, 2, 16), torch.tensor([0, 4]),
+                                   torch.tensor([0, 6]), torch.arange(6), 0.25, True, 3, 0.0, None, None,
+                                   torch.ones(4, dtype=torch.int64))
+
+
+def test_opcheck_tree_arguments():
+    parents = _parents(TREES)
+    x, states, weight, bias, idx, inter = _conv_inputs()
+    run_opcheck(ops.causal_conv1d_update.default, (x, states, weight, bias, "silu", idx, True, inter, parents))
+    q, k, v, g, beta, pool, gidx, ginter = _gdn_inputs()
+    run_opcheck(ops.fused_recurrent_gated_delta_rule_update.default,
+                (q, k, v, g, beta, pool, gidx, True, 0.0, True, ginter, None, None, parents))
+    a = _m2_inputs()
+    run_opcheck(ops.selective_state_update.default, (*a.values(), False, None, None, parents))
+    mask = torch.tensor([b for tree in TREES for b in _bits(tree)], dtype=torch.int64)
+    run_opcheck(ops.paged_attention_extend.default,
+                (torch.randn(18, 4, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16),
+                 torch.tensor([0, 6, 12, 18], dtype=torch.int32), torch.tensor([0, 8, 14, 30], dtype=torch.int32),
+                 torch.randperm(40)[:30].to(torch.int32), 0.25, True, -1, 0.0, None, None, mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the registered CUDA ops against the plain-torch ops at model shapes
+# ---------------------------------------------------------------------------------------------
+
+DEV = "cuda"
+
+
+def _both(op, args: list, mutated: list[int]):
+    """The op on CPU and on CUDA from the same inputs -> (cpu out, cuda out, [(cpu, cuda) mutated])."""
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    gpu = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    o_cpu, o_gpu = op(*cpu), op(*gpu)
+    torch.cuda.synchronize()
+    return o_cpu, o_gpu.cpu(), [(cpu[i], gpu[i].cpu()) for i in mutated]
+
+
+@pytest.mark.gpu
+def test_gpu_tree_verify_ops_match_torch_ops():
+    gen = torch.Generator().manual_seed(0)
+    B, L = 8, 16
+    parents = ref_tree.random_parents(B, L, gen)
+    idx = torch.randperm(32, generator=gen)[:B].to(torch.int32)
+    idx[3] = -1
+    # Qwen3-Next GDN: conv over 8192 channels (width 4), 32 value heads of 128 x 128
+    x, w, bias = torch.randn(B, L, 8192), torch.randn(8192, 4) * 0.3, torch.randn(8192)
+    o, og, muts = _both(ops.causal_conv1d_update, [x, torch.randn(32, 3, 8192), w, bias, "silu", idx, True,
+                                                   torch.zeros(B, L, 3, 8192), parents], [7])
+    assert_close(og, o)
+    assert_close(muts[0][1], muts[0][0])
+    q, k = torch.randn(B, L, 16, 128), torch.randn(B, L, 16, 128)
+    v, g, beta = torch.randn(B, L, 32, 128), -torch.rand(B, L, 32) * 0.4, torch.rand(B, L, 32)
+    o, og, muts = _both(ops.fused_recurrent_gated_delta_rule_update,
+                        [q, k, v, g, beta, torch.randn(32, 32, 128, 128) * 0.3, idx, True, 0.0, True,
+                         torch.zeros(B, L, 32, 128, 128), None, None, parents], [10])
+    assert_close(og, o)
+    assert_close(muts[0][1], muts[0][0])
+    # NemotronH-like Mamba2: 128 heads of 64, 8 groups, state 128
+    H, P, G, N = 128, 64, 8, 128
+    o, og, muts = _both(ops.selective_state_update,
+                        [torch.randn(B, L, H, P), torch.randn(B, L, H), -torch.rand(H) - 0.5, torch.randn(B, L, G, N),
+                         torch.randn(B, L, G, N), torch.randn(H), torch.randn(B, L, H, P), torch.randn(H) * 0.1, True,
+                         0.0, float("inf"), torch.randn(32, H, P, N) * 0.3, idx, True, torch.zeros(B, L, H, P, N),
+                         False, None, None, parents], [14])
+    assert_close(og, o)
+    assert_close(muts[0][1], muts[0][0])
+    # attention: 16 query / 2 kv heads of 256 (Qwen3-Next), prefixes of up to 3000 tokens
+    prefix = torch.randint(0, 3000, (B,), generator=gen).tolist()
+    kv_lens = [p + L for p in prefix]
+    slots = torch.randperm(sum(kv_lens) + 100, generator=gen)[: sum(kv_lens)].to(torch.int32)
+    kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+    mask = torch.tensor([b for row in parents.tolist() for b in _bits(row)], dtype=torch.int64)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [torch.randn(B * L, 16, 256).to(dtype), torch.randn(sum(kv_lens) + 100, 2, 256).to(dtype),
+                torch.randn(sum(kv_lens) + 100, 2, 256).to(dtype), torch.arange(0, B * L + 1, L, dtype=torch.int32),
+                kv_indptr, slots, 256 ** -0.5, True, -1, 0.0, None, None, mask]
+        (o, lse), (og, lg) = ops.paged_attention_extend(*args), [
+            t.cpu() for t in ops.paged_attention_extend(*[a.to(DEV) if isinstance(a, torch.Tensor) else a
+                                                          for a in args])]
+        assert_close(og, o, dtype)
+        assert_close(lg, lse, dtype)

@@ -4,7 +4,7 @@ multi-head latent attention over a compressed KV cache (hybrid_compile/models/ki
 Greedy tokens equal transformers' own ``generate`` (tests/engine_models.py's oracle) for single
 prompts, a continuous batch with chunked prefill, prefix-cache hits (SSM checkpoints every 64
 tokens), speculative decoding (the target as its own draft, n-gram drafts) and ``compile=True``
-(one graph, zero graph breaks). The MLA layer in the absorbed form equals HF's own layer (keys and
+(tests/test_compile_families.py: one graph, zero graph breaks). The MLA layer in the absorbed form equals HF's own layer (keys and
 values expanded per head) on a packed chunked prefill + decode; the KV pool holds one compressed
 row per token. Tiny random fp32 model: hidden 64, 4 layers (KDA, MLA, KDA, MLA), MoE, vocab 128.
 GPU (``@pytest.mark.gpu``): the eager GPU engine and full + piecewise CUDA graphs equal HF's
@@ -14,8 +14,6 @@ tokens on the CPU up to CPU/GPU near-ties.
 from __future__ import annotations
 
 import copy
-import functools
-
 import pytest
 import torch
 import transformers
@@ -24,8 +22,6 @@ import hybrid_compile as hc
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
 
 from engine_models import (
-    INIT_STD,
-    PAD_TOKEN_ID,
     assert_greedy_equal,
     assert_pools_restored,
     hf_greedy_cached,
@@ -34,16 +30,14 @@ from engine_models import (
     record_prefix_hits,
     single_threaded,
 )
+from kimi_models import HEADS, KV_RANK, ROPE, VOCAB, build_kimi_linear
 
 if not hasattr(transformers, "KimiLinearForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM (added in 5.17)",
                 allow_module_level=True)
 
-VOCAB = 128
 MAX_NEW = 8
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 ENGINE_ARGS = dict(max_running_requests=3, chunked_prefill_size=32, max_context_len=320, mamba_cache_size=8)
-KV_RANK, ROPE, NOPE, V_DIM, HEADS = 16, 8, 16, 16, 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,28 +45,8 @@ def _one_thread():
     yield from single_threaded()
 
 
-def _config(q_lora_rank=None):
-    return transformers.KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=len(LAYER_TYPES), layer_types=list(LAYER_TYPES),
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, num_local_experts=4, num_experts_per_tok=2, num_shared_experts=1, n_group=1,
-        topk_group=1, q_lora_rank=q_lora_rank, kv_lora_rank=KV_RANK, qk_rope_head_dim=ROPE,
-        qk_nope_head_dim=NOPE, v_head_dim=V_DIM, linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4,
-        initializer_range=INIT_STD, tie_word_embeddings=False, max_position_embeddings=512,
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=None, eos_token_id=None,
-    )
-
-
-@functools.lru_cache(maxsize=None)
 def _model(seed: int = 0, q_lora_rank=None):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.KimiLinearForCausalLM(_config(q_lora_rank)).float().eval()
-    model.generation_config.do_sample = False
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model
+    return build_kimi_linear(seed, q_lora_rank)
 
 
 def _expected(prompts, max_new: int = MAX_NEW, seed: int = 0, q_lora_rank=None):
@@ -165,20 +139,6 @@ def test_speculative_greedy_equals_hf(method):
     assert stats["speculative"]["verify_steps"] > 0
     if method == "draft_self":
         assert stats["speculative"]["acceptance_rate"] == 1.0
-
-
-def test_compiled_engine_matches_hf_with_zero_graph_breaks():
-    """CPU Inductor is slow: one engine, three prompts with chunked prefill, few tokens."""
-    model = _model()
-    prompts = random_prompts((1, 40, 70), VOCAB, seed=14)
-    expected = _expected(prompts, 4)
-    with make_engine(model, compile=True, max_running_requests=3, chunked_prefill_size=32, max_context_len=256,
-                     mamba_cache_size=12) as engine:
-        got = engine.generate_batch(prompts, max_new_tokens=4)
-        stats = engine.stats()["compile"]
-    _assert_all_equal(prompts, got, expected, "compiled")
-    assert stats["graphs"] == 1 and stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
-    assert stats["split_ops_seen"] == {"hybrid_compile::kda_layer": 2, "hybrid_compile::attention_layer": 2}
 
 
 # -- the MLA layer against HF's own (expanded) layer ----------------------------------------------

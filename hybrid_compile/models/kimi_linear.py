@@ -33,8 +33,8 @@ from ..layers import gdn as _gdn_layer  # noqa: F401  (registers kda_layer)
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
 from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
-from ..ops.gdn import GDN_CHUNK_SIZE
 from .base import ModelLayout, PatchHandle, install_attention, patch_forward
+from .gated_deltanet import delta_rule_layout
 
 MODEL_TYPES = ("kimi_linear",)
 
@@ -96,17 +96,12 @@ def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
     cfg = model.config
     h, d = cfg.linear_num_heads, cfg.linear_head_dim
-    attention, mamba = [], []
-    for i, kind in enumerate(cfg.layer_types[: cfg.num_hidden_layers]):
-        if kind == "full_attention":
-            attention.append(AttentionLayerSpec(i, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kv_dtype,
-                                                v_head_dim=cfg.kv_lora_rank, v_from_k=True))
-        elif kind == "linear_attention":
-            mamba.append(MambaLayerSpec(i, cfg.linear_conv_kernel_dim, 3 * h * d, (h, d, d), conv_dtype, ssm_dtype,
-                                        ssm_scale_dim=GDN_STATE_SCALE_DIM))
-        else:
-            raise ValueError(f"{cfg.model_type}: unknown layer type {kind!r} at layer {i}")
-    return ModelLayout(attention, mamba, cfg.vocab_size, cfg.max_position_embeddings, GDN_CHUNK_SIZE)
+    return delta_rule_layout(
+        cfg, AttentionLayerSpec(0, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kv_dtype, v_head_dim=cfg.kv_lora_rank,
+                                v_from_k=True),
+        MambaLayerSpec(0, cfg.linear_conv_kernel_dim, 3 * h * d, (h, d, d), conv_dtype, ssm_dtype,
+                       ssm_scale_dim=GDN_STATE_SCALE_DIM),
+    )
 
 
 def patch(model: nn.Module, handle: PatchHandle) -> None:
@@ -114,7 +109,10 @@ def patch(model: nn.Module, handle: PatchHandle) -> None:
     kda = [m for m in model.modules() if _is_kda(m)]
     mla = [m for m in model.modules() if _is_mla(m)]
     if not kda:
-        raise ValueError(f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch")
+        raise ValueError(
+            f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch (hybrid_compile patches "
+            "transformers' own kimi_linear classes, transformers >= 5.17, not a checkpoint's trust_remote_code model)"
+        )
     for module in kda:
         patch_forward(module, kda_forward, handle)
     for module in mla:

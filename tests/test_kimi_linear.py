@@ -208,14 +208,31 @@ def test_kv_cache_fp8_refused_for_compressed_cache():
 # -- GPU -------------------------------------------------------------------------------------------
 
 
+def test_real_mla_head_dims_match_hf():
+    """Kimi-Linear-48B's MLA dims (kv_lora_rank 512, rope 64: attention head dim 576 over the
+    compressed cache) with the rest tiny."""
+    model = build_kimi_linear(0, None, ("linear_attention", "full_attention"), (512, 64))
+    prompts = random_prompts((1, 70, 9), VOCAB, seed=17)
+    expected = [hf_greedy_cached(model, ("kimi_linear", "mla512"), p, 4) for p in prompts]
+    with make_engine(model, **ENGINE_ARGS) as engine:
+        got = engine.generate_batch(prompts, max_new_tokens=4)
+        assert engine.layout.attention[0].k_shape == (1, 576)
+    _assert_all_equal(prompts, got, expected, "mla 512+64", model)
+
+
 @pytest.mark.gpu
-def test_gpu_eager_and_graphs_match_hf():
+@pytest.mark.parametrize("mla_dims", [(KV_RANK, ROPE), (512, 64)], ids=["tiny-mla", "kimi48b-mla"])
+def test_gpu_eager_and_graphs_match_hf(mla_dims):
+    """Eager, compiled + CUDA graphs, and graphs + speculative on the GPU; (512, 64) runs the MLA
+    attention with the split head dim (576 = 512 + 64) in the Triton kernels. Dense MLPs:
+    transformers' fp32 MoE experts may sync with the host, which graph capture refuses (see
+    tests/test_cuda_graphs.py)."""
     from test_cuda_graphs import _assert_greedy_close  # HF-on-CPU oracle with a CPU/GPU near-tie allowance
 
-    cpu_model = _model()
+    cpu_model = build_kimi_linear(0, None, ("linear_attention", "full_attention"), mla_dims, False)
     model = copy.deepcopy(cpu_model).to("cuda")
     prompts = random_prompts((37, 1, 90, 5, 64, 3), VOCAB, seed=16) + [[5, 9, 14, 3] * 5]
-    expected = _expected(prompts)
+    expected = [hf_greedy_cached(cpu_model, ("kimi_linear", "gpu", mla_dims), p, MAX_NEW) for p in prompts]
     graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
     runs = {"eager": dict(compile=False), "graphs": graphs,
             "graphs+speculative": dict(graphs, speculative=dict(method="ngram", num_draft_tokens=3))}

@@ -15,9 +15,9 @@ latent attention (MLA) layers + DeepSeek-V3-style MoE.
   ``q' = [W_uk^T q_nope, q_rope]`` (one shared KV head, multi-query attention through the
   ordinary ``attention_layer`` op), and its output ``sum p c`` is projected by ``W_uv`` before
   ``o_proj``. Nothing per head is ever cached or re-expanded over the context, at prefill as at
-  decode. The head dim of that attention is ``kv_lora_rank + qk_rope_head_dim`` (576 in the 48B
-  checkpoint): the Triton attention kernels take head dims up to 256 and raise a ValueError
-  naming the head dim above it, so the 48B checkpoint runs on CPU only until an MLA kernel exists.
+  decode. The head dim of that attention is ``kv_lora_rank + qk_rope_head_dim`` (576 = 512 + 64
+  in the 48B checkpoint): the Triton attention kernels compute q.k above 256 as two dots (a
+  power-of-two part and the rest) with a v head dim up to 512.
 
 MoE blocks, MLPs, norms and the LM head stay HF's modules. Needs transformers' ``kimi_linear``
 (transformers >= 5.17 has it); the module's 5.17 (``past_key_values`` / ``cache_params``) and

@@ -205,6 +205,15 @@ def test_kv_cache_fp8_refused_for_compressed_cache():
         hc.wrap(_model(), kv_cache_dtype="fp8", **ENGINE_ARGS)
 
 
+def test_fp8_kv_b_proj_refused_by_name():
+    from hybrid_compile.models import kimi_linear
+
+    layer = copy.deepcopy(_model().model.layers[1].self_attn)
+    layer.kv_b_proj.weight = torch.nn.Parameter(layer.kv_b_proj.weight.to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(NotImplementedError, match="kv_b_proj"):
+        kimi_linear._absorbed_weights(layer)
+
+
 # -- GPU -------------------------------------------------------------------------------------------
 
 

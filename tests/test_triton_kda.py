@@ -91,6 +91,38 @@ def test_verify_per_channel_matches_reference(disable):
     assert_close(got_inter, want_inter)
 
 
+def test_fp8_pool_per_channel_prefill_and_verify():
+    """``ssm_state_dtype="fp8"``: the plain op and the Triton kernel on an e4m3 pool (one scale per
+    value column over K) equal the op on an fp32 pool holding the dequantized states, then quantized
+    (the plain op bit for bit, Triton within one e4m3 step)."""
+    from hybrid_compile.ops.fp8_cache import GDN_STATE_SCALE_DIM as DIM, dequantize_vectors, quantize_vectors
+
+    h, kd, vd = 2, 16, 16
+    lens = [70, 0, 9]
+    q, k, v, g, beta = make_inputs((sum(lens),), h, kd, vd, torch.float32)
+    cu = cu_seqlens_of(lens)
+    slots = torch.tensor([3, 8, 6], dtype=torch.int32)
+    init = torch.tensor([True, True, False])
+    pq, ps = quantize_vectors(make_pool(h, kd, vd), DIM)
+    ref_pool = dequantize_vectors(pq, ps, DIM)
+    o_ref, cs_ref = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_pool, cu, slots, init, True, 0.0, True)
+    want_q, want_s = quantize_vectors(ref_pool[[3, 6]], DIM)
+    for name in ("plain", "triton"):
+        gq, gs = pq.clone(), ps.clone()
+        if name == "plain":
+            o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, ssm_scales=gs)
+        else:
+            o, cs = tgdn.chunk_gated_delta_rule_per_channel_triton(q, k, v, g, beta, gq, cu, slots, init, True, 0.0,
+                                                                   True, gs)
+        assert_close(o, o_ref, msg=name)
+        assert_close(cs, cs_ref, msg=name)
+        got = dequantize_vectors(gq[[3, 6]], gs[[3, 6]], DIM)
+        want = dequantize_vectors(want_q, want_s, DIM)
+        step = 0 if name == "plain" else 32
+        assert bool(((got - want).abs() <= want_s.unsqueeze(DIM) * step + 1e-6).all()), name
+        assert torch.equal(gq[8].view(torch.uint8), pq[8].view(torch.uint8))  # the empty request's slot
+
+
 # ----------------------------------------------------------------------------------------------
 # gpu: Kimi-Linear-48B shapes
 # ----------------------------------------------------------------------------------------------

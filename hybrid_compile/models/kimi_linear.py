@@ -66,6 +66,12 @@ def kda_forward(self, hidden_states, *args, **kwargs):
 
 def _absorbed_weights(self):
     """(W_uk ``[H, nope, R]``, W_uv ``[H, V, R]``): views of ``kv_b_proj.weight``."""
+    if self.kv_b_proj.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise NotImplementedError(
+            f"kimi_linear layer {self.layer_idx}: the absorbed MLA multiplies by kv_b_proj's weight, which is "
+            f"{self.kv_b_proj.weight.dtype}; only float32 / bfloat16 / float16 kv_b_proj weights are supported "
+            "(keep kv_b_proj in high precision when quantizing)"
+        )
     w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
     return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 

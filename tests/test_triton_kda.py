@@ -1,6 +1,7 @@
-"""Triton kernels of Kimi Delta Attention (the per-channel gate ``g [..., H, K]`` of the recurrent
-kernel in hybrid_compile/ops/triton/gdn.py: verify / decode steps and the VARLEN packed prefill with
-chunk states) against the plain-torch ops and the per-token reference.
+"""Triton kernels of Kimi Delta Attention (the per-channel gate ``g [..., H, K]``): the chunked
+prefill of hybrid_compile/ops/triton/kda_chunk.py (packed varlen batch, chunk states, FP8 pool
+staging) and the recurrent kernel of hybrid_compile/ops/triton/gdn.py (verify / decode steps),
+against the plain-torch ops and the per-token reference.
 
 On CPU the launchers run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at
 tiny shapes; the ``gpu`` tests run the registered CUDA ops at Kimi-Linear-48B shapes (H=32,
@@ -45,7 +46,7 @@ def tol(*dtypes):
 
 @pytest.mark.parametrize("lens,pad_rows", [([5], ()), ([0, 7, 1], (2,)), ([65, 0, 3], ()), ([130, 17, 64, 1], (1,))])
 @pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_varlen_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
+def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
     h, kd, vd = 2, 8, 16
     T = sum(lens)
     q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype)
@@ -54,8 +55,7 @@ def test_varlen_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
     slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=pad_rows)
     has_init = torch.tensor([i % 2 == 0 for i in range(len(lens))])
     got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_per_channel_triton(q, k, v, g, beta, got_pool, cu, slots, has_init, True,
-                                                           0.0, True)
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True)
     want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, True,
                                                                 0.0, True)
     assert_close(o, want_o, tol(dtype), msg="output")
@@ -69,9 +69,26 @@ def test_varlen_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
         assert torch.all(o[cu[r]:cu[r + 1]] == 0)
         n = -(-lens[r] // C)
         assert torch.all(cs[offs[r]:offs[r] + n] == 0)
-    _, cs_none = tgdn.chunk_gated_delta_rule_per_channel_triton(q, k, v, g, beta, pool.clone(), cu, slots, has_init,
-                                                                True, 0.0, False)
-    assert cs_none.shape[0] == 0
+    o_none, cs_none = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, has_init,
+                                                            True, 0.0, False)
+    assert cs_none.shape[0] == 0 and torch.equal(o_none, o)
+
+
+def test_chunk_prefill_strong_decay_is_finite():
+    """Decays down to exp(-300) within a 64-token chunk: every exponent in the kernel is a
+    difference c_i - c_j (j <= i), so nothing overflows."""
+    h, kd, vd = 2, 16, 16
+    q, k, v, g, beta = make_inputs((80,), h, kd, vd, torch.float32, strength=10.0)
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of([80]), torch.tensor([4], dtype=torch.int32), torch.tensor([True])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all()
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
 
 
 @pytest.mark.parametrize("disable", [False, True])
@@ -112,8 +129,7 @@ def test_fp8_pool_per_channel_prefill_and_verify():
         if name == "plain":
             o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, ssm_scales=gs)
         else:
-            o, cs = tgdn.chunk_gated_delta_rule_per_channel_triton(q, k, v, g, beta, gq, cu, slots, init, True, 0.0,
-                                                                   True, gs)
+            o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, gs)
         assert_close(o, o_ref, msg=name)
         assert_close(cs, cs_ref, msg=name)
         got = dequantize_vectors(gq[[3, 6]], gs[[3, 6]], DIM)

@@ -22,8 +22,7 @@ Kernels:
   handled inside the kernel. With a per-channel gate ``g [..., Hv, K]`` (Kimi Delta Attention)
   each state row ``k`` decays by its own ``exp(g_k)``.
 - ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk` for per-head gates; for a
-  per-channel gate ``g [T, Hv, K]`` the recurrent kernel in its VARLEN mode (one program per
-  request, head and value block walks the request's tokens, storing chunk-boundary states).
+  per-channel gate ``g [T, Hv, K]`` the kernel of :mod:`.kda_chunk`.
 
 Import this module to register the kernels (``torch.library.register_kernel(..., "cuda")``);
 the launchers also run on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests use them).
@@ -38,14 +37,13 @@ import triton
 import triton.language as tl
 
 from ..fp8_cache import GDN_STATE_SCALE_DIM
-from .._varlen import chunk_row_offsets, max_chunk_rows
-from ..gdn import GDN_CHUNK_SIZE, _check_chunk, _check_decode, _check_verify
+from ..gdn import _check_chunk, _check_decode, _check_verify
 from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
+from .kda_chunk import kda_chunk_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = [
-    "chunk_gated_delta_rule_per_channel_triton",
     "chunk_gated_delta_rule_triton",
     "fused_recurrent_gated_delta_rule_update_triton",
     "fused_sigmoid_gating_delta_rule_update_triton",
@@ -55,7 +53,6 @@ __all__ = [
 @triton.jit
 def _gdn_recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, o, pool, state_indices, inter, pool_scales, inter_scales,
-    cu_seqlens, has_initial_state, chunk_states, chunk_rows,
     L, scale, softplus_beta, softplus_threshold,
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
@@ -66,23 +63,16 @@ def _gdn_recurrent_kernel(
     s_ps, s_ph, s_pk, s_pv,
     s_ib, s_il, s_ih, s_ik, s_iv,
     s_pss, s_psh, s_isb, s_isl, s_ish,
-    s_cr, s_ch, s_ck, s_cv,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
     POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PER_K_GATE: tl.constexpr = False, VARLEN: tl.constexpr = False,
-    CHUNK: tl.constexpr = 64, CHUNK_STATES: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PER_K_GATE: tl.constexpr = False,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
     POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
     (over K, which this program holds whole): dequantized on load, quantized on store.
     PER_K_GATE: ``g`` holds one log-decay per key channel (Kimi Delta Attention), row ``k`` of the
-    state decays by ``exp(g[..., k])``.
-    VARLEN: the packed prefill of ``chunk_gated_delta_rule``: program ``i_b`` runs request ``i_b``'s
-    tokens ``cu_seqlens[i_b]:cu_seqlens[i_b+1]`` (the token dim is the ``*_l`` strides, the ``*_b``
-    strides are 0), starts from zeros unless ``has_initial_state[i_b]``, writes the final state
-    only for a non-empty request and, with CHUNK_STATES, the state before every ``CHUNK`` tokens to
-    ``chunk_states[chunk_rows[i_b] + j]``."""
+    state decays by ``exp(g[..., k])``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -90,11 +80,6 @@ def _gdn_recurrent_kernel(
     i_hk = i_h // R
     slot = tl.load(state_indices + i_b).to(tl.int64)
     live = slot >= 0
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = 0
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -106,8 +91,6 @@ def _gdn_recurrent_kernel(
 
     p_s = pool + tl.maximum(slot, 0) * s_ps + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
     S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-    if VARLEN:
-        S = tl.where(tl.load(has_initial_state + i_b) != 0, S, 0.0)
     p_ss = pool_scales + tl.maximum(slot, 0) * s_pss + i_h * s_psh + o_v
     if POOL_FP8:
         S = S * tl.load(p_ss, mask=m_o, other=0.0)[None, :]
@@ -115,19 +98,13 @@ def _gdn_recurrent_kernel(
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h).to(tl.float32)
 
-    p_q = q + i_b * s_qb + bos * s_ql + i_hk * s_qh + o_k * s_qd
-    p_k = k + i_b * s_kb + bos * s_kl + i_hk * s_kh + o_k * s_kd
-    p_v = v + i_b * s_vb + bos * s_vl + i_h * s_vh + o_v * s_vd
-    p_g = g + i_b * s_gb + bos * s_gl + i_h * s_gh
-    p_beta = beta + i_b * s_bb + bos * s_bl + i_h * s_bh
-    p_o = o + i_b * s_ob + bos * s_ol + i_h * s_oh + o_v
-    if CHUNK_STATES:
-        row0 = tl.load(chunk_rows + i_b).to(tl.int64)
+    p_q = q + i_b * s_qb + i_hk * s_qh + o_k * s_qd
+    p_k = k + i_b * s_kb + i_hk * s_kh + o_k * s_kd
+    p_v = v + i_b * s_vb + i_h * s_vh + o_v * s_vd
+    p_g = g + i_b * s_gb + i_h * s_gh
+    p_beta = beta + i_b * s_bb + i_h * s_bh
+    p_o = o + i_b * s_ob + i_h * s_oh + o_v
     for t in range(L):
-        if CHUNK_STATES:
-            if t % CHUNK == 0:  # the state before this chunk (padding requests: zeros, never stored)
-                p_c = chunk_states + (row0 + t // CHUNK) * s_cr + i_h * s_ch + o_k[:, None] * s_ck + o_v[None, :] * s_cv
-                tl.store(p_c, S, mask=m_s)
         b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
         b_v = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
@@ -167,9 +144,6 @@ def _gdn_recurrent_kernel(
         if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
             S_q, S_s = quantize_axis(S, 0)
             S = tl.where(t < L - 1, S_q * S_s[None, :], S)
-    if VARLEN:  # a zero-length request leaves its slot untouched
-        m_s = (o_k[:, None] < tl.where(live & (L > 0), K, 0)) & mv[None, :]
-        m_o = o_v < tl.where(live & (L > 0), V, 0)
     if UPDATE_STATE:
         if POOL_FP8:
             S_q, S_s = quantize_axis(S, 0)
@@ -197,27 +171,13 @@ def _check_k(op: str, kd: int) -> None:
 
 
 def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, inter, use_qk_l2norm, scale,
-                      softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None,
-                      varlen=None):
+                      softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None):
     """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv] (g also [B, L, Hv, K]);
-    o [B, L, Hv, V]. ``varlen``: (cu_seqlens, has_initial_state, chunk_states or None, chunk_rows)
-    of a packed prefill, whose tensors are then ``[1, T, ...]`` views and ``B = len(state_indices)``."""
+    o [B, L, Hv, V]."""
     bs, steps, hk, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     per_k = g.dim() == 4
-    if varlen is not None:
-        bs, steps = state_indices.shape[0], 0
-        cu, has_init, cstates, crows = varlen
-    else:
-        cu = has_init = crows = state_indices  # dummy pointers (never touched)
-        cstates = None
-    cs = cstates if cstates is not None else ssm_states
-    c_strides = cstates.stride() if cstates is not None else (0, 0, 0, 0)
     g_strides = g.stride() if per_k else (*g.stride(), 0)
-    if varlen is not None:  # one packed row: request b starts at token cu_seqlens[b], not at a batch stride
-        zero_b = lambda st: (0, *st[1:])  # noqa: E731
-    else:
-        zero_b = lambda st: st  # noqa: E731
     bk, bv, num_warps = _recurrent_config(bs * hv, kd, vd)
     has_inter = inter is not None
     it = inter if has_inter else ssm_states  # dummy pointer when absent (never touched)
@@ -230,15 +190,14 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
     _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv))](
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
-        cu, has_init, cs, crows,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
-        *zero_b(q.stride()), *zero_b(k.stride()), *zero_b(v.stride()), *zero_b(g_strides), *zero_b(beta.stride()),
-        *zero_b(o.stride()[:3]), *ssm_states.stride(), *i_strides, *ps_strides, *is_strides, *c_strides,
+        *q.stride(), *k.stride(), *v.stride(), *g_strides, *beta.stride(), *o.stride()[:3],
+        *ssm_states.stride(), *i_strides, *ps_strides, *is_strides,
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1,
-        PER_K_GATE=per_k, VARLEN=varlen is not None, CHUNK=GDN_CHUNK_SIZE, CHUNK_STATES=cstates is not None,
+        PER_K_GATE=per_k,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )
@@ -303,43 +262,6 @@ def fused_recurrent_gated_delta_rule_update_triton(
     return o
 
 
-def chunk_gated_delta_rule_per_channel_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_states: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    use_qk_l2norm: bool,
-    scale: float,
-    output_chunk_states: bool,
-    ssm_scales: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA implementation of ``chunk_gated_delta_rule`` with a per-channel gate ``g [T, Hv, K]``
-    (Kimi Delta Attention): the recurrent kernel in its VARLEN mode, one program per (request,
-    head, value block) walking the request's tokens in order. Same results and chunk-state rows as
-    the chunked op; the chunked (WY) Triton pipeline of :mod:`.gdn_chunk` takes per-head gates
-    only. CUDA-graph safe (no host sync)."""
-    T, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    _check_k("chunk_gated_delta_rule", kd)
-    batch = state_indices.shape[0]
-    o = torch.zeros(T, hv, vd, dtype=v.dtype, device=v.device)
-    n_rows = max_chunk_rows(T, batch, GDN_CHUNK_SIZE) if output_chunk_states else 0
-    chunk_states = torch.zeros(n_rows, hv, kd, vd, dtype=torch.float32, device=v.device)
-    if T == 0 or batch == 0:
-        return o, chunk_states
-    rows = chunk_row_offsets(cu_seqlens, GDN_CHUNK_SIZE)
-    varlen = (cu_seqlens, has_initial_state, chunk_states if output_chunk_states else None, rows)
-    _launch_recurrent(q[None], k[None], v[None], g[None], beta[None], None, None, o[None], ssm_states, state_indices,
-                      None, use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=True, ssm_scales=ssm_scales,
-                      varlen=varlen)
-    return o, chunk_states
-
-
 # ----------------------------------------------------------------------------------------------
 # registration as the CUDA kernels of the ops
 # ----------------------------------------------------------------------------------------------
@@ -347,14 +269,16 @@ def chunk_gated_delta_rule_per_channel_triton(
 
 def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
                                      use_qk_l2norm, scale, output_chunk_states, ssm_scales=None):
-    """The chunked Triton pipeline on a float pool, or on an FP8 pool through an fp32 staging buffer
-    of the batch's states (:func:`.fp8_cache.stage_states`)."""
+    """The chunked Triton kernels on a float pool, or on an FP8 pool through an fp32 staging buffer
+    of the batch's states (:func:`.fp8_cache.stage_states`): the per-head pipeline of
+    :mod:`.gdn_chunk`, or for a per-channel gate ``g [T, Hv, K]`` (Kimi Delta Attention) the
+    kernel of :mod:`.kda_chunk`."""
+    chunk = kda_chunk_triton if g.dim() == 3 else chunk_gated_delta_rule_triton
     if ssm_scales is None:
-        return chunk_gated_delta_rule_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
-                                             has_initial_state, use_qk_l2norm, scale, output_chunk_states)
+        return chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm, scale,
+                     output_chunk_states)
     buf, rows = stage_states(ssm_states, ssm_scales, state_indices, GDN_STATE_SCALE_DIM)
-    out = chunk_gated_delta_rule_triton(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm,
-                                        scale, output_chunk_states)
+    out = chunk(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm, scale, output_chunk_states)
     written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
     unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, GDN_STATE_SCALE_DIM)
     return out
@@ -363,10 +287,6 @@ def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, s
 def _chunk_cuda_impl(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm,
                      scale, output_chunk_states, ssm_scales=None):
     _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
-    if g.dim() == 3:  # per-channel gate (Kimi Delta Attention)
-        return chunk_gated_delta_rule_per_channel_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
-                                                         has_initial_state, use_qk_l2norm, scale,
-                                                         output_chunk_states, ssm_scales)
     return chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
                                             has_initial_state, use_qk_l2norm, scale, output_chunk_states, ssm_scales)
 

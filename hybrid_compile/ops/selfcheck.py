@@ -247,6 +247,46 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
     return results
 
 
+def check_kda(device, dtype, gen, reps) -> list[CheckResult]:
+    """Kimi Delta Attention: the delta-rule ops with a per-channel gate ``g [..., H, K]``."""
+    H, K, V, S, L = 4, 32, 32, 8, 4
+    bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
+    q, k = (_rand(gen, bt.T, H, K, dtype=dtype, device=device) for _ in range(2))
+    v = _rand(gen, bt.T, H, V, dtype=dtype, device=device)
+    g = (-torch.rand(bt.T, H, K, generator=gen)).to(device)
+    beta = torch.rand(bt.T, H, generator=gen).to(device)
+    pool = _rand(gen, S, H, K, V, device=device, scale=0.1)
+    cpu = lambda t: t.cpu()  # noqa: E731
+
+    def run_chunk():
+        p = pool.clone()
+        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, p, bt.cu, bt.slots, bt.has_init, True, 0.0, True)
+        return o, cs, p
+
+    (o, cs, p), ms = _timed(run_chunk, reps)
+    (ro, rp, rcs), ref_ms = _timed(lambda: ref_gdn.chunk_gated_delta_rule_ref(
+        *map(cpu, (q, k, v, g, beta, pool, bt.cu, bt.slots, bt.has_init)), True, 0.0, True))
+    results = [CheckResult("chunk_gated_delta_rule (per-channel g)", _err((o, ro), (p, rp), (cs, rcs)),
+                           TOLERANCE[dtype], ms, ref_ms)]
+    B = bt.B
+    qv, kv_ = (_rand(gen, B, L, H, K, dtype=dtype, device=device) for _ in range(2))
+    vv = _rand(gen, B, L, H, V, dtype=dtype, device=device)
+    gv = (-torch.rand(B, L, H, K, generator=gen)).to(device)
+    bv = torch.rand(B, L, H, generator=gen).to(device)
+    inter = torch.zeros(B, L, H, K, V, device=device)
+
+    def run_verify():
+        p, it = pool.clone(), inter.clone()
+        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it), p, it
+
+    (o, p, it), ms = _timed(run_verify, reps)
+    (ro, rp, rit), ref_ms = _timed(lambda: ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
+        *map(cpu, (qv, kv_, vv, gv, bv, pool, bt.slots)), True, 0.0, True, cpu(inter)))
+    results.append(CheckResult("fused_recurrent_gated_delta_rule_update (per-channel g)",
+                               _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
 def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
     Hq, Hkv, Dh, NS = 8, 2, 32, 1024
     prefix = [40, 0, 100, 7]
@@ -278,6 +318,23 @@ def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
         lambda: ref_attn.paged_attention_decode_ref(*map(cpu, (qd, k_cache, v_cache, kv_indptr, kv_indices)), scale)
     )
     results.append(CheckResult("paged_attention_decode", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+
+    # multi-head latent attention, absorbed: one KV head [latent 512, rope key 64], V = the latent (a view)
+    mla = _rand(gen, NS, 1, 576, dtype=dtype, device=device)
+    qm = _rand(gen, sum(new), 16, 576, dtype=dtype, device=device)
+    (o, lse), ms = _timed(lambda: ops.paged_attention_extend(qm, mla, mla[..., :512], qo_indptr, kv_indptr, kv_indices,
+                                                             192 ** -0.5, True, -1, 0.0), reps)
+    (ro, rlse), ref_ms = _timed(lambda: ref_attn.paged_attention_extend_ref(
+        cpu(qm), cpu(mla), cpu(mla)[..., :512], *map(cpu, (qo_indptr, kv_indptr, kv_indices)), 192 ** -0.5))
+    results.append(CheckResult("paged_attention_extend (MLA 512+64)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms,
+                               ref_ms))
+    qmd = qm[: len(new)]
+    (o, lse), ms = _timed(lambda: ops.paged_attention_decode(qmd, mla, mla[..., :512], kv_indptr, kv_indices,
+                                                             192 ** -0.5, -1, 0.0), reps)
+    (ro, rlse), ref_ms = _timed(lambda: ref_attn.paged_attention_decode_ref(
+        cpu(qmd), cpu(mla), cpu(mla)[..., :512], *map(cpu, (kv_indptr, kv_indices)), 192 ** -0.5))
+    results.append(CheckResult("paged_attention_decode (MLA 512+64)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms,
+                               ref_ms))
     return results
 
 
@@ -290,7 +347,7 @@ def check_linear(device, dtype, gen, reps) -> list[CheckResult]:
     return [CheckResult("skinny_mm", _err((y1, r1), (y2, r2)), TOLERANCE[dtype], ms, ref_ms)]
 
 
-CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention, check_linear)
+CHECKS = (check_conv1d, check_gdn, check_kda, check_mamba2, check_attention, check_linear)
 
 
 def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:
@@ -302,10 +359,10 @@ def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed:
 
 
 def format_results(results: list[CheckResult]) -> str:
-    lines = [f"{'op':42s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
+    lines = [f"{'op':56s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
     for r in results:
         lines.append(
-            f"{r.op:42s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
+            f"{r.op:56s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
             f"{'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(lines)

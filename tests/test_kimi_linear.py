@@ -214,6 +214,21 @@ def test_fp8_kv_b_proj_refused_by_name():
         kimi_linear._absorbed_weights(layer)
 
 
+def test_other_kimi_linear_implementation_is_refused_clearly():
+    """A ``kimi_linear`` model that is not transformers' own classes (a checkpoint's
+    trust_remote_code model) fails at wrap with one clear error."""
+
+    class RemoteKimi(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.PretrainedConfig()
+            self.config.model_type = "kimi_linear"
+            self.layer = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        hc.wrap(RemoteKimi(), **ENGINE_ARGS)
+
+
 # -- GPU -------------------------------------------------------------------------------------------
 
 

@@ -99,7 +99,19 @@ def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
     return self.o_proj(o), None
 
 
+def _require_transformers_classes(model: nn.Module) -> list[nn.Module]:
+    """The model's ``KimiLinearDeltaAttention`` modules, or a clear error for another implementation."""
+    kda = [m for m in model.modules() if _is_kda(m)]
+    if not kda:
+        raise ValueError(
+            f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch (hybrid_compile patches "
+            "transformers' own kimi_linear classes, transformers >= 5.17, not a checkpoint's trust_remote_code model)"
+        )
+    return kda
+
+
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
+    _require_transformers_classes(model)
     cfg = model.config
     h, d = cfg.linear_num_heads, cfg.linear_head_dim
     return delta_rule_layout(
@@ -112,13 +124,8 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
 
 def patch(model: nn.Module, handle: PatchHandle) -> None:
     install_attention(model, handle)
-    kda = [m for m in model.modules() if _is_kda(m)]
+    kda = _require_transformers_classes(model)
     mla = [m for m in model.modules() if _is_mla(m)]
-    if not kda:
-        raise ValueError(
-            f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch (hybrid_compile patches "
-            "transformers' own kimi_linear classes, transformers >= 5.17, not a checkpoint's trust_remote_code model)"
-        )
     for module in kda:
         patch_forward(module, kda_forward, handle)
     for module in mla:

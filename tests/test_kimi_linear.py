@@ -141,6 +141,20 @@ def test_speculative_greedy_equals_hf(method):
         assert stats["speculative"]["acceptance_rate"] == 1.0
 
 
+def test_forked_sequences_copy_the_compressed_cache():
+    """``SamplingParams(n=2)``: a second sequence starts from copies of the first one's compressed
+    KV rows and KDA state (a fork) instead of a prefill; both equal HF's greedy tokens."""
+    model = _model()
+    prompts = random_prompts((30, 75), VOCAB, seed=18)
+    expected = _expected(prompts)
+    with make_engine(model, **ENGINE_ARGS) as engine:
+        got = engine.generate_batch(prompts, params=hc.SamplingParams(max_new_tokens=MAX_NEW, n=2))
+        stats = engine.stats()
+    assert stats["forked_requests"] >= 1 and stats["prefill_tokens"] < 2 * 105, stats
+    for p, pair, want in zip(prompts, got, expected):
+        _assert_all_equal([p, p], pair, [want, want], "n=2")
+
+
 # -- the MLA layer against HF's own (expanded) layer ----------------------------------------------
 
 

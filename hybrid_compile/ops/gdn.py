@@ -1,11 +1,13 @@
-"""Gated DeltaNet (Qwen3-Next linear attention) kernel ops.
+"""Gated DeltaNet (Qwen3-Next linear attention) kernel ops; with a per-channel gate also Kimi Delta
+Attention (Kimi-Linear).
 
 Math (transformers' ``torch_recurrent_gated_delta_rule``), per value head ``h`` with an fp32
 state ``S [K, V]`` and, per token ``t``::
 
     q_t, k_t  <- l2norm(q_t), l2norm(k_t)        (optional; x * rsqrt(sum(x^2) + 1e-6))
     q_t       <- q_t * scale                      (default scale = K ** -0.5)
-    S         <- S * exp(g_t)
+    S         <- S * exp(g_t)                   (g_t per head; or per key channel, Kimi Delta
+                                                  Attention: row k of S by exp(g_t[k]))
     delta     <- (v_t - k_t^T S) * beta_t
     S         <- S + k_t (outer) delta
     o_t       <- q_t^T S

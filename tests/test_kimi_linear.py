@@ -30,7 +30,7 @@ from engine_models import (
     record_prefix_hits,
     single_threaded,
 )
-from kimi_models import HEADS, KV_RANK, ROPE, VOCAB, build_kimi_linear
+from kimi_models import KV_RANK, ROPE, VOCAB, build_kimi_linear
 
 if not hasattr(transformers, "KimiLinearForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no KimiLinearForCausalLM (added in 5.17)",

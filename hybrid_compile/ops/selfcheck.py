@@ -175,12 +175,21 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
         CheckResult("fused_sigmoid_gating_delta_rule_update", _err((o, ro), (p, rp)), TOLERANCE[dtype], ms, ref_ms)
     )
 
-    L = 4
-    qv, kv_ = (_rand(gen, B, L, Hk, K, dtype=dtype, device=device) for _ in range(2))
-    vv = _rand(gen, B, L, Hv, V, dtype=dtype, device=device)
-    gv = -torch.rand(B, L, Hv, generator=gen).to(device)
-    bv = torch.rand(B, L, Hv, generator=gen).to(device)
-    inter = torch.zeros(B, L, Hv, K, V, device=device)
+    results.append(_check_verify("fused_recurrent_gated_delta_rule_update", device, dtype, gen, reps, bt, pool, Hk, ()))
+    return results
+
+
+def _check_verify(name, device, dtype, gen, reps, bt, pool, hk, gate_tail) -> CheckResult:
+    """``fused_recurrent_gated_delta_rule_update`` over 4 steps; ``gate_tail`` ``()`` for a per-head
+    gate, ``(K,)`` for a per-channel one."""
+    B, L = bt.B, 4
+    hv, K, V = pool.shape[1:]
+    cpu = lambda t: t.cpu()  # noqa: E731
+    qv, kv_ = (_rand(gen, B, L, hk, K, dtype=dtype, device=device) for _ in range(2))
+    vv = _rand(gen, B, L, hv, V, dtype=dtype, device=device)
+    gv = -torch.rand(B, L, hv, *gate_tail, generator=gen).to(device)
+    bv = torch.rand(B, L, hv, generator=gen).to(device)
+    inter = torch.zeros(B, L, hv, K, V, device=device)
 
     def run_verify():
         p, it = pool.clone(), inter.clone()
@@ -192,10 +201,7 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
             *map(cpu, (qv, kv_, vv, gv, bv, pool, bt.slots)), True, 0.0, True, cpu(inter)
         )
     )
-    results.append(
-        CheckResult("fused_recurrent_gated_delta_rule_update", _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms)
-    )
-    return results
+    return CheckResult(name, _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms)
 
 
 def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
@@ -249,7 +255,7 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
 
 def check_kda(device, dtype, gen, reps) -> list[CheckResult]:
     """Kimi Delta Attention: the delta-rule ops with a per-channel gate ``g [..., H, K]``."""
-    H, K, V, S, L = 4, 32, 32, 8, 4
+    H, K, V, S = 4, 32, 32, 8
     bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
     q, k = (_rand(gen, bt.T, H, K, dtype=dtype, device=device) for _ in range(2))
     v = _rand(gen, bt.T, H, V, dtype=dtype, device=device)
@@ -268,22 +274,8 @@ def check_kda(device, dtype, gen, reps) -> list[CheckResult]:
         *map(cpu, (q, k, v, g, beta, pool, bt.cu, bt.slots, bt.has_init)), True, 0.0, True))
     results = [CheckResult("chunk_gated_delta_rule (per-channel g)", _err((o, ro), (p, rp), (cs, rcs)),
                            TOLERANCE[dtype], ms, ref_ms)]
-    B = bt.B
-    qv, kv_ = (_rand(gen, B, L, H, K, dtype=dtype, device=device) for _ in range(2))
-    vv = _rand(gen, B, L, H, V, dtype=dtype, device=device)
-    gv = (-torch.rand(B, L, H, K, generator=gen)).to(device)
-    bv = torch.rand(B, L, H, generator=gen).to(device)
-    inter = torch.zeros(B, L, H, K, V, device=device)
-
-    def run_verify():
-        p, it = pool.clone(), inter.clone()
-        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it), p, it
-
-    (o, p, it), ms = _timed(run_verify, reps)
-    (ro, rp, rit), ref_ms = _timed(lambda: ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
-        *map(cpu, (qv, kv_, vv, gv, bv, pool, bt.slots)), True, 0.0, True, cpu(inter)))
-    results.append(CheckResult("fused_recurrent_gated_delta_rule_update (per-channel g)",
-                               _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms))
+    results.append(_check_verify("fused_recurrent_gated_delta_rule_update (per-channel g)", device, dtype, gen, reps,
+                                 bt, pool, H, (K,)))
     return results
 
 

@@ -328,11 +328,7 @@ def chunk_gated_delta_rule(
     k_beta = kc * bc[..., None]
     v_beta = vc * bc[..., None]
     if per_channel:
-        # decay between positions j <= i differs per key channel: [N, H, C, C, K], formed as
-        # differences (exp(cum_i - cum_j) <= 1) rather than exp(cum_i) * exp(-cum_j), which overflows
-        decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
-        ut = torch.einsum("nhik,nhjk,nhijk->nhij", k_beta, kc, decay)
-        attn = torch.einsum("nhik,nhjk,nhijk->nhij", qc, kc, decay)
+        ut, attn = _per_channel_products(k_beta, qc, kc, cum, upper)
     else:
         decay_ij = (cum[..., :, None, 0] - cum[..., None, :, 0]).masked_fill(upper, float("-inf")).exp()  # [N,H,C,C]
         ut = (k_beta @ kc.transpose(-1, -2)) * decay_ij
@@ -400,6 +396,27 @@ def _(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state
     o = v.new_empty((T, hv, vd))
     chunk_states = v.new_empty((n_rows, hv, kd, vd), dtype=torch.float32)
     return o, chunk_states
+
+
+def _per_channel_products(k_beta, qc, kc, cum, upper, max_elements=1 << 24):
+    """``(ut, attn)`` ``[N, H, C, C]`` of the chunked scan with a per-channel decay:
+    ``sum_k k_beta_ik k_jk exp(cum_ik - cum_jk)`` and the same with ``q``, for ``j <= i`` (0 above).
+
+    The decay differs per key channel, so it sits inside the sum over K: a ``[n, H, C, C, K]``
+    tensor, formed as differences (``exp(cum_i - cum_j) <= 1``; ``exp(cum_i) * exp(-cum_j)`` would
+    overflow) for a slice of ``n`` chunks at a time (at most ``max_elements`` values)."""
+    N, H, C, K = kc.shape
+    ut = kc.new_empty(N, H, C, C)
+    attn = kc.new_empty(N, H, C, C)
+    step = max(1, max_elements // max(1, H * C * C * K))
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        c = cum[a:b]
+        decay = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+        kd = kc[a:b, :, None, :, :] * decay  # [n, H, C(i), C(j), K]
+        ut[a:b] = (k_beta[a:b, :, :, None, :] * kd).sum(-1)
+        attn[a:b] = (qc[a:b, :, :, None, :] * kd).sum(-1)
+    return ut, attn
 
 
 # ----------------------------------------------------------------------------------------------

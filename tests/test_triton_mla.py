@@ -88,7 +88,7 @@ def test_unsupported_head_dims_raise_naming_them():
 # gpu: Kimi-Linear-48B MLA shapes
 # ----------------------------------------------------------------------------------------------
 
-DEV = "cuda"
+DEV = "cuda"  # the gpu tests' device (a module constant so their logic can be dry-run elsewhere)
 KIMI_MLA = dict(hq=32, rank=512, rope=64)
 
 

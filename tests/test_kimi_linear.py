@@ -214,6 +214,65 @@ def test_mla_absorbed_layer_equals_hf_layer_over_chunked_prefill_and_decode():
     torch.testing.assert_close(k_cache[1:39, 0], torch.cat([latent, compressed[:, KV_RANK:]], -1))
 
 
+def test_kda_layer_op_extend_decode_against_reference_and_opcheck():
+    """``kda_layer`` over a packed extend (slot 2 continues its state, slot 0 starts fresh, a padding
+    request) and a decode step: the output and the pools equal the conv op followed by the
+    per-token reference of the delta rule with the per-channel gate."""
+    from hybrid_compile.ops.reference import gdn as ref
+
+    op = torch.ops.hybrid_compile.kda_layer
+    H, D, W, S = 2, 8, 4, 4
+    gen = torch.Generator().manual_seed(22)
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    weight = r(3 * H * D, W) * 0.5
+    conv0, ssm0 = r(S, W - 1, 3 * H * D), r(S, H, D, D) * 0.3
+    lens, slots, init = [9, 5, 3], [2, 0, -1], [True, False, False]
+    x = r(sum(lens), 3 * H * D)
+    g = -torch.rand(sum(lens), H, D, generator=gen)
+    beta = torch.rand(sum(lens), H, generator=gen)
+    md = _metadata(ForwardMode.EXTEND, lens, [4, 0, 0], slots)
+    md.has_initial_state = torch.tensor(init)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    with forward_context(ForwardContext(md, {}, {0: (conv, ssm)})):
+        out = op(x, g, beta, weight, None, 0, H, D, "silu")
+    md_fresh = _metadata(ForwardMode.EXTEND, lens, [4, 0, 0], slots)
+    md_fresh.has_initial_state = torch.zeros(3, dtype=torch.bool)  # repeated calls give the same output
+    with forward_context(ForwardContext(md_fresh, {}, {0: (conv0.clone(), ssm0.clone())})):
+        torch.library.opcheck(op, (x, g, beta, weight, None, 0, H, D, "silu"))
+    ref_conv, ref_ssm = conv0.clone(), ssm0.clone()
+    xc = torch.ops.hybrid_compile.causal_conv1d_fn(x, weight, None, ref_conv, md.query_start_loc,
+                                                   md.mamba_cache_indices, md.has_initial_state, "silu")
+    q, k, v = xc.view(-1, 3, H, D).unbind(1)
+    start = 0
+    for n, slot, has in zip(lens, slots, init):
+        sl = slice(start, start + n)
+        start += n
+        if slot < 0:
+            assert torch.all(out[sl] == 0)
+            continue
+        o_ref, states = ref.delta_rule_ref(q[sl], k[sl], v[sl], g[sl], beta[sl], ssm0[slot] if has else None, True, 0.0)
+        torch.testing.assert_close(out[sl], o_ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ssm[slot], states[-1], atol=2e-5, rtol=2e-5)
+        ref_ssm[slot] = states[-1]
+    torch.testing.assert_close(conv, ref_conv)
+
+    # DECODE: one token each for slots 2 and 0
+    xd, gd, bd = r(2, 3 * H * D), -torch.rand(2, H, D, generator=gen), torch.rand(2, H, generator=gen)
+    md = _metadata(ForwardMode.DECODE, [1, 1], [13, 5], [2, 0])
+    with forward_context(ForwardContext(md, {}, {0: (conv, ssm)})):
+        out = op(xd, gd, bd, weight, None, 0, H, D, "silu")
+    xcd = torch.ops.hybrid_compile.causal_conv1d_update(xd[:, None], ref_conv, weight, None, "silu",
+                                                        md.mamba_cache_indices, False, None)[:, 0]
+    q, k, v = xcd.view(-1, 3, H, D).unbind(1)
+    for row, slot in enumerate((2, 0)):
+        o_ref, states = ref.delta_rule_ref(q[row:row + 1], k[row:row + 1], v[row:row + 1], gd[row:row + 1],
+                                           bd[row:row + 1], ref_ssm[slot], True, 0.0)
+        torch.testing.assert_close(out[row], o_ref[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ssm[slot], states[-1], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="kda_layer: g must be"):
+        op(xd, gd[..., :3], bd, weight, None, 0, H, D, "silu")
+
+
 def test_kv_cache_fp8_refused_for_compressed_cache():
     with pytest.raises(ValueError, match="fp8"):
         hc.wrap(_model(), kv_cache_dtype="fp8", **ENGINE_ARGS)

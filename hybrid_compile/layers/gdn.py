@@ -20,6 +20,9 @@ By forward mode:
   buffers (``ForwardContext.intermediate_caches``, rows = batch rows); the engine commits the
   state of the last accepted step afterwards (``commit_speculative_state``). Trailing requests
   of another length (filler that pads a step to a token-count bucket) are left at zero.
+
+``kda_layer`` runs the same modes with the given per-channel ``g [N, H, K]`` and ``beta``; its
+decode step is ``fused_recurrent_gated_delta_rule_update`` over one token (no fused gating).
 """
 
 from __future__ import annotations

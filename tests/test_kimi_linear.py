@@ -141,6 +141,15 @@ def test_speculative_greedy_equals_hf(method):
         assert stats["speculative"]["acceptance_rate"] == 1.0
 
 
+def test_page_size_4_matches_hf():
+    """Pages of 4 token slots in the KV pool (the compressed rows are paged like any K/V)."""
+    model = _model()
+    prompts = random_prompts((3, 70, 21), VOCAB, seed=19)
+    with make_engine(model, page_size=4, **ENGINE_ARGS) as engine:
+        got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
+    _assert_all_equal(prompts, got, _expected(prompts), "page size 4")
+
+
 def test_forked_sequences_copy_the_compressed_cache():
     """``SamplingParams(n=2)``: a second sequence starts from copies of the first one's compressed
     KV rows and KDA state (a fork) instead of a prefill; both equal HF's greedy tokens."""

@@ -74,6 +74,22 @@ def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
     assert cs_none.shape[0] == 0 and torch.equal(o_none, o)
 
 
+def test_chunk_prefill_grouped_heads():
+    """Two value heads per q/k head (the op's grouped layout; Kimi itself has one head count)."""
+    hk, hv, kd, vd = 1, 2, 16, 16
+    q, k, _, _, _ = make_inputs((70,), hk, kd, vd, torch.float32)
+    _, _, v, g, beta = make_inputs((70,), hv, kd, vd, torch.float32)
+    pool = make_pool(hv, kd, vd)
+    cu, slots, init = cu_seqlens_of([66, 4]), torch.tensor([1, 7], dtype=torch.int32), torch.tensor([True, False])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
+
+
 def test_chunk_prefill_strong_decay_is_finite():
     """Decays down to exp(-300) within a 64-token chunk: every exponent in the kernel is a
     difference c_i - c_j (j <= i), so nothing overflows."""

@@ -5,7 +5,8 @@ cuBLAS (``torch.mm``) at the reference model's projection shapes at 1-4 rows.
     python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels.json]
 
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
-8192), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
+8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
+compressed cache; group ``kda``), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
 head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
 time of each system and, for our kernel, achieved memory bandwidth (decode / memory-bound ops)
 or TFLOP/s (prefill ops) as a fraction of the peak measured in the same run on this device.
@@ -252,7 +253,7 @@ def bench_gdn(quick, fla):
         gv = -torch.rand(batch, L, Hv, device=DEV)
         bv = torch.rand(batch, L, Hv, device=DEV)
         inter = torch.zeros(batch, L, Hv, K, V, dtype=BF16, device=DEV)
-        f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)  # noqa: E731
+        f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
         p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
         record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=batch * Hv * K * V * (4 + L * 2))
@@ -316,7 +317,7 @@ def bench_mamba2(quick):
         dt = torch.randn(batch, 1, H, dtype=BF16, device=DEV)
         B = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
         Cm = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
-        f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None, A_is_log=False, ssm_scales=None, intermediate_scales=None)  # noqa: E731
+        f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
         p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
         record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=2 * batch * H * P * N * 4, note="(no fla equivalent)")
@@ -367,6 +368,70 @@ def bench_attention(quick):
                note="(fla column = torch SDPA on contiguous K/V)")
 
 
+def try_import_fla_kda():
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as exc:  # noqa: BLE001 - optional
+        return {"error": repr(exc)}
+    return {"chunk": chunk_kda, "recurrent": fused_recurrent_kda}
+
+
+def bench_kda(quick):
+    """Kimi-Linear-48B shapes: Kimi Delta Attention (32 heads x 128, per-channel gate) prefill /
+    verify, and the absorbed MLA attention over the compressed cache (32 heads, 576 / 512)."""
+    fla = try_import_fla_kda()
+    H, K, V, S = 32, 128, 128, 256
+    ssm = torch.zeros(S, H, K, V, dtype=torch.float32, device=DEV)
+    for total in ([2048, 32768] if quick else [1024, 2048, 8192, 32768]):
+        for batch in (1, 8):
+            lens, cu = varlen(total, batch)
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            has = torch.zeros(batch, dtype=torch.bool, device=DEV)
+            q, k, v = (torch.randn(total, H, K, dtype=BF16, device=DEV) for _ in range(3))
+            g = -torch.rand(total, H, K, device=DEV) * 0.5
+            beta = torch.rand(total, H, device=DEV)
+            f = lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False, ssm_scales=None)  # noqa: E731
+            fla_ms = None
+            if "chunk" in fla:
+                fla_fn = lambda: fla["chunk"](q[None], k[None], v[None], g[None], beta[None], initial_state=ssm[:batch],  # noqa: E731
+                                               output_final_state=True, cu_seqlens=cu.long(),
+                                               use_qk_l2norm_in_kernel=True)
+                fla_ms = safe(lambda: bench(fla_fn, graph=False))
+            record("chunk_gated_delta_rule (KDA, per-channel g)", f"T={total} B={batch}",
+                   safe(lambda: bench(f, graph=False)), None, fla_ms,
+                   flops=total * H * (4 * K * V + 2 * 16 * (K + V) + 4 * 16 * K), note="(eager)")
+    for batch in ([1, 64] if quick else [1, 16, 64, 256]):
+        L = 1
+        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        q, k = (torch.randn(batch, L, H, K, dtype=BF16, device=DEV) for _ in range(2))
+        v = torch.randn(batch, L, H, V, dtype=BF16, device=DEV)
+        g = -torch.rand(batch, L, H, K, device=DEV)
+        beta = torch.rand(batch, L, H, device=DEV)
+        f = lambda: ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm, slots, True, 0.0, False, None, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
+        record("fused_recurrent_gated_delta_rule_update (KDA decode)", f"B={batch}", safe(lambda: bench(f)), None, None,
+               bytes_moved=2 * batch * H * K * V * 4)
+    # MLA, absorbed: one KV head [latent 512, rope 64], V a view of the latent
+    hq, rank, rope, NS = 32, 512, 64, 600_000
+    cache = torch.randn(NS, 1, rank + rope, dtype=BF16, device=DEV)
+    scale = 192 ** -0.5
+    for batch in ([1, 64] if quick else [1, 16, 64, 128]):
+        ctx = 4096
+        kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * ctx
+        kv_indices = torch.randperm(NS - 1, device=DEV)[: batch * ctx] + 1
+        q = torch.randn(batch, hq, rank + rope, dtype=BF16, device=DEV)
+        f = lambda: ops.paged_attention_decode(q, cache, cache[..., :rank], kv_indptr, kv_indices, scale, -1, 0.0)  # noqa: E731
+        record("paged_attention_decode (MLA 512+64)", f"B={batch} ctx={ctx}", safe(lambda: bench(f)), None, None,
+               bytes_moved=batch * ctx * (rank + rope) * 2)
+    for total in ([2048, 8192] if quick else [1024, 2048, 8192, 16384]):
+        batch = 1 if total >= 16384 else 4
+        lens, qo = varlen(total, batch)
+        kv_indices = torch.randperm(NS - 1, device=DEV)[:total] + 1
+        q = torch.randn(total, hq, rank + rope, dtype=BF16, device=DEV)
+        f = lambda: ops.paged_attention_extend(q, cache, cache[..., :rank], qo, qo, kv_indices, scale, True, -1, 0.0)  # noqa: E731
+        record("paged_attention_extend (MLA 512+64)", f"T={total} B={batch}", safe(lambda: bench(f)), None, None,
+               flops=sum(2 * n * n / 2 * hq * (2 * rank + rope) for n in lens))
+
+
 #: (name, N, K) of the reference Qwen3-Next's projections at decode, packed as the rewrite pass packs them
 SKINNY_SHAPES = (("gdn in_proj_qkvz+ba", 12352, 2048), ("mlp gate+up", 11264, 2048), ("mlp down", 2048, 5632),
                  ("gdn out_proj / attn o_proj", 2048, 4096), ("attn q+k+v", 9216, 2048), ("lm head", 151936, 2048))
@@ -396,7 +461,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
-    parser.add_argument("--only", default="gdn,mamba2,attention,skinny_mm", help="comma list of groups")
+    parser.add_argument("--only", default="gdn,kda,mamba2,attention,skinny_mm", help="comma list of groups")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -409,6 +474,8 @@ def main():
     groups = args.only.split(",")
     if "gdn" in groups:
         bench_gdn(args.quick, fla)
+    if "kda" in groups:
+        bench_kda(args.quick)
     if "mamba2" in groups:
         bench_mamba2(args.quick)
     if "attention" in groups:

@@ -14,6 +14,7 @@ import torch
 
 import hybrid_compile as hc
 
+import kimi_models as km
 import mamba2_models as mm
 from engine_models import cached_model, hf_greedy, single_threaded
 
@@ -27,7 +28,10 @@ BUILDERS = {
     "zamba2": lambda: mm.build_zamba2(6),
     "qwen3_5_moe": lambda: cached_model("qwen3_5_moe", 0),
     "olmo_hybrid": lambda: cached_model("olmo_hybrid", 0),
+    # one KDA and one MLA layer (CPU Inductor's compile time grows with the layers)
+    "kimi_linear": lambda: km.build_kimi_linear(0, None, ("linear_attention", "full_attention")),
 }
+SPLIT_OPS = {"kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,3 +54,5 @@ def test_compiled_family_matches_hf(family):
     assert got == expected, family
     assert again[0, len(prompts[2]):].tolist() == expected[2], family
     assert stats["graphs"] == 1 and stats["recompiles"] == 0 and stats["graph_breaks"] == 0, stats
+    if family in SPLIT_OPS:
+        assert stats["split_ops_seen"] == SPLIT_OPS[family], stats

@@ -134,7 +134,7 @@ def test_gdn_verify_fp8_pool_and_intermediates(disable):
     for t in range(steps):
         outs.append(ops.fused_recurrent_gated_delta_rule_update(
             q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], ref_pool, slots, True, 0.0,
-            False, None, ssm_scales=None, intermediate_scales=None))
+            False, None, ssm_scales=None, intermediate_scales=None, parent_indices=None))
         ref_inter[:bs][slots >= 0, t] = ref_pool[real]
         if t < steps - 1:
             ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
@@ -346,7 +346,7 @@ def test_gpu_gdn_fp8_pool_at_qwen3_next_shape():
     g, beta = make_gb((bs, steps), hv)
     ref_q, ref_s = pq.clone(), ps.clone()
     o_ref = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ref_q, slots, True, 0.0, False, None,
-                                                        ref_s, intermediate_scales=None)
+                                                        ref_s, intermediate_scales=None, parent_indices=None)
     dev = [t.cuda() for t in (q, k, v, g, beta, pq, slots, ps)]
     o = ops.fused_recurrent_gated_delta_rule_update(*dev[:6], dev[6], True, 0.0, False, None, dev[7], intermediate_scales=None)
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)

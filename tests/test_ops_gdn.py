@@ -290,7 +290,7 @@ def test_decode_and_verify_match_transformers():
     # verify: all L steps at once
     pv = pool.clone()
     inter = torch.zeros(1, L, hv, kd, vd)
-    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pv, torch.tensor([2]), True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None)
+    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pv, torch.tensor([2]), True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     assert_close(o, ho, torch.float32)
     assert_close(pv[2], hs[0], torch.float32)
     assert_close(inter[0, -1], hs[0], torch.float32)
@@ -400,7 +400,7 @@ def test_verify_matches_reference(dtype, pool_dtype, inter_dtype, disable_state_
     pool_op = pool.clone()
     inter_op = None if inter is None else inter.clone()
     o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool_op, slots, True, 0.0,
-                                                    disable_state_update, inter_op, ssm_scales=None, intermediate_scales=None)
+                                                    disable_state_update, inter_op, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     ro, rpool, rinter = ref.fused_recurrent_gated_delta_rule_update_ref(
         q, k, v, g, beta, pool, slots, True, 0.0, disable_state_update, inter)
     tol_dtype = torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype) else torch.float32
@@ -439,7 +439,7 @@ def test_verify_intermediate_equals_prefix_states():
     inter = torch.zeros(2, L, hv, kd, vd)
     p_after_prefill = p.clone()
     o = ops.fused_recurrent_gated_delta_rule_update(q[ver_idx], k[ver_idx], v[ver_idx], g[ver_idx], beta[ver_idx],
-                                                    p, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)
+                                                    p, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     assert torch.equal(p, p_after_prefill)  # disable_state_update
     for i in range(2):
         s, e = int(cu_total[i]), int(cu_total[i + 1])
@@ -598,7 +598,7 @@ def test_compile_prefill_decode_verify():
     inter = torch.zeros(B, L, hv, kd, vd)
 
     def verify(q, k, v, g, beta, pool, slots, inter):
-        return ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None) * 3
+        return ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, False, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None) * 3
 
     eager, compiled, ea, ca = compile_and_compare(verify, vq, vk, vv, vg, vb, pool, dslots, inter)
     torch.testing.assert_close(compiled, eager)

@@ -511,7 +511,7 @@ def test_compile_prefill_then_decode():
             x, dt, A, B, C, D, z, dt_bias, True, 0.0, INF, ssm_states, cu, idx, has_init, 8, True, ssm_scales=None,
         )
         yd = torch.ops.hybrid_compile.selective_state_update(
-            xd, dtd, A, Bd, Cd, D, zd, dt_bias, True, 0.0, INF, ssm_states, idx, False, inter, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+            xd, dtd, A, Bd, Cd, D, zd, dt_bias, True, 0.0, INF, ssm_states, idx, False, inter, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None,
         )
         return y * 2, cs, yd + 1
 

@@ -278,7 +278,7 @@ def test_verify_matches_op_and_reference(dtype, pool_dtype, inter_dtype, disable
                                                             disable_state_update, got_inter)
     op_pool, op_inter = pool.clone(), None if inter is None else inter.clone()
     op_o = gdn.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, op_pool, slots, l2, scale,
-                                                       disable_state_update, op_inter, ssm_scales=None, intermediate_scales=None)
+                                                       disable_state_update, op_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     ro, rpool, rinter = ref.fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, pool, slots, l2, scale,
                                                                         disable_state_update, inter)
     tol = tol_dtype(dtype, pool_dtype)
@@ -406,11 +406,11 @@ def test_gpu_verify_matches_torch_op(dtype, disable):
     q, k, v, g, beta, pool, slots = verify_inputs(B, L, QWEN3_NEXT, dtype, torch.float32, (3,), DEV, GPU_SLOTS)
     inter = torch.zeros(B, L + 1, hv, kd, vd, device=DEV)
     got_pool, got_inter = pool.clone(), inter.clone()
-    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter, ssm_scales=None, intermediate_scales=None)
+    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     cq, ck, cv, cg, cb, cpool, cslots, cinter = _cpu(q, k, v, g, beta, pool, slots, inter)
     want_pool, want_inter = cpool.clone(), cinter.clone()
     want = gdn.fused_recurrent_gated_delta_rule_update(cq, ck, cv, cg, cb, want_pool, cslots, True, 0.0, disable,
-                                                       want_inter, ssm_scales=None, intermediate_scales=None)
+                                                       want_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
     tol = tol_dtype(dtype)
     assert_close(o.cpu(), want, tol)
     if disable:
@@ -452,7 +452,7 @@ def test_gpu_decode_and_verify_in_cuda_graph():
                                                           1.0, 20.0, ssm_scales=None)
 
     def verify():
-        return ops.fused_recurrent_gated_delta_rule_update(vq, vk, vv, vg, vb, pool, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)
+        return ops.fused_recurrent_gated_delta_rule_update(vq, vk, vv, vg, vb, pool, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
 
     pool0 = pool.clone()
     s = torch.cuda.Stream()

@@ -151,7 +151,7 @@ def mamba2_layer(
         y = _kernels.selective_state_update(  # A = -exp(A_log) in the kernel (A_is_log): no glue kernels
             x.reshape(n, 1, num_heads, head_dim), dt.unsqueeze(1), A_log,
             B.reshape(n, 1, n_groups, state_size), C.reshape(n, 1, n_groups, state_size),
-            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None, True, ssm_scales, intermediate_scales=None,
+            D, None, bias, softplus, lo, hi, ssm_states, md.mamba_cache_indices, False, None, True, ssm_scales, intermediate_scales=None, parent_indices=None,
         )
         return y.reshape(n, num_heads, head_dim)
 

@@ -7,7 +7,8 @@ Layout (fixed by the attention kernel ops, ``hybrid_compile.ops.attention``): pe
 ``k: [num_token_slots, num_kv_heads, head_dim]`` and ``v: [num_token_slots, num_kv_heads,
 v_head_dim]``. Layers with identical shapes and dtype share one stacked tensor
 ``[num_layers_in_group, num_token_slots, ...]``; :meth:`KVPool.k_cache` / :meth:`KVPool.v_cache`
-return contiguous per-layer views of it. Slots are token-level (``slot = page * page_size +
+return per-layer views of it (contiguous, except V of a compressed MLA cache: the
+first ``v_head_dim`` channels of K, :attr:`~.specs.AttentionLayerSpec.v_from_k`). Slots are token-level (``slot = page * page_size +
 offset``) and handed out by the pool's :class:`~.allocator.TokenSlotAllocator`. Slot 0 (in
 the reserved page 0) is the dummy slot: padded tokens of a CUDA-graph batch write their K/V
 there, and no request ever reads it. K/V of allocated slots are not cleared: every position
@@ -72,9 +73,13 @@ class KVPool:
         scale_views: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for spec in self.specs:
             k = torch.zeros((spec.num_layers, self.num_token_slots, *spec.k_shape), dtype=spec.dtype, device=self.device)
-            v = torch.zeros((spec.num_layers, self.num_token_slots, *spec.v_shape), dtype=spec.dtype, device=self.device)
             self.k_buffers.append(k)
-            self.v_buffers.append(v)
+            if spec.v_from_k:  # MLA's compressed cache: V is a view of K's first channels, stored once
+                v = k[..., : spec.v_head_dim]
+            else:
+                v = torch.zeros((spec.num_layers, self.num_token_slots, *spec.v_shape), dtype=spec.dtype,
+                                device=self.device)
+                self.v_buffers.append(v)
             scales = None
             if spec.is_fp8:
                 scales = torch.zeros((2, spec.num_layers, self.num_token_slots, spec.num_kv_heads),

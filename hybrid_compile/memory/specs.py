@@ -66,6 +66,9 @@ class AttentionLayerSpec:
         dtype: KV cache dtype; ``float8_e4m3fn`` adds one fp32 scale per token and head to K and
             to V (``[slots, num_kv_heads]`` each, counted in the bytes per token).
         v_head_dim: V head dim; ``None`` means equal to ``head_dim``.
+        v_from_k: V is the first ``v_head_dim`` channels of K, stored once (multi-head latent
+            attention's compressed cache: per token one latent ``[kv_lora_rank]`` then the shared
+            rope key, read as K whole and as V without the rope part). Float dtypes only.
     """
 
     layer_ids: tuple[int, ...]
@@ -73,6 +76,7 @@ class AttentionLayerSpec:
     head_dim: int
     dtype: torch.dtype
     v_head_dim: int | None = None
+    v_from_k: bool = False
 
     def __post_init__(self) -> None:
         owner = "AttentionLayerSpec"
@@ -81,6 +85,12 @@ class AttentionLayerSpec:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         _check_positive(owner, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, v_head_dim=self.v_head_dim)
         _check_dtype(owner, "dtype", self.dtype)
+        if self.v_from_k and self.v_head_dim > self.head_dim:
+            raise ValueError(f"{owner}: with `v_from_k`, v_head_dim ({self.v_head_dim}) must be <= head_dim "
+                             f"({self.head_dim})")
+        if self.v_from_k and self.is_fp8:
+            raise ValueError(f"{owner}: an FP8 KV cache (kv_cache_dtype='fp8') is not supported for a compressed "
+                             f"MLA cache (`v_from_k`): K and V would need their own scales")
 
     @property
     def num_layers(self) -> int:
@@ -102,7 +112,8 @@ class AttentionLayerSpec:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        values = self.num_kv_heads * (self.head_dim + self.v_head_dim) * _element_size(self.dtype)
+        v_dim = 0 if self.v_from_k else self.v_head_dim
+        values = self.num_kv_heads * (self.head_dim + v_dim) * _element_size(self.dtype)
         return values + (2 * self.num_kv_heads * _SCALE_BYTES if self.is_fp8 else 0)
 
     @property

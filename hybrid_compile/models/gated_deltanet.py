@@ -16,6 +16,8 @@ and full-attention layers stay HF's modules (attention through the registered fu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -130,13 +132,22 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
     k_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim = 2 * k_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return delta_rule_layout(
+        cfg, AttentionLayerSpec(0, cfg.num_key_value_heads, head_dim, kv_dtype),
+        MambaLayerSpec(0, cfg.linear_conv_kernel_dim, conv_dim, state_shape, conv_dtype, ssm_dtype,
+                       ssm_scale_dim=GDN_STATE_SCALE_DIM),
+    )
+
+
+def delta_rule_layout(cfg, attention_spec: AttentionLayerSpec, linear_spec: MambaLayerSpec) -> ModelLayout:
+    """The layout of a model whose ``cfg.layer_types`` are ``full_attention`` / ``linear_attention``
+    (delta-rule layers): one copy of ``attention_spec`` / ``linear_spec`` per layer of that type."""
     attention, mamba = [], []
     for i, kind in enumerate(cfg.layer_types[: cfg.num_hidden_layers]):
         if kind == "full_attention":
-            attention.append(AttentionLayerSpec(i, cfg.num_key_value_heads, head_dim, kv_dtype))
+            attention.append(replace(attention_spec, layer_ids=(i,)))
         elif kind == "linear_attention":
-            mamba.append(MambaLayerSpec(i, cfg.linear_conv_kernel_dim, conv_dim, state_shape, conv_dtype, ssm_dtype,
-                                        ssm_scale_dim=GDN_STATE_SCALE_DIM))
+            mamba.append(replace(linear_spec, layer_ids=(i,)))
         else:
             raise ValueError(f"{cfg.model_type}: unknown layer type {kind!r} at layer {i}")
     return ModelLayout(attention, mamba, cfg.vocab_size, cfg.max_position_embeddings, GDN_CHUNK_SIZE)

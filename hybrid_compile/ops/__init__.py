@@ -9,7 +9,7 @@ references the ops are tested against.
 op                                               module
 ===============================================  ==========================================
 causal_conv1d_fn / causal_conv1d_update          :mod:`.conv1d` (+ track_conv_window)
-gdn_gating / chunk_gated_delta_rule              :mod:`.gdn`
+gdn_gating / chunk_gated_delta_rule              :mod:`.gdn` (g per head, or per channel: KDA)
 fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
 fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`

@@ -1,11 +1,13 @@
-"""Gated DeltaNet (Qwen3-Next linear attention) kernel ops.
+"""Gated DeltaNet (Qwen3-Next linear attention) kernel ops; with a per-channel gate also Kimi Delta
+Attention (Kimi-Linear).
 
 Math (transformers' ``torch_recurrent_gated_delta_rule``), per value head ``h`` with an fp32
 state ``S [K, V]`` and, per token ``t``::
 
     q_t, k_t  <- l2norm(q_t), l2norm(k_t)        (optional; x * rsqrt(sum(x^2) + 1e-6))
     q_t       <- q_t * scale                      (default scale = K ** -0.5)
-    S         <- S * exp(g_t)
+    S         <- S * exp(g_t)                   (g_t per head; or per key channel, Kimi Delta
+                                                  Attention: row k of S by exp(g_t[k]))
     delta     <- (v_t - k_t^T S) * beta_t
     S         <- S + k_t (outer) delta
     o_t       <- q_t^T S
@@ -97,8 +99,8 @@ def _gating(A_log, a, b, dt_bias, softplus_beta: float, softplus_threshold: floa
 
 def _recurrent_step(state, q_t, k_t, v_t, g_t, beta_t):
     """One delta-rule step for a batch of rows. state [N, H, K, V]; q_t/k_t [N, H, K];
-    v_t [N, H, V]; g_t/beta_t [N, H] (all fp32). Returns (o_t [N, H, V], new state)."""
-    state = state * torch.exp(g_t)[..., None, None]
+    v_t [N, H, V]; g_t [N, H] or [N, H, K]; beta_t [N, H] (all fp32). Returns (o_t [N, H, V], new state)."""
+    state = state * (torch.exp(g_t)[..., None, None] if g_t.dim() == 2 else torch.exp(g_t)[..., None])
     kv_mem = torch.einsum("nhk,nhkv->nhv", k_t, state)
     delta = (v_t - kv_mem) * beta_t[..., None]
     state = state + k_t[..., :, None] * delta[..., None, :]
@@ -123,6 +125,13 @@ def _check_pool(op: str, ssm_states: torch.Tensor, hv: int, kd: int, vd: int,
             f"(num_v_heads, head_k_dim, head_v_dim)"
         )
     check_scales(op, ssm_states, ssm_scales, "ssm_scales", GDN_STATE_SCALE_DIM)
+
+
+def _check_gate(op: str, g: torch.Tensor, lead: tuple, hv: int, kd: int) -> None:
+    """``g`` is ``[*lead, Hv]`` (one log-decay per head, Gated DeltaNet) or ``[*lead, Hv, K]``
+    (one per head and key channel, Kimi Delta Attention)."""
+    shape = (*lead, hv) if g.dim() == len(lead) + 1 else (*lead, hv, kd)
+    check_tensor(op, "g", g, dtypes=FLOAT_DTYPES, shape=shape)
 
 
 #: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, head, value column) over K
@@ -196,7 +205,7 @@ def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_in
         raise ValueError(f"{op}: `v` has {v.shape[0]} tokens, `q` has {t}")
     hv, vd = v.shape[1], v.shape[2]
     _check_heads(op, hk, hv)
-    check_tensor(op, "g", g, dtypes=FLOAT_DTYPES, shape=(t, hv))
+    _check_gate(op, g, (t,), hv, kd)
     check_tensor(op, "beta", beta, dtypes=FLOAT_DTYPES, shape=(t, hv))
     _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
     check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
@@ -239,7 +248,9 @@ def chunk_gated_delta_rule(
     Args:
         q, k: ``[T, Hk, K]`` queries / keys, float (may be strided views of one projection).
         v: ``[T, Hv, V]`` values, float; ``Hv`` a multiple of ``Hk``.
-        g: ``[T, Hv]`` log-decay (<= 0), float (normally fp32 from ``gdn_gating``).
+        g: ``[T, Hv]`` log-decay (<= 0), float (normally fp32 from ``gdn_gating``), or ``[T, Hv, K]``
+            one log-decay per key channel (Kimi Delta Attention: row ``k`` of the state decays by
+            ``exp(g[t, h, k])``).
         beta: ``[T, Hv]`` write strength, float.
         ssm_states: ``[num_slots, Hv, K, V]`` fp32/bf16/fp16 state pool. **Mutated**: the final
             state of request ``b`` is written to slot ``state_indices[b]`` (cast to the pool
@@ -306,24 +317,31 @@ def chunk_gated_delta_rule(
     qc = gather(qf).permute(0, 2, 1, 3)  # [N, H, C, K]
     kc = gather(kf).permute(0, 2, 1, 3)
     vc = gather(v.float()).permute(0, 2, 1, 3)  # [N, H, C, V]
-    gc = gather(g.float()).permute(0, 2, 1)  # [N, H, C]; padded tail: g = 0 (no decay)
+    per_channel = g.dim() == 3  # Kimi Delta Attention: one decay per key channel
+    # [N, H, C] (per head) or [N, H, C, K]; padded tail: g = 0 (no decay)
+    gc = gather(g.float()).transpose(1, 2)
     bc = gather(beta.float()).permute(0, 2, 1)  # padded tail: beta = 0 (no write)
 
     # ---- intra-chunk part (all chunks at once) ---------------------------------------------
-    cum = gc.cumsum(-1)  # [N, H, C] log of the decay from the chunk start through position i
+    # cum: log of the decay from the chunk start through position i; the per-head case gets a
+    # trailing key dim of 1 so that both share the formulas below.
+    cum = gc.cumsum(2) if per_channel else gc.cumsum(-1)[..., None]  # [N, H, C, K or 1]
     upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
-    decay_ij = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [N,H,C,C]
     k_beta = kc * bc[..., None]
     v_beta = vc * bc[..., None]
+    if per_channel:
+        ut, attn = _per_channel_products(k_beta, qc, kc, cum, upper)
+    else:
+        decay_ij = (cum[..., :, None, 0] - cum[..., None, :, 0]).masked_fill(upper, float("-inf")).exp()  # [N,H,C,C]
+        ut = (k_beta @ kc.transpose(-1, -2)) * decay_ij
+        attn = (qc @ kc.transpose(-1, -2)) * decay_ij  # [N,H,C,C], lower incl. diagonal
     # (I + strictly_lower(beta_i k_i.k_j decay_ij)) is unit lower triangular.
-    ut = (k_beta @ kc.transpose(-1, -2)) * decay_ij
     u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)  # [N,H,C,V]
-    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    attn = (qc @ kc.transpose(-1, -2)) * decay_ij  # [N,H,C,C], lower incl. diagonal
-    q_dec = qc * cum.exp()[..., None]
-    last = cum[..., -1]  # [N, H]; the padded tail adds nothing, so this is the chunk's total
-    k_dec = kc * (last[..., None] - cum).exp()[..., None]
-    chunk_decay = last.exp()[..., None, None]  # [N, H, 1, 1]
+    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp(), upper=False, unitriangular=True)
+    q_dec = qc * cum.exp()
+    last = cum[..., -1:, :]  # [N, H, 1, K or 1]; the padded tail adds nothing: the chunk's total
+    k_dec = kc * (last - cum).exp()
+    chunk_decay = last.transpose(-1, -2).exp()  # [N, H, K or 1, 1]: rows of the state
 
     # ---- inter-chunk scan: loop over chunk position, batched over requests ------------------
     act_t = torch.tensor(act, dtype=torch.int64, device=dev)
@@ -380,6 +398,27 @@ def _(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state
     o = v.new_empty((T, hv, vd))
     chunk_states = v.new_empty((n_rows, hv, kd, vd), dtype=torch.float32)
     return o, chunk_states
+
+
+def _per_channel_products(k_beta, qc, kc, cum, upper, max_elements=1 << 24):
+    """``(ut, attn)`` ``[N, H, C, C]`` of the chunked scan with a per-channel decay:
+    ``sum_k k_beta_ik k_jk exp(cum_ik - cum_jk)`` and the same with ``q``, for ``j <= i`` (0 above).
+
+    The decay differs per key channel, so it sits inside the sum over K: a ``[n, H, C, C, K]``
+    tensor, formed as differences (``exp(cum_i - cum_j) <= 1``; ``exp(cum_i) * exp(-cum_j)`` would
+    overflow) for a slice of ``n`` chunks at a time (at most ``max_elements`` values)."""
+    N, H, C, K = kc.shape
+    ut = kc.new_empty(N, H, C, C)
+    attn = kc.new_empty(N, H, C, C)
+    step = max(1, max_elements // max(1, H * C * C * K))
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        c = cum[a:b]
+        decay = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+        kd = kc[a:b, :, None, :, :] * decay  # [n, H, C(i), C(j), K]
+        ut[a:b] = (k_beta[a:b, :, :, None, :] * kd).sum(-1)
+        attn[a:b] = (qc[a:b, :, :, None, :] * kd).sum(-1)
+    return ut, attn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,7 +550,7 @@ def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_stat
         raise ValueError(f"{op}: `v` has shape {tuple(v.shape)}, expected [{bs}, {steps}, Hv, V] like `q`")
     hv, vd = v.shape[2], v.shape[3]
     _check_heads(op, hk, hv)
-    check_tensor(op, "g", g, dtypes=FLOAT_DTYPES, shape=(bs, steps, hv))
+    _check_gate(op, g, (bs, steps), hv, kd)
     check_tensor(op, "beta", beta, dtypes=FLOAT_DTYPES, shape=(bs, steps, hv))
     _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(bs,))
@@ -563,7 +602,9 @@ def fused_recurrent_gated_delta_rule_update(
     Args:
         q, k: ``[B, L, Hk, K]`` float.
         v: ``[B, L, Hv, V]`` float.
-        g, beta: ``[B, L, Hv]`` float (from ``gdn_gating``).
+        g: ``[B, L, Hv]`` float (from ``gdn_gating``) or ``[B, L, Hv, K]`` (per key channel, as in
+            ``chunk_gated_delta_rule``).
+        beta: ``[B, L, Hv]`` float.
         ssm_states: ``[num_slots, Hv, K, V]`` fp32/bf16/fp16 pool; slot ``state_indices[b]`` is
             the starting state. **Mutated** (final state written back) unless
             ``disable_state_update``.

@@ -176,16 +176,25 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
         CheckResult("fused_sigmoid_gating_delta_rule_update", _err((o, ro), (p, rp)), TOLERANCE[dtype], ms, ref_ms)
     )
 
-    L = 4
-    qv, kv_ = (_rand(gen, B, L, Hk, K, dtype=dtype, device=device) for _ in range(2))
-    vv = _rand(gen, B, L, Hv, V, dtype=dtype, device=device)
-    gv = -torch.rand(B, L, Hv, generator=gen).to(device)
-    bv = torch.rand(B, L, Hv, generator=gen).to(device)
-    inter = torch.zeros(B, L, Hv, K, V, device=device)
+    results.append(_check_verify("fused_recurrent_gated_delta_rule_update", device, dtype, gen, reps, bt, pool, Hk, ()))
+    return results
+
+
+def _check_verify(name, device, dtype, gen, reps, bt, pool, hk, gate_tail) -> CheckResult:
+    """``fused_recurrent_gated_delta_rule_update`` over 4 steps; ``gate_tail`` ``()`` for a per-head
+    gate, ``(K,)`` for a per-channel one."""
+    B, L = bt.B, 4
+    hv, K, V = pool.shape[1:]
+    cpu = lambda t: t.cpu()  # noqa: E731
+    qv, kv_ = (_rand(gen, B, L, hk, K, dtype=dtype, device=device) for _ in range(2))
+    vv = _rand(gen, B, L, hv, V, dtype=dtype, device=device)
+    gv = -torch.rand(B, L, hv, *gate_tail, generator=gen).to(device)
+    bv = torch.rand(B, L, hv, generator=gen).to(device)
+    inter = torch.zeros(B, L, hv, K, V, device=device)
 
     def run_verify():
         p, it = pool.clone(), inter.clone()
-        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it, ssm_scales=None, intermediate_scales=None), p, it
+        return ops.fused_recurrent_gated_delta_rule_update(qv, kv_, vv, gv, bv, p, bt.slots, True, 0.0, True, it, ssm_scales=None, intermediate_scales=None, parent_indices=None), p, it
 
     (o, p, it), ms = _timed(run_verify, reps)
     (ro, rp, rit), ref_ms = _timed(
@@ -193,10 +202,7 @@ def check_gdn(device, dtype, gen, reps) -> list[CheckResult]:
             *map(cpu, (qv, kv_, vv, gv, bv, pool, bt.slots)), True, 0.0, True, cpu(inter)
         )
     )
-    results.append(
-        CheckResult("fused_recurrent_gated_delta_rule_update", _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms)
-    )
-    return results
+    return CheckResult(name, _err((o, ro), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms)
 
 
 def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
@@ -235,7 +241,7 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_update():
         p, it = pool.clone(), inter.clone()
-        y = ops.selective_state_update(xs, dts, A, Bs, Cs, D, None, dt_bias, True, 0.0, inf, p, bt.slots, False, it, A_is_log=False, ssm_scales=None, intermediate_scales=None)
+        y = ops.selective_state_update(xs, dts, A, Bs, Cs, D, None, dt_bias, True, 0.0, inf, p, bt.slots, False, it, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None)
         return y, p, it
 
     (y, p, it), ms = _timed(run_update, reps)
@@ -245,6 +251,32 @@ def check_mamba2(device, dtype, gen, reps) -> list[CheckResult]:
         )
     )
     results.append(CheckResult("selective_state_update", _err((y, ry), (p, rp), (it, rit)), TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
+def check_kda(device, dtype, gen, reps) -> list[CheckResult]:
+    """Kimi Delta Attention: the delta-rule ops with a per-channel gate ``g [..., H, K]``."""
+    H, K, V, S = 4, 32, 32, 8
+    bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
+    q, k = (_rand(gen, bt.T, H, K, dtype=dtype, device=device) for _ in range(2))
+    v = _rand(gen, bt.T, H, V, dtype=dtype, device=device)
+    g = (-torch.rand(bt.T, H, K, generator=gen)).to(device)
+    beta = torch.rand(bt.T, H, generator=gen).to(device)
+    pool = _rand(gen, S, H, K, V, device=device, scale=0.1)
+    cpu = lambda t: t.cpu()  # noqa: E731
+
+    def run_chunk():
+        p = pool.clone()
+        o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, p, bt.cu, bt.slots, bt.has_init, True, 0.0, True, ssm_scales=None)
+        return o, cs, p
+
+    (o, cs, p), ms = _timed(run_chunk, reps)
+    (ro, rp, rcs), ref_ms = _timed(lambda: ref_gdn.chunk_gated_delta_rule_ref(
+        *map(cpu, (q, k, v, g, beta, pool, bt.cu, bt.slots, bt.has_init)), True, 0.0, True))
+    results = [CheckResult("chunk_gated_delta_rule (per-channel g)", _err((o, ro), (p, rp), (cs, rcs)),
+                           TOLERANCE[dtype], ms, ref_ms)]
+    results.append(_check_verify("fused_recurrent_gated_delta_rule_update (per-channel g)", device, dtype, gen, reps,
+                                 bt, pool, H, (K,)))
     return results
 
 
@@ -279,6 +311,29 @@ def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
         lambda: ref_attn.paged_attention_decode_ref(*map(cpu, (qd, k_cache, v_cache, kv_indptr, kv_indices)), scale)
     )
     results.append(CheckResult("paged_attention_decode", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+
+    # multi-head latent attention, absorbed: one KV head [latent 512, rope key 64], V = the latent (a view);
+    # fewer new tokens (the per-query reference is slow at this head dim)
+    new = [9, 1, 5, 1]
+    kv_lens = [p + n for p, n in zip(prefix, new)]
+    kv_indices = perm[: sum(kv_lens)].to(device)
+    kv_indptr = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    qo_indptr = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    mla = _rand(gen, NS, 1, 576, dtype=dtype, device=device)
+    qm = _rand(gen, sum(new), 16, 576, dtype=dtype, device=device)
+    (o, lse), ms = _timed(lambda: ops.paged_attention_extend(qm, mla, mla[..., :512], qo_indptr, kv_indptr, kv_indices,
+                                                             192 ** -0.5, True, -1, 0.0), reps)
+    (ro, rlse), ref_ms = _timed(lambda: ref_attn.paged_attention_extend_ref(
+        cpu(qm), cpu(mla), cpu(mla)[..., :512], *map(cpu, (qo_indptr, kv_indptr, kv_indices)), 192 ** -0.5))
+    results.append(CheckResult("paged_attention_extend (MLA 512+64)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms,
+                               ref_ms))
+    qmd = qm[: len(new)]
+    (o, lse), ms = _timed(lambda: ops.paged_attention_decode(qmd, mla, mla[..., :512], kv_indptr, kv_indices,
+                                                             192 ** -0.5, -1, 0.0), reps)
+    (ro, rlse), ref_ms = _timed(lambda: ref_attn.paged_attention_decode_ref(
+        cpu(qmd), cpu(mla), cpu(mla)[..., :512], *map(cpu, (kv_indptr, kv_indices)), 192 ** -0.5))
+    results.append(CheckResult("paged_attention_decode (MLA 512+64)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms,
+                               ref_ms))
     return results
 
 
@@ -400,7 +455,7 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
     return results
 
 
-CHECKS = (check_conv1d, check_gdn, check_mamba2, check_attention, check_linear, check_trees)
+CHECKS = (check_conv1d, check_gdn, check_kda, check_mamba2, check_attention, check_linear, check_trees)
 
 
 def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:
@@ -412,10 +467,10 @@ def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed:
 
 
 def format_results(results: list[CheckResult]) -> str:
-    lines = [f"{'op':48s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
+    lines = [f"{'op':56s} {'max err':>10s} {'tol':>8s} {'op ms':>9s} {'ref ms':>9s}  status"]
     for r in results:
         lines.append(
-            f"{r.op:48s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
+            f"{r.op:56s} {r.max_error:10.2e} {r.tolerance:8.0e} {r.op_ms:9.2f} {r.reference_ms:9.1f}  "
             f"{'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(lines)

@@ -5,6 +5,10 @@ request and one token at a time, in fp32. Per value head ``h`` (q/k head ``h // 
 
     S = S * exp(g_t);  delta = (v_t - k_t^T S) * beta_t;  S = S + k_t delta^T;  o_t = q_t^T S
 
+``g_t`` is one log-decay per head (Gated DeltaNet) or one per head and key channel (Kimi Delta
+Attention, transformers' ``recurrent_kimi_delta_attention``: row ``k`` of ``S [K, V]`` decays by
+``exp(g_t[k])``).
+
 Functions take the op's arguments and return new tensors (pools are cloned, never mutated).
 """
 
@@ -35,7 +39,8 @@ def _qk_token(x, num_v_heads, use_qk_l2norm):
 
 
 def delta_rule_ref(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
-    """One request. q, k [L, Hk, K]; v [L, Hv, V]; g, beta [L, Hv]; initial_state [Hv, K, V] or None.
+    """One request. q, k [L, Hk, K]; v [L, Hv, V]; g [L, Hv] or [L, Hv, K]; beta [L, Hv];
+    initial_state [Hv, K, V] or None.
 
     Returns (o [L, Hv, V] fp32, states [L + 1, Hv, K, V] fp32) with states[t] the state after t tokens.
     """
@@ -51,7 +56,10 @@ def delta_rule_ref(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
         v_t = v[t].float()
         o_t = torch.empty(hv, vd)
         for h in range(hv):
-            S[h] = S[h] * math.exp(float(g[t, h]))
+            if g.dim() == 2:
+                S[h] = S[h] * math.exp(float(g[t, h]))
+            else:
+                S[h] = S[h] * torch.exp(g[t, h].float())[:, None]  # per key channel (row of S)
             kv_mem = k_t[h] @ S[h]
             delta = (v_t[h] - kv_mem) * float(beta[t, h])
             S[h] = S[h] + torch.outer(k_t[h], delta)

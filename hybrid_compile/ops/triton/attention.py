@@ -34,7 +34,9 @@ Kernels
 
 Dtypes: ``q . k`` runs on tensor cores in bf16/fp16 when ``q`` and ``k_cache`` share that dtype,
 otherwise in exact fp32 (``input_precision="ieee"``); ``p @ v`` uses ``v_cache``'s dtype (fp32 ->
-ieee). Head dims up to 256, any size (padded to a power of two >= 16 with masks).
+ieee). Head dims up to 256, any size (padded to a power of two >= 16 with masks); above 256, a q/k
+head dim split in a power of two up to 512 plus up to 256 (two dots, ``HEAD_DPE``: multi-head latent
+attention's 512 latent + 64 rope channels) with a v head dim up to 512.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from .launch import pdl_launch, pdl_wait_and_release
 _LOG2E = 1.4426950408889634
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 256
+# multi-head latent attention (MLA, absorbed form): K = [latent, rope key], V = the latent, e.g.
+# DeepSeek's / Kimi-Linear's 512 + 64 and 512; the head dim is split into two power-of-two parts
+_MAX_SPLIT_HEAD_DIM = (512, 256)  # (first part, second part)
+_MAX_SPLIT_HEAD_DV = 512
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -71,10 +77,25 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def _check_head_dims(op: str, *dims: int) -> None:
-    for d in dims:
-        if d > _MAX_HEAD_DIM:
-            raise ValueError(f"{op}: Triton kernel supports head dims up to {_MAX_HEAD_DIM}, got {d}")
+def _split_head_dim(op: str, d: int, dv: int) -> tuple[int, int]:
+    """(first part, second part) of the q/k head dim: ``(d, 0)`` up to 256 (one block, padded to a
+    power of two); above, the largest power of two below ``d`` and the rest (MLA: 576 = 512 + 64),
+    each its own dot. Raises a ValueError naming the head dims the kernels cannot take."""
+    if d <= _MAX_HEAD_DIM and dv <= _MAX_HEAD_DIM:
+        return d, 0
+    main = 1 << (d.bit_length() - 1) if d > _MAX_HEAD_DIM else d
+    rest = d - main
+    if main > _MAX_SPLIT_HEAD_DIM[0] or rest > _MAX_SPLIT_HEAD_DIM[1] or dv > _MAX_SPLIT_HEAD_DV:
+        raise ValueError(
+            f"{op}: Triton kernel supports head dims up to {_MAX_HEAD_DIM}, or above it q/k head dims of a "
+            f"power of two up to {_MAX_SPLIT_HEAD_DIM[0]} plus up to {_MAX_SPLIT_HEAD_DIM[1]} (MLA's latent + rope "
+            f"key) with a v head dim up to {_MAX_SPLIT_HEAD_DV}; got q/k {d}, v {dv}"
+        )
+    return main, rest
+
+
+def _head_dim_args(d_main: int, d_pe: int) -> dict:
+    return dict(HEAD_D=d_main, BLOCK_D=_pow2(d_main), HEAD_DPE=d_pe, BLOCK_DPE=_pow2(d_pe) if d_pe else 16)
 
 
 def _softmax_params(scale: float, logit_softcap: float) -> tuple[float, float, bool]:
@@ -191,12 +212,15 @@ def _attend_block(
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, WINDOW_MASK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr,
     tree_bits, tree_base, TREE_MASK: tl.constexpr,
+    q_pe=None, offs_pe=None, pe_mask=None, PE_OFF: tl.constexpr = 0, HAS_PE: tl.constexpr = False,
 ):
     """One BLOCK_N step of the online softmax: keys at positions n0 + [0, BLOCK_N) below n_hi.
 
     KV_FP8: K/V are e4m3 with one fp32 scale per token and head (``KS_HEAD`` / ``VS_HEAD``). The
     e4m3 values convert exactly to q's dtype, so the dots stay on q's dtype; the K scale multiplies
-    the logits' columns and the V scale the probabilities' columns (both per key token)."""
+    the logits' columns and the V scale the probabilities' columns (both per key token).
+    HAS_PE: the head dim is split in two power-of-two parts (MLA's latent + rope key, 512 + 64):
+    ``q`` holds the first ``PE_OFF`` channels, ``q_pe`` the rest, and q.k is the sum of two dots."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     slots = tl.load(KVI_REQ + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -205,6 +229,13 @@ def _attend_block(
         s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
     else:
         s = tl.dot(q, kt.to(q.dtype))
+    if HAS_PE:
+        kpe = tl.load(K_HEAD + slots[None, :] * stride_kn + PE_OFF + offs_pe[:, None],
+                      mask=pe_mask[:, None] & n_mask[None, :], other=0.0)
+        if QK_F32:
+            s += tl.dot(q_pe, kpe.to(tl.float32), input_precision="ieee")
+        else:
+            s += tl.dot(q_pe, kpe.to(q_pe.dtype))
     if KV_FP8:
         s = s * tl.load(KS_HEAD + slots * stride_ksn, mask=n_mask, other=0.0)[None, :]
     s = s * qk_mult
@@ -255,6 +286,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr = False, USE_TREE: tl.constexpr = False,
+    HEAD_DPE: tl.constexpr = 0, BLOCK_DPE: tl.constexpr = 16,
 ):
     """USE_TREE: ``TREE`` ``[T]`` int64 ancestor bits per query (a speculative draft tree): the
     request's new tokens are masked by them; the unmasked interior stops at the cached prefix."""
@@ -324,6 +356,15 @@ def _extend_kernel(
         q = q.to(tl.float32)
     elif not KV_FP8:  # (an FP8 cache's values convert to q's dtype instead)
         q = q.to(K.dtype.element_ty)
+    offs_pe = tl.arange(0, BLOCK_DPE)
+    pe_mask = offs_pe < HEAD_DPE
+    q_pe = q
+    if HEAD_DPE > 0:  # the second part of a split head dim (MLA's rope key)
+        q_pe = tl.load(
+            Q + q_rows[:, None] * stride_qt + h * stride_qh + HEAD_D + offs_pe[None, :],
+            mask=q_mask[:, None] & pe_mask[None, :],
+            other=0.0,
+        ).to(q.dtype)
 
     kvh = h // GROUP
     K_HEAD = K + kvh * stride_kh
@@ -344,18 +385,21 @@ def _extend_kernel(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, full_lo, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
             BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, False,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
         )
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, full_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
             BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, False,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
         )
     for n0 in range(full_hi, k_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, k_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
             BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, USE_TREE,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
         )
 
     seen = (l_i > 0.0) & q_mask
@@ -379,6 +423,8 @@ def _extend_config(q: torch.Tensor, d: int, dv: int) -> dict:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=1)
     if max(d, dv) <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)
+    if max(d, dv) > _MAX_HEAD_DIM:  # MLA (512 + 64, v 512): a [BLOCK_M, 512] fp32 accumulator; not benchmarked
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
     # head dim 256 (Qwen3-Next): an H100 sweep of the last 8k chunk of a 32k prompt gave 9.9 ms
     # for this tile against 29.5 ms for 64 x 64 / 1 stage (387 vs 131 TFLOP/s)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -424,7 +470,7 @@ def paged_attention_extend_triton(
     """Triton ``paged_attention_extend``: same arguments and results as the op. No host sync."""
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    _check_head_dims("paged_attention_extend", d, dv)
+    d_main, d_pe = _split_head_dim("paged_attention_extend", d, dv)
     num_reqs = qo_indptr.shape[0] - 1
     if t == 0 or num_reqs == 0:
         o = torch.zeros(t, hq, dv, dtype=q.dtype, device=q.device)
@@ -448,7 +494,7 @@ def paged_attention_extend_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), *s_strides,
         qk_mult, cap_mult, sliding_window if use_window else 0,
-        GROUP=hq // hkv, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+        GROUP=hq // hkv, HEAD_DV=dv, BLOCK_DV=_pow2(dv), **_head_dim_args(d_main, d_pe),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32,
         KV_FP8=kv_fp8, USE_TREE=tree_mask is not None, **cfg,
@@ -476,6 +522,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    HEAD_DPE: tl.constexpr = 0, BLOCK_DPE: tl.constexpr = 16,
 ):
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     b = tl.program_id(0).to(tl.int64)
@@ -512,6 +559,15 @@ def _decode_kernel(
         q = q.to(tl.float32)
     elif not KV_FP8:
         q = q.to(K.dtype.element_ty)
+    offs_pe = tl.arange(0, BLOCK_DPE)
+    pe_mask = offs_pe < HEAD_DPE
+    q_pe = q
+    if HEAD_DPE > 0:  # the second part of a split head dim (MLA's rope key)
+        q_pe = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + HEAD_D + offs_pe[None, :],
+            mask=g_mask[:, None] & pe_mask[None, :],
+            other=0.0,
+        ).to(q.dtype)
     K_HEAD = K + kvh * stride_kh
     V_HEAD = V + kvh * stride_vh
     KS_HEAD = KS + kvh * stride_ksh
@@ -525,6 +581,7 @@ def _decode_kernel(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, s_hi, m_i, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
             BLOCK_N, False, False, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, m_i, 0, False,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
         )
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -576,7 +633,7 @@ _MAX_DECODE_SPLITS = 16
 
 def _decode_config(q: torch.Tensor, d: int, dv: int, group: int) -> dict:
     # sizes checked for register spills on sm_90 (ptxas resource usage), not yet benchmarked
-    block_g = min(_pow2(group), 64 if max(d, dv) <= 128 else 32)
+    block_g = min(_pow2(group), 64 if max(d, dv) <= 128 else (32 if max(d, dv) <= _MAX_HEAD_DIM else 16))
     if _interpreting(q):
         return dict(BLOCK_G=block_g, BLOCK_N=16, num_warps=4, num_stages=1)
     block_n = 64 if max(d, dv) <= 64 and block_g <= 16 else 32
@@ -608,7 +665,7 @@ def paged_attention_decode_triton(
     """Triton ``paged_attention_decode`` (split-KV). CUDA-graph safe: no host sync, shape-only grid."""
     bsz, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    _check_head_dims("paged_attention_decode", d, dv)
+    d_main, d_pe = _split_head_dim("paged_attention_decode", d, dv)
     o = torch.empty(bsz, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
     if bsz == 0:
@@ -637,7 +694,7 @@ def paged_attention_decode_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o_part.stride(0), o_part.stride(1), so, lse_part.stride(0), lse_part.stride(1), sl, *s_strides,
         qk_mult, cap_mult, sliding_window if use_window else 0, num_splits,
-        GROUP=group, BLOCK_G=block_g, HEAD_D=d, HEAD_DV=dv, BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv),
+        GROUP=group, BLOCK_G=block_g, HEAD_DV=dv, BLOCK_DV=_pow2(dv), **_head_dim_args(d_main, d_pe),
         BLOCK_N=block_n, MIN_SPLIT_LEN=max(2 * block_n, 64),
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, QK_F32=qk_f32, PV_F32=pv_f32, KV_FP8=kv_fp8,
         **cfg,

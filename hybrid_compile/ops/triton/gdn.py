@@ -19,8 +19,10 @@ Kernels:
   in-kernel, stores the per-step state into ``intermediate_states[b, t]`` when given, and
   writes the final state back in place unless ``disable_state_update``. CUDA-graph safe: the
   grid and the one allocation (``o``) depend on shapes only, no host sync, padding rows are
-  handled inside the kernel.
-- ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk`.
+  handled inside the kernel. With a per-channel gate ``g [..., Hv, K]`` (Kimi Delta Attention)
+  each state row ``k`` decays by its own ``exp(g_k)``.
+- ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk` for per-head gates; for a
+  per-channel gate ``g [T, Hv, K]`` the kernel of :mod:`.kda_chunk`.
 
 Import this module to register the kernels (``torch.library.register_kernel(..., "cuda")``);
 the launchers also run on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests use them).
@@ -38,6 +40,7 @@ from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
 from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
+from .kda_chunk import kda_chunk_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = [
@@ -54,7 +57,7 @@ def _gdn_recurrent_kernel(
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
     s_vb, s_vl, s_vh, s_vd,
-    s_gb, s_gl, s_gh,
+    s_gb, s_gl, s_gh, s_gk,
     s_bb, s_bl, s_bh,
     s_ob, s_ol, s_oh,
     s_ps, s_ph, s_pk, s_pv,
@@ -63,14 +66,16 @@ def _gdn_recurrent_kernel(
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
     POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False, PER_K_GATE: tl.constexpr = False,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
     TREE: a draft tree (``parents`` ``[B, L]``, float buffers): step ``t`` starts from the state
     stored after its parent (the row of ``inter`` this program wrote, element for element), or
     from the slot's state for parent -1.
     POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
-    (over K, which this program holds whole): dequantized on load, quantized on store."""
+    (over K, which this program holds whole): dequantized on load, quantized on store.
+    PER_K_GATE: ``g`` holds one log-decay per key channel (Kimi Delta Attention), row ``k`` of the
+    state decays by ``exp(g[..., k])``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -123,6 +128,9 @@ def _gdn_recurrent_kernel(
                           tl.log(1.0 + tl.exp(tl.minimum(bx, softplus_threshold))) / softplus_beta)
             b_g = neg_a * sp
             b_beta = tl.sigmoid(tl.load(p_beta + t * s_bl).to(tl.float32))
+        elif PER_K_GATE:
+            b_g = tl.load(p_g + t * s_gl + o_k * s_gk, mask=mk, other=0.0).to(tl.float32)
+            b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
         else:
             b_g = tl.load(p_g + t * s_gl).to(tl.float32)
             b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
@@ -130,7 +138,10 @@ def _gdn_recurrent_kernel(
             b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
             b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
         b_q = b_q * scale
-        S = S * tl.exp(b_g)
+        if PER_K_GATE:
+            S = S * tl.exp(b_g)[:, None]
+        else:
+            S = S * tl.exp(b_g)
         delta = (b_v - tl.sum(S * b_k[:, None], 0)) * b_beta
         S = S + b_k[:, None] * delta[None, :]
         b_o = tl.sum(S * b_q[:, None], 0)
@@ -175,9 +186,12 @@ def _check_k(op: str, kd: int) -> None:
 def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, inter, use_qk_l2norm, scale,
                       softplus_beta, softplus_threshold, gating, update_state, ssm_scales=None, inter_scales=None,
                       parents=None):
-    """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv]; o [B, L, Hv, V]."""
+    """q, k [B, L, Hk, K]; v [B, L, Hv, V]; g/beta (or a/b) [B, L, Hv] (g also [B, L, Hv, K]);
+    o [B, L, Hv, V]."""
     bs, steps, hk, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
+    per_k = g.dim() == 4
+    g_strides = g.stride() if per_k else (*g.stride(), 0)
     bk, bv, num_warps = _recurrent_config(bs * hv, kd, vd)
     has_inter = inter is not None
     it = inter if has_inter else ssm_states  # dummy pointer when absent (never touched)
@@ -192,13 +206,14 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
         parents if parents is not None else state_indices,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride()[:3],
+        *q.stride(), *k.stride(), *v.stride(), *g_strides, *beta.stride(), *o.stride()[:3],
         *ssm_states.stride(), *i_strides, *ps_strides, *is_strides,
         *(parents.stride() if parents is not None else (0, 0)),
         R=hv // hk, K=kd, V=vd, BK=bk, BV=bv,
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parents is not None,
+        PER_K_GATE=per_k,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )
@@ -271,14 +286,16 @@ def fused_recurrent_gated_delta_rule_update_triton(
 
 def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
                                      use_qk_l2norm, scale, output_chunk_states, ssm_scales=None):
-    """The chunked Triton pipeline on a float pool, or on an FP8 pool through an fp32 staging buffer
-    of the batch's states (:func:`.fp8_cache.stage_states`)."""
+    """The chunked Triton kernels on a float pool, or on an FP8 pool through an fp32 staging buffer
+    of the batch's states (:func:`.fp8_cache.stage_states`): the per-head pipeline of
+    :mod:`.gdn_chunk`, or for a per-channel gate ``g [T, Hv, K]`` (Kimi Delta Attention) the
+    kernel of :mod:`.kda_chunk`."""
+    chunk = kda_chunk_triton if g.dim() == 3 else chunk_gated_delta_rule_triton
     if ssm_scales is None:
-        return chunk_gated_delta_rule_triton(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices,
-                                             has_initial_state, use_qk_l2norm, scale, output_chunk_states)
+        return chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm, scale,
+                     output_chunk_states)
     buf, rows = stage_states(ssm_states, ssm_scales, state_indices, GDN_STATE_SCALE_DIM)
-    out = chunk_gated_delta_rule_triton(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm,
-                                        scale, output_chunk_states)
+    out = chunk(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm, scale, output_chunk_states)
     written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
     unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, GDN_STATE_SCALE_DIM)
     return out

@@ -1,0 +1,132 @@
+"""Kimi-Linear (``kimi_linear``, Kimi-Linear-48B-A3B): Kimi Delta Attention layers + multi-head
+latent attention (MLA) layers + DeepSeek-V3-style MoE.
+
+- ``KimiLinearDeltaAttention``: HF's q/k/v projections, forget gate (``g = -exp(A_log) *
+  softplus(f_b(f_a(x)) + dt_bias)``, one log-decay per head and key channel), ``beta =
+  sigmoid(b_proj)``, output gate and gated norm stay HF's modules; the short convs + delta rule
+  run through the ``kda_layer`` op (the Gated DeltaNet kernel ops with ``g [N, H, K]``).
+- ``KimiLinearAttention`` (MLA without RoPE: transformers applies no rotary embedding in this
+  family; the ``qk_rope_head_dim`` part of the key is shared by all heads): the KV pool keeps the
+  *compressed* cache, one vector per token ``[kv_a_layernorm(latent) (kv_lora_rank), k_rot
+  (qk_rope_head_dim)]`` (an :class:`~..memory.AttentionLayerSpec` with one KV head and ``v_from_k``:
+  V is the latent, a view of K's first channels). The up-projection is **absorbed into the
+  query** (DeepSeek's decode form): with ``kv_b_proj.weight = [W_uk; W_uv]`` per head,
+  ``q_nope . (W_uk c) = (W_uk^T q_nope) . c``, so each head attends over the latents with
+  ``q' = [W_uk^T q_nope, q_rope]`` (one shared KV head, multi-query attention through the
+  ordinary ``attention_layer`` op), and its output ``sum p c`` is projected by ``W_uv`` before
+  ``o_proj``. Nothing per head is ever cached or re-expanded over the context, at prefill as at
+  decode. The head dim of that attention is ``kv_lora_rank + qk_rope_head_dim`` (576 = 512 + 64
+  in the 48B checkpoint): the Triton attention kernels compute q.k above 256 as two dots (a
+  power-of-two part and the rest) with a v head dim up to 512.
+
+MoE blocks, MLPs, norms and the LM head stay HF's modules. Needs transformers' ``kimi_linear``
+(transformers >= 5.17 has it); the module's 5.17 (``past_key_values`` / ``cache_params``) and
+5.24 (``cache``) keyword names both pass through to HF's forward outside an engine step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import gdn as _gdn_layer  # noqa: F401  (registers kda_layer)
+from ..layers.context import get_forward_context
+from ..memory import AttentionLayerSpec, MambaLayerSpec
+from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
+from .base import ModelLayout, PatchHandle, install_attention, patch_forward
+from .gated_deltanet import delta_rule_layout
+
+MODEL_TYPES = ("kimi_linear",)
+
+
+def _is_kda(module: nn.Module) -> bool:
+    return type(module).__name__ == "KimiLinearDeltaAttention"
+
+
+def _is_mla(module: nn.Module) -> bool:
+    return type(module).__name__ == "KimiLinearAttention"
+
+
+def kda_forward(self, hidden_states, *args, **kwargs):
+    """Patched ``KimiLinearDeltaAttention.forward``: HF's code outside an engine step, the layer op inside."""
+    if get_forward_context() is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    hidden = hidden_states[0]
+    n, h, d = hidden.shape[0], self.num_heads, self.head_dim
+    mixed_qkv = torch.cat((self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)), dim=-1)
+    g = self.forget_gate(hidden_states)[0]  # [N, H, K] fp32, HF's module
+    beta = torch.sigmoid(self.b_proj(hidden))
+    core = torch.ops.hybrid_compile.kda_layer(
+        mixed_qkv, g, beta, self.conv1d.weight.squeeze(1), self.conv1d.bias, int(self.layer_idx), h, d,
+        self.activation,
+    )
+    gate = self.g_b_proj(self.g_a_proj(hidden)).view(n, h, d)
+    return self.o_proj(self.o_norm(core, gate).reshape(1, n, h * d))
+
+
+def _absorbed_weights(self):
+    """(W_uk ``[H, nope, R]``, W_uv ``[H, V, R]``): views of ``kv_b_proj.weight``."""
+    if self.kv_b_proj.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise NotImplementedError(
+            f"kimi_linear layer {self.layer_idx}: the absorbed MLA multiplies by kv_b_proj's weight, which is "
+            f"{self.kv_b_proj.weight.dtype}; only float32 / bfloat16 / float16 kv_b_proj weights are supported "
+            "(keep kv_b_proj in high precision when quantizing)"
+        )
+    w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+    return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+
+def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+    """Patched ``KimiLinearAttention.forward``: HF's code outside an engine step; inside, the
+    compressed latent + rope key go to the KV pool and attention runs in the absorbed form."""
+    if get_forward_context() is None:
+        return type(self).forward(self, hidden_states, attention_mask, *args, **kwargs)
+    hidden = hidden_states[0]
+    n, heads, rank = hidden.shape[0], self.num_heads, self.kv_lora_rank
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+    q_nope, q_rope = q.view(n, heads, self.qk_head_dim).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+    latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([rank, self.qk_rope_head_dim], -1)
+    latent = self.kv_a_layernorm(latent)
+    w_uk, w_uv = _absorbed_weights(self)
+    q_cat = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, R + rope]
+    kv = torch.cat((latent, k_rot), dim=-1).unsqueeze(1)  # [N, 1, R + rope]: the compressed cache row
+    out = torch.ops.hybrid_compile.attention_layer(q_cat, kv, kv[..., :rank], int(self.layer_idx),
+                                                   float(self.scaling), -1, 0.0)  # [N, H, R]
+    o = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(1, n, heads * self.v_head_dim)
+    return self.o_proj(o), None
+
+
+def _require_transformers_classes(model: nn.Module) -> list[nn.Module]:
+    """The model's ``KimiLinearDeltaAttention`` modules, or a clear error for another implementation."""
+    kda = [m for m in model.modules() if _is_kda(m)]
+    if not kda:
+        raise ValueError(
+            f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch (hybrid_compile patches "
+            "transformers' own kimi_linear classes, transformers >= 5.17, not a checkpoint's trust_remote_code model)"
+        )
+    return kda
+
+
+def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
+    _require_transformers_classes(model)
+    cfg = model.config
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return delta_rule_layout(
+        cfg, AttentionLayerSpec(0, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kv_dtype, v_head_dim=cfg.kv_lora_rank,
+                                v_from_k=True),
+        MambaLayerSpec(0, cfg.linear_conv_kernel_dim, 3 * h * d, (h, d, d), conv_dtype, ssm_dtype,
+                       ssm_scale_dim=GDN_STATE_SCALE_DIM),
+    )
+
+
+def patch(model: nn.Module, handle: PatchHandle) -> None:
+    install_attention(model, handle)
+    kda = _require_transformers_classes(model)
+    mla = [m for m in model.modules() if _is_mla(m)]
+    for module in kda:
+        patch_forward(module, kda_forward, handle)
+    for module in mla:
+        patch_forward(module, mla_forward, handle)

@@ -1,0 +1,246 @@
+"""Triton kernels of Kimi Delta Attention (the per-channel gate ``g [..., H, K]``): the chunked
+prefill of hybrid_compile/ops/triton/kda_chunk.py (packed varlen batch, chunk states, FP8 pool
+staging) and the recurrent kernel of hybrid_compile/ops/triton/gdn.py (verify / decode steps),
+against the plain-torch ops and the per-token reference.
+
+On CPU the launchers run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at
+tiny shapes; the ``gpu`` tests run the registered CUDA ops at Kimi-Linear-48B shapes (H=32,
+K=V=128), under opcheck and in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_compile.ops import gdn
+from hybrid_compile.ops._varlen import chunk_row_offsets
+from hybrid_compile.ops.reference import gdn as ref
+from hybrid_compile.ops.triton import gdn as tgdn
+from op_testing import assert_close, cu_seqlens_of, distinct_slots, run_opcheck
+
+# CPU tests here call the launchers on CPU tensors under Triton's interpreter (see conftest).
+INTERPRETER_ONLY = True
+
+ops = torch.ops.hybrid_compile
+C = gdn.GDN_CHUNK_SIZE
+NUM_SLOTS = 10
+
+
+def make_inputs(lead, h, kd, vd, dtype, device="cpu", strength=0.4):
+    q = torch.randn(*lead, h, kd).to(device=device, dtype=dtype)
+    k = (torch.randn(*lead, h, kd) / kd ** 0.5).to(device=device, dtype=dtype)
+    v = torch.randn(*lead, h, vd).to(device=device, dtype=dtype)
+    g = (-torch.rand(*lead, h, kd) * strength - 0.01).to(device)
+    beta = torch.rand(*lead, h).to(device)
+    return q, k, v, g, beta
+
+
+def make_pool(h, kd, vd, dtype=torch.float32, num_slots=NUM_SLOTS, device="cpu"):
+    return (torch.randn(num_slots, h, kd, vd) * 0.5).to(device=device, dtype=dtype)
+
+
+def tol(*dtypes):
+    return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
+
+
+@pytest.mark.parametrize("lens,pad_rows", [([5], ()), ([0, 7, 1], (2,)), ([65, 0, 3], ()), ([130, 17, 64, 1], (1,))])
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
+    h, kd, vd = 2, 8, 16
+    T = sum(lens)
+    q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype)
+    pool = make_pool(h, kd, vd, pool_dtype)
+    cu = cu_seqlens_of(lens)
+    slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=pad_rows)
+    has_init = torch.tensor([i % 2 == 0 for i in range(len(lens))])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, True,
+                                                                0.0, True)
+    assert_close(o, want_o, tol(dtype), msg="output")
+    assert_close(got_pool, want_pool, tol(pool_dtype), msg="pool")
+    assert_close(cs, want_cs, msg="chunk states")
+    written = {int(s) for s, n in zip(slots, lens) if int(s) >= 0 and n > 0}
+    untouched = [i for i in range(NUM_SLOTS) if i not in written]
+    assert torch.equal(got_pool[untouched], pool[untouched])  # padding rows and empty requests
+    offs = chunk_row_offsets(cu, C)
+    for r in pad_rows:
+        assert torch.all(o[cu[r]:cu[r + 1]] == 0)
+        n = -(-lens[r] // C)
+        assert torch.all(cs[offs[r]:offs[r] + n] == 0)
+    o_none, cs_none = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, has_init,
+                                                            True, 0.0, False)
+    assert cs_none.shape[0] == 0 and torch.equal(o_none, o)
+
+
+def test_chunk_prefill_grouped_heads():
+    """Two value heads per q/k head (the op's grouped layout; Kimi itself has one head count)."""
+    hk, hv, kd, vd = 1, 2, 16, 16
+    q, k, _, _, _ = make_inputs((70,), hk, kd, vd, torch.float32)
+    _, _, v, g, beta = make_inputs((70,), hv, kd, vd, torch.float32)
+    pool = make_pool(hv, kd, vd)
+    cu, slots, init = cu_seqlens_of([66, 4]), torch.tensor([1, 7], dtype=torch.int32), torch.tensor([True, False])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
+
+
+def test_chunk_prefill_strong_decay_is_finite():
+    """Decays down to exp(-300) within a 64-token chunk: every exponent in the kernel is a
+    difference c_i - c_j (j <= i), so nothing overflows."""
+    h, kd, vd = 2, 16, 16
+    q, k, v, g, beta = make_inputs((80,), h, kd, vd, torch.float32, strength=10.0)
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of([80]), torch.tensor([4], dtype=torch.int32), torch.tensor([True])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all()
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_verify_per_channel_matches_reference(disable):
+    B, L, h, kd, vd = 3, 4, 2, 8, 8
+    q, k, v, g, beta = make_inputs((B, L), h, kd, vd, torch.float32)
+    pool = make_pool(h, kd, vd)
+    slots = distinct_slots(B, NUM_SLOTS, pad_rows=(1,))
+    inter = torch.zeros(B, L, h, kd, vd)
+    got_pool, got_inter = pool.clone(), inter.clone()
+    o = tgdn.fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, got_pool, slots, True, 0.0, disable,
+                                                            got_inter)
+    want_o, want_pool, want_inter = ref.fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, pool, slots,
+                                                                                    True, 0.0, disable, inter)
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(got_inter, want_inter)
+
+
+def test_fp8_pool_per_channel_prefill_and_verify():
+    """``ssm_state_dtype="fp8"``: the plain op and the Triton kernel on an e4m3 pool (one scale per
+    value column over K) equal the op on an fp32 pool holding the dequantized states, then quantized
+    (the plain op bit for bit, Triton within one e4m3 step)."""
+    from hybrid_compile.ops.fp8_cache import GDN_STATE_SCALE_DIM as DIM, dequantize_vectors, quantize_vectors
+
+    h, kd, vd = 2, 16, 16
+    lens = [70, 0, 9]
+    q, k, v, g, beta = make_inputs((sum(lens),), h, kd, vd, torch.float32)
+    cu = cu_seqlens_of(lens)
+    slots = torch.tensor([3, 8, 6], dtype=torch.int32)
+    init = torch.tensor([True, True, False])
+    pq, ps = quantize_vectors(make_pool(h, kd, vd), DIM)
+    ref_pool = dequantize_vectors(pq, ps, DIM)
+    o_ref, cs_ref = ops.chunk_gated_delta_rule(q, k, v, g, beta, ref_pool, cu, slots, init, True, 0.0, True, ssm_scales=None)
+    want_q, want_s = quantize_vectors(ref_pool[[3, 6]], DIM)
+    for name in ("plain", "triton"):
+        gq, gs = pq.clone(), ps.clone()
+        if name == "plain":
+            o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, ssm_scales=gs)
+        else:
+            o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, gq, cu, slots, init, True, 0.0, True, gs)
+        assert_close(o, o_ref, msg=name)
+        assert_close(cs, cs_ref, msg=name)
+        got = dequantize_vectors(gq[[3, 6]], gs[[3, 6]], DIM)
+        want = dequantize_vectors(want_q, want_s, DIM)
+        step = 0 if name == "plain" else 32
+        assert bool(((got - want).abs() <= want_s.unsqueeze(DIM) * step + 1e-6).all()), name
+        assert torch.equal(gq[8].view(torch.uint8), pq[8].view(torch.uint8))  # the empty request's slot
+
+
+# ----------------------------------------------------------------------------------------------
+# gpu: Kimi-Linear-48B shapes
+# ----------------------------------------------------------------------------------------------
+
+KIMI = (32, 128, 128)  # H, K, V
+GPU_SLOTS = 64
+GPU_LENS = [300, 0, 1, 63, 64, 65, 130, 17]  # request 5 is a padding row (the CPU oracle sets the size)
+DEV = "cuda"  # the gpu tests' device (a module constant so their logic can be dry-run elsewhere)
+
+
+def _sync():
+    if torch.device(DEV).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cpu(*xs):
+    return [None if x is None else x.cpu() for x in xs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.smoke), torch.float32])
+def test_gpu_chunk_prefill_matches_torch_op(dtype):
+    h, kd, vd = KIMI
+    T = sum(GPU_LENS)
+    q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV)
+    pool = make_pool(h, kd, vd, device=DEV, num_slots=GPU_SLOTS)
+    cu = cu_seqlens_of(GPU_LENS, DEV)
+    slots = distinct_slots(len(GPU_LENS), GPU_SLOTS, pad_rows=(5,)).to(DEV)
+    has_init = torch.tensor([i % 3 != 0 for i in range(len(GPU_LENS))], device=DEV)
+    got_pool = pool.clone()
+    o, cs = ops.chunk_gated_delta_rule(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True, ssm_scales=None)
+    _sync()
+    cargs = _cpu(q, k, v, g, beta)
+    want_pool = pool.cpu()
+    want_o, want_cs = gdn.chunk_gated_delta_rule(*cargs, want_pool, cu.cpu(), slots.cpu(), has_init.cpu(), True, 0.0,
+                                                 True, ssm_scales=None)
+    assert_close(o.cpu(), want_o, tol(dtype))
+    assert_close(got_pool.cpu(), want_pool, tol(dtype))
+    assert_close(cs.cpu(), want_cs, tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_gpu_verify_and_decode_step_per_channel_in_cuda_graph():
+    h, kd, vd = KIMI
+    B, L = 8, 3
+    q, k, v, g, beta = make_inputs((B, L), h, kd, vd, torch.bfloat16, DEV)
+    pool = make_pool(h, kd, vd, device=DEV, num_slots=GPU_SLOTS)
+    slots = distinct_slots(B, GPU_SLOTS, pad_rows=(2,)).to(DEV)
+    inter = torch.zeros(B, L, h, kd, vd, device=DEV)
+
+    def verify():
+        return ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        verify()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = verify()
+    for _ in range(2):
+        nq, nk, nv, ng, nb = make_inputs((B, L), h, kd, vd, torch.bfloat16, DEV)
+        for dst, src in ((q, nq), (k, nk), (v, nv), (g, ng), (beta, nb)):
+            dst.copy_(src)
+        inter.zero_()
+        want_inter = torch.zeros(B, L, h, kd, vd)
+        want = gdn.fused_recurrent_gated_delta_rule_update(*_cpu(q, k, v, g, beta), pool.cpu(), slots.cpu(), True,
+                                                           0.0, True, want_inter, ssm_scales=None, intermediate_scales=None)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out.cpu(), want, torch.bfloat16)
+        assert_close(inter.cpu(), want_inter, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_per_channel():
+    h, kd, vd = 4, 128, 128
+    q, k, v, g, beta = make_inputs((75,), h, kd, vd, torch.bfloat16, DEV)
+    pool = make_pool(h, kd, vd, device=DEV)
+    cu = cu_seqlens_of([70, 0, 5], DEV)
+    slots = torch.tensor([3, 1, -1], dtype=torch.int32, device=DEV)
+    has_init = torch.tensor([True, False, False], device=DEV)
+    run_opcheck(ops.chunk_gated_delta_rule, (q, k, v, g, beta, pool, cu, slots, has_init, True, 0.0, True))
+    vq, vk, vv, vg, vb = make_inputs((3, 2), h, kd, vd, torch.bfloat16, DEV)
+    inter = torch.zeros(3, 2, h, kd, vd, device=DEV)
+    run_opcheck(ops.fused_recurrent_gated_delta_rule_update, (vq, vk, vv, vg, vb, pool, slots, True, 0.0, False,
+                                                              inter))

@@ -1,12 +1,12 @@
 """Tests of hybrid_compile.cache: the hybrid radix tree (KV + Mamba states) on real pools.
 
 Every test runs on a tiny :class:`MemoryPools` (one attention layer, one linear layer). The
-harness records which token each KV slot holds (``slot_token``) and stamps every Mamba state
-with the id of the prefix it belongs to, so a test can check that a hit's KV slots hold
+harness writes into each KV slot's K the token it holds and stamps every Mamba state
+with the id of the prefix it belongs to (so host-tier copies and load backs carry them too), so a test can check that a hit's KV slots hold
 exactly the hit's tokens and that its state is exactly the state of that prefix. The random
 test drives request lifecycles (match, lock, copy-on-write, chunked prefill, finish, abort)
 and evictions against a brute-force model (the sets of cached prefixes with KV and with a
-state) and checks every invariant after every step.
+state; with the host tier, on each tier and their union) and checks every invariant after every step.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hybrid_compile.cache import HybridRadixCache, aligned_checkpoint_len, last_aligned_boundary
 from hybrid_compile.cache.policy import MarconiPolicy
 from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
+from hybrid_compile.memory.host_pool import HostPool
 
 ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=2, dtype=torch.float32)]
 LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(1,), conv_dtype=torch.float32)]
@@ -31,15 +32,20 @@ class Harness:
     """Pools + cache + ground truth of what every KV slot and Mamba slot holds."""
 
     def __init__(self, *, page_size: int = 1, kv_tokens: int = 64, mamba_slots: int = 8, mamba_align: int = 4,
-                 policy: str = "lru"):
+                 policy: str = "lru", host_kv_tokens: int | None = None, host_mamba_slots: int = 0):
         self.pools = MemoryPools.from_specs(
             ATTN, LINEAR, max_running_requests=1, max_context_len=page_size * 4,
             page_size=page_size, max_total_tokens=kv_tokens, mamba_cache_size=mamba_slots,
         )
-        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy)
+        self.host = (
+            None if host_kv_tokens is None
+            else HostPool(self.pools.kv, self.pools.mamba, host_kv_tokens, host_mamba_slots)
+        )
+        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy, host_pool=self.host)
         self.ps = page_size
         self.alloc = self.pools.kv.allocator
-        self.slot_token = torch.full((self.alloc.num_slots,), -1, dtype=torch.int64)
+        self.k = self.pools.kv.k_cache(1)  # K[slot, 0, 0] = the token the slot holds
+        self.k.fill_(-1)
         self._ids: dict[tuple, int] = {(): 0}
 
     # -- ground truth ---------------------------------------------------------------------
@@ -58,7 +64,16 @@ class Harness:
         return int(ssm[0])
 
     def tokens_at(self, kv: torch.Tensor) -> list[int]:
-        return self.slot_token[kv].tolist()
+        return self.k[kv, 0, 0].long().tolist()
+
+    def host_tokens_at(self, start: int, n: int) -> list[int]:
+        host_k = self.host.kv_buffers[0][2]  # [host slots, layers, heads, dim]: K of the one attention layer
+        return host_k[start : start + n, 0, 0, 0].long().tolist()
+
+    def host_state_of(self, host_slot: int) -> int:
+        conv, ssm = (h for _, _, h in self.host.mamba_buffers)
+        assert bool((conv[host_slot] == ssm[host_slot][0, 0]).all()), "host conv window and SSM state disagree"
+        return int(ssm[host_slot][0, 0])
 
     # -- a request's own KV -----------------------------------------------------------------
     def alloc_kv(self, tokens, start: int, evict: bool = True) -> torch.Tensor | None:
@@ -68,7 +83,7 @@ class Harness:
             self.cache.ensure_free(kv_tokens=self.alloc.pages_needed([start], [n]) * self.ps)
         kv = self.alloc.alloc_extend([start], [n])
         if kv is not None:
-            self.slot_token[kv] = torch.tensor(list(tokens[start:]), dtype=torch.int64)
+            self.k[kv, 0, 0] = torch.tensor(list(tokens[start:]), dtype=torch.float32)
         return kv
 
     def new_state(self, tokens) -> int:
@@ -91,17 +106,29 @@ class Harness:
     def content(self) -> tuple[set, set]:
         """(page-aligned prefixes with KV, prefixes with a state) held by the tree, checking
         on the way that every slot holds the right token / state."""
+        return self.tier_content()[0]
+
+    def tier_content(self) -> tuple[tuple[set, set], tuple[set, set]]:
+        """:meth:`content` of the device and of the host tier, checking every host copy too."""
         kv_prefixes, state_prefixes = set(), set()
+        host_kv, host_states = set(), set()
         for node in self.cache.nodes():
             path = self.cache.path_tokens(node)
             start = len(path) - len(node.key)
-            assert self.tokens_at(node.value) == list(node.key)
-            for end in range(start + self.ps, len(path) + 1, self.ps):
-                kv_prefixes.add(path[:end])
+            ends = [path[:end] for end in range(start + self.ps, len(path) + 1, self.ps)]
+            if node.value is not None:
+                assert self.tokens_at(node.value) == list(node.key)
+                kv_prefixes.update(ends)
             if node.mamba_slot is not None:
                 state_prefixes.add(path)
                 assert self.state_of(node.mamba_slot) == self.prefix_id(path), "cached state is not its prefix's"
-        return kv_prefixes, state_prefixes
+            if node.host_start is not None:
+                assert self.host_tokens_at(node.host_start, len(node.key)) == list(node.key), "host KV copy"
+                host_kv.update(ends)
+            if node.host_mamba is not None:
+                host_states.add(path)
+                assert self.host_state_of(node.host_mamba) == self.prefix_id(path), "host state copy"
+        return (kv_prefixes, state_prefixes), (host_kv, host_states)
 
 
 def seq(*parts) -> list[int]:
@@ -543,19 +570,32 @@ class FakeRequest:
         self.cached = cached
 
 
-def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru") -> None:
+def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru",
+                          host_tier: bool = False) -> None:
     """Random request lifecycles (start = match + lock + copy-on-write + KV allocation, chunk =
     cache_unfinished_req, finish = cache_finished_req, abort = unlock, probe = match, and explicit
     evictions) on a small cache, checked against a brute-force model after every step. ``seed``
     may be a ``random.Random`` (hypothesis' ``st.randoms()``: hypothesis then drives and shrinks
-    the operation sequence)."""
+    the operation sequence).
+
+    With ``host_tier`` the cache has a small host pool (host eviction happens too): the model's
+    sets are then the prefixes held on either tier, a match must return the deepest of them with
+    a state (loaded back, checked against the stamped tokens and states) unless the device could
+    not make room (``host_load_failed`` counted: then the deepest device hit), and every host copy
+    is checked against the data it copied."""
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     ps = page_size
-    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy)
+    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy,
+                host_kv_tokens=20 * ps if host_tier else None, host_mamba_slots=5)
     kv_capacity, mamba_capacity = h.pools.free_counts()["kv_tokens"], h.pools.free_counts()["mamba_slots"]
     cache = h.cache
-    kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds
-    state_model: set[tuple] = set()  # prefixes whose state the tree holds
+    kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds (either tier)
+    state_model: set[tuple] = set()  # prefixes whose state the tree holds (either tier)
+
+    def view() -> tuple[set, set]:
+        """What the model tracks: the device content, or with the host tier the union of both."""
+        (kv, states), (host_kv, host_states) = h.tier_content()
+        return (kv | host_kv, states | host_states) if host_tier else (kv, states)
     running: list[FakeRequest] = []
     bases = [[rng.randrange(4) for _ in range(rng.randrange(0, 4 * ps))] for _ in range(3)]
 
@@ -576,12 +616,26 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         return hit, kv
 
     def check_match(tokens):
+        device = h.content()
+        failed = cache.stats()["host_load_failed"] if host_tier else 0
         m = cache.match_prefix(tokens)
-        assert (m.prefix_len, m.kv_match_len) == expected_hit(tokens)
+        hit, kv_len = expected_hit(tokens)
+        if host_tier and cache.stats()["host_load_failed"] > failed:  # no device room: the device hit
+            hit = max((n for n in range(1, len(tokens) + 1) if tuple(tokens[:n]) in device[1]), default=0)
+        assert (m.prefix_len, m.kv_match_len) == (hit, kv_len)
+        if host_tier:  # a load back may have evicted elsewhere (never on the matched path) to make room
+            kv_after, states_after = view()
+            assert kv_after <= kv_model and states_after <= state_model
+            assert {tuple(tokens[:e]) for e in range(ps, m.prefix_len + 1, ps)} <= h.content()[0], "hit not loaded"
+            kv_model.clear(); kv_model.update(kv_after)
+            state_model.clear(); state_model.update(states_after)
         assert h.tokens_at(m.kv_indices) == tokens[: m.prefix_len]
         if m.mamba_node is not None:
             assert h.state_of(m.mamba_node.mamba_slot) == h.prefix_id(tokens[: m.prefix_len])
         return m
+
+    def snapshot():
+        return h.content(), view()
 
     def locked_prefixes() -> tuple[set, set]:
         kv, states = set(), set()
@@ -593,17 +647,22 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         return kv, states
 
     def check_eviction(before, freed_tokens=None, freed_states=None) -> None:
-        kv_after, states_after = h.content()
+        device_before, before = before
+        device_after = h.content()
+        kv_after, states_after = view()
         kv_before, states_before = before
         locked_kv, locked_states = locked_prefixes()
         assert kv_after <= kv_before and states_after <= states_before
-        assert locked_kv <= kv_after and locked_states <= states_after, "a locked prefix was evicted"
+        assert device_after[0] <= device_before[0] and device_after[1] <= device_before[1]
+        assert locked_kv <= device_after[0] and locked_states <= device_after[1], "a locked prefix was evicted"
         if freed_tokens is not None:
-            assert freed_tokens == (len(kv_before) - len(kv_after)) * ps
-            lost_states = states_before - states_after
-            assert all(p not in kv_after for p in lost_states), "evict_kv made a tombstone"
+            lost = (len(device_before[0]) - len(device_after[0])) * ps
+            # with the host tier, making host room may also drop a device leaf whose only state was a host copy
+            assert freed_tokens == lost if not host_tier else freed_tokens <= lost
+            lost_states = device_before[1] - device_after[1]
+            assert all(p not in device_after[0] for p in lost_states), "evict_kv made a tombstone"
         if freed_states is not None:
-            assert freed_states == len(states_before - states_after)
+            assert freed_states == len(device_before[1] - device_after[1])
         kv_model.clear(); kv_model.update(kv_after)
         state_model.clear(); state_model.update(states_after)
 
@@ -613,14 +672,14 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
             return
         m = check_match(tokens[:-1])
         cache.inc_lock_ref(m.last_node)
-        before = h.content()
+        before = snapshot()
         slot = cache.cow_mamba(m)  # may evict one state
         check_eviction(before)
         if slot is None:
             cache.dec_lock_ref(m.last_node)
             return
         assert h.state_of(slot) == h.prefix_id(tokens[: m.prefix_len])
-        before = h.content()
+        before = snapshot()
         own = h.alloc_kv(tokens, m.prefix_len)  # may evict KV
         check_eviction(before)
         if own is None:
@@ -637,14 +696,15 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         h.write_state(r.slot, r.tokens[:end])
         adopt = rng.random() < 0.3 and h.pools.mamba.available() > 0
         state = h.new_state(r.tokens[:end]) if adopt else r.slot
-        before = h.content()
+        before = snapshot()
         res = cache.cache_unfinished_req(r.tokens[:end], r.kv[:end], r.node, state, adopt_mamba=adopt)
         if res.inserted:
             assert res.prefix_len == end and h.tokens_at(res.kv_indices) == r.tokens[:end]
             r.kv = torch.cat([res.kv_indices, r.kv[end:]])
             r.node, r.cached = res.last_node, end
             kv_new = {tuple(r.tokens[:e]) for e in range(ps, end + 1, ps)}
-            before = (before[0] | kv_new, before[1] | {tuple(r.tokens[:end])})
+            state_new = {tuple(r.tokens[:end])}
+            before = ((before[0][0] | kv_new, before[0][1] | state_new), (before[1][0] | kv_new, before[1][1] | state_new))
         check_eviction(before)  # forking the state may have evicted one cached state
 
     def finish(r: FakeRequest) -> None:
@@ -652,9 +712,10 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         n = len(r.tokens)
         state_len = n if rng.random() < 0.6 else rng.randrange(0, n + 1)
         h.write_state(r.slot, r.tokens[:state_len])
+        device_kv = h.content()[0]
         already = cache.cache_finished_req(r.tokens, r.kv, r.node, r.slot, mamba_len=state_len)
         kept = state_len if state_len % ps == 0 else 0  # 0: no state kept
-        kv_prefix = max((e for e in range(ps, n - n % ps + 1, ps) if tuple(r.tokens[:e]) in kv_model), default=0)
+        kv_prefix = max((e for e in range(ps, n - n % ps + 1, ps) if tuple(r.tokens[:e]) in device_kv), default=0)
         assert already == (kv_prefix if kept == 0 else min(kv_prefix, kept))
         if kept:
             add_to_model(r.tokens, kept)
@@ -678,19 +739,19 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         elif op == "probe":
             check_match(new_tokens())
         elif op == "evict_kv":
-            before = h.content()
+            before = snapshot()
             want = rng.randrange(1, 8 * ps)
             freed = cache.evict_kv(want)
             assert freed >= want or cache.evictable_size() == 0
             check_eviction(before, freed_tokens=freed)
         elif op == "evict_mamba":
-            before = h.content()
+            before = snapshot()
             want = rng.randrange(1, 4)
             freed = cache.evict_mamba(want)
             assert freed >= want or cache.mamba_evictable_size() == 0
             check_eviction(before, freed_states=freed)
         elif op == "ensure_free":
-            before = h.content()
+            before = snapshot()
             kv_want, mamba_want = rng.randrange(0, 24 * ps), rng.randrange(0, 7)
             ok = cache.ensure_free(kv_tokens=kv_want, mamba_slots=mamba_want)
             free = h.pools.free_counts()
@@ -700,17 +761,20 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         # invariants after every step
         cache.check_invariants()
         nodes = list(cache.nodes())
-        assert set(cache.kv_eviction_order()) == {n for n in nodes if n.is_leaf and n.full_lock_ref == 0}
+        assert set(cache.kv_eviction_order()) == {
+            n for n in nodes
+            if n.value is not None and n.full_lock_ref == 0 and all(c.value is None for c in n.children.values())
+        }
         assert set(cache.mamba_eviction_order()) == {
             n for n in nodes if n.mamba_slot is not None and n.mamba_lock_ref == 0 and (n.children or n.full_lock_ref == 0)
         }
-        kv_content, state_content = h.content()
+        kv_content, state_content = view()
         assert (kv_content, state_content) == (kv_model, state_model)
         used, free = h.pools.used_counts(), h.pools.free_counts()
         assert used["kv_tokens"] == cache.cached_tokens() + sum(len(r.kv) - r.cached for r in running)
         assert used["mamba_slots"] == cache.mamba_size() + len(running)
         # pool free counts + tree usage (+ the running requests' own slots) == capacity, in pages
-        held = torch.cat([n.value for n in nodes] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
+        held = torch.cat([n.value for n in nodes if n.value is not None] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
         assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == kv_capacity
         assert free["mamba_slots"] + cache.mamba_size() + len(running) == mamba_capacity
         assert cache.protected_size() == len({p for p in locked_prefixes()[0]}) * ps
@@ -722,8 +786,28 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
     assert cache.protected_size() == 0
     if not isinstance(seed, random.Random):  # hypothesis may draw a sequence without lookups
         assert cache.stats()["lookups"] > 0
+    if host_tier and not isinstance(seed, random.Random):  # (hypothesis may draw a sequence that never evicts)
+        st_ = cache.stats()
+        assert st_["host_written_tokens"] > 0 and st_["host_evicted_tokens"] > 0, "the workload never used the host tier"
+        assert st_["host_hits"] > 0 and st_["host_loaded_tokens"] > 0
     cache.reset()
     h.pools.check_all_free()
+    if host_tier:
+        assert h.host.kv_allocator.used() == 0 and h.host.mamba_allocator.used() == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "marconi"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_request_lifecycles_with_the_host_tier_match_the_brute_force_model(seed, page_size, policy):
+    run_random_lifecycles(seed, page_size, steps=200, policy=policy, host_tier=True)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), page_size=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(["lru", "marconi"]))
+def test_random_request_lifecycles_with_the_host_tier_hypothesis_drives_the_operations(rng, page_size, policy):
+    run_random_lifecycles(rng, page_size, steps=60, policy=policy, host_tier=True)
 
 
 @pytest.mark.parametrize("policy", ["lru", "marconi"])

@@ -590,6 +590,8 @@ class HybridRadixCache:
         now = self._tick()
         for n in self._path(best):
             n.last_access = now
+            if self.host is not None:  # inner nodes are candidates too (host copies; host-only children)
+                self._reindex(n)
         if best is not self.root:
             best.mamba_last_access = now
             self._reindex(best)  # (the rest of the path has children: not a candidate of either list)
@@ -744,6 +746,8 @@ class HybridRadixCache:
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
+            if self.host is not None:
+                self._reindex(child)
             pos += common
             node = child
         node, pos = self._adopt_host_only(node, key, kv, pos, now)

@@ -559,6 +559,80 @@ def test_stats_and_reset_free_everything():
 
 
 # ----------------------------------------------------------------------------------------
+# host tier
+# ----------------------------------------------------------------------------------------
+def test_range_allocator_first_fit_and_coalescing():
+    from hybrid_compile.memory.host_pool import RangeAllocator
+
+    a = RangeAllocator(10)
+    assert (a.alloc(4), a.alloc(3), a.alloc(3)) == (0, 4, 7) and a.alloc(1) is None
+    a.free(4, 3)
+    a.free(0, 2)
+    assert (a.available(), a.largest_free()) == (5, 3) and a.alloc(4) is None
+    a.free(2, 2)  # joins [0, 2) and [4, 7) into [0, 7)
+    assert a.largest_free() == 7 and a.alloc(7) == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        RangeAllocator(4).free(0, 1)
+
+
+def test_host_tier_offloads_on_eviction_and_loads_back_on_a_hit():
+    h = Harness(kv_tokens=8, mamba_slots=3, host_kv_tokens=16, host_mamba_slots=4)
+    h.cache_seq([1, 2, 3, 4])
+    h.cache_seq([1, 2, 5, 6])
+    h.cache.match_prefix([1, 2, 3, 4])
+    assert h.cache.evict_kv(2) == 2  # LRU device leaf [5, 6] goes to the host, the node stays
+    (kv, states), (host_kv, host_states) = h.tier_content()
+    assert states == {(1, 2, 3, 4)} and host_states == {(1, 2, 5, 6)} and (1, 2, 5, 6) in host_kv
+    node = next(n for n in h.cache.nodes() if h.cache.path_tokens(n) == (1, 2, 5, 6))
+    assert node.tier == "host" and node.mamba_slot is None and node.host_mamba is not None
+    assert h.cache.kv_eviction_order()[0] is not node  # a host-only node is no device candidate
+    m = h.cache.match_prefix([1, 2, 5, 6, 7])  # a hit on the host-only node: loaded back
+    assert m.prefix_len == 4 and m.last_node is node and node.tier == "both"
+    assert h.tokens_at(m.kv_indices) == [1, 2, 5, 6]
+    assert h.state_of(node.mamba_slot) == h.prefix_id([1, 2, 5, 6])
+    st = h.cache.stats()
+    assert (st["host_hits"], st["host_loaded_tokens"], st["host_loaded_states"], st["host_hit_tokens"]) == (1, 2, 1, 4)
+    assert st["nodes_both"] == 1 and st["host_pool"]["load_bytes"] > 0
+    # evicting it again costs no copy (its host copies are still there)
+    written = st["host_written_tokens"]
+    h.cache.evict_kv(8)
+    assert h.cache.stats()["host_written_tokens"] == written + 4  # edges [3, 4] and [1, 2]; [5, 6] was there
+    assert h.cache.stats()["nodes_host_only"] == 3
+    h.cache.check_invariants()
+    # a request that recomputes a host-only prefix gives the tree its own slots (no load back)
+    tokens = [1, 2, 3, 4, 9, 9]
+    kv = h.alloc_kv(tokens, 0)
+    slot = h.new_state(tokens)
+    h.cache.insert(tokens, kv, slot)
+    (kv_p, _), _ = h.tier_content()
+    assert {(1, 2), (1, 2, 3, 4), tuple(tokens)} <= kv_p
+    h.cache.check_invariants()
+    h.cache.reset()
+    h.pools.check_all_free()
+    assert h.host.kv_allocator.used() == 0 and h.host.mamba_allocator.used() == 0
+
+
+def test_host_tier_full_drops_the_victim_and_a_full_device_gives_the_device_hit():
+    h = Harness(kv_tokens=8, mamba_slots=3, host_kv_tokens=2, host_mamba_slots=1)
+    h.cache_seq([1, 2, 3, 4])  # one edge of 4 tokens: never fits 2 host slots
+    assert h.cache.evict_kv(1) == 4
+    assert h.cache.stats()["nodes"] == 0 and h.cache.stats()["host_write_failed"] == 1
+    h.pools.check_all_free()
+    # a host hit whose load back cannot get device room falls back to the device hit
+    h = Harness(kv_tokens=6, mamba_slots=3, host_kv_tokens=16, host_mamba_slots=4)
+    h.cache_seq([1, 2])
+    h.cache_seq([1, 2, 3, 4])
+    h.cache.evict_kv(2)  # [3, 4] to the host
+    m = h.cache.match_prefix([1, 2])
+    h.cache.inc_lock_ref(m.last_node)
+    own = h.alloc_kv([1, 2, 7, 7, 7, 7], 2)  # the rest of the device pool, held by a request
+    assert own is not None and h.alloc.available() == 0
+    m2 = h.cache.match_prefix([1, 2, 3, 4, 5])
+    assert m2.prefix_len == 2 and h.cache.stats()["host_load_failed"] == 1
+    h.cache.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------
 # random request lifecycles against a brute-force model
 # ----------------------------------------------------------------------------------------
 class FakeRequest:
@@ -571,7 +645,7 @@ class FakeRequest:
 
 
 def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru",
-                          host_tier: bool = False) -> None:
+                          host_tier: bool = False, host_pages: int = 20) -> None:
     """Random request lifecycles (start = match + lock + copy-on-write + KV allocation, chunk =
     cache_unfinished_req, finish = cache_finished_req, abort = unlock, probe = match, and explicit
     evictions) on a small cache, checked against a brute-force model after every step. ``seed``
@@ -582,11 +656,12 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
     sets are then the prefixes held on either tier, a match must return the deepest of them with
     a state (loaded back, checked against the stamped tokens and states) unless the device could
     not make room (``host_load_failed`` counted: then the deepest device hit), and every host copy
-    is checked against the data it copied."""
+    is checked against the data it copied. A small ``host_pages`` makes host writes fail (the
+    device victim is then dropped as without the tier)."""
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     ps = page_size
     h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy,
-                host_kv_tokens=20 * ps if host_tier else None, host_mamba_slots=5)
+                host_kv_tokens=host_pages * ps if host_tier else None, host_mamba_slots=max(1, host_pages // 4))
     kv_capacity, mamba_capacity = h.pools.free_counts()["kv_tokens"], h.pools.free_counts()["mamba_slots"]
     cache = h.cache
     kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds (either tier)
@@ -801,6 +876,12 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
 @pytest.mark.parametrize("seed", range(4))
 def test_random_request_lifecycles_with_the_host_tier_match_the_brute_force_model(seed, page_size, policy):
     run_random_lifecycles(seed, page_size, steps=200, policy=policy, host_tier=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_request_lifecycles_with_a_tiny_host_tier_drop_what_does_not_fit(seed, page_size):
+    run_random_lifecycles(seed, page_size, steps=200, host_tier=True, host_pages=2)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

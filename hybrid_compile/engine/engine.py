@@ -60,6 +60,7 @@ from torch import nn
 from ..cache import HybridRadixCache
 from ..layers.context import ForwardMode
 from ..memory import MemoryPools
+from ..memory.host_pool import HostPool
 from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
 from .generate_api import GenerateAPI
@@ -213,6 +214,13 @@ class HybridEngine(GenerateAPI):
                 num_draft_steps=spec_k + 1 if spec_k else 0,
                 max_draft_batch=config.max_running_requests + 1 if spec_k else None,
             )
+            # the prefix cache's host tier (before patching: a bad size fails with the model untouched)
+            self.host_pool = (
+                HostPool.from_budget(self.pools.kv, self.pools.mamba, config.prefix_cache_host_bytes,
+                                     fraction=config.prefix_cache_host_fraction)
+                if config.prefix_cache_host_tier
+                else None
+            )
         self.max_context_len = self.pools.plan.max_context_len - spec_k
         self.patch = PatchHandle()
         # accelerate's device_map hooks live in instance-level `forward`s; a module the family
@@ -236,7 +244,8 @@ class HybridEngine(GenerateAPI):
             raise
         # the radix tree, None when off (the scheduler then runs on a NullPrefixCache)
         self.prefix_cache = (
-            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy)
+            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy,
+                             host_pool=self.host_pool)
             if config.enable_prefix_cache
             else None
         )

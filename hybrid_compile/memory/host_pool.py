@@ -32,6 +32,7 @@ import torch
 from .allocator import SlotAllocator
 from .kv_pool import KVPool
 from .mamba_pool import MambaPool
+from .sizing import available_device_memory
 
 
 class RangeAllocator:
@@ -128,6 +129,38 @@ class HostPool:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list = []  # (event, gathered device tensors kept alive until the copy ends)
         self.counters = dict.fromkeys(("write_bytes", "load_bytes", "writes", "loads"), 0)
+
+    @classmethod
+    def from_budget(
+        cls, kv: KVPool, mamba: MambaPool, budget_bytes: int | None = None, *, fraction: float = 0.25,
+        pin: bool | None = None,
+    ) -> "HostPool":
+        """A host pool of ``budget_bytes`` (default: ``fraction`` of the available host memory),
+        split between KV tokens and Mamba slots in the device pools' proportion. Raises
+        ValueError naming the option when the budget exceeds the available host memory or
+        cannot hold one page of KV and one state."""
+        available = available_device_memory("cpu")
+        what = "prefix_cache_host_bytes"
+        if budget_bytes is None:
+            budget_bytes, what = int(available * fraction), f"prefix_cache_host_fraction ({fraction})"
+        elif budget_bytes > available:
+            raise ValueError(
+                f"prefix_cache_host_bytes ({budget_bytes / 2**20:.1f} MiB) exceeds the available host memory "
+                f"({available / 2**20:.1f} MiB)"
+            )
+        per_token, per_slot = kv.bytes_per_token, mamba.bytes_per_slot
+        device_kv, device_mamba = kv.total() * per_token, mamba.total() * per_slot
+        kv_share = device_kv / (device_kv + device_mamba) if device_kv + device_mamba else 1.0
+        page = kv.page_size
+        # (no attention layers: token slots are bookkeeping only, as many as the device pool's)
+        tokens = int(budget_bytes * kv_share) // per_token // page * page if per_token else kv.total()
+        slots = int(budget_bytes * (1 - kv_share)) // max(per_slot, 1) if per_slot else 0
+        if (per_token and tokens < page) or (per_slot and slots < 1):
+            raise ValueError(
+                f"{what}: a host tier of {budget_bytes} bytes cannot hold one KV page ({page * per_token} bytes) "
+                f"and one Mamba state ({per_slot} bytes) in the device pools' proportion"
+            )
+        return cls(kv, mamba, tokens, slots, pin=pin)
 
     def _host_like(self, buf: torch.Tensor, dim: int, n: int) -> torch.Tensor:
         shape = (n, *buf.shape[:dim], *buf.shape[dim + 1 :])

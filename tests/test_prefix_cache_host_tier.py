@@ -119,3 +119,59 @@ def test_host_tier_options_are_honoured_or_refused():
     assert 0 < engine.host_pool.nbytes() <= 0.001 * available_device_memory("cpu") * 1.05
     assert engine.stats()["prefix_cache"]["host_pool"]["pinned"] is False  # CPU pools
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_host_pool_on_cuda_round_trips_while_the_slots_are_reused():
+    """Pinned host memory, writes on the side stream: device slots overwritten on the current
+    stream right after a write (the gather must come first) and loads queued right after writes
+    (they must wait for the copy to the host) still give back exactly what was written."""
+    import torch
+
+    from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
+    from hybrid_compile.memory.host_pool import HostPool
+
+    attn = [AttentionLayerSpec((1, 3), num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)]
+    linear = [MambaLayerSpec((0, 2), conv_width=4, conv_dim=1024, state_shape=(8, 128, 128), conv_dtype=torch.bfloat16)]
+    pools = MemoryPools.from_specs(attn, linear, device="cuda", max_running_requests=4, max_context_len=4096,
+                                   max_total_tokens=8192, mamba_cache_size=16)
+    host = HostPool(pools.kv, pools.mamba, 8192, 16)
+    assert host.pin and all(h.is_pinned() for _, _, h in host.kv_buffers + host.mamba_buffers)
+    for buf in (*pools.kv.k_buffers, *pools.kv.v_buffers, *pools.mamba.conv_buffers, *pools.mamba.ssm_buffers):
+        buf.copy_(torch.randn(buf.shape, device="cuda").to(buf.dtype))
+    slots = torch.arange(1, 4001)
+    want_k = pools.kv.k_buffers[0][:, slots.cuda()].clone()
+    want_ssm = pools.mamba.ssm_buffers[0][:, 3].clone()
+    start = host.write_kv(slots)
+    hslot = host.write_mamba(3)
+    for buf in (*pools.kv.k_buffers, *pools.mamba.ssm_buffers):  # the slots are reused at once
+        buf.zero_()
+    dst = torch.arange(4001, 8001)
+    host.load_kv(start, dst)
+    host.load_mamba(hslot, 5)
+    torch.cuda.synchronize()
+    assert torch.equal(pools.kv.k_buffers[0][:, dst.cuda()], want_k)
+    assert torch.equal(pools.mamba.ssm_buffers[0][:, 5], want_ssm)
+    host.synchronize()
+
+
+@pytest.mark.gpu
+def test_host_tier_on_cuda_equals_tier_off():
+    import copy
+
+    model = copy.deepcopy(_model()).to("cuda")
+    waves = _waves(vocab_size(model))
+    outs = {}
+    for tier in (False, True):
+        kw = dict(prefix_cache_host_tier=True, prefix_cache_host_bytes=64 << 20) if tier else {}
+        engine = make_engine(model, **ARGS, **kw)
+        outs[tier] = _run(engine, waves)
+        if tier:
+            st = engine.stats()["prefix_cache"]
+            assert st["host_hits"] > 0 and st["host_loaded_tokens"] > 0 and st["host_pool"]["pinned"], st
+            engine.prefix_cache.check_invariants()
+            engine.clear_prefix_cache()
+            engine.pools.check_all_free()
+        engine.close()
+    assert outs[True] == outs[False]

@@ -217,9 +217,15 @@ def plan_memory(
                "or lower max_context_len / max_running_requests")
         )
     if mamba_cache_size < min_slots:
+        short = min_slots - mamba_cache_size
+        # every running request holds one slot, and the prefix cache's slots come on top
+        fits = max(mamba_cache_size - mamba_prefix_cache_slots, 0)
         raise ValueError(
             f"Mamba pool holds {mamba_cache_size} slots but max_running_requests={max_running_requests} + "
-            f"mamba_prefix_cache_slots={mamba_prefix_cache_slots} need {min_slots} ({bps} bytes/slot); "
+            f"mamba_prefix_cache_slots={mamba_prefix_cache_slots} need {min_slots} ({bps} bytes/slot): "
+            f"{short} slot(s) ({_mib(short * bps)}) short, so the Mamba pool caps concurrency at {fits} "
+            f"running request(s) instead of {max_running_requests} (the pools are sized once and do not move "
+            "memory between KV and Mamba at run time); "
             + ("raise mamba_cache_size or lower max_running_requests" if slots_source == "explicit" else
                "raise memory_fraction / memory_budget_bytes or mamba_full_memory_ratio, lower max_total_tokens, "
                "or lower max_running_requests / mamba_prefix_cache_slots")

@@ -175,3 +175,31 @@ def test_host_tier_on_cuda_equals_tier_off():
             engine.pools.check_all_free()
         engine.close()
     assert outs[True] == outs[False]
+
+
+def test_benchmark_host_tier_tiny_run(tmp_path):
+    """``benchmarks/prefix_cache.py --tiny --host-tier``: lru and lru_host side by side, the
+    host tier hit under memory pressure, and the load-back / copy rates are measured."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("prefix_cache_bench_host", root / "benchmarks" / "prefix_cache.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        out = tmp_path / "run.json"
+        bench.main(["--tiny", "--host-tier", "--systems", "lru", "lru_host", "--groups", "3", "--prompts-per-group",
+                    "3", "--system-len", "330", "--output-len", "2", "--pressure-wave", "3", "--out", str(out)])
+    finally:
+        sys.path.remove(str(root))
+    run = json.loads(out.read_text())
+    assert set(run["shared_prefix"]) == {"lru", "lru_host"}
+    host = run["pressure"]["lru_host"]["cache"]
+    assert host["host_hits"] > 0 and host["host_hit_tokens"] > 0, host
+    assert host["token_hit_rate"] >= run["pressure"]["lru"]["cache"]["token_hit_rate"]
+    rate = run["load_back"]["lru_host"]
+    assert rate["load_back_gb_s"] > 0 and rate["host_to_device_copy_gb_s"] > 0 and rate["bytes"] > 0

@@ -1138,10 +1138,11 @@ class HybridRadixCache:
 
     def _kv_evictable(self, node: TreeNode) -> bool:
         # a leaf of the device part of the tree (its children, if any, live on the host only)
-        return (
-            not node.removed and node.parent is not None and node.value is not None and node.full_lock_ref == 0
-            and not any(c.value is not None for c in node.children.values())
-        )
+        if node.removed or node.parent is None or node.value is None or node.full_lock_ref:
+            return False
+        if self.host is None:
+            return node.is_leaf
+        return not any(c.value is not None for c in node.children.values())
 
     def _host_evictable(self, node: TreeNode) -> bool:
         # a host-only leaf, or a node whose host copies duplicate the device (dropping them is free)

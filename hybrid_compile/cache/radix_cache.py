@@ -1313,6 +1313,20 @@ class HybridRadixCache:
             "host_pool": self.host.summary(),
         }
 
+    def pools_resized(self) -> None:
+        """The pools grew or shrank (elastic pools: free entries only, at the top): resize the
+        ownership masks (the entries taken away were free, so owned by nobody) and the host
+        tier's device buffers."""
+        for name, n in (("_kv_owned", self.kv_allocator.num_slots), ("_mamba_owned", self.mamba_pool.total())):
+            old = getattr(self, name)
+            new = torch.zeros(n, dtype=torch.bool)
+            keep = min(n, old.numel())
+            assert not bool(old[keep:].any()), f"{name}: an entry taken away belongs to the tree"
+            new[:keep] = old[:keep]
+            setattr(self, name, new)
+        if self.host is not None:
+            self.host.refresh_device_buffers(self.pools.kv, self.mamba_pool)
+
     def reset(self, *, force: bool = False) -> None:
         """Free every slot the tree holds and empty it (counters too). Raises RuntimeError while
         a node is locked unless ``force`` (the lockers' nodes become invalid)."""

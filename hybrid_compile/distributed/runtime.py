@@ -186,6 +186,9 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     if engine_config.prefix_cache_host_tier:
         # a load back writes K/V and states outside a step, which the other ranks' pools would not see
         raise ValueError("EngineConfig.prefix_cache_host_tier is not supported with tensor parallelism")
+    if engine_config.elastic_pools:
+        # every rank's pools would have to resize in step
+        raise ValueError("EngineConfig.elastic_pools is not supported with tensor parallelism")
     startup = startup if startup is not None else Startup()
     plan = plan_for(config, tp.size, tp.rank)
     startup.plan("load")

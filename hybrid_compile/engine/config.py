@@ -49,6 +49,8 @@ class EngineConfig:
     # its size; None: prefix_cache_host_fraction of the available host memory (MemAvailable)
     prefix_cache_host_bytes: int | None = None
     prefix_cache_host_fraction: float = 0.25
+    # move memory between the KV and Mamba pools at run time when one is exhausted and the other idle
+    elastic_pools: bool = False
     speculative: Any = None  # a SpeculativeConfig or a dict of its fields (engine/speculative)
     # torch.compile with our backend (hybrid_compile.compilation): Dynamo graph split at the layer ops, pieces
     # compiled by Inductor. None: on for CUDA, off on CPU (see resolved_compile).
@@ -112,6 +114,9 @@ class EngineConfig:
             )
         if self.prefix_cache_host_tier and not self.enable_prefix_cache:
             raise ValueError("EngineConfig.prefix_cache_host_tier=True needs enable_prefix_cache=True")
+        if self.elastic_pools and self.speculative is not None:
+            raise ValueError("EngineConfig.elastic_pools cannot be combined with speculative decoding "
+                             "(its state buffers are held by reference across a resize)")
         if self.prefix_cache_host_bytes is not None and not self.prefix_cache_host_tier:
             raise ValueError("EngineConfig.prefix_cache_host_bytes is set but prefix_cache_host_tier is False")
         if self.kv_cache_dtype not in ("auto", "fp8"):

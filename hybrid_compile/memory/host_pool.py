@@ -130,6 +130,14 @@ class HostPool:
         self._pending: list = []  # (event, gathered device tensors kept alive until the copy ends)
         self.counters = dict.fromkeys(("write_bytes", "load_bytes", "writes", "loads"), 0)
 
+    def refresh_device_buffers(self, kv: KVPool, mamba: MambaPool) -> None:
+        """Point at the device pools' buffers again after elastic pools resized them (the host
+        buffers do not depend on the device slot counts)."""
+        devices = [*kv.k_buffers, *kv.v_buffers, *kv.scale_buffers]
+        self.kv_buffers = [(b, dim, h) for b, (_, dim, h) in zip(devices, self.kv_buffers, strict=True)]
+        self.mamba_buffers = [(b, dim, h) for b, (_, dim, h) in zip(mamba._slot_buffers(), self.mamba_buffers,
+                                                                      strict=True)]
+
     @classmethod
     def from_budget(
         cls, kv: KVPool, mamba: MambaPool, budget_bytes: int | None = None, *, fraction: float = 0.25,

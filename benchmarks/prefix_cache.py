@@ -34,6 +34,10 @@ shows the hit rate and TTFT the tier buys. After its phases it measures the load
 (:meth:`HostPool.load_kv` of a whole KV range, GB/s) next to a plain pinned host -> device copy
 of the same bytes (the copy engine's rate).
 
+Elastic pools (``--elastic``): a workload that flips from ``flip_chats`` short chats at once
+(state-bound) to ``flip_docs`` long documents (KV-bound), on pools sized for the chats, with the
+fixed split and with ``EngineConfig.elastic_pools``: retractions, steps, seconds and the moves.
+
 Prints a table and saves JSON under ``benchmarks/results/``.
 """
 
@@ -312,6 +316,49 @@ def run_system(model, system: str, args, vocab: int) -> dict:
     return out
 
 
+def flip_workload(args, vocab: int):
+    """(phases, engine kwargs) of the elastic-pools comparison: chats, then documents."""
+    g = torch.Generator().manual_seed(args.seed + 2)
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    chats = [tokens(args.flip_chat_len) for _ in range(args.flip_chats)]
+    docs = [tokens(args.flip_doc_len + 2 * i) for i in range(args.flip_docs)]
+    phases = [(chats, args.flip_chat_output), (docs, args.flip_doc_output)]
+    # KV for the chats plus ~1.5 documents; Mamba slots for the chats and their cached states
+    kv = args.flip_chats * (args.flip_chat_len + args.flip_chat_output) // 2 + args.flip_doc_len * 3 // 2
+    engine = dict(max_running_requests=args.flip_chats, max_total_tokens=kv, mamba_cache_size=4 * args.flip_chats,
+                  chunked_prefill_size=args.chunked_prefill_size or 2048, cuda_graphs=False)
+    return phases, engine
+
+
+def run_elastic_comparison(model, args, vocab: int) -> dict:
+    """The flip workload with the fixed split and with elastic pools (same outputs asserted)."""
+    phases, kw = flip_workload(args, vocab)
+    if args.eager:
+        kw["compile"] = False
+    out, outputs = {}, {}
+    for name, elastic in (("fixed", False), ("elastic", True)):
+        engine = hc.wrap(model, elastic_pools=elastic, **kw)
+        try:
+            t0 = time.perf_counter()
+            outputs[name] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
+            st = engine.stats()
+            out[name] = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
+                         "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"]}
+        finally:
+            engine.close()
+        r = out[name]
+        print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
+              f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
+              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba", flush=True)
+    if outputs["fixed"] != outputs["elastic"]:
+        raise AssertionError("elastic pools changed the greedy outputs of the flip workload")
+    out["settings"] = kw
+    return out
+
+
 def main_results(per_system: dict) -> tuple[dict, dict]:
     shared = {s: r["shared_prefix"] for s, r in per_system.items()}
     base = shared.get("no_cache")
@@ -350,6 +397,14 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="before the timed shared-prefix phase, a traced run of it: per-step times and top kernels "
                         "written under DIR (benchmarks/profiling.py)")
+    p.add_argument("--elastic", action="store_true",
+                   help="also run the chats -> documents flip with the fixed split and with elastic pools")
+    p.add_argument("--flip-chats", type=int, default=None, help="chats at once in the flip workload")
+    p.add_argument("--flip-chat-len", type=int, default=None)
+    p.add_argument("--flip-chat-output", type=int, default=None)
+    p.add_argument("--flip-docs", type=int, default=None, help="documents of the flip workload")
+    p.add_argument("--flip-doc-len", type=int, default=None)
+    p.add_argument("--flip-doc-output", type=int, default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,
@@ -358,6 +413,10 @@ def parse_args(argv=None):
                 dict(groups=8, prompts_per_group=8, system_len=10000, question_len=128, output_len=32,
                      pressure_wave=16, pressure_mamba_slots=8, warmup_len=3000))
     defaults["host_bytes"] = 16 << 20 if args.tiny else 4 << 30
+    defaults.update(dict(flip_chats=8, flip_chat_len=12, flip_chat_output=3, flip_docs=3, flip_doc_len=40,
+                         flip_doc_output=28) if args.tiny else
+                    dict(flip_chats=64, flip_chat_len=256, flip_chat_output=32, flip_docs=4, flip_doc_len=8000,
+                         flip_doc_output=512))
     defaults["systems"] = DEFAULT_SYSTEMS + (["lru_host"] if args.host_tier else [])
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -406,6 +465,9 @@ def main(argv=None) -> dict:
         for s, r in run["pressure"].items():
             print(f"  {s:9s} {r['cache']['token_hit_rate']:.3f}  {r['mean_ttft_s'] * 1e3:9.1f} ms")
     run["load_back"] = {s: r["load_back"] for s, r in per_system.items() if "load_back" in r}
+    if args.elastic:
+        print("chats -> documents flip, fixed split vs elastic pools:")
+        run["elastic"] = run_elastic_comparison(model, args, vocab)
     run["total_s"] = time.perf_counter() - t_start
     print(f"total {run['total_s']:.1f} s")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -142,3 +142,27 @@ def test_elastic_pools_refusals_name_the_option():
         with pytest.raises(ValueError, match=words):
             plan_memory(ATTN, LINEAR, max_running_requests=4, max_context_len=8, max_total_tokens=32,
                         mamba_cache_size=2, elastic=elastic)
+
+
+def test_benchmark_elastic_tiny_run(tmp_path):
+    """``benchmarks/prefix_cache.py --tiny --elastic``: the flip workload with the fixed split and
+    with elastic pools (same outputs, checked by the script), fewer retractions with elastic."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("prefix_cache_bench_elastic", root / "benchmarks" / "prefix_cache.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        out = tmp_path / "run.json"
+        bench.main(["--tiny", "--elastic", "--systems", "lru", "--no-pressure", "--groups", "2", "--prompts-per-group",
+                    "2", "--system-len", "140", "--output-len", "2", "--out", str(out)])
+    finally:
+        sys.path.remove(str(root))
+    r = json.loads(out.read_text())["elastic"]
+    assert r["fixed"]["retractions"] > r["elastic"]["retractions"], r
+    assert r["elastic"]["moves"]["to_kv"] > 0 and r["fixed"]["moves"]["to_kv"] == 0

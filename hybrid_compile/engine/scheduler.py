@@ -323,7 +323,9 @@ class Scheduler:
         if n == 0:  # the budget left does not reach the next checkpoint boundary: next step
             return give_up()
         short = n + reserve + own - self._kv_room()
-        if short > 0 and not (self.elastic is not None and self.elastic.grow_kv(short) and self._kv_room() >= n + reserve + own):
+        if short > 0 and self.elastic is not None and self.elastic.grow_kv(short):  # free Mamba slots -> KV
+            short = n + reserve + own - self._kv_room()
+        if short > 0:
             return give_up()
         self.cache.ensure_free(mamba_slots=1)
         if self.pools.mamba.available() == 0 and self.elastic is not None:

@@ -104,7 +104,9 @@ class MemoryPools:
         top of the KV pool (keeping ``keep_kv_free`` token slots free); as many as can be had.
         Returns the Mamba slots gained (0: nothing moved)."""
         bps, page, ps = self.mamba.bytes_per_slot, self.page_bytes, self.kv.page_size
-        can = min(self.kv.allocator.free_pages_at_top(), (self.kv.allocator.available() - keep_kv_free) // ps)
+        can = min(self.kv.allocator.free_pages_at_top(), (self.kv.allocator.available() - keep_kv_free) // ps,
+                  # one request of max_context_len must always fit (what sizing checked at start-up)
+                  self.kv.allocator.num_pages - -(-self.plan.max_context_len // ps))
         pages = min(max(can, 0), max(-(-(mamba_slots * bps - self.spare_bytes) // page), 0))
         gained = (pages * page + self.spare_bytes) // bps
         if gained <= 0:

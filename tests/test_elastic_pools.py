@@ -166,3 +166,24 @@ def test_benchmark_elastic_tiny_run(tmp_path):
     r = json.loads(out.read_text())["elastic"]
     assert r["fixed"]["retractions"] > r["elastic"]["retractions"], r
     assert r["elastic"]["moves"]["to_kv"] > 0 and r["fixed"]["moves"]["to_kv"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_elastic_pools_on_cuda_equal_the_fixed_split(compile_):
+    """On CUDA (eager, and the compiled forward without CUDA graphs): the flip workload's tokens
+    with elastic pools equal the fixed split's, with memory moved to the KV pool."""
+    import copy
+
+    model = copy.deepcopy(cached_model(NAME, 0)).to("cuda")
+    phases = _flip_workload(vocab_size(model))
+    outs = {}
+    for elastic in (False, True):
+        engine = make_engine(model, elastic_pools=elastic, compile=compile_, cuda_graphs=False, **ARGS)
+        outs[elastic] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
+        if elastic:
+            assert engine.stats()["elastic_pools"]["to_kv"] > 0
+        engine.clear_prefix_cache()
+        engine.pools.check_all_free()
+        engine.close()
+    assert outs[True] == outs[False]

@@ -234,6 +234,8 @@ def load_back_rate(engine) -> dict:
     engine.clear_prefix_cache()
     host, alloc = engine.host_pool, engine.pools.kv.allocator
     n = min(alloc.available(), host.kv_capacity()) // alloc.page_size * alloc.page_size
+    if n == 0:
+        raise ValueError("load_back_rate: no free KV slots or no host KV capacity to measure with")
     slots = alloc.alloc(n)
     try:
         start = host.write_kv(slots)

@@ -44,9 +44,14 @@ class Harness:
         self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy, host_pool=self.host)
         self.ps = page_size
         self.alloc = self.pools.kv.allocator
-        self.k = self.pools.kv.k_cache(1)  # K[slot, 0, 0] = the token the slot holds
         self.k.fill_(-1)
         self._ids: dict[tuple, int] = {(): 0}
+
+    @property
+    def k(self) -> torch.Tensor:
+        """K of the attention layer: ``K[slot, 0, 0]`` = the token the slot holds (asked for anew:
+        elastic pools replace the buffers)."""
+        return self.pools.kv.k_cache(1)
 
     # -- ground truth ---------------------------------------------------------------------
     def prefix_id(self, tokens) -> int:
@@ -645,7 +650,7 @@ class FakeRequest:
 
 
 def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru",
-                          host_tier: bool = False, host_pages: int = 20) -> None:
+                          host_tier: bool = False, host_pages: int = 20, elastic: bool = False) -> None:
     """Random request lifecycles (start = match + lock + copy-on-write + KV allocation, chunk =
     cache_unfinished_req, finish = cache_finished_req, abort = unlock, probe = match, and explicit
     evictions) on a small cache, checked against a brute-force model after every step. ``seed``
@@ -657,12 +662,13 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
     a state (loaded back, checked against the stamped tokens and states) unless the device could
     not make room (``host_load_failed`` counted: then the deepest device hit), and every host copy
     is checked against the data it copied. A small ``host_pages`` makes host writes fail (the
-    device victim is then dropped as without the tier)."""
+    device victim is then dropped as without the tier). With ``elastic`` the pools also move free
+    entries' bytes between KV and Mamba (``MemoryPools.move_*`` + ``pools_resized``) at random:
+    the tree's content, every slot's data and every invariant must survive."""
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     ps = page_size
     h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy,
                 host_kv_tokens=host_pages * ps if host_tier else None, host_mamba_slots=max(1, host_pages // 4))
-    kv_capacity, mamba_capacity = h.pools.free_counts()["kv_tokens"], h.pools.free_counts()["mamba_slots"]
     cache = h.cache
     kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds (either tier)
     state_model: set[tuple] = set()  # prefixes whose state the tree holds (either tier)
@@ -803,8 +809,8 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
 
     for _ in range(steps):
         op = rng.choices(
-            ["start", "chunk", "finish", "abort", "probe", "evict_kv", "evict_mamba", "ensure_free"],
-            weights=[6, 3, 4, 1, 2, 1, 1, 1],
+            ["start", "chunk", "finish", "abort", "probe", "evict_kv", "evict_mamba", "ensure_free", "resize"],
+            weights=[6, 3, 4, 1, 2, 1, 1, 1, 2 if elastic else 0],
         )[0]
         if op == "start" and len(running) < 4:
             start()
@@ -825,6 +831,15 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
             freed = cache.evict_mamba(want)
             assert freed >= want or cache.mamba_evictable_size() == 0
             check_eviction(before, freed_states=freed)
+        elif op == "resize":
+            before = h.tier_content()
+            if rng.random() < 0.5:
+                moved = h.pools.move_mamba_to_kv(rng.randrange(1, 8 * ps), keep_mamba_free=1)
+            else:
+                moved = h.pools.move_kv_to_mamba(rng.randrange(1, 3))
+            if moved:
+                cache.pools_resized()
+            assert h.tier_content() == before  # only free entries moved; every slot kept its data
         elif op == "ensure_free":
             before = snapshot()
             kv_want, mamba_want = rng.randrange(0, 24 * ps), rng.randrange(0, 7)
@@ -850,8 +865,8 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         assert used["mamba_slots"] == cache.mamba_size() + len(running)
         # pool free counts + tree usage (+ the running requests' own slots) == capacity, in pages
         held = torch.cat([n.value for n in nodes if n.value is not None] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
-        assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == kv_capacity
-        assert free["mamba_slots"] + cache.mamba_size() + len(running) == mamba_capacity
+        assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == h.pools.kv.total()
+        assert free["mamba_slots"] + cache.mamba_size() + len(running) == h.pools.mamba.total()
         assert cache.protected_size() == len({p for p in locked_prefixes()[0]}) * ps
         for r in running:
             assert not r.node.removed and h.tokens_at(r.kv) == r.tokens[: len(r.kv)]
@@ -876,6 +891,13 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
 @pytest.mark.parametrize("seed", range(4))
 def test_random_request_lifecycles_with_the_host_tier_match_the_brute_force_model(seed, page_size, policy):
     run_random_lifecycles(seed, page_size, steps=200, policy=policy, host_tier=True)
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_request_lifecycles_with_elastic_pools(seed, page_size, host_tier):
+    run_random_lifecycles(seed, page_size, steps=200, host_tier=host_tier, elastic=True)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

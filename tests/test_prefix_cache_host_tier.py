@@ -10,6 +10,8 @@ slot is free. On the CPU the "host" pool is a second set of CPU tensors.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from engine_models import assert_greedy_equal, cached_model, hf_greedy_cached, make_engine, single_threaded, vocab_size
@@ -24,8 +26,17 @@ def _one_thread():
     yield from single_threaded()
 
 
-def _model():
-    return cached_model(NAME, 0)
+def _model(name: str = NAME):
+    if name == "bamba":  # Mamba2 mixers (chunk 16) beside attention
+        return _bamba()
+    return cached_model(name, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _bamba():
+    import mamba2_models as mm
+
+    return mm.build_bamba(4)
 
 
 def _waves(vocab: int) -> list[list[list[int]]]:
@@ -48,9 +59,9 @@ def _run(engine, waves):
     return [engine.generate_batch(w, max_new_tokens=MAX_NEW) for w in waves]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_host_tier_hits_equal_tier_off_and_transformers(page_size):
-    model = _model()
+@pytest.mark.parametrize("name,page_size", [(NAME, 1), (NAME, 4), ("bamba", 1)])
+def test_host_tier_hits_equal_tier_off_and_transformers(name, page_size):
+    model = _model(name)
     waves = _waves(vocab_size(model))
     off = make_engine(model, page_size=page_size, **ARGS)
     outputs_off = _run(off, waves)
@@ -61,7 +72,7 @@ def test_host_tier_hits_equal_tier_off_and_transformers(page_size):
     assert outputs == outputs_off
     for wave, outs in zip(waves, outputs):
         for prompt, out in zip(wave, outs):
-            assert_greedy_equal(model, prompt, out, hf_greedy_cached(model, ("host-tier", NAME), prompt, MAX_NEW))
+            assert_greedy_equal(model, prompt, out, hf_greedy_cached(model, ("host-tier", name), prompt, MAX_NEW))
     st = engine.stats()["prefix_cache"]
     assert st["host_tier"] and st["host_written_tokens"] > 0 and st["kv_evicted_tokens"] > 0, st
     assert st["host_hits"] > 0 and st["host_loaded_tokens"] > 0 and st["host_hit_tokens"] > 0, st

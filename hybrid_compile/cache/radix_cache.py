@@ -303,7 +303,8 @@ class HybridRadixCache:
         self._kv_index = self.policy.eviction_index(self._kv_evictable, _kv_access, self._kv_efficiency)
         self._mamba_index = self.policy.eviction_index(self._mamba_evictable, _mamba_access, self._mamba_efficiency)
         self._host_index = (
-            self.policy.eviction_index(self._host_evictable, _kv_access, self._kv_efficiency) if self.host else None
+            self.policy.eviction_index(self._host_evictable, _kv_access, self._kv_efficiency)
+            if self.host is not None else None
         )
         self._host_tokens = 0  # KV tokens with a host copy
         self._host_states = 0  # states with a host copy

@@ -27,6 +27,17 @@ the running requests; the prompts come in random group order in waves of ``press
 reports the token hit rate (prefix tokens served from the cache / tokens of the admitted
 requests) of LRU and Marconi.
 
+Host tier (``--host-tier``): adds the system ``lru_host`` (LRU with
+``EngineConfig.prefix_cache_host_tier``, ``--host-bytes`` of pinned host memory): under memory
+pressure the device evicts to the host and hits load back, so its pressure phase against ``lru``
+shows the hit rate and TTFT the tier buys. After its phases it measures the load-back rate
+(:meth:`HostPool.load_kv` of a whole KV range, GB/s) next to a plain pinned host -> device copy
+of the same bytes (the copy engine's rate).
+
+Elastic pools (``--elastic``): a workload that flips from ``flip_chats`` short chats at once
+(state-bound) to ``flip_docs`` long documents (KV-bound), on pools sized for the chats, with the
+fixed split and with ``EngineConfig.elastic_pools``: retractions, steps, seconds and the moves.
+
 Prints a table and saves JSON under ``benchmarks/results/``.
 """
 
@@ -51,9 +62,12 @@ SYSTEMS = {
     "no_cache": dict(enable_prefix_cache=False),
     "lru": dict(enable_prefix_cache=True, prefix_cache_policy="lru"),
     "marconi": dict(enable_prefix_cache=True, prefix_cache_policy="marconi"),
+    "lru_host": dict(enable_prefix_cache=True, prefix_cache_policy="lru", prefix_cache_host_tier=True),
 }
+DEFAULT_SYSTEMS = ["no_cache", "lru", "marconi"]
 CACHE_COUNTERS = ("admitted_hit_tokens", "admitted_tokens", "mamba_hits", "kv_evicted_tokens", "mamba_evicted",
-                  "checkpoints_tracked", "checkpoints_forked", "checkpoints_skipped", "admissions_held")
+                  "checkpoints_tracked", "checkpoints_forked", "checkpoints_skipped", "admissions_held",
+                  "host_hits", "host_hit_tokens", "host_loaded_tokens", "host_written_tokens", "host_evicted_tokens")
 ENGINE_COUNTERS = ("steps", "extend_steps", "decode_steps", "prefill_tokens", "decode_tokens", "forward_seconds",
                    "retractions")
 
@@ -195,7 +209,47 @@ def engine_config(system: str, args, capacity: dict) -> dict:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     if args.eager:
         kw["compile"] = False
+    if SYSTEMS[system].get("prefix_cache_host_tier"):
+        kw["prefix_cache_host_bytes"] = args.host_bytes
     return kw
+
+
+def _timed(fn, device, repeat: int = 5) -> float:
+    """Best-of-``repeat`` seconds of ``fn()`` (synchronised on CUDA)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def load_back_rate(engine) -> dict:
+    """GB/s of a host-tier load back (one host KV range into free device slots) and of a plain
+    pinned host -> device copy of the same bytes, on the engine's (empty) pools."""
+    engine.clear_prefix_cache()
+    host, alloc = engine.host_pool, engine.pools.kv.allocator
+    n = min(alloc.available(), host.kv_capacity()) // alloc.page_size * alloc.page_size
+    if n == 0:
+        raise ValueError("load_back_rate: no free KV slots or no host KV capacity to measure with")
+    slots = alloc.alloc(n)
+    try:
+        start = host.write_kv(slots)
+        host.synchronize()
+        nbytes = n * host.bytes_per_token
+        t_load = _timed(lambda: host.load_kv(start, slots), engine.device)
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=host.pin)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=engine.device)
+        t_copy = _timed(lambda: dst.copy_(src, non_blocking=True), engine.device)
+        host.free_kv(start, n)
+    finally:
+        alloc.free(slots)
+    return {"tokens": n, "bytes": nbytes, "load_back_gb_s": nbytes / t_load / 1e9,
+            "host_to_device_copy_gb_s": nbytes / t_copy / 1e9}
 
 
 def workloads(args, vocab: int):
@@ -242,6 +296,10 @@ def run_system(model, system: str, args, vocab: int) -> dict:
               f"prefill {r['mean_prefill_s'] * 1e3:8.1f})  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
               f"{r['output_tokens_per_s']:8.1f} out tok/s  hit rate {r.get('cache', {}).get('token_hit_rate', 0):.3f}",
               flush=True)
+        if engine.host_pool is not None:
+            out["load_back"] = r = load_back_rate(engine)
+            print(f"  {system:9s} load back {r['load_back_gb_s']:.2f} GB/s vs host->device copy "
+                  f"{r['host_to_device_copy_gb_s']:.2f} GB/s ({r['bytes'] / 2**20:.1f} MiB)", flush=True)
         if args.pressure and engine.prefix_cache is not None:
             engine.clear_prefix_cache()
             ballast = Ballast(engine, **pressure_capacity)
@@ -253,9 +311,53 @@ def run_system(model, system: str, args, vocab: int) -> dict:
             c = r["cache"]
             print(f"  {system:9s} pressure: token hit rate {c['token_hit_rate']:.3f}  mean TTFT "
                   f"{r['mean_ttft_s'] * 1e3:9.1f} ms  (KV evicted {c['kv_evicted_tokens']}, Mamba evicted "
-                  f"{c['mamba_evicted']})", flush=True)
+                  f"{c['mamba_evicted']}, host hits {c['host_hits']}, host hit tokens {c['host_hit_tokens']})",
+                  flush=True)
     finally:
         engine.close()
+    return out
+
+
+def flip_workload(args, vocab: int):
+    """(phases, engine kwargs) of the elastic-pools comparison: chats, then documents."""
+    g = torch.Generator().manual_seed(args.seed + 2)
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    chats = [tokens(args.flip_chat_len) for _ in range(args.flip_chats)]
+    docs = [tokens(args.flip_doc_len + 2 * i) for i in range(args.flip_docs)]
+    phases = [(chats, args.flip_chat_output), (docs, args.flip_doc_output)]
+    # KV for the chats plus ~1.5 documents; Mamba slots for the chats and their cached states
+    kv = args.flip_chats * (args.flip_chat_len + args.flip_chat_output) // 2 + args.flip_doc_len * 3 // 2
+    engine = dict(max_running_requests=args.flip_chats, max_total_tokens=kv, mamba_cache_size=4 * args.flip_chats,
+                  chunked_prefill_size=args.chunked_prefill_size or 2048, cuda_graphs=False)
+    return phases, engine
+
+
+def run_elastic_comparison(model, args, vocab: int) -> dict:
+    """The flip workload with the fixed split and with elastic pools (same outputs asserted)."""
+    phases, kw = flip_workload(args, vocab)
+    if args.eager:
+        kw["compile"] = False
+    out, outputs = {}, {}
+    for name, elastic in (("fixed", False), ("elastic", True)):
+        engine = hc.wrap(model, elastic_pools=elastic, **kw)
+        try:
+            t0 = time.perf_counter()
+            outputs[name] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
+            st = engine.stats()
+            out[name] = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
+                         "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"]}
+        finally:
+            engine.close()
+        r = out[name]
+        print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
+              f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
+              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba", flush=True)
+    if outputs["fixed"] != outputs["elastic"]:
+        raise AssertionError("elastic pools changed the greedy outputs of the flip workload")
+    out["settings"] = kw
     return out
 
 
@@ -285,7 +387,11 @@ def parse_args(argv=None):
     p.add_argument("--pressure-kv-groups", type=float, default=2.5, help="KV pool: this many system prompts")
     p.add_argument("--pressure-mamba-slots", type=int, default=None, help="Mamba slots beyond the running requests")
     p.add_argument("--no-pressure", dest="pressure", action="store_false")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS),
+                   help=f"default: {' '.join(DEFAULT_SYSTEMS)} (+ lru_host with --host-tier)")
+    p.add_argument("--host-tier", action="store_true", help="add the system lru_host (prefix cache with a host tier)")
+    p.add_argument("--host-bytes", type=int, default=None,
+                   help="host tier size of lru_host (default: 4 GiB; --tiny: 16 MiB)")
     p.add_argument("--eager", action="store_true", help="EngineConfig.compile=False (default: the engine's, "
                    "i.e. compile + CUDA graphs on CUDA)")
     p.add_argument("--warmup-len", type=int, default=None, help="prompt length of the warm-up requests")
@@ -293,6 +399,14 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="before the timed shared-prefix phase, a traced run of it: per-step times and top kernels "
                         "written under DIR (benchmarks/profiling.py)")
+    p.add_argument("--elastic", action="store_true",
+                   help="also run the chats -> documents flip with the fixed split and with elastic pools")
+    p.add_argument("--flip-chats", type=int, default=None, help="chats at once in the flip workload")
+    p.add_argument("--flip-chat-len", type=int, default=None)
+    p.add_argument("--flip-chat-output", type=int, default=None)
+    p.add_argument("--flip-docs", type=int, default=None, help="documents of the flip workload")
+    p.add_argument("--flip-doc-len", type=int, default=None)
+    p.add_argument("--flip-doc-output", type=int, default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,
@@ -300,6 +414,12 @@ def parse_args(argv=None):
                 if args.tiny else
                 dict(groups=8, prompts_per_group=8, system_len=10000, question_len=128, output_len=32,
                      pressure_wave=16, pressure_mamba_slots=8, warmup_len=3000))
+    defaults["host_bytes"] = 16 << 20 if args.tiny else 4 << 30
+    defaults.update(dict(flip_chats=8, flip_chat_len=12, flip_chat_output=3, flip_docs=3, flip_doc_len=40,
+                         flip_doc_output=28) if args.tiny else
+                    dict(flip_chats=64, flip_chat_len=256, flip_chat_output=32, flip_docs=4, flip_doc_len=8000,
+                         flip_doc_output=512))
+    defaults["systems"] = DEFAULT_SYSTEMS + (["lru_host"] if args.host_tier else [])
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -343,9 +463,13 @@ def main(argv=None) -> dict:
               f"{r['mean_prefill_s'] * 1e3:8.1f}   x{r.get('ttft_speedup_vs_no_cache', float('nan')):.2f} vs no cache  "
               f"hit rate {r.get('cache', {}).get('token_hit_rate', 0):.3f}")
     if run["pressure"]:
-        print("memory pressure (token hit rate):")
+        print("memory pressure (token hit rate, mean TTFT):")
         for s, r in run["pressure"].items():
-            print(f"  {s:9s} {r['cache']['token_hit_rate']:.3f}")
+            print(f"  {s:9s} {r['cache']['token_hit_rate']:.3f}  {r['mean_ttft_s'] * 1e3:9.1f} ms")
+    run["load_back"] = {s: r["load_back"] for s, r in per_system.items() if "load_back" in r}
+    if args.elastic:
+        print("chats -> documents flip, fixed split vs elastic pools:")
+        run["elastic"] = run_elastic_comparison(model, args, vocab)
     run["total_s"] = time.perf_counter() - t_start
     print(f"total {run['total_s']:.1f} s")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

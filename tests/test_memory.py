@@ -590,6 +590,10 @@ def test_plan_bounds_raise_clear_errors():
         _plan(max_total_tokens=16, mamba_cache_size=8)
     with pytest.raises(ValueError, match="mamba_prefix_cache_slots=2 need 6"):
         _plan(max_total_tokens=64, mamba_cache_size=5, mamba_prefix_cache_slots=2)
+    # by how much: slots and bytes short, and the concurrency the pool allows
+    with pytest.raises(ValueError, match=r"1 slot\(s\) \(.* MiB\) short, so the Mamba pool caps concurrency at 3 "
+                                         r"running request\(s\) instead of 4"):
+        _plan(max_total_tokens=64, mamba_cache_size=5, mamba_prefix_cache_slots=2)
     with pytest.raises(ValueError, match="leaves nothing"):
         _plan(memory_budget_bytes=100)
     # Enough for the maps but the Mamba share is too small for 4 requests.

@@ -1,12 +1,12 @@
 """Tests of hybrid_compile.cache: the hybrid radix tree (KV + Mamba states) on real pools.
 
 Every test runs on a tiny :class:`MemoryPools` (one attention layer, one linear layer). The
-harness records which token each KV slot holds (``slot_token``) and stamps every Mamba state
-with the id of the prefix it belongs to, so a test can check that a hit's KV slots hold
+harness writes into each KV slot's K the token it holds and stamps every Mamba state
+with the id of the prefix it belongs to (so host-tier copies and load backs carry them too), so a test can check that a hit's KV slots hold
 exactly the hit's tokens and that its state is exactly the state of that prefix. The random
 test drives request lifecycles (match, lock, copy-on-write, chunked prefill, finish, abort)
 and evictions against a brute-force model (the sets of cached prefixes with KV and with a
-state) and checks every invariant after every step.
+state; with the host tier, on each tier and their union) and checks every invariant after every step.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hybrid_compile.cache import HybridRadixCache, aligned_checkpoint_len, last_aligned_boundary
 from hybrid_compile.cache.policy import MarconiPolicy
 from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
+from hybrid_compile.memory.host_pool import HostPool
 
 ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=2, dtype=torch.float32)]
 LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(1,), conv_dtype=torch.float32)]
@@ -31,16 +32,26 @@ class Harness:
     """Pools + cache + ground truth of what every KV slot and Mamba slot holds."""
 
     def __init__(self, *, page_size: int = 1, kv_tokens: int = 64, mamba_slots: int = 8, mamba_align: int = 4,
-                 policy: str = "lru"):
+                 policy: str = "lru", host_kv_tokens: int | None = None, host_mamba_slots: int = 0):
         self.pools = MemoryPools.from_specs(
             ATTN, LINEAR, max_running_requests=1, max_context_len=page_size * 4,
             page_size=page_size, max_total_tokens=kv_tokens, mamba_cache_size=mamba_slots,
         )
-        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy)
+        self.host = (
+            None if host_kv_tokens is None
+            else HostPool(self.pools.kv, self.pools.mamba, host_kv_tokens, host_mamba_slots)
+        )
+        self.cache = HybridRadixCache(self.pools, mamba_align=mamba_align, policy=policy, host_pool=self.host)
         self.ps = page_size
         self.alloc = self.pools.kv.allocator
-        self.slot_token = torch.full((self.alloc.num_slots,), -1, dtype=torch.int64)
+        self.k.fill_(-1)
         self._ids: dict[tuple, int] = {(): 0}
+
+    @property
+    def k(self) -> torch.Tensor:
+        """K of the attention layer: ``K[slot, 0, 0]`` = the token the slot holds (asked for anew:
+        elastic pools replace the buffers)."""
+        return self.pools.kv.k_cache(1)
 
     # -- ground truth ---------------------------------------------------------------------
     def prefix_id(self, tokens) -> int:
@@ -58,7 +69,16 @@ class Harness:
         return int(ssm[0])
 
     def tokens_at(self, kv: torch.Tensor) -> list[int]:
-        return self.slot_token[kv].tolist()
+        return self.k[kv, 0, 0].long().tolist()
+
+    def host_tokens_at(self, start: int, n: int) -> list[int]:
+        host_k = self.host.kv_buffers[0][2]  # [host slots, layers, heads, dim]: K of the one attention layer
+        return host_k[start : start + n, 0, 0, 0].long().tolist()
+
+    def host_state_of(self, host_slot: int) -> int:
+        conv, ssm = (h for _, _, h in self.host.mamba_buffers)
+        assert bool((conv[host_slot] == ssm[host_slot][0, 0]).all()), "host conv window and SSM state disagree"
+        return int(ssm[host_slot][0, 0])
 
     # -- a request's own KV -----------------------------------------------------------------
     def alloc_kv(self, tokens, start: int, evict: bool = True) -> torch.Tensor | None:
@@ -68,7 +88,7 @@ class Harness:
             self.cache.ensure_free(kv_tokens=self.alloc.pages_needed([start], [n]) * self.ps)
         kv = self.alloc.alloc_extend([start], [n])
         if kv is not None:
-            self.slot_token[kv] = torch.tensor(list(tokens[start:]), dtype=torch.int64)
+            self.k[kv, 0, 0] = torch.tensor(list(tokens[start:]), dtype=torch.float32)
         return kv
 
     def new_state(self, tokens) -> int:
@@ -91,17 +111,29 @@ class Harness:
     def content(self) -> tuple[set, set]:
         """(page-aligned prefixes with KV, prefixes with a state) held by the tree, checking
         on the way that every slot holds the right token / state."""
+        return self.tier_content()[0]
+
+    def tier_content(self) -> tuple[tuple[set, set], tuple[set, set]]:
+        """:meth:`content` of the device and of the host tier, checking every host copy too."""
         kv_prefixes, state_prefixes = set(), set()
+        host_kv, host_states = set(), set()
         for node in self.cache.nodes():
             path = self.cache.path_tokens(node)
             start = len(path) - len(node.key)
-            assert self.tokens_at(node.value) == list(node.key)
-            for end in range(start + self.ps, len(path) + 1, self.ps):
-                kv_prefixes.add(path[:end])
+            ends = [path[:end] for end in range(start + self.ps, len(path) + 1, self.ps)]
+            if node.value is not None:
+                assert self.tokens_at(node.value) == list(node.key)
+                kv_prefixes.update(ends)
             if node.mamba_slot is not None:
                 state_prefixes.add(path)
                 assert self.state_of(node.mamba_slot) == self.prefix_id(path), "cached state is not its prefix's"
-        return kv_prefixes, state_prefixes
+            if node.host_start is not None:
+                assert self.host_tokens_at(node.host_start, len(node.key)) == list(node.key), "host KV copy"
+                host_kv.update(ends)
+            if node.host_mamba is not None:
+                host_states.add(path)
+                assert self.host_state_of(node.host_mamba) == self.prefix_id(path), "host state copy"
+        return (kv_prefixes, state_prefixes), (host_kv, host_states)
 
 
 def seq(*parts) -> list[int]:
@@ -532,6 +564,80 @@ def test_stats_and_reset_free_everything():
 
 
 # ----------------------------------------------------------------------------------------
+# host tier
+# ----------------------------------------------------------------------------------------
+def test_range_allocator_first_fit_and_coalescing():
+    from hybrid_compile.memory.host_pool import RangeAllocator
+
+    a = RangeAllocator(10)
+    assert (a.alloc(4), a.alloc(3), a.alloc(3)) == (0, 4, 7) and a.alloc(1) is None
+    a.free(4, 3)
+    a.free(0, 2)
+    assert (a.available(), a.largest_free()) == (5, 3) and a.alloc(4) is None
+    a.free(2, 2)  # joins [0, 2) and [4, 7) into [0, 7)
+    assert a.largest_free() == 7 and a.alloc(7) == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        RangeAllocator(4).free(0, 1)
+
+
+def test_host_tier_offloads_on_eviction_and_loads_back_on_a_hit():
+    h = Harness(kv_tokens=8, mamba_slots=3, host_kv_tokens=16, host_mamba_slots=4)
+    h.cache_seq([1, 2, 3, 4])
+    h.cache_seq([1, 2, 5, 6])
+    h.cache.match_prefix([1, 2, 3, 4])
+    assert h.cache.evict_kv(2) == 2  # LRU device leaf [5, 6] goes to the host, the node stays
+    (kv, states), (host_kv, host_states) = h.tier_content()
+    assert states == {(1, 2, 3, 4)} and host_states == {(1, 2, 5, 6)} and (1, 2, 5, 6) in host_kv
+    node = next(n for n in h.cache.nodes() if h.cache.path_tokens(n) == (1, 2, 5, 6))
+    assert node.tier == "host" and node.mamba_slot is None and node.host_mamba is not None
+    assert h.cache.kv_eviction_order()[0] is not node  # a host-only node is no device candidate
+    m = h.cache.match_prefix([1, 2, 5, 6, 7])  # a hit on the host-only node: loaded back
+    assert m.prefix_len == 4 and m.last_node is node and node.tier == "both"
+    assert h.tokens_at(m.kv_indices) == [1, 2, 5, 6]
+    assert h.state_of(node.mamba_slot) == h.prefix_id([1, 2, 5, 6])
+    st = h.cache.stats()
+    assert (st["host_hits"], st["host_loaded_tokens"], st["host_loaded_states"], st["host_hit_tokens"]) == (1, 2, 1, 4)
+    assert st["nodes_both"] == 1 and st["host_pool"]["load_bytes"] > 0
+    # evicting it again costs no copy (its host copies are still there)
+    written = st["host_written_tokens"]
+    h.cache.evict_kv(8)
+    assert h.cache.stats()["host_written_tokens"] == written + 4  # edges [3, 4] and [1, 2]; [5, 6] was there
+    assert h.cache.stats()["nodes_host_only"] == 3
+    h.cache.check_invariants()
+    # a request that recomputes a host-only prefix gives the tree its own slots (no load back)
+    tokens = [1, 2, 3, 4, 9, 9]
+    kv = h.alloc_kv(tokens, 0)
+    slot = h.new_state(tokens)
+    h.cache.insert(tokens, kv, slot)
+    (kv_p, _), _ = h.tier_content()
+    assert {(1, 2), (1, 2, 3, 4), tuple(tokens)} <= kv_p
+    h.cache.check_invariants()
+    h.cache.reset()
+    h.pools.check_all_free()
+    assert h.host.kv_allocator.used() == 0 and h.host.mamba_allocator.used() == 0
+
+
+def test_host_tier_full_drops_the_victim_and_a_full_device_gives_the_device_hit():
+    h = Harness(kv_tokens=8, mamba_slots=3, host_kv_tokens=2, host_mamba_slots=1)
+    h.cache_seq([1, 2, 3, 4])  # one edge of 4 tokens: never fits 2 host slots
+    assert h.cache.evict_kv(1) == 4
+    assert h.cache.stats()["nodes"] == 0 and h.cache.stats()["host_write_failed"] == 1
+    h.pools.check_all_free()
+    # a host hit whose load back cannot get device room falls back to the device hit
+    h = Harness(kv_tokens=6, mamba_slots=3, host_kv_tokens=16, host_mamba_slots=4)
+    h.cache_seq([1, 2])
+    h.cache_seq([1, 2, 3, 4])
+    h.cache.evict_kv(2)  # [3, 4] to the host
+    m = h.cache.match_prefix([1, 2])
+    h.cache.inc_lock_ref(m.last_node)
+    own = h.alloc_kv([1, 2, 7, 7, 7, 7], 2)  # the rest of the device pool, held by a request
+    assert own is not None and h.alloc.available() == 0
+    m2 = h.cache.match_prefix([1, 2, 3, 4, 5])
+    assert m2.prefix_len == 2 and h.cache.stats()["host_load_failed"] == 1
+    h.cache.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------
 # random request lifecycles against a brute-force model
 # ----------------------------------------------------------------------------------------
 class FakeRequest:
@@ -543,19 +649,34 @@ class FakeRequest:
         self.cached = cached
 
 
-def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru") -> None:
+def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int, policy: str = "lru",
+                          host_tier: bool = False, host_pages: int = 20, elastic: bool = False) -> None:
     """Random request lifecycles (start = match + lock + copy-on-write + KV allocation, chunk =
     cache_unfinished_req, finish = cache_finished_req, abort = unlock, probe = match, and explicit
     evictions) on a small cache, checked against a brute-force model after every step. ``seed``
     may be a ``random.Random`` (hypothesis' ``st.randoms()``: hypothesis then drives and shrinks
-    the operation sequence)."""
+    the operation sequence).
+
+    With ``host_tier`` the cache has a small host pool (host eviction happens too): the model's
+    sets are then the prefixes held on either tier, a match must return the deepest of them with
+    a state (loaded back, checked against the stamped tokens and states) unless the device could
+    not make room (``host_load_failed`` counted: then the deepest device hit), and every host copy
+    is checked against the data it copied. A small ``host_pages`` makes host writes fail (the
+    device victim is then dropped as without the tier). With ``elastic`` the pools also move free
+    entries' bytes between KV and Mamba (``MemoryPools.move_*`` + ``pools_resized``) at random:
+    the tree's content, every slot's data and every invariant must survive."""
     rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     ps = page_size
-    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy)
-    kv_capacity, mamba_capacity = h.pools.free_counts()["kv_tokens"], h.pools.free_counts()["mamba_slots"]
+    h = Harness(page_size=ps, kv_tokens=24 * ps, mamba_slots=7, mamba_align=2 * ps, policy=policy,
+                host_kv_tokens=host_pages * ps if host_tier else None, host_mamba_slots=max(1, host_pages // 4))
     cache = h.cache
-    kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds
-    state_model: set[tuple] = set()  # prefixes whose state the tree holds
+    kv_model: set[tuple] = set()  # page-aligned prefixes whose KV the tree holds (either tier)
+    state_model: set[tuple] = set()  # prefixes whose state the tree holds (either tier)
+
+    def view() -> tuple[set, set]:
+        """What the model tracks: the device content, or with the host tier the union of both."""
+        (kv, states), (host_kv, host_states) = h.tier_content()
+        return (kv | host_kv, states | host_states) if host_tier else (kv, states)
     running: list[FakeRequest] = []
     bases = [[rng.randrange(4) for _ in range(rng.randrange(0, 4 * ps))] for _ in range(3)]
 
@@ -576,12 +697,26 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         return hit, kv
 
     def check_match(tokens):
+        device = h.content()
+        failed = cache.stats()["host_load_failed"] if host_tier else 0
         m = cache.match_prefix(tokens)
-        assert (m.prefix_len, m.kv_match_len) == expected_hit(tokens)
+        hit, kv_len = expected_hit(tokens)
+        if host_tier and cache.stats()["host_load_failed"] > failed:  # no device room: the device hit
+            hit = max((n for n in range(1, len(tokens) + 1) if tuple(tokens[:n]) in device[1]), default=0)
+        assert (m.prefix_len, m.kv_match_len) == (hit, kv_len)
+        if host_tier:  # a load back may have evicted elsewhere (never on the matched path) to make room
+            kv_after, states_after = view()
+            assert kv_after <= kv_model and states_after <= state_model
+            assert {tuple(tokens[:e]) for e in range(ps, m.prefix_len + 1, ps)} <= h.content()[0], "hit not loaded"
+            kv_model.clear(); kv_model.update(kv_after)
+            state_model.clear(); state_model.update(states_after)
         assert h.tokens_at(m.kv_indices) == tokens[: m.prefix_len]
         if m.mamba_node is not None:
             assert h.state_of(m.mamba_node.mamba_slot) == h.prefix_id(tokens[: m.prefix_len])
         return m
+
+    def snapshot():
+        return h.content(), view()
 
     def locked_prefixes() -> tuple[set, set]:
         kv, states = set(), set()
@@ -593,17 +728,22 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         return kv, states
 
     def check_eviction(before, freed_tokens=None, freed_states=None) -> None:
-        kv_after, states_after = h.content()
+        device_before, before = before
+        device_after = h.content()
+        kv_after, states_after = view()
         kv_before, states_before = before
         locked_kv, locked_states = locked_prefixes()
         assert kv_after <= kv_before and states_after <= states_before
-        assert locked_kv <= kv_after and locked_states <= states_after, "a locked prefix was evicted"
+        assert device_after[0] <= device_before[0] and device_after[1] <= device_before[1]
+        assert locked_kv <= device_after[0] and locked_states <= device_after[1], "a locked prefix was evicted"
         if freed_tokens is not None:
-            assert freed_tokens == (len(kv_before) - len(kv_after)) * ps
-            lost_states = states_before - states_after
-            assert all(p not in kv_after for p in lost_states), "evict_kv made a tombstone"
+            lost = (len(device_before[0]) - len(device_after[0])) * ps
+            # with the host tier, making host room may also drop a device leaf whose only state was a host copy
+            assert freed_tokens == lost if not host_tier else freed_tokens <= lost
+            lost_states = device_before[1] - device_after[1]
+            assert all(p not in device_after[0] for p in lost_states), "evict_kv made a tombstone"
         if freed_states is not None:
-            assert freed_states == len(states_before - states_after)
+            assert freed_states == len(device_before[1] - device_after[1])
         kv_model.clear(); kv_model.update(kv_after)
         state_model.clear(); state_model.update(states_after)
 
@@ -613,14 +753,14 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
             return
         m = check_match(tokens[:-1])
         cache.inc_lock_ref(m.last_node)
-        before = h.content()
+        before = snapshot()
         slot = cache.cow_mamba(m)  # may evict one state
         check_eviction(before)
         if slot is None:
             cache.dec_lock_ref(m.last_node)
             return
         assert h.state_of(slot) == h.prefix_id(tokens[: m.prefix_len])
-        before = h.content()
+        before = snapshot()
         own = h.alloc_kv(tokens, m.prefix_len)  # may evict KV
         check_eviction(before)
         if own is None:
@@ -637,14 +777,15 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         h.write_state(r.slot, r.tokens[:end])
         adopt = rng.random() < 0.3 and h.pools.mamba.available() > 0
         state = h.new_state(r.tokens[:end]) if adopt else r.slot
-        before = h.content()
+        before = snapshot()
         res = cache.cache_unfinished_req(r.tokens[:end], r.kv[:end], r.node, state, adopt_mamba=adopt)
         if res.inserted:
             assert res.prefix_len == end and h.tokens_at(res.kv_indices) == r.tokens[:end]
             r.kv = torch.cat([res.kv_indices, r.kv[end:]])
             r.node, r.cached = res.last_node, end
             kv_new = {tuple(r.tokens[:e]) for e in range(ps, end + 1, ps)}
-            before = (before[0] | kv_new, before[1] | {tuple(r.tokens[:end])})
+            state_new = {tuple(r.tokens[:end])}
+            before = ((before[0][0] | kv_new, before[0][1] | state_new), (before[1][0] | kv_new, before[1][1] | state_new))
         check_eviction(before)  # forking the state may have evicted one cached state
 
     def finish(r: FakeRequest) -> None:
@@ -652,9 +793,10 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         n = len(r.tokens)
         state_len = n if rng.random() < 0.6 else rng.randrange(0, n + 1)
         h.write_state(r.slot, r.tokens[:state_len])
+        device_kv = h.content()[0]
         already = cache.cache_finished_req(r.tokens, r.kv, r.node, r.slot, mamba_len=state_len)
         kept = state_len if state_len % ps == 0 else 0  # 0: no state kept
-        kv_prefix = max((e for e in range(ps, n - n % ps + 1, ps) if tuple(r.tokens[:e]) in kv_model), default=0)
+        kv_prefix = max((e for e in range(ps, n - n % ps + 1, ps) if tuple(r.tokens[:e]) in device_kv), default=0)
         assert already == (kv_prefix if kept == 0 else min(kv_prefix, kept))
         if kept:
             add_to_model(r.tokens, kept)
@@ -667,8 +809,8 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
 
     for _ in range(steps):
         op = rng.choices(
-            ["start", "chunk", "finish", "abort", "probe", "evict_kv", "evict_mamba", "ensure_free"],
-            weights=[6, 3, 4, 1, 2, 1, 1, 1],
+            ["start", "chunk", "finish", "abort", "probe", "evict_kv", "evict_mamba", "ensure_free", "resize"],
+            weights=[6, 3, 4, 1, 2, 1, 1, 1, 2 if elastic else 0],
         )[0]
         if op == "start" and len(running) < 4:
             start()
@@ -678,19 +820,28 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         elif op == "probe":
             check_match(new_tokens())
         elif op == "evict_kv":
-            before = h.content()
+            before = snapshot()
             want = rng.randrange(1, 8 * ps)
             freed = cache.evict_kv(want)
             assert freed >= want or cache.evictable_size() == 0
             check_eviction(before, freed_tokens=freed)
         elif op == "evict_mamba":
-            before = h.content()
+            before = snapshot()
             want = rng.randrange(1, 4)
             freed = cache.evict_mamba(want)
             assert freed >= want or cache.mamba_evictable_size() == 0
             check_eviction(before, freed_states=freed)
+        elif op == "resize":
+            before = h.tier_content()
+            if rng.random() < 0.5:
+                moved = h.pools.move_mamba_to_kv(rng.randrange(1, 8 * ps), keep_mamba_free=1)
+            else:
+                moved = h.pools.move_kv_to_mamba(rng.randrange(1, 3))
+            if moved:
+                cache.pools_resized()
+            assert h.tier_content() == before  # only free entries moved; every slot kept its data
         elif op == "ensure_free":
-            before = h.content()
+            before = snapshot()
             kv_want, mamba_want = rng.randrange(0, 24 * ps), rng.randrange(0, 7)
             ok = cache.ensure_free(kv_tokens=kv_want, mamba_slots=mamba_want)
             free = h.pools.free_counts()
@@ -700,19 +851,22 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
         # invariants after every step
         cache.check_invariants()
         nodes = list(cache.nodes())
-        assert set(cache.kv_eviction_order()) == {n for n in nodes if n.is_leaf and n.full_lock_ref == 0}
+        assert set(cache.kv_eviction_order()) == {
+            n for n in nodes
+            if n.value is not None and n.full_lock_ref == 0 and all(c.value is None for c in n.children.values())
+        }
         assert set(cache.mamba_eviction_order()) == {
             n for n in nodes if n.mamba_slot is not None and n.mamba_lock_ref == 0 and (n.children or n.full_lock_ref == 0)
         }
-        kv_content, state_content = h.content()
+        kv_content, state_content = view()
         assert (kv_content, state_content) == (kv_model, state_model)
         used, free = h.pools.used_counts(), h.pools.free_counts()
         assert used["kv_tokens"] == cache.cached_tokens() + sum(len(r.kv) - r.cached for r in running)
         assert used["mamba_slots"] == cache.mamba_size() + len(running)
         # pool free counts + tree usage (+ the running requests' own slots) == capacity, in pages
-        held = torch.cat([n.value for n in nodes] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
-        assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == kv_capacity
-        assert free["mamba_slots"] + cache.mamba_size() + len(running) == mamba_capacity
+        held = torch.cat([n.value for n in nodes if n.value is not None] + [r.kv[r.cached :] for r in running] + [torch.zeros(0, dtype=torch.int64)])
+        assert free["kv_tokens"] + torch.unique(held // ps).numel() * ps == h.pools.kv.total()
+        assert free["mamba_slots"] + cache.mamba_size() + len(running) == h.pools.mamba.total()
         assert cache.protected_size() == len({p for p in locked_prefixes()[0]}) * ps
         for r in running:
             assert not r.node.removed and h.tokens_at(r.kv) == r.tokens[: len(r.kv)]
@@ -722,8 +876,41 @@ def run_random_lifecycles(seed: int | random.Random, page_size: int, steps: int,
     assert cache.protected_size() == 0
     if not isinstance(seed, random.Random):  # hypothesis may draw a sequence without lookups
         assert cache.stats()["lookups"] > 0
+    if host_tier and not isinstance(seed, random.Random):  # (hypothesis may draw a sequence that never evicts)
+        st_ = cache.stats()
+        assert st_["host_written_tokens"] > 0 and st_["host_evicted_tokens"] > 0, "the workload never used the host tier"
+        assert st_["host_hits"] > 0 and st_["host_loaded_tokens"] > 0
     cache.reset()
     h.pools.check_all_free()
+    if host_tier:
+        assert h.host.kv_allocator.used() == 0 and h.host.mamba_allocator.used() == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "marconi"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_request_lifecycles_with_the_host_tier_match_the_brute_force_model(seed, page_size, policy):
+    run_random_lifecycles(seed, page_size, steps=200, policy=policy, host_tier=True)
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_request_lifecycles_with_elastic_pools(seed, page_size, host_tier):
+    run_random_lifecycles(seed, page_size, steps=200, host_tier=host_tier, elastic=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_request_lifecycles_with_a_tiny_host_tier_drop_what_does_not_fit(seed, page_size):
+    run_random_lifecycles(seed, page_size, steps=200, host_tier=True, host_pages=2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), page_size=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(["lru", "marconi"]))
+def test_random_request_lifecycles_with_the_host_tier_hypothesis_drives_the_operations(rng, page_size, policy):
+    run_random_lifecycles(rng, page_size, steps=60, policy=policy, host_tier=True)
 
 
 @pytest.mark.parametrize("policy", ["lru", "marconi"])

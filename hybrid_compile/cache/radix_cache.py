@@ -43,6 +43,24 @@ A radix tree over token ids (the design of SGLang's ``MambaRadixCache``, extende
   branch point of :attr:`MatchResult.branching_len` first, else the last aligned boundary).
   ``mamba_align`` is independent of the KV page size.
 
+- **Host tier** (``host_pool``, a :class:`~hybrid_compile.memory.host_pool.HostPool`). Device
+  eviction (:meth:`evict_kv`, and :meth:`evict_mamba` of a leaf) does not drop a node: it writes
+  the edge's KV and the node's state to the host pool (asynchronously on CUDA, see
+  ``memory/host_pool.py``), frees the device slots and keeps the node, now host-only
+  (:attr:`TreeNode.tier`: ``"device"``, ``"host"`` or ``"both"``; a state likewise has a device
+  slot, a host slot or both). Host-only nodes form whole subtrees below the device part of the
+  tree, so the device-eviction candidates are the leaves *of the device part*. A match may end
+  at a host-only node or at a node whose state is on the host only: :meth:`match_prefix` then
+  allocates device slots (evicting on the device, with the matched path held), copies the KV of
+  the path's host-only nodes and the state back, and returns a device hit as before — the load
+  is queued before the request's first extend step. The host copies stay (``"both"``), so a
+  second device eviction of the node costs no copy. If the device cannot make room, the hit is
+  the device-only part of the path. An insert over host-only nodes gives them the request's
+  device slots (no copy). Host space is freed by :meth:`evict_host` in the policy's order
+  (:meth:`host_eviction_order`): host copies of nodes that are also on the device first in line
+  with host-only leaves; when the host cannot make room, the device victim is dropped as without
+  the tier (with its host-only subtree). ``stats()`` adds the host counters.
+
 Everything here is host-side bookkeeping plus :meth:`MambaPool.copy_slots` /
 :meth:`MambaPool.fork` for state copies; nothing syncs the device.
 
@@ -84,6 +102,7 @@ from typing import Callable, Iterator, Sequence, Union
 import torch
 
 from ..memory.allocator import IndexLike, as_index_tensor
+from ..memory.host_pool import HostPool
 from ..memory.pools import MemoryPools
 from .policy import PrefixCachePolicy, aligned_checkpoint_len, last_aligned_boundary, make_policy  # noqa: F401
 
@@ -119,6 +138,9 @@ class TreeNode:
         "mamba_last_access",
         "removed",
         "prefix_len",
+        "host_start",
+        "host_mamba",
+        "host_pin",
     )
 
     def __init__(self, node_id: int, key: tuple[int, ...], value: torch.Tensor, parent: "TreeNode | None") -> None:
@@ -134,6 +156,11 @@ class TreeNode:
         self.mamba_last_access = 0
         self.removed = False
         self.prefix_len = len(key) + (parent.prefix_len if parent is not None else 0)  # tokens from the root
+        # host tier (``host_pool``): start of the edge's KV in the host pool's token ranges, the
+        # host Mamba slot of its state, and a pin that keeps both while a load back runs
+        self.host_start: int | None = None
+        self.host_mamba: int | None = None
+        self.host_pin = 0
 
     @property
     def is_root(self) -> bool:
@@ -144,14 +171,26 @@ class TreeNode:
         return not self.children
 
     @property
+    def has_state(self) -> bool:
+        """A Mamba state on the device or on the host."""
+        return self.mamba_slot is not None or self.host_mamba is not None
+
+    @property
+    def tier(self) -> str:
+        """Where the edge's KV lives: ``"device"``, ``"host"`` or ``"both"``."""
+        if self.value is None:
+            return "host"
+        return "device" if self.host_start is None else "both"
+
+    @property
     def is_tombstone(self) -> bool:
         """Non-root internal node without a Mamba state (keeps KV for its children)."""
-        return self.parent is not None and bool(self.children) and self.mamba_slot is None
+        return self.parent is not None and bool(self.children) and not self.has_state
 
     def __repr__(self) -> str:
         return (
-            f"TreeNode(id={self.id}, len={len(self.key)}, mamba={self.mamba_slot}, "
-            f"locks={self.full_lock_ref}/{self.mamba_lock_ref}, children={len(self.children)})"
+            f"TreeNode(id={self.id}, len={len(self.key)}, mamba={self.mamba_slot}, kv={self.tier}, "
+            f"host_mamba={self.host_mamba}, locks={self.full_lock_ref}/{self.mamba_lock_ref}, children={len(self.children)})"
         )
 
 
@@ -222,6 +261,8 @@ class HybridRadixCache:
             length, the linear layers' share) per byte it holds (its Mamba state + its edge's KV).
         marconi_alpha: Marconi's weight of FLOP efficiency (settable later: ``cache.marconi_alpha``).
         prefix_flops: fixed at construction (the eviction indexes keep each node's efficiency).
+        host_pool: a :class:`~hybrid_compile.memory.host_pool.HostPool` on the same pools turns
+            on the host tier (see the module docstring); ``None``: evicted nodes are dropped.
 
     Token ids are any sequence of ints (or a 1-D integer tensor). Sequences given to
     :meth:`insert` and :meth:`cache_unfinished_req` must be a whole number of pages.
@@ -235,6 +276,7 @@ class HybridRadixCache:
         policy: str | PrefixCachePolicy = "lru",
         marconi_alpha: float = 1.0,
         prefix_flops: Callable[[int], float] | None = None,
+        host_pool: HostPool | None = None,
     ) -> None:
         if mamba_align < 1:
             raise ValueError(f"HybridRadixCache: mamba_align must be >= 1, got {mamba_align}")
@@ -246,6 +288,9 @@ class HybridRadixCache:
         self.mamba_pool = pools.mamba
         self.page_size = self.kv_allocator.page_size
         self.mamba_align = mamba_align
+        if host_pool is not None and host_pool.device != pools.kv.device:
+            raise ValueError("HybridRadixCache: host_pool was built for pools on another device")
+        self.host = host_pool
         self._node_ids = itertools.count()
         # Which slots the tree owns (host masks, for validation and exact accounting).
         self._kv_owned = torch.zeros(self.kv_allocator.num_slots, dtype=torch.bool)
@@ -257,6 +302,12 @@ class HybridRadixCache:
         # the eviction candidates, kept up to date by _reindex (policy.EvictionIndex)
         self._kv_index = self.policy.eviction_index(self._kv_evictable, _kv_access, self._kv_efficiency)
         self._mamba_index = self.policy.eviction_index(self._mamba_evictable, _mamba_access, self._mamba_efficiency)
+        self._host_index = (
+            self.policy.eviction_index(self._host_evictable, _kv_access, self._kv_efficiency)
+            if self.host is not None else None
+        )
+        self._host_tokens = 0  # KV tokens with a host copy
+        self._host_states = 0  # states with a host copy
         self._clock = 0
         self._num_nodes = 0  # non-root nodes
         self._cached_tokens = 0
@@ -281,6 +332,17 @@ class HybridRadixCache:
                 "mamba_evicted",
                 "mamba_evicted_tokens",
                 "tombstones_created",
+                # host tier
+                "host_hits",
+                "host_hit_tokens",
+                "host_loaded_tokens",
+                "host_loaded_states",
+                "host_load_failed",
+                "host_written_tokens",
+                "host_written_states",
+                "host_write_failed",
+                "host_evicted_tokens",
+                "host_evicted_states",
             ),
             0,
         )
@@ -368,17 +430,22 @@ class HybridRadixCache:
         """Cut ``child``'s edge after ``k`` tokens: a new KV-only parent takes the first ``k``."""
         assert 0 < k < len(child.key) and k % self.page_size == 0
         parent = child.parent
-        mid = TreeNode(next(self._node_ids), child.key[:k], child.value[:k].clone(), parent)
+        on_device = child.value is not None
+        mid = TreeNode(next(self._node_ids), child.key[:k], child.value[:k].clone() if on_device else None, parent)
         mid.full_lock_ref = child.full_lock_ref  # every lock through child passes through mid
         mid.last_access = child.last_access
         mid.mamba_last_access = child.mamba_last_access
+        if child.host_start is not None:  # the host range splits with the edge
+            mid.host_start = child.host_start
+            child.host_start += k
         child.key = child.key[k:]
-        child.value = child.value[k:].clone()
+        child.value = child.value[k:].clone() if on_device else None
         child.parent = mid
         mid.children[self._child_key(child.key)] = child
         parent.children[self._child_key(mid.key)] = mid
         self._num_nodes += 1
         self._reindex(child)  # a shorter edge: less KV to free (Marconi's efficiency)
+        self._reindex(mid)  # with the host tier mid may be a candidate (its only child on the host)
         return mid
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, mamba_slot: int) -> TreeNode:
@@ -409,17 +476,21 @@ class HybridRadixCache:
         self._reindex(node)
 
     def _remove_leaf(self, node: TreeNode) -> tuple[int, int]:
-        """Remove an unlocked leaf, freeing its KV and state; returns (tokens, states) freed."""
+        """Remove an unlocked leaf, freeing its KV and state on both tiers; returns the device
+        (tokens, states) freed."""
         assert node.is_leaf and node.full_lock_ref == 0 and node.parent is not None
         freed_states = 0
         if node.mamba_slot is not None:
             self._drop_mamba(node)
             freed_states = 1
-        if node.value.numel():
-            self.kv_allocator.free(node.value)
-            self._kv_owned[node.value] = False
-        tokens = len(node.key)
-        self._cached_tokens -= tokens
+        self._drop_host(node)
+        tokens = 0
+        if node.value is not None:
+            if node.value.numel():
+                self.kv_allocator.free(node.value)
+                self._kv_owned[node.value] = False
+            tokens = len(node.key)
+            self._cached_tokens -= tokens
         self._num_nodes -= 1
         parent = node.parent
         del parent.children[self._child_key(node.key)]
@@ -434,7 +505,10 @@ class HybridRadixCache:
         """Remove ``node`` and its ancestors while each is an unlocked non-root leaf without a
         state (a tombstone left childless); returns the tokens freed and the first node kept."""
         freed = 0
-        while node.parent is not None and node.is_leaf and node.mamba_slot is None and node.full_lock_ref == 0:
+        while (
+            node.parent is not None and node.is_leaf and not node.has_state and node.full_lock_ref == 0
+            and node.host_pin == 0
+        ):
             parent = node.parent
             freed += self._remove_leaf(node)[0]
             node = parent
@@ -497,8 +571,8 @@ class HybridRadixCache:
         """
         key = self._as_key(token_ids)
         node, pos = self.root, 0
-        values: list[torch.Tensor] = []
-        best, best_pos, best_values = self.root, 0, 0
+        best, best_pos = self.root, 0  # deepest node with a state on either tier
+        dev_best, dev_pos = self.root, 0  # deepest node with a device state (its path is on the device)
         while True:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -506,18 +580,23 @@ class HybridRadixCache:
             common = self._common_len(child.key, key, pos)
             if common < len(child.key):
                 child = self._split(child, common)
-            values.append(child.value)
             pos += common
             node = child
+            if child.has_state:
+                best, best_pos = child, pos
             if child.mamba_slot is not None:
-                best, best_pos, best_values = child, pos, len(values)
+                dev_best, dev_pos = child, pos
+        if best is not dev_best and not self._load_back(best, dev_best):
+            best, best_pos = dev_best, dev_pos  # the device cannot make room: the device-only hit
         now = self._tick()
         for n in self._path(best):
             n.last_access = now
+            if self.host is not None:  # inner nodes are candidates too (host copies; host-only children)
+                self._reindex(n)
         if best is not self.root:
             best.mamba_last_access = now
             self._reindex(best)  # (the rest of the path has children: not a candidate of either list)
-        kv = torch.cat(values[:best_values]) if best_values else _NO_SLOTS.clone()
+        kv = self.path_kv_indices(best)
         branching = None
         if pos > best_pos:
             branching = last_aligned_boundary(best_pos, pos, self.mamba_align, self.page_size)
@@ -528,6 +607,8 @@ class HybridRadixCache:
         if best_pos:
             c["hits"] += 1
             c["hit_tokens"] += best_pos
+            if best is not dev_best:
+                c["host_hit_tokens"] += best_pos
         return MatchResult(
             kv_indices=kv,
             prefix_len=best_pos,
@@ -586,12 +667,13 @@ class HybridRadixCache:
     # insert
     # ------------------------------------------------------------------------------------
     def _walk(self, key: tuple[int, ...]) -> tuple[int, torch.Tensor]:
-        """Read-only: tokens of ``key`` whose KV the tree holds (page-floored) and their slots."""
+        """Read-only: tokens of ``key`` whose KV the tree holds on the device (page-floored) and
+        their slots."""
         node, pos = self.root, 0
         values: list[torch.Tensor] = []
         while True:
             child = node.children.get(self._child_key(key, pos))
-            if child is None:
+            if child is None or child.value is None:
                 break
             common = self._common_len(child.key, key, pos)
             values.append(child.value[:common])
@@ -665,10 +747,13 @@ class HybridRadixCache:
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
+            if self.host is not None:
+                self._reindex(child)
             pos += common
             node = child
-        if matched < len(key):
-            end = self._add_leaf(node, key[matched:], kv[matched:], mamba_slot)
+        node, pos = self._adopt_host_only(node, key, kv, pos, now)
+        if pos < len(key):
+            end = self._add_leaf(node, key[pos:], kv[pos:], mamba_slot)
         elif node is self.root:
             self.mamba_pool.free([mamba_slot])  # empty sequence: nothing to cache
             return 0, None
@@ -683,6 +768,31 @@ class HybridRadixCache:
         end.mamba_last_access = now
         self._reindex(end)
         return matched, end
+
+    def _adopt_host_only(
+        self, node: TreeNode, key: tuple[int, ...], kv: torch.Tensor, pos: int, now: int
+    ) -> tuple[TreeNode, int]:
+        """Below the device part of ``key``'s path: host-only nodes on the rest of it take the
+        request's (validated, request-owned) device slots for their tokens, so they are on both
+        tiers without a load back. Returns the last node and the tokens of ``key`` now covered."""
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            assert child.value is None, f"{child!r}: a device node below the device-matched prefix"
+            common = self._common_len(child.key, key, pos)
+            if common < len(child.key):
+                child = self._split(child, common)
+            slots = kv[pos : pos + common]
+            child.value = slots.clone()
+            self._kv_owned[slots] = True
+            self._cached_tokens += common
+            child.last_access = now
+            self._reindex(child)
+            self._reindex(node)
+            pos += common
+            node = child
+        return node, pos
 
     def _prepare(self, token_ids: TokenIds, kv_indices: IndexLike) -> tuple[tuple[int, ...], torch.Tensor]:
         key = self._as_key(token_ids)
@@ -824,6 +934,182 @@ class HybridRadixCache:
         return UnfinishedCacheResult(self.path_kv_indices(end), end, len(key), cached, True)
 
     # ------------------------------------------------------------------------------------
+    # host tier
+    # ------------------------------------------------------------------------------------
+    def _drop_host(self, node: TreeNode) -> None:
+        """Free a node's host copies (KV range and state)."""
+        if node.host_start is not None:
+            self.host.free_kv(node.host_start, len(node.key))
+            node.host_start = None
+            self._host_tokens -= len(node.key)
+            self._counters["host_evicted_tokens"] += len(node.key)
+        if node.host_mamba is not None:
+            self.host.free_mamba(node.host_mamba)
+            node.host_mamba = None
+            self._host_states -= 1
+            self._counters["host_evicted_states"] += 1
+        self._reindex(node)
+
+    def evict_host(self, kv_tokens: int = 0, mamba_slots: int = 0) -> bool:
+        """Free host space until a range of ``kv_tokens`` host token slots and ``mamba_slots``
+        host Mamba slots are free, in the policy's order (:meth:`host_eviction_order`): a node
+        whose KV is on the device loses its host copies; a host-only leaf is removed (and so are
+        ancestors it leaves as state-less leaves). True if the room is there afterwards."""
+        host = self.host
+
+        def room() -> bool:
+            return (kv_tokens <= 0 or host.kv_allocator.largest_free() >= kv_tokens) and (
+                host.mamba_allocator.available() >= mamba_slots
+            )
+
+        with self._host_index.ranking() as ranking:
+            while not room():
+                node = ranking.pop()
+                if node is None:
+                    break
+                if not self._host_evictable(node):
+                    continue
+                parent = node.parent
+                if node.value is None:
+                    self._remove_leaf(node)
+                    self._prune_stateless_leaves(parent)
+                else:
+                    self._drop_host(node)
+                    self._prune_stateless_leaves(node)  # a device leaf whose only state was on the host
+        return room()
+
+    def host_eviction_order(self) -> list[TreeNode]:
+        """The nodes :meth:`evict_host` may free now, first victim first (the reference order)."""
+        eligible = [n for n in self.nodes() if self._host_evictable(n)]
+        return self.policy.rank(eligible, _kv_access, self._kv_efficiency)
+
+    def _write_state_to_host(self, node: TreeNode, *, evict: bool) -> bool:
+        """Give ``node``'s device state a host copy (evicting host space first with ``evict``);
+        True if it has one afterwards."""
+        if self.host is None or node.host_mamba is not None:
+            return node.host_mamba is not None
+        if evict and not self.evict_host(mamba_slots=1):
+            return False
+        slot = self.host.write_mamba(node.mamba_slot)
+        if slot is None:
+            return False
+        node.host_mamba = slot
+        self._host_states += 1
+        self._counters["host_written_states"] += 1
+        return True
+
+    def _offload(self, node: TreeNode) -> bool:
+        """Move an unlocked device-leaf node (KV and state) to the host: write what has no host
+        copy yet, free the device slots, keep the node. False (nothing changed) without a host
+        tier or when the host cannot make room."""
+        if self.host is None:
+            return False
+        need_kv = node.host_start is None
+        need_state = node.mamba_slot is not None and node.host_mamba is None
+        node.host_pin += 1  # its own host copies must survive the host eviction below
+        self._reindex(node)
+        try:
+            ok = self.evict_host(len(node.key) if need_kv else 0, int(need_state))
+        finally:
+            node.host_pin -= 1
+            self._reindex(node)
+        if not ok:
+            self._counters["host_write_failed"] += 1
+            return False
+        if not node.children and not node.has_state:  # its host-only children were evicted just now
+            parent = node.parent
+            self._remove_leaf(node)
+            self._prune_stateless_leaves(parent)
+            return True
+        if need_kv:
+            node.host_start = self.host.write_kv(node.value)
+            self._host_tokens += len(node.key)
+            self._counters["host_written_tokens"] += len(node.key)
+        if need_state:
+            self._write_state_to_host(node, evict=False)
+        if node.mamba_slot is not None:
+            self._drop_mamba(node)
+        self.kv_allocator.free(node.value)
+        self._kv_owned[node.value] = False
+        self._cached_tokens -= len(node.key)
+        node.value = None
+        self._reindex(node)
+        self._reindex(node.parent)  # it may be a leaf of the device part now
+        return True
+
+    def _remove_with_host_descendants(self, node: TreeNode) -> tuple[int, int]:
+        """Remove a device-leaf node with its host-only subtree (its host copies lost); returns
+        the device (tokens, states) freed."""
+        for child in list(node.children.values()):
+            self._remove_with_host_descendants(child)
+        return self._remove_leaf(node)
+
+    def _pin_path(self, node: TreeNode, delta: int) -> None:
+        """Count one more (``delta=1``) or one less full lock on the path to ``node``: its KV
+        stays on the device while a load back allocates (no Mamba lock: it may hold no state)."""
+        while node.parent is not None:
+            if delta > 0 and node.full_lock_ref == 0:
+                self._protected_tokens += len(node.key)
+            node.full_lock_ref += delta
+            if delta < 0 and node.full_lock_ref == 0:
+                self._protected_tokens -= len(node.key)
+            self._reindex(node)
+            node = node.parent
+
+    def _load_back(self, best: TreeNode, dev_best: TreeNode) -> bool:
+        """Bring the KV of the path to ``best`` and ``best``'s state onto the device (fresh
+        device slots, copied from the host; the host copies stay). ``dev_best`` (the deepest
+        node of the path with a device state) keeps its state meanwhile. False when the device
+        pools cannot make room (nothing loaded)."""
+        path = self._path(best)
+        to_load = [n for n in path if n.value is None]
+        anchor = path[len(path) - len(to_load) - 1] if len(to_load) < len(path) else self.root
+        tokens = sum(len(n.key) for n in to_load)
+        need_state = best.mamba_slot is None
+        for n in path:
+            n.host_pin += 1
+            self._reindex(n)
+        self.inc_lock_ref(dev_best)
+        self._pin_path(anchor, 1)
+        try:
+            ok = self.ensure_free(kv_tokens=tokens, mamba_slots=int(need_state))
+            if ok:
+                kv = self.kv_allocator.alloc(tokens) if tokens else _NO_SLOTS
+                state = self.mamba_pool.alloc(1) if need_state else None
+                assert kv is not None and (state is not None or not need_state)
+        finally:
+            self._pin_path(anchor, -1)
+            self.dec_lock_ref(dev_best)
+            for n in path:
+                n.host_pin -= 1
+        if not ok:
+            for n in path:
+                self._reindex(n)
+            self._counters["host_load_failed"] += 1
+            return False
+        pos = 0
+        for n in to_load:
+            slots = kv[pos : pos + len(n.key)]
+            pos += len(n.key)
+            self.host.load_kv(n.host_start, slots)
+            n.value = slots.clone()
+            self._kv_owned[slots] = True
+            self._cached_tokens += len(n.key)
+        if need_state:
+            slot = int(state[0])
+            self.host.load_mamba(best.host_mamba, slot)
+            best.mamba_slot = slot
+            self._mamba_owned[slot] = True
+            self._mamba_held += 1
+        for n in (anchor, *path):
+            self._reindex(n)
+        c = self._counters
+        c["host_hits"] += 1
+        c["host_loaded_tokens"] += tokens
+        c["host_loaded_states"] += int(need_state)
+        return True
+
+    # ------------------------------------------------------------------------------------
     # eviction
     # ------------------------------------------------------------------------------------
     @property
@@ -852,7 +1138,20 @@ class HybridRadixCache:
         return self.flop_efficiency(node, with_kv=False)
 
     def _kv_evictable(self, node: TreeNode) -> bool:
-        return not node.removed and node.parent is not None and node.is_leaf and node.full_lock_ref == 0
+        # a leaf of the device part of the tree (its children, if any, live on the host only)
+        if node.removed or node.parent is None or node.value is None or node.full_lock_ref:
+            return False
+        if self.host is None:
+            return node.is_leaf
+        return not any(c.value is not None for c in node.children.values())
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        # a host-only leaf, or a node whose host copies duplicate the device (dropping them is free)
+        if node.removed or node.parent is None or node.host_pin:
+            return False
+        if node.host_start is None and node.host_mamba is None:
+            return False
+        return node.value is not None or not node.children
 
     def _mamba_evictable(self, node: TreeNode) -> bool:
         if node.removed or node.mamba_slot is None or node.mamba_lock_ref:
@@ -863,6 +1162,8 @@ class HybridRadixCache:
         """Tell the eviction indexes that ``node``'s candidacy or key may have changed."""
         self._kv_index.update(node)
         self._mamba_index.update(node)
+        if self._host_index is not None:
+            self._host_index.update(node)
 
     def kv_eviction_order(self) -> list[TreeNode]:
         """The leaves :meth:`evict_kv` may remove now, first victim first (the KV LRU list):
@@ -893,12 +1194,14 @@ class HybridRadixCache:
                 if not self._kv_evictable(leaf):
                     continue
                 parent = leaf.parent
-                tokens, states = self._remove_leaf(leaf)
+                tokens, states = len(leaf.key), int(leaf.mamba_slot is not None)
+                if not self._offload(leaf):  # no host tier, or no room there: drop it
+                    tokens, states = self._remove_with_host_descendants(leaf)
+                    # a parent left as a leaf joins the ranking (_reindex); a tombstone one goes now
+                    freed += self._prune_stateless_leaves(parent)[0]
                 freed += tokens
                 c["kv_evicted_nodes"] += 1
                 c["kv_evicted_mamba"] += states
-                # a parent left as a leaf joins the ranking (_reindex); a tombstone one goes now
-                freed += self._prune_stateless_leaves(parent)[0]
         c["kv_evicted_tokens"] += freed
         return freed
 
@@ -919,8 +1222,11 @@ class HybridRadixCache:
                 if not self._mamba_evictable(node):
                     continue
                 if node.children:
+                    self._write_state_to_host(node, evict=False)  # kept if the host has a free slot
                     self._drop_mamba(node)
-                    c["tombstones_created"] += 1
+                    c["tombstones_created"] += not node.has_state
+                elif self._offload(node):
+                    c["mamba_evicted_tokens"] += len(node.key)
                 else:
                     parent = node.parent
                     tokens = self._remove_leaf(node)[0]
@@ -989,17 +1295,52 @@ class HybridRadixCache:
             "memory_bytes": self._cached_tokens * self.pools.kv.bytes_per_token
             + self._mamba_held * self.mamba_pool.bytes_per_slot,
             **self._counters,
+            "host_tier": self.host is not None,
+            **(self._host_stats(nodes) if self.host is not None else {}),
         }
+
+    def _host_stats(self, nodes: list[TreeNode]) -> dict:
+        tiers = [n.tier for n in nodes]
+        c = self._counters
+        return {
+            "host_cached_tokens": self._host_tokens,
+            "host_mamba_slots": self._host_states,
+            "host_bytes_held": self._host_tokens * self.host.bytes_per_token
+            + self._host_states * self.host.bytes_per_mamba_slot,
+            "nodes_device_only": tiers.count("device"),
+            "nodes_host_only": tiers.count("host"),
+            "nodes_both": tiers.count("both"),
+            "host_hit_rate": c["host_hit_tokens"] / c["lookup_tokens"] if c["lookup_tokens"] else 0.0,
+            "host_pool": self.host.summary(),
+        }
+
+    def pools_resized(self) -> None:
+        """The pools grew or shrank (elastic pools: free entries only, at the top): resize the
+        ownership masks (the entries taken away were free, so owned by nobody) and the host
+        tier's device buffers."""
+        for name, n in (("_kv_owned", self.kv_allocator.num_slots), ("_mamba_owned", self.mamba_pool.total())):
+            old = getattr(self, name)
+            new = torch.zeros(n, dtype=torch.bool)
+            keep = min(n, old.numel())
+            assert not bool(old[keep:].any()), f"{name}: an entry taken away belongs to the tree"
+            new[:keep] = old[:keep]
+            setattr(self, name, new)
+        if self.host is not None:
+            self.host.refresh_device_buffers(self.pools.kv, self.mamba_pool)
 
     def reset(self, *, force: bool = False) -> None:
         """Free every slot the tree holds and empty it (counters too). Raises RuntimeError while
         a node is locked unless ``force`` (the lockers' nodes become invalid)."""
         if self._protected_tokens and not force:
             raise RuntimeError(f"reset: {self._protected_tokens} cached tokens are locked by running requests")
-        kv = [n.value for n in self.nodes()]
+        kv = [n.value for n in self.nodes() if n.value is not None]
         states = [n.mamba_slot for n in self.nodes() if n.mamba_slot is not None]
         for n in self.nodes():
             n.removed = True
+            if n.host_start is not None:
+                self.host.free_kv(n.host_start, len(n.key))
+            if n.host_mamba is not None:
+                self.host.free_mamba(n.host_mamba)
         if kv:
             self.kv_allocator.free(torch.cat(kv))
         if states:
@@ -1015,21 +1356,34 @@ class HybridRadixCache:
         ps = self.page_size
         assert self.root.mamba_slot is None and self.root.full_lock_ref == 0 and self.root.mamba_lock_ref == 0
         kv_parts, states = [], []
+        host_ranges, host_states = [], []
         tokens = protected = mamba_protected = count = 0
         for node in self.nodes():
             count += 1
             assert not node.removed and node.parent is not None
             assert node.parent.children.get(self._child_key(node.key)) is node, f"{node!r}: bad child key"
             assert len(node.key) > 0 and len(node.key) % ps == 0, f"{node!r}: edge not whole pages"
-            assert node.value.dtype == torch.int64 and node.value.numel() == len(node.key)
+            assert node.host_pin == 0, f"{node!r}: pinned outside a load back"
+            if node.host_start is not None:
+                host_ranges.append((node.host_start, len(node.key)))
+            if node.host_mamba is not None:
+                host_states.append(node.host_mamba)
+            if node.value is None:  # host only: so are its children; no lock, no device state
+                assert node.host_start is not None, f"{node!r}: KV on neither tier"
+                assert node.full_lock_ref == 0 and node.mamba_slot is None, f"{node!r}: host-only but locked / device state"
+                assert all(c.value is None for c in node.children.values()), f"{node!r}: device child of a host-only node"
+                assert node.children or node.has_state, f"{node!r}: a leaf without a state"
             for ck, child in node.children.items():
                 assert child.parent is node and self._child_key(child.key) == ck
+            if node.value is None:
+                continue
+            assert node.value.dtype == torch.int64 and node.value.numel() == len(node.key)
             children_full = sum(ch.full_lock_ref for ch in node.children.values())
             assert node.mamba_lock_ref >= 0
             assert node.full_lock_ref == node.mamba_lock_ref + children_full, f"{node!r}: lock counts"
             if node.mamba_slot is None:
                 assert node.mamba_lock_ref == 0
-                assert node.children, f"{node!r}: a leaf without a Mamba state"
+                assert node.children or node.host_mamba is not None, f"{node!r}: a leaf without a Mamba state"
             else:
                 states.append(node.mamba_slot)
                 mamba_protected += node.mamba_lock_ref > 0
@@ -1054,8 +1408,22 @@ class HybridRadixCache:
         nodes = list(self.nodes())
         for node in nodes:
             assert node.prefix_len == node.parent.prefix_len + len(node.key), f"{node!r}: prefix length"
-        for index, evictable, access in ((self._kv_index, self._kv_evictable, _kv_access),
-                                         (self._mamba_index, self._mamba_evictable, _mamba_access)):
+        indexes = [(self._kv_index, self._kv_evictable, _kv_access), (self._mamba_index, self._mamba_evictable, _mamba_access)]
+        if self.host is None:
+            assert not host_ranges and not host_states, "host copies without a host tier"
+        else:
+            indexes.append((self._host_index, self._host_evictable, _kv_access))
+            host_mask = torch.zeros(self.host.kv_capacity(), dtype=torch.bool)
+            for start, n in host_ranges:
+                assert not bool(host_mask[start : start + n].any()), "a host KV slot is in two nodes"
+                host_mask[start : start + n] = True
+            assert torch.equal(host_mask, self.host.kv_allocator._in_use), "host KV ranges out of step with the host pool"
+            assert sum(n for _, n in host_ranges) == self._host_tokens
+            assert len(set(host_states)) == len(host_states) == self._host_states, "host Mamba slots"
+            assert self.host.mamba_allocator.used() == len(host_states)
+            if host_states:
+                assert bool(self.host.mamba_allocator.is_allocated(host_states).all())
+        for index, evictable, access in indexes:
             expected = {n.id: access(n) for n in nodes if evictable(n)}
             assert {nid: rec[2] if len(rec) > 3 else rec[1] for nid, rec in index.rec.items()} == expected, \
                 "eviction index out of step with the tree"

@@ -183,6 +183,12 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
                       startup: Startup | None = None) -> HybridEngine:
     """Load this rank's shard and build its engine (rank 0: a :class:`TensorParallelEngine`);
     ``startup`` times (and shows) the load and the engine's phases (default: a silent one)."""
+    if engine_config.prefix_cache_host_tier:
+        # a load back writes K/V and states outside a step, which the other ranks' pools would not see
+        raise ValueError("EngineConfig.prefix_cache_host_tier is not supported with tensor parallelism")
+    if engine_config.elastic_pools:
+        # every rank's pools would have to resize in step
+        raise ValueError("EngineConfig.elastic_pools is not supported with tensor parallelism")
     startup = startup if startup is not None else Startup()
     plan = plan_for(config, tp.size, tp.rank)
     startup.plan("load")

@@ -44,6 +44,13 @@ class EngineConfig:
     enable_prefix_cache: bool = True  # HybridRadixCache: reuse KV + Mamba states (chunk-aligned checkpoints)
     prefix_cache_policy: str = "lru"  # "lru" (SGLang) or "marconi" (checkpoint branch points; FLOP-aware eviction)
     prefix_cache_track_interval: int = 256  # lru: checkpoint decoding requests every this many tokens (0: never)
+    # host tier of the prefix cache: evicted nodes' KV + states go to (pinned) host memory and load back on a hit
+    prefix_cache_host_tier: bool = False
+    # its size; None: prefix_cache_host_fraction of the available host memory (MemAvailable)
+    prefix_cache_host_bytes: int | None = None
+    prefix_cache_host_fraction: float = 0.25
+    # move memory between the KV and Mamba pools at run time when one is exhausted and the other idle
+    elastic_pools: bool = False
     speculative: Any = None  # a SpeculativeConfig or a dict of its fields (engine/speculative)
     # torch.compile with our backend (hybrid_compile.compilation): Dynamo graph split at the layer ops, pieces
     # compiled by Inductor. None: on for CUDA, off on CPU (see resolved_compile).
@@ -100,6 +107,18 @@ class EngineConfig:
                 f"EngineConfig.prefix_cache_track_interval must be an integer >= 0, got {self.prefix_cache_track_interval!r}"
             )
         check_policy_name(self.prefix_cache_policy, what="EngineConfig.prefix_cache_policy")
+        positive("prefix_cache_host_bytes")
+        if not 0.0 < self.prefix_cache_host_fraction < 1.0:
+            raise ValueError(
+                f"EngineConfig.prefix_cache_host_fraction must be in (0, 1), got {self.prefix_cache_host_fraction}"
+            )
+        if self.prefix_cache_host_tier and not self.enable_prefix_cache:
+            raise ValueError("EngineConfig.prefix_cache_host_tier=True needs enable_prefix_cache=True")
+        if self.elastic_pools and self.speculative is not None:
+            raise ValueError("EngineConfig.elastic_pools cannot be combined with speculative decoding "
+                             "(its state buffers are held by reference across a resize)")
+        if self.prefix_cache_host_bytes is not None and not self.prefix_cache_host_tier:
+            raise ValueError("EngineConfig.prefix_cache_host_bytes is set but prefix_cache_host_tier is False")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         try:

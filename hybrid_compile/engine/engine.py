@@ -60,6 +60,8 @@ from torch import nn
 from ..cache import HybridRadixCache
 from ..layers.context import ForwardMode
 from ..memory import MemoryPools
+from ..memory.host_pool import HostPool
+from .elastic import ElasticPools
 from ..models import PatchHandle, family_of
 from .config import EngineConfig, _as_dtype
 from .generate_api import GenerateAPI
@@ -184,6 +186,11 @@ class HybridEngine(GenerateAPI):
         if is_mtp:
             with self.startup.phase("load"):
                 self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
+        if config.elastic_pools and any(config.resolved_cuda_graphs(self.device)):
+            # a captured graph would keep reading the buffers a resize frees (engine/elastic.py)
+            raise ValueError("EngineConfig.elastic_pools needs cuda_graphs=False (pools resized at run time)")
+        if config.elastic_pools and not (self.layout.attention and self.layout.mamba):
+            raise ValueError("EngineConfig.elastic_pools needs a model with both full-attention and linear layers")
         with self.startup.phase("pools"):
             self.pools = MemoryPools.from_specs(
                 self.layout.attention + ([self.mtp_head.attention_spec(kv_dtype)] if self.mtp_head is not None else []),
@@ -202,6 +209,7 @@ class HybridEngine(GenerateAPI):
                     else 0
                 ),
                 memory_fraction=config.memory_fraction,
+                elastic=config.elastic_pools,
                 # tensor parallelism: one budget for every rank (the smallest rank's), so their pools match
                 memory_budget_bytes=config.extra.get("memory_budget_bytes"),
                 mamba_full_memory_ratio=config.mamba_full_memory_ratio,
@@ -213,6 +221,13 @@ class HybridEngine(GenerateAPI):
                 # row of a compiled one-request step)
                 num_draft_steps=spec_k + 1 if spec_k else 0,
                 max_draft_batch=config.max_running_requests + 1 if spec_k else None,
+            )
+            # the prefix cache's host tier (before patching: a bad size fails with the model untouched)
+            self.host_pool = (
+                HostPool.from_budget(self.pools.kv, self.pools.mamba, config.prefix_cache_host_bytes,
+                                     fraction=config.prefix_cache_host_fraction)
+                if config.prefix_cache_host_tier
+                else None
             )
         self.max_context_len = self.pools.plan.max_context_len - spec_k
         self.patch = PatchHandle()
@@ -237,7 +252,8 @@ class HybridEngine(GenerateAPI):
             raise
         # the radix tree, None when off (the scheduler then runs on a NullPrefixCache)
         self.prefix_cache = (
-            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy)
+            HybridRadixCache(self.pools, mamba_align=self.layout.ssm_chunk_size, policy=config.prefix_cache_policy,
+                             host_pool=self.host_pool)
             if config.enable_prefix_cache
             else None
         )
@@ -248,6 +264,8 @@ class HybridEngine(GenerateAPI):
             prefix_cache=self.prefix_cache,
             decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
+        if config.elastic_pools:
+            self.scheduler.elastic = ElasticPools(self.pools, self._pools_resized, cache=self.prefix_cache)
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
             self.speculative = None
@@ -767,6 +785,12 @@ class HybridEngine(GenerateAPI):
         """Forget the finished requests' timings that ``stats()["ttft"]`` / ``["tpot"]`` summarise."""
         self._timings.clear()
 
+    def _pools_resized(self) -> None:
+        """Elastic pools moved memory between the KV and Mamba pools: refresh the views kept."""
+        self.runner.refresh_pool_views()
+        if self.prefix_cache is not None:
+            self.prefix_cache.pools_resized()
+
     def stats(self) -> dict:
         c = dict(self._counters)
         c["retractions"] = self.scheduler.num_retractions
@@ -783,6 +807,8 @@ class HybridEngine(GenerateAPI):
         c["tpot"] = _percentiles([t for _, t in self._timings if t is not None])
         if self.speculative is not None:
             c["speculative"] = self.speculative.stats()
+        if self.scheduler.elastic is not None:  # the current KV / Mamba split and the moves so far
+            c["elastic_pools"] = self.scheduler.elastic.stats()
         if self.prefix_cache is not None:
             pc = {**self.prefix_cache.stats(), **self.scheduler.cache_counters}
             # prefix tokens served from the cache / tokens of the admitted requests

@@ -90,13 +90,8 @@ class ModelRunner:
         # tensor parallelism (hybrid_compile.distributed): on rank 0, told of every model call (inside its
         # forward context) so that it broadcasts the step to the other ranks, which run the same call
         self.step_observer = None
-        kv = pools.kv
-        # pool views per layer (ForwardContext), FP8 pools' scales after their values (float pools: none)
-        self.kv_caches = {layer: _views(*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
+        self.refresh_pool_views()
         mamba = pools.mamba
-        self.mamba_caches = {
-            layer: _views(mamba.conv(layer), mamba.ssm(layer), mamba.ssm_scale(layer)) for layer in mamba.layer_ids
-        }
         # speculative verify (engine/speculative) of L = k + 1 tokens per request: the pools of a target
         # engine are built for it (a draft model's runner gets none), with the per-draft-step buffers
         # its linear layers write (ForwardContext.intermediate_caches)
@@ -117,6 +112,15 @@ class ModelRunner:
             self.release_packed_weights()  # a failed construction leaves the model's weights as they were
             raise
         self.batch_builder.full_graphs = self.graphs.full_graphs
+
+    def refresh_pool_views(self) -> None:
+        """The per-layer pool views of the forward context (again after elastic pools resized them)."""
+        kv, mamba = self.pools.kv, self.pools.mamba
+        # FP8 pools' scales after their values (float pools: none)
+        self.kv_caches = {layer: _views(*kv.kv_cache(layer), *kv.kv_scales(layer)) for layer in kv.layer_ids}
+        self.mamba_caches = {
+            layer: _views(mamba.conv(layer), mamba.ssm(layer), mamba.ssm_scale(layer)) for layer in mamba.layer_ids
+        }
 
     @property
     def full_graphs(self) -> "cg.FullGraphRunner | None":

@@ -113,6 +113,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retractions = 0
+        # elastic pools (engine/elastic.py): asked for KV before a retraction / a refused admission,
+        # and for a Mamba slot when one is missing; None: the split is fixed
+        self.elastic = None
         self.new_token_ratio = self.INITIAL_NEW_TOKEN_RATIO
 
     # -- queue -----------------------------------------------------------------------------
@@ -319,9 +322,14 @@ class Scheduler:
 
         if n == 0:  # the budget left does not reach the next checkpoint boundary: next step
             return give_up()
-        if self._kv_room() < n + reserve + own:
+        short = n + reserve + own - self._kv_room()
+        if short > 0 and self.elastic is not None and self.elastic.grow_kv(short):  # free Mamba slots -> KV
+            short = n + reserve + own - self._kv_room()
+        if short > 0:
             return give_up()
         self.cache.ensure_free(mamba_slots=1)
+        if self.pools.mamba.available() == 0 and self.elastic is not None:
+            self.elastic.grow_mamba(1)
         req_slots = self.pools.req_to_token.alloc(1)
         if req_slots is None:
             return give_up()
@@ -456,6 +464,11 @@ class Scheduler:
             slots = self._alloc_kv(reqs, lens) if reqs else torch.zeros(0, dtype=torch.int64)
             if slots is not None:
                 break
+            if self.elastic is not None:  # free Mamba slots become KV pages before anything is retracted
+                alloc = self.pools.kv.allocator
+                need = alloc.pages_needed([r.num_computed for r in reqs], lens) * alloc.page_size - alloc.available()
+                if self.elastic.grow_kv(need):
+                    continue
             self._retract(max(self.running, key=lambda r: r.arrival))
         out = [slots]
 

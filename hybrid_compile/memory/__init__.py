@@ -10,14 +10,18 @@ Modules, one job each:
 - ``mamba_pool``   :class:`MambaPool`: conv windows, SSM states, speculative buffers; zero on alloc
 - ``req_to_token`` :class:`ReqToTokenPool`: request slot -> token slots and -> Mamba slot
 - ``sizing``       :func:`plan_memory` -> :class:`MemoryPlan` from a budget and ``mamba_full_memory_ratio``
+- ``host_pool``    :class:`HostPool`: host-memory copies of KV token slots and Mamba slots (prefix-cache host tier)
 - ``pools``        :class:`MemoryPools`: all of the above, with ``summary()`` and leak checks
 
 Reserved entries: KV slot 0 (page 0) is the dummy slot padded tokens write to; request row 0
 is the padding request (all-zero token row, Mamba slot -1). Mamba slots have no padding
-entry: padded rows use index -1. Pools never grow: ``alloc`` returns ``None`` when full.
+entry: padded rows use index -1. Pools do not grow on demand: ``alloc`` returns ``None`` when
+full; only the engine's elastic pools (``engine/elastic.py``) resize them, between steps, by moving
+free entries' bytes from one pool to the other (``MemoryPools.move_*``).
 """
 
 from .allocator import InvalidSlotError, SlotAllocator, TokenSlotAllocator
+from .host_pool import HostPool, RangeAllocator
 from .kv_pool import KVPool
 from .mamba_pool import MambaLayerCache, MambaPool
 from .pools import MemoryPools
@@ -33,6 +37,7 @@ from .specs import (
 
 __all__ = [
     "AttentionLayerSpec",
+    "HostPool",
     "InvalidSlotError",
     "KVPool",
     "MambaLayerCache",
@@ -40,6 +45,7 @@ __all__ = [
     "MambaPool",
     "MemoryPlan",
     "MemoryPools",
+    "RangeAllocator",
     "ReqToTokenPool",
     "SlotAllocator",
     "TokenSlotAllocator",

@@ -147,6 +147,35 @@ class SlotAllocator:
                 raise InvalidSlotError(f"cannot {action} {self.name}(s) {dup}: named more than once in one call")
         return idx
 
+    def free_at_top(self) -> int:
+        """How many of the highest indices are free in a row (what :meth:`resize` can take away)."""
+        used = torch.nonzero(self._in_use[self.first_index : self.end_index]).reshape(-1)
+        return self.capacity - (int(used[-1]) + 1 if used.numel() else 0)
+
+    def resize(self, capacity: int) -> None:
+        """Grow to ``capacity`` indices (the new ones free) or shrink to it (the indices taken away
+        must be free: :meth:`free_at_top`); every index in use keeps its number. Elastic pools."""
+        if capacity < 0:
+            raise ValueError(f"{self.name} allocator: capacity must be >= 0, got {capacity}")
+        if capacity < self.capacity and self.free_at_top() < self.capacity - capacity:
+            raise ValueError(
+                f"{self.name} allocator: cannot shrink to {capacity}: only the top {self.free_at_top()} "
+                "indices are free"
+            )
+        end = self.first_index + capacity
+        free = self._free_stack[: self._num_free]
+        free = free[free < end]
+        if capacity > self.capacity:  # the new indices go under the free stack (freed ones stay first)
+            free = torch.cat([torch.arange(end - 1, self.end_index - 1, -1, dtype=torch.int64), free])
+        self._free_stack = torch.empty(capacity, dtype=torch.int64)
+        self._free_stack[: free.numel()] = free
+        self._num_free = free.numel()
+        in_use = torch.zeros(end, dtype=torch.bool)
+        keep = min(end, self.end_index)
+        in_use[:keep] = self._in_use[:keep]
+        self._in_use = in_use
+        self.capacity, self.end_index = capacity, end
+
     def _check_range(self, idx: torch.Tensor, *, action: str) -> None:
         if idx.numel() == 0:
             return
@@ -350,6 +379,20 @@ class TokenSlotAllocator:
         pages = torch.unique(idx // self.page_size)
         empty = ~self._in_use.view(-1, self.page_size)[pages].any(dim=1)
         self._pages.free(pages[empty])
+
+    def free_pages_at_top(self) -> int:
+        return self._pages.free_at_top()
+
+    def resize(self, num_pages: int) -> None:
+        """Grow or shrink to ``num_pages`` usable pages (shrinking takes free pages off the top
+        only: :meth:`free_pages_at_top`); slots in use keep their numbers. Elastic pools."""
+        self._pages.resize(num_pages)
+        self.num_pages = num_pages
+        self.num_slots = (num_pages + 1) * self.page_size
+        in_use = torch.zeros(self.num_slots, dtype=torch.bool)
+        keep = min(self.num_slots, self._in_use.numel())
+        in_use[:keep] = self._in_use[:keep]
+        self._in_use = in_use
 
     # -- helpers ------------------------------------------------------------------------
     def _lens(self, prefix_lens: IndexLike, extend_lens: IndexLike) -> tuple[torch.Tensor, torch.Tensor]:

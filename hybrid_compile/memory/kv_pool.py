@@ -65,25 +65,40 @@ class KVPool:
         self.layer_ids: list[int] = sorted(i for s in self.specs for i in s.layer_ids)
         self.layer_to_kv_index: dict[int, int] = {layer: idx for idx, layer in enumerate(self.layer_ids)}
 
+        self._build()
+        self.bytes_per_token = kv_bytes_per_token(self.specs)
+        # tensor parallelism (hybrid_compile.distributed): rank 0's pool tells the other ranks' pools
+        # about every K/V write outside a forward (copy_slots)
+        self.observer = None
+
+    def _build(self, old: "tuple[list, list, list] | None" = None) -> None:
+        """Allocate the buffers for ``num_token_slots`` (copying the slots both sizes have from
+        ``old`` = the previous (k, v, scale) buffers) and make the per-layer views."""
         self.k_buffers: list[torch.Tensor] = []  # one stacked tensor per spec group
         self.v_buffers: list[torch.Tensor] = []
         self.scale_buffers: list[torch.Tensor] = []  # FP8 groups: [2 (k, v), layers, slots, heads] fp32
         k_views: dict[int, torch.Tensor] = {}
         v_views: dict[int, torch.Tensor] = {}
         scale_views: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        for spec in self.specs:
+        for g, spec in enumerate(self.specs):
             k = torch.zeros((spec.num_layers, self.num_token_slots, *spec.k_shape), dtype=spec.dtype, device=self.device)
+            if old is not None:
+                _copy_common_slots(k, old[0][g], 1)
             self.k_buffers.append(k)
             if spec.v_from_k:  # MLA's compressed cache: V is a view of K's first channels, stored once
                 v = k[..., : spec.v_head_dim]
             else:
                 v = torch.zeros((spec.num_layers, self.num_token_slots, *spec.v_shape), dtype=spec.dtype,
                                 device=self.device)
+                if old is not None:
+                    _copy_common_slots(v, old[1][len(self.v_buffers)], 1)
                 self.v_buffers.append(v)
             scales = None
             if spec.is_fp8:
                 scales = torch.zeros((2, spec.num_layers, self.num_token_slots, spec.num_kv_heads),
                                      dtype=torch.float32, device=self.device)
+                if old is not None:
+                    _copy_common_slots(scales, old[2][len(self.scale_buffers)], 2)
                 self.scale_buffers.append(scales)
             for pos, layer_id in enumerate(spec.layer_ids):
                 k_views[layer_id] = k[pos]
@@ -95,10 +110,17 @@ class KVPool:
         self.kv_scale_views: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
             scale_views[i] for i in self.layer_ids
         ]
-        self.bytes_per_token = kv_bytes_per_token(self.specs)
-        # tensor parallelism (hybrid_compile.distributed): rank 0's pool tells the other ranks' pools
-        # about every K/V write outside a forward (copy_slots)
-        self.observer = None
+
+    def resize(self, num_pages: int) -> None:
+        """Grow or shrink to ``num_pages`` usable pages between steps (elastic pools): new
+        buffers, the slots both sizes have copied over, the old ones released; shrinking takes
+        free pages off the top only (:meth:`TokenSlotAllocator.free_pages_at_top`). Every
+        per-layer view changes: whoever keeps views asks for them again."""
+        self.allocator.resize(num_pages)
+        self.num_token_slots = self.allocator.num_slots
+        old = (self.k_buffers, self.v_buffers, self.scale_buffers)
+        self.k_buffers = self.v_buffers = self.scale_buffers = []  # (the old ones go as soon as copied)
+        self._build(old)
 
     @property
     def num_layers(self) -> int:
@@ -175,3 +197,10 @@ class KVPool:
 
     def total(self) -> int:
         return self.allocator.total()
+
+
+def _copy_common_slots(new: torch.Tensor, old: torch.Tensor, dim: int) -> None:
+    """``new[..., :n, ...] = old[..., :n, ...]`` along the slot dimension ``dim`` (elastic resize)."""
+    n = min(new.shape[dim], old.shape[dim])
+    bits = (lambda t: t.view(torch.uint8)) if new.dtype == torch.float8_e4m3fn else (lambda t: t)
+    bits(new).narrow(dim, 0, n).copy_(bits(old).narrow(dim, 0, n))

@@ -28,6 +28,7 @@ padded batch rows use index -1, which every kernel op skips.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -222,6 +223,35 @@ class MambaPool:
     def free(self, slots: IndexLike) -> None:
         self.allocator.free(slots)
 
+    def resize(self, num_slots: int) -> None:
+        """Grow or shrink to ``num_slots`` between steps (elastic pools): new slot-indexed
+        buffers, the slots both sizes have copied over; shrinking takes free slots off the top
+        only (:meth:`SlotAllocator.free_at_top`). The speculative buffers (by batch row) stay.
+        Every per-layer slot view changes: whoever keeps views asks for them again."""
+        self.allocator.resize(num_slots)
+        self.num_slots = num_slots
+        by_layer = dict(zip(self.layer_ids, self.layer_caches))
+        conv_bufs, ssm_bufs, scale_bufs = [], [], []
+        old_ssm, old_scale = iter(self.ssm_buffers), iter(self.ssm_scale_buffers)
+        for spec, old_conv in zip(self.specs, self.conv_buffers):
+            conv = _resized(old_conv, num_slots)
+            conv_bufs.append(conv)
+            if spec.has_ssm_state:
+                ssm = _resized(next(old_ssm), num_slots)
+                ssm_bufs.append(ssm)
+            else:
+                ssm = torch.zeros((spec.num_layers, num_slots, 0), dtype=spec.ssm_dtype, device=self.device)
+            scale = None
+            if spec.ssm_is_fp8:
+                scale = _resized(next(old_scale), num_slots)
+                scale_bufs.append(scale)
+            for pos, layer_id in enumerate(spec.layer_ids):
+                by_layer[layer_id] = dataclasses.replace(
+                    by_layer[layer_id], conv=conv[pos], ssm=ssm[pos], ssm_scale=None if scale is None else scale[pos]
+                )
+        self.conv_buffers, self.ssm_buffers, self.ssm_scale_buffers = conv_bufs, ssm_bufs, scale_bufs
+        self.layer_caches = [by_layer[i] for i in self.layer_ids]
+
     def zero_slots(self, slots: IndexLike) -> None:
         """Zero the conv window and SSM state of these slots in every layer (device-side)."""
         idx = self._device_index(self.allocator.check_allocated(slots, action="zero"))
@@ -283,6 +313,14 @@ class MambaPool:
 def _num_state_tensors(c: MambaLayerCache) -> int:
     """Conv only (conv-only layer), conv + SSM, or conv + SSM + scales (FP8 state)."""
     return 1 if not c.has_ssm_state else (3 if c.ssm_scale is not None else 2)
+
+
+def _resized(old: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """A ``[layers, num_slots, ...]`` copy of ``old`` (its first slots; zeros beyond them)."""
+    new = torch.zeros((old.shape[0], num_slots, *old.shape[2:]), dtype=old.dtype, device=old.device)
+    n = min(num_slots, old.shape[1])
+    _bits(new)[:, :n].copy_(_bits(old)[:, :n])
+    return new
 
 
 def _bits(buf: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 Bundles the KV pool (with its token-slot allocator), the Mamba pool and the request maps,
 and answers the questions the engine and the tests ask about all of them at once:
+:meth:`MemoryPools.move_mamba_to_kv` / :meth:`MemoryPools.move_kv_to_mamba` re-partition the one
+budget between the KV and Mamba pools between steps (elastic pools, see ``engine/elastic.py``);
 :meth:`MemoryPools.summary` (for ``engine.stats()``), :meth:`MemoryPools.free_counts` and
 :meth:`MemoryPools.check_all_free` (nothing leaked once every request is gone and the
 prefix cache is cleared).
@@ -68,6 +70,55 @@ class MemoryPools:
         self.req_to_token = ReqToTokenPool(
             plan.max_running_requests, plan.max_context_len, device=self.device, mamba_pool=self.mamba
         )
+        # elastic pools: bytes of the budget moved between the pools that make no whole page / slot yet
+        self.spare_bytes = 0
+        self.moves = dict.fromkeys(("to_kv", "to_mamba", "kv_tokens_gained", "kv_tokens_given",
+                                    "mamba_slots_gained", "mamba_slots_given"), 0)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv.page_size * self.kv.bytes_per_token
+
+    def move_mamba_to_kv(self, kv_tokens: int, keep_mamba_free: int = 0) -> int:
+        """Give the KV pool at least ``kv_tokens`` more token slots, paid with free Mamba slots off
+        the top of the Mamba pool (keeping ``keep_mamba_free`` free); as many as can be had.
+        Returns the token slots gained (0: nothing moved)."""
+        bps, page = self.mamba.bytes_per_slot, self.page_bytes
+        pages = -(-kv_tokens // self.kv.page_size)
+        can = min(self.mamba.allocator.free_at_top(), self.mamba.available() - keep_mamba_free)
+        slots = min(max(can, 0), max(-(-(pages * page - self.spare_bytes) // bps), 0))
+        gained = (slots * bps + self.spare_bytes) // page
+        if gained <= 0:
+            return 0
+        self.spare_bytes += slots * bps - gained * page
+        self.mamba.resize(self.mamba.total() - slots)
+        self.kv.resize(self.kv.allocator.num_pages + gained)
+        m = self.moves
+        m["to_kv"] += 1
+        m["kv_tokens_gained"] += gained * self.kv.page_size
+        m["mamba_slots_given"] += slots
+        return gained * self.kv.page_size
+
+    def move_kv_to_mamba(self, mamba_slots: int, keep_kv_free: int = 0) -> int:
+        """Give the Mamba pool at least ``mamba_slots`` more slots, paid with free KV pages off the
+        top of the KV pool (keeping ``keep_kv_free`` token slots free); as many as can be had.
+        Returns the Mamba slots gained (0: nothing moved)."""
+        bps, page, ps = self.mamba.bytes_per_slot, self.page_bytes, self.kv.page_size
+        can = min(self.kv.allocator.free_pages_at_top(), (self.kv.allocator.available() - keep_kv_free) // ps,
+                  # one request of max_context_len must always fit (what sizing checked at start-up)
+                  self.kv.allocator.num_pages - -(-self.plan.max_context_len // ps))
+        pages = min(max(can, 0), max(-(-(mamba_slots * bps - self.spare_bytes) // page), 0))
+        gained = (pages * page + self.spare_bytes) // bps
+        if gained <= 0:
+            return 0
+        self.spare_bytes += pages * page - gained * bps
+        self.kv.resize(self.kv.allocator.num_pages - pages)
+        self.mamba.resize(self.mamba.total() + gained)
+        m = self.moves
+        m["to_mamba"] += 1
+        m["mamba_slots_gained"] += gained
+        m["kv_tokens_given"] += pages * ps
+        return gained
 
     @classmethod
     def from_specs(
@@ -145,6 +196,9 @@ class MemoryPools:
                 "max_total_tokens": self.plan.max_total_tokens_source,
                 "mamba_cache_size": self.plan.mamba_cache_size_source,
             },
+            # the current KV / Mamba split of the pools' bytes and the elastic moves so far
+            "split": {"kv_bytes": self.kv.nbytes(), "mamba_bytes": self.mamba.nbytes(), "spare_bytes": self.spare_bytes},
+            "moves": dict(self.moves),
         }
 
     def nbytes(self) -> int:

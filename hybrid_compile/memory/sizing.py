@@ -123,6 +123,7 @@ def plan_memory(
     max_draft_batch: int | None = None,
     kv_token_cap: int | None = None,
     mamba_slot_cap: int | None = None,
+    elastic: bool = False,
     device: torch.device | str = "cpu",
 ) -> MemoryPlan:
     """Capacities of the KV and Mamba pools (see the module docstring for the rules).
@@ -143,6 +144,8 @@ def plan_memory(
         kv_token_cap, mamba_slot_cap: upper bounds on the capacities that come from the budget
             (not on explicit ones): more than a workload can use is only memory taken from others,
             e.g. a pure-SSM model would otherwise turn the whole budget into Mamba slots.
+        elastic: the engine moves memory between the pools at run time (``EngineConfig.elastic_pools``);
+            only the wording of a too-small-Mamba-pool error depends on it.
         device: whose free memory to measure.
     """
     for name, value in (("max_running_requests", max_running_requests), ("max_context_len", max_context_len),
@@ -217,9 +220,18 @@ def plan_memory(
                "or lower max_context_len / max_running_requests")
         )
     if mamba_cache_size < min_slots:
+        short = min_slots - mamba_cache_size
+        # every running request holds one slot, and the prefix cache's slots come on top
+        fits = max(mamba_cache_size - mamba_prefix_cache_slots, 0)
         raise ValueError(
             f"Mamba pool holds {mamba_cache_size} slots but max_running_requests={max_running_requests} + "
-            f"mamba_prefix_cache_slots={mamba_prefix_cache_slots} need {min_slots} ({bps} bytes/slot); "
+            f"mamba_prefix_cache_slots={mamba_prefix_cache_slots} need {min_slots} ({bps} bytes/slot): "
+            f"{short} slot(s) ({_mib(short * bps)}) short, so the Mamba pool caps concurrency at {fits} "
+            f"running request(s) instead of {max_running_requests} "
+            + ("(elastic pools move memory between KV and Mamba at run time, but only once requests run: the "
+               "start-up split must hold a Mamba slot for every running request and the prefix cache's); "
+               if elastic else "(the pools are sized once and do not move memory between KV and Mamba at run "
+               "time unless elastic_pools=True); ")
             + ("raise mamba_cache_size or lower max_running_requests" if slots_source == "explicit" else
                "raise memory_fraction / memory_budget_bytes or mamba_full_memory_ratio, lower max_total_tokens, "
                "or lower max_running_requests / mamba_prefix_cache_slots")

@@ -1,0 +1,80 @@
+"""ElasticPools: move memory between the KV pool and the Mamba pool at run time.
+
+With ``EngineConfig(elastic_pools=True)`` the KV and Mamba capacities still start from one budget
+split by ``mamba_full_memory_ratio`` (``memory/sizing.py``), but the split is not fixed: when the
+scheduler is about to retract a request or cannot admit one because the KV pool is full while
+Mamba slots sit free, free Mamba slots become KV pages; when a request waits for a Mamba slot
+while KV pages sit free, free KV pages become Mamba slots. No request is lost (a move only takes
+free entries) and nothing new is allocated beyond the budget (the bytes given up pay for the bytes
+gained; a remainder smaller than a page or a slot is kept as ``spare_bytes`` for the next move).
+
+The design: resize the two pools' tensors at a safe point (while the scheduler builds a step,
+before its forward), taking free entries off the *top* of the shrinking pool's index range and
+appending entries at the top of the growing one, and copying the entries both sizes have. Every
+slot in use keeps its number, so nothing that names slots (requests, ``req_to_token`` /
+``req_to_mamba``, the prefix-cache tree, host-tier copies) has to be rewritten; only holders of the
+per-layer *views* refresh them (the runner's forward-context views, the tree's ownership masks,
+the host tier's device buffers). The alternative — one arena carved into units that either pool
+can own — needs slot-major pool layouts (a slot's bytes of every layer together), which the
+attention and state kernels do not take (they read per-layer ``[slots, ...]`` views); resizing
+keeps every kernel as it is. The cost: a move copies the pools' live range once (device-to-device,
+at the copy bandwidth) and holds the growing pool's old and new buffers at once while it copies,
+and a CUDA graph captured on the old buffers would read freed memory, so elastic pools refuse
+CUDA graphs, speculative decoding (its state buffers are captured by reference) and tensor
+parallelism (the other ranks' pools would have to resize in step).
+"""
+
+from __future__ import annotations
+
+
+class ElasticPools:
+    """The scheduler's hook to re-partition the pools (see the module docstring).
+
+    Args:
+        pools: the engine's :class:`~hybrid_compile.memory.MemoryPools`.
+        on_resize: called after every move (the engine refreshes the views it keeps).
+        cache: the prefix cache (or ``None``): before KV is moved to Mamba or back, cached states
+            that sit at the top of the Mamba pool are evicted so that its free slots are at the top.
+        mamba_reserve: free Mamba slots a move to the KV pool leaves (the next admission's).
+        kv_reserve: free KV token slots a move to the Mamba pool leaves.
+    """
+
+    def __init__(self, pools, on_resize, *, cache=None, mamba_reserve: int = 2, kv_reserve: int = 0) -> None:
+        if not pools.kv.bytes_per_token or not pools.mamba.bytes_per_slot:
+            raise ValueError("EngineConfig.elastic_pools needs a model with both full-attention and linear layers")
+        self.pools = pools
+        self.on_resize = on_resize
+        self.cache = cache
+        self.mamba_reserve = mamba_reserve
+        self.kv_reserve = kv_reserve
+
+    def grow_kv(self, kv_tokens: int) -> bool:
+        """At least ``kv_tokens`` more KV token slots from free Mamba slots; True if any came."""
+        mamba = self.pools.mamba
+        if self.cache is not None:
+            # cached states (the last workload's) in the top slots keep the free ones from moving
+            wanted = -(-kv_tokens * self.pools.kv.bytes_per_token // mamba.bytes_per_slot) + self.mamba_reserve
+            while mamba.allocator.free_at_top() < min(wanted, mamba.total()) and self.cache.mamba_evictable_size():
+                self.cache.evict_mamba(1)
+        gained = self.pools.move_mamba_to_kv(kv_tokens, keep_mamba_free=self.mamba_reserve)
+        if gained:
+            self.on_resize()
+        return gained > 0
+
+    def grow_mamba(self, slots: int) -> bool:
+        """At least ``slots`` more Mamba slots from free KV pages; True if any came."""
+        gained = self.pools.move_kv_to_mamba(slots, keep_kv_free=self.kv_reserve)
+        if gained:
+            self.on_resize()
+        return gained > 0
+
+    def stats(self) -> dict:
+        p = self.pools
+        return {
+            "kv_tokens": p.kv.total(),
+            "mamba_slots": p.mamba.total(),
+            "kv_bytes": p.kv.nbytes(),
+            "mamba_bytes": p.mamba.nbytes(),
+            "spare_bytes": p.spare_bytes,
+            **p.moves,
+        }

@@ -1,0 +1,189 @@
+"""Elastic pools (``EngineConfig.elastic_pools``): memory moves between the KV and Mamba pools at run time.
+
+The allocators grow and shrink at the top of their index range, the pools resize with every live
+entry kept, :class:`MemoryPools` moves budget bytes both ways (never taking an entry in use), and
+the engine, on a workload that flips from many short chats to a few long documents, gives the
+greedy tokens of transformers' ``generate`` with fewer retractions than the fixed split.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_models import assert_greedy_equal, cached_model, hf_greedy_cached, make_engine, random_prompts, \
+    single_threaded, vocab_size
+from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools
+from hybrid_compile.memory.allocator import InvalidSlotError, SlotAllocator, TokenSlotAllocator
+
+ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=2, dtype=torch.float32)]
+LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(3,), conv_dtype=torch.float32)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_threaded()
+
+
+def test_allocators_resize_at_the_top_and_keep_every_index_in_use():
+    a = SlotAllocator(6, first_index=1, name="Mamba slot")
+    used = a.alloc(3)  # 1, 2, 3
+    assert a.free_at_top() == 3
+    a.resize(4)  # takes 5 and 6
+    assert (a.total(), a.available(), a.alloc(2)) == (4, 1, None)
+    with pytest.raises(ValueError, match="cannot shrink to 2"):
+        a.resize(2)
+    a.resize(7)
+    assert a.available() == 4 and bool(a.is_allocated(used).all())
+    assert sorted(a.alloc(4).tolist()) == [4, 5, 6, 7]
+    with pytest.raises(InvalidSlotError, match="out of range"):
+        a.free([8])
+    t = TokenSlotAllocator(4, page_size=2)
+    slots = t.alloc(3)  # pages 1, 2
+    assert t.free_pages_at_top() == 2
+    t.resize(2)
+    assert (t.available(), t.num_slots) == (0, 6) and bool(t.is_allocated(slots).all())
+    t.resize(5)
+    assert t.available() == 6 and t.alloc(6).tolist() == list(range(6, 12))
+
+
+def test_memory_pools_move_bytes_both_ways_keeping_live_entries():
+    pools = MemoryPools.from_specs(ATTN, LINEAR, max_running_requests=1, max_context_len=8, max_total_tokens=32,
+                                   mamba_cache_size=10)
+    kv, mamba = pools.kv, pools.mamba
+    bpt, bps = kv.bytes_per_token, mamba.bytes_per_slot
+    budget = kv.nbytes() + mamba.nbytes()
+    kv_slots = kv.alloc(5)
+    kv.k_cache(1)[kv_slots] = torch.arange(5.0)[:, None, None] + 1
+    m_slots = mamba.alloc(3)
+    mamba.ssm(0)[m_slots] = torch.tensor([7.0, 8.0, 9.0])[:, None]
+    gained = pools.move_mamba_to_kv(40, keep_mamba_free=1)
+    assert gained >= 1 and mamba.total() < 10 and kv.total() == 32 + gained
+    assert kv.nbytes() + mamba.nbytes() + pools.spare_bytes == budget  # the budget is conserved
+    assert torch.equal(kv.k_cache(1)[kv_slots, 0, 0], torch.arange(5.0) + 1)
+    assert torch.equal(mamba.ssm(0)[m_slots, 0], torch.tensor([7.0, 8.0, 9.0]))
+    assert mamba.available() >= 1 and mamba.total() >= 3  # the entries in use and the reserve stay
+    back = pools.move_kv_to_mamba(2)
+    assert back >= 2 and kv.nbytes() + mamba.nbytes() + pools.spare_bytes == budget
+    assert torch.equal(kv.k_cache(1)[kv_slots, 0, 0], torch.arange(5.0) + 1)
+    assert torch.equal(mamba.ssm(0)[m_slots, 0], torch.tensor([7.0, 8.0, 9.0]))
+    moves = pools.summary()["moves"]
+    assert (moves["to_kv"], moves["to_mamba"]) == (1, 1) and moves["mamba_slots_gained"] == back
+    assert pools.summary()["split"]["kv_bytes"] == kv.nbytes()
+    # nothing in use is ever taken: all KV in use -> no move to Mamba
+    kv.free(kv_slots)
+    held = kv.alloc(kv.available())
+    assert pools.move_kv_to_mamba(4) == 0
+    kv.free(held)
+    mamba.free(m_slots)
+    assert bpt and bps
+
+
+NAME = "qwen3_next_dense"
+ARGS = dict(max_running_requests=8, max_total_tokens=112, mamba_cache_size=32, chunked_prefill_size=64)
+
+
+def _flip_workload(vocab: int):
+    chats = random_prompts([12] * 8, vocab, seed=5)  # state-bound: 8 requests at once, a state each
+    docs = random_prompts([40, 44, 42], vocab, seed=6)  # KV-bound: 3 long ones outgrow the KV pool
+    return [(chats, 3), (docs, 28)]
+
+
+def test_flip_from_chats_to_documents_needs_fewer_retractions_than_the_fixed_split():
+    model = cached_model(NAME, 0)
+    phases = _flip_workload(vocab_size(model))
+    runs = {}
+    for elastic in (False, True):
+        engine = make_engine(model, elastic_pools=elastic, **ARGS)
+        outs = [engine.generate_batch(prompts, max_new_tokens=n) for prompts, n in phases]
+        st = engine.stats()
+        runs[elastic] = (outs, st["retractions"], st)
+        engine.prefix_cache.check_invariants()
+        engine.clear_prefix_cache()
+        engine.pools.check_all_free()
+        engine.close()
+    assert runs[True][0] == runs[False][0]
+    for (prompts, n), outs in zip(phases, runs[True][0]):
+        for p, o in zip(prompts, outs):
+            assert_greedy_equal(model, p, o, hf_greedy_cached(model, ("elastic", NAME), p, n))
+    fixed, elastic = runs[False][1], runs[True][1]
+    assert fixed > 0 and elastic < fixed, (fixed, elastic)
+    el = runs[True][2]["elastic_pools"]
+    assert el["to_kv"] > 0 and el["kv_tokens_gained"] > 0 and el["kv_tokens"] > ARGS["max_total_tokens"], el
+    assert runs[True][2]["memory"]["moves"]["to_kv"] == el["to_kv"]
+
+
+def test_elastic_pools_with_the_host_tier_move_the_host_views_too():
+    model = cached_model(NAME, 0)
+    phases = _flip_workload(vocab_size(model))
+    engine = make_engine(model, elastic_pools=True, prefix_cache_host_tier=True, prefix_cache_host_bytes=1 << 20,
+                         **ARGS)
+    outs = [engine.generate_batch(prompts, max_new_tokens=n) for prompts, n in phases]
+    for (prompts, n), o in zip(phases, outs):
+        for p, out in zip(prompts, o):
+            assert_greedy_equal(model, p, out, hf_greedy_cached(model, ("elastic", NAME), p, n))
+    assert engine.stats()["elastic_pools"]["to_kv"] > 0
+    host = engine.host_pool
+    assert host.kv_buffers[0][0] is engine.pools.kv.k_buffers[0]
+    assert host.mamba_buffers[0][0] is engine.pools.mamba.conv_buffers[0]
+    engine.prefix_cache.check_invariants()
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    engine.close()
+
+
+def test_elastic_pools_refusals_name_the_option():
+    model = cached_model(NAME, 0)
+    with pytest.raises(ValueError, match="elastic_pools cannot be combined with speculative"):
+        make_engine(model, elastic_pools=True, speculative={"method": "ngram", "num_draft_tokens": 2}, **ARGS)
+    from hybrid_compile.memory.sizing import plan_memory
+
+    for elastic, words in ((False, "unless elastic_pools=True"), (True, "elastic pools move memory")):
+        with pytest.raises(ValueError, match=words):
+            plan_memory(ATTN, LINEAR, max_running_requests=4, max_context_len=8, max_total_tokens=32,
+                        mamba_cache_size=2, elastic=elastic)
+
+
+def test_benchmark_elastic_tiny_run(tmp_path):
+    """``benchmarks/prefix_cache.py --tiny --elastic``: the flip workload with the fixed split and
+    with elastic pools (same outputs, checked by the script), fewer retractions with elastic."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("prefix_cache_bench_elastic", root / "benchmarks" / "prefix_cache.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        out = tmp_path / "run.json"
+        bench.main(["--tiny", "--elastic", "--systems", "lru", "--no-pressure", "--groups", "2", "--prompts-per-group",
+                    "2", "--system-len", "140", "--output-len", "2", "--out", str(out)])
+    finally:
+        sys.path.remove(str(root))
+    r = json.loads(out.read_text())["elastic"]
+    assert r["fixed"]["retractions"] > r["elastic"]["retractions"], r
+    assert r["elastic"]["moves"]["to_kv"] > 0 and r["fixed"]["moves"]["to_kv"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_elastic_pools_on_cuda_equal_the_fixed_split(compile_):
+    """On CUDA (eager, and the compiled forward without CUDA graphs): the flip workload's tokens
+    with elastic pools equal the fixed split's, with memory moved to the KV pool."""
+    import copy
+
+    model = copy.deepcopy(cached_model(NAME, 0)).to("cuda")
+    phases = _flip_workload(vocab_size(model))
+    outs = {}
+    for elastic in (False, True):
+        engine = make_engine(model, elastic_pools=elastic, compile=compile_, cuda_graphs=False, **ARGS)
+        outs[elastic] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
+        if elastic:
+            assert engine.stats()["elastic_pools"]["to_kv"] > 0
+        engine.clear_prefix_cache()
+        engine.pools.check_all_free()
+        engine.close()
+    assert outs[True] == outs[False]

@@ -1,13 +1,13 @@
-"""Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes) and :func:`cast_rne`
+"""Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
-otherwise truncates fp32 -> bf16)."""
+otherwise truncates fp32 -> bf16) and :func:`softplus` (torch's, for the Mamba dt)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "pow2"]
+__all__ = ["cast_rne", "pow2", "softplus"]
 
 
 def pow2(n: int, lo: int = 1) -> int:
@@ -28,3 +28,13 @@ def cast_rne(v, dtype: tl.constexpr):
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
         v = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
     return v.to(dtype)
+
+
+@triton.jit
+def softplus(v):
+    """torch's softplus (threshold 20) with an accurate log1p (``log(w) * u / (w - 1)``, w = 1 + u)."""
+    u = tl.exp(v)
+    w = 1.0 + u
+    den = tl.where(w == 1.0, 1.0, w - 1.0)
+    lp = tl.where(w == 1.0, u, tl.log(w) * (u / den))
+    return tl.where(v > 20.0, v, lp)

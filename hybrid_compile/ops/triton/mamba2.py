@@ -50,6 +50,7 @@ from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
 from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .common import pow2
+from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["selective_state_update_triton", "ssd_chunk_scan_triton"]
@@ -68,16 +69,6 @@ _DOT_IEEE, _DOT_LOWP, _DOT_EMULATE, _DOT_TF32 = 0, 1, 2, 3
 # --------------------------------------------------------------------------------------------
 # Shared device helpers
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _softplus(v):
-    """torch's softplus (threshold 20) with an accurate log1p (``log(w) * u / (w - 1)``, w = 1 + u)."""
-    u = tl.exp(v)
-    w = 1.0 + u
-    den = tl.where(w == 1.0, 1.0, w - 1.0)
-    lp = tl.where(w == 1.0, u, tl.log(w) * (u / den))
-    return tl.where(v > 20.0, v, lp)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from hybrid_compile.models import FAMILIES
 
 import mamba1_models as mm
 from engine_models import assert_pools_restored, make_engine, random_prompts, record_prefix_hits, single_threaded
-from test_mamba2_families import _check_all_free, _hf_generate, _record_logits
+from test_mamba2_families import _check_all_free, _hf_generate, _record_logits, packed_extend_outputs
 
 MAX_NEW = 8
 PROMPT_LENS = (1, 150, 17, 64, 5, 33)  # chunked_prefill_size 32
@@ -161,30 +161,11 @@ def test_mixer_layer_ops_match_hf_chunked_extend(name):
     with hc.wrap(model, **ENGINE_ARGS) as engine:
         mixer, layer_id = FAMILIES[name].mamba_layers(model)[0]
         conv, ssm = engine.pools.mamba.conv(layer_id), engine.pools.mamba.ssm(layer_id)
-        g = torch.Generator().manual_seed(7)
-        seqs = [torch.randn(n, model.config.hidden_size, generator=g) for n in (37, 21)]
-        slots = torch.tensor([2, 5], dtype=torch.int32)
-        outs = [[], []]
-        for first, (a, b) in ((True, (0, 19)), (False, (19, 37))):
-            parts = [s[a:b] for s in seqs]
-            lens = torch.tensor([len(p) for p in parts])
-            qsl = torch.zeros(3, dtype=torch.int32)
-            qsl[1:] = torch.cumsum(lens, 0)
-            md = ForwardMetadata(
-                mode=ForwardMode.EXTEND, positions=torch.cat([torch.arange(a, a + n) for n in lens.tolist()]),
-                query_start_loc=qsl, seq_lens=lens.int(), prefix_lens=torch.zeros(2, dtype=torch.int32),
-                mamba_cache_indices=slots, has_initial_state=torch.tensor([not first, not first]),
-                out_cache_loc=torch.zeros(0, dtype=torch.int64), kv_indptr=torch.zeros(3, dtype=torch.int32),
-                kv_indices=torch.zeros(0, dtype=torch.int64), logits_indices=qsl[1:].long() - 1,
-            )
-            with torch.no_grad(), forward_context(ForwardContext(md, {}, {layer_id: (conv, ssm)})):
-                y = mixer(torch.cat(parts)[None])[0]
-            outs[0].append(y[: lens[0]])
-            outs[1].append(y[lens[0]:])
+        seqs, outs = packed_extend_outputs(mixer, layer_id, conv, ssm, model.config.hidden_size)
         for seq, out in zip(seqs, outs):
             with torch.no_grad():
                 ref = type(mixer).forward(mixer, seq[None])[0]
-            torch.testing.assert_close(torch.cat(out), ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_ssm_layer_op_fake_shape_and_verify_needs_buffers():

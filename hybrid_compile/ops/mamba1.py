@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from ._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_cu_seqlens,
     check_same_device,
     check_slot_indices,
     check_tensor,
     check_unique_slots,
+    check_varlen_requests,
+    check_varlen_values,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 
@@ -88,21 +89,14 @@ def _check_selective_scan(
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(T, D_inner))
     check_tensor(op, "ssm_states", ssm_states, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, D_inner, N))
-    check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
-    batch = cu_seqlens.shape[0] - 1
-    check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
-    check_tensor(op, "has_initial_state", has_initial_state, dtypes=(torch.bool,), shape=(batch,))
+    check_varlen_requests(op, cu_seqlens, state_indices, has_initial_state)
     if chunk_size <= 0:
         raise ValueError(f"{op}: chunk_size must be > 0, got {chunk_size}")
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
         cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
     )
-    check_cu_seqlens(op, "cu_seqlens", cu_seqlens, T)
-    check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
-    check_unique_slots(op, "state_indices", state_indices)
+    check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
 @torch.library.custom_op("hybrid_compile::mamba1_selective_scan", mutates_args=("ssm_states",))

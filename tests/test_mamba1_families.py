@@ -2,7 +2,7 @@
 own ``generate`` per prompt (one prompt with chunked prefill, a continuous batch, prefix-cache hits at
 the 64-token checkpoint grid, speculative decoding), pools all free afterwards; the patched model still
 gives HF's result outside the engine; the patched mixer (``short_conv_layer`` + ``mamba1_ssm_layer``)
-matches HF's mixer over a packed, chunked extend; layout, FP8-state and tensor-parallel errors.
+matches HF's mixer over a packed, chunked extend; layout and FP8-state error; tensor-parallel plans.
 
 GPU (``gpu`` marker): fp32 and bf16, the Triton path eager and compiled with full + piecewise CUDA
 graphs, with and without speculative decoding.
@@ -145,12 +145,23 @@ def test_layout_and_errors():
         hc.wrap(_case("mamba")[0], ssm_state_dtype="float8_e4m3fn", **ENGINE_ARGS)
 
 
-def test_tensor_parallel_refuses_mamba1_families():
+def test_tensor_parallel_plans():
+    """The plans split the D_inner channels (x_proj by input columns, all-reduced); a count that does
+    not divide fails before any weight is read (tests/test_tensor_parallel.py serves them on 2 ranks)."""
     from hybrid_compile.distributed.plans import ShardingError, plan_for
 
     for name in CASES:
-        with pytest.raises(ShardingError, match=f"model type '{name}' has no tensor-parallel sharding plan"):
-            plan_for(_case(name)[0].config, 2)
+        cfg = _case(name)[0].config
+        plan = plan_for(cfg, 2, 1)
+        prefix = "model.layers.0.mamba" if name == "jamba" else "backbone.layers.0.mixer"
+        assert plan.slice_of(f"{prefix}.x_proj.weight").dim == 1
+        assert plan.is_reduced(f"{prefix}.x_proj", None) and plan.is_reduced(f"{prefix}.out_proj", None)
+        assert plan.slice_of(f"{prefix}.A_log").dim == 0
+        local = plan.local_config(cfg)
+        d_inner = 64
+        assert (local.mamba_expand * local.hidden_size if name == "jamba" else local.intermediate_size) == d_inner // 2
+        with pytest.raises(ShardingError, match="Mamba1 intermediate size"):
+            plan_for(cfg, 3)
 
 
 @pytest.mark.parametrize("name", ["falcon_mamba", "jamba"])

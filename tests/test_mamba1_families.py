@@ -183,13 +183,13 @@ def test_ssm_layer_op_fake_shape_and_verify_needs_buffers():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     D_inner, N = 16, 4
-    args = lambda n: (torch.randn(n, D_inner), torch.randn(n, D_inner), torch.randn(n, N), torch.randn(n, N),
+    args = lambda n: (torch.randn(n, D_inner), torch.randn(n, D_inner), torch.randn(n, 1, N), torch.randn(n, 1, N),
                       torch.randn(n, D_inner), torch.zeros(D_inner, N), torch.ones(D_inner), torch.zeros(D_inner))
     with FakeTensorMode():
         out = torch.ops.hybrid_compile.mamba1_ssm_layer(*args(5), 0, 64)
     assert out.shape == (5, D_inner)
     with pytest.raises(ValueError, match="B and C must be"):
-        torch.ops.hybrid_compile.mamba1_ssm_layer(*args(5)[:2], torch.randn(5, N), torch.randn(5, N + 1),
+        torch.ops.hybrid_compile.mamba1_ssm_layer(*args(5)[:2], torch.randn(5, 1, N), torch.randn(5, 1, N + 1),
                                                   *args(5)[4:], 0, 64)
     md = ForwardMetadata(
         mode=ForwardMode.TARGET_VERIFY, positions=torch.arange(4), query_start_loc=torch.tensor([0, 2, 4]),

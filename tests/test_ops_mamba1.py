@@ -27,18 +27,18 @@ def _negative_A(D_inner, N):
     return -torch.exp(torch.rand(D_inner, N) * 1.5 - 0.5)  # fp32, per (channel, state) entry
 
 
-def make_scan(lens, *, D_inner=12, N=8, dtype=torch.float32, pool_dtype=torch.float32, with_D=True, with_z=True,
+def make_scan(lens, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=torch.float32, with_D=True, with_z=True,
               with_bias=True, pad_rows=(), init=None, softplus=True, num_slots=NUM_SLOTS):
     """Inputs of mamba1_selective_scan. x / z are non-contiguous views of one in_proj output and B / C
     of one x_proj output, the way the mixer splits them."""
     T, batch = sum(lens), len(lens)
     xz = torch.randn(T, 2 * D_inner).to(dtype)
-    bc = (0.5 * torch.randn(T, 2 * N)).to(dtype)
+    bc = (0.5 * torch.randn(T, 2 * G * N)).to(dtype)
     if init is None:
         init = [b % 2 == 0 for b in range(batch)]
     return dict(
         x=xz[:, :D_inner], dt=(torch.randn(T, D_inner) - 1.0).to(dtype), A=_negative_A(D_inner, N),
-        B=bc[:, :N], C=bc[:, N:], D=torch.randn(D_inner).to(dtype) if with_D else None,
+        B=bc[:, : G * N].view(T, G, N), C=bc[:, G * N :].view(T, G, N), D=torch.randn(D_inner).to(dtype) if with_D else None,
         z=xz[:, D_inner:] if with_z else None, dt_bias=(0.5 * torch.randn(D_inner)).to(dtype) if with_bias else None,
         dt_softplus=softplus, ssm_states=torch.randn(num_slots, D_inner, N).to(pool_dtype),
         cu_seqlens=cu_seqlens_of(lens), state_indices=distinct_slots(batch, num_slots, pad_rows=pad_rows),
@@ -46,12 +46,12 @@ def make_scan(lens, *, D_inner=12, N=8, dtype=torch.float32, pool_dtype=torch.fl
     )
 
 
-def make_update(batch, steps, *, D_inner=12, N=8, dtype=torch.float32, pool_dtype=torch.float32, with_D=True,
+def make_update(batch, steps, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=torch.float32, with_D=True,
                 with_z=True, with_bias=True, pad_rows=(), inter=True, disable=False, num_slots=NUM_SLOTS):
     return dict(
         x=torch.randn(batch, steps, D_inner).to(dtype), dt=(torch.randn(batch, steps, D_inner) - 1.0).to(dtype),
-        A=_negative_A(D_inner, N), B=(0.5 * torch.randn(batch, steps, N)).to(dtype),
-        C=(0.5 * torch.randn(batch, steps, N)).to(dtype), D=torch.randn(D_inner).to(dtype) if with_D else None,
+        A=_negative_A(D_inner, N), B=(0.5 * torch.randn(batch, steps, G, N)).to(dtype),
+        C=(0.5 * torch.randn(batch, steps, G, N)).to(dtype), D=torch.randn(D_inner).to(dtype) if with_D else None,
         z=torch.randn(batch, steps, D_inner).to(dtype) if with_z else None,
         dt_bias=(0.5 * torch.randn(D_inner)).to(dtype) if with_bias else None, dt_softplus=True,
         ssm_states=torch.randn(num_slots, D_inner, N).to(pool_dtype),
@@ -125,6 +125,7 @@ def test_selective_scan_matches_reference(lens, dtype):
         ([9, 0, 20], 4, dict(with_D=False, with_z=False, with_bias=False)),
         ([3, 17], 64, dict(softplus=False, init=[True, True])),
         ([33, 2, 8], 8, dict(N=16, D_inner=5, init=[False, False, False])),
+        ([19, 0, 6], 4, dict(G=3, pad_rows=(1,))),  # B/C groups (Zamba's heads)
     ],
 )
 def test_selective_scan_variants(lens, chunk_size, opts):
@@ -168,7 +169,7 @@ def test_selective_scan_matches_transformers(T, D_inner, N, with_D, with_bias):
     inp = make_scan([T], D_inner=D_inner, N=N, with_D=with_D, with_bias=with_bias, init=[False])
     slot = int(inp["state_indices"][0])
     y_hf, final_hf = mamba_selective_scan(
-        inp["x"].T[None], inp["dt"].T[None], inp["A"], inp["B"].T[None], inp["C"].T[None],
+        inp["x"].T[None], inp["dt"].T[None], inp["A"], inp["B"][:, 0].T[None], inp["C"][:, 0].T[None],
         D=inp["D"], z=inp["z"].T[None], delta_bias=inp["dt_bias"], delta_softplus=True, return_last_state=True,
     )
     y, _ = run_scan(inp, 16, output_chunk_states=False)
@@ -188,6 +189,7 @@ def test_selective_scan_matches_transformers(T, D_inner, N, with_D, with_bias):
         (3, 1, dict(pad_rows=(1,), inter=False)),
         (2, 4, dict(disable=True)),
         (4, 3, dict(pad_rows=(0, 3), with_D=False, with_z=False, with_bias=False)),
+        (3, 2, dict(G=4, pad_rows=(2,))),
     ],
 )
 def test_state_update_matches_reference(dtype, batch, steps, opts):
@@ -230,7 +232,7 @@ def test_state_update_matches_transformers(dtype):
     slots = inp["state_indices"].to(torch.int64)
     state = inp["ssm_states"][slots].clone().float()
     y_hf = mamba_selective_state_update(
-        state, inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0], inp["C"][:, 0], inp["D"],
+        state, inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0, 0], inp["C"][:, 0, 0], inp["D"],
         z=inp["z"][:, 0], dt_bias=inp["dt_bias"].float(), dt_softplus=True,
     )
     y = mamba1_state_update(*(inp[k] for k in UPDATE_ORDER))
@@ -273,7 +275,8 @@ def test_state_update_opcheck(batch, steps, opts):
     "changes,match",
     [
         (dict(A=torch.zeros(12, 7)), "A"),
-        (dict(B=torch.zeros(5, 8)), "B"),
+        (dict(B=torch.zeros(16, 8)), "B"),
+        (dict(B=torch.zeros(16, 5, 8), C=torch.zeros(16, 5, 8)), "multiple of the number of B/C groups"),
         (dict(ssm_states=torch.zeros(9, 12, 8, dtype=torch.float8_e4m3fn)), "ssm_states"),
         (dict(state_indices=torch.tensor([3, 3], dtype=torch.int32)), "state_indices"),
         (dict(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32)), "cu_seqlens"),

@@ -33,6 +33,7 @@ SCAN_CASES = [
     ([0, 1, 15, 16, 17, 40], 16, dict(dtype=torch.bfloat16, pool_dtype=torch.bfloat16, pad_rows=(4,))),
     ([9, 0, 20], 8, dict(with_D=False, with_z=False, with_bias=False, softplus=False, N=16, D_inner=40)),
     ([17, 0, 33], 8, dict(dtype=torch.float16, pool_dtype=torch.float16, init=[True, True, False])),
+    ([21, 4], 8, dict(G=4, D_inner=40, init=[True, False])),  # B/C groups, several per channel block
     ([5, 3], 16, dict(pad_rows=(0, 1))),  # every request is padding
 ]
 
@@ -72,6 +73,7 @@ def test_selective_scan_triton_no_chunk_states_A_log_and_empty():
         (3, 1, dict(pad_rows=(1,), inter=False)),
         (2, 4, dict(disable=True, D_inner=40, N=16)),
         (4, 3, dict(pad_rows=(0, 3), with_D=False, with_z=False, with_bias=False)),
+        (2, 3, dict(G=5, D_inner=40, N=16)),
     ],
 )
 def test_state_update_triton(dtype, batch, steps, opts):
@@ -102,7 +104,7 @@ def test_registered_as_cuda_kernels_and_validate():
     with pytest.raises(ValueError, match="mamba1_selective_scan: `dt`"):
         tm._selective_scan_cuda_impl(*(bad[k] for k in SCAN_ORDER), 4, True)
     dec = _to(make_update(2, 1), KDEV)
-    dec["z"] = torch.randn(2, 1, 5, device=KDEV)
+    dec["z"] = torch.randn(2, 1, 5, device=KDEV)  # D_inner is 12
     with pytest.raises(ValueError, match="mamba1_state_update: `z`"):
         tm._state_update_cuda_impl(*(dec[k] for k in UPDATE_ORDER))
 
@@ -128,6 +130,7 @@ def _gpu_compare(actual, expected, dtype, what):
                                        init=[True, False, True, True, False])),
         ([513, 256, 40], dict(D_inner=2048, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
         pytest.param([300, 17], dict(D_inner=4096, init=[True, False]), marks=pytest.mark.smoke),
+        ([600, 33], dict(D_inner=3072, G=16, dtype=torch.bfloat16)),  # Zamba-like heads as B/C groups
     ],
 )
 def test_gpu_selective_scan_matches_plain(lens, opts):
@@ -150,6 +153,7 @@ def test_gpu_selective_scan_matches_plain(lens, opts):
                      marks=pytest.mark.smoke),
         (16, 4, dict(D_inner=2048, disable=True)),
         (8, 5, dict(D_inner=1536, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
+        (32, 1, dict(D_inner=3072, G=16, dtype=torch.bfloat16)),
     ],
 )
 def test_gpu_state_update_matches_plain(batch, steps, opts):

@@ -38,8 +38,8 @@ def _check(x, dt, B, C, z):
             f"mamba1_ssm_layer: x, dt and z must be [tokens, D_inner], got {tuple(x.shape)}, {tuple(dt.shape)}, "
             f"{None if z is None else tuple(z.shape)}"
         )
-    if B.dim() != 2 or B.shape != C.shape or B.shape[0] != x.shape[0]:
-        raise ValueError(f"mamba1_ssm_layer: B and C must be [tokens, N], got {tuple(B.shape)}, {tuple(C.shape)}")
+    if B.dim() != 3 or B.shape != C.shape or B.shape[0] != x.shape[0]:
+        raise ValueError(f"mamba1_ssm_layer: B and C must be [tokens, G, N], got {tuple(B.shape)}, {tuple(C.shape)}")
 
 
 @torch.library.custom_op("hybrid_compile::mamba1_ssm_layer", mutates_args=())
@@ -59,7 +59,8 @@ def mamba1_ssm_layer(
 
     Args:
         x: ``[N_tok, D_inner]`` conv output (after silu). dt: ``[N_tok, D_inner]`` ``dt_proj`` output
-            without its bias. B, C: ``[N_tok, N]``. z: ``[N_tok, D_inner]`` gate (``y *= silu(z)``) or None.
+            without its bias. B, C: ``[N_tok, G, N]`` (``G`` groups of channels:
+            1 for Mamba1, the heads for Zamba). z: ``[N_tok, D_inner]`` gate (``y *= silu(z)``) or None.
         A_log: ``[D_inner, N]``; ``A = -exp(A_log)``. D: ``[D_inner]`` or None. dt_bias: ``[D_inner]``
             (``dt_proj.bias``) or None; softplus always applies.
         layer_id: key of ``ForwardContext.mamba_caches``; the SSM pool ``[S, D_inner, N]`` of that

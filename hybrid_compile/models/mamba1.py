@@ -72,7 +72,7 @@ def mamba1_mixer_forward(self, hidden_states, *args, **kwargs):
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
     dt = F.linear(dt, self.dt_proj.weight)  # the bias goes into the scan: softplus(dt + bias)
     y = torch.ops.hybrid_compile.mamba1_ssm_layer(
-        x, dt, B, C, z, self.A_log, self.D, self.dt_proj.bias, layer_id, MAMBA1_CHECKPOINT_ALIGN
+        x, dt, B[:, None], C[:, None], z, self.A_log, self.D, self.dt_proj.bias, layer_id, MAMBA1_CHECKPOINT_ALIGN
     )
     return self.out_proj(y[None].to(dtype))
 

@@ -2,11 +2,13 @@
 
 The math is transformers' Mamba1 mixer (``mamba_selective_scan`` / ``mamba_selective_state_update``
 of Mamba, FalconMamba and Jamba). Per channel ``d`` of ``D_inner`` (``A [D_inner, N] < 0``, one
-row of state per channel), with ``B_t``, ``C_t`` ``[N]`` shared by every channel of a token::
+row of state per channel), reading group ``g = d // (D_inner / G)`` of the token's ``B_t``, ``C_t``
+``[G, N]`` (Mamba / FalconMamba / Jamba: ``G = 1``, shared by every channel; Zamba: one group per
+Mamba head)::
 
     dt_t[d] = softplus(dt_t[d] + dt_bias[d]) if dt_softplus else dt_t[d] + dt_bias[d]
-    S[d]    = S[d] * exp(dt_t[d] * A[d]) + dt_t[d] * x_t[d] * B_t       # S: [D_inner, N]
-    y_t[d]  = S[d] . C_t + D[d] * x_t[d]
+    S[d]    = S[d] * exp(dt_t[d] * A[d]) + dt_t[d] * x_t[d] * B_t[g]    # S: [D_inner, N]
+    y_t[d]  = S[d] . C_t[g] + D[d] * x_t[d]
     y_t[d]  = y_t[d] * silu(z_t[d])                                     # only when z is given
 
 Unlike Mamba2 (one scalar ``A`` per head) the decay differs per state entry, so there is no
@@ -59,6 +61,16 @@ def _decay_matrix(A: torch.Tensor, A_is_log: bool) -> torch.Tensor:
     return -torch.exp(A.float()) if A_is_log else A.float()
 
 
+def _per_channel(bc: torch.Tensor, D_inner: int) -> torch.Tensor:
+    """fp32 ``[..., G, N]`` -> ``[..., D_inner, N]``: each channel's group of B or C."""
+    return bc.float().repeat_interleave(D_inner // bc.shape[-2], dim=-2)
+
+
+def _check_groups(op, D_inner, G):
+    if G <= 0 or D_inner % G != 0:
+        raise ValueError(f"{op}: D_inner ({D_inner}) must be a multiple of the number of B/C groups ({G})")
+
+
 def _check_params(op, D_inner, N, A, D, dt_bias, A_is_log):
     check_tensor(op, "A_log" if A_is_log else "A", A, dtypes=FLOAT_DTYPES if A_is_log else (torch.float32,),
                  shape=(D_inner, N))
@@ -80,10 +92,11 @@ def _check_selective_scan(
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     T, D_inner = x.shape
     check_tensor(op, "dt", dt, dtypes=FLOAT_DTYPES, shape=(T, D_inner))
-    check_tensor(op, "B", B, ndim=2, dtypes=FLOAT_DTYPES)
-    N = B.shape[1]
-    check_tensor(op, "B", B, shape=(T, N))
-    check_tensor(op, "C", C, dtypes=FLOAT_DTYPES, shape=(T, N))
+    check_tensor(op, "B", B, ndim=3, dtypes=FLOAT_DTYPES)
+    G, N = B.shape[1], B.shape[2]
+    check_tensor(op, "B", B, shape=(T, G, N))
+    check_tensor(op, "C", C, dtypes=FLOAT_DTYPES, shape=(T, G, N))
+    _check_groups(op, D_inner, G)
     _check_params(op, D_inner, N, A, D, dt_bias, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(T, D_inner))
@@ -128,7 +141,7 @@ def mamba1_selective_scan(
         dt: ``[T, D_inner]`` raw time steps (``dt_proj`` without its bias).
         A: ``[D_inner, N]`` fp32, already negated (``-exp(A_log)``); the model's ``A_log`` (any float
             dtype) when ``A_is_log``.
-        B, C: ``[T, N]``.
+        B, C: ``[T, G, N]``; channel ``d`` reads group ``d // (D_inner / G)``.
         D: ``[D_inner]`` skip coefficient, or None. z: ``[T, D_inner]`` gate (``y *= silu(z)``), or None.
         dt_bias: ``[D_inner]`` (``dt_proj.bias``), or None. dt_softplus: apply softplus to ``dt + dt_bias``.
         ssm_states: ``[num_slots, D_inner, N]`` fp32/bf16/fp16 state pool. **Mutated**: slot
@@ -151,7 +164,7 @@ def mamba1_selective_scan(
         x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
     )
     T, D_inner = x.shape
-    N = B.shape[1]
+    N = B.shape[2]
     batch = cu_seqlens.shape[0] - 1
     dev = x.device
     y = torch.zeros(T, D_inner, dtype=torch.float32, device=dev)
@@ -180,8 +193,8 @@ def mamba1_selective_scan(
             chunk_states[rows0[live] + j // chunk_size] = S[live]
         tok = cu[reqs[live]] + j
         d = dtf[tok]  # [r, D_inner]
-        S[live] = S[live] * torch.exp(d[..., None] * Af) + (d * xf[tok])[..., None] * B[tok].float()[:, None, :]
-        y[tok] = torch.einsum("rdn,rn->rd", S[live], C[tok].float())
+        S[live] = S[live] * torch.exp(d[..., None] * Af) + (d * xf[tok])[..., None] * _per_channel(B[tok], D_inner)
+        y[tok] = (S[live] * _per_channel(C[tok], D_inner)).sum(-1)
     if D is not None:
         y = y + D.float() * xf
     if z is not None:
@@ -204,7 +217,7 @@ def _(
     )
     T, D_inner = x.shape
     rows = max_chunk_rows(T, cu_seqlens.shape[0] - 1, chunk_size) if output_chunk_states else 0
-    return x.new_empty((T, D_inner)), x.new_empty((rows, D_inner, B.shape[1]), dtype=torch.float32)
+    return x.new_empty((T, D_inner)), x.new_empty((rows, D_inner, B.shape[2]), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,10 +230,11 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
     check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
     batch, steps, D_inner = x.shape
     check_tensor(op, "dt", dt, dtypes=FLOAT_DTYPES, shape=(batch, steps, D_inner))
-    check_tensor(op, "B", B, ndim=3, dtypes=FLOAT_DTYPES)
-    N = B.shape[2]
-    check_tensor(op, "B", B, shape=(batch, steps, N))
-    check_tensor(op, "C", C, dtypes=FLOAT_DTYPES, shape=(batch, steps, N))
+    check_tensor(op, "B", B, ndim=4, dtypes=FLOAT_DTYPES)
+    G, N = B.shape[2], B.shape[3]
+    check_tensor(op, "B", B, shape=(batch, steps, G, N))
+    check_tensor(op, "C", C, dtypes=FLOAT_DTYPES, shape=(batch, steps, G, N))
+    _check_groups(op, D_inner, G)
     _check_params(op, D_inner, N, A, D, dt_bias, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(batch, steps, D_inner))
@@ -264,7 +278,7 @@ def mamba1_state_update(
     """Mamba1 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
     Args:
-        x: ``[B, L, D_inner]``; dt: ``[B, L, D_inner]`` raw; B, C: ``[B, L, N]``; z: ``[B, L, D_inner]``
+        x: ``[B, L, D_inner]``; dt: ``[B, L, D_inner]`` raw; B, C: ``[B, L, G, N]``; z: ``[B, L, D_inner]``
             or None; A, D, dt_bias, dt_softplus, A_is_log: as in :func:`mamba1_selective_scan`.
         ssm_states: ``[num_slots, D_inner, N]``. **Mutated** (the slot gets the state after the last
             step) unless ``disable_state_update``.
@@ -287,12 +301,12 @@ def mamba1_state_update(
     Af = _decay_matrix(A, A_is_log)
     xs = x.index_select(0, rows).float()
     ds = _discretize_dt(dt.index_select(0, rows), dt_bias, dt_softplus)
-    Bs, Cs = B.index_select(0, rows).float(), C.index_select(0, rows).float()
+    Bs, Cs = _per_channel(B.index_select(0, rows), D_inner), _per_channel(C.index_select(0, rows), D_inner)
     ys = []
     for t in range(steps):
         d = ds[:, t]
-        S = S * torch.exp(d[..., None] * Af) + (d * xs[:, t])[..., None] * Bs[:, t, None, :]
-        ys.append(torch.einsum("rdn,rn->rd", S, Cs[:, t]))
+        S = S * torch.exp(d[..., None] * Af) + (d * xs[:, t])[..., None] * Bs[:, t]
+        ys.append((S * Cs[:, t]).sum(-1))
         if intermediate_states is not None:
             intermediate_states[rows, t] = S.to(intermediate_states.dtype)
     y = torch.stack(ys, 1)

@@ -1,10 +1,11 @@
 """Per-token reference of the Mamba1 selective scan (one request, one token at a time).
 
-Per channel ``d`` (``A [D_inner, N] < 0``), with ``B``, ``C`` ``[N]`` of the token::
+Per channel ``d`` (``A [D_inner, N] < 0``), with group ``g = d // (D_inner / G)`` of the token's
+``B``, ``C`` ``[G, N]``::
 
     dt   = softplus(dt + dt_bias) if dt_softplus else dt + dt_bias
-    S[d] = S[d] * exp(dt[d] * A[d]) + dt[d] * x[d] * B
-    y[d] = S[d] . C + D[d] * x[d]
+    S[d] = S[d] * exp(dt[d] * A[d]) + dt[d] * x[d] * B[g]
+    y[d] = S[d] . C[g] + D[d] * x[d]
     y[d] = y[d] * silu(z[d])                              # when z is given
 
 All math in fp32. State pools are read as fp32 and written back cast to their dtype.
@@ -26,9 +27,12 @@ def _token_step(S, x_t, dt_t, A, B_t, C_t, D, z_t, dt_bias, dt_softplus):
     if dt_softplus:
         d = _softplus(d)
     x = x_t.float()
-    for c in range(S.shape[0]):
-        S[c] = S[c] * torch.exp(d[c] * A[c].float()) + (d[c] * x[c]) * B_t.float()
-    y = S @ C_t.float()
+    D_inner, G = S.shape[0], B_t.shape[0]
+    y = torch.zeros(D_inner, dtype=torch.float32)
+    for c in range(D_inner):
+        g = c // (D_inner // G)
+        S[c] = S[c] * torch.exp(d[c] * A[c].float()) + (d[c] * x[c]) * B_t[g].float()
+        y[c] = S[c] @ C_t[g].float()
     if D is not None:
         y = y + D.float() * x
     if z_t is not None:
@@ -46,7 +50,7 @@ def mamba1_scan_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states
     ``[len_b + 1, D_inner, N]`` fp32 states after ``t`` of its tokens (None for padding requests).
     """
     T, D_inner = x.shape
-    N = B.shape[1]
+    N = B.shape[2]
     y = torch.zeros(T, D_inner, dtype=torch.float32)
     new_states = ssm_states.clone()
     history = []

@@ -8,7 +8,7 @@ padding).
 
 Both kernels give one program a block of ``BLOCK_D`` channels of one request (grid
 ``(cdiv(D_inner, BLOCK_D), requests)``), keep its ``[BLOCK_D, N]`` slice of the state and of ``A``
-in registers and walk the request's tokens in order: the Mamba1 decay ``exp(dt[d] * A[d, n])``
+in registers (B / C are loaded per channel from the channel's group: ``G`` groups, Zamba's heads) and walk the request's tokens in order: the Mamba1 decay ``exp(dt[d] * A[d, n])``
 differs per state entry, so (unlike Mamba2's SSD) there is no matmul form to chunk. Channel blocks
 are independent, which is where the parallelism of a long prefill comes from (``D_inner /
 BLOCK_D`` programs per request). The scan writes the state every ``chunk_size`` tokens of its
@@ -47,17 +47,18 @@ def _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, s
 
 
 @triton.jit
-def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_n,
+def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
            HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
-    """One token of the recurrence for a block of channels: returns the new ``S`` and ``y``."""
+    """One token of the recurrence for a block of channels: returns the new ``S`` and ``y``.
+    ``B_p`` / ``C_p``: ``[BLOCK_D, BLOCK_N]`` pointers to each channel's group of B / C."""
     x = tl.load(x_p, mask=mask_d, other=0.0).to(tl.float32)
     dt = tl.load(dt_p, mask=mask_d, other=0.0).to(tl.float32) + bias
     if DT_SOFTPLUS:
         dt = softplus(dt)
-    Bt = tl.load(B_p, mask=mask_n, other=0.0).to(tl.float32)
-    Ct = tl.load(C_p, mask=mask_n, other=0.0).to(tl.float32)
-    S = S * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
-    y = tl.sum(S * Ct[None, :], axis=1)
+    Bt = tl.load(B_p, mask=mask_dn, other=0.0).to(tl.float32)
+    Ct = tl.load(C_p, mask=mask_dn, other=0.0).to(tl.float32)
+    S = S * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt
+    y = tl.sum(S * Ct, axis=1)
     if HAS_D:
         y += Dv * x
     if HAS_Z:
@@ -75,8 +76,8 @@ def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_n,
 def _scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, cu_ptr, idx_ptr, init_ptr, rows_ptr,
     y_ptr, cs_ptr,
-    D_inner, N, chunk_size,
-    sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_n, sC_t, sC_n, sz_t, sz_d,
+    D_inner, N, R, chunk_size,
+    sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_g, sB_n, sC_t, sC_g, sC_n, sz_t, sz_d,
     ss_s, ss_d, ss_n, sy_t, scs_r, scs_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     A_IS_LOG: tl.constexpr, CHUNK_STATES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,6 +102,8 @@ def _scan_kernel(
         S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
     row0 = tl.load(rows_ptr + b)
     cs_ptrs = cs_ptr + offs_d[:, None] * scs_d + offs_n[None, :]
+    B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's B/C group
+    C_ptrs = C_ptr + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
     for t in range(start, end):
         if CHUNK_STATES:
             j = t - start
@@ -108,8 +111,8 @@ def _scan_kernel(
                 tl.store(cs_ptrs + (row0 + j // chunk_size) * scs_r, S, mask=mask_dn)
         S, y = _token(
             S, A, Dv, bias, x_ptr + t * sx_t + offs_d * sx_d, dt_ptr + t * sdt_t + offs_d * sdt_d,
-            B_ptr + t * sB_t + offs_n * sB_n, C_ptr + t * sC_t + offs_n * sC_n, z_ptr + t * sz_t + offs_d * sz_d,
-            mask_d, mask_n, HAS_D, HAS_Z, DT_SOFTPLUS,
+            B_ptrs + t * sB_t, C_ptrs + t * sC_t, z_ptr + t * sz_t + offs_d * sz_d,
+            mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
         )
         tl.store(y_ptr + t * sy_t + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
     if end > start:
@@ -127,7 +130,7 @@ def mamba1_selective_scan_triton(
 ):
     """Triton ``mamba1_selective_scan`` (same arguments, mutation and results as the op; no validation)."""
     T, D_inner = x.shape
-    N = B.shape[1]
+    G, N = B.shape[1], B.shape[2]
     batch = cu_seqlens.shape[0] - 1
     y = torch.zeros(T, D_inner, dtype=x.dtype, device=x.device)
     rows = max_chunk_rows(T, batch, chunk_size) if output_chunk_states else 0
@@ -141,7 +144,7 @@ def mamba1_selective_scan_triton(
     _scan_kernel[grid](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, cu_seqlens, state_indices, has_initial_state, row_offsets, y, chunk_states,
-        D_inner, N, chunk_size,
+        D_inner, N, D_inner // G, chunk_size,
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0)),
         *ssm_states.stride(), y.stride(0), chunk_states.stride(0), chunk_states.stride(1),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
@@ -159,8 +162,9 @@ def mamba1_selective_scan_triton(
 @triton.jit
 def _update_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
-    L, D_inner, N,
-    sx_b, sx_t, sx_d, sdt_b, sdt_t, sdt_d, sA_d, sA_n, sB_b, sB_t, sB_n, sC_b, sC_t, sC_n, sz_b, sz_t, sz_d,
+    L, D_inner, N, R,
+    sx_b, sx_t, sx_d, sdt_b, sdt_t, sdt_d, sA_d, sA_n, sB_b, sB_t, sB_g, sB_n, sC_b, sC_t, sC_g, sC_n,
+    sz_b, sz_t, sz_d,
     ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
@@ -186,12 +190,13 @@ def _update_kernel(
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
     S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
     i_ptrs = inter_ptr + b * si_b + offs_d[:, None] * si_d + offs_n[None, :] * si_n
+    B_ptrs = B_ptr + b * sB_b + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's group
+    C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
     for t in range(L):
         S, y = _token(
             S, A, Dv, bias, x_ptr + b * sx_b + t * sx_t + offs_d * sx_d,
-            dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptr + b * sB_b + t * sB_t + offs_n * sB_n,
-            C_ptr + b * sC_b + t * sC_t + offs_n * sC_n, z_ptr + b * sz_b + t * sz_t + offs_d * sz_d,
-            mask_d, mask_n, HAS_D, HAS_Z, DT_SOFTPLUS,
+            dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
+            z_ptr + b * sz_b + t * sz_t + offs_d * sz_d, mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
         )
         tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_d)
         if HAS_INTER:
@@ -206,7 +211,7 @@ def mamba1_state_update_triton(
 ):
     """Triton ``mamba1_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, D_inner = x.shape
-    N = B.shape[2]
+    G, N = B.shape[2], B.shape[3]
     out = torch.empty(batch, steps, D_inner, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -216,7 +221,7 @@ def mamba1_state_update_triton(
     _update_kernel[(triton.cdiv(D_inner, BLOCK_D), batch)](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, state_indices, inter if inter is not None else ssm_states, out,
-        steps, D_inner, N,
+        steps, D_inner, N, D_inner // G,
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0, 0)),
         *ssm_states.stride(), *(inter.stride() if inter is not None else (0, 0, 0, 0)), out.stride(0), out.stride(1),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),

@@ -2,7 +2,7 @@
 
 Each builder takes a seed and returns an eval-mode HF ``*ForCausalLM`` (hidden 32, 3-4 layers,
 vocab 128, state 8, conv width 4) keeping the family's features: FalconMamba's dt/B/C norms, Jamba's
-attention layer, MoE block and weighted dt/B/C norms. ``pad/bos/eos`` are unset so greedy
+attention layer, MoE block and weighted dt/B/C norms, Zamba's multi-head mixers and shared attention. ``pad/bos/eos`` are unset so greedy
 generation runs its full length; ``initializer_range`` 0.1 gives varied greedy tokens.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from mamba2_models import _TOKENS, VOCAB, require
 
-__all__ = ["BUILDERS", "VOCAB", "build_falcon_mamba", "build_jamba", "build_mamba"]
+__all__ = ["BUILDERS", "VOCAB", "build_falcon_mamba", "build_jamba", "build_mamba", "build_zamba"]
 
 
 def _finish(model, seed: int):
@@ -21,7 +21,7 @@ def _finish(model, seed: int):
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for m in model.modules():
-            if hasattr(m, "A_log") and hasattr(m, "x_proj"):
+            if hasattr(m, "A_log") and (hasattr(m, "x_proj") or hasattr(m, "x_proj_weight")):
                 m.A_log.add_(0.5 * torch.randn(m.A_log.shape, generator=g))
                 m.D.add_(0.3 * torch.randn(m.D.shape, generator=g))
     return model.eval()
@@ -58,4 +58,22 @@ def build_jamba(seed: int = 0, moe: bool = True):
     return _finish(require("JambaForCausalLM")(config), seed)
 
 
-BUILDERS = {"mamba": build_mamba, "falcon_mamba": build_falcon_mamba, "jamba": build_jamba}
+def build_zamba(seed: int = 0):
+    """Zamba (v1): multi-head Mamba1 layers (2 heads: B/C per head), shared attention at layers 2, 4."""
+    config = require("ZambaConfig")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, n_mamba_heads=2, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=512, tie_word_embeddings=False,
+        **_TOKENS,
+    )
+    torch.manual_seed(seed)
+    model = require("ZambaForCausalLM")(config)
+    g = torch.Generator().manual_seed(seed + 2000)
+    with torch.no_grad():  # HF initialises x_proj_weight to zeros: give B, C and dt something to do
+        for m in model.modules():
+            if hasattr(m, "x_proj_weight"):
+                m.x_proj_weight.copy_(0.2 * torch.randn(m.x_proj_weight.shape, generator=g))
+    return _finish(model, seed)
+
+
+BUILDERS = {"mamba": build_mamba, "falcon_mamba": build_falcon_mamba, "jamba": build_jamba, "zamba": build_zamba}

@@ -29,6 +29,7 @@ BUILDERS = {
     "mamba": lambda: m1.build_mamba(0),
     "falcon_mamba": lambda: m1.build_falcon_mamba(1),
     "jamba": lambda: m1.build_jamba(2),
+    "zamba": lambda: m1.build_zamba(3),
     "qwen3_5_moe": lambda: cached_model("qwen3_5_moe", 0),
     "olmo_hybrid": lambda: cached_model("olmo_hybrid", 0),
 }

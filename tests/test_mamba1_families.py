@@ -1,4 +1,4 @@
-"""Mamba1 families (Mamba, FalconMamba, Jamba) through the engine: greedy tokens equal transformers'
+"""Mamba1 families (Mamba, FalconMamba, Jamba, Zamba) through the engine: greedy tokens equal transformers'
 own ``generate`` per prompt (one prompt with chunked prefill, a continuous batch, prefix-cache hits at
 the 64-token checkpoint grid, speculative decoding), pools all free afterwards; the patched model still
 gives HF's result outside the engine; the patched mixer (``short_conv_layer`` + ``mamba1_ssm_layer``)
@@ -30,7 +30,7 @@ MAX_NEW = 8
 PROMPT_LENS = (1, 150, 17, 64, 5, 33)  # chunked_prefill_size 32
 ENGINE_ARGS = dict(max_running_requests=3, chunked_prefill_size=32, max_context_len=256, max_total_tokens=2048,
                    mamba_cache_size=8)
-CASES = {"mamba": 0, "falcon_mamba": 1, "jamba": 2}
+CASES = {"mamba": 0, "falcon_mamba": 1, "jamba": 2, "zamba": 3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,9 +55,9 @@ def case(request):
 
 
 def test_families_registered():
-    for model_type in ("mamba", "falcon_mamba", "jamba"):
+    for model_type in ("mamba", "falcon_mamba", "jamba", "zamba"):
         assert model_type in hc.supported_model_types()
-        assert FAMILIES[model_type].__name__.endswith("models.mamba1")
+        assert FAMILIES[model_type].__name__.endswith("models.zamba" if model_type == "zamba" else "models.mamba1")
 
 
 def test_generate_single_prompt_and_batch(case):
@@ -80,12 +80,11 @@ def test_generate_single_prompt_and_batch(case):
     assert stats["decode_steps"] > 0 and stats["extend_steps"] > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "marconi"])
-def test_prefix_cache_hits_at_checkpoint_grid(policy):
+@pytest.mark.parametrize("policy,name", [("lru", "jamba"), ("marconi", "mamba"), ("lru", "zamba")])
+def test_prefix_cache_hits_at_checkpoint_grid(policy, name):
     """Prompts sharing a 140-token prefix, in flight together and again after it is cached: hits at
     multiples of the 64-token checkpoint alignment, greedy outputs equal HF's. (Prefill chunks of 64:
     a chunk budget below the alignment would not end chunks on the checkpoint grid.)"""
-    name = "jamba" if policy == "lru" else "mamba"
     model, prompts = _case(name)[:2]
     base = prompts[1][:140]
     shared = [base + t for t in (prompts[2][:9], prompts[5][:20], prompts[3][:3])]
@@ -144,13 +143,25 @@ def test_layout_and_errors():
     with pytest.raises(ValueError, match="FP8 SSM state .* not supported for Mamba1"):
         hc.wrap(_case("mamba")[0], ssm_state_dtype="float8_e4m3fn", **ENGINE_ARGS)
 
+    # Zamba: a mixer in every layer; each use of the shared attention block gets its own KV id
+    model = _case("zamba")[0]
+    n = model.config.num_hidden_layers
+    with hc.wrap(model, **ENGINE_ARGS) as engine:
+        assert engine.pools.mamba.layer_ids == list(range(n))
+        assert engine.pools.kv.layer_ids == [n + 2, n + 4]
+        assert engine.layout.mamba[0].state_shape == (64, 8)
+    assert all(layer.shared_transf.self_attn.layer_idx is None for layer in model.model.layers
+               if hasattr(layer, "shared_transf")), "close() restores HF's attention layer_idx"
+
 
 def test_tensor_parallel_plans():
     """The plans split the D_inner channels (x_proj by input columns, all-reduced); a count that does
     not divide fails before any weight is read (tests/test_tensor_parallel.py serves them on 2 ranks)."""
     from hybrid_compile.distributed.plans import ShardingError, plan_for
 
-    for name in CASES:
+    with pytest.raises(ShardingError, match="model type 'zamba' has no tensor-parallel sharding plan"):
+        plan_for(_case("zamba")[0].config, 2)
+    for name in ("mamba", "falcon_mamba", "jamba"):
         cfg = _case(name)[0].config
         plan = plan_for(cfg, 2, 1)
         prefix = "model.layers.0.mamba" if name == "jamba" else "backbone.layers.0.mixer"
@@ -164,7 +175,7 @@ def test_tensor_parallel_plans():
             plan_for(cfg, 3)
 
 
-@pytest.mark.parametrize("name", ["falcon_mamba", "jamba"])
+@pytest.mark.parametrize("name", ["falcon_mamba", "jamba", "zamba"])
 def test_mixer_layer_ops_match_hf_chunked_extend(name):
     """Two requests packed in one EXTEND step, continued from their pools in a second; the patched
     mixer's output equals HF's mixer over each whole sequence (no cache)."""
@@ -210,7 +221,7 @@ def test_ssm_layer_op_fake_shape_and_verify_needs_buffers():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", [pytest.param("mamba", marks=pytest.mark.smoke), "falcon_mamba", "jamba"])
+@pytest.mark.parametrize("name", [pytest.param("mamba", marks=pytest.mark.smoke), "falcon_mamba", "jamba", "zamba"])
 def test_gpu_graphs_and_speculative(name, dtype):
     """fp32: the eager GPU engine and the engine with CUDA graphs (+ speculative) give HF's greedy
     tokens on the CPU up to CPU/GPU near-ties; bf16: graphs replay the eager engine's tokens exactly.

@@ -77,18 +77,21 @@ def mamba1_mixer_forward(self, hidden_states, *args, **kwargs):
     return self.out_proj(y[None].to(dtype))
 
 
-def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
-    cfg = text_config(model)
+def mamba1_spec(mixer: nn.Module, layer_id: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> MambaLayerSpec:
+    """Pool spec of a Mamba1-style mixer: conv window ``[K-1, D_inner]``, state ``[D_inner, N]``
+    (FP8 states are not implemented for these kernels: a clear error)."""
     if ssm_dtype == FP8_POOL_DTYPE:
         raise ValueError(
-            f"{cfg.model_type}: an FP8 SSM state (ssm_state_dtype={ssm_dtype}) is not supported for Mamba1 mixers; "
-            "use float32, bfloat16 or float16"
+            f"{type(mixer).__name__}: an FP8 SSM state (ssm_state_dtype={ssm_dtype}) is not supported for Mamba1 "
+            "mixers; use float32, bfloat16 or float16"
         )
-    mamba = []
-    for m, lid in mamba_layers(model):
-        d_inner, width = m.conv1d.weight.shape[0], m.conv1d.weight.shape[-1]
-        mamba.append(MambaLayerSpec(lid, int(width), int(d_inner), (int(d_inner), int(m.ssm_state_size)),
-                                    conv_dtype, ssm_dtype))
+    d_inner, width = (int(v) for v in (mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]))
+    return MambaLayerSpec(layer_id, width, d_inner, (d_inner, int(mixer.ssm_state_size)), conv_dtype, ssm_dtype)
+
+
+def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
+    cfg = text_config(model)
+    mamba = [mamba1_spec(m, lid, conv_dtype, ssm_dtype) for m, lid in mamba_layers(model)]
     attention = [attention_spec(a, int(a.layer_idx), kv_dtype) for a in find_attention_modules(model)]
     return ModelLayout(attention, mamba, int(cfg.vocab_size), max_positions(cfg), MAMBA1_CHECKPOINT_ALIGN)
 
@@ -103,4 +106,4 @@ def patch(model: nn.Module, handle: PatchHandle) -> None:
         patch_forward(mixer, mamba1_mixer_forward, handle)
 
 
-__all__ = ["MAMBA1_CHECKPOINT_ALIGN", "MODEL_TYPES", "layout", "mamba_layers", "patch"]
+__all__ = ["MAMBA1_CHECKPOINT_ALIGN", "MODEL_TYPES", "layout", "mamba1_spec", "mamba_layers", "patch"]

@@ -223,9 +223,12 @@ def test_ssm_layer_op_fake_shape_and_verify_needs_buffers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", [pytest.param("mamba", marks=pytest.mark.smoke), "falcon_mamba", "jamba", "zamba"])
 def test_gpu_graphs_and_speculative(name, dtype):
-    """fp32: the eager GPU engine and the engine with CUDA graphs (+ speculative) give HF's greedy
-    tokens on the CPU up to CPU/GPU near-ties; bf16: graphs replay the eager engine's tokens exactly.
-    Jamba is built dense here (transformers' fp32 MoE fallback syncs with the host: no capture)."""
+    """The Triton path on the GPU: eager, compiled, compiled + full and piecewise CUDA graphs, and that
+    + speculative decoding (the target as its own draft). CUDA graphs replay the compiled engine's
+    tokens exactly (same kernels); fp32: eager and graphs + speculative give HF's greedy tokens on the
+    CPU up to CPU/GPU near-ties; bf16: the self-draft is mostly accepted (verify runs the projections
+    over 4 tokens per request, so bf16 rounding may differ from decode's). Jamba is built dense here
+    (transformers' fp32 MoE fallback syncs with the host, which graph capture refuses)."""
     from test_cuda_graphs import _assert_greedy_close
 
     cpu_model = mm.build_jamba(2, moe=False) if name == "jamba" else mm.BUILDERS[name](CASES[name])
@@ -234,7 +237,8 @@ def test_gpu_graphs_and_speculative(name, dtype):
     graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4),
                   piecewise_cuda_graph_tokens=(4, 16, 64))
     spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3)
-    runs = {"eager": dict(compile=False), "graphs": graphs, "graphs+speculative": dict(graphs, speculative=spec)}
+    runs = {"eager": dict(compile=False), "compiled": dict(compile=True, cuda_graphs=False), "graphs": graphs,
+            "graphs+speculative": dict(graphs, speculative=spec)}
     outs, stats = {}, {}
     for run, kw in runs.items():
         with make_engine(model, max_running_requests=8, **kw) as engine:
@@ -242,7 +246,7 @@ def test_gpu_graphs_and_speculative(name, dtype):
             outs[run] = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
             stats[run] = engine.stats()
             assert_pools_restored(engine, initial_free)
-    assert outs["graphs"] == outs["eager"], outs
+    assert outs["graphs"] == outs["compiled"], outs
     if dtype == torch.float32:
         expected = [_hf_generate(cpu_model, p) for p in prompts]
         for run in ("eager", "graphs+speculative"):
@@ -251,4 +255,5 @@ def test_gpu_graphs_and_speculative(name, dtype):
     c = stats["graphs"]["compile"]
     assert c["graphs"] == 1 + c["one_token_graph"] and c["recompiles"] == 0 and c["graph_breaks"] == 0, c
     assert c["cuda_graph_replays"] > 0 and c["piecewise_replays"] > 0, c
-    assert stats["graphs+speculative"]["speculative"]["verify_steps"] > 0
+    s = stats["graphs+speculative"]["speculative"]
+    assert s["verify_steps"] > 0 and s["acceptance_rate"] > (0.9 if dtype == torch.float32 else 0.5), s

@@ -152,5 +152,15 @@ def check_varlen_values(op: str, cu_seqlens: torch.Tensor, num_tokens: int, stat
     check_unique_slots(op, "state_indices", state_indices)
 
 
+def check_intermediate_states(op: str, intermediate_states: torch.Tensor, batch: int, steps: int,
+                              state_shape: Sequence[int]) -> None:
+    """The per-step state buffer of a verify op: ``[>= batch, steps, *state_shape]`` (rows by batch row)."""
+    if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, *state_shape):
+        expected = ", ".join(str(d) for d in (steps, *state_shape))
+        raise ValueError(
+            f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected [>= {batch}, {expected}]"
+        )
+
+
 def names_of(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)

@@ -38,6 +38,7 @@ from ._validation import (
     INDEX_DTYPES,
     check_same_device,
     check_slot_indices,
+    check_intermediate_states,
     check_tensor,
     check_unique_slots,
     check_varlen_requests,
@@ -243,11 +244,7 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
     if intermediate_states is not None:
         check_tensor(op, "intermediate_states", intermediate_states, ndim=4, dtypes=FLOAT_DTYPES)
-        if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, D_inner, N):
-            raise ValueError(
-                f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected "
-                f"[>= {batch}, {steps}, {D_inner}, {N}]"
-            )
+        check_intermediate_states(op, intermediate_states, batch, steps, (D_inner, N))
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
         state_indices=state_indices, intermediate_states=intermediate_states,

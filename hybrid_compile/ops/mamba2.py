@@ -34,6 +34,7 @@ from ._validation import (
     INDEX_DTYPES,
     check_same_device,
     check_slot_indices,
+    check_intermediate_states,
     check_tensor,
     check_unique_slots,
     check_varlen_requests,
@@ -391,11 +392,7 @@ def _check_selective_state_update(
         check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=STATE_DTYPES)
         check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", MAMBA2_STATE_SCALE_DIM,
                      "intermediate_states")
-        if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, H, P, N):
-            raise ValueError(
-                f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected "
-                f"[>= {batch}, {steps}, {H}, {P}, {N}]"
-            )
+        check_intermediate_states(op, intermediate_states, batch, steps, (H, P, N))
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
         state_indices=state_indices, intermediate_states=intermediate_states,

@@ -155,12 +155,17 @@ def test_layout_and_errors():
 
 
 def test_tensor_parallel_plans():
-    """The plans split the D_inner channels (x_proj by input columns, all-reduced); a count that does
-    not divide fails before any weight is read (tests/test_tensor_parallel.py serves them on 2 ranks)."""
+    """The plans split the D_inner channels (x_proj by input columns, all-reduced; Zamba by heads); a
+    count that does not divide fails before any weight is read (tests/test_tensor_parallel.py serves
+    them on 2 ranks)."""
     from hybrid_compile.distributed.plans import ShardingError, plan_for
 
-    with pytest.raises(ShardingError, match="model type 'zamba' has no tensor-parallel sharding plan"):
-        plan_for(_case("zamba")[0].config, 2)
+    zamba = plan_for(_case("zamba")[0].config, 2, 1)  # per-head x_proj: split by heads, not reduced
+    prefix = "model.layers.2.mamba_decoder.mamba"
+    assert zamba.slice_of(f"{prefix}.x_proj_weight").dim == 0 and not zamba.is_reduced(f"{prefix}.x_proj", None)
+    assert zamba.is_reduced(f"{prefix}.out_proj", None)
+    with pytest.raises(ShardingError, match="n_mamba_heads"):
+        plan_for(_case("zamba")[0].config, 4)  # 2 heads
     for name in ("mamba", "falcon_mamba", "jamba"):
         cfg = _case(name)[0].config
         plan = plan_for(cfg, 2, 1)

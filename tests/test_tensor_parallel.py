@@ -99,6 +99,7 @@ MODELS = {
     "mamba": m1.build_mamba,
     "falcon_mamba": m1.build_falcon_mamba,
     "jamba": m1.build_jamba,
+    "zamba": m1.build_zamba,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
@@ -106,7 +107,7 @@ MODELS = {
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
-             "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba")
+             "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)

@@ -31,6 +31,8 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   ``dt_proj`` rows and bias, ``A_log`` / ``D`` rows, ``out_proj`` columns); ``x_proj`` contracts over
   the channels, so it takes its input columns and its (dt, B, C) output is all-reduced; the dt/B/C
   norms after it are replicated.
+- Zamba (v1): its multi-head Mamba1 mixers by heads (per-head ``x_proj_weight`` / ``dt_proj_weight``:
+  only ``out_proj`` is reduced); the shared blocks' attention and MLP as above.
 - LFM2 short conv: its ``hidden_size`` channels (``in_proj`` rows ``[B | C | x]``, the conv,
   ``out_proj`` columns), rebuilt on the meta device with the local count (``local_modules``).
 - Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
@@ -502,6 +504,36 @@ def jamba_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def zamba_plan(config, size: int, rank: int) -> ShardPlan:
+    """Zamba (v1): the multi-head Mamba1 mixers by heads (each head's x_proj / dt_proj / B / C are its
+    own, so nothing but ``out_proj`` is reduced; ``in_proj`` rows interleave x and the gate per channel,
+    a head's rows are contiguous); the shared transformer blocks' attention (input ``2 * hidden_size``)
+    by heads and their MLP by the intermediate dimension."""
+    cfg = _text(config)
+    plan = ShardPlan("zamba", size, rank, cfg)
+    heads = int(cfg.n_mamba_heads)
+    _split(heads, size, "n_mamba_heads", plan.family)
+    head_dim = int(cfg.mamba_expand) * int(cfg.hidden_size) // heads
+    p = r"\.mamba"
+    plan.add(p + r"\.in_proj\.(weight|bias)", Slice(0, (Segment(heads, 2 * head_dim),)))
+    plan.add(p + r"\.conv1d\.(weight|bias)", Slice(0, (Segment(heads, head_dim),)))
+    plan.add(p + r"\.(x_proj_weight|dt_proj_weight|dt_proj_bias|A_log|D)", Slice(0, (Segment(heads, 1),)))
+    plan.add(p + r"\.out_proj\.weight", Slice(1, (Segment(heads, head_dim),)))
+    plan.add(p + r"\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(p + r"\.out_proj")
+    ahd = int(cfg.attention_head_dim)
+    local_kv = plan.attention(r"\.shared_transf\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                              ahd)
+    inter = int(cfg.intermediate_size)
+    plan.mlp(r"\.shared_transf\.feed_forward", inter, "intermediate_size")
+    plan.reduce(r"\.shared_transf\.feed_forward")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(n_mamba_heads=heads // size, mamba_expand=_local_expand(cfg.mamba_expand, size),
+                             num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv,
+                             attention_head_dim=ahd, intermediate_size=inter // size)
+    return plan
+
+
 def _local_adapter(rows: int) -> Callable:
     """Rebuild a Zamba2 LoRA adapter (``Sequential(down, up)``; ``Identity`` where a use has none)
     with an up projection of ``rows`` local output rows."""
@@ -582,7 +614,7 @@ PLANS = {
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
     "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
-    "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan,
+    "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
 }
 
 

@@ -51,8 +51,9 @@ def test_selective_scan_triton(lens, chunk_size, opts):
     assert_close(cs, cs_op, dtype, msg="chunk states vs plain op")
 
 
-def test_selective_scan_triton_no_chunk_states_A_log_and_empty():
+def test_selective_scan_triton_no_chunk_states_A_log_strided_flags_and_empty():
     inp = make_scan([6, 13], D_inner=20)
+    inp["has_initial_state"] = torch.tensor([True, False, False, True])[::2]  # a strided view: [True, False]
     plain = _clone(inp)
     a_log = torch.log(-inp["A"])
     y_op, _ = mamba1_selective_scan(*(plain[k] for k in SCAN_ORDER), 4, False)

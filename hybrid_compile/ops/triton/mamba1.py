@@ -76,7 +76,7 @@ def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
 def _scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, cu_ptr, idx_ptr, init_ptr, rows_ptr,
     y_ptr, cs_ptr,
-    D_inner, N, R, chunk_size,
+    D_inner, N, R, chunk_size, s_init,
     sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_g, sB_n, sC_t, sC_g, sC_n, sz_t, sz_d,
     ss_s, ss_d, ss_n, sy_t, scs_r, scs_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
@@ -98,7 +98,7 @@ def _scan_kernel(
                                HAS_D, HAS_BIAS, A_IS_LOG)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
     S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    if tl.load(init_ptr + b) != 0:
+    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
         S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
     row0 = tl.load(rows_ptr + b)
     cs_ptrs = cs_ptr + offs_d[:, None] * scs_d + offs_n[None, :]
@@ -141,10 +141,12 @@ def mamba1_selective_scan_triton(
     BLOCK_N = pow2(N, 2)
     BLOCK_D = _block_d(D_inner, BLOCK_N)
     grid = (triton.cdiv(D_inner, BLOCK_D), batch)
+    # bool flags read as bytes (a strided view of the engine's metadata is fine)
+    init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     _scan_kernel[grid](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
-        ssm_states, cu_seqlens, state_indices, has_initial_state, row_offsets, y, chunk_states,
-        D_inner, N, D_inner // G, chunk_size,
+        ssm_states, cu_seqlens, state_indices, init, row_offsets, y, chunk_states,
+        D_inner, N, D_inner // G, chunk_size, init.stride(0),
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0)),
         *ssm_states.stride(), y.stride(0), chunk_states.stride(0), chunk_states.stride(1),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),

@@ -32,15 +32,15 @@ __all__ = ["mamba1_selective_scan_triton", "mamba1_state_update_triton"]
 
 @triton.jit
 def _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
-                 HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, A_IS_LOG: tl.constexpr):
+                 HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, A_IS_LOG: tl.constexpr, BLOCK_D: tl.constexpr):
     """fp32 ``A`` block ``[BLOCK_D, BLOCK_N]`` (negated), ``D`` and ``dt_bias`` blocks ``[BLOCK_D]``."""
     A = tl.load(A_ptr + offs_d[:, None] * sA_d + offs_n[None, :] * sA_n, mask=mask_dn, other=0.0).to(tl.float32)
     if A_IS_LOG:
         A = -tl.exp(A)
-    Dv = tl.zeros(offs_d.shape, dtype=tl.float32)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    bias = tl.zeros(offs_d.shape, dtype=tl.float32)
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(dtb_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     return A, Dv, bias
@@ -95,7 +95,7 @@ def _scan_kernel(
     mask_n = offs_n < N
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
-                               HAS_D, HAS_BIAS, A_IS_LOG)
+                               HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
     S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
@@ -188,7 +188,7 @@ def _update_kernel(
                      mask=mask_d)
         return
     A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
-                               HAS_D, HAS_BIAS, A_IS_LOG)
+                               HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
     S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
     i_ptrs = inter_ptr + b * si_b + offs_d[:, None] * si_d + offs_n[None, :] * si_n

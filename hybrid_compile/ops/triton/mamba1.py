@@ -120,8 +120,11 @@ def _scan_kernel(
 
 
 def _block_d(D_inner: int, BLOCK_N: int) -> int:
-    # a [BLOCK_D, BLOCK_N] fp32 state and A in registers: keep the block at <= 1024 elements
-    return min(pow2(D_inner, 2), max(2, 1024 // BLOCK_N))
+    """Channels per program, from the model's shape only (no recompile per batch): the walk over a
+    request's tokens is sequential and latency-bound, so aim at ~128 programs per request (one
+    prefill alone still spreads over the SMs), at least 8 channels, and a ``[BLOCK_D, BLOCK_N]`` fp32
+    state + ``A`` of <= 1024 elements in registers."""
+    return max(2, min(pow2(D_inner, 2), max(8, pow2(-(-D_inner // 128))), max(2, 1024 // BLOCK_N)))
 
 
 def mamba1_selective_scan_triton(

@@ -106,7 +106,8 @@ def test_prefix_cache_hits_at_checkpoint_grid(policy, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_speculative_greedy_equals_hf(name):
-    """The target drafting for itself: every draft accepted, HF's greedy tokens."""
+    """The target drafting for itself (every draft accepted), then n-gram drafts on repetitive prompts
+    (some rejected: the state of an intermediate verify step is committed): HF's greedy tokens."""
     model, prompts, refs = _case(name)[:3]
     picked = [0, 2, 4]
     with hc.wrap(model, speculative=dict(method="draft_model", draft_model=model, num_draft_tokens=3),
@@ -116,6 +117,16 @@ def test_speculative_greedy_equals_hf(name):
         _check_all_free(engine)
     assert outs == [refs[i] for i in picked], name
     assert spec["verify_steps"] > 0 and spec["acceptance_rate"] == 1.0, spec
+
+    repetitive = [[5, 9, 14, 3] * 5, prompts[2][:6] * 4, prompts[5][:10] * 3]
+    expected = [_hf_generate(model, p, 12) for p in repetitive]
+    with hc.wrap(model, speculative=dict(method="ngram", num_draft_tokens=3, ngram_max=3, ngram_min=1),
+                 **ENGINE_ARGS) as engine:
+        outs = engine.generate_batch(repetitive, max_new_tokens=12)
+        spec = engine.stats()["speculative"]
+        _check_all_free(engine)
+    assert outs == expected, name
+    assert spec["verify_steps"] > 0 and 0 < spec["accepted"] < spec["drafted"], spec
 
 
 def test_patched_model_generate_outside_engine():

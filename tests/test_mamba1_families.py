@@ -151,8 +151,6 @@ def test_layout_and_errors():
         assert spec.conv_window_shape == (3, d_inner) and spec.state_shape == (d_inner, 8)
         assert engine.layout.ssm_chunk_size == 64
         assert engine.pools.mamba.ssm(0).shape[1:] == (d_inner, 8)
-    with pytest.raises(ValueError, match="FP8 SSM state .* not supported for Mamba1"):
-        hc.wrap(_case("mamba")[0], ssm_state_dtype="float8_e4m3fn", **ENGINE_ARGS)
 
     # Zamba: a mixer in every layer; each use of the shared attention block gets its own KV id
     model = _case("zamba")[0]
@@ -163,6 +161,29 @@ def test_layout_and_errors():
         assert engine.layout.mamba[0].state_shape == (64, 8)
     assert all(layer.shared_transf.self_attn.layer_idx is None for layer in model.model.layers
                if hasattr(layer, "shared_transf")), "close() restores HF's attention layer_idx"
+
+
+@pytest.mark.parametrize("name", ["mamba", "zamba"])
+def test_fp8_state_speculative_equals_plain(name):
+    """An FP8 recurrent state (one scale per channel over N): the pool holds e4m3 values and fp32
+    scales, and speculative decoding (self-draft, n-gram with rejections) gives the plain FP8 engine's
+    greedy tokens (verify rounds the state between steps as decode stores it)."""
+    model, prompts = _case(name)[:2]
+    batch = [prompts[2], prompts[5], [5, 9, 14, 3] * 5]
+    args = dict(ENGINE_ARGS, ssm_state_dtype="float8_e4m3fn")
+    outs = {}
+    for run, spec in (("plain", None), ("draft", dict(method="draft_model", draft_model=model, num_draft_tokens=3)),
+                      ("ngram", dict(method="ngram", num_draft_tokens=3, ngram_max=3, ngram_min=1))):
+        with hc.wrap(model, speculative=spec, **args) as engine:
+            if run == "plain":
+                layer = engine.layout.mamba[0].layer_ids[0]
+                assert engine.pools.mamba.ssm(layer).dtype == torch.float8_e4m3fn
+                assert engine.pools.mamba.ssm_scale(layer).shape[1:] == (64,)
+            outs[run] = engine.generate_batch(batch, max_new_tokens=10)
+            if spec is not None:
+                assert engine.stats()["speculative"]["verify_steps"] > 0
+            _check_all_free(engine)
+    assert outs["draft"] == outs["plain"] and outs["ngram"] == outs["plain"], outs
 
 
 def test_tensor_parallel_plans():

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
+from ..ops.fp8_cache import MAMBA1_STATE_SCALE_DIM
 from .context import ForwardMode, require_forward_context
 from .tracking import track_ssm_checkpoints, tracking
 
@@ -73,12 +74,13 @@ def mamba1_ssm_layer(
     _check(x, dt, B, C, z)
     ctx = require_forward_context("hybrid_compile::mamba1_ssm_layer")
     md = ctx.metadata
-    ssm_states = ctx.mamba_cache(layer_id)[1]
+    _, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)  # scales: an FP8 state pool's, else None
     n = x.shape[0]
     if md.mode is ForwardMode.DECODE:
         y = _kernels.mamba1_state_update(
             x.unsqueeze(1), dt.unsqueeze(1), A_log, B.unsqueeze(1), C.unsqueeze(1), D,
             None if z is None else z.unsqueeze(1), dt_bias, True, ssm_states, md.mamba_cache_indices, False, None, True,
+            ssm_scales,
         )
         return y.squeeze(1)
     if md.mode is ForwardMode.TARGET_VERIFY:
@@ -86,17 +88,17 @@ def mamba1_ssm_layer(
         y = _kernels.mamba1_state_update(
             verify.per_request(x), verify.per_request(dt), A_log, verify.per_request(B), verify.per_request(C), D,
             None if z is None else verify.per_request(z), dt_bias, True, ssm_states, verify.cache_indices, True,
-            verify.intermediates[1], True,
+            verify.intermediates[1], True, ssm_scales, verify.intermediates[2],
         )
         return verify.pad(y.reshape(verify.num_tokens, -1), n)
     if md.mode is ForwardMode.EXTEND:
         track = tracking(md)
         y, chunk_states = _kernels.mamba1_selective_scan(
             x, dt, A_log, B, C, D, z, dt_bias, True, ssm_states, md.query_start_loc, md.mamba_cache_indices,
-            md.has_initial_state, chunk_size, track, True,
+            md.has_initial_state, chunk_size, track, True, ssm_scales,
         )
         if track:
-            track_ssm_checkpoints(md, ssm_states, chunk_states, chunk_size)
+            track_ssm_checkpoints(md, ssm_states, chunk_states, chunk_size, ssm_scales, MAMBA1_STATE_SCALE_DIM)
         return y
     raise NotImplementedError(f"mamba1_ssm_layer: forward mode {md.mode.value} is not supported")
 

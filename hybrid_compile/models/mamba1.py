@@ -17,7 +17,7 @@ op (conv-window pool ``[S, K-1, D_inner]``), the selective scan in ``mamba1_ssm_
 Prefix-cache checkpoints: the Mamba1 scan is sequential, so a state exists after every token and
 the alignment ``ModelLayout.ssm_chunk_size`` is a free choice: :data:`MAMBA1_CHECKPOINT_ALIGN`
 (64, the GDN chunk) — a checkpoint is ``D_inner * N`` fp32 per layer, prefill chunks of any
-multiple of 64 stay on the grid. FP8 SSM states are not implemented for Mamba1 (the layout raises).
+multiple of 64 stay on the grid. An FP8 SSM state keeps one scale per channel over N.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..layers import mamba1 as _mamba1_layer  # noqa: F401  (registers mamba1_ss
 from ..layers import short_conv as _short_conv_layer  # noqa: F401  (registers short_conv_layer)
 from ..layers.context import get_forward_context
 from ..memory import MambaLayerSpec
-from ..memory.specs import FP8_POOL_DTYPE
+from ..ops.fp8_cache import MAMBA1_STATE_SCALE_DIM
 from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 from .mamba2_common import attention_spec, check_activation, find_attention_modules, max_positions, text_config
 
@@ -78,15 +78,11 @@ def mamba1_mixer_forward(self, hidden_states, *args, **kwargs):
 
 
 def mamba1_spec(mixer: nn.Module, layer_id: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> MambaLayerSpec:
-    """Pool spec of a Mamba1-style mixer: conv window ``[K-1, D_inner]``, state ``[D_inner, N]``
-    (FP8 states are not implemented for these kernels: a clear error)."""
-    if ssm_dtype == FP8_POOL_DTYPE:
-        raise ValueError(
-            f"{type(mixer).__name__}: an FP8 SSM state (ssm_state_dtype={ssm_dtype}) is not supported for Mamba1 "
-            "mixers; use float32, bfloat16 or float16"
-        )
+    """Pool spec of a Mamba1-style mixer: conv window ``[K-1, D_inner]``, state ``[D_inner, N]`` (an FP8
+    state: one scale per channel over N, ``ssm_scale_dim`` -1)."""
     d_inner, width = (int(v) for v in (mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]))
-    return MambaLayerSpec(layer_id, width, d_inner, (d_inner, int(mixer.ssm_state_size)), conv_dtype, ssm_dtype)
+    return MambaLayerSpec(layer_id, width, d_inner, (d_inner, int(mixer.ssm_state_size)), conv_dtype, ssm_dtype,
+                          ssm_scale_dim=MAMBA1_STATE_SCALE_DIM)
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:

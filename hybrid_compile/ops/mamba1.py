@@ -24,8 +24,10 @@ Two ops:
                              optionally recording the state after every step).
 
 Everything is computed in fp32; outputs are in ``x.dtype``; state pools may be fp32/bf16/fp16
-(read, compute in fp32, cast on write; no FP8 state for Mamba1). A state index of -1 marks a
-padding request: its outputs are zero and no state is read or written.
+(read, compute in fp32, cast on write), or float8_e4m3fn with fp32 ``ssm_scales [num_slots, D_inner]``
+beside them (one scale per channel over N, :mod:`.fp8_cache`: dequantized on read, quantized on
+write). A state index of -1 marks a padding request: its outputs are zero and no state is read or
+written.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ from ._validation import (
     check_varlen_values,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
+from .fp8_cache import FP8_DTYPE, MAMBA1_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
+
+#: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, channel) over N.
+STATE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 __all__ = ["mamba1_selective_scan", "mamba1_state_update"]
 
@@ -88,6 +94,7 @@ def _check_params(op, D_inner, N, A, D, dt_bias, A_is_log):
 
 def _check_selective_scan(
     x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
+    ssm_scales=None,
 ):
     op = "mamba1_selective_scan"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -101,8 +108,9 @@ def _check_selective_scan(
     _check_params(op, D_inner, N, A, D, dt_bias, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(T, D_inner))
-    check_tensor(op, "ssm_states", ssm_states, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "ssm_states", ssm_states, ndim=3, dtypes=STATE_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, D_inner, N))
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", MAMBA1_STATE_SCALE_DIM)
     check_varlen_requests(op, cu_seqlens, state_indices, has_initial_state)
     if chunk_size <= 0:
         raise ValueError(f"{op}: chunk_size must be > 0, got {chunk_size}")
@@ -113,7 +121,7 @@ def _check_selective_scan(
     check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::mamba1_selective_scan", mutates_args=("ssm_states",))
+@torch.library.custom_op("hybrid_compile::mamba1_selective_scan", mutates_args=("ssm_states", "ssm_scales"))
 def mamba1_selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -131,6 +139,7 @@ def mamba1_selective_scan(
     chunk_size: int,
     output_chunk_states: bool,
     A_is_log: bool = False,
+    ssm_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba1 selective scan over a packed varlen batch (prefill / extend).
 
@@ -154,6 +163,8 @@ def mamba1_selective_scan(
         chunk_size: spacing of the chunk states (tokens).
         output_chunk_states: also return the state every ``chunk_size`` tokens.
         A_is_log: ``A`` is ``A_log``.
+        ssm_scales: ``[num_slots, D_inner]`` fp32 scales of an FP8 ``ssm_states`` (**mutated** with it),
+            None for a float pool.
 
     Returns:
         ``(y, chunk_states)``: ``y`` ``[T, D_inner]`` in ``x.dtype``; ``chunk_states`` fp32
@@ -163,6 +174,7 @@ def mamba1_selective_scan(
     """
     _check_selective_scan(
         x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
+        ssm_scales,
     )
     T, D_inner = x.shape
     N = B.shape[2]
@@ -185,7 +197,7 @@ def mamba1_selective_scan(
     xf = x.float()
     S = torch.zeros(reqs.numel(), D_inner, N, dtype=torch.float32, device=dev)
     read = has_initial_state[reqs]
-    S[read] = ssm_states[slots[reqs[read]]].float()
+    S[read] = read_rows(ssm_states, ssm_scales, slots[reqs[read]], MAMBA1_STATE_SCALE_DIM)
     rows0 = chunk_row_offsets(cu_seqlens, chunk_size)[reqs]
     # Sequential over the position inside the request, batched over the requests still running.
     for j in range(int(lens[reqs].max())):
@@ -204,17 +216,18 @@ def mamba1_selective_scan(
     runs[reqs] = True
     ran = torch.repeat_interleave(runs, lens, output_size=T)  # padding requests' tokens stay zero
     y = torch.where(ran[:, None], y, torch.zeros((), device=dev))
-    ssm_states[slots[reqs]] = S.to(ssm_states.dtype)
+    write_rows(ssm_states, ssm_scales, slots[reqs], S, MAMBA1_STATE_SCALE_DIM)
     return y.to(x.dtype), chunk_states
 
 
 @mamba1_selective_scan.register_fake
 def _(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
-    output_chunk_states, A_is_log=False,
+    output_chunk_states, A_is_log=False, ssm_scales=None,
 ):
     _check_selective_scan(
         x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
+        ssm_scales,
     )
     T, D_inner = x.shape
     rows = max_chunk_rows(T, cu_seqlens.shape[0] - 1, chunk_size) if output_chunk_states else 0
@@ -226,7 +239,8 @@ def _(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log):
+def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
+                        ssm_scales=None, intermediate_scales=None):
     op = "mamba1_state_update"
     check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
     batch, steps, D_inner = x.shape
@@ -239,11 +253,16 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
     _check_params(op, D_inner, N, A, D, dt_bias, A_is_log)
     if z is not None:
         check_tensor(op, "z", z, dtypes=FLOAT_DTYPES, shape=(batch, steps, D_inner))
-    check_tensor(op, "ssm_states", ssm_states, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "ssm_states", ssm_states, ndim=3, dtypes=STATE_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, D_inner, N))
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", MAMBA1_STATE_SCALE_DIM)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
+    if intermediate_states is None and intermediate_scales is not None:
+        raise ValueError(f"{op}: `intermediate_scales` without `intermediate_states`")
     if intermediate_states is not None:
-        check_tensor(op, "intermediate_states", intermediate_states, ndim=4, dtypes=FLOAT_DTYPES)
+        check_tensor(op, "intermediate_states", intermediate_states, ndim=4, dtypes=STATE_DTYPES)
+        check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", MAMBA1_STATE_SCALE_DIM,
+                     "intermediate_states")
         check_intermediate_states(op, intermediate_states, batch, steps, (D_inner, N))
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
@@ -254,7 +273,8 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
 
 
 @torch.library.custom_op(
-    "hybrid_compile::mamba1_state_update", mutates_args=("ssm_states", "intermediate_states")
+    "hybrid_compile::mamba1_state_update",
+    mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )
 def mamba1_state_update(
     x: torch.Tensor,
@@ -271,6 +291,8 @@ def mamba1_state_update(
     disable_state_update: bool,
     intermediate_states: torch.Tensor | None,
     A_is_log: bool = False,
+    ssm_scales: torch.Tensor | None = None,
+    intermediate_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba1 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
@@ -283,18 +305,24 @@ def mamba1_state_update(
         disable_state_update: do not write ``ssm_states`` (verify: the engine commits later).
         intermediate_states: ``[>= B, L, D_inner, N]`` or None. **Mutated**: ``[b, t]`` = state after
             step ``t`` of row ``b`` (indexed by batch row, not slot).
+        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, D_inner]``, ``[>= B, L, D_inner]``) of an
+            FP8 ``ssm_states`` / ``intermediate_states`` (**mutated** with them); None for float buffers.
+            With an FP8 pool the state is rounded to the FP8 format between steps, as ``L`` decode
+            steps would store it (speculative greedy output equals plain greedy output).
 
     Returns:
         ``y`` ``[B, L, D_inner]`` in ``x.dtype``.
     """
-    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log)
+    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
+                        ssm_scales, intermediate_scales)
     batch, steps, D_inner = x.shape
     out = torch.zeros(batch, steps, D_inner, dtype=torch.float32, device=x.device)
     slots = state_indices.to(torch.int64)
     rows = (slots >= 0).nonzero().squeeze(1)
     if rows.numel() == 0 or steps == 0:
         return out.to(x.dtype)
-    S = ssm_states.index_select(0, slots[rows]).float()
+    dim = MAMBA1_STATE_SCALE_DIM
+    S = read_rows(ssm_states, ssm_scales, slots[rows], dim)
     Af = _decay_matrix(A, A_is_log)
     xs = x.index_select(0, rows).float()
     ds = _discretize_dt(dt.index_select(0, rows), dt_bias, dt_softplus)
@@ -305,7 +333,10 @@ def mamba1_state_update(
         S = S * torch.exp(d[..., None] * Af) + (d * xs[:, t])[..., None] * Bs[:, t]
         ys.append((S * Cs[:, t]).sum(-1))
         if intermediate_states is not None:
-            intermediate_states[rows, t] = S.to(intermediate_states.dtype)
+            write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
+                       rows, S, dim)
+        if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
+            S = round_trip(S, dim)
     y = torch.stack(ys, 1)
     if D is not None:
         y = y + D.float() * xs
@@ -313,12 +344,13 @@ def mamba1_state_update(
         y = y * F.silu(z.index_select(0, rows).float())
     out[rows] = y
     if not disable_state_update:
-        ssm_states[slots[rows]] = S.to(ssm_states.dtype)
+        write_rows(ssm_states, ssm_scales, slots[rows], S, dim)
     return out.to(x.dtype)
 
 
 @mamba1_state_update.register_fake
 def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-      intermediate_states, A_is_log=False):
-    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log)
+      intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None):
+    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
+                        ssm_scales, intermediate_scales)
     return x.new_empty(x.shape)

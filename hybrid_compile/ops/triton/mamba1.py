@@ -3,8 +3,9 @@
 Registered as the CUDA implementations of ``hybrid_compile::mamba1_selective_scan`` and
 ``hybrid_compile::mamba1_state_update``; the launchers also run on CPU tensors under
 ``TRITON_INTERPRET=1``. Semantics, layouts and dtype rules are those of
-:mod:`hybrid_compile.ops.mamba1` (fp32 math, outputs in ``x.dtype``, float state pools, slot -1 =
-padding).
+:mod:`hybrid_compile.ops.mamba1` (fp32 math, outputs in ``x.dtype``, slot -1 = padding). FP8 state pools: the step kernel dequantizes on load and
+quantizes on store (one scale per channel over N, which a program holds whole); the scan stages the
+batch's states through fp32 (:func:`.fp8_cache.stage_states`).
 
 Both kernels give one program a block of ``BLOCK_D`` channels of one request (grid
 ``(cdiv(D_inner, BLOCK_D), requests)``), keep its ``[BLOCK_D, N]`` slice of the state and of ``A``
@@ -23,11 +24,13 @@ import triton
 import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
+from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
 from .common import pow2, softplus
+from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["mamba1_selective_scan_triton", "mamba1_state_update_triton"]
+__all__ = ["mamba1_selective_scan_fp8_aware", "mamba1_selective_scan_triton", "mamba1_state_update_triton"]
 
 
 @triton.jit
@@ -167,14 +170,18 @@ def mamba1_selective_scan_triton(
 @triton.jit
 def _update_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
+    state_scale_ptr, inter_scale_ptr,
     L, D_inner, N, R,
     sx_b, sx_t, sx_d, sdt_b, sdt_t, sdt_d, sA_d, sA_n, sB_b, sB_t, sB_g, sB_n, sC_b, sC_t, sC_g, sC_n,
     sz_b, sz_t, sz_d,
-    ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t,
+    ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t, sss_s, sis_b, sis_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per channel over N (held whole here)."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch (launch.py)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -194,6 +201,9 @@ def _update_kernel(
                                HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
     S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    ss_ptrs = state_scale_ptr + slot * sss_s + offs_d
+    if STATE_FP8:
+        S = S * tl.load(ss_ptrs, mask=mask_d, other=0.0)[:, None]
     i_ptrs = inter_ptr + b * si_b + offs_d[:, None] * si_d + offs_n[None, :] * si_n
     B_ptrs = B_ptr + b * sB_b + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's group
     C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
@@ -205,14 +215,27 @@ def _update_kernel(
         )
         tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_d)
         if HAS_INTER:
-            tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_dn)
+            if INTER_FP8:
+                S_q, S_s = quantize_axis(S, 1)
+                tl.store(i_ptrs + t * si_t, S_q.to(inter_ptr.dtype.element_ty), mask=mask_dn)
+                tl.store(inter_scale_ptr + b * sis_b + t * sis_t + offs_d, S_s, mask=mask_d)
+            else:
+                tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_dn)
+        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+            S_q, S_s = quantize_axis(S, 1)
+            S = tl.where(t < L - 1, S_q * S_s[:, None], S)
     if UPDATE_STATE:
-        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
+        if STATE_FP8:
+            S_q, S_s = quantize_axis(S, 1)
+            tl.store(s_ptrs, S_q.to(state_ptr.dtype.element_ty), mask=mask_dn)
+            tl.store(ss_ptrs, S_s, mask=mask_d)
+        else:
+            tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
 
 
 def mamba1_state_update_triton(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-    intermediate_states, A_is_log=False,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
 ):
     """Triton ``mamba1_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, D_inner = x.shape
@@ -226,12 +249,17 @@ def mamba1_state_update_triton(
     _update_kernel[(triton.cdiv(D_inner, BLOCK_D), batch)](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, state_indices, inter if inter is not None else ssm_states, out,
+        ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
         steps, D_inner, N, D_inner // G,
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0, 0)),
         *ssm_states.stride(), *(inter.stride() if inter is not None else (0, 0, 0, 0)), out.stride(0), out.stride(1),
+        ssm_scales.stride(0) if ssm_scales is not None else 0,
+        *(intermediate_scales.stride()[:2] if intermediate_scales is not None else (0, 0)),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         UPDATE_STATE=not disable_state_update, HAS_INTER=inter is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
+        STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
+        ROUND_STEPS=ssm_scales is not None and steps > 1,
         **pdl_launch(x.device),
     )
     return out
@@ -242,27 +270,50 @@ def mamba1_state_update_triton(
 # --------------------------------------------------------------------------------------------
 
 
+def mamba1_selective_scan_fp8_aware(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+    output_chunk_states, A_is_log=False, ssm_scales=None,
+):
+    """The scan kernel on a float pool, or on an FP8 pool through an fp32 staging buffer of the
+    batch's states (:func:`.fp8_cache.stage_states`)."""
+    if ssm_scales is None:
+        return mamba1_selective_scan_triton(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state,
+            chunk_size, output_chunk_states, A_is_log,
+        )
+    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, MAMBA1_STATE_SCALE_DIM)
+    out = mamba1_selective_scan_triton(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, buf, cu_seqlens, rows, has_initial_state, chunk_size,
+        output_chunk_states, A_is_log,
+    )
+    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
+    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, MAMBA1_STATE_SCALE_DIM)
+    return out
+
+
 def _selective_scan_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
-    output_chunk_states, A_is_log=False,
+    output_chunk_states, A_is_log=False, ssm_scales=None,
 ):
     _check_selective_scan(
         x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
+        ssm_scales,
     )
-    return mamba1_selective_scan_triton(
+    return mamba1_selective_scan_fp8_aware(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state,
-        chunk_size, output_chunk_states, A_is_log,
+        chunk_size, output_chunk_states, A_is_log, ssm_scales,
     )
 
 
 def _state_update_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-    intermediate_states, A_is_log=False,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
 ):
-    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log)
+    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
+                        ssm_scales, intermediate_scales)
     return mamba1_state_update_triton(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-        intermediate_states, A_is_log,
+        intermediate_states, A_is_log, ssm_scales, intermediate_scales,
     )
 
 

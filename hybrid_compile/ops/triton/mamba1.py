@@ -27,7 +27,7 @@ from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
 from .common import pow2, softplus
-from .fp8_cache import quantize_axis, stage_states, unstage_states
+from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["mamba1_selective_scan_fp8_aware", "mamba1_selective_scan_triton", "mamba1_state_update_triton"]
@@ -215,22 +215,12 @@ def _update_kernel(
         )
         tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_d)
         if HAS_INTER:
-            if INTER_FP8:
-                S_q, S_s = quantize_axis(S, 1)
-                tl.store(i_ptrs + t * si_t, S_q.to(inter_ptr.dtype.element_ty), mask=mask_dn)
-                tl.store(inter_scale_ptr + b * sis_b + t * sis_t + offs_d, S_s, mask=mask_d)
-            else:
-                tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_dn)
+            store_state_rows(i_ptrs + t * si_t, inter_scale_ptr + b * sis_b + t * sis_t + offs_d, S, mask_dn, mask_d,
+                             INTER_FP8)
         if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S_q, S_s = quantize_axis(S, 1)
-            S = tl.where(t < L - 1, S_q * S_s[:, None], S)
+            S = tl.where(t < L - 1, round_rows(S), S)
     if UPDATE_STATE:
-        if STATE_FP8:
-            S_q, S_s = quantize_axis(S, 1)
-            tl.store(s_ptrs, S_q.to(state_ptr.dtype.element_ty), mask=mask_dn)
-            tl.store(ss_ptrs, S_s, mask=mask_d)
-        else:
-            tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
+        store_state_rows(s_ptrs, ss_ptrs, S, mask_dn, mask_d, STATE_FP8)
 
 
 def mamba1_state_update_triton(

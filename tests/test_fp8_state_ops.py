@@ -208,25 +208,24 @@ def test_gdn_chunk_fp8_pool_and_tracked_checkpoints():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps,disable", [(1, False), (3, True)])
-def test_mamba2_step_fp8_pool(steps, disable):
-    torch.manual_seed(3)
-    inp = make_decode(3, steps, pad_rows=(1,), inter=steps > 1, disable=disable)
-    pq, ps = quantized(inp["ssm_states"], M2_DIM)
-    inp["ssm_states"] = deq(pq, ps, M2_DIM)
+def check_step_fp8_pool(op, triton_fn, order, inp, dim, steps, disable):
+    """A Mamba step op (decode / verify) on an FP8 pool: oracle = L one-token steps of the fp32 op
+    on the dequantized pool, each stored in the FP8 format as a decode step would; the plain op
+    matches it exactly, the Triton kernel to fp32 noise / one e4m3 step; then opcheck."""
+    pq, ps = quantized(inp["ssm_states"], dim)
+    inp["ssm_states"] = deq(pq, ps, dim)
     ref_inter = inp["intermediate_states"]
     slots = inp["state_indices"].tolist()
-    # oracle: L one-token steps of the fp32 op, each stored in the FP8 format as a decode step would
     one = dict(inp, disable_state_update=False, intermediate_states=None, ssm_states=inp["ssm_states"].clone())
     real = inp["state_indices"][inp["state_indices"] >= 0].long()
     ys = []
     for t in range(steps):
         step = {k: (v[:, t:t + 1] if k in ("x", "dt", "B", "C", "z") and v is not None else v) for k, v in one.items()}
-        ys.append(ops.selective_state_update(*(step[k] for k in DECODE_ORDER)))
+        ys.append(op(*(step[k] for k in order)))
         if ref_inter is not None:
             ref_inter[: len(slots)][inp["state_indices"] >= 0, t] = one["ssm_states"][real]
         if t < steps - 1:
-            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], M2_DIM), M2_DIM)
+            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], dim), dim)
     y_ref = torch.cat(ys, 1)
     if not disable:
         inp["ssm_states"] = one["ssm_states"]
@@ -238,45 +237,57 @@ def test_mamba2_step_fp8_pool(steps, disable):
             iq = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
             iss = torch.zeros(ref_inter.shape[:-1])
             args["intermediate_states"] = iq
-        fn = ops.selective_state_update if name == "plain" else tm.selective_state_update_triton
-        y = fn(*(args[k] for k in DECODE_ORDER), False, ss, iss)
+        fn = op if name == "plain" else triton_fn
+        y = fn(*(args[k] for k in order), False, ss, iss)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, M2_DIM,
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, dim,
                            exact=name == "plain")
         if iq is not None:
             for row in (0, 2):
-                want_q, want_s = quantize_vectors(ref_inter[row], M2_DIM)
-                got, want = deq(iq[row], iss[row], M2_DIM), deq(want_q, want_s, M2_DIM)
-                assert ((got - want).abs() <= want_s.unsqueeze(M2_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
+                want_q, want_s = quantize_vectors(ref_inter[row], dim)
+                got, want = deq(iq[row], iss[row], dim), deq(want_q, want_s, dim)
+                assert ((got - want).abs() <= want_s.unsqueeze(dim) * (0 if name == "plain" else 32) + 1e-6).all()
     args = dict(inp)
     args["ssm_states"] = pq.clone()
     extra = dict(ssm_scales=ps.clone())
     if ref_inter is not None:
         args["intermediate_states"] = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
         extra["intermediate_scales"] = torch.zeros(ref_inter.shape[:-1])
-    run_opcheck(ops.selective_state_update, tuple(args[k] for k in DECODE_ORDER), extra)
+    run_opcheck(op, tuple(args[k] for k in order), extra)
+
+
+def check_scan_fp8_pool(op, triton_fn, order, inp, dim, written, chunk_size=8):
+    """A varlen scan op on an FP8 pool against the same op on the dequantized fp32 pool."""
+    pq, ps = quantized(inp["ssm_states"], dim)
+    inp["ssm_states"] = deq(pq, ps, dim)
+    y_ref, cs_ref = op(*(inp[k] for k in order), chunk_size, True)
+    for name in ("plain", "triton"):
+        args = dict(inp)
+        args["ssm_states"], ss = pq.clone(), ps.clone()
+        fn = op if name == "plain" else triton_fn
+        y, cs = fn(*(args[k] for k in order), chunk_size, True, ssm_scales=ss)
+        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, dim, exact=name == "plain")
+    args = dict(inp)
+    args["ssm_states"] = pq.clone()
+    run_opcheck(op, tuple(args[k] for k in order) + (chunk_size, True), dict(ssm_scales=ps.clone()))
+
+
+@pytest.mark.parametrize("steps,disable", [(1, False), (3, True)])
+def test_mamba2_step_fp8_pool(steps, disable):
+    torch.manual_seed(3)
+    inp = make_decode(3, steps, pad_rows=(1,), inter=steps > 1, disable=disable)
+    check_step_fp8_pool(ops.selective_state_update, tm.selective_state_update_triton, DECODE_ORDER, inp, M2_DIM,
+                        steps, disable)
 
 
 def test_mamba2_chunk_scan_fp8_pool():
     torch.manual_seed(4)
-    lens = [20, 0, 7, 3]
-    inp = make_prefill(lens, pad_rows=(3,))
-    pq, ps = quantized(inp["ssm_states"], M2_DIM)
-    inp["ssm_states"] = deq(pq, ps, M2_DIM)
-    y_ref, cs_ref = ops.ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), 8, True)
+    inp = make_prefill([20, 0, 7, 3], pad_rows=(3,))
     slots = inp["state_indices"].tolist()
-    written = [slots[0], slots[2]]
-    for name in ("plain", "triton"):
-        args = dict(inp)
-        args["ssm_states"], ss = pq.clone(), ps.clone()
-        fn = ops.ssd_chunk_scan if name == "plain" else tm.ssd_chunk_scan_fp8_aware
-        y, cs = fn(*(args[k] for k in PREFILL_ORDER), 8, True, ss)
-        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, M2_DIM, exact=name == "plain")
-    args = dict(inp)
-    args["ssm_states"] = pq.clone()
-    run_opcheck(ops.ssd_chunk_scan, tuple(args[k] for k in PREFILL_ORDER) + (8, True), dict(ssm_scales=ps.clone()))
+    check_scan_fp8_pool(ops.ssd_chunk_scan, tm.ssd_chunk_scan_fp8_aware, PREFILL_ORDER, inp, M2_DIM,
+                        [slots[0], slots[2]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,72 +299,16 @@ def test_mamba2_chunk_scan_fp8_pool():
 def test_mamba1_step_fp8_pool(steps, disable):
     torch.manual_seed(5)
     inp = make_update(3, steps, G=2, pad_rows=(1,), inter=steps > 1, disable=disable, num_slots=NUM_SLOTS)
-    pq, ps = quantized(inp["ssm_states"], M1_DIM)
-    inp["ssm_states"] = deq(pq, ps, M1_DIM)
-    ref_inter = inp["intermediate_states"]
-    slots = inp["state_indices"].tolist()
-    # oracle: L one-token steps of the fp32 op, each stored in the FP8 format as a decode step would
-    one = dict(inp, disable_state_update=False, intermediate_states=None, ssm_states=inp["ssm_states"].clone())
-    real = inp["state_indices"][inp["state_indices"] >= 0].long()
-    ys = []
-    for t in range(steps):
-        step = {k: (v[:, t:t + 1] if k in ("x", "dt", "B", "C", "z") and v is not None else v) for k, v in one.items()}
-        ys.append(ops.mamba1_state_update(*(step[k] for k in M1_UPDATE_ORDER)))
-        if ref_inter is not None:
-            ref_inter[: len(slots)][inp["state_indices"] >= 0, t] = one["ssm_states"][real]
-        if t < steps - 1:
-            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], M1_DIM), M1_DIM)
-    y_ref = torch.cat(ys, 1)
-    if not disable:
-        inp["ssm_states"] = one["ssm_states"]
-    for name in ("plain", "triton"):
-        args = dict(inp)
-        args["ssm_states"], ss = pq.clone(), ps.clone()
-        iq = iss = None
-        if ref_inter is not None:
-            iq = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
-            iss = torch.zeros(ref_inter.shape[:-1])
-            args["intermediate_states"] = iq
-        fn = ops.mamba1_state_update if name == "plain" else tm1.mamba1_state_update_triton
-        y = fn(*(args[k] for k in M1_UPDATE_ORDER), False, ss, iss)
-        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, M1_DIM,
-                           exact=name == "plain")
-        if iq is not None:
-            for row in (0, 2):
-                want_q, want_s = quantize_vectors(ref_inter[row], M1_DIM)
-                got, want = deq(iq[row], iss[row], M1_DIM), deq(want_q, want_s, M1_DIM)
-                assert ((got - want).abs() <= want_s.unsqueeze(M1_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
-    args = dict(inp)
-    args["ssm_states"] = pq.clone()
-    extra = dict(ssm_scales=ps.clone())
-    if ref_inter is not None:
-        args["intermediate_states"] = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
-        extra["intermediate_scales"] = torch.zeros(ref_inter.shape[:-1])
-    run_opcheck(ops.mamba1_state_update, tuple(args[k] for k in M1_UPDATE_ORDER), extra)
+    check_step_fp8_pool(ops.mamba1_state_update, tm1.mamba1_state_update_triton, M1_UPDATE_ORDER, inp, M1_DIM,
+                        steps, disable)
 
 
 def test_mamba1_scan_fp8_pool():
     torch.manual_seed(6)
-    lens = [20, 0, 7, 3]
-    inp = make_scan(lens, G=3, pad_rows=(3,), num_slots=NUM_SLOTS)
-    pq, ps = quantized(inp["ssm_states"], M1_DIM)
-    inp["ssm_states"] = deq(pq, ps, M1_DIM)
-    y_ref, cs_ref = ops.mamba1_selective_scan(*(inp[k] for k in M1_SCAN_ORDER), 8, True)
+    inp = make_scan([20, 0, 7, 3], G=3, pad_rows=(3,), num_slots=NUM_SLOTS)
     slots = inp["state_indices"].tolist()
-    written = [slots[0], slots[2]]
-    for name in ("plain", "triton"):
-        args = dict(inp)
-        args["ssm_states"], ss = pq.clone(), ps.clone()
-        fn = ops.mamba1_selective_scan if name == "plain" else tm1.mamba1_selective_scan_fp8_aware
-        y, cs = fn(*(args[k] for k in M1_SCAN_ORDER), 8, True, False, ss)
-        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, M1_DIM, exact=name == "plain")
-    args = dict(inp)
-    args["ssm_states"] = pq.clone()
-    run_opcheck(ops.mamba1_selective_scan, tuple(args[k] for k in M1_SCAN_ORDER) + (8, True),
-                dict(ssm_scales=ps.clone()))
+    check_scan_fp8_pool(ops.mamba1_selective_scan, tm1.mamba1_selective_scan_fp8_aware, M1_SCAN_ORDER, inp, M1_DIM,
+                        [slots[0], slots[2]])
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 import hybrid_compile as hc
 
 import kimi_models as km
+import mamba1_models as m1
 import mamba2_models as mm
 from engine_models import cached_model, hf_greedy, single_threaded
 
@@ -26,6 +27,10 @@ BUILDERS = {
     "bamba": lambda: mm.build_bamba(4),
     "granitemoehybrid": lambda: mm.build_granitemoehybrid(5),
     "zamba2": lambda: mm.build_zamba2(6),
+    "mamba": lambda: m1.build_mamba(0),
+    "falcon_mamba": lambda: m1.build_falcon_mamba(1),
+    "jamba": lambda: m1.build_jamba(2),
+    "zamba": lambda: m1.build_zamba(3),
     "qwen3_5_moe": lambda: cached_model("qwen3_5_moe", 0),
     "olmo_hybrid": lambda: cached_model("olmo_hybrid", 0),
     # one KDA and one MLA layer (CPU Inductor's compile time grows with the layers)

@@ -14,14 +14,16 @@ import torch
 
 from hybrid_compile.ops import gdn
 from hybrid_compile.ops.fp8_cache import (
-    FP8_DTYPE, GDN_STATE_SCALE_DIM as GDN_DIM, MAMBA2_STATE_SCALE_DIM as M2_DIM, dequantize_vectors,
-    quantize_vectors,
+    FP8_DTYPE, GDN_STATE_SCALE_DIM as GDN_DIM, MAMBA1_STATE_SCALE_DIM as M1_DIM, MAMBA2_STATE_SCALE_DIM as M2_DIM,
+    dequantize_vectors, quantize_vectors,
 )
 from hybrid_compile.ops.triton import fp8_cache as tfp8
 from hybrid_compile.ops.triton import gdn as tgdn
+from hybrid_compile.ops.triton import mamba1 as tm1
 from hybrid_compile.ops.triton import mamba2 as tm
 from hybrid_compile.ops.triton import state as tstate
 from op_testing import cu_seqlens_of, with_omitted_optionals
+from test_ops_mamba1 import SCAN_ORDER as M1_SCAN_ORDER, UPDATE_ORDER as M1_UPDATE_ORDER, make_scan, make_update
 from test_ops_mamba2 import DECODE_ORDER, PREFILL_ORDER, make_decode, make_prefill
 from test_triton_gdn import make_gb, make_qkv
 
@@ -206,25 +208,24 @@ def test_gdn_chunk_fp8_pool_and_tracked_checkpoints():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps,disable", [(1, False), (3, True)])
-def test_mamba2_step_fp8_pool(steps, disable):
-    torch.manual_seed(3)
-    inp = make_decode(3, steps, pad_rows=(1,), inter=steps > 1, disable=disable)
-    pq, ps = quantized(inp["ssm_states"], M2_DIM)
-    inp["ssm_states"] = deq(pq, ps, M2_DIM)
+def check_step_fp8_pool(op, triton_fn, order, inp, dim, steps, disable):
+    """A Mamba step op (decode / verify) on an FP8 pool: oracle = L one-token steps of the fp32 op
+    on the dequantized pool, each stored in the FP8 format as a decode step would; the plain op
+    matches it exactly, the Triton kernel to fp32 noise / one e4m3 step; then opcheck."""
+    pq, ps = quantized(inp["ssm_states"], dim)
+    inp["ssm_states"] = deq(pq, ps, dim)
     ref_inter = inp["intermediate_states"]
     slots = inp["state_indices"].tolist()
-    # oracle: L one-token steps of the fp32 op, each stored in the FP8 format as a decode step would
     one = dict(inp, disable_state_update=False, intermediate_states=None, ssm_states=inp["ssm_states"].clone())
     real = inp["state_indices"][inp["state_indices"] >= 0].long()
     ys = []
     for t in range(steps):
         step = {k: (v[:, t:t + 1] if k in ("x", "dt", "B", "C", "z") and v is not None else v) for k, v in one.items()}
-        ys.append(ops.selective_state_update(*(step[k] for k in DECODE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None))
+        ys.append(op(*(step[k] for k in order), False, None, None))
         if ref_inter is not None:
             ref_inter[: len(slots)][inp["state_indices"] >= 0, t] = one["ssm_states"][real]
         if t < steps - 1:
-            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], M2_DIM), M2_DIM)
+            one["ssm_states"][real] = deq(*quantize_vectors(one["ssm_states"][real], dim), dim)
     y_ref = torch.cat(ys, 1)
     if not disable:
         inp["ssm_states"] = one["ssm_states"]
@@ -236,45 +237,84 @@ def test_mamba2_step_fp8_pool(steps, disable):
             iq = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
             iss = torch.zeros(ref_inter.shape[:-1])
             args["intermediate_states"] = iq
-        fn = ops.selective_state_update if name == "plain" else tm.selective_state_update_triton
-        y = fn(*(args[k] for k in DECODE_ORDER), False, ss, iss)
+        fn = op if name == "plain" else triton_fn
+        y = fn(*(args[k] for k in order), False, ss, iss)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, M2_DIM,
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], [] if disable else slots, pq, ps, dim,
                            exact=name == "plain")
         if iq is not None:
             for row in (0, 2):
-                want_q, want_s = quantize_vectors(ref_inter[row], M2_DIM)
-                got, want = deq(iq[row], iss[row], M2_DIM), deq(want_q, want_s, M2_DIM)
-                assert ((got - want).abs() <= want_s.unsqueeze(M2_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
+                want_q, want_s = quantize_vectors(ref_inter[row], dim)
+                got, want = deq(iq[row], iss[row], dim), deq(want_q, want_s, dim)
+                assert ((got - want).abs() <= want_s.unsqueeze(dim) * (0 if name == "plain" else 32) + 1e-6).all()
     args = dict(inp)
     args["ssm_states"] = pq.clone()
     extra = dict(A_is_log=False, ssm_scales=ps.clone())
     if ref_inter is not None:
         args["intermediate_states"] = torch.zeros(ref_inter.shape, dtype=FP8_DTYPE)
         extra["intermediate_scales"] = torch.zeros(ref_inter.shape[:-1])
-    run_opcheck(ops.selective_state_update, tuple(args[k] for k in DECODE_ORDER), extra)
+    run_opcheck(op, tuple(args[k] for k in order), extra)
+
+
+def scan_tail(op) -> dict:
+    """``A_is_log=False`` for a scan op that has the argument (Mamba1's; its FP8 scales come after it and have no
+    default, so it has none either)."""
+    return {"A_is_log": False} if any(a.name == "A_is_log" for a in op.default._schema.arguments) else {}
+
+
+def check_scan_fp8_pool(op, triton_fn, order, inp, dim, written, chunk_size=8):
+    """A varlen scan op on an FP8 pool against the same op on the dequantized fp32 pool."""
+    pq, ps = quantized(inp["ssm_states"], dim)
+    inp["ssm_states"] = deq(pq, ps, dim)
+    y_ref, cs_ref = op(*(inp[k] for k in order), chunk_size, True, **scan_tail(op), ssm_scales=None)
+    for name in ("plain", "triton"):
+        args = dict(inp)
+        args["ssm_states"], ss = pq.clone(), ps.clone()
+        fn = op if name == "plain" else triton_fn
+        y, cs = fn(*(args[k] for k in order), chunk_size, True, **scan_tail(op), ssm_scales=ss)
+        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
+        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, dim, exact=name == "plain")
+    args = dict(inp)
+    args["ssm_states"] = pq.clone()
+    run_opcheck(op, tuple(args[k] for k in order) + (chunk_size, True), dict(**scan_tail(op), ssm_scales=ps.clone()))
+
+
+@pytest.mark.parametrize("steps,disable", [(1, False), (3, True)])
+def test_mamba2_step_fp8_pool(steps, disable):
+    torch.manual_seed(3)
+    inp = make_decode(3, steps, pad_rows=(1,), inter=steps > 1, disable=disable)
+    check_step_fp8_pool(ops.selective_state_update, tm.selective_state_update_triton, DECODE_ORDER, inp, M2_DIM,
+                        steps, disable)
 
 
 def test_mamba2_chunk_scan_fp8_pool():
     torch.manual_seed(4)
-    lens = [20, 0, 7, 3]
-    inp = make_prefill(lens, pad_rows=(3,))
-    pq, ps = quantized(inp["ssm_states"], M2_DIM)
-    inp["ssm_states"] = deq(pq, ps, M2_DIM)
-    y_ref, cs_ref = ops.ssd_chunk_scan(*(inp[k] for k in PREFILL_ORDER), 8, True, ssm_scales=None)
+    inp = make_prefill([20, 0, 7, 3], pad_rows=(3,))
     slots = inp["state_indices"].tolist()
-    written = [slots[0], slots[2]]
-    for name in ("plain", "triton"):
-        args = dict(inp)
-        args["ssm_states"], ss = pq.clone(), ps.clone()
-        fn = ops.ssd_chunk_scan if name == "plain" else tm.ssd_chunk_scan_fp8_aware
-        y, cs = fn(*(args[k] for k in PREFILL_ORDER), 8, True, ss)
-        torch.testing.assert_close(y, y_ref, atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(cs, cs_ref, atol=2e-4, rtol=2e-4)
-        assert_state_equal(args["ssm_states"], ss, inp["ssm_states"], written, pq, ps, M2_DIM, exact=name == "plain")
-    args = dict(inp)
-    args["ssm_states"] = pq.clone()
-    run_opcheck(ops.ssd_chunk_scan, tuple(args[k] for k in PREFILL_ORDER) + (8, True), dict(ssm_scales=ps.clone()))
+    check_scan_fp8_pool(ops.ssd_chunk_scan, tm.ssd_chunk_scan_fp8_aware, PREFILL_ORDER, inp, M2_DIM,
+                        [slots[0], slots[2]])
+
+
+# --------------------------------------------------------------------------------------------
+# Mamba1 (one scale per channel over N)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps,disable", [(1, False), (3, True), (2, False)])
+def test_mamba1_step_fp8_pool(steps, disable):
+    torch.manual_seed(5)
+    inp = make_update(3, steps, G=2, pad_rows=(1,), inter=steps > 1, disable=disable, num_slots=NUM_SLOTS)
+    check_step_fp8_pool(ops.mamba1_state_update, tm1.mamba1_state_update_triton, M1_UPDATE_ORDER, inp, M1_DIM,
+                        steps, disable)
+
+
+def test_mamba1_scan_fp8_pool():
+    torch.manual_seed(6)
+    inp = make_scan([20, 0, 7, 3], G=3, pad_rows=(3,), num_slots=NUM_SLOTS)
+    slots = inp["state_indices"].tolist()
+    check_scan_fp8_pool(ops.mamba1_selective_scan, tm1.mamba1_selective_scan_fp8_aware, M1_SCAN_ORDER, inp, M1_DIM,
+                        [slots[0], slots[2]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,3 +430,32 @@ def test_gpu_mamba2_fp8_pool_at_nemotron_shape():
     torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=2e-2, rtol=2e-2)
     got, want = deq(dev["ssm_states"].cpu(), gs.cpu(), M2_DIM), deq(inp["ssm_states"], ref_s, M2_DIM)
     assert ((got - want).abs() <= ref_s.unsqueeze(M2_DIM) * 32 + 1e-6).all()
+
+
+@pytest.mark.gpu
+def test_gpu_mamba1_fp8_pool_at_falcon_mamba_shape():
+    torch.manual_seed(12)
+    inp = make_update(8, 1, D_inner=4096, N=16, dtype=torch.bfloat16, pad_rows=(2,), inter=False, num_slots=12)
+    pq, ps = quantize_vectors(inp["ssm_states"], M1_DIM)
+    inp["ssm_states"] = pq.clone()
+    ref_s = ps.clone()
+    y_ref = ops.mamba1_state_update(*(inp[k] for k in M1_UPDATE_ORDER), False, ref_s, intermediate_scales=None)
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    dev["ssm_states"] = pq.cuda()
+    gs = ps.cuda()
+    y = ops.mamba1_state_update(*(dev[k] for k in M1_UPDATE_ORDER), False, gs, intermediate_scales=None)
+    torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    got, want = deq(dev["ssm_states"].cpu(), gs.cpu(), M1_DIM), deq(inp["ssm_states"], ref_s, M1_DIM)
+    assert ((got - want).abs() <= ref_s.unsqueeze(M1_DIM) * 32 + 1e-6).all()
+    scan = make_scan([700, 0, 129], D_inner=4096, N=16, dtype=torch.bfloat16, num_slots=12)
+    sq, sps = quantize_vectors(scan["ssm_states"], M1_DIM)
+    cpu = dict(scan, ssm_states=sq.clone())
+    cpu_s = sps.clone()
+    y_ref, cs_ref = ops.mamba1_selective_scan(*(cpu[k] for k in M1_SCAN_ORDER), 64, True, False, cpu_s)
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in scan.items()}
+    dev["ssm_states"], dev_s = sq.cuda(), sps.cuda()
+    y, cs = ops.mamba1_selective_scan(*(dev[k] for k in M1_SCAN_ORDER), 64, True, False, dev_s)
+    torch.testing.assert_close(y.cpu().float(), y_ref.float(), atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(cs.cpu(), cs_ref, atol=6e-2, rtol=3e-2)
+    got, want = deq(dev["ssm_states"].cpu(), dev_s.cpu(), M1_DIM), deq(cpu["ssm_states"], cpu_s, M1_DIM)
+    assert ((got - want).abs() <= cpu_s.unsqueeze(M1_DIM) * 32 + 0.05 * want.abs() + 1e-6).all()

@@ -223,6 +223,35 @@ def _mixer_reference(mixer, hidden: torch.Tensor) -> torch.Tensor:
         return type(mixer).forward(mixer, hidden[None])[0]
 
 
+def packed_extend_outputs(mixer, layer_id: int, conv: torch.Tensor, ssm: torch.Tensor, hidden_size: int):
+    """Two requests (37 and 21 tokens) packed in one EXTEND step of the patched ``mixer``, then
+    continued from their pool state (slots 2 and 5) in a second one. Returns ``(sequences, outputs)``
+    with the mixer's output over each whole sequence."""
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randn(n, hidden_size, generator=g) for n in (37, 21)]
+    slots = torch.tensor([2, 5], dtype=torch.int32)
+    outs = [[], []]
+    for first, (a, b) in ((True, (0, 19)), (False, (19, 37))):  # step 2 continues both from the pools
+        parts = [s[a:b] for s in seqs]
+        lens = torch.tensor([len(p) for p in parts])
+        qsl = torch.zeros(3, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(lens, 0)
+        md = ForwardMetadata(
+            mode=ForwardMode.EXTEND, positions=torch.cat([torch.arange(a, a + n) for n in lens.tolist()]),
+            query_start_loc=qsl, seq_lens=lens.int(), prefix_lens=torch.zeros(2, dtype=torch.int32),
+            mamba_cache_indices=slots, has_initial_state=torch.tensor([not first, not first]),
+            out_cache_loc=torch.zeros(0, dtype=torch.int64), kv_indptr=torch.zeros(3, dtype=torch.int32),
+            kv_indices=torch.zeros(0, dtype=torch.int64), logits_indices=qsl[1:].long() - 1,
+            prompt_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32),
+        )
+        ctx = ForwardContext(md, {}, {layer_id: (conv, ssm)})
+        with torch.no_grad(), forward_context(ctx):
+            y = mixer(torch.cat(parts)[None])[0]
+        outs[0].append(y[: lens[0]])
+        outs[1].append(y[lens[0]:])
+    return seqs, [torch.cat(o) for o in outs]
+
+
 @pytest.mark.parametrize("name", ["mamba2", "nemotron_h", "falcon_h1", "zamba2"])
 def test_mixer_layer_op_matches_hf_chunked_extend(name):
     """Two requests packed in one EXTEND step, then continued from their pool state in a second
@@ -232,30 +261,9 @@ def test_mixer_layer_op_matches_hf_chunked_extend(name):
         mixer = next(m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "in_proj"))
         layer_id = next(lid for m, lid in FAMILIES[model.config.model_type].mamba_layers(model) if m is mixer)
         conv, ssm = engine.pools.mamba.conv(layer_id), engine.pools.mamba.ssm(layer_id)
-        g = torch.Generator().manual_seed(7)
-        seqs = [torch.randn(n, model.config.hidden_size, generator=g) for n in (37, 21)]
-        slots = torch.tensor([2, 5], dtype=torch.int32)
-        outs = [[], []]
-        for first, (a, b) in ((True, (0, 19)), (False, (19, 37))):  # step 2 continues both from the pools
-            parts = [s[a:b] for s in seqs]
-            lens = torch.tensor([len(p) for p in parts])
-            qsl = torch.zeros(3, dtype=torch.int32)
-            qsl[1:] = torch.cumsum(lens, 0)
-            md = ForwardMetadata(
-                mode=ForwardMode.EXTEND, positions=torch.cat([torch.arange(a, a + n) for n in lens.tolist()]),
-                query_start_loc=qsl, seq_lens=lens.int(), prefix_lens=torch.zeros(2, dtype=torch.int32),
-                mamba_cache_indices=slots, has_initial_state=torch.tensor([not first, not first]),
-                out_cache_loc=torch.zeros(0, dtype=torch.int64), kv_indptr=torch.zeros(3, dtype=torch.int32),
-                kv_indices=torch.zeros(0, dtype=torch.int64), logits_indices=qsl[1:].long() - 1,
-                prompt_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32),
-            )
-            ctx = ForwardContext(md, {}, {layer_id: (conv, ssm)})
-            with torch.no_grad(), forward_context(ctx):
-                y = mixer(torch.cat(parts)[None])[0]
-            outs[0].append(y[: lens[0]])
-            outs[1].append(y[lens[0]:])
+        seqs, outs = packed_extend_outputs(mixer, layer_id, conv, ssm, model.config.hidden_size)
         for seq, out in zip(seqs, outs):
-            torch.testing.assert_close(torch.cat(out), _mixer_reference(mixer, seq), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out, _mixer_reference(mixer, seq), rtol=1e-4, atol=1e-5)
 
 
 def test_unsupported_model_type_lists_mamba2_families():

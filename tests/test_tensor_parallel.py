@@ -31,6 +31,7 @@ from hybrid_compile.distributed import ShardingError, TensorParallelError
 from hybrid_compile.distributed.plans import plan_for
 from hybrid_compile.models import family_of
 import engine_models as em
+import mamba1_models as m1
 import mamba2_models as mm
 import test_lfm2 as lfm2
 
@@ -95,6 +96,10 @@ MODELS = {
     "lfm2": _lfm2,
     "lfm2_moe": lambda: lfm2._build("lfm2_moe", 0),
     "zamba2": mm.build_zamba2,
+    "mamba": m1.build_mamba,
+    "falcon_mamba": m1.build_falcon_mamba,
+    "jamba": m1.build_jamba,
+    "zamba": m1.build_zamba,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
@@ -102,7 +107,7 @@ MODELS = {
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
-             "lfm2", "lfm2_moe", "zamba2")
+             "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)

@@ -27,6 +27,12 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
   when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
+- Mamba1 (Mamba, FalconMamba, Jamba): the ``D_inner`` channels (``in_proj`` rows ``[x | z]``, conv,
+  ``dt_proj`` rows and bias, ``A_log`` / ``D`` rows, ``out_proj`` columns); ``x_proj`` contracts over
+  the channels, so it takes its input columns and its (dt, B, C) output is all-reduced; the dt/B/C
+  norms after it are replicated.
+- Zamba (v1): its multi-head Mamba1 mixers by heads (per-head ``x_proj_weight`` / ``dt_proj_weight``:
+  only ``out_proj`` is reduced); the shared blocks' attention and MLP as above.
 - LFM2 short conv: its ``hidden_size`` channels (``in_proj`` rows ``[B | C | x]``, the conv,
   ``out_proj`` columns), rebuilt on the meta device with the local count (``local_modules``).
 - Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
@@ -451,6 +457,83 @@ def zamba2_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def _mamba1_channels(plan: ShardPlan, prefix: str, d_inner: int) -> int:
+    """A Mamba1 mixer's parameters split by its ``d_inner`` channels; returns the local count."""
+    local = _split(d_inner, plan.size, "the Mamba1 intermediate size (expand * hidden_size)", plan.family)
+    c = Segment(d_inner, 1)
+    plan.add(prefix + r"\.in_proj\.(weight|bias)", Slice(0, (c, c)))  # rows [x | z]
+    plan.add(prefix + r"\.conv1d\.(weight|bias)", Slice(0, (c,)))
+    plan.add(prefix + r"\.x_proj\.weight", Slice(1, (c,)))
+    plan.reduce(prefix + r"\.x_proj")  # contracts over the channels: partial (dt, B, C) per rank
+    plan.add(prefix + r"\.dt_proj\.(weight|bias)", Slice(0, (c,)))
+    plan.add(prefix + r"\.(A_log|D)", Slice(0, (c,)))
+    plan.add(prefix + r"\.out_proj\.weight", Slice(1, (c,)))
+    plan.add(prefix + r"\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(prefix + r"\.out_proj")
+    return local
+
+
+def mamba1_plan(config, size: int, rank: int) -> ShardPlan:
+    """Mamba / FalconMamba: every layer a Mamba1 mixer (``backbone.layers.i.mixer``)."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    local = _mamba1_channels(plan, r"\.mixer", int(cfg.intermediate_size))
+    plan.local_fields = dict(intermediate_size=local)
+    plan.vocab_parallel(r"embeddings\.weight", r"lm_head\.weight")
+    return plan
+
+
+def jamba_plan(config, size: int, rank: int) -> ShardPlan:
+    """Jamba: Mamba1 mixers (``.mamba``), attention by heads, the dense MLP and the experts by their
+    intermediate dimension (the whole ``feed_forward`` block is reduced)."""
+    cfg = _text(config)
+    plan = ShardPlan("jamba", size, rank, cfg)
+    _mamba1_channels(plan, r"\.mamba", int(cfg.mamba_expand) * int(cfg.hidden_size))
+    hd = _head_dim(cfg)
+    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd)
+    inter = int(cfg.intermediate_size)
+    plan.mlp(r"\.feed_forward", inter, "intermediate_size")
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts > 1:
+        plan.fused_experts(r"\.feed_forward\.experts", experts, inter)
+    plan.reduce(r"\.layers\.\d+\.feed_forward")  # dense MLP or the whole MoE block
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(mamba_expand=_local_expand(cfg.mamba_expand, size),
+                             num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv,
+                             head_dim=hd, intermediate_size=inter // size)
+    return plan
+
+
+def zamba_plan(config, size: int, rank: int) -> ShardPlan:
+    """Zamba (v1): the multi-head Mamba1 mixers by heads (each head's x_proj / dt_proj / B / C are its
+    own, so nothing but ``out_proj`` is reduced; ``in_proj`` rows interleave x and the gate per channel,
+    a head's rows are contiguous); the shared transformer blocks' attention (input ``2 * hidden_size``)
+    by heads and their MLP by the intermediate dimension."""
+    cfg = _text(config)
+    plan = ShardPlan("zamba", size, rank, cfg)
+    heads = int(cfg.n_mamba_heads)
+    _split(heads, size, "n_mamba_heads", plan.family)
+    head_dim = int(cfg.mamba_expand) * int(cfg.hidden_size) // heads
+    p = r"\.mamba"
+    plan.add(p + r"\.in_proj\.(weight|bias)", Slice(0, (Segment(heads, 2 * head_dim),)))
+    plan.add(p + r"\.conv1d\.(weight|bias)", Slice(0, (Segment(heads, head_dim),)))
+    plan.add(p + r"\.(x_proj_weight|dt_proj_weight|dt_proj_bias|A_log|D)", Slice(0, (Segment(heads, 1),)))
+    plan.add(p + r"\.out_proj\.weight", Slice(1, (Segment(heads, head_dim),)))
+    plan.add(p + r"\.out_proj\.bias", Slice(rank0_only=True))
+    plan.reduce(p + r"\.out_proj")
+    ahd = int(cfg.attention_head_dim)
+    local_kv = plan.attention(r"\.shared_transf\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                              ahd)
+    inter = int(cfg.intermediate_size)
+    plan.mlp(r"\.shared_transf\.feed_forward", inter, "intermediate_size")
+    plan.reduce(r"\.shared_transf\.feed_forward")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(n_mamba_heads=heads // size, mamba_expand=_local_expand(cfg.mamba_expand, size),
+                             num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv,
+                             attention_head_dim=ahd, intermediate_size=inter // size)
+    return plan
+
+
 def _local_adapter(rows: int) -> Callable:
     """Rebuild a Zamba2 LoRA adapter (``Sequential(down, up)``; ``Identity`` where a use has none)
     with an up projection of ``rows`` local output rows."""
@@ -531,6 +614,7 @@ PLANS = {
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
     "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
+    "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
 }
 
 

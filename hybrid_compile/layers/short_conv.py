@@ -1,11 +1,14 @@
-"""Short-conv layer op: the recurrent core of an LFM2 ``ShortConv`` mixer (a depthwise causal conv).
+"""Short-conv layer op: a depthwise causal conv over the layer's conv-window pool — the whole
+recurrent core of an LFM2 ``ShortConv`` mixer, and the conv half of a Mamba1 mixer.
 
-``hybrid_compile::short_conv_layer`` takes the gated conv input ``B * x`` (packed tokens) and
-returns the causal conv of it, reading the layer's conv-window pool from the forward context.
-The input projection, both gating products (``B * x`` before, ``C * conv`` after) and the
-output projection stay outside, in the compiled pieces (a layer op holds only what touches
-pools and per-step metadata). The layer has no recurrent state besides the conv window
-(its Mamba-pool spec is conv-only, ``state_shape == ()``), and the conv has no activation.
+``hybrid_compile::short_conv_layer`` takes the conv input (packed tokens) and returns the causal
+conv of it (with an optional activation), reading the layer's conv-window pool from the forward
+context. LFM2: the input is the gated ``B * x``, no activation, and the layer has no recurrent
+state besides the window (its Mamba-pool spec is conv-only, ``state_shape == ()``). Mamba1: the
+input is ``in_proj``'s x half, activation silu; ``x_proj`` / ``dt_proj`` run on the conv output
+in the compiled piece after this op, then the scan in ``mamba1_ssm_layer`` (:mod:`.mamba1`).
+Projections and gating products stay outside, in the compiled pieces (a layer op holds only
+what touches pools and per-step metadata).
 
 By forward mode (same dispatch as ``layers/gdn.py``):
 - DECODE: ``causal_conv1d_update`` in place.
@@ -45,8 +48,9 @@ def short_conv_layer(
     conv_weight: torch.Tensor,
     conv_bias: Optional[torch.Tensor],
     layer_id: int,
+    activation: Optional[str] = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv (no activation) of one short-conv layer for the step's packed tokens.
+    """Depthwise causal conv of one conv layer for the step's packed tokens.
 
     Args:
         x: ``[N, D]`` conv input (LFM2: ``B * x`` of the input projection).
@@ -54,6 +58,7 @@ def short_conv_layer(
         conv_bias: ``[D]`` or None.
         layer_id: HF layer index (key of ``ForwardContext.mamba_caches``); the conv window pool
             ``[S, W-1, D]`` of that layer is updated.
+        activation: None (LFM2) or "silu" (Mamba1), applied to the conv output.
 
     Returns:
         ``[N, D]`` conv output in x's dtype (zeros for padding rows).
@@ -65,19 +70,19 @@ def short_conv_layer(
 
     if md.mode is ForwardMode.DECODE:
         return _kernels.causal_conv1d_update(
-            x.unsqueeze(1), conv_states, conv_weight, conv_bias, None, md.mamba_cache_indices, False, None,
+            x.unsqueeze(1), conv_states, conv_weight, conv_bias, activation, md.mamba_cache_indices, False, None,
         ).squeeze(1)
     if md.mode is ForwardMode.EXTEND:
         if tracking(md):  # prefix-cache checkpoint: the window at the tracked offset, before the conv
             track_conv_checkpoints(md, conv_states, x)
         return _kernels.causal_conv1d_fn(
             x, conv_weight, conv_bias, conv_states, md.query_start_loc, md.mamba_cache_indices,
-            md.has_initial_state, None,
+            md.has_initial_state, activation,
         )
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "short_conv_layer")
         out = _kernels.causal_conv1d_update(
-            verify.per_request(x), conv_states, conv_weight, conv_bias, None, verify.cache_indices, True,
+            verify.per_request(x), conv_states, conv_weight, conv_bias, activation, verify.cache_indices, True,
             verify.intermediates[0], verify.parents,
         )
         return verify.pad(out.reshape(verify.num_tokens, -1), x.shape[0])
@@ -85,6 +90,6 @@ def short_conv_layer(
 
 
 @short_conv_layer.register_fake
-def _(x, conv_weight, conv_bias, layer_id):
+def _(x, conv_weight, conv_bias, layer_id, activation=None):
     _check(x, conv_weight)
     return x.new_zeros(x.shape)

@@ -4,6 +4,8 @@ patched: :mod:`.gated_deltanet` (the Gated DeltaNet mixers of Qwen3-Next, Qwen3.
 Granite-4), :mod:`.falcon_h1` (parallel attention + Mamba2 in every layer), :mod:`.zamba2`
 (Mamba2 layers + a shared attention block), :mod:`.short_conv` (LFM2's short convolutions),
 :mod:`.kimi_linear` (Kimi Delta Attention + multi-head latent attention over a compressed cache);
+:mod:`.mamba1` (Mamba1 mixers and attention: Mamba, FalconMamba, Jamba), :mod:`.zamba` (multi-head
+Mamba1 layers + a shared attention block);
 :mod:`.mamba2_common` holds the Mamba2 mixer forward they share, :mod:`.mtp` the
 multi-token-prediction heads, :mod:`.base` the patch handle and the attention hook.
 
@@ -18,10 +20,10 @@ from types import ModuleType
 
 from torch import nn
 
-from . import falcon_h1, gated_deltanet, kimi_linear, mamba2, short_conv, zamba2
+from . import falcon_h1, gated_deltanet, kimi_linear, mamba1, mamba2, short_conv, zamba, zamba2
 from .base import ModelLayout, PatchHandle
 
-_FAMILY_MODULES = (gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv)
+_FAMILY_MODULES = (gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv, mamba1, zamba)
 FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 

@@ -33,12 +33,13 @@ def mamba_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return per_layer_mamba_layers(model)
 
 
-def attention_uses(model: nn.Module) -> list[tuple[nn.Module, int]]:
-    """``(Zamba2Attention, KV pool id)`` of every hybrid layer: ``num_layers + layer index``."""
+def shared_attention_uses(model: nn.Module, block_attr: str) -> list[tuple[nn.Module, int]]:
+    """``(attention, KV pool id)`` of every hybrid layer (a module with ``block_attr``, the shared
+    block, and ``mamba_decoder``): ``num_layers + layer index``. Shared with Zamba (v1)."""
     offset = int(text_config(model).num_hidden_layers)
     uses = []
     for module in model.modules():
-        block = getattr(module, "shared_transformer", None)
+        block = getattr(module, block_attr, None)
         mamba_decoder = getattr(module, "mamba_decoder", None)
         if block is None or mamba_decoder is None:
             continue
@@ -54,6 +55,20 @@ def attention_uses(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return uses
 
 
+def assign_kv_ids(uses: list[tuple[nn.Module, int]], handle: PatchHandle) -> None:
+    """Write each use's KV pool id to its attention instance's ``layer_idx`` (what the registered
+    attention function reads); ``handle.undo()`` puts HF's value back."""
+    for attn, kv_id in uses:
+        old = attn.layer_idx
+        attn.layer_idx = kv_id
+        handle.restores.append(lambda a=attn, v=old: setattr(a, "layer_idx", v))
+
+
+def attention_uses(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """``(Zamba2Attention, KV pool id)`` of every hybrid layer: ``num_layers + layer index``."""
+    return shared_attention_uses(model, "shared_transformer")
+
+
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
     return mamba2_family_layout(
         model, mamba_layers(model), attention_uses(model), kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype
@@ -64,8 +79,5 @@ def patch(model: nn.Module, handle: PatchHandle) -> None:
     mixers = mamba_layers(model)
     uses = attention_uses(model)
     install_attention(model, handle)
-    for attn, kv_id in uses:
-        old = attn.layer_idx
-        attn.layer_idx = kv_id
-        handle.restores.append(lambda a=attn, v=old: setattr(a, "layer_idx", v))
+    assign_kv_ids(uses, handle)
     patch_mixers(mixers, handle)

@@ -13,6 +13,7 @@ gdn_gating / chunk_gated_delta_rule              :mod:`.gdn` (g per head, or per
 fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
 fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
+mamba1_selective_scan / mamba1_state_update      :mod:`.mamba1`
 gated_rms_norm                                   :mod:`.norm`
 skinny_mm                                        :mod:`.linear`
 fp8_quantize_per_token_group / fp8_block_linear  :mod:`.fp8` (block-FP8 weights)
@@ -26,13 +27,14 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, fp8, gdn, linear, mamba2, metadata, norm, sampling, state
+from . import attention, conv1d, fp8, gdn, linear, mamba1, mamba2, metadata, norm, sampling, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import fp8 as _triton_fp8  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
 from .triton import gdn_gating as _triton_gdn_gating  # noqa: F401
 from .triton import linear as _triton_linear  # noqa: F401
+from .triton import mamba1 as _triton_mamba1  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
 from .triton import norm as _triton_norm  # noqa: F401
 from .triton import metadata as _triton_metadata  # noqa: F401
@@ -52,6 +54,8 @@ KERNEL_OPS = (
     "fused_recurrent_gated_delta_rule_update",
     "ssd_chunk_scan",
     "selective_state_update",
+    "mamba1_selective_scan",
+    "mamba1_state_update",
     "gated_rms_norm",
     "skinny_mm",
     "fp8_quantize_per_token_group",
@@ -77,6 +81,7 @@ __all__ = [
     "fp8",
     "gdn",
     "linear",
+    "mamba1",
     "mamba2",
     "norm",
     "set_debug_checks",

@@ -130,6 +130,38 @@ def check_unique_slots(op: str, name: str, indices: torch.Tensor) -> None:
         raise ValueError(f"{op}: `{name}` has repeated slot indices {indices.tolist()}")
 
 
+def check_varlen_requests(op: str, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                          has_initial_state: torch.Tensor) -> int:
+    """Shapes and dtypes of a packed varlen batch's per-request tensors (``cu_seqlens [B + 1]``,
+    ``state_indices [B]``, ``has_initial_state [B]`` bool); returns B. Shared by the varlen scans."""
+    check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
+    batch = cu_seqlens.shape[0] - 1
+    check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
+    check_tensor(op, "has_initial_state", has_initial_state, dtypes=(torch.bool,), shape=(batch,))
+    return batch
+
+
+def check_varlen_values(op: str, cu_seqlens: torch.Tensor, num_tokens: int, state_indices: torch.Tensor,
+                        num_slots: int) -> None:
+    """Values of a packed varlen batch (when value checks run): offsets cover the ``num_tokens``
+    tokens, slots are in range and distinct."""
+    check_cu_seqlens(op, "cu_seqlens", cu_seqlens, num_tokens)
+    check_slot_indices(op, "state_indices", state_indices, num_slots)
+    check_unique_slots(op, "state_indices", state_indices)
+
+
+def check_intermediate_states(op: str, intermediate_states: torch.Tensor, batch: int, steps: int,
+                              state_shape: Sequence[int]) -> None:
+    """The per-step state buffer of a verify op: ``[>= batch, steps, *state_shape]`` (rows by batch row)."""
+    if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, *state_shape):
+        expected = ", ".join(str(d) for d in (steps, *state_shape))
+        raise ValueError(
+            f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected [>= {batch}, {expected}]"
+        )
+
+
 def names_of(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 

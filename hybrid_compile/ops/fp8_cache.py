@@ -10,6 +10,8 @@ ops move a slot's scales like any other pool tensor):
   ``K`` axis (:data:`GDN_STATE_SCALE_DIM`).
 - Mamba2 state ``[slots, H, P, N]`` -> scales ``[slots, H, P]``: one per head-dim row, over the
   ``N`` axis (:data:`MAMBA2_STATE_SCALE_DIM`).
+- Mamba1 state ``[slots, D_inner, N]`` -> scales ``[slots, D_inner]``: one per channel, over the
+  ``N`` axis (:data:`MAMBA1_STATE_SCALE_DIM`).
 
 The axis is the one every Triton program of the family holds whole (the GDN recurrent kernel
 keeps all of ``K`` for a block of value columns; the Mamba2 step kernel all of ``N`` for a block
@@ -31,7 +33,7 @@ import torch
 from .fp8 import FP8_DTYPE, FP8_MAX, amax_to_scale
 
 __all__ = [
-    "FP8_DTYPE", "GDN_STATE_SCALE_DIM", "KV_SCALE_DIM", "MAMBA2_STATE_SCALE_DIM", "dequantize_vectors",
+    "FP8_DTYPE", "GDN_STATE_SCALE_DIM", "KV_SCALE_DIM", "MAMBA1_STATE_SCALE_DIM", "MAMBA2_STATE_SCALE_DIM", "dequantize_vectors",
     "is_fp8", "quantize_vectors", "read_rows", "round_trip", "scale_shape", "write_rows",
 ]
 
@@ -39,6 +41,8 @@ __all__ = [
 GDN_STATE_SCALE_DIM = -2
 #: Axis of a Mamba2 state slot ``[H, P, N]`` that one scale covers (N).
 MAMBA2_STATE_SCALE_DIM = -1
+#: Axis of a Mamba1 state slot ``[D_inner, N]`` that one scale covers (N).
+MAMBA1_STATE_SCALE_DIM = -1
 #: Axis of a KV-cache token ``[Hkv, D]`` that one scale covers (D).
 KV_SCALE_DIM = -1
 

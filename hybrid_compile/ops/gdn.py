@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from ._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_cu_seqlens,
     check_same_device,
     check_slot_indices,
     check_tensor,
     check_tree_parents,
     check_unique_slots,
+    check_varlen_requests,
+    check_varlen_values,
     tree_start_states,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
@@ -208,19 +209,12 @@ def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_in
     _check_gate(op, g, (t,), hv, kd)
     check_tensor(op, "beta", beta, dtypes=FLOAT_DTYPES, shape=(t, hv))
     _check_pool(op, ssm_states, hv, kd, vd, ssm_scales)
-    check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
-    batch = cu_seqlens.shape[0] - 1
-    check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
-    check_tensor(op, "has_initial_state", has_initial_state, dtypes=(torch.bool,), shape=(batch,))
+    check_varlen_requests(op, cu_seqlens, state_indices, has_initial_state)
     check_same_device(
         op, q=q, k=k, v=v, g=g, beta=beta, ssm_states=ssm_states, cu_seqlens=cu_seqlens,
         state_indices=state_indices, has_initial_state=has_initial_state,
     )
-    check_cu_seqlens(op, "cu_seqlens", cu_seqlens, t)
-    check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
-    check_unique_slots(op, "state_indices", state_indices)
+    check_varlen_values(op, cu_seqlens, t, state_indices, ssm_states.shape[0])
 
 
 @torch.library.custom_op("hybrid_compile::chunk_gated_delta_rule", mutates_args=("ssm_states", "ssm_scales"))

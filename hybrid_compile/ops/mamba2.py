@@ -32,12 +32,14 @@ import torch.nn.functional as F
 from ._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    check_cu_seqlens,
     check_same_device,
     check_slot_indices,
+    check_intermediate_states,
     check_tensor,
     check_tree_parents,
     check_unique_slots,
+    check_varlen_requests,
+    check_varlen_values,
     tree_start_states,
 )
 from ._varlen import max_chunk_rows
@@ -177,21 +179,14 @@ def _check_ssd_chunk_scan(
     check_tensor(op, "ssm_states", ssm_states, ndim=4, dtypes=STATE_DTYPES)
     check_tensor(op, "ssm_states", ssm_states, shape=(None, H, P, N))
     check_scales(op, ssm_states, ssm_scales, "ssm_scales", MAMBA2_STATE_SCALE_DIM)
-    check_tensor(op, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{op}: `cu_seqlens` must have batch + 1 >= 1 entries")
-    batch = cu_seqlens.shape[0] - 1
-    check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
-    check_tensor(op, "has_initial_state", has_initial_state, dtypes=(torch.bool,), shape=(batch,))
+    check_varlen_requests(op, cu_seqlens, state_indices, has_initial_state)
     if chunk_size <= 0:
         raise ValueError(f"{op}: chunk_size must be > 0, got {chunk_size}")
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
         cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state,
     )
-    check_cu_seqlens(op, "cu_seqlens", cu_seqlens, T)
-    check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
-    check_unique_slots(op, "state_indices", state_indices)
+    check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
 @torch.library.custom_op("hybrid_compile::ssd_chunk_scan", mutates_args=("ssm_states", "ssm_scales"))
@@ -399,11 +394,7 @@ def _check_selective_state_update(
         check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=STATE_DTYPES)
         check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", MAMBA2_STATE_SCALE_DIM,
                      "intermediate_states")
-        if intermediate_states.shape[0] < batch or tuple(intermediate_states.shape[1:]) != (steps, H, P, N):
-            raise ValueError(
-                f"{op}: `intermediate_states` has shape {tuple(intermediate_states.shape)}, expected "
-                f"[>= {batch}, {steps}, {H}, {P}, {N}]"
-            )
+        check_intermediate_states(op, intermediate_states, batch, steps, (H, P, N))
     check_same_device(
         op, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, ssm_states=ssm_states,
         state_indices=state_indices, intermediate_states=intermediate_states,

@@ -1,13 +1,14 @@
 """Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
-otherwise truncates fp32 -> bf16) and :func:`div_rn` (IEEE-rounded fp32 division)."""
+otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division) and :func:`softplus`
+(torch's, for the Mamba dt)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "div_rn", "pow2"]
+__all__ = ["cast_rne", "div_rn", "pow2", "softplus"]
 
 
 def pow2(n: int, lo: int = 1) -> int:
@@ -40,3 +41,13 @@ def div_rn(x, y):
     GPU writes the same bytes as the plain-torch path.
     """
     return tl.math.div_rn(x, y + tl.zeros_like(x))
+
+
+@triton.jit
+def softplus(v):
+    """torch's softplus (threshold 20) with an accurate log1p (``log(w) * u / (w - 1)``, w = 1 + u)."""
+    u = tl.exp(v)
+    w = 1.0 + u
+    den = tl.where(w == 1.0, 1.0, w - 1.0)
+    lp = tl.where(w == 1.0, u, tl.log(w) * (u / den))
+    return tl.where(v > 20.0, v, lp)

@@ -27,7 +27,7 @@ from ..fp8_cache import is_fp8
 from .common import div_rn
 from .fp8 import round_to_e4m3
 
-__all__ = ["move_state_rows", "quantize_axis"]
+__all__ = ["move_state_rows", "quantize_axis", "round_rows", "store_state_rows"]
 
 _EPS = tl.constexpr(FP8_EPS)
 _MAX = tl.constexpr(FP8_MAX)
@@ -105,6 +105,26 @@ def move_state_rows(src: torch.Tensor, src_scales: torch.Tensor | None, src_rows
         SRC_FP8=is_fp8(src), DST_FP8=is_fp8(dst), BR=br, BI=bi,
         num_warps=4 if br * bi >= 2048 else 1,
     )
+
+
+@triton.jit
+def store_state_rows(ptrs, scale_ptrs, S, mask, row_mask, FP8: tl.constexpr):
+    """Store an fp32 state tile ``S [rows, cols]``: e4m3 values with one scale per row (over the
+    columns, which the program holds whole) at ``scale_ptrs [rows]`` when ``FP8``, else cast to the
+    buffer's dtype (``scale_ptrs`` unused). Shared by the Mamba2 and Mamba1 step kernels."""
+    if FP8:
+        q, s = quantize_axis(S, 1)
+        tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=mask)
+        tl.store(scale_ptrs, s, mask=row_mask)
+    else:
+        tl.store(ptrs, S.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def round_rows(S):
+    """fp32 tile ``S`` as the FP8 format (one scale per row) stores and returns it."""
+    q, s = quantize_axis(S, 1)
+    return q * s[:, None]
 
 
 def stage_states(pool: torch.Tensor, scales: torch.Tensor, state_indices: torch.Tensor, scale_dim: int):

@@ -48,8 +48,9 @@ import triton.language as tl
 from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
-from .fp8_cache import quantize_axis, stage_states, unstage_states
+from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
 from .common import pow2
+from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["selective_state_update_triton", "ssd_chunk_scan_triton"]
@@ -68,16 +69,6 @@ _DOT_IEEE, _DOT_LOWP, _DOT_EMULATE, _DOT_TF32 = 0, 1, 2, 3
 # --------------------------------------------------------------------------------------------
 # Shared device helpers
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _softplus(v):
-    """torch's softplus (threshold 20) with an accurate log1p (``log(w) * u / (w - 1)``, w = 1 + u)."""
-    u = tl.exp(v)
-    w = 1.0 + u
-    den = tl.where(w == 1.0, 1.0, w - 1.0)
-    lp = tl.where(w == 1.0, u, tl.log(w) * (u / den))
-    return tl.where(v > 20.0, v, lp)
 
 
 @triton.jit
@@ -208,22 +199,12 @@ def _ssu_kernel(
             y = y * (z * tl.sigmoid(z))
         tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
         if HAS_INTER:
-            if INTER_FP8:
-                S_q, S_s = quantize_axis(S, 1)
-                tl.store(i_ptrs + t * si_t, S_q.to(inter_ptr.dtype.element_ty), mask=mask_pn)
-                tl.store(inter_scale_ptr + b * sis_b + t * sis_t + h * sis_h + offs_p, S_s, mask=mask_p)
-            else:
-                tl.store(i_ptrs + t * si_t, S.to(inter_ptr.dtype.element_ty), mask=mask_pn)
+            store_state_rows(i_ptrs + t * si_t, inter_scale_ptr + b * sis_b + t * sis_t + h * sis_h + offs_p, S,
+                             mask_pn, mask_p, INTER_FP8)
         if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S_q, S_s = quantize_axis(S, 1)
-            S = tl.where(t < L - 1, S_q * S_s[:, None], S)
+            S = tl.where(t < L - 1, round_rows(S), S)
     if UPDATE_STATE:
-        if STATE_FP8:
-            S_q, S_s = quantize_axis(S, 1)
-            tl.store(s_ptrs, S_q.to(state_ptr.dtype.element_ty), mask=mask_pn)
-            tl.store(ss_ptrs, S_s, mask=mask_p)
-        else:
-            tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_pn)
+        store_state_rows(s_ptrs, ss_ptrs, S, mask_pn, mask_p, STATE_FP8)
 
 
 def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:

@@ -1,0 +1,311 @@
+"""Triton kernels of the Mamba1 ops (``mamba1_selective_scan``, ``mamba1_state_update``).
+
+Registered as the CUDA implementations of ``hybrid_compile::mamba1_selective_scan`` and
+``hybrid_compile::mamba1_state_update``; the launchers also run on CPU tensors under
+``TRITON_INTERPRET=1``. Semantics, layouts and dtype rules are those of
+:mod:`hybrid_compile.ops.mamba1` (fp32 math, outputs in ``x.dtype``, slot -1 = padding). FP8 state pools: the step kernel dequantizes on load and
+quantizes on store (one scale per channel over N, which a program holds whole); the scan stages the
+batch's states through fp32 (:func:`.fp8_cache.stage_states`).
+
+Both kernels give one program a block of ``BLOCK_D`` channels of one request (grid
+``(cdiv(D_inner, BLOCK_D), requests)``), keep its ``[BLOCK_D, N]`` slice of the state and of ``A``
+in registers (B / C are loaded per channel from the channel's group: ``G`` groups, Zamba's heads) and walk the request's tokens in order: the Mamba1 decay ``exp(dt[d] * A[d, n])``
+differs per state entry, so (unlike Mamba2's SSD) there is no matmul form to chunk. Channel blocks
+are independent, which is where the parallelism of a long prefill comes from (``D_inner /
+BLOCK_D`` programs per request). The scan writes the state every ``chunk_size`` tokens of its
+request to the chunk-state rows (``_varlen.py`` layout; row offsets computed on the device), so
+the launchers never read the device and the decode / verify launcher is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._varlen import chunk_row_offsets, max_chunk_rows
+from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
+from ..mamba1 import _check_selective_scan, _check_state_update
+from .common import pow2, softplus
+from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
+from .launch import pdl_launch, pdl_wait_and_release
+
+__all__ = ["mamba1_selective_scan_fp8_aware", "mamba1_selective_scan_triton", "mamba1_state_update_triton"]
+
+
+@triton.jit
+def _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
+                 HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, A_IS_LOG: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 ``A`` block ``[BLOCK_D, BLOCK_N]`` (negated), ``D`` and ``dt_bias`` blocks ``[BLOCK_D]``."""
+    A = tl.load(A_ptr + offs_d[:, None] * sA_d + offs_n[None, :] * sA_n, mask=mask_dn, other=0.0).to(tl.float32)
+    if A_IS_LOG:
+        A = -tl.exp(A)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dtb_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return A, Dv, bias
+
+
+@triton.jit
+def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
+           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """One token of the recurrence for a block of channels: returns the new ``S`` and ``y``.
+    ``B_p`` / ``C_p``: ``[BLOCK_D, BLOCK_N]`` pointers to each channel's group of B / C."""
+    x = tl.load(x_p, mask=mask_d, other=0.0).to(tl.float32)
+    dt = tl.load(dt_p, mask=mask_d, other=0.0).to(tl.float32) + bias
+    if DT_SOFTPLUS:
+        dt = softplus(dt)
+    Bt = tl.load(B_p, mask=mask_dn, other=0.0).to(tl.float32)
+    Ct = tl.load(C_p, mask=mask_dn, other=0.0).to(tl.float32)
+    S = S * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt
+    y = tl.sum(S * Ct, axis=1)
+    if HAS_D:
+        y += Dv * x
+    if HAS_Z:
+        z = tl.load(z_p, mask=mask_d, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+    return S, y
+
+
+# --------------------------------------------------------------------------------------------
+# mamba1_selective_scan
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["chunk_size"])
+def _scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, cu_ptr, idx_ptr, init_ptr, rows_ptr,
+    y_ptr, cs_ptr,
+    D_inner, N, R, chunk_size, s_init,
+    sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_g, sB_n, sC_t, sC_g, sC_n, sz_t, sz_d,
+    ss_s, ss_d, ss_n, sy_t, scs_r, scs_d,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    A_IS_LOG: tl.constexpr, CHUNK_STATES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    if slot < 0:  # padding request: y and chunk-state rows stay zero, the pool is untouched
+        return
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D_inner
+    mask_n = offs_n < N
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
+                               HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
+    s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
+    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
+        S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    row0 = tl.load(rows_ptr + b)
+    cs_ptrs = cs_ptr + offs_d[:, None] * scs_d + offs_n[None, :]
+    B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's B/C group
+    C_ptrs = C_ptr + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
+    for t in range(start, end):
+        if CHUNK_STATES:
+            j = t - start
+            if j % chunk_size == 0:  # state after j tokens: row j // chunk_size of the request
+                tl.store(cs_ptrs + (row0 + j // chunk_size) * scs_r, S, mask=mask_dn)
+        S, y = _token(
+            S, A, Dv, bias, x_ptr + t * sx_t + offs_d * sx_d, dt_ptr + t * sdt_t + offs_d * sdt_d,
+            B_ptrs + t * sB_t, C_ptrs + t * sC_t, z_ptr + t * sz_t + offs_d * sz_d,
+            mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
+        )
+        tl.store(y_ptr + t * sy_t + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+    if end > start:
+        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
+
+
+def _block_d(D_inner: int, BLOCK_N: int) -> int:
+    """Channels per program, from the model's shape only (no recompile per batch): the walk over a
+    request's tokens is sequential and latency-bound, so aim at ~128 programs per request (one
+    prefill alone still spreads over the SMs), at least 8 channels, and a ``[BLOCK_D, BLOCK_N]`` fp32
+    state + ``A`` of <= 1024 elements in registers."""
+    return max(2, min(pow2(D_inner, 2), max(8, pow2(-(-D_inner // 128))), max(2, 1024 // BLOCK_N)))
+
+
+def mamba1_selective_scan_triton(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+    output_chunk_states, A_is_log=False,
+):
+    """Triton ``mamba1_selective_scan`` (same arguments, mutation and results as the op; no validation)."""
+    T, D_inner = x.shape
+    G, N = B.shape[1], B.shape[2]
+    batch = cu_seqlens.shape[0] - 1
+    y = torch.zeros(T, D_inner, dtype=x.dtype, device=x.device)
+    rows = max_chunk_rows(T, batch, chunk_size) if output_chunk_states else 0
+    chunk_states = torch.zeros(rows, D_inner, N, dtype=torch.float32, device=x.device)
+    if T == 0 or batch == 0:
+        return y, chunk_states
+    row_offsets = chunk_row_offsets(cu_seqlens, chunk_size)
+    BLOCK_N = pow2(N, 2)
+    BLOCK_D = _block_d(D_inner, BLOCK_N)
+    grid = (triton.cdiv(D_inner, BLOCK_D), batch)
+    # bool flags read as bytes (a strided view of the engine's metadata is fine)
+    init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    _scan_kernel[grid](
+        x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
+        ssm_states, cu_seqlens, state_indices, init, row_offsets, y, chunk_states,
+        D_inner, N, D_inner // G, chunk_size, init.stride(0),
+        *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0)),
+        *ssm_states.stride(), y.stride(0), chunk_states.stride(0), chunk_states.stride(1),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+        A_IS_LOG=bool(A_is_log), CHUNK_STATES=bool(output_chunk_states), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
+    )
+    return y, chunk_states
+
+
+# --------------------------------------------------------------------------------------------
+# mamba1_state_update
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _update_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
+    state_scale_ptr, inter_scale_ptr,
+    L, D_inner, N, R,
+    sx_b, sx_t, sx_d, sdt_b, sdt_t, sdt_d, sA_d, sA_n, sB_b, sB_t, sB_g, sB_n, sC_b, sC_t, sC_g, sC_n,
+    sz_b, sz_t, sz_d,
+    ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t, sss_s, sis_b, sis_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
+    """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per channel over N (held whole here)."""
+    pdl_wait_and_release(USE_PDL)  # programmatic dependent launch (launch.py)
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D_inner
+    mask_n = offs_n < N
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + b * so_b + offs_d
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    if slot < 0:  # padding row: zero output, nothing read or written
+        for t in range(L):
+            tl.store(out_ptrs + t * so_t, tl.zeros((BLOCK_D,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=mask_d)
+        return
+    A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
+                               HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
+    s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
+    S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    ss_ptrs = state_scale_ptr + slot * sss_s + offs_d
+    if STATE_FP8:
+        S = S * tl.load(ss_ptrs, mask=mask_d, other=0.0)[:, None]
+    i_ptrs = inter_ptr + b * si_b + offs_d[:, None] * si_d + offs_n[None, :] * si_n
+    B_ptrs = B_ptr + b * sB_b + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's group
+    C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
+    for t in range(L):
+        S, y = _token(
+            S, A, Dv, bias, x_ptr + b * sx_b + t * sx_t + offs_d * sx_d,
+            dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
+            z_ptr + b * sz_b + t * sz_t + offs_d * sz_d, mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
+        )
+        tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_d)
+        if HAS_INTER:
+            store_state_rows(i_ptrs + t * si_t, inter_scale_ptr + b * sis_b + t * sis_t + offs_d, S, mask_dn, mask_d,
+                             INTER_FP8)
+        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+            S = tl.where(t < L - 1, round_rows(S), S)
+    if UPDATE_STATE:
+        store_state_rows(s_ptrs, ss_ptrs, S, mask_dn, mask_d, STATE_FP8)
+
+
+def mamba1_state_update_triton(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+):
+    """Triton ``mamba1_state_update`` (same arguments, mutations and result as the op; no validation)."""
+    batch, steps, D_inner = x.shape
+    G, N = B.shape[2], B.shape[3]
+    out = torch.empty(batch, steps, D_inner, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    BLOCK_N = pow2(N, 2)
+    BLOCK_D = _block_d(D_inner, BLOCK_N)
+    inter = intermediate_states
+    _update_kernel[(triton.cdiv(D_inner, BLOCK_D), batch)](
+        x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
+        ssm_states, state_indices, inter if inter is not None else ssm_states, out,
+        ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
+        steps, D_inner, N, D_inner // G,
+        *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0, 0)),
+        *ssm_states.stride(), *(inter.stride() if inter is not None else (0, 0, 0, 0)), out.stride(0), out.stride(1),
+        ssm_scales.stride(0) if ssm_scales is not None else 0,
+        *(intermediate_scales.stride()[:2] if intermediate_scales is not None else (0, 0)),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+        UPDATE_STATE=not disable_state_update, HAS_INTER=inter is not None, A_IS_LOG=bool(A_is_log),
+        BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
+        STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
+        ROUND_STEPS=ssm_scales is not None and steps > 1,
+        **pdl_launch(x.device),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Registration as the CUDA kernels of the ops
+# --------------------------------------------------------------------------------------------
+
+
+def mamba1_selective_scan_fp8_aware(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+    output_chunk_states, A_is_log=False, ssm_scales=None,
+):
+    """The scan kernel on a float pool, or on an FP8 pool through an fp32 staging buffer of the
+    batch's states (:func:`.fp8_cache.stage_states`)."""
+    if ssm_scales is None:
+        return mamba1_selective_scan_triton(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state,
+            chunk_size, output_chunk_states, A_is_log,
+        )
+    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, MAMBA1_STATE_SCALE_DIM)
+    out = mamba1_selective_scan_triton(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, buf, cu_seqlens, rows, has_initial_state, chunk_size,
+        output_chunk_states, A_is_log,
+    )
+    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
+    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, MAMBA1_STATE_SCALE_DIM)
+    return out
+
+
+def _selective_scan_cuda_impl(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
+    output_chunk_states, A_is_log=False, ssm_scales=None,
+):
+    _check_selective_scan(
+        x, dt, A, B, C, D, z, dt_bias, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size, A_is_log,
+        ssm_scales,
+    )
+    return mamba1_selective_scan_fp8_aware(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state,
+        chunk_size, output_chunk_states, A_is_log, ssm_scales,
+    )
+
+
+def _state_update_cuda_impl(
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+):
+    _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
+                        ssm_scales, intermediate_scales)
+    return mamba1_state_update_triton(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
+        intermediate_states, A_is_log, ssm_scales, intermediate_scales,
+    )
+
+
+torch.library.register_kernel("hybrid_compile::mamba1_selective_scan", "cuda", _selective_scan_cuda_impl)
+torch.library.register_kernel("hybrid_compile::mamba1_state_update", "cuda", _state_update_cuda_impl)

@@ -1,0 +1,215 @@
+"""Triton Mamba1 kernels (:mod:`hybrid_compile.ops.triton.mamba1`) against the plain-torch ops and the
+per-token reference.
+
+CPU: the launchers run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny shapes
+(D_inner 12-40 so several channel blocks run, N 8-16, chunk 8/16 so requests span several chunks);
+on a CUDA machine the same tests run the compiled kernels on the GPU. GPU (``gpu`` marker): the
+registered CUDA ops at Mamba1 shapes (D_inner 1536-4096, N 16) against the plain-torch op on CPU
+copies, opcheck on CUDA, and the decode op captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybrid_compile.ops.triton.mamba1 as tm
+from hybrid_compile.ops import _varlen
+from hybrid_compile.ops.mamba1 import mamba1_selective_scan, mamba1_state_update
+from op_testing import assert_close, run_opcheck
+from test_ops_mamba1 import SCAN_ORDER, UPDATE_ORDER, check_scan, make_scan, make_update
+from test_triton_mamba2 import KDEV, _clone, _to
+
+
+def _run_scan_kernel(inp, chunk_size, output_chunk_states=True):
+    """Launcher on KDEV; returns y, chunk states and the pool, all on the CPU."""
+    tri = _to(inp, KDEV)
+    y, cs = tm.mamba1_selective_scan_triton(*(tri[k] for k in SCAN_ORDER), chunk_size, output_chunk_states)
+    return y.cpu(), cs.cpu(), tri["ssm_states"].cpu()
+
+
+SCAN_CASES = [
+    ([0, 1, 15, 16, 17, 40], 16, dict(pad_rows=(2,))),
+    ([0, 1, 15, 16, 17, 40], 16, dict(dtype=torch.bfloat16, pool_dtype=torch.bfloat16, pad_rows=(4,))),
+    ([9, 0, 20], 8, dict(with_D=False, with_z=False, with_bias=False, softplus=False, N=16, D_inner=40)),
+    ([17, 0, 33], 8, dict(dtype=torch.float16, pool_dtype=torch.float16, init=[True, True, False])),
+    ([21, 4], 8, dict(G=4, D_inner=40, init=[True, False])),  # B/C groups, several per channel block
+    ([5, 3], 16, dict(pad_rows=(0, 1))),  # every request is padding
+]
+
+
+@pytest.mark.parametrize("lens,chunk_size,opts", SCAN_CASES)
+def test_selective_scan_triton(lens, chunk_size, opts):
+    inp = make_scan(lens, **opts)
+    inp["_before"] = inp["ssm_states"].clone()
+    plain = _clone(inp)
+    y_op, cs_op = mamba1_selective_scan(*(plain[k] for k in SCAN_ORDER), chunk_size, True, A_is_log=False, ssm_scales=None)
+    y, cs, pool = _run_scan_kernel(inp, chunk_size)
+    dtype = inp["x"].dtype
+    check_scan(dict(inp, ssm_states=pool), chunk_size, y, cs, dtype)
+    assert_close(y, y_op, dtype, msg="y vs plain op")
+    assert_close(cs, cs_op, dtype, msg="chunk states vs plain op")
+
+
+def test_selective_scan_triton_no_chunk_states_A_log_strided_flags_and_empty():
+    inp = make_scan([6, 13], D_inner=20)
+    inp["has_initial_state"] = torch.tensor([True, False, False, True])[::2]  # a strided view: [True, False]
+    plain = _clone(inp)
+    a_log = torch.log(-inp["A"])
+    y_op, _ = mamba1_selective_scan(*(plain[k] for k in SCAN_ORDER), 4, False, A_is_log=False, ssm_scales=None)
+    tri = _to(dict(inp, A=a_log), KDEV)
+    y, cs = tm.mamba1_selective_scan_triton(*(tri[k] for k in SCAN_ORDER), 4, False, True)
+    assert cs.shape == (0, 20, 8)
+    assert_close(y.cpu(), y_op)
+    assert_close(tri["ssm_states"].cpu(), plain["ssm_states"])
+    empty = _to(make_scan([]), KDEV)
+    y, cs = tm.mamba1_selective_scan_triton(*(empty[k] for k in SCAN_ORDER), 4, True)
+    assert y.shape == (0, 12) and cs.shape == (0, 12, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch,steps,opts",
+    [
+        (3, 1, dict(pad_rows=(1,), inter=False)),
+        (2, 4, dict(disable=True, D_inner=40, N=16)),
+        (4, 3, dict(pad_rows=(0, 3), with_D=False, with_z=False, with_bias=False)),
+        (2, 3, dict(G=5, D_inner=40, N=16)),
+    ],
+)
+def test_state_update_triton(dtype, batch, steps, opts):
+    inp = make_update(batch, steps, dtype=dtype, pool_dtype=dtype, **opts)
+    plain = _clone(inp)
+    y_op = mamba1_state_update(*(plain[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
+    tri = _to(inp, KDEV)
+    y = tm.mamba1_state_update_triton(*(tri[k] for k in UPDATE_ORDER)).cpu()
+    assert y.dtype == dtype
+    assert_close(y, y_op, dtype)
+    for r, slot in enumerate(inp["state_indices"].tolist()):
+        if slot < 0:
+            assert torch.all(y[r] == 0)
+    assert_close(tri["ssm_states"].cpu(), plain["ssm_states"], dtype)
+    if inp["disable_state_update"]:
+        assert torch.equal(tri["ssm_states"].cpu(), inp["ssm_states"])
+    if inp["intermediate_states"] is not None:
+        assert_close(tri["intermediate_states"].cpu(), plain["intermediate_states"], dtype)
+
+
+def test_registered_as_cuda_kernels_and_validate():
+    for op in ("mamba1_selective_scan", "mamba1_state_update"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hybrid_compile::{op}", "CUDA")
+    inp = _to(make_scan([9, 0, 3], pad_rows=(2,)), KDEV)
+    y, cs = tm._selective_scan_cuda_impl(*(inp[k] for k in SCAN_ORDER), 4, True)
+    assert y.shape == inp["x"].shape and cs.shape[0] == _varlen.max_chunk_rows(12, 3, 4)
+    bad = dict(inp, dt=torch.randn(12, 3, device=KDEV))
+    with pytest.raises(ValueError, match="mamba1_selective_scan: `dt`"):
+        tm._selective_scan_cuda_impl(*(bad[k] for k in SCAN_ORDER), 4, True)
+    dec = _to(make_update(2, 1), KDEV)
+    dec["z"] = torch.randn(2, 1, 5, device=KDEV)  # D_inner is 12
+    with pytest.raises(ValueError, match="mamba1_state_update: `z`"):
+        tm._state_update_cuda_impl(*(dec[k] for k in UPDATE_ORDER))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the registered CUDA ops at Mamba1 shapes
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_compare(actual, expected, dtype, what):
+    actual, expected = actual.float().cpu(), expected.float().cpu()
+    rel = ((actual - expected).norm() / expected.norm().clamp_min(1e-6)).item()
+    assert rel < (2e-5 if dtype == torch.float32 else 1e-2), f"{what}: relative error {rel}"
+    atol, rtol = (5e-4, 5e-4) if dtype == torch.float32 else (6e-2, 3e-2)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lens,opts",
+    [
+        ([1000, 0, 257, 1, 700], dict(D_inner=1536, dtype=torch.bfloat16, pad_rows=(3,),
+                                       init=[True, False, True, True, False])),
+        ([513, 256, 40], dict(D_inner=2048, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
+        pytest.param([300, 17], dict(D_inner=4096, init=[True, False]), marks=pytest.mark.smoke),
+        ([600, 33], dict(D_inner=3072, G=16, dtype=torch.bfloat16)),  # Zamba-like heads as B/C groups
+    ],
+)
+def test_gpu_selective_scan_matches_plain(lens, opts):
+    dtype = opts.get("dtype", torch.float32)
+    inp = make_scan(lens, N=16, **opts)
+    cpu = _clone(inp)
+    y_ref, cs_ref = mamba1_selective_scan(*(cpu[k] for k in SCAN_ORDER), 64, True, A_is_log=False, ssm_scales=None)
+    gpu = _to(inp, "cuda")
+    y, cs = torch.ops.hybrid_compile.mamba1_selective_scan(*(gpu[k] for k in SCAN_ORDER), 64, True, A_is_log=False, ssm_scales=None)
+    _gpu_compare(y, y_ref, dtype, "y")
+    _gpu_compare(cs, cs_ref, dtype, "chunk states")
+    _gpu_compare(gpu["ssm_states"], cpu["ssm_states"], dtype, "pool")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,steps,opts",
+    [
+        pytest.param(64, 1, dict(D_inner=4096, dtype=torch.bfloat16, pad_rows=(3, 40), inter=False),
+                     marks=pytest.mark.smoke),
+        (16, 4, dict(D_inner=2048, disable=True)),
+        (8, 5, dict(D_inner=1536, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
+        (32, 1, dict(D_inner=3072, G=16, dtype=torch.bfloat16)),
+    ],
+)
+def test_gpu_state_update_matches_plain(batch, steps, opts):
+    dtype = opts.get("dtype", torch.float32)
+    inp = make_update(batch, steps, N=16, **opts)
+    cpu = _clone(inp)
+    y_ref = mamba1_state_update(*(cpu[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
+    gpu = _to(inp, "cuda")
+    y = torch.ops.hybrid_compile.mamba1_state_update(*(gpu[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
+    _gpu_compare(y, y_ref, dtype, "y")
+    _gpu_compare(gpu["ssm_states"], cpu["ssm_states"], dtype, "pool")
+    if inp["intermediate_states"] is not None:
+        _gpu_compare(gpu["intermediate_states"], cpu["intermediate_states"], dtype, "intermediate states")
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    pre = _to(make_scan([0, 37, 1, 20], pad_rows=(3,), dtype=torch.bfloat16, D_inner=64), "cuda")
+    run_opcheck(torch.ops.hybrid_compile.mamba1_selective_scan.default, tuple(pre[k] for k in SCAN_ORDER) + (16, True))
+    dec = _to(make_update(3, 2, pad_rows=(1,), D_inner=64), "cuda")
+    run_opcheck(torch.ops.hybrid_compile.mamba1_state_update.default, tuple(dec[k] for k in UPDATE_ORDER))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_gpu_decode_cuda_graph_replay():
+    batch, num_slots = 8, 16
+    opts = dict(D_inner=2048, N=16, dtype=torch.bfloat16, num_slots=num_slots, inter=False)
+    inp = make_update(batch, 1, **opts)
+    static = _to(inp, "cuda")
+    op = torch.ops.hybrid_compile.mamba1_state_update
+
+    def call():
+        return op(*(static[k] for k in UPDATE_ORDER))
+
+    pool0 = static["ssm_states"].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    static["ssm_states"].copy_(pool0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = call()
+    for pad_rows in [(), (2, 7)]:
+        new = make_update(batch, 1, pad_rows=pad_rows, **opts)
+        new["A"], new["D"], new["dt_bias"] = inp["A"], inp["D"], inp["dt_bias"]
+        for k in ("x", "dt", "B", "C", "z", "ssm_states", "state_indices"):
+            static[k].copy_(new[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu = _clone(new)
+        y_ref = mamba1_state_update(*(cpu[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
+        torch.testing.assert_close(y_static.float().cpu(), y_ref.float(), atol=3e-2, rtol=3e-2)
+        for r in pad_rows:
+            assert torch.all(y_static[r] == 0)
+        torch.testing.assert_close(static["ssm_states"].float().cpu(), cpu["ssm_states"].float(), atol=3e-2, rtol=3e-2)

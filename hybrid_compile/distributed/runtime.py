@@ -123,12 +123,10 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
             "would run on rank 0 alone); use method 'ngram'"
         )
-    if config.cuda_graphs not in (None, False):
-        raise ValueError(
-            f"EngineConfig.cuda_graphs={config.cuda_graphs!r} with tensor_parallel_size={size} is not supported yet "
-            "(tensor-parallel steps run compiled without CUDA graphs); pass cuda_graphs=False or leave it unset"
-        )
-    return dataclasses.replace(config, cuda_graphs=False)
+    # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
+    # before any process starts): every rank captures the same graphs, NCCL collectives inside them
+    config.resolved_cuda_graphs(torch.device(device_type))
+    return config
 
 
 def _resolve_device(device: Any) -> str:

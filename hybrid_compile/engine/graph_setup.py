@@ -215,6 +215,8 @@ class CompiledGraphs:
                 # the graphs, their buffers and the compiled code live as long as the engine: keep the
                 # cyclic garbage collector from rescanning them every step (SGLang does the same)
                 gc.freeze()
+                # the warm-ups' blocks, cached for the capture stream, would never serve a step
+                torch.cuda.empty_cache()
         except RuntimeError as e:
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
@@ -232,8 +234,7 @@ class CompiledGraphs:
         for n in sorted(self.token_buckets, reverse=True):
             step = runner.batch_builder.padding_step([n], self.logits_rows(n))
             extra = runner._extra_zeros(n)
-            runner._run_compiled(*step, extra=extra)  # warm-up outside the capture
-            torch.cuda.synchronize()
+            pw.pool.warm_up(lambda: runner._run_compiled(*step, extra=extra))  # outside the capture
             runner._run_compiled(*step, graphs_mode=pw.CAPTURE, extra=extra)
             pw.captured_tokens.append(n)
         torch.cuda.synchronize()

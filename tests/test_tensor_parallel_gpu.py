@@ -174,7 +174,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                 continue
             results[case["name"]] = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
                                          end=_compile_counts(triton), compile=stats["compile"],
-                                         speculative=stats["speculative"], startup=stats["startup"])
+                                         speculative=stats.get("speculative"), startup=stats["startup"])
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -213,14 +213,17 @@ def served(tmp_path_factory):
             except Exception as e:  # noqa: BLE001 (reported by the case's tests)
                 single[case["name"]] = f"{type(e).__name__}: {e}"
     finally:
-        deadline = time.time() + 1500
-        for p in ctx.processes:
-            p.join(max(1.0, deadline - time.time()))
+        deadline, failure = time.time() + 1500, None
+        try:  # (join raises a rank's traceback, and stops the other rank)
+            while not ctx.join(timeout=max(1.0, deadline - time.time())) and time.time() < deadline:
+                pass
+        except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
+            failure = str(e)
         codes = [p.exitcode for p in ctx.processes]
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
-    assert codes == [0, 0], f"ranks exited with {codes}"
+    assert failure is None and codes == [0, 0], f"ranks exited with {codes}: {failure}"
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     return dict(cases={c["name"]: c for c in cases}, models=models, skipped=skipped, single=single, ranks=ranks)
 

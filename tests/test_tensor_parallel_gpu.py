@@ -56,31 +56,53 @@ SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_
 NEAR_TIE = 0.05
 
 
-def _mid_qwen3_next():
-    import transformers
+# mid-size models: a tiny model's config widened to hidden 1024 and 8 layers. Head counts grow 4x,
+# head dims and per-head state widths by the rest of the factor, so every width stays consistent
+# (Mamba2: heads x head dim = expand x hidden; attention: heads x head dim = hidden).
+MID_HIDDEN, MID_LAYERS = 1024, 8
+_HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+          "mamba_num_heads", "num_heads", "mamba_n_heads", "n_mamba_heads", "num_query_groups", "adapter_rank",
+          "ssm_state_size", "state_size", "mamba_d_state", "chunk_size", "mamba_chunk_size")
+_HEAD_DIMS = ("head_dim", "linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim", "mamba_d_head",
+              "mamba_headdim", "attention_head_dim", "kv_channels", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "vocab_size")
+_WIDTHS = ("hidden_size", "intermediate_size", "shared_intermediate_size", "attention_hidden_size", "mamba_d_ssm",
+           "time_step_rank")
+_LAYER_LISTS = ("layer_types", "layers_block_type")
 
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4,
-        moe_intermediate_size=256, shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=0.05,
-        pad_token_id=None, bos_token_id=None, eos_token_id=None,
-    )
-    return _seeded(transformers.Qwen3NextForCausalLM, cfg)
+
+def _widened(config):
+    """``config`` (a tiny model's) at hidden :data:`MID_HIDDEN` and :data:`MID_LAYERS` layers (its
+    layer pattern repeated)."""
+    d = config.to_dict()
+    factor = MID_HIDDEN // d["hidden_size"]
+    assert factor * d["hidden_size"] == MID_HIDDEN and factor % 4 == 0, d["hidden_size"]
+    for keys, times in ((_HEADS, 4), (_HEAD_DIMS, factor // 4), (_WIDTHS, factor)):
+        for k in keys:
+            if isinstance(d.get(k), int) and not isinstance(d[k], bool):
+                d[k] *= times
+    d["num_hidden_layers"] = MID_LAYERS
+    for k in _LAYER_LISTS:
+        if d.get(k):
+            d[k] = [d[k][i % len(d[k])] for i in range(MID_LAYERS)]
+    if d.get("mlp_only_layers"):
+        d["mlp_only_layers"] = list(range(MID_LAYERS))
+    if d.get("hybrid_layer_ids") is not None:
+        d["hybrid_layer_ids"] = [i for i, t in enumerate(d["layers_block_type"]) if t == "hybrid"]
+    d["max_position_embeddings"] = max(d.get("max_position_embeddings") or 0, 4096)
+    return type(config).from_dict(d)
 
 
-def _mid_nemotron_h():
-    import transformers
+def _mid(name: str):
+    """The tiny model ``name`` of the CPU tests widened (:func:`_widened`), random weights (std 0.05)."""
+    def build():
+        from test_tensor_parallel import MODELS
 
-    cfg = transformers.NemotronHConfig(
-        vocab_size=2048, hidden_size=1024, intermediate_size=2048, mamba_num_heads=32, mamba_head_dim=64,
-        ssm_state_size=64, n_groups=2, chunk_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-        hybrid_override_pattern="M-M-M-*-", conv_kernel=4, tie_word_embeddings=False, max_position_embeddings=4096,
-        initializer_range=0.05, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-    )
-    return _seeded(transformers.NemotronHForCausalLM, cfg)
+        tiny = MODELS[name]()
+        config = _widened(tiny.config)
+        config.initializer_range = 0.05
+        return _seeded(type(tiny), config)
+    return build
 
 
 def _seeded(model_class, config, seed: int = 0):
@@ -92,15 +114,21 @@ def _seeded(model_class, config, seed: int = 0):
     return model
 
 
+# every family at mid size (qwen3_next_dense: hidden 48 does not widen to 1024; the MoE one covers its class)
+MID_FAMILIES = ("qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba", "granitemoehybrid",
+                "falcon_h1", "olmo_hybrid", "lfm2", "lfm2_moe", "zamba2")
+
+
 def _cases() -> list[tuple[str, object, dict]]:
     """(case name, model builder, engine options) of every case."""
     from test_tensor_parallel import MODELS, TWO_RANKS
 
     cases = [(name, MODELS[name], dict(TINY)) for name in TWO_RANKS]
     cases.append(("qwen3_next_moe@speculative", MODELS["qwen3_next_moe"], dict(TINY, speculative=SPECULATIVE)))
-    for name, build in (("mid_qwen3_next_moe", _mid_qwen3_next), ("mid_nemotron_h", _mid_nemotron_h)):
-        cases.append((name, build, dict(MID, cuda_graphs=True)))
-        cases.append((f"{name}@piecewise", build, dict(MID, cuda_graphs="piecewise")))
+    for name in MID_FAMILIES:
+        cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
+    for name in ("qwen3_next_moe", "nemotron_h"):  # decode steps through the pieces' graphs too
+        cases.append((f"mid_{name}@piecewise", _mid(name), dict(MID, cuda_graphs="piecewise")))
     return cases
 
 
@@ -179,14 +207,24 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
         json.dump(results, f)
 
 
+def _selected(request) -> set[str] | None:
+    """The case names of this module's tests pytest selected (``-k``), or None (all)."""
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.path == request.path and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+    return names or None
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """Every case served at TP 2 (spawned ranks) and, meanwhile, on one GPU in this process."""
+def served(request, tmp_path_factory):
+    """Every selected case served at TP 2 (spawned ranks) and, meanwhile, on one GPU in this process."""
     from test_tensor_parallel import _free_port
 
     root = tmp_path_factory.mktemp("tp_gpu")
     cases, models, skipped = [], {}, {}
+    selected = _selected(request)
     for name, build, options in _cases():
+        if selected is not None and name not in selected:
+            continue
         try:
             model = build()
         except pytest.skip.Exception as e:  # a family this transformers lacks

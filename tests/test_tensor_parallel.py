@@ -12,7 +12,10 @@ Mamba2 and a Gated DeltaNet model), ``n = 2`` sequences per prompt (forks copy t
 recurrent state on every rank) and a bf16 recurrent state (against the single-process engine with
 the same setting, since HF keeps an fp32 state). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
-follower (torchrun-style), and each rank's peak host memory against the full model size.
+follower (torchrun-style), and each rank's peak host memory against the full model size. Also:
+random-weight shards drawn per rank (``random_weights.json``, the benchmark's 80B shape) and the
+CUDA-graph options checked before any process starts (the graphs themselves:
+``tests/test_tensor_parallel_gpu.py``, 2 GPUs).
 """
 
 from __future__ import annotations
@@ -431,3 +434,22 @@ def test_random_weights_draw_each_rank_shard(tmp_path):
         assert model.model.embed_tokens.weight.shape[0] == plan.slice_of("model.embed_tokens.weight").pad_rows
     with pytest.raises(LoadError, match="random_weights.json"):
         hc.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_cuda_graph_options_checked_before_any_process_starts(tmp_path, monkeypatch):
+    """CUDA graphs work under tensor parallelism on CUDA (tests/test_tensor_parallel_gpu.py); an explicit
+    ``cuda_graphs`` on CPU (gloo) raises as without TP, and so does a blocking NCCL wait (a capture
+    cannot hold it), before any process starts or any weight is read."""
+    from hybrid_compile.distributed.loading import RANDOM_WEIGHTS
+
+    em.make_config("qwen3_next_moe").save_pretrained(tmp_path)
+    (tmp_path / RANDOM_WEIGHTS).write_text("{}")
+    for mode in (True, "full", "piecewise"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cpu", cuda_graphs=mode)
+    if torch.cuda.device_count() < 2:  # graphs are not refused on CUDA: the GPU count is checked next
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs"):
+            hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cuda", cuda_graphs=True)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(ValueError, match="TORCH_NCCL_BLOCKING_WAIT=1"):
+        hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cuda")

@@ -125,7 +125,13 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
         )
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
-    config.resolved_cuda_graphs(torch.device(device_type))
+    full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))
+    if (full or piecewise) and os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true"):
+        raise ValueError(
+            "CUDA graphs with tensor_parallel_size > 1 capture the NCCL collectives, and TORCH_NCCL_BLOCKING_WAIT=1 "
+            "makes every collective's wait block the host, which a capture cannot hold: unset it or pass "
+            "cuda_graphs=False"
+        )
     return config
 
 

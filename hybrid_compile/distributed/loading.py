@@ -110,7 +110,8 @@ def random_value(name: str, shape, std: float, generator: torch.Generator, dtype
         return torch.ones(shape, dtype=dtype, device=device)
     if name.endswith("A_log") or name.endswith("dt_bias"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    return (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std).to(dtype)
+    # drawn in ``dtype`` and scaled in place: a slice of the 80B shape's experts is 0.5 GB in bf16
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype).mul_(std)
 
 
 class _RandomSlice:

@@ -206,6 +206,11 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     if any(c != capacities[0] for c in capacities):
         raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "
                            "max_total_tokens and mamba_cache_size")
+    c = engine.runner.compile_stats()
+    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0)])
+    if any(g != graphs[0] for g in graphs):  # rank 0's every replay pairs with the same graph on every rank
+        raise RuntimeError(f"tensor parallelism: the ranks captured different CUDA graphs ([full, piecewise] "
+                           f"per rank: {graphs})")
     if tp.is_leader:
         engine.load_reports = [LoadReport(*r) for r in reports]
     return engine

@@ -231,7 +231,7 @@ def served(request, tmp_path_factory):
     from test_tensor_parallel import _free_port
 
     root = tmp_path_factory.mktemp("tp_gpu")
-    cases, models, skipped = [], {}, {}
+    cases, models, skipped, failed = [], {}, {}, {}
     selected = _selected(request)
     for name, build, options in _cases():
         if selected is not None and name not in selected:
@@ -240,6 +240,9 @@ def served(request, tmp_path_factory):
             model = build()
         except pytest.skip.Exception as e:  # a family this transformers lacks
             skipped[name] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 (the case's tests fail with it; the others go on)
+            failed[name] = f"building the model: {type(e).__name__}: {e}"
             continue
         d = root / name.replace("@", "_")
         if not d.exists():
@@ -274,7 +277,8 @@ def served(request, tmp_path_factory):
                 p.terminate()
     assert failure is None and codes == [0, 0], f"ranks exited with {codes}: {failure}"
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
-    return dict(cases={c["name"]: c for c in cases}, models=models, skipped=skipped, single=single, ranks=ranks)
+    return dict(cases={c["name"]: c for c in cases}, models=models, skipped=skipped, failed=failed, single=single,
+                ranks=ranks)
 
 
 def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
@@ -299,6 +303,7 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
 def _result(served, name: str) -> dict:
     if name in served["skipped"]:
         pytest.skip(served["skipped"][name])
+    assert name not in served["failed"], served["failed"].get(name)
     r = served["ranks"][0][name]
     assert "error" not in r, f"{name} at TP 2: {r['error']}"
     assert not isinstance(served["single"][name], str), f"{name} on one GPU: {served['single'][name]}"

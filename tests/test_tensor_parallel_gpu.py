@@ -2,9 +2,10 @@
 
 Every family with a sharding plan (``hybrid_compile/distributed/plans.py``) is served as a tiny
 random-weight checkpoint, and Qwen3-Next (MoE) and NemotronH also at a mid size (hidden 1024,
-8 layers), in bf16 with CUDA graphs on: ``cuda_graphs=True`` (decode steps replay full graphs,
-prefill / mixed steps the pieces' graphs) for every model, and ``"piecewise"`` alone (decode
-steps through the pieces' graphs too) for the mid-size models. Each case runs in one group of two
+8 layers; every other family too with ``HC_TP_GPU_ALL_MID=1``), in bf16 with CUDA graphs on:
+``cuda_graphs=True`` (decode steps replay full graphs, prefill / mixed steps the pieces' graphs)
+for every model, and ``"piecewise"`` alone (decode steps through the pieces' graphs too) for the
+two mid-size models. Each case runs in one group of two
 spawned ranks started the way torchrun starts them (rank r on GPU r; every rank calls
 ``hc.from_pretrained(dir, tensor_parallel_size=2)``, rank 0 drives), while this process serves
 the same checkpoint on one GPU with the same options (the oracle). The two run on different
@@ -19,9 +20,12 @@ compared at the command rank 0 had sent when its engine was ready and at the end
 
 Needs 2 CUDA devices (``multi_gpu`` marker; skipped with fewer). The module's tests share one
 module fixture (one group of ranks), so they stay on one pytest-xdist worker
-(``xdist_group``; ``scripts/gpu_tests.py`` runs ``--dist loadgroup``). One command:
+(``xdist_group``; ``scripts/gpu_tests.py`` runs ``--dist loadgroup``). One command each, the
+default set first, then the other mid-size families:
 
-    python scripts/gpu_tests.py --workers 1 --time-limit 1500 --out OUT/tp -- tests/test_tensor_parallel_gpu.py
+    python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp -- tests/test_tensor_parallel_gpu.py
+    HC_TP_GPU_ALL_MID=1 python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_mid \
+        -- tests/test_tensor_parallel_gpu.py -k mid_
 """
 
 from __future__ import annotations

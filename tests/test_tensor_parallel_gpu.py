@@ -178,15 +178,25 @@ def _serve(engine, rounds) -> list:
     return [engine.generate_batch(batch, max_new_tokens=NEW) for batch in rounds]
 
 
+def _case_file(root, rank: int, name: str) -> pathlib.Path:
+    return pathlib.Path(root) / f"rank{rank}_{name.replace('@', '_')}.json"
+
+
+def _write(path: pathlib.Path, result: dict) -> None:
+    """Write ``result`` whole or not at all (the test process polls for the file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.rename(path)
+
+
 def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None:
-    """One torchrun-style rank: serve every case in turn. Rank 0 drives, records tokens and stats;
-    rank 1 logs its compile counters before each command it receives (its engine is inside
-    ``from_pretrained``)."""
+    """One torchrun-style rank: serve every case in turn, writing each case's result as it ends.
+    Rank 0 drives and records tokens and stats; rank 1 logs its compile counters before each
+    command it receives (its engine is inside ``from_pretrained``)."""
     torch.set_num_threads(2)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     from hybrid_compile.distributed import step as tp_step
 
-    results = {}
     with _triton_compiles() as triton:
         log: list[dict] = []
         receive = tp_step._receive
@@ -204,21 +214,19 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                 engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
                 if rank != 0:
                     assert engine is None
-                    results[case["name"]] = dict(log=list(log))
-                    continue
-                ready = dict(_compile_counts(triton), commands=engine.stats()["tensor_parallel"]["commands_broadcast"],
-                             compile=engine.stats()["compile"])
-                outputs = _serve(engine, case["rounds"])
-                stats = engine.stats()
-                engine.close()
+                    result = dict(log=list(log))
+                else:
+                    ready = dict(_compile_counts(triton), compile=engine.stats()["compile"],
+                                 commands=engine.stats()["tensor_parallel"]["commands_broadcast"])
+                    outputs = _serve(engine, case["rounds"])
+                    stats = engine.stats()
+                    engine.close()
+                    result = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
+                                  end=_compile_counts(triton), compile=stats["compile"],
+                                  speculative=stats.get("speculative"), startup=stats["startup"])
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
-                results[case["name"]] = dict(error=f"{type(e).__name__}: {e}")
-                continue
-            results[case["name"]] = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
-                                         end=_compile_counts(triton), compile=stats["compile"],
-                                         speculative=stats.get("speculative"), startup=stats["startup"])
-    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+                result = dict(error=f"{type(e).__name__}: {e}")
+            _write(_case_file(result_dir, rank, case["name"]), result)
 
 
 def _selected(request) -> set[str] | None:
@@ -229,9 +237,70 @@ def _selected(request) -> set[str] | None:
     return names or None
 
 
+class _Group:
+    """Two spawned ranks serving every case in turn (started once), each case's results as its files
+    appear (a time-limited run keeps the cases done so far), and this process's single-GPU oracle
+    of a case, computed while the ranks serve the next ones."""
+
+    SECONDS = 1500
+
+    def __init__(self, root: pathlib.Path, cases: list[dict]) -> None:
+        self.root, self.cases = root, {c["name"]: c for c in cases}
+        self.deadline = time.time() + self.SECONDS
+        self.ctx = torch.multiprocessing.start_processes(_rank_main, args=(2, cases, str(root)), nprocs=2,
+                                                         join=False, start_method="spawn")
+        self.failure: str | None = None
+
+    def _alive(self) -> bool:
+        """False once both ranks have exited; a rank's failure fails the calling test (with its traceback)."""
+        if self.failure is None:
+            try:
+                if self.ctx.join(timeout=0):
+                    return False
+            except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
+                self.failure = str(e)
+        if self.failure is not None:
+            pytest.fail(f"a tensor-parallel rank failed: {self.failure}")
+        return True
+
+    def tp(self, name: str) -> list[dict]:
+        """Both ranks' results of case ``name`` (waiting for them)."""
+        paths = [_case_file(self.root, r, name) for r in range(2)]
+        while not all(p.exists() for p in paths):
+            if not self._alive() and not all(p.exists() for p in paths):
+                pytest.fail(f"the ranks exited without a result for {name}")
+            if time.time() > self.deadline:
+                pytest.fail(f"no tensor-parallel result for {name} within {self.SECONDS} s")
+            time.sleep(0.5)
+        return [json.loads(p.read_text()) for p in paths]
+
+    def single(self, name: str):
+        """The case's tokens on one GPU with the same options (the oracle), or its error."""
+        case = self.cases[name]
+        if "single" not in case:
+            try:
+                engine = hc.from_pretrained(case["dir"], **case["options"])
+                try:
+                    case["single"] = _serve(engine, case["rounds"])
+                finally:
+                    engine.close()
+            except Exception as e:  # noqa: BLE001 (reported by the case's tests)
+                case["single"] = f"{type(e).__name__}: {e}"
+        return case["single"]
+
+    def close(self) -> None:
+        for p in self.ctx.processes:
+            p.join(max(1.0, self.deadline - time.time()))
+        codes = [p.exitcode for p in self.ctx.processes]
+        for p in self.ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        assert codes == [0, 0], f"ranks exited with {codes}"
+
+
 @pytest.fixture(scope="module")
 def served(request, tmp_path_factory):
-    """Every selected case served at TP 2 (spawned ranks) and, meanwhile, on one GPU in this process."""
+    """The selected cases' models and checkpoints, served at TP 2 by one :class:`_Group`."""
     from test_tensor_parallel import _free_port
 
     root = tmp_path_factory.mktemp("tp_gpu")
@@ -255,34 +324,9 @@ def served(request, tmp_path_factory):
         models[name] = model
         cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=_free_port(),
                           options={**OPTIONS, **options}))
-    ctx = torch.multiprocessing.start_processes(_rank_main, args=(2, cases, str(root)), nprocs=2, join=False,
-                                                start_method="spawn")
-    single = {}
-    try:
-        for case in cases:  # the oracle: the same checkpoint and options on one GPU
-            try:
-                engine = hc.from_pretrained(case["dir"], **case["options"])
-                try:
-                    single[case["name"]] = _serve(engine, case["rounds"])
-                finally:
-                    engine.close()
-            except Exception as e:  # noqa: BLE001 (reported by the case's tests)
-                single[case["name"]] = f"{type(e).__name__}: {e}"
-    finally:
-        deadline, failure = time.time() + 1500, None
-        try:  # (join raises a rank's traceback, and stops the other rank)
-            while not ctx.join(timeout=max(1.0, deadline - time.time())) and time.time() < deadline:
-                pass
-        except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
-            failure = str(e)
-        codes = [p.exitcode for p in ctx.processes]
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    assert failure is None and codes == [0, 0], f"ranks exited with {codes}: {failure}"
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
-    return dict(cases={c["name"]: c for c in cases}, models=models, skipped=skipped, failed=failed, single=single,
-                ranks=ranks)
+    group = _Group(root, cases)
+    yield dict(group=group, models=models, skipped=skipped, failed=failed)
+    group.close()
 
 
 def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
@@ -304,21 +348,25 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     )
 
 
-def _result(served, name: str) -> dict:
+def _result(served, name: str) -> tuple[dict, dict]:
+    """Rank 0's and rank 1's results of case ``name``."""
     if name in served["skipped"]:
         pytest.skip(served["skipped"][name])
     assert name not in served["failed"], served["failed"].get(name)
-    r = served["ranks"][0][name]
-    assert "error" not in r, f"{name} at TP 2: {r['error']}"
-    assert not isinstance(served["single"][name], str), f"{name} on one GPU: {served['single'][name]}"
-    return r
+    r0, r1 = served["group"].tp(name)
+    assert "error" not in r0, f"{name} at TP 2 (rank 0): {r0['error']}"
+    assert "error" not in r1, f"{name} at TP 2 (rank 1): {r1['error']}"
+    return r0, r1
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_tp2_graphs_match_single_gpu(served, name):
-    r = _result(served, name)
-    case, model = served["cases"][name], served["models"][name]
-    for batch, got, want in zip(case["rounds"], r["outputs"], served["single"][name]):
+    if name in served["models"]:
+        single = served["group"].single(name)  # (first: the ranks serve meanwhile)
+        assert not isinstance(single, str), f"{name} on one GPU: {single}"
+    r, _ = _result(served, name)
+    case, model = served["group"].cases[name], served["models"][name]
+    for batch, got, want in zip(case["rounds"], r["outputs"], single):
         for prompt, g, w in zip(batch, got, want):
             _assert_same_greedy(model, prompt, g, w, f"{name} (prompt of {len(prompt)})")
     c = r["compile"]
@@ -334,12 +382,12 @@ def test_tp2_graphs_match_single_gpu(served, name):
 @pytest.mark.parametrize("name", CASES)
 def test_tp2_no_compiles_after_from_pretrained(served, name):
     """No Dynamo graph, Inductor piece or Triton kernel compiled while serving, on either rank."""
-    r = _result(served, name)
+    r, follower = _result(served, name)
     ready, end = dict(r["ready"]), r["end"]
     commands = ready.pop("commands")
     compiled = ready.pop("compile")
     assert end == ready, f"rank 0 compiled while serving: {ready} -> {end}"
     assert r["compile"]["pieces"] == compiled["pieces"] and r["compile"]["graphs"] == compiled["graphs"]
-    log = served["ranks"][1][name]["log"]
+    log = follower["log"]
     assert len(log) > commands, f"rank 1 received {len(log)} commands, rank 0 had sent {commands} at start-up"
     assert log[-1] == log[commands], f"rank 1 compiled while serving: {log[commands]} -> {log[-1]}"

@@ -90,6 +90,7 @@ class TensorParallelEngine(HybridEngine):
             return
         try:
             self._guarded(HybridEngine.close, self)
+            self.runner.graphs.drop_cuda_graphs()  # (they hold NCCL work of the group destroyed below)
             self._broadcaster.stop()
             self.tp.shutdown(together=True)
         finally:
@@ -224,6 +225,7 @@ def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: E
         engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
         follow(engine, tp)
         engine.close()
+        engine.runner.graphs.drop_cuda_graphs()  # (they hold NCCL work of the group destroyed below)
     except BaseException as e:
         err = tp.fail(e)
         raise (err if err is not None else e)

@@ -261,6 +261,19 @@ class CompiledGraphs:
                                               draft_len=draft_len, intermediate_caches=runner.intermediate_caches)
         self.full_graphs.capture_all()
 
+    def drop_cuda_graphs(self) -> None:
+        """Destroy every captured CUDA graph once the last replay has run (waits for the device).
+        Tensor parallelism calls it before its NCCL communicator is destroyed: the graphs hold NCCL
+        work of that communicator. Idempotent; the engine replays nothing afterwards."""
+        if self.graph_pool is None:
+            return
+        torch.cuda.synchronize(self.device)
+        if self.full_graphs is not None:
+            self.full_graphs.graphs.clear()
+        if self.piecewise_graphs is not None:
+            for piece in self.piecewise_graphs.pieces:
+                piece.graphs.clear()
+
     def _one_token_graphs(self) -> int:
         """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""
         return int(self.full_graphs is not None and 1 in self.full_graphs.batch_sizes)

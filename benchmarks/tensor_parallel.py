@@ -17,6 +17,10 @@ directly on its GPU (``hybrid_compile/distributed/loading.py``: nothing of the m
 or host memory; TP 1 needs real weights, so sizes > 1 only); ``checkpoint`` writes a safetensors
 checkpoint once, tensor by tensor from a meta-device model (disk, not memory).
 
+Memory at TP 2: the 80B shape's weights take ~75 GiB per rank, so 2 H200s (141 GB each) serve it
+whole; on 2 H100s (80 GB) ``--layers 36`` (~56 GiB per rank) leaves room for the pools (half the
+free memory, ``memory_fraction``), the activations and the graphs.
+
 ``--cuda-graphs`` sets the engine's ``cuda_graphs`` (``auto``: its default, both kinds on CUDA;
 ``full`` / ``piecewise`` / ``false``): under tensor parallelism every rank captures the same graphs
 with the NCCL all-reduces inside them.

@@ -41,6 +41,35 @@ _MD_TENSORS = ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba
 _MD_LISTS = ("extend_lens_cpu", "seq_lens_cpu")
 
 
+def packed(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A command's payload: its tensors flattened into one int64 tensor on ``device``."""
+    return torch.cat([t.reshape(-1).to(device=device, dtype=torch.int64) for t in tensors])
+
+
+def graph_step(buffers: GraphBuffers, md: ForwardMetadata) -> tuple[list[int], list[torch.Tensor]]:
+    """A ``GRAPH`` command's header fields (the graph's key, the step's requests and KV entries) and
+    tensors (what the step occupies in the graph buffers) of the step ``md`` built into ``buffers``."""
+    key = md.graph_key
+    kv_entries = buffers.kv_entries(key, md)
+    fields = [_MODES.index(key.mode), key.batch_size, key.tokens_per_request, md.batch_size, kv_entries]
+    return fields, list(buffers.step_tensors(key, kv_entries))
+
+
+def graph_step_targets(buffers: GraphBuffers, fields: list[int]) -> tuple[GraphKey, int, tuple[torch.Tensor, ...]]:
+    """The receiving side of :func:`graph_step`: (graph key, requests, the buffers' tensors that the
+    payload fills, in order)."""
+    mode, batch_size, tokens_per_request, requests, kv_entries = fields
+    key = GraphKey(_MODES[mode], batch_size, tokens_per_request)
+    return key, requests, buffers.step_tensors(key, kv_entries)
+
+
+def unpack_into(targets, flat: torch.Tensor) -> None:
+    """Copy a :func:`packed` payload into ``targets`` (each converted to its own dtype)."""
+    sizes = [t.numel() for t in targets]
+    for t, src in zip(targets, flat.split(sizes)):
+        t.copy_(src.view(t.shape))
+
+
 class StepBroadcaster:
     """Rank 0's side: the runner's ``step_observer`` and the KV and Mamba pools' ``observer``."""
 
@@ -53,8 +82,7 @@ class StepBroadcaster:
         h[: len(header)] = torch.tensor(header, dtype=torch.int64)
         dist.broadcast(h, 0, group=self.tp.control)
         if payload:
-            flat = torch.cat([t.reshape(-1).to(device=self.tp.device, dtype=torch.int64) for t in payload])
-            dist.broadcast(flat, 0, group=self.tp.group)
+            dist.broadcast(packed(payload, self.tp.device), 0, group=self.tp.group)
         self.commands += 1
 
     def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False) -> None:
@@ -79,10 +107,8 @@ class StepBroadcaster:
 
     def replay(self, buffers: GraphBuffers, md: ForwardMetadata) -> None:
         """A full CUDA graph's replay over the step ``md`` built into ``buffers``."""
-        key = md.graph_key
-        kv_entries = buffers.kv_entries(key, md)
-        self._send([GRAPH, _MODES.index(key.mode), key.batch_size, key.tokens_per_request, md.batch_size, kv_entries],
-                   list(buffers.step_tensors(key, kv_entries)))
+        fields, tensors = graph_step(buffers, md)
+        self._send([GRAPH, *fields], tensors)
 
     # -- the Mamba pool's observer -------------------------------------------------------------
     def zero_slots(self, idx: torch.Tensor) -> None:
@@ -146,17 +172,13 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
 
 def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     """Rank 0's full-graph step copied into this rank's graph buffers, then the same graph replayed."""
-    mode, batch_size, tokens_per_request, requests, kv_entries = header[1:6]
     full = engine.runner.full_graphs
     if full is None:
         raise RuntimeError("tensor parallelism: rank 0 replays full CUDA graphs, this rank captured none")
-    key = GraphKey(_MODES[mode], batch_size, tokens_per_request)
+    key, requests, targets = graph_step_targets(full.buffers, header[1:6])
     if key not in full.graphs:
         raise RuntimeError(f"tensor parallelism: rank 0 replays the full CUDA graph {key}, this rank did not capture it")
-    dst = full.buffers.step_tensors(key, kv_entries)
-    sizes = [t.numel() for t in dst]
-    for t, src in zip(dst, _payload(tp, sum(sizes)).split(sizes)):
-        t.copy_(src)
+    unpack_into(targets, _payload(tp, sum(t.numel() for t in targets)))
     full.replay(key, requests)
 
 

@@ -137,7 +137,7 @@ def _cases() -> list[tuple[str, object, dict]]:
     for name in MID_FAMILIES:
         if name in MID_DEFAULT:
             cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
-            cases.append((f"mid_{name}@piecewise", _mid(name), dict(MID, cuda_graphs="piecewise")))
+            cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
         elif ALL_MID:
             cases.append((f"mid_{name}", _mid(name), dict(TINY)))
     return cases

@@ -7,14 +7,26 @@ decode step (torch.profiler over a few decode steps: gloo / NCCL all-reduce even
 shard and peak memory while loading, and the scaling efficiency
 ``tok/s(TP n) / (n * tok/s(TP 1))`` of every measurement.
 
-The model is a checkpoint directory (``--model DIR``) or a random-weight one written once to
-``--workdir`` (``--shape``): ``qwen3_next_80b`` (the Qwen3-Next-80B-A3B shape: 48 layers, 512
-experts, bf16, ~160 GB on disk), ``reference`` (the 1.9 B reference Qwen3-Next of the other
-benchmarks); ``--tiny`` is a toy Qwen3-Next for CPU smoke runs (``--device cpu --tiny``).
-The checkpoint is written tensor by tensor from a meta-device model, so writing the 80B one
-needs disk, not memory.
+The model is a checkpoint directory (``--model DIR``) or random weights of a shape (``--shape``):
+``qwen3_next_80b`` (the Qwen3-Next-80B-A3B shape: 48 layers, 512 experts, top-10, bf16: ~160 GB,
+~75 GiB per rank at TP 2), ``reference`` (the 1.9 B reference Qwen3-Next of the other benchmarks);
+``--tiny`` is a toy Qwen3-Next for CPU smoke runs (``--device cpu --tiny``). Random weights come
+two ways (``--weights``): ``random`` (the default for ``qwen3_next_80b``) writes only
+``config.json`` and ``random_weights.json`` to ``--workdir`` and every rank draws its own shard
+directly on its GPU (``hybrid_compile/distributed/loading.py``: nothing of the model touches disk
+or host memory; TP 1 needs real weights, so sizes > 1 only); ``checkpoint`` writes a safetensors
+checkpoint once, tensor by tensor from a meta-device model (disk, not memory).
 
-    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2,4 --workdir /data/ckpt
+Memory at TP 2: the 80B shape's weights take ~75 GiB per rank, so 2 H200s (141 GB each) serve it
+whole; on 2 H100s (80 GB) ``--layers 36`` (~56 GiB per rank) leaves room for the pools (half the
+free memory, ``memory_fraction``), the activations and the graphs.
+
+``--cuda-graphs`` sets the engine's ``cuda_graphs`` (``auto``: its default, both kinds on CUDA;
+``full`` / ``piecewise`` / ``false``): under tensor parallelism every rank captures the same graphs
+with the NCCL all-reduces inside them.
+
+    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --cuda-graphs true --out tp80b.json
+    python benchmarks/tensor_parallel.py --shape reference --weights checkpoint --tp 1,2,4 --workdir /data/ckpt
     python benchmarks/tensor_parallel.py --device cpu --tiny --tp 1,2     # smoke run
 
 Prints a table and writes JSON (``--out``).
@@ -69,6 +81,8 @@ def write_random_checkpoint(config, path: str, dtype: torch.dtype, seed: int = 0
     os.makedirs(path, exist_ok=True)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
+    from hybrid_compile.distributed.loading import random_value
+
     g = torch.Generator().manual_seed(seed)
     weight_map, shard, size, index = {}, {}, 0, 0
 
@@ -84,12 +98,7 @@ def write_random_checkpoint(config, path: str, dtype: torch.dtype, seed: int = 0
     for name, p in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue  # the embedding's
-        if name.endswith("norm.weight"):
-            t = torch.ones(p.shape, dtype=dtype)
-        elif name.endswith("A_log") or name.endswith("dt_bias"):
-            t = torch.zeros(p.shape, dtype=dtype)
-        else:
-            t = (torch.randn(p.shape, generator=g) * 0.02).to(dtype)
+        t = random_value(name, p.shape, 0.02, g, dtype)
         shard[name] = t
         size += t.numel() * t.element_size()
         if size >= shard_bytes:
@@ -98,6 +107,23 @@ def write_random_checkpoint(config, path: str, dtype: torch.dtype, seed: int = 0
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config.save_pretrained(path)
+
+
+def write_random_weights(config, path: str, seed: int = 0, std: float = 0.02) -> None:
+    """``config.json`` and ``random_weights.json``: every rank draws its shard on its device."""
+    from hybrid_compile.distributed.loading import RANDOM_WEIGHTS
+
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    with open(os.path.join(path, RANDOM_WEIGHTS), "w") as f:
+        json.dump({"seed": seed, "std": std}, f)
+
+
+def with_layers(config, layers: int):
+    """``config`` cut to its first ``layers`` layers (the layer pattern kept)."""
+    config.num_hidden_layers = layers
+    config.layer_types = list(config.layer_types[:layers])
+    return config
 
 
 def decode(engine, batch: int, prompt_len: int, new: int, vocab: int, seed: int) -> dict:
@@ -173,11 +199,14 @@ def run_tp(args, path: str, tp: int, vocab: int) -> dict:
 
     opts = dict(max_running_requests=max(args.batches), chunked_prefill_size=args.chunked_prefill,
                 max_context_len=max(args.prefill + [args.prompt_len + args.new_tokens]) + 8)
+    if args.cuda_graphs != "auto":
+        opts["cuda_graphs"] = {"true": True, "false": False}.get(args.cuda_graphs, args.cuda_graphs)
     opts.update(args.extra)
     t0 = time.perf_counter()
     engine = hc.from_pretrained(path, dtype=args.dtype, device=args.device, tokenizer=False, tensor_parallel_size=tp,
                                 **opts)
-    out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={})
+    out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={},
+               startup=engine.stats()["startup"])
     try:
         decode(engine, 1, 16, 4, vocab, seed=1)  # warm-up
         for b in args.batches:
@@ -188,6 +217,10 @@ def run_tp(args, path: str, tp: int, vocab: int) -> dict:
         stats = engine.stats()
         out["tensor_parallel"] = stats.get("tensor_parallel")
         out["memory"] = stats["memory"]
+        c = stats["compile"]
+        out["compile"] = {k: c.get(k) for k in ("enabled", "cuda_graphs", "decode_batch_sizes", "token_buckets",
+                                                 "capture_seconds", "cuda_graph_replays", "piecewise_replays",
+                                                 "eager_fallbacks", "graph_breaks", "recompiles")}
     finally:
         engine.close()
     return out
@@ -217,8 +250,14 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: a random one, see --shape)")
     ap.add_argument("--shape", default="qwen3_next_80b", choices=["qwen3_next_80b", "reference"])
     ap.add_argument("--workdir", default="/tmp/hybrid_compile_tp_ckpt", help="where the random checkpoint is written")
+    ap.add_argument("--weights", choices=["random", "checkpoint"], default=None,
+                    help="random: each rank draws its shard on its device (default for qwen3_next_80b); "
+                         "checkpoint: write a safetensors checkpoint to --workdir once")
+    ap.add_argument("--layers", type=int, default=None, help="only the first N layers of --shape")
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false", "full", "piecewise"],
+                    help="the engine's cuda_graphs (auto: its default)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes")
+    ap.add_argument("--tp", default=None, help="tensor-parallel sizes (default 2 with random weights, else 1,2,4)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prefill", default="4096,32768", help="prefill prompt lengths")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -227,7 +266,9 @@ def main() -> None:
     ap.add_argument("--extra", type=json.loads, default={}, help="more EngineConfig fields (JSON)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.tp = [int(x) for x in args.tp.split(",")]
+    random_default = args.weights == "random" or (args.weights is None and args.model is None and not args.tiny
+                                                  and args.shape == "qwen3_next_80b")
+    args.tp = [int(x) for x in (args.tp or ("2" if random_default else "1,2,4")).split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill = [int(x) for x in args.prefill.split(",")]
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -244,10 +285,20 @@ def main() -> None:
     else:
         config = tiny_config() if args.tiny else (
             qwen3_next_80b_config() if args.shape == "qwen3_next_80b" else qwen3_next_reference_config())
-        path = os.path.join(args.workdir, "tiny" if args.tiny else args.shape)
+        if args.layers:
+            config = with_layers(config, args.layers)
+        weights = args.weights or ("random" if args.shape == "qwen3_next_80b" and not args.tiny else "checkpoint")
+        name = ("tiny" if args.tiny else args.shape) + (f"_{args.layers}l" if args.layers else "")
+        path = os.path.join(args.workdir, f"{name}_{weights}")
         t0 = time.perf_counter()
-        write_random_checkpoint(config, path, dtype)
-        print(f"checkpoint {path} ready ({time.perf_counter() - t0:.1f} s)")
+        if weights == "random":
+            if min(args.tp) < 2:
+                raise SystemExit("--weights random: every rank draws its shard, so --tp sizes must be > 1 "
+                                 "(TP 1 needs --weights checkpoint)")
+            write_random_weights(config, path)
+        else:
+            write_random_checkpoint(config, path, dtype)
+        print(f"{weights} weights {path} ready ({time.perf_counter() - t0:.1f} s)")
     vocab = config.get_text_config().vocab_size
     results = []
     for tp in args.tp:

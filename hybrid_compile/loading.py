@@ -272,6 +272,9 @@ def from_pretrained(
         tok = tokenizer
 
     name = os.path.basename(path.rstrip("/")) or path
+    if tensor_parallel_size == 1 and os.path.isfile(os.path.join(path, "random_weights.json")):
+        raise LoadError(f"{path!r} holds random_weights.json instead of weights: only tensor_parallel_size > 1 "
+                        "draws a rank's random shard (hybrid_compile/distributed/loading.py)")
     if tensor_parallel_size != 1:
         from .distributed import launch
         from .distributed.group import DEFAULT_TIMEOUT_SECONDS

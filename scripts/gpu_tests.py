@@ -5,8 +5,8 @@
 
 What it runs: ``python -m pytest -m gpu tests/`` (``-m "gpu and smoke"`` with ``--smoke``) with
 this checkout on ``PYTHONPATH`` (so the tree's package is tested even where another copy is
-installed), ``pytest-xdist`` workers sharing the one GPU (``--dist load``: each free worker takes
-the next tests; ``tests/conftest.py`` gives each worker its share of the CPU threads), a
+installed), ``pytest-xdist`` workers sharing the one GPU (``--dist loadgroup``: each free worker takes
+the next tests, those marked ``xdist_group`` stay together on one worker; ``tests/conftest.py`` gives each worker its share of the CPU threads), a
 ``pytest-timeout`` limit per test when asked, and the ``pytest_timings`` plugin beside this file,
 which logs every test phase as it ends.
 
@@ -52,7 +52,9 @@ def pytest_command(args, out: str) -> list[str]:
     if args.workers > 1:
         if not _has_module("xdist"):
             raise SystemExit(f"--workers {args.workers} needs pytest-xdist (pip install pytest-xdist), or pass --workers 1")
-        cmd += ["-n", str(args.workers), "--dist", "load"]
+        # loadgroup: like load, except that tests marked xdist_group(name) share one worker (the
+        # tensor-parallel GPU tests share one group of spawned ranks over every GPU of the host)
+        cmd += ["-n", str(args.workers), "--dist", "loadgroup"]
     if args.test_timeout > 0:
         if not _has_module("pytest_timeout"):
             raise SystemExit("--test-timeout needs pytest-timeout (pip install pytest-timeout), or pass --test-timeout 0")

@@ -23,6 +23,8 @@ if _WORKERS > 1:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped on CPU-only machines")
     config.addinivalue_line("markers", "smoke: the quick GPU subset (every kernel op and engine mode): -m 'gpu and smoke'")
+    config.addinivalue_line("markers", "multi_gpu: needs 2 or more CUDA devices (tensor parallelism over NCCL); "
+                                       "skipped with fewer")
 
 
 def pytest_collection_modifyitems(config, items):

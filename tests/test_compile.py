@@ -285,3 +285,25 @@ def test_graph_break_fails_at_wrap_with_clear_error():
     norm.forward = breaking_forward
     with pytest.raises(RuntimeError, match="graph break.*compile=False"):
         make_engine(model, compile=True)
+
+
+def test_split_keeps_each_functional_collective_with_its_wait():
+    """Tensor parallelism's functional all-reduce stays inside a compute piece with its wait (each
+    piece's CUDA graph captures its NCCL collectives); a wait cut off by a splitting op is refused."""
+    c10d = torch.ops._c10d_functional
+
+    def waited(x):
+        y = c10d.wait_tensor.default(c10d.all_reduce.default(x * 2, "sum", "0"))
+        return torch.ops.aten.relu.default(y) + 1
+
+    def cut(x):
+        pending = c10d.all_reduce.default(x * 2, "sum", "0")
+        y = torch.ops.aten.relu.default(x)
+        return c10d.wait_tensor.default(pending) + y
+
+    split_gm, items = split_graph(torch.fx.symbolic_trace(waited), ["aten::relu"])
+    assert [item.is_splitting_op for item in items] == [False, True, False]
+    first = [str(n.target) for n in items[0].graph.graph.nodes if n.op == "call_function"]
+    assert any("all_reduce" in t for t in first) and any("wait_tensor" in t for t in first), first
+    with pytest.raises(AssertionError, match="all_reduce unwaited"):
+        split_graph(torch.fx.symbolic_trace(cut), ["aten::relu"])

@@ -10,7 +10,9 @@ CPU (CI):
   steps, and the eager model run over the filled buffers (padding rows included) gives the same
   logits and the same Mamba / KV pool updates as the unpadded step; the same for speculative
   TARGET_VERIFY steps (padding requests of the draft length, every token a logits row, the
-  intermediate states of the real rows equal); which full graph a step replays.
+  intermediate states of the real rows equal); the same steps sent to another rank as tensor
+  parallelism's ``GRAPH`` command does (packed, unpacked into stale buffers) fill its buffers the
+  same; which full graph a step replays.
 
 GPU (``@pytest.mark.gpu``): greedy tokens equal between eager ops, compiled, compiled + full
 decode graphs, compiled + piecewise graphs and both (tiny Qwen3-Next and Bamba; single
@@ -191,6 +193,22 @@ def _assert_buffers_equal_padded(buffers, key, ids, md):
         assert view.draft_len == steps and view.verify_rows() == bs
 
 
+def _assert_sent_to_another_rank(buffers, key, ids, md, built_md):
+    """Tensor parallelism's ``GRAPH`` command (distributed/step.py): the step built into ``buffers``,
+    packed as rank 0 sends it and unpacked into another rank's stale buffers, fills them the same."""
+    from hybrid_compile.distributed.step import graph_step, graph_step_targets, packed, unpack_into
+
+    fields, tensors = graph_step(buffers, built_md)
+    other = cg.GraphBuffers(buffers.max_batch, buffers.kv_indices.numel() // buffers.max_batch, CPU,
+                            buffers.kv_indices.dtype, buffers.padding_slot, buffers.max_tokens_per_request)
+    for t in other.outputs(cg.GraphKey(key.mode, other.max_batch, key.tokens_per_request)):
+        t.fill_(7)  # stale values everywhere
+    got_key, requests, targets = graph_step_targets(other, fields)
+    unpack_into(targets, packed(tensors, CPU))
+    assert got_key == key and requests == md.batch_size
+    _assert_buffers_equal_padded(other, key, ids, md)
+
+
 def _build_into(runner, buffers, key, batch, drafts=None):
     """The runner's metadata of ``batch`` built into ``buffers`` for the graph ``key``; checks the
     returned metadata are views of the buffers' first rows, marked with the key."""
@@ -232,8 +250,9 @@ def test_graph_buffers_hold_padded_steps_and_eager_logits():
                 key = cg.GraphKey(ForwardMode.DECODE, bs)
                 for t in buffers.outputs(cg.GraphKey(ForwardMode.DECODE, 6)):  # stale values everywhere
                     t.fill_(7)
-                _build_into(runner, buffers, key, batch)
+                _, built = _build_into(runner, buffers, key, batch)
                 _assert_buffers_equal_padded(buffers, key, ids, md)
+                _assert_sent_to_another_rank(buffers, key, ids, md, built)
                 with torch.inference_mode(), forward_context(
                         ForwardContext(buffers.metadata(key), runner.kv_caches, runner.mamba_caches)):
                     padded = runner._model_forward(buffers.input_ids[:bs], buffers.positions[:bs],
@@ -299,8 +318,9 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
                 for t in inter:
                     t.fill_(float("nan"))  # the real rows must be written again, padding rows may hold anything
                 key = cg.GraphKey(ForwardMode.TARGET_VERIFY, bs, steps)
-                _build_into(runner, buffers, key, batch, drafts)
+                _, built = _build_into(runner, buffers, key, batch, drafts)
                 _assert_buffers_equal_padded(buffers, key, ids, want)
+                _assert_sent_to_another_rank(buffers, key, ids, want, built)
                 with torch.inference_mode(), forward_context(ForwardContext(
                         buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
                     n = key.num_tokens

@@ -12,7 +12,10 @@ Mamba2 and a Gated DeltaNet model), ``n = 2`` sequences per prompt (forks copy t
 recurrent state on every rank) and a bf16 recurrent state (against the single-process engine with
 the same setting, since HF keeps an fp32 state). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
-follower (torchrun-style), and each rank's peak host memory against the full model size.
+follower (torchrun-style), and each rank's peak host memory against the full model size. Also:
+random-weight shards drawn per rank (``random_weights.json``, the benchmark's 80B shape) and the
+CUDA-graph options checked before any process starts (the graphs themselves:
+``tests/test_tensor_parallel_gpu.py``, 2 GPUs).
 """
 
 from __future__ import annotations
@@ -424,3 +427,52 @@ def test_benchmark_smoke_run(tmp_path):
     assert tp2["all_reduce"]["all_reduce_calls"] > 0 and tp2["all_reduce"]["all_reduce_ms_per_step"] > 0
     assert len(tp2["tensor_parallel"]["ranks"]) == 2
     assert set(run["scaling"]["2"]) == {"decode_1", "decode_2", "prefill_24"}
+
+
+def test_random_weights_draw_each_rank_shard(tmp_path):
+    """A directory of config.json + random_weights.json (benchmarks of shapes too large for disk):
+    each rank's shard is drawn slice by slice in the local model's shapes, the same values on every
+    load, norms 1; the single-process path refuses such a directory."""
+    from hybrid_compile.distributed.loading import RANDOM_WEIGHTS, load_shard
+    from hybrid_compile.loading import LoadError
+
+    cfg = em.make_config("qwen3_next_moe")
+    cfg.save_pretrained(tmp_path)
+    (tmp_path / RANDOM_WEIGHTS).write_text(json.dumps({"seed": 3, "std": 0.5}))
+    full = em.build_model("qwen3_next_moe", config=cfg)
+    for rank in (0, 1):
+        plan = plan_for(cfg, 2, rank)
+        model, report = load_shard(str(tmp_path), cfg, plan, torch.float32, torch.device("cpu"))
+        again, _ = load_shard(str(tmp_path), cfg, plan, torch.float32, torch.device("cpu"))
+        local = {n: p for n, p in again.named_parameters()}
+        for name, p in model.named_parameters():
+            assert torch.equal(p, local[name]), name
+            if name.endswith("norm.weight"):
+                assert torch.all(p == 1), name
+            elif p.numel() > 16:
+                assert 0.3 < float(p.std()) < 0.7, (name, float(p.std()))
+        expert = model.model.layers[0].mlp.experts.gate_up_proj
+        assert expert.shape[-2:] != full.model.layers[0].mlp.experts.gate_up_proj.shape[-2:]  # split
+        assert report.shard_bytes < 0.75 * report.full_model_bytes
+        assert model.model.embed_tokens.weight.shape[0] == plan.slice_of("model.embed_tokens.weight").pad_rows
+    with pytest.raises(LoadError, match="random_weights.json"):
+        hc.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_cuda_graph_options_checked_before_any_process_starts(tmp_path, monkeypatch):
+    """CUDA graphs work under tensor parallelism on CUDA (tests/test_tensor_parallel_gpu.py); an explicit
+    ``cuda_graphs`` on CPU (gloo) raises as without TP, and so does a blocking NCCL wait (a capture
+    cannot hold it), before any process starts or any weight is read."""
+    from hybrid_compile.distributed.loading import RANDOM_WEIGHTS
+
+    em.make_config("qwen3_next_moe").save_pretrained(tmp_path)
+    (tmp_path / RANDOM_WEIGHTS).write_text("{}")
+    for mode in (True, "full", "piecewise"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cpu", cuda_graphs=mode)
+    if torch.cuda.device_count() < 2:  # graphs are not refused on CUDA: the GPU count is checked next
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs"):
+            hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cuda", cuda_graphs=True)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(ValueError, match="TORCH_NCCL_BLOCKING_WAIT=1"):
+        hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cuda")

@@ -37,8 +37,13 @@ padding request holding the extra tokens (``forward_batch.pad_requests``) and pa
 ``logits_indices`` to :func:`logits_rows_for_tokens` rows, so a bucket is one input signature.
 
 All graphs share one memory pool (``torch.cuda.graph_pool_handle()``) and are captured largest
-bucket first, after a warm-up run at the same size (Triton autotuning and lazy initialisation
-happen outside the capture).
+bucket first, after a warm-up run at the same size on the capture stream (Triton autotuning and
+lazy initialisation happen outside the capture).
+
+Under tensor parallelism (``hybrid_compile.distributed``) every rank captures the same graphs in
+the same order, and the model's NCCL all-reduces / all-gathers (functional collectives compiled
+by Inductor, inside the pieces) are captured in them: every replay runs them again, paired across
+ranks because every rank replays the same graph for the same step (rank 0 sends each step).
 """
 
 from __future__ import annotations
@@ -202,6 +207,19 @@ class GraphBuffers:
                 self.query_start_loc[: bs + 1], self.seq_lens[:bs], self.prefix_lens[:bs], self.prompt_lens[:bs],
                 self.mamba_cache_indices[:bs], self.has_initial_state[:bs], self.kv_indptr[: bs + 1], self.kv_indices)
 
+    def step_tensors(self, key: GraphKey, kv_entries: int) -> tuple[torch.Tensor, ...]:
+        """What a step of graph ``key`` holds in the buffers: the :meth:`outputs`, ``kv_indices`` cut to
+        its first ``kv_entries`` (the requests' then the padding rows': :meth:`kv_entries`). Tensor
+        parallelism sends them from rank 0 to the other ranks, which replay the same graph."""
+        *rest, kv_indices = self.outputs(key)
+        return (*rest, kv_indices[:kv_entries])
+
+    @staticmethod
+    def kv_entries(key: GraphKey, md: ForwardMetadata) -> int:
+        """Entries of ``kv_indices`` a step of graph ``key`` uses: its ``md.batch_size`` requests'
+        (``md.kv_indices``) and each padding row's ``key.tokens_per_request`` (the padding slot)."""
+        return md.kv_indices.numel() + (key.batch_size - md.batch_size) * key.tokens_per_request
+
     def reset(self, key: GraphKey) -> None:
         """Every row of ``key`` a padding request (capture and warm-up: no pool is touched)."""
         steps = key.tokens_per_request
@@ -234,6 +252,17 @@ class GraphPool:
 
     def capture(self, graph: "torch.cuda.CUDAGraph", fn: Callable[[], Any]) -> Any:
         return _capture(graph, self.handle, self.stream, fn)
+
+    def warm_up(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once on the capture stream, outside a capture, and wait for it: whatever a
+        stream initialises lazily on first use (a cuBLAS workspace, NCCL's events for the stream the
+        collectives wait on, Triton's autotuning) happens before the capture, on the stream that
+        captures (PyTorch's CUDA-graph notes and vLLM warm up on the capture stream the same way)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,8 +350,7 @@ class FullGraphRunner:
         t0 = time.perf_counter()
         for key in self.keys():
             self.buffers.reset(key)
-            self._run(key)  # warm-up: lazy init and autotuning outside the capture
-            torch.cuda.synchronize()
+            self.pool.warm_up(lambda: self._run(key))  # lazy init and autotuning outside the capture
             graph = torch.cuda.CUDAGraph()
             out = self.pool.capture(graph, lambda: self._run(key))
             self.graphs[key] = (graph, out)

@@ -7,6 +7,12 @@ order (``keep_original_order=True``: the node order, hence the order of side eff
 the original one). The backend compiles the pieces without a splitting op and leaves the
 others as eager calls of the opaque custom op (the op reads the forward context at run time).
 This is vLLM's ``split_graph`` idea (SGLang's piecewise CUDA graphs cut the same way).
+
+Tensor parallelism adds functional collectives (``_c10d_functional::all_reduce`` and its
+``wait_tensor``) to the graph. They are ordinary nodes of the compute pieces, so each piece's CUDA
+graph captures its NCCL collectives; a collective and its wait must then sit in one piece (a graph
+cannot wait on a collective captured by another graph, nor eager code on one inside a graph), which
+:func:`split_graph` checks.
 """
 
 from __future__ import annotations
@@ -72,6 +78,33 @@ def splitting_op_of(node: fx.Node, ops: Sequence[torch._ops.OpOverload]) -> torc
     return target if target in ops else None
 
 
+_COLLECTIVES = "_c10d_functional::"
+_WAIT = "_c10d_functional::wait_tensor"
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """``namespace::name`` of the op a ``call_function`` node calls, or None."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name()
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _check_collectives_waited(item: "SplitItem") -> None:
+    """Every functional collective of a compute piece is waited inside that piece (module docstring)."""
+    for node in item.graph.graph.nodes:
+        name = _op_name(node) if node.op == "call_function" else None
+        if name is None or not name.startswith(_COLLECTIVES) or name == _WAIT:
+            continue
+        if not any(u.op == "call_function" and _op_name(u) == _WAIT for u in node.users):
+            raise AssertionError(
+                f"split pass: piece {item.name} returns the functional collective {name} unwaited (its wait_tensor "
+                "is in another piece, which no CUDA graph of the pieces could capture)"
+            )
+
+
 @dataclass
 class SplitItem:
     """One submodule of the split graph."""
@@ -120,6 +153,8 @@ def split_graph(
         items.append(SplitItem(name, index, op is not None, op, module))
     items.sort(key=lambda item: item.index)
     for item in items:
+        if not item.is_splitting_op:
+            _check_collectives_waited(item)
         if item.is_splitting_op:
             calls = [n for n in item.graph.graph.nodes if n.op == "call_function"]
             # getitem of a multi-output op would follow it into the piece; a layer op returns one tensor

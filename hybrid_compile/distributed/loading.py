@@ -8,6 +8,12 @@ then every parameter is materialised from slices of the checkpoint tensors
 ever holds the whole model. Parameters transformers ties to another (a tied LM head, Zamba2's
 shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
+
+Benchmarks of shapes too large to write to disk (the Qwen3-Next-80B shape: 160 GB) use a
+directory holding ``config.json`` and ``random_weights.json`` (``{"seed": 0, "std": 0.02}``)
+instead of weights: :class:`RandomWeights` then stands in for the safetensors files, and each
+rank draws only its slices, directly on its device (random values per slice: the ranks' shards are
+not slices of one random tensor, which a speed measurement does not need).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import re
 import resource
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,7 @@ from .plans import ShardPlan, Slice
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+RANDOM_WEIGHTS = "random_weights.json"
 
 
 @dataclass
@@ -92,6 +100,89 @@ class Checkpoint:
         for h in self._handles.values():
             h.__exit__(None, None, None)
         self._handles.clear()
+
+
+def random_value(name: str, shape, std: float, generator: torch.Generator, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """A random-weight model's parameter ``name`` (or a slice of it) of ``shape``: norms 1,
+    ``A_log`` / ``dt_bias`` 0, everything else normal with ``std``."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith("A_log") or name.endswith("dt_bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # drawn in ``dtype`` and scaled in place: a slice of the 80B shape's experts is 0.5 GB in bf16
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype).mul_(std)
+
+
+class _RandomSlice:
+    """A parameter of :class:`RandomWeights` as a safetensors slice: indexing draws only the slice."""
+
+    def __init__(self, owner: "RandomWeights", name: str, shape: tuple[int, ...]) -> None:
+        self.owner, self.name, self.shape = owner, name, shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[self.owner.dtype]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        if any(not isinstance(i, slice) for i in index):
+            raise TypeError(f"random weights: {self.name} is read by slices only, got {index!r}")
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        ranges = [i.indices(n) for i, n in zip(index, self.shape)]
+        if any(step != 1 for _, _, step in ranges):
+            raise ValueError(f"random weights: {self.name} is read by contiguous slices, got {index!r}")
+        shape = tuple(max(0, b - a) for a, b, _ in ranges)
+        o = self.owner
+        g = torch.Generator(device=o.device).manual_seed(o.seed ^ zlib.crc32(f"{self.name}{ranges}".encode()))
+        return random_value(self.name, shape, o.std, g, o.dtype, o.device)
+
+
+class RandomWeights:
+    """Random weights in place of a checkpoint's safetensors files (module docstring): the keys and
+    shapes of every parameter of the whole model ``config`` (built on the meta device, tied
+    parameters once), values drawn per slice on ``device``. Same interface as :class:`Checkpoint`."""
+
+    def __init__(self, path: str, config, device: torch.device, dtype: torch.dtype | None,
+                 trust_remote_code: bool = False) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        if os.path.isfile(os.path.join(path, _INDEX)) or os.path.isfile(os.path.join(path, _SINGLE)):
+            raise ValueError(f"{path!r} holds both weights and {RANDOM_WEIGHTS}: remove one of them")
+        with open(os.path.join(path, RANDOM_WEIGHTS)) as f:
+            spec = json.load(f)
+        unknown = set(spec) - {"seed", "std"}
+        if unknown:
+            raise ValueError(f"{RANDOM_WEIGHTS} in {path!r}: unknown fields {sorted(unknown)} (seed, std)")
+        self.seed, self.std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
+        self.device, self.dtype = device, dtype if dtype is not None else torch.float32
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.shapes
+
+    def slice(self, key: str) -> _RandomSlice:
+        return _RandomSlice(self, key, self.shapes[key])
+
+    def total_bytes(self) -> int:
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return sum(int(torch.Size(s).numel()) * size for s in self.shapes.values())
+
+    def close(self) -> None:
+        pass
+
+
+def open_checkpoint(path: str, config, device: torch.device, dtype: torch.dtype | None,
+                    trust_remote_code: bool = False) -> "Checkpoint | RandomWeights":
+    """The checkpoint's safetensors files, or :class:`RandomWeights` where ``random_weights.json`` says so."""
+    if os.path.isfile(os.path.join(path, RANDOM_WEIGHTS)):
+        return RandomWeights(path, config, device, dtype, trust_remote_code)
+    return Checkpoint(path, getattr(config, "model_type", None))
 
 
 def _renamed(key: str, model_type: str | None) -> str:
@@ -242,7 +333,7 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     base_rss = _peak_rss_reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ckpt = Checkpoint(path, getattr(config, "model_type", None))
+    ckpt = open_checkpoint(path, config, device, dtype, trust_remote_code)
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     # parameters transformers ties to another (the LM head to the embedding, Zamba2's later uses of
     # a shared block to its first): {tied name: source name}, not in the checkpoint when tied

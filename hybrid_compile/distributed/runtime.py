@@ -90,6 +90,7 @@ class TensorParallelEngine(HybridEngine):
             return
         try:
             self._guarded(HybridEngine.close, self)
+            self.runner.graphs.drop_cuda_graphs()  # (they hold NCCL work of the group destroyed below)
             self._broadcaster.stop()
             self.tp.shutdown(together=True)
         finally:
@@ -123,12 +124,16 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
             "would run on rank 0 alone); use method 'ngram'"
         )
-    if config.cuda_graphs not in (None, False):
+    # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
+    # before any process starts): every rank captures the same graphs, NCCL collectives inside them
+    full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))
+    if (full or piecewise) and os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true"):
         raise ValueError(
-            f"EngineConfig.cuda_graphs={config.cuda_graphs!r} with tensor_parallel_size={size} is not supported yet "
-            "(tensor-parallel steps run compiled without CUDA graphs); pass cuda_graphs=False or leave it unset"
+            "CUDA graphs with tensor_parallel_size > 1 capture the NCCL collectives, and TORCH_NCCL_BLOCKING_WAIT=1 "
+            "makes every collective's wait block the host, which a capture cannot hold: unset it or pass "
+            "cuda_graphs=False"
         )
-    return dataclasses.replace(config, cuda_graphs=False)
+    return config
 
 
 def _resolve_device(device: Any) -> str:
@@ -208,6 +213,11 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     if any(c != capacities[0] for c in capacities):
         raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "
                            "max_total_tokens and mamba_cache_size")
+    c = engine.runner.compile_stats()
+    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0)])
+    if any(g != graphs[0] for g in graphs):  # rank 0's every replay pairs with the same graph on every rank
+        raise RuntimeError(f"tensor parallelism: the ranks captured different CUDA graphs ([full, piecewise] "
+                           f"per rank: {graphs})")
     if tp.is_leader:
         engine.load_reports = [LoadReport(*r) for r in reports]
     return engine
@@ -221,6 +231,7 @@ def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: E
         engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
         follow(engine, tp)
         engine.close()
+        engine.runner.graphs.drop_cuda_graphs()  # (they hold NCCL work of the group destroyed below)
     except BaseException as e:
         err = tp.fail(e)
         raise (err if err is not None else e)

@@ -3,10 +3,15 @@
 Rank 0 (the leader) owns the scheduler, the prefix cache, the sampler and the API. Whatever it
 does to the device state of the model reaches the followers as one command, in order:
 
-- ``FORWARD``: a model call (eager or compiled) with its packed input ids and forward metadata
-  (``ForwardMetadata``'s tensors packed into one int64 tensor), inside the same forward context
-  (with the speculative buffers for a verify step). Every rank then runs the same forward, whose
-  collectives pair up; the logits are gathered on every rank and sampled on rank 0 only.
+- ``FORWARD``: a model call (eager or compiled, replaying the pieces' CUDA graphs or not) with its
+  packed input ids and forward metadata (``ForwardMetadata``'s tensors packed into one int64
+  tensor), inside the same forward context (with the speculative buffers for a verify step). Every
+  rank then runs the same forward, whose collectives pair up; the logits are gathered on every rank
+  and sampled on rank 0 only.
+- ``GRAPH``: a replay of a full CUDA graph (decode or verify) with the step rank 0 built into its
+  graph buffers (``GraphBuffers.step_tensors``); the other ranks copy it into their own buffers and
+  replay the same graph. Every rank captured the same graphs at start-up, in the same order, so the
+  NCCL collectives captured inside them pair up.
 - ``ZERO`` / ``COPY``: Mamba-state writes outside a forward (a new slot zeroed, a prefix-cache
   copy-on-write or checkpoint, an ``n > 1`` fork); ``KV_COPY``: K/V copied to a forked sequence;
   ``COMMIT``: a speculative verify's state commit.
@@ -22,10 +27,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..compilation.cuda_graphs import GraphBuffers, GraphKey
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
 from .group import TensorParallelGroup
 
-FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY = 1, 2, 3, 4, 5, 6
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH = 1, 2, 3, 4, 5, 6, 7
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 _DTYPES = (None, torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8)
@@ -34,6 +40,35 @@ _MD_TENSORS = ("positions", "query_start_loc", "seq_lens", "prefix_lens", "mamba
                "out_cache_loc", "kv_indptr", "kv_indices", "logits_indices", "prompt_lens", "track_slots", "track_lens",
                "tree_mask", "tree_parents")  # (draft trees: tree_parents travels flat, [rows, draft_len] again)
 _MD_LISTS = ("extend_lens_cpu", "seq_lens_cpu")
+
+
+def packed(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A command's payload: its tensors flattened into one int64 tensor on ``device``."""
+    return torch.cat([t.reshape(-1).to(device=device, dtype=torch.int64) for t in tensors])
+
+
+def graph_step(buffers: GraphBuffers, md: ForwardMetadata) -> tuple[list[int], list[torch.Tensor]]:
+    """A ``GRAPH`` command's header fields (the graph's key, the step's requests and KV entries) and
+    tensors (what the step occupies in the graph buffers) of the step ``md`` built into ``buffers``."""
+    key = md.graph_key
+    kv_entries = buffers.kv_entries(key, md)
+    fields = [_MODES.index(key.mode), key.batch_size, key.tokens_per_request, md.batch_size, kv_entries]
+    return fields, list(buffers.step_tensors(key, kv_entries))
+
+
+def graph_step_targets(buffers: GraphBuffers, fields: list[int]) -> tuple[GraphKey, int, tuple[torch.Tensor, ...]]:
+    """The receiving side of :func:`graph_step`: (graph key, requests, the buffers' tensors that the
+    payload fills, in order)."""
+    mode, batch_size, tokens_per_request, requests, kv_entries = fields
+    key = GraphKey(_MODES[mode], batch_size, tokens_per_request)
+    return key, requests, buffers.step_tensors(key, kv_entries)
+
+
+def unpack_into(targets, flat: torch.Tensor) -> None:
+    """Copy a :func:`packed` payload into ``targets`` (each converted to its own dtype)."""
+    sizes = [t.numel() for t in targets]
+    for t, src in zip(targets, flat.split(sizes)):
+        t.copy_(src.view(t.shape))
 
 
 class StepBroadcaster:
@@ -48,11 +83,11 @@ class StepBroadcaster:
         h[: len(header)] = torch.tensor(header, dtype=torch.int64)
         dist.broadcast(h, 0, group=self.tp.control)
         if payload:
-            flat = torch.cat([t.reshape(-1).to(device=self.tp.device, dtype=torch.int64) for t in payload])
-            dist.broadcast(flat, 0, group=self.tp.group)
+            dist.broadcast(packed(payload, self.tp.device), 0, group=self.tp.group)
         self.commands += 1
 
-    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = ()) -> None:
+    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False) -> None:
+        """A model call (``piecewise``: the compiled forward replaying the pieces' CUDA graphs)."""
         ctx = get_forward_context()
         if ctx is None:
             raise RuntimeError("tensor parallelism: a model call outside a forward context cannot be broadcast")
@@ -61,15 +96,20 @@ class StepBroadcaster:
                                "feature that feeds them is not supported with tensor_parallel_size > 1)")
         md = ctx.metadata
         if md.graph_key is not None:
-            raise RuntimeError("tensor parallelism: full CUDA graph steps are not broadcast (cuda_graphs is off under "
-                               "tensor parallelism)")
+            raise RuntimeError("tensor parallelism: a step built into a full CUDA graph's buffers replays the graph "
+                               "(StepBroadcaster.replay), not a model call")
         tensors = [input_ids] + [getattr(md, f) for f in _MD_TENSORS]
         tensors += [torch.tensor(getattr(md, f), dtype=torch.int64) for f in _MD_LISTS]
         header = [FORWARD, int(compiled), int(bool(ctx.intermediate_caches)), _MODES.index(md.mode), md.draft_len,
-                  int(md.has_tracking)]
+                  int(md.has_tracking), int(piecewise)]
         for t in tensors:
             header += [0, -1] if t is None else [_DTYPES.index(t.dtype), t.numel()]
         self._send(header, [t for t in tensors if t is not None])
+
+    def replay(self, buffers: GraphBuffers, md: ForwardMetadata) -> None:
+        """A full CUDA graph's replay over the step ``md`` built into ``buffers``."""
+        fields, tensors = graph_step(buffers, md)
+        self._send([GRAPH, *fields], tensors)
 
     # -- the Mamba pool's observer -------------------------------------------------------------
     def zero_slots(self, idx: torch.Tensor) -> None:
@@ -101,8 +141,8 @@ def _payload(tp: TensorParallelGroup, n: int) -> torch.Tensor:
 
 
 def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
-    compiled, verify, mode, draft_len, has_tracking = header[1:6]
-    specs = [(header[6 + 2 * i], header[7 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
+    compiled, verify, mode, draft_len, has_tracking, piecewise = header[1:7]
+    specs = [(header[7 + 2 * i], header[8 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
     flat = _payload(tp, sum(n for _, n in specs if n > 0))
     values, offset = [], 0
     for code, n in specs:
@@ -120,10 +160,29 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     runner = engine.runner
     inter = runner.intermediate_caches if verify else {}
     with forward_context(ForwardContext(md, runner.kv_caches, runner.mamba_caches, inter)):
-        if compiled:
+        if piecewise:
+            pw = runner.piecewise_graphs
+            if pw is None:
+                raise RuntimeError("tensor parallelism: rank 0 replays piecewise CUDA graphs, this rank captured none")
+            with pw.active(pw.REPLAY):
+                runner._call_compiled(input_ids, md.positions, md.logits_indices)
+            pw.replays += 1
+        elif compiled:
             runner._call_compiled(input_ids, md.positions, md.logits_indices)
         else:
             runner._model_forward(input_ids, md.positions, md.logits_indices)
+
+
+def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
+    """Rank 0's full-graph step copied into this rank's graph buffers, then the same graph replayed."""
+    full = engine.runner.full_graphs
+    if full is None:
+        raise RuntimeError("tensor parallelism: rank 0 replays full CUDA graphs, this rank captured none")
+    key, requests, targets = graph_step_targets(full.buffers, header[1:6])
+    if key not in full.graphs:
+        raise RuntimeError(f"tensor parallelism: rank 0 replays the full CUDA graph {key}, this rank did not capture it")
+    unpack_into(targets, _payload(tp, sum(t.numel() for t in targets)))
+    full.replay(key, requests)
 
 
 @torch.inference_mode()
@@ -141,6 +200,9 @@ def follow(engine, tp: TensorParallelGroup) -> int:
             return forwards
         if cmd == FORWARD:
             _forward(engine, tp, header)
+            forwards += 1
+        elif cmd == GRAPH:
+            _replay(engine, tp, header)
             forwards += 1
         elif cmd == ZERO:
             mamba.zero_state(_payload(tp, header[1]))

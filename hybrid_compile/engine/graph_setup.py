@@ -215,6 +215,8 @@ class CompiledGraphs:
                 # the graphs, their buffers and the compiled code live as long as the engine: keep the
                 # cyclic garbage collector from rescanning them every step (SGLang does the same)
                 gc.freeze()
+                # the warm-ups' blocks, cached for the capture stream, would never serve a step
+                torch.cuda.empty_cache()
         except RuntimeError as e:
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
@@ -232,8 +234,7 @@ class CompiledGraphs:
         for n in sorted(self.token_buckets, reverse=True):
             step = runner.batch_builder.padding_step([n], self.logits_rows(n))
             extra = runner._extra_zeros(n)
-            runner._run_compiled(*step, extra=extra)  # warm-up outside the capture
-            torch.cuda.synchronize()
+            pw.pool.warm_up(lambda: runner._run_compiled(*step, extra=extra))  # outside the capture
             runner._run_compiled(*step, graphs_mode=pw.CAPTURE, extra=extra)
             pw.captured_tokens.append(n)
         torch.cuda.synchronize()
@@ -262,6 +263,19 @@ class CompiledGraphs:
                                               runner.mamba_caches, self.graph_pool, verify_batch_sizes=verify_sizes,
                                               draft_len=draft_len, intermediate_caches=runner.intermediate_caches)
         self.full_graphs.capture_all()
+
+    def drop_cuda_graphs(self) -> None:
+        """Destroy every captured CUDA graph once the last replay has run (waits for the device).
+        Tensor parallelism calls it before its NCCL communicator is destroyed: the graphs hold NCCL
+        work of that communicator. Idempotent; the engine replays nothing afterwards."""
+        if self.graph_pool is None:
+            return
+        torch.cuda.synchronize(self.device)
+        if self.full_graphs is not None:
+            self.full_graphs.graphs.clear()
+        if self.piecewise_graphs is not None:
+            for piece in self.piecewise_graphs.pieces:
+                piece.graphs.clear()
 
     def _one_token_graphs(self) -> int:
         """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""

@@ -174,7 +174,8 @@ class ModelRunner:
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
         """Packed tokens -> logits through the compiled forward (:meth:`.graph_setup.CompiledGraphs.call`)."""
         if self.step_observer is not None:
-            self.step_observer.forward(True, input_ids, extra)
+            pw = self.graphs.piecewise_graphs
+            self.step_observer.forward(True, input_ids, extra, piecewise=pw is not None and pw.mode == pw.REPLAY)
         return self.graphs.call(input_ids, positions, logits_indices, *extra)
 
     def _run_compiled(self, input_ids: torch.Tensor, md: ForwardMetadata, graphs_mode: str | None = None,
@@ -187,6 +188,15 @@ class ModelRunner:
                 return self._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
             with self.graphs.piecewise_graphs.active(graphs_mode):
                 return self._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
+
+    def _replay_full_graph(self, md: ForwardMetadata):
+        """Replay the full graph whose buffers ``md`` was built into (``md.graph_key``); under tensor
+        parallelism the step observer first sends the buffers' step to the other ranks, which replay
+        the same graph."""
+        full = self.graphs.full_graphs
+        if self.step_observer is not None:
+            self.step_observer.replay(full.buffers, md)
+        return full.replay(md.graph_key, md.batch_size)
 
     def _extra_zeros(self, n: int) -> tuple[torch.Tensor, ...]:
         return tuple(torch.zeros(n, *shape, dtype=dtype, device=self.device) for shape, dtype in self._extra_specs)
@@ -221,7 +231,7 @@ class ModelRunner:
         graphs = self.graphs
         b = md.batch_size
         if md.graph_key is not None:  # built into the full graph's buffers
-            return self._outputs(graphs.full_graphs.replay(md.graph_key, b), b, n)
+            return self._outputs(self._replay_full_graph(md), b, n)
         if graphs.piecewise_graphs is not None and md.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
             bucket = cg.select_bucket(graphs.token_buckets, md.num_tokens)
             if bucket is not None and b <= graphs.logits_rows(bucket):
@@ -253,7 +263,7 @@ class ModelRunner:
         self._refuse_after_release()
         n = md.num_tokens
         if md.graph_key is not None:  # built into the verify graph's buffers
-            return self._outputs(self.graphs.full_graphs.replay(md.graph_key, md.batch_size), n, n)
+            return self._outputs(self._replay_full_graph(md), n, n)
         if self.compiled:
             graphs = self.graphs
             if graphs.graph_pool is not None:  # graphs on, but no verify graph fits this step

@@ -98,8 +98,9 @@ class CommitGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.max_batch
 
-    def commit(self, slots: list[int], steps: list[int]) -> None:
-        """The op for ``len(slots) <= max_batch`` requests (``fits``), by one graph replay."""
+    def commit(self, slots: list[int], steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op for ``len(slots) <= max_batch`` requests (``fits``), by one graph replay; returns
+        the device slots and step counts it committed (views of the stable buffer)."""
         b = len(slots)
         bs = self._select(self.batch_sizes, b)
         pad = self.max_batch - b
@@ -107,6 +108,7 @@ class CommitGraphs:
         self._buffer.copy_(host, non_blocking=True)
         self.graphs[bs].replay()
         self.replays += 1
+        return self._buffer[:b], self._buffer[self.max_batch: self.max_batch + b]
 
 
 # -- the verify forward -------------------------------------------------------------------------
@@ -332,18 +334,19 @@ class SpeculativeDecoder:
         past the kept tokens, and the KV slots of the rest freed (one free for the batch)."""
         steps = [path[len(t) - 1] + 1 for t, path in zip(kept, paths)]  # (a chain: len(t))
         graphs = self.commit_graphs
+        committed = None
         if graphs is not None and graphs.fits(len(reqs)):
-            graphs.commit([r.mamba_slot for r in reqs], steps)
+            committed = graphs.commit([r.mamba_slot for r in reqs], steps)
         elif self._states:
             host = torch.tensor([r.mamba_slot for r in reqs] + steps, dtype=torch.int32)
             device = self.pools.device
             if device.type == "cuda":
                 host = host.pin_memory()
-            slots, steps = host.to(device, non_blocking=True).split(len(reqs))
-            observer = self.pools.mamba.observer
-            if observer is not None:  # tensor parallelism: every rank commits its own heads' states
-                observer.commit(slots, steps)
-            _kernels.commit_speculative_state(self._states, self._intermediates, slots, steps)
+            committed = host.to(device, non_blocking=True).split(len(reqs))
+            _kernels.commit_speculative_state(self._states, self._intermediates, *committed)
+        observer = self.pools.mamba.observer
+        if observer is not None and committed is not None:  # tensor parallelism: every rank commits its heads' states
+            observer.commit(*committed)
         for r, tokens in zip(reqs, kept):
             r.num_computed += len(tokens)
         self.scheduler.free_uncomputed_kv(reqs)

@@ -1,0 +1,393 @@
+"""Tensor parallelism with CUDA graphs on 2 GPUs (NCCL): greedy tokens equal the single-GPU engine.
+
+Every family with a sharding plan (``hybrid_compile/distributed/plans.py``) is served as a tiny
+random-weight checkpoint, and Qwen3-Next (MoE) and NemotronH also at a mid size (hidden 1024,
+8 layers; every other family too with ``HC_TP_GPU_ALL_MID=1``), in bf16 with CUDA graphs on:
+``cuda_graphs=True`` (decode steps replay full graphs, prefill / mixed steps the pieces' graphs)
+for every model, and ``"piecewise"`` alone (decode steps through the pieces' graphs too) for the
+two mid-size models. Each case runs in one group of two
+spawned ranks started the way torchrun starts them (rank r on GPU r; every rank calls
+``hc.from_pretrained(dir, tensor_parallel_size=2)``, rank 0 drives), while this process serves
+the same checkpoint on one GPU with the same options (the oracle). The two run on different
+summation orders (the all-reduce adds the ranks' partial sums), so a divergence is accepted only
+at a near tie of the fp32 model's top-2 logits (:func:`_assert_same_greedy`).
+
+Also checked: zero graph breaks and recompiles, full and piecewise graphs captured and replayed on
+rank 0, one n-gram speculative case replaying full verify graphs, and no Triton kernel, Dynamo
+graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
+a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
+compared at the command rank 0 had sent when its engine was ready and at the end).
+
+Needs 2 CUDA devices (``multi_gpu`` marker; skipped with fewer). The module's tests share one
+module fixture (one group of ranks), so they stay on one pytest-xdist worker
+(``xdist_group``; ``scripts/gpu_tests.py`` runs ``--dist loadgroup``). One command each, the
+default set first, then the other mid-size families:
+
+    python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp -- tests/test_tensor_parallel_gpu.py
+    HC_TP_GPU_ALL_MID=1 python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_mid \
+        -- tests/test_tensor_parallel_gpu.py -k "mid_ and not mid_qwen3_next_moe and not mid_nemotron_h"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+import torch
+
+import hybrid_compile as hc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multi_gpu,
+    pytest.mark.xdist_group("multi_gpu"),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="tensor parallelism over NCCL needs 2 CUDA devices"),
+]
+
+NEW = 8
+OPTIONS = dict(dtype="bfloat16", device="cuda", max_total_tokens=2048, mamba_cache_size=16, max_running_requests=4,
+               chunked_prefill_size=64, piecewise_cuda_graph_tokens=(4, 16, 68), tokenizer=False)
+TINY = dict(cuda_graphs=True, cuda_graph_batch_sizes=(2, 4))  # batch 1 replays the bucket of 2
+MID = dict(cuda_graph_batch_sizes=(1, 2, 4))  # batch 1: the graph compiled for one token
+SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1}
+# a divergence from the single-GPU engine is accepted where the fp32 model's top-2 logits are this
+# close (relative to the top logit, at least 1): bf16 weights and activations summed in another order
+NEAR_TIE = 0.05
+
+
+# mid-size models: a tiny model's config widened to hidden 1024 and 8 layers. Head counts grow 4x,
+# head dims and per-head state widths by the rest of the factor, so every width stays consistent
+# (Mamba2: heads x head dim = expand x hidden; attention: heads x head dim = hidden).
+MID_HIDDEN, MID_LAYERS = 1024, 8
+_HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+          "mamba_num_heads", "num_heads", "mamba_n_heads", "n_mamba_heads", "num_query_groups", "adapter_rank",
+          "ssm_state_size", "state_size", "mamba_d_state", "chunk_size", "mamba_chunk_size")
+_HEAD_DIMS = ("head_dim", "linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim", "mamba_d_head",
+              "mamba_headdim", "attention_head_dim", "kv_channels", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "vocab_size")
+_WIDTHS = ("hidden_size", "intermediate_size", "shared_intermediate_size", "attention_hidden_size", "mamba_d_ssm",
+           "time_step_rank")
+_LAYER_LISTS = ("layer_types", "layers_block_type")
+
+
+def _widened(config):
+    """``config`` (a tiny model's) at hidden :data:`MID_HIDDEN` and :data:`MID_LAYERS` layers (its
+    layer pattern repeated)."""
+    d = config.to_dict()
+    factor = MID_HIDDEN // d["hidden_size"]
+    assert factor * d["hidden_size"] == MID_HIDDEN and factor % 4 == 0, d["hidden_size"]
+    for keys, times in ((_HEADS, 4), (_HEAD_DIMS, factor // 4), (_WIDTHS, factor)):
+        for k in keys:
+            if isinstance(d.get(k), int) and not isinstance(d[k], bool):
+                d[k] *= times
+    d["num_hidden_layers"] = MID_LAYERS
+    for k in _LAYER_LISTS:
+        if d.get(k):
+            d[k] = [d[k][i % len(d[k])] for i in range(MID_LAYERS)]
+    if d.get("mlp_only_layers"):
+        d["mlp_only_layers"] = list(range(MID_LAYERS))
+    if d.get("hybrid_layer_ids") is not None:
+        d["hybrid_layer_ids"] = [i for i, t in enumerate(d["layers_block_type"]) if t == "hybrid"]
+    d["max_position_embeddings"] = max(d.get("max_position_embeddings") or 0, 4096)
+    return type(config).from_dict(d)
+
+
+def _mid(name: str):
+    """The tiny model ``name`` of the CPU tests widened (:func:`_widened`), random weights (std 0.05)."""
+    def build():
+        from test_tensor_parallel import MODELS
+
+        tiny = MODELS[name]()
+        config = _widened(tiny.config)
+        config.initializer_range = 0.05
+        return _seeded(type(tiny), config)
+    return build
+
+
+def _seeded(model_class, config, seed: int = 0):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).float().eval()
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# every family at mid size (qwen3_next_dense: hidden 48 does not widen to 1024; the MoE one covers its class).
+# By default two of them (GDN + MoE, Mamba2 + MoE + MLP: also with piecewise graphs alone and the graph of one
+# token), so that one run of the module stays within about 8 minutes on 2 H100s; HC_TP_GPU_ALL_MID=1 serves
+# the others too (about 6 minutes more: run them on their own, -k as in the module docstring).
+MID_FAMILIES = ("qwen3_next_moe", "nemotron_h", "qwen3_5", "qwen3_5_moe", "mamba2", "bamba", "granitemoehybrid",
+                "falcon_h1", "olmo_hybrid", "lfm2", "lfm2_moe", "zamba2")
+MID_DEFAULT = MID_FAMILIES[:2]
+ALL_MID = os.environ.get("HC_TP_GPU_ALL_MID") == "1"
+
+
+def _cases() -> list[tuple[str, object, dict]]:
+    """(case name, model builder, engine options) of every case."""
+    from test_tensor_parallel import MODELS, TWO_RANKS
+
+    cases = [(name, MODELS[name], dict(TINY)) for name in TWO_RANKS]
+    cases.append(("qwen3_next_moe@speculative", MODELS["qwen3_next_moe"], dict(TINY, speculative=SPECULATIVE)))
+    for name in MID_FAMILIES:
+        if name in MID_DEFAULT:
+            cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
+            cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
+        elif ALL_MID:
+            cases.append((f"mid_{name}", _mid(name), dict(TINY)))
+    return cases
+
+
+CASE_NAMES = [c[0] for c in _cases()]
+CASES = CASE_NAMES + ([] if ALL_MID else [
+    pytest.param(f"mid_{n}", marks=pytest.mark.skip(reason="the other mid-size families run with HC_TP_GPU_ALL_MID=1"))
+    for n in MID_FAMILIES if n not in MID_DEFAULT])
+
+
+def _prompts(vocab: int) -> list[list[list[int]]]:
+    """Rounds of prompts: one prompt (batch 1), then six of varied lengths over 4 running slots
+    (requests join mid-way: mixed steps, decode batches of 1..4), then a repetitive one (n-gram drafts)."""
+    from engine_models import random_prompts
+
+    varied = random_prompts([70, 5, 33, 1, 129, 17], vocab, seed=3)
+    return [[varied[1]], varied, [[3, 4, 5, 3, 4, 5, 3, 4, 5, 3]]]
+
+
+def _compile_counts(triton) -> dict:
+    """Dynamo graphs, Inductor compiles (FX graph cache lookups: hits, misses and bypasses) and our
+    Triton kernels' JIT compiles so far in this process."""
+    from torch._dynamo.utils import counters
+
+    inductor = sum(counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"))
+    return dict(dynamo_graphs=counters["stats"]["unique_graphs"], inductor=inductor, triton=triton.total)
+
+
+def _triton_compiles():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks.profiling import TritonCompiles
+
+    return TritonCompiles()
+
+
+def _serve(engine, rounds) -> list:
+    return [engine.generate_batch(batch, max_new_tokens=NEW) for batch in rounds]
+
+
+def _case_file(root, rank: int, name: str) -> pathlib.Path:
+    return pathlib.Path(root) / f"rank{rank}_{name.replace('@', '_')}.json"
+
+
+def _write(path: pathlib.Path, result: dict) -> None:
+    """Write ``result`` whole or not at all (the test process polls for the file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.rename(path)
+
+
+def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None:
+    """One torchrun-style rank: serve every case in turn, writing each case's result as it ends.
+    Rank 0 drives and records tokens and stats; rank 1 logs its compile counters before each
+    command it receives (its engine is inside ``from_pretrained``)."""
+    torch.set_num_threads(2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    from hybrid_compile.distributed import step as tp_step
+
+    with _triton_compiles() as triton:
+        log: list[dict] = []
+        receive = tp_step._receive
+
+        def logged_receive(tp):
+            log.append(_compile_counts(triton))
+            return receive(tp)
+
+        tp_step._receive = logged_receive
+        for case in cases:
+            os.environ["MASTER_PORT"] = str(case["port"])
+            log.clear()
+            t0 = time.perf_counter()
+            try:
+                engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
+                if rank != 0:
+                    assert engine is None
+                    result = dict(log=list(log))
+                else:
+                    ready = dict(_compile_counts(triton), compile=engine.stats()["compile"],
+                                 commands=engine.stats()["tensor_parallel"]["commands_broadcast"])
+                    outputs = _serve(engine, case["rounds"])
+                    stats = engine.stats()
+                    engine.close()
+                    result = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
+                                  end=_compile_counts(triton), compile=stats["compile"],
+                                  speculative=stats.get("speculative"), startup=stats["startup"])
+            except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
+                result = dict(error=f"{type(e).__name__}: {e}")
+            _write(_case_file(result_dir, rank, case["name"]), result)
+
+
+def _selected(request) -> set[str] | None:
+    """The case names of this module's tests pytest selected (``-k``), or None (all)."""
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.path == request.path and "name" in getattr(getattr(item, "callspec", None), "params", {})
+             and not item.get_closest_marker("skip")}
+    return names or None
+
+
+class _Group:
+    """Two spawned ranks serving every case in turn (started once), each case's results as its files
+    appear (a time-limited run keeps the cases done so far), and this process's single-GPU oracle
+    of a case, computed while the ranks serve the next ones."""
+
+    SECONDS = 1500
+
+    def __init__(self, root: pathlib.Path, cases: list[dict]) -> None:
+        self.root, self.cases = root, {c["name"]: c for c in cases}
+        self.deadline = time.time() + self.SECONDS
+        self.ctx = torch.multiprocessing.start_processes(_rank_main, args=(2, cases, str(root)), nprocs=2,
+                                                         join=False, start_method="spawn")
+        self.failure: str | None = None
+
+    def _alive(self) -> bool:
+        """False once both ranks have exited; a rank's failure fails the calling test (with its traceback)."""
+        if self.failure is None:
+            try:
+                if self.ctx.join(timeout=0):
+                    return False
+            except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
+                self.failure = str(e)
+        if self.failure is not None:
+            pytest.fail(f"a tensor-parallel rank failed: {self.failure}")
+        return True
+
+    def tp(self, name: str) -> list[dict]:
+        """Both ranks' results of case ``name`` (waiting for them)."""
+        paths = [_case_file(self.root, r, name) for r in range(2)]
+        while not all(p.exists() for p in paths):
+            if not self._alive() and not all(p.exists() for p in paths):
+                pytest.fail(f"the ranks exited without a result for {name}")
+            if time.time() > self.deadline:
+                pytest.fail(f"no tensor-parallel result for {name} within {self.SECONDS} s")
+            time.sleep(0.5)
+        return [json.loads(p.read_text()) for p in paths]
+
+    def single(self, name: str):
+        """The case's tokens on one GPU with the same options (the oracle), or its error."""
+        case = self.cases[name]
+        if "single" not in case:
+            try:
+                engine = hc.from_pretrained(case["dir"], **case["options"])
+                try:
+                    case["single"] = _serve(engine, case["rounds"])
+                finally:
+                    engine.close()
+            except Exception as e:  # noqa: BLE001 (reported by the case's tests)
+                case["single"] = f"{type(e).__name__}: {e}"
+        return case["single"]
+
+    def close(self) -> None:
+        for p in self.ctx.processes:
+            p.join(max(1.0, self.deadline - time.time()))
+        codes = [p.exitcode for p in self.ctx.processes]
+        for p in self.ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        assert codes == [0, 0], f"ranks exited with {codes}"
+
+
+@pytest.fixture(scope="module")
+def served(request, tmp_path_factory):
+    """The selected cases' models and checkpoints, served at TP 2 by one :class:`_Group`."""
+    from test_tensor_parallel import _free_port
+
+    root = tmp_path_factory.mktemp("tp_gpu")
+    cases, models, skipped, failed = [], {}, {}, {}
+    selected = _selected(request)
+    for name, build, options in _cases():
+        if selected is not None and name not in selected:
+            continue
+        try:
+            model = build()
+        except pytest.skip.Exception as e:  # a family this transformers lacks
+            skipped[name] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 (the case's tests fail with it; the others go on)
+            failed[name] = f"building the model: {type(e).__name__}: {e}"
+            continue
+        d = root / name.replace("@", "_")
+        if not d.exists():
+            model.save_pretrained(d)
+        vocab = model.config.get_text_config().vocab_size
+        models[name] = model
+        cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=_free_port(),
+                          options={**OPTIONS, **options}))
+    group = _Group(root, cases)
+    yield dict(group=group, models=models, skipped=skipped, failed=failed)
+    group.close()
+
+
+def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
+    """``got`` (TP 2) == ``expected`` (one GPU), except a first divergence where the fp32 model's
+    top-2 logits (CPU, HF forward) are within :data:`NEAR_TIE` of each other and ``got`` picked
+    one of them (tokens after it are not compared)."""
+    from engine_models import first_divergence, hf_next_logits
+
+    i = first_divergence(got, expected)
+    if i is None:
+        return
+    assert i < min(len(got), len(expected)), f"{what}: lengths differ:\n  TP2 {got}\n  1 GPU {expected}"
+    logits = hf_next_logits(model, prompt + expected[:i])
+    top = torch.topk(logits, 2)
+    gap = float(top.values[0] - top.values[1])
+    assert got[i] in top.indices.tolist() and gap <= NEAR_TIE * max(1.0, float(top.values[0].abs())), (
+        f"{what}: TP 2 diverges from the single-GPU engine at new token {i} (TP {got[i]}, 1 GPU {expected[i]}; "
+        f"fp32 top-2 logits {top.values.tolist()} at {top.indices.tolist()}):\n  TP2   {got}\n  1 GPU {expected}"
+    )
+
+
+def _result(served, name: str) -> tuple[dict, dict]:
+    """Rank 0's and rank 1's results of case ``name``."""
+    if name in served["skipped"]:
+        pytest.skip(served["skipped"][name])
+    assert name not in served["failed"], served["failed"].get(name)
+    r0, r1 = served["group"].tp(name)
+    assert "error" not in r0, f"{name} at TP 2 (rank 0): {r0['error']}"
+    assert "error" not in r1, f"{name} at TP 2 (rank 1): {r1['error']}"
+    return r0, r1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_tp2_graphs_match_single_gpu(served, name):
+    if name in served["models"]:
+        single = served["group"].single(name)  # (first: the ranks serve meanwhile)
+        assert not isinstance(single, str), f"{name} on one GPU: {single}"
+    r, _ = _result(served, name)
+    case, model = served["group"].cases[name], served["models"][name]
+    for batch, got, want in zip(case["rounds"], r["outputs"], single):
+        for prompt, g, w in zip(batch, got, want):
+            _assert_same_greedy(model, prompt, g, w, f"{name} (prompt of {len(prompt)})")
+    c = r["compile"]
+    assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
+    mode = case["options"]["cuda_graphs"]
+    if mode is True:
+        assert c["cuda_graph_replays"] > 0 and c["full_graphs"] > 0, c
+    assert c["piecewise_replays"] > 0 and c["piecewise_graphs"] > 0, c
+    if "speculative" in case["options"]:
+        assert r["speculative"]["verify_steps"] > 0 and c["verify_graph_replays"] > 0, (r["speculative"], c)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_tp2_no_compiles_after_from_pretrained(served, name):
+    """No Dynamo graph, Inductor piece or Triton kernel compiled while serving, on either rank."""
+    r, follower = _result(served, name)
+    ready, end = dict(r["ready"]), r["end"]
+    commands = ready.pop("commands")
+    compiled = ready.pop("compile")
+    assert end == ready, f"rank 0 compiled while serving: {ready} -> {end}"
+    assert r["compile"]["pieces"] == compiled["pieces"] and r["compile"]["graphs"] == compiled["graphs"]
+    log = follower["log"]
+    assert len(log) > commands, f"rank 1 received {len(log)} commands, rank 0 had sent {commands} at start-up"
+    assert log[-1] == log[commands], f"rank 1 compiled while serving: {log[commands]} -> {log[-1]}"

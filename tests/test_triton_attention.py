@@ -408,6 +408,7 @@ GPU_HEADS = [
     (12, 4, 96, 96, BF16, F32),
     (16, 2, 192, 128, F32, BF16),
     (4, 4, 64, 64, F32, F32),
+    (16, 2, 256, 256, F32, F32),  # an fp32 cache at head dim 256: the extend tile that fits shared memory
     (32, 1, 128, 128, BF16, BF16),  # decode BLOCK_G 32
 ]
 

@@ -415,7 +415,7 @@ def _extend_kernel(
     tl.store(LSE + o_rows * stride_lt + h, lse, mask=row_mask)
 
 
-def _extend_config(q: torch.Tensor, d: int, dv: int) -> dict:
+def _extend_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: int, dv: int) -> dict:
     # head dims <= 128: SGLang's Hopper choices, not benchmarked here (`config=` overrides)
     if _interpreting(q):
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -425,6 +425,11 @@ def _extend_config(q: torch.Tensor, d: int, dv: int) -> dict:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)
     if max(d, dv) > _MAX_HEAD_DIM:  # MLA (512 + 64, v 512): a [BLOCK_M, 512] fp32 accumulator; not benchmarked
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
+    if max(k_cache.element_size(), v_cache.element_size()) == 4:
+        # fp32 K/V tiles of head dim 256 (an fp32 cache): Triton's shared-memory count for sm_90 is
+        # 295424 bytes for the tile below (over the H100's 232448), 229888 for it with one stage; this
+        # one needs 147712 (under the A100's 166912 too)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
     # head dim 256 (Qwen3-Next): an H100 sweep of the last 8k chunk of a 32k prompt gave 9.9 ms
     # for this tile against 29.5 ms for 64 x 64 / 1 stage (387 vs 131 TFLOP/s)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -478,7 +483,7 @@ def paged_attention_extend_triton(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention_extend: the pools' last dim must be contiguous")
     q = _last_dim_contiguous(q)
-    cfg = dict(config or _extend_config(q, d, dv))
+    cfg = dict(config or _extend_config(q, k_cache, v_cache, d, dv))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     o = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)

@@ -316,3 +316,17 @@ def test_each_part_of_the_package_imports_alone_in_a_fresh_interpreter():
     run = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and "failed: \n" in run.stdout, run.stdout + run.stderr
+
+
+def test_no_tracked_file_holds_merge_conflict_markers():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    found = []
+    for name in files:
+        path = root / name
+        if path.suffix in {".py", ".md", ".toml", ".txt", ".cfg", ".sh", ".yaml", ".yml", ""} and path.is_file():
+            text = path.read_text(errors="ignore")
+            found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
+    assert len(files) > 50
+    assert not found, f"merge conflict markers: {found}"

@@ -250,10 +250,28 @@ def test_zero_graph_breaks_and_recompiles_across_batch_sizes(dense):
     assert {bs for bs, _ in steps} == {1, 2, 3, 4, 5}
     assert len({n for _, n in steps}) > 5  # many token counts
     stats = engine.stats()["compile"]
-    assert stats["graphs"] == 1 and stats["recompiles"] == 0, stats
+    assert stats["graphs"] == 1 and stats["recompiles"] == 0 and stats["recompile_reasons"] == [], stats
     assert stats["graph_breaks"] == 0
     assert _graph_breaks() == breaks_before
     assert stats["compile_seconds"] > 0 and stats["warmup_seconds"] >= stats["compile_seconds"]
+
+
+def test_recompile_reasons_name_the_failed_guard_of_one_forward():
+    """``stats()["compile"]["recompile_reasons"]``: Dynamo's first failed guard per recompile of the code
+    named by the runner (its own code copy), none of another code's."""
+    from hybrid_compile.engine.graph_setup import _own_code_copy, _recompile_reasons
+
+    def double(x):
+        return x * 2
+
+    fns = [torch.compile(_own_code_copy(double, f"recompile_reasons_test_{i}"), backend="eager", dynamic=False)
+           for i in range(2)]
+    fns[0](torch.ones(3))
+    fns[0](torch.ones(4))  # a static size: a recompile
+    fns[1](torch.ones(3))
+    (reason,) = _recompile_reasons("recompile_reasons_test_0")
+    assert "size mismatch" in reason and "expected 3, actual 4" in reason, reason
+    assert _recompile_reasons("recompile_reasons_test_1") == []
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5"])

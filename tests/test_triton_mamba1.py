@@ -159,7 +159,7 @@ def test_gpu_selective_scan_matches_plain(lens, opts):
 )
 def test_gpu_state_update_matches_plain(batch, steps, opts):
     dtype = opts.get("dtype", torch.float32)
-    inp = make_update(batch, steps, N=16, **opts)
+    inp = make_update(batch, steps, N=16, num_slots=batch + 8, **opts)  # distinct slots for every row
     cpu = _clone(inp)
     y_ref = mamba1_state_update(*(cpu[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
     gpu = _to(inp, "cuda")
@@ -173,9 +173,13 @@ def test_gpu_state_update_matches_plain(batch, steps, opts):
 @pytest.mark.gpu
 def test_gpu_opcheck():
     pre = _to(make_scan([0, 37, 1, 20], pad_rows=(3,), dtype=torch.bfloat16, D_inner=64), "cuda")
-    run_opcheck(torch.ops.hybrid_compile.mamba1_selective_scan.default, tuple(pre[k] for k in SCAN_ORDER) + (16, True))
+    run_opcheck(torch.ops.hybrid_compile.mamba1_selective_scan.default,
+                tuple(pre[k] for k in SCAN_ORDER) + (16, True, False))  # A_is_log=False: make_scan gives A
     dec = _to(make_update(3, 2, pad_rows=(1,), D_inner=64), "cuda")
-    run_opcheck(torch.ops.hybrid_compile.mamba1_state_update.default, tuple(dec[k] for k in UPDATE_ORDER))
+    run_opcheck(torch.ops.hybrid_compile.mamba1_state_update.default, tuple(dec[k] for k in UPDATE_ORDER) + (False,))
+    a_log = torch.log(-dec["A"])  # the A_log path of the CUDA kernel too
+    run_opcheck(torch.ops.hybrid_compile.mamba1_state_update.default,
+                tuple(a_log if k == "A" else dec[k] for k in UPDATE_ORDER) + (True,))
 
 
 @pytest.mark.gpu
@@ -188,7 +192,7 @@ def test_gpu_decode_cuda_graph_replay():
     op = torch.ops.hybrid_compile.mamba1_state_update
 
     def call():
-        return op(*(static[k] for k in UPDATE_ORDER))
+        return op(*(static[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
 
     pool0 = static["ssm_states"].clone()
     s = torch.cuda.Stream()

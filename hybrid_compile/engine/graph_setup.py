@@ -47,6 +47,13 @@ def _graph_break_count() -> int:
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
+def _recompile_reasons(code_name: str) -> list[str]:
+    """The first failed guard of every Dynamo recompile of the code named ``code_name`` (one runner's
+    forward, :func:`_own_code_copy`), from Dynamo's compilation metrics (the process's latest 64 compiles)."""
+    return [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
+            if m.co_name == code_name and m.recompile_reason]
+
+
 _runner_ids = itertools.count()
 
 
@@ -103,6 +110,7 @@ class CompiledGraphs:
         self.full, self.piecewise = config.resolved_cuda_graphs(device) if config is not None else (False, False)
         full, piecewise = self.full, self.piecewise
         self.compiled_forward = None
+        self.code_name: str | None = None  # the compiled forward's own code name (compile)
         self.backend = None
         self.released = False  # release_packed_weights ran: the compiled forward must not run again
         self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
@@ -160,8 +168,9 @@ class CompiledGraphs:
             piecewise_graphs=self.piecewise_graphs, rewrites=self.rewrite_passes, skinny_matmuls=self.skinny_matmuls,
             inductor_config=self.inductor_config,
         )
+        self.code_name = f"hybrid_compile_forward_{next(_runner_ids)}"
         self.compiled_forward = torch.compile(
-            _own_code_copy(self.forward_fn(self.model), f"hybrid_compile_forward_{next(_runner_ids)}"),
+            _own_code_copy(self.forward_fn(self.model), self.code_name),
             backend=self.backend, fullgraph=True, dynamic=True,
         )
         t0 = time.perf_counter()
@@ -287,7 +296,8 @@ class CompiledGraphs:
         ``compile_seconds`` (split + Inductor, every graph), ``warmup_seconds`` (the compile at
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
         ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
-        batch 1, see ``cuda_graphs.FullGraphRunner``), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
+        batch 1, see ``cuda_graphs.FullGraphRunner``), ``recompile_reasons`` (Dynamo's first failed guard per
+        recompile, the one-token graph's included), ``pieces`` (Inductor-compiled pieces), ``splitting_op_calls`` and
         ``split_ops_seen`` (layer ops left eager between them), ``caches`` (Inductor's on-disk
         caches: ``fx_graph_cache`` / ``autograd_cache`` on, their ``dir``, and the pieces' lookups:
         ``fx_graph_hits`` / ``_misses`` / ``_bypasses``, ``autograd_hits`` / ...), ``graph_breaks``, ``compiled_steps``
@@ -313,6 +323,7 @@ class CompiledGraphs:
             "graphs": s.graphs,
             "recompiles": max(0, s.graphs - 1 - self._one_token_graphs()),
             "one_token_graph": bool(self._one_token_graphs()),
+            "recompile_reasons": _recompile_reasons(self.code_name),  # the one-token graph's included
             "pieces": s.pieces,
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),

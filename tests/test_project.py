@@ -38,6 +38,7 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
         assert singleton.find(f"hybrid_compile::{name}").fake_impl.kernel is not None, f"{name} has no fake impl"
         module_fn = next(
             getattr(m, name) for m in (hybrid_compile.ops.attention, hybrid_compile.ops.conv1d, hybrid_compile.ops.gdn,
+                                        hybrid_compile.ops.lightning,
                                         hybrid_compile.ops.mamba1, hybrid_compile.ops.mamba2, hybrid_compile.ops.norm,
                                         hybrid_compile.ops.state,
                                         hybrid_compile.ops.linear, hybrid_compile.ops.metadata,

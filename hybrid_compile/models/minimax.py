@@ -25,14 +25,10 @@ from ..layers import lightning as _lightning_layer  # noqa: F401  (registers lig
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
 from ..ops.lightning import LIGHTNING_CHUNK_SIZE
-from .base import ModelLayout, PatchHandle, install_attention, patch_forward
+from .base import ModelLayout, PatchHandle, install_attention, patch_forward, require_hf_modules
 from .gated_deltanet import delta_rule_layout
 
 MODEL_TYPES = ("minimax",)
-
-
-def _is_lightning(module: nn.Module) -> bool:
-    return type(module).__name__ == "MiniMaxLightningAttention"
 
 
 def lightning_forward(self, hidden_states, *args, **kwargs):
@@ -49,18 +45,12 @@ def lightning_forward(self, hidden_states, *args, **kwargs):
     return self.out_proj(out)[None], None
 
 
-def _require_transformers_classes(model: nn.Module) -> list[nn.Module]:
-    layers = [m for m in model.modules() if _is_lightning(m)]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__}: found no MiniMaxLightningAttention layer to patch (hybrid_compile patches "
-            "transformers' own minimax classes, not a checkpoint's trust_remote_code model)"
-        )
-    return layers
+def _lightning_layers(model: nn.Module) -> list[nn.Module]:
+    return require_hf_modules(model, "MiniMaxLightningAttention", "minimax")
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
-    _require_transformers_classes(model)
+    _lightning_layers(model)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h = cfg.num_attention_heads
@@ -74,5 +64,5 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
 
 def patch(model: nn.Module, handle: PatchHandle) -> None:
     install_attention(model, handle)
-    for module in _require_transformers_classes(model):
+    for module in _lightning_layers(model):
         patch_forward(module, lightning_forward, handle)

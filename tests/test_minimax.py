@@ -144,3 +144,37 @@ def test_not_a_transformers_minimax_model_is_refused():
     with pytest.raises(ValueError, match="no MiniMaxLightningAttention layer.*trust_remote_code"):
         minimax.layout(torch.nn.Linear(2, 2), kv_dtype=torch.float32, conv_dtype=torch.float32,
                        ssm_dtype=torch.float32)
+
+
+def test_fp8_state_refused_at_wrap():
+    with pytest.raises(ValueError, match="minimax: an FP8 recurrent state"):
+        make_engine(build_minimax(), ssm_state_dtype="float8_e4m3fn", **ENGINE_ARGS)
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_gpu_eager_and_graphs_match_hf():
+    """Eager, compiled + CUDA graphs (full decode graphs and piecewise), and graphs + speculative
+    on the GPU (the Triton lightning kernels), against HF on the CPU. The GPU copy runs its MoE
+    experts with transformers' ``batched_mm`` (no host sync, which graph capture refuses; the
+    default fp32 path syncs, see tests/test_cuda_graphs.py): the same math."""
+    import copy
+
+    from test_cuda_graphs import _assert_greedy_close  # HF-on-CPU oracle with a CPU/GPU near-tie allowance
+
+    cpu_model = build_minimax()
+    model = copy.deepcopy(cpu_model).to("cuda")
+    model.set_experts_implementation("batched_mm")
+    prompts = random_prompts((37, 1, 150, 5, 64, 3), VOCAB, seed=16) + [[5, 9, 14, 3] * 5]
+    expected = [hf_greedy_cached(cpu_model, ("minimax", 0), p, MAX_NEW) for p in prompts]
+    graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
+    runs = {"eager": dict(compile=False), "graphs": graphs,
+            "graphs+speculative": dict(graphs, speculative=dict(method="ngram", num_draft_tokens=3))}
+    for name, kw in runs.items():
+        with make_engine(model, max_running_requests=8, **kw) as engine:
+            got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
+        for p, g, want in zip(prompts, got, expected):
+            _assert_greedy_close(cpu_model, p, g, want, f"minimax {name} GPU")

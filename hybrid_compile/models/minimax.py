@@ -51,6 +51,9 @@ def _lightning_layers(model: nn.Module) -> list[nn.Module]:
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
     _lightning_layers(model)
+    if ssm_dtype == torch.float8_e4m3fn:  # the lightning ops keep float states only
+        raise ValueError("minimax: an FP8 recurrent state (ssm_state_dtype float8_e4m3fn) is not supported for "
+                         "lightning attention layers; use float32 or bfloat16")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h = cfg.num_attention_heads

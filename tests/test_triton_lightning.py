@@ -24,17 +24,22 @@ INTERPRETER_ONLY = True
 ops = torch.ops.hybrid_compile
 
 
-@pytest.mark.parametrize("lens", [[5], [65, 0, 3], [130, 1]])
-def test_interpreted_chunk_matches_reference(lens):
-    dims = (H, 16, V)  # tl.dot needs K >= 16
+@pytest.mark.parametrize("lens,dims,pool_dtype", [
+    ([5], (H, 16, V), torch.float32),  # tl.dot needs blocks >= 16
+    ([65, 0, 3], (H, 16, V), torch.float32),
+    ([130, 1], (H, 16, V), torch.float32),
+    ([70, 3], (2, 24, 40), torch.bfloat16),  # K and V padded to powers of two, V in two blocks; bf16 pool
+])
+def test_interpreted_chunk_matches_reference(lens, dims, pool_dtype):
     pad_rows = (1,) if len(lens) > 2 else ()
-    q, k, v, s, pool, cu, slots, has_init = chunk_inputs(lens, dims, pad_rows=pad_rows)
+    q, k, v, s, pool, cu, slots, has_init = chunk_inputs(lens, dims, pool_dtype=pool_dtype, pad_rows=pad_rows)
     got = pool.clone()
     o, cs = tl_lightning.chunk_lightning_attention_triton(q, k, v, s, got, cu, slots, has_init, True)
     want_o, want_pool, want_cs = ref.chunk_lightning_attention_ref(q, k, v, s, pool, cu, slots, has_init, True, C)
-    assert_close(o, want_o, msg="output")
-    check_pool(got, want_pool, pool, [sl for sl, n in zip(slots.tolist(), lens) if n > 0])
-    assert_close(cs, want_cs, msg="chunk states")
+    tol = torch.bfloat16 if pool_dtype == torch.bfloat16 else torch.float32
+    assert_close(o, want_o, tol, msg="output")
+    check_pool(got, want_pool, pool, [sl for sl, n in zip(slots.tolist(), lens) if n > 0], tol)
+    assert_close(cs, want_cs, tol, msg="chunk states")
 
 
 @pytest.mark.parametrize("disable", [False, True])

@@ -198,7 +198,7 @@ def chunk_lightning_attention_triton(
         chunk_row_offsets(cu_seqlens, C),
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:2], *ssm_states.stride(),
         *(chunk_states.stride() if output_chunk_states else (0, 0, 0, 0)),
-        K=kd, V=vd, BK=bk, BV=bv, C=C, OUT_CHUNKS=output_chunk_states, num_warps=4,
+        K=kd, V=vd, BK=bk, BV=bv, C=C, OUT_CHUNKS=output_chunk_states, num_warps=8 if bk >= 128 else 4,
     )
     return o, chunk_states
 

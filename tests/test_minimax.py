@@ -155,7 +155,6 @@ def test_fp8_state_refused_at_wrap():
 
 
 @pytest.mark.gpu
-@pytest.mark.smoke
 def test_gpu_eager_and_graphs_match_hf():
     """Eager, compiled + CUDA graphs (full decode graphs and piecewise), and graphs + speculative
     on the GPU (the Triton lightning kernels), against HF on the CPU. The GPU copy runs its MoE

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from hybrid_compile.ops import attention as A  # noqa: E402
 from hybrid_compile.ops import conv1d as C  # noqa: E402
 from hybrid_compile.ops import gdn as G  # noqa: E402
+from hybrid_compile.ops import lightning as LA  # noqa: E402
 from hybrid_compile.ops import mamba2 as M  # noqa: E402
 
 ops = torch.ops.hybrid_compile
@@ -338,6 +339,33 @@ def bench_mamba2(quick):
                    note="(no fla equivalent)")
 
 
+def bench_lightning(quick):
+    """MiniMax-Text-01 lightning attention: 64 heads of 128, fp32 state, bf16 inputs."""
+    H, D, S = 64, 128, 512
+    ssm = torch.zeros(S, H, D, D, dtype=torch.float32, device=DEV)
+    slope = (0.5 ** (torch.arange(H, device=DEV) * 8 / H + 8 / H)).float()
+    for batch in ([1, 64] if quick else [1, 16, 64, 256]):
+        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        q, k, v = (torch.randn(batch, 1, H, D, dtype=BF16, device=DEV) * D ** -0.5 for _ in range(3))
+        f = lambda: ops.recurrent_lightning_attention_update(q, k, v, slope, ssm, slots, False, None)  # noqa: E731
+        p = lambda: plain(LA.recurrent_lightning_attention_update)(q, k, v, slope, ssm, slots, False, None)  # noqa: E731
+        record("recurrent_lightning_attention_update", f"B={batch} H={H} D={D}", safe(lambda: bench(f)),
+               safe(lambda: bench(p, graph=False)), None, bytes_moved=2 * batch * H * D * D * 4, note="decode")
+    for total in ([2048, 32768] if quick else [2048, 8192, 32768]):
+        for batch in (1, 8):
+            lens, cu = varlen(total, batch)
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            has = torch.zeros(batch, dtype=torch.bool, device=DEV)
+            q, k, v = (torch.randn(total, H, D, dtype=BF16, device=DEV) * D ** -0.5 for _ in range(3))
+            C_ = LA.LIGHTNING_CHUNK_SIZE
+            flops = total * H * (2 * C_ * D * 2 + 2 * D * D * 2)  # q k^T, (qk) v; q S, k^T v
+            f = lambda: ops.chunk_lightning_attention(q, k, v, slope, ssm, cu, slots, has, False)  # noqa: E731
+            p = lambda: plain(LA.chunk_lightning_attention)(q, k, v, slope, ssm, cu, slots, has, False)  # noqa: E731
+            record("chunk_lightning_attention", f"T={total} B={batch}", safe(lambda: bench(f, graph=False)),
+                   safe(lambda: bench(p, iters=3, graph=False)) if total <= 8192 else None, None, flops=flops,
+                   note="(fp32 dots)")
+
+
 def bench_attention(quick):
     Hq, Hkv, Dh = 16, 2, 256
     NS = 600_000
@@ -461,7 +489,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
-    parser.add_argument("--only", default="gdn,kda,mamba2,attention,skinny_mm", help="comma list of groups")
+    parser.add_argument("--only", default="gdn,kda,lightning,mamba2,attention,skinny_mm", help="comma list of groups")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -476,6 +504,8 @@ def main():
         bench_gdn(args.quick, fla)
     if "kda" in groups:
         bench_kda(args.quick)
+    if "lightning" in groups:
+        bench_lightning(args.quick)
     if "mamba2" in groups:
         bench_mamba2(args.quick)
     if "attention" in groups:

@@ -17,6 +17,7 @@ import hybrid_compile as hc
 import kimi_models as km
 import mamba1_models as m1
 import mamba2_models as mm
+import minimax_models as mx
 from engine_models import cached_model, hf_greedy, single_threaded
 
 NEW = 4
@@ -35,8 +36,11 @@ BUILDERS = {
     "olmo_hybrid": lambda: cached_model("olmo_hybrid", 0),
     # one KDA and one MLA layer (CPU Inductor's compile time grows with the layers)
     "kimi_linear": lambda: km.build_kimi_linear(0, None, ("linear_attention", "full_attention")),
+    # one lightning and one softmax attention layer
+    "minimax": lambda: mx.build_minimax(0, ("linear_attention", "full_attention")),
 }
-SPLIT_OPS = {"kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1}}
+SPLIT_OPS = {"kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1},
+             "minimax": {"hybrid_compile::lightning_layer": 1, "hybrid_compile::attention_layer": 1}}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -38,6 +38,7 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
         assert singleton.find(f"hybrid_compile::{name}").fake_impl.kernel is not None, f"{name} has no fake impl"
         module_fn = next(
             getattr(m, name) for m in (hybrid_compile.ops.attention, hybrid_compile.ops.conv1d, hybrid_compile.ops.gdn,
+                                        hybrid_compile.ops.lightning,
                                         hybrid_compile.ops.mamba1, hybrid_compile.ops.mamba2, hybrid_compile.ops.norm,
                                         hybrid_compile.ops.state,
                                         hybrid_compile.ops.linear, hybrid_compile.ops.metadata,
@@ -80,7 +81,7 @@ def test_the_mutated_default_check_can_fail():
 def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "19/19 ops match" in out  # (the four verify ops over draft trees and the KDA / MLA cases included)
+    assert "21/21 ops match" in out  # (the four verify ops over draft trees, the KDA / MLA and lightning cases included)
 
 
 def test_demo_command_matches_transformers(capsys):

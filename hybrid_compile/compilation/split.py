@@ -27,7 +27,7 @@ from torch.fx.passes.split_module import split_module
 OpLike = Union[str, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
 
 # The layer ops of hybrid_compile.layers (attention core, GDN / KDA core, Mamba2 core, short conv (LFM2,
-# Mamba1's conv), Mamba1 scan core).
+# Mamba1's conv), Mamba1 scan core, MiniMax lightning attention core).
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "hybrid_compile::attention_layer",
     "hybrid_compile::gdn_layer",
@@ -35,6 +35,7 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "hybrid_compile::mamba2_layer",
     "hybrid_compile::short_conv_layer",
     "hybrid_compile::mamba1_ssm_layer",
+    "hybrid_compile::lightning_layer",
 )
 
 

@@ -5,7 +5,8 @@ Granite-4), :mod:`.falcon_h1` (parallel attention + Mamba2 in every layer), :mod
 (Mamba2 layers + a shared attention block), :mod:`.short_conv` (LFM2's short convolutions),
 :mod:`.kimi_linear` (Kimi Delta Attention + multi-head latent attention over a compressed cache);
 :mod:`.mamba1` (Mamba1 mixers and attention: Mamba, FalconMamba, Jamba), :mod:`.zamba` (multi-head
-Mamba1 layers + a shared attention block);
+Mamba1 layers + a shared attention block), :mod:`.minimax` (MiniMax lightning attention + softmax
+attention, MoE);
 :mod:`.mamba2_common` holds the Mamba2 mixer forward they share, :mod:`.mtp` the
 multi-token-prediction heads, :mod:`.base` the patch handle and the attention hook.
 
@@ -20,10 +21,10 @@ from types import ModuleType
 
 from torch import nn
 
-from . import falcon_h1, gated_deltanet, kimi_linear, mamba1, mamba2, short_conv, zamba, zamba2
+from . import falcon_h1, gated_deltanet, kimi_linear, mamba1, mamba2, minimax, short_conv, zamba, zamba2
 from .base import ModelLayout, PatchHandle
 
-_FAMILY_MODULES = (gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv, mamba1, zamba)
+_FAMILY_MODULES = (gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv, mamba1, zamba, minimax)
 FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 

@@ -149,3 +149,15 @@ def patch_forward(module: nn.Module, forward: Callable, handle: PatchHandle) -> 
     """Replace ``module.forward`` on this instance only (the class is untouched)."""
     module.forward = types.MethodType(forward, module)
     handle.restores.append(lambda m=module: m.__dict__.pop("forward", None))
+
+
+def require_hf_modules(model: nn.Module, class_name: str, family: str) -> list[nn.Module]:
+    """The model's modules of transformers' class ``class_name``, or one clear error when there are
+    none (e.g. a checkpoint's own ``trust_remote_code`` implementation of the family)."""
+    found = [m for m in model.modules() if type(m).__name__ == class_name]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__}: found no {class_name} layer to patch (hybrid_compile patches transformers' "
+            f"own {family} classes, not a checkpoint's trust_remote_code model)"
+        )
+    return found

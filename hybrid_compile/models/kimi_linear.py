@@ -33,14 +33,10 @@ from ..layers import gdn as _gdn_layer  # noqa: F401  (registers kda_layer)
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
 from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
-from .base import ModelLayout, PatchHandle, install_attention, patch_forward
+from .base import ModelLayout, PatchHandle, install_attention, patch_forward, require_hf_modules
 from .gated_deltanet import delta_rule_layout
 
 MODEL_TYPES = ("kimi_linear",)
-
-
-def _is_kda(module: nn.Module) -> bool:
-    return type(module).__name__ == "KimiLinearDeltaAttention"
 
 
 def _is_mla(module: nn.Module) -> bool:
@@ -100,14 +96,8 @@ def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
 
 
 def _require_transformers_classes(model: nn.Module) -> list[nn.Module]:
-    """The model's ``KimiLinearDeltaAttention`` modules, or a clear error for another implementation."""
-    kda = [m for m in model.modules() if _is_kda(m)]
-    if not kda:
-        raise ValueError(
-            f"{type(model).__name__}: found no KimiLinearDeltaAttention layer to patch (hybrid_compile patches "
-            "transformers' own kimi_linear classes, transformers >= 5.17, not a checkpoint's trust_remote_code model)"
-        )
-    return kda
+    """The model's ``KimiLinearDeltaAttention`` modules (transformers >= 5.17), or a clear error."""
+    return require_hf_modules(model, "KimiLinearDeltaAttention", "kimi_linear")
 
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:

@@ -12,6 +12,8 @@ causal_conv1d_fn / causal_conv1d_update          :mod:`.conv1d` (+ track_conv_wi
 gdn_gating / chunk_gated_delta_rule              :mod:`.gdn` (g per head, or per channel: KDA)
 fused_sigmoid_gating_delta_rule_update           :mod:`.gdn` (decode)
 fused_recurrent_gated_delta_rule_update          :mod:`.gdn` (speculative verify)
+chunk_lightning_attention /                      :mod:`.lightning` (MiniMax lightning attention)
+recurrent_lightning_attention_update
 ssd_chunk_scan / selective_state_update          :mod:`.mamba2`
 mamba1_selective_scan / mamba1_state_update      :mod:`.mamba1`
 gated_rms_norm                                   :mod:`.norm`
@@ -27,12 +29,13 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, fp8, gdn, linear, mamba1, mamba2, metadata, norm, sampling, state
+from . import attention, conv1d, fp8, gdn, lightning, linear, mamba1, mamba2, metadata, norm, sampling, state
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import fp8 as _triton_fp8  # noqa: F401
 from .triton import gdn as _triton_gdn  # noqa: F401
 from .triton import gdn_gating as _triton_gdn_gating  # noqa: F401
+from .triton import lightning as _triton_lightning  # noqa: F401
 from .triton import linear as _triton_linear  # noqa: F401
 from .triton import mamba1 as _triton_mamba1  # noqa: F401
 from .triton import mamba2 as _triton_mamba2  # noqa: F401
@@ -52,6 +55,8 @@ KERNEL_OPS = (
     "chunk_gated_delta_rule",
     "fused_sigmoid_gating_delta_rule_update",
     "fused_recurrent_gated_delta_rule_update",
+    "chunk_lightning_attention",
+    "recurrent_lightning_attention_update",
     "ssd_chunk_scan",
     "selective_state_update",
     "mamba1_selective_scan",
@@ -80,6 +85,7 @@ __all__ = [
     "debug_checks_enabled",
     "fp8",
     "gdn",
+    "lightning",
     "linear",
     "mamba1",
     "mamba2",

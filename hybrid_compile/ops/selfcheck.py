@@ -18,6 +18,7 @@ from . import reference as _ref  # noqa: F401
 from .reference import attention as ref_attn
 from .reference import conv1d as ref_conv
 from .reference import gdn as ref_gdn
+from .reference import lightning as ref_lightning
 from .reference import mamba2 as ref_mamba2
 from .reference import tree as ref_tree
 
@@ -280,6 +281,41 @@ def check_kda(device, dtype, gen, reps) -> list[CheckResult]:
     return results
 
 
+def check_lightning(device, dtype, gen, reps) -> list[CheckResult]:
+    """MiniMax lightning attention: chunked prefill with chunk states, and verify with intermediates."""
+    H, K, V, S, L = 4, 32, 32, 8, 3
+    bt = _Batch([130, 17, 70, 1, 0], S, device, gen)
+    q, k = (_rand(gen, bt.T, H, K, dtype=dtype, device=device, scale=K ** -0.5) for _ in range(2))
+    v = _rand(gen, bt.T, H, V, dtype=dtype, device=device)
+    slope = (0.5 ** (torch.arange(H) + 1)).float().to(device)
+    pool = _rand(gen, S, H, K, V, device=device, scale=0.1)
+    cpu = lambda t: t.cpu()  # noqa: E731
+
+    def run_chunk():
+        p = pool.clone()
+        o, cs = ops.chunk_lightning_attention(q, k, v, slope, p, bt.cu, bt.slots, bt.has_init, True)
+        return o, cs, p
+
+    (o, cs, p), ms = _timed(run_chunk, reps)
+    (ro, rp, rcs), ref_ms = _timed(lambda: ref_lightning.chunk_lightning_attention_ref(
+        *map(cpu, (q, k, v, slope, pool, bt.cu, bt.slots, bt.has_init)), True))
+    results = [CheckResult("chunk_lightning_attention", _err((o, ro), (p, rp), (cs, rcs)), TOLERANCE[dtype], ms, ref_ms)]
+    vq, vk = (x[: bt.B * L].reshape(bt.B, L, H, K) for x in (q, k))
+    vv = v[: bt.B * L].reshape(bt.B, L, H, V)
+    inter = torch.zeros(bt.B, L, H, K, V, device=device)
+
+    def run_verify():
+        p, i = pool.clone(), inter.clone()
+        return ops.recurrent_lightning_attention_update(vq, vk, vv, slope, p, bt.slots, False, i), p, i
+
+    (o, p, i), ms = _timed(run_verify, reps)
+    (ro, rp, ri), ref_ms = _timed(lambda: ref_lightning.recurrent_lightning_attention_update_ref(
+        *map(cpu, (vq, vk, vv, slope, pool, bt.slots)), False, inter.cpu()))
+    results.append(CheckResult("recurrent_lightning_attention_update", _err((o, ro), (p, rp), (i, ri)),
+                               TOLERANCE[dtype], ms, ref_ms))
+    return results
+
+
 def check_attention(device, dtype, gen, reps) -> list[CheckResult]:
     Hq, Hkv, Dh, NS = 8, 2, 32, 1024
     prefix = [40, 0, 100, 7]
@@ -455,7 +491,7 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
     return results
 
 
-CHECKS = (check_conv1d, check_gdn, check_kda, check_mamba2, check_attention, check_linear, check_trees)
+CHECKS = (check_conv1d, check_gdn, check_kda, check_lightning, check_mamba2, check_attention, check_linear, check_trees)
 
 
 def run_selfcheck(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, reps: int = 3) -> list[CheckResult]:

@@ -15,6 +15,7 @@ import torch
 import hybrid_compile as hc
 
 import kimi_models as km
+import lfm3_models as lfm3
 import mamba1_models as m1
 import mamba2_models as mm
 from engine_models import cached_model, hf_greedy, single_threaded
@@ -35,8 +36,12 @@ BUILDERS = {
     "olmo_hybrid": lambda: cached_model("olmo_hybrid", 0),
     # one KDA and one MLA layer (CPU Inductor's compile time grows with the layers)
     "kimi_linear": lambda: km.build_kimi_linear(0, None, ("linear_attention", "full_attention")),
+    "lfm3": lambda: lfm3.build_lfm3(0),  # skips on a transformers without LFM3
 }
-SPLIT_OPS = {"kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1}}
+SPLIT_OPS = {
+    "kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1},
+    "lfm3": {"hybrid_compile::short_conv_layer": 3, "hybrid_compile::attention_layer": 2},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)

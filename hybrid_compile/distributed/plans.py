@@ -575,15 +575,19 @@ def _lfm2_ff_dim(cfg) -> int:
 
 
 def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
-    """LFM2 / LFM2-MoE: attention by heads (``out_proj``; the per-head q/k layernorms replicated),
-    the short conv's ``hidden_size`` channels split (rebuilt with the local count:
+    """LFM2 / LFM2-MoE / LFM3: attention by heads (the per-head q/k layernorms replicated; LFM3's
+    sliding-window layers split the same way, its per-head output gate ``g_proj`` by rows with its
+    heads), the short conv's ``hidden_size`` channels split (rebuilt with the local count:
     ``local_modules``), the dense MLP (``w1`` / ``w3`` / ``w2``) and the experts by their
     intermediate dimension."""
     cfg = _text(config)
     plan = ShardPlan(cfg.model_type, size, rank, cfg)
-    hd = _head_dim(cfg)
-    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd,
-                              out="out_proj")
+    hd, heads = _head_dim(cfg), int(cfg.num_attention_heads)
+    lfm3 = cfg.model_type == "lfm3"  # Qwen3-style attention: ``o_proj`` and the output gate
+    local_kv = plan.attention(r"\.self_attn", heads, int(cfg.num_key_value_heads), hd,
+                              out="o_proj" if lfm3 else "out_proj")
+    if lfm3:
+        plan.add(r"\.self_attn\.g_proj\.weight", Slice(0, (Segment(heads, 1),)))
     hidden = int(cfg.hidden_size)
     channels = _split(hidden, size, "hidden_size (the short conv's channels)", plan.family)
     c = Segment(hidden, 1)
@@ -595,7 +599,7 @@ def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
     plan.local_modules.append((re.compile(r"\.layers\.\d+\.conv$"), _local_short_conv(channels)))
     ff = _lfm2_ff_dim(cfg)
     plan.mlp(r"\.feed_forward", ff, "the feed-forward width", gate="w1", up="w3", down="w2")
-    fields = dict(num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv, head_dim=hd,
+    fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
                   intermediate_size=ff // size)
     if hasattr(cfg, "block_auto_adjust_ff_dim"):
         fields["block_auto_adjust_ff_dim"] = False  # the local width is set as it is
@@ -613,7 +617,7 @@ PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
-    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
+    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "lfm3": lfm2_plan, "zamba2": zamba2_plan,
     "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
 }
 

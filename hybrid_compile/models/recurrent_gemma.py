@@ -21,7 +21,10 @@ recurrence. ``r_t`` is floored at :data:`_MIN_RECURRENT_GATE` before the divisio
 ``a_t`` rounds to 1 in fp32 either way and ``u_t / r_t`` stays finite. The reset at position 0
 needs no gate: a request's first token always starts from a zero state.
 
-Prefix-cache checkpoints: the scan has a state after every token; alignment 64 as for Mamba1.
+Prefix-cache checkpoints: the scan has a state after every token, so the alignment is free; a
+checkpoint is one ``lru_width`` vector (N = 1) plus a conv window per recurrent layer, as cheap as
+LFM2's, so the alignment is LFM2's 16 tokens (finer prefix reuse; chunked prefill of any size >= 16
+stays on the grid).
 Tensor parallelism has no plan for this family (``distributed/plans.py`` raises its error).
 """
 
@@ -40,7 +43,7 @@ from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 from .mamba2_common import attention_spec, find_attention_modules, max_positions
 
 MODEL_TYPES = ("recurrent_gemma",)
-RG_LRU_CHECKPOINT_ALIGN = 64
+RG_LRU_CHECKPOINT_ALIGN = 16
 _MIN_RECURRENT_GATE = 1e-20
 
 

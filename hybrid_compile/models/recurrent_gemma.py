@@ -25,7 +25,7 @@ Prefix-cache checkpoints: the scan has a state after every token, so the alignme
 checkpoint is one ``lru_width`` vector (N = 1) plus a conv window per recurrent layer, as cheap as
 LFM2's, so the alignment is LFM2's 16 tokens (finer prefix reuse; chunked prefill of any size >= 16
 stays on the grid).
-Tensor parallelism has no plan for this family (``distributed/plans.py`` raises its error).
+Tensor parallelism: ``distributed/plans.py::recurrent_gemma_plan`` (by RG-LRU and attention heads).
 """
 
 from __future__ import annotations

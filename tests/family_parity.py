@@ -9,6 +9,7 @@ caller); prompts are drawn from the model's vocabulary with fixed seeds.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +20,7 @@ from engine_models import assert_greedy_equal, assert_pools_restored, make_engin
 MAX_NEW = 8
 ENGINE_ARGS = dict(max_running_requests=3, chunked_prefill_size=32, max_context_len=320, mamba_cache_size=8)
 
-__all__ = ["ENGINE_ARGS", "Family", "MAX_NEW", "check_batch_with_chunked_prefill", "check_gpu_graphs",
+__all__ = ["ENGINE_ARGS", "Family", "MAX_NEW", "make_family", "check_batch_with_chunked_prefill", "check_gpu_graphs",
            "check_prefix_cache_hits", "check_speculative"]
 
 
@@ -34,6 +35,18 @@ class Family:
         for i, (p, g) in enumerate(zip(prompts, got)):
             assert_greedy_equal(self.model(), p, g, self.hf(tuple(p), max_new),
                                 f"{self.name} {what}: prompt {i} (length {len(p)})")
+
+
+def make_family(name: str, build: Callable[[], torch.nn.Module], hf_greedy: Callable, vocab: int) -> Family:
+    """A family whose model is built once and whose HF tokens are computed once per prompt
+    (``hf_greedy(model, prompt_list, max_new)``)."""
+    model = functools.lru_cache(maxsize=None)(build)
+
+    @functools.lru_cache(maxsize=None)
+    def hf(prompt: tuple, max_new: int) -> list[int]:
+        return hf_greedy(model(), list(prompt), max_new)
+
+    return Family(name, model, hf, vocab)
 
 
 def check_batch_with_chunked_prefill(family: Family) -> None:

@@ -12,8 +12,6 @@ Skipped on a transformers without LFM3 (5.17). GPU (``@pytest.mark.gpu``): compi
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import hybrid_compile as hc
@@ -28,29 +26,19 @@ def _one_thread():
     yield from single_threaded()
 
 
-@functools.lru_cache(maxsize=None)
-def _model():
-    return build_lfm3(0)
-
-
-@functools.lru_cache(maxsize=None)
-def _hf(prompt: tuple, max_new: int) -> list[int]:
-    return hf_greedy(_model(), list(prompt), max_new)
-
-
-FAMILY = fp.Family("lfm3", _model, _hf, VOCAB)
+FAMILY = fp.make_family("lfm3", build_lfm3, hf_greedy, VOCAB)
 
 
 def test_registered_layout_and_window_matters():
     assert "lfm3" in hc.supported_model_types()
-    model = _model()
+    model = FAMILY.model()
     with make_engine(model, **fp.ENGINE_ARGS) as engine:
         assert [s.layer_ids for s in engine.layout.attention] == [(1,), (3,)]
         assert [s.layer_ids for s in engine.layout.mamba] == [(0,), (2,), (4,)]
         assert engine.layout.mamba[0].conv_window_shape == (2, 32) and not engine.layout.mamba[0].has_ssm_state
     prompt = random_prompts((90,), VOCAB, seed=21)[0]
     unwindowed = build_lfm3(0, sliding_window=4096)  # same weights, the window beyond every prompt
-    assert hf_greedy(unwindowed, prompt, fp.MAX_NEW) != _hf(tuple(prompt), fp.MAX_NEW), "the window should matter"
+    assert hf_greedy(unwindowed, prompt, fp.MAX_NEW) != FAMILY.hf(tuple(prompt), fp.MAX_NEW), "the window should matter"
     assert model.model.layers[1].self_attn.sliding_window == SLIDING_WINDOW
 
 

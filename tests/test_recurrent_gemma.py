@@ -15,7 +15,6 @@ eager GPU engine and HF.
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -33,24 +32,14 @@ def _one_thread():
     yield from single_threaded()
 
 
-@functools.lru_cache(maxsize=None)
-def _model():
-    return build_recurrent_gemma(0)
-
-
-@functools.lru_cache(maxsize=None)
-def _hf(prompt: tuple, max_new: int) -> list[int]:
-    return hf_greedy_fresh(_model(), list(prompt), max_new)
-
-
-FAMILY = fp.Family("recurrent_gemma", _model, _hf, VOCAB)
+FAMILY = fp.make_family("recurrent_gemma", build_recurrent_gemma, hf_greedy_fresh, VOCAB)
 
 
 def test_rg_lru_on_the_mamba1_ops_equals_hf_module():
     """Prefill of 11 tokens from zeros through ``mamba1_selective_scan``, then 3 decode tokens
     through ``mamba1_state_update``, against HF's ``RecurrentGemmaRglru`` (which carries its own
     state). Channel 0's recurrent gate is pushed below the floor (``a_t`` = 1 in fp32)."""
-    lru = copy.deepcopy(_model().model.layers[0].temporal_block.rg_lru)
+    lru = copy.deepcopy(FAMILY.model().model.layers[0].temporal_block.rg_lru)
     with torch.no_grad():
         lru.recurrent_gate_bias[0, 0] = -80.0
     width = lru.recurrent_param.shape[0]
@@ -82,7 +71,7 @@ def test_rg_lru_on_the_mamba1_ops_equals_hf_module():
 
 def test_registered_layout_and_window_matters():
     assert "recurrent_gemma" in hc.supported_model_types()
-    model = _model()
+    model = FAMILY.model()
     with make_engine(model, **fp.ENGINE_ARGS) as engine:
         assert [s.layer_ids for s in engine.layout.attention] == [(1,)]
         assert [s.layer_ids for s in engine.layout.mamba] == [(0,), (2,)]
@@ -91,7 +80,7 @@ def test_registered_layout_and_window_matters():
         assert engine.layout.ssm_chunk_size == rg.RG_LRU_CHECKPOINT_ALIGN
     prompt = random_prompts((90,), VOCAB, seed=21)[0]
     unwindowed = build_recurrent_gemma(0, window=4096)  # same weights, the window beyond every prompt
-    assert hf_greedy_fresh(unwindowed, prompt, fp.MAX_NEW) != _hf(tuple(prompt), fp.MAX_NEW), "the window should matter here"
+    assert hf_greedy_fresh(unwindowed, prompt, fp.MAX_NEW) != FAMILY.hf(tuple(prompt), fp.MAX_NEW), "the window should matter here"
 
 
 def test_generate_single_prompts_and_batch_with_chunked_prefill():

@@ -71,12 +71,12 @@ def _rg_lru_scan_inputs(lru: nn.Module, x: torch.Tensor, positions: torch.Tensor
 
     input_gate = gate(lru.input_gate_weight, lru.input_gate_bias)
     r = gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
-    rate = 8.0 * F.softplus(lru.recurrent_param)  # log a_t = -r_t * rate
-    a_square = torch.exp(-2.0 * r * rate)
+    softplus = F.softplus(lru.recurrent_param)
+    a_square = torch.exp(2 * (-8.0 * r * softplus))  # HF's order of operations: a_t^2 = exp(2 log a_t)
     multiplier = torch.where((positions == 0)[:, None], torch.ones_like(a_square), torch.sqrt(1 - a_square))
     u = (x * input_gate) * multiplier.to(x.dtype)  # HF's normalized_x, in the activations' dtype
     r = r.float().clamp(min=_MIN_RECURRENT_GATE)
-    return u.float() / r, r, torch.log(rate.float())[:, None]
+    return u.float() / r, r, torch.log(8.0 * softplus.float())[:, None]  # A = -8 softplus(Lambda)
 
 
 def make_recurrent_block_forward(layer_id: int):

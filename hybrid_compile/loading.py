@@ -11,6 +11,7 @@ clear :class:`LoadError`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -73,6 +74,8 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
 
     if _is_local(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointNotFoundError(f"{path!r} has no config.json: not a Hugging Face model directory")
+    if _is_local(path):
+        _check_transformers_has(path)
     try:
         return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as e:  # not a local dir and not reachable on the Hub
@@ -80,6 +83,26 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
         raise CheckpointNotFoundError(
             f"{path!r} is neither a local model directory nor a reachable Hugging Face Hub model ({first})"
         ) from e
+
+
+def _check_transformers_has(path: str) -> None:
+    """A supported family that the installed transformers does not know (e.g. ``lfm3`` before
+    transformers 5.24): one clear error instead of AutoConfig's unrecognised-architecture one."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from .models import FAMILIES
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # AutoConfig reports an unreadable config itself
+    if model_type in FAMILIES and model_type not in CONFIG_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is a hybrid_compile family, but the installed transformers "
+            f"{transformers.__version__} has no {model_type!r} model; install a transformers that has it"
+        )
 
 
 def check_model_type(config, where: str = "") -> None:

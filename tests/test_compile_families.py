@@ -15,9 +15,11 @@ import torch
 import hybrid_compile as hc
 
 import kimi_models as km
+import lfm3_models as lfm3
 import mamba1_models as m1
 import mamba2_models as mm
 import minimax_models as mx
+import recurrent_gemma_models as rgm
 from engine_models import cached_model, hf_greedy, single_threaded
 
 NEW = 4
@@ -38,9 +40,16 @@ BUILDERS = {
     "kimi_linear": lambda: km.build_kimi_linear(0, None, ("linear_attention", "full_attention")),
     # one lightning and one softmax attention layer
     "minimax": lambda: mx.build_minimax(0, ("linear_attention", "full_attention")),
+    "lfm3": lambda: lfm3.build_lfm3(0),  # skips on a transformers without LFM3
+    "recurrent_gemma": lambda: rgm.build_recurrent_gemma(0),
 }
-SPLIT_OPS = {"kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1},
-             "minimax": {"hybrid_compile::lightning_layer": 1, "hybrid_compile::attention_layer": 1}}
+SPLIT_OPS = {
+    "kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1},
+    "minimax": {"hybrid_compile::lightning_layer": 1, "hybrid_compile::attention_layer": 1},
+    "lfm3": {"hybrid_compile::short_conv_layer": 3, "hybrid_compile::attention_layer": 2},
+    "recurrent_gemma": {"hybrid_compile::short_conv_layer": 2, "hybrid_compile::mamba1_ssm_layer": 2,
+                        "hybrid_compile::attention_layer": 1},
+}
 
 
 @pytest.fixture(scope="module", autouse=True)

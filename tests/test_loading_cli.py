@@ -314,6 +314,15 @@ def test_from_pretrained_errors_are_clear(ckpt, tmp_path):
         hc.from_pretrained(ckpt["no_tok"], tokenizer="required")
     with pytest.raises(TypeError, match="unknown EngineConfig field"):
         hc.from_pretrained(ckpt["qwen"], max_runing_requests=2)
+    # a supported family the installed transformers lacks (LFM3 on transformers 5.17) says so
+    (tmp_path / "lfm3").mkdir()
+    (tmp_path / "lfm3" / "config.json").write_text('{"model_type": "lfm3"}')
+    from transformers.models.auto import configuration_auto
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delitem(configuration_auto.CONFIG_MAPPING_NAMES, "lfm3", raising=False)
+        with pytest.raises(UnsupportedModelError, match=r"'lfm3' is a hybrid_compile family, but the installed transformers"):
+            hc.from_pretrained(str(tmp_path / "lfm3"))
     # all of them are ValueErrors (wrap's own error for a non-hybrid model is one too)
     assert issubclass(UnsupportedModelError, ValueError) and issubclass(TokenizerNotFoundError, ValueError)
 

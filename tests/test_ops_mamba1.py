@@ -47,13 +47,13 @@ def make_scan(lens, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=tor
 
 
 def make_update(batch, steps, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=torch.float32, with_D=True,
-                with_z=True, with_bias=True, pad_rows=(), inter=True, disable=False, num_slots=NUM_SLOTS):
+                with_z=True, with_bias=True, pad_rows=(), inter=True, disable=False, softplus=True, num_slots=NUM_SLOTS):
     return dict(
         x=torch.randn(batch, steps, D_inner).to(dtype), dt=(torch.randn(batch, steps, D_inner) - 1.0).to(dtype),
         A=_negative_A(D_inner, N), B=(0.5 * torch.randn(batch, steps, G, N)).to(dtype),
         C=(0.5 * torch.randn(batch, steps, G, N)).to(dtype), D=torch.randn(D_inner).to(dtype) if with_D else None,
         z=torch.randn(batch, steps, D_inner).to(dtype) if with_z else None,
-        dt_bias=(0.5 * torch.randn(D_inner)).to(dtype) if with_bias else None, dt_softplus=True,
+        dt_bias=(0.5 * torch.randn(D_inner)).to(dtype) if with_bias else None, dt_softplus=softplus,
         ssm_states=torch.randn(num_slots, D_inner, N).to(pool_dtype),
         state_indices=distinct_slots(batch, num_slots, pad_rows=pad_rows), disable_state_update=disable,
         intermediate_states=torch.full((batch + 1, steps, D_inner, N), 7.0) if inter else None,

@@ -28,6 +28,7 @@ import time
 
 import pytest
 import torch
+import transformers
 
 import hybrid_compile as hc
 from hybrid_compile.distributed import ShardingError, TensorParallelError
@@ -37,6 +38,8 @@ import engine_models as em
 import mamba1_models as m1
 import mamba2_models as mm
 import test_lfm2 as lfm2
+from lfm3_models import build_lfm3
+from recurrent_gemma_models import build_recurrent_gemma
 
 NEW = 6
 OPTIONS = dict(device="cpu", max_total_tokens=512, mamba_cache_size=24, max_running_requests=2, chunked_prefill_size=32,
@@ -103,6 +106,7 @@ MODELS = {
     "falcon_mamba": m1.build_falcon_mamba,
     "jamba": m1.build_jamba,
     "zamba": m1.build_zamba,
+    "recurrent_gemma": build_recurrent_gemma,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
@@ -110,7 +114,10 @@ MODELS = {
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
-             "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba")
+             "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
+if hasattr(transformers, "Lfm3ForCausalLM"):  # (transformers 5.17 has no LFM3)
+    MODELS["lfm3"] = build_lfm3  # sliding + full attention with the per-head output gate, short convs
+    TWO_RANKS += ("lfm3",)
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)

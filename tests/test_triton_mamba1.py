@@ -21,6 +21,11 @@ from test_ops_mamba1 import SCAN_ORDER, UPDATE_ORDER, check_scan, make_scan, mak
 from test_triton_mamba2 import KDEV, _clone, _to
 
 
+# RecurrentGemma's RG-LRU as models/recurrent_gemma.py runs it: one state per channel, dt without
+# softplus or bias, no D, no gate
+RG_LRU = dict(N=1, with_D=False, with_z=False, with_bias=False, softplus=False)
+
+
 def _run_scan_kernel(inp, chunk_size, output_chunk_states=True):
     """Launcher on KDEV; returns y, chunk states and the pool, all on the CPU."""
     tri = _to(inp, KDEV)
@@ -35,6 +40,7 @@ SCAN_CASES = [
     ([17, 0, 33], 8, dict(dtype=torch.float16, pool_dtype=torch.float16, init=[True, True, False])),
     ([21, 4], 8, dict(G=4, D_inner=40, init=[True, False])),  # B/C groups, several per channel block
     ([5, 3], 16, dict(pad_rows=(0, 1))),  # every request is padding
+    ([9, 0, 20], 8, dict(RG_LRU, D_inner=40)),
 ]
 
 
@@ -75,6 +81,7 @@ def test_selective_scan_triton_no_chunk_states_A_log_strided_flags_and_empty():
         (2, 4, dict(disable=True, D_inner=40, N=16)),
         (4, 3, dict(pad_rows=(0, 3), with_D=False, with_z=False, with_bias=False)),
         (2, 3, dict(G=5, D_inner=40, N=16)),
+        (3, 4, dict(RG_LRU, D_inner=40, pad_rows=(1,))),
     ],
 )
 def test_state_update_triton(dtype, batch, steps, opts):
@@ -132,11 +139,12 @@ def _gpu_compare(actual, expected, dtype, what):
         ([513, 256, 40], dict(D_inner=2048, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
         pytest.param([300, 17], dict(D_inner=4096, init=[True, False]), marks=pytest.mark.smoke),
         ([600, 33], dict(D_inner=3072, G=16, dtype=torch.bfloat16)),  # Zamba-like heads as B/C groups
+        ([700, 1, 300], dict(RG_LRU, D_inner=2560, init=[True, False, True])),  # RecurrentGemma-2B's lru_width
     ],
 )
 def test_gpu_selective_scan_matches_plain(lens, opts):
     dtype = opts.get("dtype", torch.float32)
-    inp = make_scan(lens, N=16, **opts)
+    inp = make_scan(lens, **{"N": 16, **opts})
     cpu = _clone(inp)
     y_ref, cs_ref = mamba1_selective_scan(*(cpu[k] for k in SCAN_ORDER), 64, True, A_is_log=False, ssm_scales=None)
     gpu = _to(inp, "cuda")
@@ -155,11 +163,12 @@ def test_gpu_selective_scan_matches_plain(lens, opts):
         (16, 4, dict(D_inner=2048, disable=True)),
         (8, 5, dict(D_inner=1536, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),
         (32, 1, dict(D_inner=3072, G=16, dtype=torch.bfloat16)),
+        (16, 4, dict(RG_LRU, D_inner=2560)),  # RecurrentGemma decode / verify
     ],
 )
 def test_gpu_state_update_matches_plain(batch, steps, opts):
     dtype = opts.get("dtype", torch.float32)
-    inp = make_update(batch, steps, N=16, num_slots=batch + 8, **opts)  # distinct slots for every row
+    inp = make_update(batch, steps, **{"N": 16, "num_slots": batch + 8, **opts})  # distinct slots for every row
     cpu = _clone(inp)
     y_ref = mamba1_state_update(*(cpu[k] for k in UPDATE_ORDER), A_is_log=False, ssm_scales=None, intermediate_scales=None)
     gpu = _to(inp, "cuda")

@@ -35,6 +35,8 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   only ``out_proj`` is reduced); the shared blocks' attention and MLP as above.
 - LFM2 short conv: its ``hidden_size`` channels (``in_proj`` rows ``[B | C | x]``, the conv,
   ``out_proj`` columns), rebuilt on the meta device with the local count (``local_modules``).
+- RecurrentGemma recurrent blocks: by RG-LRU heads (``linear_x`` / ``linear_y`` rows, conv,
+  ``recurrent_param``, the per-head block-diagonal gates, ``linear_out`` columns + all-reduce).
 - Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
   the projection they add to (rebuilt with local rows), their down projections replicated.
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
@@ -575,15 +577,19 @@ def _lfm2_ff_dim(cfg) -> int:
 
 
 def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
-    """LFM2 / LFM2-MoE: attention by heads (``out_proj``; the per-head q/k layernorms replicated),
-    the short conv's ``hidden_size`` channels split (rebuilt with the local count:
+    """LFM2 / LFM2-MoE / LFM3: attention by heads (the per-head q/k layernorms replicated; LFM3's
+    sliding-window layers split the same way, its per-head output gate ``g_proj`` by rows with its
+    heads), the short conv's ``hidden_size`` channels split (rebuilt with the local count:
     ``local_modules``), the dense MLP (``w1`` / ``w3`` / ``w2``) and the experts by their
     intermediate dimension."""
     cfg = _text(config)
     plan = ShardPlan(cfg.model_type, size, rank, cfg)
-    hd = _head_dim(cfg)
-    local_kv = plan.attention(r"\.self_attn", int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd,
-                              out="out_proj")
+    hd, heads = _head_dim(cfg), int(cfg.num_attention_heads)
+    lfm3 = cfg.model_type == "lfm3"  # Qwen3-style attention: ``o_proj`` and the output gate
+    local_kv = plan.attention(r"\.self_attn", heads, int(cfg.num_key_value_heads), hd,
+                              out="o_proj" if lfm3 else "out_proj")
+    if lfm3:
+        plan.add(r"\.self_attn\.g_proj\.weight", Slice(0, (Segment(heads, 1),)))
     hidden = int(cfg.hidden_size)
     channels = _split(hidden, size, "hidden_size (the short conv's channels)", plan.family)
     c = Segment(hidden, 1)
@@ -595,7 +601,7 @@ def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
     plan.local_modules.append((re.compile(r"\.layers\.\d+\.conv$"), _local_short_conv(channels)))
     ff = _lfm2_ff_dim(cfg)
     plan.mlp(r"\.feed_forward", ff, "the feed-forward width", gate="w1", up="w3", down="w2")
-    fields = dict(num_attention_heads=int(cfg.num_attention_heads) // size, num_key_value_heads=local_kv, head_dim=hd,
+    fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
                   intermediate_size=ff // size)
     if hasattr(cfg, "block_auto_adjust_ff_dim"):
         fields["block_auto_adjust_ff_dim"] = False  # the local width is set as it is
@@ -609,12 +615,43 @@ def lfm2_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+def recurrent_gemma_plan(config, size: int, rank: int) -> ShardPlan:
+    """RecurrentGemma: local attention by heads; the recurrent blocks by their RG-LRU heads (the
+    gates are block-diagonal per head: ``linear_x`` / ``linear_y`` rows, the conv, the LRU's
+    ``recurrent_param`` and per-head gate weights, ``linear_out`` columns + all-reduce); the MLP
+    (``intermediate_size // 2`` wide) by its intermediate dimension."""
+    cfg = _text(config)
+    plan = ShardPlan(cfg.model_type, size, rank, cfg)
+    heads, hd, width = int(cfg.num_attention_heads), _head_dim(cfg), int(cfg.lru_width)
+    local_kv = plan.attention(r"\.temporal_block", heads, int(cfg.num_key_value_heads), hd)
+    _split(heads, size, "num_attention_heads (the RG-LRU heads)", plan.family)
+    if width % heads:
+        raise ShardingError(f"{plan.family}: lru_width={width} is not a multiple of num_attention_heads={heads}")
+    channels, per_head = Segment(heads, width // heads), Segment(heads, 1)
+    p = r"\.temporal_block"
+    plan.add(p + r"\.linear_[xy]\.(weight|bias)", Slice(0, (channels,)))
+    plan.add(p + r"\.conv_1d\.(weight|bias)", Slice(0, (channels,)))
+    plan.add(p + r"\.rg_lru\.recurrent_param", Slice(0, (channels,)))
+    plan.add(p + r"\.rg_lru\.(input|recurrent)_gate_(weight|bias)", Slice(0, (per_head,)))
+    plan.add(p + r"\.linear_out\.weight", Slice(1, (channels,)))
+    plan.add(p + r"\.linear_out\.bias", Slice(rank0_only=True))
+    plan.reduce(r"\.layers\.\d+\.temporal_block\.linear_out")
+    mlp = int(cfg.intermediate_size) // 2  # what transformers' RecurrentGemmaMlp builds
+    plan.mlp(r"\.mlp_block", mlp, "the MLP width (intermediate_size // 2)")
+    plan.reduce(r"\.layers\.\d+\.mlp_block")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
+                             lru_width=width // size, intermediate_size=2 * (mlp // size))
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
-    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "zamba2": zamba2_plan,
+    "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "lfm3": lfm2_plan, "zamba2": zamba2_plan,
     "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
+    "recurrent_gemma": recurrent_gemma_plan,
 }
 
 

@@ -55,6 +55,7 @@ def mamba1_ssm_layer(
     dt_bias: Optional[torch.Tensor],
     layer_id: int,
     chunk_size: int,
+    dt_softplus: bool = True,
 ) -> torch.Tensor:
     """Selective scan of one Mamba1 layer for the step's packed tokens.
 
@@ -63,10 +64,12 @@ def mamba1_ssm_layer(
             without its bias. B, C: ``[N_tok, G, N]`` (``G`` groups of channels:
             1 for Mamba1, the heads for Zamba). z: ``[N_tok, D_inner]`` gate (``y *= silu(z)``) or None.
         A_log: ``[D_inner, N]``; ``A = -exp(A_log)``. D: ``[D_inner]`` or None. dt_bias: ``[D_inner]``
-            (``dt_proj.bias``) or None; softplus always applies.
+            (``dt_proj.bias``) or None.
         layer_id: key of ``ForwardContext.mamba_caches``; the SSM pool ``[S, D_inner, N]`` of that
             layer is updated.
         chunk_size: the prefix-cache checkpoint alignment (``ModelLayout.ssm_chunk_size``).
+        dt_softplus: ``dt = softplus(dt + dt_bias)`` (Mamba1); False: ``dt + dt_bias`` as given
+            (RecurrentGemma's RG-LRU, :mod:`hybrid_compile.models.recurrent_gemma`).
 
     Returns:
         ``[N_tok, D_inner]`` gated SSM output in x's dtype (zeros for padding rows).
@@ -79,7 +82,7 @@ def mamba1_ssm_layer(
     if md.mode is ForwardMode.DECODE:
         y = _kernels.mamba1_state_update(
             x.unsqueeze(1), dt.unsqueeze(1), A_log, B.unsqueeze(1), C.unsqueeze(1), D,
-            None if z is None else z.unsqueeze(1), dt_bias, True, ssm_states, md.mamba_cache_indices, False, None, True,
+            None if z is None else z.unsqueeze(1), dt_bias, dt_softplus, ssm_states, md.mamba_cache_indices, False, None, True,
             ssm_scales, intermediate_scales=None,
         )
         return y.squeeze(1)
@@ -87,14 +90,14 @@ def mamba1_ssm_layer(
         verify = ctx.verify_batch(layer_id, "mamba1_ssm_layer")
         y = _kernels.mamba1_state_update(
             verify.per_request(x), verify.per_request(dt), A_log, verify.per_request(B), verify.per_request(C), D,
-            None if z is None else verify.per_request(z), dt_bias, True, ssm_states, verify.cache_indices, True,
+            None if z is None else verify.per_request(z), dt_bias, dt_softplus, ssm_states, verify.cache_indices, True,
             verify.intermediates[1], True, ssm_scales, verify.intermediates[2],
         )
         return verify.pad(y.reshape(verify.num_tokens, -1), n)
     if md.mode is ForwardMode.EXTEND:
         track = tracking(md)
         y, chunk_states = _kernels.mamba1_selective_scan(
-            x, dt, A_log, B, C, D, z, dt_bias, True, ssm_states, md.query_start_loc, md.mamba_cache_indices,
+            x, dt, A_log, B, C, D, z, dt_bias, dt_softplus, ssm_states, md.query_start_loc, md.mamba_cache_indices,
             md.has_initial_state, chunk_size, track, True, ssm_scales,
         )
         if track:
@@ -104,6 +107,6 @@ def mamba1_ssm_layer(
 
 
 @mamba1_ssm_layer.register_fake
-def _(x, dt, B, C, z, A_log, D, dt_bias, layer_id, chunk_size):
+def _(x, dt, B, C, z, A_log, D, dt_bias, layer_id, chunk_size, dt_softplus=True):
     _check(x, dt, B, C, z)
     return x.new_zeros(x.shape)

@@ -2,8 +2,9 @@
 patched: :mod:`.gated_deltanet` (the Gated DeltaNet mixers of Qwen3-Next, Qwen3.5 and OLMo-Hybrid),
 :mod:`.mamba2` (Mamba2 mixers and attention, one HF layer index each: Mamba2, NemotronH, Bamba,
 Granite-4), :mod:`.falcon_h1` (parallel attention + Mamba2 in every layer), :mod:`.zamba2`
-(Mamba2 layers + a shared attention block), :mod:`.short_conv` (LFM2's short convolutions),
+(Mamba2 layers + a shared attention block), :mod:`.short_conv` (LFM2's and LFM3's short convolutions),
 :mod:`.kimi_linear` (Kimi Delta Attention + multi-head latent attention over a compressed cache);
+:mod:`.recurrent_gemma` (RecurrentGemma's RG-LRU blocks, on the Mamba1 scan ops, + local attention);
 :mod:`.mamba1` (Mamba1 mixers and attention: Mamba, FalconMamba, Jamba), :mod:`.zamba` (multi-head
 Mamba1 layers + a shared attention block), :mod:`.minimax` (MiniMax lightning attention + softmax
 attention, MoE);
@@ -21,10 +22,14 @@ from types import ModuleType
 
 from torch import nn
 
-from . import falcon_h1, gated_deltanet, kimi_linear, mamba1, mamba2, minimax, short_conv, zamba, zamba2
+from . import (
+    falcon_h1, gated_deltanet, kimi_linear, mamba1, mamba2, minimax, recurrent_gemma, short_conv, zamba, zamba2,
+)
 from .base import ModelLayout, PatchHandle
 
-_FAMILY_MODULES = (gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv, mamba1, zamba, minimax)
+_FAMILY_MODULES = (
+    gated_deltanet, kimi_linear, mamba2, falcon_h1, zamba2, short_conv, mamba1, zamba, minimax, recurrent_gemma,
+)
 FAMILIES: dict[str, ModuleType] = {t: family for family in _FAMILY_MODULES for t in family.MODEL_TYPES}
 
 

@@ -1,7 +1,10 @@
-"""LFM2 families: LFM2 (``lfm2``) and LFM2-MoE (``lfm2_moe``), whose mixers are the same.
+"""LFM families with short convolutions: LFM2 (``lfm2``), LFM2-MoE (``lfm2_moe``) and LFM3
+(``lfm3``), whose conv mixers are the same.
 
-Layers are either full attention (``layer_types[i] == "full_attention"``: HF's attention module
-through the registered attention function) or a gated short conv (``"conv"``, ``*ShortConv``):
+Layers are either attention (``layer_types[i] == "full_attention"``, or LFM3's
+``"sliding_attention"``: HF's attention module through the registered attention function, which
+hands the module's ``sliding_window`` to the attention op; LFM3's per-head sigmoid output gate,
+q/k norms and per-type RoPE stay HF's code) or a gated short conv (``"conv"``, ``*ShortConv``):
 ``B, C, x = in_proj(h).chunk(3)``, a depthwise causal conv of width ``conv_L_cache`` (no
 activation) over ``B * x``, then ``out_proj(C * conv)``. Only the conv runs in the
 ``short_conv_layer`` op; the projections and both products stay HF's code in the compiled
@@ -26,7 +29,8 @@ from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
 from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 
-MODEL_TYPES = ("lfm2", "lfm2_moe")
+MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 SHORT_CONV_CHECKPOINT_ALIGN = 16
 
 
@@ -36,12 +40,13 @@ def _is_short_conv(module: nn.Module) -> bool:
     )
 
 
-def short_conv_forward(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
-    """Patched ``*ShortConv.forward``: HF's code outside an engine step, the layer op inside."""
+def short_conv_forward(self, hidden_states, *args, **kwargs):
+    """Patched ``*ShortConv.forward``: HF's code outside an engine step, the layer op inside.
+
+    HF's cache and mask arguments pass through untouched (their names differ across transformers
+    versions: ``past_key_values`` / ``cache``); inside a step the pools replace them."""
     if get_forward_context() is None:
-        return type(self).forward(
-            self, hidden_states, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs
-        )
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     b, c, x = self.in_proj(hidden_states[0]).chunk(3, dim=-1)
     conv = torch.ops.hybrid_compile.short_conv_layer(
         b * x, self.conv.weight.squeeze(1), self.conv.bias, int(self.layer_idx)
@@ -56,7 +61,7 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
     channels = {int(m.layer_idx): int(m.conv.weight.shape[0]) for m in model.modules() if _is_short_conv(m)}
     attention, mamba = [], []
     for i, kind in enumerate(cfg.layer_types[: cfg.num_hidden_layers]):
-        if kind == "full_attention":
+        if kind in ATTENTION_LAYER_TYPES:
             attention.append(AttentionLayerSpec(i, cfg.num_key_value_heads, head_dim, kv_dtype))
         elif kind == "conv":
             mamba.append(MambaLayerSpec(i, cfg.conv_L_cache, channels[i], (), conv_dtype, ssm_dtype))

@@ -13,7 +13,8 @@ recurrent state on every rank) and a bf16 recurrent state (against the single-pr
 the same setting, since HF keeps an fp32 state). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
 follower (torchrun-style), and each rank's peak host memory against the full model size. Also:
-random-weight shards drawn per rank (``random_weights.json``, the benchmark's 80B shape) and the
+the group's collectives alone, eager and compiled with ``fullgraph=True``, against the sum and the
+concatenation of the ranks' inputs; random-weight shards drawn per rank (``random_weights.json``, the benchmark's 80B shape) and the
 CUDA-graph options checked before any process starts (the graphs themselves:
 ``tests/test_tensor_parallel_gpu.py``, 2 GPUs).
 """
@@ -328,6 +329,42 @@ def test_bf16_recurrent_state_equals_the_single_process_engine(checkpoints, two_
 def test_four_ranks_match_hf(checkpoints, four_ranks, name):
     r = _check(checkpoints, four_ranks, name)
     assert r["tp"]["size"] == 4
+
+
+def _collectives_main(rank: int, port: int, result_path: str) -> None:
+    """One gloo rank: the group's all-reduce and last-dim all-gather, eager and compiled with
+    fullgraph=True (no graph break), against the sum and the concatenation of every rank's input."""
+    import torch.distributed as dist
+
+    from hybrid_compile.distributed.group import TensorParallelGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tp = TensorParallelGroup(rank, 2, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD, None)
+    inputs = [torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(2)]
+    got = {}
+    for mode in ("eager", "compiled"):
+        reduce, gather = tp.all_reduce, tp.all_gather_last
+        if mode == "compiled":  # aot_eager: Dynamo and AOT tracing, no Inductor codegen (fast)
+            torch._dynamo.reset()
+            reduce, gather = (torch.compile(f, fullgraph=True, backend="aot_eager") for f in (reduce, gather))
+        got[mode] = dict(reduce=torch.equal(reduce(inputs[rank] * 1), sum(inputs)),
+                         gather=torch.equal(gather(inputs[rank][:, 1:]), torch.cat([x[:, 1:] for x in inputs], -1)))
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(got, f)
+
+
+def test_collectives_trace_into_one_graph(tmp_path):
+    """The model's collectives trace with no graph break (torch 2.11's ``funcol.all_gather_tensor``
+    on the last dim broke the graph in ``_maybe_view_chunk_cat``) and give the sum / the columns of
+    every rank in rank order (a non-contiguous input included), eagerly and compiled."""
+    path = str(tmp_path / "collectives.json")
+    torch.multiprocessing.start_processes(_collectives_main, args=(_free_port(), path), nprocs=2, start_method="spawn")
+    with open(path) as f:
+        got = json.load(f)
+    assert got == {m: dict(reduce=True, gather=True) for m in ("eager", "compiled")}, got
 
 
 def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):

@@ -3,8 +3,12 @@
 One process per device. The default torch.distributed group (NCCL on CUDA, gloo on CPU) carries
 the model's collectives and the steps' packed metadata; a second gloo group with a long timeout
 carries the small step headers that follower ranks block on while the leader (rank 0) is idle.
-The model's collectives are functional collectives (``torch.distributed._functional_collectives``)
-so Dynamo traces them into the graph like any other op.
+The model's collectives are the functional collective ops themselves
+(``torch.ops._c10d_functional.all_reduce`` / ``all_gather_into_tensor``, each followed by its
+``wait_tensor``) on the group's name, so Dynamo traces them into the graph like any other op. Not
+the Python wrappers of ``torch.distributed._functional_collectives``: their helpers differ between
+torch releases, and torch 2.11's ``all_gather_tensor`` on a non-zero dim calls
+``torch._utils._maybe_view_chunk_cat``, which Dynamo refuses to trace (a graph break).
 
 Errors: a rank that fails records ``rank R: <error>`` in the rendezvous store under one key
 (the first failure wins), then tears its process group down, which breaks every collective the
@@ -20,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 _ERROR_KEY = "hybrid_compile/tp/error"
 _ERROR_COUNT = "hybrid_compile/tp/errors"
@@ -47,19 +50,31 @@ class TensorParallelGroup:
     store: "dist.Store"
     owns_default_group: bool = True  # destroy the default group at shutdown (False: the user made it)
     closed: bool = field(default=False)
+    # the name the functional collective ops take for ``group``; read once here, outside traced code
+    group_name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group_name = self.group.group_name
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     # -- model collectives (traced by Dynamo) ---------------------------------------------------
+    # Each collective is waited right away: eagerly that is the synchronisation; in a graph the
+    # wait is the node the split pass keeps in the collective's piece (compilation/split.py).
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return _waited(funcol.all_reduce(x, "sum", self.group))
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_reduce(x, "sum", self.group_name))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on every rank -> ``[..., size * n]``, rank r's columns at ``r * n``."""
-        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-        return _waited(gather(x.contiguous(), x.dim() - 1, self.group))
+        ops = torch.ops._c10d_functional
+        # the op gathers along dim 0: [size * d0, ..., n], rank r's block r; move the rank axis
+        # next to the last one and merge the two
+        gathered = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), self.size, self.group_name))
+        by_rank = gathered.view(self.size, *x.shape).movedim(0, -2)
+        return by_rank.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     # -- host-side helpers -----------------------------------------------------------------------
     def all_min(self, values: list[int]) -> list[int]:
@@ -127,14 +142,6 @@ class TensorParallelGroup:
                 dist.destroy_process_group()
             except Exception:
                 pass
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    """Eagerly, a functional collective returns a tensor that waits on first use; wait now, so no
-    collective is left unwaited (a traced graph gets its wait from Dynamo)."""
-    if isinstance(t, funcol.AsyncCollectiveTensor):
-        return t.wait()
-    return t
 
 
 def backend_for(device_type: str) -> str:

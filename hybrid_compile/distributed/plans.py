@@ -26,7 +26,8 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   split per segment (OLMo-Hybrid's conv is saved as three tensors: ``Slice.concat_keys``); conv
   channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
-  when ``n_groups % size == 0``; one group: B/C replicated, its gated norm reduced across ranks.
+  when ``n_groups % size == 0`` (a gated norm class that ignores the groups, normalising the whole
+  width, is then reduced across ranks); one group: B/C replicated, its gated norm reduced across ranks.
 - Mamba1 (Mamba, FalconMamba, Jamba): the ``D_inner`` channels (``in_proj`` rows ``[x | z]``, conv,
   ``dt_proj`` rows and bias, ``A_log`` / ``D`` rows, ``out_proj`` columns); ``x_proj`` contracts over
   the channels, so it takes its input columns and its (dt, B, C) output is all-reduced; the dt/B/C
@@ -143,6 +144,11 @@ class ShardPlan:
     # RMSNorms over channels split across every rank (layers.cross_rank_rms_norm): (pattern, full width,
     # gated: a Mamba2 gated norm whose one group spans every rank, n_groups == 1)
     cross_rank_norms: list[tuple[re.Pattern, int, bool]] = field(default_factory=list)
+    # Mamba2 gated norms whose B/C groups are split across the ranks: (pattern, full width). Grouped
+    # norms stay local; a norm class with no grouping (no ``group_size`` / ``n_groups``: transformers
+    # 5.17's Mamba2, Bamba and GraniteMoeHybrid norms normalise the whole width) is reduced across
+    # the ranks like the one-group case (runtime.install_collectives decides on the built module)
+    split_group_norms: list[tuple[re.Pattern, int]] = field(default_factory=list)
     local_fields: dict = field(default_factory=dict)  # text-config fields -> local values
     # modules that transformers builds from sizes the local config cannot shrink (LFM2's short conv:
     # from hidden_size), rebuilt on the meta device with the local sizes: (pattern, rebuild(module))
@@ -297,6 +303,7 @@ def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups
     _split(heads, n, "the Mamba2 head count", plan.family)
     if groups % n == 0:
         bc, local_groups = Segment(groups, state), groups // n
+        plan.split_group_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim))
     elif groups == 1:
         bc, local_groups = Segment(1, state, REPLICATE_UNIT), 1
         plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim, True))

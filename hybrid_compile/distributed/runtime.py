@@ -161,6 +161,14 @@ def _memory_budget(tp: TensorParallelGroup, config: EngineConfig) -> int | None:
     return tp.all_min([int(free * config.memory_fraction)])[0]
 
 
+def _normalises_whole_width(norm: torch.nn.Module) -> bool:
+    """Whether a Mamba2 gated norm is an RMSNorm (``variance_epsilon``; FalconH1 without
+    ``mamba_rms_norm`` has none) that ignores the B/C groups (no ``group_size`` / ``n_groups``): its
+    mean of squares then spans every rank's channels (plans.ShardPlan.split_group_norms)."""
+    grouped = hasattr(norm, "group_size") or hasattr(norm, "n_groups")
+    return hasattr(norm, "variance_epsilon") and not grouped
+
+
 def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None:
     """The all-reduces, the cross-rank norms and the vocab-parallel embedding / LM head of a
     rank's model (layers.py)."""
@@ -172,6 +180,9 @@ def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None
         for pattern, width, gated in plan.cross_rank_norms:
             if name and pattern.search(name):
                 cross_rank_rms_norm(module, width, tp, gated)
+        for pattern, width in plan.split_group_norms:
+            if name and pattern.search(name) and _normalises_whole_width(module):
+                cross_rank_rms_norm(module, width, tp, gated=True)
     if not reduced:
         raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module to all-reduce")
     embed = model.get_input_embeddings()

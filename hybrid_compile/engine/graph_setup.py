@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import time
 import types
 from typing import TYPE_CHECKING
@@ -52,6 +53,26 @@ def _recompile_reasons(code_name: str) -> list[str]:
     forward, :func:`_own_code_copy`), from Dynamo's compilation metrics (the process's latest 64 compiles)."""
     return [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics()
             if m.co_name == code_name and m.recompile_reason]
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def graph_break_reason(error: Exception) -> str:
+    """The useful part of a Dynamo graph-break error on one line: its first line, the
+    ``Explanation:`` (which names the function Dynamo would not trace) and the innermost frames of
+    its "from user code" stack (where the break is, and our call that led there). The rest (hints,
+    links, debug context) is left to the chained exception."""
+    lines = str(error).splitlines()
+    if not lines:
+        return type(error).__name__
+    parts = [lines[0].strip()]
+    parts += [ln.strip() for ln in lines if ln.strip().startswith("Explanation:")]
+    frames = [ln.strip() for ln in lines if ln.strip().startswith('File "')]
+    ours = [f for f in frames if f.split(",", 1)[0][len('File "'):-1].startswith(_PACKAGE_DIR)]
+    for frame in dict.fromkeys(frames[-1:] + ours[-1:]):  # the break, then our innermost call
+        parts.append(f"at {frame}")
+    return "; ".join(parts)
 
 
 _runner_ids = itertools.count()
@@ -179,7 +200,7 @@ class CompiledGraphs:
         except torch._dynamo.exc.Unsupported as e:  # a graph break under fullgraph=True
             raise RuntimeError(
                 f"EngineConfig.compile=True: the forward of {type(self.model).__name__} does not trace into one "
-                f"graph (torch.compile graph break: {str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                f"graph (torch.compile graph break: {graph_break_reason(e)}); "
                 "hybrid_compile needs a single graph to split at the layer ops. Serve this model with compile=False."
             ) from e
         self.counters["warmup_seconds"] = time.perf_counter() - t0

@@ -2,7 +2,8 @@
 
 Layers follow ``config.layers_block_type``: ``"sliding_attention"`` blocks are HF's attention module
 through the registered attention function (its ``sliding_window`` = ``attention_window_size`` goes
-to the attention op), ``"linear_attention"`` blocks are ``RecurrentGemmaRecurrentBlock``::
+to the attention op), ``"linear_attention"`` blocks (``"recurrent"`` in transformers 5.17) are
+``RecurrentGemmaRecurrentBlock``::
 
     y = act(linear_y(h));  x = conv_1d(linear_x(h))                  # depthwise causal conv, bias
     i_t = sigmoid(x W_i + b_i);  r_t = sigmoid(x W_a + b_a)            # block-diagonal gates
@@ -49,10 +50,10 @@ _MIN_RECURRENT_GATE = 1e-20
 
 def _recurrent_blocks(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """``(RecurrentGemmaRecurrentBlock, HF layer index)``: the block keeps no index itself."""
-    cfg = model.config
     layers = model.model.layers
-    blocks = [(layers[i].temporal_block, i) for i, kind in enumerate(cfg.layers_block_type[: len(layers)])
-              if kind == "linear_attention"]
+    # transformers >= 5.2x names these layers "linear_attention" in `config.layers_block_type`, 5.17
+    # "recurrent": the block's own RG-LRU module says which they are in both
+    blocks = [(layer.temporal_block, i) for i, layer in enumerate(layers) if hasattr(layer.temporal_block, "rg_lru")]
     for block, i in blocks:
         if not all(hasattr(block, a) for a in ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn")):
             raise ValueError(f"{type(model).__name__}: layer {i} is not an RG-LRU recurrent block")

@@ -1,5 +1,5 @@
 """Greedy-parity scenarios shared by the family test files (tests/test_lfm3.py,
-tests/test_recurrent_gemma.py): one engine feature per function, each comparing the engine's
+tests/test_recurrent_gemma.py, tests/test_kimi_linear.py, tests/test_minimax.py): one engine feature per function, each comparing the engine's
 greedy tokens with transformers' own ``generate`` on the same tiny random model.
 
 A :class:`Family` holds the model and its HF oracle (``hf(prompt_tuple, max_new)``, cached by the
@@ -66,12 +66,13 @@ def check_batch_with_chunked_prefill(family: Family) -> None:
         assert_pools_restored(engine, initial_free)
 
 
-def check_prefix_cache_hits(family: Family) -> dict:
+def check_prefix_cache_hits(family: Family, **engine_args) -> dict:
     """Prompts sharing a 140-token prefix continue from the checkpoint at 128 (alignment 16 or 64);
-    a finished request's follow-up hits at its full length. Returns the prefix-cache stats."""
+    a finished request's follow-up hits at its full length. Returns the prefix-cache stats.
+    ``engine_args`` override :data:`ENGINE_ARGS`."""
     base, a, b, c = random_prompts((140, 9, 20, 3), family.vocab, seed=12)
     first, second = [base + a], [base + b, base + c]
-    with make_engine(family.model(), **ENGINE_ARGS) as engine:
+    with make_engine(family.model(), **dict(ENGINE_ARGS, **engine_args)) as engine:
         initial_free = engine.pools.free_counts()
         hits = record_prefix_hits(engine)
         got_first = engine.generate_batch(first, max_new_tokens=MAX_NEW)

@@ -22,9 +22,9 @@ from engine_models import (
     hf_greedy_cached,
     make_engine,
     random_prompts,
-    record_prefix_hits,
     single_threaded,
 )
+from family_parity import check_prefix_cache_hits, check_speculative, make_family
 from minimax_models import HEAD_DIM, HEADS, VOCAB, build_minimax
 
 if not hasattr(transformers, "MiniMaxForCausalLM"):
@@ -42,6 +42,9 @@ def _one_thread():
 def _expected(prompts, max_new: int = MAX_NEW):
     model = build_minimax()
     return [hf_greedy_cached(model, ("minimax", 0), p, max_new) for p in prompts]
+
+
+MINIMAX = make_family("minimax", build_minimax, lambda model, p, n: hf_greedy_cached(model, ("minimax", 0), p, n), VOCAB)
 
 
 def _assert_all_equal(prompts, got, expected, what):
@@ -82,43 +85,13 @@ def test_prefix_cache_hits_at_checkpoints():
     """Prompts sharing a 140-token prefix: the first one's extend checkpoints its lightning states
     every 64 tokens (the op's chunk states); the later ones continue from the checkpoint at 128
     tokens; a follow-up of a finished request hits at its full length."""
-    base, a, b, c = random_prompts((140, 9, 20, 3), VOCAB, seed=12)
-    first, second = [base + a], [base + b, base + c]
-    with make_engine(build_minimax(), **dict(ENGINE_ARGS, chunked_prefill_size=256)) as engine:
-        initial_free = engine.pools.free_counts()
-        hits = record_prefix_hits(engine)
-        got_first = engine.generate_batch(first, max_new_tokens=MAX_NEW)
-        got_second = engine.generate_batch(second, max_new_tokens=MAX_NEW)
-        follow = [first[0] + got_first[0]]
-        got_follow = engine.generate_batch(follow, max_new_tokens=MAX_NEW // 2)
-        stats = engine.stats()["prefix_cache"]
-        assert_pools_restored(engine, initial_free)
-    _assert_all_equal(first + second, got_first + got_second, _expected(first + second), "prefix")
-    _assert_all_equal(follow, got_follow, _expected(follow, MAX_NEW // 2), "follow-up")
-    assert hits[0] == 0 and hits[1:3] == [128, 128], hits
-    assert hits[3] == len(follow[0]) - 1, hits
+    stats = check_prefix_cache_hits(MINIMAX, chunked_prefill_size=256)
     assert stats["checkpoints_tracked"] > 0 and stats["mamba_hits"] >= 3
 
 
 @pytest.mark.parametrize("method", ["draft_self", "ngram"])
 def test_speculative_greedy_equals_hf(method):
-    model = build_minimax()
-    prompts = random_prompts((1, 40, 9), VOCAB, seed=13)
-    prompts.append((prompts[2] * 5)[:37])  # a repeated pattern: n-gram lookup finds drafts in it
-    expected = _expected(prompts)
-    if method == "draft_self":
-        spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3)
-    else:
-        spec = dict(method="ngram", num_draft_tokens=3, ngram_max=3, ngram_min=1)
-    with make_engine(model, speculative=spec, **ENGINE_ARGS) as engine:
-        initial_free = engine.pools.free_counts()
-        got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
-        _assert_all_equal(prompts, got, expected, method)
-        stats = engine.stats()
-        assert_pools_restored(engine, initial_free)
-    assert stats["speculative"]["verify_steps"] > 0
-    if method == "draft_self":
-        assert stats["speculative"]["acceptance_rate"] == 1.0
+    check_speculative(MINIMAX, method)
 
 
 def test_draft_trees_are_refused_with_a_clear_error():

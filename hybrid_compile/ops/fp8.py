@@ -99,8 +99,9 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
     """``max(amax, 1e-10) / 448`` rounded as IEEE division on every device. The divisor is a tensor on
     ``amax``'s device: torch on CUDA turns a division by a Python scalar into a multiplication by its
-    reciprocal (an ulp off at times), which would quantize differently from the CPU and the kernels."""
-    return amax.clamp(min=FP8_EPS) / amax.new_tensor(FP8_MAX)
+    reciprocal (an ulp off at times), which would quantize differently from the CPU and the kernels.
+    ``new_full`` fills it on the device (no host-to-device copy, so CUDA-graph capture is fine)."""
+    return amax.clamp(min=FP8_EPS) / amax.new_full((), FP8_MAX)
 
 
 def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

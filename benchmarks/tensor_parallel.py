@@ -194,7 +194,8 @@ def all_reduce_per_step(engine, batch: int, vocab: int, steps: int = 4) -> dict:
     return dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / max(1, n), all_reduce_calls=count)
 
 
-def run_tp(args, path: str, tp: int, vocab: int) -> dict:
+def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
+    """Every measurement at ``tp``; ``save(out)`` runs after each one (a run cut short keeps them)."""
     import hybrid_compile as hc
 
     opts = dict(max_running_requests=max(args.batches), chunked_prefill_size=args.chunked_prefill,
@@ -205,14 +206,20 @@ def run_tp(args, path: str, tp: int, vocab: int) -> dict:
     t0 = time.perf_counter()
     engine = hc.from_pretrained(path, dtype=args.dtype, device=args.device, tokenizer=False, tensor_parallel_size=tp,
                                 **opts)
-    out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={},
-               startup=engine.stats()["startup"])
+    out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={}, all_reduce=None,
+               startup=engine.stats()["startup"], memory=engine.stats()["memory"])
+    print(f"TP {tp}: ready in {out['load_seconds']:.1f} s", flush=True)
+    save(out)
     try:
         decode(engine, 1, 16, 4, vocab, seed=1)  # warm-up
         for b in args.batches:
             out["decode"][str(b)] = decode(engine, b, args.prompt_len, args.new_tokens, vocab, seed=b)
+            print(f"TP {tp}: decode b{b} {out['decode'][str(b)]['tokens_per_s']:.1f} tok/s", flush=True)
+            save(out)
         for L in args.prefill:
             out["prefill"][str(L)] = prefill(engine, L, vocab, seed=L)
+            print(f"TP {tp}: prefill {L} {out['prefill'][str(L)]['tokens_per_s']:.0f} tok/s", flush=True)
+            save(out)
         out["all_reduce"] = all_reduce_per_step(engine, max(args.batches), vocab) if tp > 1 else None
         stats = engine.stats()
         out["tensor_parallel"] = stats.get("tensor_parallel")
@@ -300,23 +307,33 @@ def main() -> None:
             write_random_checkpoint(config, path, dtype)
         print(f"{weights} weights {path} ready ({time.perf_counter() - t0:.1f} s)")
     vocab = config.get_text_config().vocab_size
-    results = []
+    results: list[dict] = []
+
+    def result() -> dict:
+        return dict(device=args.device, dtype=args.dtype, model=path, tiny=args.tiny,
+                    device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                    gpus=torch.cuda.device_count() if args.device == "cuda" else 0, results=results,
+                    scaling=efficiency(results), torch=torch.__version__, args=vars(args))
+
+    def save(current: dict) -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({**result(), "results": results + [current]}, f, indent=1, default=str)
+
     for tp in args.tp:
-        r = run_tp(args, path, tp, vocab)
+        r = run_tp(args, path, tp, vocab, save)
         results.append(r)
         dec = "  ".join(f"b{b} {v['tokens_per_s']:.1f}" for b, v in r["decode"].items())
         pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())
         ar = r["all_reduce"]["all_reduce_ms_per_step"] if r["all_reduce"] else 0.0
         print(f"TP {tp}: decode tok/s {dec} | prefill tok/s {pre} | all-reduce {ar:.3f} ms/step")
-    result = dict(device=args.device, dtype=args.dtype, model=path, tiny=args.tiny,
-                  gpus=torch.cuda.device_count() if args.device == "cuda" else 0, results=results,
-                  scaling=efficiency(results), torch=torch.__version__)
-    for tp, e in result["scaling"].items():
+    final = result()
+    for tp, e in final["scaling"].items():
         print(f"TP {tp} scaling: " + "  ".join(f"{k} x{v['speedup']:.2f} ({100 * v['efficiency']:.0f} %)"
                                               for k, v in e.items()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+            json.dump(final, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ VARIANTS = (
     ("qwen3_next_dense@compiled", "qwen3_next_dense", dict(compile=True), 1),
     ("qwen3_next_moe@n2", "qwen3_next_moe", {}, 2),
     ("nemotron_h@bf16_state", "nemotron_h", dict(ssm_state_dtype="bfloat16"), 1),
+    ("qwen3_next_moe@warmup", "qwen3_next_moe", dict(warmup_kernels=True), 1),
 )
 
 
@@ -201,6 +202,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             outputs=outputs, seconds=time.perf_counter() - t0, prefix_hits=stats["prefix_cache"]["admitted_hit_tokens"],
             verify_steps=stats["speculative"]["verify_steps"], accepted=stats["speculative"]["accepted"],
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
+            startup=stats["startup"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
         )
     if rank == 0:
@@ -292,6 +294,14 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
 def test_draft_tree_two_ranks_match_hf(checkpoints, two_ranks):
     """Speculative draft trees under tensor parallelism: the tree metadata travel with the step."""
     _check(checkpoints, two_ranks, "qwen3_next_moe@tree", "qwen3_next_moe")
+
+
+def test_kernel_warm_up_runs_on_every_rank(checkpoints, two_ranks):
+    """warmup_kernels=True (the default on CUDA): rank 0's warm-up steps reach rank 1 once it
+    follows, after the start-up collectives (a step sent before them deadlocked both ranks), and
+    the warm-up leaves no trace in the tokens."""
+    r = _check(checkpoints, two_ranks, "qwen3_next_moe@warmup", "qwen3_next_moe")
+    assert r["startup"]["warmup_s"] > 0, r["startup"]
 
 
 def test_compiled_two_ranks_zero_graph_breaks(two_ranks):

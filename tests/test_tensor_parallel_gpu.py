@@ -58,6 +58,8 @@ SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_
 # a divergence from the single-GPU engine is accepted where the fp32 model's top-2 logits are this
 # close (relative to the top logit, at least 1): bf16 weights and activations summed in another order
 NEAR_TIE = 0.05
+CASE_SECONDS = 240  # the longest a case may take (the mid-size ones compile and capture most)
+STACK_DUMP_SECONDS = 90  # a rank still in one case after this long logs its stacks (and again after as long)
 
 
 # mid-size models: a tiny model's config widened to hidden 1024 and 8 layers. Head counts grow 4x,
@@ -189,10 +191,23 @@ def _write(path: pathlib.Path, result: dict) -> None:
     tmp.rename(path)
 
 
+def _rank_log(root, rank: int) -> pathlib.Path:
+    return pathlib.Path(root) / f"rank{rank}.log"
+
+
 def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None:
     """One torchrun-style rank: serve every case in turn, writing each case's result as it ends.
     Rank 0 drives and records tokens and stats; rank 1 logs its compile counters before each
-    command it receives (its engine is inside ``from_pretrained``)."""
+    command it receives (its engine is inside ``from_pretrained``). Progress lines go to
+    :func:`_rank_log`, and so do the rank's Python stacks every :data:`STACK_DUMP_SECONDS` a case
+    runs (a hung rank shows where it waits)."""
+    import faulthandler
+
+    progress = open(_rank_log(result_dir, rank), "a", buffering=1)
+
+    def note(what: str) -> None:
+        progress.write(f"{time.strftime('%H:%M:%S')} {what}\n")
+
     torch.set_num_threads(2)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     from hybrid_compile.distributed import step as tp_step
@@ -210,6 +225,8 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
             os.environ["MASTER_PORT"] = str(case["port"])
             log.clear()
             t0 = time.perf_counter()
+            note(f"{case['name']}: start")
+            faulthandler.dump_traceback_later(STACK_DUMP_SECONDS, repeat=True, file=progress)
             try:
                 engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
                 if rank != 0:
@@ -226,6 +243,9 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                                   speculative=stats.get("speculative"), startup=stats["startup"])
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
                 result = dict(error=f"{type(e).__name__}: {e}")
+            faulthandler.cancel_dump_traceback_later()
+            note(f"{case['name']}: {'error ' + result['error'][:200] if 'error' in result else 'done'} "
+                 f"({time.perf_counter() - t0:.1f} s)")
             _write(_case_file(result_dir, rank, case["name"]), result)
 
 
@@ -242,11 +262,9 @@ class _Group:
     appear (a time-limited run keeps the cases done so far), and this process's single-GPU oracle
     of a case, computed while the ranks serve the next ones."""
 
-    SECONDS = 1500
-
     def __init__(self, root: pathlib.Path, cases: list[dict]) -> None:
         self.root, self.cases = root, {c["name"]: c for c in cases}
-        self.deadline = time.time() + self.SECONDS
+        self.last_result = time.time()  # a case gets CASE_SECONDS from the previous one's result
         self.ctx = torch.multiprocessing.start_processes(_rank_main, args=(2, cases, str(root)), nprocs=2,
                                                          join=False, start_method="spawn")
         self.failure: str | None = None
@@ -269,10 +287,20 @@ class _Group:
         while not all(p.exists() for p in paths):
             if not self._alive() and not all(p.exists() for p in paths):
                 pytest.fail(f"the ranks exited without a result for {name}")
-            if time.time() > self.deadline:
-                pytest.fail(f"no tensor-parallel result for {name} within {self.SECONDS} s")
+            if time.time() > self.last_result + CASE_SECONDS:
+                pytest.fail(f"no tensor-parallel result for {name} within {CASE_SECONDS} s of the previous "
+                            f"case's; the ranks' logs end:\n{self.log_tails()}")
             time.sleep(0.5)
+        self.last_result = max(self.last_result, max(p.stat().st_mtime for p in paths))
         return [json.loads(p.read_text()) for p in paths]
+
+    def log_tails(self, chars: int = 6000) -> str:
+        tails = []
+        for r in range(2):
+            p = _rank_log(self.root, r)
+            text = p.read_text(errors="replace") if p.exists() else "(no log)"
+            tails.append(f"--- rank {r} ---\n{text[-chars:]}")
+        return "\n".join(tails)
 
     def single(self, name: str):
         """The case's tokens on one GPU with the same options (the oracle), or its error."""
@@ -290,7 +318,7 @@ class _Group:
 
     def close(self) -> None:
         for p in self.ctx.processes:
-            p.join(max(1.0, self.deadline - time.time()))
+            p.join(max(1.0, self.last_result + CASE_SECONDS - time.time()))
         codes = [p.exitcode for p in self.ctx.processes]
         for p in self.ctx.processes:
             if p.is_alive():

@@ -47,7 +47,6 @@ class TensorParallelEngine(HybridEngine):
 
     def __init__(self, model, config: EngineConfig, tp: TensorParallelGroup, *, tokenizer=None,
                  processes: list | None = None, startup: Startup | None = None) -> None:
-        warm = config.warmup_kernels if config.warmup_kernels is not None else tp.device.type == "cuda"
         super().__init__(model, dataclasses.replace(config, warmup_kernels=False), tokenizer=tokenizer,
                          startup=startup)
         self.config = config
@@ -59,7 +58,14 @@ class TensorParallelEngine(HybridEngine):
         self.runner.step_observer = self._broadcaster
         self.pools.mamba.observer = self._broadcaster
         self.pools.kv.observer = self._broadcaster
-        if warm:  # (after the broadcaster is installed: the other ranks run the warm-up's steps too)
+
+    def warm_up_with_followers(self) -> None:
+        """The kernels' warm-up (``EngineConfig.warmup_kernels``; default on CUDA), its steps run by
+        every rank: call it once the other ranks follow (:func:`follow`), after the start-up
+        collectives of :func:`build_rank_engine` (a step broadcast before then would meet a rank
+        still inside one of those collectives)."""
+        warm = self.config.warmup_kernels
+        if warm if warm is not None else self.tp.device.type == "cuda":
             self.startup.plan("warmup")
             with self.startup.phase("warmup"):
                 self._guarded(self._warm_up_kernels)
@@ -231,6 +237,7 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
                            f"per rank: {graphs})")
     if tp.is_leader:
         engine.load_reports = [LoadReport(*r) for r in reports]
+        engine.warm_up_with_followers()
     return engine
 
 

@@ -447,6 +447,52 @@ def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch, capsys
         engine.close()
 
 
+_TWO_ENGINES = """
+import json, os, sys, time
+import hybrid_compile as hc
+ckpt, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+outputs = []
+for i in range(2):
+    if i == 1 and os.environ["RANK"] == "0":
+        time.sleep(3)  # rank 1 reaches the second rendezvous first
+    engine = hc.from_pretrained(ckpt, tensor_parallel_size=2, device="cpu", tokenizer=False)
+    if engine is not None:
+        outputs.append(engine.generate_batch(prompts, max_new_tokens=%d))
+        engine.close()
+if outputs:
+    json.dump(outputs, open(out, "w"))
+""" % NEW
+
+
+def test_torchrun_process_serves_a_second_engine(checkpoints, tmp_path):
+    """Under torchrun, a process that closes its engine and opens another (every rank the same):
+    the second rendezvous waits for every rank (it once went ahead on the first one's keys in
+    torchrun's store and hung), and both engines give HF's greedy tokens."""
+    import subprocess
+    import sys
+
+    ck = checkpoints["qwen3_next_moe"]
+    script, out = tmp_path / "two_engines.py", tmp_path / "out.json"
+    script.write_text(_TWO_ENGINES)
+    prompts = ck["rounds"][0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           ck["dir"], json.dumps(prompts), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.exists(), p.stderr[-4000:]
+    outputs = json.loads(out.read_text())
+    assert len(outputs) == 2
+    for got in outputs:
+        for prompt, g, w in zip(prompts, got, ck["expected"][0]):
+            em.assert_greedy_equal(ck["model"], prompt, g, w, what="a torchrun engine")
+    if p.returncode != 0:
+        from test_loading_cli import _aborted_at_exit
+
+        if _aborted_at_exit(p.stderr):  # (the known gloo teardown abort: see that test module)
+            pytest.xfail("a rank aborted at interpreter exit after a complete run (known gloo teardown issue)")
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
 def test_follower_failure_reaches_rank0(checkpoints, tmp_path):
     """A fault on rank 1 ends rank 1 with it; rank 0's generate raises TensorParallelError naming
     rank 1 and its error (no hang)."""

@@ -18,6 +18,7 @@ other ranks wait in; they read the recorded error and raise :class:`TensorParall
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ _ERROR_WAIT_SECONDS = 10.0
 # the step-header group: followers wait in it for as long as the leader is idle
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
 DEFAULT_TIMEOUT_SECONDS = 300.0
+# the engines this process joined through torchrun's environment: each rendezvous under its own
+# key prefix (every rank creates its engines in the same order, so the numbers agree)
+_ENV_ENGINES = itertools.count()
 
 
 class TensorParallelError(RuntimeError):
@@ -179,16 +183,20 @@ def init_group(
     rank: int, size: int, device: torch.device, timeout: float, *, store: "dist.Store | None" = None
 ) -> TensorParallelGroup:
     """Join (or reuse) the default process group and build this rank's :class:`TensorParallelGroup`.
-    ``store``: the rendezvous store (spawned ranks); None = torchrun's environment (``env://``)."""
+    ``store``: the rendezvous store (spawned ranks); None = torchrun's environment (``env://``:
+    its store, under a prefix of this engine's own)."""
     owns = not dist.is_initialized()
     if owns:
         kwargs = dict(backend=backend_for(device.type), timeout=datetime.timedelta(seconds=timeout))
         if device.type == "cuda":
             kwargs["device_id"] = device
-        if store is not None:
-            dist.init_process_group(store=store, rank=rank, world_size=size, **kwargs)
-        else:
-            dist.init_process_group(init_method="env://", rank=rank, world_size=size, **kwargs)
+        if store is None:
+            # torchrun's store outlives an engine: a second engine of this process rendezvousing
+            # under the first one's keys would find them set and go ahead without the other ranks
+            base, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size,
+                                              timeout=datetime.timedelta(seconds=timeout)))
+            store = dist.PrefixStore(f"hybrid_compile/engine{next(_ENV_ENGINES)}/", base)
+        dist.init_process_group(store=store, rank=rank, world_size=size, **kwargs)
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise TensorParallelError(
             f"tensor_parallel_size={size} but the torch.distributed group of this process has "

@@ -27,6 +27,13 @@ def _negative_A(D_inner, N):
     return -torch.exp(torch.rand(D_inner, N) * 1.5 - 0.5)  # fp32, per (channel, state) entry
 
 
+def _dt(raw, softplus: bool, dtype):
+    """The op's dt input: raw (the op applies the softplus) or, with ``dt_softplus=False``, already
+    non-negative as the caller's (RecurrentGemma's) is; a negative dt would grow the state without
+    bound (exp(-dt * |A|) > 1) and overflow over a long prompt."""
+    return (raw if softplus else torch.nn.functional.softplus(raw)).to(dtype)
+
+
 def make_scan(lens, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=torch.float32, with_D=True, with_z=True,
               with_bias=True, pad_rows=(), init=None, softplus=True, num_slots=NUM_SLOTS):
     """Inputs of mamba1_selective_scan. x / z are non-contiguous views of one in_proj output and B / C
@@ -37,7 +44,7 @@ def make_scan(lens, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=tor
     if init is None:
         init = [b % 2 == 0 for b in range(batch)]
     return dict(
-        x=xz[:, :D_inner], dt=(torch.randn(T, D_inner) - 1.0).to(dtype), A=_negative_A(D_inner, N),
+        x=xz[:, :D_inner], dt=_dt(torch.randn(T, D_inner) - 1.0, softplus, dtype), A=_negative_A(D_inner, N),
         B=bc[:, : G * N].view(T, G, N), C=bc[:, G * N :].view(T, G, N), D=torch.randn(D_inner).to(dtype) if with_D else None,
         z=xz[:, D_inner:] if with_z else None, dt_bias=(0.5 * torch.randn(D_inner)).to(dtype) if with_bias else None,
         dt_softplus=softplus, ssm_states=torch.randn(num_slots, D_inner, N).to(pool_dtype),
@@ -49,7 +56,7 @@ def make_scan(lens, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=tor
 def make_update(batch, steps, *, D_inner=12, N=8, G=1, dtype=torch.float32, pool_dtype=torch.float32, with_D=True,
                 with_z=True, with_bias=True, pad_rows=(), inter=True, disable=False, softplus=True, num_slots=NUM_SLOTS):
     return dict(
-        x=torch.randn(batch, steps, D_inner).to(dtype), dt=(torch.randn(batch, steps, D_inner) - 1.0).to(dtype),
+        x=torch.randn(batch, steps, D_inner).to(dtype), dt=_dt(torch.randn(batch, steps, D_inner) - 1.0, softplus, dtype),
         A=_negative_A(D_inner, N), B=(0.5 * torch.randn(batch, steps, G, N)).to(dtype),
         C=(0.5 * torch.randn(batch, steps, G, N)).to(dtype), D=torch.randn(D_inner).to(dtype) if with_D else None,
         z=torch.randn(batch, steps, D_inner).to(dtype) if with_z else None,

@@ -111,12 +111,17 @@ def test_host_tier_evicts_on_the_host_when_it_is_small():
     engine.close()
 
 
-def test_host_tier_options_are_honoured_or_refused():
+def test_host_tier_options_are_honoured_or_refused(monkeypatch):
     model = _model()
     with pytest.raises(ValueError, match="needs enable_prefix_cache"):
         make_engine(model, prefix_cache_host_tier=True, enable_prefix_cache=False, **ARGS)
-    with pytest.raises(ValueError, match="prefix_cache_host_tier is False"):
+    with pytest.raises(ValueError, match="prefix_cache_host_bytes is set but prefix_cache_host_tier is False"):
         make_engine(model, prefix_cache_host_bytes=1 << 20, **ARGS)
+    with pytest.raises(ValueError, match="prefix_cache_host_fraction is set but prefix_cache_host_tier is False"):
+        make_engine(model, prefix_cache_host_fraction=0.1, **ARGS)
+    with pytest.raises(ValueError, match="both size the host tier"):
+        make_engine(model, prefix_cache_host_tier=True, prefix_cache_host_bytes=1 << 20,
+                    prefix_cache_host_fraction=0.1, **ARGS)
     with pytest.raises(ValueError, match="exceeds the available host memory"):
         make_engine(model, prefix_cache_host_tier=True, prefix_cache_host_bytes=1 << 60, **ARGS)
     with pytest.raises(ValueError, match="cannot hold one KV page"):
@@ -129,6 +134,14 @@ def test_host_tier_options_are_honoured_or_refused():
     engine = make_engine(model, prefix_cache_host_tier=True, prefix_cache_host_fraction=0.001, **ARGS)
     assert 0 < engine.host_pool.nbytes() <= 0.001 * available_device_memory("cpu") * 1.05
     assert engine.stats()["prefix_cache"]["host_pool"]["pinned"] is False  # CPU pools
+    engine.close()
+    from hybrid_compile.memory import host_pool
+
+    # neither size: the default fraction (made small here: the real 0.25 of the host is gigabytes)
+    monkeypatch.setattr(host_pool, "DEFAULT_HOST_FRACTION", 0.002)
+    available = available_device_memory("cpu")
+    engine = make_engine(model, prefix_cache_host_tier=True, **ARGS)
+    assert 0.001 * available < engine.host_pool.nbytes() <= 0.002 * available * 1.05
     engine.close()
 
 

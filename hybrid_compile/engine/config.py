@@ -46,9 +46,10 @@ class EngineConfig:
     prefix_cache_track_interval: int = 256  # lru: checkpoint decoding requests every this many tokens (0: never)
     # host tier of the prefix cache: evicted nodes' KV + states go to (pinned) host memory and load back on a hit
     prefix_cache_host_tier: bool = False
-    # its size; None: prefix_cache_host_fraction of the available host memory (MemAvailable)
+    # its size; None: prefix_cache_host_fraction of the available host memory (MemAvailable;
+    # None there: memory.host_pool.DEFAULT_HOST_FRACTION, 0.25)
     prefix_cache_host_bytes: int | None = None
-    prefix_cache_host_fraction: float = 0.25
+    prefix_cache_host_fraction: float | None = None
     # move memory between the KV and Mamba pools at run time when one is exhausted and the other idle
     elastic_pools: bool = False
     speculative: Any = None  # a SpeculativeConfig or a dict of its fields (engine/speculative)
@@ -108,7 +109,7 @@ class EngineConfig:
             )
         check_policy_name(self.prefix_cache_policy, what="EngineConfig.prefix_cache_policy")
         positive("prefix_cache_host_bytes")
-        if not 0.0 < self.prefix_cache_host_fraction < 1.0:
+        if self.prefix_cache_host_fraction is not None and not 0.0 < self.prefix_cache_host_fraction < 1.0:
             raise ValueError(
                 f"EngineConfig.prefix_cache_host_fraction must be in (0, 1), got {self.prefix_cache_host_fraction}"
             )
@@ -117,8 +118,12 @@ class EngineConfig:
         if self.elastic_pools and self.speculative is not None:
             raise ValueError("EngineConfig.elastic_pools cannot be combined with speculative decoding "
                              "(its state buffers are held by reference across a resize)")
-        if self.prefix_cache_host_bytes is not None and not self.prefix_cache_host_tier:
-            raise ValueError("EngineConfig.prefix_cache_host_bytes is set but prefix_cache_host_tier is False")
+        for name in ("prefix_cache_host_bytes", "prefix_cache_host_fraction"):
+            if getattr(self, name) is not None and not self.prefix_cache_host_tier:
+                raise ValueError(f"EngineConfig.{name} is set but prefix_cache_host_tier is False")
+        if self.prefix_cache_host_bytes is not None and self.prefix_cache_host_fraction is not None:
+            raise ValueError("EngineConfig.prefix_cache_host_bytes and prefix_cache_host_fraction both size the "
+                             "host tier: set one")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         try:

@@ -34,6 +34,8 @@ from .kv_pool import KVPool
 from .mamba_pool import MambaPool
 from .sizing import available_device_memory
 
+DEFAULT_HOST_FRACTION = 0.25  # of the available host memory, when no size is given
+
 
 class RangeAllocator:
     """Exact first-fit allocator of contiguous ranges of ``0 .. capacity - 1``.
@@ -140,16 +142,18 @@ class HostPool:
 
     @classmethod
     def from_budget(
-        cls, kv: KVPool, mamba: MambaPool, budget_bytes: int | None = None, *, fraction: float = 0.25,
+        cls, kv: KVPool, mamba: MambaPool, budget_bytes: int | None = None, *, fraction: float | None = None,
         pin: bool | None = None,
     ) -> "HostPool":
-        """A host pool of ``budget_bytes`` (default: ``fraction`` of the available host memory),
+        """A host pool of ``budget_bytes`` (default: ``fraction`` of the available host memory, by
+        default :data:`DEFAULT_HOST_FRACTION`),
         split between KV tokens and Mamba slots in the device pools' proportion. Raises
         ValueError naming the option when the budget exceeds the available host memory or
         cannot hold one page of KV and one state."""
         available = available_device_memory("cpu")
         what = "prefix_cache_host_bytes"
         if budget_bytes is None:
+            fraction = DEFAULT_HOST_FRACTION if fraction is None else fraction
             budget_bytes, what = int(available * fraction), f"prefix_cache_host_fraction ({fraction})"
         elif budget_bytes > available:
             raise ValueError(

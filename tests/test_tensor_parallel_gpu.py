@@ -22,10 +22,15 @@ compared at the command rank 0 had sent when its engine was ready and at the end
 
 Needs 2 CUDA devices (``multi_gpu`` marker; skipped with fewer). The module's tests share one
 module fixture (one group of ranks), so they stay on one pytest-xdist worker
-(``xdist_group``; ``scripts/gpu_tests.py`` runs ``--dist loadgroup``). One command each, the
-default set first, then the other mid-size families:
+(``xdist_group``; ``scripts/gpu_tests.py`` runs ``--dist loadgroup``). A case takes 20-35 s on
+2 H100s (compile, capture, warm-up; the first about 80 s with the imports), the mid-size ones
+more, so the default set runs as two device commands of under 10 minutes each, then the other
+mid-size families:
 
-    python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp -- tests/test_tensor_parallel_gpu.py
+    python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_a -- tests/test_tensor_parallel_gpu.py \
+        -k "qwen3_next or qwen3_5 or nemotron_h"
+    python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_b -- tests/test_tensor_parallel_gpu.py \
+        -k "not (qwen3_next or qwen3_5 or nemotron_h)"
     HC_TP_GPU_ALL_MID=1 python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_mid \
         -- tests/test_tensor_parallel_gpu.py -k "mid_ and not mid_qwen3_next_moe and not mid_nemotron_h"
 """

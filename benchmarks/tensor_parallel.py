@@ -42,6 +42,7 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository's, installed or not
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from reference_models import qwen3_next_reference_config, random_token_prompts, sync_device  # noqa: E402

@@ -191,6 +191,20 @@ def _assert_buffers_equal_padded(buffers, key, ids, md):
     assert view.mode is key.mode and view.extend_lens_cpu == [steps] * bs
     if key.mode is ForwardMode.TARGET_VERIFY:
         assert view.draft_len == steps and view.verify_rows() == bs
+    if not key.tree:
+        assert view.tree_mask is None and view.tree_parents is None
+        return
+    # a draft tree: the step's rows as built without graphs, every padding row a chain (each token's
+    # parent the one before, its mask bits those of the tokens up to itself)
+    n, pads = md.num_tokens, bs - b
+    chain_parents = [j - 1 for j in range(steps)]
+    chain_bits = [int.from_bytes(((1 << (j + 1)) - 1).to_bytes(8, "little"), "little", signed=True) for j in range(steps)]
+    assert view.tree_mask.dtype == torch.int64 and view.tree_parents.dtype == torch.int32
+    assert view.tree_parents.shape == (bs, steps) and view.tree_parents.is_contiguous()
+    assert torch.equal(view.tree_mask[:n], md.tree_mask) and torch.equal(view.tree_parents[:b], md.tree_parents)
+    assert view.tree_mask[n:].tolist() == chain_bits * pads
+    assert view.tree_parents[b:].tolist() == [chain_parents] * pads
+    assert torch.equal(view.tree_parents, p.tree_parents)  # pad_requests pads a tree's rows with chains too
 
 
 def _assert_sent_to_another_rank(buffers, key, ids, md, built_md):
@@ -203,6 +217,8 @@ def _assert_sent_to_another_rank(buffers, key, ids, md, built_md):
                             buffers.kv_indices.dtype, buffers.padding_slot, buffers.max_tokens_per_request)
     for t in other.outputs(cg.GraphKey(key.mode, other.max_batch, key.tokens_per_request)):
         t.fill_(7)  # stale values everywhere
+    other.tree_mask.fill_(7)
+    other.tree_parents.fill_(7)
     got_key, requests, targets = graph_step_targets(other, fields)
     unpack_into(targets, packed(tensors, CPU))
     assert got_key == key and requests == md.batch_size
@@ -350,6 +366,93 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
     assert max(checked) == 4
 
 
+def test_tree_verify_graph_buffers_hold_padded_steps_and_eager_logits():
+    """Draft-tree TARGET_VERIFY graphs (speculative top-k 2, depth 2, 4 nodes: 5 tokens per request,
+    a replay draft): on real tree verify steps of the CPU engine, the metadata built into a tree
+    graph's buffers equal the step's own (built without graphs: positions ``prefix + depth``, tree
+    mask, parents) row for row, padding rows verifying a chain; sent to another rank they fill its
+    stale buffers the same; the model over the buffers gives the step's logits, KV / Mamba pool
+    updates and the real rows' intermediate states. Greedy tokens equal HF's."""
+    from hybrid_compile.engine.speculative import ReplayDraft
+
+    model = cached_model("qwen3_next_dense", 0)
+    prompts = random_prompts([5, 9, 2], vocab_size(model), seed=3)
+    new = 6
+    expected = [hf_greedy(model, p, new) for p in prompts]
+    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab_size(model), seed=1)
+    spec = dict(method="custom", draft_source=source, num_draft_tokens=2, topk=2, num_tree_nodes=4)
+    steps, checked = 5, []
+    V = ForwardMode.TARGET_VERIFY
+    with make_engine(model, max_running_requests=3, speculative=spec) as engine:
+        runner = engine.runner
+        assert runner.draft_len == steps
+        req_to_token = engine.pools.req_to_token.req_to_token
+        rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
+        buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
+                                  max_tokens_per_request=steps)
+        build, original = runner.build_verify_metadata, runner.forward_verify
+        pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
+        inter = [t for pair in runner.intermediate_caches.values() for t in pair]
+        step = {}
+
+        def build_verify_metadata(batch, drafts, tree=None):
+            assert tree is not None
+            step.update(batch=batch, drafts=drafts, tree=tree)
+            return build(batch, drafts, tree)
+
+        def forward_verify(ids, md):
+            assert md.graph_key is None and md.tree_mask is not None  # the oracle: built without graphs
+            before = [t.clone() for t in pools]
+            logits = original(ids, md)
+            after = [t.clone() for t in pools]
+            inter_after = [t.clone() for t in inter]
+            b = md.batch_size
+            batch, drafts, tree = step["batch"], step["drafts"], step["tree"]
+            for bs in sorted({b, b + 1, rows}):
+                for t, saved in zip(pools, before):
+                    t.copy_(saved)
+                for t in inter:
+                    t.fill_(float("nan"))  # the real rows must be written again, padding rows may hold anything
+                for t in (*buffers.outputs(cg.GraphKey(V, rows, steps)), buffers.tree_mask, buffers.tree_parents):
+                    t.fill_(7)  # stale values everywhere
+                key = cg.GraphKey(V, bs, steps, tree=True)
+                built_ids, built = runner.batch_builder.build_tree_verify(batch, drafts, tree, graph=key,
+                                                                          buffers=buffers)
+                assert built.graph_key == key and built.batch_size == b
+                assert built.positions.data_ptr() == buffers.positions.data_ptr()
+                assert built.tree_mask.data_ptr() == buffers.tree_mask.data_ptr()
+                assert built.tree_parents.data_ptr() == buffers.tree_parents.data_ptr()
+                assert torch.equal(built.positions, md.positions) and torch.equal(built.tree_mask, md.tree_mask)
+                assert torch.equal(built.tree_parents, md.tree_parents) and torch.equal(built_ids, ids)
+                _assert_buffers_equal_padded(buffers, key, ids, md)
+                _assert_sent_to_another_rank(buffers, key, ids, md, built)
+                with torch.inference_mode(), forward_context(ForwardContext(
+                        buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
+                    n = key.num_tokens
+                    padded = runner._model_forward(buffers.input_ids[:n], buffers.positions[:n],
+                                                   buffers.logits_indices[:n])
+                assert padded.shape[0] == bs * steps
+                torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
+                for t, want_t in zip(pools, after):
+                    torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5)
+                for t, want_t in zip(inter, inter_after):
+                    torch.testing.assert_close(t[:b], want_t[:b], rtol=1e-5, atol=1e-5)
+            for t, want_t in zip(pools + inter, after + inter_after):
+                t.copy_(want_t)
+            # a chain verify graph does not take a tree step
+            with pytest.raises(ValueError, match="chain verify graph"):
+                runner.batch_builder.build_tree_verify(batch, drafts, tree, graph=cg.GraphKey(V, rows, steps),
+                                                       buffers=buffers)
+            checked.append(b)
+            return logits
+
+        runner.build_verify_metadata, runner.forward_verify = build_verify_metadata, forward_verify
+        got = engine.generate_batch(prompts, max_new_tokens=new)
+        assert engine.stats()["speculative"]["verify_steps"] > 0
+    assert got == expected
+    assert max(checked) == 3
+
+
 def test_full_graph_keys_for_decode_and_verify():
     """Which full graph a step replays (no CUDA needed: nothing is captured)."""
     buffers = cg.GraphBuffers(4, 16, CPU, torch.int32, 0, max_tokens_per_request=3)
@@ -371,6 +474,48 @@ def test_full_graph_keys_for_decode_and_verify():
                            verify_batch_sizes=(8,), draft_len=3, intermediate_caches=inter)
     with pytest.raises(ValueError, match="draft_len 4"):
         cg.FullGraphRunner(None, buffers, (4,), {}, {}, None, verify_batch_sizes=(4,), draft_len=4)
+    # draft trees: tree verify graphs, which chain verify steps do not replay (nor tree steps chain graphs)
+    assert runner.key_for(V, 3, 3, tree=True) is None
+    trees = cg.FullGraphRunner(None, buffers, (1, 4), {}, {}, None, verify_batch_sizes=(2, 4), draft_len=3,
+                               intermediate_caches=inter, tree=True)
+    assert trees.keys() == [cg.GraphKey(V, 4, 3, True), cg.GraphKey(V, 2, 3, True), cg.GraphKey(D, 4), cg.GraphKey(D, 1)]
+    assert trees.key_for(V, 3, 3, tree=True) == cg.GraphKey(V, 4, 3, True)
+    assert trees.key_for(V, 3, 3) is None and trees.key_for(D, 3, 1) == cg.GraphKey(D, 4)
+    with pytest.raises(ValueError, match="TARGET_VERIFY graph"):
+        buffers.metadata(cg.GraphKey(D, 4, 1, True))
+
+
+def test_tree_graph_buffers_capture_layout():
+    """What a tree verify graph is captured with (``GraphBuffers.reset`` then ``metadata``): every row a
+    padding request verifying a chain; views of the tree buffers, contiguous ``[bs, L]`` parents for
+    any ``L`` up to the buffers' tokens per request; a chain verify graph carries no tree metadata."""
+    V = ForwardMode.TARGET_VERIFY
+    buffers = cg.GraphBuffers(4, 16, CPU, torch.int32, 0, max_tokens_per_request=3)
+    for bs, steps in ((4, 3), (2, 2), (3, 1)):
+        key = cg.GraphKey(V, bs, steps, tree=True)
+        buffers.tree_mask.fill_(7)
+        buffers.tree_parents.fill_(7)
+        buffers.reset(key)
+        md = buffers.metadata(key)
+        assert md.tree_mask.data_ptr() == buffers.tree_mask.data_ptr()
+        assert md.tree_parents.data_ptr() == buffers.tree_parents.data_ptr()
+        assert md.tree_parents.shape == (bs, steps) and md.tree_parents.is_contiguous()
+        assert md.tree_parents.tolist() == [[j - 1 for j in range(steps)]] * bs
+        assert md.tree_mask.tolist() == [(1 << (j + 1)) - 1 for j in range(steps)] * bs
+        assert md.positions.tolist() == list(range(steps)) * bs and md.mamba_cache_indices.tolist() == [-1] * bs
+        assert len(buffers.step_tensors(key, bs * steps)) == len(buffers.outputs(key)) + 2
+    chain = buffers.metadata(cg.GraphKey(V, 4, 3))
+    assert chain.tree_mask is None and chain.tree_parents is None
+    assert len(buffers.step_tensors(cg.GraphKey(V, 4, 3), 12)) == len(buffers.outputs(cg.GraphKey(V, 4, 3)))
+    with pytest.raises(ValueError, match="not a draft-tree verify graph"):
+        buffers.tree_outputs(cg.GraphKey(V, 4, 3))
+    with pytest.raises(ValueError, match="tree_rows"):
+        buffers.tree_rows(cg.GraphKey(V, 2, 3, True), [[-1, 0, 1]] * 3, [[1, 3, 7]] * 3)
+    # the rows of the step, then chains: 64 tokens per request, the last one's bits the sign bit too
+    parents, bits = cg.GraphBuffers.tree_rows(cg.GraphKey(V, 2, 64, True), [[-1] + [0] * 63], [[1] + [3] * 63])
+    assert parents[:64] == [-1] + [0] * 63 and bits[:64] == [1] + [3] * 63
+    assert parents[64:] == list(range(-1, 63)) and bits[64:-1] == [(1 << (j + 1)) - 1 for j in range(63)]
+    assert bits[-1] == -1
 
 
 # ---------------------------------------------------------------------------------------------

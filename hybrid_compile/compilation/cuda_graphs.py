@@ -21,7 +21,13 @@ request: the pending token and k drafts) are one more key with its own token lay
 buffers: padding requests of ``L`` tokens, ``logits_indices`` every one of the ``bs * L`` tokens,
 the host-side values the verify layer ops read (``draft_len``, ``verify_rows()``) fixed per
 graph (every row of a bucket is a verify row), the speculative intermediate buffers indexed by
-batch row (padding rows come after the real ones). A replay returns ``logits[:b * L]``.
+batch row (padding rows come after the real ones). A replay returns ``logits[:b * L]``. Verify
+graphs of DRAFT TREES (``GraphKey.tree``: speculative top-k > 1) also read the tree's metadata from
+the buffers: ``tree_mask`` (ancestor bits of each token) and ``tree_parents`` (each token's parent
+in its row), which the engine writes with the step's positions (``prefix + depth``) before the
+replay; their padding rows verify a chain (:func:`~hybrid_compile.ops.metadata.padding_tree`). What
+the ops read on the host is the same for every step of a tree graph (tree metadata present,
+``verify_rows()``); everything that differs between trees lives in the buffers.
 
 **Piecewise graphs** (:class:`PiecewiseGraphs`): the backend wraps every Inductor-compiled piece
 in a :class:`PiecewiseGraphPiece`; while the runner replays a token bucket the piece replays its
@@ -56,7 +62,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
-from ..ops.metadata import padding_rows
+from ..ops.metadata import padding_rows, padding_tree
 
 # Dynamo specialises sizes 0 and 1: graphs run with at least this many tokens and logits rows, except
 # the full decode graph of one request, captured from a compile specialised to one token (FullGraphRunner)
@@ -114,12 +120,15 @@ def logits_rows_for_tokens(num_tokens: int, max_running_requests: int) -> int:
 
 @dataclass(frozen=True)
 class GraphKey:
-    """What a full graph is captured for: the forward mode, the (padded) batch size and the
-    new tokens of every request (1 for DECODE; the draft length for TARGET_VERIFY)."""
+    """What a full graph is captured for: the forward mode, the (padded) batch size, the
+    new tokens of every request (1 for DECODE; the draft length for TARGET_VERIFY) and, for
+    TARGET_VERIFY, whether the drafts are trees (its metadata then carry ``tree_mask`` and
+    ``tree_parents``, views of the buffers; a chain's carry None)."""
 
     mode: ForwardMode
     batch_size: int
     tokens_per_request: int = 1
+    tree: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -138,7 +147,11 @@ class GraphBuffers:
     padding rows laid out as ``forward_batch.pad_requests`` with requests of ``L`` tokens: ids 0,
     positions ``0 .. L-1``, ``out_cache_loc`` -1, ``seq_len`` ``L`` over the KV padding slot, Mamba
     index -1 (the op's padding rows, :func:`~hybrid_compile.ops.metadata.padding_rows`). Every
-    buffer is written by every step, so graphs of any ``L`` share them."""
+    buffer is written by every step, so graphs of any ``L`` share them. A draft-tree verify graph
+    (``key.tree``) also reads ``tree_mask`` (``[max_batch * max_tokens_per_request]`` int64) and
+    ``tree_parents`` (``[max_batch, max_tokens_per_request]`` int32, a graph of ``L`` tokens per
+    request reading its first ``bs * L`` entries as ``[bs, L]``); its padding rows are chains
+    (:meth:`tree_rows`)."""
 
     def __init__(
         self, max_batch: int, max_context_len: int, device: torch.device, kv_index_dtype: torch.dtype,
@@ -160,6 +173,8 @@ class GraphBuffers:
         self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.kv_indices = torch.full((max_batch * max(max_context_len, max_tokens_per_request),), padding_slot,
                                      dtype=kv_index_dtype, device=device)
+        self.tree_mask = torch.zeros(t, **i64)
+        self.tree_parents = torch.zeros(max_batch, max_tokens_per_request, **i32)
 
     def _check_key(self, key: GraphKey) -> None:
         if key.mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
@@ -171,13 +186,16 @@ class GraphBuffers:
                              f"1..{self.max_tokens_per_request}")
         if not 1 <= key.batch_size <= self.max_batch:
             raise ValueError(f"GraphBuffers: a graph of batch size {key.batch_size}, the buffers hold 1..{self.max_batch}")
+        if key.tree and key.mode is not ForwardMode.TARGET_VERIFY:
+            raise ValueError(f"full CUDA graphs: a draft-tree graph is a TARGET_VERIFY graph, got {key.mode.value}")
 
     def metadata(self, key: GraphKey) -> ForwardMetadata:
         """The metadata a graph of ``key`` is captured with: views of the buffers. Its host-side
         lists are those of a full bucket (every request ``L`` tokens): what the layer ops read on
-        the host (``verify_rows()``, ``draft_len``) is fixed per graph."""
+        the host (``verify_rows()``, ``draft_len``, whether there is a tree) is fixed per graph."""
         self._check_key(key)
         bs, steps, n = key.batch_size, key.tokens_per_request, key.num_tokens
+        tree_mask, tree_parents = self.tree_outputs(key) if key.tree else (None, None)
         return ForwardMetadata(
             mode=key.mode,
             positions=self.positions[:n],
@@ -194,6 +212,8 @@ class GraphBuffers:
             seq_lens_cpu=[steps] * bs,
             draft_len=steps if key.mode is ForwardMode.TARGET_VERIFY else 0,
             prompt_lens=self.prompt_lens[:bs],
+            tree_mask=tree_mask,
+            tree_parents=tree_parents,
         )
 
     def outputs(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
@@ -207,12 +227,36 @@ class GraphBuffers:
                 self.query_start_loc[: bs + 1], self.seq_lens[:bs], self.prefix_lens[:bs], self.prompt_lens[:bs],
                 self.mamba_cache_indices[:bs], self.has_initial_state[:bs], self.kv_indptr[: bs + 1], self.kv_indices)
 
+    def tree_outputs(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft-tree verify graph's tree metadata: ``tree_mask`` ``[bs * L]`` and ``tree_parents``
+        ``[bs, L]`` (contiguous: the first ``bs * L`` entries of the buffer), padding rows included."""
+        self._check_key(key)
+        if not key.tree:
+            raise ValueError(f"GraphBuffers: the graph {key} is not a draft-tree verify graph (no tree buffers)")
+        n = key.num_tokens
+        return self.tree_mask[:n], self.tree_parents.view(-1)[:n].view(key.batch_size, key.tokens_per_request)
+
+    @staticmethod
+    def tree_rows(key: GraphKey, parents: Sequence[Sequence[int]], bits: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        """The tree metadata of a step of graph ``key`` on the host, flat, padding rows included:
+        ``(tree_parents, tree_mask)`` of the step's requests (``parents[i]`` / ``bits[i]``: request
+        ``i``'s ``L`` tokens) followed by padding rows verifying a chain
+        (:func:`~hybrid_compile.ops.metadata.padding_tree`), so the ops read a valid tree there."""
+        steps, rows = key.tokens_per_request, len(parents)
+        if rows > key.batch_size or len(bits) != rows or any(len(r) != steps for r in (*parents, *bits)):
+            raise ValueError(f"GraphBuffers.tree_rows: {rows} rows of {steps} parents and mask bits each fit the "
+                             f"graph {key}, got {[len(r) for r in parents]} / {[len(r) for r in bits]}")
+        pad_parents, pad_bits = padding_tree(steps)
+        pad = key.batch_size - rows
+        return ([p for row in parents for p in row] + pad_parents * pad, [b for row in bits for b in row] + pad_bits * pad)
+
     def step_tensors(self, key: GraphKey, kv_entries: int) -> tuple[torch.Tensor, ...]:
         """What a step of graph ``key`` holds in the buffers: the :meth:`outputs`, ``kv_indices`` cut to
-        its first ``kv_entries`` (the requests' then the padding rows': :meth:`kv_entries`). Tensor
-        parallelism sends them from rank 0 to the other ranks, which replay the same graph."""
+        its first ``kv_entries`` (the requests' then the padding rows': :meth:`kv_entries`), and a
+        draft-tree graph's :meth:`tree_outputs`. Tensor parallelism sends them from rank 0 to the
+        other ranks, which replay the same graph."""
         *rest, kv_indices = self.outputs(key)
-        return (*rest, kv_indices[:kv_entries])
+        return (*rest, kv_indices[:kv_entries], *(self.tree_outputs(key) if key.tree else ()))
 
     @staticmethod
     def kv_entries(key: GraphKey, md: ForwardMetadata) -> int:
@@ -227,6 +271,11 @@ class GraphBuffers:
         no_requests = self.kv_indices.new_empty(0, steps)  # the req_to_token of no request: padding rows read none
         torch.ops.hybrid_compile.uniform_step_metadata(staged.to(self.device), None, steps, self.padding_slot,
                                                       no_requests, *self.outputs(key))
+        if key.tree:  # every row a padding request's chain
+            parents, bits = self.tree_rows(key, [], [])
+            mask, tree_parents = self.tree_outputs(key)
+            mask.copy_(torch.tensor(bits, dtype=torch.int64))
+            tree_parents.view(-1).copy_(torch.tensor(parents, dtype=torch.int32))
 
 
 def _capture(graph: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream", fn: Callable[[], Any]) -> Any:
@@ -291,11 +340,13 @@ class FullGraphRunner:
         draft_len: tokens per request of the verify graphs (the speculative ``k + 1``).
         intermediate_caches: the verify forward context's per-draft-step buffers
             (``ForwardContext.intermediate_caches``).
+        tree: the verify steps are of draft trees (speculative top-k > 1): the verify graphs are
+            tree graphs (``GraphKey.tree``), reading the tree's metadata from the buffers.
     """
 
     def __init__(self, forward: Callable, buffers: GraphBuffers, batch_sizes: Sequence[int], kv_caches, mamba_caches,
                  pool: GraphPool, verify_batch_sizes: Sequence[int] = (), draft_len: int = 0,
-                 intermediate_caches: dict | None = None) -> None:
+                 intermediate_caches: dict | None = None, tree: bool = False) -> None:
         self.forward = forward
         self.buffers = buffers
         self.batch_sizes = normalize_buckets(batch_sizes, minimum=1)
@@ -312,6 +363,7 @@ class FullGraphRunner:
                 raise ValueError(f"verify bucket {self.verify_batch_sizes[-1]} exceeds the {rows} rows of the "
                                  "speculative intermediate buffers")
         self.draft_len = draft_len
+        self.tree = bool(tree)
         self.kv_caches, self.mamba_caches = kv_caches, mamba_caches
         self.intermediate_caches = dict(intermediate_caches or {})
         self.pool = pool
@@ -323,19 +375,21 @@ class FullGraphRunner:
     def keys(self) -> list[GraphKey]:
         """Every graph to capture, largest token count first."""
         keys = [GraphKey(ForwardMode.DECODE, bs) for bs in self.batch_sizes]
-        keys += [GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len) for bs in self.verify_batch_sizes]
+        keys += [GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len, self.tree) for bs in self.verify_batch_sizes]
         return sorted(keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
 
-    def key_for(self, mode: ForwardMode, batch_size: int, tokens_per_request: int) -> GraphKey | None:
+    def key_for(self, mode: ForwardMode, batch_size: int, tokens_per_request: int, tree: bool = False) -> GraphKey | None:
         """The graph a step of ``batch_size`` requests adding ``tokens_per_request`` tokens each
-        replays, or None (not a DECODE step nor a TARGET_VERIFY step of ``draft_len`` tokens per
-        request, or larger than every bucket)."""
-        if mode is ForwardMode.DECODE and tokens_per_request == 1:
+        (``tree``: a verify step of draft trees) replays, or None (not a DECODE step nor a
+        TARGET_VERIFY step of ``draft_len`` tokens per request whose drafts are trees exactly when
+        the verify graphs are, or larger than every bucket)."""
+        if mode is ForwardMode.DECODE and tokens_per_request == 1 and not tree:
             bs = select_bucket(self.batch_sizes, batch_size)
             return None if bs is None else GraphKey(ForwardMode.DECODE, bs)
-        if mode is ForwardMode.TARGET_VERIFY and self.verify_batch_sizes and tokens_per_request == self.draft_len:
+        if (mode is ForwardMode.TARGET_VERIFY and self.verify_batch_sizes and tokens_per_request == self.draft_len
+                and bool(tree) == self.tree):
             bs = select_bucket(self.verify_batch_sizes, batch_size)
-            return None if bs is None else GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len)
+            return None if bs is None else GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len, self.tree)
         return None
 
     def _run(self, key: GraphKey) -> torch.Tensor:

@@ -9,9 +9,9 @@ does to the device state of the model reaches the followers as one command, in o
   rank then runs the same forward, whose collectives pair up; the logits are gathered on every rank
   and sampled on rank 0 only.
 - ``GRAPH``: a replay of a full CUDA graph (decode or verify) with the step rank 0 built into its
-  graph buffers (``GraphBuffers.step_tensors``); the other ranks copy it into their own buffers and
-  replay the same graph. Every rank captured the same graphs at start-up, in the same order, so the
-  NCCL collectives captured inside them pair up.
+  graph buffers (``GraphBuffers.step_tensors``, a draft tree's mask and parents included); the other
+  ranks copy it into their own buffers and replay the same graph. Every rank captured the same
+  graphs at start-up, in the same order, so the NCCL collectives captured inside them pair up.
 - ``ZERO`` / ``COPY``: Mamba-state writes outside a forward (a new slot zeroed, a prefix-cache
   copy-on-write or checkpoint, an ``n > 1`` fork); ``KV_COPY``: K/V copied to a forked sequence;
   ``COMMIT``: a speculative verify's state commit.
@@ -52,15 +52,15 @@ def graph_step(buffers: GraphBuffers, md: ForwardMetadata) -> tuple[list[int], l
     tensors (what the step occupies in the graph buffers) of the step ``md`` built into ``buffers``."""
     key = md.graph_key
     kv_entries = buffers.kv_entries(key, md)
-    fields = [_MODES.index(key.mode), key.batch_size, key.tokens_per_request, md.batch_size, kv_entries]
+    fields = [_MODES.index(key.mode), key.batch_size, key.tokens_per_request, int(key.tree), md.batch_size, kv_entries]
     return fields, list(buffers.step_tensors(key, kv_entries))
 
 
 def graph_step_targets(buffers: GraphBuffers, fields: list[int]) -> tuple[GraphKey, int, tuple[torch.Tensor, ...]]:
     """The receiving side of :func:`graph_step`: (graph key, requests, the buffers' tensors that the
     payload fills, in order)."""
-    mode, batch_size, tokens_per_request, requests, kv_entries = fields
-    key = GraphKey(_MODES[mode], batch_size, tokens_per_request)
+    mode, batch_size, tokens_per_request, tree, requests, kv_entries = fields
+    key = GraphKey(_MODES[mode], batch_size, tokens_per_request, bool(tree))
     return key, requests, buffers.step_tensors(key, kv_entries)
 
 
@@ -178,7 +178,7 @@ def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     full = engine.runner.full_graphs
     if full is None:
         raise RuntimeError("tensor parallelism: rank 0 replays full CUDA graphs, this rank captured none")
-    key, requests, targets = graph_step_targets(full.buffers, header[1:6])
+    key, requests, targets = graph_step_targets(full.buffers, header[1:7])
     if key not in full.graphs:
         raise RuntimeError(f"tensor parallelism: rank 0 replays the full CUDA graph {key}, this rank did not capture it")
     unpack_into(targets, _payload(tp, sum(t.numel() for t in targets)))

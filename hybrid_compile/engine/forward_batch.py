@@ -15,7 +15,8 @@ Three paths, all giving the same tensors:
   ids may already be on the device (the engine's overlap feeds a step's sampled tokens straight
   into the next step launched ahead);
 - a TARGET_VERIFY step (speculative decoding: ``draft_len = k + 1`` tokens per request) takes the
-  same path (:meth:`ForwardBatchBuilder.build_verify`);
+  same path (:meth:`ForwardBatchBuilder.build_verify`); a draft tree's (top-k > 1) then has its
+  positions (``prefix + depth``), ``tree_mask`` and ``tree_parents`` from one more host->device copy;
 - every other step (EXTEND, DECODE with prefix-cache checkpoints) takes the general path
   (:meth:`ForwardBatchBuilder.build_extend`: two host->device copies, KV indices gathered on the
   device from ``req_to_token``).
@@ -23,7 +24,8 @@ Three paths, all giving the same tensors:
 A DECODE or TARGET_VERIFY step that fits a full CUDA graph (:attr:`ForwardBatchBuilder.full_graphs`,
 set once the graphs are captured) is built straight into that graph's buffers, the rows past the
 step's requests up to the bucket as padding requests (``ForwardMetadata.graph_key`` says which
-graph); the model runner then replays the graph.
+graph; a draft tree's tree metadata go into the graph's tree buffers, padding rows a chain); the
+model runner then replays the graph.
 
 Metadata tensors start at 16-byte aligned addresses (:func:`to_device_packed`): Triton
 specialises a kernel on the alignment of each pointer.
@@ -105,7 +107,7 @@ def pad_requests(
         padded.tree_mask = full(md.tree_mask, k, -1)
         steps = md.draft_len
         verify_pads = next((i for i, n in enumerate(pad_lens) if n != steps), len(pad_lens))
-        chain = torch.arange(-1, steps - 1, dtype=md.tree_parents.dtype, device=dev)
+        chain = torch.tensor(md_ops.padding_tree(steps)[0], dtype=md.tree_parents.dtype, device=dev)
         padded.tree_parents = torch.cat([md.tree_parents, chain.expand(verify_pads, steps)])
     for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
         t = getattr(md, name, None)
@@ -163,7 +165,8 @@ class ForwardBatchBuilder:
         :meth:`build_decode` (:meth:`build_uniform`). ``tree``: draft trees (``drafts[i]`` their
         tokens), ``(parents, depths, ancestor bits)`` of every verify token per request
         (``speculative.tree.tree_metadata``): positions ``prefix + depth``, ``tree_mask`` and
-        ``tree_parents`` are set, and no full graph is used (their metadata have no stable buffers)."""
+        ``tree_parents`` are set (:meth:`build_tree_verify`); a step that fits a draft-tree verify
+        graph is built into its buffers."""
         b = len(batch.requests)
         steps = self.draft_len
         if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) \
@@ -171,25 +174,51 @@ class ForwardBatchBuilder:
             raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
                              f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
                              f"{batch.extend_lens[:8]}")
+        graph = self._graph_for(batch, steps, tree=tree is not None)
         if tree is None:
-            return self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None,
-                                      self._graph_for(batch, steps))
-        input_ids, md = self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, None)
+            return self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, graph)
+        return self.build_tree_verify(batch, drafts, tree, graph)
+
+    def build_tree_verify(self, batch: ScheduledBatch, drafts: list[list[int]], tree: tuple,
+                          graph: GraphKey | None = None, buffers: GraphBuffers | None = None) -> ForwardBatch:
+        """:meth:`build_verify` of draft trees: :meth:`build_uniform`, then the tree's positions
+        (``prefix + depth``), ``tree_mask`` and ``tree_parents`` (int32 ``[b, L]``) from one
+        host->device copy. With ``graph`` (a draft-tree verify graph) everything goes into its
+        stable buffers (``buffers``, by default those of :attr:`full_graphs`): the positions of the
+        step's tokens, the tree metadata of every row up to the bucket (padding rows a chain,
+        ``GraphBuffers.tree_rows``); the returned metadata are views of the first rows."""
+        b, steps = len(batch.requests), self.draft_len
+        if graph is not None and not graph.tree:
+            raise ValueError(f"build metadata: a draft-tree verify step does not fit the chain verify graph {graph}")
+        input_ids, md = self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, graph, buffers)
         parents, depth_rows, bit_rows = tree
         positions = [p + d for p, row in zip(batch.prefix_lens, depth_rows) for d in row]
-        bits = [x for row in bit_rows for x in row]
-        md.positions, md.tree_mask, parents_d = to_device_packed(
+        if graph is None:
+            flat_parents, bits = [x for row in parents for x in row], [x for row in bit_rows for x in row]
+        else:
+            buffers = buffers if buffers is not None else self.full_graphs.buffers
+            flat_parents, bits = buffers.tree_rows(graph, parents, bit_rows)
+        positions_d, mask_d, parents_d = to_device_packed(
             [torch.tensor(positions, dtype=torch.int64), torch.tensor(bits, dtype=torch.int64),
-             torch.tensor(parents, dtype=torch.int64).flatten()], torch.int64, self.device)
-        md.tree_parents = parents_d.to(torch.int32).view(b, steps)
+             torch.tensor(flat_parents, dtype=torch.int64)], torch.int64, self.device)
+        if graph is None:
+            md.positions, md.tree_mask = positions_d, mask_d
+            md.tree_parents = parents_d.to(torch.int32).view(b, steps)
+            return input_ids, md
+        # into the graph's buffers (md.positions is a view of them: the op wrote prefix + j there)
+        mask_buf, parents_buf = buffers.tree_outputs(graph)
+        md.positions.copy_(positions_d)
+        mask_buf.copy_(mask_d)
+        parents_buf.view(-1).copy_(parents_d)
+        md.tree_mask, md.tree_parents = mask_buf[: b * steps], parents_buf[:b]
         return input_ids, md
 
-    def _graph_for(self, batch: ScheduledBatch, steps: int) -> GraphKey | None:
-        """The full CUDA graph a uniform step replays (its metadata is then built into the
-        graph's buffers), or None."""
+    def _graph_for(self, batch: ScheduledBatch, steps: int, tree: bool = False) -> GraphKey | None:
+        """The full CUDA graph a uniform step (``tree``: a verify step of draft trees) replays (its
+        metadata is then built into the graph's buffers), or None."""
         if self.full_graphs is None:
             return None
-        return self.full_graphs.key_for(batch.mode, len(batch.requests), steps)
+        return self.full_graphs.key_for(batch.mode, len(batch.requests), steps, tree)
 
     def build_uniform(
         self, batch: ScheduledBatch, mode: ForwardMode, steps: int, drafts: list[list[int]] | None,

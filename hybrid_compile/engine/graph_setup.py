@@ -283,15 +283,16 @@ class CompiledGraphs:
         sizes = cg.normalize_buckets(batch_sizes, minimum=1)  # 1: a graph specialised to one token (FullGraphRunner)
         verify_sizes: tuple[int, ...] = ()
         spec = self.config.speculative if self.config is not None else None
-        # (a draft tree's verify metadata, tree mask and parents, have no stable buffers: its
-        # steps run the compiled forward without graphs, counted as eager_fallbacks)
-        if draft_len and not (spec is not None and spec.is_tree):  # (rows: max_running_requests + 1, engine.py)
+        # draft trees (top-k > 1): tree verify graphs, their tree mask and parents in the buffers too
+        tree = spec is not None and spec.is_tree
+        if draft_len:  # (rows: max_running_requests + 1, engine.py)
             verify_sizes = tuple(s for s in sizes if s <= pools.mamba.max_draft_batch)
         buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
                                   pools.kv.PADDING_SLOT, max_tokens_per_request=max(1, draft_len))
         self.full_graphs = cg.FullGraphRunner(runner._call_compiled, buffers, sizes, runner.kv_caches,
                                               runner.mamba_caches, self.graph_pool, verify_batch_sizes=verify_sizes,
-                                              draft_len=draft_len, intermediate_caches=runner.intermediate_caches)
+                                              draft_len=draft_len, intermediate_caches=runner.intermediate_caches,
+                                              tree=tree)
         self.full_graphs.capture_all()
 
     def drop_cuda_graphs(self) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from ._validation import check_same_device, check_tensor, should_check_values
 
-__all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "staged_row", "staged_width", "uniform_step_metadata"]
+__all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "padding_tree", "staged_row", "staged_width", "uniform_step_metadata"]
 
 #: The fixed leading columns of a staged row; the ``steps`` KV slots and ``steps`` ids follow.
 STAGED_COLUMNS = ("req_slot", "prefix_len", "kv_start", "mamba_slot", "prompt_len")
@@ -51,6 +51,14 @@ def padding_row(kv_start: int, steps: int) -> list[int]:
 def padding_rows(kv_start: int, count: int, steps: int) -> list[list[int]]:
     """``count`` consecutive padding rows, the first starting at ``kv_start`` in ``kv_indices``."""
     return [padding_row(kv_start + i * steps, steps) for i in range(count)]
+
+
+def padding_tree(steps: int) -> tuple[list[int], list[int]]:
+    """The draft tree a padding request of ``steps`` tokens verifies (a draft-tree TARGET_VERIFY step's
+    padding rows): a chain, as (parent of each token, -1 for the first; ancestor bits of each token,
+    itself included, as a signed int64: the attention op's ``tree_mask``)."""
+    bits = [(1 << (j + 1)) - 1 for j in range(steps)]
+    return list(range(-1, steps - 1)), [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
 
 _MUTATED = ("req_to_token", "input_ids", "positions", "out_cache_loc", "logits_indices", "query_start_loc", "seq_lens",

@@ -292,6 +292,37 @@ def test_graph_buffers_hold_padded_steps_and_eager_logits():
     assert set(checked) >= {3}
 
 
+def _verify_graph_setup(engine, steps: int):
+    """A speculative engine's runner (``steps`` tokens per verify request), the rows of its intermediate
+    buffers, graph buffers of that many rows, and its pools and intermediate buffers (flat lists)."""
+    runner = engine.runner
+    assert runner.draft_len == steps
+    req_to_token = engine.pools.req_to_token.req_to_token
+    rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
+    buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
+                              max_tokens_per_request=steps)
+    pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
+    inter = [t for pair in runner.intermediate_caches.values() for t in pair]
+    return runner, rows, buffers, pools, inter
+
+
+def _assert_verify_over_buffers(runner, buffers, key, b, logits, pools_after, inter_after):
+    """The eager model over a verify graph's buffers (every row up to the bucket, the speculative
+    intermediate buffers in the context) gives the step's logits of its ``b`` requests at every
+    verify position, the pools as the step left them and the real rows' intermediate states."""
+    with torch.inference_mode(), forward_context(ForwardContext(
+            buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
+        n = key.num_tokens
+        padded = runner._model_forward(buffers.input_ids[:n], buffers.positions[:n], buffers.logits_indices[:n])
+    steps = key.tokens_per_request
+    assert padded.shape[0] == key.batch_size * steps
+    torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
+    for t, want in pools_after:
+        torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)
+    for t, want in inter_after:
+        torch.testing.assert_close(t[:b], want[:b], rtol=1e-5, atol=1e-5)
+
+
 def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
     """TARGET_VERIFY graphs (speculative decoding, k = 2 drafts: 3 tokens per request): on real
     verify steps of the CPU engine, the runner's metadata built into a graph's buffers equal
@@ -304,15 +335,8 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
     steps, checked = 3, []
     spec = dict(method="ngram", num_draft_tokens=steps - 1, ngram_max=3, ngram_min=1)
     with make_engine(model, max_running_requests=4, speculative=spec) as engine:
-        runner = engine.runner
-        assert runner.draft_len == steps
-        req_to_token = engine.pools.req_to_token.req_to_token
-        rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
-        buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
-                                  max_tokens_per_request=steps)
+        runner, rows, buffers, pools, inter = _verify_graph_setup(engine, steps)
         build, original = runner.build_verify_metadata, runner.forward_verify
-        pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
-        inter = [t for pair in runner.intermediate_caches.values() for t in pair]
         step = {}
 
         def build_verify_metadata(batch, drafts):
@@ -337,17 +361,7 @@ def test_verify_graph_buffers_hold_padded_steps_and_eager_logits():
                 _, built = _build_into(runner, buffers, key, batch, drafts)
                 _assert_buffers_equal_padded(buffers, key, ids, want)
                 _assert_sent_to_another_rank(buffers, key, ids, want, built)
-                with torch.inference_mode(), forward_context(ForwardContext(
-                        buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
-                    n = key.num_tokens
-                    padded = runner._model_forward(buffers.input_ids[:n], buffers.positions[:n],
-                                                   buffers.logits_indices[:n])
-                assert padded.shape[0] == bs * steps
-                torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
-                for t, want_t in zip(pools, after):
-                    torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5)
-                for t, want_t in zip(inter, inter_after):
-                    torch.testing.assert_close(t[:b], want_t[:b], rtol=1e-5, atol=1e-5)
+                _assert_verify_over_buffers(runner, buffers, key, b, logits, zip(pools, after), zip(inter, inter_after))
             for t, want_t in zip(pools + inter, after + inter_after):
                 t.copy_(want_t)
             # a graph of another draft length, or a DECODE graph, does not take a verify step
@@ -384,15 +398,8 @@ def test_tree_verify_graph_buffers_hold_padded_steps_and_eager_logits():
     steps, checked = 5, []
     V = ForwardMode.TARGET_VERIFY
     with make_engine(model, max_running_requests=3, speculative=spec) as engine:
-        runner = engine.runner
-        assert runner.draft_len == steps
-        req_to_token = engine.pools.req_to_token.req_to_token
-        rows = min(conv.shape[0] for conv, _ in runner.intermediate_caches.values())
-        buffers = cg.GraphBuffers(rows, req_to_token.shape[1], CPU, req_to_token.dtype, engine.pools.kv.PADDING_SLOT,
-                                  max_tokens_per_request=steps)
+        runner, rows, buffers, pools, inter = _verify_graph_setup(engine, steps)
         build, original = runner.build_verify_metadata, runner.forward_verify
-        pools = [t for pair in list(runner.mamba_caches.values()) + list(runner.kv_caches.values()) for t in pair]
-        inter = [t for pair in runner.intermediate_caches.values() for t in pair]
         step = {}
 
         def build_verify_metadata(batch, drafts, tree=None):
@@ -426,17 +433,7 @@ def test_tree_verify_graph_buffers_hold_padded_steps_and_eager_logits():
                 assert torch.equal(built.tree_parents, md.tree_parents) and torch.equal(built_ids, ids)
                 _assert_buffers_equal_padded(buffers, key, ids, md)
                 _assert_sent_to_another_rank(buffers, key, ids, md, built)
-                with torch.inference_mode(), forward_context(ForwardContext(
-                        buffers.metadata(key), runner.kv_caches, runner.mamba_caches, runner.intermediate_caches)):
-                    n = key.num_tokens
-                    padded = runner._model_forward(buffers.input_ids[:n], buffers.positions[:n],
-                                                   buffers.logits_indices[:n])
-                assert padded.shape[0] == bs * steps
-                torch.testing.assert_close(padded[: b * steps], logits, rtol=1e-5, atol=1e-5)
-                for t, want_t in zip(pools, after):
-                    torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5)
-                for t, want_t in zip(inter, inter_after):
-                    torch.testing.assert_close(t[:b], want_t[:b], rtol=1e-5, atol=1e-5)
+                _assert_verify_over_buffers(runner, buffers, key, b, logits, zip(pools, after), zip(inter, inter_after))
             for t, want_t in zip(pools + inter, after + inter_after):
                 t.copy_(want_t)
             # a chain verify graph does not take a tree step

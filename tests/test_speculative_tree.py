@@ -276,11 +276,13 @@ def test_mtp_tree_greedy_equals_hf(topk, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_tree_engine_matches_hf_with_graphs():
-    """On CUDA (Triton ops, compile, CUDA graphs on: tree verify steps run the compiled forward
-    without graphs, counted as eager fallbacks), Qwen3-Next (GDN) and Bamba (Mamba2) over replay
-    trees of top-k 2 and 4: greedy tokens equal transformers' on the same GPU. (Bamba, not
-    NemotronH, for Mamba2: transformers' fp32 grouped-mm fallback of NemotronH's MoE calls
-    ``.tolist()``, which no CUDA graph can hold; test_cuda_graphs checks that it fails clearly.)"""
+    """On CUDA (Triton ops, compile, CUDA graphs on), Qwen3-Next (GDN) and Bamba (Mamba2) over replay
+    trees of top-k 2 and 4: every tree verify step replays a full draft-tree verify graph (buckets 2
+    and 4 hold every batch of <= 4 requests: no verify step falls back to the compiled forward), with
+    no recompile or graph break; greedy tokens equal the same engine without CUDA graphs and
+    transformers' fp32 greedy on the same GPU. (Bamba, not NemotronH, for Mamba2: transformers' fp32
+    grouped-mm fallback of NemotronH's MoE calls ``.tolist()``, which no CUDA graph can hold;
+    test_cuda_graphs checks that it fails clearly.)"""
     import copy
 
     from engine_models import PAD_TOKEN_ID
@@ -291,21 +293,32 @@ def test_gpu_tree_engine_matches_hf_with_graphs():
                              do_sample=False, pad_token_id=PAD_TOKEN_ID)
         return out[0, len(prompt):].tolist()
 
+    common = dict(compile=True, page_size=4, max_running_requests=4, mamba_cache_size=16, enable_prefix_cache=True)
+    graphs = dict(cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
     for name, model in (("qwen3_next", copy.deepcopy(cached_model("qwen3_next_dense", 0))),
                         ("bamba", mm.BUILDERS["bamba"](1))):
         model = model.to("cuda")
+        assert next(model.parameters()).dtype == torch.float32
         vocab = vocab_size(model) if name == "qwen3_next" else mm.VOCAB
         prompts = random_prompts([37, 1, 90, 5], vocab, seed=7)
         expected = [hf_greedy_gpu(model, p, 10) for p in prompts]
         for topk in (2, 4):
-            source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab)
-            with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), page_size=4,
-                             piecewise_cuda_graph_tokens=(4, 16, 64), max_running_requests=4, mamba_cache_size=16,
-                             enable_prefix_cache=True, speculative=_tree_spec(source, topk)) as engine:
-                assert engine.generate_batch(prompts, max_new_tokens=10) == expected, (name, topk)
-                spec = engine.stats()["speculative"]
-                assert spec["tree_kv_moves"] > 0 and spec["verify_steps"] > 0
-                assert engine.stats()["compile"]["eager_fallbacks"] >= spec["verify_steps"]  # no tree verify graph
+            got = {}
+            for mode, kw in (("graphs", graphs), ("no_graphs", dict(cuda_graphs=False))):
+                source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab)
+                with make_engine(model, **common, **kw, speculative=_tree_spec(source, topk)) as engine:
+                    got[mode] = engine.generate_batch(prompts, max_new_tokens=10)
+                    stats = engine.stats()
+                spec, c = stats["speculative"], stats["compile"]
+                assert spec["tree_kv_moves"] > 0 and spec["verify_steps"] > 0, (name, topk, mode, spec)
+                if mode == "graphs":
+                    assert c["verify_batch_sizes"] == [4, 2], c
+                    assert c["verify_graph_replays"] == spec["verify_steps"] > 0, (name, topk, c, spec)
+                    assert c["recompiles"] == 0 and c["graph_breaks"] == 0, c
+                else:
+                    assert c["verify_graph_replays"] == 0 and c["full_graphs"] == 0, c
+            assert got["graphs"] == got["no_graphs"], (name, topk)
+            assert got["graphs"] == expected, (name, topk)
 
 
 def test_lfm2_short_conv_tree_greedy_equals_hf():

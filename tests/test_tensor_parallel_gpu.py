@@ -15,7 +15,8 @@ summation orders (the all-reduce adds the ranks' partial sums), so a divergence 
 at a near tie of the fp32 model's top-2 logits (:func:`_assert_same_greedy`).
 
 Also checked: zero graph breaks and recompiles, full and piecewise graphs captured and replayed on
-rank 0, one n-gram speculative case replaying full verify graphs, and no Triton kernel, Dynamo
+rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask and parents sent to
+rank 1 with every verify graph's step) replaying full verify graphs, and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
 a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
 compared at the command rank 0 had sent when its engine was ready and at the end).
@@ -64,6 +65,16 @@ OPTIONS = dict(dtype="bfloat16", device="cuda", max_total_tokens=2048, mamba_cac
 TINY = dict(cuda_graphs=True, cuda_graph_batch_sizes=(2, 4), dtype="float32")
 MID = dict(cuda_graph_batch_sizes=(1, 2, 4))  # batch 1: the graph compiled for one token
 SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1}
+
+
+def _tree_speculative() -> dict:
+    """Draft trees (top-k 2, depth 2, 4 nodes) of a replay draft that knows no continuation: full
+    trees of random tokens below 64 (every tiny vocabulary's), their paths seldom accepted; what
+    is checked is the tree verify graphs' metadata on both ranks (greedy tokens as on one GPU)."""
+    from hybrid_compile.engine.speculative import ReplayDraft
+
+    return dict(method="custom", draft_source=ReplayDraft({}, q=0.5, vocab_size=64), num_draft_tokens=2, topk=2,
+                num_tree_nodes=4)
 # a divergence from the single-GPU engine is accepted where the fp32 model's top-2 logits are this
 # close (relative to the top logit, at least 1): weights and activations summed in another order
 NEAR_TIE = 0.05
@@ -145,6 +156,7 @@ def _cases() -> list[tuple[str, object, dict]]:
 
     cases = [(name, MODELS[name], dict(TINY)) for name in TWO_RANKS]
     cases.append(("qwen3_next_moe@speculative", MODELS["qwen3_next_moe"], dict(TINY, speculative=SPECULATIVE)))
+    cases.append(("qwen3_next_moe@tree", MODELS["qwen3_next_moe"], dict(TINY, speculative=_tree_speculative())))
     for name in MID_FAMILIES:
         if name in MID_DEFAULT:
             cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))

@@ -274,7 +274,8 @@ class CompiledGraphs:
     def _capture_full(self, runner: "ModelRunner", batch_sizes) -> None:
         """Stable buffers + one full graph of the compiled forward per decode bucket, and with
         speculative decoding one per verify bucket (the decode buckets that fit the intermediate
-        buffers' rows: a verify batch has at most ``max_running_requests`` requests)."""
+        buffers' rows: a verify batch has at most ``max_running_requests`` requests; draft trees:
+        tree verify graphs, ``cuda_graphs.GraphKey.tree``)."""
         if runner._extra_specs:
             raise ValueError("full CUDA graphs of a forward with extra inputs are not supported (their inputs would "
                              "need stable buffers): capture piecewise graphs only")

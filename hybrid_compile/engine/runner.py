@@ -18,8 +18,9 @@ compiled forward without graphs (counted as an eager fallback; a step of one req
 two, :func:`~.forward_batch.pad_requests`).
 
 Speculative verify steps (:meth:`ModelRunner.forward_verify`, ``draft_len = k + 1`` tokens per
-request) take the same path: a full TARGET_VERIFY graph of the batch-size bucket when one fits,
-else the compiled forward (an eager fallback with graphs on).
+request) take the same path: a full TARGET_VERIFY graph of the batch-size bucket when one fits
+(draft trees: a draft-tree verify graph, the tree's mask and parents in its buffers), else the
+compiled forward (an eager fallback with graphs on).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ CPU (CI):
   intermediate states of the real rows equal); the same steps sent to another rank as tensor
   parallelism's ``GRAPH`` command does (packed, unpacked into stale buffers) fill its buffers the
   same; which full graph a step replays.
+- draft-tree verify graphs (speculative top-k > 1): the buffers a tree verify graph is captured
+  with (every row a chain); on real tree verify steps, the buffers hold the step's metadata built
+  without graphs (positions prefix + depth, tree mask, parents) row for row, padding rows chains,
+  also as sent to another rank, and the model over them gives the step's logits and pool updates;
+  the engine's own graph path of tree verify steps (key, build into the buffers, replay) with the
+  graphs replaced by eager runs over the buffers gives HF's greedy tokens.
 
 GPU (``@pytest.mark.gpu``): greedy tokens equal between eager ops, compiled, compiled + full
 decode graphs, compiled + piecewise graphs and both (tiny Qwen3-Next and Bamba; single
@@ -21,7 +27,8 @@ and recompiles; stats show replays and fallbacks; our Triton kernels run under c
 (profiler); an exhausted KV pool (retraction) with graphs on; a forward that syncs with the host
 (transformers' fp32 MoE fallback in NemotronH) fails at capture with a clear error;
 speculative decoding (the target as its own draft, n-gram) replays full verify graphs with
-greedy tokens equal to HF's generate and the non-speculative engine; an MoE family (Qwen3-Next
+greedy tokens equal to HF's generate and the non-speculative engine (draft trees:
+``tests/test_speculative_tree.py::test_gpu_tree_engine_matches_hf_with_graphs``); an MoE family (Qwen3-Next
 with MoE blocks) eager and compiled gives HF's greedy tokens.
 """
 
@@ -448,6 +455,47 @@ def test_tree_verify_graph_buffers_hold_padded_steps_and_eager_logits():
         assert engine.stats()["speculative"]["verify_steps"] > 0
     assert got == expected
     assert max(checked) == 3
+
+
+class _EagerReplay:
+    """A captured graph's stand-in on CPU: ``replay()`` runs the forward over the graph's buffers
+    (what a CUDA graph of it replays) into the output tensor the "capture" returned."""
+
+    def __init__(self, full: cg.FullGraphRunner, key: cg.GraphKey, out: torch.Tensor) -> None:
+        self.full, self.key, self.out = full, key, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.full._run(self.key))
+
+
+def test_tree_verify_steps_replay_full_graphs_through_the_engine():
+    """The engine's own path of a draft-tree verify step with full graphs, on CPU (the graphs replaced
+    by :class:`_EagerReplay`, everything else as on CUDA): each verify step picks a tree verify graph
+    (``key_for``), is built into its buffers (the forward batch builder) and replays it (the model
+    runner); the greedy tokens equal HF's, and every verify step replayed a graph."""
+    from hybrid_compile.engine.speculative import ReplayDraft
+
+    model = cached_model("qwen3_next_dense", 0)
+    prompts = random_prompts([5, 9, 2, 30], vocab_size(model), seed=5)
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    source = ReplayDraft({tuple(p): e for p, e in zip(prompts, expected)}, q=0.5, vocab_size=vocab_size(model), seed=2)
+    spec = dict(method="custom", draft_source=source, num_draft_tokens=2, topk=2, num_tree_nodes=4)
+    with make_engine(model, max_running_requests=3, speculative=spec) as engine:
+        runner, rows, buffers, _, _ = _verify_graph_setup(engine, 5)
+        full = cg.FullGraphRunner(runner._model_forward, buffers, (rows,), runner.kv_caches, runner.mamba_caches, None,
+                                  verify_batch_sizes=(2, rows), draft_len=5,
+                                  intermediate_caches=runner.intermediate_caches, tree=True)
+        with torch.inference_mode():
+            for key in full.keys():  # the "capture": a run over padding rows only, which touches no pool
+                buffers.reset(key)
+                out = full._run(key)
+                full.graphs[key] = (_EagerReplay(full, key, out), out)
+        assert sorted(k.batch_size for k in full.graphs if k.tree) == [2, rows]
+        runner.graphs.full_graphs = runner.batch_builder.full_graphs = full
+        got = engine.generate_batch(prompts, max_new_tokens=8)
+        spec_stats = engine.stats()["speculative"]
+    assert got == expected
+    assert full.verify_replays == spec_stats["verify_steps"] > 0 and spec_stats["tree_kv_moves"] > 0
 
 
 def test_full_graph_keys_for_decode_and_verify():

@@ -247,6 +247,10 @@ class CompiledGraphs:
                 gc.freeze()
                 # the warm-ups' blocks, cached for the capture stream, would never serve a step
                 torch.cuda.empty_cache()
+        except NotImplementedError:
+            # the forward itself refuses the configuration (a layer without draft trees, now that
+            # tree verify graphs are captured at start-up), graphs or not: its own error
+            raise
         except RuntimeError as e:
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "

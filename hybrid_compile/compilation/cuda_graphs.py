@@ -237,18 +237,20 @@ class GraphBuffers:
         return self.tree_mask[:n], self.tree_parents.view(-1)[:n].view(key.batch_size, key.tokens_per_request)
 
     @staticmethod
-    def tree_rows(key: GraphKey, parents: Sequence[Sequence[int]], bits: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    def tree_rows(key: GraphKey, parents: Sequence[Sequence[int]],
+                  bits: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
         """The tree metadata of a step of graph ``key`` on the host, flat, padding rows included:
         ``(tree_parents, tree_mask)`` of the step's requests (``parents[i]`` / ``bits[i]``: request
         ``i``'s ``L`` tokens) followed by padding rows verifying a chain
         (:func:`~hybrid_compile.ops.metadata.padding_tree`), so the ops read a valid tree there."""
         steps, rows = key.tokens_per_request, len(parents)
         if rows > key.batch_size or len(bits) != rows or any(len(r) != steps for r in (*parents, *bits)):
-            raise ValueError(f"GraphBuffers.tree_rows: {rows} rows of {steps} parents and mask bits each fit the "
-                             f"graph {key}, got {[len(r) for r in parents]} / {[len(r) for r in bits]}")
+            raise ValueError(f"GraphBuffers.tree_rows: the graph {key} takes up to {key.batch_size} rows of {steps} "
+                             f"parents and mask bits each, got {[len(r) for r in parents]} / {[len(r) for r in bits]}")
         pad_parents, pad_bits = padding_tree(steps)
         pad = key.batch_size - rows
-        return ([p for row in parents for p in row] + pad_parents * pad, [b for row in bits for b in row] + pad_bits * pad)
+        return ([p for row in parents for p in row] + pad_parents * pad,
+                [b for row in bits for b in row] + pad_bits * pad)
 
     def step_tensors(self, key: GraphKey, kv_entries: int) -> tuple[torch.Tensor, ...]:
         """What a step of graph ``key`` holds in the buffers: the :meth:`outputs`, ``kv_indices`` cut to
@@ -378,7 +380,8 @@ class FullGraphRunner:
         keys += [GraphKey(ForwardMode.TARGET_VERIFY, bs, self.draft_len, self.tree) for bs in self.verify_batch_sizes]
         return sorted(keys, key=lambda k: (k.num_tokens, k.batch_size), reverse=True)
 
-    def key_for(self, mode: ForwardMode, batch_size: int, tokens_per_request: int, tree: bool = False) -> GraphKey | None:
+    def key_for(self, mode: ForwardMode, batch_size: int, tokens_per_request: int,
+                tree: bool = False) -> GraphKey | None:
         """The graph a step of ``batch_size`` requests adding ``tokens_per_request`` tokens each
         (``tree``: a verify step of draft trees) replays, or None (not a DECODE step nor a
         TARGET_VERIFY step of ``draft_len`` tokens per request whose drafts are trees exactly when

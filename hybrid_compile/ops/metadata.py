@@ -25,7 +25,8 @@ import torch
 
 from ._validation import check_same_device, check_tensor, should_check_values
 
-__all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "padding_tree", "staged_row", "staged_width", "uniform_step_metadata"]
+__all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "padding_tree", "staged_row", "staged_width",
+           "uniform_step_metadata"]
 
 #: The fixed leading columns of a staged row; the ``steps`` KV slots and ``steps`` ids follow.
 STAGED_COLUMNS = ("req_slot", "prefix_len", "kv_start", "mamba_slot", "prompt_len")

@@ -124,6 +124,7 @@ if hasattr(transformers, "Lfm3ForCausalLM"):  # (transformers 5.17 has no LFM3)
     MODELS["lfm3"] = build_lfm3  # sliding + full attention with the per-head output gate, short convs
     TWO_RANKS += ("lfm3",)
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
+FOUR_RANKS += ("minimax",)  # one lightning head per rank, its norm over 4 ranks; 2 KV heads replicated in pairs
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
 VARIANTS = (

@@ -40,6 +40,7 @@ import mamba1_models as m1
 import mamba2_models as mm
 import test_lfm2 as lfm2
 from lfm3_models import build_lfm3
+from minimax_models import build_minimax
 from recurrent_gemma_models import build_recurrent_gemma
 
 NEW = 6
@@ -116,10 +117,14 @@ MODELS = {
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
              "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
+# lightning attention by heads (its norm over all heads reduced across the ranks), softmax attention, MoE
+MODELS["minimax"] = build_minimax
+TWO_RANKS += ("minimax",)
 if hasattr(transformers, "Lfm3ForCausalLM"):  # (transformers 5.17 has no LFM3)
     MODELS["lfm3"] = build_lfm3  # sliding + full attention with the per-head output gate, short convs
     TWO_RANKS += ("lfm3",)
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
+FOUR_RANKS += ("minimax",)  # one lightning head per rank, its norm over 4 ranks; 2 KV heads replicated in pairs
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
 VARIANTS = (
@@ -204,6 +209,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
             startup=stats["startup"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
+            state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
     if rank == 0:
         with open(result_path, "w") as f:
@@ -287,7 +293,9 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
     model = checkpoints[name]["model"]
     full = family_of(model).layout(model, kv_dtype=torch.float32, conv_dtype=torch.float32, ssm_dtype=torch.float32)
     assert r["kv_heads"] == [a.num_kv_heads // 2 if a.num_kv_heads % 2 == 0 else 1 for a in full.attention]
-    if name != "mamba2_one_group":
+    if name == "minimax":  # no conv (a 1-wide placeholder): the lightning state [H, D, D] holds the rank's heads
+        assert r["state_shapes"] == [[m.state_shape[0] // 2, *m.state_shape[1:]] for m in full.mamba]
+    elif name != "mamba2_one_group":
         assert r["conv_dims"] == [m.conv_dim // 2 for m in full.mamba]
 
 

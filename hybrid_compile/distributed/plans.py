@@ -40,6 +40,11 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   ``recurrent_param``, the per-head block-diagonal gates, ``linear_out`` columns + all-reduce).
 - Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
   the projection they add to (rebuilt with local rows), their down projections replicated.
+- MiniMax lightning attention: by heads (``qkv_proj`` rows are per head ``[q | k | v]``, so a head's
+  ``3 * head_dim`` rows are contiguous; ``output_gate`` rows, ``out_proj`` columns + all-reduce); its
+  RMSNorm spans all heads' channels, so it is split with its heads and reduced across the ranks
+  (``cross_rank_norms``); the per-head decay buffers are the rank's heads' (``slope_rate`` is computed
+  from the global head count and index: sliced from the checkpoint, recomputed where it holds none).
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
 """
 
@@ -652,6 +657,59 @@ def recurrent_gemma_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+
+def _rank_lightning_decays(heads: int, rank: int, size: int) -> Callable:
+    """Rebuild a MiniMax lightning layer's decay buffers (``slope_rate`` and the block decays derived
+    from it) for this rank's heads. transformers computes them from the layer's own head count
+    (slope ``2^(-8 h / H)`` for head ``h`` of ``H``): the local layer built with ``H / size`` heads would
+    get the slopes of another, smaller model, so they are computed with the whole model's ``H`` (HF's
+    ``get_slope_rate`` / ``decay_factors``) and cut to the rank's heads. A softmax attention layer
+    (no ``get_slope_rate``) is left as it is."""
+    def rebuild(attn) -> None:
+        if not hasattr(attn, "get_slope_rate"):
+            return
+        local = attn.num_attention_heads
+        attn.num_attention_heads = heads
+        try:
+            slope = attn.get_slope_rate()
+        finally:
+            attn.num_attention_heads = local
+        slope = slope[rank * local:(rank + 1) * local]
+        for name, value in zip(("slope_rate", "query_decay", "key_decay", "diagonal_decay"),
+                               (slope, *attn.decay_factors(slope))):
+            setattr(attn, name, value.to(getattr(attn, name).device))
+    return rebuild
+
+
+def minimax_plan(config, size: int, rank: int) -> ShardPlan:
+    """MiniMax: lightning attention layers by heads (module docstring), softmax attention by heads,
+    the MoE experts (``intermediate_size``; checkpoints keep Mixtral's per-expert ``w1`` / ``w3`` /
+    ``w2``) by their intermediate dimension (the whole MoE block is reduced)."""
+    cfg = _text(config)
+    plan = ShardPlan("minimax", size, rank, cfg)
+    heads, hd = int(cfg.num_attention_heads), _head_dim(cfg)
+    local_kv = plan.attention(r"\.self_attn", heads, int(cfg.num_key_value_heads), hd)  # (checks heads % size)
+    per_head = Segment(heads, hd)
+    p = r"\.self_attn"
+    plan.add(p + r"\.qkv_proj\.weight", Slice(0, (Segment(heads, 3 * hd),)))
+    plan.add(p + r"\.output_gate\.weight", Slice(0, (per_head,)))
+    plan.add(p + r"\.norm\.weight", Slice(0, (per_head,)))
+    plan.cross_rank_norms.append((re.compile(p + r"\.norm$"), heads * hd, False))
+    plan.add(p + r"\.out_proj\.weight", Slice(1, (per_head,)))
+    plan.reduce(r"\.layers\.\d+\.self_attn\.out_proj")
+    # the decay buffers the checkpoint holds: [H, 1, 1], [H, B, 1], [H, B, 1], [1, H, B, B]
+    plan.add(p + r"\.(slope_rate|query_decay|key_decay)", Slice(0, (Segment(heads, 1),)))
+    plan.add(p + r"\.diagonal_decay", Slice(1, (Segment(heads, 1),)))
+    plan.local_modules.append((re.compile(r"\.layers\.\d+\.self_attn$"), _rank_lightning_decays(heads, rank, size)))
+    inter = int(cfg.intermediate_size)
+    _split(inter, size, "intermediate_size", plan.family)
+    plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), inter, names=("w1", "w3", "w2"))
+    plan.reduce(r"\.layers\.\d+\.mlp")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
+                             intermediate_size=inter // size)
+    return plan
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
@@ -659,6 +717,7 @@ PLANS = {
     "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "lfm3": lfm2_plan, "zamba2": zamba2_plan,
     "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
     "recurrent_gemma": recurrent_gemma_plan,
+    "minimax": minimax_plan,
 }
 
 

@@ -46,6 +46,15 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   (``cross_rank_norms``); the per-head decay buffers are the rank's heads' (``slope_rate`` is computed
   from the global head count and index: sliced from the checkpoint, recomputed where it holds none).
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
+- Kimi-Linear: its Kimi Delta Attention layers by heads (q/k/v rows, the conv's ``[q | k | v]``
+  channels (saved as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``), the forget gate's ``f_b_proj`` rows,
+  ``dt_bias`` (per head and key channel) and ``A_log``, ``b_proj`` rows, the output gate's ``g_b_proj``
+  rows, ``o_proj`` columns + all-reduce; the low-rank ``f_a_proj`` / ``g_a_proj`` and the per-head
+  ``o_norm`` replicated); its MLA layers by attention heads (``q_proj`` / ``q_b_proj`` and
+  ``kv_b_proj`` rows, ``o_proj`` columns + all-reduce). The latent projections ``q_a_proj`` /
+  ``kv_a_proj_with_mqa`` and their norms are replicated: the compressed KV row (latent + rope key) is
+  shared by every head, so each rank computes and caches the whole row for its heads (its KV pool
+  is the single-process one, one KV head ``kv_lora_rank + qk_rope_head_dim`` wide, not split).
 """
 
 from __future__ import annotations
@@ -710,14 +719,72 @@ def minimax_plan(config, size: int, rank: int) -> ShardPlan:
                              intermediate_size=inter // size)
     return plan
 
+
+def kimi_linear_plan(config, size: int, rank: int) -> ShardPlan:
+    """Kimi-Linear (module docstring): KDA and MLA layers share parameter names (``self_attn.q_proj``,
+    ``self_attn.o_proj``), so each rule names its layers' indices (``config.layer_types``)."""
+    cfg = _text(config)
+    plan = ShardPlan("kimi_linear", size, rank, cfg)
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    lh, ld = int(cfg.linear_num_heads), int(cfg.linear_head_dim)
+    kinds = list(cfg.layer_types)
+    kda = [i for i, t in enumerate(kinds) if t == "linear_attention"]
+    mla = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    fields = {}
+    if kda:
+        _split(lh, size, "linear_num_heads", plan.family)
+        p = rf"\.layers\.({'|'.join(map(str, kda))})\.self_attn"
+        ch = Segment(lh, ld)  # a head's key (or value) channels
+        plan.add(p + r"\.[qkv]_proj\.weight", Slice(0, (ch,)))
+        plan.add(p + r"\.conv1d\.weight", Slice(0, (ch, ch, ch),
+                                                concat_keys=tuple(f"{{p}}.{x}_conv1d.weight" for x in "qkv")))
+        plan.add(p + r"\.forget_gate\.(f_b_proj\.weight|dt_bias)", Slice(0, (ch,)))
+        plan.add(p + r"\.forget_gate\.A_log", Slice(2, (Segment(lh, 1),)))  # [1, 1, H, 1]
+        plan.add(p + r"\.b_proj\.weight", Slice(0, (Segment(lh, 1),)))
+        plan.add(p + r"\.g_b_proj\.weight", Slice(0, (ch,)))
+        plan.add(p + r"\.o_proj\.weight", Slice(1, (ch,)))
+        plan.reduce(p + r"\.o_proj")
+        fields["linear_num_heads"] = lh // size
+        attn_cfg = getattr(cfg, "linear_attn_config", None)
+        if isinstance(attn_cfg, dict) and "num_heads" in attn_cfg:  # (the checkpoint's form, read at init)
+            fields["linear_attn_config"] = {**attn_cfg, "num_heads": lh // size}
+    if mla:
+        _split(heads, size, "num_attention_heads", plan.family)
+        # HF expands the latent to one K/V head per query head: its KV heads go with the query heads
+        _split(kv, size, "num_key_value_heads", plan.family)
+        p = rf"\.layers\.({'|'.join(map(str, mla))})\.self_attn"
+        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        vd = int(cfg.v_head_dim)
+        plan.add(p + r"\.q_(b_)?proj\.weight", Slice(0, (Segment(heads, qk),)))
+        plan.add(p + r"\.kv_b_proj\.weight", Slice(0, (Segment(heads, int(cfg.qk_nope_head_dim) + vd),)))
+        plan.add(p + r"\.o_proj\.weight", Slice(1, (Segment(heads, vd),)))
+        plan.add(p + r"\.o_proj\.bias", Slice(rank0_only=True))
+        plan.reduce(p + r"\.o_proj")
+        fields.update(num_attention_heads=heads // size, num_key_value_heads=kv // size)
+    mlp_kinds = list(getattr(cfg, "mlp_layer_types", None) or ["dense"] * len(kinds))
+    if "dense" in mlp_kinds:
+        inter = int(cfg.intermediate_size)
+        plan.mlp(rf"\.layers\.({'|'.join(str(i) for i, t in enumerate(mlp_kinds) if t == 'dense')})\.mlp", inter,
+                 "intermediate_size")
+        fields["intermediate_size"] = inter // size
+    if "sparse" in mlp_kinds:
+        moe = int(cfg.moe_intermediate_size)
+        plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), moe, names=("w1", "w3", "w2"))
+        plan.mlp(r"\.mlp\.shared_experts", moe * int(cfg.n_shared_experts), "moe_intermediate_size * n_shared_experts")
+        fields["moe_intermediate_size"] = moe // size
+    plan.reduce(r"\.layers\.\d+\.mlp")  # dense MLP or the whole MoE block (routed + shared experts)
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = fields
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
     "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "lfm3": lfm2_plan, "zamba2": zamba2_plan,
     "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
-    "recurrent_gemma": recurrent_gemma_plan,
-    "minimax": minimax_plan,
+    "recurrent_gemma": recurrent_gemma_plan, "minimax": minimax_plan, "kimi_linear": kimi_linear_plan,
 }
 
 

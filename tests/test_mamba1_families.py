@@ -129,6 +129,22 @@ def test_speculative_greedy_equals_hf(name):
     assert spec["verify_steps"] > 0 and 0 < spec["accepted"] < spec["drafted"], spec
 
 
+def test_draft_trees_refused_before_anything_is_built():
+    """Draft trees (topk > 1) would verify every token of a request as one chain on the Mamba1 op
+    (a sibling starting from its elder sibling's state): refused at construction, naming the option,
+    for every family that verifies on that op, and the model is left unpatched."""
+    from recurrent_gemma_models import build_recurrent_gemma
+
+    models = {name: _case(name)[0] for name in CASES}
+    models["recurrent_gemma"] = build_recurrent_gemma()
+    for name, model in models.items():
+        forward = type(model).forward
+        spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=2)
+        with pytest.raises(ValueError, match=rf"topk=2 \(draft trees\) is not supported for {name}: .*mamba1_state_update"):
+            hc.wrap(model, speculative=spec, **ENGINE_ARGS)
+        assert type(model).forward is forward and not any("forward" in m.__dict__ for m in model.modules()), name
+
+
 def test_patched_model_generate_outside_engine():
     model, prompts, refs = _case("jamba")[:3]
     engine = hc.wrap(model, **ENGINE_ARGS)

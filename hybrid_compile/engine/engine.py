@@ -141,6 +141,12 @@ class HybridEngine(GenerateAPI):
                  startup: Startup | None = None) -> None:
         self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
+        no_trees = getattr(self.family, "DRAFT_TREES_UNSUPPORTED", None)
+        if config.speculative is not None and config.speculative.is_tree and no_trees:
+            raise ValueError(
+                f"SpeculativeConfig.topk={config.speculative.topk} (draft trees) is not supported for "
+                f"{model.config.model_type}: {no_trees}; use topk=1 (chain drafts)"
+            )
         self.model = model
         self.config = config
         # a transformers tokenizer: lets generate / generate_batch take and return text (settable)

@@ -88,6 +88,9 @@ def mamba1_ssm_layer(
         return y.squeeze(1)
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "mamba1_ssm_layer")
+        if verify.parents is not None:  # (the engine refuses draft trees for these families up front)
+            raise NotImplementedError("mamba1_ssm_layer: draft trees (speculative top-k > 1) are not supported: the "
+                                      "state update runs each request's tokens as one chain; use chain drafts")
         y = _kernels.mamba1_state_update(
             verify.per_request(x), verify.per_request(dt), A_log, verify.per_request(B), verify.per_request(C), D,
             None if z is None else verify.per_request(z), dt_bias, dt_softplus, ssm_states, verify.cache_indices, True,

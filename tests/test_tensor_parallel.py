@@ -450,6 +450,11 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     lfm.block_auto_adjust_ff_dim, lfm.intermediate_size = False, 66
     with pytest.raises(ShardingError, match="lfm2 has the feed-forward width=66, which does not divide by 4"):
         plan_for(lfm, 4)
+    granite = copy.deepcopy(checkpoints["granitemoehybrid"]["model"].config)  # experts 65 wide: named by its field
+    granite.intermediate_size = 65
+    assert granite.num_local_experts > 1
+    with pytest.raises(ShardingError, match="granitemoehybrid has intermediate_size=65, which does not divide by 2"):
+        plan_for(granite, 2)
     with pytest.raises(ShardingError, match="zamba2 has the Mamba2 head count=8, which does not divide by 3"):
         hc.from_pretrained(checkpoints["zamba2"]["dir"], tensor_parallel_size=3, device="cpu")
     if "kimi_linear" in MODELS:  # 2 KDA heads, 4 MLA heads: one error naming the count, before any weight is read

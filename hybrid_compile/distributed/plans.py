@@ -229,11 +229,13 @@ class ShardPlan:
         self.add(prefix + rf"\.{down}\.bias", Slice(rank0_only=True))
 
     def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True,
-                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                      field: str = "moe_intermediate_size") -> None:
         """transformers' fused experts ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I, H]``) and
         ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors (``names``: the
-        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``)."""
-        _split(intermediate, self.size, "moe_intermediate_size", self.family)
+        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``);
+        ``field``: the config field of ``intermediate`` (named when it does not divide)."""
+        _split(intermediate, self.size, field, self.family)
         seg = Segment(intermediate, 1)
         gate, up, down = (f"{{p}}.{{e}}.{n}.weight" for n in names)
         if gated:
@@ -430,7 +432,8 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     fields["mamba_expand"] = _local_expand(cfg.mamba_expand, size)
     experts = int(getattr(cfg, "num_local_experts", 0) or 0)
     if experts:
-        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))
+        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size),
+                           field="intermediate_size")
         plan.reduce(r"\.layers\.\d+\.block_sparse_moe")
         fields["intermediate_size"] = int(cfg.intermediate_size) // size
     shared = int(getattr(cfg, "shared_intermediate_size", 0) or 0)
@@ -518,7 +521,7 @@ def jamba_plan(config, size: int, rank: int) -> ShardPlan:
     plan.mlp(r"\.feed_forward", inter, "intermediate_size")
     experts = int(getattr(cfg, "num_experts", 0) or 0)
     if experts > 1:
-        plan.fused_experts(r"\.feed_forward\.experts", experts, inter)
+        plan.fused_experts(r"\.feed_forward\.experts", experts, inter, field="intermediate_size")
     plan.reduce(r"\.layers\.\d+\.feed_forward")  # dense MLP or the whole MoE block
     plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
     plan.local_fields = dict(mamba_expand=_local_expand(cfg.mamba_expand, size),
@@ -711,8 +714,8 @@ def minimax_plan(config, size: int, rank: int) -> ShardPlan:
     plan.add(p + r"\.diagonal_decay", Slice(1, (Segment(heads, 1),)))
     plan.local_modules.append((re.compile(r"\.layers\.\d+\.self_attn$"), _rank_lightning_decays(heads, rank, size)))
     inter = int(cfg.intermediate_size)
-    _split(inter, size, "intermediate_size", plan.family)
-    plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), inter, names=("w1", "w3", "w2"))
+    plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), inter, names=("w1", "w3", "w2"),
+                       field="intermediate_size")
     plan.reduce(r"\.layers\.\d+\.mlp")
     plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
     plan.local_fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,

@@ -347,13 +347,15 @@ def tree_oracle(inp, parents):
     """Every node's root path run as a CHAIN through the per-token reference: (y, states) of the
     node are the chain's last step (ops/reference/tree.py knows nothing of how the op walks trees)."""
     def chain(b, xs, n):
-        x, dt, B, C, z = xs
+        x, dt, B, C, *z = xs
         y, _, st = mamba1_state_update_reference(
-            x, dt, inp["A"], B, C, inp["D"], z, inp["dt_bias"], inp["dt_softplus"], inp["ssm_states"],
-            inp["state_indices"][b:b + 1], True, torch.zeros(1, n, *inp["intermediate_states"].shape[2:]))
+            x, dt, inp["A"], B, C, inp["D"], z[0] if z else None, inp["dt_bias"], inp["dt_softplus"],
+            inp["ssm_states"], inp["state_indices"][b:b + 1], True,
+            torch.zeros(1, n, *inp["intermediate_states"].shape[2:]))
         return y, st
 
-    return ref_tree.tree_by_paths(chain, [inp["x"], inp["dt"], inp["B"], inp["C"], inp["z"]], parents)
+    per_token = [inp[k] for k in ("x", "dt", "B", "C", "z") if inp[k] is not None]
+    return ref_tree.tree_by_paths(chain, per_token, parents)
 
 
 @pytest.mark.parametrize("dtype,G", [(torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 1)])

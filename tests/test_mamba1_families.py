@@ -134,7 +134,10 @@ def test_speculative_greedy_equals_hf(name):
 def _large_dt_model(name: str):
     """The family's model with ``dt`` ~ 1 and 3x larger B / C: with HF's dt init (0.001-0.1) a token
     barely moves the state, so a node started from its elder sibling's state instead of its
-    parent's would not show in these tiny models' greedy tokens (checked: it does show here)."""
+    parent's would not show in these tiny models' greedy tokens. Checked by running the verify as a
+    chain (``parent_indices`` dropped): Mamba, FalconMamba and Jamba then fail; Zamba's tokens stay
+    right for that error (they fail for every node started from the cached state), its layers run
+    the same ``mamba1_ssm_layer`` code."""
     model = copy.deepcopy(_case(name)[0])
     with torch.no_grad():
         for mod in model.modules():
@@ -143,8 +146,8 @@ def _large_dt_model(name: str):
                 bias = mod.dt_proj.bias
             if isinstance(bias, torch.Tensor):  # dt = softplus(bias + ...) ~ 0.5 .. 1.7
                 bias.copy_(torch.linspace(-0.5, 1.5, bias.numel()).reshape(bias.shape))
-            for name in ("x_proj", "x_proj_weight"):  # larger B and C: the state's share of y grows
-                proj = getattr(mod, name, None)
+            for attr in ("x_proj", "x_proj_weight"):  # larger B and C: the state's share of y grows
+                proj = getattr(mod, attr, None)
                 weight = proj.weight if isinstance(proj, torch.nn.Linear) else proj
                 if isinstance(weight, torch.Tensor):
                     weight *= 3.0

@@ -26,7 +26,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
-from .common import pow2, softplus
+from .common import pow2, softplus, tree_start_state
 from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -212,15 +212,7 @@ def _update_kernel(
     C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
     for t in range(L):
         if TREE:
-            # the parent's row was stored by this program's threads in an earlier step: make
-            # those stores visible whatever thread reads them back
-            tl.debug_barrier()
-            par = tl.load(parent_ptr + b * spar_b + t * spar_t).to(tl.int64)
-            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
-            S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask_dn, False), other=0.0).to(tl.float32)
-            S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask_dn, False),
-                            other=0.0).to(tl.float32)
-            S = tl.where(par < 0, S_slot, S_par)
+            S = tree_start_state(parent_ptr + b * spar_b + t * spar_t, s_ptrs, i_ptrs, si_t, mask_dn)
         S, y = _token(
             S, A, Dv, bias, x_ptr + b * sx_b + t * sx_t + offs_d * sx_d,
             dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptrs + t * sB_t, C_ptrs + t * sC_t,

@@ -35,11 +35,6 @@ from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 from .mamba2_common import attention_spec, check_activation, find_attention_modules, max_positions, text_config
 
 MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
-# why the engine refuses speculative draft trees (topk > 1) for this family (engine.py)
-DRAFT_TREES_UNSUPPORTED = (
-    "its Mamba1 verify op (mamba1_state_update) advances each request's state along one chain of "
-    "tokens, not from each token's parent"
-)
 MAMBA1_CHECKPOINT_ALIGN = 64
 
 _MIXER_ATTRS = (

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..layers.context import get_forward_context
 from .base import ModelLayout, PatchHandle, install_attention, patch_forward
-from .mamba1 import DRAFT_TREES_UNSUPPORTED, MAMBA1_CHECKPOINT_ALIGN, mamba1_spec  # (its layers' verify op)
+from .mamba1 import MAMBA1_CHECKPOINT_ALIGN, mamba1_spec
 from .mamba2_common import attention_spec, check_activation, max_positions, text_config
 from .zamba2 import assign_kv_ids, shared_attention_uses
 
@@ -83,4 +83,4 @@ def patch(model: nn.Module, handle: PatchHandle) -> None:
         patch_forward(mixer, zamba_mixer_forward, handle)
 
 
-__all__ = ["DRAFT_TREES_UNSUPPORTED", "MODEL_TYPES", "attention_uses", "layout", "mamba_layers", "patch"]
+__all__ = ["MODEL_TYPES", "attention_uses", "layout", "mamba_layers", "patch"]

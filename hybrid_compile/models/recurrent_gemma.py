@@ -45,11 +45,6 @@ from .mamba2_common import attention_spec, find_attention_modules, max_positions
 
 MODEL_TYPES = ("recurrent_gemma",)
 # why the engine refuses speculative draft trees (topk > 1) for this family (engine.py); its
-# RG-LRU layers verify trees on the Mamba1 op, its attention layers cannot
-DRAFT_TREES_UNSUPPORTED = (
-    "its local attention layers use a sliding window, and the tree-masked verify attention "
-    "(paged_attention_extend with tree_mask) has no sliding window"
-)
 RG_LRU_CHECKPOINT_ALIGN = 16
 _MIN_RECURRENT_GATE = 1e-20
 

@@ -15,13 +15,15 @@ from typing import Callable
 
 import torch
 
+from hybrid_compile.engine.speculative import ReplayDraft
+
 from engine_models import assert_greedy_equal, assert_pools_restored, make_engine, random_prompts, record_prefix_hits
 
 MAX_NEW = 8
 ENGINE_ARGS = dict(max_running_requests=3, chunked_prefill_size=32, max_context_len=320, mamba_cache_size=8)
 
 __all__ = ["ENGINE_ARGS", "Family", "MAX_NEW", "make_family", "check_batch_with_chunked_prefill", "check_gpu_graphs",
-           "check_prefix_cache_hits", "check_speculative"]
+           "check_prefix_cache_hits", "check_speculative", "check_speculative_tree"]
 
 
 @dataclass
@@ -110,6 +112,35 @@ def check_speculative(family: Family, method: str) -> None:
         assert stats["speculative"]["acceptance_rate"] == 1.0
 
 
+TREE_NEW = 16  # (long enough that a wrong sibling state shows in the tokens of every tiny model)
+
+
+def check_speculative_tree(family: Family, topk: int) -> None:
+    """Draft trees (``topk > 1``): a :class:`ReplayDraft` tree holds HF's continuation at random
+    ranks, so accepted paths run through later siblings (each node's recurrent state from its
+    parent's, kept K/V moved into place); then the model as its own tree draft (its top-k per
+    depth: every first-child chain accepted). Prompts again after they are cached."""
+    model = family.model()
+    prompts = random_prompts((1, 40, 9, 70), family.vocab, seed=17)
+    conts = {tuple(p): family.hf(tuple(p), TREE_NEW) for p in prompts}
+    source = ReplayDraft(conts, q=0.5, vocab_size=family.vocab, seed=topk)
+    tree = dict(method="custom", draft_source=source, num_draft_tokens=3, topk=topk, num_tree_nodes=3 * topk + 2)
+    own = dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=topk)
+    for spec, what in ((tree, f"replay tree topk={topk}"), (own, f"own-draft tree topk={topk}")):
+        with make_engine(model, speculative=spec, page_size=4, **ENGINE_ARGS) as engine:
+            initial_free = engine.pools.free_counts()
+            got = engine.generate_batch(prompts, max_new_tokens=TREE_NEW)
+            family.assert_hf(prompts, got, what, TREE_NEW)
+            family.assert_hf(prompts, engine.generate_batch(prompts, max_new_tokens=TREE_NEW), f"{what}, cached", TREE_NEW)
+            stats = engine.stats()["speculative"]
+            assert_pools_restored(engine, initial_free)
+        assert stats["verify_steps"] > 0 and stats["draft_nodes"] == 3 * topk + (2 if spec is tree else 0), stats
+        if spec is tree:
+            assert stats["tree_kv_moves"] > 0 and max(stats["acceptance_histogram"]) == 4, stats
+        else:  # the target's own greedy chain is in every tree: whole depth-3 paths kept
+            assert max(stats["acceptance_histogram"]) == 4, stats
+
+
 def check_gpu_graphs(family: Family) -> None:
     """GPU: compile + full and piecewise CUDA graphs give the eager GPU engine's tokens; those and
     speculative decoding's under graphs equal HF's on the CPU up to CPU/GPU near-ties."""
@@ -124,12 +155,12 @@ def check_gpu_graphs(family: Family) -> None:
     for name, kw in runs.items():
         with make_engine(model, max_running_requests=8, **kw) as engine:
             initial_free = engine.pools.free_counts()
-            outs[name] = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
+            outs[name] = engine.generate_batch(prompts, max_new_tokens=TREE_NEW)
             stats[name] = engine.stats()
             assert_pools_restored(engine, initial_free)
     for name in ("eager", "graphs+speculative"):  # verify runs other kernels than decode: near-ties may flip
         for p, got in zip(prompts, outs[name]):
-            _assert_greedy_close(family.model(), p, got, family.hf(tuple(p), MAX_NEW), f"{family.name} {name} GPU")
+            _assert_greedy_close(family.model(), p, got, family.hf(tuple(p), TREE_NEW), f"{family.name} {name} GPU")
     assert outs["graphs"] == outs["eager"], outs  # the same kernels per step, replayed
     c = stats["graphs"]["compile"]
     assert c["recompiles"] == 0 and c["graph_breaks"] == 0, c

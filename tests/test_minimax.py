@@ -3,7 +3,8 @@ softmax attention over the KV pool (hybrid_compile/models/minimax.py).
 
 Greedy tokens equal transformers' own ``generate`` (tests/engine_models.py's oracle) for single
 prompts, a continuous batch with chunked prefill, prefix-cache hits (state checkpoints every 64
-tokens), speculative decoding (the target as its own draft, n-gram drafts); ``compile=True`` is in
+tokens), speculative decoding (the target as its own draft, n-gram drafts); each rank's
+tensor-parallel shard (tokens at 2 ranks: tests/test_tensor_parallel.py); ``compile=True`` is in
 tests/test_compile_families.py (one graph, zero graph breaks). Tiny random fp32 model: hidden 64,
 4 layers (lightning, attention, lightning, attention), MoE, vocab 128, HF block size 32.
 """
@@ -97,18 +98,50 @@ def test_speculative_greedy_equals_hf(method):
 def test_draft_trees_are_refused_with_a_clear_error():
     model = build_minimax()
     spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=2)
-    with pytest.raises(Exception, match="lightning_layer: draft trees"):
-        with make_engine(model, speculative=spec, **ENGINE_ARGS) as engine:
-            engine.generate_batch(random_prompts((9,), VOCAB, seed=14), max_new_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match=r"topk=2 \(draft trees\) is not supported for minimax: its lightning"):
+        make_engine(model, speculative=spec, **ENGINE_ARGS)
 
 
-def test_tensor_parallel_refused_with_the_sharding_error():
-    """No tensor-parallel plan yet (the lightning layer's RMSNorm spans all heads: a head split needs
-    an all-reduce inside the norm): one ShardingError naming the model type, before any weight is read."""
+def test_tensor_parallel_shards_hold_the_rank_heads(tmp_path):
+    """Each rank's shard of a 2-rank plan (tokens at TP 2: tests/test_tensor_parallel.py
+    ``[minimax]``): the fused ``qkv_proj`` takes its heads' ``[q | k | v]`` rows, the output gate and
+    the norm their channels, ``out_proj`` their columns, and the decay buffers the rank's heads'
+    slopes, both where the checkpoint holds them (sliced) and where it does not (recomputed from the
+    whole model's head count: rank 1 must not get heads 0-1's slopes). 4 heads over 3 ranks: one
+    ShardingError naming the count, from a directory with no weights at all (nothing is read)."""
+    from safetensors.torch import load_file, save_file
+
+    from hybrid_compile.distributed.loading import load_shard
     from hybrid_compile.distributed.plans import ShardingError, plan_for
 
-    with pytest.raises(ShardingError, match="'minimax' has no tensor-parallel sharding plan"):
-        plan_for(build_minimax().config, 2)
+    model = build_minimax()
+    full, no_buffers, config_only = tmp_path / "full", tmp_path / "no_buffers", tmp_path / "config_only"
+    model.save_pretrained(full)
+    model.save_pretrained(no_buffers)
+    weights = load_file(no_buffers / "model.safetensors")
+    decays = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+    save_file({k: v for k, v in weights.items() if not k.endswith(decays)}, no_buffers / "model.safetensors",
+              metadata={"format": "pt"})
+    local, d = HEADS // 2, HEAD_DIM
+    for rank in (0, 1):
+        heads = slice(rank * local, (rank + 1) * local)
+        channels = slice(rank * local * d, (rank + 1) * local * d)
+        for path in (full, no_buffers):
+            shard, _ = load_shard(str(path), model.config, plan_for(model.config, 2, rank), torch.float32,
+                                  torch.device("cpu"))
+            assert shard.config.num_attention_heads == local
+            for i in (0, 2):  # the lightning layers
+                got, want = shard.model.layers[i].self_attn, model.model.layers[i].self_attn
+                assert torch.equal(got.qkv_proj.weight, want.qkv_proj.weight.view(HEADS, 3 * d, -1)[heads].flatten(0, 1))
+                assert torch.equal(got.output_gate.weight, want.output_gate.weight[channels])
+                assert torch.equal(got.norm.weight, want.norm.weight[channels])
+                assert torch.equal(got.out_proj.weight, want.out_proj.weight[:, channels])
+                for name in decays[:3]:
+                    assert torch.equal(getattr(got, name), getattr(want, name)[heads]), (path.name, rank, name)
+                assert torch.equal(got.diagonal_decay, want.diagonal_decay[:, heads]), (path.name, rank)
+    model.config.save_pretrained(config_only)
+    with pytest.raises(ShardingError, match="minimax has num_attention_heads=4, which does not divide by 3"):
+        hc.from_pretrained(str(config_only), tensor_parallel_size=3, device="cpu")
 
 
 def test_not_a_transformers_minimax_model_is_refused():

@@ -8,6 +8,7 @@ import torch
 
 from hybrid_compile.ops import _varlen
 from hybrid_compile.ops.mamba1 import mamba1_selective_scan, mamba1_state_update
+from hybrid_compile.ops.reference import tree as ref_tree
 from hybrid_compile.ops.reference.mamba1 import mamba1_scan_reference, mamba1_state_update_reference
 from op_testing import TOLERANCE, VARLEN_CASES, assert_close, compile_and_compare, cu_seqlens_of, distinct_slots, run_opcheck
 
@@ -326,3 +327,80 @@ def test_compile_prefill_then_decode():
     assert_close(compiled_args[8], eager_args[8])
     assert_close(compiled_args[-1], eager_args[-1])
     assert not torch.equal(eager_args[8], pre["ssm_states"])
+
+
+# --------------------------------------------------------------------------------------------
+# draft trees (parent_indices)
+# --------------------------------------------------------------------------------------------
+
+# two trees of 6 nodes (node 0 = the root, the request's pending token) and a chain
+TREES = [[-1, 0, 0, 1, 2, 1], [-1, 0, 1, 0, 3, 3], [-1, 0, 1, 2, 3, 4]]
+
+
+def make_tree_update(dtype=torch.float32, G=1, **opts):
+    """Verify inputs over the rows of ``TREES`` (row 0 padding) and their parents."""
+    inp = make_update(3, 6, dtype=dtype, pool_dtype=dtype, G=G, D_inner=12, pad_rows=(0,), disable=True, **opts)
+    return inp, torch.tensor(TREES, dtype=torch.int32)
+
+
+def tree_oracle(inp, parents):
+    """Every node's root path run as a CHAIN through the per-token reference: (y, states) of the
+    node are the chain's last step (ops/reference/tree.py knows nothing of how the op walks trees)."""
+    def chain(b, xs, n):
+        x, dt, B, C, *z = xs
+        y, _, st = mamba1_state_update_reference(
+            x, dt, inp["A"], B, C, inp["D"], z[0] if z else None, inp["dt_bias"], inp["dt_softplus"],
+            inp["ssm_states"], inp["state_indices"][b:b + 1], True,
+            torch.zeros(1, n, *inp["intermediate_states"].shape[2:]))
+        return y, st
+
+    per_token = [inp[k] for k in ("x", "dt", "B", "C", "z") if inp[k] is not None]
+    return ref_tree.tree_by_paths(chain, per_token, parents)
+
+
+@pytest.mark.parametrize("dtype,G", [(torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 1)])
+def test_state_update_tree_matches_chain_reference_per_path(dtype, G):
+    inp, parents = make_tree_update(dtype, G)
+    want_y, want_states = tree_oracle(inp, parents)
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    y_ref, pool_ref, inter_ref = mamba1_state_update_reference(*(ref[k] for k in UPDATE_ORDER), parents)
+    got = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    y = mamba1_state_update(*(got[k] for k in UPDATE_ORDER), False, None, None, parents)
+    real = [1, 2]
+    # (the tree references read bf16 parents as stored, the chain keeps fp32 between steps)
+    assert_close(y_ref[real], want_y[real], dtype)
+    assert_close(inter_ref[real], want_states[real], dtype)
+    assert_close(y[real], y_ref[real], dtype)
+    assert_close(got["intermediate_states"][real], inter_ref[real], dtype)
+    assert torch.all(y[0] == 0)
+    assert torch.all(got["intermediate_states"][0] == 7.0) and torch.all(got["intermediate_states"][3] == 7.0)
+    assert torch.equal(got["ssm_states"], inp["ssm_states"]) and torch.equal(pool_ref, inp["ssm_states"])
+
+
+def test_state_update_chain_parents_equal_no_parents():
+    inp, _ = make_tree_update()
+    chain = torch.tensor([[-1, 0, 1, 2, 3, 4]] * 3, dtype=torch.int32)
+    a = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    y_a = mamba1_state_update(*(a[k] for k in UPDATE_ORDER), False, None, None, chain)
+    y_b = mamba1_state_update(*(b[k] for k in UPDATE_ORDER), False, None, None, None)
+    assert torch.equal(y_a, y_b) and torch.equal(a["intermediate_states"], b["intermediate_states"])
+
+
+def test_state_update_tree_opcheck():
+    inp, parents = make_tree_update()
+    run_opcheck(torch.ops.hybrid_compile.mamba1_state_update.default,
+                tuple(inp[k] for k in UPDATE_ORDER) + (False, None, None, parents))
+
+
+def test_state_update_tree_invalid():
+    inp, parents = make_tree_update()
+    args = lambda d: tuple(d[k] for k in UPDATE_ORDER)  # noqa: E731
+    with pytest.raises(ValueError, match="parent precedes"):
+        mamba1_state_update(*args(inp), False, None, None, torch.tensor([[-1, 1, 0, 0, 0, 0]] * 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="disable_state_update"):
+        mamba1_state_update(*args(dict(inp, disable_state_update=False)), False, None, None, parents)
+    with pytest.raises(ValueError, match="intermediate buffer"):
+        mamba1_state_update(*args(dict(inp, intermediate_states=None)), False, None, None, parents)
+    with pytest.raises(ValueError, match="parent_indices"):
+        mamba1_state_update(*args(inp), False, None, None, parents[:, :4])

@@ -39,7 +39,9 @@ import engine_models as em
 import mamba1_models as m1
 import mamba2_models as mm
 import test_lfm2 as lfm2
+from kimi_models import build_kimi_linear
 from lfm3_models import build_lfm3
+from minimax_models import build_minimax
 from recurrent_gemma_models import build_recurrent_gemma
 
 NEW = 6
@@ -116,10 +118,22 @@ MODELS = {
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
              "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
+# lightning attention by heads (its norm over all heads reduced across the ranks), softmax attention, MoE
+MODELS["minimax"] = build_minimax
+TWO_RANKS += ("minimax",)
 if hasattr(transformers, "Lfm3ForCausalLM"):  # (transformers 5.17 has no LFM3)
     MODELS["lfm3"] = build_lfm3  # sliding + full attention with the per-head output gate, short convs
     TWO_RANKS += ("lfm3",)
+if hasattr(transformers, "KimiLinearForCausalLM"):  # (transformers >= 5.17)
+    # KDA + MLA (absorbed: the compressed KV row replicated on every rank) + MoE; compiled on its two-layer
+    # form (KDA, MLA: half the Inductor pieces of the four-layer model) in VARIANTS
+    MODELS["kimi_linear"] = build_kimi_linear
+    MODELS["kimi_linear_2l"] = lambda: build_kimi_linear(0, None, ("linear_attention", "full_attention"))
+    TWO_RANKS += ("kimi_linear",)
+KIMI = pytest.mark.skipif("kimi_linear" not in MODELS,
+                          reason=f"transformers {transformers.__version__} has no KimiLinearForCausalLM (added in 5.17)")
 FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
+FOUR_RANKS += ("minimax",)  # one lightning head per rank, its norm over 4 ranks; 2 KV heads replicated in pairs
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
 VARIANTS = (
@@ -127,7 +141,7 @@ VARIANTS = (
     ("qwen3_next_moe@n2", "qwen3_next_moe", {}, 2),
     ("nemotron_h@bf16_state", "nemotron_h", dict(ssm_state_dtype="bfloat16"), 1),
     ("qwen3_next_moe@warmup", "qwen3_next_moe", dict(warmup_kernels=True), 1),
-)
+) + ((("kimi_linear@compiled", "kimi_linear_2l", dict(compile=True), 1),) if "kimi_linear" in MODELS else ())
 
 
 def _vocab(model) -> int:
@@ -204,6 +218,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
             startup=stats["startup"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
+            state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
     if rank == 0:
         with open(result_path, "w") as f:
@@ -287,7 +302,9 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
     model = checkpoints[name]["model"]
     full = family_of(model).layout(model, kv_dtype=torch.float32, conv_dtype=torch.float32, ssm_dtype=torch.float32)
     assert r["kv_heads"] == [a.num_kv_heads // 2 if a.num_kv_heads % 2 == 0 else 1 for a in full.attention]
-    if name != "mamba2_one_group":
+    if name == "minimax":  # no conv (a 1-wide placeholder): the lightning state [H, D, D] holds the rank's heads
+        assert r["state_shapes"] == [[m.state_shape[0] // 2, *m.state_shape[1:]] for m in full.mamba]
+    elif name != "mamba2_one_group":
         assert r["conv_dims"] == [m.conv_dim // 2 for m in full.mamba]
 
 
@@ -313,6 +330,49 @@ def test_compiled_gated_deltanet_two_ranks_zero_graph_breaks(checkpoints, two_ra
     r = _check(checkpoints, two_ranks, "qwen3_next_dense@compiled", "qwen3_next_dense")
     c = r["compile"]
     assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
+
+
+@KIMI
+def test_compiled_kimi_linear_two_ranks_zero_graph_breaks(checkpoints, two_ranks):
+    """Kimi-Linear (KDA + absorbed MLA + MoE) compiled over 2 ranks: HF's tokens, one graph."""
+    r = _check(checkpoints, two_ranks, "kimi_linear@compiled", "kimi_linear_2l")
+    c = r["compile"]
+    assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
+    assert c["split_ops_seen"] == {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1}, c
+
+
+@KIMI
+def test_kimi_linear_shards_split_heads_and_replicate_the_latent(checkpoints):
+    """Each rank's Kimi-Linear shard, loaded from the checkpoint's own layout (``q_conv1d`` /
+    ``k_conv1d`` / ``v_conv1d``, per-expert ``w1`` / ``w3`` / ``w2`` under ``block_sparse_moe``):
+    KDA and MLA parameters hold the rank's heads (the ranks' parts concatenate to the whole tensor),
+    the latent projections and norms are whole on both ranks, and the rank's KV pool layout keeps
+    the whole compressed row (latent + rope key, one KV head) while its conv holds half the channels."""
+    from hybrid_compile.distributed.loading import load_shard
+    from kimi_models import KV_RANK, ROPE
+
+    ck = checkpoints["kimi_linear"]
+    full = dict(ck["model"].named_parameters())
+    cfg = ck["model"].config
+    shards = []
+    for rank in (0, 1):
+        local, _ = load_shard(ck["dir"], cfg, plan_for(cfg, 2, rank), torch.float32, torch.device("cpu"))
+        shards.append(dict(local.named_parameters()))
+    kda, mla = "model.layers.0.self_attn.", "model.layers.1.self_attn."
+    split = {kda + "q_proj.weight": 0, kda + "v_proj.weight": 0, kda + "forget_gate.f_b_proj.weight": 0,
+             kda + "forget_gate.dt_bias": 0, kda + "forget_gate.A_log": 2, kda + "b_proj.weight": 0,
+             kda + "g_b_proj.weight": 0, kda + "o_proj.weight": 1, mla + "q_proj.weight": 0,
+             mla + "kv_b_proj.weight": 0, mla + "o_proj.weight": 1, "model.layers.1.mlp.experts.down_proj": 2}
+    for name, dim in split.items():
+        assert torch.equal(torch.cat([s[name] for s in shards], dim), full[name]), name
+    conv = kda + "conv1d.weight"  # channels [q | k | v], each split by heads
+    assert torch.equal(torch.cat([s[conv].view(3, -1, 4) for s in shards], 1), full[conv].view(3, -1, 4))
+    for name in (mla + "kv_a_proj_with_mqa.weight", mla + "kv_a_layernorm.weight", kda + "forget_gate.f_a_proj.weight",
+                 kda + "g_a_proj.weight", kda + "o_norm.weight", "model.layers.1.mlp.gate.weight"):
+        assert all(torch.equal(s[name], full[name]) for s in shards), name
+    lay = family_of(local).layout(local, kv_dtype=torch.float32, conv_dtype=torch.float32, ssm_dtype=torch.float32)
+    assert [(a.num_kv_heads, a.k_shape, a.v_from_k) for a in lay.attention] == [(1, (1, KV_RANK + ROPE), True)] * 2
+    assert [m.conv_dim for m in lay.mamba] == [3 * 16] * 2 and lay.mamba[0].state_shape == (1, 16, 16)
 
 
 def test_two_sequences_per_prompt_fork_on_every_rank(checkpoints, two_ranks):
@@ -390,8 +450,20 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     lfm.block_auto_adjust_ff_dim, lfm.intermediate_size = False, 66
     with pytest.raises(ShardingError, match="lfm2 has the feed-forward width=66, which does not divide by 4"):
         plan_for(lfm, 4)
+    granite = copy.deepcopy(checkpoints["granitemoehybrid"]["model"].config)  # experts 65 wide: named by its field
+    granite.intermediate_size = 65
+    assert granite.num_local_experts > 1
+    with pytest.raises(ShardingError, match="granitemoehybrid has intermediate_size=65, which does not divide by 2"):
+        plan_for(granite, 2)
     with pytest.raises(ShardingError, match="zamba2 has the Mamba2 head count=8, which does not divide by 3"):
         hc.from_pretrained(checkpoints["zamba2"]["dir"], tensor_parallel_size=3, device="cpu")
+    if "kimi_linear" in MODELS:  # 2 KDA heads, 4 MLA heads: one error naming the count, before any weight is read
+        with pytest.raises(ShardingError, match="kimi_linear has linear_num_heads=2, which does not divide by 4"):
+            hc.from_pretrained(checkpoints["kimi_linear"]["dir"], tensor_parallel_size=4, device="cpu")
+        kimi = copy.deepcopy(checkpoints["kimi_linear"]["model"].config)
+        kimi.linear_num_heads = 6
+        with pytest.raises(ShardingError, match="kimi_linear has num_attention_heads=4, which does not divide by 3"):
+            plan_for(kimi, 3)
     import transformers
 
     with pytest.raises(ShardingError, match="'llama' has no tensor-parallel sharding plan"):

@@ -15,9 +15,10 @@ import torch
 
 import hybrid_compile.ops.triton.mamba1 as tm
 from hybrid_compile.ops import _varlen
+from hybrid_compile.ops.reference import tree as ref_tree
 from hybrid_compile.ops.mamba1 import mamba1_selective_scan, mamba1_state_update
 from op_testing import assert_close, run_opcheck
-from test_ops_mamba1 import SCAN_ORDER, UPDATE_ORDER, check_scan, make_scan, make_update
+from test_ops_mamba1 import SCAN_ORDER, UPDATE_ORDER, check_scan, make_scan, make_tree_update, make_update, tree_oracle
 from test_triton_mamba2 import KDEV, _clone, _to
 
 
@@ -226,3 +227,54 @@ def test_gpu_decode_cuda_graph_replay():
         for r in pad_rows:
             assert torch.all(y_static[r] == 0)
         torch.testing.assert_close(static["ssm_states"].float().cpu(), cpu["ssm_states"].float(), atol=3e-2, rtol=3e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# draft trees (parent_indices)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,opts", [(torch.float32, {}), (torch.float32, dict(G=4)),
+                                        (torch.bfloat16, {}), (torch.float32, RG_LRU)])
+def test_state_update_tree_triton(dtype, opts):
+    """The kernel over trees against the literal per-path chain recurrence and the plain op."""
+    inp, parents = make_tree_update(dtype, **opts)
+    want_y, want_states = tree_oracle(inp, parents)
+    plain = _clone(inp)
+    y_op = mamba1_state_update(*(plain[k] for k in UPDATE_ORDER), False, None, None, parents)
+    tri = _to(inp, KDEV)
+    y = tm.mamba1_state_update_triton(*(tri[k] for k in UPDATE_ORDER), False, None, None, parents.to(KDEV)).cpu()
+    inter = tri["intermediate_states"].cpu()
+    real = [1, 2]
+    assert_close(y[real], want_y[real], dtype)
+    assert_close(inter[real], want_states[real], dtype)
+    assert_close(y, y_op, dtype)
+    assert_close(inter, plain["intermediate_states"], dtype)
+    assert torch.all(y[0] == 0) and torch.all(inter[0] == 7.0) and torch.all(inter[3] == 7.0)
+    assert torch.equal(tri["ssm_states"].cpu(), inp["ssm_states"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,steps,opts",
+    [
+        (16, 16, dict(D_inner=4096)),  # Mamba-2.8B-like width, a 16-node tree per request
+        (8, 12, dict(D_inner=3072, G=16, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),  # Zamba-like heads
+        (8, 10, dict(RG_LRU, D_inner=2560)),  # RecurrentGemma's RG-LRU
+    ],
+)
+def test_gpu_state_update_tree_matches_plain(batch, steps, opts):
+    """The registered CUDA op over random draft trees against the plain-torch op on CPU copies, and opcheck."""
+    dtype = opts.get("dtype", torch.float32)
+    gen = torch.Generator().manual_seed(batch * steps)
+    inp = make_update(batch, steps, **{"N": 16, "num_slots": batch + 8, "pad_rows": (3,), "disable": True, **opts})
+    parents = ref_tree.random_parents(batch, steps, gen)
+    cpu = _clone(inp)
+    y_ref = mamba1_state_update(*(cpu[k] for k in UPDATE_ORDER), False, None, None, parents)
+    gpu = _to(inp, "cuda")
+    op = torch.ops.hybrid_compile.mamba1_state_update
+    y = op(*(gpu[k] for k in UPDATE_ORDER), False, None, None, parents.cuda())
+    _gpu_compare(y, y_ref, dtype, "y")
+    _gpu_compare(gpu["intermediate_states"], cpu["intermediate_states"], dtype, "intermediate states")
+    assert torch.equal(gpu["ssm_states"].cpu(), inp["ssm_states"])
+    run_opcheck(op.default, tuple(gpu[k] for k in UPDATE_ORDER) + (False, None, None, parents.cuda()))

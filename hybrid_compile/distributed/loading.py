@@ -5,7 +5,8 @@ The rank's model is built by transformers from the plan's local config on the me
 the plan's ``local_modules`` rebuilt there with their local sizes),
 then every parameter is materialised from slices of the checkpoint tensors
 (``safe_open(...).get_slice``: only the slice is read from the memory-mapped file), so no rank
-ever holds the whole model. Parameters transformers ties to another (a tied LM head, Zamba2's
+ever holds the whole model. Persistent buffers the checkpoint holds are read the same way (replicated
+unless the plan splits them: MiniMax's per-head decays). Parameters transformers ties to another (a tied LM head, Zamba2's
 shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 
@@ -362,8 +363,11 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
             shard_bytes += value.numel() * value.element_size()
             _set_tensor(model, name, value)
         for name, buf in list(model.named_buffers()):
-            if name in ckpt:  # persistent buffers the checkpoint holds (replicated)
-                value = _read(ckpt, name, Slice(), plan.rank, plan.size)
+            if name in ckpt:  # persistent buffers the checkpoint holds (replicated, or per head: MiniMax's decays)
+                value = _read(ckpt, name, plan.slice_of(name), plan.rank, plan.size)
+                if value.shape != buf.shape:
+                    raise ValueError(f"tensor parallelism: rank {plan.rank}'s shard of buffer {name!r} has shape "
+                                     f"{tuple(value.shape)}, the local {plan.family} model expects {tuple(buf.shape)}")
                 buf = value.to(dtype=buf.dtype)
             _set_tensor(model, name, buf.to(device), buffer=True)
         params = dict(model.named_parameters(remove_duplicate=False))

@@ -40,7 +40,21 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   ``recurrent_param``, the per-head block-diagonal gates, ``linear_out`` columns + all-reduce).
 - Zamba2 shared blocks: attention and MLP as above; the LoRA adapters' up projections split with
   the projection they add to (rebuilt with local rows), their down projections replicated.
+- MiniMax lightning attention: by heads (``qkv_proj`` rows are per head ``[q | k | v]``, so a head's
+  ``3 * head_dim`` rows are contiguous; ``output_gate`` rows, ``out_proj`` columns + all-reduce); its
+  RMSNorm spans all heads' channels, so it is split with its heads and reduced across the ranks
+  (``cross_rank_norms``); the per-head decay buffers are the rank's heads' (``slope_rate`` is computed
+  from the global head count and index: sliced from the checkpoint, recomputed where it holds none).
 - dense MLP / MoE experts / shared experts: the intermediate dimension.
+- Kimi-Linear: its Kimi Delta Attention layers by heads (q/k/v rows, the conv's ``[q | k | v]``
+  channels (saved as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``), the forget gate's ``f_b_proj`` rows,
+  ``dt_bias`` (per head and key channel) and ``A_log``, ``b_proj`` rows, the output gate's ``g_b_proj``
+  rows, ``o_proj`` columns + all-reduce; the low-rank ``f_a_proj`` / ``g_a_proj`` and the per-head
+  ``o_norm`` replicated); its MLA layers by attention heads (``q_proj`` / ``q_b_proj`` and
+  ``kv_b_proj`` rows, ``o_proj`` columns + all-reduce). The latent projections ``q_a_proj`` /
+  ``kv_a_proj_with_mqa`` and their norms are replicated: the compressed KV row (latent + rope key) is
+  shared by every head, so each rank computes and caches the whole row for its heads (its KV pool
+  is the single-process one, one KV head ``kv_lora_rank + qk_rope_head_dim`` wide, not split).
 """
 
 from __future__ import annotations
@@ -215,11 +229,13 @@ class ShardPlan:
         self.add(prefix + rf"\.{down}\.bias", Slice(rank0_only=True))
 
     def fused_experts(self, prefix: str, experts: int, intermediate: int, gated: bool = True,
-                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                      names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                      field: str = "moe_intermediate_size") -> None:
         """transformers' fused experts ``gate_up_proj [E, 2I, H]`` (or ``up_proj [E, I, H]``) and
         ``down_proj [E, H, I]``, from fused or per-expert checkpoint tensors (``names``: the
-        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``)."""
-        _split(intermediate, self.size, "moe_intermediate_size", self.family)
+        per-expert gate, up and down projections, e.g. LFM2-MoE's ``w1``, ``w3``, ``w2``);
+        ``field``: the config field of ``intermediate`` (named when it does not divide)."""
+        _split(intermediate, self.size, field, self.family)
         seg = Segment(intermediate, 1)
         gate, up, down = (f"{{p}}.{{e}}.{n}.weight" for n in names)
         if gated:
@@ -416,7 +432,8 @@ def granitemoehybrid_plan(config, size: int, rank: int) -> ShardPlan:
     fields["mamba_expand"] = _local_expand(cfg.mamba_expand, size)
     experts = int(getattr(cfg, "num_local_experts", 0) or 0)
     if experts:
-        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size))
+        plan.fused_experts(r"\.block_sparse_moe\.experts", experts, int(cfg.intermediate_size),
+                           field="intermediate_size")
         plan.reduce(r"\.layers\.\d+\.block_sparse_moe")
         fields["intermediate_size"] = int(cfg.intermediate_size) // size
     shared = int(getattr(cfg, "shared_intermediate_size", 0) or 0)
@@ -504,7 +521,7 @@ def jamba_plan(config, size: int, rank: int) -> ShardPlan:
     plan.mlp(r"\.feed_forward", inter, "intermediate_size")
     experts = int(getattr(cfg, "num_experts", 0) or 0)
     if experts > 1:
-        plan.fused_experts(r"\.feed_forward\.experts", experts, inter)
+        plan.fused_experts(r"\.feed_forward\.experts", experts, inter, field="intermediate_size")
     plan.reduce(r"\.layers\.\d+\.feed_forward")  # dense MLP or the whole MoE block
     plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
     plan.local_fields = dict(mamba_expand=_local_expand(cfg.mamba_expand, size),
@@ -652,13 +669,125 @@ def recurrent_gemma_plan(config, size: int, rank: int) -> ShardPlan:
     return plan
 
 
+
+def _rank_lightning_decays(heads: int, rank: int, size: int) -> Callable:
+    """Rebuild a MiniMax lightning layer's decay buffers (``slope_rate`` and the block decays derived
+    from it) for this rank's heads. transformers computes them from the layer's own head count
+    (slope ``2^(-8 h / H)`` for head ``h`` of ``H``): the local layer built with ``H / size`` heads would
+    get the slopes of another, smaller model, so they are computed with the whole model's ``H`` (HF's
+    ``get_slope_rate`` / ``decay_factors``) and cut to the rank's heads. A softmax attention layer
+    (no ``get_slope_rate``) is left as it is."""
+    def rebuild(attn) -> None:
+        if not hasattr(attn, "get_slope_rate"):
+            return
+        local = attn.num_attention_heads
+        attn.num_attention_heads = heads
+        try:
+            slope = attn.get_slope_rate()
+        finally:
+            attn.num_attention_heads = local
+        slope = slope[rank * local:(rank + 1) * local]
+        for name, value in zip(("slope_rate", "query_decay", "key_decay", "diagonal_decay"),
+                               (slope, *attn.decay_factors(slope))):
+            setattr(attn, name, value.to(getattr(attn, name).device))
+    return rebuild
+
+
+def minimax_plan(config, size: int, rank: int) -> ShardPlan:
+    """MiniMax: lightning attention layers by heads (module docstring), softmax attention by heads,
+    the MoE experts (``intermediate_size``; checkpoints keep Mixtral's per-expert ``w1`` / ``w3`` /
+    ``w2``) by their intermediate dimension (the whole MoE block is reduced)."""
+    cfg = _text(config)
+    plan = ShardPlan("minimax", size, rank, cfg)
+    heads, hd = int(cfg.num_attention_heads), _head_dim(cfg)
+    local_kv = plan.attention(r"\.self_attn", heads, int(cfg.num_key_value_heads), hd)  # (checks heads % size)
+    per_head = Segment(heads, hd)
+    p = r"\.self_attn"
+    plan.add(p + r"\.qkv_proj\.weight", Slice(0, (Segment(heads, 3 * hd),)))
+    plan.add(p + r"\.output_gate\.weight", Slice(0, (per_head,)))
+    plan.add(p + r"\.norm\.weight", Slice(0, (per_head,)))
+    plan.cross_rank_norms.append((re.compile(p + r"\.norm$"), heads * hd, False))
+    plan.add(p + r"\.out_proj\.weight", Slice(1, (per_head,)))
+    plan.reduce(r"\.layers\.\d+\.self_attn\.out_proj")
+    # the decay buffers the checkpoint holds: [H, 1, 1], [H, B, 1], [H, B, 1], [1, H, B, B]
+    plan.add(p + r"\.(slope_rate|query_decay|key_decay)", Slice(0, (Segment(heads, 1),)))
+    plan.add(p + r"\.diagonal_decay", Slice(1, (Segment(heads, 1),)))
+    plan.local_modules.append((re.compile(r"\.layers\.\d+\.self_attn$"), _rank_lightning_decays(heads, rank, size)))
+    inter = int(cfg.intermediate_size)
+    plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), inter, names=("w1", "w3", "w2"),
+                       field="intermediate_size")
+    plan.reduce(r"\.layers\.\d+\.mlp")
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = dict(num_attention_heads=heads // size, num_key_value_heads=local_kv, head_dim=hd,
+                             intermediate_size=inter // size)
+    return plan
+
+
+def kimi_linear_plan(config, size: int, rank: int) -> ShardPlan:
+    """Kimi-Linear (module docstring): KDA and MLA layers share parameter names (``self_attn.q_proj``,
+    ``self_attn.o_proj``), so each rule names its layers' indices (``config.layer_types``)."""
+    cfg = _text(config)
+    plan = ShardPlan("kimi_linear", size, rank, cfg)
+    heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    lh, ld = int(cfg.linear_num_heads), int(cfg.linear_head_dim)
+    kinds = list(cfg.layer_types)
+    kda = [i for i, t in enumerate(kinds) if t == "linear_attention"]
+    mla = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    fields = {}
+    if kda:
+        _split(lh, size, "linear_num_heads", plan.family)
+        p = rf"\.layers\.({'|'.join(map(str, kda))})\.self_attn"
+        ch = Segment(lh, ld)  # a head's key (or value) channels
+        plan.add(p + r"\.[qkv]_proj\.weight", Slice(0, (ch,)))
+        plan.add(p + r"\.conv1d\.weight", Slice(0, (ch, ch, ch),
+                                                concat_keys=tuple(f"{{p}}.{x}_conv1d.weight" for x in "qkv")))
+        plan.add(p + r"\.forget_gate\.(f_b_proj\.weight|dt_bias)", Slice(0, (ch,)))
+        plan.add(p + r"\.forget_gate\.A_log", Slice(2, (Segment(lh, 1),)))  # [1, 1, H, 1]
+        plan.add(p + r"\.b_proj\.weight", Slice(0, (Segment(lh, 1),)))
+        plan.add(p + r"\.g_b_proj\.weight", Slice(0, (ch,)))
+        plan.add(p + r"\.o_proj\.weight", Slice(1, (ch,)))
+        plan.reduce(p + r"\.o_proj")
+        fields["linear_num_heads"] = lh // size
+        attn_cfg = getattr(cfg, "linear_attn_config", None)
+        if isinstance(attn_cfg, dict) and "num_heads" in attn_cfg:  # (the checkpoint's form, read at init)
+            fields["linear_attn_config"] = {**attn_cfg, "num_heads": lh // size}
+    if mla:
+        _split(heads, size, "num_attention_heads", plan.family)
+        # HF expands the latent to one K/V head per query head: its KV heads go with the query heads
+        _split(kv, size, "num_key_value_heads", plan.family)
+        p = rf"\.layers\.({'|'.join(map(str, mla))})\.self_attn"
+        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        vd = int(cfg.v_head_dim)
+        plan.add(p + r"\.q_(b_)?proj\.weight", Slice(0, (Segment(heads, qk),)))
+        plan.add(p + r"\.kv_b_proj\.weight", Slice(0, (Segment(heads, int(cfg.qk_nope_head_dim) + vd),)))
+        plan.add(p + r"\.o_proj\.weight", Slice(1, (Segment(heads, vd),)))
+        plan.add(p + r"\.o_proj\.bias", Slice(rank0_only=True))
+        plan.reduce(p + r"\.o_proj")
+        fields.update(num_attention_heads=heads // size, num_key_value_heads=kv // size)
+    mlp_kinds = list(getattr(cfg, "mlp_layer_types", None) or ["dense"] * len(kinds))
+    if "dense" in mlp_kinds:
+        inter = int(cfg.intermediate_size)
+        plan.mlp(rf"\.layers\.({'|'.join(str(i) for i, t in enumerate(mlp_kinds) if t == 'dense')})\.mlp", inter,
+                 "intermediate_size")
+        fields["intermediate_size"] = inter // size
+    if "sparse" in mlp_kinds:
+        moe = int(cfg.moe_intermediate_size)
+        plan.fused_experts(r"\.mlp\.experts", int(cfg.num_local_experts), moe, names=("w1", "w3", "w2"))
+        plan.mlp(r"\.mlp\.shared_experts", moe * int(cfg.n_shared_experts), "moe_intermediate_size * n_shared_experts")
+        fields["moe_intermediate_size"] = moe // size
+    plan.reduce(r"\.layers\.\d+\.mlp")  # dense MLP or the whole MoE block (routed + shared experts)
+    plan.vocab_parallel(r"embed_tokens\.weight", r"lm_head\.weight")
+    plan.local_fields = fields
+    return plan
+
+
 PLANS = {
     "qwen3_next": gdn_plan, "qwen3_5_text": gdn_plan, "qwen3_5_moe_text": gdn_plan, "qwen3_5": gdn_plan,
     "qwen3_5_moe": gdn_plan, "olmo_hybrid": gdn_plan, "mamba2": mamba2_plan, "nemotron_h": nemotron_h_plan,
     "bamba": bamba_plan, "falcon_h1": falcon_h1_plan, "granitemoehybrid": granitemoehybrid_plan,
     "lfm2": lfm2_plan, "lfm2_moe": lfm2_plan, "lfm3": lfm2_plan, "zamba2": zamba2_plan,
     "mamba": mamba1_plan, "falcon_mamba": mamba1_plan, "jamba": jamba_plan, "zamba": zamba_plan,
-    "recurrent_gemma": recurrent_gemma_plan,
+    "recurrent_gemma": recurrent_gemma_plan, "minimax": minimax_plan, "kimi_linear": kimi_linear_plan,
 }
 
 

@@ -16,7 +16,8 @@ By forward mode:
   comes from the scan's chunk states (``layers/tracking.py``; the conv op tracks the window).
 - TARGET_VERIFY: every verify request runs ``draft_len`` tokens through ``mamba1_state_update``
   with ``disable_state_update``, the state after every step going to the layer's intermediate
-  buffer for the engine's commit; trailing filler tokens are left at zero.
+  buffer for the engine's commit; trailing filler tokens are left at zero. A draft tree
+  (``verify.parents``) starts each token from its parent's intermediate state.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def mamba1_ssm_layer(
         y = _kernels.mamba1_state_update(
             x.unsqueeze(1), dt.unsqueeze(1), A_log, B.unsqueeze(1), C.unsqueeze(1), D,
             None if z is None else z.unsqueeze(1), dt_bias, dt_softplus, ssm_states, md.mamba_cache_indices, False, None, True,
-            ssm_scales, intermediate_scales=None,
+            ssm_scales, intermediate_scales=None, parent_indices=None,
         )
         return y.squeeze(1)
     if md.mode is ForwardMode.TARGET_VERIFY:
@@ -91,7 +92,7 @@ def mamba1_ssm_layer(
         y = _kernels.mamba1_state_update(
             verify.per_request(x), verify.per_request(dt), A_log, verify.per_request(B), verify.per_request(C), D,
             None if z is None else verify.per_request(z), dt_bias, dt_softplus, ssm_states, verify.cache_indices, True,
-            verify.intermediates[1], True, ssm_scales, verify.intermediates[2],
+            verify.intermediates[1], True, ssm_scales, verify.intermediates[2], verify.parents,
         )
         return verify.pad(y.reshape(verify.num_tokens, -1), n)
     if md.mode is ForwardMode.EXTEND:

@@ -21,7 +21,8 @@ Two ops:
                              chunk-state row layout of ``_varlen.py`` (what the prefix cache
                              checkpoints; the chunk is an alignment, not a kernel constraint).
 - ``mamba1_state_update``    decode (``L = 1``) and speculative verify (``L`` steps per request,
-                             optionally recording the state after every step).
+                             optionally recording the state after every step; a chain, or a draft
+                             tree through ``parent_indices``).
 
 Everything is computed in fp32; outputs are in ``x.dtype``; state pools may be fp32/bf16/fp16
 (read, compute in fp32, cast on write), or float8_e4m3fn with fp32 ``ssm_scales [num_slots, D_inner]``
@@ -42,9 +43,11 @@ from ._validation import (
     check_slot_indices,
     check_intermediate_states,
     check_tensor,
+    check_tree_parents,
     check_unique_slots,
     check_varlen_requests,
     check_varlen_values,
+    tree_start_states,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 from .fp8_cache import FP8_DTYPE, MAMBA1_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
@@ -240,7 +243,7 @@ def _(
 
 
 def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
-                        ssm_scales=None, intermediate_scales=None):
+                        ssm_scales=None, intermediate_scales=None, disable_state_update=True, parent_indices=None):
     op = "mamba1_state_update"
     check_tensor(op, "x", x, ndim=3, dtypes=FLOAT_DTYPES)
     batch, steps, D_inner = x.shape
@@ -270,6 +273,9 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
     )
     check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
     check_unique_slots(op, "state_indices", state_indices)
+    check_tree_parents(op, parent_indices, batch, steps, has_intermediate=intermediate_states is not None,
+                       disable_state_update=disable_state_update,
+                       fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
 @torch.library.custom_op(
@@ -293,6 +299,7 @@ def mamba1_state_update(
     A_is_log: bool,
     ssm_scales: torch.Tensor | None,
     intermediate_scales: torch.Tensor | None,
+    parent_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba1 recurrent step(s) for decode (``L = 1``) and speculative verify (``L`` steps).
 
@@ -309,12 +316,17 @@ def mamba1_state_update(
             FP8 ``ssm_states`` / ``intermediate_states`` (**mutated** with them); None for float buffers.
             With an FP8 pool the state is rounded to the FP8 format between steps, as ``L`` decode
             steps would store it (speculative greedy output equals plain greedy output).
+        parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Node
+            ``t`` starts from the state stored after node ``parent_indices[b, t]`` (its row of
+            ``intermediate_states``, as stored), or the slot's state for ``-1``;
+            ``-1 <= parent < t``. Needs ``intermediate_states``, ``disable_state_update`` and
+            float buffers. None: a chain (``parent = t - 1``).
 
     Returns:
         ``y`` ``[B, L, D_inner]`` in ``x.dtype``.
     """
     _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
-                        ssm_scales, intermediate_scales)
+                        ssm_scales, intermediate_scales, disable_state_update, parent_indices)
     batch, steps, D_inner = x.shape
     out = torch.zeros(batch, steps, D_inner, dtype=torch.float32, device=x.device)
     slots = state_indices.to(torch.int64)
@@ -328,13 +340,19 @@ def mamba1_state_update(
     ds = _discretize_dt(dt.index_select(0, rows), dt_bias, dt_softplus)
     Bs, Cs = _per_channel(B.index_select(0, rows), D_inner), _per_channel(C.index_select(0, rows), D_inner)
     ys = []
+    initial, history = S, []  # (a tree: the states after each node, as stored)
+    parents = None if parent_indices is None else parent_indices.index_select(0, rows)
     for t in range(steps):
+        if parents is not None:
+            S = tree_start_states(initial, history, parents[:, t])
         d = ds[:, t]
         S = S * torch.exp(d[..., None] * Af) + (d * xs[:, t])[..., None] * Bs[:, t]
         ys.append((S * Cs[:, t]).sum(-1))
         if intermediate_states is not None:
             write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
                        rows, S, dim)
+        if parents is not None:
+            history.append(S.to(intermediate_states.dtype).float())
         if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
             S = round_trip(S, dim)
     y = torch.stack(ys, 1)
@@ -350,7 +368,7 @@ def mamba1_state_update(
 
 @mamba1_state_update.register_fake
 def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-      intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None):
+      intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None):
     _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
-                        ssm_scales, intermediate_scales)
+                        ssm_scales, intermediate_scales, disable_state_update, parent_indices)
     return x.new_empty(x.shape)

@@ -19,6 +19,7 @@ from .reference import attention as ref_attn
 from .reference import conv1d as ref_conv
 from .reference import gdn as ref_gdn
 from .reference import lightning as ref_lightning
+from .reference import mamba1 as ref_mamba1
 from .reference import mamba2 as ref_mamba2
 from .reference import tree as ref_tree
 
@@ -458,6 +459,28 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
         return y, it
 
     result("selective_state_update", m2_op, m2_chain, [xs, dts, Bs, Cs])
+
+    Di, G1, N1 = 64, 4, 16  # Mamba1: a decay per (channel, state) entry; Zamba-like B/C groups
+    x1, z1 = (_rand(gen, B, L, Di, dtype=dtype, device=device) for _ in range(2))
+    dt1 = _rand(gen, B, L, Di, dtype=dtype, device=device) - 1.0
+    A1 = -torch.exp(torch.rand(Di, N1, generator=gen)).to(device)
+    B1, C1 = (_rand(gen, B, L, G1, N1, dtype=dtype, device=device, scale=0.5) for _ in range(2))
+    D1, dt_bias1 = _rand(gen, Di, device=device), _rand(gen, Di, device=device, scale=0.5)
+    m1pool = _rand(gen, S, Di, N1, device=device)
+
+    def m1_op():
+        it = torch.zeros(B, L, Di, N1, device=device)
+        y = ops.mamba1_state_update(x1, dt1, A1, B1, C1, D1, z1, dt_bias1, True, m1pool.clone(), slots_d, True, it,
+                                    False, None, None, P_)
+        return y, it
+
+    def m1_chain(b, ins, n):
+        y, _, it = ref_mamba1.mamba1_state_update_reference(
+            ins[0], ins[1], A1.cpu(), ins[2], ins[3], D1.cpu(), ins[4], dt_bias1.cpu(), True, m1pool.cpu(),
+            slots[b:b + 1], True, torch.zeros(1, n, Di, N1))
+        return y, it
+
+    result("mamba1_state_update", m1_op, m1_chain, [x1, dt1, B1, C1, z1])
 
     # attention: every node sees the prefix and its root path; the reference attends a chain of the path
     Hq, Hkv, Dh, NS = 8, 2, 32, 512

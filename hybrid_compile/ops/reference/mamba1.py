@@ -72,8 +72,10 @@ def mamba1_scan_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states
 
 
 def mamba1_state_update_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices,
-                                  disable_state_update, intermediate_states):
+                                  disable_state_update, intermediate_states, parent_indices=None):
     """Decode / verify, token by token. Arguments as ``hybrid_compile::mamba1_state_update`` (``A`` negated).
+    With ``parent_indices`` (a draft tree) token ``t`` starts from the state stored after token
+    ``parent_indices[b, t]`` (as written to ``intermediate_states``), or the slot's state for -1.
 
     Returns ``(y, new_ssm_states, new_intermediate_states)`` (the last None without intermediates).
     """
@@ -87,6 +89,9 @@ def mamba1_state_update_reference(x, dt, A, B, C, D, z, dt_bias, dt_softplus, ss
             continue
         S = ssm_states[slot].float().clone()
         for t in range(steps):
+            if parent_indices is not None:
+                par = int(parent_indices[b, t])
+                S = (ssm_states[slot] if par < 0 else new_inter[b, par]).float().clone()
             y[b, t] = _token_step(S, x[b, t], dt[b, t], A, B[b, t], C[b, t], D, None if z is None else z[b, t],
                                   dt_bias, dt_softplus)
             if new_inter is not None:

@@ -26,7 +26,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
-from .common import pow2, softplus
+from .common import pow2, softplus, tree_start_state
 from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -170,18 +170,21 @@ def mamba1_selective_scan_triton(
 @triton.jit
 def _update_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, idx_ptr, inter_ptr, out_ptr,
-    state_scale_ptr, inter_scale_ptr,
+    state_scale_ptr, inter_scale_ptr, parent_ptr,
     L, D_inner, N, R,
     sx_b, sx_t, sx_d, sdt_b, sdt_t, sdt_d, sA_d, sA_n, sB_b, sB_t, sB_g, sB_n, sC_b, sC_t, sC_g, sC_n,
     sz_b, sz_t, sz_d,
-    ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t, sss_s, sis_b, sis_t,
+    ss_s, ss_d, ss_n, si_b, si_t, si_d, si_n, so_b, so_t, sss_s, sis_b, sis_t, spar_b, spar_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
-    """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per channel over N (held whole here)."""
+    """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per channel over N (held whole here).
+    TREE: a draft tree (``parent_ptr`` ``[B, L]``, float buffers): step ``t`` starts from the state
+    stored after its parent (the row of ``inter`` this program wrote, element for element), or from
+    the slot's state for parent -1."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch (launch.py)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -208,6 +211,8 @@ def _update_kernel(
     B_ptrs = B_ptr + b * sB_b + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's group
     C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
     for t in range(L):
+        if TREE:
+            S = tree_start_state(parent_ptr + b * spar_b + t * spar_t, s_ptrs, i_ptrs, si_t, mask_dn)
         S, y = _token(
             S, A, Dv, bias, x_ptr + b * sx_b + t * sx_t + offs_d * sx_d,
             dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
@@ -225,7 +230,7 @@ def _update_kernel(
 
 def mamba1_state_update_triton(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None,
 ):
     """Triton ``mamba1_state_update`` (same arguments, mutations and result as the op; no validation)."""
     batch, steps, D_inner = x.shape
@@ -240,16 +245,18 @@ def mamba1_state_update_triton(
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, state_indices, inter if inter is not None else ssm_states, out,
         ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
+        parent_indices if parent_indices is not None else state_indices,
         steps, D_inner, N, D_inner // G,
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0, 0)),
         *ssm_states.stride(), *(inter.stride() if inter is not None else (0, 0, 0, 0)), out.stride(0), out.stride(1),
         ssm_scales.stride(0) if ssm_scales is not None else 0,
         *(intermediate_scales.stride()[:2] if intermediate_scales is not None else (0, 0)),
+        *(parent_indices.stride() if parent_indices is not None else (0, 0)),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
         UPDATE_STATE=not disable_state_update, HAS_INTER=inter is not None, A_IS_LOG=bool(A_is_log),
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
-        ROUND_STEPS=ssm_scales is not None and steps > 1,
+        ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
         **pdl_launch(x.device),
     )
     return out
@@ -297,13 +304,13 @@ def _selective_scan_cuda_impl(
 
 def _state_update_cuda_impl(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None,
+    intermediate_states, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None,
 ):
     _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices, intermediate_states, A_is_log,
-                        ssm_scales, intermediate_scales)
+                        ssm_scales, intermediate_scales, disable_state_update, parent_indices)
     return mamba1_state_update_triton(
         x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, state_indices, disable_state_update,
-        intermediate_states, A_is_log, ssm_scales, intermediate_scales,
+        intermediate_states, A_is_log, ssm_scales, intermediate_scales, parent_indices,
     )
 
 

@@ -49,7 +49,7 @@ from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
 from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
-from .common import pow2
+from .common import pow2, tree_start_state
 from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -176,15 +176,7 @@ def _ssu_kernel(
     i_ptrs = inter_ptr + b * si_b + h * si_h + offs_p[:, None] * si_p + offs_n[None, :] * si_n
     for t in range(L):
         if TREE:
-            # the parent's row was stored by this program's threads in an earlier step: make
-            # those stores visible whatever thread reads them back
-            tl.debug_barrier()
-            par = tl.load(parent_ptr + b * spar_b + t * spar_t).to(tl.int64)
-            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
-            S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask_pn, False), other=0.0).to(tl.float32)
-            S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask_pn, False),
-                            other=0.0).to(tl.float32)
-            S = tl.where(par < 0, S_slot, S_par)
+            S = tree_start_state(parent_ptr + b * spar_b + t * spar_t, s_ptrs, i_ptrs, si_t, mask_pn)
         x = tl.load(x_ptrs + t * sx_t, mask=mask_p, other=0.0).to(tl.float32)
         dt = tl.load(dt_p + t * sdt_t).to(tl.float32)
         dt = _discretize(dt, bias, dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS)

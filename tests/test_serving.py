@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import hybrid_compile as hc
 from checkpoints import hf_text, load_hf, save_checkpoint
 from engine_models import single_threaded
+from ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAME = "tiny-qwen3-next"
@@ -51,12 +51,6 @@ TIMEOUT = 120  # seconds any one client call may take
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     yield from single_threaded()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +79,7 @@ class LiveServer:
     """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe)."""
 
     def __init__(self, ckpt: str, log: pathlib.Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                    OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
@@ -427,7 +421,7 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
 def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
-         "--port", str(_free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
+         "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
         cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
     )
@@ -467,7 +461,7 @@ class InProcessServer:
 
         from hybrid_compile.serving.server import build_app
 
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.app = build_app(NAME, load=load)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -36,6 +35,7 @@ from hybrid_compile.distributed import ShardingError, TensorParallelError
 from hybrid_compile.distributed.plans import plan_for
 from hybrid_compile.models import family_of
 import engine_models as em
+from ports import free_port
 import mamba1_models as m1
 import mamba2_models as mm
 import test_lfm2 as lfm2
@@ -174,12 +174,6 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
     """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
     torch.set_num_threads(1)
@@ -227,7 +221,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
 
 def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False) -> tuple[dict, list[int]]:
     for case in cases:
-        case["port"] = _free_port()
+        case["port"] = free_port()
     path = str(tmp_path / f"results_{size}.json")
     ctx = torch.multiprocessing.start_processes(_rank_main, args=(size, cases, path), nprocs=size, join=False,
                                                 start_method="spawn")
@@ -431,7 +425,7 @@ def test_collectives_trace_into_one_graph(tmp_path):
     on the last dim broke the graph in ``_maybe_view_chunk_cat``) and give the sum / the columns of
     every rank in rank order (a non-contiguous input included), eagerly and compiled."""
     path = str(tmp_path / "collectives.json")
-    torch.multiprocessing.start_processes(_collectives_main, args=(_free_port(), path), nprocs=2, start_method="spawn")
+    torch.multiprocessing.start_processes(_collectives_main, args=(free_port(), path), nprocs=2, start_method="spawn")
     with open(path) as f:
         got = json.load(f)
     assert got == {m: dict(reduce=True, gather=True) for m in ("eager", "compiled")}, got

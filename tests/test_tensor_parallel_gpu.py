@@ -364,7 +364,7 @@ class _Group:
 @pytest.fixture(scope="module")
 def served(request, tmp_path_factory):
     """The selected cases' models and checkpoints, served at TP 2 by one :class:`_Group`."""
-    from test_tensor_parallel import _free_port
+    from ports import free_port
 
     root = tmp_path_factory.mktemp("tp_gpu")
     cases, models, skipped, failed = [], {}, {}, {}
@@ -385,7 +385,7 @@ def served(request, tmp_path_factory):
             model.save_pretrained(d)
         vocab = model.config.get_text_config().vocab_size
         models[name] = model
-        cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=_free_port(),
+        cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=free_port(),
                           options={**OPTIONS, **options, "dtype": _tiny_dtype(model.config, options)}))
     group = _Group(root, cases)
     yield dict(group=group, models=models, skipped=skipped, failed=failed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pathlib
 import time
 
 import pytest
@@ -543,7 +544,10 @@ def test_torchrun_process_serves_a_second_engine(checkpoints, tmp_path):
     prompts = ck["rounds"][0]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            ck["dir"], json.dumps(prompts), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the package of this checkout (not whichever one is installed)
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH")) if p))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.exists(), p.stderr[-4000:]
     outputs = json.loads(out.read_text())

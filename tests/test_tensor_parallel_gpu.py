@@ -1,4 +1,4 @@
-"""Tensor parallelism with CUDA graphs on 2 GPUs (NCCL): greedy tokens equal the single-GPU engine.
+"""Tensor parallelism with CUDA graphs on 2 (or 4) GPUs (NCCL): greedy tokens equal the single-GPU engine.
 
 Every family with a sharding plan (``hybrid_compile/distributed/plans.py``) is served as a tiny
 random-weight checkpoint, and Qwen3-Next (MoE) and NemotronH also at a mid size (hidden 1024,
@@ -35,6 +35,10 @@ mid-size families:
         -k "not (qwen3_next or qwen3_5 or nemotron_h)"
     HC_TP_GPU_ALL_MID=1 python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_mid \
         -- tests/test_tensor_parallel_gpu.py -k "mid_ and not mid_qwen3_next_moe and not mid_nemotron_h"
+
+With ``HC_TP_GPU_RANKS=4`` (4 devices) the group has 4 ranks and serves the CPU suite's 4-rank tiny
+models (``FOUR_RANKS`` of ``tests/test_tensor_parallel.py``: the 2-rank ones' head counts do not all
+divide by 4), their speculative and tree cases, and the two default mid-size models.
 """
 
 from __future__ import annotations
@@ -50,12 +54,16 @@ import torch
 
 import hybrid_compile as hc
 
+# ranks of the group: 2 by default; HC_TP_GPU_RANKS=4 serves the CPU suite's 4-rank models and the default
+# mid-size ones over 4 GPUs instead (the 2-rank tiny models' head counts do not all divide by 4)
+RANKS = int(os.environ.get("HC_TP_GPU_RANKS", "2"))
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.multi_gpu,
     pytest.mark.xdist_group("multi_gpu"),
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="tensor parallelism over NCCL needs 2 CUDA devices"),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < RANKS,
+                       reason=f"tensor parallelism over NCCL needs {RANKS} CUDA devices"),
 ]
 
 NEW = 8
@@ -166,11 +174,12 @@ ALL_MID = os.environ.get("HC_TP_GPU_ALL_MID") == "1"
 
 def _cases() -> list[tuple[str, object, dict]]:
     """(case name, model builder, engine options) of every case."""
-    from test_tensor_parallel import MODELS, TWO_RANKS
+    from test_tensor_parallel import FOUR_RANKS, MODELS, TWO_RANKS
 
-    cases = [(name, MODELS[name], dict(TINY)) for name in TWO_RANKS]
-    cases.append(("qwen3_next_moe@speculative", MODELS["qwen3_next_moe"], dict(TINY, speculative=SPECULATIVE)))
-    cases.append(("qwen3_next_moe@tree", MODELS["qwen3_next_moe"], dict(TINY, speculative=_tree_speculative())))
+    tiny, spec = (TWO_RANKS, "qwen3_next_moe") if RANKS == 2 else (FOUR_RANKS, "qwen3_next_4")
+    cases = [(name, MODELS[name], dict(TINY)) for name in tiny]
+    cases.append((f"{spec}@speculative", MODELS[spec], dict(TINY, speculative=SPECULATIVE)))
+    cases.append((f"{spec}@tree", MODELS[spec], dict(TINY, speculative=_tree_speculative())))
     for name in MID_FAMILIES:
         if name in MID_DEFAULT:
             cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
@@ -293,14 +302,14 @@ def _selected(request) -> set[str] | None:
 
 
 class _Group:
-    """Two spawned ranks serving every case in turn (started once), each case's results as its files
+    """The spawned ranks (:data:`RANKS`) serving every case in turn (started once), each case's results as its files
     appear (a time-limited run keeps the cases done so far), and this process's single-GPU oracle
     of a case, computed while the ranks serve the next ones."""
 
     def __init__(self, root: pathlib.Path, cases: list[dict]) -> None:
         self.root, self.cases = root, {c["name"]: c for c in cases}
         self.last_result = time.time()  # a case gets CASE_SECONDS from the previous one's result
-        self.ctx = torch.multiprocessing.start_processes(_rank_main, args=(2, cases, str(root)), nprocs=2,
+        self.ctx = torch.multiprocessing.start_processes(_rank_main, args=(RANKS, cases, str(root)), nprocs=RANKS,
                                                          join=False, start_method="spawn")
         self.failure: str | None = None
 
@@ -317,8 +326,8 @@ class _Group:
         return True
 
     def tp(self, name: str) -> list[dict]:
-        """Both ranks' results of case ``name`` (waiting for them)."""
-        paths = [_case_file(self.root, r, name) for r in range(2)]
+        """Every rank's results of case ``name`` (waiting for them)."""
+        paths = [_case_file(self.root, r, name) for r in range(RANKS)]
         while not all(p.exists() for p in paths):
             if not self._alive() and not all(p.exists() for p in paths):
                 pytest.fail(f"the ranks exited without a result for {name}")
@@ -331,7 +340,7 @@ class _Group:
 
     def log_tails(self, chars: int = 6000) -> str:
         tails = []
-        for r in range(2):
+        for r in range(RANKS):
             p = _rank_log(self.root, r)
             text = p.read_text(errors="replace") if p.exists() else "(no log)"
             tails.append(f"--- rank {r} ---\n{text[-chars:]}")
@@ -358,12 +367,12 @@ class _Group:
         for p in self.ctx.processes:
             if p.is_alive():
                 p.terminate()
-        assert codes == [0, 0], f"ranks exited with {codes}"
+        assert codes == [0] * RANKS, f"ranks exited with {codes}"
 
 
 @pytest.fixture(scope="module")
 def served(request, tmp_path_factory):
-    """The selected cases' models and checkpoints, served at TP 2 by one :class:`_Group`."""
+    """The selected cases' models and checkpoints, served at TP :data:`RANKS` by one :class:`_Group`."""
     from ports import free_port
 
     root = tmp_path_factory.mktemp("tp_gpu")
@@ -393,7 +402,7 @@ def served(request, tmp_path_factory):
 
 
 def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
-    """``got`` (TP 2) == ``expected`` (one GPU), except a first divergence where the fp32 model's
+    """``got`` (TP) == ``expected`` (one GPU), except a first divergence where the fp32 model's
     logit (CPU, HF forward) of the token TP picked is within :data:`NEAR_TIE` of the top logit
     (tokens after it are not compared)."""
     from engine_models import first_divergence, hf_next_logits
@@ -401,26 +410,26 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     i = first_divergence(got, expected)
     if i is None:
         return
-    assert i < min(len(got), len(expected)), f"{what}: lengths differ:\n  TP2 {got}\n  1 GPU {expected}"
+    assert i < min(len(got), len(expected)), f"{what}: lengths differ:\n  TP{RANKS} {got}\n  1 GPU {expected}"
     logits = hf_next_logits(model, prompt + expected[:i])
     top = torch.topk(logits, 3)
     gap = float(top.values[0] - logits[got[i]])
     assert gap <= NEAR_TIE * max(1.0, float(top.values[0].abs())), (
-        f"{what}: TP 2 diverges from the single-GPU engine at new token {i} (TP {got[i]}, fp32 logit "
+        f"{what}: TP {RANKS} diverges from the single-GPU engine at new token {i} (TP {got[i]}, fp32 logit "
         f"{float(logits[got[i]]):.4f}; 1 GPU {expected[i]}; fp32 top-3 logits {top.values.tolist()} at "
-        f"{top.indices.tolist()}):\n  TP2   {got}\n  1 GPU {expected}"
+        f"{top.indices.tolist()}):\n  TP{RANKS}   {got}\n  1 GPU {expected}"
     )
 
 
 def _result(served, name: str) -> tuple[dict, dict]:
-    """Rank 0's and rank 1's results of case ``name``."""
+    """Rank 0's results of case ``name`` and the followers' (a list)."""
     if name in served["skipped"]:
         pytest.skip(served["skipped"][name])
     assert name not in served["failed"], served["failed"].get(name)
-    r0, r1 = served["group"].tp(name)
-    assert "error" not in r0, f"{name} at TP 2 (rank 0): {r0['error']}"
-    assert "error" not in r1, f"{name} at TP 2 (rank 1): {r1['error']}"
-    return r0, r1
+    results = served["group"].tp(name)
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"{name} at TP {RANKS} (rank {rank}): {r['error']}"
+    return results[0], results[1:]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -445,13 +454,14 @@ def test_tp2_graphs_match_single_gpu(served, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_tp2_no_compiles_after_from_pretrained(served, name):
-    """No Dynamo graph, Inductor piece or Triton kernel compiled while serving, on either rank."""
-    r, follower = _result(served, name)
+    """No Dynamo graph, Inductor piece or Triton kernel compiled while serving, on any rank."""
+    r, followers = _result(served, name)
     ready, end = dict(r["ready"]), r["end"]
     commands = ready.pop("commands")
     compiled = ready.pop("compile")
     assert end == ready, f"rank 0 compiled while serving: {ready} -> {end}"
     assert r["compile"]["pieces"] == compiled["pieces"] and r["compile"]["graphs"] == compiled["graphs"]
-    log = follower["log"]
-    assert len(log) > commands, f"rank 1 received {len(log)} commands, rank 0 had sent {commands} at start-up"
-    assert log[-1] == log[commands], f"rank 1 compiled while serving: {log[commands]} -> {log[-1]}"
+    for rank, follower in enumerate(followers, 1):
+        log = follower["log"]
+        assert len(log) > commands, f"rank {rank} received {len(log)} commands, rank 0 had sent {commands} at start-up"
+        assert log[-1] == log[commands], f"rank {rank} compiled while serving: {log[commands]} -> {log[-1]}"

@@ -199,8 +199,11 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
     """Every measurement at ``tp``; ``save(out)`` runs after each one (a run cut short keeps them)."""
     import hybrid_compile as hc
 
+    # no prefix cache: every prompt is fresh random tokens, so its Mamba checkpoint slots would only take
+    # memory from the running requests' (--extra '{"enable_prefix_cache": true}' turns it on)
     opts = dict(max_running_requests=max(args.batches), chunked_prefill_size=args.chunked_prefill,
-                max_context_len=max(args.prefill + [args.prompt_len + args.new_tokens]) + 8)
+                max_context_len=max(args.prefill + [args.prompt_len + args.new_tokens]) + 8,
+                enable_prefix_cache=False)
     if args.cuda_graphs != "auto":
         opts["cuda_graphs"] = {"true": True, "false": False}.get(args.cuda_graphs, args.cuda_graphs)
     opts.update(args.extra)

@@ -88,8 +88,11 @@ def _tree_speculative() -> dict:
 
 
 # a divergence from the single-GPU engine is accepted where TP's token's fp32 logit is this close to
-# the top one (relative to the top logit, at least 1): weights and activations summed in another order
-NEAR_TIE = 0.05
+# the top one (relative to the top logit, at least 1), by the case's dtype: weights and activations
+# summed in another order. bf16 (the MoE models): its 8-bit mantissa through every layer and the top-k
+# routing (a rounding can swap an expert) moved a tiny Qwen3-Next MoE's pick 5.2% below its fp32 top on
+# 2 H200s; a sharding error lands far lower (a MiniMax slope mistake: 31%)
+NEAR_TIE = {"float32": 0.05, "bfloat16": 0.10}
 
 
 def _tiny_dtype(config, options: dict) -> str:
@@ -401,10 +404,11 @@ def served(request, tmp_path_factory):
     group.close()
 
 
-def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str) -> None:
+def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str,
+                        near_tie: float) -> None:
     """``got`` (TP) == ``expected`` (one GPU), except a first divergence where the fp32 model's
-    logit (CPU, HF forward) of the token TP picked is within :data:`NEAR_TIE` of the top logit
-    (tokens after it are not compared)."""
+    logit (CPU, HF forward) of the token TP picked is within ``near_tie`` (:data:`NEAR_TIE`) of the
+    top logit (tokens after it are not compared)."""
     from engine_models import first_divergence, hf_next_logits
 
     i = first_divergence(got, expected)
@@ -414,7 +418,7 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     logits = hf_next_logits(model, prompt + expected[:i])
     top = torch.topk(logits, 3)
     gap = float(top.values[0] - logits[got[i]])
-    assert gap <= NEAR_TIE * max(1.0, float(top.values[0].abs())), (
+    assert gap <= near_tie * max(1.0, float(top.values[0].abs())), (
         f"{what}: TP {RANKS} diverges from the single-GPU engine at new token {i} (TP {got[i]}, fp32 logit "
         f"{float(logits[got[i]]):.4f}; 1 GPU {expected[i]}; fp32 top-3 logits {top.values.tolist()} at "
         f"{top.indices.tolist()}):\n  TP{RANKS}   {got}\n  1 GPU {expected}"
@@ -441,7 +445,8 @@ def test_tp2_graphs_match_single_gpu(served, name):
     case, model = served["group"].cases[name], served["models"][name]
     for batch, got, want in zip(case["rounds"], r["outputs"], single):
         for prompt, g, w in zip(batch, got, want):
-            _assert_same_greedy(model, prompt, g, w, f"{name} (prompt of {len(prompt)})")
+            _assert_same_greedy(model, prompt, g, w, f"{name} (prompt of {len(prompt)})",
+                                NEAR_TIE[case["options"]["dtype"]])
     c = r["compile"]
     assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
     mode = case["options"]["cuda_graphs"]

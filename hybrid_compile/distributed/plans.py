@@ -689,7 +689,8 @@ def _rank_lightning_decays(heads: int, rank: int, size: int) -> Callable:
         slope = slope[rank * local:(rank + 1) * local]
         for name, value in zip(("slope_rate", "query_decay", "key_decay", "diagonal_decay"),
                                (slope, *attn.decay_factors(slope))):
-            setattr(attn, name, value.to(getattr(attn, name).device))
+            old = getattr(attn, name)  # (its dtype too: a bf16 model's slopes are bf16 on one device)
+            setattr(attn, name, value.to(device=old.device, dtype=old.dtype))
     return rebuild
 
 

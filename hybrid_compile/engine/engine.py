@@ -378,6 +378,7 @@ class HybridEngine(GenerateAPI):
             spec.counters, spec.acceptance_histogram = spec_saved
             if spec.commit_graphs is not None:
                 spec.commit_graphs.replays = 0
+        self.runner.graphs.forget_replays()
         self._rids, self._arrivals = itertools.count(), itertools.count()
         self._timings.clear()
         self.warmup_seconds = time.perf_counter() - t0

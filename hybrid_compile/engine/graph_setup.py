@@ -90,14 +90,19 @@ def _own_code_copy(fn, name: str):
 
 def _default_inductor_config(device: torch.device) -> dict:
     """Inductor patches the engine applies unless ``extra["inductor_config"]`` overrides them:
-    ``triton.enable_pdl`` where our Triton kernels launch as programmatic dependents."""
+    ``triton.enable_pdl`` where our Triton kernels launch as programmatic dependents, and
+    ``shape_padding`` off: its pad-mm pass (bf16 / fp16 matmuls on CUDA) tests the symbolic token
+    count of a small unaligned matmul (a tiny Mamba1's ``dt_proj``) and so guards the graph on
+    ``2 <= tokens <= 3``, which compiles it again for other token counts (seen on H100 and H200,
+    gone with the pass off); a real checkpoint's widths are aligned: nothing for it to pad."""
     import torch._inductor.config as inductor_config
 
     from ..ops.triton.launch import programmatic_launch_supported
 
+    patches = {"shape_padding": False}
     if hasattr(inductor_config.triton, "enable_pdl") and programmatic_launch_supported(torch.device(device)):
-        return {"triton.enable_pdl": True}
-    return {}
+        patches["triton.enable_pdl"] = True
+    return patches
 
 
 def _inductor_caches() -> dict:
@@ -299,6 +304,14 @@ class CompiledGraphs:
                                               draft_len=draft_len, intermediate_caches=runner.intermediate_caches,
                                               tree=tree)
         self.full_graphs.capture_all()
+
+    def forget_replays(self) -> None:
+        """Zero the graphs' replay counters (the engine's kernel warm-up replays graphs too: the
+        stats count serving steps only)."""
+        if self.full_graphs is not None:
+            self.full_graphs.replays = self.full_graphs.verify_replays = 0
+        if self.piecewise_graphs is not None:
+            self.piecewise_graphs.replays = self.piecewise_graphs.copied_bytes = 0
 
     def drop_cuda_graphs(self) -> None:
         """Destroy every captured CUDA graph once the last replay has run (waits for the device).

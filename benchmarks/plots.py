@@ -1,4 +1,5 @@
-"""PNG plots of an end-to-end benchmark run (the JSON that ``benchmarks/e2e.py`` writes).
+"""PNG plots of an end-to-end benchmark run (the JSON that ``benchmarks/e2e.py`` writes), and of
+tensor-parallel scaling runs (``plot_tensor_parallel``, the JSON of ``benchmarks/tensor_parallel.py``).
 
 ``make_plots(run, prefix)`` writes, per model, ``<prefix>_<model>_decode.png`` (decode tokens/s
 vs batch size, one line per system), ``<prefix>_<model>_ttft.png`` (CDF of the per-request time
@@ -86,6 +87,37 @@ def make_plots(run: dict, prefix: str) -> dict:
             files.append(_save(fig, f"{prefix}_{model}_roofline.png"))
             plt.close(fig)
     return dict(files=files)
+
+
+def plot_tensor_parallel(runs: list[dict], path: str) -> dict:
+    """One PNG of ``benchmarks/tensor_parallel.py`` runs (their JSON, one TP size or several each):
+    decode tokens/s at every batch size and prefill tokens/s at every length against the TP size,
+    one line each. Runs of one shape on one kind of device belong together."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return dict(files=[], message="plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+    by_tp = {r["tp"]: r for run in runs for r in run["results"]}
+    sizes = sorted(by_tp)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, kind, unit in ((axes[0], "decode", "batch "), (axes[1], "prefill", "")):
+        keys = sorted({k for r in by_tp.values() for k in r[kind]}, key=int)
+        for k in keys:
+            xs = [tp for tp in sizes if k in by_tp[tp][kind]]
+            ax.plot(xs, [by_tp[tp][kind][k]["tokens_per_s"] for tp in xs], marker="o",
+                    label=f"{unit}{k}" + (" tokens" if kind == "prefill" else ""))
+        ax.set_xticks(sizes)
+        ax.set_xlabel("tensor-parallel size (GPUs)")
+        ax.set_ylabel(f"{kind} tokens/s")
+        ax.set_title(kind)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    model = os.path.basename(str(runs[0].get("model", ""))).rstrip("/")
+    fig.suptitle(f"{model} on {runs[0].get('device_name', '')}")
+    return dict(files=[_save(fig, path)])
 
 
 def _save(fig, path: str) -> str:

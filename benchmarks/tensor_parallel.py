@@ -63,6 +63,36 @@ def qwen3_next_80b_config():
     )
 
 
+def qwen3_5_moe_35b_config():
+    """The Qwen3.5-35B-A3B shape: transformers' ``Qwen3_5MoeTextConfig`` defaults (40 layers, 3 GDN
+    to 1 attention, 256 experts, top-8, hidden 2048, vocab 248,320)."""
+    import transformers
+
+    return transformers.Qwen3_5MoeTextConfig(tie_word_embeddings=False, max_position_embeddings=65536,
+                                             pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def nemotron3_nano_30b_config():
+    """A Nemotron-3-Nano-30B-A3B-like NemotronH shape: 52 layers (23 Mamba2, 23 MoE, 6 attention),
+    hidden 2688, Mamba2 64 heads x 64 (state 128, 8 groups), attention 32 heads / 2 KV heads x 128,
+    128 routed experts (top-6, width 1856) and a shared one (3712), vocab 131,072."""
+    import transformers
+
+    return transformers.NemotronHConfig(
+        vocab_size=131072, hidden_size=2688, intermediate_size=1856, mamba_num_heads=64, mamba_head_dim=64,
+        ssm_state_size=128, n_groups=8, chunk_size=128, conv_kernel=4, num_attention_heads=32, num_key_value_heads=2,
+        head_dim=128, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, mlp_hidden_act="relu2", tie_word_embeddings=False,
+        max_position_embeddings=65536, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
+# --shape: random-weight shapes (every rank draws its own shard) and the 1.9 B reference (a checkpoint)
+SHAPES = {"qwen3_next_80b": qwen3_next_80b_config, "qwen3_5_moe_35b": qwen3_5_moe_35b_config,
+          "nemotron3_nano_30b": nemotron3_nano_30b_config, "reference": qwen3_next_reference_config}
+
+
 def tiny_config():
     cfg = qwen3_next_reference_config(tiny=True)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.linear_num_key_heads, cfg.linear_num_value_heads = 4, 2, 4, 4
@@ -123,7 +153,9 @@ def write_random_weights(config, path: str, seed: int = 0, std: float = 0.02) ->
 def with_layers(config, layers: int):
     """``config`` cut to its first ``layers`` layers (the layer pattern kept)."""
     config.num_hidden_layers = layers
-    config.layer_types = list(config.layer_types[:layers])
+    for field in ("layer_types", "layers_block_type"):
+        if getattr(config, field, None):
+            setattr(config, field, list(getattr(config, field)[:layers]))
     return config
 
 
@@ -162,37 +194,56 @@ def prefill(engine, length: int, vocab: int, seed: int) -> dict:
     return dict(length=length, seconds=seconds, tokens_per_s=length / seconds)
 
 
-def all_reduce_per_step(engine, batch: int, vocab: int, steps: int = 4) -> dict:
-    """Rank 0's time in all-reduce collectives per decode step (profiler events)."""
+def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
+    """A few decode steps of ``batch`` requests under torch.profiler, on rank 0: wall time and the
+    time in all-reduce collectives per step, and on CUDA the GPU's busy time per step (every
+    kernel's and copy's own time, CUDA-graph replays included) and the kernels that take most of it
+    (where busy time is far below wall time, the step waits on the host or on the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
     from hybrid_compile import SamplingParams
 
+    cuda = engine.device.type == "cuda"
     prompts = random_token_prompts(batch, 16, vocab, seed=99)
     rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
     reqs = [engine.request(r) for r in rids]
     while not all(r.output for r in reqs):
         engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        n = 0
+        t0, n = time.perf_counter(), 0
         while engine.has_unfinished() and n < steps:
             engine.step()
             n += 1
         sync_device(engine.device)
+        wall = time.perf_counter() - t0
     while engine.has_unfinished():
         engine.step()
     for r in rids:
         engine.pop_finished(r)
     engine.clear_prefix_cache()
-    us, count = 0.0, 0
+    n = max(1, n)
+
+    def device_us(e, own: bool) -> float:
+        names = ("self_device_time_total", "self_cuda_time_total") if own else ("device_time_total", "cuda_time_total")
+        return float(next((getattr(e, k) for k in names if hasattr(e, k)), 0.0))
+
+    us, count, kernels = 0.0, 0, []
     for e in prof.key_averages():
         name = e.key.lower()
         if "all_reduce" in name or "allreduce" in name:
-            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            us += dev if engine.device.type == "cuda" else e.cpu_time_total
+            us += device_us(e, own=False) if cuda else e.cpu_time_total
             count += e.count
-    return dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / max(1, n), all_reduce_calls=count)
+        if cuda and device_us(e, own=True) > 0:
+            kernels.append((device_us(e, own=True), e.count, e.key))
+    out = dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / n, all_reduce_calls=count,
+               wall_ms_per_step=wall * 1e3 / n)
+    if cuda:
+        kernels.sort(reverse=True)
+        out["gpu_busy_ms_per_step"] = sum(k[0] for k in kernels) / 1e3 / n
+        out["top_kernels"] = [dict(name=k[2][:120], ms_per_step=k[0] / 1e3 / n, calls_per_step=k[1] / n)
+                              for k in kernels[:10]]
+    return out
 
 
 def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
@@ -224,7 +275,8 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
             out["prefill"][str(L)] = prefill(engine, L, vocab, seed=L)
             print(f"TP {tp}: prefill {L} {out['prefill'][str(L)]['tokens_per_s']:.0f} tok/s", flush=True)
             save(out)
-        out["all_reduce"] = all_reduce_per_step(engine, max(args.batches), vocab) if tp > 1 else None
+        out["profile"] = {str(b): decode_profile(engine, b, vocab) for b in sorted({min(args.batches), max(args.batches)})}
+        out["all_reduce"] = out["profile"][str(max(args.batches))] if tp > 1 else None
         stats = engine.stats()
         out["tensor_parallel"] = stats.get("tensor_parallel")
         out["memory"] = stats["memory"]
@@ -259,10 +311,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="a toy Qwen3-Next (CPU smoke run)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: a random one, see --shape)")
-    ap.add_argument("--shape", default="qwen3_next_80b", choices=["qwen3_next_80b", "reference"])
+    ap.add_argument("--shape", default="qwen3_next_80b", choices=sorted(SHAPES))
     ap.add_argument("--workdir", default="/tmp/hybrid_compile_tp_ckpt", help="where the random checkpoint is written")
     ap.add_argument("--weights", choices=["random", "checkpoint"], default=None,
-                    help="random: each rank draws its shard on its device (default for qwen3_next_80b); "
+                    help="random: each rank draws its shard on its device (default for every shape but "
+                         "reference); "
                          "checkpoint: write a safetensors checkpoint to --workdir once")
     ap.add_argument("--layers", type=int, default=None, help="only the first N layers of --shape")
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "true", "false", "full", "piecewise"],
@@ -276,9 +329,23 @@ def main() -> None:
     ap.add_argument("--chunked-prefill", type=int, default=8192)
     ap.add_argument("--extra", type=json.loads, default={}, help="more EngineConfig fields (JSON)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", nargs="+", metavar="FILE", default=None,
+                    help="only plot: PNG then the JSON of earlier runs (e.g. one per TP size) of one shape")
     args = ap.parse_args()
+    if args.plot:
+        from plots import plot_tensor_parallel
+
+        if len(args.plot) < 2:
+            raise SystemExit("--plot needs the PNG path, then at least one JSON run")
+        runs = []
+        for name in args.plot[1:]:
+            with open(name) as f:
+                runs.append(json.load(f))
+        done = plot_tensor_parallel(runs, args.plot[0])
+        print(done.get("message") or "\n".join(done["files"]))
+        return
     random_default = args.weights == "random" or (args.weights is None and args.model is None and not args.tiny
-                                                  and args.shape == "qwen3_next_80b")
+                                                  and args.shape != "reference")
     args.tp = [int(x) for x in (args.tp or ("2" if random_default else "1,2,4")).split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill = [int(x) for x in args.prefill.split(",")]
@@ -294,11 +361,10 @@ def main() -> None:
 
         config = AutoConfig.from_pretrained(path)
     else:
-        config = tiny_config() if args.tiny else (
-            qwen3_next_80b_config() if args.shape == "qwen3_next_80b" else qwen3_next_reference_config())
+        config = tiny_config() if args.tiny else SHAPES[args.shape]()
         if args.layers:
             config = with_layers(config, args.layers)
-        weights = args.weights or ("random" if args.shape == "qwen3_next_80b" and not args.tiny else "checkpoint")
+        weights = args.weights or ("random" if random_default else "checkpoint")
         name = ("tiny" if args.tiny else args.shape) + (f"_{args.layers}l" if args.layers else "")
         path = os.path.join(args.workdir, f"{name}_{weights}")
         t0 = time.perf_counter()
@@ -331,6 +397,10 @@ def main() -> None:
         pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())
         ar = r["all_reduce"]["all_reduce_ms_per_step"] if r["all_reduce"] else 0.0
         print(f"TP {tp}: decode tok/s {dec} | prefill tok/s {pre} | all-reduce {ar:.3f} ms/step")
+        for b, prof in r.get("profile", {}).items():
+            busy = f", GPU busy {prof['gpu_busy_ms_per_step']:.2f}" if "gpu_busy_ms_per_step" in prof else ""
+            print(f"TP {tp}: decode batch {b}: {prof['wall_ms_per_step']:.2f} ms per step{busy}, "
+                  f"all-reduce {prof['all_reduce_ms_per_step']:.2f}")
     final = result()
     for tp, e in final["scaling"].items():
         print(f"TP {tp} scaling: " + "  ".join(f"{k} x{v['speedup']:.2f} ({100 * v['efficiency']:.0f} %)"

@@ -228,11 +228,16 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
         names = ("self_device_time_total", "self_cuda_time_total") if own else ("device_time_total", "cuda_time_total")
         return float(next((getattr(e, k) for k in names if hasattr(e, k)), 0.0))
 
+    def is_all_reduce(key: str) -> bool:
+        # the transport's own events only: NCCL's all-reduce kernels (graph replays included) or gloo's
+        # call (not the c10d ops around it, nor Inductor kernels named after a fused all_reduce's users)
+        k = key.lower()
+        return k.startswith("nccl") and "kernel" in k and "allreduce" in k if cuda else k == "gloo:all_reduce"
+
     us, count, kernels = 0.0, 0, []
     for e in prof.key_averages():
-        name = e.key.lower()
-        if "all_reduce" in name or "allreduce" in name:
-            us += device_us(e, own=False) if cuda else e.cpu_time_total
+        if is_all_reduce(e.key):
+            us += device_us(e, own=True) if cuda else e.cpu_time_total
             count += e.count
         if cuda and device_us(e, own=True) > 0:
             kernels.append((device_us(e, own=True), e.count, e.key))

@@ -132,10 +132,51 @@ def test_elastic_pools_with_the_host_tier_move_the_host_views_too():
     engine.close()
 
 
-def test_elastic_pools_refusals_name_the_option():
+def _check_flip(engine, model, phases, key) -> dict:
+    """Serve the flip workload; every output equals HF greedy; memory moved to the KV pool; the
+    pools are whole afterwards. Returns the engine's stats."""
+    outs = [engine.generate_batch(prompts, max_new_tokens=n) for prompts, n in phases]
+    for (prompts, n), o in zip(phases, outs):
+        for p, out in zip(prompts, o):
+            assert_greedy_equal(model, p, out, hf_greedy_cached(model, key, p, n))
+    st = engine.stats()
+    assert st["elastic_pools"]["to_kv"] > 0, st["elastic_pools"]
+    engine.prefix_cache.check_invariants()
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    return st
+
+
+def test_elastic_pools_with_ngram_speculative_decoding():
+    """Speculative decoding across pool moves: the commit's state views are taken again after
+    every resize (a stale view would commit into the freed buffers)."""
     model = cached_model(NAME, 0)
-    with pytest.raises(ValueError, match="elastic_pools cannot be combined with speculative"):
-        make_engine(model, elastic_pools=True, speculative={"method": "ngram", "num_draft_tokens": 2}, **ARGS)
+    phases = _flip_workload(vocab_size(model))
+    # repetitive prompts: the n-gram drafts get accepted
+    phases = [([p[:4] * 3 for p in prompts], n) for prompts, n in phases]
+    engine = make_engine(model, elastic_pools=True, **ARGS,
+                         speculative={"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1})
+    st = _check_flip(engine, model, phases, ("elastic", NAME))
+    assert st["speculative"]["verify_steps"] > 0 and st["speculative"]["accepted"] > 0, st["speculative"]
+    engine.close()
+
+
+def test_elastic_pools_with_mtp_drafts(tmp_path):
+    """An MTP head's attention KV lives in the target's KV pool: its views follow the moves too."""
+    import hybrid_compile as hc
+    from mtp_models import write_mtp_checkpoint
+
+    write_mtp_checkpoint(NAME, 0, str(tmp_path), model=cached_model(NAME, 0))
+    engine = hc.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu", tokenizer=False,
+                                elastic_pools=True, speculative={"method": "mtp", "num_draft_tokens": 2}, **ARGS)
+    model = engine.model
+    phases = _flip_workload(vocab_size(model))
+    st = _check_flip(engine, model, phases, ("elastic_mtp", NAME))
+    assert st["speculative"]["verify_steps"] > 0 and st["speculative"]["draft_source"]["head_decode_steps"] > 0
+    engine.close()
+
+
+def test_elastic_pools_refusals_name_the_option():
     from hybrid_compile.memory.sizing import plan_memory
 
     for elastic, words in ((False, "unless elastic_pools=True"), (True, "elastic pools move memory")):

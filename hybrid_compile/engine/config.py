@@ -115,9 +115,6 @@ class EngineConfig:
             )
         if self.prefix_cache_host_tier and not self.enable_prefix_cache:
             raise ValueError("EngineConfig.prefix_cache_host_tier=True needs enable_prefix_cache=True")
-        if self.elastic_pools and self.speculative is not None:
-            raise ValueError("EngineConfig.elastic_pools cannot be combined with speculative decoding "
-                             "(its state buffers are held by reference across a resize)")
         for name in ("prefix_cache_host_bytes", "prefix_cache_host_fraction"):
             if getattr(self, name) is not None and not self.prefix_cache_host_tier:
                 raise ValueError(f"EngineConfig.{name} is set but prefix_cache_host_tier is False")

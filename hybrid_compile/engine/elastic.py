@@ -20,8 +20,9 @@ attention and state kernels do not take (they read per-layer ``[slots, ...]`` vi
 keeps every kernel as it is. The cost: a move copies the pools' live range once (device-to-device,
 at the copy bandwidth) and holds the growing pool's old and new buffers at once while it copies,
 and a CUDA graph captured on the old buffers would read freed memory, so elastic pools refuse
-CUDA graphs, speculative decoding (its state buffers are captured by reference) and tensor
-parallelism (the other ranks' pools would have to resize in step).
+CUDA graphs and tensor parallelism (the other ranks' pools would have to resize in step).
+Speculative decoding refreshes its views after a move (the slot-indexed state views of its commit,
+an MTP head's KV views; its intermediate buffers are by batch row and stay).
 """
 
 from __future__ import annotations

@@ -809,6 +809,8 @@ class HybridEngine(GenerateAPI):
         self.runner.refresh_pool_views()
         if self.prefix_cache is not None:
             self.prefix_cache.pools_resized()
+        if self.speculative is not None:
+            self.speculative.pools_resized()
 
     def stats(self) -> dict:
         c = dict(self._counters)

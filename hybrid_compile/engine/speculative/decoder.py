@@ -200,6 +200,17 @@ class SpeculativeDecoder:
         # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
         self.acceptance_histogram: dict[int, int] = {}
 
+    def pools_resized(self) -> None:
+        """Elastic pools resized the target's pools: the slot-indexed state views again (the
+        intermediate buffers, by batch row, stay), and the draft source's views where it runs on
+        the target's pools (an MTP head's attention KV)."""
+        if self._states:
+            mamba = self.pools.mamba
+            self._states, self._intermediates = mamba.state_tensors(), mamba.intermediate_state_tensors()
+        refresh = getattr(self.source, "pools_resized", None)
+        if refresh is not None:
+            refresh()
+
     def close(self) -> None:
         close = getattr(self.source, "close", None)
         if close is not None:

@@ -226,6 +226,10 @@ class MTPDraft:
     def release(self, rid: int) -> None:
         self._states.pop(rid, None)
 
+    def pools_resized(self) -> None:
+        """Elastic pools resized the target's pools, which hold the head's KV: its views again."""
+        self.runner.refresh_pool_views()
+
     def close(self) -> None:
         self._states.clear()
         self.runner.release_packed_weights()

@@ -210,20 +210,39 @@ def test_benchmark_elastic_tiny_run(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_", [False, True])
-def test_elastic_pools_on_cuda_equal_the_fixed_split(compile_):
-    """On CUDA (eager, and the compiled forward without CUDA graphs): the flip workload's tokens
-    with elastic pools equal the fixed split's, with memory moved to the KV pool."""
+@pytest.mark.parametrize("mode", ["eager", "compiled", "piecewise", "full", "full_ngram"])
+def test_elastic_pools_on_cuda_equal_the_fixed_split(mode):
+    """On CUDA: the flip workload's tokens with elastic pools equal the fixed split's, with memory
+    moved to the KV pool, eager, compiled without graphs, with piecewise graphs (they stay: the
+    layer ops between the pieces read the pools at run time), and with full graphs (captured again
+    after every move: a replay reads the addresses it captured), also with n-gram speculative
+    decoding (verify graphs and commit graphs captured again)."""
     import copy
 
     model = copy.deepcopy(cached_model(NAME, 0)).to("cuda")
     phases = _flip_workload(vocab_size(model))
+    options = dict(eager=dict(compile=False, cuda_graphs=False), compiled=dict(compile=True, cuda_graphs=False),
+                   piecewise=dict(cuda_graphs="piecewise"), full=dict(cuda_graphs=True),
+                   full_ngram=dict(cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4, 8),
+                                   speculative={"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3,
+                                                "ngram_min": 1}))[mode]
+    if mode == "full_ngram":
+        phases = [([p[:4] * 3 for p in prompts], n) for prompts, n in phases]
     outs = {}
     for elastic in (False, True):
-        engine = make_engine(model, elastic_pools=elastic, compile=compile_, cuda_graphs=False, **ARGS)
+        engine = make_engine(model, elastic_pools=elastic, **options, **ARGS)
         outs[elastic] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
+        st = engine.stats()
         if elastic:
-            assert engine.stats()["elastic_pools"]["to_kv"] > 0
+            assert st["elastic_pools"]["to_kv"] > 0
+            c = st["compile"]
+            if mode.startswith("full"):
+                moves = st["elastic_pools"]["to_kv"] + st["elastic_pools"]["to_mamba"]
+                assert c["full_graph_recaptures"] == moves and c["cuda_graph_replays"] > 0, c
+            if mode == "full_ngram":
+                assert c["verify_graph_replays"] > 0 and st["speculative"]["commit_graph_replays"] > 0, st
+            if mode in ("compiled", "piecewise", "full", "full_ngram"):
+                assert c["recompiles"] == 0 and c["graph_breaks"] == 0, c
         engine.clear_prefix_cache()
         engine.pools.check_all_free()
         engine.close()

@@ -373,6 +373,7 @@ class FullGraphRunner:
         self.capture_seconds = 0.0
         self.replays = 0  # DECODE replays
         self.verify_replays = 0  # TARGET_VERIFY replays
+        self.recaptures = 0  # capture_all again over new pool views (recapture)
 
     def keys(self) -> list[GraphKey]:
         """Every graph to capture, largest token count first."""
@@ -413,6 +414,15 @@ class FullGraphRunner:
             self.graphs[key] = (graph, out)
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - t0
+
+    def recapture(self, kv_caches: dict, mamba_caches: dict) -> None:
+        """Drop every graph and capture them again over new per-layer pool views (the pools were
+        reallocated: a graph replays the addresses it captured). Between steps only."""
+        torch.cuda.synchronize()
+        self.graphs.clear()
+        self.kv_caches, self.mamba_caches = kv_caches, mamba_caches
+        self.recaptures += 1
+        self.capture_all()
 
     def replay(self, key: GraphKey, batch_size: int) -> torch.Tensor:
         """Replay the graph of ``key`` over the step the buffers hold (``batch_size`` requests, then

@@ -19,8 +19,10 @@ can own — needs slot-major pool layouts (a slot's bytes of every layer togethe
 attention and state kernels do not take (they read per-layer ``[slots, ...]`` views); resizing
 keeps every kernel as it is. The cost: a move copies the pools' live range once (device-to-device,
 at the copy bandwidth) and holds the growing pool's old and new buffers at once while it copies,
-and a CUDA graph captured on the old buffers would read freed memory, so elastic pools refuse
-CUDA graphs and tensor parallelism (the other ranks' pools would have to resize in step).
+and a CUDA graph captured on the old buffers would read freed memory: the full graphs (and the
+speculative commit graphs) are captured again after every move, while the piecewise graphs stay
+(the layer ops between their pieces read the pools at run time). Elastic pools refuse tensor
+parallelism (the other ranks' pools would have to resize in step).
 Speculative decoding refreshes its views after a move (the slot-indexed state views of its commit,
 an MTP head's KV views; its intermediate buffers are by batch row and stay).
 """

@@ -204,9 +204,6 @@ class HybridEngine(GenerateAPI):
         if is_mtp:
             with self.startup.phase("load"):
                 self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
-        if config.elastic_pools and any(config.resolved_cuda_graphs(self.device)):
-            # a captured graph would keep reading the buffers a resize frees (engine/elastic.py)
-            raise ValueError("EngineConfig.elastic_pools needs cuda_graphs=False (pools resized at run time)")
         if config.elastic_pools and not (self.layout.attention and self.layout.mamba):
             raise ValueError("EngineConfig.elastic_pools needs a model with both full-attention and linear layers")
         with self.startup.phase("pools"):
@@ -807,6 +804,7 @@ class HybridEngine(GenerateAPI):
     def _pools_resized(self) -> None:
         """Elastic pools moved memory between the KV and Mamba pools: refresh the views kept."""
         self.runner.refresh_pool_views()
+        self.runner.graphs.pools_resized(self.runner)
         if self.prefix_cache is not None:
             self.prefix_cache.pools_resized()
         if self.speculative is not None:

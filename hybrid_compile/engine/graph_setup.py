@@ -305,6 +305,14 @@ class CompiledGraphs:
                                               tree=tree)
         self.full_graphs.capture_all()
 
+    def pools_resized(self, runner: "ModelRunner") -> None:
+        """Elastic pools resized the pools: the full graphs (decode, verify) read the old buffers'
+        addresses, so they are captured again over the runner's new views. The piecewise graphs
+        stay: they hold the compiled pieces only, and the layer ops between them read the pools
+        through the forward context at run time."""
+        if self.full_graphs is not None:
+            self.full_graphs.recapture(runner.kv_caches, runner.mamba_caches)
+
     def forget_replays(self) -> None:
         """Zero the graphs' replay counters (the engine's kernel warm-up replays graphs too: the
         stats count serving steps only)."""
@@ -348,7 +356,8 @@ class CompiledGraphs:
         captured, verify graphs included), ``verify_batch_sizes`` (captured TARGET_VERIFY buckets),
         ``cuda_graph_replays`` (full decode graphs), ``verify_graph_replays`` (full verify graphs),
         ``piecewise_replays`` (steps),
-        ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs) and
+        ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs),
+        ``full_graph_recaptures`` (full graphs captured again after elastic pools moved memory) and
         ``eager_fallbacks`` (steps with graphs on that no graph fitted, verify steps included: the
         compiled path ran)."""
         if not self.enabled:
@@ -385,5 +394,6 @@ class CompiledGraphs:
             "verify_graph_replays": full.verify_replays if full else 0,
             "piecewise_replays": pw.replays if pw else 0,
             "piecewise_copied_bytes": pw.copied_bytes if pw else 0,
+            "full_graph_recaptures": full.recaptures if full else 0,
             "eager_fallbacks": c["eager_fallbacks"],
         }

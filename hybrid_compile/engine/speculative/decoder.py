@@ -202,11 +202,15 @@ class SpeculativeDecoder:
 
     def pools_resized(self) -> None:
         """Elastic pools resized the target's pools: the slot-indexed state views again (the
-        intermediate buffers, by batch row, stay), and the draft source's views where it runs on
-        the target's pools (an MTP head's attention KV)."""
+        intermediate buffers, by batch row, stay) and the commit graphs over them, and the draft
+        source's views where it runs on the target's pools (an MTP head's attention KV)."""
         if self._states:
             mamba = self.pools.mamba
             self._states, self._intermediates = mamba.state_tensors(), mamba.intermediate_state_tensors()
+            old = self.commit_graphs
+            if old is not None:  # (captured over the old state tensors)
+                self.commit_graphs = CommitGraphs(self._states, self._intermediates, old.batch_sizes)
+                self.commit_graphs.replays = old.replays
         refresh = getattr(self.source, "pools_resized", None)
         if refresh is not None:
             refresh()

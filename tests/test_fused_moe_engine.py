@@ -1,0 +1,107 @@
+"""The fused MoE experts patch (hybrid_compile/models/fused_experts.py, ``EngineConfig.fused_moe``) end to end.
+
+Oracle: transformers' own greedy ``generate`` on the same weights (computed on the wrapped model, where
+outside an engine step the experts run transformers' forward: the fused path must not be taken there).
+Families: Qwen3-Next MoE (gated silu experts + shared expert), NemotronH (relu2 experts without a gate,
+beside Mamba2 and attention layers) and Granite-4 (GraniteMoeHybrid). Also the option's resolution
+(None on CPU = transformers' path) and its errors, and ``close()`` restoring transformers' forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine_models as em
+import mamba2_models as mm
+from hybrid_compile.models import fused_experts
+
+NEW_TOKENS = 8
+
+MODELS = {
+    "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
+    "nemotron_h": mm.build_nemotron_h,
+    "granitemoehybrid": mm.build_granitemoehybrid,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from em.single_threaded()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of the fused experts forward (engine steps only)."""
+    calls = [0]
+    real = fused_experts.fused_moe_experts
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_experts, "fused_moe_experts", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls):
+    model = MODELS[name]()
+    prompts = em.random_prompts([13, 3, 40], em.vocab_size(model), seed=5)
+    engine = em.make_engine(model, fused_moe=True)
+    try:
+        n_experts = sum(1 for _, m in fused_experts.experts_modules(model))
+        assert engine.stats()["fused_moe_modules"] == n_experts > 0
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        assert fused_calls[0] > 0
+        before = fused_calls[0]
+        # outside an engine step the patched experts run transformers' forward
+        expected = [em.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        assert fused_calls[0] == before
+    finally:
+        engine.close()
+    for p, g, e in zip(prompts, got, expected):
+        em.assert_greedy_equal(model, p, g, e, what=f"{name} fused_moe")
+    assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # close() undid it
+
+
+def test_option_resolution_and_errors(fused_calls):
+    model = MODELS["qwen3_next_moe"]()
+    for option in (None, False):  # None on CPU: transformers' experts forward; False: always
+        engine = em.make_engine(model, fused_moe=option)
+        try:
+            assert engine.stats()["fused_moe_modules"] == 0
+            engine.generate_batch([[1, 2, 3]], max_new_tokens=2)
+            assert fused_calls[0] == 0
+        finally:
+            engine.close()
+    with pytest.raises(ValueError, match="EngineConfig.fused_moe must be True, False or None"):
+        em.make_engine(model, fused_moe="yes")
+    dense = em.build_model("qwen3_next_dense")
+    with pytest.raises(ValueError, match="fused_moe=True but Qwen3NextForCausalLM has no float MoE experts module"):
+        em.make_engine(dense, fused_moe=True)
+    # an experts layout the kernel does not serve (transformers' transposed [E, in, out] weights)
+    layer = next(m for _, m in fused_experts.experts_modules(model))
+    layer.is_transposed = True
+    with pytest.raises(ValueError, match=r"fused_moe=True: .*'model.layers.\d.mlp.experts' \(Qwen3NextExperts\) is not "
+                                         r"supported: its expert weights are transposed"):
+        em.make_engine(model, fused_moe=True)
+    assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # left untouched
+    assert fused_experts.install_fused_experts(model, None, None, torch.device("cuda")) == 0  # auto: skipped
+
+
+def test_unsupported_reasons():
+    model = MODELS["nemotron_h"]()
+    (_, experts), = fused_experts.experts_modules(model)
+    assert fused_experts.unsupported_reason(experts) is None
+    experts.has_bias = True
+    assert fused_experts.unsupported_reason(experts) == "its experts have biases"
+    experts.has_bias = False
+    experts.down_proj.data = experts.down_proj.data.double()
+    assert "not one float dtype" in fused_experts.unsupported_reason(experts)
+    experts.down_proj.data = experts.down_proj.data[:, :, :-1].float()
+    assert "do not pair up" in fused_experts.unsupported_reason(experts)
+    per_expert = torch.nn.Module()
+    per_expert.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    (name, m), = fused_experts.experts_modules(per_expert)
+    assert name == "experts" and "not 3-D stacked weights" in fused_experts.unsupported_reason(m)

@@ -2,8 +2,9 @@
 
 Oracle: transformers' own greedy ``generate`` on the same weights (computed on the wrapped model, where
 outside an engine step the experts run transformers' forward: the fused path must not be taken there).
-Families: Qwen3-Next MoE (gated silu experts + shared expert), NemotronH (relu2 experts without a gate,
-beside Mamba2 and attention layers) and Granite-4 (GraniteMoeHybrid). Also the option's resolution
+Families: every one with transformers' 3-D experts: Qwen3-Next MoE and Qwen3.5-MoE (gated silu experts +
+shared expert), NemotronH (relu2 experts without a gate, beside Mamba2 and attention layers), Granite-4
+(GraniteMoeHybrid), LFM2-MoE, Jamba, MiniMax and Kimi-Linear (skipped where transformers lacks them). Also the option's resolution
 (None on CPU = transformers' path) and its errors, and ``close()`` restoring transformers' forward.
 """
 
@@ -13,15 +14,36 @@ import pytest
 import torch
 
 import engine_models as em
+import kimi_models
+import mamba1_models as m1
 import mamba2_models as mm
+import minimax_models
+import test_lfm2 as lfm2
 from hybrid_compile.models import fused_experts
 
 NEW_TOKENS = 8
 
+
+
+def _kimi_linear():
+    kimi_models.require_kimi_linear()
+    return kimi_models.build_kimi_linear()
+
+
+def _minimax():
+    minimax_models.require_minimax()
+    return minimax_models.build_minimax()
+
+
 MODELS = {
     "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
+    "qwen3_5_moe": lambda: em.build_model("qwen3_5_moe"),
     "nemotron_h": mm.build_nemotron_h,
     "granitemoehybrid": mm.build_granitemoehybrid,
+    "lfm2_moe": lambda: lfm2._build("lfm2_moe", 0),
+    "jamba": m1.build_jamba,
+    "minimax": _minimax,
+    "kimi_linear": _kimi_linear,
 }
 
 

@@ -146,3 +146,39 @@ def test_compiled_engine_no_graph_breaks():
     finally:
         engine.close()
     assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0, stats
+
+
+def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
+    """Speculative decoding: a MoE draft model's experts and the MTP head's MoE layer take the fused
+    path too (a dense draft model is no error); greedy tokens stay HF's."""
+    import hybrid_compile as hc
+    from mtp_models import write_mtp_checkpoint
+
+    model = MODELS["qwen3_next_moe"]()
+    draft = em.build_model("qwen3_next_moe", seed=1)
+    prompts = em.random_prompts([9, 30], em.vocab_size(model), seed=2)
+    expected = [em.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    for spec in (dict(method="draft_model", draft_model=draft, num_draft_tokens=2),
+                 dict(method="draft_model", draft_model=em.build_model("qwen3_next_dense"), num_draft_tokens=2)):
+        engine = em.make_engine(model, fused_moe=True, speculative=spec)
+        try:
+            draft_experts = fused_experts.experts_modules(spec["draft_model"])
+            assert all("forward" in m.__dict__ for _, m in draft_experts)  # the MoE draft's experts: patched
+            got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+            drafted = engine.stats()["speculative"]["drafted"]
+        finally:
+            engine.close()
+        assert got == expected and drafted > 0
+    assert "forward" not in next(m for _, m in fused_experts.experts_modules(draft)).__dict__  # close() undid it
+    write_mtp_checkpoint("qwen3_next_moe", 0, str(tmp_path))
+    engine = hc.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu", tokenizer=False, fused_moe=True,
+                                speculative=dict(method="mtp", num_draft_tokens=2), **em.ENGINE_DEFAULTS)
+    try:
+        target_experts = len(fused_experts.experts_modules(engine.model))
+        assert engine.stats()["fused_moe_modules"] == target_experts + 1  # + the MTP layer's experts
+        calls = fused_calls[0]
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        assert fused_calls[0] > calls
+        assert got == [em.hf_greedy(engine.model, p, NEW_TOKENS) for p in prompts]
+    finally:
+        engine.close()

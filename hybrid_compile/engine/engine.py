@@ -261,6 +261,8 @@ class HybridEngine(GenerateAPI):
                 # EngineConfig.fused_moe: the experts modules patched (0: transformers' experts forward)
                 self.fused_experts = install_fused_experts(model, self.patch, config.fused_moe, self.device)
                 if self.mtp_head is not None:
+                    self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, config.fused_moe,
+                                                                self.device, required=False)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,

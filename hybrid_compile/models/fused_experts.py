@@ -69,11 +69,13 @@ def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     return fused_moe_experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj, self.act_fn, has_gate)
 
 
-def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | None, device: torch.device) -> int:
+def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | None, device: torch.device,
+                          required: bool = True) -> int:
     """Apply ``EngineConfig.fused_moe`` = ``option`` to ``model`` on ``device``; returns the number of
     experts modules patched. None: patch on CUDA when every experts module is supported (else keep
     transformers' path); True: patch on any device, a ValueError naming the option when the model
-    has no supported experts module or one of another layout; False: nothing."""
+    has an experts module of another layout, or (``required``: the served model, not a draft model
+    or an MTP head beside it) no experts module at all; False: nothing."""
     if option is False or (option is None and torch.device(device).type != "cuda"):
         return 0
     modules = experts_modules(model)
@@ -85,6 +87,8 @@ def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | 
         raise ValueError(f"EngineConfig.fused_moe=True: {type(model).__name__}'s experts module {name!r} "
                          f"({type(model.get_submodule(name)).__name__}) is not supported: {why}; use fused_moe=False "
                          "(transformers' experts forward)")
+    if not modules and not required:
+        return 0
     if not modules:
         fp8 = any(isinstance(m, Fp8Experts) for m in model.modules())
         raise ValueError(f"EngineConfig.fused_moe=True but {type(model).__name__} has no float MoE experts module"

@@ -10,7 +10,8 @@ running slots (requests join mid-way: mixed batches), the prefix cache on with p
 share prefixes and n-gram speculative decoding. Variants of some cases at 2 ranks: compiled (a
 Mamba2 and a Gated DeltaNet model), ``n = 2`` sequences per prompt (forks copy the prompt's KV and
 recurrent state on every rank) and a bf16 recurrent state (against the single-process engine with
-the same setting, since HF keeps an fp32 state). The spawned path
+the same setting, since HF keeps an fp32 state) and the fused MoE experts (``fused_moe=True``, Qwen3-Next MoE
+and NemotronH). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
 follower (torchrun-style), and each rank's peak host memory against the full model size. Also:
 the group's collectives alone, eager and compiled with ``fullgraph=True``, against the sum and the
@@ -142,6 +143,9 @@ VARIANTS = (
     ("qwen3_next_moe@n2", "qwen3_next_moe", {}, 2),
     ("nemotron_h@bf16_state", "nemotron_h", dict(ssm_state_dtype="bfloat16"), 1),
     ("qwen3_next_moe@warmup", "qwen3_next_moe", dict(warmup_kernels=True), 1),
+    # the fused MoE experts path (EngineConfig.fused_moe) on each rank's slice of the experts
+    ("qwen3_next_moe@fused_moe", "qwen3_next_moe", dict(fused_moe=True), 1),
+    ("nemotron_h@fused_moe", "nemotron_h", dict(fused_moe=True), 1),
 ) + ((("kimi_linear@compiled", "kimi_linear_2l", dict(compile=True), 1),) if "kimi_linear" in MODELS else ())
 
 
@@ -211,7 +215,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             outputs=outputs, seconds=time.perf_counter() - t0, prefix_hits=stats["prefix_cache"]["admitted_hit_tokens"],
             verify_steps=stats["speculative"]["verify_steps"], accepted=stats["speculative"]["accepted"],
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
-            startup=stats["startup"],
+            startup=stats["startup"], fused_moe_modules=stats["fused_moe_modules"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
@@ -368,6 +372,13 @@ def test_kimi_linear_shards_split_heads_and_replicate_the_latent(checkpoints):
     lay = family_of(local).layout(local, kv_dtype=torch.float32, conv_dtype=torch.float32, ssm_dtype=torch.float32)
     assert [(a.num_kv_heads, a.k_shape, a.v_from_k) for a in lay.attention] == [(1, (1, KV_RANK + ROPE), True)] * 2
     assert [m.conv_dim for m in lay.mamba] == [3 * 16] * 2 and lay.mamba[0].state_shape == (1, 16, 16)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next_moe@fused_moe", "nemotron_h@fused_moe"])
+def test_fused_moe_two_ranks_match_hf(checkpoints, two_ranks, name):
+    """The fused experts (gated silu; relu2 without a gate) over a rank's half of the intermediate dim."""
+    r = _check(checkpoints, two_ranks, name, name.split("@")[0])
+    assert r["fused_moe_modules"] > 0
 
 
 def test_two_sequences_per_prompt_fork_on_every_rank(checkpoints, two_ranks):

@@ -32,6 +32,12 @@ class EngineConfig:
     # model is quantized in place at wrap (irreversible: close() does not restore its float weights); a
     # model already holding FP8 layers (an FP8 checkpoint) is served as loaded. None: as the model is.
     quantization: str | None = None
+    # MoE experts (transformers' 3-D layout: gate_up_proj / up_proj + down_proj) through our fused
+    # experts path inside engine steps (hybrid_compile.models.fused_experts: one grouped GEMM per
+    # projection, Triton on CUDA) instead of transformers' experts forward. True: on (any device; a
+    # model without such experts, or with experts of another layout, is an error); False (the
+    # default while the Triton kernel has not been run on a GPU): transformers' path.
+    fused_moe: bool = False
     max_running_requests: int = 16
     max_total_tokens: int | None = None  # KV token capacity
     mamba_cache_size: int | None = None  # Mamba slots
@@ -142,6 +148,8 @@ class EngineConfig:
             if self.speculative.is_tree and ssm is torch.float8_e4m3fn:
                 raise ValueError("EngineConfig: draft trees (speculative topk > 1) are not supported with "
                                  "ssm_state_dtype='fp8' (a node's state is read back from the intermediate buffer)")
+        if self.fused_moe not in (True, False):
+            raise ValueError(f"EngineConfig.fused_moe must be True or False, got {self.fused_moe!r}")
         if self.warmup_kernels not in (None, True, False):
             raise ValueError(f"EngineConfig.warmup_kernels must be True, False or None, got {self.warmup_kernels!r}")
         if self.compile not in (None, True, False):

@@ -67,6 +67,7 @@ from .config import EngineConfig, _as_dtype
 from .generate_api import GenerateAPI
 from .request import Request, StepOutput
 from ..models.base import install_attention
+from ..models.fused_experts import install_fused_experts
 from ..models.mtp import load_mtp_head
 from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
@@ -254,7 +255,11 @@ class HybridEngine(GenerateAPI):
         try:
             with self.startup.phase("patch"):
                 self.family.patch(model, self.patch)
+                # EngineConfig.fused_moe: the experts modules patched (0: transformers' experts forward)
+                self.fused_experts = install_fused_experts(model, self.patch, config.fused_moe)
                 if self.mtp_head is not None:
+                    self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, config.fused_moe,
+                                                                required=False)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,
@@ -820,6 +825,7 @@ class HybridEngine(GenerateAPI):
         c["memory"] = self.pools.summary()
         c["compile"] = self.runner.compile_stats()
         c["warmup_kernels_seconds"] = self.warmup_seconds
+        c["fused_moe_modules"] = self.fused_experts  # experts modules on the fused path (EngineConfig.fused_moe)
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         # time to first token / per output token of the recently finished requests (seconds)
         c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.fp8 import FP8_DTYPE, quantize_weight_blocks
+from ..ops.moe import sort_pairs_by_expert
 
 __all__ = ["Fp8Experts", "Fp8Linear", "KEEP_HIGH_PRECISION", "fp8_weight_bytes", "has_fp8_layers", "quantize_model"]
 
@@ -94,14 +95,8 @@ class Fp8Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.hybrid_compile
-        tokens, top_k = top_k_index.shape
-        expert_ids = top_k_index.reshape(-1)
-        order = torch.argsort(expert_ids, stable=True)
-        sorted_ids = expert_ids[order]
-        # offsets[e] = first sorted pair of expert e (shape-only: no host sync, no data-dependent shapes)
-        offsets = torch.searchsorted(sorted_ids, torch.arange(self.num_experts + 1, device=sorted_ids.device,
-                                                              dtype=sorted_ids.dtype))
-        token_of_pair = order // top_k
+        tokens = top_k_index.shape[0]
+        order, offsets, token_of_pair = sort_pairs_by_expert(top_k_index, self.num_experts)
         x = hidden_states[token_of_pair]
         up, up_scale = self.up_weights
         h = ops.fp8_grouped_linear(x, up, up_scale, offsets)

@@ -36,6 +36,7 @@ import torch
 from ...layers.context import ForwardMode
 from ...memory import MemoryPools
 from ...models import PatchHandle, family_of
+from ...models.fused_experts import install_fused_experts
 from ..config import _as_dtype
 from ..request import Request
 from ..runner import ModelRunner
@@ -192,6 +193,8 @@ class EngineDraftModel:
         if model is not target.model:
             family.patch(model, self.patch)
         try:
+            if model is not target.model:  # EngineConfig.fused_moe on the draft model's experts too
+                install_fused_experts(model, self.patch, cfg.fused_moe, required=False)
             self.runner = ModelRunner(model, self.pools, self.device, cfg)
             self.patch.restores.append(self.runner.release_packed_weights)  # packed projection weights: on close()
         except BaseException:

@@ -1,19 +1,44 @@
 """Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
 otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), :func:`softplus`
-(torch's, for the Mamba dt) and :func:`tree_start_state` (a draft-tree node's starting state)."""
+(torch's, for the Mamba dt), :func:`tree_start_state` (a draft-tree node's starting state) and
+:func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "div_rn", "pow2", "softplus", "tree_start_state"]
+__all__ = ["cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2", "softplus", "tree_start_state"]
 
 
 def pow2(n: int, lo: int = 1) -> int:
     """The smallest power of two >= ``n`` (and >= ``lo``): block sizes of the launchers."""
     return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+def grouped_row_tiles(rows: int, bm: int, experts: int) -> int:
+    """Row tiles a grouped GEMM launches: a bound on ``sum_e cdiv(rows_e, bm)`` known from the shapes
+    alone (each non-empty expert adds at most one partial tile, and has at least one row)."""
+    return min(rows, triton.cdiv(rows, bm) + experts)
+
+
+@triton.jit
+def expert_row_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile ``pid_m`` of a grouped GEMM over rows sorted by expert (``offsets_ptr``: ``E + 1``
+    first rows): ``(expert, row0, row_end)``. Tiles are numbered by the experts' cumulative tile
+    counts; past the last used tile ``expert == E`` and ``row_end == 0`` (no rows)."""
+    eidx = tl.arange(0, BLOCK_E)
+    e_ok = eidx < E
+    lo = tl.load(offsets_ptr + eidx, mask=e_ok, other=0).to(tl.int32)
+    hi = tl.load(offsets_ptr + eidx + 1, mask=e_ok, other=0).to(tl.int32)
+    ntiles = (hi - lo + BM - 1) // BM
+    tile_end = tl.cumsum(ntiles, 0)
+    expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+    mine = eidx == expert
+    row0 = tl.sum(tl.where(mine, lo + (pid_m - (tile_end - ntiles)) * BM, 0), axis=0)
+    row_end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    return expert, row0, row_end
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import triton.language as tl
 from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
-from .common import cast_rne, div_rn, pow2
+from .common import cast_rne, div_rn, expert_row_tile, grouped_row_tiles, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["fp8_gemm_config", "fp8_block_linear_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton",
@@ -101,17 +101,7 @@ def _fp8_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if GROUPED:
-        # which expert owns row tile pid_m: cumulative tile counts over the experts
-        eidx = tl.arange(0, BLOCK_E)
-        e_ok = eidx < E
-        lo = tl.load(offsets_ptr + eidx, mask=e_ok, other=0).to(tl.int32)
-        hi = tl.load(offsets_ptr + eidx + 1, mask=e_ok, other=0).to(tl.int32)
-        ntiles = (hi - lo + BM - 1) // BM
-        tile_end = tl.cumsum(ntiles, 0)
-        expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
-        mine = eidx == expert
-        row0 = tl.sum(tl.where(mine, lo + (pid_m - (tile_end - ntiles)) * BM, 0), axis=0)
-        row_end = tl.sum(tl.where(mine, hi, 0), axis=0)  # 0 past the last expert: no rows
+        expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, BM, BLOCK_E)
         w_ptr += tl.minimum(expert, E - 1).to(tl.int64) * stride_we
         ws_ptr += tl.minimum(expert, E - 1).to(tl.int64) * stride_wse
         k_steps = tl.where(expert < E, tl.cdiv(K, BK), 0)
@@ -176,7 +166,7 @@ def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: i
     rows_per_group = m / max(experts, 1) if grouped else m
     if m <= QUANT_IN_GEMM_MAX_ROWS or rows_per_group <= 16:
         bm = 16 if rows_per_group <= 16 else min(64, pow2(m))
-        tiles_m = min(m, _cdiv(m, bm) + experts) if grouped else _cdiv(m, bm)
+        tiles_m = grouped_row_tiles(m, bm, experts) if grouped else _cdiv(m, bm)
         bn = 128
         while bn > 16 and _cdiv(n, bn) * tiles_m < 2 * sms:
             bn //= 2
@@ -224,7 +214,7 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl):
         a, a_scale = x, x  # a_scale unused
     else:
         a, a_scale = fp8_quantize_triton(x, pdl)
-    tiles_m = min(m, _cdiv(m, bm) + experts) if grouped else _cdiv(m, bm)
+    tiles_m = grouped_row_tiles(m, bm, experts) if grouped else _cdiv(m, bm)
     ws = scale_inv if grouped else scale_inv[None]
     w = weight if grouped else weight[None]
     _fp8_gemm_kernel[(triton.cdiv(n, bn), tiles_m)](

@@ -1,0 +1,164 @@
+"""Fused MoE experts micro-benchmark: transformers' experts forward vs ours (``fused_moe_experts``).
+
+    python benchmarks/fused_moe.py [--tokens 1 16 64] [--out benchmarks/results/fused_moe.json]
+    python benchmarks/fused_moe.py --tp 2            # one rank's slice of the experts (intermediate / 2)
+    python benchmarks/fused_moe.py --tiny --device cpu   # CPU smoke run (tests/test_benchmarks_fused_moe.py)
+
+Shapes: Qwen3.5-35B-A3B's experts (256 experts, top-8, hidden 2048, expert width 512, silu-gated:
+transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``) and
+Nemotron-3-Nano-30B-A3B's (128 experts, top-6, hidden 2688, width 1856, relu2 without a gate:
+``NemotronHExperts``), random bf16 weights, random routing with distinct experts per token. For each
+token count: transformers' forward with each of its experts implementations (``eager``: a loop over
+the hit experts with host syncs; ``grouped_mm``: ``torch._grouped_mm`` after a sort; ``batched_mm``)
+and ours, the median of CUDA-graph replays where the call can be captured, else of eager calls (the
+``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included), plus the bytes of expert weights the step must read (the experts hit) and
+the bandwidth that time implies. Our output is checked against transformers' ``eager`` forward first.
+Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import hybrid_compile  # noqa: E402,F401  (registers the ops)
+from hybrid_compile.ops.moe import fused_moe_experts  # noqa: E402
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+def shapes(tiny: bool, tp: int) -> dict:
+    """name -> (experts class, config, top_k); expert widths divided by ``tp`` (one rank's slice)."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextExperts
+
+    e1, h1, i1, k1 = (8, 64, 32, 2) if tiny else (256, 2048, 512, 8)
+    e2, h2, i2, k2 = (8, 48, 40, 2) if tiny else (128, 2688, 1856, 6)
+    qwen = transformers.Qwen3NextConfig(num_experts=e1, hidden_size=h1, moe_intermediate_size=i1 // tp,
+                                        num_experts_per_tok=k1, hidden_act="silu")
+    nemo = transformers.NemotronHConfig(n_routed_experts=e2, hidden_size=h2, moe_intermediate_size=i2 // tp,
+                                        num_experts_per_tok=k2, mlp_hidden_act="relu2", moe_latent_size=None)
+    return {"qwen3_5_35b_a3b": (Qwen3NextExperts, qwen, k1), "nemotron3_nano_30b": (NemotronHExperts, nemo, k2)}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, iters: int, graph: bool = True) -> tuple[float, str]:
+    """Median ms of ``fn``: CUDA-graph replays when ``graph`` and it can be captured (CUDA), else eager calls."""
+    for _ in range(3):
+        fn()
+    _sync(device)
+    if device.type == "cuda":
+        from kernels import bench
+
+        ms = bench(fn, iters=iters, graph=graph)
+        return float(ms), ms.mode
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), "eager"
+
+
+def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> list[dict]:
+    torch.manual_seed(0)
+    experts = cls(config).to(device=device, dtype=dtype)
+    has_gate = hasattr(experts, "gate_up_proj")
+    up = experts.gate_up_proj if has_gate else experts.up_proj
+    with torch.no_grad():
+        up.normal_(0, up.shape[-1] ** -0.5)
+        experts.down_proj.normal_(0, experts.down_proj.shape[-1] ** -0.5)
+    num, hidden, inter = experts.down_proj.shape
+    rows = []
+    for tokens in tokens_list:
+        idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, top_k, device=device), -1).to(dtype)
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        hit = int(torch.unique(idx).numel())
+        weight_bytes = hit * (up.shape[1] + hidden) * inter * up.element_size()
+
+        def ours():
+            return fused_moe_experts(x, idx, w, up, experts.down_proj, experts.act_fn, has_gate)
+
+        row = dict(shape=name, tokens=tokens, experts=num, top_k=top_k, hidden=hidden, intermediate=inter,
+                   experts_hit=hit, weight_bytes=weight_bytes, times={})
+        with torch.inference_mode():
+            config._experts_implementation = "eager"
+            want = experts(x, idx, w).float()
+            got = ours().float()
+            row["max_abs_diff_vs_eager"] = float((got - want).abs().max())
+            scale = float(want.abs().max())
+            assert row["max_abs_diff_vs_eager"] <= 0.05 * scale + 1e-3, (name, tokens, row["max_abs_diff_vs_eager"], scale)
+            for impl in IMPLEMENTATIONS:
+                try:
+                    config._experts_implementation = impl
+                    ms, mode = time_ms(lambda: experts(x, idx, w), device, iters)
+                except Exception as e:  # noqa: BLE001 - an implementation this torch lacks is recorded
+                    row["times"][f"hf_{impl}"] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+                    continue
+                row["times"][f"hf_{impl}"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
+            ms, mode = time_ms(ours, device, iters)
+            row["times"]["ours"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
+            ms, mode = time_ms(ours, device, iters, graph=False)  # launch overhead included
+            row["times"]["ours_eager"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows) -> None:
+    cols = ["hf_" + i for i in IMPLEMENTATIONS] + ["ours_eager", "ours"]
+    print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} " + " ".join(f"{c + ' ms':>16s}" for c in cols)
+          + f" {'ours GB/s':>9s} {'vs best hf':>10s}")
+    for r in rows:
+        t = r["times"]
+        cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t[c] else "error"
+                 for c in cols]
+        best = min((t[c]["ms"] for c in cols[:-2] if "ms" in t[c]), default=float("nan"))
+        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4d} {r['weight_bytes'] / 1e6:7.1f} "
+              + " ".join(f"{c:>16s}" for c in cells)
+              + f" {t['ours']['gbps']:9.0f} {best / t['ours']['ms']:9.2f}x")
+    print("(g: CUDA-graph replays, e: eager calls; MB: expert weights the step reads)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--tp", type=int, default=1, help="serve one rank's slice: expert widths / tp")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default="benchmarks/results/fused_moe.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for name, (cls, config, top_k) in shapes(args.tiny, args.tp).items():
+        rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)
+    print_table(rows)
+    env = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype,
+               tp=args.tp, tiny=args.tiny, torch=torch.__version__, transformers=transformers.__version__)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(env=env, rows=rows), indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

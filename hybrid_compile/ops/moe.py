@@ -1,0 +1,158 @@
+"""MoE experts in float weights: the routing sort shared by every experts path, the
+``moe_grouped_linear`` op, and :func:`fused_moe_experts` (a whole experts forward from those pieces).
+
+Routing. The ``T * top_k`` (token, expert) pairs of a step are sorted by expert
+(:func:`sort_pairs_by_expert`, also used by the FP8 experts): row ``r`` of the sorted order is pair
+``order[r]`` = token ``order[r] // top_k``; expert ``e`` owns sorted rows
+``expert_offsets[e]:expert_offsets[e + 1]``. Everything is shape-only (argsort, searchsorted): no host
+sync, so it is CUDA-graph capturable.
+
+``moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index)``: for each sorted row
+``r`` of expert ``e``, ``y[scatter_index[r]] = x[gather_index[r]] @ weight[e].T`` (an absent index is
+the identity). The gather lets the first projection read the tokens' hidden states in place (no
+``[T * top_k, H]`` copy); the scatter lets the second write each pair back in (token, k) order, so
+the top-k weighted sum is a plain reduction over ``k`` (no atomics, deterministic). The CPU
+implementation is a per-expert loop in plain torch; the CUDA one is a Triton grouped GEMM
+(:mod:`.triton.moe`, one launch for every expert).
+
+:func:`fused_moe_experts` is transformers' experts forward (``gate_up_proj [E, 2I, H]`` with the gate
+rows first and ``act(gate) * up``, or ``up_proj [E, I, H]`` and ``act(up)``; then ``down_proj
+[E, H, I]``; the top-k weighted sum in fp32): two ``moe_grouped_linear`` calls around the activation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
+
+__all__ = ["ExpertRouting", "fused_moe_experts", "moe_grouped_linear", "reference_moe_grouped_linear",
+           "sort_pairs_by_expert"]
+
+
+class ExpertRouting(NamedTuple):
+    """The (token, expert) pairs of a step sorted by expert (see the module docstring)."""
+
+    order: torch.Tensor  # [T * top_k] pair index (token * top_k + k) of each sorted row
+    expert_offsets: torch.Tensor  # [E + 1] first sorted row of each expert, then T * top_k
+    token_of_row: torch.Tensor  # [T * top_k] token of each sorted row
+
+
+def sort_pairs_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertRouting:
+    """Sort the pairs of ``top_k_index [T, top_k]`` by expert (stable: a token's pairs keep their order)."""
+    top_k = top_k_index.shape[1]
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)
+    sorted_ids = expert_ids[order]
+    # shape-only: searchsorted over the sorted ids, no data-dependent shape
+    offsets = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=sorted_ids.device,
+                                                          dtype=sorted_ids.dtype))
+    return ExpertRouting(order, offsets, order // top_k)
+
+
+# --------------------------------------------------------------------------------------------
+# moe_grouped_linear
+# --------------------------------------------------------------------------------------------
+
+
+def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index) -> None:
+    op = "moe_grouped_linear"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "weight", weight, ndim=3, dtypes=(x.dtype,))
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"{op}: `weight` has {weight.shape[2]} input channels, `x` has {x.shape[1]}")
+    check_tensor(op, "expert_offsets", expert_offsets, ndim=1, dtypes=INDEX_DTYPES, shape=(weight.shape[0] + 1,))
+    rows = x.shape[0]
+    if gather_index is not None:
+        check_tensor(op, "gather_index", gather_index, ndim=1, dtypes=INDEX_DTYPES)
+        rows = gather_index.shape[0]
+    if scatter_index is not None:
+        check_tensor(op, "scatter_index", scatter_index, ndim=1, dtypes=INDEX_DTYPES, shape=(rows,))
+    check_same_device(op, x=x, weight=weight, expert_offsets=expert_offsets, gather_index=gather_index,
+                      scatter_index=scatter_index)
+    if should_check_values(expert_offsets):
+        o = expert_offsets
+        if int(o[0]) != 0 or int(o[-1]) != rows or bool((o[1:] < o[:-1]).any()):
+            raise ValueError(f"{op}: `expert_offsets` must rise from 0 to the number of rows ({rows}), "
+                             f"got {o.tolist()}")
+    for name, idx, bound in (("gather_index", gather_index, x.shape[0]), ("scatter_index", scatter_index, rows)):
+        if idx is not None and idx.numel() and should_check_values(idx) and not (
+                int(idx.min()) >= 0 and int(idx.max()) < bound):
+            raise ValueError(f"{op}: `{name}` values must lie in [0, {bound})")
+
+
+@torch.library.custom_op("hybrid_compile::moe_grouped_linear", mutates_args=())
+def moe_grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
+    gather_index: torch.Tensor | None = None, scatter_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-expert ``F.linear`` over rows sorted by expert, with an optional row gather and scatter.
+
+    Args:
+        x: ``[X, K]`` fp32/bf16/fp16 (any strides).
+        weight: ``[E, N, K]`` in ``x.dtype`` (the experts' stacked weights, any strides).
+        expert_offsets: ``[E + 1]`` int32/int64, non-decreasing from 0 to ``R`` (the sorted rows:
+            ``R = len(gather_index)``, else ``X``).
+        gather_index: optional ``[R]``, row ``r`` reads ``x[gather_index[r]]`` (else ``x[r]``).
+        scatter_index: optional ``[R]``, a permutation of ``range(R)``: row ``r`` is written to
+            ``y[scatter_index[r]]`` (else ``y[r]``).
+
+    Returns:
+        ``[R, N]`` contiguous in ``x.dtype``, accumulated in fp32.
+    """
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
+    return reference_moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index)
+
+
+def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None):
+    """The CPU implementation of ``moe_grouped_linear`` in plain torch: a loop over the experts."""
+    rows = x[gather_index] if gather_index is not None else x
+    y = torch.zeros(rows.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
+    offsets = expert_offsets.tolist()
+    for e in range(weight.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            y[lo:hi] = rows[lo:hi].float() @ weight[e].float().t()
+    if scatter_index is not None:
+        y = torch.empty_like(y).index_copy_(0, scatter_index, y)
+    return y.to(x.dtype)
+
+
+@moe_grouped_linear.register_fake
+def _(x, weight, expert_offsets, gather_index=None, scatter_index=None):
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
+    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    return x.new_empty(rows, weight.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
+# the experts forward
+# --------------------------------------------------------------------------------------------
+
+
+def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                      has_gate: bool, grouped_linear: Callable | None = None) -> torch.Tensor:
+    """transformers' experts forward on float weights (see the module docstring).
+
+    ``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``; ``up_proj [E, 2I, H]``
+    (gate rows first) when ``has_gate`` else ``[E, I, H]``; ``down_proj [E, H, I]``. Returns
+    ``[T, H]`` in ``hidden_states.dtype``: ``sum_k weight[t, k] * expert_{index[t, k]}(x[t])``.
+    ``grouped_linear``: the ``moe_grouped_linear`` implementation to call (default: the op; the
+    tests pass the Triton launcher to run the whole forward under the interpreter).
+    """
+    linear = grouped_linear or torch.ops.hybrid_compile.moe_grouped_linear
+    tokens, top_k = top_k_index.shape
+    routing = sort_pairs_by_expert(top_k_index, up_proj.shape[0])
+    h = linear(hidden_states, up_proj, routing.expert_offsets, routing.token_of_row, None)
+    if has_gate:
+        gate, up = h.chunk(2, dim=-1)
+        h = act_fn(gate) * up
+    else:
+        h = act_fn(h)
+    # rows written back in (token, k) order: the weighted sum over k is a reduction, no scatter-add
+    out = linear(h, down_proj, routing.expert_offsets, None, routing.order)
+    weighted = out.view(tokens, top_k, -1).float() * top_k_weights.float()[..., None]
+    return weighted.sum(1).to(hidden_states.dtype)

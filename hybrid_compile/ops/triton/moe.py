@@ -1,0 +1,121 @@
+"""Triton kernel of ``moe_grouped_linear`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM.
+
+``_grouped_gemm_kernel``: grid ``(cdiv(N, BN), row tiles)``; each program one ``[BM, BN]`` output
+tile of one expert, stepping along ``K`` by ``BK`` with ``tl.dot`` on the tensor cores (bf16 / fp16
+operands, or fp32 in IEEE precision, fp32 accumulation). Rows are sorted by expert: the expert of
+row tile ``t`` comes from the experts' cumulative tile counts (:func:`.common.expert_row_tile`, the
+FP8 grouped GEMM's scheme), so the launch is shape-only (``min(R, cdiv(R, BM) + E)`` row tiles
+bound the used ones; programs past the last used tile run zero ``K`` steps and store nothing) and
+each tile's rows are padded to ``BM`` by masking. ``GATHER``: row ``r`` reads ``x[gather[r]]``;
+``SCATTER``: it is stored at ``y[scatter[r]]``. No host sync, no atomics: usable in CUDA graphs.
+
+Tiles: :func:`fp8_gemm_config`'s choice (decode: 16-row tiles and column tiles narrow enough that
+about two programs per SM stream the weights; prefill: 64 / 128-row tiles), ``BK`` 64 (128 for
+16-bit weights at decode, fewer loop steps over the long ``K`` of the weight stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..moe import _check_grouped
+from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2
+from .fp8 import _sm_count, fp8_gemm_config
+from .launch import pdl_launch, pdl_wait_and_release
+
+__all__ = ["moe_gemm_config", "moe_grouped_linear_triton"]
+
+# Triton's interpreter multiplies the raw bits of bf16 operands in tl.dot: there the tiles are
+# widened to fp32 first (exact for bf16 / fp16 values, so the products are those of the GPU's dot)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["R", "N", "K", "E"])
+def _grouped_gemm_kernel(
+    x_ptr, gather_ptr, w_ptr, y_ptr, scatter_ptr, offsets_ptr,
+    R, N, K, E,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    pdl_wait_and_release(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, BM, BLOCK_E)
+    w_ptr += tl.minimum(expert, E - 1).to(tl.int64) * stride_we
+    k_steps = tl.where(expert < E, tl.cdiv(K, BK), 0)
+    rm = row0 + tl.arange(0, BM)
+    m_ok = rm < row_end
+    if GATHER:
+        src = tl.load(gather_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+    else:
+        src = rm.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, k_steps):
+        kk = kb * BK + rk
+        k_ok = kk < K
+        a = tl.load(x_ptr + src[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # fp32 weights: exact fp32 products (tf32 would miss the CPU path's tolerance)
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    if SCATTER:
+        dst = tl.load(scatter_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+    else:
+        dst = rm.to(tl.int64)
+    tl.store(y_ptr + dst[:, None] * N + rn[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
+                    sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) for ``rows`` sorted rows over ``experts``."""
+    bm, bn, warps, stages = fp8_gemm_config(rows, n, k, grouped=True, experts=experts, sms=sms)
+    decode = bm == 16
+    bk = 128 if decode and dtype != torch.float32 else 64
+    if dtype == torch.float32 and not decode:
+        stages = 2  # fp32 tiles are twice as large in shared memory
+    return bm, bn, bk, warps, stages
+
+
+def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, config=None,
+                              pdl: bool | None = None):
+    """``moe_grouped_linear`` on the GPU (or under the interpreter); ``config`` = (BM, BN, BK, warps,
+    stages) overrides :func:`moe_gemm_config`."""
+    experts, n, k = weight.shape
+    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device))
+    _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](
+        x, gather_index if gather_index is not None else expert_offsets, weight, y,
+        scatter_index if scatter_index is not None else expert_offsets, expert_offsets,
+        rows, n, k, experts,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        GATHER=gather_index is not None, SCATTER=scatter_index is not None, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        BM=bm, BN=bn, BK=bk, BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device, pdl),
+    )
+    return y
+
+
+def _grouped_cuda(x, weight, expert_offsets, gather_index=None, scatter_index=None):
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
+    return moe_grouped_linear_triton(x, weight, expert_offsets, gather_index, scatter_index)
+
+
+torch.library.register_kernel("hybrid_compile::moe_grouped_linear", "cuda", _grouped_cuda)

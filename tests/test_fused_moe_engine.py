@@ -1,0 +1,183 @@
+"""The fused MoE experts patch (hybrid_compile/models/fused_experts.py, ``EngineConfig.fused_moe``) end to end.
+
+Oracle: transformers' own greedy ``generate`` on the same weights (computed on the wrapped model, where
+outside an engine step the experts run transformers' forward: the fused path must not be taken there).
+Families: every one with transformers' 3-D experts: Qwen3-Next MoE and Qwen3.5-MoE (gated silu experts +
+shared expert), NemotronH (relu2 experts without a gate, beside Mamba2 and attention layers), Granite-4
+(GraniteMoeHybrid), LFM2-MoE, Jamba, MiniMax and Kimi-Linear (skipped where transformers lacks them). Also the option's resolution
+(False, the default, = transformers' path) and its errors, and ``close()`` restoring transformers' forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine_models as em
+import kimi_models
+import mamba1_models as m1
+import mamba2_models as mm
+import minimax_models
+import test_lfm2 as lfm2
+from hybrid_compile.models import fused_experts
+
+NEW_TOKENS = 8
+
+
+
+def _kimi_linear():
+    kimi_models.require_kimi_linear()
+    return kimi_models.build_kimi_linear()
+
+
+def _minimax():
+    minimax_models.require_minimax()
+    return minimax_models.build_minimax()
+
+
+MODELS = {
+    "qwen3_next_moe": lambda: em.build_model("qwen3_next_moe"),
+    "qwen3_5_moe": lambda: em.build_model("qwen3_5_moe"),
+    "nemotron_h": mm.build_nemotron_h,
+    "granitemoehybrid": mm.build_granitemoehybrid,
+    "lfm2_moe": lambda: lfm2._build("lfm2_moe", 0),
+    "jamba": m1.build_jamba,
+    "minimax": _minimax,
+    "kimi_linear": _kimi_linear,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from em.single_threaded()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls of the fused experts forward (engine steps only)."""
+    calls = [0]
+    real = fused_experts.fused_moe_experts
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_experts, "fused_moe_experts", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls):
+    model = MODELS[name]()
+    prompts = em.random_prompts([13, 3, 40], em.vocab_size(model), seed=5)
+    engine = em.make_engine(model, fused_moe=True)
+    try:
+        n_experts = sum(1 for _, m in fused_experts.experts_modules(model))
+        assert engine.stats()["fused_moe_modules"] == n_experts > 0
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        assert fused_calls[0] > 0
+        before = fused_calls[0]
+        # outside an engine step the patched experts run transformers' forward
+        expected = [em.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        assert fused_calls[0] == before
+    finally:
+        engine.close()
+    for p, g, e in zip(prompts, got, expected):
+        em.assert_greedy_equal(model, p, g, e, what=f"{name} fused_moe")
+    assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # close() undid it
+
+
+def test_option_resolution_and_errors(fused_calls):
+    model = MODELS["qwen3_next_moe"]()
+    for options in ({}, dict(fused_moe=False)):  # the default: transformers' experts forward
+        engine = em.make_engine(model, **options)
+        try:
+            assert engine.stats()["fused_moe_modules"] == 0
+            engine.generate_batch([[1, 2, 3]], max_new_tokens=2)
+            assert fused_calls[0] == 0
+        finally:
+            engine.close()
+    with pytest.raises(ValueError, match="EngineConfig.fused_moe must be True or False"):
+        em.make_engine(model, fused_moe="yes")
+    dense = em.build_model("qwen3_next_dense")
+    with pytest.raises(ValueError, match="fused_moe=True but Qwen3NextForCausalLM has no float MoE experts module"):
+        em.make_engine(dense, fused_moe=True)
+    # an experts layout the kernel does not serve (transformers' transposed [E, in, out] weights)
+    layer = next(m for _, m in fused_experts.experts_modules(model))
+    layer.is_transposed = True
+    with pytest.raises(ValueError, match=r"fused_moe=True: .*'model.layers.\d.mlp.experts' \(Qwen3NextExperts\) is not "
+                                         r"supported: its expert weights are transposed"):
+        em.make_engine(model, fused_moe=True)
+    assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # left untouched
+
+
+def test_unsupported_reasons():
+    model = MODELS["nemotron_h"]()
+    (_, experts), = fused_experts.experts_modules(model)
+    assert fused_experts.unsupported_reason(experts) is None
+    experts.has_bias = True
+    assert fused_experts.unsupported_reason(experts) == "its experts have biases"
+    experts.has_bias = False
+    experts.down_proj.data = experts.down_proj.data.double()
+    assert "not one float dtype" in fused_experts.unsupported_reason(experts)
+    experts.down_proj.data = experts.down_proj.data[:, :, :-1].float()
+    assert "do not pair up" in fused_experts.unsupported_reason(experts)
+    per_expert = torch.nn.Module()
+    per_expert.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    (name, m), = fused_experts.experts_modules(per_expert)
+    assert name == "experts" and "not 3-D stacked weights" in fused_experts.unsupported_reason(m)
+
+
+def test_compiled_engine_no_graph_breaks():
+    """The engine's torch.compile (our backend, Dynamo fullgraph between layer ops) traces the fused
+    experts: no graph break, no recompile across batch sizes, HF's tokens. (No call counter here: a
+    counter's value would be guarded by Dynamo and recompile every step.)"""
+    model = MODELS["nemotron_h"]()
+    engine = em.make_engine(model, fused_moe=True, compile=True)
+    try:
+        assert engine.stats()["fused_moe_modules"] == 1
+        for b in (1, 3):
+            prompts = em.random_prompts([5 + 7 * i for i in range(b)], em.vocab_size(model), seed=b)
+            got = engine.generate_batch(prompts, max_new_tokens=4)
+            for p, g in zip(prompts, got):
+                em.assert_greedy_equal(model, p, g, em.hf_greedy(model, p, 4), what="compiled fused_moe")
+        stats = engine.stats()["compile"]
+    finally:
+        engine.close()
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0, stats
+
+
+def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
+    """Speculative decoding: a MoE draft model's experts and the MTP head's MoE layer take the fused
+    path too (a dense draft model is no error); greedy tokens stay HF's."""
+    import hybrid_compile as hc
+    from mtp_models import write_mtp_checkpoint
+
+    model = MODELS["qwen3_next_moe"]()
+    draft = em.build_model("qwen3_next_moe", seed=1)
+    prompts = em.random_prompts([9, 30], em.vocab_size(model), seed=2)
+    expected = [em.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    for spec in (dict(method="draft_model", draft_model=draft, num_draft_tokens=2),
+                 dict(method="draft_model", draft_model=em.build_model("qwen3_next_dense"), num_draft_tokens=2)):
+        engine = em.make_engine(model, fused_moe=True, speculative=spec)
+        try:
+            draft_experts = fused_experts.experts_modules(spec["draft_model"])
+            assert all("forward" in m.__dict__ for _, m in draft_experts)  # the MoE draft's experts: patched
+            got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+            drafted = engine.stats()["speculative"]["drafted"]
+        finally:
+            engine.close()
+        assert got == expected and drafted > 0
+    assert "forward" not in next(m for _, m in fused_experts.experts_modules(draft)).__dict__  # close() undid it
+    write_mtp_checkpoint("qwen3_next_moe", 0, str(tmp_path))
+    engine = hc.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu", tokenizer=False, fused_moe=True,
+                                speculative=dict(method="mtp", num_draft_tokens=2), **em.ENGINE_DEFAULTS)
+    try:
+        target_experts = len(fused_experts.experts_modules(engine.model))
+        assert engine.stats()["fused_moe_modules"] == target_experts + 1  # + the MTP layer's experts
+        calls = fused_calls[0]
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        assert fused_calls[0] > calls
+        assert got == [em.hf_greedy(engine.model, p, NEW_TOKENS) for p in prompts]
+    finally:
+        engine.close()

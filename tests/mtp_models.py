@@ -6,9 +6,10 @@ reference of the head's chain of drafts.
 Qwen3-Next / Qwen3.5 releases use: ``mtp.layers.0.*`` is a full-attention decoder layer saved by
 transformers itself (the extra last layer of the same model with one more layer, so MoE experts
 are stored per expert as in the releases), ``mtp.fc`` / the three norms random. transformers
-drops the ``mtp.*`` tensors when it loads the checkpoint.
+drops the ``mtp.*`` tensors when it loads the checkpoint. :func:`write_nemotron_h_mtp_checkpoint`
+does the same for NemotronH (its config declaring one MTP step of an attention and a MoE block).
 
-:func:`reference_drafts` is the head's definition run with HF's own modules on whole
+:class:`ReferenceHead` / :class:`NemotronHReferenceHead` are the head's definition run with HF's own modules on whole
 sequences (no cache, HF's causal attention): the head at position i reads the target's final
 hidden state at i (HF's forward) and the embedding of token i + 1; draft 1 is the argmax of the
 LM head at the last computed position, each next draft the head one position further fed the
@@ -72,7 +73,28 @@ def write_mtp_checkpoint(kind: str, seed: int, path: str, with_mtp: bool = True,
     return mtp, extended.model.layers[n].eval()
 
 
-class ReferenceHead:
+class _ChainReference:
+    """The chain of drafts of a reference head whose ``outputs(tokens, hidden)`` gives its output
+    hidden states at every position (``self.model``: the target)."""
+
+    @torch.inference_mode()
+    def drafts(self, tokens: list[int], k: int, vocab: int) -> list[int]:
+        """The k chained drafts after ``tokens`` (the last one is the pending, not yet computed token)."""
+        c = len(tokens) - 1
+        ids = torch.tensor([tokens[:c]])
+        hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        seq, out = list(tokens), []
+        for _ in range(k):
+            h = self.outputs(seq, hidden)
+            last = h[-1]
+            d = int(self.model.lm_head(last)[:vocab].argmax())
+            out.append(d)
+            seq.append(d)
+            hidden = torch.cat([hidden, last[None]])  # the next position reads the head's own output
+        return out
+
+
+class ReferenceHead(_ChainReference):
     """The MTP head of ``mtp`` and ``layer`` (what :func:`write_mtp_checkpoint` returns) over
     ``model`` with HF's modules, eager, whole sequences."""
 
@@ -104,18 +126,79 @@ class ReferenceHead:
         out = out[0] if isinstance(out, tuple) else out
         return self.norms["norm"](out)[0]
 
+
+# NemotronH: the tiny model of tests/mamba2_models.py (a MoE block in its pattern) declaring one
+# MTP step of transformers' default kinds (an attention block, then a MoE block)
+NEMOTRON_H_MTP_BLOCKS = ["full_attention", "moe"]
+
+
+def write_nemotron_h_mtp_checkpoint(seed: int, path: str, with_mtp: bool = True, declare: bool = True):
+    """Save the tiny NemotronH of ``build_nemotron_h(seed)`` into ``path``, its config declaring
+    one MTP step (``declare``), with the step's ``mtp.*`` tensors in the NemotronH release layout
+    (``mtp.layers.{j}.norm/mixer.*`` saved by transformers as blocks ``n + j`` of a model with the
+    step's blocks appended, experts per expert; random ``enorm`` / ``hnorm`` / ``eh_proj`` /
+    ``final_layernorm``). Returns the model, the mtp tensors (names without ``mtp.``) and the HF
+    blocks saved as ``mtp.layers.*`` (the reference's)."""
+    from safetensors.torch import load_file, save_file
+
+    from mamba2_models import build_nemotron_h
+
+    model = build_nemotron_h(seed)
+    if declare:
+        model.config.num_nextn_predict_layers = 1
+        model.config.mtp_layers_block_type = list(NEMOTRON_H_MTP_BLOCKS)
+    model.save_pretrained(path)
+    if not with_mtp:
+        return model, {}, []
+    cfg = copy.deepcopy(model.config)
+    n = cfg.num_hidden_layers
+    cfg.layers_block_type = list(cfg.layers_block_type) + NEMOTRON_H_MTP_BLOCKS
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + seed)
+        extended = type(model)(cfg).float().eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            extended.save_pretrained(tmp)
+            saved = load_file(os.path.join(tmp, "model.safetensors"))
+        mtp = {}
+        for j in range(len(NEMOTRON_H_MTP_BLOCKS)):
+            marker = f"layers.{n + j}."
+            mtp.update({f"layers.{j}." + k.split(marker, 1)[1]: v for k, v in saved.items() if marker in k})
+        h = cfg.hidden_size
+        last = len(NEMOTRON_H_MTP_BLOCKS) - 1
+        mtp["layers.0.eh_proj.weight"] = torch.randn(h, 2 * h) * STD
+        for name in ("layers.0.enorm", "layers.0.hnorm", f"layers.{last}.final_layernorm"):
+            mtp[f"{name}.weight"] = 1 + torch.randn(h) * STD
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors.update({"mtp." + k: v.contiguous() for k, v in mtp.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+    return model, mtp, [extended.model.layers[n + j] for j in range(len(NEMOTRON_H_MTP_BLOCKS))]
+
+
+class NemotronHReferenceHead(_ChainReference):
+    """NemotronH's MTP step of ``mtp`` and ``blocks`` (what :func:`write_nemotron_h_mtp_checkpoint`
+    returns) over ``model`` with HF's modules, eager, whole sequences."""
+
+    def __init__(self, model, mtp: dict, blocks: list) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.mtp = mtp
+        self.eps = model.config.layer_norm_epsilon
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        norm = type(self.model.model.norm_f)(x.shape[-1], eps=self.eps)
+        norm.load_state_dict({"weight": self.mtp[f"{name}.weight"]})
+        return norm(x)
+
     @torch.inference_mode()
-    def drafts(self, tokens: list[int], k: int, vocab: int) -> list[int]:
-        """The k chained drafts after ``tokens`` (the last one is the pending, not yet computed token)."""
-        c = len(tokens) - 1
-        ids = torch.tensor([tokens[:c]])
-        hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-        seq, out = list(tokens), []
-        for _ in range(k):
-            h = self.outputs(seq, hidden)
-            last = h[-1]
-            d = int(self.model.lm_head(last)[:vocab].argmax())
-            out.append(d)
-            seq.append(d)
-            hidden = torch.cat([hidden, last[None]])  # the next position reads the head's own output
-        return out
+    def outputs(self, tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The step's output hidden states at positions ``0 .. len(hidden) - 1``; position i reads
+        ``hidden[i]`` and token ``tokens[i + 1]``."""
+        n = hidden.shape[0]
+        emb = self.model.model.embeddings(torch.tensor([tokens[1: n + 1]]))
+        x = torch.cat([self._norm("layers.0.enorm", emb), self._norm("layers.0.hnorm", hidden[None])], -1)
+        x = x @ self.mtp["layers.0.eh_proj.weight"].T
+        pos = torch.arange(n)[None]
+        for block in self.blocks:
+            x = block(x, attention_mask=None, position_ids=pos)
+        return self._norm(f"layers.{len(self.blocks) - 1}.final_layernorm", x)[0]

@@ -27,6 +27,10 @@ import torch
 from engine_models import build_model, make_config, model_class
 
 STD = 0.2
+# the engine arguments of the MTP tests: two requests, prefill chunks of 32 tokens (prompts of 45
+# span two chunks), room for prefix-cached Mamba states
+ENGINE_ARGS = dict(max_running_requests=2, chunked_prefill_size=32, max_total_tokens=4096, mamba_cache_size=12,
+                   max_context_len=256)
 
 
 def _extended_config(kind: str, config=None):
@@ -202,3 +206,69 @@ class NemotronHReferenceHead(_ChainReference):
         for block in self.blocks:
             x = block(x, attention_mask=None, position_ids=pos)
         return self._norm(f"layers.{len(self.blocks) - 1}.final_layernorm", x)[0]
+
+
+# -- helpers of the MTP engine tests --------------------------------------------------------------
+def record_proposals(engine) -> list:
+    """Every chain proposal of the engine's draft source from now on: (tokens so far, drafts)."""
+    seen = []
+    source = engine.speculative.source
+    propose = source.propose
+
+    def recording(requests, k):
+        out = propose(requests, k)
+        seen.extend((r.prompt + r.output, row) for r, row in zip(requests, out))
+        return out
+
+    source.propose = recording
+    return seen
+
+
+def assert_greedy_with_continuations(engine, prompts: list[list[int]], new: int) -> dict:
+    """The engine's greedy outputs of ``prompts`` and then of each prompt + output (4 more tokens:
+    with the prefix cache on they hit it) equal HF's; returns the engine's stats."""
+    from engine_models import hf_greedy
+
+    model = engine.model
+    got = engine.generate_batch(prompts, max_new_tokens=new)
+    assert got == [hf_greedy(model, p, new) for p in prompts]
+    follow = [p + g for p, g in zip(prompts, got)]
+    assert engine.generate_batch(follow, max_new_tokens=4) == [hf_greedy(model, p, 4) for p in follow]
+    return engine.stats()
+
+
+def assert_compiled_without_breaks(engine) -> None:
+    """The target and the MTP head ran compiled, with no graph break."""
+    assert engine.stats()["compile"]["graph_breaks"] == 0
+    head = engine.speculative.source.runner.compile_stats()
+    assert head["enabled"] and head["graph_breaks"] == 0 and head["compiled_steps"] > 0
+
+
+def finish_engine(engine) -> None:
+    """Check the prefix cache's invariants and that every pool slot came back, then close."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.check_invariants()
+        engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    engine.close()
+
+
+def assert_chain_drafts_equal_reference(engine, prompts: list[list[int]], new: int, k: int, make_reference) -> list:
+    """Greedy ``prompts`` with a chain of ``k`` MTP drafts per verify: outputs equal HF's, every
+    proposal equals ``make_reference(model).drafts`` and every verified request got k drafts;
+    returns the outputs."""
+    from engine_models import hf_greedy, vocab_size
+
+    model = engine.model
+    vocab = vocab_size(model)
+    proposals = record_proposals(engine)
+    got = engine.generate_batch(prompts, max_new_tokens=new)
+    assert got == [hf_greedy(model, p, new) for p in prompts]
+    reference = make_reference(model)
+    assert len(proposals) >= len(prompts) * 2
+    for tokens, drafts in proposals:
+        assert drafts == reference.drafts(tokens, k, vocab), len(tokens)
+    spec = engine.stats()["speculative"]
+    assert spec["method"] == "mtp" and spec["drafted"] == k * spec["verified_requests"]
+    assert spec["draft_source"]["head_decode_steps"] > 0
+    return got

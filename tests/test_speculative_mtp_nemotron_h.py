@@ -19,16 +19,16 @@ import torch
 import hybrid_compile as hc
 from hybrid_compile.models.mtp import MTPWeightsNotFoundError, NemotronHMTPHead
 
-from engine_models import hf_greedy, random_prompts, single_threaded, vocab_size
+from engine_models import random_prompts, single_threaded, vocab_size
 from mamba2_models import require
-from mtp_models import NemotronHReferenceHead, write_nemotron_h_mtp_checkpoint
+from mtp_models import (ENGINE_ARGS, NemotronHReferenceHead, assert_chain_drafts_equal_reference, assert_compiled_without_breaks,
+                        assert_greedy_with_continuations, finish_engine, write_nemotron_h_mtp_checkpoint)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
 K = 3
 NEW = 8
-ARGS = dict(max_running_requests=2, chunked_prefill_size=32, max_total_tokens=4096, mamba_cache_size=12,
-            max_context_len=256)
+ARGS = ENGINE_ARGS
 LOAD = dict(dtype=torch.float32, device="cpu", tokenizer=False)
 
 
@@ -38,14 +38,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("nemotron_h_mtp")
     model, mtp, blocks = write_nemotron_h_mtp_checkpoint(0, str(path))
     return str(path), mtp, blocks
-
-
-def _finish(engine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.check_invariants()
-        engine.clear_prefix_cache()
-    engine.pools.check_all_free()
-    engine.close()
 
 
 def test_nemotron_h_mtp_greedy_and_drafts_equal_reference(checkpoint):
@@ -59,29 +51,11 @@ def test_nemotron_h_mtp_greedy_and_drafts_equal_reference(checkpoint):
     n = model.config.num_hidden_layers
     assert isinstance(head, NemotronHMTPHead) and [b.block_type for b in head.layers] == ["full_attention", "moe"]
     assert head.layer_id == n and engine.pools.kv.k_cache(n) is not None
-    vocab = vocab_size(model)
-    prompts = random_prompts((3, 45, 11), vocab, seed=7)
-    proposals = []
-    propose = engine.speculative.source.propose
-
-    def recording(requests, k):
-        out = propose(requests, k)
-        proposals.extend((r.prompt + r.output, row) for r, row in zip(requests, out))
-        return out
-
-    engine.speculative.source.propose = recording
-    got = engine.generate_batch(prompts, max_new_tokens=NEW)
-    assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    reference = NemotronHReferenceHead(model, mtp, blocks)
-    assert len(proposals) >= len(prompts) * 2
-    for tokens, drafts in proposals:
-        assert drafts == reference.drafts(tokens, K, vocab), len(tokens)
-    spec = engine.stats()["speculative"]
-    assert spec["method"] == "mtp" and spec["drafted"] == K * spec["verified_requests"]
-    assert spec["draft_source"]["head_decode_steps"] > 0
+    prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)
+    got = assert_chain_drafts_equal_reference(engine, prompts, NEW, K, lambda m: NemotronHReferenceHead(m, mtp, blocks))
     with hc.wrap(model, **ARGS) as plain:
         assert plain.generate_batch(prompts, max_new_tokens=NEW) == got
-    _finish(engine)
+    finish_engine(engine)
 
 
 def test_nemotron_h_mtp_prefix_cache_pages_compile(checkpoint):
@@ -90,18 +64,10 @@ def test_nemotron_h_mtp_prefix_cache_pages_compile(checkpoint):
     path, _, _ = checkpoint
     engine = hc.from_pretrained(path, **LOAD, compile=True, page_size=4, enable_prefix_cache=True,
                                 speculative=dict(method="mtp", num_draft_tokens=2), **ARGS)
-    model = engine.model
-    prompts = random_prompts((5, 40), vocab_size(model), seed=3)
-    got = engine.generate_batch(prompts, max_new_tokens=NEW)
-    assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    follow = [p + g for p, g in zip(prompts, got)]
-    assert engine.generate_batch(follow, max_new_tokens=4) == [hf_greedy(model, p, 4) for p in follow]
-    stats = engine.stats()
+    stats = assert_greedy_with_continuations(engine, random_prompts((5, 40), vocab_size(engine.model), seed=3), NEW)
     assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
-    assert stats["compile"]["graph_breaks"] == 0
-    head = engine.speculative.source.runner.compile_stats()
-    assert head["enabled"] and head["graph_breaks"] == 0 and head["compiled_steps"] > 0
-    _finish(engine)
+    assert_compiled_without_breaks(engine)
+    finish_engine(engine)
 
 
 def test_nemotron_h_mtp_tree_greedy_equals_hf(checkpoint):
@@ -109,16 +75,10 @@ def test_nemotron_h_mtp_tree_greedy_equals_hf(checkpoint):
     path, _, _ = checkpoint
     engine = hc.from_pretrained(path, **LOAD, page_size=4, enable_prefix_cache=True,
                                 speculative=dict(method="mtp", num_draft_tokens=3, topk=2, num_tree_nodes=5), **ARGS)
-    model = engine.model
-    prompts = random_prompts((3, 45), vocab_size(model), seed=5)
-    got = engine.generate_batch(prompts, max_new_tokens=NEW)
-    assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    follow = [p + g for p, g in zip(prompts, got)]
-    assert engine.generate_batch(follow, max_new_tokens=4) == [hf_greedy(model, p, 4) for p in follow]
-    stats = engine.stats()
+    stats = assert_greedy_with_continuations(engine, random_prompts((3, 45), vocab_size(engine.model), seed=5), NEW)
     assert stats["speculative"]["draft_nodes"] == 5 and stats["prefix_cache"]["hit_tokens"] > 0
     assert stats["speculative"]["draft_source"]["head_decode_steps"] > 0
-    _finish(engine)
+    finish_engine(engine)
 
 
 def _set_config(path: str, **values) -> None:

@@ -118,3 +118,21 @@ def test_nemotron_h_mtp_errors(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(MTPWeightsNotFoundError, match=r"missing: \['mtp.layers.1.final_layernorm.weight'\]"):
         hc.from_pretrained(str(partial), **LOAD, speculative=dict(method="mtp"), **ARGS)
+
+
+@pytest.mark.gpu
+def test_gpu_nemotron_h_mtp_greedy_equals_hf(checkpoint):
+    """On CUDA (the Triton Mamba2 / attention ops, compile on, fp32): the MTP head's chains (k = 3)
+    and top-2 trees, KV pages of 4, prefix cache; greedy tokens equal transformers' fp32 ``generate``
+    on the same GPU; target and head compiled without graph breaks. (No CUDA graphs: transformers'
+    fp32 fallback of NemotronH's MoE syncs with the host, see tests/test_cuda_graphs.py.)"""
+    path, _, _ = checkpoint
+    for spec in (dict(num_draft_tokens=3), dict(num_draft_tokens=3, topk=2, num_tree_nodes=5)):
+        engine = hc.from_pretrained(path, dtype=torch.float32, device="cuda", tokenizer=False, compile=True,
+                                    cuda_graphs=False, page_size=4, enable_prefix_cache=True,
+                                    speculative=dict(method="mtp", **spec), **ARGS)
+        prompts = random_prompts((3, 45, 70), vocab_size(engine.model), seed=11)
+        stats = assert_greedy_with_continuations(engine, prompts, 16)
+        assert stats["speculative"]["verify_steps"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
+        assert_compiled_without_breaks(engine)
+        finish_engine(engine)

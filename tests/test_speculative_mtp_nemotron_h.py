@@ -81,6 +81,25 @@ def test_nemotron_h_mtp_tree_greedy_equals_hf(checkpoint):
     finish_engine(engine)
 
 
+def test_nemotron_h_mtp_head_dtypes_follow_the_target(checkpoint):
+    """Loaded in bf16, the head's parameters and buffers have the dtypes of the target's blocks of
+    the same kind (the MoE router's weight and score bias stay float32, as transformers keeps
+    them); the engine drafts with it."""
+    path, _, _ = checkpoint
+    engine = hc.from_pretrained(path, dtype=torch.bfloat16, device="cpu", tokenizer=False,
+                                speculative=dict(method="mtp", num_draft_tokens=2), **ARGS)
+    target = {b.block_type: b for b in engine.model.model.layers}
+    for block in engine.mtp_head.layers:
+        want = dict(target[block.block_type].state_dict(keep_vars=True))
+        got = dict(block.state_dict(keep_vars=True))
+        assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}, block.block_type
+    assert engine.mtp_head.layers[1].mixer.gate.weight.dtype == torch.float32
+    assert engine.mtp_head.eh_proj.weight.dtype == torch.bfloat16
+    assert len(engine.generate_batch([random_prompts((9,), vocab_size(engine.model), seed=2)[0]], max_new_tokens=6)[0]) == 6
+    assert engine.stats()["speculative"]["verify_steps"] > 0
+    finish_engine(engine)
+
+
 def _set_config(path: str, **values) -> None:
     file = os.path.join(path, "config.json")
     with open(file) as f:

@@ -312,7 +312,9 @@ def load_mtp_head(model: nn.Module, checkpoint=None) -> MTPHead:
         _nemotron_h_pattern(cfg)  # (a config without MTP layers fails before the checkpoint is read)
     path = _checkpoint_dir(model, checkpoint)
     tensors = _mtp_tensors(path, looked_for)
-    scaled = sorted(k for k in tensors if k.endswith("_scale_inv"))
+    # (block-FP8 "weight_scale_inv" of DeepSeek-style releases; per-tensor "weight_scale" /
+    # "input_scale" of NVIDIA ModelOpt ones)
+    scaled = sorted(k for k in tensors if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
     if scaled:
         raise ValueError(f"speculative method 'mtp': the mtp.* tensors in {path!r} are FP8-quantized "
                          f"({PREFIX}{scaled[0]}, ...); hybrid_compile loads MTP heads in float only")
@@ -335,7 +337,7 @@ def load_mtp_head(model: nn.Module, checkpoint=None) -> MTPHead:
         # (a block's state dict excludes the step's norms / projection, owned by their own names)
         missing, unexpected = module.load_state_dict(own, strict=False)
         if missing or unexpected:
-            raise MTPWeightsNotFoundError(
+            raise (MTPWeightsNotFoundError if missing else ValueError)(
                 f"speculative method 'mtp': the {PREFIX}{name}.* tensors in {path!r} do not match a "
                 f"{type(module).__name__} of this {model_type} config (missing: "
                 f"{sorted(PREFIX + name + '.' + m for m in missing)[:4]}, unexpected: {sorted(unexpected)[:4]})")

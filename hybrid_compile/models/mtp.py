@@ -45,8 +45,9 @@ PREFIX = "mtp."
 
 
 class MTPWeightsNotFoundError(ValueError):
-    """``speculative={"method": "mtp"}`` on a checkpoint that ships no ``mtp.*`` tensors (or
-    whose directory is unknown); the message names the directory."""
+    """``speculative={"method": "mtp"}`` on a checkpoint that ships no ``mtp.*`` tensors, lacks
+    some the head needs, whose directory is unknown, or (NemotronH) whose config declares no MTP
+    layers; the message names the directory and the tensors looked for."""
 
 
 class MTPHead(nn.Module, abc.ABC):
@@ -80,6 +81,7 @@ class MTPHead(nn.Module, abc.ABC):
         return int(self.attention_modules()[0].layer_idx)
 
     def attention_specs(self, kv_dtype: torch.dtype) -> list[AttentionLayerSpec]:
+        """The KV pool layers of the head's attention modules (the engine adds them to the target's)."""
         return [attention_spec(a, int(a.layer_idx), kv_dtype) for a in self.attention_modules()]
 
 

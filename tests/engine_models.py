@@ -147,7 +147,7 @@ def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """HF ``generate(do_sample=False)`` on one unpadded prompt -> its new tokens (EOS included,
     nothing after it)."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
         do_sample=False, eos_token_id=eos_token_id, pad_token_id=PAD_TOKEN_ID,

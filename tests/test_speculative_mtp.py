@@ -17,14 +17,14 @@ import hybrid_compile as hc
 from hybrid_compile.models.mtp import MTPWeightsNotFoundError
 
 from engine_models import cached_model, hf_greedy, random_prompts, single_threaded, vocab_size
-from mtp_models import ReferenceHead, write_mtp_checkpoint
+from mtp_models import (ENGINE_ARGS, ReferenceHead, assert_chain_drafts_equal_reference, assert_compiled_without_breaks,
+                        assert_greedy_with_continuations, finish_engine, write_mtp_checkpoint)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
 K = 3
 NEW = 8
-ARGS = dict(max_running_requests=2, chunked_prefill_size=32, max_total_tokens=4096, mamba_cache_size=12,
-            max_context_len=256)
+ARGS = ENGINE_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +41,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _record(engine) -> list:
-    """Every proposal of the engine's draft source: (tokens so far, drafts)."""
-    seen = []
-    source = engine.speculative.source
-    propose = source.propose
-
-    def recording(requests, k):
-        out = propose(requests, k)
-        seen.extend((r.prompt + r.output, row) for r, row in zip(requests, out))
-        return out
-
-    source.propose = recording
-    return seen
-
-
-def _finish(engine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.check_invariants()
-        engine.clear_prefix_cache()
-    engine.pools.check_all_free()
-    engine.close()
-
-
 @pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5", "qwen3_5_moe"])
 def test_mtp_greedy_and_drafts_equal_reference(kind, checkpoints):
     """Loaded with ``hc.from_pretrained(dir)`` (the head's tensors found where the model came
@@ -72,23 +49,13 @@ def test_mtp_greedy_and_drafts_equal_reference(kind, checkpoints):
     engine = hc.from_pretrained(path, dtype=torch.float32, device="cpu", tokenizer=False,
                                 speculative=dict(method="mtp", num_draft_tokens=K), **ARGS)
     model = engine.model
-    vocab = vocab_size(model)
-    prompts = random_prompts((3, 45, 11), vocab, seed=7)
-    proposals = _record(engine)
-    got = engine.generate_batch(prompts, max_new_tokens=NEW)
-    assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    reference = ReferenceHead(kind, model, mtp, layer)
-    assert len(proposals) >= len(prompts) * 2
-    for tokens, drafts in proposals:
-        assert drafts == reference.drafts(tokens, K, vocab), len(tokens)
-    spec = engine.stats()["speculative"]
-    assert spec["method"] == "mtp" and spec["drafted"] == K * spec["verified_requests"]
-    assert spec["draft_source"]["head_decode_steps"] > 0
+    prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)
+    got = assert_chain_drafts_equal_reference(engine, prompts, NEW, K, lambda m: ReferenceHead(kind, m, mtp, layer))
     if kind == "qwen3_next_moe":
         plain = hc.wrap(model, **ARGS)
         assert plain.generate_batch(prompts, max_new_tokens=NEW) == got
         plain.close()
-    _finish(engine)
+    finish_engine(engine)
 
 
 def test_mtp_prefix_cache_pages_compile(checkpoints):
@@ -98,18 +65,10 @@ def test_mtp_prefix_cache_pages_compile(checkpoints):
     path, _, _ = checkpoints("qwen3_next_moe")
     engine = hc.from_pretrained(path, dtype=torch.float32, device="cpu", tokenizer=False, compile=True, page_size=4,
                                 enable_prefix_cache=True, speculative=dict(method="mtp", num_draft_tokens=2), **ARGS)
-    model = engine.model
-    prompts = random_prompts((5, 40), vocab_size(model), seed=3)
-    got = engine.generate_batch(prompts, max_new_tokens=NEW)
-    assert got == [hf_greedy(model, p, NEW) for p in prompts]
-    follow = [p + g for p, g in zip(prompts, got)]
-    assert engine.generate_batch(follow, max_new_tokens=4) == [hf_greedy(model, p, 4) for p in follow]
-    stats = engine.stats()
+    stats = assert_greedy_with_continuations(engine, random_prompts((5, 40), vocab_size(engine.model), seed=3), NEW)
     assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
-    assert stats["compile"]["graph_breaks"] == 0
-    head = engine.speculative.source.runner.compile_stats()
-    assert head["enabled"] and head["graph_breaks"] == 0 and head["compiled_steps"] > 0
-    _finish(engine)
+    assert_compiled_without_breaks(engine)
+    finish_engine(engine)
 
 
 def test_mtp_errors(checkpoints, tmp_path):
@@ -134,7 +93,7 @@ def test_mtp_errors(checkpoints, tmp_path):
     prompt = random_prompts((6,), vocab_size(model), seed=1)[0]
     assert engine.generate_batch([prompt], max_new_tokens=4) == [hf_greedy(model, prompt, 4)]
     assert engine.stats()["speculative"]["draft_source"]["head_decode_steps"] == 0  # k = 1: no chain
-    _finish(engine)
+    finish_engine(engine)
 
 
 def test_mtp_benchmark_tiny_smoke(tmp_path):
@@ -176,4 +135,4 @@ def test_mtp_with_fp8_pools(checkpoints):
     assert engine.stats()["speculative"]["verify_steps"] > 0
     with hc.wrap(engine.model, **fp8, **ARGS) as plain:
         assert plain.generate_batch(prompts, max_new_tokens=NEW) == got
-    _finish(engine)
+    finish_engine(engine)

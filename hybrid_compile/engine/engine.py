@@ -209,7 +209,7 @@ class HybridEngine(GenerateAPI):
             raise ValueError("EngineConfig.elastic_pools needs a model with both full-attention and linear layers")
         with self.startup.phase("pools"):
             self.pools = MemoryPools.from_specs(
-                self.layout.attention + ([self.mtp_head.attention_spec(kv_dtype)] if self.mtp_head is not None else []),
+                self.layout.attention + (self.mtp_head.attention_specs(kv_dtype) if self.mtp_head is not None else []),
                 self.layout.mamba,
                 device=self.device,
                 max_running_requests=config.max_running_requests,

@@ -10,10 +10,17 @@ Qwen3-Next, Qwen3.5 and Qwen3.5-MoE store one MTP layer:
   class; MoE or dense MLP as the tensors say);
 - ``mtp.norm``: the final RMSNorm; embeddings, rotary tables and LM head are the model's.
 
+NemotronH (Nemotron-3 Nano / Super; ``num_nextn_predict_layers: 1``) stores one MTP step as the
+blocks of ``mtp_layers_block_type`` (default ``['full_attention', 'moe']``), named as the
+model's ``NemotronHBlock``s (``mtp.layers.{j}.norm`` / ``.mixer.*``, experts per expert), with
+``mtp.layers.0.enorm`` / ``.hnorm`` / ``.eh_proj`` (the same fusion as above, ``[embedding;
+hidden]`` order) and ``mtp.layers.{last}.final_layernorm``; the blocks run in order, each
+``x + mixer(norm(x))``, then the final norm. Its attention has no RoPE.
+
 At position ``i`` the head reads the model's hidden state at ``i`` and the embedding of token
 ``i + 1`` and predicts token ``i + 2``; its attention is causal over the positions before, so it
-keeps a KV cache of its own (layer id ``num_hidden_layers``: one more full-attention layer of
-the engine's KV pool). Its output hidden state feeds its next step when it runs as a chain.
+keeps a KV cache of its own (layer ids from ``num_hidden_layers`` on: more full-attention layers
+of the engine's KV pool). Its output hidden state feeds its next step when it runs as a chain.
 
 :func:`load_mtp_head` finds the tensors (the checkpoint directory, or the one the model was
 loaded from), builds the head on the model's device and dtype, and raises
@@ -22,6 +29,7 @@ loaded from), builds the head on the model's device and dtype, and raises
 
 from __future__ import annotations
 
+import abc
 import copy
 import os
 
@@ -29,49 +37,73 @@ import torch
 from torch import nn
 
 from ..memory import AttentionLayerSpec
+from .mamba2_common import attention_spec
 
-MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+GATED_DELTANET_MTP_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+MTP_MODEL_TYPES = (*GATED_DELTANET_MTP_TYPES, "nemotron_h")
 PREFIX = "mtp."
 
 
 class MTPWeightsNotFoundError(ValueError):
-    """``speculative={"method": "mtp"}`` on a checkpoint that ships no ``mtp.*`` tensors (or
-    whose directory is unknown); the message names the directory."""
+    """``speculative={"method": "mtp"}`` on a checkpoint that ships no ``mtp.*`` tensors, lacks
+    some the head needs, whose directory is unknown, or (NemotronH) whose config declares no MTP
+    layers; the message names the directory and the tensors looked for."""
 
 
-class MTPHead(nn.Module):
-    """The MTP layer of a Gated DeltaNet family (module docstring) around the target's shared
-    embeddings, rotary embedding and LM head.
+class MTPHead(nn.Module, abc.ABC):
+    """What every family's MTP head shares: the target's embeddings and LM head, the modules whose
+    weights are the ``mtp.*`` tensors (:meth:`own_modules`) and the KV pool layers of its attention
+    modules (:meth:`attention_specs`; ids from ``num_hidden_layers`` on).
 
     ``forward(input_ids [1, N], position_ids [1, N], hidden_states [1, N, H])`` -> the head's
     normed output hidden states ``[1, N, H]`` (the LM head gives the draft logits; the same
     states feed the next chain step).
     """
 
-    def __init__(self, target: nn.Module, layer: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(self, target: nn.Module, hidden_size: int) -> None:
         super().__init__()
-        decoder = target.model.language_model if hasattr(target.model, "language_model") else target.model
-        norm_class = type(decoder.norm)
+        self.hidden_size = int(hidden_size)
+        # shared with the target (its weights; registered here so the compiled forward sees them)
+        self.embed_tokens = _decoder(target).get_input_embeddings()
+        self.lm_head = target.lm_head
+
+    @abc.abstractmethod
+    def own_modules(self) -> dict[str, nn.Module]:
+        """The modules whose weights are the ``mtp.*`` tensors (checkpoint name -> module)."""
+
+    @abc.abstractmethod
+    def attention_modules(self) -> list[nn.Module]:
+        """The head's attention modules (each with its KV pool id in ``layer_idx``)."""
+
+    @property
+    def layer_id(self) -> int:
+        """The KV pool id of the head's first attention module."""
+        return int(self.attention_modules()[0].layer_idx)
+
+    def attention_specs(self, kv_dtype: torch.dtype) -> list[AttentionLayerSpec]:
+        """The KV pool layers of the head's attention modules (the engine adds them to the target's)."""
+        return [attention_spec(a, int(a.layer_idx), kv_dtype) for a in self.attention_modules()]
+
+
+class GatedDeltaNetMTPHead(MTPHead):
+    """The MTP layer of a Gated DeltaNet family (Qwen3-Next / Qwen3.5, module docstring)."""
+
+    def __init__(self, target: nn.Module, layer: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__(target, hidden_size)
+        norm_class = type(_decoder(target).norm)
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.pre_fc_norm_embedding = norm_class(hidden_size, eps=eps)
         self.pre_fc_norm_hidden = norm_class(hidden_size, eps=eps)
         self.layers = nn.ModuleList([layer])
         self.norm = norm_class(hidden_size, eps=eps)
-        # shared with the target (its weights; registered here so the compiled forward sees them)
-        self.embed_tokens = decoder.embed_tokens
-        self.rotary_emb = decoder.rotary_emb
-        self.lm_head = target.lm_head
-        self.layer_id = int(layer.self_attn.layer_idx)
+        self.rotary_emb = _decoder(target).rotary_emb
 
     def own_modules(self) -> dict[str, nn.Module]:
-        """The modules whose weights are the ``mtp.*`` tensors (checkpoint name -> module)."""
         return {"fc": self.fc, "pre_fc_norm_embedding": self.pre_fc_norm_embedding,
                 "pre_fc_norm_hidden": self.pre_fc_norm_hidden, "layers.0": self.layers[0], "norm": self.norm}
 
-    def attention_spec(self, kv_dtype: torch.dtype) -> AttentionLayerSpec:
-        attn = self.layers[0].self_attn
-        head_dim = int(attn.head_dim)
-        return AttentionLayerSpec(self.layer_id, attn.k_proj.out_features // head_dim, head_dim, kv_dtype)
+    def attention_modules(self) -> list[nn.Module]:
+        return [self.layers[0].self_attn]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
@@ -83,12 +115,48 @@ class MTPHead(nn.Module):
         return self.norm(out)
 
 
+class NemotronHMTPHead(MTPHead):
+    """The MTP step of NemotronH (module docstring): ``enorm`` / ``hnorm`` / ``eh_proj`` on the
+    step's first block, the blocks of ``mtp_layers_block_type`` (transformers' ``NemotronHBlock``:
+    pre-norm, mixer, residual), ``final_layernorm`` on its last block. No RoPE (NemotronH's
+    attention has none)."""
+
+    def __init__(self, target: nn.Module, blocks: list[nn.Module], hidden_size: int, eps: float) -> None:
+        super().__init__(target, hidden_size)
+        norm_class = type(_decoder(target).norm_f)
+        self.enorm = norm_class(hidden_size, eps=eps)
+        self.hnorm = norm_class(hidden_size, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = nn.ModuleList(blocks)
+        self.final_layernorm = norm_class(hidden_size, eps=eps)
+
+    def own_modules(self) -> dict[str, nn.Module]:
+        last = len(self.layers) - 1
+        return {"layers.0.enorm": self.enorm, "layers.0.hnorm": self.hnorm, "layers.0.eh_proj": self.eh_proj,
+                f"layers.{last}.final_layernorm": self.final_layernorm,
+                **{f"layers.{j}": block for j, block in enumerate(self.layers)}}
+
+    def attention_modules(self) -> list[nn.Module]:
+        return [b.mixer for b in self.layers if b.block_type == "full_attention"]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden_states)], dim=-1))
+        for block in self.layers:
+            x = block(x, attention_mask=None, position_ids=position_ids)
+        return self.final_layernorm(x)
+
+
 def _rotary_positions(rotary: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
     """Position ids as the family's rotary embedding takes them (Qwen3.5's multimodal rotary
     wants one row per rope section: text positions are the same in every section)."""
     if getattr(rotary, "mrope_section", None) is not None and position_ids.ndim == 2:
         return position_ids[None].expand(3, *position_ids.shape)
     return position_ids
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder (the text decoder of a multimodal wrapper)."""
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
 
 
 def _text_config(model: nn.Module):
@@ -118,9 +186,9 @@ def _checkpoint_dir(model: nn.Module, checkpoint) -> str:
         "hc.from_pretrained(dir) or pass speculative={'method': 'mtp', 'mtp_checkpoint': dir}")
 
 
-def _mtp_tensors(path: str) -> dict[str, torch.Tensor]:
+def _mtp_tensors(path: str, looked_for: str) -> dict[str, torch.Tensor]:
     """Every ``mtp.*`` tensor of a directory's safetensors files (on the CPU, names without
-    the prefix)."""
+    the prefix); ``looked_for`` names the family's tensors in the error for a checkpoint without."""
     from ..quantization.fp8_checkpoint import _Checkpoint
 
     try:
@@ -130,23 +198,27 @@ def _mtp_tensors(path: str) -> dict[str, torch.Tensor]:
     names = [k for k in ckpt.where if k.startswith(PREFIX)]
     if not names:
         raise MTPWeightsNotFoundError(
-            f"speculative method 'mtp': the checkpoint in {path!r} has no mtp.* tensors (it ships no "
-            "multi-token-prediction head); use another speculative method (ngram, draft_model, custom)")
+            f"speculative method 'mtp': the checkpoint in {path!r} has no mtp.* tensors (looked for "
+            f"{looked_for}: it ships no multi-token-prediction head); use another speculative method (ngram, draft_model, custom)")
     return {k[len(PREFIX):]: ckpt.get(k, "cpu") for k in names}
 
 
 def _fuse_experts(tensors: dict[str, torch.Tensor], prefix: str) -> None:
     """Per-expert checkpoint tensors (``{prefix}.{e}.gate_proj.weight`` ...) -> the fused 3-D
-    parameters of transformers' experts modules (``gate_up_proj [E, 2I, H]``, gate rows first;
-    ``down_proj [E, H, I]``), in place; already fused tensors stay."""
+    parameters of transformers' experts modules, in place; already fused tensors stay. Gated
+    experts (Qwen): ``gate_up_proj [E, 2I, H]``, gate rows first; NemotronH's ungated ones:
+    ``up_proj [E, I, H]``; both ``down_proj [E, H, I]``."""
     downs = sorted((k for k in tensors if k.startswith(prefix + ".") and k.endswith(".down_proj.weight")),
                    key=lambda k: int(k[len(prefix) + 1:].split(".")[0]))
     if not downs:
         return
     num = len(downs)
     pop = lambda e, p: tensors.pop(f"{prefix}.{e}.{p}.weight")  # noqa: E731
-    tensors[f"{prefix}.gate_up_proj"] = torch.stack(
-        [torch.cat([pop(e, "gate_proj"), pop(e, "up_proj")]) for e in range(num)])
+    if f"{prefix}.0.gate_proj.weight" in tensors:
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([pop(e, "gate_proj"), pop(e, "up_proj")]) for e in range(num)])
+    else:
+        tensors[f"{prefix}.up_proj"] = torch.stack([pop(e, "up_proj") for e in range(num)])
     tensors[f"{prefix}.down_proj"] = torch.stack([pop(e, "down_proj") for e in range(num)])
 
 
@@ -164,47 +236,115 @@ def _layer_config(cfg, moe: bool):
     return cfg, index
 
 
+def _build_gated_deltanet_head(model: nn.Module, cfg, tensors: dict[str, torch.Tensor]) -> MTPHead:
+    mlp = "layers.0.mlp"
+    moe = any(k.startswith(f"{mlp}.experts.") or k == f"{mlp}.gate.weight" for k in tensors)
+    _fuse_experts(tensors, f"{mlp}.experts")
+    layer_cfg, index = _layer_config(cfg, moe)
+    layer = type(_decoder(model).layers[0])(layer_cfg, index)
+    return GatedDeltaNetMTPHead(model, layer, cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# the block kinds an MTP step may hold: no Mamba2 mixer (it would need a state pool of its own)
+_NEMOTRON_H_MTP_BLOCKS = ("full_attention", "moe", "mlp")
+
+
+def _nemotron_h_pattern(cfg) -> list[str]:
+    """The block kinds of NemotronH's MTP step, or one clear error for a config without MTP
+    layers (or with a layout the head does not build)."""
+    steps = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    if steps == 0:
+        raise MTPWeightsNotFoundError(
+            "speculative method 'mtp': this nemotron_h config declares no MTP layers "
+            "(num_nextn_predict_layers = 0); use another speculative method (ngram, draft_model, custom)")
+    if steps != 1:
+        raise ValueError(f"speculative method 'mtp': nemotron_h with num_nextn_predict_layers={steps}; "
+                         "hybrid_compile builds the one-step MTP head (num_nextn_predict_layers = 1)")
+    pattern = list(getattr(cfg, "mtp_layers_block_type", None) or [])
+    bad = [b for b in pattern if b not in _NEMOTRON_H_MTP_BLOCKS]
+    if not pattern or bad or "full_attention" not in pattern:
+        raise ValueError(f"speculative method 'mtp': nemotron_h mtp_layers_block_type={pattern!r} is not supported "
+                         f"(blocks of {_NEMOTRON_H_MTP_BLOCKS}, at least one full_attention)")
+    return pattern
+
+
+def _build_nemotron_h_head(model: nn.Module, cfg, tensors: dict[str, torch.Tensor]) -> MTPHead:
+    pattern = _nemotron_h_pattern(cfg)
+    n = cfg.num_hidden_layers
+    for j in range(len(pattern)):
+        _fuse_experts(tensors, f"layers.{j}.mixer.experts")
+    # the blocks' config: the model's layer kinds then the MTP step's, so block n + j reads its
+    # kind (and an attention mixer its KV pool id) at index n + j
+    block_cfg = copy.deepcopy(cfg)
+    block_cfg.layers_block_type = list(cfg.layers_block_type) + pattern
+    block_class = type(_decoder(model).layers[0])
+    blocks = [block_class(block_cfg, n + j) for j in range(len(pattern))]
+    return NemotronHMTPHead(model, blocks, cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+# model type -> (builder, the tensors the error for a checkpoint without them names)
+_BUILDERS = {
+    **{t: (_build_gated_deltanet_head, "mtp.fc.weight, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm.weight")
+       for t in GATED_DELTANET_MTP_TYPES},
+    "nemotron_h": (_build_nemotron_h_head,
+                   "mtp.layers.0.enorm/hnorm/eh_proj.weight, mtp.layers.{j}.norm/mixer.*, "
+                   "mtp.layers.{last}.final_layernorm.weight"),
+}
+
+
+def _owner(name: str, owned: list[str]) -> str | None:
+    """The longest module name of ``owned`` that tensor ``name`` lies under."""
+    hits = [o for o in owned if name.startswith(o + ".")]
+    return max(hits, key=len) if hits else None
+
+
 def load_mtp_head(model: nn.Module, checkpoint=None) -> MTPHead:
     """The MTP head of ``model`` from the ``mtp.*`` tensors of ``checkpoint`` (a directory; None:
     the one the model was loaded from), on the model's device and dtype, in eval mode."""
     cfg = _text_config(model)
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in MTP_MODEL_TYPES:
+    if model_type not in _BUILDERS:
         declared = getattr(cfg, "num_nextn_predict_layers", 0) or 0
         extra = f" (its config declares {declared} MTP layer(s), which hybrid_compile does not build)" if declared else ""
         raise ValueError(
             f"speculative method 'mtp' is not supported for model type {model_type!r}{extra}; MTP heads are built "
             f"for {', '.join(MTP_MODEL_TYPES)}")
+    build, looked_for = _BUILDERS[model_type]
+    if model_type == "nemotron_h":
+        _nemotron_h_pattern(cfg)  # (a config without MTP layers fails before the checkpoint is read)
     path = _checkpoint_dir(model, checkpoint)
-    tensors = _mtp_tensors(path)
-    scaled = sorted(k for k in tensors if k.endswith("_scale_inv"))
+    tensors = _mtp_tensors(path, looked_for)
+    # (block-FP8 "weight_scale_inv" of DeepSeek-style releases; per-tensor "weight_scale" /
+    # "input_scale" of NVIDIA ModelOpt ones)
+    scaled = sorted(k for k in tensors if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
     if scaled:
         raise ValueError(f"speculative method 'mtp': the mtp.* tensors in {path!r} are FP8-quantized "
                          f"({PREFIX}{scaled[0]}, ...); hybrid_compile loads MTP heads in float only")
-    mlp = "layers.0.mlp"
-    moe = any(k.startswith(f"{mlp}.experts.") or k == f"{mlp}.gate.weight" for k in tensors)
-    _fuse_experts(tensors, f"{mlp}.experts")
-    layer_cfg, index = _layer_config(cfg, moe)
-    decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    layer_class = type(decoder.layers[0])
+    head = build(model, cfg, tensors)
     param = next(p for p in model.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
-    layer = layer_class(layer_cfg, index)
-    head = MTPHead(model, layer, cfg.hidden_size, cfg.rms_norm_eps)
-    owned = tuple(name + "." for name in head.own_modules())
-    stray = sorted(k for k in tensors if not k.startswith(owned))
+    modules = head.own_modules()
+    owned = list(modules)
+    stray = sorted(k for k in tensors if _owner(k, owned) is None)
     if stray:
         raise ValueError(f"speculative method 'mtp': unknown tensors {', '.join(PREFIX + k for k in stray[:4])} in "
-                         f"{path!r} (a {model_type} MTP head has {', '.join(PREFIX + n + '*' for n in owned)})")
-    for name, module in head.own_modules().items():
+                         f"{path!r} (a {model_type} MTP head has {', '.join(PREFIX + n + '.*' for n in owned)})")
+    # parameters transformers keeps in float32 whatever the dtype (NemotronH's router weight and bias)
+    fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for name, module in modules.items():
         module.to(dtype=param.dtype)
-        own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        for pname, t in [*module.named_parameters(), *module.named_buffers()]:
+            if any(f in pname for f in fp32):
+                t.data = t.data.float()
+        own = {k[len(name) + 1:]: v for k, v in tensors.items() if _owner(k, owned) == name}
+        # (a block's state dict excludes the step's norms / projection, owned by their own names)
         missing, unexpected = module.load_state_dict(own, strict=False)
         if missing or unexpected:
-            raise ValueError(
+            raise (MTPWeightsNotFoundError if missing else ValueError)(
                 f"speculative method 'mtp': the {PREFIX}{name}.* tensors in {path!r} do not match a "
-                f"{type(module).__name__} of this {model_type} config (missing: {sorted(missing)[:4]}, "
-                f"unexpected: {sorted(unexpected)[:4]})")
+                f"{type(module).__name__} of this {model_type} config (missing: "
+                f"{sorted(PREFIX + name + '.' + m for m in missing)[:4]}, unexpected: {sorted(unexpected)[:4]})")
     return head.to(param.device).eval()
 
 
-__all__ = ["MTPHead", "MTPWeightsNotFoundError", "MTP_MODEL_TYPES", "load_mtp_head"]
+__all__ = ["GatedDeltaNetMTPHead", "MTPHead", "MTPWeightsNotFoundError", "MTP_MODEL_TYPES", "NemotronHMTPHead",
+           "load_mtp_head"]

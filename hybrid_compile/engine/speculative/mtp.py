@@ -103,7 +103,7 @@ class MTPDraft:
         self.vocab_size = target.layout.vocab_size
         cfg = target.config
         _, piecewise = cfg.resolved_cuda_graphs(target.device)
-        hidden_size = head.fc.out_features
+        hidden_size = head.hidden_size
         self.runner = ModelRunner(
             head, target.pools, target.device, dataclasses.replace(cfg, cuda_graphs="piecewise" if piecewise else False),
             forward_fn=mtp_forward, extra_inputs=(((hidden_size,), target.dtype),))

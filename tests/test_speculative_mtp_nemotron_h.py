@@ -70,13 +70,17 @@ def test_nemotron_h_mtp_prefix_cache_pages_compile(checkpoint):
     finish_engine(engine)
 
 
-def test_nemotron_h_mtp_tree_greedy_equals_hf(checkpoint):
-    """Draft trees of the head's top-2 at every depth of its chain, pages of 4, prefix cache."""
+@pytest.mark.parametrize("fused_moe", [False, True])
+def test_nemotron_h_mtp_tree_greedy_equals_hf(checkpoint, fused_moe):
+    """Draft trees of the head's top-2 at every depth of its chain, pages of 4, prefix cache; also
+    with the fused MoE experts path (the model's MoE blocks and the head's)."""
     path, _, _ = checkpoint
-    engine = hc.from_pretrained(path, **LOAD, page_size=4, enable_prefix_cache=True,
+    engine = hc.from_pretrained(path, **LOAD, page_size=4, enable_prefix_cache=True, fused_moe=fused_moe,
                                 speculative=dict(method="mtp", num_draft_tokens=3, topk=2, num_tree_nodes=5), **ARGS)
     stats = assert_greedy_with_continuations(engine, random_prompts((3, 45), vocab_size(engine.model), seed=5), NEW)
     assert stats["speculative"]["draft_nodes"] == 5 and stats["prefix_cache"]["hit_tokens"] > 0
+    moe_blocks = sum(1 for m in engine.model.modules() if type(m).__name__.endswith("Experts"))
+    assert stats["fused_moe_modules"] == ((moe_blocks + 1) if fused_moe else 0), stats["fused_moe_modules"]
     assert stats["speculative"]["draft_source"]["head_decode_steps"] > 0
     finish_engine(engine)
 

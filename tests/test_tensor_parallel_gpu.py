@@ -91,7 +91,7 @@ def _tree_speculative() -> dict:
 # the top one (relative to the top logit, at least 1), by the case's dtype: weights and activations
 # summed in another order. bf16 (the MoE models): its 8-bit mantissa through every layer and the top-k
 # routing (a rounding can swap an expert) moved a tiny Qwen3-Next MoE's pick 5.2% below its fp32 top on
-# 2 H200s; a sharding error lands far lower (a MiniMax slope mistake: 31%)
+# 2 H200s (the tiny MiniMax of std 0.2 went 31% below: bf16 noise, see BF16_TINY)
 NEAR_TIE = {"float32": 0.05, "bfloat16": 0.10}
 
 

@@ -43,7 +43,7 @@ import mamba2_models as mm
 import test_lfm2 as lfm2
 from kimi_models import build_kimi_linear
 from lfm3_models import build_lfm3
-from minimax_models import build_minimax
+from minimax_models import BF16_INIT_STD, build_minimax
 from recurrent_gemma_models import build_recurrent_gemma
 
 NEW = 6
@@ -122,6 +122,7 @@ TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "ne
              "lfm2", "lfm2_moe", "zamba2", "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
 # lightning attention by heads (its norm over all heads reduced across the ranks), softmax attention, MoE
 MODELS["minimax"] = build_minimax
+MODELS["minimax_bf16"] = lambda: build_minimax(init_std=BF16_INIT_STD)  # (served in bf16: its docstring)
 TWO_RANKS += ("minimax",)
 if hasattr(transformers, "Lfm3ForCausalLM"):  # (transformers 5.17 has no LFM3)
     MODELS["lfm3"] = build_lfm3  # sliding + full attention with the per-head output gate, short convs
@@ -146,6 +147,7 @@ VARIANTS = (
     # the fused MoE experts path (EngineConfig.fused_moe) on each rank's slice of the experts
     ("qwen3_next_moe@fused_moe", "qwen3_next_moe", dict(fused_moe=True), 1),
     ("nemotron_h@fused_moe", "nemotron_h", dict(fused_moe=True), 1),
+    ("minimax@bf16", "minimax_bf16", dict(dtype="bfloat16"), 1),
 ) + ((("kimi_linear@compiled", "kimi_linear_2l", dict(compile=True), 1),) if "kimi_linear" in MODELS else ())
 
 
@@ -399,6 +401,24 @@ def test_bf16_recurrent_state_equals_the_single_process_engine(checkpoints, two_
     finally:
         engine.close()
     assert two_ranks["nemotron_h@bf16_state"]["outputs"] == single
+
+
+def test_minimax_bf16_two_ranks_equal_the_single_process_engine(checkpoints, two_ranks):
+    """MiniMax in bf16 over 2 ranks (lightning heads, their norm reduced across the ranks, the rebuilt
+    decay slopes in the layer's dtype, the experts' halves) gives the single-process bf16 engine's
+    tokens, and both give HF's fp32 greedy tokens (the model's weights keep bf16 rounding below its
+    top-2 gaps: ``BF16_INIT_STD`` in tests/minimax_models.py)."""
+    ck = checkpoints["minimax_bf16"]
+    opts = {**OPTIONS, "dtype": "bfloat16"}
+    engine = hc.from_pretrained(ck["dir"], **opts)
+    try:
+        single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
+    finally:
+        engine.close()
+    tp = two_ranks["minimax@bf16"]
+    assert "error" not in tp, tp
+    assert tp["outputs"] == single
+    _check(checkpoints, two_ranks, "minimax@bf16", "minimax_bf16")
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)

@@ -91,7 +91,7 @@ def _tree_speculative() -> dict:
 # the top one (relative to the top logit, at least 1), by the case's dtype: weights and activations
 # summed in another order. bf16 (the MoE models): its 8-bit mantissa through every layer and the top-k
 # routing (a rounding can swap an expert) moved a tiny Qwen3-Next MoE's pick 5.2% below its fp32 top on
-# 2 H200s; a sharding error lands far lower (a MiniMax slope mistake: 31%)
+# 2 H200s (the tiny MiniMax of std 0.2 went 31% below: bf16 noise, see BF16_TINY)
 NEAR_TIE = {"float32": 0.05, "bfloat16": 0.10}
 
 
@@ -103,6 +103,10 @@ def _tiny_dtype(config, options: dict) -> str:
     if len(getattr(text, "mlp_only_layers", None) or []) >= text.num_hidden_layers:  # (Qwen3-Next dense)
         experts = 0
     return "bfloat16" if experts > 1 else options.get("dtype", OPTIONS["dtype"])
+# tiny models served (in bf16: routed experts) with the weights of another CPU-suite model: the tiny
+# MiniMax's own (std 0.2) amplify bf16 rounding past its top-2 gaps (HF's bf16 forward alone lands up to
+# 75% below its fp32 top on these prompts; see BF16_INIT_STD in tests/minimax_models.py)
+BF16_TINY = {"minimax": "minimax_bf16"}
 CASE_SECONDS = 240  # the longest a case may take (the mid-size ones compile and capture most)
 STACK_DUMP_SECONDS = 90  # a rank still in one case after this long logs its stacks (and again after as long)
 
@@ -180,7 +184,7 @@ def _cases() -> list[tuple[str, object, dict]]:
     from test_tensor_parallel import FOUR_RANKS, MODELS, TWO_RANKS
 
     tiny, spec = (TWO_RANKS, "qwen3_next_moe") if RANKS == 2 else (FOUR_RANKS, "qwen3_next_4")
-    cases = [(name, MODELS[name], dict(TINY)) for name in tiny]
+    cases = [(name, MODELS[BF16_TINY.get(name, name)], dict(TINY)) for name in tiny]
     cases.append((f"{spec}@speculative", MODELS[spec], dict(TINY, speculative=SPECULATIVE)))
     cases.append((f"{spec}@tree", MODELS[spec], dict(TINY, speculative=_tree_speculative())))
     for name in MID_FAMILIES:

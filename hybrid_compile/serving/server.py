@@ -13,6 +13,13 @@ goes away cancels the handler (streaming: starlette cancels the response; non-st
 watcher of the connection does), which aborts the engine requests at the next step. Errors are
 OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
 500 when an engine step failed under the request (its other requests keep going).
+
+Host cost per token (the event loop shares the GIL with the engine's driver thread): a request's
+handler wakes once per hand-off of the driver (not per token), takes every update that came
+meanwhile (:meth:`AsyncEngine.generate_batches`: when it fell behind, one update carries several
+tokens), detokenizes each choice's new tokens with one window decode, and writes all the
+resulting SSE events in one send; a chunk is a prebuilt JSON prefix and suffix around its choice
+object (only the choice is encoded per event).
 """
 
 from __future__ import annotations
@@ -306,27 +313,32 @@ class _Generation:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         return cls(engine, groups, bool(req.stream), include_usage)
 
-    async def _events(self, group: _Group) -> AsyncIterator[_Event]:
-        """The events of one prompt's choices; closing this iterator early aborts its request."""
-        stream = self.engine.generate_stream(group.prompt, group.params)
+    async def _events(self, group: _Group) -> AsyncIterator[list[_Event]]:
+        """The events of one prompt's choices, by wake-up (at most one per choice each); closing
+        this iterator early aborts its request."""
+        batches = self.engine.generate_batches(group.prompt, group.params)
         open_choices = len(group.choices)
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                choice = group.choices[out.index]
-                if choice.done:  # ended at a stop string before its engine sequence did
-                    continue
-                group.cached_tokens = out.cached_tokens
-                text = choice.text
-                text.add(out.new_token_ids)
-                done = out.finished or text.stopped
-                if done:
-                    text.finish()
-                    choice.done = True
-                    open_choices -= 1
-                reason = ("stop" if text.stopped else out.finish_reason) if done else None
-                piece = text.take(finished=done)
-                if piece or done or out.logprobs:
-                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                events = []
+                for out in batch:
+                    choice = group.choices[out.index]
+                    if choice.done:  # ended at a stop string before its engine sequence did
+                        continue
+                    group.cached_tokens = out.cached_tokens
+                    text = choice.text
+                    text.add(out.new_token_ids)
+                    done = out.finished or text.stopped
+                    if done:
+                        text.finish()
+                        choice.done = True
+                        open_choices -= 1
+                    reason = ("stop" if text.stopped else out.finish_reason) if done else None
+                    piece = text.take(finished=done)
+                    if piece or done or out.logprobs:
+                        events.append(_Event(choice, piece, out.new_token_ids, out.logprobs, reason))
+                if events:
+                    yield events
                 if open_choices == 0:
                     return  # (a sequence still running after its stop string: aclosing aborts it)
 
@@ -340,38 +352,60 @@ class _Generation:
         return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
 
     async def _collect(self, group: _Group) -> list[_Event]:
-        return [e async for e in self._events(group)]
+        return [e async for events in self._events(group) for e in events]
 
     async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+        """The response's SSE text: one piece (one send) per wake-up, holding its events."""
+        start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
+        if start:
+            yield start
+        try:
+            async for events in self._merged_events():
+                yield "".join(fmt.chunk_sse(e) for e in events)
+        except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+            yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
+            return
+        tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
+        yield tail + "data: [DONE]\n\n"
+
+    async def _merged_events(self) -> AsyncIterator[list[_Event]]:
+        """The events of every prompt's choices by wake-up: one prompt's directly, several through
+        one task each; the first error is raised (closing this aborts every engine request)."""
+        if len(self.groups) == 1:
+            async with contextlib.aclosing(self._events(self.groups[0])) as events:
+                async for batch in events:
+                    yield batch
+            return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(group: _Group) -> None:
             try:
-                async for event in self._events(group):
-                    queue.put_nowait(event)
-            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                async for batch in self._events(group):
+                    queue.put_nowait(batch)
+            except Exception as e:  # noqa: BLE001 -- raised to the response
                 queue.put_nowait(e)
             queue.put_nowait(done)
 
-        for chunk in fmt.start_chunks():
-            yield _sse_data(chunk)
         tasks = [asyncio.ensure_future(pump(g)) for g in self.groups]
         try:
             remaining = len(tasks)
             while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse_data(_error_of(item).body())
-                    break
-                yield _sse_data(fmt.chunk(item))
-            else:
-                if self.include_usage:
-                    yield _sse_data(fmt.usage_chunk(self.usage()))
-            yield "data: [DONE]\n\n"
+                items = [await queue.get()]
+                while not queue.empty():  # everything ready now goes out in one send
+                    items.append(queue.get_nowait())
+                batch, error = [], None
+                for item in items:
+                    if item is done:
+                        remaining -= 1
+                    elif isinstance(item, Exception):
+                        error = error or item
+                    else:
+                        batch += item
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             for t in tasks:  # a client that went away: every engine request is aborted
                 t.cancel()
@@ -438,6 +472,10 @@ class _Format:
     def __init__(self, gen: _Generation, model_name: str) -> None:
         self.gen, self.model_name = gen, model_name
         self._logprob_chars: dict[int, int] = {}  # per choice: text offset of its next token (logprobs)
+        # a chunk's SSE text around its one choice object, encoded once per response
+        marker = "\x00choice\x00"
+        whole = _sse_data(self._chunk(marker))
+        self._sse_prefix, self._sse_suffix = whole.split(json.dumps(marker) , 1)
 
     def _head(self, obj: str) -> dict:
         return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
@@ -455,14 +493,15 @@ class _Format:
             choices.append(self.final_choice(last.choice.index, text, logprobs, last.finish_reason))
         return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage()}
 
-    def chunk(self, e: _Event) -> dict:
+    def chunk_sse(self, e: _Event) -> str:
+        """The SSE event of one event: ``data: {chunk with this one choice}``."""
         logprobs = None
         if e.logprobs:
             i = e.choice.index
             logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
-        return self._chunk([self.chunk_choice(e, logprobs)])
+        return f"{self._sse_prefix}[{json.dumps(self.chunk_choice(e, logprobs), ensure_ascii=False)}]{self._sse_suffix}"
 
-    def _chunk(self, choices: list[dict]) -> dict:
+    def _chunk(self, choices) -> dict:
         out = {**self._head(self.chunk_object), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = None

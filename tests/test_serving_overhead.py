@@ -236,3 +236,26 @@ def test_metrics_histograms_keep_prometheus_bucket_semantics():
     assert samples[(p + "_sum", None)] == pytest.approx(sum(itls))
     assert samples[("hybrid_compile_time_to_first_token_seconds_count", None)] == 1
     assert samples[("hybrid_compile_generation_tokens_total", None)] == 6
+
+
+def test_prebuilt_chunk_text_is_the_chunk_object_and_the_backend_decode_is_decode():
+    from hybrid_compile.serving.detokenize import backend_decoder
+    from hybrid_compile.serving.server import _ChatFormat, _Choice, _CompletionFormat, _Event, _Generation, _Group
+
+    tok = build_tokenizer()
+    assert backend_decoder(tok) is not None  # the fast path is the one the tests' tokenizer takes
+    ids = tok(TEXT + " <|im_end|>", add_special_tokens=False)["input_ids"]
+    for skip in (True, False):
+        inc = IncrementalText(tok, skip_special_tokens=skip)
+        for i in range(len(ids) + 1):
+            assert inc._decode(ids[:i]) == tok.decode(ids[:i], skip_special_tokens=skip)
+    choice = _Choice(3, IncrementalText(tok))
+    gen = _Generation(_ScriptedEngine(tok, []), [_Group([1], hc.SamplingParams(), [choice])], stream=True,
+                      include_usage=False)
+    for fmt_cls in (_CompletionFormat, _ChatFormat):
+        fmt = fmt_cls(gen, 'model "x" é')
+        for text in ("", "plain", 'quo"te \\ back', "tab\tnew\nline \x00 \x1f", "é ü 漢字 🙂", "\u2028"):
+            for reason in (None, "stop", "length", "abort"):
+                e = _Event(choice, text, [], None, reason)
+                assert json.loads(fmt.plain_choice_json(e)) == fmt.chunk_choice(e, None)
+                assert json.loads(fmt.chunk_sse(e).removeprefix("data: ")) == fmt._chunk([fmt.chunk_choice(e, None)])

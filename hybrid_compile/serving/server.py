@@ -415,6 +415,13 @@ class _Generation:
                      sum(g.cached_tokens for g in self.groups))
 
 
+_json_str = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept (ensure_ascii=False)
+
+
+def _json_reason(reason: str | None) -> str:
+    return "null" if reason is None else _json_str(reason)
+
+
 def _sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -495,10 +502,10 @@ class _Format:
 
     def chunk_sse(self, e: _Event) -> str:
         """The SSE event of one event: ``data: {chunk with this one choice}``."""
-        logprobs = None
-        if e.logprobs:
-            i = e.choice.index
-            logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
+        if not e.logprobs:  # the common case: only the text is encoded
+            return f"{self._sse_prefix}[{self.plain_choice_json(e)}]{self._sse_suffix}"
+        i = e.choice.index
+        logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
         return f"{self._sse_prefix}[{json.dumps(self.chunk_choice(e, logprobs), ensure_ascii=False)}]{self._sse_suffix}"
 
     def _chunk(self, choices) -> dict:
@@ -526,6 +533,11 @@ class _CompletionFormat(_Format):
     def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
         return self.final_choice(e.choice.index, e.text, logprobs, e.finish_reason)
 
+    def plain_choice_json(self, e: _Event) -> str:
+        """``json.dumps(self.chunk_choice(e, None))``, by string formatting."""
+        return (f'{{"index": {e.choice.index}, "text": {_json_str(e.text)}, "logprobs": null, '
+                f'"finish_reason": {_json_reason(e.finish_reason)}}}')
+
 
 class _ChatFormat(_Format):
     id_prefix, response_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
@@ -540,6 +552,12 @@ class _ChatFormat(_Format):
     def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
         return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": logprobs,
                 "finish_reason": e.finish_reason}
+
+    def plain_choice_json(self, e: _Event) -> str:
+        """``json.dumps(self.chunk_choice(e, None))``, by string formatting."""
+        delta = f'{{"content": {_json_str(e.text)}}}' if e.text else "{}"
+        return (f'{{"index": {e.choice.index}, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {_json_reason(e.finish_reason)}}}')
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

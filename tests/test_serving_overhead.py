@@ -176,8 +176,8 @@ def _script(ids: list[int], n: int, seed: int) -> list[list[StreamOutput]]:
     return out
 
 
-@pytest.mark.parametrize("stop", [[], ["How a"], ["0123 ;"]])
-def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop):
+@pytest.mark.parametrize("stop,interval", [([], 1), (["How a"], 1), (["0123 ;"], 1), ([], 4), (["brown"], 5)])
+def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop, interval):
     from hybrid_compile.serving.server import _Choice, _CompletionFormat, _Generation, _Group
 
     tok = build_tokenizer()
@@ -185,7 +185,8 @@ def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop):
     n = 2
     engine = _ScriptedEngine(tok, _script(ids, n, seed=len(stop)))
     choices = [_Choice(j, IncrementalText(tok, True, stop)) for j in range(n)]
-    gen = _Generation(engine, [_Group([1, 2, 3], hc.SamplingParams(n=n), choices)], stream=True, include_usage=True)
+    gen = _Generation(engine, [_Group([1, 2, 3], hc.SamplingParams(n=n), choices)], stream=True, include_usage=True,
+                      stream_interval=interval)
     fmt = _CompletionFormat(gen, "m")
 
     async def run():
@@ -212,6 +213,8 @@ def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop):
     want = _stop_cut(tok.decode(ids, skip_special_tokens=True), stop)
     assert texts == {j: want for j in range(n)}
     assert reasons == {j: "stop" if stop else "length" for j in range(n)}
+    if interval > 1:  # a choice's chunk every `interval` tokens at most (and its last one)
+        assert len(chunks) <= n * (len(ids) // interval + 1), (len(chunks), len(ids))
     # fewer SSE sends than chunks: the events of one wake-up go out together
     assert len(pieces) < len(chunks) + 3
 
@@ -259,3 +262,11 @@ def test_prebuilt_chunk_text_is_the_chunk_object_and_the_backend_decode_is_decod
                 e = _Event(choice, text, [], None, reason)
                 assert json.loads(fmt.plain_choice_json(e)) == fmt.chunk_choice(e, None)
                 assert json.loads(fmt.chunk_sse(e).removeprefix("data: ")) == fmt._chunk([fmt.chunk_choice(e, None)])
+
+
+def test_stream_interval_is_checked():
+    from hybrid_compile.serving.server import build_app
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="stream_interval"):
+            build_app("m", load=lambda: None, stream_interval=bad)

@@ -19,7 +19,9 @@ handler wakes once per hand-off of the driver (not per token), takes every updat
 meanwhile (:meth:`AsyncEngine.generate_batches`: when it fell behind, one update carries several
 tokens), detokenizes each choice's new tokens with one window decode, and writes all the
 resulting SSE events in one send; a chunk is a prebuilt JSON prefix and suffix around its choice
-object (only the choice is encoded per event).
+object (only the choice is encoded per event). ``stream_interval`` N > 1 (``serve
+--stream-interval``, as SGLang's and vLLM's) sends a choice's text every N tokens (and at its
+end), detokenizing only then; a non-streaming response detokenizes each choice once, at its end.
 """
 
 from __future__ import annotations
@@ -75,13 +77,16 @@ class ServerState:
 
 def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
               load: Callable[[], HybridEngine] | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1) -> FastAPI:
     """The FastAPI app serving ``engine`` (a HybridEngine or AsyncEngine) under ``model_name``;
     or, with ``load``, the app that calls ``load()`` on a thread at startup and answers 503 until
     it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
-    closed)."""
+    closed). ``stream_interval``: a streamed choice's text goes out every that many tokens (and
+    at its end)."""
     if (engine is None) == (load is None):
         raise ValueError("build_app takes either engine= or load=")
+    if not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     if isinstance(engine, HybridEngine):
         engine = AsyncEngine(engine)
     state = ServerState(model_name, engine)
@@ -155,7 +160,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
             raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
         prompts = _completion_prompts(engine, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs)
+        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs, stream_interval)
         return await gen.respond(request, _CompletionFormat(gen, model_name))
 
     @app.post("/v1/chat/completions")
@@ -183,7 +188,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
                     f"This model's maximum context length is {engine.max_context_len} tokens; the messages take "
                     f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs)
+        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs, stream_interval)
         return await gen.respond(request, _ChatFormat(gen, model_name))
 
     return app
@@ -237,6 +242,9 @@ class _Choice:
     index: int
     text: IncrementalText
     done: bool = False
+    # tokens (and their logprobs) received and not detokenized / sent yet (stream_interval)
+    held_ids: list[int] = dataclasses.field(default_factory=list)
+    held_logprobs: list | None = None
 
 
 @dataclass
@@ -264,15 +272,18 @@ class _Generation:
     """The engine requests of one API request (one per prompt, of ``n`` sequences each) and their
     responses."""
 
-    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool) -> None:
+    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool,
+                 stream_interval: int = 1) -> None:
         self.engine, self.groups, self.stream, self.include_usage = engine, groups, stream, include_usage
+        # tokens a choice gathers before its text is decoded and sent (a whole response: only at the end)
+        self.interval = stream_interval if stream else sys.maxsize
         self.choices = [c for g in groups for c in g.choices]
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
 
     @classmethod
     def plan(cls, engine: AsyncEngine, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
-             prompt_name: str, logprobs: int | None) -> "_Generation":
+             prompt_name: str, logprobs: int | None, stream_interval: int = 1) -> "_Generation":
         """Check everything before anything is queued: a bad request leaves the engine untouched."""
         n = check_n(req)
         stop = stop_strings(req)
@@ -311,7 +322,7 @@ class _Generation:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
-        return cls(engine, groups, bool(req.stream), include_usage)
+        return cls(engine, groups, bool(req.stream), include_usage, stream_interval)
 
     async def _events(self, group: _Group) -> AsyncIterator[list[_Event]]:
         """The events of one prompt's choices, by wake-up (at most one per choice each); closing
@@ -326,8 +337,15 @@ class _Generation:
                     if choice.done:  # ended at a stop string before its engine sequence did
                         continue
                     group.cached_tokens = out.cached_tokens
+                    choice.held_ids += out.new_token_ids
+                    if out.logprobs:
+                        choice.held_logprobs = (choice.held_logprobs or []) + out.logprobs
+                    if not out.finished and len(choice.held_ids) < self.interval:
+                        continue
+                    token_ids, logprobs = choice.held_ids, choice.held_logprobs
+                    choice.held_ids, choice.held_logprobs = [], None
                     text = choice.text
-                    text.add(out.new_token_ids)
+                    text.add(token_ids)
                     done = out.finished or text.stopped
                     if done:
                         text.finish()
@@ -335,8 +353,8 @@ class _Generation:
                         open_choices -= 1
                     reason = ("stop" if text.stopped else out.finish_reason) if done else None
                     piece = text.take(finished=done)
-                    if piece or done or out.logprobs:
-                        events.append(_Event(choice, piece, out.new_token_ids, out.logprobs, reason))
+                    if piece or done or logprobs:
+                        events.append(_Event(choice, piece, token_ids, logprobs, reason))
                 if events:
                     yield events
                 if open_choices == 0:
@@ -568,7 +586,7 @@ class _ChatFormat(_Format):
 
 
 def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
-        access_log: bool = True) -> int:
+        access_log: bool = True, stream_interval: int = 1) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
     import uvicorn
@@ -580,7 +598,7 @@ def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int,
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    app = build_app(model_name, load=load, on_load_error=stop)
+    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -304,6 +304,8 @@ def cli_options(args, device: str, dtype: torch.dtype) -> list[str]:
         opts += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.threads:
         opts += ["--threads", str(args.threads)]
+    if args.stream_interval != 1:
+        opts += ["--stream-interval", str(args.stream_interval)]
     return opts
 
 
@@ -481,6 +483,8 @@ def parse_args(argv=None):
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--memory-fraction", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=0, help="CPU threads of torch (both modes); 0 = default")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="http: the server's --stream-interval (a choice's text every N tokens)")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")

@@ -135,6 +135,10 @@ def test_incremental_text_over_any_batching_equals_one_decode_cut_at_the_first_s
     inc.finish()
     streamed += inc.take(finished=True)
     assert streamed == inc.text == _stop_cut(full, stops)
+    # the tokens counted end at the one that completes the stop string, whatever the grouping
+    first = next((k for k in range(1, len(ids) + 1) if _stop_cut(tok.decode(ids[:k]), stops) != tok.decode(ids[:k])),
+                 len(ids))
+    assert inc.num_tokens == first, (inc.num_tokens, first)
 
 
 class _ScriptedEngine:

@@ -46,9 +46,18 @@ class IncrementalText:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Iterable[int]) -> None:
-        """Append generated tokens (ignored once a stop string was found); one window decode per
-        call, whatever the number of tokens."""
+        """Append generated tokens (ignored once a stop string was found). Without stop strings:
+        one window decode per call, whatever the number of tokens; with them, one per token, so
+        the sequence ends at the token that completes a stop string (what ``num_tokens`` counts)
+        however the tokens were grouped."""
         if self.stopped:
+            return
+        if self.stop:
+            for t in token_ids:
+                self.token_ids.append(int(t))
+                self._advance(final=False)
+                if self.stopped:
+                    return
             return
         before = len(self.token_ids)
         self.token_ids.extend(int(t) for t in token_ids)

@@ -500,7 +500,7 @@ class _Format:
         # a chunk's SSE text around its one choice object, encoded once per response
         marker = "\x00choice\x00"
         whole = _sse_data(self._chunk(marker))
-        self._sse_prefix, self._sse_suffix = whole.split(json.dumps(marker) , 1)
+        self._sse_prefix, self._sse_suffix = whole.split(json.dumps(marker), 1)
 
     def _head(self, obj: str) -> dict:
         return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,

@@ -23,7 +23,12 @@ token throughput over the run (first arrival to last finish), TTFT (send to firs
 inter-token latency (gaps between a request's token updates) and end-to-end latency, each p50 /
 p90 / p99 / mean. The summary names the highest rate whose p99 TTFT stays under
 ``--ttft-slo`` seconds, per mode, and compares HTTP with in-process throughput and latency at each
-rate. JSON under ``benchmarks/results/`` (or ``--out``) and PNG plots of latency and throughput vs
+rate. Host cost (Linux): the CPU seconds of the process that serves the streams, its main thread
+(the event loop: HTTP, SSE, detokenization in ``http``; the consumers in ``inprocess``) and the
+rest (the engine's driver thread, torch's threads), per output token; in ``http`` also the
+client's (this process: the ``openai`` client parsing every chunk), which on a machine with few
+cores takes CPU from the server and lowers HTTP throughput for a reason outside the server. JSON under
+``benchmarks/results/`` (or ``--out``) and PNG plots of latency and throughput vs
 rate beside it (with matplotlib).
 """
 
@@ -149,6 +154,34 @@ async def run_load(prompts: list[list[int]], offsets: list[float], one_request) 
     return summarize(list(records), time.perf_counter() - t0)
 
 
+def cpu_seconds(pid: int) -> dict | None:
+    """CPU seconds (user + system) of process ``pid`` so far: its main thread and the whole
+    process (Linux /proc; None elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def read(path):
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    try:
+        return {"main_thread": read(f"/proc/{pid}/task/{pid}/stat"), "process": read(f"/proc/{pid}/stat")}
+    except OSError:
+        return None
+
+
+def with_host_cost(result: dict, before: dict | None, after: dict | None) -> dict:
+    """Add the serving process's CPU time over a run (and per output token) to its summary."""
+    if before is None or after is None:
+        return result
+    main, total = after["main_thread"] - before["main_thread"], after["process"] - before["process"]
+    tokens = max(result["output_tokens"], 1)
+    result["host_cpu_s"] = {"event_loop": main, "other_threads": total - main,
+                            "event_loop_us_per_token": 1e6 * main / tokens,
+                            "other_threads_us_per_token": 1e6 * (total - main) / tokens}
+    return result
+
+
 def _record(start: float, times: list[float], tokens: int, error: str | None = None) -> dict:
     end = time.perf_counter()
     return {
@@ -271,6 +304,8 @@ def cli_options(args, device: str, dtype: torch.dtype) -> list[str]:
         opts += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.threads:
         opts += ["--threads", str(args.threads)]
+    if args.stream_interval != 1:
+        opts += ["--stream-interval", str(args.stream_interval)]
     return opts
 
 
@@ -285,8 +320,9 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
         for i, rate in enumerate(rates):
             prompts = make_prompts(args, vocab, seed=args.seed + i)
             offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
-            results[_rate_key(rate)] = asyncio.run(run_load(prompts, offsets, inprocess_request(async_engine,
-                                                                                              args.output_len)))
+            before = cpu_seconds(os.getpid())
+            result = asyncio.run(run_load(prompts, offsets, inprocess_request(async_engine, args.output_len)))
+            results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(os.getpid()))
             _print_row("inprocess", rate, results[_rate_key(rate)])
     finally:
         async_engine.shutdown(close_engine=True)
@@ -314,7 +350,13 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
         for i, rate in enumerate(rates):
             prompts = make_prompts(args, vocab, seed=args.seed + i)
             offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
-            results[_rate_key(rate)] = asyncio.run(load(prompts, offsets, args.output_len))
+            before, client_before = cpu_seconds(server.proc.pid), cpu_seconds(os.getpid())
+            result = asyncio.run(load(prompts, offsets, args.output_len))
+            results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid))
+            client_after = cpu_seconds(os.getpid())
+            if client_before is not None and client_after is not None:  # the openai client's own share
+                result["host_cpu_s"]["client_us_per_token"] = (
+                    1e6 * (client_after["process"] - client_before["process"]) / max(result["output_tokens"], 1))
             _print_row("http", rate, results[_rate_key(rate)])
     finally:
         server.stop()
@@ -333,7 +375,11 @@ def _print_row(mode: str, rate: float, r: dict) -> None:
     print(f"{mode:>9} rate {_rate_key(rate):>5}/s: {r['request_throughput']:7.2f} req/s {r['output_throughput']:9.1f} "
           f"tok/s | TTFT ms p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])} | ITL ms p50 "
           f"{_ms(r['itl_s']['p50'])} p99 {_ms(r['itl_s']['p99'])} | e2e ms p50 {_ms(r['e2e_s']['p50'])} | "
-          f"failed {r['failed']}", flush=True)
+          f"failed {r['failed']}" + (f" | CPU us/token: event loop {r['host_cpu_s']['event_loop_us_per_token']:.0f}, "
+                                     f"other threads {r['host_cpu_s']['other_threads_us_per_token']:.0f}"
+                                     + (f", client {r['host_cpu_s']['client_us_per_token']:.0f}"
+                                        if "client_us_per_token" in r["host_cpu_s"] else "")
+                                     if "host_cpu_s" in r else ""), flush=True)
 
 
 def compare(results: dict, rates: list[float], slo: float) -> dict:
@@ -437,6 +483,8 @@ def parse_args(argv=None):
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--memory-fraction", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=0, help="CPU threads of torch (both modes); 0 = default")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="http: the server's --stream-interval (a choice's text every N tokens)")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")

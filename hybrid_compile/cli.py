@@ -337,7 +337,7 @@ def _serve(args: argparse.Namespace) -> int:
     if is_torchrun_follower(args.tensor_parallel_size):
         load()  # only rank 0 listens: a follower follows its engine until it closes, then _load ends the command
     return run(args.served_model_name or args.model, load, host=args.host, port=args.port,
-               log_level=args.log_level, access_log=args.access_log)
+               log_level=args.log_level, access_log=args.access_log, stream_interval=args.stream_interval)
 
 
 def _one_line(e: BaseException) -> str:
@@ -517,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the KV and recurrent state of shared prompt prefixes")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="send a streamed choice's text every N tokens (and at its end): less HTTP work per token, "
+                        "coarser chunks")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     _add_model_options(s, max_running_requests=64)

@@ -2,10 +2,18 @@
 
 One driver thread owns the :class:`~hybrid_compile.HybridEngine`: it applies the commands the
 event loop queued (add a request, abort one, run a function on the engine), runs ``step()`` while
-requests are in flight and sleeps on an event while none are. Each step's tokens go back to the
-event loop in one ``call_soon_threadsafe`` call, into the per-request queues the streams await, so
-the event loop never waits for a step (and never touches the engine: the engine is not
-thread-safe, every call into it happens on the driver thread, between steps).
+requests are in flight and sleeps on an event while none are. The event loop never waits for a
+step and never touches the engine (it is not thread-safe: every call into it happens on the
+driver thread, between steps).
+
+Hand-off (the host cost that an HTTP server at saturation pays per output token, on the GIL the
+driver needs too): each step's updates of every request are appended, under one lock, to one
+inbox per event loop, and the loop is woken by one ``call_soon_threadsafe`` — only if no wake-up
+of it is pending already. The loop's callback drains the whole inbox into the streams, merging
+the updates of a sequence that its consumer has not taken yet into one (tokens concatenated). So
+the hand-offs per step are O(1), not O(requests); and a consumer that falls behind (a busy event
+loop) gets one update with several tokens instead of a backlog of one-token updates, so its work
+per step shrinks just when the loop is short of time.
 
 A stream whose consumer stops early (``break``, an exception, a cancelled task — e.g. an HTTP
 client that went away) queues an abort; the driver calls ``engine.abort(rid)`` before the next
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -64,11 +73,11 @@ class StreamOutput:
 
 @dataclass
 class _Stream:
-    """A request in flight: the driver thread's record and the event loop's queue."""
+    """A request in flight: the driver thread's record, and what the event loop has received for
+    it and its consumer has not taken yet."""
 
     prompt: list[int]
     params: SamplingParams
-    queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
     rids: list[int] = field(default_factory=list)  # its sequences' engine ids
@@ -76,6 +85,11 @@ class _Stream:
     cached_tokens: int = 0
     done: bool = False
     abort_requested: bool = False
+    # event loop side: per sequence index, the merged update not taken yet; an error ending it;
+    # the future its consumer awaits while there is nothing
+    pending: dict[int, StreamOutput] = field(default_factory=dict)
+    error: BaseException | None = None
+    waiter: asyncio.Future | None = None
 
 
 @dataclass
@@ -97,17 +111,15 @@ class _Call:
 
 
 class EngineObserver:
-    """Hooks the driver thread calls as tokens come out (the server's metrics implement them).
-    Every method runs on the driver thread and must be quick."""
+    """The hook the driver thread calls once per step as tokens come out (the server's metrics
+    implement it). It runs on the driver thread, inside the step loop: it must be quick."""
 
-    def first_token(self, seconds: float) -> None:
-        """Time to first token of a request (arrival to its first generated token)."""
-
-    def next_tokens(self, seconds: float, num_tokens: int) -> None:
-        """``num_tokens`` more tokens of a request came ``seconds`` after its previous ones."""
-
-    def finished(self, output: StreamOutput) -> None:
-        """A request finished (also when aborted); ``output`` is its last update."""
+    def observe_step(self, first_token_latencies: list[float], inter_token_latencies: list[float],
+                     finished: list[StreamOutput]) -> None:
+        """One step's (or one abort's) measurements: the time to first token of each sequence
+        that got its first token (arrival to first token); one inter-token latency per further
+        token (several tokens of one sequence in one step share the gap); the last update of each
+        sequence that finished (also when aborted)."""
 
 
 class AsyncEngine:
@@ -133,6 +145,13 @@ class AsyncEngine:
         self._seqs: dict[int, _Seq] = {}  # engine rid -> its sequence (driver thread only)
         self._failed_last_step = False
         self.num_step_errors = 0
+        # driver -> event loops: the updates not delivered yet, per loop, and the loops with a
+        # wake-up (call_soon_threadsafe) pending
+        self._inbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._wake_pending: set[asyncio.AbstractEventLoop] = set()
+        self._inbox_lock = threading.Lock()
+        self.num_posts = 0  # driver iterations that handed updates to the event loops
+        self.num_handoffs = 0  # call_soon_threadsafe wake-ups of event loops (<= num_posts per loop)
 
     # -- public API -------------------------------------------------------------------------------
     @property
@@ -151,10 +170,17 @@ class AsyncEngine:
 
     def generate_stream(self, prompt: Iterable[int], params: SamplingParams | None = None) -> AsyncIterator[StreamOutput]:
         """Queue one prompt (token ids) and return an async iterator over its updates; it ends after
-        the update with ``finished=True`` of each of its ``params.n`` sequences (``index``). Bad
-        input raises ValueError here, before anything is queued. The request is queued on the
-        first iteration; stopping the iteration early (break, exception, cancellation, or
-        ``aclose()``) aborts it."""
+        the update with ``finished=True`` of each of its ``params.n`` sequences (``index``). An
+        update holds the tokens since the sequence's previous one: one step's, or several steps'
+        when the consumer fell behind. Bad input raises ValueError here, before anything is
+        queued. The request is queued on the first iteration; stopping the iteration early
+        (break, exception, cancellation, or ``aclose()``) aborts it."""
+        return _flatten(self.generate_batches(prompt, params))
+
+    def generate_batches(self, prompt: Iterable[int],
+                         params: SamplingParams | None = None) -> AsyncIterator[list[StreamOutput]]:
+        """:meth:`generate_stream` by wake-ups: each item is every update that came since the
+        consumer's previous item, at most one per sequence (a server formats them together)."""
         prompt = [int(t) for t in prompt]
         params = params if params is not None else SamplingParams()
         self.validate(prompt, params)
@@ -192,22 +218,28 @@ class AsyncEngine:
             self.engine.close()
 
     # -- event-loop side ---------------------------------------------------------------------------
-    async def _stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
+    async def _stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[list[StreamOutput]]:
         loop = asyncio.get_running_loop()
-        stream = _Stream(prompt, params, asyncio.Queue(), loop, arrival=time.perf_counter())
+        stream = _Stream(prompt, params, loop, arrival=time.perf_counter())
         self._submit(("add", stream))
         remaining = params.n
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                while not stream.pending and stream.error is None:
+                    stream.waiter = loop.create_future()
+                    try:
+                        await stream.waiter
+                    finally:
+                        stream.waiter = None
+                if stream.error is not None:
                     finished = True  # the driver already let go of it
-                    raise item
-                for out in item:
-                    remaining -= out.finished
-                    finished = remaining == 0
-                    yield out
+                    raise stream.error
+                batch = list(stream.pending.values())
+                stream.pending.clear()
+                remaining -= sum(out.finished for out in batch)
+                finished = remaining == 0
+                yield batch
                 if finished:
                     return
         finally:
@@ -319,7 +351,7 @@ class AsyncEngine:
                 finish_reason=reason, prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens,
                 arrival_time=stream.arrival, first_token_time=seq.first_token_time, time=now,
             )
-            self.observer.finished(update)
+            self.observer.observe_step([], [], [update])
             if error is None:
                 outbox.setdefault(stream.loop, []).append((stream, update))
         stream.open = 0
@@ -366,6 +398,9 @@ class AsyncEngine:
                     update.logprobs = (update.logprobs or []) + [out.logprobs]
             if out.finished:
                 update.finished, update.finish_reason = True, out.finish_reason
+        ttfts: list[float] = []
+        itls: list[float] = []
+        finished: list[StreamOutput] = []
         for rid, update in updates.items():
             seq = self._seqs[rid]
             stream = seq.stream
@@ -373,11 +408,10 @@ class AsyncEngine:
             if n:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                    self.observer.first_token(now - stream.arrival)
-                    if n > 1:
-                        self.observer.next_tokens(0.0, n - 1)
+                    ttfts.append(now - stream.arrival)
+                    itls.extend([0.0] * (n - 1))
                 else:
-                    self.observer.next_tokens(now - seq.last_token_time, n)
+                    itls.extend([(now - seq.last_token_time) / n] * n)
                 seq.last_token_time = now
             seq.generated += n
             update.num_generated = seq.generated
@@ -386,10 +420,12 @@ class AsyncEngine:
             if update.finished:
                 del self._seqs[rid]
                 self.engine.pop_finished(rid)
-                self.observer.finished(update)
+                finished.append(update)
                 stream.open -= 1
                 stream.done = stream.open == 0
             outbox.setdefault(stream.loop, []).append((stream, update))
+        if updates:
+            self.observer.observe_step(ttfts, itls, finished)
 
     def _fail_step(self, error: Exception, running: list[int], everyone: bool, outbox: dict) -> None:
         """A step raised: abort the requests it touched and fail their streams with
@@ -417,28 +453,63 @@ class AsyncEngine:
             outbox.setdefault(stream.loop, []).append((stream, EngineClosedError("the AsyncEngine was shut down")))
         self._seqs.clear()
 
-    @staticmethod
-    def _post(outbox: dict) -> None:
-        """Hand the collected updates to each event loop in one thread-safe call."""
-        for loop, items in outbox.items():
-            batches: dict[int, tuple[_Stream, list]] = {}
-            for stream, item in items:
-                if isinstance(item, BaseException):
-                    batches[id(stream)] = (stream, item)
-                else:
-                    entry = batches.setdefault(id(stream), (stream, []))
-                    if isinstance(entry[1], list):
-                        entry[1].append(item)
-            try:
-                loop.call_soon_threadsafe(_deliver, list(batches.values()))
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+    def _post(self, outbox: dict) -> None:
+        """Hand a driver iteration's updates to their event loops: appended to each loop's inbox,
+        and the loop woken only if no wake-up of it is pending (the pending one will take these
+        too)."""
+        if not outbox:
+            return
+        self.num_posts += 1
+        wake = []
+        with self._inbox_lock:
+            for loop, items in outbox.items():
+                self._inbox.setdefault(loop, []).extend(items)
+                if loop not in self._wake_pending:
+                    self._wake_pending.add(loop)
+                    wake.append(loop)
         outbox.clear()
+        for loop in wake:
+            self.num_handoffs += 1
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                with self._inbox_lock:
+                    self._inbox.pop(loop, None)
+                    self._wake_pending.discard(loop)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(event loop) Everything the driver posted for this loop into its streams: a sequence's
+        updates not taken yet are merged into one; an error ends its stream."""
+        with self._inbox_lock:
+            items = self._inbox.pop(loop, [])
+            self._wake_pending.discard(loop)
+        for stream, item in items:
+            if isinstance(item, BaseException):
+                stream.error = item
+            else:
+                held = stream.pending.get(item.index)
+                if held is None:
+                    stream.pending[item.index] = item
+                else:
+                    _merge(held, item)
+            if stream.waiter is not None and not stream.waiter.done():
+                stream.waiter.set_result(None)
 
 
-def _deliver(batches: list) -> None:
-    for stream, item in batches:
-        stream.queue.put_nowait(item)
+def _merge(held: StreamOutput, later: StreamOutput) -> None:
+    """Fold a sequence's later update into the one its consumer has not taken yet."""
+    held.new_token_ids.extend(later.new_token_ids)
+    if later.logprobs:
+        held.logprobs = (held.logprobs or []) + later.logprobs
+    held.num_generated, held.finished, held.finish_reason = later.num_generated, later.finished, later.finish_reason
+    held.cached_tokens, held.first_token_time, held.time = later.cached_tokens, later.first_token_time, later.time
+
+
+async def _flatten(batches: AsyncIterator[list[StreamOutput]]) -> AsyncIterator[StreamOutput]:
+    async with contextlib.aclosing(batches):  # closing this early aborts the request
+        async for batch in batches:
+            for out in batch:
+                yield out
 
 
 __all__ = ["AsyncEngine", "EngineClosedError", "EngineObserver", "EngineStepError", "StreamOutput"]

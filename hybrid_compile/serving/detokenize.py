@@ -8,6 +8,11 @@ with the tokens before keeps what a tokenizer does at token boundaries (byte-lev
 sentencepiece's leading spaces); text that ends in an incomplete UTF-8 character (U+FFFD) is held
 until the character completes.
 
+A fast tokenizer (``tokenizers`` backend) that applies no clean-up of tokenization spaces is
+decoded by its Rust backend directly: the same text as ``tokenizer.decode`` (which then only
+converts its arguments and calls the backend) without that wrapper's Python per call, which the
+event loop pays twice per update of every stream. Any other tokenizer goes through ``decode``.
+
 Stop strings: the text is cut where the first stop string begins (the stop string itself is not
 part of the result, as in OpenAI's API), and the sequence is finished. While streaming, the last
 ``len(longest stop string) - 1`` characters are held back, since they might be the start of a
@@ -25,6 +30,7 @@ class IncrementalText:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Iterable[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = backend_decoder(tokenizer)
         self.stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -35,12 +41,23 @@ class IncrementalText:
         self._sent = 0  # characters of text handed out by take()
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: Iterable[int]) -> None:
-        """Append generated tokens (ignored once a stop string was found); one window decode per
-        call, whatever the number of tokens."""
+        """Append generated tokens (ignored once a stop string was found). Without stop strings:
+        one window decode per call, whatever the number of tokens; with them, one per token, so
+        the sequence ends at the token that completes a stop string (what ``num_tokens`` counts)
+        however the tokens were grouped."""
         if self.stopped:
+            return
+        if self.stop:
+            for t in token_ids:
+                self.token_ids.append(int(t))
+                self._advance(final=False)
+                if self.stopped:
+                    return
             return
         before = len(self.token_ids)
         self.token_ids.extend(int(t) for t in token_ids)
@@ -78,3 +95,16 @@ class IncrementalText:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def backend_decoder(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` under a fast tokenizer whose ``decode`` is exactly the backend's
+    (no clean-up of tokenization spaces); None otherwise."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend

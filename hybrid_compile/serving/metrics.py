@@ -1,8 +1,11 @@
 """The server's Prometheus metrics (prometheus-client), in a registry of their own.
 
 Latencies are observed as tokens come out (:class:`ServerMetrics` is the AsyncEngine's
-observer, called on the driver thread): time to first token, inter-token latency and end-to-end
-request latency histograms, token and request counters. Engine state (requests running /
+observer, called on the driver thread once per step with the step's measurements): time to first
+token, inter-token latency and end-to-end request latency histograms, token and request counters.
+The latency histograms are bucket counts of our own (:class:`_Histogram`, exported by the
+collector as Prometheus histograms): one lock and one bisect per value, where prometheus-client's
+Histogram takes a lock and scans its buckets per ``observe`` — the step loop pays for every value. Engine state (requests running /
 waiting, pool usage, prefix-cache hit rate) is read from ``engine.stats()`` at each scrape,
 between two steps, and exported by a collector. Tokens/s is the generation rate over the last
 ``rate_window`` seconds.
@@ -10,12 +13,13 @@ between two steps, and exported by a collector. Tokens/s is the generation rate 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .async_engine import EngineObserver, StreamOutput
 
@@ -35,12 +39,12 @@ class ServerMetrics(EngineObserver):
         self.rate_window = rate_window
         labels, values = ["model_name"], [model_name]
         r = self.registry
-        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time from a request's arrival to its first "
-                              "generated token", labels, buckets=_LATENCY_BUCKETS, registry=r).labels(*values)
-        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between two generated tokens of a request",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(*values)
-        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Time from a request's arrival to its end",
-                             labels, buckets=_E2E_BUCKETS, registry=r).labels(*values)
+        self.ttft = _Histogram("time_to_first_token_seconds", "Time from a request's arrival to its first "
+                               "generated token", _LATENCY_BUCKETS)
+        self.itl = _Histogram("inter_token_latency_seconds", "Time between two generated tokens of a request",
+                              _LATENCY_BUCKETS)
+        self.e2e = _Histogram("e2e_request_latency_seconds", "Time from a request's arrival to its end", _E2E_BUCKETS)
+        self._histogram_lock = threading.Lock()
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests", labels,
                                      registry=r).labels(*values)
         self.cached_prompt_tokens = Counter(f"{PREFIX}cached_prompt_tokens", "Prompt tokens of finished requests "
@@ -55,21 +59,20 @@ class ServerMetrics(EngineObserver):
         self.registry.register(_EngineCollector(self))
 
     # -- observer (driver thread) -----------------------------------------------------------------
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-        self._count_tokens(1)
-
-    def next_tokens(self, seconds: float, num_tokens: int) -> None:
-        for _ in range(num_tokens):  # several tokens at once (speculative decoding): the gap is shared
-            self.itl.observe(seconds / num_tokens)
-        self._count_tokens(num_tokens)
-
-    def finished(self, output: StreamOutput) -> None:
-        self.e2e.observe(output.time - output.arrival_time)
-        if output.index == 0:  # the n sequences of a request share its prompt
-            self.prompt_tokens.inc(output.prompt_tokens)
-            self.cached_prompt_tokens.inc(output.cached_tokens)
-        self.requests.labels(self.model_name, output.finish_reason or "unknown").inc()
+    def observe_step(self, first_token_latencies: list[float], inter_token_latencies: list[float],
+                     finished: list[StreamOutput]) -> None:
+        with self._histogram_lock:
+            self.ttft.observe_many(first_token_latencies)
+            self.itl.observe_many(inter_token_latencies)
+            self.e2e.observe_many([out.time - out.arrival_time for out in finished])
+        tokens = len(first_token_latencies) + len(inter_token_latencies)
+        if tokens:
+            self._count_tokens(tokens)
+        for output in finished:
+            if output.index == 0:  # the n sequences of a request share its prompt
+                self.prompt_tokens.inc(output.prompt_tokens)
+                self.cached_prompt_tokens.inc(output.cached_tokens)
+            self.requests.labels(self.model_name, output.finish_reason or "unknown").inc()
 
     def _count_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)
@@ -96,6 +99,30 @@ class ServerMetrics(EngineObserver):
         return generate_latest(self.registry)
 
 
+class _Histogram:
+    """Bucket counts and sum of one latency histogram (callers hold ServerMetrics' lock)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple) -> None:
+        self.name, self.doc, self.bounds = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe_many(self, values: list[float]) -> None:
+        bounds, counts = self.bounds, self.counts
+        for v in values:
+            counts[bisect.bisect_left(bounds, v)] += 1  # Prometheus' buckets are "<= le"
+        self.sum += sum(values)
+
+    def family(self, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += count
+            cumulative.append((bound, total))
+        h = HistogramMetricFamily(f"{PREFIX}{self.name}", self.doc, labels=labels)
+        h.add_metric(values, cumulative, self.sum)
+        return h
+
+
 class _EngineCollector:
     """Gauges and counters read from the engine's latest stats() snapshot."""
 
@@ -119,6 +146,9 @@ class _EngineCollector:
             c.add_metric(values, float(value))
             return c
 
+        with m._histogram_lock:
+            histograms = [h.family(labels, values) for h in (m.ttft, m.itl, m.e2e)]
+        yield from histograms
         yield gauge("generation_tokens_per_second", f"Tokens generated per second over the last {m.rate_window:g} s",
                     m.tokens_per_second())
         s = m._snapshot

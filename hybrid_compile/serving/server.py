@@ -13,6 +13,15 @@ goes away cancels the handler (streaming: starlette cancels the response; non-st
 watcher of the connection does), which aborts the engine requests at the next step. Errors are
 OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
 500 when an engine step failed under the request (its other requests keep going).
+
+Host cost per token (the event loop shares the GIL with the engine's driver thread): a request's
+handler wakes once per hand-off of the driver (not per token), takes every update that came
+meanwhile (:meth:`AsyncEngine.generate_batches`: when it fell behind, one update carries several
+tokens), detokenizes each choice's new tokens with one window decode, and writes all the
+resulting SSE events in one send; a chunk is a prebuilt JSON prefix and suffix around its choice
+object (only the choice is encoded per event). ``stream_interval`` N > 1 (``serve
+--stream-interval``, as SGLang's and vLLM's) sends a choice's text every N tokens (and at its
+end), detokenizing only then; a non-streaming response detokenizes each choice once, at its end.
 """
 
 from __future__ import annotations
@@ -68,13 +77,16 @@ class ServerState:
 
 def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
               load: Callable[[], HybridEngine] | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1) -> FastAPI:
     """The FastAPI app serving ``engine`` (a HybridEngine or AsyncEngine) under ``model_name``;
     or, with ``load``, the app that calls ``load()`` on a thread at startup and answers 503 until
     it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
-    closed)."""
+    closed). ``stream_interval``: a streamed choice's text goes out every that many tokens (and
+    at its end)."""
     if (engine is None) == (load is None):
         raise ValueError("build_app takes either engine= or load=")
+    if not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     if isinstance(engine, HybridEngine):
         engine = AsyncEngine(engine)
     state = ServerState(model_name, engine)
@@ -148,7 +160,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
             raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
         prompts = _completion_prompts(engine, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs)
+        gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs, stream_interval)
         return await gen.respond(request, _CompletionFormat(gen, model_name))
 
     @app.post("/v1/chat/completions")
@@ -176,7 +188,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
                     f"This model's maximum context length is {engine.max_context_len} tokens; the messages take "
                     f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs)
+        gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs, stream_interval)
         return await gen.respond(request, _ChatFormat(gen, model_name))
 
     return app
@@ -230,6 +242,9 @@ class _Choice:
     index: int
     text: IncrementalText
     done: bool = False
+    # tokens (and their logprobs) received and not detokenized / sent yet (stream_interval)
+    held_ids: list[int] = dataclasses.field(default_factory=list)
+    held_logprobs: list | None = None
 
 
 @dataclass
@@ -257,15 +272,18 @@ class _Generation:
     """The engine requests of one API request (one per prompt, of ``n`` sequences each) and their
     responses."""
 
-    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool) -> None:
+    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool,
+                 stream_interval: int = 1) -> None:
         self.engine, self.groups, self.stream, self.include_usage = engine, groups, stream, include_usage
+        # tokens a choice gathers before its text is decoded and sent (a whole response: only at the end)
+        self.interval = stream_interval if stream else sys.maxsize
         self.choices = [c for g in groups for c in g.choices]
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
 
     @classmethod
     def plan(cls, engine: AsyncEngine, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
-             prompt_name: str, logprobs: int | None) -> "_Generation":
+             prompt_name: str, logprobs: int | None, stream_interval: int = 1) -> "_Generation":
         """Check everything before anything is queued: a bad request leaves the engine untouched."""
         n = check_n(req)
         stop = stop_strings(req)
@@ -304,29 +322,41 @@ class _Generation:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
-        return cls(engine, groups, bool(req.stream), include_usage)
+        return cls(engine, groups, bool(req.stream), include_usage, stream_interval)
 
-    async def _events(self, group: _Group) -> AsyncIterator[_Event]:
-        """The events of one prompt's choices; closing this iterator early aborts its request."""
-        stream = self.engine.generate_stream(group.prompt, group.params)
+    async def _events(self, group: _Group) -> AsyncIterator[list[_Event]]:
+        """The events of one prompt's choices, by wake-up (at most one per choice each); closing
+        this iterator early aborts its request."""
+        batches = self.engine.generate_batches(group.prompt, group.params)
         open_choices = len(group.choices)
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                choice = group.choices[out.index]
-                if choice.done:  # ended at a stop string before its engine sequence did
-                    continue
-                group.cached_tokens = out.cached_tokens
-                text = choice.text
-                text.add(out.new_token_ids)
-                done = out.finished or text.stopped
-                if done:
-                    text.finish()
-                    choice.done = True
-                    open_choices -= 1
-                reason = ("stop" if text.stopped else out.finish_reason) if done else None
-                piece = text.take(finished=done)
-                if piece or done or out.logprobs:
-                    yield _Event(choice, piece, out.new_token_ids, out.logprobs, reason)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                events = []
+                for out in batch:
+                    choice = group.choices[out.index]
+                    if choice.done:  # ended at a stop string before its engine sequence did
+                        continue
+                    group.cached_tokens = out.cached_tokens
+                    choice.held_ids += out.new_token_ids
+                    if out.logprobs:
+                        choice.held_logprobs = (choice.held_logprobs or []) + out.logprobs
+                    if not out.finished and len(choice.held_ids) < self.interval:
+                        continue
+                    token_ids, logprobs = choice.held_ids, choice.held_logprobs
+                    choice.held_ids, choice.held_logprobs = [], None
+                    text = choice.text
+                    text.add(token_ids)
+                    done = out.finished or text.stopped
+                    if done:
+                        text.finish()
+                        choice.done = True
+                        open_choices -= 1
+                    reason = ("stop" if text.stopped else out.finish_reason) if done else None
+                    piece = text.take(finished=done)
+                    if piece or done or logprobs:
+                        events.append(_Event(choice, piece, token_ids, logprobs, reason))
+                if events:
+                    yield events
                 if open_choices == 0:
                     return  # (a sequence still running after its stop string: aclosing aborts it)
 
@@ -340,38 +370,60 @@ class _Generation:
         return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
 
     async def _collect(self, group: _Group) -> list[_Event]:
-        return [e async for e in self._events(group)]
+        return [e async for events in self._events(group) for e in events]
 
     async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+        """The response's SSE text: one piece (one send) per wake-up, holding its events."""
+        start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
+        if start:
+            yield start
+        try:
+            async for events in self._merged_events():
+                yield "".join(fmt.chunk_sse(e) for e in events)
+        except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+            yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
+            return
+        tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
+        yield tail + "data: [DONE]\n\n"
+
+    async def _merged_events(self) -> AsyncIterator[list[_Event]]:
+        """The events of every prompt's choices by wake-up: one prompt's directly, several through
+        one task each; the first error is raised (closing this aborts every engine request)."""
+        if len(self.groups) == 1:
+            async with contextlib.aclosing(self._events(self.groups[0])) as events:
+                async for batch in events:
+                    yield batch
+            return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(group: _Group) -> None:
             try:
-                async for event in self._events(group):
-                    queue.put_nowait(event)
-            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                async for batch in self._events(group):
+                    queue.put_nowait(batch)
+            except Exception as e:  # noqa: BLE001 -- raised to the response
                 queue.put_nowait(e)
             queue.put_nowait(done)
 
-        for chunk in fmt.start_chunks():
-            yield _sse_data(chunk)
         tasks = [asyncio.ensure_future(pump(g)) for g in self.groups]
         try:
             remaining = len(tasks)
             while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse_data(_error_of(item).body())
-                    break
-                yield _sse_data(fmt.chunk(item))
-            else:
-                if self.include_usage:
-                    yield _sse_data(fmt.usage_chunk(self.usage()))
-            yield "data: [DONE]\n\n"
+                items = [await queue.get()]
+                while not queue.empty():  # everything ready now goes out in one send
+                    items.append(queue.get_nowait())
+                batch, error = [], None
+                for item in items:
+                    if item is done:
+                        remaining -= 1
+                    elif isinstance(item, Exception):
+                        error = error or item
+                    else:
+                        batch += item
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             for t in tasks:  # a client that went away: every engine request is aborted
                 t.cancel()
@@ -379,6 +431,13 @@ class _Generation:
     def usage(self) -> dict:
         return usage(sum(len(g.prompt) for g in self.groups), sum(c.text.num_tokens for c in self.choices),
                      sum(g.cached_tokens for g in self.groups))
+
+
+_json_str = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept (ensure_ascii=False)
+
+
+def _json_reason(reason: str | None) -> str:
+    return "null" if reason is None else _json_str(reason)
 
 
 def _sse_data(obj: Any) -> str:
@@ -438,6 +497,10 @@ class _Format:
     def __init__(self, gen: _Generation, model_name: str) -> None:
         self.gen, self.model_name = gen, model_name
         self._logprob_chars: dict[int, int] = {}  # per choice: text offset of its next token (logprobs)
+        # a chunk's SSE text around its one choice object, encoded once per response
+        marker = "\x00choice\x00"
+        whole = _sse_data(self._chunk(marker))
+        self._sse_prefix, self._sse_suffix = whole.split(json.dumps(marker), 1)
 
     def _head(self, obj: str) -> dict:
         return {"id": f"{self.id_prefix}-{self.gen.id_suffix}", "object": obj, "created": self.gen.created,
@@ -455,14 +518,15 @@ class _Format:
             choices.append(self.final_choice(last.choice.index, text, logprobs, last.finish_reason))
         return {**self._head(self.response_object), "choices": choices, "usage": self.gen.usage()}
 
-    def chunk(self, e: _Event) -> dict:
-        logprobs = None
-        if e.logprobs:
-            i = e.choice.index
-            logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
-        return self._chunk([self.chunk_choice(e, logprobs)])
+    def chunk_sse(self, e: _Event) -> str:
+        """The SSE event of one event: ``data: {chunk with this one choice}``."""
+        if not e.logprobs:  # the common case: only the text is encoded
+            return f"{self._sse_prefix}[{self.plain_choice_json(e)}]{self._sse_suffix}"
+        i = e.choice.index
+        logprobs, self._logprob_chars[i] = self.logprobs(e.token_ids, e.logprobs, self._logprob_chars.get(i, 0))
+        return f"{self._sse_prefix}[{json.dumps(self.chunk_choice(e, logprobs), ensure_ascii=False)}]{self._sse_suffix}"
 
-    def _chunk(self, choices: list[dict]) -> dict:
+    def _chunk(self, choices) -> dict:
         out = {**self._head(self.chunk_object), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = None
@@ -487,6 +551,11 @@ class _CompletionFormat(_Format):
     def chunk_choice(self, e: _Event, logprobs: dict | None) -> dict:
         return self.final_choice(e.choice.index, e.text, logprobs, e.finish_reason)
 
+    def plain_choice_json(self, e: _Event) -> str:
+        """``json.dumps(self.chunk_choice(e, None))``, by string formatting."""
+        return (f'{{"index": {e.choice.index}, "text": {_json_str(e.text)}, "logprobs": null, '
+                f'"finish_reason": {_json_reason(e.finish_reason)}}}')
+
 
 class _ChatFormat(_Format):
     id_prefix, response_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
@@ -502,6 +571,12 @@ class _ChatFormat(_Format):
         return {"index": e.choice.index, "delta": {"content": e.text} if e.text else {}, "logprobs": logprobs,
                 "finish_reason": e.finish_reason}
 
+    def plain_choice_json(self, e: _Event) -> str:
+        """``json.dumps(self.chunk_choice(e, None))``, by string formatting."""
+        delta = f'{{"content": {_json_str(e.text)}}}' if e.text else "{}"
+        return (f'{{"index": {e.choice.index}, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {_json_reason(e.finish_reason)}}}')
+
     def start_chunks(self) -> list[dict]:
         return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for c in self.gen.choices]
@@ -511,7 +586,7 @@ class _ChatFormat(_Format):
 
 
 def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
-        access_log: bool = True) -> int:
+        access_log: bool = True, stream_interval: int = 1) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
     import uvicorn
@@ -523,7 +598,7 @@ def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int,
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    app = build_app(model_name, load=load, on_load_error=stop)
+    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -430,10 +430,15 @@ def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path
     assert "Traceback" not in proc.stderr
 
 
-def test_models_health_and_metrics_parse_with_prometheus_client(server):
+def test_models_health_and_metrics_parse_with_prometheus_client(server, ckpt):
     assert server.health_codes[-1] == 200
-    models = _client(server).models.list()
+    client = _client(server)
+    models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
+    # a miss, then a prompt extending that request's prompt + output: a hit (whatever ran before)
+    ids = load_hf(ckpt)[1](PROMPTS[3] + " then some more")["input_ids"]
+    client.completions.create(model=NAME, prompt=ids, max_tokens=NEW, temperature=0)
+    client.completions.create(model=NAME, prompt=ids + hf_ids(ckpt, ids, NEW) + [5, 6], max_tokens=2, temperature=0)
     m = metrics(server)
     for name in ("num_requests_running", "num_requests_waiting", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count", "prefix_cache_hit_rate",
@@ -442,7 +447,7 @@ def test_models_health_and_metrics_parse_with_prometheus_client(server):
         assert f"hybrid_compile_{name}" in m, name
     assert m["hybrid_compile_time_to_first_token_seconds_count"] > 0
     assert m["hybrid_compile_inter_token_latency_seconds_count"] > 0
-    assert 0 < m["hybrid_compile_prefix_cache_hit_rate"] < 1  # test_stop_strings_...: one hit at least
+    assert 0 < m["hybrid_compile_prefix_cache_hit_rate"] < 1
 
 
 # ---------------------------------------------------------------------------------------------

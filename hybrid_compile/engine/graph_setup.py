@@ -257,11 +257,18 @@ class CompiledGraphs:
             # tree verify graphs are captured at start-up), graphs or not: its own error
             raise
         except RuntimeError as e:
+            from ..models.fused_experts import experts_modules, unsupported_reason
+
+            # transformers' experts forward (the eager loop of an fp32 model) syncs with the host
+            hint = ("" if getattr(config, "fused_moe", False) or not any(
+                unsupported_reason(m) is None for _, m in experts_modules(self.model)) else
+                    " Its MoE experts run transformers' experts forward: fused_moe=True serves them without host syncs.")
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
                 f"{type(self.model).__name__} forward failed "
                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a graph cannot hold host "
                 "syncs or CPU<->GPU copies. Serve this model with cuda_graphs=False (compiled without graphs)."
+                + hint
             ) from e
 
     @torch.inference_mode()

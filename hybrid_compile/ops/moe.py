@@ -144,7 +144,6 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     tests pass the Triton launcher to run the whole forward under the interpreter).
     """
     linear = grouped_linear or torch.ops.hybrid_compile.moe_grouped_linear
-    tokens, top_k = top_k_index.shape
     routing = sort_pairs_by_expert(top_k_index, up_proj.shape[0])
     h = linear(hidden_states, up_proj, routing.expert_offsets, routing.token_of_row, None)
     if has_gate:
@@ -154,5 +153,13 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
         h = act_fn(h)
     # rows written back in (token, k) order: the weighted sum over k is a reduction, no scatter-add
     out = linear(h, down_proj, routing.expert_offsets, None, routing.order)
+    return combine_top_k(out, top_k_weights, hidden_states.dtype)
+
+
+def combine_top_k(out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_k weight[t, k] * out[t * top_k + k]`` in fp32, as ``dtype``: the experts' outputs in
+    (token, k) order, reduced over k (a fixed summation order: no atomics, the same result on
+    every run)."""
+    tokens, top_k = top_k_weights.shape
     weighted = out.view(tokens, top_k, -1).float() * top_k_weights.float()[..., None]
-    return weighted.sum(1).to(hidden_states.dtype)
+    return weighted.sum(1).to(dtype)

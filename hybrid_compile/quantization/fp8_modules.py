@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.fp8 import FP8_DTYPE, quantize_weight_blocks
-from ..ops.moe import sort_pairs_by_expert
+from ..ops.moe import combine_top_k, sort_pairs_by_expert
 
 __all__ = ["Fp8Experts", "Fp8Linear", "KEEP_HIGH_PRECISION", "fp8_weight_bytes", "has_fp8_layers", "quantize_model"]
 
@@ -95,7 +95,6 @@ class Fp8Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.hybrid_compile
-        tokens = top_k_index.shape[0]
         order, offsets, token_of_pair = sort_pairs_by_expert(top_k_index, self.num_experts)
         x = hidden_states[token_of_pair]
         up, up_scale = self.up_weights
@@ -106,10 +105,10 @@ class Fp8Experts(nn.Module):
         else:
             h = self.act_fn(h)
         out = ops.fp8_grouped_linear(h, self.down_proj, self.down_proj_scale_inv, offsets)
-        weights = top_k_weights.reshape(-1)[order, None].float()
-        final = torch.zeros(tokens, self.hidden_dim, dtype=torch.float32, device=hidden_states.device)
-        final.index_add_(0, token_of_pair, out.float() * weights)
-        return final.to(hidden_states.dtype)
+        # back to (token, k) order (a permutation), then the fixed-order sum (not an atomic index_add_)
+        pairs = torch.empty_like(out)
+        pairs[order] = out
+        return combine_top_k(pairs, top_k_weights, hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "

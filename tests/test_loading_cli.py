@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 import hybrid_compile as hc
+from checkout_env import checkout_env
 from checkpoints import hf_chat, hf_text, load_hf, save_checkpoint
 from engine_models import single_threaded
 from hybrid_compile.cli import build_parser, main
@@ -54,12 +54,7 @@ def ckpt(tmp_path_factory):
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
-        PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-    )
-    return env
+    return checkout_env(PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
 class Run:

@@ -2,13 +2,13 @@
 package's import graph (no cycle, the layers of the architecture)."""
 
 import ast
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import torch
+from checkout_env import checkout_env
 
 import hybrid_compile
 from hybrid_compile.cli import main
@@ -313,7 +313,7 @@ sys.exit(1 if failed else 0)
 def test_each_part_of_the_package_imports_alone_in_a_fresh_interpreter():
     parts = sorted({_part(m) for m in _package_modules()} - {"__init__", "__main__"})
     names = ["hybrid_compile"] + [f"hybrid_compile.{p}" for p in parts]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = checkout_env()
     run = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and "failed: \n" in run.stdout, run.stdout + run.stderr

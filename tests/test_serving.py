@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -33,6 +32,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402 (after the skips above)
 
 import hybrid_compile as hc
+from checkout_env import checkout_env
 from checkpoints import hf_text, load_hf, save_checkpoint
 from engine_models import single_threaded
 from ports import free_port
@@ -81,8 +81,7 @@ class LiveServer:
     def __init__(self, ckpt: str, log: pathlib.Path) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
+        env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
         self.log = log
         self._log_file = open(log, "wb")
         self.proc = subprocess.Popen(
@@ -422,7 +421,7 @@ def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
          "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        env=checkout_env(),
         cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -12,13 +12,13 @@ greedy tokens the second process, served from the cache, must reproduce.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import time
 
 import hybrid_compile as hc
+from checkout_env import checkout_env
 from checkpoints import save_checkpoint
 from engine_models import cached_model, make_engine, random_prompts, vocab_size
 
@@ -116,9 +116,8 @@ print(json.dumps({"tokens": tokens, "pieces": stats["compile"]["pieces"], "cache
 
 
 def test_second_process_loads_every_piece_from_inductors_cache(tmp_path):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-               OMP_NUM_THREADS="1")
+    env = checkout_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
+                       OMP_NUM_THREADS="1")
     prompts = random_prompts([9, 3, 40], vocab_size(cached_model("qwen3_next_dense", 0)), seed=5)
 
     def run() -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import pathlib
 import time
 
 import pytest
@@ -33,6 +32,7 @@ import torch
 import transformers
 
 import hybrid_compile as hc
+from checkout_env import checkout_env
 from hybrid_compile.distributed import ShardingError, TensorParallelError
 from hybrid_compile.distributed.plans import plan_for
 from hybrid_compile.models import family_of
@@ -575,11 +575,7 @@ def test_torchrun_process_serves_a_second_engine(checkpoints, tmp_path):
     prompts = ck["rounds"][0]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            ck["dir"], json.dumps(prompts), str(out)]
-    # the package of this checkout (not whichever one is installed)
-    repo = str(pathlib.Path(__file__).resolve().parents[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        p for p in (repo, os.environ.get("PYTHONPATH")) if p))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=checkout_env(OMP_NUM_THREADS="1"))
     assert out.exists(), p.stderr[-4000:]
     outputs = json.loads(out.read_text())
     assert len(outputs) == 2
@@ -617,7 +613,7 @@ def test_benchmark_smoke_run(tmp_path):
            "--tp", "1,2", "--batches", "1,2", "--prefill", "24", "--prompt-len", "8", "--new-tokens", "3",
            "--workdir", str(tmp_path / "ckpt"), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+                          env=checkout_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
     tp1, tp2 = run["results"]

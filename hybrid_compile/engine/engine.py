@@ -132,7 +132,6 @@ def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype
     return p.device, p.dtype
 
 
-
 def _sliding_window_layers(model: nn.Module) -> str | None:
     """Why draft trees cannot verify on ``model`` because of its sliding-window attention layers
     (the tree-masked verify attention, ``paged_attention_extend`` with ``tree_mask``, has no
@@ -143,6 +142,7 @@ def _sliding_window_layers(model: nn.Module) -> str | None:
         return None
     return (f"its sliding-window attention layers (window {min(windows)}) cannot verify a tree: the tree-masked "
             "verify attention (paged_attention_extend with tree_mask) has no sliding window")
+
 
 class HybridEngine(GenerateAPI):
     """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`.

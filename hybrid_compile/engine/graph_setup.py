@@ -260,7 +260,7 @@ class CompiledGraphs:
             from ..models.fused_experts import experts_modules, unsupported_reason
 
             # transformers' experts forward (the eager loop of an fp32 model) syncs with the host
-            hint = ("" if getattr(config, "fused_moe", False) or not any(
+            hint = ("" if config.fused_moe or not any(
                 unsupported_reason(m) is None for _, m in experts_modules(self.model)) else
                     " Its MoE experts run transformers' experts forward: fused_moe=True serves them without host syncs.")
             raise RuntimeError(

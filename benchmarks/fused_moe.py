@@ -90,7 +90,8 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
         w = torch.softmax(torch.randn(tokens, top_k, device=device), -1).to(dtype)
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         hit = int(torch.unique(idx).numel())
-        weight_bytes = hit * (up.shape[1] + hidden) * inter * up.element_size()
+        # up [E, (2)I, H] and down [E, H, I] of each expert hit
+        weight_bytes = hit * hidden * (up.shape[1] + inter) * up.element_size()
 
         def ours():
             return fused_moe_experts(x, idx, w, up, experts.down_proj, experts.act_fn, has_gate)

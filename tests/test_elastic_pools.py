@@ -238,8 +238,10 @@ def test_elastic_pools_on_cuda_equal_the_fixed_split(mode):
             c = st["compile"]
             if mode.startswith("full"):
                 moves = st["elastic_pools"]["to_kv"] + st["elastic_pools"]["to_mamba"]
-                assert c["full_graph_recaptures"] == moves and c["cuda_graph_replays"] > 0, c
-            if mode == "full_ngram":
+                assert c["full_graph_recaptures"] == moves, c
+            if mode == "full":
+                assert c["cuda_graph_replays"] > 0, c
+            if mode == "full_ngram":  # (every decode step of the repetitive prompts is a verify step)
                 assert c["verify_graph_replays"] > 0 and st["speculative"]["commit_graph_replays"] > 0, st
             if mode in ("compiled", "piecewise", "full", "full_ngram"):
                 assert c["recompiles"] == 0 and c["graph_breaks"] == 0, c

@@ -3,9 +3,10 @@
 Every family with a sharding plan (``hybrid_compile/distributed/plans.py``) is served as a tiny
 random-weight checkpoint, and Qwen3-Next (MoE) and NemotronH also at a mid size (hidden 1024,
 8 layers; every other family too with ``HC_TP_GPU_ALL_MID=1``), with CUDA graphs on (the tiny
-models without routed experts in fp32: their random logits are so flat that bf16 rounding
-reorders more than the top two; the tiny MoE ones and the mid-size ones in bf16, since
-transformers' fp32 experts path syncs with the host, which graph capture refuses):
+models in fp32: their random logits are so flat that bf16 rounding reorders more than the top
+two; the tiny MoE ones on our fused experts path, ``fused_moe=True``, since transformers' fp32
+experts path syncs with the host, which graph capture refuses; the mid-size ones in bf16 on
+transformers' experts path):
 ``cuda_graphs=True`` (decode steps replay full graphs, prefill / mixed steps the pieces' graphs)
 for every model, and ``"piecewise"`` alone (decode steps through the pieces' graphs too) for the
 two mid-size models. Each case runs in one group of two
@@ -69,7 +70,7 @@ pytestmark = [
 NEW = 8
 OPTIONS = dict(dtype="bfloat16", device="cuda", max_total_tokens=2048, mamba_cache_size=16, max_running_requests=4,
                chunked_prefill_size=64, piecewise_cuda_graph_tokens=(4, 16, 68), tokenizer=False)
-# batch 1 replays the bucket of 2. fp32 (unless the model has routed experts: :func:`_tiny_dtype`): a
+# batch 1 replays the bucket of 2. fp32 (MoE models on the fused experts path: :func:`_dtype_options`): a
 # tiny random model's top logits lie within bf16's rounding of each other (an H100 run in bf16
 # diverged on every family at tokens outside the fp32 top two)
 TINY = dict(cuda_graphs=True, cuda_graph_batch_sizes=(2, 4), dtype="float32")
@@ -89,34 +90,42 @@ def _tree_speculative() -> dict:
 
 # a divergence from the single-GPU engine is accepted where TP's token's fp32 logit is this close to
 # the top one (relative to the top logit, at least 1), by the case's dtype: weights and activations
-# summed in another order. bf16 (the MoE models): its 8-bit mantissa through every layer and the top-k
-# routing (a rounding can swap an expert) moved a tiny Qwen3-Next MoE's pick 5.2% below its fp32 top on
-# 2 H200s (the tiny MiniMax of std 0.2 went 31% below: bf16 noise, see BF16_TINY)
+# summed in another order. bf16 (the mid-size models): its 8-bit mantissa through every layer and the
+# top-k routing (a rounding can swap an expert) moved a tiny Qwen3-Next MoE's pick 5.2% below its fp32
+# top on 2 H200s when the tiny MoE models still ran in bf16
 NEAR_TIE = {"float32": 0.05, "bfloat16": 0.10}
 
 
-def _tiny_dtype(config, options: dict) -> str:
-    """The case's dtype: bf16 for a model with routed experts (transformers' fp32 experts path
-    syncs with the host, which CUDA-graph capture refuses), else the options' own."""
-    text = config.get_text_config()
-    experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    if len(getattr(text, "mlp_only_layers", None) or []) >= text.num_hidden_layers:  # (Qwen3-Next dense)
-        experts = 0
-    return "bfloat16" if experts > 1 else options.get("dtype", OPTIONS["dtype"])
-# tiny models served (in bf16: routed experts) with the weights of another CPU-suite model: the tiny
-# MiniMax's own (std 0.2) amplify bf16 rounding past its top-2 gaps (HF's bf16 forward alone lands up to
-# 75% below its fp32 top on these prompts; see BF16_INIT_STD in tests/minimax_models.py)
-BF16_TINY = {"minimax": "minimax_bf16"}
+def _dtype_options(model, options: dict) -> dict:
+    """The case's dtype (and ``fused_moe``): a tiny model (``options`` name fp32) with routed experts
+    runs in fp32 on our fused experts path where every experts module takes it (transformers' fp32
+    experts forward syncs with the host, which CUDA-graph capture refuses; a tiny random model's top
+    logits lie within bf16's rounding: a tiny Qwen3-Next MoE served in bf16 on 4 H100s picked, on one
+    GPU alone, its fp32 third token, 22 % below the top), else bf16; a model without experts: the
+    options' dtype (the mid-size models: bf16, transformers' experts path)."""
+    from hybrid_compile.models.fused_experts import experts_modules, unsupported_reason
+
+    dtype = options.get("dtype", OPTIONS["dtype"])
+    experts = experts_modules(model)
+    if not experts:
+        return {"dtype": dtype}
+    if dtype == "float32" and all(unsupported_reason(m) is None for _, m in experts):
+        return {"dtype": "float32", "fused_moe": True}
+    return {"dtype": "bfloat16"}
+
+
 CASE_SECONDS = 240  # the longest a case may take (the mid-size ones compile and capture most)
 STACK_DUMP_SECONDS = 90  # a rank still in one case after this long logs its stacks (and again after as long)
 
 
 # mid-size models: a tiny model's config widened to hidden 1024 and 8 layers. Head counts grow 4x,
 # head dims and per-head state widths by the rest of the factor, so every width stays consistent
-# (Mamba2: heads x head dim = expand x hidden; attention: heads x head dim = hidden).
+# (Mamba2: heads x head dim = expand x hidden; attention: heads x head dim = hidden). Mamba2 B/C groups
+# grow 4x too (2 -> 8, as Nemotron-3-Nano's): a group count that 4 ranks divide.
 MID_HIDDEN, MID_LAYERS = 1024, 8
 _HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
-          "mamba_num_heads", "num_heads", "mamba_n_heads", "n_mamba_heads", "num_query_groups", "adapter_rank",
+          "n_groups", "mamba_n_groups", "mamba_num_heads", "num_heads", "mamba_n_heads", "n_mamba_heads",
+          "num_query_groups", "adapter_rank",
           "ssm_state_size", "state_size", "mamba_d_state", "chunk_size", "mamba_chunk_size")
 _HEAD_DIMS = ("head_dim", "linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim", "mamba_d_head",
               "mamba_headdim", "attention_head_dim", "kv_channels", "moe_intermediate_size",
@@ -184,7 +193,7 @@ def _cases() -> list[tuple[str, object, dict]]:
     from test_tensor_parallel import FOUR_RANKS, MODELS, TWO_RANKS
 
     tiny, spec = (TWO_RANKS, "qwen3_next_moe") if RANKS == 2 else (FOUR_RANKS, "qwen3_next_4")
-    cases = [(name, MODELS[BF16_TINY.get(name, name)], dict(TINY)) for name in tiny]
+    cases = [(name, MODELS[name], dict(TINY)) for name in tiny]
     cases.append((f"{spec}@speculative", MODELS[spec], dict(TINY, speculative=SPECULATIVE)))
     cases.append((f"{spec}@tree", MODELS[spec], dict(TINY, speculative=_tree_speculative())))
     for name in MID_FAMILIES:
@@ -402,7 +411,7 @@ def served(request, tmp_path_factory):
         vocab = model.config.get_text_config().vocab_size
         models[name] = model
         cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=free_port(),
-                          options={**OPTIONS, **options, "dtype": _tiny_dtype(model.config, options)}))
+                          options={**OPTIONS, **options, **_dtype_options(model, options)}))
     group = _Group(root, cases)
     yield dict(group=group, models=models, skipped=skipped, failed=failed)
     group.close()

@@ -312,11 +312,14 @@ class CompiledGraphs:
                                               tree=tree)
         self.full_graphs.capture_all()
 
+    @torch.inference_mode()
     def pools_resized(self, runner: "ModelRunner") -> None:
         """Elastic pools resized the pools: the full graphs (decode, verify) read the old buffers'
         addresses, so they are captured again over the runner's new views. The piecewise graphs
         stay: they hold the compiled pieces only, and the layer ops between them read the pools
-        through the forward context at run time."""
+        through the forward context at run time. In inference mode, as the first capture: the
+        scheduler resizes outside it, and the compiled forward guards on the grad mode (outside it
+        Dynamo would compile again, for autograd)."""
         if self.full_graphs is not None:
             self.full_graphs.recapture(runner.kv_caches, runner.mamba_caches)
 

@@ -26,8 +26,10 @@ p90 / p99 / mean. The summary names the highest rate whose p99 TTFT stays under
 rate. Host cost (Linux): the CPU seconds of the process that serves the streams, its main thread
 (the event loop: HTTP, SSE, detokenization in ``http``; the consumers in ``inprocess``) and the
 rest (the engine's driver thread, torch's threads), per output token; in ``http`` also the
-client's (this process: the ``openai`` client parsing every chunk), which on a machine with few
-cores takes CPU from the server and lowers HTTP throughput for a reason outside the server. JSON under
+clients' (the ``openai`` client parsing every chunk), which on a machine with few cores takes CPU
+from the server and lowers HTTP throughput for a reason outside the server. The HTTP load comes
+from ``--client-processes`` processes (``benchmarks/serving_client.py``: one client process tops
+out near 3,000 streamed tokens/s, below what the server sends with every request at once). JSON under
 ``benchmarks/results/`` (or ``--out``) and PNG plots of latency and throughput vs
 rate beside it (with matplotlib).
 """
@@ -54,6 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import hybrid_compile as hc  # noqa: E402
 from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts  # noqa: E402
+from benchmarks.serving_client import HttpClients, record, run_load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED_NAME = "bench-model"
@@ -111,49 +114,6 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
-    xs = sorted(xs)
-
-    def q(p):
-        return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
-
-    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": sum(xs) / len(xs), "n": len(xs)}
-
-
-def summarize(records: list[dict], wall: float) -> dict:
-    """records: one per request {ttft, itls, e2e, tokens, error}."""
-    ok = [r for r in records if r["error"] is None]
-    tokens = sum(r["tokens"] for r in ok)
-    return {
-        "requests": len(records),
-        "failed": len(records) - len(ok),
-        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
-        "duration_s": wall,
-        "request_throughput": len(ok) / wall if wall else 0.0,
-        "output_throughput": tokens / wall if wall else 0.0,
-        "output_tokens": tokens,
-        "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
-        "itl_s": percentiles([x for r in ok for x in r["itls"]]),
-        "e2e_s": percentiles([r["e2e"] for r in ok]),
-    }
-
-
-async def run_load(prompts: list[list[int]], offsets: list[float], one_request) -> dict:
-    """Start ``one_request(prompt)`` at each offset; each returns its record."""
-    t0 = time.perf_counter()
-
-    async def at(offset, prompt):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        return await one_request(prompt)
-
-    records = await asyncio.gather(*(at(o, p) for o, p in zip(offsets, prompts)))
-    return summarize(list(records), time.perf_counter() - t0)
-
-
 def cpu_seconds(pid: int) -> dict | None:
     """CPU seconds (user + system) of process ``pid`` so far: its main thread and the whole
     process (Linux /proc; None elsewhere)."""
@@ -182,17 +142,6 @@ def with_host_cost(result: dict, before: dict | None, after: dict | None) -> dic
     return result
 
 
-def _record(start: float, times: list[float], tokens: int, error: str | None = None) -> dict:
-    end = time.perf_counter()
-    return {
-        "ttft": times[0] - start if times else None,
-        "itls": [b - a for a, b in zip(times, times[1:])],
-        "e2e": end - start,
-        "tokens": tokens,
-        "error": error,
-    }
-
-
 # -- in-process mode --------------------------------------------------------------------------------
 
 
@@ -208,8 +157,8 @@ def inprocess_request(async_engine: hc.AsyncEngine, output_len: int):
                     times.append(time.perf_counter())
                     tokens += len(out.new_token_ids)
         except Exception as e:  # noqa: BLE001 -- counted as a failed request
-            return _record(start, times, tokens, f"{type(e).__name__}: {e}")
-        return _record(start, times, tokens)
+            return record(start, times, tokens, f"{type(e).__name__}: {e}")
+        return record(start, times, tokens)
 
     return one
 
@@ -264,27 +213,6 @@ class Server:
         self._log.close()
 
 
-def http_request(client, output_len: int):
-    async def one(prompt):
-        start = time.perf_counter()
-        times, tokens = [], 0
-        try:
-            stream = await client.completions.create(
-                model=SERVED_NAME, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter())
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-        except Exception as e:  # noqa: BLE001 -- counted as a failed request
-            return _record(start, times, tokens, f"{type(e).__name__}: {e}")
-        return _record(start, times, tokens)
-
-    return one
-
-
 # -- run ---------------------------------------------------------------------------------------------
 
 
@@ -333,31 +261,23 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
 
 
 def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
-    import openai
-
     server = Server(model_dir, cli_options(args, device, dtype), log_path)
     results = {}
     try:
         server.wait_ready(args.server_timeout)
-
-        async def load(prompts, offsets, output_len):
-            async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0,
-                                          timeout=args.request_timeout) as client:
-                return await run_load(prompts, offsets, http_request(client, output_len))
-
-        warm = make_prompts(args, vocab, seed=999)[: min(4, args.num_requests)]
-        asyncio.run(load(warm, [0.0] * len(warm), 4))
-        for i, rate in enumerate(rates):
-            prompts = make_prompts(args, vocab, seed=args.seed + i)
-            offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
-            before, client_before = cpu_seconds(server.proc.pid), cpu_seconds(os.getpid())
-            result = asyncio.run(load(prompts, offsets, args.output_len))
-            results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid))
-            client_after = cpu_seconds(os.getpid())
-            if client_before is not None and client_after is not None:  # the openai client's own share
-                result["host_cpu_s"]["client_us_per_token"] = (
-                    1e6 * (client_after["process"] - client_before["process"]) / max(result["output_tokens"], 1))
-            _print_row("http", rate, results[_rate_key(rate)])
+        with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout) as clients:
+            warm = make_prompts(args, vocab, seed=999)[: min(4 * args.client_processes, args.num_requests)]
+            clients.run(warm, [0.0] * len(warm), 4)
+            for i, rate in enumerate(rates):
+                prompts = make_prompts(args, vocab, seed=args.seed + i)
+                offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
+                before = cpu_seconds(server.proc.pid)
+                result = clients.run(prompts, offsets, args.output_len)
+                results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid))
+                if "host_cpu_s" in result:  # the openai clients' own share (every client process's)
+                    result["host_cpu_s"]["client_us_per_token"] = (
+                        1e6 * result["client_cpu_s"] / max(result["output_tokens"], 1))
+                _print_row("http", rate, results[_rate_key(rate)])
     finally:
         server.stop()
     return results
@@ -485,6 +405,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="CPU threads of torch (both modes); 0 = default")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="http: the server's --stream-interval (a choice's text every N tokens)")
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="http: processes running the openai client (default: 1 with --tiny, else min(8, CPUs / 4))")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")
@@ -496,6 +418,8 @@ def parse_args(argv=None):
                 max_total_tokens=2048, chunked_prefill_size=128)
     full = dict(rates="2,4,8,16,32,inf", num_requests=128, input_len=512, output_len=128, system_len=2048,
                 max_running_requests=64, max_total_tokens=None, chunked_prefill_size=2048)
+    if args.client_processes is None:
+        args.client_processes = 1 if args.tiny else min(8, max(1, (os.cpu_count() or 1) // 4))
     for k, v in (tiny if args.tiny else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -141,11 +141,12 @@ def test_sampling_penalties_benchmark_smoke(tmp_path):
 
 def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
     """benchmarks/serving.py --tiny: the in-process AsyncEngine and the HTTP server (a live
-    ``hybrid-compile serve`` on 127.0.0.1) each serve every request of every rate."""
+    ``hybrid-compile serve`` on 127.0.0.1, streamed to from 2 client processes whose records are
+    merged) each serve every request of every rate."""
     out = tmp_path / "serving.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--threads", "1", "--rates", "8,inf",
            "--num-requests", "4", "--output-len", "4", "--cache-dir", str(tmp_path / "models"), "--no-plots",
-           "--out", str(out)]
+           "--client-processes", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
@@ -156,6 +157,8 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
             assert r["failed"] == 0 and r["requests"] == 4 and r["output_tokens"] == 4 * 4, (mode, r)
             for metric in ("ttft_s", "itl_s", "e2e_s"):
                 assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
+    for r in run["results"]["http"].values():  # both client processes' CPU time counted
+        assert r["client_cpu_s"] > 0, r
     assert set(run["summary"]["http_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout
 

@@ -420,8 +420,11 @@ def served(request, tmp_path_factory):
 def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], what: str,
                         near_tie: float) -> None:
     """``got`` (TP) == ``expected`` (one GPU), except a first divergence where the fp32 model's
-    logit (CPU, HF forward) of the token TP picked is within ``near_tie`` (:data:`NEAR_TIE`) of the
-    top logit (tokens after it are not compared)."""
+    logit (CPU, HF forward) of the token TP picked is within ``near_tie`` (:data:`NEAR_TIE`, relative to
+    the top logit, at least 1) of the top logit or of the single-GPU pick's logit, whichever is lower: in
+    bf16 the single-GPU engine itself can pick below the fp32 top (a mid-size Qwen3-Next MoE on one
+    H100 picked its fp32 second token, 12.5 % below the top, and TP 4 the third, 1 % below that), and
+    TP is held to be as good as it. Tokens after the divergence are not compared."""
     from engine_models import first_divergence, hf_next_logits
 
     i = first_divergence(got, expected)
@@ -430,11 +433,12 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     assert i < min(len(got), len(expected)), f"{what}: lengths differ:\n  TP{RANKS} {got}\n  1 GPU {expected}"
     logits = hf_next_logits(model, prompt + expected[:i])
     top = torch.topk(logits, 3)
-    gap = float(top.values[0] - logits[got[i]])
+    bar = min(float(top.values[0]), float(logits[expected[i]]))
+    gap = bar - float(logits[got[i]])
     assert gap <= near_tie * max(1.0, float(top.values[0].abs())), (
         f"{what}: TP {RANKS} diverges from the single-GPU engine at new token {i} (TP {got[i]}, fp32 logit "
-        f"{float(logits[got[i]]):.4f}; 1 GPU {expected[i]}; fp32 top-3 logits {top.values.tolist()} at "
-        f"{top.indices.tolist()}):\n  TP{RANKS}   {got}\n  1 GPU {expected}"
+        f"{float(logits[got[i]]):.4f}; 1 GPU {expected[i]}, fp32 logit {float(logits[expected[i]]):.4f}; fp32 top-3 "
+        f"logits {top.values.tolist()} at {top.indices.tolist()}):\n  TP{RANKS}   {got}\n  1 GPU {expected}"
     )
 
 

@@ -3,6 +3,7 @@
     python benchmarks/fused_moe.py [--tokens 1 16 64] [--out benchmarks/results/fused_moe.json]
     python benchmarks/fused_moe.py --tp 2            # one rank's slice of the experts (intermediate / 2)
     python benchmarks/fused_moe.py --tiny --device cpu   # CPU smoke run (tests/test_benchmarks_fused_moe.py)
+    python benchmarks/fused_moe.py --sweep --tokens 1 16 64   # tile sweep of our grouped GEMM (CUDA)
 
 Shapes: Qwen3.5-35B-A3B's experts (256 experts, top-8, hidden 2048, expert width 512, silu-gated:
 transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``) and
@@ -14,12 +15,21 @@ and ours, the median of CUDA-graph replays where the call can be captured, else 
 ``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included), plus the bytes of expert weights the step must read (the experts hit) and
 the bandwidth that time implies. Our output is checked against transformers' ``eager`` forward first.
 Prints a table; writes JSON.
+
+``--sweep``: instead, the tile sweep of our grouped GEMM (``moe_grouped_linear``'s Triton kernel) on
+the same shapes and routings: for each token count and projection (``up``: the tokens gathered
+into ``gate_up_proj`` / ``up_proj``; ``down``: the sorted rows into ``down_proj``, scattered back)
+every (BM, BN, BK, warps, stages) of the grid (16-row tiles only below 16 tokens), each output
+checked against the default tile's (``moe_gemm_config``), timed as above; prints the default and
+the best per case, writes every timing. On CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the
+interpreter's times mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -121,6 +131,69 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
     return rows
 
 
+SWEEP_GRID = dict(bm=(16, 32, 64), bn=(16, 32, 64, 128), bk=(64, 128, 256), warps=(4, 8), stages=(3, 4))
+TINY_GRID = dict(bm=(16,), bn=(16, 32), bk=(32,), warps=(4,), stages=(2,))
+
+
+def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, grid) -> list[dict]:
+    """Tile sweep of both projections of ``name``'s experts (see the module docstring)."""
+    import itertools
+
+    from hybrid_compile.ops.moe import sort_pairs_by_expert
+    from hybrid_compile.ops.triton.fp8 import _sm_count
+    from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_grouped_linear_triton
+
+    torch.manual_seed(0)
+    experts = cls(config).to(device=device, dtype=dtype)
+    up = experts.gate_up_proj if hasattr(experts, "gate_up_proj") else experts.up_proj
+    down = experts.down_proj
+    with torch.no_grad():
+        up.normal_(0, up.shape[-1] ** -0.5)
+        down.normal_(0, down.shape[-1] ** -0.5)
+    num, hidden, inter = down.shape
+    sms = _sm_count(device) if device.type == "cuda" else 132
+    rows = []
+    for tokens in tokens_list:
+        idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
+        routing = sort_pairs_by_expert(idx, num)
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        h = torch.randn(tokens * top_k, inter, device=device, dtype=dtype)
+        hit = int(torch.unique(idx).numel())
+        cases = {"up": (x, up, routing.token_of_row, None), "down": (h, down, None, routing.order)}
+        for projection, (inp, weight, gather, scatter) in cases.items():
+            default = moe_gemm_config(tokens * top_k, weight.shape[1], weight.shape[2], num, dtype, sms=sms)
+            candidates = [default] + [c for c in itertools.product(*grid.values())
+                                      if (c[0] == 16 or tokens >= 16) and c != default]
+            weight_bytes = hit * weight.shape[1] * weight.shape[2] * weight.element_size()
+            want = None
+            timings = []
+            with torch.inference_mode():
+                for cfg in candidates:
+                    def call(cfg=cfg):
+                        return moe_grouped_linear_triton(inp, weight, routing.expert_offsets, gather, scatter,
+                                                         config=cfg)
+                    try:
+                        got = call().float()
+                    except Exception as e:  # noqa: BLE001 - a tile this device cannot hold is recorded
+                        timings.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:120]}"))
+                        continue
+                    if want is None:
+                        want = got
+                    err = float((got - want).abs().max())
+                    assert err <= 0.02 * float(want.abs().max()) + 1e-3, (name, tokens, projection, cfg, err)
+                    ms, mode = time_ms(call, device, iters)
+                    timings.append(dict(config=list(cfg), ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6))
+            timed = [t for t in timings if "ms" in t]
+            best = min(timed, key=lambda t: t["ms"])
+            rows.append(dict(shape=name, tokens=tokens, projection=projection, experts_hit=hit,
+                             weight_bytes=weight_bytes, default=timed[0], best=best, timings=timings))
+            d = timed[0]
+            print(f"{name:20s} T={tokens:<4d} {projection:4s} default {tuple(d['config'])} {d['ms'] * 1e3:8.1f} us "
+                  f"({d['gbps']:5.0f} GB/s)  best {tuple(best['config'])} {best['ms'] * 1e3:8.1f} us "
+                  f"({best['gbps']:5.0f} GB/s, {d['ms'] / best['ms']:.2f}x)", flush=True)
+    return rows
+
+
 def print_table(rows) -> None:
     cols = ["hf_" + i for i in IMPLEMENTATIONS] + ["ours_eager", "ours"]
     print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} " + " ".join(f"{c + ' ms':>16s}" for c in cols)
@@ -144,16 +217,25 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--tp", type=int, default=1, help="serve one rank's slice: expert widths / tp")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="the tile sweep of our grouped GEMM instead")
     p.add_argument("--out", default="benchmarks/results/fused_moe.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.sweep and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--sweep times the Triton kernel: on a CPU run it with TRITON_INTERPRET=1 (a smoke run)")
     rows = []
     for name, (cls, config, top_k) in shapes(args.tiny, args.tp).items():
-        rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)
-    print_table(rows)
+        if args.sweep:
+            grid = TINY_GRID if args.tiny else SWEEP_GRID
+            rows += sweep_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters, grid)
+        else:
+            rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)
+    if not args.sweep:
+        print_table(rows)
     env = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype,
-               tp=args.tp, tiny=args.tiny, torch=torch.__version__, transformers=transformers.__version__)
+               tp=args.tp, tiny=args.tiny, sweep=args.sweep, torch=torch.__version__,
+               transformers=transformers.__version__)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(env=env, rows=rows), indent=2))

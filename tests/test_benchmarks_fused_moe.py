@@ -4,6 +4,7 @@ Speed is not asserted (a busy CPU; the script is for CUDA); the JSON's structure
 output matched transformers' eager forward (the script checks it before timing)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -25,3 +26,28 @@ def test_tiny_cpu_run(tmp_path):
         assert r["intermediate"] in (16, 20)  # the tiny widths 32 / 40 halved by --tp 2
         assert {"hf_eager", "ours"} <= set(r["times"]) and r["times"]["ours"]["ms"] > 0
         assert r["max_abs_diff_vs_eager"] < 1e-4
+
+
+def test_tiny_tile_sweep_under_the_interpreter(tmp_path):
+    """``--sweep``: every tile of the grid timed for both projections of both shapes, each output
+    checked against the default tile's inside the script (it asserts), the default first."""
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--sweep", "--tiny", "--device", "cpu",
+           "--tokens", "1", "--iters", "1", "--dtype", "float32", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["env"]["sweep"] is True
+    assert {(r["shape"], r["projection"]) for r in run["rows"]} == {
+        (s, p) for s in ("qwen3_5_35b_a3b", "nemotron3_nano_30b") for p in ("up", "down")}
+    for r in run["rows"]:
+        assert r["timings"][0] == r["default"] and len(r["timings"]) == 3  # the default + the tiny grid's 2
+        assert all(t["ms"] > 0 for t in r["timings"]) and r["best"]["ms"] <= r["default"]["ms"]
+
+
+def test_sweep_on_cpu_without_the_interpreter_says_how():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--sweep", "--tiny", "--device",
+                           "cpu"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr

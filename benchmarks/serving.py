@@ -21,7 +21,9 @@ process; ``http`` starts ``python -m hybrid_compile serve`` on 127.0.0.1 with th
 options and streams ``/v1/completions`` with the ``openai`` client. Per rate: request and output
 token throughput over the run (first arrival to last finish), TTFT (send to first token),
 inter-token latency (gaps between a request's token updates) and end-to-end latency, each p50 /
-p90 / p99 / mean. The summary names the highest rate whose p99 TTFT stays under
+p90 / p99 / mean; in ``http`` also the server's own mean TTFT (its ``/metrics`` histogram, scraped
+before and after the rate: from the request's arrival at the AsyncEngine to its first token out of the
+engine), so that the client's TTFT splits into the server's part and the HTTP way in and out. The summary names the highest rate whose p99 TTFT stays under
 ``--ttft-slo`` seconds, per mode, and compares HTTP with in-process throughput and latency at each
 rate. Host cost (Linux): the CPU seconds of the process that serves the streams, its main thread
 (the event loop: HTTP, SSE, detokenization in ``http``; the consumers in ``inprocess``) and the
@@ -260,6 +262,25 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
     return results
 
 
+def server_ttft(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram (``/metrics``: from the request's
+    arrival at the AsyncEngine to its first token out of the engine, so without the HTTP request's way
+    in and the SSE event's way out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "hybrid_compile_time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
 def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
     server = Server(model_dir, cli_options(args, device, dtype), log_path)
     results = {}
@@ -271,9 +292,12 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
             for i, rate in enumerate(rates):
                 prompts = make_prompts(args, vocab, seed=args.seed + i)
                 offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
-                before = cpu_seconds(server.proc.pid)
+                before, ttft_before = cpu_seconds(server.proc.pid), server_ttft(server.base)
                 result = clients.run(prompts, offsets, args.output_len)
                 results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid))
+                ttft_after = server_ttft(server.base)
+                if ttft_after[1] > ttft_before[1]:  # the server's own view of the mean TTFT, beside the client's
+                    result["server_ttft_mean_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
                 if "host_cpu_s" in result:  # the openai clients' own share (every client process's)
                     result["host_cpu_s"]["client_us_per_token"] = (
                         1e6 * result["client_cpu_s"] / max(result["output_tokens"], 1))
@@ -295,7 +319,10 @@ def _print_row(mode: str, rate: float, r: dict) -> None:
     print(f"{mode:>9} rate {_rate_key(rate):>5}/s: {r['request_throughput']:7.2f} req/s {r['output_throughput']:9.1f} "
           f"tok/s | TTFT ms p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])} | ITL ms p50 "
           f"{_ms(r['itl_s']['p50'])} p99 {_ms(r['itl_s']['p99'])} | e2e ms p50 {_ms(r['e2e_s']['p50'])} | "
-          f"failed {r['failed']}" + (f" | CPU us/token: event loop {r['host_cpu_s']['event_loop_us_per_token']:.0f}, "
+          f"failed {r['failed']}"
+          + (f" | TTFT mean ms client {_ms(r['ttft_s']['mean'])} server {_ms(r['server_ttft_mean_s'])}"
+             if "server_ttft_mean_s" in r else "")
+          + (f" | CPU us/token: event loop {r['host_cpu_s']['event_loop_us_per_token']:.0f}, "
                                      f"other threads {r['host_cpu_s']['other_threads_us_per_token']:.0f}"
                                      + (f", client {r['host_cpu_s']['client_us_per_token']:.0f}"
                                         if "client_us_per_token" in r["host_cpu_s"] else "")

@@ -159,6 +159,8 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
                 assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
     for r in run["results"]["http"].values():  # both client processes' CPU time counted
         assert r["client_cpu_s"] > 0, r
+        # the server's view of TTFT lies inside the client's (arrival after the send, first token before its event)
+        assert 0 < r["server_ttft_mean_s"] <= r["ttft_s"]["mean"], r
     assert set(run["summary"]["http_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout
 

@@ -1,14 +1,19 @@
 """Float MoE experts (hybrid_compile/ops/moe.py) and their Triton grouped GEMM (hybrid_compile/ops/triton/moe.py).
 
 Oracle: the literal loop over (token, k) pairs in fp64, ``out[t] += w[t, k] * down[e] @ act(up[e] @ x[t])``
-(transformers' experts math). On CPU the kernel runs under Triton's interpreter at tiny shapes; the ``gpu``
-tests run the registered CUDA op at Qwen3.5-35B-A3B's expert shapes (256 experts, top-8, hidden 2048,
-expert width 512), also inside a CUDA graph whose routing changes between replays.
+(transformers' experts math); for the op alone the literal loop over its rows. On CPU the kernel runs under
+Triton's interpreter at tiny shapes, with the activation fused into the first grouped GEMM (transformers'
+SiLU gate: ``silu_and_mul``; relu2: ``relu2``) and not (a plain function); the ``gpu`` tests run the
+registered CUDA op at Qwen3.5-35B-A3B's expert shapes (256 experts, top-8, hidden 2048, expert width 512,
+silu gate) and Nemotron-3-Nano's (128 experts, top-6, hidden 2688, width 1856, relu2), also inside a CUDA
+graph whose routing changes between replays.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
 
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import moe
@@ -61,23 +66,96 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16:
 CASES = [(1, 2, False), (5, 2, True), (37, 3, True), (12, 1, False)]  # (tokens, top_k, skewed routing)
 
 
+def _act_module(has_gate):
+    """transformers' activation modules of the experts: fused into the first grouped GEMM."""
+    return ACT2FN["silu"] if has_gate else ACT2FN["relu2"]
+
+
+def _spy(linear, seen):
+    """``linear`` recording the activation each call asked for."""
+    def call(*args, activation="none", **kwargs):
+        seen.append(activation)
+        return linear(*args, activation=activation, **kwargs)
+    return call
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_gate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tokens,top_k,skew", CASES)
-def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, has_gate, dtype):
+def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_gate, dtype):
     """The CPU op and the Triton kernel (interpreter) through the whole experts forward: T=1, uneven
-    loads, experts with no tokens, silu-gate and relu2 experts."""
+    loads, experts with no tokens, silu-gate and relu2 experts; the activation fused into the first
+    grouped GEMM (transformers' modules) or run between the GEMMs (plain functions)."""
     experts, hidden, inter = 6, 32, 24
     act = F.silu if has_gate else relu2
+    act_fn = _act_module(has_gate) if fused else act
     idx, w = _routing(tokens, experts, top_k, skew)
     up, down = _weights(experts, hidden, inter, has_gate, dtype)
     x = torch.randn(tokens, hidden).to(dtype)
     expected = _oracle(x, idx, w, up, down, act, has_gate)
     atol, rtol = TOL[dtype]
-    for linear in (None, tmoe.moe_grouped_linear_triton):
-        out = moe.fused_moe_experts(x, idx, w, up, down, act, has_gate, grouped_linear=linear)
+    fused_act = ("silu_and_mul" if has_gate else "relu2") if fused else "none"
+    for linear in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton):
+        seen = []
+        out = moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate, grouped_linear=_spy(linear, seen))
+        assert seen == [fused_act, "none"]
         assert out.dtype == dtype and out.shape == (tokens, hidden)
         torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol, msg=f"linear={linear}")
+
+
+def test_which_activations_fuse():
+    """transformers' SiLU classes (ACT2FN "silu" / "swish", nn.SiLU) with a gate, relu2 without one."""
+    assert moe.fused_activation(ACT2FN["silu"], True) == "silu_and_mul"
+    assert moe.fused_activation(ACT2FN["swish"], True) == "silu_and_mul"
+    assert moe.fused_activation(nn.SiLU(), True) == "silu_and_mul"
+    assert moe.fused_activation(ACT2FN["relu2"], False) == "relu2"
+    for act_fn, has_gate in ((ACT2FN["silu"], False), (ACT2FN["relu2"], True), (F.silu, True), (relu2, False),
+                             (ACT2FN["gelu"], True), (ACT2FN["gelu"], False)):
+        assert moe.fused_activation(act_fn, has_gate) == "none", (act_fn, has_gate)
+
+
+def _row_loop(x, weight, offsets, gather, scatter, activation):
+    """The op's rows one by one in fp64: ``y[scatter[r]] = act(weight[e] @ x[gather[r]])``."""
+    rows = gather.shape[0] if gather is not None else x.shape[0]
+    width = weight.shape[1] // 2 if activation == "silu_and_mul" else weight.shape[1]
+    y = torch.zeros(rows, width, dtype=torch.float64, device=x.device)
+    for e in range(weight.shape[0]):
+        for r in range(int(offsets[e]), int(offsets[e + 1])):
+            h = weight[e].double() @ x[int(gather[r]) if gather is not None else r].double()
+            if activation == "silu_and_mul":
+                g, u = h.chunk(2)
+                h = F.silu(g) * u
+            elif activation == "relu2":
+                h = relu2(h)
+            y[int(scatter[r]) if scatter is not None else r] = h
+    return y
+
+
+@pytest.mark.parametrize("activation", ["silu_and_mul", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[1, 0, 0], [0, 13, 2], [20, 0, 37]])
+def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
+    """The fused activation in the op and the kernel (default tiles, and experts over several row
+    tiles and an output width over two column tiles under forced 16 x 16 tiles) against the row loop:
+    one row, uneven loads, experts without rows, with and without gather / scatter."""
+    k, n_out = 40, 20
+    n = 2 * n_out if activation == "silu_and_mul" else n_out
+    weight = (torch.randn(3, n, k) / k ** 0.5).to(dtype)
+    rows = sum(counts)
+    x = torch.randn(rows + 2, k).to(dtype)
+    off = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    gather, scatter = torch.randint(0, rows + 2, (rows,)), torch.randperm(rows)
+    atol, rtol = TOL[dtype]
+    for g, s in ((gather, scatter), (None, None)):
+        xs = x if g is not None else x[:rows]
+        expected = _row_loop(xs, weight, off, g, s, activation)
+        got = ops.moe_grouped_linear(xs, weight, off, g, s, activation)
+        assert got.shape == (rows, n_out) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+        for config in (None, (16, 16, 16, 4, 1)):
+            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, activation, config=config)
+            torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"{config} {g is not None}")
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9], [0, 0, 0, 5]])
@@ -116,20 +194,34 @@ def test_routing_sort_and_op_argument_errors():
         ops.moe_grouped_linear(x, w, torch.tensor([0, 1, 2]), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="scatter_index"):
         ops.moe_grouped_linear(x, w, torch.tensor([0, 1, 3]), None, torch.tensor([0, 1]))
+    off = torch.tensor([0, 1, 3])
+    for call in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton):
+        with pytest.raises(ValueError, match="`activation` must be one of 'none', 'silu_and_mul', 'relu2', got 'gelu'"):
+            call(x, w, off, activation="gelu")
+        with pytest.raises(ValueError, match="`activation`='silu_and_mul' needs an even number of weight rows.*5"):
+            call(x, w, off, activation="silu_and_mul")  # 5 weight rows: no gate / up halves
 
 
-def test_op_opcheck_and_compile_without_graph_breaks():
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+def test_op_opcheck(activation):
     x, w = torch.randn(5, 16), torch.randn(3, 12, 16)
     off = torch.tensor([0, 2, 2, 5])
-    run_opcheck(ops.moe_grouped_linear.default, (x, w, off))
-    run_opcheck(ops.moe_grouped_linear.default, (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3])))
-    up, down = _weights(3, 16, 8, True, torch.float32)
+    run_opcheck(ops.moe_grouped_linear.default, (x, w, off, None, None, activation))
+    run_opcheck(ops.moe_grouped_linear.default,
+                (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3]), activation))
+
+
+@pytest.mark.parametrize("has_gate", [True, False])
+def test_compile_without_graph_breaks(has_gate):
+    """The experts forward with the fused activation (transformers' module picked inside the graph)."""
+    up, down = _weights(3, 16, 8, has_gate, torch.float32)
     idx, rw = _routing(4, 3, 2)
+    act_fn = _act_module(has_gate)
 
     def fn(h, i, weights):
-        return moe.fused_moe_experts(h * 2, i, weights, up, down, F.silu, True) + 1
+        return moe.fused_moe_experts(h * 2, i, weights, up, down, act_fn, has_gate) + 1
 
-    eager, compiled, _, _ = compile_and_compare(fn, x[:4], idx, rw)
+    eager, compiled, _, _ = compile_and_compare(fn, torch.randn(4, 16), idx, rw)
     torch.testing.assert_close(compiled, eager)
 
 

@@ -29,6 +29,11 @@ def relu2(v):
     return F.relu(v) ** 2
 
 
+def silu(v):
+    """SiLU as a function of our own: an ``act_fn`` that is not fused."""
+    return v * torch.sigmoid(v)
+
+
 def _oracle(x, top_k_index, top_k_weights, up, down, act, has_gate):
     """The literal per-(token, k) loop in fp64."""
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64, device=x.device)
@@ -88,7 +93,7 @@ def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_g
     loads, experts with no tokens, silu-gate and relu2 experts; the activation fused into the first
     grouped GEMM (transformers' modules) or run between the GEMMs (plain functions)."""
     experts, hidden, inter = 6, 32, 24
-    act = F.silu if has_gate else relu2
+    act = silu if has_gate else relu2
     act_fn = _act_module(has_gate) if fused else act
     idx, w = _routing(tokens, experts, top_k, skew)
     up, down = _weights(experts, hidden, inter, has_gate, dtype)
@@ -105,13 +110,18 @@ def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_g
 
 
 def test_which_activations_fuse():
-    """transformers' SiLU classes (ACT2FN "silu" / "swish", nn.SiLU) with a gate, relu2 without one."""
+    """transformers' SiLU classes (ACT2FN "silu" / "swish", nn.SiLU) or F.silu (LFM2-MoE's) with a gate,
+    relu2 without one; nothing else (another function, a subclass that may change forward)."""
+    assert moe.fused_activation(F.silu, True) == "silu_and_mul"
     assert moe.fused_activation(ACT2FN["silu"], True) == "silu_and_mul"
     assert moe.fused_activation(ACT2FN["swish"], True) == "silu_and_mul"
     assert moe.fused_activation(nn.SiLU(), True) == "silu_and_mul"
     assert moe.fused_activation(ACT2FN["relu2"], False) == "relu2"
-    for act_fn, has_gate in ((ACT2FN["silu"], False), (ACT2FN["relu2"], True), (F.silu, True), (relu2, False),
-                             (ACT2FN["gelu"], True), (ACT2FN["gelu"], False)):
+    class MySiLU(nn.SiLU):
+        pass
+
+    for act_fn, has_gate in ((ACT2FN["silu"], False), (F.silu, False), (ACT2FN["relu2"], True), (silu, True),
+                             (relu2, False), (MySiLU(), True), (ACT2FN["gelu"], True), (ACT2FN["gelu"], False)):
         assert moe.fused_activation(act_fn, has_gate) == "none", (act_fn, has_gate)
 
 
@@ -226,64 +236,85 @@ def test_compile_without_graph_breaks(has_gate):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: the registered CUDA op at Qwen3.5-35B-A3B's expert shapes
+# GPU: the registered CUDA op at Qwen3.5-35B-A3B's and Nemotron-3-Nano-30B's expert shapes
 # --------------------------------------------------------------------------------------------
 
-EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
+# name: (experts, top_k, hidden, expert width, has_gate): the silu_and_mul and the relu2 experts
+SHAPES = {"qwen35_moe": (256, 8, 2048, 512, True), "nemotron3_nano": (128, 6, 2688, 1856, False)}
 
 
-def _cuda_case(tokens, has_gate, dtype=torch.bfloat16):
-    """Routing drawn on the CPU; weights and activations drawn on the GPU (3 GiB of fp32 at this shape)."""
+def _cuda_case(tokens, shape, dtype=torch.bfloat16):
+    """Routing drawn on the CPU; weights and activations drawn on the GPU (up to 5 GiB of fp32)."""
+    experts, top_k, hidden, inter, has_gate = SHAPES[shape]
     gen = torch.Generator().manual_seed(tokens)
-    idx, w = _routing(tokens, EXPERTS, TOP_K, generator=gen)
+    idx, w = _routing(tokens, experts, top_k, generator=gen)
     torch.manual_seed(tokens)
-    up = torch.randn(EXPERTS, (2 if has_gate else 1) * INTER, HIDDEN, device="cuda").mul_(HIDDEN ** -0.5).to(dtype)
-    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda").mul_(INTER ** -0.5).to(dtype)
-    x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
+    up = torch.randn(experts, (2 if has_gate else 1) * inter, hidden, device="cuda").mul_(hidden ** -0.5).to(dtype)
+    down = torch.randn(experts, hidden, inter, device="cuda").mul_(inter ** -0.5).to(dtype)
+    x = torch.randn(tokens, hidden, device="cuda").to(dtype)
     return x, idx.cuda(), w.cuda(), up, down
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("has_gate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, pytest.param(16, marks=pytest.mark.smoke), 64])
-def test_cuda_experts_at_qwen35_moe_shapes(tokens, has_gate):
-    """bf16 experts forward on CUDA vs the pair loop in fp64 on the CPU (the same bf16 weights)."""
-    act = F.silu if has_gate else relu2
-    x, idx, w, up, down = _cuda_case(tokens, has_gate)
-    out = moe.fused_moe_experts(x, idx, w, up, down, act, has_gate)
+def test_cuda_experts_at_real_shapes(tokens, shape, fused):
+    """bf16 experts forward on CUDA vs the pair loop in fp64 (the same bf16 weights), the activation
+    fused into the first grouped GEMM (transformers' SiLU / relu2 modules) or not (plain functions);
+    the fused first projection alone against the plain-torch op on the GPU."""
+    has_gate = SHAPES[shape][4]
+    act = silu if has_gate else relu2
+    x, idx, w, up, down = _cuda_case(tokens, shape)
+    seen = []
+    out = moe.fused_moe_experts(x, idx, w, up, down, _act_module(has_gate) if fused else act, has_gate,
+                                grouped_linear=_spy(ops.moe_grouped_linear, seen))
+    activation = ("silu_and_mul" if has_gate else "relu2") if fused else "none"
+    assert seen == [activation, "none"]
     expected = _oracle(x, idx.cpu(), w.cpu(), up, down, act, has_gate)  # fp64 on the GPU, pair by pair
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=3e-2)
-    h = torch.randn(5, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    r = moe.sort_pairs_by_expert(idx, up.shape[0])
+    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, None, activation)
+    ref = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, None, activation)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    h = torch.randn(5, x.shape[1], device="cuda", dtype=torch.bfloat16)
     run_opcheck(ops.moe_grouped_linear.default, (h, up[:3], torch.tensor([0, 2, 2, 5], device="cuda"),
-                                                 torch.tensor([4, 0, 0, 1, 3], device="cuda"), None))
+                                                 torch.tensor([4, 0, 0, 1, 3], device="cuda"), None, activation))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype):
-    """fp32 (IEEE dot) and fp16, 2048 tokens (the prefill tiles), against the CPU op."""
-    x, idx, w, up, down = _cuda_case(2048 if dtype == torch.float16 else 300, True, dtype)
-    r = moe.sort_pairs_by_expert(idx, EXPERTS)
-    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, r.order)
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+@pytest.mark.parametrize("dtype,tokens", [(torch.float32, 300), (torch.float32, 4096), (torch.float16, 2048)])
+def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype, tokens, activation):
+    """fp32 (IEEE dot) and fp16, decode tiles (300 tokens) and the 128 / 64-row prefill tiles (4096,
+    2048 tokens: the two accumulators of silu_and_mul at the largest tiles), against the plain-torch op."""
+    x, idx, w, up, down = _cuda_case(tokens, "qwen35_moe", dtype)
+    r = moe.sort_pairs_by_expert(idx, up.shape[0])
+    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, r.order, activation)
     # the plain-torch op on the GPU in fp32 (torch's CUDA matmuls default to exact fp32, no TF32)
-    expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order)
+    expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order,
+                                                activation)
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype][0] * 10, rtol=TOL[dtype][1] * 10)
 
 
 @pytest.mark.gpu
 @pytest.mark.smoke
-def test_cuda_experts_in_a_cuda_graph():
-    x, idx, w, up, down = _cuda_case(16, True)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_experts_in_a_cuda_graph(shape):
+    """The fused-activation experts forward captured once, replayed after the routing changed."""
+    experts, top_k, _, _, has_gate = SHAPES[shape]
+    x, idx, w, up, down = _cuda_case(16, shape)
+    act_fn = _act_module(has_gate)
 
     def step():
-        return moe.fused_moe_experts(x, idx, w, up, down, F.silu, True)
+        return moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate)
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    idx2, w2 = _routing(16, EXPERTS, TOP_K, generator=torch.Generator().manual_seed(1))
+    idx2, w2 = _routing(16, experts, top_k, generator=torch.Generator().manual_seed(1))
     idx2[:, 0] = 3  # routing changes between replays (one expert gets every token)
     for dst, src in ((x, torch.randn_like(x)), (idx, idx2), (w, w2)):
         dst.copy_(src)

@@ -172,14 +172,16 @@ def _(x, weight, expert_offsets, gather_index=None, scatter_index=None, activati
 # nn.SiLU) and relu2 (ACT2FN["relu2"]), the same classes in transformers 5.17 and 5.24
 _SILU_CLASSES = (nn.SiLU, type(ACT2FN["silu"]))
 _RELU2_CLASS = type(ACT2FN["relu2"])
+_SILU_FUNCTION = torch.nn.functional.silu  # LFM2-MoE's experts hold the function itself
 
 
 def fused_activation(act_fn: Callable, has_gate: bool) -> str:
     """The ``moe_grouped_linear`` activation that computes the experts' ``act(gate) * up`` (``has_gate``)
     or ``act(up)`` inside the first grouped GEMM: ``"silu_and_mul"`` for transformers' SiLU with a
-    gate, ``"relu2"`` for its relu2 without one, else ``"none"`` (the activation then runs as its own
-    elementwise step between the two grouped GEMMs)."""
-    if has_gate and type(act_fn) in _SILU_CLASSES:
+    gate (``nn.SiLU``, ``ACT2FN["silu"]``'s class, or ``torch.nn.functional.silu`` itself),
+    ``"relu2"`` for its relu2 (``ACT2FN["relu2"]``'s class) without one, else ``"none"`` (the
+    activation then runs as its own elementwise step between the two grouped GEMMs)."""
+    if has_gate and (type(act_fn) in _SILU_CLASSES or act_fn is _SILU_FUNCTION):
         return "silu_and_mul"
     if not has_gate and type(act_fn) is _RELU2_CLASS:
         return "relu2"
@@ -194,9 +196,10 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     ``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``; ``up_proj [E, 2I, H]``
     (gate rows first) when ``has_gate`` else ``[E, I, H]``; ``down_proj [E, H, I]``. Returns
     ``[T, H]`` in ``hidden_states.dtype``: ``sum_k weight[t, k] * expert_{index[t, k]}(x[t])``.
-    The activation is fused into the first grouped GEMM for ``nn.SiLU`` / transformers'
-    ``ACT2FN["silu"]`` with a gate and ``ACT2FN["relu2"]`` without one (:func:`fused_activation`);
-    any other ``act_fn`` (gelu, a plain function, ...) is applied to the first GEMM's output.
+    The activation is fused into the first grouped GEMM for SiLU (``nn.SiLU``, transformers'
+    ``ACT2FN["silu"]``, ``F.silu``) with a gate and ``ACT2FN["relu2"]`` without one
+    (:func:`fused_activation`); any other ``act_fn`` (gelu, another function, a subclass, ...) is
+    applied to the first GEMM's output between the two grouped GEMMs.
     ``grouped_linear``: the ``moe_grouped_linear`` implementation to call (default: the op; the
     tests pass the Triton launcher to run the whole forward under the interpreter).
     """

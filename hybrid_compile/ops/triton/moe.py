@@ -64,7 +64,7 @@ def _grouped_gemm_kernel(
     n_ok = rn < N  # N: output columns (silu_and_mul: the gate rows; the up rows follow at N + rn)
     rk = tl.arange(0, BK)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    w_up_rows = w_rows + N * stride_wn  # silu_and_mul's up rows (unused otherwise)
+    w_up_rows = w_rows + N.to(tl.int64) * stride_wn  # silu_and_mul's up rows (unused otherwise)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # silu_and_mul's up products (unused otherwise)
     for kb in range(0, k_steps):

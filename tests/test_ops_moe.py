@@ -221,12 +221,11 @@ def test_op_opcheck(activation):
                 (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3]), activation))
 
 
-@pytest.mark.parametrize("has_gate", [True, False])
-def test_compile_without_graph_breaks(has_gate):
-    """The experts forward with the fused activation (transformers' module picked inside the graph)."""
+@pytest.mark.parametrize("act_fn,has_gate", [(ACT2FN["silu"], True), (F.silu, True), (ACT2FN["relu2"], False)])
+def test_compile_without_graph_breaks(act_fn, has_gate):
+    """The experts forward with the fused activation (picked from the module / function inside the graph)."""
     up, down = _weights(3, 16, 8, has_gate, torch.float32)
     idx, rw = _routing(4, 3, 2)
-    act_fn = _act_module(has_gate)
 
     def fn(h, i, weights):
         return moe.fused_moe_experts(h * 2, i, weights, up, down, act_fn, has_gate) + 1

@@ -1,14 +1,19 @@
 """Float MoE experts (hybrid_compile/ops/moe.py) and their Triton grouped GEMM (hybrid_compile/ops/triton/moe.py).
 
 Oracle: the literal loop over (token, k) pairs in fp64, ``out[t] += w[t, k] * down[e] @ act(up[e] @ x[t])``
-(transformers' experts math). On CPU the kernel runs under Triton's interpreter at tiny shapes; the ``gpu``
-tests run the registered CUDA op at Qwen3.5-35B-A3B's expert shapes (256 experts, top-8, hidden 2048,
-expert width 512), also inside a CUDA graph whose routing changes between replays.
+(transformers' experts math); for the op alone the literal loop over its rows. On CPU the kernel runs under
+Triton's interpreter at tiny shapes, with the activation fused into the first grouped GEMM (transformers'
+SiLU gate: ``silu_and_mul``; relu2: ``relu2``) and not (a plain function); the ``gpu`` tests run the
+registered CUDA op at Qwen3.5-35B-A3B's expert shapes (256 experts, top-8, hidden 2048, expert width 512,
+silu gate) and Nemotron-3-Nano's (128 experts, top-6, hidden 2688, width 1856, relu2), also inside a CUDA
+graph whose routing changes between replays.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
 
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import moe
@@ -22,6 +27,11 @@ ops = torch.ops.hybrid_compile
 
 def relu2(v):
     return F.relu(v) ** 2
+
+
+def silu(v):
+    """SiLU as a function of our own: an ``act_fn`` that is not fused."""
+    return v * torch.sigmoid(v)
 
 
 def _oracle(x, top_k_index, top_k_weights, up, down, act, has_gate):
@@ -61,23 +71,101 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16:
 CASES = [(1, 2, False), (5, 2, True), (37, 3, True), (12, 1, False)]  # (tokens, top_k, skewed routing)
 
 
+def _act_module(has_gate):
+    """transformers' activation modules of the experts: fused into the first grouped GEMM."""
+    return ACT2FN["silu"] if has_gate else ACT2FN["relu2"]
+
+
+def _spy(linear, seen):
+    """``linear`` recording the activation each call asked for."""
+    def call(*args, activation="none", **kwargs):
+        seen.append(activation)
+        return linear(*args, activation=activation, **kwargs)
+    return call
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_gate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tokens,top_k,skew", CASES)
-def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, has_gate, dtype):
+def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_gate, dtype):
     """The CPU op and the Triton kernel (interpreter) through the whole experts forward: T=1, uneven
-    loads, experts with no tokens, silu-gate and relu2 experts."""
+    loads, experts with no tokens, silu-gate and relu2 experts; the activation fused into the first
+    grouped GEMM (transformers' modules) or run between the GEMMs (plain functions)."""
     experts, hidden, inter = 6, 32, 24
-    act = F.silu if has_gate else relu2
+    act = silu if has_gate else relu2
+    act_fn = _act_module(has_gate) if fused else act
     idx, w = _routing(tokens, experts, top_k, skew)
     up, down = _weights(experts, hidden, inter, has_gate, dtype)
     x = torch.randn(tokens, hidden).to(dtype)
     expected = _oracle(x, idx, w, up, down, act, has_gate)
     atol, rtol = TOL[dtype]
-    for linear in (None, tmoe.moe_grouped_linear_triton):
-        out = moe.fused_moe_experts(x, idx, w, up, down, act, has_gate, grouped_linear=linear)
+    fused_act = ("silu_and_mul" if has_gate else "relu2") if fused else "none"
+    for linear in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton):
+        seen = []
+        out = moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate, grouped_linear=_spy(linear, seen))
+        assert seen == [fused_act, "none"]
         assert out.dtype == dtype and out.shape == (tokens, hidden)
         torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol, msg=f"linear={linear}")
+
+
+def test_which_activations_fuse():
+    """transformers' SiLU classes (ACT2FN "silu" / "swish", nn.SiLU) or F.silu (LFM2-MoE's) with a gate,
+    relu2 without one; nothing else (another function, a subclass that may change forward)."""
+    assert moe.fused_activation(F.silu, True) == "silu_and_mul"
+    assert moe.fused_activation(ACT2FN["silu"], True) == "silu_and_mul"
+    assert moe.fused_activation(ACT2FN["swish"], True) == "silu_and_mul"
+    assert moe.fused_activation(nn.SiLU(), True) == "silu_and_mul"
+    assert moe.fused_activation(ACT2FN["relu2"], False) == "relu2"
+    class MySiLU(nn.SiLU):
+        pass
+
+    for act_fn, has_gate in ((ACT2FN["silu"], False), (F.silu, False), (ACT2FN["relu2"], True), (silu, True),
+                             (relu2, False), (MySiLU(), True), (ACT2FN["gelu"], True), (ACT2FN["gelu"], False)):
+        assert moe.fused_activation(act_fn, has_gate) == "none", (act_fn, has_gate)
+
+
+def _row_loop(x, weight, offsets, gather, scatter, activation):
+    """The op's rows one by one in fp64: ``y[scatter[r]] = act(weight[e] @ x[gather[r]])``."""
+    rows = gather.shape[0] if gather is not None else x.shape[0]
+    width = weight.shape[1] // 2 if activation == "silu_and_mul" else weight.shape[1]
+    y = torch.zeros(rows, width, dtype=torch.float64, device=x.device)
+    for e in range(weight.shape[0]):
+        for r in range(int(offsets[e]), int(offsets[e + 1])):
+            h = weight[e].double() @ x[int(gather[r]) if gather is not None else r].double()
+            if activation == "silu_and_mul":
+                g, u = h.chunk(2)
+                h = F.silu(g) * u
+            elif activation == "relu2":
+                h = relu2(h)
+            y[int(scatter[r]) if scatter is not None else r] = h
+    return y
+
+
+@pytest.mark.parametrize("activation", ["silu_and_mul", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[1, 0, 0], [0, 13, 2], [20, 0, 37]])
+def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
+    """The fused activation in the op and the kernel (default tiles, and experts over several row
+    tiles and an output width over two column tiles under forced 16 x 16 tiles) against the row loop:
+    one row, uneven loads, experts without rows, with and without gather / scatter."""
+    k, n_out = 40, 20
+    n = 2 * n_out if activation == "silu_and_mul" else n_out
+    weight = (torch.randn(3, n, k) / k ** 0.5).to(dtype)
+    rows = sum(counts)
+    x = torch.randn(rows + 2, k).to(dtype)
+    off = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    gather, scatter = torch.randint(0, rows + 2, (rows,)), torch.randperm(rows)
+    atol, rtol = TOL[dtype]
+    for g, s in ((gather, scatter), (None, None)):
+        xs = x if g is not None else x[:rows]
+        expected = _row_loop(xs, weight, off, g, s, activation)
+        got = ops.moe_grouped_linear(xs, weight, off, g, s, activation)
+        assert got.shape == (rows, n_out) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+        for config in (None, (16, 16, 16, 4, 1)):
+            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, activation, config=config)
+            torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"{config} {g is not None}")
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9], [0, 0, 0, 5]])
@@ -116,82 +204,116 @@ def test_routing_sort_and_op_argument_errors():
         ops.moe_grouped_linear(x, w, torch.tensor([0, 1, 2]), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="scatter_index"):
         ops.moe_grouped_linear(x, w, torch.tensor([0, 1, 3]), None, torch.tensor([0, 1]))
+    off = torch.tensor([0, 1, 3])
+    for call in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton):
+        with pytest.raises(ValueError, match="`activation` must be one of 'none', 'silu_and_mul', 'relu2', got 'gelu'"):
+            call(x, w, off, activation="gelu")
+        with pytest.raises(ValueError, match="`activation`='silu_and_mul' needs an even number of weight rows.*5"):
+            call(x, w, off, activation="silu_and_mul")  # 5 weight rows: no gate / up halves
 
 
-def test_op_opcheck_and_compile_without_graph_breaks():
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+def test_op_opcheck(activation):
     x, w = torch.randn(5, 16), torch.randn(3, 12, 16)
     off = torch.tensor([0, 2, 2, 5])
-    run_opcheck(ops.moe_grouped_linear.default, (x, w, off))
-    run_opcheck(ops.moe_grouped_linear.default, (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3])))
-    up, down = _weights(3, 16, 8, True, torch.float32)
+    run_opcheck(ops.moe_grouped_linear.default, (x, w, off, None, None, activation))
+    run_opcheck(ops.moe_grouped_linear.default,
+                (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3]), activation))
+
+
+@pytest.mark.parametrize("act_fn,has_gate", [(ACT2FN["silu"], True), (F.silu, True), (ACT2FN["relu2"], False)])
+def test_compile_without_graph_breaks(act_fn, has_gate):
+    """The experts forward with the fused activation (picked from the module / function inside the graph)."""
+    up, down = _weights(3, 16, 8, has_gate, torch.float32)
     idx, rw = _routing(4, 3, 2)
 
     def fn(h, i, weights):
-        return moe.fused_moe_experts(h * 2, i, weights, up, down, F.silu, True) + 1
+        return moe.fused_moe_experts(h * 2, i, weights, up, down, act_fn, has_gate) + 1
 
-    eager, compiled, _, _ = compile_and_compare(fn, x[:4], idx, rw)
+    eager, compiled, _, _ = compile_and_compare(fn, torch.randn(4, 16), idx, rw)
     torch.testing.assert_close(compiled, eager)
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: the registered CUDA op at Qwen3.5-35B-A3B's expert shapes
+# GPU: the registered CUDA op at Qwen3.5-35B-A3B's and Nemotron-3-Nano-30B's expert shapes
 # --------------------------------------------------------------------------------------------
 
-EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
+# name: (experts, top_k, hidden, expert width, has_gate): the silu_and_mul and the relu2 experts
+SHAPES = {"qwen35_moe": (256, 8, 2048, 512, True), "nemotron3_nano": (128, 6, 2688, 1856, False)}
 
 
-def _cuda_case(tokens, has_gate, dtype=torch.bfloat16):
-    """Routing drawn on the CPU; weights and activations drawn on the GPU (3 GiB of fp32 at this shape)."""
+def _cuda_case(tokens, shape, dtype=torch.bfloat16):
+    """Routing drawn on the CPU; weights and activations drawn on the GPU (up to 5 GiB of fp32)."""
+    experts, top_k, hidden, inter, has_gate = SHAPES[shape]
     gen = torch.Generator().manual_seed(tokens)
-    idx, w = _routing(tokens, EXPERTS, TOP_K, generator=gen)
+    idx, w = _routing(tokens, experts, top_k, generator=gen)
     torch.manual_seed(tokens)
-    up = torch.randn(EXPERTS, (2 if has_gate else 1) * INTER, HIDDEN, device="cuda").mul_(HIDDEN ** -0.5).to(dtype)
-    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda").mul_(INTER ** -0.5).to(dtype)
-    x = torch.randn(tokens, HIDDEN, device="cuda").to(dtype)
+    up = torch.randn(experts, (2 if has_gate else 1) * inter, hidden, device="cuda").mul_(hidden ** -0.5).to(dtype)
+    down = torch.randn(experts, hidden, inter, device="cuda").mul_(inter ** -0.5).to(dtype)
+    x = torch.randn(tokens, hidden, device="cuda").to(dtype)
     return x, idx.cuda(), w.cuda(), up, down
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("has_gate", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, pytest.param(16, marks=pytest.mark.smoke), 64])
-def test_cuda_experts_at_qwen35_moe_shapes(tokens, has_gate):
-    """bf16 experts forward on CUDA vs the pair loop in fp64 on the CPU (the same bf16 weights)."""
-    act = F.silu if has_gate else relu2
-    x, idx, w, up, down = _cuda_case(tokens, has_gate)
-    out = moe.fused_moe_experts(x, idx, w, up, down, act, has_gate)
+def test_cuda_experts_at_real_shapes(tokens, shape, fused):
+    """bf16 experts forward on CUDA vs the pair loop in fp64 (the same bf16 weights), the activation
+    fused into the first grouped GEMM (transformers' SiLU / relu2 modules) or not (plain functions);
+    the fused first projection alone against the plain-torch op on the GPU."""
+    has_gate = SHAPES[shape][4]
+    act = silu if has_gate else relu2
+    x, idx, w, up, down = _cuda_case(tokens, shape)
+    seen = []
+    out = moe.fused_moe_experts(x, idx, w, up, down, _act_module(has_gate) if fused else act, has_gate,
+                                grouped_linear=_spy(ops.moe_grouped_linear, seen))
+    activation = ("silu_and_mul" if has_gate else "relu2") if fused else "none"
+    assert seen == [activation, "none"]
     expected = _oracle(x, idx.cpu(), w.cpu(), up, down, act, has_gate)  # fp64 on the GPU, pair by pair
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=3e-2)
-    h = torch.randn(5, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    r = moe.sort_pairs_by_expert(idx, up.shape[0])
+    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, None, activation)
+    ref = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, None, activation)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    h = torch.randn(5, x.shape[1], device="cuda", dtype=torch.bfloat16)
     run_opcheck(ops.moe_grouped_linear.default, (h, up[:3], torch.tensor([0, 2, 2, 5], device="cuda"),
-                                                 torch.tensor([4, 0, 0, 1, 3], device="cuda"), None))
+                                                 torch.tensor([4, 0, 0, 1, 3], device="cuda"), None, activation))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype):
-    """fp32 (IEEE dot) and fp16, 2048 tokens (the prefill tiles), against the CPU op."""
-    x, idx, w, up, down = _cuda_case(2048 if dtype == torch.float16 else 300, True, dtype)
-    r = moe.sort_pairs_by_expert(idx, EXPERTS)
-    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, r.order)
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+@pytest.mark.parametrize("dtype,tokens", [(torch.float32, 300), (torch.float32, 4096), (torch.float16, 2048)])
+def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype, tokens, activation):
+    """fp32 (IEEE dot) and fp16, decode tiles (300 tokens) and the 128 / 64-row prefill tiles (4096,
+    2048 tokens: the two accumulators of silu_and_mul at the largest tiles), against the plain-torch op."""
+    x, idx, w, up, down = _cuda_case(tokens, "qwen35_moe", dtype)
+    r = moe.sort_pairs_by_expert(idx, up.shape[0])
+    got = ops.moe_grouped_linear(x, up, r.expert_offsets, r.token_of_row, r.order, activation)
     # the plain-torch op on the GPU in fp32 (torch's CUDA matmuls default to exact fp32, no TF32)
-    expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order)
+    expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order,
+                                                activation)
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype][0] * 10, rtol=TOL[dtype][1] * 10)
 
 
 @pytest.mark.gpu
 @pytest.mark.smoke
-def test_cuda_experts_in_a_cuda_graph():
-    x, idx, w, up, down = _cuda_case(16, True)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_experts_in_a_cuda_graph(shape):
+    """The fused-activation experts forward captured once, replayed after the routing changed."""
+    experts, top_k, _, _, has_gate = SHAPES[shape]
+    x, idx, w, up, down = _cuda_case(16, shape)
+    act_fn = _act_module(has_gate)
 
     def step():
-        return moe.fused_moe_experts(x, idx, w, up, down, F.silu, True)
+        return moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate)
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    idx2, w2 = _routing(16, EXPERTS, TOP_K, generator=torch.Generator().manual_seed(1))
+    idx2, w2 = _routing(16, experts, top_k, generator=torch.Generator().manual_seed(1))
     idx2[:, 0] = 3  # routing changes between replays (one expert gets every token)
     for dst, src in ((x, torch.randn_like(x)), (idx, idx2), (w, w2)):
         dst.copy_(src)

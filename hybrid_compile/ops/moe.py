@@ -7,9 +7,12 @@ Routing. The ``T * top_k`` (token, expert) pairs of a step are sorted by expert
 ``expert_offsets[e]:expert_offsets[e + 1]``. Everything is shape-only (argsort, searchsorted): no host
 sync, so it is CUDA-graph capturable.
 
-``moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index)``: for each sorted row
-``r`` of expert ``e``, ``y[scatter_index[r]] = x[gather_index[r]] @ weight[e].T`` (an absent index is
-the identity). The gather lets the first projection read the tokens' hidden states in place (no
+``moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)``: for each
+sorted row ``r`` of expert ``e``, ``y[scatter_index[r]] = act(x[gather_index[r]] @ weight[e].T)`` (an
+absent index is the identity). ``activation`` is applied to the fp32 accumulators before the one
+rounding to the output dtype: ``"none"``; ``"silu_and_mul"``, weight rows ``[0, N/2)`` the gate and
+``[N/2, N)`` the up projection, output ``[R, N/2]`` = ``silu(gate) * up``; ``"relu2"``,
+``relu(.)**2``. The gather lets the first projection read the tokens' hidden states in place (no
 ``[T * top_k, H]`` copy); the scatter lets the second write each pair back in (token, k) order, so
 the top-k weighted sum is a plain reduction over ``k`` (no atomics, deterministic). The CPU
 implementation is a per-expert loop in plain torch; the CUDA one is a Triton grouped GEMM
@@ -17,7 +20,9 @@ implementation is a per-expert loop in plain torch; the CUDA one is a Triton gro
 
 :func:`fused_moe_experts` is transformers' experts forward (``gate_up_proj [E, 2I, H]`` with the gate
 rows first and ``act(gate) * up``, or ``up_proj [E, I, H]`` and ``act(up)``; then ``down_proj
-[E, H, I]``; the top-k weighted sum in fp32): two ``moe_grouped_linear`` calls around the activation.
+[E, H, I]``; the top-k weighted sum in fp32): two ``moe_grouped_linear`` calls. The activation is
+fused into the first one for transformers' SiLU with a gate (``silu_and_mul``) and relu2 without one
+(:func:`fused_activation`); any other ``act_fn`` runs between the two calls.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+from torch import nn
+from transformers.activations import ACT2FN
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 
-__all__ = ["ExpertRouting", "fused_moe_experts", "moe_grouped_linear", "reference_moe_grouped_linear",
-           "sort_pairs_by_expert"]
+__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts",
+           "grouped_output_width", "moe_grouped_linear", "reference_moe_grouped_linear", "sort_pairs_by_expert"]
+
+# the activations moe_grouped_linear applies in its epilogue (the Triton kernel's ACT is the index)
+GROUPED_ACTIVATIONS = ("none", "silu_and_mul", "relu2")
 
 
 class ExpertRouting(NamedTuple):
@@ -57,10 +67,26 @@ def sort_pairs_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertR
 # --------------------------------------------------------------------------------------------
 
 
-def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index) -> None:
+def check_activation(activation: str, n: int) -> None:
+    """``activation`` is one of :data:`GROUPED_ACTIVATIONS` (and ``silu_and_mul`` has an even ``n``)."""
+    if activation not in GROUPED_ACTIVATIONS:
+        raise ValueError(f"moe_grouped_linear: `activation` must be one of {', '.join(map(repr, GROUPED_ACTIVATIONS))}, "
+                         f"got {activation!r}")
+    if activation == "silu_and_mul" and n % 2:
+        raise ValueError(f"moe_grouped_linear: `activation`='silu_and_mul' needs an even number of weight rows "
+                         f"(gate rows then up rows), got {n}")
+
+
+def grouped_output_width(n: int, activation: str) -> int:
+    """Columns of ``moe_grouped_linear``'s output for ``n`` weight rows."""
+    return n // 2 if activation == "silu_and_mul" else n
+
+
+def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation="none") -> None:
     op = "moe_grouped_linear"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "weight", weight, ndim=3, dtypes=(x.dtype,))
+    check_activation(activation, weight.shape[1])
     if weight.shape[2] != x.shape[1]:
         raise ValueError(f"{op}: `weight` has {weight.shape[2]} input channels, `x` has {x.shape[1]}")
     check_tensor(op, "expert_offsets", expert_offsets, ndim=1, dtypes=INDEX_DTYPES, shape=(weight.shape[0] + 1,))
@@ -86,7 +112,7 @@ def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index) -> No
 @torch.library.custom_op("hybrid_compile::moe_grouped_linear", mutates_args=())
 def moe_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
-    gather_index: torch.Tensor | None = None, scatter_index: torch.Tensor | None = None,
+    gather_index: torch.Tensor | None = None, scatter_index: torch.Tensor | None = None, activation: str = "none",
 ) -> torch.Tensor:
     """Per-expert ``F.linear`` over rows sorted by expert, with an optional row gather and scatter.
 
@@ -98,16 +124,21 @@ def moe_grouped_linear(
         gather_index: optional ``[R]``, row ``r`` reads ``x[gather_index[r]]`` (else ``x[r]``).
         scatter_index: optional ``[R]``, a permutation of ``range(R)``: row ``r`` is written to
             ``y[scatter_index[r]]`` (else ``y[r]``).
+        activation: ``"none"``, ``"silu_and_mul"`` (``N`` even: ``silu(x @ gate.T) * (x @ up.T)`` with
+            gate = rows ``[0, N/2)``, up = rows ``[N/2, N)``) or ``"relu2"`` (``relu(x @ w.T)**2``),
+            computed in fp32 on the fp32 accumulators.
 
     Returns:
-        ``[R, N]`` contiguous in ``x.dtype``, accumulated in fp32.
+        ``[R, N]`` (``[R, N/2]`` for ``silu_and_mul``) contiguous in ``x.dtype``, accumulated in fp32
+        and rounded once.
     """
-    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
-    return reference_moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index)
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation)
+    return reference_moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
 
 
-def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None):
-    """The CPU implementation of ``moe_grouped_linear`` in plain torch: a loop over the experts."""
+def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
+    """The CPU implementation of ``moe_grouped_linear`` in plain torch: a loop over the experts, the
+    activation on the fp32 products."""
     rows = x[gather_index] if gather_index is not None else x
     y = torch.zeros(rows.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
     offsets = expert_offsets.tolist()
@@ -115,21 +146,46 @@ def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, s
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             y[lo:hi] = rows[lo:hi].float() @ weight[e].float().t()
+    if activation == "silu_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    elif activation == "relu2":
+        y = torch.relu(y).square()
     if scatter_index is not None:
         y = torch.empty_like(y).index_copy_(0, scatter_index, y)
     return y.to(x.dtype)
 
 
 @moe_grouped_linear.register_fake
-def _(x, weight, expert_offsets, gather_index=None, scatter_index=None):
-    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
+def _(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation)
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
-    return x.new_empty(rows, weight.shape[1])
+    return x.new_empty(rows, grouped_output_width(weight.shape[1], activation))
 
 
 # --------------------------------------------------------------------------------------------
 # the experts forward
 # --------------------------------------------------------------------------------------------
+
+
+# exact classes (a subclass may change forward): transformers' SiLU (ACT2FN["silu"]; "swish" gives
+# nn.SiLU) and relu2 (ACT2FN["relu2"]), the same classes in transformers 5.17 and 5.24
+_SILU_CLASSES = (nn.SiLU, type(ACT2FN["silu"]))
+_RELU2_CLASS = type(ACT2FN["relu2"])
+_SILU_FUNCTION = torch.nn.functional.silu  # LFM2-MoE's experts hold the function itself
+
+
+def fused_activation(act_fn: Callable, has_gate: bool) -> str:
+    """The ``moe_grouped_linear`` activation that computes the experts' ``act(gate) * up`` (``has_gate``)
+    or ``act(up)`` inside the first grouped GEMM: ``"silu_and_mul"`` for transformers' SiLU with a
+    gate (``nn.SiLU``, ``ACT2FN["silu"]``'s class, or ``torch.nn.functional.silu`` itself),
+    ``"relu2"`` for its relu2 (``ACT2FN["relu2"]``'s class) without one, else ``"none"`` (the
+    activation then runs as its own elementwise step between the two grouped GEMMs)."""
+    if has_gate and (type(act_fn) in _SILU_CLASSES or act_fn is _SILU_FUNCTION):
+        return "silu_and_mul"
+    if not has_gate and type(act_fn) is _RELU2_CLASS:
+        return "relu2"
+    return "none"
 
 
 def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -140,17 +196,23 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     ``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``; ``up_proj [E, 2I, H]``
     (gate rows first) when ``has_gate`` else ``[E, I, H]``; ``down_proj [E, H, I]``. Returns
     ``[T, H]`` in ``hidden_states.dtype``: ``sum_k weight[t, k] * expert_{index[t, k]}(x[t])``.
+    The activation is fused into the first grouped GEMM for SiLU (``nn.SiLU``, transformers'
+    ``ACT2FN["silu"]``, ``F.silu``) with a gate and ``ACT2FN["relu2"]`` without one
+    (:func:`fused_activation`); any other ``act_fn`` (gelu, another function, a subclass, ...) is
+    applied to the first GEMM's output between the two grouped GEMMs.
     ``grouped_linear``: the ``moe_grouped_linear`` implementation to call (default: the op; the
     tests pass the Triton launcher to run the whole forward under the interpreter).
     """
     linear = grouped_linear or torch.ops.hybrid_compile.moe_grouped_linear
     routing = sort_pairs_by_expert(top_k_index, up_proj.shape[0])
-    h = linear(hidden_states, up_proj, routing.expert_offsets, routing.token_of_row, None)
-    if has_gate:
-        gate, up = h.chunk(2, dim=-1)
-        h = act_fn(gate) * up
-    else:
-        h = act_fn(h)
+    activation = fused_activation(act_fn, has_gate)
+    h = linear(hidden_states, up_proj, routing.expert_offsets, routing.token_of_row, None, activation=activation)
+    if activation == "none":
+        if has_gate:
+            gate, up = h.chunk(2, dim=-1)
+            h = act_fn(gate) * up
+        else:
+            h = act_fn(h)
     # rows written back in (token, k) order: the weighted sum over k is a reduction, no scatter-add
     out = linear(h, down_proj, routing.expert_offsets, None, routing.order)
     return combine_top_k(out, top_k_weights, hidden_states.dtype)

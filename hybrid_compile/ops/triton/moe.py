@@ -7,7 +7,11 @@ row tile ``t`` comes from the experts' cumulative tile counts (:func:`.common.ex
 FP8 grouped GEMM's scheme), so the launch is shape-only (``min(R, cdiv(R, BM) + E)`` row tiles
 bound the used ones; programs past the last used tile run zero ``K`` steps and store nothing) and
 each tile's rows are padded to ``BM`` by masking. ``GATHER``: row ``r`` reads ``x[gather[r]]``;
-``SCATTER``: it is stored at ``y[scatter[r]]``. No host sync, no atomics: usable in CUDA graphs.
+``SCATTER``: it is stored at ``y[scatter[r]]``. ``ACT`` (the index in
+:data:`~hybrid_compile.ops.moe.GROUPED_ACTIVATIONS`) is applied to the fp32 accumulator before the
+one rounding of the store: 0 none; 1 silu_and_mul, where each program accumulates the gate tile
+(weight rows ``rn``) and the up tile (rows ``N + rn``, ``N`` the output width) over one ``K`` loop and
+stores ``silu(gate) * up``; 2 relu2. No host sync, no atomics: usable in CUDA graphs.
 
 Tiles: :func:`fp8_gemm_config`'s choice (decode: 16-row tiles and column tiles narrow enough that
 about two programs per SM stream the weights; prefill: 64 / 128-row tiles), ``BK`` 64 (128 for
@@ -23,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe import _check_grouped
+from ..moe import GROUPED_ACTIVATIONS, _check_grouped, check_activation, grouped_output_width
 from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .launch import pdl_launch, pdl_wait_and_release
@@ -40,7 +44,7 @@ def _grouped_gemm_kernel(
     x_ptr, gather_ptr, w_ptr, y_ptr, scatter_ptr, offsets_ptr,
     R, N, K, E,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    GATHER: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -57,20 +61,35 @@ def _grouped_gemm_kernel(
     else:
         src = rm.to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
-    n_ok = rn < N
+    n_ok = rn < N  # N: output columns (silu_and_mul: the gate rows; the up rows follow at N + rn)
     rk = tl.arange(0, BK)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    w_up_rows = w_rows + N.to(tl.int64) * stride_wn  # silu_and_mul's up rows (unused otherwise)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # silu_and_mul's up products (unused otherwise)
     for kb in range(0, k_steps):
         kk = kb * BK + rk
         k_ok = kk < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
         a = tl.load(x_ptr + src[:, None] * stride_xm + kk[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=w_mask, other=0.0)
+        if ACT == 1:
+            wu = tl.load(w_up_rows + kk[None, :] * stride_wk, mask=w_mask, other=0.0)
         if IEEE:  # fp32 weights: exact fp32 products (tf32 would miss the CPU path's tolerance)
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            a = a.to(tl.float32)
+            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            if ACT == 1:
+                acc_up += tl.dot(a, tl.trans(wu.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w))
+            if ACT == 1:
+                acc_up += tl.dot(a, tl.trans(wu))
+    if ACT == 1:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACT == 2:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     if SCATTER:
         dst = tl.load(scatter_ptr + rm, mask=m_ok, other=0).to(tl.int64)
     else:
@@ -93,16 +112,21 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
     return bm, bn, bk, warps, stages
 
 
-def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, config=None,
-                              pdl: bool | None = None):
+def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none",
+                              config=None, pdl: bool | None = None):
     """``moe_grouped_linear`` on the GPU (or under the interpreter); ``config`` = (BM, BN, BK, warps,
     stages) overrides :func:`moe_gemm_config`."""
-    experts, n, k = weight.shape
+    experts, n_rows, k = weight.shape
+    check_activation(activation, n_rows)
+    # grid and tiles over the output columns: with silu_and_mul a program owns BN output columns and
+    # reads both their gate and up weight rows, so the config sees the output width N/2 (its
+    # programs-per-SM count is then the real one; each streams twice the weight bytes per K step)
+    n = grouped_output_width(n_rows, activation)
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    if k == 0:
+    if k == 0:  # empty products: every activation maps 0 to 0
         return y.zero_()
     bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device))
     _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](
@@ -111,15 +135,16 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
         rows, n, k, experts,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         GATHER=gather_index is not None, SCATTER=scatter_index is not None, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        ACT=GROUPED_ACTIVATIONS.index(activation),
         BM=bm, BN=bn, BK=bk, BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages,
         **pdl_launch(x.device, pdl),
     )
     return y
 
 
-def _grouped_cuda(x, weight, expert_offsets, gather_index=None, scatter_index=None):
-    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index)
-    return moe_grouped_linear_triton(x, weight, expert_offsets, gather_index, scatter_index)
+def _grouped_cuda(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation)
+    return moe_grouped_linear_triton(x, weight, expert_offsets, gather_index, scatter_index, activation)
 
 
 torch.library.register_kernel("hybrid_compile::moe_grouped_linear", "cuda", _grouped_cuda)

@@ -18,7 +18,8 @@ Prints a table; writes JSON.
 
 ``--sweep``: instead, the tile sweep of our grouped GEMM (``moe_grouped_linear``'s Triton kernel) on
 the same shapes and routings: for each token count and projection (``up``: the tokens gathered
-into ``gate_up_proj`` / ``up_proj``; ``down``: the sorted rows into ``down_proj``, scattered back)
+into ``gate_up_proj`` / ``up_proj`` with the activation fused as the engine fuses it; ``down``: the
+sorted rows into ``down_proj``, scattered back)
 every (BM, BN, BK, warps, stages) of the grid (16-row tiles only below 16 tokens), each output
 checked against the default tile's (``moe_gemm_config``), timed as above; prints the default and
 the best per case, writes every timing. On CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the
@@ -139,7 +140,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
     """Tile sweep of both projections of ``name``'s experts (see the module docstring)."""
     import itertools
 
-    from hybrid_compile.ops.moe import sort_pairs_by_expert
+    from hybrid_compile.ops.moe import fused_activation, grouped_output_width, sort_pairs_by_expert
     from hybrid_compile.ops.triton.fp8 import _sm_count
     from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_grouped_linear_triton
 
@@ -159,9 +160,11 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         h = torch.randn(tokens * top_k, inter, device=device, dtype=dtype)
         hit = int(torch.unique(idx).numel())
-        cases = {"up": (x, up, routing.token_of_row, None), "down": (h, down, None, routing.order)}
-        for projection, (inp, weight, gather, scatter) in cases.items():
-            default = moe_gemm_config(tokens * top_k, weight.shape[1], weight.shape[2], num, dtype, sms=sms)
+        act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
+        cases = {"up": (x, up, routing.token_of_row, None, act), "down": (h, down, None, routing.order, "none")}
+        for projection, (inp, weight, gather, scatter, activation) in cases.items():
+            default = moe_gemm_config(tokens * top_k, grouped_output_width(weight.shape[1], activation),
+                                      weight.shape[2], num, dtype, sms=sms, gated=activation == "silu_and_mul")
             candidates = [default] + [c for c in itertools.product(*grid.values())
                                       if (c[0] == 16 or tokens >= 16) and c != default]
             weight_bytes = hit * weight.shape[1] * weight.shape[2] * weight.element_size()
@@ -171,7 +174,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
                 for cfg in candidates:
                     def call(cfg=cfg):
                         return moe_grouped_linear_triton(inp, weight, routing.expert_offsets, gather, scatter,
-                                                         config=cfg)
+                                                         activation, config=cfg)
                     try:
                         got = call().float()
                     except Exception as e:  # noqa: BLE001 - a tile this device cannot hold is recorded
@@ -185,7 +188,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
                     timings.append(dict(config=list(cfg), ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6))
             timed = [t for t in timings if "ms" in t]
             best = min(timed, key=lambda t: t["ms"])
-            rows.append(dict(shape=name, tokens=tokens, projection=projection, experts_hit=hit,
+            rows.append(dict(shape=name, tokens=tokens, projection=projection, activation=activation, experts_hit=hit,
                              weight_bytes=weight_bytes, default=timed[0], best=best, timings=timings))
             d = timed[0]
             print(f"{name:20s} T={tokens:<4d} {projection:4s} default {tuple(d['config'])} {d['ms'] * 1e3:8.1f} us "

@@ -3,7 +3,7 @@ experts module of the 3-D layout (``gate_up_proj [E, 2I, H]`` with ``act(gate) *
 ``up_proj [E, I, H]`` and ``act(up)`` without a gate, then ``down_proj [E, H, I]``; float weights, no
 biases, not transposed) gets a forward that, inside an engine step, runs
 :func:`hybrid_compile.ops.moe.fused_moe_experts` on the module's own weights (one
-``moe_grouped_linear`` per projection for all experts) instead of transformers' experts forward
+``moe_grouped_linear`` per projection for all experts, SiLU-gate / relu2 fused into the first) instead of transformers' experts forward
 (the eager per-expert loop or ``torch._grouped_mm`` with its sort / histogram kernels). Outside an
 engine step (no forward context) the module runs transformers' forward, so ``model.generate`` on a
 wrapped model is HF's; ``handle.undo()`` restores it. Under tensor parallelism a rank's experts

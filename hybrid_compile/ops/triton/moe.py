@@ -99,16 +99,19 @@ def _grouped_gemm_kernel(
 
 
 def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
-                    sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) for ``rows`` sorted rows over ``experts``."""
+                    sms: int = 132, gated: bool = False) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) for ``rows`` sorted rows over ``experts`` (``gated``:
+    ``silu_and_mul``, two weight tiles per K step)."""
     bm, bn, warps, stages = fp8_gemm_config(rows, n, k, grouped=True, experts=experts, sms=sms)
     decode = bm == 16
     # narrow column tiles (one row per expert hit): long K steps. With 128-wide tiles BK 64 was
     # faster in every case of a tile sweep on an H100 (Qwen3.5-35B / Nemotron-3-Nano experts, 16 to
     # 256 tokens, both projections: 3-15 % less time than BK 128)
     bk = 128 if decode and dtype != torch.float32 and bn < 128 else 64
-    if dtype == torch.float32 and not decode:
-        stages = 2  # fp32 tiles are twice as large in shared memory
+    if dtype == torch.float32 and (not decode or gated):
+        # fp32 tiles are twice as large in shared memory (gated decode: two 128 x 64 fp32 weight
+        # tiles per stage, ~200 KB at 3 stages, at the edge of an H100's 227 KB)
+        stages = 2
     return bm, bn, bk, warps, stages
 
 
@@ -128,7 +131,8 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
         return y
     if k == 0:  # empty products: every activation maps 0 to 0
         return y.zero_()
-    bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device))
+    bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device),
+                                                          gated=activation == "silu_and_mul")
     _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](
         x, gather_index if gather_index is not None else expert_offsets, weight, y,
         scatter_index if scatter_index is not None else expert_offsets, expert_offsets,

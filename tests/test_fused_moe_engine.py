@@ -194,14 +194,16 @@ def test_unsupported_reasons():
     assert name == "experts" and "not 3-D stacked weights" in fused_experts.unsupported_reason(m)
 
 
-def test_compiled_engine_no_graph_breaks():
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5_moe"])
+def test_compiled_engine_no_graph_breaks(name):
     """The engine's torch.compile (our backend, Dynamo fullgraph between layer ops) traces the fused
-    experts: no graph break, no recompile across batch sizes, HF's tokens. (No call counter here: a
-    counter's value would be guarded by Dynamo and recompile every step.)"""
-    model = MODELS["nemotron_h"]()
+    experts and (Qwen3.5-MoE) the fused routers: no graph break, no recompile across batch sizes, HF's
+    tokens. (No call counter here: a counter's value would be guarded by Dynamo and recompile every step.)"""
+    model = MODELS[name]()
     engine = em.make_engine(model, fused_moe=True, compile=True)
     try:
-        assert engine.stats()["fused_moe_modules"] == 1
+        assert engine.stats()["fused_moe_modules"] == len(fused_experts.experts_modules(model))
+        assert engine.stats()["fused_moe_routers"] == _expected_routers(name, model)
         for b in (1, 3):
             prompts = em.random_prompts([5 + 7 * i for i in range(b)], em.vocab_size(model), seed=b)
             got = engine.generate_batch(prompts, max_new_tokens=4)

@@ -250,3 +250,27 @@ def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
         assert got == [em.hf_greedy(engine.model, p, NEW_TOKENS) for p in prompts]
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "granitemoehybrid"])
+def test_gpu_fused_routers_in_cuda_graphs_match_hf(name):
+    """On the GPU the routers run the Triton ``moe_topk_softmax`` kernel inside compiled CUDA graphs
+    (Granite-4: the router whose tuple order changed between transformers 5.17 and 5.24); greedy tokens
+    against HF on the CPU (a CPU/GPU near-tie allowed, see tests/test_cuda_graphs.py)."""
+    import copy
+
+    from test_cuda_graphs import _assert_greedy_close
+
+    cpu_model = MODELS[name]()
+    model = copy.deepcopy(cpu_model).to("cuda")
+    prompts = em.random_prompts([13, 1, 40, 5], em.vocab_size(model), seed=7)
+    expected = [em.hf_greedy(cpu_model, p, NEW_TOKENS) for p in prompts]
+    graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4))
+    with em.make_engine(model, fused_moe=True, **graphs) as engine:
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        stats = engine.stats()
+    assert stats["fused_moe_routers"] == _expected_routers(name, model) > 0
+    assert stats["compile"]["cuda_graph_replays"] > 0, stats["compile"]
+    for p, g, e in zip(prompts, got, expected):
+        _assert_greedy_close(cpu_model, p, g, e, f"{name} fused_moe routers GPU")

@@ -153,6 +153,36 @@ def test_patched_router_returns_transformers_outputs(name, monkeypatch):
     assert fused_router.install_fused_routers(model, handle, False) == 0
 
 
+def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):
+    """transformers 5.17's Granite-4 router returns ``(index, weights, logits)`` (5.24: the reverse):
+    the install-time probe finds the order and the patched forward returns it."""
+    model = MODELS["granitemoehybrid"]()
+    router = fused_router.softmax_routers(model)[0][1]
+    base = type(router)
+
+    class GraniteMoeHybridTopKRouter(base):  # 5.17's forward, the class name the patch looks up
+        def forward(self, hidden_states):
+            router_logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+            top_k_logits, top_k_index = router_logits.topk(self.top_k, dim=-1)
+            top_k_weights = torch.softmax(top_k_logits, dim=-1).type_as(hidden_states)
+            return top_k_index, top_k_weights, router_logits
+
+    router.__class__ = GraniteMoeHybridTopKRouter
+    monkeypatch.setattr(fused_router, "get_forward_context", lambda: object())
+    handle = PatchHandle()
+    assert fused_router.install_fused_routers(router, handle, True) == 1
+    x = torch.randn(5, router.weight.shape[1])
+    (gi, gw, gl), (ei, ew, el) = router(x), GraniteMoeHybridTopKRouter.forward(router, x)
+    handle.undo()
+    assert gi.dtype == torch.int64 and torch.equal(gi, ei) and torch.equal(gl, el)
+    torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-6)
+    # a router whose outputs are not the (logits, weights, index) the patch reproduces: a clear error
+    monkeypatch.setattr(GraniteMoeHybridTopKRouter, "forward", lambda self, h: (h, h))
+    with pytest.raises(ValueError, match=r"fused_moe=True: GraniteMoeHybridTopKRouter returned .* use fused_moe=False"):
+        fused_router.install_fused_routers(router, handle, True)
+    assert "forward" not in router.__dict__
+
+
 def test_option_resolution_and_errors(fused_calls):
     model = MODELS["qwen3_next_moe"]()
     for options in ({}, dict(fused_moe=False)):  # the default: transformers' experts forward

@@ -31,7 +31,9 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, fp8, gdn, lightning, linear, mamba1, mamba2, metadata, moe, moe_router, norm, sampling, state
+from . import (
+    attention, conv1d, fp8, gdn, lightning, linear, mamba1, mamba2, metadata, moe, moe_router, norm, sampling, state,
+)
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import fp8 as _triton_fp8  # noqa: F401

@@ -78,6 +78,13 @@ def test_kernel_rows_per_program_and_strided_logits():
     assert w.shape == i.shape == (0, 2)
 
 
+def test_kernel_at_real_expert_counts():
+    """E = 512 / top-10 (BLOCK_E 512, one row a program) and E = 256 / top-8 at 70 tokens (4 rows a program)."""
+    for tokens, experts, top_k in ((3, 512, 10), (70, 256, 8)):
+        logits = (torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)) * 2).bfloat16()
+        _check(trouter.moe_topk_softmax_triton(logits, top_k, True), logits, top_k, True)
+
+
 def test_hf_router_math_equivalence():
     """transformers' softmax router (softmax in fp32, torch.topk, sum + divide) on distinct probabilities."""
     logits = torch.randn(6, 32)

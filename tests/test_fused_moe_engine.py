@@ -2,6 +2,9 @@
 
 Oracle: transformers' own greedy ``generate`` on the same weights (computed on the wrapped model, where
 outside an engine step the experts run transformers' forward: the fused path must not be taken there).
+The softmax top-k routers (hybrid_compile/models/fused_router.py, the same option) of Qwen3-Next, Qwen3.5-MoE,
+Granite-4, Jamba and MiniMax run ``moe_topk_softmax`` in engine steps; NemotronH's, LFM2-MoE's and Kimi-Linear's
+(sigmoid / biased / grouped routers) stay transformers'. Oracle for a router: its own transformers forward.
 Families: every one with transformers' 3-D experts: Qwen3-Next MoE and Qwen3.5-MoE (gated silu experts +
 shared expert), NemotronH (relu2 experts without a gate, beside Mamba2 and attention layers), Granite-4
 (GraniteMoeHybrid), LFM2-MoE, Jamba, MiniMax and Kimi-Linear (skipped where transformers lacks them). Also the option's resolution
@@ -19,7 +22,7 @@ import mamba1_models as m1
 import mamba2_models as mm
 import minimax_models
 import test_lfm2 as lfm2
-from hybrid_compile.models import fused_experts
+from hybrid_compile.models import PatchHandle, fused_experts, fused_router
 
 NEW_TOKENS = 8
 
@@ -47,6 +50,35 @@ MODELS = {
 }
 
 
+# families whose router is a softmax top-k (patched); the others keep transformers' router
+SOFTMAX_ROUTER_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe", "granitemoehybrid", "jamba", "minimax"}
+
+
+def _expected_routers(name, model):
+    """Routers the fused path patches: every softmax router; 0 for the other families, and for Jamba in
+    transformers 5.17 (its router is a plain nn.Linear there, no router module)."""
+    n = len(fused_router.softmax_routers(model))
+    if name in SOFTMAX_ROUTER_FAMILIES and name != "jamba":
+        assert n > 0, name
+    if name not in SOFTMAX_ROUTER_FAMILIES:
+        assert n == 0 and any(type(m).__name__ in fused_router.OTHER_ROUTERS for m in model.modules()), name
+    return n
+
+
+@pytest.fixture
+def router_calls(monkeypatch):
+    """Counts calls of the router op from the patched routers (engine steps only)."""
+    calls = [0]
+    real = fused_router.moe_topk_softmax
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_router, "moe_topk_softmax", counting)
+    return calls
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     yield from em.single_threaded()
@@ -67,24 +99,88 @@ def fused_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls):
+def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls, router_calls):
     model = MODELS[name]()
     prompts = em.random_prompts([13, 3, 40], em.vocab_size(model), seed=5)
+    n_routers = _expected_routers(name, model)
     engine = em.make_engine(model, fused_moe=True)
     try:
         n_experts = sum(1 for _, m in fused_experts.experts_modules(model))
         assert engine.stats()["fused_moe_modules"] == n_experts > 0
+        assert engine.stats()["fused_moe_routers"] == n_routers
+        assert all("forward" in m.__dict__ for _, m in fused_router.softmax_routers(model))
         got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
         assert fused_calls[0] > 0
-        before = fused_calls[0]
-        # outside an engine step the patched experts run transformers' forward
+        assert (router_calls[0] > 0) == (n_routers > 0)
+        before = fused_calls[0], router_calls[0]
+        # outside an engine step the patched experts and routers run transformers' forward
         expected = [em.hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-        assert fused_calls[0] == before
+        assert (fused_calls[0], router_calls[0]) == before
     finally:
         engine.close()
     for p, g, e in zip(prompts, got, expected):
         em.assert_greedy_equal(model, p, g, e, what=f"{name} fused_moe")
     assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # close() undid it
+    assert all("forward" not in m.__dict__ for _, m in fused_router.softmax_routers(model))
+
+
+@pytest.mark.parametrize("name", sorted(SOFTMAX_ROUTER_FAMILIES))
+def test_patched_router_returns_transformers_outputs(name, monkeypatch):
+    """Inside an engine step a patched router returns transformers' tuple: same order, shapes and dtypes
+    (also for bf16 weights), the same experts, the same logits, weights to rounding."""
+    model = MODELS[name]()
+    routers = fused_router.softmax_routers(model)
+    if not routers:
+        pytest.skip(f"{name}: this transformers has no softmax router module (Jamba in 5.17)")
+    handle = PatchHandle()
+    monkeypatch.setattr(fused_router, "get_forward_context", lambda: object())  # as in an engine step
+    for dtype in (torch.float32, torch.bfloat16):
+        _, router = routers[0]
+        router.to(dtype)
+        assert fused_router.install_fused_routers(model, handle, True) == len(routers)
+        x = torch.randn(7, router.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
+        got, expected = router(x), type(router).forward(router, x)
+        handle.undo()
+        assert "forward" not in router.__dict__
+        assert len(got) == len(expected) == 3
+        for g, e in zip(got, expected):
+            assert (g.shape, g.dtype) == (e.shape, e.dtype)
+            if e.dtype == torch.int64:
+                assert torch.equal(g, e)
+            else:
+                tol = 1e-6 if g.dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+    assert fused_router.install_fused_routers(model, handle, False) == 0
+
+
+def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):
+    """transformers 5.17's Granite-4 router returns ``(index, weights, logits)`` (5.24: the reverse):
+    the install-time probe finds the order and the patched forward returns it."""
+    model = MODELS["granitemoehybrid"]()
+    router = fused_router.softmax_routers(model)[0][1]
+    base = type(router)
+
+    class GraniteMoeHybridTopKRouter(base):  # 5.17's forward, the class name the patch looks up
+        def forward(self, hidden_states):
+            router_logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+            top_k_logits, top_k_index = router_logits.topk(self.top_k, dim=-1)
+            top_k_weights = torch.softmax(top_k_logits, dim=-1).type_as(hidden_states)
+            return top_k_index, top_k_weights, router_logits
+
+    router.__class__ = GraniteMoeHybridTopKRouter
+    monkeypatch.setattr(fused_router, "get_forward_context", lambda: object())
+    handle = PatchHandle()
+    assert fused_router.install_fused_routers(router, handle, True) == 1
+    x = torch.randn(5, router.weight.shape[1])
+    (gi, gw, gl), (ei, ew, el) = router(x), GraniteMoeHybridTopKRouter.forward(router, x)
+    handle.undo()
+    assert gi.dtype == torch.int64 and torch.equal(gi, ei) and torch.equal(gl, el)
+    torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-6)
+    # a router whose outputs are not the (logits, weights, index) the patch reproduces: a clear error
+    monkeypatch.setattr(GraniteMoeHybridTopKRouter, "forward", lambda self, h: (h, h))
+    with pytest.raises(ValueError, match=r"fused_moe=True: GraniteMoeHybridTopKRouter returned .* use fused_moe=False"):
+        fused_router.install_fused_routers(router, handle, True)
+    assert "forward" not in router.__dict__
 
 
 def test_option_resolution_and_errors(fused_calls):
@@ -92,7 +188,7 @@ def test_option_resolution_and_errors(fused_calls):
     for options in ({}, dict(fused_moe=False)):  # the default: transformers' experts forward
         engine = em.make_engine(model, **options)
         try:
-            assert engine.stats()["fused_moe_modules"] == 0
+            assert engine.stats()["fused_moe_modules"] == engine.stats()["fused_moe_routers"] == 0
             engine.generate_batch([[1, 2, 3]], max_new_tokens=2)
             assert fused_calls[0] == 0
         finally:
@@ -128,14 +224,16 @@ def test_unsupported_reasons():
     assert name == "experts" and "not 3-D stacked weights" in fused_experts.unsupported_reason(m)
 
 
-def test_compiled_engine_no_graph_breaks():
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5_moe"])
+def test_compiled_engine_no_graph_breaks(name):
     """The engine's torch.compile (our backend, Dynamo fullgraph between layer ops) traces the fused
-    experts: no graph break, no recompile across batch sizes, HF's tokens. (No call counter here: a
-    counter's value would be guarded by Dynamo and recompile every step.)"""
-    model = MODELS["nemotron_h"]()
+    experts and (Qwen3.5-MoE) the fused routers: no graph break, no recompile across batch sizes, HF's
+    tokens. (No call counter here: a counter's value would be guarded by Dynamo and recompile every step.)"""
+    model = MODELS[name]()
     engine = em.make_engine(model, fused_moe=True, compile=True)
     try:
-        assert engine.stats()["fused_moe_modules"] == 1
+        assert engine.stats()["fused_moe_modules"] == len(fused_experts.experts_modules(model))
+        assert engine.stats()["fused_moe_routers"] == _expected_routers(name, model)
         for b in (1, 3):
             prompts = em.random_prompts([5 + 7 * i for i in range(b)], em.vocab_size(model), seed=b)
             got = engine.generate_batch(prompts, max_new_tokens=4)
@@ -175,9 +273,34 @@ def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
     try:
         target_experts = len(fused_experts.experts_modules(engine.model))
         assert engine.stats()["fused_moe_modules"] == target_experts + 1  # + the MTP layer's experts
+        assert engine.stats()["fused_moe_routers"] == len(fused_router.softmax_routers(engine.model)) + 1
         calls = fused_calls[0]
         got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
         assert fused_calls[0] > calls
         assert got == [em.hf_greedy(engine.model, p, NEW_TOKENS) for p in prompts]
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "granitemoehybrid"])
+def test_gpu_fused_routers_in_cuda_graphs_match_hf(name):
+    """On the GPU the routers run the Triton ``moe_topk_softmax`` kernel inside compiled CUDA graphs
+    (Granite-4: the router whose tuple order changed between transformers 5.17 and 5.24); greedy tokens
+    against HF on the CPU (a CPU/GPU near-tie allowed, see tests/test_cuda_graphs.py)."""
+    import copy
+
+    from test_cuda_graphs import _assert_greedy_close
+
+    cpu_model = MODELS[name]()
+    model = copy.deepcopy(cpu_model).to("cuda")
+    prompts = em.random_prompts([13, 1, 40, 5], em.vocab_size(model), seed=7)
+    expected = [em.hf_greedy(cpu_model, p, NEW_TOKENS) for p in prompts]
+    graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4))
+    with em.make_engine(model, fused_moe=True, **graphs) as engine:
+        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+        stats = engine.stats()
+    assert stats["fused_moe_routers"] == _expected_routers(name, model) > 0
+    assert stats["compile"]["cuda_graph_replays"] > 0, stats["compile"]
+    for p, g, e in zip(prompts, got, expected):
+        _assert_greedy_close(cpu_model, p, g, e, f"{name} fused_moe routers GPU")

@@ -42,7 +42,8 @@ def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():
                                         hybrid_compile.ops.mamba1, hybrid_compile.ops.mamba2, hybrid_compile.ops.norm,
                                         hybrid_compile.ops.state,
                                         hybrid_compile.ops.linear, hybrid_compile.ops.metadata,
-                                        hybrid_compile.ops.sampling, hybrid_compile.ops.fp8, hybrid_compile.ops.moe)
+                                        hybrid_compile.ops.sampling, hybrid_compile.ops.fp8, hybrid_compile.ops.moe,
+                                        hybrid_compile.ops.moe_router)
             if hasattr(m, name)
         )
         assert len((module_fn.__doc__ or "").strip()) > 100, f"{name} needs a docstring with shapes and dtypes"

@@ -34,7 +34,8 @@ class EngineConfig:
     quantization: str | None = None
     # MoE experts (transformers' 3-D layout: gate_up_proj / up_proj + down_proj) through our fused
     # experts path inside engine steps (hybrid_compile.models.fused_experts: one grouped GEMM per
-    # projection, Triton on CUDA) instead of transformers' experts forward. True: on (any device; a
+    # projection, Triton on CUDA) instead of transformers' experts forward, and softmax top-k routers
+    # through one moe_topk_softmax op (hybrid_compile.models.fused_router). True: on (any device; a
     # model without such experts, or with experts of another layout, is an error); False (the
     # default while the Triton kernel has not been run on a GPU): transformers' path.
     fused_moe: bool = False

@@ -68,6 +68,7 @@ from .generate_api import GenerateAPI
 from .request import Request, StepOutput
 from ..models.base import install_attention
 from ..models.fused_experts import install_fused_experts
+from ..models.fused_router import install_fused_routers
 from ..models.mtp import load_mtp_head
 from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
@@ -257,9 +258,12 @@ class HybridEngine(GenerateAPI):
                 self.family.patch(model, self.patch)
                 # EngineConfig.fused_moe: the experts modules patched (0: transformers' experts forward)
                 self.fused_experts = install_fused_experts(model, self.patch, config.fused_moe)
+                # ... and their softmax top-k routers (0: transformers' router forward)
+                self.fused_routers = install_fused_routers(model, self.patch, config.fused_moe)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, config.fused_moe,
                                                                 required=False)
+                    self.fused_routers += install_fused_routers(self.mtp_head.layers, self.patch, config.fused_moe)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,
@@ -826,6 +830,7 @@ class HybridEngine(GenerateAPI):
         c["compile"] = self.runner.compile_stats()
         c["warmup_kernels_seconds"] = self.warmup_seconds
         c["fused_moe_modules"] = self.fused_experts  # experts modules on the fused path (EngineConfig.fused_moe)
+        c["fused_moe_routers"] = self.fused_routers  # softmax top-k routers on moe_topk_softmax (the same option)
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         # time to first token / per output token of the recently finished requests (seconds)
         c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])

@@ -10,7 +10,8 @@ Mamba1 layers + a shared attention block), :mod:`.minimax` (MiniMax lightning at
 attention, MoE);
 :mod:`.mamba2_common` holds the Mamba2 mixer forward they share, :mod:`.mtp` the
 multi-token-prediction heads, :mod:`.base` the patch handle and the attention hook, :mod:`.fused_experts`
-the family-independent MoE experts patch (``EngineConfig.fused_moe``, applied by the engine).
+the family-independent MoE experts patch and :mod:`.fused_router` the softmax top-k router patch
+(both ``EngineConfig.fused_moe``, applied by the engine).
 
 ``FAMILIES`` maps ``config.model_type`` to the family module, which provides
 ``layout(model) -> ModelLayout`` (what the pools need) and ``patch(model, handle)`` (per

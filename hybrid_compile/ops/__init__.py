@@ -21,6 +21,7 @@ skinny_mm                                        :mod:`.linear`
 fp8_quantize_per_token_group / fp8_block_linear  :mod:`.fp8` (block-FP8 weights)
 fp8_grouped_linear                               :mod:`.fp8` (MoE experts)
 moe_grouped_linear                               :mod:`.moe` (MoE experts, float weights)
+moe_topk_softmax                                 :mod:`.moe_router` (softmax top-k MoE router)
 store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
@@ -30,7 +31,9 @@ argmax_rows                                      :mod:`.sampling` (greedy tokens
 ===============================================  ==========================================
 """
 
-from . import attention, conv1d, fp8, gdn, lightning, linear, mamba1, mamba2, metadata, moe, norm, sampling, state
+from . import (
+    attention, conv1d, fp8, gdn, lightning, linear, mamba1, mamba2, metadata, moe, moe_router, norm, sampling, state,
+)
 from .triton import attention as _triton_attention  # noqa: F401  (registers the CUDA kernels)
 from .triton import conv1d as _triton_conv1d  # noqa: F401
 from .triton import fp8 as _triton_fp8  # noqa: F401
@@ -43,6 +46,7 @@ from .triton import mamba2 as _triton_mamba2  # noqa: F401
 from .triton import norm as _triton_norm  # noqa: F401
 from .triton import metadata as _triton_metadata  # noqa: F401
 from .triton import moe as _triton_moe  # noqa: F401
+from .triton import moe_router as _triton_moe_router  # noqa: F401
 from .triton import sampling as _triton_sampling  # noqa: F401
 from .triton import state as _triton_state  # noqa: F401
 from ._validation import debug_checks_enabled, set_debug_checks
@@ -69,6 +73,7 @@ KERNEL_OPS = (
     "fp8_block_linear",
     "fp8_grouped_linear",
     "moe_grouped_linear",
+    "moe_topk_softmax",
     "store_kv_cache",
     "paged_attention_extend",
     "paged_attention_decode",
@@ -93,6 +98,7 @@ __all__ = [
     "mamba1",
     "mamba2",
     "moe",
+    "moe_router",
     "norm",
     "set_debug_checks",
     "state",

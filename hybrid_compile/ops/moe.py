@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import functools
+
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 
@@ -170,9 +171,17 @@ def _(x, weight, expert_offsets, gather_index=None, scatter_index=None, activati
 
 # exact classes (a subclass may change forward): transformers' SiLU (ACT2FN["silu"]; "swish" gives
 # nn.SiLU) and relu2 (ACT2FN["relu2"]), the same classes in transformers 5.17 and 5.24
-_SILU_CLASSES = (nn.SiLU, type(ACT2FN["silu"]))
-_RELU2_CLASS = type(ACT2FN["relu2"])
 _SILU_FUNCTION = torch.nn.functional.silu  # LFM2-MoE's experts hold the function itself
+
+
+@functools.cache
+def _transformers_activation_classes() -> tuple[tuple[type, ...], type]:
+    """(the SiLU classes, the relu2 class) of transformers' ``ACT2FN``: imported on first use, not
+    with this module (transformers' ``activations`` imports its hub-kernels integration, which
+    probes for a top-level ``kernels`` module: one that imports this package would be a cycle)."""
+    from transformers.activations import ACT2FN
+
+    return (nn.SiLU, type(ACT2FN["silu"])), type(ACT2FN["relu2"])
 
 
 def fused_activation(act_fn: Callable, has_gate: bool) -> str:
@@ -181,9 +190,10 @@ def fused_activation(act_fn: Callable, has_gate: bool) -> str:
     gate (``nn.SiLU``, ``ACT2FN["silu"]``'s class, or ``torch.nn.functional.silu`` itself),
     ``"relu2"`` for its relu2 (``ACT2FN["relu2"]``'s class) without one, else ``"none"`` (the
     activation then runs as its own elementwise step between the two grouped GEMMs)."""
-    if has_gate and (type(act_fn) in _SILU_CLASSES or act_fn is _SILU_FUNCTION):
+    silu_classes, relu2_class = _transformers_activation_classes()
+    if has_gate and (type(act_fn) in silu_classes or act_fn is _SILU_FUNCTION):
         return "silu_and_mul"
-    if not has_gate and type(act_fn) is _RELU2_CLASS:
+    if not has_gate and type(act_fn) is relu2_class:
         return "relu2"
     return "none"
 

@@ -128,7 +128,9 @@ def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls, router_calls):
 def test_patched_router_returns_transformers_outputs(name, monkeypatch):
     """Inside an engine step a patched router returns transformers' tuple: same order, shapes and dtypes
     (also for bf16 weights), the same experts, the same logits, weights to rounding."""
-    model = MODELS[name]()
+    import copy
+
+    model = copy.deepcopy(MODELS[name]())  # (its router is cast to bf16 below: builders may share their models)
     routers = fused_router.softmax_routers(model)
     if not routers:
         pytest.skip(f"{name}: this transformers has no softmax router module (Jamba in 5.17)")
@@ -156,7 +158,9 @@ def test_patched_router_returns_transformers_outputs(name, monkeypatch):
 def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):
     """transformers 5.17's Granite-4 router returns ``(index, weights, logits)`` (5.24: the reverse):
     the install-time probe finds the order and the patched forward returns it."""
-    model = MODELS["granitemoehybrid"]()
+    import copy
+
+    model = copy.deepcopy(MODELS["granitemoehybrid"]())  # (its router's class is replaced below)
     router = fused_router.softmax_routers(model)[0][1]
     base = type(router)
 

@@ -152,7 +152,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
         up.normal_(0, up.shape[-1] ** -0.5)
         down.normal_(0, down.shape[-1] ** -0.5)
     num, hidden, inter = down.shape
-    sms = _sm_count(device) if device.type == "cuda" else 132
+    sms = _sm_count(device)
     rows = []
     for tokens in tokens_list:
         idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])

@@ -154,19 +154,16 @@ class HttpClients:
             self.pool = None
 
     def run(self, prompts: list, offsets: list[float], output_len: int) -> dict:
-        if self.pool is None:
-            cpu = time.process_time()
-            t0 = time.perf_counter()
-            records = asyncio.run(_http_records(self.base_url, self.model, prompts, offsets, output_len,
-                                                self.timeout, t0))
-            result = summarize(records, time.perf_counter() - t0)
-            result["client_cpu_s"] = time.process_time() - cpu
-            return result
         n = self.processes
-        start_wall = time.time() + 0.5  # every process is waiting before the first arrival
-        futures = [self.pool.submit(_client_process, self.base_url, self.model, prompts[i::n], offsets[i::n],
-                                    output_len, self.timeout, start_wall) for i in range(n)]
-        parts = [f.result() for f in futures]
+        if self.pool is None:
+            start_wall = time.time()
+            parts = [_client_process(self.base_url, self.model, prompts, offsets, output_len, self.timeout,
+                                     start_wall)]
+        else:
+            start_wall = time.time() + 0.5  # every process is waiting before the first arrival
+            futures = [self.pool.submit(_client_process, self.base_url, self.model, prompts[i::n], offsets[i::n],
+                                        output_len, self.timeout, start_wall) for i in range(n)]
+            parts = [f.result() for f in futures]
         records = [r for part in parts for r in part["records"]]
         result = summarize(records, max(p["end_wall"] for p in parts) - start_wall)
         result["client_cpu_s"] = sum(p["cpu_s"] for p in parts)

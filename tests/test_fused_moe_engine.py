@@ -65,18 +65,23 @@ def _expected_routers(name, model):
     return n
 
 
-@pytest.fixture
-def router_calls(monkeypatch):
-    """Counts calls of the router op from the patched routers (engine steps only)."""
+def _count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Replace ``module.name`` by a wrapper counting its calls; the count is ``[n]``."""
     calls = [0]
-    real = fused_router.moe_topk_softmax
+    real = getattr(module, name)
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_router, "moe_topk_softmax", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+@pytest.fixture
+def router_calls(monkeypatch):
+    """Counts calls of the router op from the patched routers (engine steps only)."""
+    return _count_calls(monkeypatch, fused_router, "moe_topk_softmax")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,15 +92,7 @@ def _one_thread():
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts calls of the fused experts forward (engine steps only)."""
-    calls = [0]
-    real = fused_experts.fused_moe_experts
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused_experts, "fused_moe_experts", counting)
-    return calls
+    return _count_calls(monkeypatch, fused_experts, "fused_moe_experts")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

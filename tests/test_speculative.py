@@ -674,6 +674,24 @@ def test_commit_graphs_equal_the_op():
 
 
 @pytest.mark.gpu
+def test_speculative_full_graphs_with_one_running_request():
+    """max_running_requests=1: the decode bucket is 1 but a verify graph takes 2 rows (one of
+    padding), so the stable buffers hold 2; outputs equal the engine without speculation."""
+    import copy
+
+    model = copy.deepcopy(cached_model("qwen3_next_dense", 0)).to("cuda")
+    prompts = random_prompts([37, 5], vocab_size(model), seed=3)
+    kw = dict(compile=True, cuda_graphs=True, enable_prefix_cache=False, max_running_requests=1)
+    with make_engine(model, **kw) as engine:
+        plain = engine.generate_batch(prompts, max_new_tokens=12)
+    spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3)
+    with make_engine(model, speculative=spec, **kw) as engine:
+        assert engine.stats()["compile"]["verify_batch_sizes"] == [2]
+        assert engine.generate_batch(prompts, max_new_tokens=12) == plain
+        assert engine.stats()["speculative"]["verify_graph_replays"] > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.smoke
 def test_speculative_engine_commits_through_graphs():
     """With full CUDA graphs the verify steps' commits replay ``CommitGraphs`` (verify batches within

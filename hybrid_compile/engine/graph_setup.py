@@ -303,8 +303,9 @@ class CompiledGraphs:
         # draft trees (top-k > 1): tree verify graphs, their tree mask and parents in the buffers too
         tree = spec is not None and spec.is_tree
         if draft_len:  # (rows: max_running_requests + 1, engine.py)
-            verify_sizes = tuple(s for s in sizes if s <= pools.mamba.max_draft_batch)
-        buffers = cg.GraphBuffers(sizes[-1], req_to_token.shape[1], self.device, req_to_token.dtype,
+            # verify buckets start at 2 rows (one of padding), also where one request runs at most
+            verify_sizes = tuple(s for s in cg.normalize_buckets(sizes) if s <= pools.mamba.max_draft_batch)
+        buffers = cg.GraphBuffers(max(sizes + verify_sizes), req_to_token.shape[1], self.device, req_to_token.dtype,
                                   pools.kv.PADDING_SLOT, max_tokens_per_request=max(1, draft_len))
         self.full_graphs = cg.FullGraphRunner(runner._call_compiled, buffers, sizes, runner.kv_caches,
                                               runner.mamba_caches, self.graph_pool, verify_batch_sizes=verify_sizes,

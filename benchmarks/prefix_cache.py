@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import math
@@ -312,18 +311,17 @@ def workloads(args, vocab: int):
     return main, pressure, main_capacity, pressure_capacity
 
 
-@dataclasses.dataclass
 class ChatWorkload:
     """The chat phase: ``first[c]`` opens conversation ``c`` and ``users[c][t]`` is its user message
     of turn ``t + 2``; ``order[t]`` is the conversations' order in round ``t + 1``, cut into waves
-    of ``wave``; ``capacity`` sizes the device pools (:class:`Ballast`); ``info`` goes to the JSON."""
+    of ``wave``; ``capacity`` sizes the device pools (:class:`Ballast`); ``info`` goes to the JSON.
+    (A plain class: the tests load this script without registering it in ``sys.modules``, which
+    ``dataclasses`` needs.)"""
 
-    first: list[list[int]]
-    users: list[list[list[int]]]
-    order: list[list[int]]
-    wave: int
-    capacity: dict
-    info: dict
+    def __init__(self, first: list[list[int]], users: list[list[list[int]]], order: list[list[int]], wave: int,
+                 capacity: dict, info: dict) -> None:
+        self.first, self.users, self.order, self.wave, self.capacity, self.info = \
+            first, users, order, wave, capacity, info
 
     def waves(self, outputs: list[list[int]]):
         """The waves, round after round. After the first turn a conversation's prompt is its

@@ -31,11 +31,11 @@ requests) of LRU and Marconi.
 Host tier (``--host-tier``): adds the system ``lru_host`` (LRU with
 ``EngineConfig.prefix_cache_host_tier``, ``--host-bytes`` of pinned host memory: 4 GiB, 8 GiB with
 ``--chat``): under memory pressure the device evicts to the host and hits load back, so its
-pressure and chat phases against ``lru`` show the hit rate and TTFT the tier buys. After its phases it measures the load-back rate
-(:meth:`HostPool.load_kv` of a whole KV range, GB/s) next to a plain pinned host -> device copy
-of the same bytes (the copy engine's rate).
+pressure and chat phases against ``lru`` show the hit rate and TTFT the tier buys. After its
+shared-prefix phase it measures the load-back rate (:meth:`HostPool.load_kv` of a whole KV range,
+GB/s) next to a plain pinned host -> device copy of the same bytes (the copy engine's rate).
 
-Multi-turn chat (``--chat``; ``--no-shared-prefix`` and ``--no-pressure`` leave it alone):
+Multi-turn chat (``--chat``; with ``--no-shared-prefix --no-pressure`` it runs alone):
 ``chat_conversations`` conversations, each a first message of ``chat_first_len`` random tokens
 and then ``chat_turns - 1`` more turns whose prompt is the previous prompt + the engine's own
 (greedy) answer + a user message of ``chat_user_len`` +-50 % tokens, so every turn's prefix is the
@@ -594,8 +594,8 @@ def print_chat(chat: dict) -> None:
           "slots); TTFT of turns >= 2:")
     for s, r in chat["systems"].items():
         c = r.get("cache", {})
-        line = (f"  {s:9s} hit rate {c.get('token_hit_rate', 0):.3f}  host hit tokens {c.get('host_hit_tokens', 0):7d}  "
-                f"TTFT mean {r['mean_ttft_s'] * 1e3:8.1f} p50 {r['p50_ttft_s'] * 1e3:8.1f} p99 "
+        line = (f"  {s:9s} hit rate {c.get('token_hit_rate', 0):.3f}  host hit tokens "
+                f"{c.get('host_hit_tokens', 0):7d}  TTFT mean {r['mean_ttft_s'] * 1e3:8.1f} p50 {r['p50_ttft_s'] * 1e3:8.1f} p99 "
                 f"{r['p99_ttft_s'] * 1e3:8.1f} ms  {r['output_tokens_per_s']:8.1f} out tok/s")
         if "load_back" in r:
             lb = r["load_back"]

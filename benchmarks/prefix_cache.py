@@ -4,6 +4,7 @@ cache off, the LRU policy and the Marconi policy.
     python benchmarks/prefix_cache.py --tiny                # CPU smoke run (toy model, ~10-chunk prompts)
     python benchmarks/prefix_cache.py                       # CUDA: reference Qwen3-Next (1.9 B, bf16)
     python benchmarks/prefix_cache.py --system-len 10000 --groups 8 --prompts-per-group 8
+    python benchmarks/prefix_cache.py --chat --no-shared-prefix --no-pressure --systems no_cache lru lru_host
 
 Workload (seed 004 / SGLang ``bench_serving --dataset-name generated-shared-prefix``): ``groups``
 system prompts of ``system_len`` random tokens; each group has ``prompts_per_group`` prompts =
@@ -28,11 +29,26 @@ reports the token hit rate (prefix tokens served from the cache / tokens of the 
 requests) of LRU and Marconi.
 
 Host tier (``--host-tier``): adds the system ``lru_host`` (LRU with
-``EngineConfig.prefix_cache_host_tier``, ``--host-bytes`` of pinned host memory): under memory
-pressure the device evicts to the host and hits load back, so its pressure phase against ``lru``
-shows the hit rate and TTFT the tier buys. After its phases it measures the load-back rate
-(:meth:`HostPool.load_kv` of a whole KV range, GB/s) next to a plain pinned host -> device copy
-of the same bytes (the copy engine's rate).
+``EngineConfig.prefix_cache_host_tier``, ``--host-bytes`` of pinned host memory: 4 GiB, 8 GiB with
+``--chat``): under memory pressure the device evicts to the host and hits load back, so its
+pressure and chat phases against ``lru`` show the hit rate and TTFT the tier buys. After its
+shared-prefix phase it measures the load-back rate (:meth:`HostPool.load_kv` of a whole KV range,
+GB/s) next to a plain pinned host -> device copy of the same bytes (the copy engine's rate).
+
+Multi-turn chat (``--chat``; with ``--no-shared-prefix --no-pressure`` it runs alone):
+``chat_conversations`` conversations, each a first message of ``chat_first_len`` random tokens
+and then ``chat_turns - 1`` more turns whose prompt is the previous prompt + the engine's own
+(greedy) answer + a user message of ``chat_user_len`` +-50 % tokens, so every turn's prefix is the
+previous turn's whole sequence. Each round (turn) takes the conversations in a new seeded random
+order, in waves of ``chat_wave``. The device pools are cut down (:class:`Ballast`) to a KV pool
+that the prefix set -- what the turns after the first can hit (the previous prompt + answer), summed
+over the conversations and averaged over the rounds -- is ``chat_cache_ratio`` (4) times, and
+Mamba slots for the wave plus ``1 / chat_cache_ratio`` of the conversations' states, so between
+two turns of a conversation the others evict it from the device. Per system: token hit rate, host
+hit tokens, TTFT (mean / p50 / p99) of the turns after the first, throughput; with the host tier
+the bytes, device seconds and GB/s of its load backs (:class:`LoadBackTimer`) beside the plain
+pinned copy rate; the mean TTFT ratio lru / lru_host; and whether every system answered the same
+tokens (``outputs_equal``: bf16 near-ties may flip on a GPU; fp32 on the CPU must not).
 
 Elastic pools (``--elastic``): a workload that flips from ``flip_chats`` short chats at once
 (state-bound) to ``flip_docs`` long documents (KV-bound), on pools sized for the chats, with the
@@ -44,7 +60,10 @@ Prints a table and saves JSON under ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -72,14 +91,16 @@ ENGINE_COUNTERS = ("steps", "extend_steps", "decode_steps", "prefill_tokens", "d
                    "retractions")
 
 
+def _token_source(seed: int, vocab: int):
+    """``tokens(n)``: ``n`` random token ids in [0, vocab) from one generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
 def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question_len: int, vocab: int, seed: int):
     """``prompts[g][k]``: system prompt ``g`` + question ``k`` (length question_len +-50 %)."""
-    g = torch.Generator().manual_seed(seed)
+    tokens = _token_source(seed, vocab)
     rng = random.Random(seed)
-
-    def tokens(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
-
     systems = [tokens(system_len) for _ in range(groups)]
     lo, hi = max(1, question_len // 2), max(1, question_len * 3 // 2)
     return [[systems[i] + tokens(rng.randint(lo, hi)) for _ in range(per_group)] for i in range(groups)]
@@ -94,10 +115,15 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def run_waves(engine, waves: list[list[list[int]]], output_len: int) -> dict:
+def run_waves(engine, waves, output_len: int, *, outputs: list | None = None, ttft_skip: int = 0) -> dict:
     """Submit each wave when the previous one is done; per-request TTFT split into queue wait
     (``add_request`` to the start of the step that admits it) and prefill (from there to the end
-    of the step that samples its first token), and the run's throughput."""
+    of the step that samples its first token), and the run's throughput.
+
+    ``waves`` may be a generator: the next wave is drawn only once the previous one is done, and
+    ``outputs`` (when given) has every request's output tokens appended in submission order by
+    then (the chat phase builds its next prompts from them). The TTFT statistics leave out the
+    first ``ttft_skip`` requests (the chat's first turns); throughput counts every request."""
     params = hc.SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     ttfts: list[float] = []
     queue: list[float] = []
@@ -110,6 +136,7 @@ def run_waves(engine, waves: list[list[list[int]]], output_len: int) -> dict:
             prompt_tokens += len(prompt)
         first: dict[int, float] = {}
         admitted: dict[int, float] = {}
+        finished: dict[int, list[int]] = {}
         pending = set(added)
         while pending:
             t_step = time.perf_counter()
@@ -123,13 +150,19 @@ def run_waves(engine, waves: list[list[list[int]]], output_len: int) -> dict:
                     first[out.rid] = t_done
                 if out.finished and out.rid in pending:
                     pending.discard(out.rid)
-                    out_tokens += len(engine.pop_finished(out.rid).output)
+                    finished[out.rid] = engine.pop_finished(out.rid).output
+                    out_tokens += len(finished[out.rid])
         ttfts += [first[rid] - t for rid, t in added.items()]
         queue += [admitted[rid] - t for rid, t in added.items()]
+        if outputs is not None:
+            outputs += [list(finished[rid]) for rid in added]
     seconds = time.perf_counter() - t_start
+    requests = len(ttfts)
+    ttfts, queue = ttfts[ttft_skip:], queue[ttft_skip:]
     prefill = [t - q for t, q in zip(ttfts, queue)]
     return {
-        "requests": len(ttfts),
+        "requests": requests,
+        "ttft_requests": len(ttfts),
         "mean_ttft_s": _mean(ttfts),
         "p50_ttft_s": sorted(ttfts)[len(ttfts) // 2],
         "p99_ttft_s": _p99(ttfts),
@@ -147,13 +180,14 @@ def cache_counters(engine) -> dict:
     return {} if s is None else {k: s.get(k, 0) for k in CACHE_COUNTERS}
 
 
-def phase(engine, waves, output_len: int) -> dict:
+def phase(engine, waves, output_len: int, **run_kw) -> dict:
     """One measured run on an empty prefix cache; cache and engine counters are this run's (deltas:
-    ``forward_seconds`` vs the run's ``seconds`` shows the host's share)."""
+    ``forward_seconds`` vs the run's ``seconds`` shows the host's share). ``run_kw``: of
+    :func:`run_waves`."""
     engine.clear_prefix_cache()
     before = cache_counters(engine)
     engine_before = engine.stats()
-    r = run_waves(engine, waves, output_len)
+    r = run_waves(engine, waves, output_len, **run_kw)
     engine_after = engine.stats()
     r["engine"] = {k: engine_after[k] - engine_before[k] for k in ENGINE_COUNTERS}
     after = cache_counters(engine)
@@ -277,25 +311,178 @@ def workloads(args, vocab: int):
     return main, pressure, main_capacity, pressure_capacity
 
 
+class ChatWorkload:
+    """The chat phase: ``first[c]`` opens conversation ``c`` and ``users[c][t]`` is its user message
+    of turn ``t + 2``; ``order[t]`` is the conversations' order in round ``t + 1``, cut into waves
+    of ``wave``; ``capacity`` sizes the device pools (:class:`Ballast`); ``info`` goes to the JSON.
+    (A plain class: the tests load this script without registering it in ``sys.modules``, which
+    ``dataclasses`` needs.)"""
+
+    def __init__(self, first: list[list[int]], users: list[list[list[int]]], order: list[list[int]], wave: int,
+                 capacity: dict, info: dict) -> None:
+        self.first, self.users, self.order, self.wave, self.capacity, self.info = \
+            first, users, order, wave, capacity, info
+
+    def waves(self, outputs: list[list[int]]):
+        """The waves, round after round. After the first turn a conversation's prompt is its
+        previous prompt + its answer (read from ``outputs``, which :func:`run_waves` fills in
+        submission order before it draws the next wave) + its next user message."""
+        prompts = [list(f) for f in self.first]
+        answers: list[list[int]] = [[] for _ in self.first]
+        for turn, order in enumerate(self.order):
+            for i in range(0, len(order), self.wave):
+                convs = order[i: i + self.wave]
+                if turn:
+                    for c in convs:
+                        prompts[c] = prompts[c] + answers[c] + self.users[c][turn - 1]
+                yield [prompts[c] for c in convs]
+                for c, answer in zip(convs, outputs[-len(convs):]):
+                    answers[c] = answer
+
+
+def chat_workload(args, vocab: int) -> ChatWorkload:
+    """``chat_conversations`` conversations of ``chat_turns`` turns (a first message of
+    ``chat_first_len`` random tokens, then user messages of ``chat_user_len`` +-50 %), each round
+    in a new random order, and the device pools that make the prefix set ``chat_cache_ratio`` x
+    the KV pool (the ratio it gets is in ``info``)."""
+    n, turns, wave, out = args.chat_conversations, args.chat_turns, args.chat_wave, args.output_len
+    if turns < 2:
+        raise ValueError(f"--chat-turns must be >= 2 (a first turn has nothing to hit), got {turns}")
+    if not 1 <= wave <= n:
+        raise ValueError(f"--chat-wave ({wave}) must lie in [1, --chat-conversations ({n})]")
+    if args.chat_cache_ratio <= 0:
+        raise ValueError(f"--chat-cache-ratio must be > 0, got {args.chat_cache_ratio}")
+    tokens = _token_source(args.seed + 3, vocab)
+    rng = random.Random(args.seed + 3)
+    lo, hi = max(1, args.chat_user_len // 2), max(1, args.chat_user_len * 3 // 2)
+    first = [tokens(args.chat_first_len) for _ in range(n)]
+    users = [[tokens(rng.randint(lo, hi)) for _ in range(turns - 1)] for _ in range(n)]
+    order = [rng.sample(range(n), n) for _ in range(turns)]
+    # greedy with ignore_eos: every answer has output_len tokens, so every prompt's length is known
+    lens = [list(itertools.accumulate([len(f)] + [len(u) + out for u in us])) for f, us in zip(first, users)]
+    # what turn t + 1 can hit: turn t's prompt + answer but its last token (sampled, never computed)
+    prefix_sets = [sum(ls[t] + out - 1 for ls in lens) for t in range(turns - 1)]
+    kv = max(1, round(_mean(prefix_sets) / args.chat_cache_ratio))
+    wave_tokens = sum(sorted((ls[-1] + out for ls in lens), reverse=True)[:wave])
+    if kv < wave_tokens:
+        raise ValueError(
+            f"chat: a device KV pool of {kv} tokens (the prefix set, {_mean(prefix_sets):.0f} tokens, / "
+            f"--chat-cache-ratio {args.chat_cache_ratio}) cannot hold a wave of {wave} conversations at their last "
+            f"turn ({wave_tokens} tokens): raise --chat-conversations or lower --chat-wave / --chat-cache-ratio")
+    # the running wave's states plus the same share of the conversations' states as of their KV
+    mamba = wave + math.ceil(n / args.chat_cache_ratio)
+    info = dict(conversations=n, turns=turns, wave=wave, requests=n * turns, kv_tokens=kv, mamba_slots=mamba,
+                wave_tokens=wave_tokens, prefix_set_tokens=prefix_sets, cache_ratio=_mean(prefix_sets) / kv,
+                cache_ratio_last_turn=prefix_sets[-1] / kv, state_ratio=n / (mamba - wave))
+    return ChatWorkload(first, users, order, wave, dict(kv_tokens=kv, mamba_slots=mamba), info)
+
+
+class LoadBackTimer:
+    """``with LoadBackTimer(host_pool) as t:`` times every host-tier load back of the block
+    (:meth:`HostPool.load_kv` / :meth:`~HostPool.load_mamba`): on CUDA with events on the compute
+    stream around each load, after the waits for writes in flight that the load makes anyway (so
+    only its copies are timed, with no host sync in the timed run); on the CPU by wall time.
+    :meth:`result`: the loads, bytes (the pool's counter), seconds and GB/s."""
+
+    METHODS = ("load_kv", "load_mamba")
+
+    def __init__(self, host) -> None:
+        self.host, self.events, self.cpu_seconds = host, [], 0.0
+
+    def __enter__(self) -> "LoadBackTimer":
+        self.before = dict(self.host.counters)
+        for name in self.METHODS:
+            setattr(self.host, name, self._timed(getattr(self.host, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.METHODS:
+            delattr(self.host, name)
+
+    def _timed(self, inner):
+        host = self.host
+
+        def timed(*args):
+            if not host.cuda:
+                t0 = time.perf_counter()
+                inner(*args)
+                self.cpu_seconds += time.perf_counter() - t0
+                return
+            stream = torch.cuda.current_stream(host.device)
+            host.wait_for_writes(stream)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            inner(*args)
+            end.record(stream)
+            self.events.append((start, end))
+
+        return timed
+
+    def result(self) -> dict:
+        if self.events:
+            self.events[-1][1].synchronize()
+        seconds = self.cpu_seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        nbytes = self.host.counters["load_bytes"] - self.before["load_bytes"]
+        return {"loads": self.host.counters["loads"] - self.before["loads"], "bytes": nbytes, "seconds": seconds,
+                "gb_s": nbytes / seconds / 1e9 if seconds else 0.0}
+
+
+def chat_phase(engine, chat: ChatWorkload, output_len: int) -> tuple[dict, list[list[int]]]:
+    """The chat phase on the pools cut down to ``chat.capacity``: :func:`phase`'s figures (TTFT of
+    the turns after the first) plus, with a host tier, its capacity and the load backs' bytes,
+    device seconds and GB/s; and every answer, in submission order."""
+    engine.clear_prefix_cache()
+    ballast = Ballast(engine, **chat.capacity)
+    host = engine.host_pool
+    timer = LoadBackTimer(host) if host is not None else contextlib.nullcontext()
+    outputs: list[list[int]] = []
+    try:
+        with timer:
+            r = phase(engine, chat.waves(outputs), output_len, outputs=outputs, ttft_skip=len(chat.first))
+    finally:
+        engine.clear_prefix_cache()
+        ballast.release()
+    if host is not None:
+        r["load_back"] = timer.result()
+        r["host_capacity"] = {"kv_tokens": host.kv_capacity(), "mamba_slots": host.mamba_capacity()}
+    return r, outputs
+
+
+def engine_capacity(args, vocab: int) -> dict:
+    """Pools with room for every phase run (the pressure and chat phases cut them down with a
+    :class:`Ballast`)."""
+    caps = []
+    if args.shared_prefix or args.pressure:
+        caps.append(workloads(args, vocab)[2])
+    if args.chat:
+        c = chat_workload(args, vocab).capacity
+        caps.append(dict(max_total_tokens=c["kv_tokens"], mamba_cache_size=c["mamba_slots"]))
+    return {k: max(c[k] for c in caps) for k in caps[0]}
+
+
 def run_system(model, system: str, args, vocab: int) -> dict:
     """One engine for the system: warm-up, the shared-prefix phase, then (cache on) the
-    memory-pressure phase with the pools cut down by a :class:`Ballast`."""
-    main, pressure, capacity, pressure_capacity = workloads(args, vocab)
+    memory-pressure phase, then the chat phase, these two with the pools cut down by a
+    :class:`Ballast`."""
+    main, pressure, _, pressure_capacity = workloads(args, vocab)
+    capacity = engine_capacity(args, vocab)
     t0 = time.perf_counter()
     engine = hc.wrap(model, **engine_config(system, args, capacity))
     out = {"engine_build_s": time.perf_counter() - t0}
     try:
         t0 = time.perf_counter()
-        warm = [p[: args.warmup_len] for p in main[0][:2]]
+        # (two of them at once fit the smallest pools a phase asks for)
+        warm = [p[: min(args.warmup_len, capacity["max_total_tokens"] // 4)] for p in main[0][:2]]
         run_waves(engine, [warm, warm[:1]], 2)  # compile / allocator warm-up, then an empty cache
         out["warmup_s"] = time.perf_counter() - t0
         if args.profile:
             out["profile_steps"] = profile_phase(engine, main, args.output_len, args.profile, system)
-        out["shared_prefix"] = r = phase(engine, main, args.output_len)
-        print(f"  {system:9s} mean TTFT {r['mean_ttft_s'] * 1e3:9.1f} ms (queue {r['mean_queue_s'] * 1e3:8.1f} + "
-              f"prefill {r['mean_prefill_s'] * 1e3:8.1f})  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
-              f"{r['output_tokens_per_s']:8.1f} out tok/s  hit rate {r.get('cache', {}).get('token_hit_rate', 0):.3f}",
-              flush=True)
+        if args.shared_prefix:
+            out["shared_prefix"] = r = phase(engine, main, args.output_len)
+            print(f"  {system:9s} mean TTFT {r['mean_ttft_s'] * 1e3:9.1f} ms (queue {r['mean_queue_s'] * 1e3:8.1f} + "
+                  f"prefill {r['mean_prefill_s'] * 1e3:8.1f})  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
+                  f"{r['output_tokens_per_s']:8.1f} out tok/s  hit rate "
+                  f"{r.get('cache', {}).get('token_hit_rate', 0):.3f}", flush=True)
         if engine.host_pool is not None:
             out["load_back"] = r = load_back_rate(engine)
             print(f"  {system:9s} load back {r['load_back_gb_s']:.2f} GB/s vs host->device copy "
@@ -313,6 +500,21 @@ def run_system(model, system: str, args, vocab: int) -> dict:
                   f"{r['mean_ttft_s'] * 1e3:9.1f} ms  (KV evicted {c['kv_evicted_tokens']}, Mamba evicted "
                   f"{c['mamba_evicted']}, host hits {c['host_hits']}, host hit tokens {c['host_hit_tokens']})",
                   flush=True)
+        if args.chat:
+            chat = chat_workload(args, vocab)
+            out["chat"], out["chat_outputs"] = r, _ = chat_phase(engine, chat, args.output_len)
+            c = r.get("cache", {})
+            print(f"  {system:9s} chat: token hit rate {c.get('token_hit_rate', 0):.3f}  mean TTFT (turns >= 2) "
+                  f"{r['mean_ttft_s'] * 1e3:9.1f} ms  p99 {r['p99_ttft_s'] * 1e3:9.1f} ms  "
+                  f"{r['output_tokens_per_s']:8.1f} out tok/s  (host hit tokens {c.get('host_hit_tokens', 0)})",
+                  flush=True)
+            held = r.get("host_capacity")
+            if held and (held["kv_tokens"] < chat.info["prefix_set_tokens"][-1]
+                         or held["mamba_slots"] < chat.info["conversations"]):
+                print(f"  WARNING: the host tier ({held['kv_tokens']} KV tokens, {held['mamba_slots']} states) is "
+                      f"smaller than the chat's prefix set ({chat.info['prefix_set_tokens'][-1]} tokens, "
+                      f"{chat.info['conversations']} states): host evictions cut its hits (raise --host-bytes)",
+                      flush=True)
     finally:
         engine.close()
     return out
@@ -320,11 +522,7 @@ def run_system(model, system: str, args, vocab: int) -> dict:
 
 def flip_workload(args, vocab: int):
     """(phases, engine kwargs) of the elastic-pools comparison: chats, then documents."""
-    g = torch.Generator().manual_seed(args.seed + 2)
-
-    def tokens(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
-
+    tokens = _token_source(args.seed + 2, vocab)
     chats = [tokens(args.flip_chat_len) for _ in range(args.flip_chats)]
     docs = [tokens(args.flip_doc_len + 2 * i) for i in range(args.flip_docs)]
     phases = [(chats, args.flip_chat_output), (docs, args.flip_doc_output)]
@@ -362,7 +560,7 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
 
 
 def main_results(per_system: dict) -> tuple[dict, dict]:
-    shared = {s: r["shared_prefix"] for s, r in per_system.items()}
+    shared = {s: r["shared_prefix"] for s, r in per_system.items() if "shared_prefix" in r}
     base = shared.get("no_cache")
     if base:
         for r in shared.values():
@@ -370,6 +568,45 @@ def main_results(per_system: dict) -> tuple[dict, dict]:
             r["throughput_ratio_vs_no_cache"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
     pressure = {s: r["pressure"] for s, r in per_system.items() if "pressure" in r}
     return shared, pressure
+
+
+def chat_results(per_system: dict, info: dict) -> dict:
+    """The chat phase of every system: the workload's sizes, whether all systems answered the same
+    tokens, the TTFT ratios and, beside each load-back rate, the plain pinned copy rate."""
+    systems = {s: r["chat"] for s, r in per_system.items() if "chat" in r}
+    outputs = [r["chat_outputs"] for r in per_system.values() if "chat_outputs" in r]
+    res = {"workload": info, "systems": systems, "outputs_equal": all(o == outputs[0] for o in outputs)}
+    base = systems.get("no_cache")
+    for s, r in systems.items():
+        if base:
+            r["ttft_speedup_vs_no_cache"] = base["mean_ttft_s"] / r["mean_ttft_s"]
+        if "load_back" in r and "load_back" in per_system[s]:
+            r["load_back"]["host_to_device_copy_gb_s"] = per_system[s]["load_back"]["host_to_device_copy_gb_s"]
+    if "lru" in systems and "lru_host" in systems:
+        res["ttft_ratio_lru_over_lru_host"] = systems["lru"]["mean_ttft_s"] / systems["lru_host"]["mean_ttft_s"]
+    return res
+
+
+def print_chat(chat: dict) -> None:
+    w = chat["workload"]
+    print(f"multi-turn chat ({w['conversations']} conversations x {w['turns']} turns, waves of {w['wave']}; prefix "
+          f"set {w['cache_ratio']:.2f} x the device KV pool of {w['kv_tokens']} tokens, {w['mamba_slots']} Mamba "
+          "slots); TTFT of turns >= 2:")
+    for s, r in chat["systems"].items():
+        c = r.get("cache", {})
+        line = (f"  {s:9s} hit rate {c.get('token_hit_rate', 0):.3f}  host hit tokens "
+                f"{c.get('host_hit_tokens', 0):7d}  TTFT mean {r['mean_ttft_s'] * 1e3:8.1f} p50 {r['p50_ttft_s'] * 1e3:8.1f} p99 "
+                f"{r['p99_ttft_s'] * 1e3:8.1f} ms  {r['output_tokens_per_s']:8.1f} out tok/s")
+        if "load_back" in r:
+            lb = r["load_back"]
+            line += (f"  load back {lb['bytes'] / 2**20:.1f} MiB at {lb['gb_s']:.2f} GB/s (pinned copy "
+                     f"{lb.get('host_to_device_copy_gb_s', float('nan')):.2f} GB/s)")
+        print(line)
+    if "ttft_ratio_lru_over_lru_host" in chat:
+        print(f"  mean TTFT lru / lru_host: x{chat['ttft_ratio_lru_over_lru_host']:.2f}")
+    if not chat["outputs_equal"]:
+        print("  WARNING: the systems' greedy chat answers differ (bf16 near-ties can flip on a GPU; never on the "
+              "CPU in fp32)")
 
 
 def parse_args(argv=None):
@@ -387,11 +624,21 @@ def parse_args(argv=None):
     p.add_argument("--pressure-kv-groups", type=float, default=2.5, help="KV pool: this many system prompts")
     p.add_argument("--pressure-mamba-slots", type=int, default=None, help="Mamba slots beyond the running requests")
     p.add_argument("--no-pressure", dest="pressure", action="store_false")
+    p.add_argument("--no-shared-prefix", dest="shared_prefix", action="store_false",
+                   help="skip the shared-prefix phase")
+    p.add_argument("--chat", action="store_true", help="add the multi-turn chat phase")
+    p.add_argument("--chat-conversations", type=int, default=None)
+    p.add_argument("--chat-turns", type=int, default=None, help="turns per conversation (>= 2)")
+    p.add_argument("--chat-wave", type=int, default=None, help="conversations per wave")
+    p.add_argument("--chat-first-len", type=int, default=None, help="tokens of a conversation's first message")
+    p.add_argument("--chat-user-len", type=int, default=None, help="tokens of a later user message (+-50 %%)")
+    p.add_argument("--chat-cache-ratio", type=float, default=4.0,
+                   help="the conversations' prefix set / the device KV pool (sizes the pool)")
     p.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS),
                    help=f"default: {' '.join(DEFAULT_SYSTEMS)} (+ lru_host with --host-tier)")
     p.add_argument("--host-tier", action="store_true", help="add the system lru_host (prefix cache with a host tier)")
     p.add_argument("--host-bytes", type=int, default=None,
-                   help="host tier size of lru_host (default: 4 GiB; --tiny: 16 MiB)")
+                   help="host tier size of lru_host (default: 4 GiB, 8 GiB with --chat; --tiny: 16 MiB)")
     p.add_argument("--eager", action="store_true", help="EngineConfig.compile=False (default: the engine's, "
                    "i.e. compile + CUDA graphs on CUDA)")
     p.add_argument("--warmup-len", type=int, default=None, help="prompt length of the warm-up requests")
@@ -414,7 +661,10 @@ def parse_args(argv=None):
                 if args.tiny else
                 dict(groups=8, prompts_per_group=8, system_len=10000, question_len=128, output_len=32,
                      pressure_wave=16, pressure_mamba_slots=8, warmup_len=3000))
-    defaults["host_bytes"] = 16 << 20 if args.tiny else 4 << 30
+    defaults["host_bytes"] = 16 << 20 if args.tiny else 8 << 30 if args.chat else 4 << 30
+    defaults.update(dict(chat_conversations=16, chat_turns=3, chat_wave=2, chat_first_len=128, chat_user_len=32)
+                    if args.tiny else
+                    dict(chat_conversations=48, chat_turns=4, chat_wave=8, chat_first_len=4096, chat_user_len=256))
     defaults.update(dict(flip_chats=8, flip_chat_len=12, flip_chat_output=3, flip_docs=3, flip_doc_len=40,
                          flip_doc_output=28) if args.tiny else
                     dict(flip_chats=64, flip_chat_len=256, flip_chat_output=32, flip_docs=4, flip_doc_len=8000,
@@ -423,8 +673,14 @@ def parse_args(argv=None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.max_running_requests is None:
-        args.max_running_requests = max(args.groups * (args.prompts_per_group - 1), args.groups, args.pressure_wave)
+    if not (args.shared_prefix or args.pressure or args.chat):
+        p.error("nothing to run: --no-shared-prefix and --no-pressure without --chat")
+    if args.profile and not args.shared_prefix:
+        p.error("--profile traces the shared-prefix phase: drop --no-shared-prefix")
+    if args.max_running_requests is None:  # the largest wave of the phases run
+        args.max_running_requests = max(
+            ([args.groups * (args.prompts_per_group - 1), args.groups] if args.shared_prefix else [])
+            + ([args.pressure_wave] if args.pressure else []) + ([args.chat_wave] if args.chat else []))
     return args
 
 
@@ -441,9 +697,14 @@ def main(argv=None) -> dict:
     model = build_qwen3_next_reference(dtype, device, seed=0, tiny=args.tiny)
     vocab = model.config.vocab_size
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"prefix cache benchmark on {device_name}: {args.groups} groups x {args.prompts_per_group} prompts, system "
-          f"{args.system_len}, question ~{args.question_len}, output {args.output_len}, max running "
-          f"{args.max_running_requests}", flush=True)
+    phases = [name for name, on in (("shared-prefix", args.shared_prefix), ("pressure", args.pressure),
+                                     ("chat", args.chat)) if on]
+    print(f"prefix cache benchmark on {device_name} ({', '.join(phases)}): {args.groups} groups x "
+          f"{args.prompts_per_group} prompts, system {args.system_len}, question ~{args.question_len}, output "
+          f"{args.output_len}, max running {args.max_running_requests}", flush=True)
+    if args.chat:
+        print(f"chat: {args.chat_conversations} conversations x {args.chat_turns} turns in waves of {args.chat_wave}, "
+              f"first message {args.chat_first_len}, user messages ~{args.chat_user_len}", flush=True)
     run = {
         "device": device_name,
         "torch": torch.__version__,
@@ -456,8 +717,9 @@ def main(argv=None) -> dict:
         per_system[system] = run_system(model, system, args, vocab)
     run["engines"] = {s: {k: v for k, v in r.items() if k.endswith("_s")} for s, r in per_system.items()}
     run["shared_prefix"], run["pressure"] = main_results(per_system)
-    _, _, run["capacity"], run["pressure_capacity"] = workloads(args, vocab)
-    print("shared-prefix workload (mean TTFT = queue wait + prefill):")
+    run["capacity"], run["pressure_capacity"] = engine_capacity(args, vocab), workloads(args, vocab)[3]
+    if run["shared_prefix"]:
+        print("shared-prefix workload (mean TTFT = queue wait + prefill):")
     for s, r in run["shared_prefix"].items():
         print(f"  {s:9s} {r['mean_ttft_s'] * 1e3:9.1f} ms = {r['mean_queue_s'] * 1e3:8.1f} + "
               f"{r['mean_prefill_s'] * 1e3:8.1f}   x{r.get('ttft_speedup_vs_no_cache', float('nan')):.2f} vs no cache  "
@@ -467,6 +729,9 @@ def main(argv=None) -> dict:
         for s, r in run["pressure"].items():
             print(f"  {s:9s} {r['cache']['token_hit_rate']:.3f}  {r['mean_ttft_s'] * 1e3:9.1f} ms")
     run["load_back"] = {s: r["load_back"] for s, r in per_system.items() if "load_back" in r}
+    if args.chat:
+        run["chat"] = chat_results(per_system, chat_workload(args, vocab).info)
+        print_chat(run["chat"])
     if args.elastic:
         print("chats -> documents flip, fixed split vs elastic pools:")
         run["elastic"] = run_elastic_comparison(model, args, vocab)

@@ -242,14 +242,19 @@ class HostPool:
         n = dev_idx.numel()
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            for done, _ in self._pending:  # writes still in flight (maybe of this very range)
-                current.wait_event(done)
+            self.wait_for_writes(current)  # maybe of this very range
             idx = dev_idx.to(self.device, non_blocking=True)
         else:
             idx = dev_idx
         for buf, dim, host in buffers:
             src = _bits(host)[host_start : host_start + n].to(self.device, non_blocking=True).movedim(0, dim)
             _bits(buf).index_copy_(dim, idx, src)
+
+    def wait_for_writes(self, stream: "torch.cuda.Stream") -> None:
+        """Make ``stream`` wait (on the device, no host sync) for every write still in flight: what
+        a load does first (a benchmark timing the loads alone calls it before its start event)."""
+        for done, _ in self._pending:
+            stream.wait_event(done)
 
     def load_kv(self, host_start: int, dev_slots: torch.Tensor) -> None:
         """Copy the host range starting at ``host_start`` into these device KV slots."""

@@ -1,30 +1,43 @@
 """Triton kernels of the block-FP8 ops (:mod:`hybrid_compile.ops.fp8`).
 
 - ``_quantize_kernel`` (``fp8_quantize_per_token_group``): grid ``(cdiv(M, BR), cdiv(K, 128))``, each
-  program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values.
-- ``_fp8_gemm_kernel`` (``fp8_block_linear`` and ``fp8_grouped_linear``): grid ``(cdiv(N, BN), row
-  tiles)``; each program a ``[BM, BN]`` output tile, stepping along ``K`` one 128-channel block at a
-  time: ``tl.dot`` of an e4m3 activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32
-  accumulation), scaled by the activation's per-row group scale and the weight's block scale (``BN``
-  divides 128, so a tile's columns share one weight scale per step). Two ways to get the activation:
+  program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values (``DEQUANT``:
+  instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
+- ``_fp8_gemv_kernel`` (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped
+  calls of about one row per expert): CUDA cores, no tensor cores, built like ``skinny_mm``
+  (:mod:`.linear`), which streams a bf16 weight at the memory bandwidth. Each program owns
+  ``BLOCK_N`` output columns (dividing the 128-row weight block, so one block row of scales) and
+  up to four rows; per step along ``K`` it loads a ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up
+  to 2048), converts it to fp32 and multiplies it by each row's per-column factor
+  ``a[k] * weight_scale_inv[k // 128]`` (``a``: the dequantized activation), accumulating one
+  ``[BLOCK_N, BLOCK_K]`` fp32 tile per row that is summed over ``K`` once at the end. One flat
+  grid, row tiles fastest. Grouped: a program per (row pair of one expert, column tile), the
+  expert found from ``expert_offsets`` in the kernel (:func:`~.common.expert_row_tile`), so it
+  streams only that expert's weight; shape-only launch. Programmatic dependent launch: a dense
+  program loads its first weight tile before waiting for the quantize kernel.
+- ``_fp8_gemm_kernel`` (more rows): grid ``(cdiv(N, BN), row tiles)``; each program a ``[BM, BN]``
+  output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
+  activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32 accumulation), scaled by
+  the activation's per-row group scale and the weight's block scale (``BN`` divides 128). The
+  activation comes from the quantize kernel; ``QUANT_A`` (the earlier decode scheme, kept for the
+  sweep's comparison) quantizes each ``[BM, 128]`` tile in the GEMM instead.
+  ``GROUPED`` (MoE experts): rows sorted by expert; row tile ``t`` belongs to the expert whose
+  cumulative tile count passes ``t``, so the launch is shape-only: ``min(T, cdiv(T, BM) + E)`` row
+  tiles bound the used ones; a program past the last used tile runs zero ``K`` steps.
 
-  * ``QUANT_A`` (the decode path, ``M <= 64``): the kernel reads the bf16/fp32 activation and
-    quantizes each ``[BM, 128]`` tile itself, with the same arithmetic as ``_quantize_kernel``, so
-    a decode projection is one launch; the few rows are re-read by every column program, which
-    costs nothing next to streaming the weight.
-  * otherwise (prefill) the activation is quantized once by ``_quantize_kernel`` and the GEMM
-    reads e4m3 values and their scales.
-
-  ``GROUPED`` (MoE experts): rows are sorted by expert; row tile ``t`` belongs to the expert whose
-  cumulative tile count passes ``t``, computed in the kernel from ``expert_offsets`` (a vector
-  cumsum over the experts), so the launch is shape-only: ``min(T, cdiv(T, BM) + E)`` row tiles
-  bound the used ones; a program past the last used tile runs zero ``K`` steps and stores nothing.
+Why the activation is quantized once, by its own kernel: the scale and the e4m3 values must be the
+bytes of the plain-torch path (decode and prefill agree, the oracle tests hold), which takes an
+IEEE-rounded division per element (:func:`~.common.div_rn`, a multi-instruction sequence on the
+GPU; ``x * (1 / scale)`` is an ulp off at times, and an ulp moves a value across an e4m3 rounding
+tie). Done inside the GEMM, every one of the ``cdiv(N, BN)`` column programs repeats those
+divisions for the same rows: about as many instructions as streaming the weight takes. One small
+kernel does them once; it costs a launch, which the programmatic dependent launch overlaps.
 
 e4m3 rounding: values are rounded to the e4m3 grid explicitly (:func:`round_to_e4m3`, nearest even)
 before the cast, which is then exact: Triton's CPU interpreter's fp32 -> e4m3 cast drops the carry
 when rounding up crosses a power of two (0.496 -> 0.25); the GPU's conversion rounds the same way
 as the explicit rounding. Everything is a shape-only launch (no host sync): usable in CUDA graphs.
-FP8 tensor cores need compute capability 8.9 or later; older GPUs get a clear error.
+FP8 needs compute capability 8.9 or later; older GPUs get a clear error.
 """
 
 from __future__ import annotations

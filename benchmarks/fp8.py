@@ -28,8 +28,9 @@ minutes, most of it Triton compiling the grid). Dense projections (:data:`LINEAR
 4, 8, 16, 32, 64 rows, and the experts (:data:`EXPERT_SHAPES`, random top-10 distinct routing) at
 as many tokens; per case: ``tc_old`` (the tensor-core GEMM as it was: the activation quantized in
 every column program, up to 64 rows), ``tc`` (the same GEMM on an activation quantized once),
-``gemv`` (the CUDA-core GEMV, default config) and the GEMV under :data:`GEMV_GRID` (up to 16 rows;
-grouped: a row pair per program, plus one row per program at the default config); the bf16
+``gemv`` (the CUDA-core GEMV, default config) and the GEMV under :data:`GEMV_GRID` (dense, up to 16
+rows) / :data:`GEMV_GRID_GROUPED` (a row pair per program, plus one row per program at the default
+config: ``gemv_1row``); the bf16
 equivalents on the same (dequantized) weight: ``skinny_mm`` (1-2 rows), ``torch.mm``, our bf16
 grouped GEMM (``moe_grouped_linear``) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
 pre-quantized e4m3, unit row-wise scales). Every output is checked against its CPU-semantics
@@ -72,9 +73,11 @@ SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: (BLOCK_N, BLOCK_K, warps, stages) of the GEMV tried in the sweep (those whose fp32 accumulators
 #: would exceed 128 registers a thread are left out), up to GEMV_SWEEP_MAX_ROWS rows
 GEMV_GRID = dict(block_n=(2, 4, 8, 16), block_k=(512, 1024, 2048), warps=(4, 8), stages=(2,))
+GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=(4, 8), stages=(2,))
 GEMV_SWEEP_MAX_ROWS = 16
 TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
+TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
 
 
 def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Qwen3NextConfig:
@@ -225,7 +228,9 @@ def _summarize(case: dict, current: str) -> dict:
     fp8_labels = [k for k in t if not k.startswith("bf16") and k != "scaled_mm" and "ms" in t[k]]
     bf16_labels = [k for k in t if k.startswith("bf16") and "ms" in t[k]]
     best = min(fp8_labels, key=lambda k: t[k]["ms"])
+    gemvs = [k for k in fp8_labels if k.startswith("gemv")]
     case["current"], case["best_fp8"] = current, best
+    case["best_gemv"] = min(gemvs, key=lambda k: t[k]["ms"]) if gemvs else None
     case["best_over_current"] = t[current]["ms"] / t[best]["ms"] if "ms" in t[current] else None
     if bf16_labels:
         b = min(bf16_labels, key=lambda k: t[k]["ms"])
@@ -240,6 +245,9 @@ def _summarize(case: dict, current: str) -> dict:
     if bf16_labels:
         line += f"  bf16 {case['best_bf16'][5:]:10s} {t[case['best_bf16']]['ms'] * 1e3:8.1f} us  " \
                 f"fp8 current/best vs bf16 {case['bf16_over_current'] or float('nan'):.2f}x/{case['bf16_over_best_fp8']:.2f}x"
+    if case["best_gemv"] and case["best_gemv"] != best:
+        g = t[case["best_gemv"]]
+        line += f"  (best gemv {tuple(g['config'])} {g['ms'] * 1e3:.1f} us)"
     print(line, flush=True)
     return case
 
@@ -321,9 +329,9 @@ def sweep_experts(shapes, tokens_list, top_k, grid, device, iters) -> list[dict]
                            fp8_bytes, None),
                 "tc": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off), want, fp8_bytes, None),
                 "gemv": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off), want, fp8_bytes,
-                         tfp8.fp8_gemv_config(n, k, rpp, tfp8._sm_count(x.device))),
+                         tfp8.fp8_gemv_config(n, k, rpp, grouped=True)),
                 "gemv_1row": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=1), want,
-                              fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, tfp8._sm_count(x.device))),
+                              fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, grouped=True)),
             }
             for cfg in _gemv_grid(grid, rpp, k):
                 cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off,
@@ -344,14 +352,16 @@ def run_sweep(args) -> int:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--sweep times the Triton kernels: on a CPU run it with TRITON_INTERPRET=1 (a smoke run)")
     if args.tiny:
-        linear, experts, rows, top_k, grid = (TINY_SWEEP[key] for key in ("linear", "experts", "rows", "top_k", "grid"))
+        linear, experts, rows, top_k, grid, grid_grouped = (
+            TINY_SWEEP[key] for key in ("linear", "experts", "rows", "top_k", "grid", "grid_grouped"))
     else:
-        linear, experts, rows, top_k, grid = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10, GEMV_GRID
+        linear, experts, rows, top_k = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10
+        grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
     print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: "
           "gemv BLOCK_N, BLOCK_K, warps, stages)       best bf16", flush=True)
     t = time.perf_counter()
     dense = sweep_dense(linear, rows, grid, device, args.iters)
-    grouped = sweep_experts(experts, rows, top_k, grid, device, args.iters)
+    grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters)
     wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped for label, v in c["times"].items()
              if "wrong" in v]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -408,15 +408,20 @@ def fp8_gemm_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     return _gemm(x, weight, weight_scale_inv, bias, expert_offsets, config, pdl, quant_in_gemm)
 
 
-def fp8_gemv_config(n: int, k: int, rows: int, sms: int = 132) -> tuple[int, int, int, int]:
+def fp8_gemv_config(n: int, k: int, rows: int, sms: int = 132, grouped: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight and
     ``rows`` rows per program.
 
-    From the shape of ``skinny_mm``'s measured tiles: the fp32 accumulators of a program hold
-    about 4096 elements (32 registers a thread at 4 warps), so ``BLOCK_K`` shrinks as the rows per
-    program grow (2048 / 1024 / 512 at 1 / 2 / 3-4 rows) and short rows give wider column tiles;
-    column tiles narrow further (down to 2) until about four programs per SM stream the weight.
-    ``benchmarks/fp8.py --sweep`` times a grid around this choice."""
+    Dense: from the shape of ``skinny_mm``'s measured tiles: the fp32 accumulators of a program
+    hold about 4096 elements (32 registers a thread at 4 warps), so ``BLOCK_K`` shrinks as the rows
+    per program grow (2048 / 1024 / 512 at 1 / 2 / 3-4 rows) and short rows give wider column
+    tiles; column tiles narrow (down to 2) until about four programs per SM stream the weight.
+    Grouped: every program first finds its expert (a scan over ``expert_offsets``), so programs
+    stream more, ``16 x K`` weights (twice the accumulators: 8192 elements), in ``BLOCK_K`` 256 steps.
+    ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
+    if grouped:
+        block_k = min(256, pow2(k, 16))
+        return max(2, min(FP8_BLOCK, 8192 // (block_k * pow2(rows)))), block_k, 4, 2
     block_k = min(2048 // pow2(rows), pow2(k, 16))
     block_n = max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows))))
     while block_n > 2 and _cdiv(n, block_n) < 4 * sms:
@@ -444,7 +449,7 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     y = _empty_product(x, n, bias)
     if y is not None:
         return y
-    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows, _sm_count(x.device))
+    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows, _sm_count(x.device), grouped)
     if FP8_BLOCK % block_n:
         raise ValueError(f"fp8 GEMV: BLOCK_N={block_n} must divide the weight block {FP8_BLOCK}")
     a = fp8_dequantized_activation_triton(x, pdl)

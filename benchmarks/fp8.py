@@ -71,9 +71,10 @@ EXPERT_SHAPES = [("experts gate_up", 512, 1024, 2048), ("experts down", 512, 204
 SWEEP_LINEAR_SHAPES = LINEAR_SHAPES + [("attn k/v_proj", 512, 2048)]
 SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: (BLOCK_N, BLOCK_K, warps, stages) of the GEMV tried in the sweep (those whose fp32 accumulators
-#: would exceed 128 registers a thread are left out), up to GEMV_SWEEP_MAX_ROWS rows
+#: and weight tile would take more than 160 registers a thread are left out: they spill), up to
+#: GEMV_SWEEP_MAX_ROWS rows
 GEMV_GRID = dict(block_n=(2, 4, 8, 16), block_k=(512, 1024, 2048), warps=(4, 8), stages=(2,))
-GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=(4, 8), stages=(2,))
+GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16), block_k=(256, 512), warps=(4, 8), stages=(2,))
 GEMV_SWEEP_MAX_ROWS = 16
 TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
@@ -189,8 +190,8 @@ def _gemv_grid(grid, rows_per_program, k) -> list[tuple]:
 
     out = []
     for bn, bk, warps, stages in itertools.product(*grid.values()):
-        regs = bn * bk * rows_per_program / (32 * warps)  # fp32 accumulator registers a thread
-        if bk <= pow2(k, 16) and regs <= 128:
+        regs = (rows_per_program + 1) * bn * bk / (32 * warps)  # fp32 accumulators + weight tile, a thread
+        if bk <= pow2(k, 16) and regs <= 160:
             out.append((bn, bk, warps, stages))
     return out
 

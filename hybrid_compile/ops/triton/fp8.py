@@ -416,12 +416,13 @@ def fp8_gemv_config(n: int, k: int, rows: int, sms: int = 132, grouped: bool = F
     hold about 4096 elements (32 registers a thread at 4 warps), so ``BLOCK_K`` shrinks as the rows
     per program grow (2048 / 1024 / 512 at 1 / 2 / 3-4 rows) and short rows give wider column
     tiles; column tiles narrow (down to 2) until about four programs per SM stream the weight.
-    Grouped: every program first finds its expert (a scan over ``expert_offsets``), so programs
-    stream more, ``16 x K`` weights (twice the accumulators: 8192 elements), in ``BLOCK_K`` 256 steps.
+    Grouped: every program first finds its expert (a scan over ``expert_offsets``), so a program
+    streams more of the weight, ``BLOCK_N x K`` in ``BLOCK_K`` 256 steps (the same accumulator budget:
+    ``BLOCK_N`` 8 for a row pair; ptxas: ~80 registers a thread, no spills).
     ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
     if grouped:
         block_k = min(256, pow2(k, 16))
-        return max(2, min(FP8_BLOCK, 8192 // (block_k * pow2(rows)))), block_k, 4, 2
+        return max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows)))), block_k, 4, 2
     block_k = min(2048 // pow2(rows), pow2(k, 16))
     block_n = max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows))))
     while block_n > 2 and _cdiv(n, block_n) < 4 * sms:

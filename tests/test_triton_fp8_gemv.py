@@ -115,6 +115,8 @@ def test_no_rows_no_channels_and_bad_arguments():
     assert torch.equal(tfp8.fp8_gemv_triton(torch.randn(2, 0), qe[0], se[0], bias), bias.expand(2, 16))
     with pytest.raises(ValueError, match="BLOCK_N"):
         tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(24, 64, 4, 1))
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(8, 96, 4, 1))
     with pytest.raises(ValueError, match="rows_per_program"):
         tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, rows_per_program=5)
 

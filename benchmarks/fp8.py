@@ -244,8 +244,9 @@ def _summarize(case: dict, current: str) -> dict:
     line = (f"{case['shape']:22s} {case['rows']:5d}  current {current:9s} {cur_s}  best {best:16s} {str(cfg):22s} "
             f"{bst['ms'] * 1e3:8.1f} us {bst['gbps']:5.0f} GB/s ({case['best_over_current'] or float('nan'):.2f}x)")
     if bf16_labels:
-        line += f"  bf16 {case['best_bf16'][5:]:10s} {t[case['best_bf16']]['ms'] * 1e3:8.1f} us  " \
-                f"fp8 current/best vs bf16 {case['bf16_over_current'] or float('nan'):.2f}x/{case['bf16_over_best_fp8']:.2f}x"
+        vs_current = case["bf16_over_current"] or float("nan")
+        line += (f"  bf16 {case['best_bf16'][5:]:10s} {t[case['best_bf16']]['ms'] * 1e3:8.1f} us  "
+                 f"fp8 current/best vs bf16 {vs_current:.2f}x/{case['bf16_over_best_fp8']:.2f}x")
     if case["best_gemv"] and case["best_gemv"] != best:
         g = t[case["best_gemv"]]
         line += f"  (best gemv {tuple(g['config'])} {g['ms'] * 1e3:.1f} us)"

@@ -163,8 +163,8 @@ def test_cuda_grouped_gemv_at_expert_shapes(tokens):
     for n, k in ((1024, 2048), (2048, 512)):
         q, s = fp8.quantize_weight_blocks(torch.randn(experts, n, k, device="cuda") / k ** 0.5)
         ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).flatten()
-        for counts in (torch.bincount(ids, minlength=experts), torch.zeros(experts, dtype=torch.int64,
-                                                                             device="cuda").index_fill_(0, ids[:1], ids.numel())):
+        one_expert = torch.zeros(experts, dtype=torch.int64, device="cuda").index_fill_(0, ids[:1], ids.numel())
+        for counts in (torch.bincount(ids, minlength=experts), one_expert):
             off = torch.zeros(experts + 1, dtype=torch.int64, device="cuda")
             off[1:] = counts.cumsum(0)
             x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)

@@ -473,7 +473,8 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
         m, n, k, experts, tiles_m,
         w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
         GROUPED=grouped, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_W=min(block_k, FP8_BLOCK), BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        GROUP_W=min(block_k, FP8_BLOCK), BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps,
+        num_stages=stages,
         **pdl_launch(x.device, pdl),
     )
     return y

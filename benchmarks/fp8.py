@@ -228,6 +228,11 @@ def _summarize(case: dict, current: str) -> dict:
     t = case["times"]
     fp8_labels = [k for k in t if not k.startswith("bf16") and k != "scaled_mm" and "ms" in t[k]]
     bf16_labels = [k for k in t if k.startswith("bf16") and "ms" in t[k]]
+    if not fp8_labels:
+        print(f"{case['shape']:22s} {case['rows']:5d}  no FP8 candidate ran: "
+              + "; ".join(f"{k}: {v.get('wrong') or v.get('error')}" for k, v in t.items()), flush=True)
+        case["current"], case["best_fp8"] = current, None
+        return case
     best = min(fp8_labels, key=lambda k: t[k]["ms"])
     gemvs = [k for k in fp8_labels if k.startswith("gemv")]
     case["current"], case["best_fp8"] = current, best

@@ -3,6 +3,8 @@
     python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
     python benchmarks/fp8.py --no-engines              # only the kernel table
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
+    python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
+    TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
 
 Model: the Qwen3-Next-80B-A3B layer shape on ``--layers`` of its 48 layers (default 8: pattern
 ``[linear_attention x3, full_attention] x2``; hidden 2048, vocab 151936, attention 16 q / 2 kv heads
@@ -20,13 +22,32 @@ the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quan
 bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON
 after each part (an out-of-memory kernel table is recorded as such; ``--no-engines`` runs only the
 kernel table, in a process of its own).
+
+``--sweep``: the decode kernels at the model's shapes, to pick the defaults in one GPU run (a few
+minutes, most of it Triton compiling the grid). Dense projections (:data:`LINEAR_SHAPES`) at 1, 2,
+4, 8, 16, 32, 64 rows, and the experts (:data:`EXPERT_SHAPES`, random top-10 distinct routing) at
+as many tokens; per case: ``tc_old`` (the tensor-core GEMM as it was: the activation quantized in
+every column program, up to 64 rows), ``tc`` (the same GEMM on an activation quantized once),
+``gemv`` (the CUDA-core GEMV, default config) and the GEMV under :data:`GEMV_GRID` (dense, up to 16
+rows) / :data:`GEMV_GRID_GROUPED` (a row pair per program, plus one row per program at the default
+config: ``gemv_1row``); the bf16
+equivalents on the same (dequantized) weight: ``skinny_mm`` (1-2 rows), ``torch.mm``, our bf16
+grouped GEMM (``moe_grouped_linear``) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
+pre-quantized e4m3, unit row-wise scales). Every output is checked against its CPU-semantics
+reference (``reference_block_linear`` / ``reference_grouped_linear``; bf16: the fp32 product of
+the same bf16 values) before it is timed; a wrong one is reported and the run exits 1. Times:
+median of CUDA-graph replays; GB/s from the weight bytes the call streams (the experts hit).
+Printed per case: the current default (what the op dispatches to), the best FP8 candidate and
+its config and speedup over the default, the best bf16 time and FP8-best / bf16-best.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import pathlib
 import sys
 import time
@@ -46,6 +67,18 @@ from reference_models import _build, random_token_prompts, sync_device  # noqa: 
 LINEAR_SHAPES = [("gdn in_proj_qkvz", 12288, 2048), ("gdn out_proj", 2048, 4096), ("attn q_proj", 8192, 2048),
                  ("attn o_proj", 2048, 4096), ("shared expert gate_up", 1024, 2048), ("shared expert down", 2048, 512)]
 EXPERT_SHAPES = [("experts gate_up", 512, 1024, 2048), ("experts down", 512, 2048, 512)]
+# the sweep's extra dense shape: attention k_proj / v_proj (2 kv heads of 256)
+SWEEP_LINEAR_SHAPES = LINEAR_SHAPES + [("attn k/v_proj", 512, 2048)]
+SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
+#: (BLOCK_N, BLOCK_K, warps, stages) of the GEMV tried in the sweep (those whose fp32 accumulators
+#: and weight tile would take more than 160 registers a thread are left out: they spill), up to
+#: GEMV_SWEEP_MAX_ROWS rows
+GEMV_GRID = dict(block_n=(2, 4, 8, 16), block_k=(512, 1024, 2048), warps=(4, 8), stages=(2,))
+GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16), block_k=(256, 512), warps=(4, 8), stages=(2,))
+GEMV_SWEEP_MAX_ROWS = 16
+TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
+                  grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
+TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
 
 
 def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Qwen3NextConfig:
@@ -145,6 +178,212 @@ def _row(name, m, n, k, ours, scaled, bf16, experts):
             "ours_tflops": 2 * m * n * k / (float(ours) * 1e-3) / 1e12}
 
 
+# --------------------------------------------------------------------------------------------
+# --sweep: the decode kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _gemv_grid(grid, rows_per_program, k) -> list[tuple]:
+    import itertools
+
+    from hybrid_compile.ops.triton.common import pow2
+
+    out = []
+    for bn, bk, warps, stages in itertools.product(*grid.values()):
+        regs = (rows_per_program + 1) * bn * bk / (32 * warps)  # fp32 accumulators + weight tile, a thread
+        if bk <= pow2(k, 16) and regs <= 160:
+            out.append((bn, bk, warps, stages))
+    return out
+
+
+def _check(got, want, label) -> str | None:
+    """None when ``got`` matches ``want`` (bf16 output of an fp32 sum), else what is wrong."""
+    err = float((got.float() - want.float()).abs().max())
+    tol = 2e-2 * float(want.float().abs().max()) + 2e-2
+    return None if err <= tol else f"wrong result ({label}): max |diff| {err:.3g} > {tol:.3g}"
+
+
+def _time_candidates(cands, device, iters) -> dict:
+    """``cands``: label -> (fn, expected, weight bytes, config or None); each checked, then timed."""
+    from fused_moe import time_ms
+
+    out = {}
+    for label, (fn, want, nbytes, cfg) in cands.items():
+        entry = {"config": list(cfg) if cfg is not None else None}
+        try:
+            with torch.inference_mode():
+                wrong = _check(fn(), want, label)
+                if wrong:
+                    entry["wrong"] = wrong
+                else:
+                    ms, mode = time_ms(fn, device, iters)
+                    entry.update(ms=ms, mode=mode, gbps=nbytes / ms / 1e6)
+        except Exception as e:  # noqa: BLE001 - a baseline this torch / device lacks is recorded
+            entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        out[label] = entry
+    return out
+
+
+def _summarize(case: dict, current: str) -> dict:
+    t = case["times"]
+    fp8_labels = [k for k in t if not k.startswith("bf16") and k != "scaled_mm" and "ms" in t[k]]
+    bf16_labels = [k for k in t if k.startswith("bf16") and "ms" in t[k]]
+    if not fp8_labels:
+        print(f"{case['shape']:22s} {case['rows']:5d}  no FP8 candidate ran: "
+              + "; ".join(f"{k}: {v.get('wrong') or v.get('error')}" for k, v in t.items()), flush=True)
+        case["current"], case["best_fp8"] = current, None
+        return case
+    best = min(fp8_labels, key=lambda k: t[k]["ms"])
+    gemvs = [k for k in fp8_labels if k.startswith("gemv")]
+    case["current"], case["best_fp8"] = current, best
+    case["best_gemv"] = min(gemvs, key=lambda k: t[k]["ms"]) if gemvs else None
+    case["best_over_current"] = t[current]["ms"] / t[best]["ms"] if "ms" in t[current] else None
+    if bf16_labels:
+        b = min(bf16_labels, key=lambda k: t[k]["ms"])
+        case["best_bf16"] = b
+        case["bf16_over_current"] = t[b]["ms"] / t[current]["ms"] if "ms" in t[current] else None
+        case["bf16_over_best_fp8"] = t[b]["ms"] / t[best]["ms"]
+    cur, bst = t[current], t[best]
+    cur_s = f"{cur['ms'] * 1e3:8.1f} us {cur['gbps']:5.0f} GB/s" if "ms" in cur else f"{'-':>23s}"
+    cfg = tuple(bst["config"]) if bst["config"] else ""
+    line = (f"{case['shape']:22s} {case['rows']:5d}  current {current:9s} {cur_s}  best {best:16s} {str(cfg):22s} "
+            f"{bst['ms'] * 1e3:8.1f} us {bst['gbps']:5.0f} GB/s ({case['best_over_current'] or float('nan'):.2f}x)")
+    if bf16_labels:
+        vs_current = case["bf16_over_current"] or float("nan")
+        line += (f"  bf16 {case['best_bf16'][5:]:10s} {t[case['best_bf16']]['ms'] * 1e3:8.1f} us  "
+                 f"fp8 current/best vs bf16 {vs_current:.2f}x/{case['bf16_over_best_fp8']:.2f}x")
+    if case["best_gemv"] and case["best_gemv"] != best:
+        g = t[case["best_gemv"]]
+        line += f"  (best gemv {tuple(g['config'])} {g['ms'] * 1e3:.1f} us)"
+    print(line, flush=True)
+    return case
+
+
+def sweep_dense(shapes, rows_list, grid, device, iters) -> list[dict]:
+    from hybrid_compile.ops.triton import fp8 as tfp8
+    from hybrid_compile.ops.triton.linear import skinny_mm_triton
+
+    cases = []
+    for name, n, k in shapes:
+        torch.manual_seed(0)
+        q, s = fp8_ops.quantize_weight_blocks(torch.randn(n, k, device=device) / k ** 0.5)
+        wb = fp8_ops.dequantize_weight_blocks(q, s, torch.bfloat16)
+        fp8_bytes = q.numel() + 4 * s.numel()
+        for m in rows_list:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            want = fp8_ops.reference_block_linear(x.float(), q, s)
+            want_bf16 = x.float() @ wb.float().t()
+            rpp = min(m, tfp8.FP8_GEMV_MAX_ROWS)
+            cands = {
+                "tc_old": (lambda: tfp8.fp8_gemm_triton(x, q, s, quant_in_gemm=True), want, fp8_bytes, None),
+                "tc": (lambda: tfp8.fp8_gemm_triton(x, q, s), want, fp8_bytes, None),
+            }
+            if m <= max(GEMV_SWEEP_MAX_ROWS, tfp8.FP8_DECODE_MAX_ROWS):
+                cands["gemv"] = (lambda: tfp8.fp8_gemv_triton(x, q, s), want, fp8_bytes,
+                                 tfp8.fp8_gemv_config(n, k, rpp, tfp8._sm_count(x.device)))
+                for cfg in _gemv_grid(grid, rpp, k):
+                    cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg), want,
+                                                 fp8_bytes, cfg)
+            xq = x.to(fp8_ops.FP8_DTYPE)
+            sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+            cands["scaled_mm"] = (lambda: torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+                                  xq.float() @ q.float().t(), q.numel(), None)
+            if m <= 2:
+                cands["bf16_skinny_mm"] = (lambda: skinny_mm_triton(x, wb), want_bf16, 2 * n * k, None)
+            cands["bf16_mm"] = (lambda: torch.mm(x, wb.t()), want_bf16, 2 * n * k, None)
+            case = dict(shape=name, kind="dense", rows=m, n=n, k=k, times=_time_candidates(cands, device, iters))
+            current = "gemv" if tfp8.use_gemv(m) else "tc"
+            cases.append(_summarize(case, current))
+    return cases
+
+
+def _grouped_reference(x, weight_of, offsets):
+    """fp32 product of each expert's rows with ``weight_of(e)`` (a float ``[N, K]``)."""
+    y = None
+    off = offsets.tolist()
+    for e in range(len(off) - 1):
+        if off[e + 1] > off[e]:
+            ye = x[off[e]:off[e + 1]].float() @ weight_of(e).t()
+            if y is None:
+                y = torch.zeros(x.shape[0], ye.shape[1], device=x.device)
+            y[off[e]:off[e + 1]] = ye
+    return y
+
+
+def sweep_experts(shapes, tokens_list, top_k, grid, device, iters) -> list[dict]:
+    from hybrid_compile.ops.triton import fp8 as tfp8
+    from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
+
+    cases = []
+    for name, e, n, k in shapes:
+        torch.manual_seed(0)
+        q, s = fp8_ops.quantize_weight_blocks(torch.randn(e, n, k, device=device) / k ** 0.5)
+        wb = fp8_ops.dequantize_weight_blocks(q, s, torch.bfloat16)
+        for tokens in tokens_list:
+            ids = torch.stack([torch.randperm(e, device=device)[:top_k] for _ in range(tokens)]).flatten()
+            off = torch.zeros(e + 1, dtype=torch.int64, device=device)
+            off[1:] = torch.bincount(ids, minlength=e).cumsum(0)
+            hit = int(torch.unique(ids).numel())
+            m = ids.numel()
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            want = fp8_ops.reference_grouped_linear(x.float(), q, s, off)
+            want_bf16 = _grouped_reference(x, lambda i: wb[i].float(), off)
+            fp8_bytes = hit * (n * k + 4 * s[0].numel())
+            rpp = tfp8.FP8_GROUPED_GEMV_ROWS
+            cands = {
+                # as it was: quantized in the GEMM up to 64 rows (all experts together), else once
+                "tc_old": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off, quant_in_gemm=m <= 64), want,
+                           fp8_bytes, None),
+                "tc": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off), want, fp8_bytes, None),
+                "gemv": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off), want, fp8_bytes,
+                         tfp8.fp8_gemv_config(n, k, rpp, grouped=True)),
+                "gemv_1row": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=1), want,
+                              fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, grouped=True)),
+            }
+            for cfg in _gemv_grid(grid, rpp, k):
+                cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off,
+                                                                                  config=cfg), want, fp8_bytes, cfg)
+            cands["bf16_grouped"] = (lambda: moe_grouped_linear_triton(x, wb, off), want_bf16, 2 * hit * n * k, None)
+            offs32 = off[1:].to(torch.int32)
+            cands["bf16_torch_grouped_mm"] = (lambda: torch._grouped_mm(x, wb.transpose(-2, -1), offs=offs32),
+                                              want_bf16, 2 * hit * n * k, None)
+            case = dict(shape=name, kind="experts", rows=m, tokens=tokens, experts_hit=hit, n=n, k=k,
+                        times=_time_candidates(cands, device, iters))
+            current = "gemv" if tfp8.use_gemv(m, e) else "tc"
+            cases.append(_summarize(case, current))
+    return cases
+
+
+def run_sweep(args) -> int:
+    device = torch.device(args.device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--sweep times the Triton kernels: on a CPU run it with TRITON_INTERPRET=1 (a smoke run)")
+    if args.tiny:
+        linear, experts, rows, top_k, grid, grid_grouped = (
+            TINY_SWEEP[key] for key in ("linear", "experts", "rows", "top_k", "grid", "grid_grouped"))
+    else:
+        linear, experts, rows, top_k = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10
+        grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
+    print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: "
+          "gemv BLOCK_N, BLOCK_K, warps, stages)       best bf16", flush=True)
+    t = time.perf_counter()
+    dense = sweep_dense(linear, rows, grid, device, args.iters)
+    grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters)
+    wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped for label, v in c["times"].items()
+             if "wrong" in v]
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "tiny": args.tiny, "seconds": time.perf_counter() - t,
+           "date": time.strftime("%Y-%m-%d")}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "dense": dense, "experts": grouped, "wrong": wrong}, indent=2))
+    print(f"(rows of experts: routed rows = tokens x top-k; GB/s: weight bytes streamed / time)\nwrote {out} "
+          f"({env['seconds']:.0f} s)")
+    for w in wrong:
+        print("WRONG:", *w)
+    return 1 if wrong else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
@@ -155,8 +394,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     p.add_argument("--no-engines", action="store_true",
                    help="only the kernel table (e.g. in its own process when the engines left too little memory)")
-    p.add_argument("--out", default="benchmarks/results/fp8.json")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fp8.json, "
+                                                 "fp8_sweep.json with --sweep)")
+    p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
+    p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = "benchmarks/results/fp8_sweep.json" if args.sweep else "benchmarks/results/fp8.json"
+    if args.sweep:
+        return run_sweep(args)
     device = torch.device(args.device)
     tiny = args.tiny
     decode_batches = (1, 2) if tiny else (1, 16, 64)

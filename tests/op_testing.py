@@ -87,3 +87,19 @@ def compile_and_compare(fn, *args, clone_args=True):
     compiled_fn = torch.compile(fn, fullgraph=True, dynamic=True, backend="inductor")
     compiled = compiled_fn(*compiled_args)
     return eager, compiled, eager_args, compiled_args
+
+
+# opcheck's schema test compares inputs before and after the call with torch.allclose, which has no
+# float8 kernel; for ops with e4m3 inputs it is replaced by a bitwise no-mutation check.
+OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def opcheck_fp8_inputs(op, args):
+    """opcheck of an op with ``float8_e4m3fn`` inputs, plus a bitwise check that none was mutated."""
+    before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn
+              else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
+    op(*args)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b), "an input was mutated"

@@ -5,6 +5,7 @@ Speed is not asserted; the JSON's structure is, and that the FP8 run really serv
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -43,3 +44,30 @@ def test_fp8_state_accuracy_tiny_cpu_run(tmp_path):
     assert modes["fp8_state"]["bytes"]["per_mamba_slot"] < modes["bf16_state"]["bytes"]["per_mamba_slot"]
     assert modes["fp8_kv_cache"]["bytes"]["per_token"] < run["reference"]["bytes"]["per_token"]
     assert modes["fp8_state"]["dtypes"]["ssm"] == ["float8_e4m3fn"]
+
+
+def test_decode_sweep_tiny_under_the_interpreter(tmp_path):
+    """``--sweep --tiny``: every candidate (old and new tensor-core decode, the GEMV default and grid,
+    the bf16 baselines) checked against its reference inside the script (exit 1 on a wrong one),
+    the current default and the best named per case."""
+    from hybrid_compile.ops.triton.fp8 import use_gemv
+
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--sweep", "--tiny", "--device", "cpu", "--iters", "1",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["wrong"] == [] and run["env"]["tiny"] is True
+    assert [(c["shape"], c["rows"]) for c in run["dense"]] == [("tiny", 1), ("tiny", 5)]
+    assert [c["tokens"] for c in run["experts"]] == [1, 5]
+    for case in run["dense"] + run["experts"]:
+        t = case["times"]
+        assert {"tc_old", "tc", "gemv", "gemv[8, 128, 4, 1]"} <= set(t), sorted(t)
+        bf16 = "bf16_mm" if case["kind"] == "dense" else "bf16_grouped"
+        assert all("ms" in t[k] for k in ("tc_old", "tc", "gemv", bf16))
+        experts = 4 if case["kind"] == "experts" else None  # the tiny experts: 4
+        assert case["current"] == ("gemv" if use_gemv(case["rows"], experts) else "tc")
+        assert case["best_fp8"] in t and case["best_over_current"] >= 1.0
+    assert "best" in proc.stdout and "current" in proc.stdout

@@ -13,7 +13,7 @@ import torch
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import fp8
 from hybrid_compile.ops.triton import fp8 as tfp8
-from op_testing import compile_and_compare, run_opcheck
+from op_testing import compile_and_compare, opcheck_fp8_inputs, run_opcheck
 
 INTERPRETER_ONLY = True
 
@@ -164,13 +164,16 @@ def test_op_argument_errors():
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 100), (5, 160, 256), (66, 48, 130)])
 def test_linear_kernel_matches_op(m, n, k):
-    """``m <= 64``: activation quantized inside the GEMM; 66 rows: the quantize kernel + FP8 GEMM."""
+    """1 row: the GEMV kernel; 5 and 66 rows (and any explicit tile config): the quantize kernel + the
+    tensor-core GEMM, also with the activation quantized inside the GEMM (``quant_in_gemm``)."""
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k + 8, generator=g)[:, 4 : 4 + k]  # strided
     q, s = fp8.quantize_weight_blocks(torch.randn(n, k, generator=g) / k ** 0.5)
     bias = torch.randn(n, generator=g)
     expected = ops.fp8_block_linear(x, q, s, bias)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tfp8.fp8_gemm_triton(x, q, s, bias, quant_in_gemm=True), expected, rtol=1e-5,
+                               atol=1e-5)
     # an explicit config with narrow column tiles (each divides the 128-row weight block)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, None, config=(16, 32, 4, 1)),
                                ops.fp8_block_linear(x, q, s), rtol=1e-5, atol=1e-5)
@@ -206,29 +209,14 @@ def test_kernel_edge_shapes_and_configs():
     assert tfp8.fp8_gemm_config(40960, 1024, 2048, grouped=True, experts=512, sms=132)[0] == 64
 
 
-# opcheck's schema test compares inputs before and after the call with torch.allclose, which has no
-# float8 kernel; for ops with e4m3 inputs it is replaced by a bitwise no-mutation check.
-OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-
-
-def _opcheck_fp8_inputs(op, args):
-    before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == fp8.FP8_DTYPE
-              else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
-    op(*args)
-    for a, b in zip(args, before):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a, b), "an input was mutated"
-
-
 def test_ops_opcheck_and_compile_without_graph_breaks():
     q, s = fp8.quantize_weight_blocks(torch.randn(48, 64))
     qe, se = fp8.quantize_weight_blocks(torch.randn(3, 32, 48))
     x = torch.randn(5, 64)
     off = _expert_offsets([2, 0, 3])
     run_opcheck(ops.fp8_quantize_per_token_group.default, (x,))
-    _opcheck_fp8_inputs(ops.fp8_block_linear.default, (x, q, s, torch.randn(48)))
-    _opcheck_fp8_inputs(ops.fp8_grouped_linear.default, (x[:, :48], qe, se, off))
+    opcheck_fp8_inputs(ops.fp8_block_linear.default, (x, q, s, torch.randn(48)))
+    opcheck_fp8_inputs(ops.fp8_grouped_linear.default, (x[:, :48], qe, se, off))
 
     def fn(a, w, ws, we, wes, o):
         h = torch.relu(ops.fp8_block_linear(a, w, ws)) + 1
@@ -257,7 +245,7 @@ def test_cuda_linear_at_model_shapes(n, k):
         expected = fp8.reference_block_linear(x.float(), q, s)
         torch.testing.assert_close(ops.fp8_block_linear(x, q, s).float(), expected, rtol=2e-2, atol=2e-2,
                                    msg=f"m={m}")
-    _opcheck_fp8_inputs(ops.fp8_block_linear.default, (torch.randn(3, k, device="cuda", dtype=torch.bfloat16), q, s))
+    opcheck_fp8_inputs(ops.fp8_block_linear.default, (torch.randn(3, k, device="cuda", dtype=torch.bfloat16), q, s))
 
 
 @pytest.mark.gpu
@@ -275,7 +263,7 @@ def test_cuda_grouped_at_qwen3_next_expert_shapes(tokens):
         x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)
         expected = fp8.reference_grouped_linear(x.float(), q, s, off)
         torch.testing.assert_close(ops.fp8_grouped_linear(x, q, s, off).float(), expected, rtol=2e-2, atol=2e-2)
-    _opcheck_fp8_inputs(ops.fp8_grouped_linear.default,
+    opcheck_fp8_inputs(ops.fp8_grouped_linear.default,
                         (x[:5], q[:3], s[:3], torch.tensor([0, 2, 2, 5], device="cuda")))
 
 

@@ -1,30 +1,45 @@
 """Triton kernels of the block-FP8 ops (:mod:`hybrid_compile.ops.fp8`).
 
 - ``_quantize_kernel`` (``fp8_quantize_per_token_group``): grid ``(cdiv(M, BR), cdiv(K, 128))``, each
-  program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values.
-- ``_fp8_gemm_kernel`` (``fp8_block_linear`` and ``fp8_grouped_linear``): grid ``(cdiv(N, BN), row
-  tiles)``; each program a ``[BM, BN]`` output tile, stepping along ``K`` one 128-channel block at a
-  time: ``tl.dot`` of an e4m3 activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32
-  accumulation), scaled by the activation's per-row group scale and the weight's block scale (``BN``
-  divides 128, so a tile's columns share one weight scale per step). Two ways to get the activation:
+  program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values (``DEQUANT``:
+  instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
+- ``_fp8_gemv_kernel`` (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped
+  calls of about one row per expert): CUDA cores, no tensor cores, built like ``skinny_mm``
+  (:mod:`.linear`), which streams a bf16 weight at the memory bandwidth. Each program owns
+  ``BLOCK_N`` output columns (dividing the 128-row weight block, so one block row of scales) and
+  up to four rows; per step along ``K`` it loads a ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up
+  to 2048), converts it to fp32 and multiplies it by each row's per-column factor
+  ``a[k] * weight_scale_inv[k // 128]`` (``a``: the dequantized activation), accumulating one
+  ``[BLOCK_N, BLOCK_K]`` fp32 tile per row that is summed over ``K`` once at the end. The tiles are
+  shaped ``[BLOCK_N, BLOCK_K / 128, 128]`` so that a thread loads each 128-column block scale once,
+  not once per column (ptxas for sm_90a: 4x fewer scale loads, the same ~80 registers). One flat
+  grid, row tiles fastest. Grouped: a program per (row pair of one expert, column tile), the
+  expert found from ``expert_offsets`` in the kernel (:func:`~.common.expert_row_tile`), so it
+  streams only that expert's weight; shape-only launch. Programmatic dependent launch: a dense
+  program loads its first weight tile before waiting for the quantize kernel.
+- ``_fp8_gemm_kernel`` (more rows): grid ``(cdiv(N, BN), row tiles)``; each program a ``[BM, BN]``
+  output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
+  activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32 accumulation), scaled by
+  the activation's per-row group scale and the weight's block scale (``BN`` divides 128). The
+  activation comes from the quantize kernel; ``QUANT_A`` (the earlier decode scheme, kept for the
+  sweep's comparison) quantizes each ``[BM, 128]`` tile in the GEMM instead.
+  ``GROUPED`` (MoE experts): rows sorted by expert; row tile ``t`` belongs to the expert whose
+  cumulative tile count passes ``t``, so the launch is shape-only: ``min(T, cdiv(T, BM) + E)`` row
+  tiles bound the used ones; a program past the last used tile runs zero ``K`` steps.
 
-  * ``QUANT_A`` (the decode path, ``M <= 64``): the kernel reads the bf16/fp32 activation and
-    quantizes each ``[BM, 128]`` tile itself, with the same arithmetic as ``_quantize_kernel``, so
-    a decode projection is one launch; the few rows are re-read by every column program, which
-    costs nothing next to streaming the weight.
-  * otherwise (prefill) the activation is quantized once by ``_quantize_kernel`` and the GEMM
-    reads e4m3 values and their scales.
-
-  ``GROUPED`` (MoE experts): rows are sorted by expert; row tile ``t`` belongs to the expert whose
-  cumulative tile count passes ``t``, computed in the kernel from ``expert_offsets`` (a vector
-  cumsum over the experts), so the launch is shape-only: ``min(T, cdiv(T, BM) + E)`` row tiles
-  bound the used ones; a program past the last used tile runs zero ``K`` steps and stores nothing.
+Why the activation is quantized once, by its own kernel: the scale and the e4m3 values must be the
+bytes of the plain-torch path (decode and prefill agree, the oracle tests hold), which takes an
+IEEE-rounded division per element (:func:`~.common.div_rn`, a multi-instruction sequence on the
+GPU; ``x * (1 / scale)`` is an ulp off at times, and an ulp moves a value across an e4m3 rounding
+tie). Done inside the GEMM, every one of the ``cdiv(N, BN)`` column programs repeats those
+divisions for the same rows: about as many instructions as streaming the weight takes. One small
+kernel does them once; it costs a launch, which the programmatic dependent launch overlaps.
 
 e4m3 rounding: values are rounded to the e4m3 grid explicitly (:func:`round_to_e4m3`, nearest even)
 before the cast, which is then exact: Triton's CPU interpreter's fp32 -> e4m3 cast drops the carry
 when rounding up crosses a power of two (0.496 -> 0.25); the GPU's conversion rounds the same way
 as the explicit rounding. Everything is a shape-only launch (no host sync): usable in CUDA graphs.
-FP8 tensor cores need compute capability 8.9 or later; older GPUs get a clear error.
+FP8 needs compute capability 8.9 or later; older GPUs get a clear error.
 """
 
 from __future__ import annotations
@@ -41,11 +56,24 @@ from ..fp8 import (
 from .common import cast_rne, div_rn, expert_row_tile, grouped_row_tiles, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["fp8_gemm_config", "fp8_block_linear_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton",
-           "QUANT_IN_GEMM_MAX_ROWS"]
+__all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
+           "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_config", "fp8_gemm_triton",
+           "fp8_gemv_config", "fp8_gemv_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton", "use_gemv"]
 
-#: Up to this many rows the GEMM quantizes the activation itself (the decode path).
-QUANT_IN_GEMM_MAX_ROWS = 64
+#: Dense calls of at most this many rows take the GEMV kernel. Its FMAs are CUDA-core work: per e4m3
+#: weight element one conversion plus one FMA per row; an H100 issues about 11 fp32 instructions per
+#: weight byte it can stream (~33 T FMA/s over ~3 TB/s), so at 4 rows (~6 instructions with the
+#: loads) it stays bound by the weight's bytes; from 8 rows on it would not, and the tensor cores take over.
+FP8_DECODE_MAX_ROWS = 4
+#: Most rows one GEMV program takes (its accumulators are written out one per row).
+FP8_GEMV_MAX_ROWS = 4
+#: Grouped (experts) calls take the GEMV kernel up to this many rows per expert on average.
+FP8_GROUPED_DECODE_ROWS_PER_EXPERT = 1
+#: Rows of one expert per GEMV program when grouped (a pair: at decode most hit experts get one or
+#: two rows; an expert with more is streamed once per pair).
+FP8_GROUPED_GEMV_ROWS = 2
+#: The tensor-core GEMM's decode tiles (16-row tiles, narrow column tiles) up to this many rows.
+DECODE_TILE_MAX_ROWS = 64
 
 
 @triton.jit
@@ -74,7 +102,7 @@ FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 @triton.jit(do_not_specialize=["M"])
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_xk, BR: tl.constexpr, GROUP: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     DEQUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait_and_release(USE_PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
@@ -83,8 +111,11 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_xk, BR: tl.
     m = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
     q, scale = _quantize_tile(x)
-    tl.store(q_ptr + r64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + r64 * G + g, scale, mask=rows < M)
+    if DEQUANT:  # fp32 q * scale: the reference's dequantized activation, the same single rounding
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q * scale[:, None], mask=m)
+    else:
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + r64 * G + g, scale, mask=rows < M)
 
 
 @triton.jit(do_not_specialize=["M", "N", "K", "E"])
@@ -139,6 +170,125 @@ def _fp8_gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, k0, rk, rg, K, stride_wn, stride_wk, stride_wsk,
+                      GROUP_W: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile at columns ``k0 + rk`` as ``[BLOCK_N, G, GROUP_W]`` fp32 (``G`` runs of
+    ``GROUP_W`` columns, each inside one 128-column scale block), the block scale of each run
+    ``[G]`` (the tile's rows share one block row: one scale load a run, not one a column) and the
+    column mask ``[G, GROUP_W]``."""
+    kk = k0 + rk
+    if EVEN_K:
+        k_ok = tl.full(rk.shape, 1, tl.int1)
+    else:
+        k_ok = kk < K
+    w = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :] * stride_wk,
+                mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+    run0 = k0 + rg * GROUP_W
+    w_scale = tl.load(ws_row + (run0 // FP8_BLOCK_C) * stride_wsk, mask=run0 < K, other=0.0)
+    return w.to(tl.float32), w_scale, k_ok
+
+
+@triton.jit
+def _gemv_row(acc, a_ptr, row, row_end, K, kk, k_ok, w_scale, w):
+    """``acc + w * (a[row, kk] * w_scale)``: the row's dequantized activation times the weight's block
+    scale is the per-column factor of the fp32 weight tile (zeros past ``row_end``)."""
+    a = tl.load(a_ptr + row.to(tl.int64) * K + kk, mask=tl.where(row < row_end, k_ok, False), other=0.0)
+    return acc + w * (a * w_scale[:, None])[None, :, :]
+
+
+@triton.jit
+def _gemv_store(y_ptr, bias_ptr, row, row_end, N, rn, n_ok, acc, HAS_BIAS: tl.constexpr):
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * N + rn, cast_rne(out, y_ptr.dtype.element_ty),
+             mask=tl.where(row < row_end, n_ok, False))
+
+
+@triton.jit
+def _gemv_step(a_ptr, row0, row_end, K, kk, k_ok, w_scale, w, acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
+    """One weight tile applied to the program's ``ROWS`` (1-4) rows."""
+    acc0 = _gemv_row(acc0, a_ptr, row0, row_end, K, kk, k_ok, w_scale, w)
+    if ROWS >= 2:
+        acc1 = _gemv_row(acc1, a_ptr, row0 + 1, row_end, K, kk, k_ok, w_scale, w)
+    if ROWS >= 3:
+        acc2 = _gemv_row(acc2, a_ptr, row0 + 2, row_end, K, kk, k_ok, w_scale, w)
+    if ROWS >= 4:
+        acc3 = _gemv_row(acc3, a_ptr, row0 + 3, row_end, K, kk, k_ok, w_scale, w)
+    return acc0, acc1, acc2, acc3
+
+
+# N and K stay specialized (their divisibility by 16 lets the activation and output rows load and
+# store as vectors); the row count varies per step
+@triton.jit(do_not_specialize=["M", "E", "TILES_M"])
+def _fp8_gemv_kernel(
+    a_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, offsets_ptr,
+    M, N, K, E, TILES_M,
+    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # one flat grid, row tiles fastest: the row tiles of one column tile run side by side and read
+    # its weight from L2 (and no grid axis limit on the column tiles)
+    pid = tl.program_id(0)
+    pid_m = pid % TILES_M
+    pid_n = pid // TILES_M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    # a K step as G runs of GROUP_W columns (min(BLOCK_K, 128)): each run shares one weight scale
+    G: tl.constexpr = BLOCK_K // GROUP_W
+    rg = tl.arange(0, G)
+    rk = rg[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
+    acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    if GROUPED:
+        # which expert's weight to stream depends on the routing the previous kernels wrote: wait first
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, ROWS, BLOCK_E)
+        e64 = tl.minimum(expert, E - 1).to(tl.int64)
+        w_ptr += e64 * stride_we
+        ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // FP8_BLOCK_C) * stride_wsn
+        k_end = tl.where(expert < E, K, 0)  # a tile past the last used one reads nothing
+        k_start = 0
+    else:
+        row0 = pid_m * ROWS
+        row_end = M
+        k_end = K
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // FP8_BLOCK_C) * stride_wsn  # BLOCK_N divides the 128-row block
+        # the first weight tile is loaded before anything that reads the activation: under a
+        # programmatic dependent launch it streams while the quantize kernel is still running
+        w, w_scale, k_ok = _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, 0, rk, rg, K, stride_wn, stride_wk,
+                                             stride_wsk, GROUP_W, EVEN_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        acc0, acc1, acc2, acc3 = _gemv_step(a_ptr, row0, row_end, K, rk, k_ok, w_scale, w, acc0, acc1, acc2, acc3,
+                                            ROWS)
+        k_start = BLOCK_K
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        w, w_scale, k_ok = _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, k0, rk, rg, K, stride_wn, stride_wk,
+                                             stride_wsk, GROUP_W, EVEN_K)
+        acc0, acc1, acc2, acc3 = _gemv_step(a_ptr, row0, row_end, K, kk, k_ok, w_scale, w, acc0, acc1, acc2, acc3,
+                                            ROWS)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+    _gemv_store(y_ptr, bias_ptr, row0, row_end, N, rn, n_ok, acc0, HAS_BIAS)
+    if ROWS >= 2:
+        _gemv_store(y_ptr, bias_ptr, row0 + 1, row_end, N, rn, n_ok, acc1, HAS_BIAS)
+    if ROWS >= 3:
+        _gemv_store(y_ptr, bias_ptr, row0 + 2, row_end, N, rn, n_ok, acc2, HAS_BIAS)
+    if ROWS >= 4:
+        _gemv_store(y_ptr, bias_ptr, row0 + 3, row_end, N, rn, n_ok, acc3, HAS_BIAS)
+
+
+FP8_BLOCK_C = tl.constexpr(FP8_BLOCK)
+
+
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
@@ -164,7 +314,7 @@ def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: i
     row groups are short), 8 warps and 3 stages.
     """
     rows_per_group = m / max(experts, 1) if grouped else m
-    if m <= QUANT_IN_GEMM_MAX_ROWS or rows_per_group <= 16:
+    if m <= DECODE_TILE_MAX_ROWS or rows_per_group <= 16:
         bm = 16 if rows_per_group <= 16 else min(64, pow2(m))
         tiles_m = grouped_row_tiles(m, bm, experts) if grouped else _cdiv(m, bm)
         bn = 128
@@ -189,28 +339,55 @@ def fp8_quantize_triton(x: torch.Tensor, pdl: bool | None = None) -> tuple[torch
     s = torch.empty(m, g, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s.fill_(FP8_EPS / FP8_MAX)
-    br = 16
-    _quantize_kernel[(triton.cdiv(m, br), g)](
-        x, q, s, m, k, g, x.stride(0), x.stride(1), BR=br, GROUP=FP8_GROUP, num_warps=4, **pdl_launch(x.device, pdl))
+    _launch_quantize(x, q, s, False, pdl)
     return q, s
 
 
-def _gemm(x, weight, scale_inv, bias, offsets, config, pdl):
-    grouped = offsets is not None
+def fp8_dequantized_activation_triton(x: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+    """``x`` quantized per token group and dequantized again, ``q.float() * scale`` in fp32 ``[M, K]``
+    (the bytes of the reference's dequantized activation): the GEMV kernel's input."""
     m, k = x.shape
-    n = weight.shape[-2]
-    experts = weight.shape[0] if grouped else 1
+    xd = torch.empty(m, k, dtype=torch.float32, device=x.device)
+    if m and k:
+        _launch_quantize(x, xd, xd, True, pdl)
+    return xd
+
+
+def _launch_quantize(x, out, scale, dequant, pdl):
+    m, k = x.shape
+    g = _cdiv(k, FP8_GROUP)
+    br = 16
+    _quantize_kernel[(triton.cdiv(m, br), g)](
+        x, out, scale, m, k, g, x.stride(0), x.stride(1), BR=br, GROUP=FP8_GROUP, DEQUANT=dequant, num_warps=4,
+        **pdl_launch(x.device, pdl))
+
+
+def _empty_product(x, n, bias):
+    """The ``[M, N]`` output when there is nothing to stream (``None`` when there is): no rows or
+    columns, or ``K == 0`` (zeros, plus the bias)."""
+    m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.to(y.dtype).expand(m, n))
+    return None
+
+
+def _gemm(x, weight, scale_inv, bias, offsets, config, pdl, quant_in_gemm):
+    grouped = offsets is not None
+    m, k = x.shape
+    n = weight.shape[-2]
+    experts = weight.shape[0] if grouped else 1
+    y = _empty_product(x, n, bias)
+    if y is not None:
+        return y
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, warps, stages = config or fp8_gemm_config(m, n, k, grouped=grouped, experts=experts,
                                                        sms=_sm_count(x.device))
     if FP8_BLOCK % bn:
         raise ValueError(f"fp8 GEMM: BN={bn} must divide the weight block {FP8_BLOCK}")
-    quant_a = m <= QUANT_IN_GEMM_MAX_ROWS
-    if quant_a:
+    if quant_in_gemm:
         a, a_scale = x, x  # a_scale unused
     else:
         a, a_scale = fp8_quantize_triton(x, pdl)
@@ -222,20 +399,111 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl):
         m, n, k, experts,
         a.stride(0), a.stride(1), a_scale.stride(0),
         w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
-        QUANT_A=quant_a, GROUPED=grouped, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=FP8_BLOCK,
+        QUANT_A=quant_in_gemm, GROUPED=grouped, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=FP8_BLOCK,
         BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
     )
     return y
 
 
+def fp8_gemm_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,
+                    pdl: bool | None = None, quant_in_gemm: bool = False):
+    """The tensor-core path of both ops (``expert_offsets`` given: grouped over ``weight[E, N, K]``).
+
+    ``config`` = (BM, BN, warps, stages) overrides :func:`fp8_gemm_config`. ``quant_in_gemm``: every
+    column program quantizes its activation tile itself (the earlier decode scheme, kept so the sweep
+    of ``benchmarks/fp8.py`` can time it against the default: the activation quantized once by the
+    quantize kernel, whose IEEE divisions are then not repeated by each of the ``cdiv(N, BN)``
+    column programs)."""
+    return _gemm(x, weight, weight_scale_inv, bias, expert_offsets, config, pdl, quant_in_gemm)
+
+
+def fp8_gemv_config(n: int, k: int, rows: int, sms: int = 132, grouped: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight and
+    ``rows`` rows per program.
+
+    Dense: from the shape of ``skinny_mm``'s measured tiles: the fp32 accumulators of a program
+    hold about 4096 elements (32 registers a thread at 4 warps), so ``BLOCK_K`` shrinks as the rows
+    per program grow (2048 / 1024 / 512 at 1 / 2 / 3-4 rows) and short rows give wider column
+    tiles; column tiles narrow (down to 2) until about four programs per SM stream the weight.
+    Grouped: every program first finds its expert (a scan over ``expert_offsets``), so a program
+    streams more of the weight, ``BLOCK_N x K`` in ``BLOCK_K`` 256 steps (the same accumulator budget:
+    ``BLOCK_N`` 8 for a row pair; ptxas: ~80 registers a thread, no spills).
+    ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
+    if grouped:
+        block_k = min(256, pow2(k, 16))
+        return max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows)))), block_k, 4, 2
+    block_k = min(2048 // pow2(rows), pow2(k, 16))
+    block_n = max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows))))
+    while block_n > 2 and _cdiv(n, block_n) < 4 * sms:
+        block_n //= 2
+    return block_n, block_k, 4, 2
+
+
+def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,
+                    pdl: bool | None = None, rows_per_program: int | None = None):
+    """The GEMV path of both ops (CUDA cores, few rows; ``expert_offsets`` given: grouped).
+
+    The activation is quantized once (:func:`fp8_dequantized_activation_triton`); each program
+    streams a ``[BLOCK_N, K]`` slab of the weight (of its expert, when grouped) for
+    ``rows_per_program`` rows (default: all ``M <= 4`` rows of a dense call, a row pair of one
+    expert when grouped). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides
+    :func:`fp8_gemv_config`. Dense calls of more rows than a program takes launch several row
+    tiles (each re-reads the weight, from L2 when the tiles run side by side)."""
+    grouped = expert_offsets is not None
+    m, k = x.shape
+    n = weight.shape[-2]
+    experts = weight.shape[0] if grouped else 1
+    rows = rows_per_program or (FP8_GROUPED_GEMV_ROWS if grouped else min(max(m, 1), FP8_GEMV_MAX_ROWS))
+    if not 1 <= rows <= FP8_GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv_triton: rows_per_program must be 1..{FP8_GEMV_MAX_ROWS}, got {rows}")
+    y = _empty_product(x, n, bias)
+    if y is not None:
+        return y
+    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows, _sm_count(x.device), grouped)
+    if FP8_BLOCK % block_n or block_k & (block_k - 1) or block_k < 16:
+        raise ValueError(f"fp8 GEMV: BLOCK_N={block_n} must divide the weight block {FP8_BLOCK} and BLOCK_K="
+                         f"{block_k} be a power of two >= 16")
+    a = fp8_dequantized_activation_triton(x, pdl)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles_m = grouped_row_tiles(m, rows, experts) if grouped else _cdiv(m, rows)
+    ws = weight_scale_inv if grouped else weight_scale_inv[None]
+    w = weight if grouped else weight[None]
+    _fp8_gemv_kernel[(tiles_m * triton.cdiv(n, block_n),)](
+        a, w, ws, bias if bias is not None else a, y, expert_offsets if grouped else a,
+        m, n, k, experts, tiles_m,
+        w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
+        GROUPED=grouped, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_W=min(block_k, FP8_BLOCK), BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps,
+        num_stages=stages,
+        **pdl_launch(x.device, pdl),
+    )
+    return y
+
+
+def use_gemv(rows: int, experts: int | None = None) -> bool:
+    """Whether the ops take the GEMV path: a dense call of at most :data:`FP8_DECODE_MAX_ROWS` rows; a
+    grouped one of at most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average
+    (decode: top-k routing spreads a few tokens over many experts, one or two rows each)."""
+    if experts is None:
+        return rows <= FP8_DECODE_MAX_ROWS
+    return rows <= FP8_GROUPED_DECODE_ROWS_PER_EXPERT * experts
+
+
 def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None, pdl: bool | None = None):
-    """``fp8_block_linear`` (``config`` = (BM, BN, warps, stages) overrides :func:`fp8_gemm_config`)."""
-    return _gemm(x, weight, weight_scale_inv, bias, None, config, pdl)
+    """``fp8_block_linear``: the GEMV path for few rows (:func:`use_gemv`), else the tensor cores.
+    ``config`` = (BM, BN, warps, stages) asks for the tensor-core path with these tiles."""
+    if config is None and use_gemv(x.shape[0]):
+        return fp8_gemv_triton(x, weight, weight_scale_inv, bias, pdl=pdl)
+    return fp8_gemm_triton(x, weight, weight_scale_inv, bias, config=config, pdl=pdl)
 
 
 def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, config=None, pdl: bool | None = None):
-    """``fp8_grouped_linear``: one launch for every expert."""
-    return _gemm(x, weight, weight_scale_inv, None, expert_offsets, config, pdl)
+    """``fp8_grouped_linear``: one launch for every expert (after the activation's quantize kernel),
+    the GEMV path at decode (:func:`use_gemv`), else the tensor cores. ``config`` = (BM, BN, warps,
+    stages) asks for the tensor-core path with these tiles."""
+    if config is None and use_gemv(x.shape[0], weight.shape[0]):
+        return fp8_gemv_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, pdl=pdl)
+    return fp8_gemm_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)
 
 
 def _quantize_cuda(x):

@@ -1,0 +1,205 @@
+"""The block-FP8 GEMV decode kernel (``_fp8_gemv_kernel`` in hybrid_compile/ops/triton/fp8.py): dense
+calls of a few rows and grouped (MoE experts) calls at decode.
+
+Oracle, independent of the ops' code: the activation rounded to e4m3 per token and group of 128
+channels by torch's own cast (``scale = max(|group|, 1e-10) / 448``), the weight dequantized block
+by block, an fp64 matmul. On CPU the launchers run under Triton's interpreter on tiny shapes; the
+``gpu`` tests run the registered CUDA ops at Qwen3-Next-80B-A3B's shapes, under opcheck and in a
+CUDA graph with programmatic dependent launches.
+"""
+
+import pytest
+import torch
+
+import hybrid_compile  # noqa: F401
+from hybrid_compile.ops import fp8
+from hybrid_compile.ops.triton import fp8 as tfp8
+from op_testing import opcheck_fp8_inputs
+
+INTERPRETER_ONLY = True
+
+ops = torch.ops.hybrid_compile
+
+
+def _oracle(x, weight, scale_inv, bias=None, counts=None):
+    """fp64 ``dequant(e4m3(x)) @ dequant(weight).T`` (+ bias); ``counts``: rows per expert of a grouped call."""
+    m, k = x.shape
+    g = -(-k // 128)
+    xg = torch.nn.functional.pad(x.float().cpu(), (0, g * 128 - k)).view(m, g, 128)
+    scale = xg.abs().amax(-1).clamp(min=1e-10) / torch.tensor(448.0)
+    xd = ((xg / scale[..., None]).to(torch.float8_e4m3fn).double() * scale[..., None].double()).view(m, -1)[:, :k]
+    w = weight.cpu().double()
+    s = scale_inv.cpu().double().repeat_interleave(128, -2).repeat_interleave(128, -1)[..., : w.shape[-2], :k]
+    wd = w * s
+    if counts is None:
+        y = xd @ wd.t()
+    else:
+        y = torch.cat([xd[sum(counts[:e]): sum(counts[: e + 1])] @ wd[e].t() for e in range(len(counts))])
+    return y + bias.cpu().double() if bias is not None else y
+
+
+def _offsets(counts, dtype=torch.int64):
+    off = torch.zeros(len(counts) + 1, dtype=dtype)
+    off[1:] = torch.tensor(counts).cumsum(0)
+    return off
+
+
+def _weight(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return fp8.quantize_weight_blocks(torch.randn(*shape, generator=g) / shape[-1] ** 0.5)
+
+
+def _close(got, want, dtype=torch.float32):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double().cpu(), want.to(dtype).double(), rtol=tol, atol=tol)
+
+
+def test_dequantized_activation_is_the_references_bytes():
+    """The GEMV's input: the quantize kernel's ``q * scale`` in fp32, bit for bit the reference's."""
+    x = torch.randn(3, 300) * torch.logspace(-3, 2, 300)
+    x[1, 128:256] = 0
+    q, s = fp8.reference_quantize(x)
+    want = fp8._dequantize_groups(q, s)
+    assert torch.equal(tfp8.fp8_dequantized_activation_triton(x[:, :]), want)
+    xs = torch.randn(2, 600)[:, ::2]  # strided
+    q, s = fp8.reference_quantize(xs)
+    assert torch.equal(tfp8.fp8_dequantized_activation_triton(xs), fp8._dequantize_groups(q, s))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_dense_rows_up_to_the_threshold(m):
+    """N = 130 (two weight block rows, the second partial), K = 300 (partial group; the default
+    BLOCK_K does not divide it), bias, a strided activation: the op's CUDA path for ``m`` rows."""
+    n, k = 130, 300
+    q, s = _weight(n, k, seed=m)
+    x = torch.randn(m, k + 6)[:, 3: 3 + k]
+    bias = torch.randn(n)
+    assert tfp8.use_gemv(m)
+    _close(tfp8.fp8_block_linear_triton(x, q, s, bias), _oracle(x, q, s, bias))
+
+
+@pytest.mark.parametrize("config,rows", [((2, 128, 4, 1), None), ((16, 64, 2, 2), 1), ((4, 256, 4, 1), 4)])
+def test_dense_configs_several_steps_and_row_tiles(config, rows):
+    """Several K steps with a partial last one, explicit configs, rows per program below the rows
+    (7 rows: several row tiles, the last partial), bf16 in and out."""
+    n, k = 72, 330
+    q, s = _weight(n, k, seed=1)
+    x = torch.randn(7, k)
+    _close(tfp8.fp8_gemv_triton(x, q, s, config=config, rows_per_program=rows), _oracle(x, q, s))
+    xb = x[:3].to(torch.bfloat16)
+    yb = tfp8.fp8_gemv_triton(xb, q, s, config=config)
+    assert yb.dtype == torch.bfloat16
+    _close(yb, _oracle(xb, q, s), torch.bfloat16)
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 2, 1], [0, 0, 3, 0], [1, 1, 1, 1], [0, 3, 0, 0, 0, 0, 1, 0]])
+def test_grouped_decode(counts):
+    """Empty experts, all rows on one expert (an odd count: a partial row pair), one row each; int32
+    and int64 offsets; one and two rows per program."""
+    e = len(counts)
+    n, k = 40, 200
+    q, s = _weight(e, n, k, seed=e)
+    x = torch.randn(sum(counts), k)
+    want = _oracle(x, q, s, counts=counts)
+    assert tfp8.use_gemv(x.shape[0], e)
+    _close(tfp8.fp8_grouped_linear_triton(x, q, s, _offsets(counts)), want)
+    _close(tfp8.fp8_gemv_triton(x, q, s, expert_offsets=_offsets(counts, torch.int32), config=(8, 64, 4, 1),
+                                rows_per_program=1), want)
+
+
+def test_no_rows_no_channels_and_bad_arguments():
+    q, s = _weight(32, 64)
+    assert tfp8.fp8_gemv_triton(torch.randn(0, 64), q, s).shape == (0, 32)
+    qe, se = _weight(3, 16, 0)
+    bias = torch.randn(16)
+    assert torch.equal(tfp8.fp8_gemv_triton(torch.randn(2, 0), qe[0], se[0], bias), bias.expand(2, 16))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(24, 64, 4, 1))
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(8, 96, 4, 1))
+    with pytest.raises(ValueError, match="rows_per_program"):
+        tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, rows_per_program=5)
+
+
+def test_gemv_config_and_dispatch():
+    for n, k in [(12288, 2048), (2048, 4096), (1024, 2048), (2048, 512), (40, 100)]:
+        for rows in (1, 2, 3, 4):
+            bn, bk, warps, stages = tfp8.fp8_gemv_config(n, k, rows)
+            assert fp8.FP8_BLOCK % bn == 0 and bk & (bk - 1) == 0 and bk < 2 * k
+            assert bn * bk * (4 if rows > 2 else rows) <= 4096  # the accumulators' register budget
+    assert tfp8.fp8_gemv_config(12288, 2048, 1)[:2] == (2, 2048)
+    assert not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
+    assert tfp8.use_gemv(512, 512) and not tfp8.use_gemv(513, 512)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the registered CUDA ops at Qwen3-Next-80B-A3B's shapes
+# --------------------------------------------------------------------------------------------
+
+LINEARS = [(12288, 2048), (2048, 4096), (8192, 2048), (4608, 2048), (1024, 2048), (2048, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LINEARS)
+def test_cuda_gemv_at_model_shapes(n, k):
+    torch.manual_seed(0)
+    q, s = fp8.quantize_weight_blocks(torch.randn(n, k, device="cuda") / k ** 0.5)
+    for m in range(1, tfp8.FP8_DECODE_MAX_ROWS + 1):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        want = fp8.reference_block_linear(x.float(), q, s)
+        torch.testing.assert_close(ops.fp8_block_linear(x, q, s).float(), want, rtol=2e-2, atol=2e-2, msg=f"m={m}")
+        torch.testing.assert_close(tfp8.fp8_gemv_triton(x.float(), q, s), want, rtol=1e-4, atol=1e-4)
+    opcheck_fp8_inputs(ops.fp8_block_linear.default, (torch.randn(2, k, device="cuda", dtype=torch.bfloat16), q, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+@pytest.mark.parametrize("tokens", [1, 4, 40])
+def test_cuda_grouped_gemv_at_expert_shapes(tokens):
+    """512 experts, top-10 distinct: gate_up [512, 1024, 2048] and down [512, 2048, 512]; and all of
+    the rows on one expert."""
+    torch.manual_seed(0)
+    experts, top_k = 512, 10
+    for n, k in ((1024, 2048), (2048, 512)):
+        q, s = fp8.quantize_weight_blocks(torch.randn(experts, n, k, device="cuda") / k ** 0.5)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).flatten()
+        one_expert = torch.zeros(experts, dtype=torch.int64, device="cuda").index_fill_(0, ids[:1], ids.numel())
+        for counts in (torch.bincount(ids, minlength=experts), one_expert):
+            off = torch.zeros(experts + 1, dtype=torch.int64, device="cuda")
+            off[1:] = counts.cumsum(0)
+            x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)
+            assert tfp8.use_gemv(x.shape[0], experts)
+            want = fp8.reference_grouped_linear(x.float(), q, s, off)
+            torch.testing.assert_close(ops.fp8_grouped_linear(x, q, s, off).float(), want, rtol=2e-2, atol=2e-2)
+    assert tfp8.use_gemv(3, 3)  # the opcheck below runs the GEMV path
+    opcheck_fp8_inputs(ops.fp8_grouped_linear.default,
+                       (x[:3], q[:3], s[:3], torch.tensor([0, 2, 2, 3], device="cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.smoke
+def test_cuda_gemv_in_a_cuda_graph():
+    """Dense then grouped GEMV replayed from a CUDA graph (programmatic dependent launches on Hopper),
+    the activation and the routing changed between replays."""
+    torch.manual_seed(0)
+    q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)
+    qe, se = fp8.quantize_weight_blocks(torch.randn(8, 256, 2048, device="cuda") / 45)
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    off = torch.tensor([0, 1, 1, 2, 2, 2, 2, 2, 2], device="cuda")
+
+    def step():
+        return ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn_like(x))
+    off.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 0, 2, 2], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    h = fp8.reference_block_linear(x.float(), q, s).to(torch.bfloat16)
+    want = fp8.reference_grouped_linear(h.float(), qe, se, off)
+    torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)

@@ -280,7 +280,7 @@ def sweep_dense(shapes, rows_list, grid, device, iters) -> list[dict]:
             }
             if m <= max(GEMV_SWEEP_MAX_ROWS, tfp8.FP8_DECODE_MAX_ROWS):
                 cands["gemv"] = (lambda: tfp8.fp8_gemv_triton(x, q, s), want, fp8_bytes,
-                                 tfp8.fp8_gemv_config(n, k, rpp, tfp8._sm_count(x.device)))
+                                 tfp8.fp8_gemv_config(n, k, m))
                 for cfg in _gemv_grid(grid, rpp, k):
                     cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg), want,
                                                  fp8_bytes, cfg)

@@ -66,7 +66,7 @@ def test_dequantized_activation_is_the_references_bytes():
     assert torch.equal(tfp8.fp8_dequantized_activation_triton(xs), fp8._dequantize_groups(q, s))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8])
 def test_dense_rows_up_to_the_threshold(m):
     """N = 130 (two weight block rows, the second partial), K = 300 (partial group; the default
     BLOCK_K does not divide it), bias, a strided activation: the op's CUDA path for ``m`` rows."""
@@ -123,13 +123,14 @@ def test_no_rows_no_channels_and_bad_arguments():
 
 def test_gemv_config_and_dispatch():
     for n, k in [(12288, 2048), (2048, 4096), (1024, 2048), (2048, 512), (40, 100)]:
-        for rows in (1, 2, 3, 4):
+        for rows in range(1, tfp8.FP8_DECODE_MAX_ROWS + 1):
             bn, bk, warps, stages = tfp8.fp8_gemv_config(n, k, rows)
             assert fp8.FP8_BLOCK % bn == 0 and bk & (bk - 1) == 0 and bk < 2 * k
-            assert bn * bk * (4 if rows > 2 else rows) <= 4096  # the accumulators' register budget
-    assert tfp8.fp8_gemv_config(12288, 2048, 1)[:2] == (2, 2048)
-    assert not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
-    assert tfp8.use_gemv(512, 512) and not tfp8.use_gemv(513, 512)
+            assert bn * bk * min(rows, tfp8.FP8_GEMV_MAX_ROWS) <= 16384  # accumulators: 64 a thread at 8 warps
+    assert tfp8.fp8_gemv_config(12288, 2048, 1) == (8, 1024, 4, 2)  # the H100 sweep's one-row tiles
+    assert tfp8.fp8_gemv_config(1024, 2048, 1, grouped=True) == (16, 256, 4, 2)
+    assert tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS) and not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
+    assert tfp8.use_gemv(1024, 512) and not tfp8.use_gemv(1025, 512)
 
 
 # --------------------------------------------------------------------------------------------

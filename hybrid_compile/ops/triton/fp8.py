@@ -4,7 +4,7 @@
   program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values (``DEQUANT``:
   instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
 - ``_fp8_gemv_kernel`` (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped
-  calls of about one row per expert): CUDA cores, no tensor cores, built like ``skinny_mm``
+  calls of at most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average): CUDA cores, no tensor cores, built like ``skinny_mm``
   (:mod:`.linear`), which streams a bf16 weight at the memory bandwidth. Each program owns
   ``BLOCK_N`` output columns (dividing the 128-row weight block, so one block row of scales) and
   up to four rows; per step along ``K`` it loads a ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up
@@ -13,7 +13,7 @@
   ``[BLOCK_N, BLOCK_K]`` fp32 tile per row that is summed over ``K`` once at the end. The tiles are
   shaped ``[BLOCK_N, BLOCK_K / 128, 128]`` so that a thread loads each 128-column block scale once,
   not once per column (ptxas for sm_90a: 4x fewer scale loads, the same ~80 registers). One flat
-  grid, row tiles fastest. Grouped: a program per (row pair of one expert, column tile), the
+  grid, row tiles fastest. Grouped: a program per (row of one expert, column tile), the
   expert found from ``expert_offsets`` in the kernel (:func:`~.common.expert_row_tile`), so it
   streams only that expert's weight; shape-only launch. Programmatic dependent launch: a dense
   program loads its first weight tile before waiting for the quantize kernel.
@@ -60,18 +60,25 @@ __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_
            "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_config", "fp8_gemm_triton",
            "fp8_gemv_config", "fp8_gemv_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton", "use_gemv"]
 
-#: Dense calls of at most this many rows take the GEMV kernel. Its FMAs are CUDA-core work: per e4m3
-#: weight element one conversion plus one FMA per row; an H100 issues about 11 fp32 instructions per
-#: weight byte it can stream (~33 T FMA/s over ~3 TB/s), so at 4 rows (~6 instructions with the
-#: loads) it stays bound by the weight's bytes; from 8 rows on it would not, and the tensor cores take over.
-FP8_DECODE_MAX_ROWS = 4
+#: Dense calls of at most this many rows take the GEMV kernel (CUDA cores: per e4m3 weight element
+#: one conversion plus one FMA per row). H100 sweep (``benchmarks/fp8.py --sweep``, 2026-11-27): at the
+#: Qwen3-Next-80B shapes the GEMV beats the tensor-core path up to 8 rows (1.0-1.5x at 8 rows, two
+#: row tiles of 4) and loses at 16 (the tensor cores 1.26x ahead on the geometric mean).
+FP8_DECODE_MAX_ROWS = 8
 #: Most rows one GEMV program takes (its accumulators are written out one per row).
 FP8_GEMV_MAX_ROWS = 4
-#: Grouped (experts) calls take the GEMV kernel up to this many rows per expert on average.
-FP8_GROUPED_DECODE_ROWS_PER_EXPERT = 1
-#: Rows of one expert per GEMV program when grouped (a pair: at decode most hit experts get one or
-#: two rows; an expert with more is streamed once per pair).
-FP8_GROUPED_GEMV_ROWS = 2
+#: Grouped (experts) calls take the GEMV kernel up to this many rows per expert on average: in the
+#: sweep one row per program beat the tensor cores at every decode size up to 64 tokens of top-10
+#: routing over 512 experts (640 rows, 1.25 per expert: gate_up 1.39x, down 1.02x).
+FP8_GROUPED_DECODE_ROWS_PER_EXPERT = 2
+#: Rows of one expert per GEMV program when grouped: one (the sweep: 1.02-1.74x over row pairs, whose
+#: programs wait on a second row that most hit experts do not have); an expert with more rows is
+#: streamed once per row, from L2 when its programs run side by side.
+FP8_GROUPED_GEMV_ROWS = 1
+#: Dense GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) by the call's rows (1, 2, 3-4, 5-8): the H100
+#: sweep's configs with the best geometric mean over the seven dense shapes, each within 2-13 % of
+#: the best config of every shape.
+_DENSE_GEMV_TILES = {1: (8, 1024, 4, 2), 2: (4, 1024, 4, 2), 4: (4, 1024, 8, 2), 8: (2, 512, 4, 2)}
 #: The tensor-core GEMM's decode tiles (16-row tiles, narrow column tiles) up to this many rows.
 DECODE_TILE_MAX_ROWS = 64
 
@@ -417,26 +424,19 @@ def fp8_gemm_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     return _gemm(x, weight, weight_scale_inv, bias, expert_offsets, config, pdl, quant_in_gemm)
 
 
-def fp8_gemv_config(n: int, k: int, rows: int, sms: int = 132, grouped: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight and
-    ``rows`` rows per program.
+def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight.
 
-    Dense: from the shape of ``skinny_mm``'s measured tiles: the fp32 accumulators of a program
-    hold about 4096 elements (32 registers a thread at 4 warps), so ``BLOCK_K`` shrinks as the rows
-    per program grow (2048 / 1024 / 512 at 1 / 2 / 3-4 rows) and short rows give wider column
-    tiles; column tiles narrow (down to 2) until about four programs per SM stream the weight.
-    Grouped: every program first finds its expert (a scan over ``expert_offsets``), so a program
-    streams more of the weight, ``BLOCK_N x K`` in ``BLOCK_K`` 256 steps (the same accumulator budget:
-    ``BLOCK_N`` 8 for a row pair; ptxas: ~80 registers a thread, no spills).
+    Dense: ``rows`` = the call's rows, tiles from :data:`_DENSE_GEMV_TILES` (``BLOCK_K`` capped at the
+    row length). Grouped: ``rows`` = rows per program; every program first finds its expert (a scan
+    over ``expert_offsets``), so a program streams a ``BLOCK_N x K`` slab in ``BLOCK_K`` 256 steps
+    with about 4096 fp32 accumulators (``BLOCK_N`` 16 at one row: the sweep's best at every size).
     ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
     if grouped:
         block_k = min(256, pow2(k, 16))
         return max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows)))), block_k, 4, 2
-    block_k = min(2048 // pow2(rows), pow2(k, 16))
-    block_n = max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows))))
-    while block_n > 2 and _cdiv(n, block_n) < 4 * sms:
-        block_n //= 2
-    return block_n, block_k, 4, 2
+    block_n, block_k, warps, stages = _DENSE_GEMV_TILES[pow2(min(max(rows, 1), FP8_DECODE_MAX_ROWS))]
+    return block_n, min(block_k, pow2(k, 16)), warps, stages
 
 
 def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,
@@ -445,8 +445,8 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
 
     The activation is quantized once (:func:`fp8_dequantized_activation_triton`); each program
     streams a ``[BLOCK_N, K]`` slab of the weight (of its expert, when grouped) for
-    ``rows_per_program`` rows (default: all ``M <= 4`` rows of a dense call, a row pair of one
-    expert when grouped). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides
+    ``rows_per_program`` rows (default: up to 4 rows of a dense call, one row of an expert when
+    grouped). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides
     :func:`fp8_gemv_config`. Dense calls of more rows than a program takes launch several row
     tiles (each re-reads the weight, from L2 when the tiles run side by side)."""
     grouped = expert_offsets is not None
@@ -459,7 +459,7 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     y = _empty_product(x, n, bias)
     if y is not None:
         return y
-    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows, _sm_count(x.device), grouped)
+    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows if grouped else m, grouped)
     if FP8_BLOCK % block_n or block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"fp8 GEMV: BLOCK_N={block_n} must divide the weight block {FP8_BLOCK} and BLOCK_K="
                          f"{block_k} be a power of two >= 16")

@@ -673,14 +673,14 @@ def parse_args(argv=None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if not (args.shared_prefix or args.pressure or args.chat):
-        p.error("nothing to run: --no-shared-prefix and --no-pressure without --chat")
+    if not (args.shared_prefix or args.pressure or args.chat or args.elastic):
+        p.error("nothing to run: --no-shared-prefix and --no-pressure without --chat or --elastic")
     if args.profile and not args.shared_prefix:
         p.error("--profile traces the shared-prefix phase: drop --no-shared-prefix")
     if args.max_running_requests is None:  # the largest wave of the phases run
         args.max_running_requests = max(
             ([args.groups * (args.prompts_per_group - 1), args.groups] if args.shared_prefix else [])
-            + ([args.pressure_wave] if args.pressure else []) + ([args.chat_wave] if args.chat else []))
+            + ([args.pressure_wave] if args.pressure else []) + ([args.chat_wave] if args.chat else []), default=1)
     return args
 
 
@@ -713,11 +713,12 @@ def main(argv=None) -> dict:
         "model": "qwen3_next_reference" + ("_tiny" if args.tiny else ""),
     }
     per_system = {}
-    for system in args.systems:
+    for system in args.systems if phases else []:  # (--elastic alone: only the flip below)
         per_system[system] = run_system(model, system, args, vocab)
     run["engines"] = {s: {k: v for k, v in r.items() if k.endswith("_s")} for s, r in per_system.items()}
     run["shared_prefix"], run["pressure"] = main_results(per_system)
-    run["capacity"], run["pressure_capacity"] = engine_capacity(args, vocab), workloads(args, vocab)[3]
+    if phases:
+        run["capacity"], run["pressure_capacity"] = engine_capacity(args, vocab), workloads(args, vocab)[3]
     if run["shared_prefix"]:
         print("shared-prefix workload (mean TTFT = queue wait + prefill):")
     for s, r in run["shared_prefix"].items():

@@ -534,7 +534,8 @@ def flip_workload(args, vocab: int):
 
 
 def run_elastic_comparison(model, args, vocab: int) -> dict:
-    """The flip workload with the fixed split and with elastic pools (same outputs asserted)."""
+    """The flip workload with the fixed split and with elastic pools (same outputs asserted in fp32 on
+    the CPU, compared and reported on a GPU)."""
     phases, kw = flip_workload(args, vocab)
     if args.eager:
         kw["compile"] = False
@@ -553,8 +554,13 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
         print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
               f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
               f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba", flush=True)
-    if outputs["fixed"] != outputs["elastic"]:
-        raise AssertionError("elastic pools changed the greedy outputs of the flip workload")
+    equal = [a == b for a, b in zip(sum(outputs["fixed"], []), sum(outputs["elastic"], []))]
+    out["outputs_equal"], out["requests_equal"] = all(equal), f"{sum(equal)}/{len(equal)}"
+    if not all(equal):
+        if args.tiny:  # fp32 on the CPU: the split never changes a token
+            raise AssertionError("elastic pools changed the greedy outputs of the flip workload")
+        print(f"  WARNING: {len(equal) - sum(equal)} of {len(equal)} greedy outputs differ between the splits (other "
+              f"batch compositions round differently in bf16 and near-ties flip on a GPU)", flush=True)
     out["settings"] = kw
     return out
 

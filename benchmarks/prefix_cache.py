@@ -535,25 +535,47 @@ def flip_workload(args, vocab: int):
 
 def run_elastic_comparison(model, args, vocab: int) -> dict:
     """The flip workload with the fixed split and with elastic pools (same outputs asserted in fp32 on
-    the CPU, compared and reported on a GPU)."""
+    the CPU, compared and reported on a GPU), then with the other fixed splits of the same bytes
+    (``fixed_splits``: Mamba slots moved to KV up to the fewest the chats need), so that elastic pools
+    are compared with every fixed split, not only with the start-up one."""
     phases, kw = flip_workload(args, vocab)
     if args.eager:
         kw["compile"] = False
     out, outputs = {}, {}
-    for name, elastic in (("fixed", False), ("elastic", True)):
-        engine = hc.wrap(model, elastic_pools=elastic, **kw)
+
+    def run(name: str, elastic: bool, **sizes) -> dict:
+        engine = hc.wrap(model, elastic_pools=elastic, **{**kw, **sizes})
         try:
             t0 = time.perf_counter()
             outputs[name] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
             st = engine.stats()
-            out[name] = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
-                         "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"]}
+            bytes_per = (engine.pools.kv.bytes_per_token, engine.pools.mamba.bytes_per_slot)
+            r = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
+                 "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"]}
         finally:
             engine.close()
-        r = out[name]
         print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
               f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
               f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba", flush=True)
+        return r, bytes_per
+
+    out["fixed"], (per_token, per_slot) = run("fixed", False)
+    out["elastic"], _ = run("elastic", True)
+    # the same bytes split otherwise: Mamba slots traded for KV tokens, down to the running chats + 2
+    # and below (fewer chats at once: a pool must hold a slot per running request and two spare)
+    budget = kw["max_total_tokens"] * per_token + kw["mamba_cache_size"] * per_slot
+    fewest = kw["max_running_requests"] + 2
+    out["fixed_splits"] = []
+    for slots in sorted({(kw["mamba_cache_size"] + fewest) // 2, fewest, max(3, fewest // 2)}, reverse=True):
+        if slots >= kw["mamba_cache_size"]:
+            continue
+        running = min(kw["max_running_requests"], slots - 2)
+        r, _ = run(f"fixed/{slots}", False, mamba_cache_size=slots, max_running_requests=running,
+                   max_total_tokens=(budget - slots * per_slot) // per_token)
+        out["fixed_splits"].append(dict(r, mamba_slots=slots, max_running_requests=running))
+    fixed_all = [out["fixed"]] + out["fixed_splits"]
+    out["fewest_fixed_retractions"] = min(r["retractions"] for r in fixed_all)
+    out["fastest_fixed_seconds"] = min(r["seconds"] for r in fixed_all)
     equal = [a == b for a, b in zip(sum(outputs["fixed"], []), sum(outputs["elastic"], []))]
     out["outputs_equal"], out["requests_equal"] = all(equal), f"{sum(equal)}/{len(equal)}"
     if not all(equal):

@@ -187,7 +187,8 @@ def test_elastic_pools_refusals_name_the_option():
 
 def test_benchmark_elastic_tiny_run(tmp_path):
     """``benchmarks/prefix_cache.py --tiny --elastic``: the flip workload with the fixed split and
-    with elastic pools (same outputs, checked by the script), fewer retractions with elastic."""
+    with elastic pools (same outputs, checked by the script), fewer retractions with elastic, and the
+    other fixed splits of the same bytes none better than elastic."""
     import importlib.util
     import json
     import pathlib
@@ -207,6 +208,10 @@ def test_benchmark_elastic_tiny_run(tmp_path):
     r = json.loads(out.read_text())["elastic"]
     assert r["fixed"]["retractions"] > r["elastic"]["retractions"], r
     assert r["elastic"]["moves"]["to_kv"] > 0 and r["fixed"]["moves"]["to_kv"] == 0
+    # the other fixed splits of the same bytes: none beats elastic pools in retractions or steps
+    assert len(r["fixed_splits"]) == 3 and all(f["moves"]["to_kv"] == 0 for f in r["fixed_splits"]), r
+    assert r["elastic"]["retractions"] <= r["fewest_fixed_retractions"]
+    assert r["elastic"]["steps"] <= min(f["steps"] for f in [r["fixed"]] + r["fixed_splits"])
 
 
 @pytest.mark.gpu

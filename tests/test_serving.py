@@ -76,9 +76,10 @@ def _post_raw(url: str, data: bytes) -> tuple[int, dict]:
 
 
 class LiveServer:
-    """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe)."""
+    """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe);
+    ``engine_process``: with ``--engine-process`` (the engine steps in a child process)."""
 
-    def __init__(self, ckpt: str, log: pathlib.Path) -> None:
+    def __init__(self, ckpt: str, log: pathlib.Path, engine_process: bool = False) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
@@ -88,7 +89,8 @@ class LiveServer:
             [sys.executable, "-m", "hybrid_compile", "serve", "--model", ckpt, "--served-model-name", NAME,
              "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
-             "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log"],
+             "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log",
+             *(["--engine-process"] if engine_process else [])],
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
         )
         self.health_codes: list[int] = []
@@ -108,6 +110,17 @@ class LiveServer:
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
 
+    def children(self) -> dict[int, str]:
+        """The server's child processes (Linux /proc): pid -> command line."""
+        pids = set()
+        for task in pathlib.Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids |= {int(p) for p in (task / "children").read_text().split()}
+        return {pid: _cmdline(pid) for pid in pids}
+
+    def engine_pid(self) -> int:
+        (pid,) = [pid for pid, cmd in self.children().items() if "spawn_main" in cmd]
+        return pid
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -118,14 +131,46 @@ class LiveServer:
         self._log_file.close()
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    live = LiveServer(ckpt, tmp_path_factory.mktemp("serving_log") / "server.log")
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # exited meanwhile
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def assert_no_process_left(pids, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, {p: _cmdline(p) for p in pids if _alive(p)}
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, ckpt, tmp_path_factory):
+    """The live server with its engine on a driver thread, then (``--engine-process``) in a child
+    process: every test taking it runs in both modes. After a stop, no process of it is left."""
+    live = LiveServer(ckpt, tmp_path_factory.mktemp("serving_log") / "server.log", request.param == "process")
+    children = {}
     try:
         live.wait_ready()
+        children = live.children()
+        if request.param == "process":
+            assert any("spawn_main" in cmd for cmd in children.values()), children
         yield live
     finally:
         live.stop()
+    assert live.proc.returncode in (0, -15), live.log.read_text()  # (uvicorn re-raises SIGTERM once shut down)
+    assert "Traceback" not in live.log.read_text(), live.log.read_text()
+    assert_no_process_left(children)
 
 
 def _client(server, cls=None):

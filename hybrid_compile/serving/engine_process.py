@@ -204,6 +204,7 @@ class _EngineLoop:
     def __init__(self, engine: HybridEngine, commands: Any, conn: Any) -> None:
         self.commands, self.conn = commands, conn
         self.observations: list[tuple] = []
+        self.replies: list[bytes] = []  # calls' results, sent after the iteration's updates
         self.driver = _Driver(engine, lambda *m: self.observations.append(m))
         self.streams: dict[int, _Stream] = {}  # key -> stream in flight
         self.received: collections.deque = collections.deque()  # raw commands taken while waiting
@@ -218,14 +219,23 @@ class _EngineLoop:
                 items.append((stream.key, _picklable(item) if isinstance(item, BaseException) else item))
                 if stream.done:
                     self.streams.pop(stream.key, None)
-            if items or self.observations:
-                self.conn.send(("step", items, self.observations))
-                self.observations = []
+            self._flush(items)
             if not running:
                 return
 
+    def _flush(self, items: list) -> None:
+        """Send an iteration's updates and observations (one message), then its calls' results:
+        a caller's stats already count what the iteration did (an abort, say)."""
+        if items or self.observations:
+            self.conn.send(("step", items, self.observations))
+            self.observations = []
+        for data in self.replies:
+            self.conn.send_bytes(data)
+        self.replies.clear()
+
     def _wait(self) -> None:
         """Nothing in flight: block until a command comes (or the parent is gone: close)."""
+        self._flush([])  # the results of this iteration's calls must not wait for the next command
         while True:
             try:
                 self.received.append(self.commands.get(timeout=_PARENT_CHECK_SECONDS))
@@ -273,7 +283,7 @@ class _EngineLoop:
             data = pickle.dumps(("result", key, result, None if error is None else _picklable(error)))
         except Exception as e:  # noqa: BLE001 -- a result that cannot travel: its caller gets why
             data = pickle.dumps(("result", key, None, EngineStepError(f"the call's result cannot be pickled: {e}")))
-        self.conn.send_bytes(data)
+        self.replies.append(data)
 
 
 def _picklable(e: BaseException) -> BaseException:

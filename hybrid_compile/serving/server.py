@@ -487,8 +487,8 @@ async def _cancel_on_disconnect(request: Request, coro) -> Any:
     finally:
         watcher.cancel()
         if not work.done():
-            work.cancel()
-    if work.cancelled():
+            work.cancel()  # (it ends at its next await: not done yet)
+    if not work.done() or work.cancelled():
         return None
     return work.result()
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402 (after the skips above)
 
 import hybrid_compile as hc
+from hybrid_compile.serving.async_engine import EngineClosedError, EngineStepError
 from checkout_env import checkout_env
 from checkpoints import hf_text, load_hf, save_checkpoint
 from engine_models import single_threaded
@@ -462,10 +466,11 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
     wait_idle_and_pools_full(server)
 
 
-def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["thread", "process"])
+def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path, mode):
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
-         "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
+         "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress", *mode],
         env=checkout_env(),
         cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
     )
@@ -625,6 +630,101 @@ def test_async_engine_concurrent_streams_and_early_stop(ckpt):
     engine.pools.check_all_free()
     engine.close()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine in its own process: what only that mode has
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail_forward(call_number: int, engine) -> None:
+    """(runs in the engine process, through ``call``) the engine's ``call_number``-th forward from
+    now raises."""
+    real_forward, calls = engine.runner.forward, {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call_number:
+            raise RuntimeError("injected step failure")
+        return real_forward(*args, **kwargs)
+
+    engine.runner.forward = failing_forward
+
+
+def _pools_free_after_clearing_the_cache(engine) -> bool:
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    return not engine.has_unfinished()
+
+
+def test_engine_process_api_streams_a_failed_step_and_shutdown(ckpt):
+    async_engine = hc.AsyncEngine.from_pretrained(ckpt, engine_process=True, **SMALL)
+    pid = async_engine.process.pid
+    tok = async_engine.tokenizer  # the child's tokenizer, in this process
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    params = hc.SamplingParams(max_new_tokens=NEW, eos_token_ids=(tok.eos_token_id,))
+
+    async def stop_early(ids):
+        async for out in async_engine.generate_stream(ids, hc.SamplingParams(max_new_tokens=200, ignore_eos=True)):
+            if out.num_generated >= 2:
+                return out.num_generated  # the consumer stops: the child aborts the request at its next step
+
+    async def run():
+        first = await asyncio.gather(stop_early(prompts[0]), *(async_engine.generate(p, params) for p in prompts))
+        pair = await async_engine.generate(prompts[1], dataclasses.replace(params, n=2))
+        # a failing step: its request's stream raises, the engine keeps serving
+        await async_engine.call(functools.partial(_fail_forward, 2))
+        with pytest.raises(EngineStepError, match="injected step failure"):
+            await async_engine.generate(prompts[2], params)
+        again = await async_engine.generate(prompts[2], params)
+        with pytest.raises(Exception, match="pickle"):  # what cannot travel to the child raises here
+            await async_engine.call(lambda engine: 0)
+        stats = await async_engine.stats()
+        return first, pair, again, stats, await async_engine.call(_pools_free_after_clearing_the_cache)
+
+    try:
+        with pytest.raises(ValueError, match="vocabulary"):  # checked in this process, by the front
+            async_engine.generate_stream([1, 10_000_000], params)
+        first, pair, again, stats, free = asyncio.run(run())
+        for ids, tokens in zip(prompts, first[1:]):
+            assert tokens == [hf_ids(ckpt, ids, NEW)]
+        assert pair == [first[2][0], first[2][0]] and again == first[3]
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests_aborted"] >= 2 and free
+        assert stats["generated_tokens"] < 5 * NEW + 2 * NEW + 20  # the early stop ended far before 200
+    finally:
+        async_engine.shutdown()
+    assert async_engine.process.exitcode == 0 and not _alive(pid)
+
+    async def after_shutdown():
+        async for _ in async_engine.generate_stream(prompts[0], params):
+            pass
+
+    with pytest.raises(EngineClosedError):
+        asyncio.run(after_shutdown())
+
+
+def test_engine_process_killed_fails_streams_and_health_then_the_server_stops_clean(ckpt, tmp_path):
+    live = LiveServer(ckpt, tmp_path / "server.log", engine_process=True)
+    try:
+        live.wait_ready()
+        assert 503 in live.health_codes  # the server listened while the child loaded
+        children = live.children()
+        client = _client(live)
+        stream = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="exited unexpectedly"):
+            for got, _ in enumerate(stream):
+                if got == 2:
+                    os.kill(live.engine_pid(), signal.SIGKILL)
+        code, body = _get(live.base + "/health")
+        assert code == 500 and "exited unexpectedly" in json.loads(body)["error"]["message"]
+        with pytest.raises(openai.InternalServerError, match="exited unexpectedly"):
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+        assert _get(live.base + "/metrics")[0] == 200  # the server's own metrics still answer
+    finally:
+        live.stop()
+    assert live.proc.returncode in (0, -15), live.log.read_text()
+    assert_no_process_left(children)
 
 
 def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix():

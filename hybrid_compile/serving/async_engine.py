@@ -326,11 +326,11 @@ class AsyncEngine(AsyncEngineBase):
         driver thread of this process, or with ``engine_process=True`` in a child process (spawned;
         it loads the model with the same options and steps, this process keeps the tokenizer and
         checks requests: see serving/engine_process.py). Returns once the engine is ready."""
-        from ..loading import from_pretrained
+        from ..loading import from_pretrained  # lazy: a convenience over the loader, which sits above serving
 
         if not engine_process:
             return cls(from_pretrained(path, **options), observer)
-        from .engine_process import ProcessAsyncEngine
+        from .engine_process import ProcessAsyncEngine  # lazy: serving.engine_process builds on this module
 
         return ProcessAsyncEngine(functools.partial(from_pretrained, path, **options), observer)
 

@@ -727,6 +727,20 @@ def test_engine_process_killed_fails_streams_and_health_then_the_server_stops_cl
     assert_no_process_left(children)
 
 
+def test_engine_process_exits_when_its_server_is_killed(ckpt, tmp_path):
+    live = LiveServer(ckpt, tmp_path / "server.log", engine_process=True)
+    try:
+        live.wait_ready()
+        pid = live.engine_pid()
+        client = _client(live)
+        assert client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0).choices[0].text
+        live.proc.kill()  # no shutdown runs: the child finds its parent gone (it idles: within a second or so)
+        live.proc.wait()
+        assert_no_process_left([pid], timeout=10)
+    finally:
+        live.stop()
+
+
 def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix():
     from checkpoints import build_tokenizer
 

@@ -111,6 +111,3 @@ class RequestFront:
 
     def decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.require_tokenizer().decode(list(tokens), skip_special_tokens=skip_special_tokens)
-
-    def without_tokenizer(self) -> "RequestFront":
-        return dataclasses.replace(self, tokenizer=None)

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import signal
 import threading
 from typing import Any, Callable
 
@@ -183,6 +184,9 @@ class ProcessAsyncEngine(AsyncEngineBase):
 def run_engine_process(load: Callable[[], HybridEngine], commands: Any, conn: Any) -> None:
     """The engine process's main: load, report the front, drive the engine until closed (or until
     the parent is gone), close the engine."""
+    # Ctrl-C reaches the whole process group: the server shuts down and closes this process
+    # itself (its streams then end cleanly), so the child must not die of the same SIGINT mid-step
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = load()
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises it

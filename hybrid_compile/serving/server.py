@@ -14,7 +14,8 @@ watcher of the connection does), which aborts the engine requests at the next st
 OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
 500 when an engine step failed under the request (its other requests keep going).
 
-Host cost per token (the event loop shares the GIL with the engine's driver thread): a request's
+Host cost per token (the event loop shares the GIL with the engine's driver thread, unless the
+engine runs in its own process: ``serve --engine-process``, :mod:`.engine_process`): a request's
 handler wakes once per hand-off of the driver (not per token), takes every update that came
 meanwhile (:meth:`AsyncEngine.generate_batches`: when it fell behind, one update carries several
 tokens), detokenizes each choice's new tokens with one window decode, and writes all the
@@ -592,7 +593,7 @@ class _ChatFormat(_Format):
 # -- hybrid-compile serve ---------------------------------------------------------------------------
 
 
-def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
+def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], host: str, port: int, log_level: str = "info",
         access_log: bool = True, stream_interval: int = 1) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""

@@ -37,6 +37,7 @@ import threading
 from typing import Any, Callable
 
 from ..engine import HybridEngine
+from ..engine.request_front import RequestFront
 from .async_engine import (
     AsyncEngineBase, EngineClosedError, EngineObserver, EngineStepError, _Call, _Driver, _settle, _Stream,
     set_engine_device,
@@ -84,7 +85,7 @@ class ProcessAsyncEngine(AsyncEngineBase):
         self._reader.start()
 
     @property
-    def front(self):
+    def front(self) -> RequestFront:
         return self._front
 
     def shutdown(self, close_engine: bool = False) -> None:

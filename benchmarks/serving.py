@@ -18,7 +18,9 @@ generates ``--output-len`` tokens greedily with EOS ignored. Each rate uses prom
 
 Modes (``--modes``): ``inprocess`` drives :class:`hybrid_compile.AsyncEngine` directly in this
 process; ``http`` starts ``python -m hybrid_compile serve`` on 127.0.0.1 with the same engine
-options and streams ``/v1/completions`` with the ``openai`` client. Per rate: request and output
+options and streams ``/v1/completions`` with the ``openai`` client; ``http-process``
+(``--engine-process`` adds it) does the same with ``serve --engine-process`` (the engine steps in
+a child process of the server), so that both server modes meet the same load in one run. Per rate: request and output
 token throughput over the run (first arrival to last finish), TTFT (send to first token),
 inter-token latency (gaps between a request's token updates) and end-to-end latency, each p50 /
 p90 / p99 / mean; in ``http`` also the server's own mean TTFT (its ``/metrics`` histogram, scraped
@@ -132,8 +134,10 @@ def cpu_seconds(pid: int) -> dict | None:
         return None
 
 
-def with_host_cost(result: dict, before: dict | None, after: dict | None) -> dict:
-    """Add the serving process's CPU time over a run (and per output token) to its summary."""
+def with_host_cost(result: dict, before: dict | None, after: dict | None,
+                   engine_before: dict | None = None, engine_after: dict | None = None) -> dict:
+    """Add the serving process's CPU time over a run (and per output token) to its summary; with
+    the engine in its own process (``http-process``) also that process's."""
     if before is None or after is None:
         return result
     main, total = after["main_thread"] - before["main_thread"], after["process"] - before["process"]
@@ -141,7 +145,24 @@ def with_host_cost(result: dict, before: dict | None, after: dict | None) -> dic
     result["host_cpu_s"] = {"event_loop": main, "other_threads": total - main,
                             "event_loop_us_per_token": 1e6 * main / tokens,
                             "other_threads_us_per_token": 1e6 * (total - main) / tokens}
+    if engine_before is not None and engine_after is not None:
+        engine = engine_after["process"] - engine_before["process"]
+        result["host_cpu_s"].update(engine_process=engine, engine_process_us_per_token=1e6 * engine / tokens)
     return result
+
+
+def engine_process_pid(server_pid: int) -> int | None:
+    """The pid of ``serve --engine-process``'s engine process (the server's spawned child; Linux /proc)."""
+    try:
+        for task in os.listdir(f"/proc/{server_pid}/task"):
+            with open(f"/proc/{server_pid}/task/{task}/children") as f:
+                for pid in map(int, f.read().split()):
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        if b"spawn_main" in c.read():
+                            return pid
+    except OSError:
+        pass
+    return None
 
 
 # -- in-process mode --------------------------------------------------------------------------------
@@ -281,11 +302,17 @@ def server_ttft(base: str) -> tuple[float, float]:
     return total, count
 
 
-def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
-    server = Server(model_dir, cli_options(args, device, dtype), log_path)
+def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_process: bool = False) -> dict:
+    """``http`` (the engine on the server's driver thread) or, with ``engine_process``,
+    ``http-process`` (``serve --engine-process``): the same rates, prompts and client processes."""
+    mode = "http-process" if engine_process else "http"
+    server = Server(model_dir, cli_options(args, device, dtype) + ["--engine-process"] * engine_process, log_path)
     results = {}
     try:
         server.wait_ready(args.server_timeout)
+        engine_pid = engine_process_pid(server.proc.pid) if engine_process else None
+        if engine_process and engine_pid is None:
+            raise RuntimeError("serve --engine-process: no engine process found under the server")
         with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout) as clients:
             warm = make_prompts(args, vocab, seed=999)[: min(4 * args.client_processes, args.num_requests)]
             clients.run(warm, [0.0] * len(warm), 4)
@@ -293,15 +320,17 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path) -> dict:
                 prompts = make_prompts(args, vocab, seed=args.seed + i)
                 offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
                 before, ttft_before = cpu_seconds(server.proc.pid), server_ttft(server.base)
+                engine_before = cpu_seconds(engine_pid) if engine_pid else None
                 result = clients.run(prompts, offsets, args.output_len)
-                results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid))
+                results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid), engine_before,
+                                                          cpu_seconds(engine_pid) if engine_pid else None)
                 ttft_after = server_ttft(server.base)
                 if ttft_after[1] > ttft_before[1]:  # the server's own view of the mean TTFT, beside the client's
                     result["server_ttft_mean_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
                 if "host_cpu_s" in result:  # the openai clients' own share (every client process's)
                     result["host_cpu_s"]["client_us_per_token"] = (
                         1e6 * result["client_cpu_s"] / max(result["output_tokens"], 1))
-                _print_row("http", rate, results[_rate_key(rate)])
+                _print_row(mode, rate, results[_rate_key(rate)])
     finally:
         server.stop()
     return results
@@ -324,6 +353,8 @@ def _print_row(mode: str, rate: float, r: dict) -> None:
              if "server_ttft_mean_s" in r else "")
           + (f" | CPU us/token: event loop {r['host_cpu_s']['event_loop_us_per_token']:.0f}, "
                                      f"other threads {r['host_cpu_s']['other_threads_us_per_token']:.0f}"
+                                     + (f", engine process {r['host_cpu_s']['engine_process_us_per_token']:.0f}"
+                                        if "engine_process_us_per_token" in r["host_cpu_s"] else "")
                                      + (f", client {r['host_cpu_s']['client_us_per_token']:.0f}"
                                         if "client_us_per_token" in r["host_cpu_s"] else "")
                                      if "host_cpu_s" in r else ""), flush=True)
@@ -332,7 +363,7 @@ def _print_row(mode: str, rate: float, r: dict) -> None:
 def compare(results: dict, rates: list[float], slo: float) -> dict:
     """Per mode: the highest rate with p99 TTFT under the SLO and its throughput; HTTP / in-process
     ratios at every rate both measured."""
-    out = {"ttft_slo_s": slo, "best_rate_under_slo": {}, "http_vs_inprocess": {}}
+    out = {"ttft_slo_s": slo, "best_rate_under_slo": {}, "http_vs_inprocess": {}, "http-process_vs_inprocess": {}}
     for mode, per_rate in results.items():
         ok = [k for k in map(_rate_key, rates) if k in per_rate and per_rate[k]["failed"] == 0
               and per_rate[k]["ttft_s"]["p99"] is not None and per_rate[k]["ttft_s"]["p99"] < slo]
@@ -342,11 +373,13 @@ def compare(results: dict, rates: list[float], slo: float) -> dict:
              "request_throughput": per_rate[best]["request_throughput"], "ttft_p99_s": per_rate[best]["ttft_s"]["p99"]}
             if best else None
         )
-    if "http" in results and "inprocess" in results:
+    for http in ("http", "http-process"):
+        if http not in results or "inprocess" not in results:
+            continue
         for k in map(_rate_key, rates):
-            h, p = results["http"].get(k), results["inprocess"].get(k)
+            h, p = results[http].get(k), results["inprocess"].get(k)
             if h and p and p["output_throughput"]:
-                out["http_vs_inprocess"][k] = {
+                out[f"{http}_vs_inprocess"][k] = {
                     "throughput_ratio": h["output_throughput"] / p["output_throughput"],
                     "throughput_overhead": 1 - h["output_throughput"] / p["output_throughput"],
                     "ttft_p50_added_s": _diff(h["ttft_s"]["p50"], p["ttft_s"]["p50"]),
@@ -417,7 +450,11 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="checkpoint directory with tokenizer; default: the reference model")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "hybrid_compile_bench"),
                    help="where the reference checkpoint is saved once")
-    p.add_argument("--modes", default="inprocess,http", help="comma-separated: inprocess, http")
+    p.add_argument("--modes", default="inprocess,http", help="comma-separated: inprocess, http, http-process "
+                   "(the server with --engine-process)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="also run http-process: the server with its engine in its own process, at the same rates "
+                        "and from the same client processes as http")
     p.add_argument("--rates", default=None, help="comma-separated requests/s; inf = all at once")
     p.add_argument("--num-requests", type=int, default=None, help="requests per rate")
     p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
@@ -465,7 +502,9 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - {"inprocess", "http"})
+    if args.engine_process and "http-process" not in modes:
+        modes.append("http-process")
+    unknown = sorted(set(modes) - {"inprocess", "http", "http-process"})
     if unknown:
         raise SystemExit(f"unknown mode(s): {', '.join(unknown)}")
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -483,6 +522,9 @@ def main(argv=None) -> dict:
     # the server's memory budget
     if "http" in modes:
         results["http"] = run_http(args, model_dir, device, dtype, rates, vocab, os.path.splitext(out)[0] + "_server.log")
+    if "http-process" in modes:
+        results["http-process"] = run_http(args, model_dir, device, dtype, rates, vocab,
+                                           os.path.splitext(out)[0] + "_server_engine_process.log", engine_process=True)
     if "inprocess" in modes:
         results["inprocess"] = run_inprocess(args, model_dir, device, dtype, rates, vocab)
     run = {
@@ -508,9 +550,11 @@ def main(argv=None) -> dict:
                   f"{best['output_throughput']:.1f} output tok/s")
         else:
             print(f"{mode}: no rate kept p99 TTFT under {args.ttft_slo:g} s")
-    for k, c in s["http_vs_inprocess"].items():
-        print(f"rate {k:>5}/s: HTTP throughput = {100 * c['throughput_ratio']:.1f} % of in-process "
-              f"(TTFT p50 +{_ms(c['ttft_p50_added_s']).strip()} ms, ITL p50 +{_ms(c['itl_p50_added_s']).strip()} ms)")
+    for http, name in (("http", "HTTP"), ("http-process", "HTTP, engine process")):
+        for k, c in s[f"{http}_vs_inprocess"].items():
+            print(f"rate {k:>5}/s: {name} throughput = {100 * c['throughput_ratio']:.1f} % of in-process "
+                  f"(TTFT p50 +{_ms(c['ttft_p50_added_s']).strip()} ms, "
+                  f"ITL p50 +{_ms(c['itl_p50_added_s']).strip()} ms)")
     print(f"wrote {out}")
     return run
 

@@ -10,6 +10,7 @@ server of :mod:`hybrid_compile.serving`). Errors the user can fix
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -322,15 +323,29 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_process(load):
+    """``serve --engine-process``: the engine loaded and stepped by a child process (returns once it is ready)."""
+    from .serving.engine_process import ProcessAsyncEngine
+
+    return ProcessAsyncEngine(load)
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .serving.server import run
     except ImportError as e:
         raise ValueError(f"serve needs the serve extra (pip install 'hybrid_compile[serve]'): {e}") from None
 
-    def load():
-        return _load(args, args.tokenizer or "required", max_running_requests=args.max_running_requests,
-                     enable_prefix_cache=args.prefix_cache)
+    options = dict(max_running_requests=args.max_running_requests, enable_prefix_cache=args.prefix_cache)
+    load = functools.partial(_load, args, args.tokenizer or "required", **options)
+    if args.engine_process:
+        if args.tensor_parallel_size != 1:
+            raise ValueError("--engine-process with --tensor-parallel-size: the engine process cannot start the "
+                             "ranks' processes; serve tensor-parallel models without --engine-process")
+        # the same _load call, pickled to the engine process (the parser's func is no part of it)
+        child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+        load = functools.partial(_engine_process, functools.partial(_load, child_args, args.tokenizer or "required",
+                                                                    **options))
 
     from .distributed.group import is_torchrun_follower
 
@@ -522,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "coarser chunks")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in its own process (the server process keeps HTTP, tokenization and "
+                        "detokenization; the engine process steps): neither waits on the other's Python")
     _add_model_options(s, max_running_requests=64)
     s.set_defaults(func=_user_errors(_serve))
     return parser

@@ -140,29 +140,33 @@ def test_sampling_penalties_benchmark_smoke(tmp_path):
 
 
 def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
-    """benchmarks/serving.py --tiny: the in-process AsyncEngine and the HTTP server (a live
-    ``hybrid-compile serve`` on 127.0.0.1, streamed to from 2 client processes whose records are
-    merged) each serve every request of every rate."""
+    """benchmarks/serving.py --tiny --engine-process: the in-process AsyncEngine and the HTTP server
+    (a live ``hybrid-compile serve`` on 127.0.0.1, streamed to from 2 client processes whose records
+    are merged), with its engine on a thread and in its own process, each serve every request of
+    every rate."""
     out = tmp_path / "serving.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--threads", "1", "--rates", "8,inf",
            "--num-requests", "4", "--output-len", "4", "--cache-dir", str(tmp_path / "models"), "--no-plots",
-           "--client-processes", "2", "--out", str(out)]
+           "--client-processes", "2", "--engine-process", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert set(run["results"]) == {"inprocess", "http"}
+    assert set(run["results"]) == {"inprocess", "http", "http-process"}
     for mode, per_rate in run["results"].items():
         assert set(per_rate) == {"8", "inf"}, mode
         for r in per_rate.values():
             assert r["failed"] == 0 and r["requests"] == 4 and r["output_tokens"] == 4 * 4, (mode, r)
             for metric in ("ttft_s", "itl_s", "e2e_s"):
                 assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
-    for r in run["results"]["http"].values():  # both client processes' CPU time counted
+    for r in run["results"]["http-process"].values():  # the engine process's CPU time counted apart
+        assert r["host_cpu_s"]["engine_process"] > 0, r
+    for r in [*run["results"]["http"].values(), *run["results"]["http-process"].values()]:
+        # both client processes' CPU time counted
         assert r["client_cpu_s"] > 0, r
         # the server's view of TTFT lies inside the client's (arrival after the send, first token before its event)
         assert 0 < r["server_ttft_mean_s"] <= r["ttft_s"]["mean"], r
-    assert set(run["summary"]["http_vs_inprocess"]) == {"8", "inf"}
-    assert "HTTP throughput" in proc.stdout
+    assert set(run["summary"]["http_vs_inprocess"]) == set(run["summary"]["http-process_vs_inprocess"]) == {"8", "inf"}
+    assert "HTTP throughput" in proc.stdout and "HTTP, engine process throughput" in proc.stdout
 
 
 def test_radix_eviction_benchmark_smoke(tmp_path):

@@ -273,7 +273,7 @@ def test_no_private_engine_attribute_is_used_outside_engine_py():
                     and not n.name.endswith("__")}
         private |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
                     and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr.startswith("_")}
-    assert {"_emit", "_counters", "_roll_back", "_plan", "_params_for", "_validate_prompt"} <= private
+    assert {"_emit", "_counters", "_roll_back", "_plan", "_params_for", "_run"} <= private
     uses = []
     for module, path in _package_modules().items():
         if path in own:

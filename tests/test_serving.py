@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402 (after the skips above)
 
 import hybrid_compile as hc
+from hybrid_compile.serving.async_engine import EngineClosedError, EngineStepError
 from checkout_env import checkout_env
 from checkpoints import hf_text, load_hf, save_checkpoint
 from engine_models import single_threaded
@@ -76,9 +80,10 @@ def _post_raw(url: str, data: bytes) -> tuple[int, dict]:
 
 
 class LiveServer:
-    """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe)."""
+    """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe);
+    ``engine_process``: with ``--engine-process`` (the engine steps in a child process)."""
 
-    def __init__(self, ckpt: str, log: pathlib.Path) -> None:
+    def __init__(self, ckpt: str, log: pathlib.Path, engine_process: bool = False) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
@@ -88,8 +93,10 @@ class LiveServer:
             [sys.executable, "-m", "hybrid_compile", "serve", "--model", ckpt, "--served-model-name", NAME,
              "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
-             "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log"],
+             "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log",
+             *(["--engine-process"] if engine_process else [])],
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop(ctrl_c=True) signals only the server's processes
         )
         self.health_codes: list[int] = []
 
@@ -108,8 +115,23 @@ class LiveServer:
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
 
-    def stop(self) -> None:
-        self.proc.terminate()
+    def children(self) -> dict[int, str]:
+        """The server's child processes (Linux /proc): pid -> command line."""
+        pids = set()
+        for task in pathlib.Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids |= {int(p) for p in (task / "children").read_text().split()}
+        return {pid: _cmdline(pid) for pid in pids}
+
+    def engine_pid(self) -> int:
+        (pid,) = [pid for pid, cmd in self.children().items() if "spawn_main" in cmd]
+        return pid
+
+    def stop(self, ctrl_c: bool = False) -> None:
+        """SIGTERM to the server; ``ctrl_c``: SIGINT to its whole process group, as Ctrl-C in a terminal."""
+        if ctrl_c and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        else:
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -118,14 +140,47 @@ class LiveServer:
         self._log_file.close()
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    live = LiveServer(ckpt, tmp_path_factory.mktemp("serving_log") / "server.log")
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:  # exited meanwhile
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def assert_no_process_left(pids, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, {p: _cmdline(p) for p in pids if _alive(p)}
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, ckpt, tmp_path_factory):
+    """The live server with its engine on a driver thread, then (``--engine-process``) in a child
+    process: every test taking it runs in both modes. After a stop, no process of it is left."""
+    live = LiveServer(ckpt, tmp_path_factory.mktemp("serving_log") / "server.log", request.param == "process")
+    children = {}
     try:
         live.wait_ready()
+        children = live.children()
+        if request.param == "process":
+            assert any("spawn_main" in cmd for cmd in children.values()), children
         yield live
     finally:
-        live.stop()
+        live.stop(ctrl_c=request.param == "process")  # the engine process ignores the group's SIGINT
+    # (uvicorn re-raises SIGTERM / SIGINT once shut down; 130: the exit status after a SIGINT)
+    assert live.proc.returncode in (0, -15, -2, 130), live.log.read_text()
+    assert "Traceback" not in live.log.read_text(), live.log.read_text()
+    assert_no_process_left(children)
 
 
 def _client(server, cls=None):
@@ -417,10 +472,11 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
     wait_idle_and_pools_full(server)
 
 
-def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["thread", "process"])
+def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path, mode):
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),
-         "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress"],
+         "--port", str(free_port()), "--device", "cpu", "--log-level", "warning", "--no-progress", *mode],
         env=checkout_env(),
         cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT,
     )
@@ -580,6 +636,115 @@ def test_async_engine_concurrent_streams_and_early_stop(ckpt):
     engine.pools.check_all_free()
     engine.close()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine in its own process: what only that mode has
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail_forward(call_number: int, engine) -> None:
+    """(runs in the engine process, through ``call``) the engine's ``call_number``-th forward from
+    now raises."""
+    real_forward, calls = engine.runner.forward, {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call_number:
+            raise RuntimeError("injected step failure")
+        return real_forward(*args, **kwargs)
+
+    engine.runner.forward = failing_forward
+
+
+def _pools_free_after_clearing_the_cache(engine) -> bool:
+    engine.clear_prefix_cache()
+    engine.pools.check_all_free()
+    return not engine.has_unfinished()
+
+
+def test_engine_process_api_streams_a_failed_step_and_shutdown(ckpt):
+    async_engine = hc.AsyncEngine.from_pretrained(ckpt, engine_process=True, **SMALL)
+    pid = async_engine.process.pid
+    tok = async_engine.tokenizer  # the child's tokenizer, in this process
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    params = hc.SamplingParams(max_new_tokens=NEW, eos_token_ids=(tok.eos_token_id,))
+
+    async def stop_early(ids):
+        async for out in async_engine.generate_stream(ids, hc.SamplingParams(max_new_tokens=200, ignore_eos=True)):
+            if out.num_generated >= 2:
+                return out.num_generated  # the consumer stops: the child aborts the request at its next step
+
+    async def run():
+        first = await asyncio.gather(stop_early(prompts[0]), *(async_engine.generate(p, params) for p in prompts))
+        pair = await async_engine.generate(prompts[1], dataclasses.replace(params, n=2))
+        # a failing step: its request's stream raises, the engine keeps serving
+        await async_engine.call(functools.partial(_fail_forward, 2))
+        with pytest.raises(EngineStepError, match="injected step failure"):
+            await async_engine.generate(prompts[2], params)
+        again = await async_engine.generate(prompts[2], params)
+        with pytest.raises(Exception, match="pickle"):  # what cannot travel to the child raises here
+            await async_engine.call(lambda engine: 0)
+        stats = await async_engine.stats()
+        return first, pair, again, stats, await async_engine.call(_pools_free_after_clearing_the_cache)
+
+    try:
+        with pytest.raises(ValueError, match="vocabulary"):  # checked in this process, by the front
+            async_engine.generate_stream([1, 10_000_000], params)
+        first, pair, again, stats, free = asyncio.run(run())
+        for ids, tokens in zip(prompts, first[1:]):
+            assert tokens == [hf_ids(ckpt, ids, NEW)]
+        assert pair == [first[2][0], first[2][0]] and again == first[3]
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests_aborted"] >= 2 and free
+        assert stats["generated_tokens"] < 5 * NEW + 2 * NEW + 20  # the early stop ended far before 200
+    finally:
+        async_engine.shutdown()
+    assert async_engine.process.exitcode == 0 and not _alive(pid)
+
+    async def after_shutdown():
+        async for _ in async_engine.generate_stream(prompts[0], params):
+            pass
+
+    with pytest.raises(EngineClosedError):
+        asyncio.run(after_shutdown())
+
+
+def test_engine_process_killed_fails_streams_and_health_then_the_server_stops_clean(ckpt, tmp_path):
+    live = LiveServer(ckpt, tmp_path / "server.log", engine_process=True)
+    try:
+        live.wait_ready()
+        assert 503 in live.health_codes  # the server listened while the child loaded
+        children = live.children()
+        client = _client(live)
+        stream = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="exited unexpectedly"):
+            for got, _ in enumerate(stream):
+                if got == 2:
+                    os.kill(live.engine_pid(), signal.SIGKILL)
+        code, body = _get(live.base + "/health")
+        assert code == 500 and "exited unexpectedly" in json.loads(body)["error"]["message"]
+        with pytest.raises(openai.InternalServerError, match="exited unexpectedly"):
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+        assert _get(live.base + "/metrics")[0] == 200  # the server's own metrics still answer
+    finally:
+        live.stop()
+    assert live.proc.returncode in (0, -15), live.log.read_text()
+    assert_no_process_left(children)
+
+
+def test_engine_process_exits_when_its_server_is_killed(ckpt, tmp_path):
+    live = LiveServer(ckpt, tmp_path / "server.log", engine_process=True)
+    try:
+        live.wait_ready()
+        pid = live.engine_pid()
+        client = _client(live)
+        assert client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0).choices[0].text
+        live.proc.kill()  # no shutdown runs: the child finds its parent gone (it idles: within a second or so)
+        live.proc.wait()
+        assert_no_process_left([pid], timeout=10)
+    finally:
+        live.stop()
 
 
 def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix():

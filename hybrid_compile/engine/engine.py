@@ -413,30 +413,11 @@ class HybridEngine(GenerateAPI):
         self.close()
 
     # -- requests ---------------------------------------------------------------------------
-    def _validate_prompt(self, index: int, prompt: list[int], params: SamplingParams) -> None:
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {index} is empty")
-        vocab = self.layout.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
-        # max_context_len never exceeds the KV pool's capacity (see __init__), so this also
-        # rejects a request that could never fit in the pool
-        need = len(prompt) + params.max_new_tokens
-        if need > self.max_context_len:
-            raise ValueError(
-                f"prompt {index} ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"maximum context length {self.max_context_len} (the model's limit, max_context_len, or the KV "
-                "pool's capacity max_total_tokens, whichever is smallest)"
-            )
-
     def validate_request(self, prompt: Iterable[int], params: SamplingParams | None = None) -> None:
         """Raise ValueError for a request :meth:`add_request` would refuse (bad sampling values, an
         empty prompt, token ids outside the vocabulary, prompt + max_new_tokens over the context).
         Reads only the engine's fixed configuration: safe to call from any thread."""
-        params = params or SamplingParams()
-        self._check_params(0, params)
-        self._validate_prompt(0, [int(t) for t in prompt], params)
+        self.front.validate_request(prompt, params)
 
     def request(self, rid: int) -> Request:
         """The request ``rid`` (queued, running, or finished and not yet popped)."""
@@ -453,18 +434,6 @@ class HybridEngine(GenerateAPI):
         first = self._requests[rid]
         return list(range(first.group, first.group + first.params.n))
 
-    def _check_params(self, i: int, p: SamplingParams) -> None:
-        p.validate(self.layout.vocab_size)
-        if p.stop and self.tokenizer is None:
-            raise ValueError(f"prompt {i}: SamplingParams.stop (stop strings) needs a tokenizer: pass tokenizer= to "
-                             "wrap() / from_pretrained() or set engine.tokenizer")
-        basic = not dataclasses.replace(p, do_sample=False).needs_processing and not (
-            p.do_sample and (p.min_p > 0 or p.typical_p < 1 or p.epsilon_cutoff > 0 or p.eta_cutoff > 0))
-        if self.speculative is not None and not basic:
-            raise ValueError(f"prompt {i}: with speculative decoding (EngineConfig.speculative) a request samples "
-                             "with temperature / top_k / top_p only; penalties, logits processors, min_p, min_tokens, "
-                             "logprobs, scores and stop strings need an engine without speculative decoding")
-
     def _stop_criteria(self, p: SamplingParams) -> list[tuple[str, Any]]:
         from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -472,9 +441,10 @@ class HybridEngine(GenerateAPI):
 
     def _add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         # validate everything before queueing anything: bad input loses nothing in flight
+        front = self.front
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self._check_params(i, p)
-            self._validate_prompt(i, prompt, p)
+            front.check_params(i, p)
+            front.check_prompt(i, prompt, p)
         stops = [self._stop_criteria(p) if p.stop else [] for p in params]
         rids = []
         now = time.perf_counter()

@@ -21,6 +21,8 @@ import torch
 
 from . import generation_config as gen_config
 from .request import Request, StepOutput
+from .request_front import RequestFront
+from .request_front import is_messages as _is_messages
 from .sampling import SamplingParams
 
 
@@ -43,11 +45,6 @@ def _refuse_dropped_outputs(plan: gen_config.GeneratePlan, call: str) -> None:
                          "generate() for transformers' GenerateDecoderOnlyOutput (scores, logits)")
 
 
-def _is_messages(prompt: Any) -> bool:
-    """A chat conversation: a non-empty list of message dicts (``{"role": ..., "content": ...}``)."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt)
-
-
 def _is_text(prompt: Any) -> bool:
     return isinstance(prompt, str) or _is_messages(prompt)
 
@@ -55,28 +52,29 @@ def _is_text(prompt: Any) -> bool:
 class GenerateAPI:
     """``generate`` / ``generate_batch`` / ``encode`` / ``decode`` of the engine (module docstring)."""
 
+    @property
+    def front(self) -> RequestFront:
+        """This engine's tokenizer, generation defaults and limits: what planning and checking a
+        request needs (:mod:`.request_front`; a server in another process gets a copy of it)."""
+        return RequestFront(self.tokenizer, getattr(self.model, "generation_config", None), self.layout.vocab_size,
+                            self.layout.max_position_embeddings, self.max_context_len, self.speculative is not None)
+
     def generate_settings(self, generation_config: Any = None, **kwargs) -> gen_config.GeneratePlan:
         """:meth:`generate`'s settings (keywords, ``generation_config``, the model's own generation
         config) merged and checked as transformers does; one it refuses raises ValueError naming it."""
-        return self._plan(generation_config, **kwargs)
+        return self.front.settings(generation_config, **kwargs)
 
     def sampling_params(self, settings: gen_config.GeneratePlan, prompt_len: int) -> SamplingParams:
         """The :class:`SamplingParams` :meth:`generate` gives a prompt of ``prompt_len`` tokens under
         ``settings`` (:meth:`generate_settings`; the tokenizer's EOS when the settings name none)."""
-        return self._params_for(settings, prompt_len)
+        return self.front.sampling_params(settings, prompt_len)
 
     # -- transformers-like API ----------------------------------------------------------------
     def _plan(self, generation_config: Any = None, **kwargs) -> gen_config.GeneratePlan:
-        """generate()'s settings merged and checked as transformers does (engine/generation_config.py)."""
-        return gen_config.resolve(getattr(self.model, "generation_config", None), generation_config, kwargs)
+        return self.front.settings(generation_config, **kwargs)
 
     def _params_for(self, plan: gen_config.GeneratePlan, width: int) -> SamplingParams:
-        params = plan.params(width, self.layout.max_position_embeddings)
-        if not params.eos_token_ids and plan.values.get("eos_token_id") is None \
-                and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            # the generation config names no EOS: the tokenizer's
-            params = dataclasses.replace(params, eos_token_ids=(int(self.tokenizer.eos_token_id),))
-        return params
+        return self.front.sampling_params(plan, width)
 
     def _run(self, rids: list[int], streamer: Any = None, prompt: torch.Tensor | None = None) -> list[Request]:
         """Step until every request of ``rids`` finishes; returns them (popped), in order. A
@@ -110,27 +108,13 @@ class GenerateAPI:
         return [self.pop_finished(rid) for rid in rids]
 
     # -- text -----------------------------------------------------------------------------------
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise ValueError(
-                "text input needs a tokenizer and this engine has none: pass tokenizer= to wrap() or "
-                "from_pretrained(), set engine.tokenizer = AutoTokenizer.from_pretrained(...), or pass token ids"
-            )
-        return self.tokenizer
-
     def encode(self, prompt: str | list[dict]) -> list[int]:
         """A string (tokenized as transformers does, special tokens added) or chat messages (the
         tokenizer's chat template with ``add_generation_prompt=True``) -> token ids."""
-        tok = self._require_tokenizer()
-        if isinstance(prompt, str):
-            return [int(t) for t in tok(prompt)["input_ids"]]
-        if not _is_messages(prompt):
-            raise TypeError(f"expected a string or a list of chat message dicts, got {type(prompt).__name__}")
-        text = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-        return [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+        return self.front.encode(prompt)
 
     def decode(self, tokens: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._require_tokenizer().decode(list(tokens), skip_special_tokens=skip_special_tokens)
+        return self.front.decode(tokens, skip_special_tokens)
 
     @contextlib.contextmanager
     def _call_tokenizer(self, tokenizer: Any):

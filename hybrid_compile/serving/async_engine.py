@@ -1,5 +1,11 @@
 """AsyncEngine: many concurrent token streams over one HybridEngine, for asyncio code.
 
+:class:`AsyncEngineBase` is the event-loop side (streams, hand-off, request checks through the
+engine's :class:`~hybrid_compile.engine.request_front.RequestFront`); :class:`_Driver` is the
+engine's side (commands, steps, per-sequence updates). :class:`AsyncEngine` runs the driver on a
+thread of this process (below); :class:`~.engine_process.ProcessAsyncEngine` runs it in a child
+process and carries the same commands and updates over ``multiprocessing`` pipes.
+
 One driver thread owns the :class:`~hybrid_compile.HybridEngine`: it applies the commands the
 event loop queued (add a request, abort one, run a function on the engine), runs ``step()`` while
 requests are in flight and sleeps on an event while none are. The event loop never waits for a
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -37,6 +44,7 @@ import torch
 
 from ..engine import HybridEngine, SamplingParams
 from ..engine.request import RequestStatus
+from ..engine.request_front import RequestFront
 
 logger = logging.getLogger("hybrid_compile.serving")
 
@@ -90,6 +98,7 @@ class _Stream:
     pending: dict[int, StreamOutput] = field(default_factory=dict)
     error: BaseException | None = None
     waiter: asyncio.Future | None = None
+    key: int = 0  # its id between a server and its engine process (serving/engine_process.py)
 
 
 @dataclass
@@ -122,29 +131,24 @@ class EngineObserver:
         sequence that finished (also when aborted)."""
 
 
-class AsyncEngine:
-    """Asynchronous front of a :class:`~hybrid_compile.HybridEngine`::
+def engine_stats(engine: HybridEngine) -> dict:
+    """``engine.stats()`` (a module-level function: an engine in another process runs it too)."""
+    return engine.stats()
 
-        async_engine = hc.AsyncEngine(hc.from_pretrained(path))
-        async for out in async_engine.generate_stream(prompt_ids, hc.SamplingParams(max_new_tokens=32)):
-            print(out.new_token_ids)
-        async_engine.shutdown()
 
-    Any number of streams may run at once, from any number of tasks (of one or several event
-    loops); the engine batches them continuously. The driver thread starts on first use.
-    """
+class AsyncEngineBase:
+    """The event-loop side of an asynchronous engine, whatever runs the engine (a driver thread:
+    :class:`AsyncEngine`; a child process: :class:`~.engine_process.ProcessAsyncEngine`): the
+    streams, the hand-off of the driver's updates to the event loops, and the request front
+    (tokenizer, generation defaults, limits) that plans and checks requests without the model.
 
-    def __init__(self, engine: HybridEngine, observer: EngineObserver | None = None) -> None:
-        self.engine = engine
+    A subclass implements :attr:`front`, :meth:`_submit` (add / abort / call / close commands to
+    its driver) and :meth:`shutdown`; its driver hands every iteration's updates to :meth:`_post`."""
+
+    failure: str | None = None  # why the engine ended unasked (an engine process that died), else None
+
+    def __init__(self, observer: EngineObserver | None = None) -> None:
         self.observer = observer or EngineObserver()
-        self._commands: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._seqs: dict[int, _Seq] = {}  # engine rid -> its sequence (driver thread only)
-        self._failed_last_step = False
-        self.num_step_errors = 0
         # driver -> event loops: the updates not delivered yet, per loop, and the loops with a
         # wake-up (call_soon_threadsafe) pending
         self._inbox: dict[asyncio.AbstractEventLoop, list] = {}
@@ -155,18 +159,23 @@ class AsyncEngine:
 
     # -- public API -------------------------------------------------------------------------------
     @property
+    def front(self) -> RequestFront:
+        """The engine's tokenizer, generation defaults and limits (engine/request_front.py)."""
+        raise NotImplementedError
+
+    @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.front.tokenizer
 
     @property
     def max_context_len(self) -> int:
-        return self.engine.max_context_len
+        return self.front.max_context_len
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine would refuse (empty prompt, token ids outside
         the vocabulary, prompt + max_new_tokens over the context, bad sampling values). Reads only
         the engine's fixed configuration: safe from any thread."""
-        self.engine.validate_request(prompt, params)
+        self.front.validate_request(prompt, params)
 
     def generate_stream(self, prompt: Iterable[int], params: SamplingParams | None = None) -> AsyncIterator[StreamOutput]:
         """Queue one prompt (token ids) and return an async iterator over its updates; it ends after
@@ -195,8 +204,9 @@ class AsyncEngine:
         return tokens
 
     async def call(self, fn: Callable[[HybridEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the driver thread between two steps and return its result (how to
-        read ``engine.stats()`` or anything else of the engine while streams run)."""
+        """Run ``fn(engine)`` on the driver between two steps and return its result (how to read
+        ``engine.stats()`` or anything else of the engine while streams run). With the engine in
+        another process ``fn`` and its result travel by pickle (a module-level function)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._submit(("call", _Call(fn, loop, future)))
@@ -204,18 +214,13 @@ class AsyncEngine:
 
     async def stats(self) -> dict:
         """``engine.stats()``, taken between two steps."""
-        return await self.call(lambda engine: engine.stats())
+        return await self.call(engine_stats)
 
     def shutdown(self, close_engine: bool = False) -> None:
-        """Stop the driver thread after its current step; streams still in flight raise
-        :class:`EngineClosedError`. ``close_engine`` also closes the engine (unpatches the model)."""
-        self._submit(("close", None))
-        with self._lock:
-            self._closed = True  # (also when the driver thread never started)
-        if self._thread is not None:
-            self._thread.join()
-        if close_engine:
-            self.engine.close()
+        raise NotImplementedError
+
+    def _submit(self, command: tuple) -> None:
+        raise NotImplementedError
 
     # -- event-loop side ---------------------------------------------------------------------------
     async def _stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[list[StreamOutput]]:
@@ -246,58 +251,213 @@ class AsyncEngine:
             if not finished:
                 self._submit(("abort", stream))
 
+    def _post(self, outbox: list) -> None:
+        """Hand a driver iteration's updates ``(stream, StreamOutput or exception)`` to their event
+        loops: appended to each loop's inbox, and the loop woken only if no wake-up of it is
+        pending (the pending one will take these too)."""
+        if not outbox:
+            return
+        self.num_posts += 1
+        wake = []
+        with self._inbox_lock:
+            for item in outbox:
+                loop = item[0].loop
+                self._inbox.setdefault(loop, []).append(item)
+                if loop not in self._wake_pending:
+                    self._wake_pending.add(loop)
+                    wake.append(loop)
+        outbox.clear()
+        for loop in wake:
+            self.num_handoffs += 1
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                with self._inbox_lock:
+                    self._inbox.pop(loop, None)
+                    self._wake_pending.discard(loop)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(event loop) Everything the driver posted for this loop into its streams: a sequence's
+        updates not taken yet are merged into one; an error ends its stream."""
+        with self._inbox_lock:
+            items = self._inbox.pop(loop, [])
+            self._wake_pending.discard(loop)
+        for stream, item in items:
+            if isinstance(item, BaseException):
+                stream.error = item
+            else:
+                held = stream.pending.get(item.index)
+                if held is None:
+                    stream.pending[item.index] = item
+                else:
+                    _merge(held, item)
+            if stream.waiter is not None and not stream.waiter.done():
+                stream.waiter.set_result(None)
+
+
+class AsyncEngine(AsyncEngineBase):
+    """Asynchronous front of a :class:`~hybrid_compile.HybridEngine`::
+
+        async_engine = hc.AsyncEngine(hc.from_pretrained(path))
+        async for out in async_engine.generate_stream(prompt_ids, hc.SamplingParams(max_new_tokens=32)):
+            print(out.new_token_ids)
+        async_engine.shutdown()
+
+    Any number of streams may run at once, from any number of tasks (of one or several event
+    loops); the engine batches them continuously. The driver thread starts on first use.
+    :meth:`from_pretrained` with ``engine_process=True`` runs the engine in a child process instead
+    (:class:`~.engine_process.ProcessAsyncEngine`, the same API).
+    """
+
+    def __init__(self, engine: HybridEngine, observer: EngineObserver | None = None) -> None:
+        super().__init__(observer)
+        self.engine = engine
+        self._commands: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._driver = _Driver(engine, lambda *m: self.observer.observe_step(*m))
+
+    @classmethod
+    def from_pretrained(cls, path: str, engine_process: bool = False, observer: EngineObserver | None = None,
+                        **options) -> AsyncEngineBase:
+        """``hc.from_pretrained(path, **options)`` behind an asynchronous engine: its step loop on a
+        driver thread of this process, or with ``engine_process=True`` in a child process (spawned;
+        it loads the model with the same options and steps, this process keeps the tokenizer and
+        checks requests: see serving/engine_process.py). Returns once the engine is ready."""
+        from ..loading import from_pretrained  # lazy: a convenience over the loader, which sits above serving
+
+        if not engine_process:
+            return cls(from_pretrained(path, **options), observer)
+        from .engine_process import ProcessAsyncEngine  # lazy: serving.engine_process builds on this module
+
+        return ProcessAsyncEngine(functools.partial(from_pretrained, path, **options), observer)
+
+    @property
+    def front(self) -> RequestFront:
+        return self.engine.front
+
+    @property
+    def num_step_errors(self) -> int:
+        return self._driver.num_step_errors
+
+    def shutdown(self, close_engine: bool = False) -> None:
+        """Stop the driver thread after its current step; streams still in flight raise
+        :class:`EngineClosedError`. ``close_engine`` also closes the engine (unpatches the model)."""
+        self._submit(("close", None))
+        with self._lock:
+            self._closed = True  # (also when the driver thread never started)
+        if self._thread is not None:
+            self._thread.join()
+        if close_engine:
+            self.engine.close()
+
     def _submit(self, command: tuple) -> None:
         with self._lock:
             if self._closed:
                 if command[0] in ("abort", "close"):  # nothing left to abort or close
                     return
                 raise EngineClosedError("the AsyncEngine has been shut down")
+            if command[0] == "call":
+                call = command[1]
+                command = ("call", (call.fn, lambda result, error: _settle(call, result, error)))
             self._commands.append(command)
             if self._thread is None and command[0] != "close":
                 self._thread = threading.Thread(target=self._drive, name="hybrid-compile-engine", daemon=True)
                 self._thread.start()
         self._wake.set()
 
-    # -- driver thread ---------------------------------------------------------------------------
-    def _drive(self) -> None:
-        device = self.engine.device
-        if device.type == "cuda" and device.index is not None:  # the current CUDA device is per thread
-            torch.cuda.set_device(device)
-        while True:
-            outbox: dict[asyncio.AbstractEventLoop, list] = {}
-            try:
-                running = self._iterate(outbox)
-            except Exception as e:  # noqa: BLE001 -- a defect here must not hang every stream
-                logger.exception("the engine's driver thread failed; ending every request in flight")
-                failed = EngineStepError(f"the engine's driver failed: {type(e).__name__}: {e}")
-                for stream in self._open_streams():
-                    self._end(stream, outbox, error=failed)
-                running = True
-            self._post(outbox)
-            if not running:
-                return
-
-    def _iterate(self, outbox: dict) -> bool:
-        """Apply the queued commands, then run one step (or sleep until a command comes while
-        nothing is in flight). Returns False once the engine is shut down."""
-        engine = self.engine
+    def _take_commands(self) -> list:
         self._wake.clear()
         with self._lock:
             commands = list(self._commands)
             self._commands.clear()
+        return commands
+
+    def _drive(self) -> None:
+        set_engine_device(self.engine)
+        while True:
+            outbox: list = []
+            running = self._driver.iterate(self._take_commands(), outbox, self._wake.wait)
+            if not running:
+                with self._lock:
+                    self._closed = True
+            self._post(outbox)
+            if not running:
+                return
+
+
+def set_engine_device(engine: HybridEngine) -> None:
+    """Make the engine's CUDA device current on the calling thread (it is per thread)."""
+    device = engine.device
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def _settle(call: _Call, result: Any, error: BaseException | None) -> None:
+    """(driver) Hand a call's result to the future its caller awaits on its event loop."""
+
+    def settle() -> None:
+        if call.future.cancelled():
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(result)
+
+    try:
+        call.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed
+        pass
+
+
+class _Driver:
+    """The engine's side: applies the commands (add a stream, abort one, call a function, close),
+    runs ``step()`` and turns its outputs into per-sequence updates ``(stream, StreamOutput)`` in
+    an outbox, or ``(stream, exception)`` ending a stream. Runs on whatever owns the engine: the
+    AsyncEngine's driver thread, or the main thread of an engine process. ``observe`` gets each
+    step's measurements (:meth:`EngineObserver.observe_step`'s arguments)."""
+
+    def __init__(self, engine: HybridEngine, observe: Callable[..., None]) -> None:
+        self.engine = engine
+        self.observe = observe
+        self._seqs: dict[int, _Seq] = {}  # engine rid -> its sequence
+        self._failed_last_step = False
+        self.num_step_errors = 0
+
+    def iterate(self, commands: list, outbox: list, wait: Callable[[], Any]) -> bool:
+        """Apply ``commands``, then run one step, or ``wait()`` for a command while nothing is in
+        flight. Returns False once closed. A defect here ends every stream in flight, not the loop."""
+        try:
+            return self._iterate(commands, outbox, wait)
+        except Exception as e:  # noqa: BLE001 -- a defect here must not hang every stream
+            logger.exception("the engine's driver failed; ending every request in flight")
+            failed = EngineStepError(f"the engine's driver failed: {type(e).__name__}: {e}")
+            for stream in self._open_streams():
+                self._end(stream, outbox, error=failed)
+            return True
+
+    def _iterate(self, commands: list, outbox: list, wait: Callable[[], Any]) -> bool:
+        engine = self.engine
         for kind, arg in commands:
             if kind == "add":
                 self._add(arg, outbox)
             elif kind == "abort":
                 self._abort(arg, outbox)
             elif kind == "call":
-                self._run_call(arg)
+                fn, reply = arg
+                try:
+                    result, error = fn(engine), None
+                except Exception as e:  # noqa: BLE001 -- handed to the caller
+                    result, error = None, e
+                reply(result, error)
             elif kind == "close":
                 self._close_streams(outbox)
                 return False
         if not engine.has_unfinished():
             if not outbox:
-                self._wake.wait()
+                wait()
             return True
         running = [r.rid for r in engine.scheduler.running]
         try:
@@ -311,26 +471,26 @@ class AsyncEngine:
         self._dispatch(outputs, outbox)
         return True
 
-    def _add(self, stream: _Stream, outbox: dict) -> None:
+    def _add(self, stream: _Stream, outbox: list) -> None:
         if stream.abort_requested:
             return
         try:
             first = self.engine.add_request(stream.prompt, stream.params)
         except Exception as e:  # noqa: BLE001 -- the request's own error, raised in its stream
             stream.done = True
-            outbox.setdefault(stream.loop, []).append((stream, e))
+            outbox.append((stream, e))
             return
         stream.rids = self.engine.sequence_ids(first) if stream.params.n > 1 else [first]
         stream.open = len(stream.rids)
         for index, rid in enumerate(stream.rids):
             self._seqs[rid] = _Seq(stream, index)
 
-    def _abort(self, stream: _Stream, outbox: dict) -> None:
+    def _abort(self, stream: _Stream, outbox: list) -> None:
         stream.abort_requested = True
         if not stream.done:
             self._end(stream, outbox)
 
-    def _end(self, stream: _Stream, outbox: dict, error: BaseException | None = None) -> None:
+    def _end(self, stream: _Stream, outbox: list, error: BaseException | None = None) -> None:
         """Abort a stream's unfinished sequences now (between steps) and end it: with each one's
         last update (finish reason "abort"), or with ``error`` raised in it. The engine's own
         final outputs for them, which a later step returns, are dropped (see _dispatch)."""
@@ -351,31 +511,15 @@ class AsyncEngine:
                 finish_reason=reason, prompt_tokens=len(stream.prompt), cached_tokens=stream.cached_tokens,
                 arrival_time=stream.arrival, first_token_time=seq.first_token_time, time=now,
             )
-            self.observer.observe_step([], [], [update])
+            self.observe([], [], [update])
             if error is None:
-                outbox.setdefault(stream.loop, []).append((stream, update))
+                outbox.append((stream, update))
         stream.open = 0
         if error is not None:
-            outbox.setdefault(stream.loop, []).append((stream, error))
+            outbox.append((stream, error))
 
-    def _run_call(self, call: _Call) -> None:
-        try:
-            result, error = call.fn(self.engine), None
-        except Exception as e:  # noqa: BLE001 -- handed to the caller
-            result, error = None, e
-
-        def settle() -> None:
-            if call.future.cancelled():
-                return
-            if error is not None:
-                call.future.set_exception(error)
-            else:
-                call.future.set_result(result)
-
-        call.loop.call_soon_threadsafe(settle)
-
-    def _dispatch(self, outputs: list, outbox: dict) -> None:
-        """Group a step's StepOutputs per sequence into StreamOutputs for the streams' loops."""
+    def _dispatch(self, outputs: list, outbox: list) -> None:
+        """Group a step's StepOutputs per sequence into StreamOutputs for the streams."""
         now = time.perf_counter()
         updates: dict[int, StreamOutput] = {}
         for out in outputs:
@@ -423,11 +567,11 @@ class AsyncEngine:
                 finished.append(update)
                 stream.open -= 1
                 stream.done = stream.open == 0
-            outbox.setdefault(stream.loop, []).append((stream, update))
+            outbox.append((stream, update))
         if updates:
-            self.observer.observe_step(ttfts, itls, finished)
+            self.observe(ttfts, itls, finished)
 
-    def _fail_step(self, error: Exception, running: list[int], everyone: bool, outbox: dict) -> None:
+    def _fail_step(self, error: Exception, running: list[int], everyone: bool, outbox: list) -> None:
         """A step raised: abort the requests it touched and fail their streams with
         :class:`EngineStepError`. Touched: those running before it, and those admitted by it
         (not waiting any more). A request that was only waiting is left alone, unless this is
@@ -445,55 +589,11 @@ class AsyncEngine:
     def _open_streams(self) -> list[_Stream]:
         return list({id(seq.stream): seq.stream for seq in self._seqs.values()}.values())
 
-    def _close_streams(self, outbox: dict) -> None:
-        with self._lock:
-            self._closed = True
+    def _close_streams(self, outbox: list) -> None:
         for stream in self._open_streams():
             stream.done = True
-            outbox.setdefault(stream.loop, []).append((stream, EngineClosedError("the AsyncEngine was shut down")))
+            outbox.append((stream, EngineClosedError("the AsyncEngine was shut down")))
         self._seqs.clear()
-
-    def _post(self, outbox: dict) -> None:
-        """Hand a driver iteration's updates to their event loops: appended to each loop's inbox,
-        and the loop woken only if no wake-up of it is pending (the pending one will take these
-        too)."""
-        if not outbox:
-            return
-        self.num_posts += 1
-        wake = []
-        with self._inbox_lock:
-            for loop, items in outbox.items():
-                self._inbox.setdefault(loop, []).extend(items)
-                if loop not in self._wake_pending:
-                    self._wake_pending.add(loop)
-                    wake.append(loop)
-        outbox.clear()
-        for loop in wake:
-            self.num_handoffs += 1
-            try:
-                loop.call_soon_threadsafe(self._deliver, loop)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                with self._inbox_lock:
-                    self._inbox.pop(loop, None)
-                    self._wake_pending.discard(loop)
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
-        """(event loop) Everything the driver posted for this loop into its streams: a sequence's
-        updates not taken yet are merged into one; an error ends its stream."""
-        with self._inbox_lock:
-            items = self._inbox.pop(loop, [])
-            self._wake_pending.discard(loop)
-        for stream, item in items:
-            if isinstance(item, BaseException):
-                stream.error = item
-            else:
-                held = stream.pending.get(item.index)
-                if held is None:
-                    stream.pending[item.index] = item
-                else:
-                    _merge(held, item)
-            if stream.waiter is not None and not stream.waiter.done():
-                stream.waiter.set_result(None)
 
 
 def _merge(held: StreamOutput, later: StreamOutput) -> None:

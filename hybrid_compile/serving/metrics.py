@@ -7,7 +7,7 @@ The latency histograms are bucket counts of our own (:class:`_Histogram`, export
 collector as Prometheus histograms): one lock and one bisect per value, where prometheus-client's
 Histogram takes a lock and scans its buckets per ``observe`` — the step loop pays for every value. Engine state (requests running /
 waiting, pool usage, prefix-cache hit rate) is read from ``engine.stats()`` at each scrape,
-between two steps, and exported by a collector. Tokens/s is the generation rate over the last
+between two steps (with the engine in its own process: a stats command answered by the child), and exported by a collector. Tokens/s is the generation rate over the last
 ``rate_window`` seconds.
 """
 
@@ -21,7 +21,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .async_engine import EngineObserver, StreamOutput
+from .async_engine import EngineClosedError, EngineObserver, StreamOutput
 
 PREFIX = "hybrid_compile_"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -95,7 +95,10 @@ class ServerMetrics(EngineObserver):
     async def render(self, async_engine) -> bytes:
         """The exposition text; engine gauges from a fresh ``engine.stats()`` (None while the
         engine is loading: then only the latency and token metrics)."""
-        self._snapshot = await async_engine.stats() if async_engine is not None else None
+        try:
+            self._snapshot = await async_engine.stats() if async_engine is not None else None
+        except EngineClosedError:  # an engine process that died: its gauges are gone
+            self._snapshot = None
         return generate_latest(self.registry)
 
 

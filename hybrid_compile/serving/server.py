@@ -14,7 +14,8 @@ watcher of the connection does), which aborts the engine requests at the next st
 OpenAI's bodies (:class:`OpenAIError`): 400 naming the field for bad input, 503 while loading,
 500 when an engine step failed under the request (its other requests keep going).
 
-Host cost per token (the event loop shares the GIL with the engine's driver thread): a request's
+Host cost per token (the event loop shares the GIL with the engine's driver thread, unless the
+engine runs in its own process: ``serve --engine-process``, :mod:`.engine_process`): a request's
 handler wakes once per hand-off of the driver (not per token), takes every update that came
 meanwhile (:meth:`AsyncEngine.generate_batches`: when it fell behind, one update carries several
 tokens), detokenizes each choice's new tokens with one window decode, and writes all the
@@ -44,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import HybridEngine, SamplingParams
-from .async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
 from .protocol import (
@@ -58,7 +59,7 @@ logger = logging.getLogger("hybrid_compile.serving")
 class ServerState:
     """What the handlers share: the engine once loaded, the served name, the metrics."""
 
-    def __init__(self, model_name: str, engine: AsyncEngine | None = None) -> None:
+    def __init__(self, model_name: str, engine: AsyncEngineBase | None = None) -> None:
         self.model_name = model_name
         self.engine = engine
         self.load_error: BaseException | None = None
@@ -67,7 +68,9 @@ class ServerState:
         if engine is not None:
             engine.observer = self.metrics
 
-    def ready(self) -> AsyncEngine:
+    def ready(self) -> AsyncEngineBase:
+        if self.engine is not None and self.engine.failure is not None:  # an engine process that died
+            raise OpenAIError(f"the engine is down: {self.engine.failure}", status=500)
         if self.engine is None:
             if self.load_error is not None:
                 raise OpenAIError(f"the model failed to load: {self.load_error}", status=500)
@@ -75,11 +78,12 @@ class ServerState:
         return self.engine
 
 
-def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
-              load: Callable[[], HybridEngine] | None = None,
+def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = None,
+              load: Callable[[], HybridEngine | AsyncEngineBase] | None = None,
               on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1) -> FastAPI:
-    """The FastAPI app serving ``engine`` (a HybridEngine or AsyncEngine) under ``model_name``;
-    or, with ``load``, the app that calls ``load()`` on a thread at startup and answers 503 until
+    """The FastAPI app serving ``engine`` (a HybridEngine, or an AsyncEngine / ProcessAsyncEngine)
+    under ``model_name``; or, with ``load``, the app that calls ``load()`` (either kind, e.g. a
+    ProcessAsyncEngine whose child loads the model) on a thread at startup and answers 503 until
     it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
     closed). ``stream_interval``: a streamed choice's text goes out every that many tokens (and
     at its end)."""
@@ -93,7 +97,11 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
 
     def load_in_background() -> None:
         try:
-            loaded = AsyncEngine(load(), observer=state.metrics)
+            loaded = load()
+            if isinstance(loaded, AsyncEngineBase):
+                loaded.observer = state.metrics
+            else:
+                loaded = AsyncEngine(loaded, observer=state.metrics)
         except BaseException as e:  # noqa: BLE001 -- reported, and the server stops (on_load_error)
             state.load_error = e
             if on_load_error is not None:
@@ -176,7 +184,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngine | None = None,
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
         try:
-            prompt = engine.engine.encode([m.as_template_message() for m in req.messages])
+            prompt = engine.front.encode([m.as_template_message() for m in req.messages])
         except Exception as e:  # noqa: BLE001 -- the template rejected the conversation
             raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -209,7 +217,7 @@ async def _json_body(request: Request) -> Any:
         ) from None
 
 
-def _check_model(state: ServerState, name: str) -> AsyncEngine:
+def _check_model(state: ServerState, name: str) -> AsyncEngineBase:
     engine = state.ready()
     if name != state.model_name:
         raise OpenAIError(f"The model `{name}` does not exist (this server serves `{state.model_name}`)",
@@ -217,7 +225,7 @@ def _check_model(state: ServerState, name: str) -> AsyncEngine:
     return engine
 
 
-def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
+def _completion_prompts(engine: AsyncEngineBase, prompt: Any) -> list[list[int]]:
     """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -230,7 +238,7 @@ def _completion_prompts(engine: AsyncEngine, prompt: Any) -> list[list[int]]:
         if isinstance(p, str):
             if engine.tokenizer is None:
                 raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
-            p = engine.engine.encode(p)
+            p = engine.front.encode(p)
         if not p:
             raise OpenAIError("prompt must not be empty", param="prompt")
         out.append(list(p))
@@ -272,7 +280,7 @@ class _Generation:
     """The engine requests of one API request (one per prompt, of ``n`` sequences each) and their
     responses."""
 
-    def __init__(self, engine: AsyncEngine, groups: list[_Group], stream: bool, include_usage: bool,
+    def __init__(self, engine: AsyncEngineBase, groups: list[_Group], stream: bool, include_usage: bool,
                  stream_interval: int = 1) -> None:
         self.engine, self.groups, self.stream, self.include_usage = engine, groups, stream, include_usage
         # tokens a choice gathers before its text is decoded and sent (a whole response: only at the end)
@@ -282,14 +290,14 @@ class _Generation:
         self.created = int(time.time())
 
     @classmethod
-    def plan(cls, engine: AsyncEngine, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
+    def plan(cls, engine: AsyncEngineBase, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
              prompt_name: str, logprobs: int | None, stream_interval: int = 1) -> "_Generation":
         """Check everything before anything is queued: a bad request leaves the engine untouched."""
         n = check_n(req)
         stop = stop_strings(req)
         if max_tokens <= 0:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
-        vocab = engine.engine.layout.vocab_size
+        vocab = engine.front.vocab_size
         for p in prompts:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
@@ -309,10 +317,10 @@ class _Generation:
         groups = []
         try:
             # the in-process generate()'s own mapping (defaults and EOS from the generation config)
-            settings = engine.engine.generate_settings(**generate_kwargs(req, max_tokens, logprobs, stop))
+            settings = engine.front.settings(**generate_kwargs(req, max_tokens, logprobs, stop))
             for p in prompts:
                 # choice j of a prompt is its engine request's sequence j (sampling with seed + j)
-                params = dataclasses.replace(engine.engine.sampling_params(settings, len(p)), n=n)
+                params = dataclasses.replace(engine.front.sampling_params(settings, len(p)), n=n)
                 engine.validate(p, params)
                 choices = [_Choice(len(groups) * n + j, IncrementalText(engine.tokenizer, req.skip_special_tokens,
                                                                         stop)) for j in range(n)]
@@ -480,8 +488,8 @@ async def _cancel_on_disconnect(request: Request, coro) -> Any:
     finally:
         watcher.cancel()
         if not work.done():
-            work.cancel()
-    if work.cancelled():
+            work.cancel()  # (it ends at its next await: not done yet)
+    if not work.done() or work.cancelled():
         return None
     return work.result()
 
@@ -585,7 +593,7 @@ class _ChatFormat(_Format):
 # -- hybrid-compile serve ---------------------------------------------------------------------------
 
 
-def run(model_name: str, load: Callable[[], HybridEngine], host: str, port: int, log_level: str = "info",
+def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], host: str, port: int, log_level: str = "info",
         access_log: bool = True, stream_interval: int = 1) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""

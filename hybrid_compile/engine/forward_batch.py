@@ -242,8 +242,13 @@ class ForwardBatchBuilder:
         req_slots = [r.req_slot for r in reqs]
         out_cache_loc = batch.out_cache_loc.tolist()
         r2t = self.pools.req_to_token
+        if min(out_cache_loc, default=0) < 0:  # masked tokens (an MTP head's window): the padding slot
+            pad = self.pools.kv.PADDING_SLOT
+            entries = [pad if s < 0 else s for s in out_cache_loc]
+        else:
+            entries = out_cache_loc
         for j in range(steps):  # checks and the host mirror; the op writes the device map
-            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps], write_device=False)
+            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], entries[j::steps], write_device=False)
         rows, start = [], 0
         for i, (r, p) in enumerate(zip(reqs, prefix)):
             if device_ids is not None:

@@ -108,7 +108,11 @@ class MTPDraft:
             head, target.pools, target.device, dataclasses.replace(cfg, cuda_graphs="piecewise" if piecewise else False),
             forward_fn=mtp_forward, extra_inputs=(((hidden_size,), target.dtype),))
         self._states: dict[int, _State] = {}
-        self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0)
+        self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0, window_steps=0,
+                             window_fallbacks=0)
+        # proposals run their first head forward as a uniform window step (module docstring); False:
+        # the general EXTEND path for every proposal (the tests compare the two)
+        self.use_window = True
 
     # -- the target's hidden states ---------------------------------------------------------------
     def observe(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
@@ -147,6 +151,11 @@ class MTPDraft:
         logits = self.runner.forward(batch, extra=(hidden,))
         last = torch.tensor(lens).cumsum(0) - 1
         out_hidden = self.runner.hidden_states[last.to(self.runner.hidden_states.device)]
+        self._processed(spans, lens)
+        return reqs, logits, out_hidden
+
+    def _processed(self, spans: list[tuple[Request, int, int]], lens: list[int]) -> None:
+        """Positions ``[m, end)`` of each span are processed: the state moves past them."""
         for r, _, end in spans:
             st = self._states[r.rid]
             st.m = end
@@ -155,6 +164,46 @@ class MTPDraft:
         c = self.counters
         c["head_extend_steps"] += 1
         c["head_tokens"] += sum(lens)
+
+    @torch.inference_mode()
+    def _advance_window(self, requests: list[Request], window: int) -> tuple[list[Request], torch.Tensor, torch.Tensor] | None:
+        """:meth:`_advance` of a proposal as a uniform step (module docstring): ``window`` rows per
+        request from its first unprocessed position ``m``, the ``a = end - m`` valid ones first and
+        the rest masked. None (the caller takes the general path, counted in ``window_fallbacks``)
+        unless every request's span ends at its pending token (``end = num_computed``: the masked
+        rows' positions hold no computed token) and fits the window and its ``req_to_token`` row."""
+        spans = [(r, *self._span(r)) for r in requests]
+        spans = [(r, m, end) for r, m, end in spans if end > m]
+        if not spans:
+            return None
+        width = self.target.pools.req_to_token.max_context_len
+        if any(end != r.num_computed or end - m > window or m + window > width for r, m, end in spans):
+            self.counters["window_fallbacks"] += 1
+            return None
+        reqs = [r for r, _, _ in spans]
+        lens = [end - m for _, m, end in spans]
+        ids, slots, hidden = [], [], []
+        for r, m, end in spans:
+            a = end - m
+            # token i + 1 feeds position i: the window's ids after its first (build_uniform's "drafts")
+            ids.append(r.token_ids(m + 2, end + 1) + [0] * (window - a))
+            # masked rows: K/V not stored (slot -1), the padding slot in their req_to_token entries
+            # (rewritten by the verify step before any token there is computed): no live slot
+            slots += r.kv_slots[m:end].tolist() + [-1] * (window - a)
+            st = self._states[r.rid]
+            rows = st.hidden[m - st.start: end - st.start]
+            hidden += [rows, rows.new_zeros(window - a, rows.shape[1])] if a < window else [rows]
+        batch = ScheduledBatch([_Shifted(r) for r in reqs], [m for _, m, _ in spans], [window] * len(reqs),
+                               torch.tensor(slots, dtype=torch.int64), ForwardMode.EXTEND)
+        builder = self.runner.batch_builder
+        input_ids, md = builder.build_uniform(batch, ForwardMode.EXTEND, window, ids, None)
+        # logits and the next hidden state of row a - 1 of each request (the one small extra copy)
+        last = torch.tensor([i * window + a - 1 for i, a in enumerate(lens)], dtype=torch.int64)
+        md.logits_indices = last.to(builder.device, non_blocking=True)
+        logits = self.runner.forward_built(input_ids, md, extra=(torch.cat(hidden),))
+        out_hidden = self.runner.hidden_states[md.logits_indices]
+        self._processed(spans, lens)
+        self.counters["window_steps"] += 1
         return reqs, logits, out_hidden
 
     # -- proposals --------------------------------------------------------------------------------
@@ -179,7 +228,9 @@ class MTPDraft:
             st = self._states.get(r.rid)
             if st is not None and st.hidden is not None:
                 st.m = max(min(st.m, r.num_computed - 1), st.start)
-        advanced = self._advance(requests)
+        advanced = self._advance_window(requests, k + 1) if self.use_window else None
+        if advanced is None:
+            advanced = self._advance(requests)
         if advanced is None:
             return [[] for _ in requests], {}
         reqs, logits, hidden = advanced

@@ -1,0 +1,122 @@
+"""MTP proposals as uniform steps (hybrid_compile/engine/speculative/mtp.py, issue 27): the head's
+first forward of each proposal is a window of ``k + 1`` rows per request from its first
+unprocessed position, the rows past the valid ones masked.
+
+- Every proposal equals the general EXTEND path's (``MTPDraft.use_window = False``) on the tiny
+  Qwen3-Next checkpoint with ``mtp.*`` tensors, with chunked prefill, the prefix cache, KV pages
+  of 4 and compile; greedy outputs equal transformers' ``generate`` and the plain engine's.
+- A window step with masked rows stores K/V only in the valid rows' slots (the masked rows store
+  none, no other layer is touched) and leaves the padding slot in their ``req_to_token``
+  entries, never -1 and never a live slot.
+- ``gpu``: the same equalities on CUDA with the engine's CUDA graphs (the window step through
+  the head's piecewise graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybrid_compile as hc
+
+from engine_models import random_prompts, single_threaded, vocab_size
+from mtp_models import ENGINE_ARGS, assert_greedy_with_continuations, finish_engine, record_proposals, write_mtp_checkpoint
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next_mtp")
+    write_mtp_checkpoint("qwen3_next_moe", 0, str(path))
+    return str(path)
+
+
+def _engine(path, k, device="cpu", **kw):
+    return hc.from_pretrained(path, dtype=torch.float32, device=device, tokenizer=False,
+                              speculative=dict(method="mtp", num_draft_tokens=k), **{**ENGINE_ARGS, **kw})
+
+
+def _assert_window_equals_general_path(path, prompts, k, device="cpu", **kw) -> tuple[list, dict]:
+    """Two engines, one with the window proposals and one with the general path: the same
+    proposals (every chain), the same greedy outputs (HF's); returns (proposals, window stats)."""
+    runs = []
+    for window in (True, False):
+        engine = _engine(path, k, device, **kw)
+        engine.speculative.source.use_window = window
+        proposals = record_proposals(engine)
+        stats = assert_greedy_with_continuations(engine, prompts, NEW)
+        runs.append((proposals, stats["speculative"]["draft_source"], stats))
+        finish_engine(engine)
+    (got, window, stats), (want, general, _) = runs
+    assert got == want and len(got) >= 2 * len(prompts)
+    assert window["window_steps"] > 0 and window["window_fallbacks"] == 0
+    assert general["window_steps"] == 0
+    assert window["head_decode_steps"] == general["head_decode_steps"] > 0
+    return got, stats
+
+
+def _prompts(path, lengths, seed):
+    from transformers import AutoConfig
+    return random_prompts(lengths, AutoConfig.from_pretrained(path).get_text_config().vocab_size, seed=seed)
+
+
+def test_window_proposals_equal_general_path_prefix_cache_pages_compile(checkpoint):
+    """A prompt longer than the prefill chunk, continuations that hit the prefix cache."""
+    _, stats = _assert_window_equals_general_path(checkpoint, _prompts(checkpoint, (5, 40, 11), 3), 3, compile=True,
+                                                  page_size=4, enable_prefix_cache=True)
+    assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
+
+
+def test_window_masked_rows_store_no_kv_and_map_to_the_padding_slot(checkpoint):
+    """Around every window step: the head's KV changes only in the valid rows' slots, no target
+    layer's KV changes, the masked positions' req_to_token entries are the padding slot and the
+    positions before them keep their slots."""
+    engine = _engine(checkpoint, 3)
+    source = engine.speculative.source
+    kv, r2t = engine.pools.kv, engine.pools.req_to_token.req_to_token
+    head_layer = engine.mtp_head.layer_id
+    window_step = source._advance_window
+    seen = dict(windows=0, masked_rows=0)
+
+    def checked(requests, window):
+        spans = [(r, *source._span(r)) for r in requests]
+        spans = [(r, m, end) for r, m, end in spans if end > m]
+        before = {layer: [t.clone() for t in kv.kv_cache(layer)] for layer in kv.layer_ids}
+        rows_before = {r.rid: r2t[r.req_slot].clone() for r, _, _ in spans}
+        out = window_step(requests, window)
+        assert out is not None
+        valid = torch.cat([r.kv_slots[m:end] for r, m, end in spans])
+        for layer, tensors in before.items():
+            for old, new in zip(tensors, kv.kv_cache(layer)):
+                changed = (old != new).flatten(1).any(1).nonzero().flatten()
+                if layer != head_layer:
+                    assert changed.numel() == 0, layer
+                else:
+                    assert set(changed.tolist()) <= set(valid.tolist())
+                    assert kv.PADDING_SLOT not in changed.tolist()
+        for r, m, end in spans:
+            row, old = r2t[r.req_slot], rows_before[r.rid]
+            assert torch.equal(row[:end], old[:end])  # live slots untouched
+            assert row[end: m + window].eq(kv.PADDING_SLOT).all()
+            assert row[: m + window].ge(0).all()
+            seen["masked_rows"] += m + window - end
+        seen["windows"] += 1
+        return out
+
+    source._advance_window = checked
+    prompts = random_prompts((6, 37), vocab_size(engine.model), seed=5)
+    assert_greedy_with_continuations(engine, prompts, NEW)
+    assert seen["windows"] > 0 and seen["masked_rows"] > 0
+    finish_engine(engine)
+
+
+@pytest.mark.gpu
+def test_cuda_window_proposals_equal_general_path_with_graphs(checkpoint):
+    """On CUDA with the engine's CUDA graphs (full graphs for the target's decode / verify, the
+    head's piecewise graphs) the window proposals equal the general path's and greedy equals HF's."""
+    _, stats = _assert_window_equals_general_path(checkpoint, _prompts(checkpoint, (5, 40, 11), 3), 3, device="cuda", compile=True,
+                                                  enable_prefix_cache=True)
+    assert stats["speculative"]["verify_steps"] > 0

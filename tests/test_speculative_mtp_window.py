@@ -120,3 +120,42 @@ def test_cuda_window_proposals_equal_general_path_with_graphs(checkpoint):
     _, stats = _assert_window_equals_general_path(checkpoint, _prompts(checkpoint, (5, 40, 11), 3), 3, device="cuda", compile=True,
                                                   enable_prefix_cache=True)
     assert stats["speculative"]["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_proposal_graph_body_equals_general_path(checkpoint, compile_):
+    """The body of the proposal graphs (mtp_graphs.py: every step's metadata staged at once into
+    stable buffers, the chain fed on the device), run without a capture: the same proposals as the
+    general path, greedy equal to HF's, with the prefix cache and KV pages of 4; every proposal of
+    a batch within the buckets goes through it."""
+    from hybrid_compile.engine.speculative.mtp_graphs import ProposalGraphs
+
+    prompts = _prompts(checkpoint, (5, 40, 11), 3)
+    kw = dict(compile=compile_, page_size=4, enable_prefix_cache=True)
+    runs = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, 3, **kw)
+        source = engine.speculative.source
+        if graphs:
+            source.graphs = ProposalGraphs(source, 3, (1, 2), capture=False)
+        else:
+            source.use_window = False
+        proposals = record_proposals(engine)
+        assert_greedy_with_continuations(engine, prompts, NEW)
+        runs.append((proposals, dict(source.counters)))
+        finish_engine(engine)
+    (got, counters), (want, _) = runs
+    assert got == want
+    assert counters["mtp_graph_eager_runs"] > 0 and counters["mtp_graph_fallbacks"] == 0
+    assert counters["mtp_graph_replays"] == 0 and counters["window_fallbacks"] == 0
+
+
+def test_mtp_draft_graphs_option_errors(checkpoint):
+    """The option is True or False; True needs full CUDA graphs (not on this CPU engine) and a chain."""
+    with pytest.raises(ValueError, match="mtp_draft_graphs.*must be True or False"):
+        _engine(checkpoint, 2, extra={"mtp_draft_graphs": "yes"})
+    with pytest.raises(ValueError, match="mtp_draft_graphs.*needs the engine's full CUDA graphs"):
+        _engine(checkpoint, 2, extra={"mtp_draft_graphs": True})
+    engine = _engine(checkpoint, 2, extra={"mtp_draft_graphs": False})
+    assert engine.speculative.source.graphs is None
+    finish_engine(engine)

@@ -37,7 +37,9 @@ from ...layers.context import ForwardMode
 from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
+from ...compilation import cuda_graphs as cg
 from .config import DraftTarget
+from .mtp_graphs import ProposalGraphs, resolve_option
 from .tree import DraftTree, candidate_rows, pick_next, tree_from_topk_chain
 
 if TYPE_CHECKING:
@@ -109,10 +111,16 @@ class MTPDraft:
             forward_fn=mtp_forward, extra_inputs=(((hidden_size,), target.dtype),))
         self._states: dict[int, _State] = {}
         self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0, window_steps=0,
-                             window_fallbacks=0)
+                             window_fallbacks=0, mtp_graph_replays=0, mtp_graph_eager_runs=0, mtp_graph_fallbacks=0)
         # proposals run their first head forward as a uniform window step (module docstring); False:
         # the general EXTEND path for every proposal (the tests compare the two)
         self.use_window = True
+        # EngineConfig.extra["mtp_draft_graphs"]: full CUDA graphs of whole chain proposals (mtp_graphs.py)
+        self.graphs: ProposalGraphs | None = None
+        if resolve_option(cfg, target.device):
+            self.graphs = ProposalGraphs(self, cfg.speculative.num_draft_tokens,
+                                         cfg.cuda_graph_batch_sizes or cg.default_decode_batch_sizes(cfg.max_running_requests),
+                                         capture=True)
 
     # -- the target's hidden states ---------------------------------------------------------------
     def observe(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
@@ -165,22 +173,16 @@ class MTPDraft:
         c["head_extend_steps"] += 1
         c["head_tokens"] += sum(lens)
 
-    @torch.inference_mode()
-    def _advance_window(self, requests: list[Request], window: int) -> tuple[list[Request], torch.Tensor, torch.Tensor] | None:
-        """:meth:`_advance` of a proposal as a uniform step (module docstring): ``window`` rows per
-        request from its first unprocessed position ``m``, the ``a = end - m`` valid ones first and
-        the rest masked. None (the caller takes the general path, counted in ``window_fallbacks``)
-        unless every request's span ends at its pending token (``end = num_computed``: the masked
-        rows' positions hold no computed token) and fits the window and its ``req_to_token`` row."""
+    def _window(self, requests: list[Request], window: int) -> tuple | None:
+        """The window step of a proposal (:meth:`_advance_window`) on the host: ``(spans, batch,
+        ids after each request's first, hidden-state rows, valid rows per request)``; None unless
+        every request's span ends at its pending token (``end = num_computed``: the masked rows'
+        positions hold no computed token) and fits the window and its ``req_to_token`` row."""
         spans = [(r, *self._span(r)) for r in requests]
         spans = [(r, m, end) for r, m, end in spans if end > m]
-        if not spans:
-            return None
         width = self.target.pools.req_to_token.max_context_len
-        if any(end != r.num_computed or end - m > window or m + window > width for r, m, end in spans):
-            self.counters["window_fallbacks"] += 1
+        if not spans or any(end != r.num_computed or end - m > window or m + window > width for r, m, end in spans):
             return None
-        reqs = [r for r, _, _ in spans]
         lens = [end - m for _, m, end in spans]
         ids, slots, hidden = [], [], []
         for r, m, end in spans:
@@ -193,8 +195,22 @@ class MTPDraft:
             st = self._states[r.rid]
             rows = st.hidden[m - st.start: end - st.start]
             hidden += [rows, rows.new_zeros(window - a, rows.shape[1])] if a < window else [rows]
-        batch = ScheduledBatch([_Shifted(r) for r in reqs], [m for _, m, _ in spans], [window] * len(reqs),
+        batch = ScheduledBatch([_Shifted(r) for r, _, _ in spans], [m for _, m, _ in spans], [window] * len(spans),
                                torch.tensor(slots, dtype=torch.int64), ForwardMode.EXTEND)
+        return spans, batch, ids, hidden, lens
+
+    @torch.inference_mode()
+    def _advance_window(self, requests: list[Request], window: int) -> tuple[list[Request], torch.Tensor, torch.Tensor] | None:
+        """:meth:`_advance` of a proposal as a uniform step (module docstring): ``window`` rows per
+        request from its first unprocessed position ``m``, the ``a = end - m`` valid ones first and
+        the rest masked. None (the caller takes the general path, counted in ``window_fallbacks``)
+        where :meth:`_window` has none."""
+        step = self._window(requests, window)
+        if step is None:
+            if any(end > m for m, end in map(self._span, requests)):
+                self.counters["window_fallbacks"] += 1
+            return None
+        spans, batch, ids, hidden, lens = step
         builder = self.runner.batch_builder
         input_ids, md = builder.build_uniform(batch, ForwardMode.EXTEND, window, ids, None)
         # logits and the next hidden state of row a - 1 of each request (the one small extra copy)
@@ -204,7 +220,38 @@ class MTPDraft:
         out_hidden = self.runner.hidden_states[md.logits_indices]
         self._processed(spans, lens)
         self.counters["window_steps"] += 1
-        return reqs, logits, out_hidden
+        return [r for r, _, _ in spans], logits, out_hidden
+
+    @torch.inference_mode()
+    def _propose_graph(self, requests: list[Request], k: int) -> list[list[int]] | None:
+        """A chain proposal through the proposal graphs (:mod:`.mtp_graphs`); None where they do
+        not fit it (counted in ``mtp_graph_fallbacks``: the eager window path runs it)."""
+        graphs = self.graphs
+        step = self._window(requests, k + 1) if k == graphs.k else None
+        if step is None or graphs.bucket(len(step[0])) is None:
+            self.counters["mtp_graph_fallbacks"] += 1
+            return None
+        spans, batch, ids, hidden, lens = step
+        reqs = [r for r, _, _ in spans]
+        slots = self._chain_slots(reqs, k - 1) if k > 1 else torch.zeros(0, dtype=torch.int64)
+        if slots is None:
+            self.counters["mtp_graph_fallbacks"] += 1
+            return None
+        try:
+            per_request = slots.view(len(reqs), k - 1)
+            chain = [ScheduledBatch(batch.requests, [r.num_computed + j for r in reqs], [1] * len(reqs),
+                                    per_request[:, j].contiguous(), ForwardMode.DECODE) for j in range(k - 1)]
+            rows = graphs.propose(batch, ids, hidden, lens, chain)
+        finally:
+            if slots.numel():
+                self.target.pools.kv.allocator.free(slots)
+        self._processed(spans, lens)
+        c = self.counters
+        c["window_steps"] += 1
+        c["head_decode_steps"] += k - 1
+        c["mtp_graph_replays" if graphs.capture else "mtp_graph_eager_runs"] += 1
+        by_rid = {r.rid: row for r, row in zip(reqs, rows)}
+        return [by_rid.get(r.rid, []) for r in requests]
 
     # -- proposals --------------------------------------------------------------------------------
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
@@ -228,6 +275,10 @@ class MTPDraft:
             st = self._states.get(r.rid)
             if st is not None and st.hidden is not None:
                 st.m = max(min(st.m, r.num_computed - 1), st.start)
+        if self.graphs is not None and topk == 1 and self.use_window:
+            rows = self._propose_graph(requests, k)
+            if rows is not None:
+                return rows, {}
         advanced = self._advance_window(requests, k + 1) if self.use_window else None
         if advanced is None:
             advanced = self._advance(requests)
@@ -251,8 +302,7 @@ class MTPDraft:
         allocator = self.target.pools.kv.allocator
         b = len(reqs)
         prefix = [r.num_computed for r in reqs]
-        last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)
-        slots = allocator.alloc_extend(prefix, [steps] * b, last)
+        slots = self._chain_slots(reqs, steps)
         if slots is None:
             self.counters["chains_cut"] += 1
             return []
@@ -274,12 +324,21 @@ class MTPDraft:
             allocator.free(slots)
         return out
 
+    def _chain_slots(self, reqs: list[Request], steps: int) -> torch.Tensor | None:
+        """KV slots of ``steps`` chain positions per request from its pending token on (request-major),
+        or None when the pool has too few."""
+        last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)
+        return self.target.pools.kv.allocator.alloc_extend([r.num_computed for r in reqs], [steps] * len(reqs), last)
+
     def release(self, rid: int) -> None:
         self._states.pop(rid, None)
 
     def pools_resized(self) -> None:
-        """Elastic pools resized the target's pools, which hold the head's KV: its views again."""
+        """Elastic pools resized the target's pools, which hold the head's KV: its views again (and
+        the proposal graphs over them)."""
         self.runner.refresh_pool_views()
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.recapture()
 
     def close(self) -> None:
         self._states.clear()

@@ -8,8 +8,12 @@ unprocessed position, the rows past the valid ones masked.
 - A window step with masked rows stores K/V only in the valid rows' slots (the masked rows store
   none, no other layer is touched) and leaves the padding slot in their ``req_to_token``
   entries, never -1 and never a live slot.
-- ``gpu``: the same equalities on CUDA with the engine's CUDA graphs (the window step through
-  the head's piecewise graphs).
+- The body of the proposal graphs (``mtp_graphs.py``: every step staged at once into stable
+  buffers, the chain fed on the device), run without a capture, equals the general path (eager
+  and compiled); the ``mtp_draft_graphs`` option's errors.
+- ``gpu`` (a dense Qwen3.5 head, fp32): the window equalities on CUDA with the engine's CUDA
+  graphs; with ``extra={"mtp_draft_graphs": True}`` every proposal replays a captured graph and the
+  proposals and outputs equal the engine's without it, HF's and the plain engine's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 import hybrid_compile as hc
 
 from engine_models import random_prompts, single_threaded, vocab_size
-from mtp_models import ENGINE_ARGS, assert_greedy_with_continuations, finish_engine, record_proposals, write_mtp_checkpoint
+from mtp_models import (ENGINE_ARGS, assert_compiled_without_breaks, assert_greedy_with_continuations, finish_engine,
+                        record_proposals, write_mtp_checkpoint)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
@@ -31,6 +36,15 @@ NEW = 8
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_next_mtp")
     write_mtp_checkpoint("qwen3_next_moe", 0, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    """Qwen3.5 (a dense head): CUDA graphs capture it in fp32 (transformers' fp32 MoE experts loop
+    syncs with the host, see tests/test_cuda_graphs.py)."""
+    path = tmp_path_factory.mktemp("qwen3_5_mtp")
+    write_mtp_checkpoint("qwen3_5", 0, str(path))
     return str(path)
 
 
@@ -114,9 +128,38 @@ def test_window_masked_rows_store_no_kv_and_map_to_the_padding_slot(checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_window_proposals_equal_general_path_with_graphs(checkpoint):
+@pytest.mark.parametrize("k", [1, 3])
+def test_cuda_mtp_draft_graphs_greedy_equals_without_them(dense_checkpoint, k):
+    """extra={"mtp_draft_graphs": True} on CUDA: every chain proposal of a batch within the buckets
+    replays a proposal graph (counted, no fallback), the proposals equal the engine's without the
+    option, greedy equals HF's and the plain engine's."""
+    checkpoint = dense_checkpoint
+    prompts = _prompts(checkpoint, (5, 40, 11), 3)
+    runs = []
+    for graphs in (True, False):
+        engine = _engine(checkpoint, k, device="cuda", compile=True, enable_prefix_cache=True,
+                         extra={"mtp_draft_graphs": graphs})
+        source = engine.speculative.source
+        assert (source.graphs is not None) == graphs
+        proposals = record_proposals(engine)
+        assert_greedy_with_continuations(engine, prompts, NEW)
+        runs.append((proposals, engine.stats()["speculative"]["draft_source"]))
+        if graphs:
+            with hc.from_pretrained(checkpoint, dtype=torch.float32, device="cuda", tokenizer=False,
+                                    **ENGINE_ARGS) as plain:
+                assert plain.generate_batch(prompts, max_new_tokens=NEW) == engine.generate_batch(prompts, max_new_tokens=NEW)
+        finish_engine(engine)
+    (got, counters), (want, without) = runs
+    assert got == want
+    assert counters["mtp_graph_replays"] > 0 and counters["mtp_graph_fallbacks"] == 0
+    assert counters["mtp_graph_eager_runs"] == 0 and without["mtp_graph_replays"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_window_proposals_equal_general_path_with_graphs(dense_checkpoint):
     """On CUDA with the engine's CUDA graphs (full graphs for the target's decode / verify, the
     head's piecewise graphs) the window proposals equal the general path's and greedy equals HF's."""
+    checkpoint = dense_checkpoint
     _, stats = _assert_window_equals_general_path(checkpoint, _prompts(checkpoint, (5, 40, 11), 3), 3, device="cuda", compile=True,
                                                   enable_prefix_cache=True)
     assert stats["speculative"]["verify_steps"] > 0
@@ -142,6 +185,8 @@ def test_proposal_graph_body_equals_general_path(checkpoint, compile_):
             source.use_window = False
         proposals = record_proposals(engine)
         assert_greedy_with_continuations(engine, prompts, NEW)
+        if compile_:
+            assert_compiled_without_breaks(engine)
         runs.append((proposals, dict(source.counters)))
         finish_engine(engine)
     (got, counters), (want, _) = runs

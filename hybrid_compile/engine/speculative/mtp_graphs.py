@@ -25,6 +25,7 @@ graph pool. NOT YET VERIFIED ON A GPU (written on a CPU-only machine): the optio
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -86,7 +87,14 @@ class ProposalGraphs:
         self.capture = capture
         self.capture_seconds = 0.0
         if capture:
-            self.capture_all()
+            # the head runner's pool (none: the head runs without piecewise graphs)
+            self.pool = runner.graphs.graph_pool or cg.GraphPool()
+            try:
+                self.capture_all()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"EngineConfig.extra[{OPTION!r}]=True: CUDA graph capture of the MTP proposal failed "
+                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); serve without the option") from e
 
     def _staged_size(self, bs: int) -> int:
         return bs * (md_ops.staged_width(self.window) + (self.k - 1) * md_ops.staged_width(1) + 1)
@@ -140,9 +148,7 @@ class ProposalGraphs:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Warm up and capture every bucket, largest first, in the head runner's graph pool."""
-        import time
-
-        pool = self.runner.graphs.graph_pool or cg.GraphPool()  # (none: the head runs without piecewise graphs)
+        pool = self.pool
         t0 = time.perf_counter()
         for bs in sorted(self.sizes, reverse=True):
             self._stage_padding(bs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -35,9 +35,6 @@ from ...layers.context import ForwardContext, ForwardMode, forward_context
 from ...ops import metadata as md_ops
 from ..scheduler import ScheduledBatch
 from .tree import pick_next
-
-if TYPE_CHECKING:
-    from .mtp import MTPDraft
 
 #: ``EngineConfig.extra`` key turning the proposal graphs on (default False).
 OPTION = "mtp_draft_graphs"
@@ -66,9 +63,10 @@ def resolve_option(config, device: torch.device) -> bool:
 
 class ProposalGraphs:
     """The proposal of ``k`` drafts per request for every bucket of ``batch_sizes`` (module
-    docstring). ``capture``: capture CUDA graphs (CUDA only); else each proposal runs the body."""
+    docstring) of ``source``, the :class:`.mtp.MTPDraft` (its head runner, states and target).
+    ``capture``: capture CUDA graphs (CUDA only); else each proposal runs the body."""
 
-    def __init__(self, source: "MTPDraft", k: int, batch_sizes: Sequence[int], capture: bool) -> None:
+    def __init__(self, source, k: int, batch_sizes: Sequence[int], capture: bool) -> None:
         runner = source.runner
         self.source, self.runner, self.k, self.window = source, runner, k, k + 1
         self.sizes = cg.normalize_buckets(batch_sizes, minimum=1)

@@ -6,8 +6,9 @@ and predicts token ``i + 2``. Its attention layer is one more layer of the targe
 its KV of position ``i`` lives in the KV slot of the target's token ``i`` (a cached prefix brings
 it along, rejected drafts free it with the target's) and its forwards reuse the target's
 ``req_to_token`` map; it runs through its own :class:`~hybrid_compile.engine.runner.ModelRunner`
-(compiled as the target is; piecewise CUDA graphs, no full graphs: its hidden-state input has no
-stable buffer).
+(compiled as the target is; piecewise CUDA graphs), or, with
+``EngineConfig.extra["mtp_draft_graphs"]``, every chain proposal as one full CUDA graph
+(:mod:`.mtp_graphs`).
 
 Per request the draft source keeps ``m`` (positions the head has processed) and the target's
 hidden states of the positions after it (:meth:`MTPDraft.observe`, after every target forward;
@@ -19,7 +20,20 @@ processed once the token after it is known:
 - at a verify step (:meth:`MTPDraft.propose`): the positions the last verify accepted, up to the
   last computed one ``c - 1`` (token ``c`` is the pending one), whose output gives draft 1; then
   k - 1 DECODE steps at positions ``c .. c + k - 2``, each fed the previous draft and the head's
-  own output hidden state, into KV slots taken for the chain and freed after it.
+  own output hidden state on the device, into KV slots taken for the chain and freed after it;
+  one device->host copy of the drafts at the end.
+
+Every step of a proposal is a uniform step (the ``uniform_step_metadata`` path of
+``engine/forward_batch.py``, one host->device copy each): the first is a WINDOW of ``W = k + 1``
+rows per request from its first unprocessed position ``m`` (``a = c - m <= W`` valid rows, as
+many as the last verify kept), draft 1 and the next hidden state gathered on the device from row
+``a - 1``. Its rows past ``a`` are masked: KV slot -1 (no K/V stored), the KV pool's padding slot
+in their ``req_to_token`` entries (positions ``c ..``, which hold no computed token and which the
+verify step rewrites before it reads them) and ``kv_indices``; the valid rows never attend to
+them (causal). A proposal whose requests do not fit a window (a span not ending at the pending
+token, ``a > W``, a row past ``max_context_len``) takes the general EXTEND path
+(``window_fallbacks``); so do the prefill chunks' head EXTENDs (``observe``). Draft trees
+(``propose_tree``) use the same window and chain steps eagerly.
 
 Positions the target did not compute for this request (a cached prefix, a forked prompt) keep
 the head's KV that their first computation left (for the last cached position, written with the

@@ -175,8 +175,8 @@ def test_cuda_window_proposals_equal_general_path_with_graphs(dense_checkpoint):
     assert stats["speculative"]["verify_steps"] > 0
 
 
-@pytest.mark.parametrize("compile_", [False, True])
-def test_proposal_graph_body_equals_general_path(checkpoint, compile_):
+@pytest.mark.parametrize("compile_,k", [(False, 1), (False, 3), (True, 3)])
+def test_proposal_graph_body_equals_general_path(checkpoint, compile_, k):
     """The body of the proposal graphs (mtp_graphs.py: every step's metadata staged at once into
     stable buffers, the chain fed on the device), run without a capture: the same proposals as the
     general path, greedy equal to HF's, with the prefix cache and KV pages of 4; every proposal of
@@ -187,10 +187,10 @@ def test_proposal_graph_body_equals_general_path(checkpoint, compile_):
     kw = dict(compile=compile_, page_size=4, enable_prefix_cache=True)
     runs = []
     for graphs in (True, False):
-        engine = _engine(checkpoint, 3, **kw)
+        engine = _engine(checkpoint, k, **kw)
         source = engine.speculative.source
         if graphs:
-            source.graphs = ProposalGraphs(source, 3, (1, 2), capture=False)
+            source.graphs = ProposalGraphs(source, k, (1, 2), capture=False)
         else:
             source.use_window = False
         proposals = record_proposals(engine)

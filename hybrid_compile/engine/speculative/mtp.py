@@ -356,4 +356,5 @@ class MTPDraft:
 
     def close(self) -> None:
         self._states.clear()
+        self.graphs = None  # (its graphs read the packed weights released below)
         self.runner.release_packed_weights()

@@ -43,7 +43,9 @@ its whole proposal every step (its real cost; ``MTPCostReplay``) but the drafts 
 continuation with exactly the first L - 1 right, so every verify step emits L tokens. Each row
 also reports ``draft_ms_per_verify`` (the head's proposal per verify step), ``head_forwards_per_verify``
 and ``draft_ms_per_head_forward`` against ``decode_step_ms`` (one plain decode step at that batch,
-from the baseline) as ``head_forward_vs_decode_step``.
+from the baseline) as ``head_forward_vs_decode_step``. ``--mtp-draft-graphs`` (``--modes graphs``
+only) turns on ``EngineConfig.extra["mtp_draft_graphs"]`` for the MTP engines (each proposal one
+CUDA-graph replay); the rows then report ``mtp_graph_replays`` / ``mtp_graph_fallbacks``.
 Draft trees (``--trees``, e.g. ``2x3x8,2x3x16,4x3x8,4x3x16``: top-k x depth x node budget): per
 tree shape one engine with ``speculative={"method": "custom", "topk": k, "num_draft_tokens": depth,
 "num_tree_nodes": budget}`` whose source is the replay draft's tree form
@@ -234,6 +236,8 @@ def main() -> None:
     ap.add_argument("--accept-lengths", default="2,3,4", help="MTP rows at these fixed acceptance lengths")
     ap.add_argument("--replay-rounds", type=int, default=8,
                     help="at most this many fixed-point rounds for the self-consistent replay continuation")
+    ap.add_argument("--mtp-draft-graphs", action="store_true",
+                    help='MTP engines with extra["mtp_draft_graphs"]: each proposal one CUDA graph (--modes graphs)')
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
     ap.add_argument("--out", default=None)
@@ -389,7 +393,12 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
     batches = sorted(prompts)
     for k in [int(x) for x in args.mtp_draft_tokens.split(",")]:
         spec = hc.SpeculativeConfig(method="mtp", num_draft_tokens=k, mtp_checkpoint=args.mtp_dir)
-        engine = hc.wrap(model, **MODES[mode], **engine_kw, speculative=spec)
+        kw = dict(engine_kw)
+        if args.mtp_draft_graphs:
+            if mode != "graphs":
+                raise SystemExit(f"--mtp-draft-graphs needs --modes graphs (the engine's full CUDA graphs), got {mode}")
+            kw["extra"] = {**engine_kw["extra"], "mtp_draft_graphs": True}
+        engine = hc.wrap(model, **MODES[mode], **kw, speculative=spec)
         head = engine.speculative.source
         run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify and head shapes
         continuations = {}
@@ -411,6 +420,7 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
                 forwards = sum(head.counters[c] - before[c] for c in ("head_extend_steps", "head_decode_steps"))
                 verifies = max(1, r["verify_steps"])
                 decode_ms = 1000.0 * b / baseline[str(b)]["tokens_per_s"]
+                r.update({c: head.counters[c] - before[c] for c in ("mtp_graph_replays", "mtp_graph_fallbacks")})
                 r.update(source=name, k=k, batch=b, speedup=r["tokens_per_s"] / baseline[str(b)]["tokens_per_s"],
                          draft_ms_per_verify=1000.0 * r["draft_seconds"] / verifies,
                          head_forwards_per_verify=forwards / verifies,
@@ -420,7 +430,8 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
                 rows.append(r)
                 print(f"   mtp k={k} {name:>12} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  accept len "
                       f"{r['mean_acceptance_length']:.2f}  head fwd {r['draft_ms_per_head_forward']:.2f} ms "
-                      f"({100 * r['head_forward_vs_decode_step']:.0f}% of a decode step)  {_graphs_note(r)}", flush=True)
+                      f"({100 * r['head_forward_vs_decode_step']:.0f}% of a decode step)  {_graphs_note(r)}  proposal graphs "
+                      f"{r['mtp_graph_replays']} fallbacks {r['mtp_graph_fallbacks']}", flush=True)
         engine.speculative.use_source(head, "mtp", close_previous=False)  # (engine.close closes the head)
         engine.close()
         del engine

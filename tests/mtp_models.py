@@ -271,4 +271,6 @@ def assert_chain_drafts_equal_reference(engine, prompts: list[list[int]], new: i
     spec = engine.stats()["speculative"]
     assert spec["method"] == "mtp" and spec["drafted"] == k * spec["verified_requests"]
     assert spec["draft_source"]["head_decode_steps"] > 0
+    # every proposal's first head step a uniform window (engine/speculative/mtp.py)
+    assert spec["draft_source"]["window_steps"] > 0 and spec["draft_source"]["window_fallbacks"] == 0
     return got

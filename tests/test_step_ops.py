@@ -34,9 +34,10 @@ PADDING_SLOT = 0
 # --------------------------------------------------------------------------------------------
 
 
-def _step(kinds, steps, *, width=48, num_rows=9, seed=0, device="cpu", ids_on_device=0):
+def _step(kinds, steps, *, width=48, num_rows=9, seed=0, device="cpu", ids_on_device=0, masked=0):
     """(args of the op, req_to_token) for requests described by ``kinds``: a cached length per
-    real request, None per padding request."""
+    real request, None per padding request; ``masked``: each real request's last tokens of KV slot
+    -1 (an MTP head's window)."""
     g = torch.Generator().manual_seed(seed)
     req_to_token = torch.randint(1, 10_000, (num_rows, width), generator=g, dtype=torch.int32)
     slots = torch.randperm(num_rows, generator=g).tolist()
@@ -47,6 +48,7 @@ def _step(kinds, steps, *, width=48, num_rows=9, seed=0, device="cpu", ids_on_de
             start += steps
             continue
         kv = torch.randint(1, 10_000, (steps,), generator=g).tolist()
+        kv[steps - masked:] = [-1] * masked
         ids = torch.randint(0, 500, (steps,), generator=g).tolist()
         rows.append(md_ops.staged_row(slots[i], prefix, start, int(torch.randint(0, 7, (1,), generator=g)),
                                       prefix + 1, kv, ids))
@@ -87,7 +89,7 @@ def _literal(staged, ids_src, steps, padding_slot, req_to_token, *outputs):
         assert len(kv) == start
         if slot >= 0:
             for j in range(steps):
-                r2t[slot, p + j] = new[j]
+                r2t[slot, p + j] = new[j] if new[j] >= 0 else padding_slot  # a masked token
             kv += r2t[slot, : p + steps].tolist()
         else:
             kv += [padding_slot] * steps
@@ -242,6 +244,21 @@ def test_argmax_rows_opcheck():
 
 # --------------------------------------------------------------------------------------------
 # GPU: the registered CUDA kernels at model shapes
+@pytest.mark.parametrize("impl", ["op", "triton"])
+def test_uniform_step_metadata_masked_tokens_get_the_padding_slot(impl):
+    """A real request's tokens of KV slot -1 (an MTP head's window rows past the valid ones): K/V
+    not stored (out_cache_loc -1), the padding slot in req_to_token and kv_indices, never -1."""
+    args = _step([3, None, 0, 6], 4, ids_on_device=0, masked=2)
+    want_r2t, want = _literal(*args)
+    (ops.uniform_step_metadata if impl == "op" else tmeta.uniform_step_metadata_triton)(*args)
+    _assert_written(args, want_r2t, want)
+    staged, r2t, ocl, kv = args[0], args[4], args[7], args[-1]
+    assert ocl.view(4, 4)[:, 2:].eq(-1).all()
+    for slot, p in ((int(staged[0, 0]), 3), (int(staged[3, 0]), 6)):
+        assert r2t[slot, p + 2: p + 4].eq(PADDING_SLOT).all()
+    assert kv[: len(want[-1])].ge(0).all()
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -249,9 +266,10 @@ def test_argmax_rows_opcheck():
 @pytest.mark.smoke
 def test_cuda_uniform_step_metadata_at_serving_shapes():
     g = torch.Generator().manual_seed(3)
-    for steps, R in ((1, 1), (1, 64), (4, 16)):
+    for steps, R, masked in ((1, 1, 0), (1, 64, 0), (4, 16, 0), (4, 16, 3)):
         kinds = [int(torch.randint(0, 3000, (1,), generator=g)) for _ in range(R - 2)] + [None, None] if R > 2 else [2000]
-        args = _step(kinds, steps, width=4096, num_rows=80, device="cuda", ids_on_device=R // 2)
+        args = _step(kinds, steps, width=4096, num_rows=80, device="cuda", ids_on_device=0 if masked else R // 2,
+                     masked=masked)
         want_r2t, want = _literal(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
         ops.uniform_step_metadata(*args)
         torch.cuda.synchronize()

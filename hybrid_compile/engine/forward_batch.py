@@ -238,26 +238,10 @@ class ForwardBatchBuilder:
         if graph is not None and (b > graph.batch_size or graph.tokens_per_request != steps or graph.mode is not mode):
             raise ValueError(f"build metadata: a {mode.value} step of {b} requests of {steps} tokens does not fit the "
                              f"full graph {graph}")
-        prefix = batch.prefix_lens
-        req_slots = [r.req_slot for r in reqs]
-        out_cache_loc = batch.out_cache_loc.tolist()
-        r2t = self.pools.req_to_token
-        for j in range(steps):  # checks and the host mirror; the op writes the device map
-            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], out_cache_loc[j::steps], write_device=False)
-        rows, start = [], 0
-        for i, (r, p) in enumerate(zip(reqs, prefix)):
-            if device_ids is not None:
-                ids = [0] * steps
-            else:
-                ids = r.token_ids(p, p + 1) + (list(drafts[i]) if drafts is not None else [])
-            rows.append(md_ops.staged_row(r.req_slot, p, start, r.mamba_slot, len(r.prompt),
-                                          out_cache_loc[i * steps: (i + 1) * steps], ids))
-            start += p + steps
-        seq = [p + steps for p in prefix]
-        total = start
+        rows, total = self.stage_uniform(batch, steps, drafts, device_ids is not None,
+                                         graph.batch_size if graph is not None else None)
         if graph is not None:
             buffers = buffers if buffers is not None else self.full_graphs.buffers
-            rows += md_ops.padding_rows(start, graph.batch_size - b, steps)
             outputs = buffers.outputs(graph)
         else:
             outputs = self._uniform_outputs(b, steps, total)
@@ -265,8 +249,8 @@ class ForwardBatchBuilder:
         if self.device.type == "cuda":
             host = host.pin_memory()
         torch.ops.hybrid_compile.uniform_step_metadata(
-            host.to(self.device, non_blocking=True), device_ids, steps, self.pools.kv.PADDING_SLOT, r2t.req_to_token,
-            *outputs)
+            host.to(self.device, non_blocking=True), device_ids, steps, self.pools.kv.PADDING_SLOT,
+            self.pools.req_to_token.req_to_token, *outputs)
         input_ids, positions, out_cache_loc_d, logits_indices, qsl, seq_d, prefix_d, prompt_d, mamba_d, initial, \
             kv_indptr, kv_indices = outputs
         md = ForwardMetadata(
@@ -282,12 +266,45 @@ class ForwardBatchBuilder:
             kv_indices=kv_indices[:total],
             logits_indices=logits_indices[:n],
             extend_lens_cpu=[steps] * b,
-            seq_lens_cpu=seq,
+            seq_lens_cpu=[p + steps for p in batch.prefix_lens],
             draft_len=steps if mode is ForwardMode.TARGET_VERIFY else 0,
             prompt_lens=prompt_d[:b],
             graph_key=graph,
         )
         return input_ids[:n], md
+
+    def stage_uniform(self, batch: ScheduledBatch, steps: int, drafts: list[list[int]] | None, device_ids: bool,
+                      pad_to: int | None = None) -> tuple[list[list[int]], int]:
+        """The staged rows (``ops.metadata``) of a uniform step of ``batch`` (:meth:`build_uniform`;
+        ``device_ids``: its ids come from the device, staged as 0), padding rows up to ``pad_to``
+        requests; the host mirror of the step's
+        ``req_to_token`` entries is written (the op writes the device map). Returns (rows, the
+        ``kv_indices`` entry after the step's requests)."""
+        reqs = batch.requests
+        b = len(reqs)
+        prefix = batch.prefix_lens
+        req_slots = [r.req_slot for r in reqs]
+        out_cache_loc = batch.out_cache_loc.tolist()
+        r2t = self.pools.req_to_token
+        if min(out_cache_loc, default=0) < 0:  # masked tokens (an MTP head's window): the padding slot
+            pad = self.pools.kv.PADDING_SLOT
+            entries = [pad if s < 0 else s for s in out_cache_loc]
+        else:
+            entries = out_cache_loc
+        for j in range(steps):  # checks and the host mirror; the op writes the device map
+            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], entries[j::steps], write_device=False)
+        rows, start = [], 0
+        for i, (r, p) in enumerate(zip(reqs, prefix)):
+            if device_ids:
+                ids = [0] * steps
+            else:
+                ids = r.token_ids(p, p + 1) + (list(drafts[i]) if drafts is not None else [])
+            rows.append(md_ops.staged_row(r.req_slot, p, start, r.mamba_slot, len(r.prompt),
+                                          out_cache_loc[i * steps: (i + 1) * steps], ids))
+            start += p + steps
+        if pad_to is not None:
+            rows += md_ops.padding_rows(start, pad_to - b, steps)
+        return rows, start
 
     def _uniform_outputs(self, b: int, steps: int, total: int) -> tuple[torch.Tensor, ...]:
         """Fresh device tensors for the ``uniform_step_metadata`` outputs of ``b`` requests of

@@ -223,7 +223,15 @@ class ModelRunner:
         forward, ``extra_inputs``)."""
         if len(extra) != len(self._extra_specs):
             raise ValueError(f"forward: this runner's model takes {len(self._extra_specs)} extra input(s), got {len(extra)}")
-        input_ids, md = self.build_metadata(batch, input_ids)
+        return self.forward_built(*self.build_metadata(batch, input_ids), extra=extra)
+
+    @torch.inference_mode()
+    def forward_built(self, input_ids: torch.Tensor, md: ForwardMetadata, extra: tuple = ()) -> torch.Tensor:
+        """:meth:`forward` of a step whose forward batch is already built (``build_metadata``, or
+        ``batch_builder.build_uniform`` for a uniform EXTEND step: an MTP head's window); returns the
+        logits at ``md.logits_indices`` (at most the batch size of rows through piecewise graphs)."""
+        if len(extra) != len(self._extra_specs):
+            raise ValueError(f"forward: this runner's model takes {len(self._extra_specs)} extra input(s), got {len(extra)}")
         n = md.num_tokens
         if not self.compiled:
             with forward_context(ForwardContext(md, self.kv_caches, self.mamba_caches)):

@@ -14,7 +14,9 @@ Staged row of request ``r`` (``STAGED_COLUMNS`` then ``steps`` KV slots then ``s
 ids): its ``req_to_token`` row (-1: a padding request), its cached length ``p`` (0 for padding),
 its first entry in ``kv_indices`` (``kv_indptr[r]``; row 0 starts at 0), its Mamba slot (-1
 for padding), its prompt length, the KV slot of each new token (-1 for padding: no K/V is
-stored), and the new tokens' ids.
+stored), and the new tokens' ids. A real request's token may be masked too (KV slot -1: its K/V
+not stored, the padding slot in its ``req_to_token`` entry and ``kv_indices``; an MTP head's
+window, ``engine/speculative/mtp.py``): tokens after it in the request must not be attended to.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def uniform_step_metadata(
         steps: new tokens per request.
         padding_slot: the KV pool's padding slot, the ``kv_indices`` of a padding request.
         req_to_token: ``[num_requests, max_context_len]`` int32; **mutated**: request ``r``'s
-            entries ``p .. p + steps - 1`` become its new tokens' KV slots.
+            entries ``p .. p + steps - 1`` become its new tokens' KV slots (``padding_slot``
+            for a masked token, staged slot -1).
 
     Written (``mutated``; ``n = R * steps``, ``t = r * steps + j``):
         input_ids ``[n]`` int64 (``ids_src`` then the staged ids); positions ``[n]`` int64
@@ -195,7 +198,9 @@ def uniform_step_metadata(
     torch.gt(prefix, 0, out=has_initial_state)
     real = slot >= 0
     positions_2d = positions.view(rows, steps)
-    req_to_token[slot[real, None], positions_2d[real]] = new_slots[real].to(req_to_token.dtype)
+    # a real request's masked token (KV slot -1: not stored) gets the padding slot, never -1
+    entries = torch.where(new_slots >= 0, new_slots, padding_slot)
+    req_to_token[slot[real, None], positions_2d[real]] = entries[real].to(req_to_token.dtype)
     # every token of every request: req_to_token row entries 0 .. seq-1 (the new ones written above)
     total = int(start[-1] + seq[-1])
     owner = torch.repeat_interleave(torch.arange(rows, device=dev), seq, output_size=total)

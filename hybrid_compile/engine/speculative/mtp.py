@@ -6,8 +6,9 @@ and predicts token ``i + 2``. Its attention layer is one more layer of the targe
 its KV of position ``i`` lives in the KV slot of the target's token ``i`` (a cached prefix brings
 it along, rejected drafts free it with the target's) and its forwards reuse the target's
 ``req_to_token`` map; it runs through its own :class:`~hybrid_compile.engine.runner.ModelRunner`
-(compiled as the target is; piecewise CUDA graphs, no full graphs: its hidden-state input has no
-stable buffer).
+(compiled as the target is; piecewise CUDA graphs), or, with
+``EngineConfig.extra["mtp_draft_graphs"]``, every chain proposal as one full CUDA graph
+(:mod:`.mtp_graphs`).
 
 Per request the draft source keeps ``m`` (positions the head has processed) and the target's
 hidden states of the positions after it (:meth:`MTPDraft.observe`, after every target forward;
@@ -19,7 +20,20 @@ processed once the token after it is known:
 - at a verify step (:meth:`MTPDraft.propose`): the positions the last verify accepted, up to the
   last computed one ``c - 1`` (token ``c`` is the pending one), whose output gives draft 1; then
   k - 1 DECODE steps at positions ``c .. c + k - 2``, each fed the previous draft and the head's
-  own output hidden state, into KV slots taken for the chain and freed after it.
+  own output hidden state on the device, into KV slots taken for the chain and freed after it;
+  one device->host copy of the drafts at the end.
+
+Every step of a proposal is a uniform step (the ``uniform_step_metadata`` path of
+``engine/forward_batch.py``, one host->device copy each): the first is a WINDOW of ``W = k + 1``
+rows per request from its first unprocessed position ``m`` (``a = c - m <= W`` valid rows, as
+many as the last verify kept), draft 1 and the next hidden state gathered on the device from row
+``a - 1``. Its rows past ``a`` are masked: KV slot -1 (no K/V stored), the KV pool's padding slot
+in their ``req_to_token`` entries (positions ``c ..``, which hold no computed token and which the
+verify step rewrites before it reads them) and ``kv_indices``; the valid rows never attend to
+them (causal). A proposal whose requests do not fit a window (a span not ending at the pending
+token, ``a > W``, a row past ``max_context_len``) takes the general EXTEND path
+(``window_fallbacks``); so do the prefill chunks' head EXTENDs (``observe``). Draft trees
+(``propose_tree``) use the same window and chain steps eagerly.
 
 Positions the target did not compute for this request (a cached prefix, a forked prompt) keep
 the head's KV that their first computation left (for the last cached position, written with the
@@ -37,7 +51,9 @@ from ...layers.context import ForwardMode
 from ..request import Request
 from ..runner import ModelRunner
 from ..scheduler import ScheduledBatch
+from ...compilation import cuda_graphs as cg
 from .config import DraftTarget
+from .mtp_graphs import ProposalGraphs, resolve_option
 from .tree import DraftTree, candidate_rows, pick_next, tree_from_topk_chain
 
 if TYPE_CHECKING:
@@ -108,7 +124,17 @@ class MTPDraft:
             head, target.pools, target.device, dataclasses.replace(cfg, cuda_graphs="piecewise" if piecewise else False),
             forward_fn=mtp_forward, extra_inputs=(((hidden_size,), target.dtype),))
         self._states: dict[int, _State] = {}
-        self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0)
+        self.counters = dict(head_extend_steps=0, head_decode_steps=0, head_tokens=0, chains_cut=0, window_steps=0,
+                             window_fallbacks=0, mtp_graph_replays=0, mtp_graph_eager_runs=0, mtp_graph_fallbacks=0)
+        # proposals run their first head forward as a uniform window step (module docstring); False:
+        # the general EXTEND path for every proposal (the tests compare the two)
+        self.use_window = True
+        # EngineConfig.extra["mtp_draft_graphs"]: full CUDA graphs of whole chain proposals (mtp_graphs.py)
+        self.graphs: ProposalGraphs | None = None
+        if resolve_option(cfg, target.device):
+            self.graphs = ProposalGraphs(self, cfg.speculative.num_draft_tokens,
+                                         cfg.cuda_graph_batch_sizes or cg.default_decode_batch_sizes(cfg.max_running_requests),
+                                         capture=True)
 
     # -- the target's hidden states ---------------------------------------------------------------
     def observe(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
@@ -147,6 +173,11 @@ class MTPDraft:
         logits = self.runner.forward(batch, extra=(hidden,))
         last = torch.tensor(lens).cumsum(0) - 1
         out_hidden = self.runner.hidden_states[last.to(self.runner.hidden_states.device)]
+        self._processed(spans, lens)
+        return reqs, logits, out_hidden
+
+    def _processed(self, spans: list[tuple[Request, int, int]], lens: list[int]) -> None:
+        """Positions ``[m, end)`` of each span are processed: the state moves past them."""
         for r, _, end in spans:
             st = self._states[r.rid]
             st.m = end
@@ -155,7 +186,86 @@ class MTPDraft:
         c = self.counters
         c["head_extend_steps"] += 1
         c["head_tokens"] += sum(lens)
-        return reqs, logits, out_hidden
+
+    def _window(self, requests: list[Request], window: int) -> tuple | None:
+        """The window step of a proposal (:meth:`_advance_window`) on the host: ``(spans, batch,
+        ids after each request's first, hidden-state rows, valid rows per request)``; None unless
+        every request's span ends at its pending token (``end = num_computed``: the masked rows'
+        positions hold no computed token) and fits the window and its ``req_to_token`` row."""
+        spans = [(r, *self._span(r)) for r in requests]
+        spans = [(r, m, end) for r, m, end in spans if end > m]
+        width = self.target.pools.req_to_token.max_context_len
+        if not spans or any(end != r.num_computed or end - m > window or m + window > width for r, m, end in spans):
+            return None
+        lens = [end - m for _, m, end in spans]
+        ids, slots, hidden = [], [], []
+        for r, m, end in spans:
+            a = end - m
+            # token i + 1 feeds position i: the window's ids after its first (build_uniform's "drafts")
+            ids.append(r.token_ids(m + 2, end + 1) + [0] * (window - a))
+            # masked rows: K/V not stored (slot -1), the padding slot in their req_to_token entries
+            # (rewritten by the verify step before any token there is computed): no live slot
+            slots += r.kv_slots[m:end].tolist() + [-1] * (window - a)
+            st = self._states[r.rid]
+            rows = st.hidden[m - st.start: end - st.start]
+            hidden += [rows, rows.new_zeros(window - a, rows.shape[1])] if a < window else [rows]
+        batch = ScheduledBatch([_Shifted(r) for r, _, _ in spans], [m for _, m, _ in spans], [window] * len(spans),
+                               torch.tensor(slots, dtype=torch.int64), ForwardMode.EXTEND)
+        return spans, batch, ids, hidden, lens
+
+    @torch.inference_mode()
+    def _advance_window(self, requests: list[Request], window: int) -> tuple[list[Request], torch.Tensor, torch.Tensor] | None:
+        """:meth:`_advance` of a proposal as a uniform step (module docstring): ``window`` rows per
+        request from its first unprocessed position ``m``, the ``a = end - m`` valid ones first and
+        the rest masked. None (the caller takes the general path, counted in ``window_fallbacks``)
+        where :meth:`_window` has none."""
+        step = self._window(requests, window)
+        if step is None:
+            if any(end > m for m, end in map(self._span, requests)):
+                self.counters["window_fallbacks"] += 1
+            return None
+        spans, batch, ids, hidden, lens = step
+        builder = self.runner.batch_builder
+        input_ids, md = builder.build_uniform(batch, ForwardMode.EXTEND, window, ids, None)
+        # logits and the next hidden state of row a - 1 of each request (the one small extra copy)
+        last = torch.tensor([i * window + a - 1 for i, a in enumerate(lens)], dtype=torch.int64)
+        md.logits_indices = last.to(builder.device, non_blocking=True)
+        logits = self.runner.forward_built(input_ids, md, extra=(torch.cat(hidden),))
+        out_hidden = self.runner.hidden_states[md.logits_indices]
+        self._processed(spans, lens)
+        self.counters["window_steps"] += 1
+        return [r for r, _, _ in spans], logits, out_hidden
+
+    @torch.inference_mode()
+    def _propose_graph(self, requests: list[Request], k: int) -> list[list[int]] | None:
+        """A chain proposal through the proposal graphs (:mod:`.mtp_graphs`); None where they do
+        not fit it (counted in ``mtp_graph_fallbacks``: the eager window path runs it)."""
+        graphs = self.graphs
+        step = self._window(requests, k + 1) if k == graphs.k else None
+        if step is None or graphs.bucket(len(step[0])) is None:
+            self.counters["mtp_graph_fallbacks"] += 1
+            return None
+        spans, batch, ids, hidden, lens = step
+        reqs = [r for r, _, _ in spans]
+        slots = self._chain_slots(reqs, k - 1) if k > 1 else torch.zeros(0, dtype=torch.int64)
+        if slots is None:
+            self.counters["mtp_graph_fallbacks"] += 1
+            return None
+        try:
+            per_request = slots.view(len(reqs), k - 1)
+            chain = [ScheduledBatch(batch.requests, [r.num_computed + j for r in reqs], [1] * len(reqs),
+                                    per_request[:, j].contiguous(), ForwardMode.DECODE) for j in range(k - 1)]
+            rows = graphs.propose(batch, ids, hidden, lens, chain)
+        finally:
+            if slots.numel():
+                self.target.pools.kv.allocator.free(slots)
+        self._processed(spans, lens)
+        c = self.counters
+        c["window_steps"] += 1
+        c["head_decode_steps"] += k - 1
+        c["mtp_graph_replays" if graphs.capture else "mtp_graph_eager_runs"] += 1
+        by_rid = {r.rid: row for r, row in zip(reqs, rows)}
+        return [by_rid.get(r.rid, []) for r in requests]
 
     # -- proposals --------------------------------------------------------------------------------
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
@@ -179,7 +289,13 @@ class MTPDraft:
             st = self._states.get(r.rid)
             if st is not None and st.hidden is not None:
                 st.m = max(min(st.m, r.num_computed - 1), st.start)
-        advanced = self._advance(requests)
+        if self.graphs is not None and topk == 1 and self.use_window:
+            rows = self._propose_graph(requests, k)
+            if rows is not None:
+                return rows, {}
+        advanced = self._advance_window(requests, k + 1) if self.use_window else None
+        if advanced is None:
+            advanced = self._advance(requests)
         if advanced is None:
             return [[] for _ in requests], {}
         reqs, logits, hidden = advanced
@@ -200,8 +316,7 @@ class MTPDraft:
         allocator = self.target.pools.kv.allocator
         b = len(reqs)
         prefix = [r.num_computed for r in reqs]
-        last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)
-        slots = allocator.alloc_extend(prefix, [steps] * b, last)
+        slots = self._chain_slots(reqs, steps)
         if slots is None:
             self.counters["chains_cut"] += 1
             return []
@@ -223,13 +338,23 @@ class MTPDraft:
             allocator.free(slots)
         return out
 
+    def _chain_slots(self, reqs: list[Request], steps: int) -> torch.Tensor | None:
+        """KV slots of ``steps`` chain positions per request from its pending token on (request-major),
+        or None when the pool has too few."""
+        last = torch.tensor([int(r.kv_slots[r.num_computed - 1]) for r in reqs], dtype=torch.int64)
+        return self.target.pools.kv.allocator.alloc_extend([r.num_computed for r in reqs], [steps] * len(reqs), last)
+
     def release(self, rid: int) -> None:
         self._states.pop(rid, None)
 
     def pools_resized(self) -> None:
-        """Elastic pools resized the target's pools, which hold the head's KV: its views again."""
+        """Elastic pools resized the target's pools, which hold the head's KV: its views again (and
+        the proposal graphs over them)."""
         self.runner.refresh_pool_views()
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.recapture()
 
     def close(self) -> None:
         self._states.clear()
+        self.graphs = None  # (its graphs read the packed weights released below)
         self.runner.release_packed_weights()

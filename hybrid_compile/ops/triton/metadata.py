@@ -66,13 +66,15 @@ def _uniform_step_metadata_kernel(
     # (padding rows have prefix 0 and touch no row)
     r2t_row = r2t_ptr + tl.maximum(slot, 0) * stride_r2t
     # (the mask a block: Triton's interpreter rejects a block & scalar mask)
-    tl.store(r2t_row + prefix + j, new_slots.to(tl.int32), mask=jm & (j * 0 + slot >= 0))
+    # a real request's masked token (KV slot -1: K/V not stored) maps to the padding slot
+    entries = tl.where(real & (new_slots >= 0), new_slots, padding_slot).to(tl.int32)
+    tl.store(r2t_row + prefix + j, entries, mask=jm & (j * 0 + slot >= 0))
     kv_row = kvi_ptr + start
     for k0 in range(0, prefix, BLOCK_KV):
         k = k0 + tl.arange(0, BLOCK_KV)
         km = k < prefix
         tl.store(kv_row + k, tl.load(r2t_row + k, mask=km), mask=km)
-    tl.store(kv_row + prefix + j, tl.where(real, new_slots, padding_slot).to(tl.int32), mask=jm)
+    tl.store(kv_row + prefix + j, entries, mask=jm)
 
 
 def uniform_step_metadata_triton(

@@ -465,6 +465,17 @@ def test_collectives_trace_into_one_graph(tmp_path):
     assert got == {m: dict(reduce=True, gather=True) for m in ("eager", "compiled")}, got
 
 
+def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
+    """Draft-model and MTP drafts under tensor parallelism: one clear error naming the method, raised
+    before any rank process starts."""
+    d = checkpoints["qwen3_next_dense"]["dir"]
+    spec = dict(method="draft_model", draft_model=checkpoints["qwen3_next_dense"]["model"], num_draft_tokens=2)
+    with pytest.raises(ValueError, match="'draft_model' with tensor_parallel_size=2 is not supported"):
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative=spec)
+    with pytest.raises(ValueError, match="'mtp' with tensor_parallel_size=2 is not supported"):
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative={"method": "mtp", "num_draft_tokens": 2})
+
+
 def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     d = checkpoints["qwen3_next_moe"]["dir"]  # 2 linear key heads
     with pytest.raises(ShardingError, match="linear_num_key_heads=2.*does not divide by 4"):

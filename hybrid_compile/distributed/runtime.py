@@ -130,6 +130,12 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
             "would run on rank 0 alone); use method 'ngram'"
         )
+    if spec is not None and spec.method == "mtp":
+        raise ValueError(
+            f"speculative method 'mtp' with tensor_parallel_size={size} is not supported: the MTP head's mtp.* "
+            "tensors are read whole, not sharded over the ranks like the model's layers; use method 'ngram', or "
+            "serve the model on one GPU"
+        )
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
     full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))

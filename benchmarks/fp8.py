@@ -2,6 +2,7 @@
 
     python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
     python benchmarks/fp8.py --no-engines              # only the kernel table
+    python benchmarks/fp8.py --modes fp8               # only the FP8 engine (the model quantized first)
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
@@ -21,7 +22,9 @@ the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quan
 (quantization not included: the strongest baseline torch offers on every supported version) and
 bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON
 after each part (an out-of-memory kernel table is recorded as such; ``--no-engines`` runs only the
-kernel table, in a process of its own).
+kernel table, in a process of its own). ``memory_gib``: what the caching allocator holds (allocated /
+reserved) after the build, the quantization and each engine's close (Dynamo's code cache is reset
+after each close), the memory the next engine's budget sees.
 
 ``--sweep``: the decode kernels at the model's shapes, to pick the defaults in one GPU run (a few
 minutes, most of it Triton compiling the grid). Dense projections (:data:`LINEAR_SHAPES`) at 1, 2,
@@ -398,7 +401,14 @@ def main(argv=None) -> int:
                                                  "fp8_sweep.json with --sweep)")
     p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
     p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
+    p.add_argument("--modes", default="bf16,fp8",
+                   help="engines to run, in order, from bf16,fp8 (fp8 alone: the model is quantized first)")
     args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"bf16", "fp8"} or modes == ["fp8", "bf16"]:
+        p.error(f"--modes must be bf16, fp8 or bf16,fp8 (the model is quantized in place), got {args.modes!r}")
+    if (args.sweep or args.no_engines) and args.modes != "bf16,fp8":
+        p.error("--modes picks the engines: it does not apply to --sweep or --no-engines")
     if args.out is None:
         args.out = "benchmarks/results/fp8_sweep.json" if args.sweep else "benchmarks/results/fp8.json"
     if args.sweep:
@@ -440,7 +450,17 @@ def main(argv=None) -> int:
     def save() -> None:  # after each part: a later failure (out of memory, a time limit) keeps the rest
         out.write_text(json.dumps(results, indent=2))
 
-    for mode in ("bf16", "fp8"):
+    memory = results["memory_gib"] = {}
+
+    def note_memory(when: str) -> None:  # what the caching allocator holds: the next engine's budget sees it
+        if device.type == "cuda":
+            memory[when] = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
+                            "reserved": torch.cuda.memory_reserved(device) / 2**30}
+            print(f"memory {when}: {memory[when]['allocated']:.2f} GiB allocated, "
+                  f"{memory[when]['reserved']:.2f} GiB reserved", flush=True)
+
+    note_memory("model built")
+    for mode in modes:
         if mode == "fp8":
             t = time.perf_counter()
             quantize_model(model)
@@ -451,6 +471,7 @@ def main(argv=None) -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
             env["quantize_seconds"] = time.perf_counter() - t
+            note_memory("quantized")
         fp8_bytes, other = fp8_weight_bytes(model)
         print(f"{mode}: weights {(fp8_bytes + other) / 2**30:.2f} GiB", flush=True)
         t = time.perf_counter()
@@ -460,14 +481,18 @@ def main(argv=None) -> int:
                          **measure_engine(engine, config.vocab_size, decode_batches, steps, prefill_lens, device)}
         engine.close()
         del engine
+        # the closed engine's compiled code (and what it holds) goes too, before the next engine
+        # measures its memory budget
+        torch._dynamo.reset()
         save()
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-    for b in decode_batches:
+        note_memory(f"{mode} engine closed")
+    for b in decode_batches if len(modes) == 2 else ():
         r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results["fp8"]["decode"][str(b)]["ms_per_step"]
         print(f"decode batch {b}: FP8 {r:.2f}x bf16")
-    for n in prefill_lens:
+    for n in prefill_lens if len(modes) == 2 else ():
         r = results["bf16"]["prefill"][str(n)]["seconds"] / results["fp8"]["prefill"][str(n)]["seconds"]
         print(f"prefill {n}: FP8 {r:.2f}x bf16")
     if device.type == "cuda" and not args.no_kernels:

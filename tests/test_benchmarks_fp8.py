@@ -28,6 +28,19 @@ def test_tiny_cpu_run(tmp_path):
     assert "FP8" in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
 
 
+def test_tiny_cpu_run_fp8_engine_alone(tmp_path):
+    """``--modes fp8``: the model quantized first, only the FP8 engine measured; a bad list refused."""
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tiny", "--device", "cpu", "--modes", "fp8",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert "bf16" not in run and set(run["fp8"]["decode"]) == {"1", "2"} and run["env"]["quantize_seconds"] >= 0
+    bad = subprocess.run(cmd[:-2] + ["--modes", "fp8,bf16"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--modes must be" in bad.stderr
+
+
 def test_fp8_state_accuracy_tiny_cpu_run(tmp_path):
     """benchmarks/fp8_state_accuracy.py --tiny: every mode teacher-forced on the reference's tokens;
     the fp8 state is further from the fp32-state engine than the bf16 state, and its pools smaller."""

@@ -13,7 +13,7 @@ import torch
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import fp8
 from hybrid_compile.ops.triton import fp8 as tfp8
-from op_testing import compile_and_compare, opcheck_fp8_inputs, run_opcheck
+from op_testing import compile_and_compare, fp8_linear_then_experts_graph, opcheck_fp8_inputs, run_opcheck
 
 INTERPRETER_ONLY = True
 
@@ -162,10 +162,12 @@ def test_op_argument_errors():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 100), (5, 160, 256), (66, 48, 130)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 100), (9, 160, 256), (66, 48, 130)])
 def test_linear_kernel_matches_op(m, n, k):
-    """1 row: the GEMV kernel; 5 and 66 rows (and any explicit tile config): the quantize kernel + the
-    tensor-core GEMM, also with the activation quantized inside the GEMM (``quant_in_gemm``)."""
+    """1 row: the GEMV kernel; 9 rows (the decode tiles) and 66 (and any explicit tile config): the
+    quantize kernel + the tensor-core GEMM, also with the activation quantized inside the GEMM
+    (``quant_in_gemm``)."""
+    assert tfp8.use_gemv(m) == (m == 1)
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k + 8, generator=g)[:, 4 : 4 + k]  # strided
     q, s = fp8.quantize_weight_blocks(torch.randn(n, k, generator=g) / k ** 0.5)
@@ -184,7 +186,9 @@ def test_linear_kernel_matches_op(m, n, k):
 
 @pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9]])
 def test_grouped_kernel_matches_op(counts):
-    """Empty experts, experts spanning several row tiles, both activation paths (4 and 69 rows)."""
+    """Empty experts, experts spanning several row tiles, the GEMV (4 rows over 4 experts) and the
+    tensor-core path (69 rows)."""
+    assert tfp8.use_gemv(sum(counts), len(counts)) == (sum(counts) == 4)
     k, n = 160, 48
     q, s = fp8.quantize_weight_blocks(torch.randn(4, n, k) / k ** 0.5)
     x = torch.randn(sum(counts), k)
@@ -240,7 +244,7 @@ QWEN3_NEXT_LINEARS = [(12288, 2048), pytest.param(2048, 4096, marks=pytest.mark.
 def test_cuda_linear_at_model_shapes(n, k):
     torch.manual_seed(0)
     q, s = fp8.quantize_weight_blocks(torch.randn(n, k, device="cuda") / k ** 0.5)
-    for m in (1, 16, 64, 65, 512):  # decode path (quantized in the GEMM) and the prefill path
+    for m in (1, 16, 64, 65, 512):  # the GEMV, the tensor cores' decode tiles and the prefill tiles
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         expected = fp8.reference_block_linear(x.float(), q, s)
         torch.testing.assert_close(ops.fp8_block_linear(x, q, s).float(), expected, rtol=2e-2, atol=2e-2,
@@ -291,22 +295,9 @@ def test_cuda_quantize_op_at_model_shapes():
 @pytest.mark.gpu
 @pytest.mark.smoke
 def test_cuda_ops_in_a_cuda_graph():
-    torch.manual_seed(0)
-    q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)
-    qe, se = fp8.quantize_weight_blocks(torch.randn(8, 256, 2048, device="cuda") / 45)
-    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
-    off = torch.tensor([0, 1, 1, 3, 3, 3, 3, 4, 4], device="cuda")
-
-    def step():
-        return ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    x.copy_(torch.randn_like(x))
-    off.copy_(torch.tensor([0, 0, 2, 2, 2, 3, 3, 3, 4], device="cuda"))  # routing changes between replays
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    """The tensor-core decode path of both ops (24 rows over 8 experts: above the GEMV's rows)
+    replayed from a CUDA graph, the activation and the routing changed between replays."""
+    assert not tfp8.use_gemv(24) and not tfp8.use_gemv(24, 8)
+    off, new_off = [0, 3, 3, 9, 9, 9, 9, 24, 24], [0, 0, 6, 6, 6, 9, 9, 9, 24]  # routing changes between replays
+    out, eager, _ = fp8_linear_then_experts_graph(24, off, new_off)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)

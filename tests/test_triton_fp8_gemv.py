@@ -14,7 +14,7 @@ import torch
 import hybrid_compile  # noqa: F401
 from hybrid_compile.ops import fp8
 from hybrid_compile.ops.triton import fp8 as tfp8
-from op_testing import opcheck_fp8_inputs
+from op_testing import fp8_linear_then_experts_graph, opcheck_fp8_inputs
 
 INTERPRETER_ONLY = True
 
@@ -182,25 +182,10 @@ def test_cuda_grouped_gemv_at_expert_shapes(tokens):
 def test_cuda_gemv_in_a_cuda_graph():
     """Dense then grouped GEMV replayed from a CUDA graph (programmatic dependent launches on Hopper),
     the activation and the routing changed between replays."""
-    torch.manual_seed(0)
-    q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)
-    qe, se = fp8.quantize_weight_blocks(torch.randn(8, 256, 2048, device="cuda") / 45)
-    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
-    off = torch.tensor([0, 1, 1, 2, 2, 2, 2, 2, 2], device="cuda")
-
-    def step():
-        return ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    x.copy_(torch.randn_like(x))
-    off.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 0, 2, 2], device="cuda"))
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    assert tfp8.use_gemv(2) and tfp8.use_gemv(2, 8)
+    out, eager, (x, q, s, qe, se, off) = fp8_linear_then_experts_graph(
+        2, [0, 1, 1, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 2, 2])
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
     h = fp8.reference_block_linear(x.float(), q, s).to(torch.bfloat16)
     want = fp8.reference_grouped_linear(h.float(), qe, se, off)
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)

@@ -169,7 +169,7 @@ class ProposalGraphs:
     def propose(self, window_batch: ScheduledBatch, ids: list[list[int]], hidden_rows: list[torch.Tensor],
                 lens: list[int], chain: list[ScheduledBatch]) -> list[list[int]]:
         """The drafts ``[b][k]`` of a proposal: ``window_batch`` / ``ids`` / ``hidden_rows`` / ``lens``
-        the window step (:meth:`.mtp.MTPDraft._window_batch`), ``chain`` its ``k - 1`` DECODE steps
+        the window step (:meth:`.mtp.MTPDraft._window`), ``chain`` its ``k - 1`` DECODE steps
         (KV slots taken); the batch fits a bucket (:meth:`bucket`)."""
         b = len(window_batch.requests)
         bs = self.bucket(b)

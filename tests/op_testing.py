@@ -105,31 +105,26 @@ def opcheck_fp8_inputs(op, args):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b), "an input was mutated"
 
 
-def fp8_linear_then_experts_graph(rows: int, offsets: list[int], new_offsets: list[int]):
-    """``fp8_block_linear`` of ``rows`` bf16 rows then ``fp8_grouped_linear`` over 8 experts
-    (``offsets``), captured in a CUDA graph and replayed after the activation and the routing
-    (``new_offsets``) changed. Returns (the replay's output, an eager call on the same inputs,
-    the inputs ``(x, q, s, qe, se, offsets)``)."""
+def fp8_linear_then_experts_graph(rows: int, offsets: list[int], new_offsets: list[int], step):
+    """``step(x, q, s, qe, se, offsets)`` (the caller's ``fp8_block_linear`` of ``rows`` bf16 rows then
+    ``fp8_grouped_linear`` over 8 experts) captured in a CUDA graph and replayed after the activation
+    and the routing (``offsets`` -> ``new_offsets``) changed. Returns (the replay's output, an eager
+    call on the same inputs, the inputs ``(x, q, s, qe, se, offsets)``)."""
     from hybrid_compile.ops import fp8
-
-    ops = torch.ops.hybrid_compile
 
     torch.manual_seed(0)
     q, s = fp8.quantize_weight_blocks(torch.randn(2048, 2048, device="cuda") / 45)
     qe, se = fp8.quantize_weight_blocks(torch.randn(8, 256, 2048, device="cuda") / 45)
     x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
     off = torch.tensor(offsets, device="cuda")
-
-    def step():
-        return ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off)
-
-    step()
+    inputs = (x, q, s, qe, se, off)
+    step(*inputs)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step()
+        out = step(*inputs)
     x.copy_(torch.randn_like(x))
     off.copy_(torch.tensor(new_offsets, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    return out, step(), (x, q, s, qe, se, off)
+    return out, step(*inputs), inputs

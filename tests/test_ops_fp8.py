@@ -299,5 +299,7 @@ def test_cuda_ops_in_a_cuda_graph():
     replayed from a CUDA graph, the activation and the routing changed between replays."""
     assert not tfp8.use_gemv(24) and not tfp8.use_gemv(24, 8)
     off, new_off = [0, 3, 3, 9, 9, 9, 9, 24, 24], [0, 0, 6, 6, 6, 9, 9, 9, 24]  # routing changes between replays
-    out, eager, _ = fp8_linear_then_experts_graph(24, off, new_off)
+    out, eager, _ = fp8_linear_then_experts_graph(
+        24, off, new_off,
+        lambda x, q, s, qe, se, off: ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off))
     torch.testing.assert_close(out, eager, rtol=0, atol=0)

@@ -184,7 +184,8 @@ def test_cuda_gemv_in_a_cuda_graph():
     the activation and the routing changed between replays."""
     assert tfp8.use_gemv(2) and tfp8.use_gemv(2, 8)
     out, eager, (x, q, s, qe, se, off) = fp8_linear_then_experts_graph(
-        2, [0, 1, 1, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 2, 2])
+        2, [0, 1, 1, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 2, 2],
+        lambda x, q, s, qe, se, off: ops.fp8_grouped_linear(ops.fp8_block_linear(x, q, s), qe, se, off))
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     h = fp8.reference_block_linear(x.float(), q, s).to(torch.bfloat16)
     want = fp8.reference_grouped_linear(h.float(), qe, se, off)

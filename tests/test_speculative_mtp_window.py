@@ -153,8 +153,8 @@ def test_cuda_mtp_draft_graphs_greedy_equals_without_them(dense_checkpoint, k):
         assert (source.graphs is not None) == graphs
         proposals = record_proposals(engine)
         assert_greedy_with_continuations(engine, prompts, NEW)
-        runs.append((proposals, engine.stats()["speculative"]["draft_source"]))
-        if graphs:
+        runs.append((list(proposals), engine.stats()["speculative"]["draft_source"]))
+        if graphs:  # (after the snapshot: this run's proposals are not compared)
             with hc.from_pretrained(checkpoint, dtype=torch.float32, device="cuda", tokenizer=False,
                                     **ENGINE_ARGS) as plain:
                 assert plain.generate_batch(prompts, max_new_tokens=NEW) == engine.generate_batch(prompts, max_new_tokens=NEW)
@@ -213,4 +213,16 @@ def test_mtp_draft_graphs_option_errors(checkpoint):
         _engine(checkpoint, 2, extra={"mtp_draft_graphs": True})
     engine = _engine(checkpoint, 2, extra={"mtp_draft_graphs": False})
     assert engine.speculative.source.graphs is None
+    finish_engine(engine)
+
+
+def test_kernel_warm_up_leaves_the_head_counters_as_they_were(checkpoint):
+    """The wrap-time warm-up (``warmup_kernels``, on by default on CUDA) drafts with the head, then
+    restores every counter: the head's (``stats()["speculative"]["draft_source"]``) too."""
+    engine = _engine(checkpoint, 2, warmup_kernels=False)
+    before = engine.stats()["speculative"]["draft_source"]
+    proposals = record_proposals(engine)
+    engine._warm_up_kernels()
+    assert len(proposals) > 0 and engine.stats()["speculative"]["draft_source"] == before
+    assert before["head_extend_steps"] == before["window_steps"] == 0
     finish_engine(engine)

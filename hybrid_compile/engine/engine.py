@@ -367,6 +367,8 @@ class HybridEngine(GenerateAPI):
         saved = (dict(self._counters), dict(self.scheduler.cache_counters),  # (flat dicts of numbers)
                  self.scheduler.num_retractions, self.scheduler.new_token_ratio)
         spec = self.speculative
+        source_counters = getattr(spec.source, "counters", None) if spec is not None else None
+        source_saved = dict(source_counters) if isinstance(source_counters, dict) else None  # (the MTP head's)
         spec_saved = (dict(spec.counters), dict(spec.acceptance_histogram)) if spec is not None else None
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
         a = self.add_request(first, params)
@@ -382,6 +384,8 @@ class HybridEngine(GenerateAPI):
          self.scheduler.new_token_ratio) = saved
         if spec is not None:
             spec.counters, spec.acceptance_histogram = spec_saved
+            if source_saved is not None:
+                spec.source.counters = source_saved
             if spec.commit_graphs is not None:
                 spec.commit_graphs.replays = 0
         self.runner.graphs.forget_replays()

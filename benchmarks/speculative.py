@@ -43,9 +43,10 @@ its whole proposal every step (its real cost; ``MTPCostReplay``) but the drafts 
 continuation with exactly the first L - 1 right, so every verify step emits L tokens. Each row
 also reports ``draft_ms_per_verify`` (the head's proposal per verify step), ``head_forwards_per_verify``
 and ``draft_ms_per_head_forward`` against ``decode_step_ms`` (one plain decode step at that batch,
-from the baseline) as ``head_forward_vs_decode_step``. ``--mtp-draft-graphs`` (``--modes graphs``
-only) turns on ``EngineConfig.extra["mtp_draft_graphs"]`` for the MTP engines (each proposal one
-CUDA-graph replay); the rows then report ``mtp_graph_replays`` / ``mtp_graph_fallbacks``.
+from the baseline) as ``head_forward_vs_decode_step``. With the engine's full CUDA graphs every
+proposal is one CUDA-graph replay (``EngineConfig.extra["mtp_draft_graphs"]``, on by default
+there; the rows report ``mtp_graph_replays`` / ``mtp_graph_fallbacks``); ``--no-mtp-draft-graphs``
+turns it off for the MTP engines (each head step run by the head's own runner).
 Draft trees (``--trees``, e.g. ``2x3x8,2x3x16,4x3x8,4x3x16``: top-k x depth x node budget): per
 tree shape one engine with ``speculative={"method": "custom", "topk": k, "num_draft_tokens": depth,
 "num_tree_nodes": budget}`` whose source is the replay draft's tree form
@@ -236,8 +237,8 @@ def main() -> None:
     ap.add_argument("--accept-lengths", default="2,3,4", help="MTP rows at these fixed acceptance lengths")
     ap.add_argument("--replay-rounds", type=int, default=8,
                     help="at most this many fixed-point rounds for the self-consistent replay continuation")
-    ap.add_argument("--mtp-draft-graphs", action="store_true",
-                    help='MTP engines with extra["mtp_draft_graphs"]: each proposal one CUDA graph (--modes graphs)')
+    ap.add_argument("--no-mtp-draft-graphs", action="store_true",
+                    help='MTP engines with extra["mtp_draft_graphs"]=False: no proposal CUDA graphs (on by default with full graphs)')
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
     ap.add_argument("--out", default=None)
@@ -394,10 +395,8 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
     for k in [int(x) for x in args.mtp_draft_tokens.split(",")]:
         spec = hc.SpeculativeConfig(method="mtp", num_draft_tokens=k, mtp_checkpoint=args.mtp_dir)
         kw = dict(engine_kw)
-        if args.mtp_draft_graphs:
-            if mode != "graphs":
-                raise SystemExit(f"--mtp-draft-graphs needs --modes graphs (the engine's full CUDA graphs), got {mode}")
-            kw["extra"] = {**engine_kw["extra"], "mtp_draft_graphs": True}
+        if args.no_mtp_draft_graphs:
+            kw["extra"] = {**engine_kw["extra"], "mtp_draft_graphs": False}
         engine = hc.wrap(model, **MODES[mode], **kw, speculative=spec)
         head = engine.speculative.source
         run_decode(engine, prompts[batches[0]][:1], 2 * k + 2)  # warm-up: compile the verify and head shapes

@@ -168,10 +168,10 @@ def test_cuda_mtp_draft_graphs_greedy_equals_without_them(dense_checkpoint, k):
 @pytest.mark.gpu
 def test_cuda_window_proposals_equal_general_path_with_graphs(dense_checkpoint):
     """On CUDA with the engine's CUDA graphs (full graphs for the target's decode / verify, the
-    head's piecewise graphs) the window proposals equal the general path's and greedy equals HF's."""
+    head's piecewise graphs; the proposal graphs off) the window proposals equal the general path's and greedy equals HF's."""
     checkpoint = dense_checkpoint
     _, stats = _assert_window_equals_general_path(checkpoint, _prompts(checkpoint, (5, 40, 11), 3), 3, device="cuda", compile=True,
-                                                  enable_prefix_cache=True)
+                                                  enable_prefix_cache=True, extra={"mtp_draft_graphs": False})
     assert stats["speculative"]["verify_steps"] > 0
 
 
@@ -206,14 +206,39 @@ def test_proposal_graph_body_equals_general_path(checkpoint, compile_, k):
 
 
 def test_mtp_draft_graphs_option_errors(checkpoint):
-    """The option is True or False; True needs full CUDA graphs (not on this CPU engine) and a chain."""
-    with pytest.raises(ValueError, match="mtp_draft_graphs.*must be True or False"):
+    """The option is True, False or None; True needs full CUDA graphs (not on this CPU engine) and a
+    chain; None (the default) leaves a CPU engine without proposal graphs."""
+    with pytest.raises(ValueError, match="mtp_draft_graphs.*must be True, False or None"):
         _engine(checkpoint, 2, extra={"mtp_draft_graphs": "yes"})
     with pytest.raises(ValueError, match="mtp_draft_graphs.*needs the engine's full CUDA graphs"):
         _engine(checkpoint, 2, extra={"mtp_draft_graphs": True})
-    engine = _engine(checkpoint, 2, extra={"mtp_draft_graphs": False})
-    assert engine.speculative.source.graphs is None
-    finish_engine(engine)
+    for extra in ({"mtp_draft_graphs": False}, {}):
+        engine = _engine(checkpoint, 2, extra=extra)
+        assert engine.speculative.source.graphs is None
+        finish_engine(engine)
+
+
+@pytest.mark.parametrize("extra,spec,cuda_graphs,want", [
+    ({}, dict(num_draft_tokens=2), None, True),  # the default: on with full graphs and a chain
+    ({}, dict(num_draft_tokens=2), "piecewise", False),
+    ({}, dict(num_draft_tokens=2, topk=2), None, False),  # a draft tree proposes eagerly
+    ({"mtp_draft_graphs": False}, dict(num_draft_tokens=2), None, False),
+    ({"mtp_draft_graphs": True}, dict(num_draft_tokens=2), None, True),
+    ({"mtp_draft_graphs": True}, dict(num_draft_tokens=2, topk=2), None, "topk 1"),
+    ({"mtp_draft_graphs": True}, dict(num_draft_tokens=2), "piecewise", "full CUDA graphs"),
+])
+def test_mtp_draft_graphs_resolution_on_a_cuda_config(extra, spec, cuda_graphs, want):
+    """How the option resolves for a compiled CUDA engine's config (no GPU needed: config only)."""
+    from hybrid_compile.engine.config import EngineConfig
+    from hybrid_compile.engine.speculative.mtp_graphs import resolve_option
+
+    config = EngineConfig.from_args(compile=True, cuda_graphs=cuda_graphs, extra=extra,
+                                    speculative=dict(method="mtp", **spec))
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            resolve_option(config, torch.device("cuda"))
+    else:
+        assert resolve_option(config, torch.device("cuda")) is want
 
 
 def test_kernel_warm_up_leaves_the_head_counters_as_they_were(checkpoint):

@@ -6,9 +6,9 @@ and predicts token ``i + 2``. Its attention layer is one more layer of the targe
 its KV of position ``i`` lives in the KV slot of the target's token ``i`` (a cached prefix brings
 it along, rejected drafts free it with the target's) and its forwards reuse the target's
 ``req_to_token`` map; it runs through its own :class:`~hybrid_compile.engine.runner.ModelRunner`
-(compiled as the target is; piecewise CUDA graphs), or, with
-``EngineConfig.extra["mtp_draft_graphs"]``, every chain proposal as one full CUDA graph
-(:mod:`.mtp_graphs`).
+(compiled as the target is; piecewise CUDA graphs), or, where the engine has full CUDA graphs
+and the drafts are a chain (``EngineConfig.extra["mtp_draft_graphs"]``, on by default there),
+every proposal as one full CUDA graph (:mod:`.mtp_graphs`).
 
 Per request the draft source keeps ``m`` (positions the head has processed) and the target's
 hidden states of the positions after it (:meth:`MTPDraft.observe`, after every target forward;

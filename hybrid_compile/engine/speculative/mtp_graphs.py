@@ -19,7 +19,8 @@ in one ``[bucket, k]`` buffer, read back with one device->host copy.
 
 The same body runs without a capture (``capture=False``): what the CPU tests check against the
 general path; on CUDA it is captured at start-up, after the target's graphs, in the target's
-graph pool. NOT YET VERIFIED ON A GPU (written on a CPU-only machine): the option defaults off.
+graph pool. On by default wherever it can run (:func:`resolve_option`): on an H100 it cut the
+head's cost per forward from 2.2-2.9 ms (eager steps) to 0.5 ms (``benchmarks/speculative.py``).
 """
 
 from __future__ import annotations
@@ -36,26 +37,30 @@ from ...ops import metadata as md_ops
 from ..scheduler import ScheduledBatch
 from .tree import pick_next
 
-#: ``EngineConfig.extra`` key turning the proposal graphs on (default False).
+#: ``EngineConfig.extra`` key of the proposal graphs (None: on where they can run; True; False).
 OPTION = "mtp_draft_graphs"
 
 
 def resolve_option(config, device: torch.device) -> bool:
-    """``EngineConfig.extra["mtp_draft_graphs"]``: False (default) or True; True needs the
-    engine's full CUDA graphs (compile on a CUDA device, ``cuda_graphs`` None or full) and a
-    chain of drafts (``topk`` 1). Anything else is a ValueError naming the option."""
-    value = config.extra.get(OPTION, False)
-    if value is False or value is None:
+    """``EngineConfig.extra["mtp_draft_graphs"]``: None (default: on where it can run, i.e. the
+    engine's full CUDA graphs, compile on a CUDA device with ``cuda_graphs`` None or full, and a
+    chain of drafts, ``topk`` 1), True (the same, and anything else is a ValueError naming the
+    option) or False."""
+    value = config.extra.get(OPTION)
+    if value is False:
         return False
-    if value is not True:
-        raise ValueError(f"EngineConfig.extra[{OPTION!r}] must be True or False, got {value!r}")
+    if value is not None and value is not True:
+        raise ValueError(f"EngineConfig.extra[{OPTION!r}] must be True, False or None (default), got {value!r}")
     full, _ = config.resolved_cuda_graphs(device)
+    spec = config.speculative
+    chain = spec is not None and spec.method == "mtp" and not spec.is_tree
+    if value is None:
+        return full and chain
     if not full:
         raise ValueError(f"EngineConfig.extra[{OPTION!r}]=True needs the engine's full CUDA graphs (compile on a CUDA "
                          f"device, cuda_graphs None or full); this engine runs on {device} with "
                          f"compile={config.compile!r}, cuda_graphs={config.cuda_graphs!r}")
-    spec = config.speculative
-    if spec is None or spec.method != "mtp" or spec.is_tree:
+    if not chain:
         raise ValueError(f"EngineConfig.extra[{OPTION!r}]=True graphs chains of MTP drafts: it needs "
                          "speculative method 'mtp' with topk 1 (draft trees propose through the eager path)")
     return True

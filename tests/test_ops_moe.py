@@ -1,13 +1,18 @@
-"""Float MoE experts (hybrid_compile/ops/moe.py) and their Triton grouped GEMM (hybrid_compile/ops/triton/moe.py).
+"""Float MoE experts (hybrid_compile/ops/moe.py) and their Triton kernels (hybrid_compile/ops/triton/moe.py:
+the tensor-core grouped GEMM, and at decode the CUDA-core GEMV of hybrid_compile/ops/triton/gemv.py).
 
 Oracle: the literal loop over (token, k) pairs in fp64, ``out[t] += w[t, k] * down[e] @ act(up[e] @ x[t])``
 (transformers' experts math); for the op alone the literal loop over its rows. On CPU the kernel runs under
 Triton's interpreter at tiny shapes, with the activation fused into the first grouped GEMM (transformers'
 SiLU gate: ``silu_and_mul``; relu2: ``relu2``) and not (a plain function); the ``gpu`` tests run the
 registered CUDA op at Qwen3.5-35B-A3B's expert shapes (256 experts, top-8, hidden 2048, expert width 512,
-silu gate) and Nemotron-3-Nano's (128 experts, top-6, hidden 2688, width 1856, relu2), also inside a CUDA
-graph whose routing changes between replays.
+silu gate), Qwen3-Next-80B-A3B's (512 experts, top-10, hidden 2048, width 512, silu gate) and
+Nemotron-3-Nano's (128 experts, top-6, hidden 2688, width 1856, relu2), each path of the kernel also
+inside a CUDA graph whose routing changes between replays; the GEMV against the tensor cores and the
+plain-torch op at 1-8 tokens.
 """
+
+import functools
 
 import pytest
 import torch
@@ -89,9 +94,10 @@ def _spy(linear, seen):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tokens,top_k,skew", CASES)
 def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_gate, dtype):
-    """The CPU op and the Triton kernel (interpreter) through the whole experts forward: T=1, uneven
-    loads, experts with no tokens, silu-gate and relu2 experts; the activation fused into the first
-    grouped GEMM (transformers' modules) or run between the GEMMs (plain functions)."""
+    """The CPU op and the Triton kernels (interpreter: the default path, and the tensor cores forced
+    where the default is the GEMV) through the whole experts forward: T=1, uneven loads, experts with no tokens,
+    silu-gate and relu2 experts; the activation fused into the first grouped GEMM (transformers'
+    modules) or run between the GEMMs (plain functions)."""
     experts, hidden, inter = 6, 32, 24
     act = silu if has_gate else relu2
     act_fn = _act_module(has_gate) if fused else act
@@ -101,7 +107,12 @@ def test_experts_forward_matches_the_pair_loop(tokens, top_k, skew, fused, has_g
     expected = _oracle(x, idx, w, up, down, act, has_gate)
     atol, rtol = TOL[dtype]
     fused_act = ("silu_and_mul" if has_gate else "relu2") if fused else "none"
-    for linear in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton):
+    # the default path (the GEMV up to two rows per expert) and, where that is the GEMV, the tensor
+    # cores forced (the GEMV forced at 111 rows would take the interpreter long)
+    default_path = tmoe.moe_path(tokens * top_k, experts)
+    assert default_path == ("tensor_cores" if tokens == 37 else "gemv")
+    forced = [functools.partial(tmoe.moe_grouped_linear_triton, path="tensor_cores")] if default_path == "gemv" else []
+    for linear in (ops.moe_grouped_linear, tmoe.moe_grouped_linear_triton, *forced):
         seen = []
         out = moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate, grouped_linear=_spy(linear, seen))
         assert seen == [fused_act, "none"]
@@ -171,7 +182,8 @@ def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
 @pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9], [0, 0, 0, 5]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grouped_kernel_matches_op_with_gather_and_scatter(counts, dtype):
-    """Experts spanning several row tiles (forced 16-row tiles), non-contiguous x and weight."""
+    """Experts spanning several row tiles (forced 16-row tiles), non-contiguous x and weight; at 4 and
+    5 rows the GEMV (the default path there) also forced with explicit tiles on the same strides."""
     n, k = 40, 48
     weight = (torch.randn(4, k, n) / k ** 0.5).to(dtype).transpose(1, 2)  # [E, N, K], K not innermost
     rows = sum(counts)
@@ -183,9 +195,83 @@ def test_grouped_kernel_matches_op_with_gather_and_scatter(counts, dtype):
     for g, s in ((None, None), (gather, None), (gather, scatter), (None, scatter)):
         xs = x if g is not None else x[:rows]
         expected = ops.moe_grouped_linear(xs, weight, off, g, s)
-        for config in (None, (16, 16, 16, 4, 1), (32, 64, 32, 4, 2)):
-            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, config=config)
-            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=f"{config} gather={g is not None}")
+        gemv = [("gemv", (8, 16, 4, 1)), ("gemv", None)] if rows <= 8 else []  # the GEMV's sizes (interpreter time)
+        for path, config in ((None, None), (None, (16, 16, 16, 4, 1)), (None, (32, 64, 32, 4, 2)), *gemv):
+            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, config=config, path=path)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=f"{path} {config} gather={g is not None}")
+
+
+GEMV_COUNTS = [0, 1, 2, 3, 0, 1]  # experts with 0 / 1 / 2 / 3 rows: 7 rows over 6 experts, the GEMV's
+
+
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_gemv_path_matches_the_reference(indexed, dtype, activation):
+    """The decode path (few rows per expert: the GEMV by default) against the plain-torch op's
+    reference and the literal row loop: every activation, with (``indexed``) and without gather and
+    scatter (each alone: ``test_grouped_kernel_matches_op_with_gather_and_scatter``), experts with 0-3
+    rows, K = 40 (no multiple of BLOCK_K: a partial last step) and K = 48 over 16-column steps; one,
+    three and four rows a program."""
+    rows = sum(GEMV_COUNTS)
+    off = torch.tensor([0, *torch.tensor(GEMV_COUNTS).cumsum(0).tolist()])
+    assert tmoe.moe_path(rows, len(GEMV_COUNTS)) == "gemv"
+    g = torch.randint(0, rows + 3, (rows,)) if indexed else None
+    s = torch.randperm(rows) if indexed else None
+    atol, rtol = TOL[dtype]
+    n_out = 12
+    n = 2 * n_out if activation == "silu_and_mul" else n_out
+    for k, configs in ((40, [(None, None), ((2, 32, 2, 2), 3)]), (48, [((4, 16, 4, 1), 4)])):
+        weight = (torch.randn(len(GEMV_COUNTS), n, k) / k ** 0.5).to(dtype)
+        x = torch.randn(rows + 3 if g is not None else rows, k).to(dtype)
+        want = moe.reference_moe_grouped_linear(x, weight, off, g, s, activation)
+        literal = _row_loop(x, weight, off, g, s, activation)
+        for config, rows_per_program in configs:
+            got = tmoe.moe_grouped_linear_triton(x, weight, off, g, s, activation, config=config,
+                                                 path=None if config is None else "gemv",
+                                                 rows_per_program=rows_per_program)
+            assert got.shape == (rows, n_out) and got.dtype == dtype
+            msg = f"k={k} {config} rows/program={rows_per_program}"
+            # the reference's fp32 products, summed in another order: an ulp of the output dtype
+            torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2,
+                                       rtol=1e-5 if dtype == torch.float32 else 1e-2, msg=msg)
+            torch.testing.assert_close(got.double(), literal, atol=atol, rtol=rtol, msg=msg)
+
+
+def test_which_path_and_gemv_tiles():
+    """The GEMV for at most two rows per expert on average, the tensor cores above; the GEMV's tiles
+    (the table's, halved for silu_and_mul, BLOCK_K shortened to a short K with BLOCK_N widened);
+    the path / config / rows_per_program errors."""
+    assert tmoe.moe_path(1024, 512) == "gemv" and tmoe.moe_path(1025, 512) == "tensor_cores"
+    assert tmoe.moe_path(10, 512) == "gemv" and tmoe.moe_path(6 * 64, 128) == "tensor_cores"
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert tmoe.moe_gemv_config(512, 2048, bf16, gated=True) == (8, 256, 4, 2)  # Qwen3-Next-80B gate_up
+    assert tmoe.moe_gemv_config(2048, 512, bf16) == (16, 256, 4, 2)  # its down_proj
+    assert tmoe.moe_gemv_config(1856, 2688, torch.float16) == (16, 256, 4, 2)  # Nemotron-3-Nano up
+    assert tmoe.moe_gemv_config(2048, 512, fp32) == (32, 128, 4, 2)
+    assert tmoe.moe_gemv_config(512, 2048, fp32, gated=True) == (16, 128, 4, 2)
+    assert tmoe.moe_gemv_config(2048, 512, bf16, rows=2) == (8, 256, 4, 2)
+    assert tmoe.moe_gemv_config(2048, 40, bf16) == (64, 64, 4, 2)  # short K: the same 4096 accumulators
+    assert tmoe.moe_gemv_config(20, 40, bf16) == (32, 64, 4, 2)  # no wider than 20 columns need
+    x, w, off = torch.randn(3, 16), torch.randn(2, 8, 16), torch.tensor([0, 1, 3])
+    with pytest.raises(ValueError, match="`path` must be one of"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="cutlass")
+    with pytest.raises(ValueError, match="a GEMV config is"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="gemv", config=(16, 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="a tensor-core config is"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="tensor_cores", config=(16, 16, 4, 1))
+    with pytest.raises(ValueError, match="`rows_per_program` is an option of the GEMV"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="tensor_cores", rows_per_program=1)
+    with pytest.raises(ValueError, match="rows_per_program must be 1..4"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="gemv", rows_per_program=5)
+    with pytest.raises(ValueError, match="BLOCK_K=24"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="gemv", config=(8, 24, 4, 1))
+    with pytest.raises(ValueError, match="BLOCK_N=6"):
+        tmoe.moe_grouped_linear_triton(x, w, off, path="gemv", config=(6, 16, 4, 1))
+    # no rows / no input channels on the GEMV: an empty output / zeros
+    assert tmoe.moe_grouped_linear_triton(x[:0], w, torch.tensor([0, 0, 0]), path="gemv").shape == (0, 8)
+    zeros = tmoe.moe_grouped_linear_triton(x[:, :0], w[:, :, :0], off, path="gemv", activation="silu_and_mul")
+    assert torch.equal(zeros, torch.zeros(3, 4))
 
 
 def test_routing_sort_and_op_argument_errors():

@@ -321,11 +321,12 @@ def test_compile_without_graph_breaks(act_fn, has_gate):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: the registered CUDA op at Qwen3.5-35B-A3B's and Nemotron-3-Nano-30B's expert shapes
+# GPU: the registered CUDA op at Qwen3.5-35B-A3B's, Qwen3-Next-80B-A3B's and Nemotron-3-Nano-30B's expert shapes
 # --------------------------------------------------------------------------------------------
 
 # name: (experts, top_k, hidden, expert width, has_gate): the silu_and_mul and the relu2 experts
-SHAPES = {"qwen35_moe": (256, 8, 2048, 512, True), "nemotron3_nano": (128, 6, 2688, 1856, False)}
+SHAPES = {"qwen35_moe": (256, 8, 2048, 512, True), "qwen3_next_80b": (512, 10, 2048, 512, True),
+          "nemotron3_nano": (128, 6, 2688, 1856, False)}
 
 
 def _cuda_case(tokens, shape, dtype=torch.bfloat16):
@@ -383,26 +384,61 @@ def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype, tokens, activatio
 
 
 @pytest.mark.gpu
-@pytest.mark.smoke
+@pytest.mark.parametrize("tokens,dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.bfloat16),
+                                          (8, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("shape", ["qwen3_next_80b", "nemotron3_nano"])
+def test_cuda_gemv_vs_tensor_cores_at_decode(shape, tokens, dtype):
+    """Both projections at decode sizes (the GEMV's, by default): the op's output = the GEMV forced,
+    the tensor cores forced, both against the plain-torch op in fp32 on the GPU; random routing and
+    every token on expert 3 too (a column tile of one expert streamed by every row's program)."""
+    experts, top_k, _, inter, has_gate = SHAPES[shape]
+    x, idx, _, up, down = _cuda_case(tokens, shape, dtype)
+    assert tmoe.moe_path(tokens * top_k, experts) == "gemv"
+    h = torch.randn(tokens * top_k, inter, device="cuda").to(dtype)
+    one_expert = idx.clone()
+    one_expert[:, 0] = 3
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    for routing in (idx, one_expert):
+        r = moe.sort_pairs_by_expert(routing, experts)
+        for inp, weight, gather, scatter, activation in (
+                (x, up, r.token_of_row, None, "silu_and_mul" if has_gate else "relu2"),
+                (h, down, None, r.order, "none")):
+            args = (inp, weight, r.expert_offsets, gather, scatter, activation)
+            want = moe.reference_moe_grouped_linear(inp.float(), weight.float(), *args[2:])
+            got = ops.moe_grouped_linear(*args)
+            assert torch.equal(got, tmoe.moe_grouped_linear_triton(*args, path="gemv"))  # the op took the GEMV
+            tensor_cores = tmoe.moe_grouped_linear_triton(*args, path="tensor_cores")
+            for out, path in ((got, "gemv"), (tensor_cores, "tensor_cores")):
+                torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol, msg=f"{path} {activation}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [pytest.param(None, marks=pytest.mark.smoke), "tensor_cores"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cuda_experts_in_a_cuda_graph(shape):
-    """The fused-activation experts forward captured once, replayed after the routing changed."""
+def test_cuda_experts_in_a_cuda_graph(shape, path):
+    """The fused-activation experts forward captured once, replayed after the routing changed: 4
+    tokens, the op's default path (the GEMV with programmatic dependent launches on Hopper) and the
+    tensor cores forced."""
     experts, top_k, _, _, has_gate = SHAPES[shape]
-    x, idx, w, up, down = _cuda_case(16, shape)
+    x, idx, w, up, down = _cuda_case(4, shape)
     act_fn = _act_module(has_gate)
+    assert tmoe.moe_path(4 * top_k, experts) == "gemv"
+    linear = None if path is None else functools.partial(tmoe.moe_grouped_linear_triton, path=path)
 
     def step():
-        return moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate)
+        return moe.fused_moe_experts(x, idx, w, up, down, act_fn, has_gate, grouped_linear=linear)
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    idx2, w2 = _routing(16, experts, top_k, generator=torch.Generator().manual_seed(1))
+    idx2, w2 = _routing(4, experts, top_k, generator=torch.Generator().manual_seed(1))
     idx2[:, 0] = 3  # routing changes between replays (one expert gets every token)
     for dst, src in ((x, torch.randn_like(x)), (idx, idx2), (w, w2)):
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    expected = _oracle(x, idx.cpu(), w.cpu(), up, down, silu if has_gate else relu2, has_gate)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=3e-2)

@@ -159,7 +159,8 @@ def _row_loop(x, weight, offsets, gather, scatter, activation):
 def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
     """The fused activation in the op and the kernel (default tiles, and experts over several row
     tiles and an output width over two column tiles under forced 16 x 16 tiles) against the row loop:
-    one row, uneven loads, experts without rows, with and without gather / scatter."""
+    one row, uneven loads, experts without rows, with and without gather / scatter; the default's
+    path (bit for bit the forced path's output)."""
     k, n_out = 40, 20
     n = 2 * n_out if activation == "silu_and_mul" else n_out
     weight = (torch.randn(3, n, k) / k ** 0.5).to(dtype)
@@ -177,6 +178,11 @@ def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
         for config in (None, (16, 16, 16, 4, 1)):
             got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, activation, config=config)
             torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"{config} {g is not None}")
+        # the default took the GEMV for one row over three experts, the tensor cores for 15 and 57 rows
+        path = "gemv" if rows == 1 else "tensor_cores"
+        assert tmoe.moe_path(rows, 3) == path
+        assert torch.equal(tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation),
+                           tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation, path=path))
 
 
 @pytest.mark.parametrize("counts", [[1, 0, 2, 1], [20, 0, 40, 9], [0, 0, 0, 5]])
@@ -231,6 +237,8 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
                                                  path=None if config is None else "gemv",
                                                  rows_per_program=rows_per_program)
             assert got.shape == (rows, n_out) and got.dtype == dtype
+            if config is None:  # the default path: the GEMV's output, bit for bit
+                assert torch.equal(got, tmoe.moe_grouped_linear_triton(x, weight, off, g, s, activation, path="gemv"))
             msg = f"k={k} {config} rows/program={rows_per_program}"
             # the reference's fp32 products, summed in another order: an ulp of the output dtype
             torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2,

@@ -4,6 +4,7 @@
     python benchmarks/fused_moe.py --tp 2            # one rank's slice of the experts (intermediate / 2)
     python benchmarks/fused_moe.py --tiny --device cpu   # CPU smoke run (tests/test_benchmarks_fused_moe.py)
     python benchmarks/fused_moe.py --sweep --tokens 1 2 4 8 16 64   # tile sweep of both our kernels (CUDA)
+    python benchmarks/fused_moe.py --sweep --sweep-paths gemv --shapes qwen3_next_80b_a3b --tokens 1 2 4 8 16
 
 Shapes: Qwen3.5-35B-A3B's experts (256 experts, top-8, hidden 2048, expert width 512, silu-gated:
 transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``), Qwen3-Next-80B-A3B's
@@ -52,6 +53,7 @@ from hybrid_compile.ops.moe import fused_moe_experts  # noqa: E402
 from hybrid_compile.ops.triton.moe import moe_path  # noqa: E402
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+SHAPE_NAMES = ("qwen3_5_35b_a3b", "qwen3_next_80b_a3b", "nemotron3_nano_30b")  # the keys of shapes()
 
 
 def shapes(tiny: bool, tp: int) -> dict:
@@ -68,8 +70,8 @@ def shapes(tiny: bool, tp: int) -> dict:
                                               num_experts_per_tok=k3, hidden_act="silu")
     nemo = transformers.NemotronHConfig(n_routed_experts=e2, hidden_size=h2, moe_intermediate_size=i2 // tp,
                                         num_experts_per_tok=k2, mlp_hidden_act="relu2", moe_latent_size=None)
-    return {"qwen3_5_35b_a3b": (Qwen3NextExperts, qwen35, k1), "qwen3_next_80b_a3b": (Qwen3NextExperts, qwen3_next, k3),
-            "nemotron3_nano_30b": (NemotronHExperts, nemo, k2)}
+    return dict(zip(SHAPE_NAMES, ((Qwen3NextExperts, qwen35, k1), (Qwen3NextExperts, qwen3_next, k3),
+                                  (NemotronHExperts, nemo, k2))))
 
 
 def ours_path(rows: int, experts: int, device: torch.device) -> str:
@@ -160,7 +162,7 @@ TINY_GEMV_GRID = dict(rows=(1, 2), block_n=(4,), block_k=(16,), warps=(2,), stag
 
 def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid) -> list[dict]:
     """The default first (the path and tiles ``moe_grouped_linear`` takes), then the grids' other
-    tiles: ``dict(path, config[, rows_per_program])``."""
+    tiles (a grid None: not swept): ``dict(path, config[, rows_per_program])``."""
     import itertools
 
     from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_gemv_config
@@ -171,10 +173,10 @@ def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid)
     else:
         default = dict(path=path, config=list(moe_gemm_config(rows, n, k, experts, dtype, sms=sms, gated=gated)))
     found = [default]
-    for c in itertools.product(*grid.values()):
+    for c in itertools.product(*grid.values()) if grid is not None else ():
         if (c[0] == 16 or tokens >= 16) and dict(path="tensor_cores", config=list(c)) != default:
             found.append(dict(path="tensor_cores", config=list(c)))
-    if tokens <= GEMV_SWEEP_MAX_TOKENS:
+    if gemv_grid is not None and tokens <= GEMV_SWEEP_MAX_TOKENS:
         for rpp, *c in itertools.product(*gemv_grid.values()):
             cand = dict(path="gemv", config=list(c), rows_per_program=rpp)
             if cand != default:
@@ -275,23 +277,34 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="serve one rank's slice: expert widths / tp")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="the tile sweep of our kernels (tensor cores, GEMV) instead")
+    p.add_argument("--sweep-paths", nargs="+", choices=["gemv", "tensor_cores"],
+                   help="with --sweep: the kernels whose grids are swept (default both; the default config is "
+                        "always timed first)")
+    p.add_argument("--shapes", nargs="+", choices=SHAPE_NAMES, default=list(SHAPE_NAMES),
+                   help="the expert shapes to run (default all)")
     p.add_argument("--out", default="benchmarks/results/fused_moe.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.sweep_paths and not args.sweep:
+        raise SystemExit("--sweep-paths chooses the grids of --sweep: pass --sweep too")
     if args.sweep and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--sweep times the Triton kernel: on a CPU run it with TRITON_INTERPRET=1 (a smoke run)")
     rows = []
     for name, (cls, config, top_k) in shapes(args.tiny, args.tp).items():
+        if name not in args.shapes:
+            continue
         if args.sweep:
-            grids = (TINY_GRID, TINY_GEMV_GRID) if args.tiny else (SWEEP_GRID, GEMV_SWEEP_GRID)
+            paths = args.sweep_paths or ("gemv", "tensor_cores")
+            grid, gemv_grid = (TINY_GRID, TINY_GEMV_GRID) if args.tiny else (SWEEP_GRID, GEMV_SWEEP_GRID)
+            grids = (grid if "tensor_cores" in paths else None, gemv_grid if "gemv" in paths else None)
             rows += sweep_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters, grids)
         else:
             rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)
     if not args.sweep:
         print_table(rows)
     env = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype,
-               tp=args.tp, tiny=args.tiny, sweep=args.sweep, torch=torch.__version__,
+               tp=args.tp, tiny=args.tiny, sweep=args.sweep, shapes=args.shapes, torch=torch.__version__,
                transformers=transformers.__version__)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -57,3 +57,21 @@ def test_sweep_on_cpu_without_the_interpreter_says_how():
                            "cpu"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
+
+
+def test_sweep_of_one_path_and_one_shape(tmp_path):
+    """``--sweep-paths gemv --shapes ...``: the default, then only the GEMV grid, for the shape asked;
+    ``--sweep-paths`` without ``--sweep`` is an error."""
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--sweep", "--sweep-paths", "gemv", "--shapes",
+           "qwen3_next_80b_a3b", "--tiny", "--device", "cpu", "--tokens", "1", "--iters", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert {(r["shape"], r["projection"]) for r in run["rows"]} == {("qwen3_next_80b_a3b", p) for p in ("up", "down")}
+    for r in run["rows"]:
+        assert [t["path"] for t in r["timings"]] == ["gemv"] * 3  # the default + the tiny GEMV grid's 2
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--sweep-paths", "gemv",
+                           "--tiny", "--device", "cpu"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "pass --sweep too" in proc.stderr

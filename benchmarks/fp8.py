@@ -35,7 +35,8 @@ every column program, up to 64 rows), ``tc`` (the same GEMM on an activation qua
 rows) / :data:`GEMV_GRID_GROUPED` (a row pair per program, plus one row per program at the default
 config: ``gemv_1row``); the bf16
 equivalents on the same (dequantized) weight: ``skinny_mm`` (1-2 rows), ``torch.mm``, our bf16
-grouped GEMM (``moe_grouped_linear``) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
+``moe_grouped_linear`` (``bf16_grouped``: its default kernel, the GEMV at decode, else the tensor
+cores) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
 pre-quantized e4m3, unit row-wise scales). Every output is checked against its CPU-semantics
 reference (``reference_block_linear`` / ``reference_grouped_linear``; bf16: the fp32 product of
 the same bf16 values) before it is timed; a wrong one is reported and the run exits 1. Times:

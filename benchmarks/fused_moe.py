@@ -1,29 +1,34 @@
 """Fused MoE experts micro-benchmark: transformers' experts forward vs ours (``fused_moe_experts``).
 
-    python benchmarks/fused_moe.py [--tokens 1 16 64] [--out benchmarks/results/fused_moe.json]
+    python benchmarks/fused_moe.py [--tokens 1 2 4 8 16 64] [--out benchmarks/results/fused_moe.json]
     python benchmarks/fused_moe.py --tp 2            # one rank's slice of the experts (intermediate / 2)
     python benchmarks/fused_moe.py --tiny --device cpu   # CPU smoke run (tests/test_benchmarks_fused_moe.py)
-    python benchmarks/fused_moe.py --sweep --tokens 1 16 64   # tile sweep of our grouped GEMM (CUDA)
+    python benchmarks/fused_moe.py --sweep --tokens 1 2 4 8 16 64   # tile sweep of both our kernels (CUDA)
+    python benchmarks/fused_moe.py --sweep --sweep-paths gemv --shapes qwen3_next_80b_a3b --tokens 1 2 4 8 16
 
 Shapes: Qwen3.5-35B-A3B's experts (256 experts, top-8, hidden 2048, expert width 512, silu-gated:
-transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``) and
-Nemotron-3-Nano-30B-A3B's (128 experts, top-6, hidden 2688, width 1856, relu2 without a gate:
+transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``), Qwen3-Next-80B-A3B's
+(512 experts, top-10, hidden 2048, width 512, silu-gated) and Nemotron-3-Nano-30B-A3B's (128 experts, top-6, hidden 2688, width 1856, relu2 without a gate:
 ``NemotronHExperts``), random bf16 weights, random routing with distinct experts per token. For each
 token count: transformers' forward with each of its experts implementations (``eager``: a loop over
 the hit experts with host syncs; ``grouped_mm``: ``torch._grouped_mm`` after a sort; ``batched_mm``)
 and ours, the median of CUDA-graph replays where the call can be captured, else of eager calls (the
-``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included), plus the bytes of expert weights the step must read (the experts hit) and
-the bandwidth that time implies. Our output is checked against transformers' ``eager`` forward first.
-Prints a table; writes JSON.
+``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included), plus
+the bytes of expert weights the step must read (the experts hit) and the bandwidth that time
+implies; ``path``: which kernel our ``moe_grouped_linear`` took (on CUDA ``moe_path``'s: the
+CUDA-core ``gemv`` at decode, at most two rows per expert on average, else ``tensor_cores``; both
+projections have the same rows; on a CPU run ``plain_torch``). Our output is checked against transformers' ``eager`` forward
+first. Prints a table; writes JSON.
 
-``--sweep``: instead, the tile sweep of our grouped GEMM (``moe_grouped_linear``'s Triton kernel) on
-the same shapes and routings: for each token count and projection (``up``: the tokens gathered
-into ``gate_up_proj`` / ``up_proj`` with the activation fused as the engine fuses it; ``down``: the
-sorted rows into ``down_proj``, scattered back)
-every (BM, BN, BK, warps, stages) of the grid (16-row tiles only below 16 tokens), each output
-checked against the default tile's (``moe_gemm_config``), timed as above; prints the default and
-the best per case, writes every timing. On CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the
-interpreter's times mean nothing).
+``--sweep``: instead, the tile sweep of both kernels of ``moe_grouped_linear`` on the same shapes
+and routings: for each token count and projection (``up``: the tokens gathered into
+``gate_up_proj`` / ``up_proj`` with the activation fused as the engine fuses it; ``down``: the
+sorted rows into ``down_proj``, scattered back) the default (the path and tiles the op takes),
+every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tiles only below 16
+tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
+BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID`, each output checked against the default's,
+timed as above; prints the default and the best of each path per case, writes every timing. On
+CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import hybrid_compile  # noqa: E402,F401  (registers the ops)
 from hybrid_compile.ops.moe import fused_moe_experts  # noqa: E402
+from hybrid_compile.ops.triton.moe import moe_path  # noqa: E402
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+SHAPE_NAMES = ("qwen3_5_35b_a3b", "qwen3_next_80b_a3b", "nemotron3_nano_30b")  # the keys of shapes()
 
 
 def shapes(tiny: bool, tp: int) -> dict:
@@ -55,12 +62,22 @@ def shapes(tiny: bool, tp: int) -> dict:
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextExperts
 
     e1, h1, i1, k1 = (8, 64, 32, 2) if tiny else (256, 2048, 512, 8)
+    e3, h3, i3, k3 = (16, 32, 32, 4) if tiny else (512, 2048, 512, 10)
     e2, h2, i2, k2 = (8, 48, 40, 2) if tiny else (128, 2688, 1856, 6)
-    qwen = transformers.Qwen3NextConfig(num_experts=e1, hidden_size=h1, moe_intermediate_size=i1 // tp,
-                                        num_experts_per_tok=k1, hidden_act="silu")
+    qwen35 = transformers.Qwen3NextConfig(num_experts=e1, hidden_size=h1, moe_intermediate_size=i1 // tp,
+                                          num_experts_per_tok=k1, hidden_act="silu")
+    qwen3_next = transformers.Qwen3NextConfig(num_experts=e3, hidden_size=h3, moe_intermediate_size=i3 // tp,
+                                              num_experts_per_tok=k3, hidden_act="silu")
     nemo = transformers.NemotronHConfig(n_routed_experts=e2, hidden_size=h2, moe_intermediate_size=i2 // tp,
                                         num_experts_per_tok=k2, mlp_hidden_act="relu2", moe_latent_size=None)
-    return {"qwen3_5_35b_a3b": (Qwen3NextExperts, qwen, k1), "nemotron3_nano_30b": (NemotronHExperts, nemo, k2)}
+    return dict(zip(SHAPE_NAMES, ((Qwen3NextExperts, qwen35, k1), (Qwen3NextExperts, qwen3_next, k3),
+                                  (NemotronHExperts, nemo, k2))))
+
+
+def ours_path(rows: int, experts: int, device: torch.device) -> str:
+    """The kernel our ``moe_grouped_linear`` takes on ``device`` for ``rows`` over ``experts``: on CUDA
+    :func:`moe_path`'s (``gemv`` / ``tensor_cores``); elsewhere the op's plain-torch implementation."""
+    return moe_path(rows, experts) if device.type == "cuda" else "plain_torch"
 
 
 def _sync(device):
@@ -108,7 +125,7 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
             return fused_moe_experts(x, idx, w, up, experts.down_proj, experts.act_fn, has_gate)
 
         row = dict(shape=name, tokens=tokens, experts=num, top_k=top_k, hidden=hidden, intermediate=inter,
-                   experts_hit=hit, weight_bytes=weight_bytes, times={})
+                   experts_hit=hit, weight_bytes=weight_bytes, path=ours_path(tokens * top_k, num, device), times={})
         with torch.inference_mode():
             config._experts_implementation = "eager"
             want = experts(x, idx, w).float()
@@ -133,16 +150,51 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
 
 
 SWEEP_GRID = dict(bm=(16, 32, 64), bn=(16, 32, 64, 128), bk=(64, 128, 256), warps=(4, 8), stages=(3, 4))
+#: GEMV tiles of the sweep (rows per program, BLOCK_N, BLOCK_K, warps, stages), around the defaults
+#: (``MOE_GEMV_TILES``: 16 x 256, 8 x 256 for silu_and_mul, 4 warps); stages fixed at 2, as in the FP8
+#: sweep's grouped grid (the loop's loads are not staged through shared memory).
+GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=(4, 8), stages=(2,))
+#: The GEMV is swept up to this many tokens (the decode sizes it serves)
+GEMV_SWEEP_MAX_TOKENS = 16
 TINY_GRID = dict(bm=(16,), bn=(16, 32), bk=(32,), warps=(4,), stages=(2,))
+TINY_GEMV_GRID = dict(rows=(1, 2), block_n=(4,), block_k=(16,), warps=(2,), stages=(1,))
 
 
-def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, grid) -> list[dict]:
-    """Tile sweep of both projections of ``name``'s experts (see the module docstring)."""
+def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid) -> list[dict]:
+    """The default first (the path and tiles ``moe_grouped_linear`` takes), then the grids' other
+    tiles (a grid None: not swept): ``dict(path, config[, rows_per_program])``."""
     import itertools
 
+    from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_gemv_config
+
+    path = moe_path(rows, experts)
+    if path == "gemv":
+        default = dict(path=path, config=list(moe_gemv_config(n, k, dtype, gated)), rows_per_program=1)
+    else:
+        default = dict(path=path, config=list(moe_gemm_config(rows, n, k, experts, dtype, sms=sms, gated=gated)))
+    found = [default]
+    for c in itertools.product(*grid.values()) if grid is not None else ():
+        if (c[0] == 16 or tokens >= 16) and dict(path="tensor_cores", config=list(c)) != default:
+            found.append(dict(path="tensor_cores", config=list(c)))
+    if gemv_grid is not None and tokens <= GEMV_SWEEP_MAX_TOKENS:
+        for rpp, *c in itertools.product(*gemv_grid.values()):
+            cand = dict(path="gemv", config=list(c), rows_per_program=rpp)
+            if cand != default:
+                found.append(cand)
+    return found
+
+
+def _label(timing) -> str:
+    rpp = f" x{timing['rows_per_program']} rows" if "rows_per_program" in timing else ""
+    return f"{timing['path']} {tuple(timing['config'])}{rpp}"
+
+
+def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, grids) -> list[dict]:
+    """Tile sweep of both projections of ``name``'s experts (see the module docstring); ``grids`` =
+    (tensor-core grid, GEMV grid)."""
     from hybrid_compile.ops.moe import fused_activation, grouped_output_width, sort_pairs_by_expert
     from hybrid_compile.ops.triton.fp8 import _sm_count
-    from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_grouped_linear_triton
+    from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
 
     torch.manual_seed(0)
     experts = cls(config).to(device=device, dtype=dtype)
@@ -163,53 +215,57 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
         act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
         cases = {"up": (x, up, routing.token_of_row, None, act), "down": (h, down, None, routing.order, "none")}
         for projection, (inp, weight, gather, scatter, activation) in cases.items():
-            default = moe_gemm_config(tokens * top_k, grouped_output_width(weight.shape[1], activation),
-                                      weight.shape[2], num, dtype, sms=sms, gated=activation == "silu_and_mul")
-            candidates = [default] + [c for c in itertools.product(*grid.values())
-                                      if (c[0] == 16 or tokens >= 16) and c != default]
+            candidates = _candidates(tokens, tokens * top_k, grouped_output_width(weight.shape[1], activation),
+                                     weight.shape[2], num, dtype, sms, activation == "silu_and_mul", *grids)
             weight_bytes = hit * weight.shape[1] * weight.shape[2] * weight.element_size()
             want = None
             timings = []
             with torch.inference_mode():
-                for cfg in candidates:
-                    def call(cfg=cfg):
+                for cand in candidates:
+                    def call(cand=cand):
                         return moe_grouped_linear_triton(inp, weight, routing.expert_offsets, gather, scatter,
-                                                         activation, config=cfg)
+                                                         activation, config=tuple(cand["config"]), path=cand["path"],
+                                                         rows_per_program=cand.get("rows_per_program"))
                     try:
                         got = call().float()
                     except Exception as e:  # noqa: BLE001 - a tile this device cannot hold is recorded
-                        timings.append(dict(config=list(cfg), error=f"{type(e).__name__}: {str(e)[:120]}"))
+                        timings.append(dict(cand, error=f"{type(e).__name__}: {str(e)[:120]}"))
                         continue
                     if want is None:
                         want = got
                     err = float((got - want).abs().max())
-                    assert err <= 0.02 * float(want.abs().max()) + 1e-3, (name, tokens, projection, cfg, err)
+                    assert err <= 0.02 * float(want.abs().max()) + 1e-3, (name, tokens, projection, cand, err)
                     ms, mode = time_ms(call, device, iters)
-                    timings.append(dict(config=list(cfg), ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6))
+                    timings.append(dict(cand, ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6))
             timed = [t for t in timings if "ms" in t]
             best = min(timed, key=lambda t: t["ms"])
+            best_by_path = {p: min((t for t in timed if t["path"] == p), key=lambda t: t["ms"])
+                            for p in ("gemv", "tensor_cores") if any(t["path"] == p for t in timed)}
             rows.append(dict(shape=name, tokens=tokens, projection=projection, activation=activation, experts_hit=hit,
-                             weight_bytes=weight_bytes, default=timed[0], best=best, timings=timings))
+                             weight_bytes=weight_bytes, default=timed[0], best=best, best_by_path=best_by_path,
+                             timings=timings))
             d = timed[0]
-            print(f"{name:20s} T={tokens:<4d} {projection:4s} default {tuple(d['config'])} {d['ms'] * 1e3:8.1f} us "
-                  f"({d['gbps']:5.0f} GB/s)  best {tuple(best['config'])} {best['ms'] * 1e3:8.1f} us "
-                  f"({best['gbps']:5.0f} GB/s, {d['ms'] / best['ms']:.2f}x)", flush=True)
+            per_path = "  ".join(f"best {_label(t)} {t['ms'] * 1e3:.1f} us ({d['ms'] / t['ms']:.2f}x)"
+                                 for t in best_by_path.values())
+            print(f"{name:20s} T={tokens:<4d} {projection:4s} default {_label(d)} {d['ms'] * 1e3:8.1f} us "
+                  f"({d['gbps']:5.0f} GB/s)  {per_path}", flush=True)
     return rows
 
 
 def print_table(rows) -> None:
     cols = ["hf_" + i for i in IMPLEMENTATIONS] + ["ours_eager", "ours"]
-    print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} " + " ".join(f"{c + ' ms':>16s}" for c in cols)
-          + f" {'ours GB/s':>9s} {'vs best hf':>10s}")
+    print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} {'ours path':>12s} "
+          + " ".join(f"{c + ' ms':>16s}" for c in cols) + f" {'ours GB/s':>9s} {'vs best hf':>10s}")
     for r in rows:
         t = r["times"]
         cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t[c] else "error"
                  for c in cols]
         best = min((t[c]["ms"] for c in cols[:-2] if "ms" in t[c]), default=float("nan"))
-        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4d} {r['weight_bytes'] / 1e6:7.1f} "
+        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4d} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>12s} "
               + " ".join(f"{c:>16s}" for c in cells)
               + f" {t['ours']['gbps']:9.0f} {best / t['ours']['ms']:9.2f}x")
-    print("(g: CUDA-graph replays, e: eager calls; MB: expert weights the step reads)")
+    print("(g: CUDA-graph replays, e: eager calls; MB: expert weights the step reads; ours path: the kernel our "
+          "moe_grouped_linear took)")
 
 
 def main(argv=None) -> int:
@@ -220,24 +276,35 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--tp", type=int, default=1, help="serve one rank's slice: expert widths / tp")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="the tile sweep of our grouped GEMM instead")
+    p.add_argument("--sweep", action="store_true", help="the tile sweep of our kernels (tensor cores, GEMV) instead")
+    p.add_argument("--sweep-paths", nargs="+", choices=["gemv", "tensor_cores"],
+                   help="with --sweep: the kernels whose grids are swept (default both; the default config is "
+                        "always timed first)")
+    p.add_argument("--shapes", nargs="+", choices=SHAPE_NAMES, default=list(SHAPE_NAMES),
+                   help="the expert shapes to run (default all)")
     p.add_argument("--out", default="benchmarks/results/fused_moe.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.sweep_paths and not args.sweep:
+        raise SystemExit("--sweep-paths chooses the grids of --sweep: pass --sweep too")
     if args.sweep and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--sweep times the Triton kernel: on a CPU run it with TRITON_INTERPRET=1 (a smoke run)")
     rows = []
     for name, (cls, config, top_k) in shapes(args.tiny, args.tp).items():
+        if name not in args.shapes:
+            continue
         if args.sweep:
-            grid = TINY_GRID if args.tiny else SWEEP_GRID
-            rows += sweep_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters, grid)
+            paths = args.sweep_paths or ("gemv", "tensor_cores")
+            grid, gemv_grid = (TINY_GRID, TINY_GEMV_GRID) if args.tiny else (SWEEP_GRID, GEMV_SWEEP_GRID)
+            grids = (grid if "tensor_cores" in paths else None, gemv_grid if "gemv" in paths else None)
+            rows += sweep_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters, grids)
         else:
             rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)
     if not args.sweep:
         print_table(rows)
     env = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype,
-               tp=args.tp, tiny=args.tiny, sweep=args.sweep, torch=torch.__version__,
+               tp=args.tp, tiny=args.tiny, sweep=args.sweep, shapes=args.shapes, torch=torch.__version__,
                transformers=transformers.__version__)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""The block-FP8 GEMV decode kernel (``_fp8_gemv_kernel`` in hybrid_compile/ops/triton/fp8.py): dense
-calls of a few rows and grouped (MoE experts) calls at decode.
+"""The block-FP8 GEMV decode path (``gemv_kernel`` of hybrid_compile/ops/triton/gemv.py, ``SCALED`` by
+the block scales): dense calls of a few rows and grouped (MoE experts) calls at decode.
 
 Oracle, independent of the ops' code: the activation rounded to e4m3 per token and group of 128
 channels by torch's own cast (``scale = max(|group|, 1e-10) / 448``), the weight dequantized block

@@ -1,15 +1,17 @@
 """Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
 otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), :func:`softplus`
-(torch's, for the Mamba dt), :func:`tree_start_state` (a draft-tree node's starting state) and
-:func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM)."""
+(torch's, for the Mamba dt), :func:`tree_start_state` (a draft-tree node's starting state),
+:func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM) and
+:func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2", "softplus", "tree_start_state"]
+__all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2", "softplus",
+           "tree_start_state"]
 
 
 def pow2(n: int, lo: int = 1) -> int:
@@ -39,6 +41,19 @@ def expert_row_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, BLOCK_E: tl.constex
     row0 = tl.sum(tl.where(mine, lo + (pid_m - (tile_end - ntiles)) * BM, 0), axis=0)
     row_end = tl.sum(tl.where(mine, hi, 0), axis=0)
     return expert, row0, row_end
+
+
+@triton.jit
+def apply_activation(acc, acc_up, ACT: tl.constexpr):
+    """The fp32 epilogue of ``moe_grouped_linear`` (``ACT``: the index in
+    :data:`~hybrid_compile.ops.moe.GROUPED_ACTIVATIONS`): 0 ``acc``; 1 ``silu(acc) * acc_up`` (the gate
+    and the up products); 2 ``relu(acc) ** 2``."""
+    if ACT == 1:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACT == 2:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
+    return acc
 
 
 @triton.jit

@@ -3,20 +3,16 @@
 - ``_quantize_kernel`` (``fp8_quantize_per_token_group``): grid ``(cdiv(M, BR), cdiv(K, 128))``, each
   program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values (``DEQUANT``:
   instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
-- ``_fp8_gemv_kernel`` (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped
-  calls of at most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average): CUDA cores, no tensor cores, built like ``skinny_mm``
-  (:mod:`.linear`), which streams a bf16 weight at the memory bandwidth. Each program owns
-  ``BLOCK_N`` output columns (dividing the 128-row weight block, so one block row of scales) and
-  up to four rows; per step along ``K`` it loads a ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up
-  to 2048), converts it to fp32 and multiplies it by each row's per-column factor
-  ``a[k] * weight_scale_inv[k // 128]`` (``a``: the dequantized activation), accumulating one
-  ``[BLOCK_N, BLOCK_K]`` fp32 tile per row that is summed over ``K`` once at the end. The tiles are
-  shaped ``[BLOCK_N, BLOCK_K / 128, 128]`` so that a thread loads each 128-column block scale once,
-  not once per column (ptxas for sm_90a: 4x fewer scale loads, the same ~80 registers). One flat
-  grid, row tiles fastest. Grouped: a program per (row of one expert, column tile), the
-  expert found from ``expert_offsets`` in the kernel (:func:`~.common.expert_row_tile`), so it
-  streams only that expert's weight; shape-only launch. Programmatic dependent launch: a dense
-  program loads its first weight tile before waiting for the quantize kernel.
+- the GEMV (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped calls of at
+  most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average): the CUDA-core
+  ``gemv_kernel`` of :mod:`.gemv` (shared with the float experts), ``SCALED`` by the weight's
+  128 x 128 block scales: each program owns ``BLOCK_N`` output columns (dividing the 128-row
+  weight block, so one block row of scales) and up to four rows; per step along ``K`` it loads a
+  ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up to 2048), converts it to fp32 and multiplies it
+  by each row's per-column factor ``a[k] * weight_scale_inv[k // 128]`` (``a``: the dequantized
+  activation). Grouped: a program per (row of one expert, column tile), streaming only that
+  expert's weight; shape-only launch. Programmatic dependent launch: a dense program loads its
+  first weight tile before waiting for the quantize kernel.
 - ``_fp8_gemm_kernel`` (more rows): grid ``(cdiv(N, BN), row tiles)``; each program a ``[BM, BN]``
   output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
   activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32 accumulation), scaled by
@@ -54,6 +50,7 @@ from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
 from .common import cast_rne, div_rn, expert_row_tile, grouped_row_tiles, pow2
+from .gemv import GEMV_MAX_ROWS, check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
@@ -66,7 +63,7 @@ __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_
 #: row tiles of 4) and loses at 16 (the tensor cores 1.26x ahead on the geometric mean).
 FP8_DECODE_MAX_ROWS = 8
 #: Most rows one GEMV program takes (its accumulators are written out one per row).
-FP8_GEMV_MAX_ROWS = 4
+FP8_GEMV_MAX_ROWS = GEMV_MAX_ROWS
 #: Grouped (experts) calls take the GEMV kernel up to this many rows per expert on average: in the
 #: sweep one row per program beat the tensor cores at every decode size up to 64 tokens of top-10
 #: routing over 512 experts (640 rows, 1.25 per expert: gate_up 1.39x, down 1.02x).
@@ -175,125 +172,6 @@ def _fp8_gemm_kernel(
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm64[:, None] * N + rn[None, :], cast_rne(acc, y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, k0, rk, rg, K, stride_wn, stride_wk, stride_wsk,
-                      GROUP_W: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight tile at columns ``k0 + rk`` as ``[BLOCK_N, G, GROUP_W]`` fp32 (``G`` runs of
-    ``GROUP_W`` columns, each inside one 128-column scale block), the block scale of each run
-    ``[G]`` (the tile's rows share one block row: one scale load a run, not one a column) and the
-    column mask ``[G, GROUP_W]``."""
-    kk = k0 + rk
-    if EVEN_K:
-        k_ok = tl.full(rk.shape, 1, tl.int1)
-    else:
-        k_ok = kk < K
-    w = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :] * stride_wk,
-                mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
-    run0 = k0 + rg * GROUP_W
-    w_scale = tl.load(ws_row + (run0 // FP8_BLOCK_C) * stride_wsk, mask=run0 < K, other=0.0)
-    return w.to(tl.float32), w_scale, k_ok
-
-
-@triton.jit
-def _gemv_row(acc, a_ptr, row, row_end, K, kk, k_ok, w_scale, w):
-    """``acc + w * (a[row, kk] * w_scale)``: the row's dequantized activation times the weight's block
-    scale is the per-column factor of the fp32 weight tile (zeros past ``row_end``)."""
-    a = tl.load(a_ptr + row.to(tl.int64) * K + kk, mask=tl.where(row < row_end, k_ok, False), other=0.0)
-    return acc + w * (a * w_scale[:, None])[None, :, :]
-
-
-@triton.jit
-def _gemv_store(y_ptr, bias_ptr, row, row_end, N, rn, n_ok, acc, HAS_BIAS: tl.constexpr):
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row.to(tl.int64) * N + rn, cast_rne(out, y_ptr.dtype.element_ty),
-             mask=tl.where(row < row_end, n_ok, False))
-
-
-@triton.jit
-def _gemv_step(a_ptr, row0, row_end, K, kk, k_ok, w_scale, w, acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
-    """One weight tile applied to the program's ``ROWS`` (1-4) rows."""
-    acc0 = _gemv_row(acc0, a_ptr, row0, row_end, K, kk, k_ok, w_scale, w)
-    if ROWS >= 2:
-        acc1 = _gemv_row(acc1, a_ptr, row0 + 1, row_end, K, kk, k_ok, w_scale, w)
-    if ROWS >= 3:
-        acc2 = _gemv_row(acc2, a_ptr, row0 + 2, row_end, K, kk, k_ok, w_scale, w)
-    if ROWS >= 4:
-        acc3 = _gemv_row(acc3, a_ptr, row0 + 3, row_end, K, kk, k_ok, w_scale, w)
-    return acc0, acc1, acc2, acc3
-
-
-# N and K stay specialized (their divisibility by 16 lets the activation and output rows load and
-# store as vectors); the row count varies per step
-@triton.jit(do_not_specialize=["M", "E", "TILES_M"])
-def _fp8_gemv_kernel(
-    a_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, offsets_ptr,
-    M, N, K, E, TILES_M,
-    stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # one flat grid, row tiles fastest: the row tiles of one column tile run side by side and read
-    # its weight from L2 (and no grid axis limit on the column tiles)
-    pid = tl.program_id(0)
-    pid_m = pid % TILES_M
-    pid_n = pid // TILES_M
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    # a K step as G runs of GROUP_W columns (min(BLOCK_K, 128)): each run shares one weight scale
-    G: tl.constexpr = BLOCK_K // GROUP_W
-    rg = tl.arange(0, G)
-    rk = rg[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
-    acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    if GROUPED:
-        # which expert's weight to stream depends on the routing the previous kernels wrote: wait first
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, ROWS, BLOCK_E)
-        e64 = tl.minimum(expert, E - 1).to(tl.int64)
-        w_ptr += e64 * stride_we
-        ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // FP8_BLOCK_C) * stride_wsn
-        k_end = tl.where(expert < E, K, 0)  # a tile past the last used one reads nothing
-        k_start = 0
-    else:
-        row0 = pid_m * ROWS
-        row_end = M
-        k_end = K
-        ws_row = ws_ptr + ((pid_n * BLOCK_N) // FP8_BLOCK_C) * stride_wsn  # BLOCK_N divides the 128-row block
-        # the first weight tile is loaded before anything that reads the activation: under a
-        # programmatic dependent launch it streams while the quantize kernel is still running
-        w, w_scale, k_ok = _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, 0, rk, rg, K, stride_wn, stride_wk,
-                                             stride_wsk, GROUP_W, EVEN_K)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        acc0, acc1, acc2, acc3 = _gemv_step(a_ptr, row0, row_end, K, rk, k_ok, w_scale, w, acc0, acc1, acc2, acc3,
-                                            ROWS)
-        k_start = BLOCK_K
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + rk
-        w, w_scale, k_ok = _gemv_weight_tile(w_ptr, ws_row, rn, n_ok, k0, rk, rg, K, stride_wn, stride_wk,
-                                             stride_wsk, GROUP_W, EVEN_K)
-        acc0, acc1, acc2, acc3 = _gemv_step(a_ptr, row0, row_end, K, kk, k_ok, w_scale, w, acc0, acc1, acc2, acc3,
-                                            ROWS)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
-    _gemv_store(y_ptr, bias_ptr, row0, row_end, N, rn, n_ok, acc0, HAS_BIAS)
-    if ROWS >= 2:
-        _gemv_store(y_ptr, bias_ptr, row0 + 1, row_end, N, rn, n_ok, acc1, HAS_BIAS)
-    if ROWS >= 3:
-        _gemv_store(y_ptr, bias_ptr, row0 + 2, row_end, N, rn, n_ok, acc2, HAS_BIAS)
-    if ROWS >= 4:
-        _gemv_store(y_ptr, bias_ptr, row0 + 3, row_end, N, rn, n_ok, acc3, HAS_BIAS)
-
-
-FP8_BLOCK_C = tl.constexpr(FP8_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,32 +330,19 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     grouped = expert_offsets is not None
     m, k = x.shape
     n = weight.shape[-2]
-    experts = weight.shape[0] if grouped else 1
     rows = rows_per_program or (FP8_GROUPED_GEMV_ROWS if grouped else min(max(m, 1), FP8_GEMV_MAX_ROWS))
-    if not 1 <= rows <= FP8_GEMV_MAX_ROWS:
-        raise ValueError(f"fp8_gemv_triton: rows_per_program must be 1..{FP8_GEMV_MAX_ROWS}, got {rows}")
+    config = config or fp8_gemv_config(n, k, rows if grouped else m, grouped)
+    check_gemv_config("fp8_gemv_triton", config, rows)
+    if FP8_BLOCK % config[0]:
+        raise ValueError(f"fp8_gemv_triton: BLOCK_N={config[0]} must divide the weight block {FP8_BLOCK}")
     y = _empty_product(x, n, bias)
     if y is not None:
         return y
-    block_n, block_k, warps, stages = config or fp8_gemv_config(n, k, rows if grouped else m, grouped)
-    if FP8_BLOCK % block_n or block_k & (block_k - 1) or block_k < 16:
-        raise ValueError(f"fp8 GEMV: BLOCK_N={block_n} must divide the weight block {FP8_BLOCK} and BLOCK_K="
-                         f"{block_k} be a power of two >= 16")
     a = fp8_dequantized_activation_triton(x, pdl)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tiles_m = grouped_row_tiles(m, rows, experts) if grouped else _cdiv(m, rows)
-    ws = weight_scale_inv if grouped else weight_scale_inv[None]
-    w = weight if grouped else weight[None]
-    _fp8_gemv_kernel[(tiles_m * triton.cdiv(n, block_n),)](
-        a, w, ws, bias if bias is not None else a, y, expert_offsets if grouped else a,
-        m, n, k, experts, tiles_m,
-        w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
-        GROUPED=grouped, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_W=min(block_k, FP8_BLOCK), BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps,
-        num_stages=stages,
-        **pdl_launch(x.device, pdl),
-    )
-    return y
+    return launch_gemv(a, weight if grouped else weight[None], y, config, rows,
+                       expert_offsets=expert_offsets, scale=weight_scale_inv if grouped else weight_scale_inv[None],
+                       scale_block=FP8_BLOCK, bias=bias, pdl=pdl)
 
 
 def use_gemv(rows: int, experts: int | None = None) -> bool:

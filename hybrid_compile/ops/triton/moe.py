@@ -1,4 +1,6 @@
-"""Triton kernel of ``moe_grouped_linear`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM.
+"""Triton kernels of ``moe_grouped_linear`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM on the
+tensor cores, and at decode the CUDA-core GEMV of :mod:`.gemv`; :func:`moe_grouped_linear_triton`
+picks one (:func:`moe_path`).
 
 ``_grouped_gemm_kernel``: grid ``(cdiv(N, BN), row tiles)``; each program one ``[BM, BN]`` output
 tile of one expert, stepping along ``K`` by ``BK`` with ``tl.dot`` on the tensor cores (bf16 / fp16
@@ -13,10 +15,18 @@ one rounding of the store: 0 none; 1 silu_and_mul, where each program accumulate
 (weight rows ``rn``) and the up tile (rows ``N + rn``, ``N`` the output width) over one ``K`` loop and
 stores ``silu(gate) * up``; 2 relu2. No host sync, no atomics: usable in CUDA graphs.
 
-Tiles: :func:`fp8_gemm_config`'s choice (decode: 16-row tiles and column tiles narrow enough that
-about two programs per SM stream the weights; prefill: 64 / 128-row tiles), ``BK`` 64 (128 for
-16-bit weights at decode in column tiles narrower than 128: fewer loop steps over the long ``K`` of
-the weight stream).
+Decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT` rows per expert on average: top-k routing spreads a
+few tokens over many experts, one or two rows each): a 16-row tensor-core tile would waste most of
+its rows and too few programs would stream the weights, so the call takes ``gemv_kernel``
+(:mod:`.gemv`, the kernel of the FP8 experts' decode path without the block scales): one program
+per (row of an expert, ``BLOCK_N`` output columns), streaming that expert's ``[BLOCK_N, K]`` weight
+slab (``silu_and_mul``: its gate and its up rows) on the CUDA cores with fp32 accumulators, the
+same gather, scatter, activations and shape-only launch; tiles from :data:`MOE_GEMV_TILES`.
+
+Tiles of the tensor-core kernel: :func:`fp8_gemm_config`'s choice (decode: 16-row tiles and column
+tiles narrow enough that about two programs per SM stream the weights; prefill: 64 / 128-row
+tiles), ``BK`` 64 (128 for 16-bit weights at decode in column tiles narrower than 128: fewer loop
+steps over the long ``K`` of the weight stream).
 """
 
 from __future__ import annotations
@@ -28,11 +38,30 @@ import triton
 import triton.language as tl
 
 from ..moe import GROUPED_ACTIVATIONS, _check_grouped, check_activation, grouped_output_width
-from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2
+from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
+from .gemv import check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["moe_gemm_config", "moe_grouped_linear_triton"]
+__all__ = ["MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config", "moe_gemv_config",
+           "moe_grouped_linear_triton", "moe_path"]
+
+#: The kernels :func:`moe_grouped_linear_triton` can take.
+MOE_PATHS = ("gemv", "tensor_cores")
+#: Calls of at most this many rows per expert on average take the GEMV: the FP8 experts' threshold
+#: (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per program beat the tensor
+#: cores at every decode size up to 64 tokens of top-10 routing over 512 experts, 1.25 rows per
+#: expert). ``benchmarks/fused_moe.py --sweep`` times both paths for the float weights.
+MOE_GEMV_ROWS_PER_EXPERT = 2
+#: GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size in bytes, for
+#: one row per program and one weight tile per step. From the FP8 sweep's grouped choice (BLOCK_K
+#: 256, 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages), for 2-byte weights the
+#: same tile: a warp's 16-byte loads then cover one 256-column row (512 bytes), each step streams
+#: 8 KB a program (the FP8 tile's 4 KB at twice the bytes per element) and ptxas for sm_90a gives
+#: 80 registers, no spill. fp32: BLOCK_K 128 (a warp's 16-byte loads again span one row) and
+#: BLOCK_N 32, the same 4096 accumulators (96 registers). :func:`moe_gemv_config` halves BLOCK_N
+#: for ``silu_and_mul`` (a gate and an up accumulator per column).
+MOE_GEMV_TILES = {2: (16, 256, 4, 2), 4: (32, 128, 4, 2)}
 
 # Triton's interpreter multiplies the raw bits of bf16 operands in tl.dot: there the tiles are
 # widened to fp32 first (exact for bf16 / fp16 values, so the products are those of the GPU's dot)
@@ -85,11 +114,7 @@ def _grouped_gemm_kernel(
             acc += tl.dot(a, tl.trans(w))
             if ACT == 1:
                 acc_up += tl.dot(a, tl.trans(wu))
-    if ACT == 1:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    elif ACT == 2:
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
+    acc = apply_activation(acc, acc_up, ACT)
     if SCATTER:
         dst = tl.load(scatter_ptr + rm, mask=m_ok, other=0).to(tl.int64)
     else:
@@ -115,32 +140,76 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
     return bm, bn, bk, warps, stages
 
 
+def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False,
+                    rows: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV for ``n`` output columns over ``k`` input
+    channels: :data:`MOE_GEMV_TILES`, ``BLOCK_N`` halved for ``gated`` (``silu_and_mul``) and divided
+    by the ``rows`` a program takes; a ``K`` shorter than ``BLOCK_K`` shortens the tile and widens
+    ``BLOCK_N`` to keep the accumulators (at most 128, and no wider than ``n`` needs)."""
+    block_n, block_k, warps, stages = MOE_GEMV_TILES[dtype.itemsize]
+    fit = min(block_k, pow2(k, 16))
+    accumulators = block_n * block_k // ((2 if gated else 1) * pow2(rows))
+    block_n = max(2, min(128, pow2(n, 2), accumulators // fit))
+    return block_n, fit, warps, stages
+
+
+def moe_path(rows: int, experts: int) -> str:
+    """The kernel :func:`moe_grouped_linear_triton` takes by default for ``rows`` sorted rows over
+    ``experts``: ``"gemv"`` at decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT` rows per expert on
+    average), else ``"tensor_cores"``."""
+    return "gemv" if rows <= MOE_GEMV_ROWS_PER_EXPERT * experts else "tensor_cores"
+
+
 def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none",
-                              config=None, pdl: bool | None = None):
-    """``moe_grouped_linear`` on the GPU (or under the interpreter); ``config`` = (BM, BN, BK, warps,
-    stages) overrides :func:`moe_gemm_config`."""
+                              config=None, pdl: bool | None = None, path: str | None = None,
+                              rows_per_program: int | None = None):
+    """``moe_grouped_linear`` on the GPU (or under the interpreter).
+
+    ``path``: ``"gemv"`` or ``"tensor_cores"`` forces that kernel; ``None``: :func:`moe_path`, except
+    that a ``config`` without a ``path`` asks for the tensor cores. ``config``: the path's tiles,
+    (BM, BN, BK, warps, stages) for the tensor cores (default :func:`moe_gemm_config`), (BLOCK_N,
+    BLOCK_K, warps, stages) for the GEMV (default :func:`moe_gemv_config`). ``rows_per_program``
+    (GEMV only, 1-4, default 1): rows of one expert a GEMV program takes."""
     experts, n_rows, k = weight.shape
     check_activation(activation, n_rows)
+    if path is not None and path not in MOE_PATHS:
+        raise ValueError(f"moe_grouped_linear_triton: `path` must be one of {MOE_PATHS} or None, got {path!r}")
     # grid and tiles over the output columns: with silu_and_mul a program owns BN output columns and
     # reads both their gate and up weight rows, so the config sees the output width N/2 (its
     # programs-per-SM count is then the real one; each streams twice the weight bytes per K step)
     n = grouped_output_width(n_rows, activation)
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    gated = activation == "silu_and_mul"
+    path = path or ("tensor_cores" if config is not None else moe_path(rows, experts))
+    if path == "gemv":
+        rows_per_program = 1 if rows_per_program is None else rows_per_program
+        config = config or moe_gemv_config(n, k, x.dtype, gated, rows_per_program)
+        check_gemv_config("moe_grouped_linear_triton", config, rows_per_program)
+    else:
+        if rows_per_program is not None:
+            raise ValueError("moe_grouped_linear_triton: `rows_per_program` is an option of the GEMV path, "
+                             "not of the tensor cores")
+        if config is not None and len(config) != 5:
+            raise ValueError(f"moe_grouped_linear_triton: a tensor-core config is (BM, BN, BK, num_warps, "
+                             f"num_stages), got {config}")
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
     if k == 0:  # empty products: every activation maps 0 to 0
         return y.zero_()
+    act = GROUPED_ACTIVATIONS.index(activation)
+    if path == "gemv":
+        return launch_gemv(x, weight, y, config, rows_per_program, expert_offsets=expert_offsets,
+                           gather_index=gather_index, scatter_index=scatter_index, activation=act, pdl=pdl)
     bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device),
-                                                          gated=activation == "silu_and_mul")
+                                                          gated=gated)
     _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](
         x, gather_index if gather_index is not None else expert_offsets, weight, y,
         scatter_index if scatter_index is not None else expert_offsets, expert_offsets,
         rows, n, k, experts,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         GATHER=gather_index is not None, SCATTER=scatter_index is not None, IEEE=x.dtype == torch.float32 or _INTERPRET,
-        ACT=GROUPED_ACTIVATIONS.index(activation),
-        BM=bm, BN=bn, BK=bk, BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages,
+        ACT=act, BM=bm, BN=bn, BK=bk, BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages,
         **pdl_launch(x.device, pdl),
     )
     return y

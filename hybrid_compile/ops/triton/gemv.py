@@ -1,0 +1,259 @@
+"""The CUDA-core GEMV kernel shared by the block-FP8 ops (:mod:`.fp8`: dense and grouped calls at
+decode) and the float experts op (:mod:`.moe`: ``moe_grouped_linear`` at decode): ``gemv_kernel``
+and its launcher :func:`launch_gemv`.
+
+A few rows against a large weight: tensor-core tiles would waste most of their rows, so each
+program streams a ``[BLOCK_N, K]`` slab of the weight on the CUDA cores, built like ``skinny_mm``
+(:mod:`.linear`), which streams a bf16 weight at the memory bandwidth. A program owns ``BLOCK_N``
+output columns and ``ROWS`` (1-4) rows; per step along ``K`` it loads a ``[BLOCK_N, BLOCK_K]``
+weight tile, converts it to fp32 and multiplies it by each row's per-column factor (the row's
+activation, times the weight's block scale when ``SCALED``), accumulating one ``[BLOCK_N,
+BLOCK_K]`` fp32 tile per row that is summed over ``K`` once at the end. The tiles are shaped
+``[BLOCK_N, BLOCK_K / GROUP_W, GROUP_W]``: with block scales (FP8, ``GROUP_W`` up to the
+128-column scale block) a thread loads each block's scale once, not once per column (ptxas for
+sm_90a: 4x fewer scale loads, the same ~80 registers); without, ``GROUP_W = BLOCK_K``.
+
+One flat grid, row tiles fastest (the row tiles of one column tile run side by side and read its
+weight from L2; no grid-axis limit on the column tiles). ``GROUPED`` (MoE experts, rows sorted by
+expert): row tile ``t`` belongs to the expert found from ``expert_offsets``
+(:func:`~.common.expert_row_tile`), so a program streams only its expert's weight and the launch
+is shape-only (:func:`~.common.grouped_row_tiles` row tiles; one past the last used tile reads
+nothing). ``GATHER``: row ``r`` reads ``a[gather[r]]``; ``SCATTER``: it is stored at
+``y[scatter[r]]``. ``ACT`` (:func:`~.common.apply_activation`): 1 = ``silu_and_mul``, where the same
+``K`` loop also streams the up rows ``N + rn`` into a second accumulator per row; 2 = relu2.
+``HAS_BIAS`` adds a per-column bias before the activation. No host sync, no atomics: usable in
+CUDA graphs. Programmatic dependent launch (:mod:`.launch`): a dense program loads its first
+weight tile before waiting for the kernel before it; a grouped one waits first (which expert's
+weight to stream depends on the routing that kernel wrote). Every program releases the next
+kernel before its stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
+from .launch import pdl_launch
+
+__all__ = ["GEMV_MAX_ROWS", "check_gemv_config", "gemv_kernel", "launch_gemv"]
+
+#: Most rows one GEMV program takes (its accumulators are written out one per row).
+GEMV_MAX_ROWS = 4
+
+
+@triton.jit
+def _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk, stride_wsk,
+                  SCALED: tl.constexpr, GATED: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """The weight tile at columns ``k0 + rk`` as ``[BLOCK_N, G, GROUP_W]`` fp32, the up rows' tile
+    (``GATED``; else the same tile again, unused), the block scale of each run ``[G]`` (``SCALED``:
+    the tile's rows share one block row, so one scale load a run; else ones, unused) and the
+    column mask ``[G, GROUP_W]``."""
+    kk = k0 + rk
+    if EVEN_K:
+        k_ok = tl.full(rk.shape, 1, tl.int1)
+    else:
+        k_ok = kk < K
+    mask = n_ok[:, None, None] & k_ok[None, :, :]
+    cols = kk[None, :, :] * stride_wk
+    w = tl.load(w_ptr + rn64[:, None, None] * stride_wn + cols, mask=mask, other=0.0).to(tl.float32)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_ptr + (rn64 + N)[:, None, None] * stride_wn + cols, mask=mask, other=0.0).to(tl.float32)
+    w_scale = tl.full(rg.shape, 1.0, tl.float32)
+    if SCALED:
+        run0 = k0 + rg * GROUP_W
+        w_scale = tl.load(ws_row + (run0 // SCALE_BLOCK) * stride_wsk, mask=run0 < K, other=0.0)
+    return w, w_up, w_scale, k_ok
+
+
+@triton.jit
+def _row_product(acc, acc_up, a_ptr, src, ok, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+                 SCALED: tl.constexpr, GATED: tl.constexpr):
+    """One row's accumulators plus the weight tiles times the row's per-column factor: its activation
+    ``a[src, kk]`` in fp32 (times the block scale when ``SCALED``; zeros for a row past the tile's)."""
+    a = tl.load(a_ptr + src * stride_am + kk * stride_ak, mask=tl.where(ok, k_ok, False), other=0.0).to(tl.float32)
+    if SCALED:
+        a = a * w_scale[:, None]
+    acc += w * a[None, :, :]
+    if GATED:
+        acc_up += w_up * a[None, :, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _step(a_ptr, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+          acc0, acc1, acc2, acc3, up0, up1, up2, up3,
+          ROWS: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr):
+    """One weight tile applied to the program's ``ROWS`` (1-4) rows."""
+    acc0, up0 = _row_product(acc0, up0, a_ptr, src0, ok0, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+                             SCALED, GATED)
+    if ROWS >= 2:
+        acc1, up1 = _row_product(acc1, up1, a_ptr, src1, ok1, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+                                 SCALED, GATED)
+    if ROWS >= 3:
+        acc2, up2 = _row_product(acc2, up2, a_ptr, src2, ok2, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+                                 SCALED, GATED)
+    if ROWS >= 4:
+        acc3, up3 = _row_product(acc3, up3, a_ptr, src3, ok3, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+                                 SCALED, GATED)
+    return acc0, acc1, acc2, acc3, up0, up1, up2, up3
+
+
+@triton.jit
+def _row_index(idx_ptr, row, ok, INDIRECT: tl.constexpr):
+    """Where row ``row`` reads or writes: ``idx_ptr[row]`` (gather / scatter) or ``row`` itself, int64."""
+    out = row.to(tl.int64)
+    if INDIRECT:
+        out = tl.load(idx_ptr + row, mask=ok, other=0).to(tl.int64)
+    return out
+
+
+@triton.jit
+def _store_row(y_ptr, bias_ptr, scatter_ptr, row, ok, N, rn, n_ok, acc, acc_up,
+               HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, ACT: tl.constexpr):
+    """One row's output: the accumulators summed over ``K``, the bias, the activation, one rounding."""
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    out = apply_activation(out, tl.sum(tl.sum(acc_up, axis=2), axis=1), ACT)
+    dst = _row_index(scatter_ptr, row, ok, SCATTER)
+    tl.store(y_ptr + dst * N + rn, cast_rne(out, y_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
+
+
+# N and K stay specialized (their divisibility by 16 lets the activation and output rows load and
+# store as vectors); the row count varies per step
+@triton.jit(do_not_specialize=["M", "E", "TILES_M"])
+def gemv_kernel(
+    a_ptr, gather_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, scatter_ptr, offsets_ptr,
+    M, N, K, E, TILES_M,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    GROUPED: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+    SCATTER: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # the up rows of silu_and_mul lie in another block row of scales (and a bias would need its own)
+    tl.static_assert(ACT != 1 or not (SCALED or HAS_BIAS))
+    GATED: tl.constexpr = ACT == 1
+    pid = tl.program_id(0)
+    pid_m = pid % TILES_M
+    pid_n = pid // TILES_M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)
+    n_ok = rn < N  # N: output columns (silu_and_mul: the gate rows; the up rows follow at N + rn)
+    # a K step as G runs of GROUP_W columns: with block scales each run shares one weight scale
+    G: tl.constexpr = BLOCK_K // GROUP_W
+    rg = tl.arange(0, G)
+    rk = rg[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
+    acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)  # silu_and_mul's up products (unused otherwise)
+    up1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    if GROUPED:
+        # which expert's weight to stream depends on the routing the previous kernels wrote: wait first
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, ROWS, BLOCK_E)
+        e64 = tl.minimum(expert, E - 1).to(tl.int64)
+        w_ptr += e64 * stride_we
+        ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
+        k_end = tl.where(expert < E, K, 0)  # a tile past the last used one reads nothing
+        k_start = 0
+    else:
+        row0 = pid_m * ROWS
+        row_end = M
+        k_end = K
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn  # BLOCK_N divides the scale block
+        # the first weight tile is loaded before anything that reads the activation: under a
+        # programmatic dependent launch it streams while the kernel before is still running
+        w, w_up, w_scale, k_ok = _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, 0, rk, rg, K, stride_wn, stride_wk,
+                                               stride_wsk, SCALED, GATED, GROUP_W, SCALE_BLOCK, EVEN_K)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        k_start = BLOCK_K
+    ok0 = row0 < row_end
+    ok1 = row0 + 1 < row_end
+    ok2 = row0 + 2 < row_end
+    ok3 = row0 + 3 < row_end
+    src0 = _row_index(gather_ptr, row0, ok0, GATHER)
+    src1 = src0
+    src2 = src0
+    src3 = src0
+    if ROWS >= 2:
+        src1 = _row_index(gather_ptr, row0 + 1, ok1, GATHER)
+    if ROWS >= 3:
+        src2 = _row_index(gather_ptr, row0 + 2, ok2, GATHER)
+    if ROWS >= 4:
+        src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
+    if not GROUPED:
+        acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
+            a_ptr, rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w, w_up, w_scale, k_ok = _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk,
+                                               stride_wsk, SCALED, GATED, GROUP_W, SCALE_BLOCK, EVEN_K)
+        acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
+            a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+    _store_row(y_ptr, bias_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 2:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 1, ok1, N, rn, n_ok, acc1, up1, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 3:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 4:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, HAS_BIAS, SCATTER, ACT)
+
+
+def check_gemv_config(op: str, config: tuple[int, int, int, int], rows: int) -> None:
+    """``config`` = (BLOCK_N, BLOCK_K, warps, stages): ``BLOCK_N`` a power of two, ``BLOCK_K`` a power
+    of two >= 16; ``rows`` per program 1..4."""
+    if len(config) != 4:
+        raise ValueError(f"{op}: a GEMV config is (BLOCK_N, BLOCK_K, num_warps, num_stages), got {config}")
+    block_n, block_k = config[:2]
+    if block_n < 1 or block_n & (block_n - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"{op}: BLOCK_N={block_n} must be a power of two and BLOCK_K={block_k} a power of two >= 16")
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"{op}: rows_per_program must be 1..{GEMV_MAX_ROWS}, got {rows}")
+
+
+def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: tuple[int, int, int, int], rows: int,
+                *, expert_offsets: torch.Tensor | None = None, gather_index: torch.Tensor | None = None,
+                scatter_index: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                scale_block: int = 1, bias: torch.Tensor | None = None, activation: int = 0,
+                pdl: bool | None = None) -> torch.Tensor:
+    """Fill ``y [R, N]`` with ``act(a[src(r)] @ weight[e(r), cols].T (+ bias))`` for each row ``r``.
+
+    ``a [X, K]`` (any strides); ``weight [E, N_w, K]`` (``E == 1`` for a dense call) whose rows
+    ``[0, N)`` are the output columns (``activation`` 1, silu_and_mul: ``N_w = 2N``, the up rows
+    follow); ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages); ``rows`` per program.
+    ``expert_offsets [E + 1]``: grouped rows sorted by expert; ``gather_index`` / ``scatter_index``
+    ``[R]``: where each row reads / is stored; ``scale [E, cdiv(N_w, scale_block), cdiv(K,
+    scale_block)]``: the weight's fp32 block scales (``BLOCK_N`` then divides ``scale_block``)."""
+    block_n, block_k, warps, stages = config
+    experts, _, k = weight.shape
+    m, n = y.shape
+    grouped = expert_offsets is not None
+    tiles_m = grouped_row_tiles(m, rows, experts) if grouped else triton.cdiv(m, rows)
+    ws = scale if scale is not None else weight  # (unread without SCALED)
+    ws_strides = scale.stride() if scale is not None else (0, 0, 0)
+    gemv_kernel[(tiles_m * triton.cdiv(n, block_n),)](
+        a, gather_index if gather_index is not None else a, weight, ws, bias if bias is not None else a, y,
+        scatter_index if scatter_index is not None else a, expert_offsets if grouped else a,
+        m, n, k, experts, tiles_m,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *ws_strides,
+        GROUPED=grouped, SCALED=scale is not None, HAS_BIAS=bias is not None, GATHER=gather_index is not None,
+        SCATTER=scatter_index is not None, ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
+        BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        **pdl_launch(a.device, pdl),
+    )
+    return y

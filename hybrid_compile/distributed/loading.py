@@ -389,3 +389,19 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     peak = max(0, _status_bytes("VmHWM") - base_rss)
     dev_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else shard_bytes
     return model, LoadReport(shard_bytes, full, peak, int(dev_peak))
+
+
+def load_mtp_shard(model: nn.Module, path: str, config, plan: ShardPlan, checkpoint=None) -> nn.Module:
+    """This rank's part of the checkpoint's MTP head (``speculative={"method": "mtp"}``) over the
+    rank's ``model``: built with the local sizes and each ``mtp.*`` parameter read by the family's
+    plan, slice by slice as the model's layers are (its attention and MLP / experts split, the fc /
+    norms replicated), from ``checkpoint`` (``SpeculativeConfig.mtp_checkpoint``) or ``path``."""
+    from ..models.mtp import load_mtp_head
+
+    where = os.path.expanduser(os.fspath(checkpoint)) if checkpoint is not None else path
+    ckpt = Checkpoint(where, getattr(config, "model_type", None))
+    try:
+        return load_mtp_head(model, where,
+                             shard=lambda key: _read_param(ckpt, key, plan.slice_of(key), plan.rank, plan.size))
+    finally:
+        ckpt.close()

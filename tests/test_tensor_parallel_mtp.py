@@ -5,8 +5,9 @@ Tiny checkpoints with ``mtp.*`` tensors (tests/mtp_models.py) are served by
 its shard of the head (attention heads, the MLP's / experts' intermediate split; fc and norms
 replicated; its KV layer in the rank's KV pool holds the rank's KV heads) and runs every head
 forward of rank 0's proposals (``distributed/step.py``, ``HEAD`` forwards). Cases: Qwen3-Next (MoE
-head, experts stored per expert), Qwen3.5 (dense head) and a Qwen3.5-MoE draft tree (top-k 2),
-each with chunked prefill (a 45-token prompt over chunks of 32), the prefix cache (round two
+head, experts stored per expert), Qwen3.5 (dense head), a Qwen3.5-MoE draft tree (top-k 2) and
+NemotronH (its MTP step: an attention block and a MoE block); the Qwen3-Next and tree cases also
+with a rank-one LM head that makes about half the drafts accepted. Each with chunked prefill (a 45-token prompt over chunks of 32), the prefix cache (round two
 continues round one's sequences) and more prompts than running slots. In fp32 the sharded head's
 math is the single-process head's up to summation order, so the greedy tokens equal the
 single-process MTP engine's and HF ``generate``'s, and every proposal and counter (verify steps,
@@ -26,7 +27,7 @@ import torch
 
 import hybrid_compile as hc
 from engine_models import build_model, hf_greedy, random_prompts, single_threaded, vocab_size
-from mtp_models import ENGINE_ARGS, record_proposals, write_mtp_checkpoint
+from mtp_models import ENGINE_ARGS, record_proposals, write_mtp_checkpoint, write_nemotron_h_mtp_checkpoint
 from test_tensor_parallel import _run_group
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
@@ -40,6 +41,7 @@ CASES = (
     ("qwen3_next_moe@accepting", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), True),
     ("qwen3_5", "qwen3_5", dict(method="mtp", num_draft_tokens=2), False),
     ("qwen3_5_moe@tree", "qwen3_5_moe", dict(method="mtp", num_draft_tokens=2, topk=2, num_tree_nodes=4), True),
+    ("nemotron_h", "nemotron_h", dict(method="mtp", num_draft_tokens=2), False),
 )
 ACCEPTING = tuple(c[0] for c in CASES if c[3])
 
@@ -70,6 +72,11 @@ def _serve(engine, prompts: list[list[int]]) -> dict:
                 head=spec["draft_source"])
 
 
+def _fc(head):
+    """The head's fusion of ``[embedding; hidden]`` (Qwen's ``fc``, NemotronH's ``eh_proj``)."""
+    return head.fc if hasattr(head, "fc") else head.eh_proj
+
+
 def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
     """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
     torch.set_num_threads(1)
@@ -91,7 +98,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
         head = engine.mtp_head
         attn = head.attention_modules()[0]
         result.update(
-            q_proj=list(attn.q_proj.weight.shape), fc=list(head.fc.weight.shape),
+            q_proj=list(attn.q_proj.weight.shape), fc=list(_fc(head).weight.shape),
             head_kv_heads=head.attention_specs(torch.float32)[0].num_kv_heads,
             commands=engine.stats()["tensor_parallel"]["commands_broadcast"])
         engine.close()
@@ -109,7 +116,10 @@ def served(tmp_path_factory):
     cases, single = [], {}
     for name, kind, spec, two_tokens in CASES:
         path = str(tmp_path_factory.mktemp(kind))
-        write_mtp_checkpoint(kind, 0, path, model=_two_token_model(kind) if two_tokens else None)
+        if kind == "nemotron_h":  # (its MTP step: an attention block, then a MoE block)
+            write_nemotron_h_mtp_checkpoint(0, path)
+        else:
+            write_mtp_checkpoint(kind, 0, path, model=_two_token_model(kind) if two_tokens else None)
         engine = hc.from_pretrained(path, speculative=spec, **OPTIONS)
         model = engine.model
         prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)
@@ -143,7 +153,7 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     if name in ACCEPTING:
         assert r["counters"]["accepted"] >= r["counters"]["verify_steps"] // 2, r["counters"]
     # the rank's head holds half the query heads (q_proj rows) and its KV layer in the pool half the KV
-    # heads (one when there are fewer KV heads than ranks: replicated); fc is replicated
+    # heads (one when there are fewer KV heads than ranks: replicated); its fc (eh_proj) is replicated
     assert r["q_proj"] == [one["full_q_proj"][0] // 2, one["full_q_proj"][1]]
     assert r["head_kv_heads"] == max(1, one["head_kv_heads"] // 2)
     h = r["fc"][0]

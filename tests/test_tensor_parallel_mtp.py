@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import hybrid_compile as hc
+from hybrid_compile.models.mtp import MTPWeightsNotFoundError
 from engine_models import build_model, hf_greedy, random_prompts, single_threaded, vocab_size
 from mtp_models import ENGINE_ARGS, record_proposals, write_mtp_checkpoint, write_nemotron_h_mtp_checkpoint
 from test_tensor_parallel import _run_group
@@ -162,3 +163,12 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     assert not any(r["pools_used"].values()), r["pools_used"]
 
 
+
+
+def test_checkpoint_without_mtp_tensors_fails_before_launch(tmp_path):
+    """A checkpoint with no ``mtp.*`` tensors: the single-process engine's error, raised before any
+    rank process starts."""
+    write_mtp_checkpoint("qwen3_5", 0, str(tmp_path), with_mtp=False)
+    with pytest.raises(MTPWeightsNotFoundError, match="has no mtp.* tensors"):
+        hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, speculative=dict(method="mtp", num_draft_tokens=2),
+                           **OPTIONS)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
 from ..engine.startup import Startup
+from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
 from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
@@ -322,6 +323,9 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
     device_type = _resolve_device(device)
     plan_for(config, size)  # head counts that do not divide: one error, before any weight is read
     engine_config = _check_options(engine_config, size, device_type)
+    spec = engine_config.speculative
+    if spec is not None and spec.method == "mtp":  # (a family or checkpoint without an MTP head: one error)
+        check_mtp_checkpoint(config, os.path.expanduser(os.fspath(spec.mtp_checkpoint or path)))
     if device_type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this host has {torch.cuda.device_count()}")
     if _group.current_group() is not None:

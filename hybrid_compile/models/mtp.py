@@ -302,6 +302,44 @@ def _owner(name: str, owned: list[str]) -> str | None:
     return max(hits, key=len) if hits else None
 
 
+def _check_family(config, cfg) -> str:
+    """The tensors the error for a checkpoint without them names, or the error of a family without
+    MTP heads or a NemotronH config without MTP layers (``cfg``: ``config``'s text config)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _BUILDERS:
+        declared = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+        extra = f" (its config declares {declared} MTP layer(s), which hybrid_compile does not build)" if declared else ""
+        raise ValueError(
+            f"speculative method 'mtp' is not supported for model type {model_type!r}{extra}; MTP heads are built "
+            f"for {', '.join(MTP_MODEL_TYPES)}")
+    _, looked_for = _BUILDERS[model_type]
+    if model_type == "nemotron_h":
+        _nemotron_h_pattern(cfg)  # (a config without MTP layers fails before the checkpoint is read)
+    return looked_for
+
+
+def _checked_names(config, cfg, path: str):
+    """The checkpoint and ``mtp.*`` names (:func:`_mtp_names`) of ``path`` for a model of ``config``
+    (``cfg``: its text config), or the error of a family without MTP heads (:func:`_check_family`),
+    a checkpoint without the tensors or with FP8-quantized ones."""
+    ckpt, names = _mtp_names(path, _check_family(config, cfg))
+    # (block-FP8 "weight_scale_inv" of DeepSeek-style releases; per-tensor "weight_scale" /
+    # "input_scale" of NVIDIA ModelOpt ones)
+    scaled = sorted(k for k in names if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
+    if scaled:
+        raise ValueError(f"speculative method 'mtp': the mtp.* tensors in {path!r} are FP8-quantized "
+                         f"({PREFIX}{scaled[0]}, ...); hybrid_compile loads MTP heads in float only")
+    return ckpt, names
+
+
+def check_mtp_checkpoint(config, path: str) -> None:
+    """Before any model is built (tensor parallelism checks it before a rank starts): a model of
+    ``config`` (the checkpoint's) has an MTP head that :func:`load_mtp_head` builds from the
+    ``mtp.*`` tensors in ``path``; else the error :func:`load_mtp_head` would raise."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _checked_names(config, cfg, path)
+
+
 def load_mtp_head(model: nn.Module, checkpoint=None, shard=None) -> MTPHead:
     """The MTP head of ``model`` from the ``mtp.*`` tensors of ``checkpoint`` (a directory; None:
     the one the model was loaded from), on the model's device and dtype, in eval mode.
@@ -312,23 +350,10 @@ def load_mtp_head(model: nn.Module, checkpoint=None, shard=None) -> MTPHead:
     by the family's sharding plan); a part whose shape is not the local parameter's raises."""
     cfg = _text_config(model)
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in _BUILDERS:
-        declared = getattr(cfg, "num_nextn_predict_layers", 0) or 0
-        extra = f" (its config declares {declared} MTP layer(s), which hybrid_compile does not build)" if declared else ""
-        raise ValueError(
-            f"speculative method 'mtp' is not supported for model type {model_type!r}{extra}; MTP heads are built "
-            f"for {', '.join(MTP_MODEL_TYPES)}")
-    build, looked_for = _BUILDERS[model_type]
-    if model_type == "nemotron_h":
-        _nemotron_h_pattern(cfg)  # (a config without MTP layers fails before the checkpoint is read)
+    _check_family(model.config, cfg)  # (before the directory is looked for)
     path = _checkpoint_dir(model, checkpoint)
-    ckpt, names = _mtp_names(path, looked_for)
-    # (block-FP8 "weight_scale_inv" of DeepSeek-style releases; per-tensor "weight_scale" /
-    # "input_scale" of NVIDIA ModelOpt ones)
-    scaled = sorted(k for k in names if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
-    if scaled:
-        raise ValueError(f"speculative method 'mtp': the mtp.* tensors in {path!r} are FP8-quantized "
-                         f"({PREFIX}{scaled[0]}, ...); hybrid_compile loads MTP heads in float only")
+    ckpt, names = _checked_names(model.config, cfg, path)
+    build, _ = _BUILDERS[model_type]
     if shard is None:
         head = build(model, cfg, names)
     else:  # (local sizes; every parameter is replaced by its shard below)
@@ -389,4 +414,4 @@ def _load_shard(module: nn.Module, name: str, shard, param: torch.Tensor, fp32: 
 
 
 __all__ = ["GatedDeltaNetMTPHead", "MTPHead", "MTPWeightsNotFoundError", "MTP_MODEL_TYPES", "NemotronHMTPHead",
-           "load_mtp_head"]
+           "check_mtp_checkpoint", "load_mtp_head"]

@@ -477,8 +477,8 @@ def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
     with pytest.raises(ValueError, match="'draft_model' with tensor_parallel_size=2 is not supported"):
         hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative=spec)
     with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\].*tensor_parallel_size=2 is not supported"):
-        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative={"method": "mtp", "num_draft_tokens": 2},
-                           extra={"mtp_draft_graphs": True})
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", extra={"mtp_draft_graphs": True},
+                           speculative={"method": "mtp", "num_draft_tokens": 2})
 
 
 def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):

@@ -6,14 +6,15 @@ its shard of the head (attention heads, the MLP's / experts' intermediate split;
 replicated; its KV layer in the rank's KV pool holds the rank's KV heads) and runs every head
 forward of rank 0's proposals (``distributed/step.py``, ``HEAD`` forwards). Cases: Qwen3-Next (MoE
 head, experts stored per expert), Qwen3.5 (dense head), a Qwen3.5-MoE draft tree (top-k 2) and
-NemotronH (its MTP step: an attention block and a MoE block); the Qwen3-Next and tree cases also
-with a rank-one LM head that makes about half the drafts accepted. Each with chunked prefill (a 45-token prompt over chunks of 32), the prefix cache (round two
-continues round one's sequences) and more prompts than running slots. In fp32 the sharded head's
-math is the single-process head's up to summation order, so the greedy tokens equal the
-single-process MTP engine's and HF ``generate``'s, and every proposal and counter (verify steps,
-drafted, accepted, the head's step counters) equals the single-process run's. The cases run in one
-group of spawned ranks (``test_tensor_parallel._run_group``). Refused before any rank starts:
-``EngineConfig.extra["mtp_draft_graphs"]`` (tests/test_tensor_parallel.py).
+NemotronH (its MTP step: an attention block and a MoE block); a Qwen3-Next case and the tree case
+with a rank-one LM head that makes about half the drafts accepted. Each with chunked prefill (a
+45-token prompt over chunks of 32), the prefix cache (round two continues round one's sequences)
+and more prompts than running slots. In fp32 the sharded head's math is the single-process
+head's up to summation order, so the greedy tokens equal the single-process MTP engine's and HF
+``generate``'s, and every proposal and counter (verify steps, drafted, accepted, the head's step
+counters) equals the single-process run's. The cases run in one group of spawned ranks
+(``test_tensor_parallel._run_group``). Raised before any rank starts: a checkpoint without
+``mtp.*`` tensors (here) and ``EngineConfig.extra["mtp_draft_graphs"]`` (tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
+from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from ..engine.startup import Startup
 from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
 from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
-from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from .loading import LoadReport, load_mtp_shard, load_shard
 from .plans import ShardPlan, plan_for
 from .step import StepBroadcaster, follow, mtp_runner

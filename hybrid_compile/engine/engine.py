@@ -191,8 +191,9 @@ class HybridEngine(GenerateAPI):
         is_mtp = config.speculative is not None and config.speculative.method == "mtp"
         if mtp_head is not None and not is_mtp:
             raise ValueError("HybridEngine(mtp_head=...) needs EngineConfig.speculative with method 'mtp'")
-        self.startup.plan(*("load",) * (is_mtp and mtp_head is None), "pools", "patch", *("speculative",) * (config.speculative is not None),
-                          *("warmup",) * warm)  # (compile and capture: the runner's, CompiledGraphs.setup)
+        # (compile and capture: the runner's, CompiledGraphs.setup)
+        self.startup.plan(*("load",) * (is_mtp and mtp_head is None), "pools", "patch",
+                          *("speculative",) * (config.speculative is not None), *("warmup",) * warm)
         kv_dtype = config.resolved_kv_cache_dtype(self.dtype)
         self.layout = self.family.layout(
             model, kv_dtype=kv_dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype),

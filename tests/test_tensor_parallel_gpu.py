@@ -20,7 +20,8 @@ Also checked: zero graph breaks and recompiles, full and piecewise graphs captur
 rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask and parents sent to
 rank 1 with every verify graph's step) replaying full verify graphs, MTP drafts from the checkpoint's
 head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head sharded on every rank, its
-steps replaying its piecewise graphs on every rank; run them alone with ``-k mtp``), and no Triton kernel, Dynamo
+steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees; run them
+alone with ``-k mtp``), and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
 a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
 compared at the command rank 0 had sent when its engine was ready and at the end).
@@ -83,7 +84,9 @@ SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_
 # speculative decoding with the checkpoint's MTP head (tests/mtp_models.py writes its mtp.* tensors):
 # case name -> the engine kind its head is written as (the 4-rank Qwen3-Next is a Qwen3-Next MoE)
 MTP = {"method": "mtp", "num_draft_tokens": 2}
-MTP_KINDS = {"qwen3_next_moe@mtp": "qwen3_next_moe", "qwen3_5@mtp": "qwen3_5", "qwen3_next_4@mtp": "qwen3_next_moe"}
+MTP_TREE = {"method": "mtp", "num_draft_tokens": 2, "topk": 2, "num_tree_nodes": 4}  # (tree verify graphs)
+MTP_KINDS = {"qwen3_next_moe@mtp": "qwen3_next_moe", "qwen3_next_moe@mtp_tree": "qwen3_next_moe", "qwen3_5@mtp": "qwen3_5",
+             "qwen3_next_4@mtp": "qwen3_next_moe"}
 
 
 def _tree_speculative() -> dict:
@@ -207,6 +210,8 @@ def _cases() -> list[tuple[str, object, dict]]:
     # MTP drafts: the head sharded on every rank, its steps (piecewise graphs) replayed by the followers
     for name in (spec, "qwen3_5") if RANKS == 2 else (spec,):
         cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
+    if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
+        cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
     for name in MID_FAMILIES:
         if name in MID_DEFAULT:
             cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))

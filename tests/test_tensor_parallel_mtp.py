@@ -102,7 +102,8 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
         result.update(
             q_proj=list(attn.q_proj.weight.shape), fc=list(_fc(head).weight.shape),
             head_kv_heads=head.attention_specs(torch.float32)[0].num_kv_heads,
-            commands=engine.stats()["tensor_parallel"]["commands_broadcast"])
+            commands=engine.stats()["tensor_parallel"]["commands_broadcast"],
+            shards=[(r["shard_bytes"], r["full_model_bytes"]) for r in engine.stats()["tensor_parallel"]["ranks"]])
         engine.close()
         result.update(pools_used=engine.pools.used_counts(), seconds=time.perf_counter() - t0)
         results[case["name"]] = result
@@ -161,6 +162,8 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     h = r["fc"][0]
     assert r["fc"] == [h, 2 * h]
     assert r["commands"] > 0
+    # each rank's shard (the head's part included) is about half the checkpoint (mtp.* tensors included)
+    assert all(0.4 * full < shard < 0.75 * full for shard, full in r["shards"]), r["shards"]
     assert not any(r["pools_used"].values()), r["pools_used"]
 
 

@@ -247,6 +247,9 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         spec = engine_config.speculative
         mtp_head = (load_mtp_shard(model, path, config, plan, spec.mtp_checkpoint)
                     if spec is not None and spec.method == "mtp" else None)
+        if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
+            report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
+                                      for p in m.parameters())
     install_collectives(model, plan, tp)
     if mtp_head is not None:
         install_mtp_collectives(mtp_head, plan, tp)

@@ -5,7 +5,8 @@ Tiny checkpoints with ``mtp.*`` tensors (tests/mtp_models.py) are served by
 its shard of the head (attention heads, the MLP's / experts' intermediate split; fc and norms
 replicated; its KV layer in the rank's KV pool holds the rank's KV heads) and runs every head
 forward of rank 0's proposals (``distributed/step.py``, ``HEAD`` forwards). Cases: Qwen3-Next (MoE
-head, experts stored per expert), Qwen3.5 (dense head), a Qwen3.5-MoE draft tree (top-k 2) and
+head, experts stored per expert), Qwen3.5 (dense head; its tensors in a directory of their own,
+``mtp_checkpoint``), a Qwen3.5-MoE draft tree (top-k 2) and
 NemotronH (its MTP step: an attention block and a MoE block); a Qwen3-Next case and the tree case
 with a rank-one LM head that makes about half the drafts accepted. Each with chunked prefill (a
 45-token prompt over chunks of 32), the prefix cache (round two continues round one's sequences)
@@ -41,11 +42,23 @@ OPTIONS = dict(dtype=torch.float32, device="cpu", tokenizer=False, enable_prefix
 CASES = (
     ("qwen3_next_moe", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), False),
     ("qwen3_next_moe@accepting", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), True),
-    ("qwen3_5", "qwen3_5", dict(method="mtp", num_draft_tokens=2), False),
+    # the head's tensors in a directory of their own (SpeculativeConfig.mtp_checkpoint): mtp.safetensors
+    ("qwen3_5@mtp_checkpoint", "qwen3_5", dict(method="mtp", num_draft_tokens=2), False),
     ("qwen3_5_moe@tree", "qwen3_5_moe", dict(method="mtp", num_draft_tokens=2, topk=2, num_tree_nodes=4), True),
     ("nemotron_h", "nemotron_h", dict(method="mtp", num_draft_tokens=2), False),
 )
 ACCEPTING = tuple(c[0] for c in CASES if c[3])
+
+
+def _move_mtp_tensors(path: str, to: str) -> None:
+    """Move the ``mtp.*`` tensors of ``path``'s model.safetensors into ``to``/mtp.safetensors (as
+    ``benchmarks/reference_models.save_random_mtp_head`` writes a head)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    save_file({k: v for k, v in tensors.items() if k.startswith("mtp.")}, os.path.join(to, "mtp.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, file, metadata={"format": "pt"})
 
 
 def _two_token_model(kind: str):
@@ -123,6 +136,9 @@ def served(tmp_path_factory):
             write_nemotron_h_mtp_checkpoint(0, path)
         else:
             write_mtp_checkpoint(kind, 0, path, model=_two_token_model(kind) if two_tokens else None)
+        if name.endswith("@mtp_checkpoint"):
+            spec = dict(spec, mtp_checkpoint=str(tmp_path_factory.mktemp("mtp_head")))
+            _move_mtp_tensors(path, spec["mtp_checkpoint"])
         engine = hc.from_pretrained(path, speculative=spec, **OPTIONS)
         model = engine.model
         prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)

@@ -59,13 +59,19 @@ class Checkpoint:
         if os.path.isfile(index):
             with open(index) as f:
                 self.weight_map = dict(json.load(f)["weight_map"])
-        elif os.path.isfile(os.path.join(path, _SINGLE)):
-            with self._file(_SINGLE) as f:
-                self.weight_map = {k: _SINGLE for k in f.keys()}
         else:
-            raise FileNotFoundError(
-                f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE} nor {_INDEX}"
-            )
+            # model.safetensors, or other safetensors files without an index (an MTP head's own
+            # directory, SpeculativeConfig.mtp_checkpoint)
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+            if not files:
+                raise FileNotFoundError(
+                    f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE}, {_INDEX} "
+                    "nor other .safetensors files"
+                )
+            self.weight_map = {}
+            for name in files:
+                with self._file(name) as f:
+                    self.weight_map.update({k: name for k in f.keys()})
         self._handles: dict[str, object] = {}
         # the model's parameter names -> checkpoint keys, through transformers' own renamings of this
         # model type (NemotronH's "backbone." -> "model.", Granite's fused experts, ...)

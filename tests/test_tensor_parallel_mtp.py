@@ -192,3 +192,4 @@ def test_checkpoint_without_mtp_tensors_fails_before_launch(tmp_path):
     with pytest.raises(MTPWeightsNotFoundError, match="has no mtp.* tensors"):
         hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, speculative=dict(method="mtp", num_draft_tokens=2),
                            **OPTIONS)
+

@@ -10,6 +10,10 @@ unless the plan splits them: MiniMax's per-head decays). Parameters transformers
 shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 
+The checkpoint's MTP head (speculative method "mtp", :func:`load_mtp_shard`) is built the same
+way: with the rank's local sizes on the meta device (``models/mtp.py``), each ``mtp.*`` parameter
+read by the family's plan (its decoder layer's names match the model layers' patterns).
+
 Benchmarks of shapes too large to write to disk (the Qwen3-Next-80B shape: 160 GB) use a
 directory holding ``config.json`` and ``random_weights.json`` (``{"seed": 0, "std": 0.02}``)
 instead of weights: :class:`RandomWeights` then stands in for the safetensors files, and each

@@ -21,12 +21,21 @@ Memory at TP 2: the 80B shape's weights take ~75 GiB per rank, so 2 H200s (141 G
 whole; on 2 H100s (80 GB) ``--layers 36`` (~56 GiB per rank) leaves room for the pools (half the
 free memory, ``memory_fraction``), the activations and the graphs.
 
+``--mtp K`` serves with speculative decoding by a random MTP head (``speculative={"method": "mtp",
+"num_draft_tokens": K}``, Qwen3-Next / Qwen3.5 shapes): its ``mtp.*`` tensors are written once to
+``<checkpoint>_mtp/mtp.safetensors`` (``reference_models.save_random_mtp_head``) and every rank loads
+its shard of them (``mtp_checkpoint``). A random head's drafts are all but never accepted, so the
+decode rows then measure what drafting costs under tensor parallelism (acceptance length ~1: the
+head's window and chain steps, each replayed by every rank, plus the verify step); the JSON keeps
+each size's ``speculative`` stats.
+
 ``--cuda-graphs`` sets the engine's ``cuda_graphs`` (``auto``: its default, both kinds on CUDA;
 ``full`` / ``piecewise`` / ``false``): under tensor parallelism every rank captures the same graphs
 with the NCCL all-reduces inside them.
 
     python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --cuda-graphs true --out tp80b.json
     python benchmarks/tensor_parallel.py --shape reference --weights checkpoint --tp 1,2,4 --workdir /data/ckpt
+    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --mtp 3 --batches 1,16 --out tp80b_mtp.json
     python benchmarks/tensor_parallel.py --device cpu --tiny --tp 1,2     # smoke run
 
 Prints a table and writes JSON (``--out``).
@@ -45,7 +54,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository's, installed or not
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from reference_models import qwen3_next_reference_config, random_token_prompts, sync_device  # noqa: E402
+from reference_models import (qwen3_next_reference_config, random_token_prompts, save_random_mtp_head,  # noqa: E402
+                              sync_device)
 
 
 def qwen3_next_80b_config():
@@ -159,6 +169,19 @@ def with_layers(config, layers: int):
     return config
 
 
+def write_random_mtp_head(config, path: str, dtype: torch.dtype) -> str:
+    """Random ``mtp.*`` tensors for a model of ``config`` in ``path`` (written once): the head's
+    decoder layer built by transformers from the config (a meta-device model gives its class)."""
+    if os.path.isfile(os.path.join(path, "mtp.safetensors")):
+        return path
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+    return save_random_mtp_head(model, path)
+
+
 def decode(engine, batch: int, prompt_len: int, new: int, vocab: int, seed: int) -> dict:
     from hybrid_compile import SamplingParams
 
@@ -262,6 +285,8 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
                 enable_prefix_cache=False)
     if args.cuda_graphs != "auto":
         opts["cuda_graphs"] = {"true": True, "false": False}.get(args.cuda_graphs, args.cuda_graphs)
+    if args.mtp:
+        opts["speculative"] = dict(method="mtp", num_draft_tokens=args.mtp, mtp_checkpoint=args.mtp_dir)
     opts.update(args.extra)
     t0 = time.perf_counter()
     engine = hc.from_pretrained(path, dtype=args.dtype, device=args.device, tokenizer=False, tensor_parallel_size=tp,
@@ -284,6 +309,7 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
         out["all_reduce"] = out["profile"][str(max(args.batches))] if tp > 1 else None
         stats = engine.stats()
         out["tensor_parallel"] = stats.get("tensor_parallel")
+        out["speculative"] = stats.get("speculative")
         out["memory"] = stats["memory"]
         c = stats["compile"]
         out["compile"] = {k: c.get(k) for k in ("enabled", "cuda_graphs", "decode_batch_sizes", "token_buckets",
@@ -332,6 +358,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunked-prefill", type=int, default=8192)
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="speculative decoding with K drafts of a random MTP head (module docstring)")
     ap.add_argument("--extra", type=json.loads, default={}, help="more EngineConfig fields (JSON)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", nargs="+", metavar="FILE", default=None,
@@ -382,6 +410,11 @@ def main() -> None:
             write_random_checkpoint(config, path, dtype)
         print(f"{weights} weights {path} ready ({time.perf_counter() - t0:.1f} s)")
     vocab = config.get_text_config().vocab_size
+    args.mtp_dir = None
+    if args.mtp:
+        t0 = time.perf_counter()
+        args.mtp_dir = write_random_mtp_head(config, path.rstrip("/") + "_mtp", dtype)
+        print(f"random MTP head {args.mtp_dir} ready ({time.perf_counter() - t0:.1f} s)")
     results: list[dict] = []
 
     def result() -> dict:

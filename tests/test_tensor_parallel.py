@@ -227,12 +227,15 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             json.dump(results, f)
 
 
-def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False) -> tuple[dict, list[int]]:
+def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False,
+               main=None) -> tuple[dict, list[int]]:
+    """Serve ``cases`` in one group of ``size`` spawned ranks, each running ``main(rank, size, cases,
+    result_path)`` (default :func:`_rank_main`); returns rank 0's results and the exit codes."""
     for case in cases:
         case["port"] = free_port()
     path = str(tmp_path / f"results_{size}.json")
-    ctx = torch.multiprocessing.start_processes(_rank_main, args=(size, cases, path), nprocs=size, join=False,
-                                                start_method="spawn")
+    ctx = torch.multiprocessing.start_processes(main or _rank_main, args=(size, cases, path), nprocs=size,
+                                                join=False, start_method="spawn")
     deadline = time.time() + 600
     for p in ctx.processes:
         p.join(max(1.0, deadline - time.time()))
@@ -466,14 +469,16 @@ def test_collectives_trace_into_one_graph(tmp_path):
 
 
 def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
-    """Draft-model and MTP drafts under tensor parallelism: one clear error naming the method, raised
-    before any rank process starts."""
+    """Draft-model drafts and the MTP proposal graphs under tensor parallelism: one clear error naming
+    the method or option, raised before any rank process starts (MTP drafts themselves:
+    tests/test_tensor_parallel_mtp.py)."""
     d = checkpoints["qwen3_next_dense"]["dir"]
     spec = dict(method="draft_model", draft_model=checkpoints["qwen3_next_dense"]["model"], num_draft_tokens=2)
     with pytest.raises(ValueError, match="'draft_model' with tensor_parallel_size=2 is not supported"):
         hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative=spec)
-    with pytest.raises(ValueError, match="'mtp' with tensor_parallel_size=2 is not supported"):
-        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative={"method": "mtp", "num_draft_tokens": 2})
+    with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\].*tensor_parallel_size=2 is not supported"):
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", extra={"mtp_draft_graphs": True},
+                           speculative={"method": "mtp", "num_draft_tokens": 2})
 
 
 def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):

@@ -18,7 +18,10 @@ at a near tie of the fp32 model's top-2 logits (:func:`_assert_same_greedy`).
 
 Also checked: zero graph breaks and recompiles, full and piecewise graphs captured and replayed on
 rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask and parents sent to
-rank 1 with every verify graph's step) replaying full verify graphs, and no Triton kernel, Dynamo
+rank 1 with every verify graph's step) replaying full verify graphs, MTP drafts from the checkpoint's
+head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head sharded on every rank, its
+steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees; run them
+alone with ``-k mtp``), and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
 a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
 compared at the command rank 0 had sent when its engine was ready and at the end).
@@ -76,6 +79,14 @@ OPTIONS = dict(dtype="bfloat16", device="cuda", max_total_tokens=2048, mamba_cac
 TINY = dict(cuda_graphs=True, cuda_graph_batch_sizes=(2, 4), dtype="float32")
 MID = dict(cuda_graph_batch_sizes=(1, 2, 4))  # batch 1: the graph compiled for one token
 SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1}
+
+
+# speculative decoding with the checkpoint's MTP head (tests/mtp_models.py writes its mtp.* tensors):
+# case name -> the engine kind its head is written as (the 4-rank Qwen3-Next is a Qwen3-Next MoE)
+MTP = {"method": "mtp", "num_draft_tokens": 2}
+MTP_TREE = {"method": "mtp", "num_draft_tokens": 2, "topk": 2, "num_tree_nodes": 4}  # (tree verify graphs)
+MTP_KINDS = {"qwen3_next_moe@mtp": "qwen3_next_moe", "qwen3_next_moe@mtp_tree": "qwen3_next_moe", "qwen3_5@mtp": "qwen3_5",
+             "qwen3_next_4@mtp": "qwen3_next_moe"}
 
 
 def _tree_speculative() -> dict:
@@ -196,6 +207,11 @@ def _cases() -> list[tuple[str, object, dict]]:
     cases = [(name, MODELS[name], dict(TINY)) for name in tiny]
     cases.append((f"{spec}@speculative", MODELS[spec], dict(TINY, speculative=SPECULATIVE)))
     cases.append((f"{spec}@tree", MODELS[spec], dict(TINY, speculative=_tree_speculative())))
+    # MTP drafts: the head sharded on every rank, its steps (piecewise graphs) replayed by the followers
+    for name in (spec, "qwen3_5") if RANKS == 2 else (spec,):
+        cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
+    if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
+        cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
     for name in MID_FAMILIES:
         if name in MID_DEFAULT:
             cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
@@ -298,9 +314,11 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                     outputs = _serve(engine, case["rounds"])
                     stats = engine.stats()
                     engine.close()
+                    head = engine.speculative.source.runner if engine.mtp_head is not None else None
                     result = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
                                   end=_compile_counts(triton), compile=stats["compile"],
-                                  speculative=stats.get("speculative"), startup=stats["startup"])
+                                  speculative=stats.get("speculative"), startup=stats["startup"],
+                                  mtp_compile=head.compile_stats() if head is not None else None)
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
                 result = dict(error=f"{type(e).__name__}: {e}")
             faulthandler.cancel_dump_traceback_later()
@@ -407,7 +425,12 @@ def served(request, tmp_path_factory):
             continue
         d = root / name.replace("@", "_")
         if not d.exists():
-            model.save_pretrained(d)
+            if name in MTP_KINDS:  # (the model and its mtp.* tensors)
+                from mtp_models import write_mtp_checkpoint
+
+                write_mtp_checkpoint(MTP_KINDS[name], 0, str(d), model=model)
+            else:
+                model.save_pretrained(d)
         vocab = model.config.get_text_config().vocab_size
         models[name] = model
         cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=free_port(),
@@ -487,3 +510,17 @@ def test_tp2_no_compiles_after_from_pretrained(served, name):
         log = follower["log"]
         assert len(log) > commands, f"rank {rank} received {len(log)} commands, rank 0 had sent {commands} at start-up"
         assert log[-1] == log[commands], f"rank {rank} compiled while serving: {log[commands]} -> {log[-1]}"
+
+
+@pytest.mark.parametrize("name", [n for n in CASE_NAMES if n in MTP_KINDS])
+def test_tp2_mtp_head_replays_its_graphs(served, name):
+    """MTP drafts at TP: rank 0's head ran compiled with no graph break, its steps replaying its
+    piecewise CUDA graphs (the followers replay each with it: their tokens are checked above, their
+    compiles in test_tp2_no_compiles_after_from_pretrained); chains of drafts were proposed and verified."""
+    r, _ = _result(served, name)
+    head, spec = r["mtp_compile"], r["speculative"]
+    assert head is not None and head["graph_breaks"] == 0 and head["recompiles"] == 0, head
+    assert head["piecewise_graphs"] > 0 and head["piecewise_replays"] > 0, head
+    assert spec["method"] == "mtp" and spec["verify_steps"] > 0, spec
+    source = spec["draft_source"]
+    assert source["head_decode_steps"] > 0 and source["window_steps"] > 0, source

@@ -10,6 +10,10 @@ unless the plan splits them: MiniMax's per-head decays). Parameters transformers
 shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 
+The checkpoint's MTP head (speculative method "mtp", :func:`load_mtp_shard`) is built the same
+way: with the rank's local sizes on the meta device (``models/mtp.py``), each ``mtp.*`` parameter
+read by the family's plan (its decoder layer's names match the model layers' patterns).
+
 Benchmarks of shapes too large to write to disk (the Qwen3-Next-80B shape: 160 GB) use a
 directory holding ``config.json`` and ``random_weights.json`` (``{"seed": 0, "std": 0.02}``)
 instead of weights: :class:`RandomWeights` then stands in for the safetensors files, and each
@@ -59,13 +63,19 @@ class Checkpoint:
         if os.path.isfile(index):
             with open(index) as f:
                 self.weight_map = dict(json.load(f)["weight_map"])
-        elif os.path.isfile(os.path.join(path, _SINGLE)):
-            with self._file(_SINGLE) as f:
-                self.weight_map = {k: _SINGLE for k in f.keys()}
         else:
-            raise FileNotFoundError(
-                f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE} nor {_INDEX}"
-            )
+            # model.safetensors, or other safetensors files without an index (an MTP head's own
+            # directory, SpeculativeConfig.mtp_checkpoint)
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+            if not files:
+                raise FileNotFoundError(
+                    f"tensor parallelism loads safetensors checkpoints: {path!r} has neither {_SINGLE}, {_INDEX} "
+                    "nor other .safetensors files"
+                )
+            self.weight_map = {}
+            for name in files:
+                with self._file(name) as f:
+                    self.weight_map.update({k: name for k in f.keys()})
         self._handles: dict[str, object] = {}
         # the model's parameter names -> checkpoint keys, through transformers' own renamings of this
         # model type (NemotronH's "backbone." -> "model.", Granite's fused experts, ...)
@@ -389,3 +399,19 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     peak = max(0, _status_bytes("VmHWM") - base_rss)
     dev_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else shard_bytes
     return model, LoadReport(shard_bytes, full, peak, int(dev_peak))
+
+
+def load_mtp_shard(model: nn.Module, path: str, config, plan: ShardPlan, checkpoint=None) -> nn.Module:
+    """This rank's part of the checkpoint's MTP head (``speculative={"method": "mtp"}``) over the
+    rank's ``model``: built with the local sizes and each ``mtp.*`` parameter read by the family's
+    plan, slice by slice as the model's layers are (its attention and MLP / experts split, the fc /
+    norms replicated), from ``checkpoint`` (``SpeculativeConfig.mtp_checkpoint``) or ``path``."""
+    from ..models.mtp import load_mtp_head
+
+    where = os.path.expanduser(os.fspath(checkpoint)) if checkpoint is not None else path
+    ckpt = Checkpoint(where, getattr(config, "model_type", None))
+    try:
+        return load_mtp_head(model, where,
+                             shard=lambda key: _read_param(ckpt, key, plan.slice_of(key), plan.rank, plan.size))
+    finally:
+        ckpt.close()

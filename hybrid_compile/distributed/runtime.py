@@ -9,11 +9,12 @@
   returns its engine; every other rank follows rank 0's steps inside the call and returns
   ``None`` once rank 0's engine is closed.
 
-Every rank loads only its shard (``distributed/loading.py``), installs the collectives
-(``distributed/layers.py``) and builds a :class:`~hybrid_compile.engine.HybridEngine` over it with
-the same configuration and pool sizes. Rank 0's engine (:class:`TensorParallelEngine`) broadcasts
-every step (``distributed/step.py``); a failure on any rank ends every rank with that error
-(``distributed/group.py``), and the user's process raises it.
+Every rank loads only its shard (``distributed/loading.py``; with speculative method "mtp" also
+its shard of the MTP head), installs the collectives (``distributed/layers.py``) and builds a
+:class:`~hybrid_compile.engine.HybridEngine` over it with the same configuration and pool sizes.
+Rank 0's engine (:class:`TensorParallelEngine`) broadcasts every step (``distributed/step.py``); a
+failure on any rank ends every rank with that error (``distributed/group.py``), and the user's
+process raises it.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
+from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from ..engine.startup import Startup
+from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
 from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
-from .loading import LoadReport, load_shard
+from .loading import LoadReport, load_mtp_shard, load_shard
 from .plans import ShardPlan, plan_for
-from .step import StepBroadcaster, follow
+from .step import StepBroadcaster, follow, mtp_runner
 
 _JOIN_SECONDS = 30.0
 
@@ -46,9 +49,9 @@ class TensorParallelEngine(HybridEngine):
     rank's as :class:`TensorParallelError`, and every later call raises it too."""
 
     def __init__(self, model, config: EngineConfig, tp: TensorParallelGroup, *, tokenizer=None,
-                 processes: list | None = None, startup: Startup | None = None) -> None:
+                 processes: list | None = None, startup: Startup | None = None, mtp_head=None) -> None:
         super().__init__(model, dataclasses.replace(config, warmup_kernels=False), tokenizer=tokenizer,
-                         startup=startup)
+                         startup=startup, mtp_head=mtp_head)
         self.config = config
         self.tp = tp
         self.load_reports: list[LoadReport] = []
@@ -56,6 +59,9 @@ class TensorParallelEngine(HybridEngine):
         self._failure: BaseException | None = None
         self._broadcaster = StepBroadcaster(tp)
         self.runner.step_observer = self._broadcaster
+        head = mtp_runner(self)
+        if head is not None:  # the MTP head's forwards: the followers' head runs them too
+            head.step_observer = self._broadcaster.head_observer()
         self.pools.mamba.observer = self._broadcaster
         self.pools.kv.observer = self._broadcaster
 
@@ -130,11 +136,11 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
             "would run on rank 0 alone); use method 'ngram'"
         )
-    if spec is not None and spec.method == "mtp":
+    if spec is not None and spec.method == "mtp" and config.extra.get(MTP_GRAPHS_OPTION, False) not in (False, None):
         raise ValueError(
-            f"speculative method 'mtp' with tensor_parallel_size={size} is not supported: the MTP head's mtp.* "
-            "tensors are read whole, not sharded over the ranks like the model's layers; use method 'ngram', or "
-            "serve the model on one GPU"
+            f"EngineConfig.extra[{MTP_GRAPHS_OPTION!r}] (full CUDA graphs of whole MTP proposals) with "
+            f"tensor_parallel_size={size} is not supported: the followers replay the head's steps one forward at a "
+            "time; leave it off (the head's steps still replay its piecewise CUDA graphs)"
         )
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
@@ -181,11 +187,11 @@ def _normalises_whole_width(norm: torch.nn.Module) -> bool:
     return hasattr(norm, "variance_epsilon") and not grouped
 
 
-def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None:
-    """The all-reduces, the cross-rank norms and the vocab-parallel embedding / LM head of a
-    rank's model (layers.py)."""
+def _install_layer_collectives(modules, plan: ShardPlan, tp: TensorParallelGroup) -> int:
+    """The all-reduces and the cross-rank norms of ``modules`` (``(name, module)`` pairs named as
+    the plan's patterns read them); returns the number of reduced modules."""
     reduced = 0
-    for name, module in model.named_modules():
+    for name, module in modules:
         if name and plan.is_reduced(name, module):
             reduce_output(module, tp)
             reduced += 1
@@ -195,6 +201,13 @@ def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None
         for pattern, width in plan.split_group_norms:
             if name and pattern.search(name) and _normalises_whole_width(module):
                 cross_rank_rms_norm(module, width, tp, gated=True)
+    return reduced
+
+
+def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None:
+    """The all-reduces, the cross-rank norms and the vocab-parallel embedding / LM head of a
+    rank's model (layers.py)."""
+    reduced = _install_layer_collectives(model.named_modules(), plan, tp)
     if not reduced:
         raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module to all-reduce")
     embed = model.get_input_embeddings()
@@ -204,6 +217,16 @@ def install_collectives(model, plan: ShardPlan, tp: TensorParallelGroup) -> None
     vocab_parallel_embedding(embed, start, min(vocab, start + per), tp)
     head = model.get_output_embeddings()
     vocab_parallel_lm_head(head, vocab, tp)
+
+
+def install_mtp_collectives(head, plan: ShardPlan, tp: TensorParallelGroup) -> None:
+    """The collectives of a rank's MTP head (its modules named ``mtp.*`` as in the checkpoint, so
+    the plan's patterns of the model's layers match its decoder layer); its embedding and LM head
+    are the model's, vocab-parallel already."""
+    modules = [(f"mtp.{name}" + (f".{sub}" if sub else ""), m)
+               for name, own in head.own_modules().items() for sub, m in own.named_modules()]
+    if not _install_layer_collectives(modules, plan, tp):
+        raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module of the MTP head to all-reduce")
 
 
 def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
@@ -222,14 +245,25 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     startup.plan("load")
     with startup.phase("load"):
         model, report = load_shard(path, config, plan, dtype, tp.device, trust_remote_code)
+        spec = engine_config.speculative
+        mtp_head = (load_mtp_shard(model, path, config, plan, spec.mtp_checkpoint)
+                    if spec is not None and spec.method == "mtp" else None)
+        if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
+            report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
+                                      for p in m.parameters())
     install_collectives(model, plan, tp)
-    extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config))
+    if mtp_head is not None:
+        install_mtp_collectives(mtp_head, plan, tp)
+    # the MTP proposal graphs (on by default with full CUDA graphs) stay off: the followers replay the
+    # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
+    extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
     engine_config = dataclasses.replace(engine_config, extra=extra)
     if tp.is_leader:
         engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,
-                                      startup=startup)
+                                      startup=startup, mtp_head=mtp_head)
     else:
-        engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False), startup=startup)
+        engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False), startup=startup,
+                              mtp_head=mtp_head)
     reports = tp.gather_ints([report.shard_bytes, report.full_model_bytes, report.peak_host_bytes,
                               report.peak_device_bytes])
     capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total()])
@@ -237,10 +271,12 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "
                            "max_total_tokens and mamba_cache_size")
     c = engine.runner.compile_stats()
-    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0)])
+    head = mtp_runner(engine)
+    h = head.compile_stats() if head is not None else {}
+    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0), h.get("piecewise_graphs", 0)])
     if any(g != graphs[0] for g in graphs):  # rank 0's every replay pairs with the same graph on every rank
-        raise RuntimeError(f"tensor parallelism: the ranks captured different CUDA graphs ([full, piecewise] "
-                           f"per rank: {graphs})")
+        raise RuntimeError(f"tensor parallelism: the ranks captured different CUDA graphs ([full, piecewise, MTP "
+                           f"head piecewise] per rank: {graphs})")
     if tp.is_leader:
         engine.load_reports = [LoadReport(*r) for r in reports]
         engine.warm_up_with_followers()
@@ -293,6 +329,9 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
     device_type = _resolve_device(device)
     plan_for(config, size)  # head counts that do not divide: one error, before any weight is read
     engine_config = _check_options(engine_config, size, device_type)
+    spec = engine_config.speculative
+    if spec is not None and spec.method == "mtp":  # (a family or checkpoint without an MTP head: one error)
+        check_mtp_checkpoint(config, os.path.expanduser(os.fspath(spec.mtp_checkpoint or path)))
     if device_type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this host has {torch.cuda.device_count()}")
     if _group.current_group() is not None:

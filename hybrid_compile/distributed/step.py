@@ -7,7 +7,11 @@ does to the device state of the model reaches the followers as one command, in o
   packed input ids and forward metadata (``ForwardMetadata``'s tensors packed into one int64
   tensor), inside the same forward context (with the speculative buffers for a verify step). Every
   rank then runs the same forward, whose collectives pair up; the logits are gathered on every rank
-  and sampled on rank 0 only.
+  and sampled on rank 0 only. The call is the target's or (speculative method "mtp") the MTP
+  head's (``HEAD``): a head step's per-token hidden-state input (the runner's extra inputs: the
+  target's hidden states, or the head's own output in a chain) follows the payload, one broadcast
+  each in its own dtype, and its drafts are picked on rank 0 only (they reach the other ranks as the
+  verify step's input ids).
 - ``GRAPH``: a replay of a full CUDA graph (decode or verify) with the step rank 0 built into its
   graph buffers (``GraphBuffers.step_tensors``, a draft tree's mask and parents included); the other
   ranks copy it into their own buffers and replay the same graph. Every rank captured the same
@@ -32,6 +36,7 @@ from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forwa
 from .group import TensorParallelGroup
 
 FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH = 1, 2, 3, 4, 5, 6, 7
+TARGET, HEAD = 0, 1  # a FORWARD's runner: the target model's, the MTP head's
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 _DTYPES = (None, torch.int64, torch.int32, torch.bool, torch.int16, torch.uint8)
@@ -86,14 +91,21 @@ class StepBroadcaster:
             dist.broadcast(packed(payload, self.tp.device), 0, group=self.tp.group)
         self.commands += 1
 
-    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False) -> None:
-        """A model call (``piecewise``: the compiled forward replaying the pieces' CUDA graphs)."""
+    def head_observer(self) -> "_HeadSteps":
+        """The step observer of the MTP head's runner (its model calls, ``HEAD``)."""
+        return _HeadSteps(self)
+
+    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False,
+                runner: int = TARGET) -> None:
+        """A model call (``piecewise``: the compiled forward replaying the pieces' CUDA graphs) of
+        the target's runner or the MTP head's (``runner``; ``extra``: the head's per-token inputs)."""
         ctx = get_forward_context()
         if ctx is None:
             raise RuntimeError("tensor parallelism: a model call outside a forward context cannot be broadcast")
-        if extra:
-            raise RuntimeError("tensor parallelism: model calls with extra per-token inputs are not broadcast (a "
-                               "feature that feeds them is not supported with tensor_parallel_size > 1)")
+        if extra and runner != HEAD:
+            raise RuntimeError("tensor parallelism: model calls with extra per-token inputs are broadcast for the MTP "
+                               "head only (a feature that feeds the target's is not supported with "
+                               "tensor_parallel_size > 1)")
         md = ctx.metadata
         if md.graph_key is not None:
             raise RuntimeError("tensor parallelism: a step built into a full CUDA graph's buffers replays the graph "
@@ -101,10 +113,12 @@ class StepBroadcaster:
         tensors = [input_ids] + [getattr(md, f) for f in _MD_TENSORS]
         tensors += [torch.tensor(getattr(md, f), dtype=torch.int64) for f in _MD_LISTS]
         header = [FORWARD, int(compiled), int(bool(ctx.intermediate_caches)), _MODES.index(md.mode), md.draft_len,
-                  int(md.has_tracking), int(piecewise)]
+                  int(md.has_tracking), int(piecewise), runner, len(extra), *(e.shape[0] for e in extra)]
         for t in tensors:
             header += [0, -1] if t is None else [_DTYPES.index(t.dtype), t.numel()]
         self._send(header, [t for t in tensors if t is not None])
+        for e in extra:  # (after the payload: the follower knows its shapes and dtype from its runner)
+            dist.broadcast(e.contiguous(), 0, group=self.tp.group)
 
     def replay(self, buffers: GraphBuffers, md: ForwardMetadata) -> None:
         """A full CUDA graph's replay over the step ``md`` built into ``buffers``."""
@@ -128,6 +142,21 @@ class StepBroadcaster:
         self._send([STOP], [])
 
 
+class _HeadSteps:
+    """The MTP head runner's step observer on rank 0: its model calls as ``HEAD`` forwards. (Its
+    steps are never built into a full CUDA graph's buffers: the proposal graphs are refused with
+    tensor parallelism, ``runtime._check_options``.)"""
+
+    def __init__(self, broadcaster: StepBroadcaster) -> None:
+        self.broadcaster = broadcaster
+
+    def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False) -> None:
+        self.broadcaster.forward(compiled, input_ids, extra, piecewise, runner=HEAD)
+
+    def replay(self, buffers: GraphBuffers, md: ForwardMetadata) -> None:
+        raise RuntimeError("tensor parallelism: the MTP head's steps are not replayed as full CUDA graphs")
+
+
 def _receive(tp: TensorParallelGroup) -> list[int]:
     h = torch.empty(_HEADER, dtype=torch.int64)
     dist.broadcast(h, 0, group=tp.control)
@@ -140,10 +169,33 @@ def _payload(tp: TensorParallelGroup, n: int) -> torch.Tensor:
     return flat
 
 
+def mtp_runner(engine):
+    """The runner of the engine's MTP head (speculative method "mtp"), or None."""
+    spec = engine.speculative
+    return getattr(spec.source, "runner", None) if spec is not None and engine.mtp_head is not None else None
+
+
+def _runner(engine, which: int):
+    """The runner a ``FORWARD`` names: the target's, or the MTP head's (``HEAD``)."""
+    if which == TARGET:
+        return engine.runner
+    runner = mtp_runner(engine)
+    if runner is None:
+        raise RuntimeError("tensor parallelism: rank 0 runs an MTP head step, this rank's engine has no MTP head")
+    return runner
+
+
 def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
-    compiled, verify, mode, draft_len, has_tracking, piecewise = header[1:7]
-    specs = [(header[7 + 2 * i], header[8 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
+    compiled, verify, mode, draft_len, has_tracking, piecewise, which, n_extra = header[1:9]
+    extra_rows, at = header[9: 9 + n_extra], 9 + n_extra
+    specs = [(header[at + 2 * i], header[at + 1 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
     flat = _payload(tp, sum(n for _, n in specs if n > 0))
+    runner = _runner(engine, which)
+    extra = []
+    for rows, (shape, dtype) in zip(extra_rows, runner.extra_inputs):
+        e = torch.empty(rows, *shape, dtype=dtype, device=tp.device)
+        dist.broadcast(e, 0, group=tp.group)
+        extra.append(e)
     values, offset = [], 0
     for code, n in specs:
         if n < 0:
@@ -157,7 +209,6 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     if fields["tree_parents"] is not None:
         fields["tree_parents"] = fields["tree_parents"].view(-1, draft_len)
     md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists)
-    runner = engine.runner
     inter = runner.intermediate_caches if verify else {}
     with forward_context(ForwardContext(md, runner.kv_caches, runner.mamba_caches, inter)):
         if piecewise:
@@ -165,12 +216,12 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
             if pw is None:
                 raise RuntimeError("tensor parallelism: rank 0 replays piecewise CUDA graphs, this rank captured none")
             with pw.active(pw.REPLAY):
-                runner._call_compiled(input_ids, md.positions, md.logits_indices)
+                runner._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
             pw.replays += 1
         elif compiled:
-            runner._call_compiled(input_ids, md.positions, md.logits_indices)
+            runner._call_compiled(input_ids, md.positions, md.logits_indices, *extra)
         else:
-            runner._model_forward(input_ids, md.positions, md.logits_indices)
+            runner._model_forward(input_ids, md.positions, md.logits_indices, *extra)
 
 
 def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:

@@ -149,10 +149,12 @@ class HybridEngine(GenerateAPI):
     """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`.
 
     ``startup``: the :class:`~.startup.Startup` that times (and, with progress on, shows) the
-    construction's phases; default: a new one, silent. ``stats()["startup"]`` reports it."""
+    construction's phases; default: a new one, silent. ``stats()["startup"]`` reports it.
+    ``mtp_head``: speculative method "mtp" with the head already loaded (tensor parallelism: the
+    rank's shard of it, ``distributed/loading.py``); default: loaded here from the checkpoint."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None,
-                 startup: Startup | None = None) -> None:
+                 startup: Startup | None = None, mtp_head: nn.Module | None = None) -> None:
         self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
         no_trees = getattr(self.family, "DRAFT_TREES_UNSUPPORTED", None) or _sliding_window_layers(model)
@@ -187,8 +189,11 @@ class HybridEngine(GenerateAPI):
             )
         warm = config.warmup_kernels if config.warmup_kernels is not None else self.device.type == "cuda"
         is_mtp = config.speculative is not None and config.speculative.method == "mtp"
-        self.startup.plan(*("load",) * is_mtp, "pools", "patch", *("speculative",) * (config.speculative is not None),
-                          *("warmup",) * warm)  # (compile and capture: the runner's, CompiledGraphs.setup)
+        if mtp_head is not None and not is_mtp:
+            raise ValueError("HybridEngine(mtp_head=...) needs EngineConfig.speculative with method 'mtp'")
+        # (compile and capture: the runner's, CompiledGraphs.setup)
+        self.startup.plan(*("load",) * (is_mtp and mtp_head is None), "pools", "patch",
+                          *("speculative",) * (config.speculative is not None), *("warmup",) * warm)
         kv_dtype = config.resolved_kv_cache_dtype(self.dtype)
         self.layout = self.family.layout(
             model, kv_dtype=kv_dtype, conv_dtype=self.dtype, ssm_dtype=_as_dtype(config.ssm_state_dtype),
@@ -202,8 +207,8 @@ class HybridEngine(GenerateAPI):
             max_context = min(max_context, config.max_total_tokens // config.page_size * config.page_size - spec_k)
         # speculative method "mtp": the checkpoint's MTP head; its attention layer is one more
         # full-attention layer of the KV pool (its KV lives in the slots of the target's tokens)
-        self.mtp_head = None
-        if is_mtp:
+        self.mtp_head = mtp_head
+        if is_mtp and mtp_head is None:
             with self.startup.phase("load"):
                 self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
         if config.elastic_pools and not (self.layout.attention and self.layout.mamba):

@@ -124,6 +124,11 @@ class ModelRunner:
         }
 
     @property
+    def extra_inputs(self) -> tuple:
+        """``(trailing shape, dtype)`` of each per-token extra input of the forward (``__init__``)."""
+        return self._extra_specs
+
+    @property
     def full_graphs(self) -> "cg.FullGraphRunner | None":
         """The full CUDA graphs (decode, verify), or None."""
         return self.graphs.full_graphs

@@ -186,21 +186,22 @@ def _checkpoint_dir(model: nn.Module, checkpoint) -> str:
         "hc.from_pretrained(dir) or pass speculative={'method': 'mtp', 'mtp_checkpoint': dir}")
 
 
-def _mtp_tensors(path: str, looked_for: str) -> dict[str, torch.Tensor]:
-    """Every ``mtp.*`` tensor of a directory's safetensors files (on the CPU, names without
-    the prefix); ``looked_for`` names the family's tensors in the error for a checkpoint without."""
+def _mtp_names(path: str, looked_for: str):
+    """The checkpoint of a directory's safetensors files (nothing read yet) and its ``mtp.*``
+    tensor names without the prefix; ``looked_for`` names the family's tensors in the error for a
+    checkpoint without."""
     from ..quantization.fp8_checkpoint import _Checkpoint
 
     try:
         ckpt = _Checkpoint(path)
     except FileNotFoundError:
         raise MTPWeightsNotFoundError(f"speculative method 'mtp': no safetensors weights in {path!r}") from None
-    names = [k for k in ckpt.where if k.startswith(PREFIX)]
+    names = [k[len(PREFIX):] for k in ckpt.where if k.startswith(PREFIX)]
     if not names:
         raise MTPWeightsNotFoundError(
             f"speculative method 'mtp': the checkpoint in {path!r} has no mtp.* tensors (looked for "
             f"{looked_for}: it ships no multi-token-prediction head); use another speculative method (ngram, draft_model, custom)")
-    return {k[len(PREFIX):]: ckpt.get(k, "cpu") for k in names}
+    return ckpt, names
 
 
 def _fuse_experts(tensors: dict[str, torch.Tensor], prefix: str) -> None:
@@ -222,6 +223,12 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], prefix: str) -> None:
     tensors[f"{prefix}.down_proj"] = torch.stack([pop(e, "down_proj") for e in range(num)])
 
 
+def _fuse_all_experts(tensors: dict[str, torch.Tensor]) -> None:
+    """:func:`_fuse_experts` for every experts module the tensors hold (``{prefix}.experts.{e}.*``)."""
+    for prefix in sorted({k.split(".experts.")[0] + ".experts" for k in tensors if ".experts." in k}):
+        _fuse_experts(tensors, prefix)
+
+
 def _layer_config(cfg, moe: bool):
     """A copy of the text config with one more (full-attention) layer, index
     ``num_hidden_layers``, whose MLP is MoE or dense as ``moe`` says."""
@@ -236,10 +243,9 @@ def _layer_config(cfg, moe: bool):
     return cfg, index
 
 
-def _build_gated_deltanet_head(model: nn.Module, cfg, tensors: dict[str, torch.Tensor]) -> MTPHead:
+def _build_gated_deltanet_head(model: nn.Module, cfg, names: list[str]) -> MTPHead:
     mlp = "layers.0.mlp"
-    moe = any(k.startswith(f"{mlp}.experts.") or k == f"{mlp}.gate.weight" for k in tensors)
-    _fuse_experts(tensors, f"{mlp}.experts")
+    moe = any(k.startswith(f"{mlp}.experts.") or k == f"{mlp}.gate.weight" for k in names)
     layer_cfg, index = _layer_config(cfg, moe)
     layer = type(_decoder(model).layers[0])(layer_cfg, index)
     return GatedDeltaNetMTPHead(model, layer, cfg.hidden_size, cfg.rms_norm_eps)
@@ -268,11 +274,9 @@ def _nemotron_h_pattern(cfg) -> list[str]:
     return pattern
 
 
-def _build_nemotron_h_head(model: nn.Module, cfg, tensors: dict[str, torch.Tensor]) -> MTPHead:
+def _build_nemotron_h_head(model: nn.Module, cfg, names: list[str]) -> MTPHead:
     pattern = _nemotron_h_pattern(cfg)
     n = cfg.num_hidden_layers
-    for j in range(len(pattern)):
-        _fuse_experts(tensors, f"layers.{j}.mixer.experts")
     # the blocks' config: the model's layer kinds then the MTP step's, so block n + j reads its
     # kind (and an attention mixer its KV pool id) at index n + j
     block_cfg = copy.deepcopy(cfg)
@@ -298,38 +302,80 @@ def _owner(name: str, owned: list[str]) -> str | None:
     return max(hits, key=len) if hits else None
 
 
-def load_mtp_head(model: nn.Module, checkpoint=None) -> MTPHead:
-    """The MTP head of ``model`` from the ``mtp.*`` tensors of ``checkpoint`` (a directory; None:
-    the one the model was loaded from), on the model's device and dtype, in eval mode."""
-    cfg = _text_config(model)
-    model_type = getattr(model.config, "model_type", None)
+def _check_family(config, cfg) -> str:
+    """The tensors the error for a checkpoint without them names, or the error of a family without
+    MTP heads or a NemotronH config without MTP layers (``cfg``: ``config``'s text config)."""
+    model_type = getattr(config, "model_type", None)
     if model_type not in _BUILDERS:
         declared = getattr(cfg, "num_nextn_predict_layers", 0) or 0
         extra = f" (its config declares {declared} MTP layer(s), which hybrid_compile does not build)" if declared else ""
         raise ValueError(
             f"speculative method 'mtp' is not supported for model type {model_type!r}{extra}; MTP heads are built "
             f"for {', '.join(MTP_MODEL_TYPES)}")
-    build, looked_for = _BUILDERS[model_type]
+    _, looked_for = _BUILDERS[model_type]
     if model_type == "nemotron_h":
         _nemotron_h_pattern(cfg)  # (a config without MTP layers fails before the checkpoint is read)
-    path = _checkpoint_dir(model, checkpoint)
-    tensors = _mtp_tensors(path, looked_for)
+    return looked_for
+
+
+def _checked_names(config, cfg, path: str):
+    """The checkpoint and ``mtp.*`` names (:func:`_mtp_names`) of ``path`` for a model of ``config``
+    (``cfg``: its text config), or the error of a family without MTP heads (:func:`_check_family`),
+    a checkpoint without the tensors or with FP8-quantized ones."""
+    ckpt, names = _mtp_names(path, _check_family(config, cfg))
     # (block-FP8 "weight_scale_inv" of DeepSeek-style releases; per-tensor "weight_scale" /
     # "input_scale" of NVIDIA ModelOpt ones)
-    scaled = sorted(k for k in tensors if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
+    scaled = sorted(k for k in names if k.endswith(("_scale_inv", "weight_scale", "input_scale")))
     if scaled:
         raise ValueError(f"speculative method 'mtp': the mtp.* tensors in {path!r} are FP8-quantized "
                          f"({PREFIX}{scaled[0]}, ...); hybrid_compile loads MTP heads in float only")
-    head = build(model, cfg, tensors)
+    return ckpt, names
+
+
+def check_mtp_checkpoint(config, path: str) -> None:
+    """Before any model is built (tensor parallelism checks it before a rank starts): a model of
+    ``config`` (the checkpoint's) has an MTP head that :func:`load_mtp_head` builds from the
+    ``mtp.*`` tensors in ``path``; else the error :func:`load_mtp_head` would raise."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _checked_names(config, cfg, path)
+
+
+def load_mtp_head(model: nn.Module, checkpoint=None, shard=None) -> MTPHead:
+    """The MTP head of ``model`` from the ``mtp.*`` tensors of ``checkpoint`` (a directory; None:
+    the one the model was loaded from), on the model's device and dtype, in eval mode.
+
+    ``shard``: tensor parallelism (``model`` is one rank's, built from its local config): the head
+    is built with the local sizes on the meta device and each parameter is read by
+    ``shard(checkpoint key) -> tensor``, this rank's part of it (``distributed/loading.py``,
+    by the family's sharding plan); a part whose shape is not the local parameter's raises."""
+    cfg = _text_config(model)
+    model_type = getattr(model.config, "model_type", None)
+    _check_family(model.config, cfg)  # (before the directory is looked for)
+    path = _checkpoint_dir(model, checkpoint)
+    ckpt, names = _checked_names(model.config, cfg, path)
+    build, _ = _BUILDERS[model_type]
+    if shard is None:
+        head = build(model, cfg, names)
+    else:  # (local sizes; every parameter is replaced by its shard below)
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            head = build(model, cfg, names)
     param = next(p for p in model.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
     modules = head.own_modules()
     owned = list(modules)
-    stray = sorted(k for k in tensors if _owner(k, owned) is None)
+    stray = sorted(k for k in names if _owner(k, owned) is None)
     if stray:
         raise ValueError(f"speculative method 'mtp': unknown tensors {', '.join(PREFIX + k for k in stray[:4])} in "
                          f"{path!r} (a {model_type} MTP head has {', '.join(PREFIX + n + '.*' for n in owned)})")
     # parameters transformers keeps in float32 whatever the dtype (NemotronH's router weight and bias)
     fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if shard is not None:
+        for name, module in modules.items():
+            _load_shard(module, name, shard, param, fp32, path, model_type)
+        return head.to(param.device).eval()
+    tensors = {k: ckpt.get(PREFIX + k, "cpu") for k in names}
+    _fuse_all_experts(tensors)
     for name, module in modules.items():
         module.to(dtype=param.dtype)
         for pname, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -346,5 +392,26 @@ def load_mtp_head(model: nn.Module, checkpoint=None) -> MTPHead:
     return head.to(param.device).eval()
 
 
+def _load_shard(module: nn.Module, name: str, shard, param: torch.Tensor, fp32: tuple, path: str,
+                model_type: str) -> None:
+    """Every parameter of the head's module ``name`` (built on the meta device) from ``shard``
+    (:func:`load_mtp_head`), on ``param``'s device and dtype (float32 where transformers keeps it)."""
+    for pname, p in list(module.named_parameters()):
+        key = f"{PREFIX}{name}.{pname}"
+        try:
+            value = shard(key)
+        except KeyError as e:
+            raise MTPWeightsNotFoundError(
+                f"speculative method 'mtp': the checkpoint in {path!r} has no tensor {e.args[0]!r} for the "
+                f"{type(module).__name__} of this {model_type} MTP head (parameter {key!r})") from None
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"speculative method 'mtp': this rank's part of {key!r} has shape {tuple(value.shape)}, "
+                             f"the head's {type(module).__name__} of the rank's config expects {tuple(p.shape)}")
+        dtype = torch.float32 if any(f in pname for f in fp32) else param.dtype
+        owner_name, _, attr = pname.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._parameters[attr] = nn.Parameter(value.to(device=param.device, dtype=dtype), requires_grad=False)
+
+
 __all__ = ["GatedDeltaNetMTPHead", "MTPHead", "MTPWeightsNotFoundError", "MTP_MODEL_TYPES", "NemotronHMTPHead",
-           "load_mtp_head"]
+           "check_mtp_checkpoint", "load_mtp_head"]

@@ -1,0 +1,34 @@
+"""benchmarks/tensor_parallel.py ``--mtp K`` (speculative decoding by a random MTP head under tensor
+parallelism) on CPU: the head written once beside the tiny checkpoint, TP 2 served with its drafts,
+the speculative stats in the JSON. (MTP drafts under tensor parallelism themselves:
+tests/test_tensor_parallel_mtp.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from checkout_env import checkout_env
+
+
+def test_benchmark_mtp_smoke_run(tmp_path):
+    """benchmarks/tensor_parallel.py --device cpu --tiny --tp 2 --mtp 2: a random MTP head written
+    beside the checkpoint, every decode step a verify step of the head's drafts."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "tensor_parallel.py"), "--device", "cpu", "--tiny",
+           "--tp", "2", "--mtp", "2", "--batches", "2", "--prefill", "24", "--prompt-len", "8", "--new-tokens", "4",
+           "--workdir", str(tmp_path / "ckpt"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
+                          env=checkout_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["tp"] == 2 and r["decode"]["2"]["decode_tokens"] == 2 * 3
+    spec = r["speculative"]
+    assert spec["method"] == "mtp" and spec["verify_steps"] > 0 and spec["drafted"] == 2 * spec["verified_requests"]
+    assert spec["draft_source"]["head_decode_steps"] > 0
+    assert os.path.isfile(str(tmp_path / "ckpt" / "tiny_checkpoint_mtp" / "mtp.safetensors"))

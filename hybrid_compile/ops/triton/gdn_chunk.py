@@ -1,4 +1,5 @@
-"""Triton kernels of the chunked Gated DeltaNet prefill (``chunk_gated_delta_rule``).
+"""Triton kernels of the chunked Gated DeltaNet prefill (``chunk_gated_delta_rule``), for a per-head
+gate ``g [T, Hv]`` (Gated DeltaNet) or a per-channel one ``g [T, Hv, K]`` (Kimi Delta Attention).
 
 Same math, layouts and padding rules as :func:`hybrid_compile.ops.gdn.chunk_gated_delta_rule`
 (WY / UT form over chunks of ``C = 64`` tokens aligned to each request's first token). Per
@@ -14,6 +15,26 @@ L2-normalised (optional) keys/queries and ``r = Hv // Hk`` (value head ``h`` rea
     h_n+1= exp(c_last) h_n + k^T (exp(c_last - c) * v')
     o    = scale * (exp(c) * q h_n + (causal(q.k^T * exp(c_i - c_j))) v')
 
+Per-channel gate (constexpr ``GATE_K``): ``c [C, K]`` holds one cumsum per key channel, every
+``exp(c_i - c_j)`` above sits inside the sum over K, ``exp(c)`` / ``exp(c_last - c)`` multiply the
+keys / queries channel-wise and ``exp(c_last)`` the state's rows::
+
+    A    = strictly_lower(beta_i * sum_k k_ik k_jk exp(c_ik - c_jk))
+    P    = causal(sum_k q_ik k_jk exp(c_ik - c_jk))
+    w    = T (beta * exp(c) * k),  u = T (beta * v)
+    h_n+1= diag(exp(c_last)) h_n + (exp(c_last - c) * k)^T v'
+    o    = scale * ((exp(c) * q) h_n + P v')
+
+The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
+formed: every exponent taken is ``<= 0``. An off-diagonal 16x16 block (rows I > columns J) of A / P
+is an MMA of ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with
+``c_ref`` the cumsum at block I's first row (both factors ``<= 1``, ``c`` being non-increasing);
+the four diagonal blocks are exact fp32 sums over ``[16, 16, BK]`` tiles, masked before the
+``exp``. The intra kernel also writes the decayed queries ``qg = exp(c) q`` and keys
+``kg = exp(c_last - c) k`` (unnormalised; the norms stay per-row factors), ``exp(c_last)`` per
+chunk row, the query norms and ``P`` (rows of 64, key norms applied); the state kernel takes ``kg``
+for ``k`` and the output kernel ``qg`` and ``P`` in place of its own ``q.k^T``.
+
 Pipeline (no host sync, no torch work besides the allocations; every size comes from shapes).
 Chunk rows: ``NR = T // 64 + B`` (the bound ``max_chunk_rows`` of ``_varlen.py``); row ``n`` =
 chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each program finds
@@ -26,7 +47,8 @@ last chunk do nothing.
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
    fla's ``solve_tril``), then ``w`` and ``u``. Writes ``w [T, Hv, K]``, ``u [T, Hv, V]``,
-   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]``.
+   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]`` (per-channel gate: the extras above
+   instead of ``c``; K blocks of ``CONFIG["kda_intra_bk"]``).
 2. ``_chunk_state_kernel``, grid ``(B, Hv, cdiv(V, BV))``: the sequential pass. The state block
    ``[K, BV]`` (fp32, K padded to a power of two) stays in registers while the program walks
    its request's chunks (the next chunks' loads in flight, Triton's software pipelining): stores
@@ -49,7 +71,9 @@ TF32, and the operands of the large matmuls are bf16 (native MMA, fp32 accumulat
 Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9e-3 against
 2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
 1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
-the fp32 path.
+the fp32 path. Per-channel gate, bf16: also the off-diagonal A / P operands, ``qg`` / ``kg`` and
+``P`` are bf16 (the diagonal blocks exact fp32); under the interpreter at tiny shapes its errors
+match the per-head path's (not yet measured on the GPU).
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
 """

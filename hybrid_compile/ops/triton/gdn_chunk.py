@@ -199,6 +199,13 @@ def _beta_block(G, bi, ri, rj, DIAG: tl.constexpr):
 
 
 @triton.jit
+def _lower_blocks_zeros():
+    """Zero fp32 accumulators for the 10 lower 16x16 blocks of a [64, 64] chunk matrix."""
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    return z, z, z, z, z, z, z, z, z, z
+
+
+@triton.jit
 def _row16(x, i):
     """Row ``i`` of a ``[16, N]`` tile as an ``[N]`` vector."""
     return tl.sum(tl.where(tl.arange(0, 16)[:, None] == i, x, 0.0), 0)
@@ -251,15 +258,24 @@ def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _diag_gram(qf, kf, c):
-    """The per-channel-decay products of a diagonal 16x16 block, exactly (fp32, no MMA):
-    ``sum_k k_ik k_jk exp(c_ik - c_jk)`` and ``sum_k q_ik k_jk exp(c_ik - c_jk)`` for ``i >= j``
-    (zero above). Masked before the ``exp``: every exponent taken is ``<= 0``."""
+def _diag_gram(qf, kf, c, G, Q):
+    """Accumulates the per-channel-decay products of a diagonal 16x16 block, exactly (fp32, no MMA):
+    ``G += sum_k k_ik k_jk exp(c_ik - c_jk)`` and ``Q += sum_k q_ik k_jk exp(c_ik - c_jk)`` for
+    ``i >= j`` (zero above). Masked before the ``exp``: every exponent taken is ``<= 0``."""
     o = tl.arange(0, 16)
     low = (o[:, None] >= o[None, :])[:, :, None]
     e = tl.exp(tl.where(low, c[:, None, :] - c[None, :, :], float("-inf")))  # [16, 16, BK]
     ke = kf[None, :, :] * e
-    return tl.sum(kf[:, None, :] * ke, 2), tl.sum(qf[:, None, :] * ke, 2)
+    return G + tl.sum(kf[:, None, :] * ke, 2), Q + tl.sum(qf[:, None, :] * ke, 2)
+
+
+@triton.jit
+def _split_decay(kf, qf, c):
+    """Row block I's keys / queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
+    block's first row: the row side of ``_cross_gram``."""
+    ref = _row16(c, 0)
+    x = tl.exp(c - ref[None, :])
+    return kf * x, qf * x, ref
 
 
 @triton.jit
@@ -363,31 +379,13 @@ def _chunk_intra_kernel(
     # Gram matrix k k^T in 16x16 blocks (lower half), and the key norms; with a per-channel gate
     # the decay sits inside the sum over K (so the blocks are decay-weighted), and the query
     # products Q (lower, diagonal included) come from the same loads
-    G11 = tl.zeros([16, 16], dtype=tl.float32)
-    G21 = tl.zeros([16, 16], dtype=tl.float32)
-    G22 = tl.zeros([16, 16], dtype=tl.float32)
-    G31 = tl.zeros([16, 16], dtype=tl.float32)
-    G32 = tl.zeros([16, 16], dtype=tl.float32)
-    G33 = tl.zeros([16, 16], dtype=tl.float32)
-    G41 = tl.zeros([16, 16], dtype=tl.float32)
-    G42 = tl.zeros([16, 16], dtype=tl.float32)
-    G43 = tl.zeros([16, 16], dtype=tl.float32)
-    G44 = tl.zeros([16, 16], dtype=tl.float32)
+    G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
     ss1 = tl.zeros([16], dtype=tl.float32)
     ss2 = tl.zeros([16], dtype=tl.float32)
     ss3 = tl.zeros([16], dtype=tl.float32)
     ss4 = tl.zeros([16], dtype=tl.float32)
     if GATE_K:
-        Q11 = tl.zeros([16, 16], dtype=tl.float32)
-        Q21 = tl.zeros([16, 16], dtype=tl.float32)
-        Q22 = tl.zeros([16, 16], dtype=tl.float32)
-        Q31 = tl.zeros([16, 16], dtype=tl.float32)
-        Q32 = tl.zeros([16, 16], dtype=tl.float32)
-        Q33 = tl.zeros([16, 16], dtype=tl.float32)
-        Q41 = tl.zeros([16, 16], dtype=tl.float32)
-        Q42 = tl.zeros([16, 16], dtype=tl.float32)
-        Q43 = tl.zeros([16, 16], dtype=tl.float32)
-        Q44 = tl.zeros([16, 16], dtype=tl.float32)
+        Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _lower_blocks_zeros()
         sq1 = tl.zeros([16], dtype=tl.float32)
         sq2 = tl.zeros([16], dtype=tl.float32)
         sq3 = tl.zeros([16], dtype=tl.float32)
@@ -411,34 +409,17 @@ def _chunk_intra_kernel(
                 sq3 += tl.sum(q3 * q3, 1)
                 sq4 += tl.sum(q4 * q4, 1)
             # diagonal blocks: exact
-            d_g, d_q = _diag_gram(q1, k1, c1)
-            G11 += d_g
-            Q11 += d_q
-            d_g, d_q = _diag_gram(q2, k2, c2)
-            G22 += d_g
-            Q22 += d_q
-            d_g, d_q = _diag_gram(q3, k3, c3)
-            G33 += d_g
-            Q33 += d_q
-            d_g, d_q = _diag_gram(q4, k4, c4)
-            G44 += d_g
-            Q44 += d_q
+            G11, Q11 = _diag_gram(q1, k1, c1, G11, Q11)
+            G22, Q22 = _diag_gram(q2, k2, c2, G22, Q22)
+            G33, Q33 = _diag_gram(q3, k3, c3, G33, Q33)
+            G44, Q44 = _diag_gram(q4, k4, c4, G44, Q44)
             # off-diagonal blocks: MMAs with the decay split at each row block's first row
-            ref = _row16(c2, 0)
-            x = tl.exp(c2 - ref[None, :])
-            kd = k2 * x
-            qd = q2 * x
+            kd, qd, ref = _split_decay(k2, q2, c2)
             G21, Q21 = _cross_gram(kd, qd, k1, c1, ref, G21, Q21, LOWP, DOT_F32, PREC)
-            ref = _row16(c3, 0)
-            x = tl.exp(c3 - ref[None, :])
-            kd = k3 * x
-            qd = q3 * x
+            kd, qd, ref = _split_decay(k3, q3, c3)
             G31, Q31 = _cross_gram(kd, qd, k1, c1, ref, G31, Q31, LOWP, DOT_F32, PREC)
             G32, Q32 = _cross_gram(kd, qd, k2, c2, ref, G32, Q32, LOWP, DOT_F32, PREC)
-            ref = _row16(c4, 0)
-            x = tl.exp(c4 - ref[None, :])
-            kd = k4 * x
-            qd = q4 * x
+            kd, qd, ref = _split_decay(k4, q4, c4)
             G41, Q41 = _cross_gram(kd, qd, k1, c1, ref, G41, Q41, LOWP, DOT_F32, PREC)
             G42, Q42 = _cross_gram(kd, qd, k2, c2, ref, G42, Q42, LOWP, DOT_F32, PREC)
             G43, Q43 = _cross_gram(kd, qd, k3, c3, ref, G43, Q43, LOWP, DOT_F32, PREC)

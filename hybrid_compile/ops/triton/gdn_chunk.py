@@ -212,24 +212,24 @@ def _row16(x, i):
 
 
 @triton.jit
-def _load4(p, t1, s_t, o_c, s_c, m1, m2, m3, m4, mc):
-    """The four 16-row tiles ``[16, BC]`` (fp32) of a chunk: rows ``t1 + 16 b``, columns ``o_c``."""
-    cols = o_c[None, :] * s_c
-    x1 = tl.load(p + t1[:, None] * s_t + cols, mask=m1[:, None] & mc[None, :], other=0.0).to(tl.float32)
-    x2 = tl.load(p + (t1 + 16)[:, None] * s_t + cols, mask=m2[:, None] & mc[None, :], other=0.0).to(tl.float32)
-    x3 = tl.load(p + (t1 + 32)[:, None] * s_t + cols, mask=m3[:, None] & mc[None, :], other=0.0).to(tl.float32)
-    x4 = tl.load(p + (t1 + 48)[:, None] * s_t + cols, mask=m4[:, None] & mc[None, :], other=0.0).to(tl.float32)
+def _load4(p, t1, t2, t3, t4, s_t, o_c, s_c, m1, m2, m3, m4, mc):
+    """The four 16-row tiles ``[16, BC]`` (fp32) of a chunk: rows ``t1`` .. ``t4``, columns ``o_c``."""
+    x1 = tl.load(p + t1[:, None] * s_t + o_c[None, :] * s_c, mask=m1[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x2 = tl.load(p + t2[:, None] * s_t + o_c[None, :] * s_c, mask=m2[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x3 = tl.load(p + t3[:, None] * s_t + o_c[None, :] * s_c, mask=m3[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x4 = tl.load(p + t4[:, None] * s_t + o_c[None, :] * s_c, mask=m4[:, None] & mc[None, :], other=0.0).to(tl.float32)
     return x1, x2, x3, x4
 
 
 @triton.jit
-def _store4(p, t1, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
-    """Stores four 16-row tiles (cast to ``p``'s dtype) at rows ``t1 + 16 b``, unit-stride columns ``o_c``."""
+def _store4(p, t1, t2, t3, t4, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
+    """Stores four 16-row tiles (cast to ``p``'s dtype) at rows ``t1`` .. ``t4``, unit-stride columns ``o_c``."""
     ty = p.dtype.element_ty
-    tl.store(p + t1[:, None] * s_t + o_c[None, :], x1.to(ty), mask=m1[:, None] & mc[None, :])
-    tl.store(p + (t1 + 16)[:, None] * s_t + o_c[None, :], x2.to(ty), mask=m2[:, None] & mc[None, :])
-    tl.store(p + (t1 + 32)[:, None] * s_t + o_c[None, :], x3.to(ty), mask=m3[:, None] & mc[None, :])
-    tl.store(p + (t1 + 48)[:, None] * s_t + o_c[None, :], x4.to(ty), mask=m4[:, None] & mc[None, :])
+    pc = p + o_c[None, :]
+    tl.store(pc + t1[:, None] * s_t, x1.to(ty), mask=m1[:, None] & mc[None, :])
+    tl.store(pc + t2[:, None] * s_t, x2.to(ty), mask=m2[:, None] & mc[None, :])
+    tl.store(pc + t3[:, None] * s_t, x3.to(ty), mask=m3[:, None] & mc[None, :])
+    tl.store(pc + t4[:, None] * s_t, x4.to(ty), mask=m4[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -395,9 +395,9 @@ def _chunk_intra_kernel(
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
         if GATE_K:
-            k1, k2, k3, k4 = _load4(p_k, t1, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
-            q1, q2, q3, q4 = _load4(q + i_hk * s_qh, t1, s_qt, o_k, s_qd, m1, m2, m3, m4, mk)
-            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+            k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+            q1, q2, q3, q4 = _load4(q + i_hk * s_qh, t1, t2, t3, t4, s_qt, o_k, s_qd, m1, m2, m3, m4, mk)
+            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
             c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
             if USE_L2:
                 ss1 += tl.sum(k1 * k1, 1)
@@ -426,10 +426,10 @@ def _chunk_intra_kernel(
             # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
             c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
             p_qg = qg + i_h * K
-            _store4(p_qg, t1, HV * K, o_k, q1 * tl.exp(c1), q2 * tl.exp(c2), q3 * tl.exp(c3), q4 * tl.exp(c4),
+            _store4(p_qg, t1, t2, t3, t4, HV * K, o_k, q1 * tl.exp(c1), q2 * tl.exp(c2), q3 * tl.exp(c3), q4 * tl.exp(c4),
                     m1, m2, m3, m4, mk)
             cl = c_last[None, :]
-            _store4(kg + i_h * K, t1, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
+            _store4(kg + i_h * K, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
                     k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
             tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp(c_last), mask=mk)
         else:
@@ -535,29 +535,29 @@ def _chunk_intra_kernel(
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
-        x1, x2, x3, x4 = _load4(p_k, t1, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+        x1, x2, x3, x4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
         x1 = x1 * e1[:, None]
         x2 = x2 * e2[:, None]
         x3 = x3 * e3[:, None]
         x4 = x4 * e4[:, None]
         if GATE_K:
-            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
             c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)
             x1 = x1 * tl.exp(c1)
             x2 = x2 * tl.exp(c2)
             x3 = x3 * tl.exp(c3)
             x4 = x4 * tl.exp(c4)
         w1, w2, w3, w4 = _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1, x2, x3, x4, PREC)
-        _store4(w + i_h * K, t1, HV * K, o_k, w1, w2, w3, w4, m1, m2, m3, m4, mk)
+        _store4(w + i_h * K, t1, t2, t3, t4, HV * K, o_k, w1, w2, w3, w4, m1, m2, m3, m4, mk)
 
     # u = T (beta * v)
     for vb in range(0, V, BV):
         o_v = vb + tl.arange(0, BV)
         mv = o_v < V
-        x1, x2, x3, x4 = _load4(v + i_h * s_vh, t1, s_vt, o_v, s_vd, m1, m2, m3, m4, mv)
+        x1, x2, x3, x4 = _load4(v + i_h * s_vh, t1, t2, t3, t4, s_vt, o_v, s_vd, m1, m2, m3, m4, mv)
         u1, u2, u3, u4 = _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1 * b1[:, None],
                                     x2 * b2[:, None], x3 * b3[:, None], x4 * b4[:, None], PREC)
-        _store4(u + i_h * V, t1, HV * V, o_v, u1, u2, u3, u4, m1, m2, m3, m4, mv)
+        _store4(u + i_h * V, t1, t2, t3, t4, HV * V, o_v, u1, u2, u3, u4, m1, m2, m3, m4, mv)
 
     if not GATE_K:
         tl.store(gcum + t1 * HV + i_h, c1, mask=m1)

@@ -785,9 +785,10 @@ CONFIG = {
     "out_warps": None,  # 4
     "out_stages": None,
     # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block (its diagonal blocks
-    # hold [16, 16, BK] tiles) and warps
+    # hold [16, 16, BK] fp32 tiles) and warps. Not yet timed on a GPU; chosen by register spills of
+    # the sm_90 build (Triton 3.9, bytes per thread): BK 32 / 8 warps 464, 32 / 4 1816, 16 / 8 120
     "kda_intra_bk": None,  # 32
-    "kda_intra_warps": None,  # 4
+    "kda_intra_warps": None,  # 8
 }
 
 
@@ -871,7 +872,7 @@ def chunk_gated_delta_rule_triton(
     bv_intra = min(vp, 64)
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 32, kp), 16)
-        warps_intra = cfg["kda_intra_warps"] or 4
+        warps_intra = cfg["kda_intra_warps"] or 8
     else:
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)

@@ -146,6 +146,28 @@ def test_chunk_prefill_multichunk_varlen_decay(kind, dtype, use_l2):
     assert torch.all(cs[offs[5]:] == 0)
 
 
+@pytest.mark.parametrize("bk", [16, 64])
+def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
+    """Other K blocks of the intra kernel (``gdn_chunk.CONFIG["kda_intra_bk"]``, swept on the GPU by
+    benchmarks/profile_gdn_chunk.py --kda): three K blocks of 16 or one masked block of 64 at K = 48."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_bk", bk)
+    h, kd, vd = 1, 48, 16
+    lens = [100, 30]
+    q, k, v, _, beta = make_inputs((sum(lens),), h, kd, vd, torch.float32)
+    g = _decay(sum(lens), h, kd, "mixed")
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of(lens), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
+
+
 @pytest.mark.parametrize("disable", [False, True])
 def test_verify_per_channel_matches_reference(disable):
     B, L, h, kd, vd = 3, 4, 2, 8, 8

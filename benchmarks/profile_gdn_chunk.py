@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.kda:
+        if args.old:
+            ap.error("--old takes a gdn_chunk.py from before the per-channel gate; it cannot run --kda")
         global HK, KDA
         HK, KDA = HV, True
     if args.cfg:

@@ -7,7 +7,9 @@ same inputs.
         [--old path/to/old_gdn_chunk.py] [--fla] [--out results.json]
 
 Shapes are Qwen3-Next's (Hk=16, Hv=32, K=V=128, bf16 q/k/v, fp32 g/beta and state), inputs as in
-``benchmarks/kernels.py``. ``--old`` loads another version of the module (a file) to compare with in
+``benchmarks/kernels.py``; ``--kda`` takes Kimi-Linear-48B's instead (Kimi Delta Attention: Hk=Hv=32,
+K=V=128, a per-channel gate ``g [T, Hv, K]``; ``--fla`` then times fla's ``chunk_kda``), e.g.
+``--kda --fla --sweep '[{"kda_intra_bk": 16}, {"kda_intra_warps": 8}]'``. ``--old`` loads another version of the module (a file) to compare with in
 the same run. ``--sweep`` times variants of ``gdn_chunk.CONFIG`` (per kernel) at the largest size.
 """
 
@@ -30,6 +32,7 @@ from kernels import cuda_graph_ms, eager_ms  # noqa: E402  (benchmarks/kernels.p
 
 DEV = "cuda"
 HK, HV, K, V = 16, 32, 128, 128
+KDA = False  # --kda: Kimi-Linear shapes and a per-channel gate
 ops = torch.ops.hybrid_compile
 DEFAULT_CFG = dict(G.CONFIG)
 
@@ -46,7 +49,10 @@ def make_inputs(total, batch, decay="gating", seed=0):
     q = torch.randn(total, HK, K, dtype=torch.bfloat16, device=DEV, generator=gen)
     k = torch.randn(total, HK, K, dtype=torch.bfloat16, device=DEV, generator=gen)
     v = torch.randn(total, HV, V, dtype=torch.bfloat16, device=DEV, generator=gen)
-    if decay == "gating":  # as benchmarks/kernels.py: gdn_gating of random projections
+    if KDA:  # as benchmarks/kernels.py ("gating"), or a slow decay
+        g = -torch.rand(total, HV, K, device=DEV, generator=gen) * (0.5 if decay == "gating" else 0.02)
+        beta = torch.rand(total, HV, device=DEV, generator=gen)
+    elif decay == "gating":  # as benchmarks/kernels.py: gdn_gating of random projections
         A_log = torch.randn(HV, device=DEV, generator=gen) * 0.3
         dt_bias = torch.randn(HV, device=DEV, generator=gen) * 0.3
         a = torch.randn(total, HV, device=DEV, generator=gen).bfloat16()
@@ -134,12 +140,18 @@ def main():
     ap.add_argument("--batch", default="1")
     ap.add_argument("--old", default=None)
     ap.add_argument("--fla", action="store_true")
+    ap.add_argument("--kda", action="store_true", help="Kimi-Linear shapes with a per-channel gate")
     ap.add_argument("--sweep", default=None, help="JSON list of CONFIG overrides to time at the largest size")
     ap.add_argument("--sweep-tokens", type=int, default=32768)
     ap.add_argument("--accuracy", default="8192,32768")
     ap.add_argument("--cfg", default=None, help="JSON CONFIG overrides for every run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.kda:
+        if args.old:
+            ap.error("--old takes a gdn_chunk.py from before the per-channel gate; it cannot run --kda")
+        global HK, KDA
+        HK, KDA = HV, True
     if args.cfg:
         G.CONFIG.update(json.loads(args.cfg))
         DEFAULT_CFG.update(G.CONFIG)
@@ -151,7 +163,10 @@ def main():
     fla = None
     if args.fla:
         try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+            if KDA:
+                from fla.ops.kda import chunk_kda as fla
+            else:
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
         except Exception as e:  # noqa: BLE001
             print(f"fla unavailable: {type(e).__name__}: {e}")
 

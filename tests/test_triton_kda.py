@@ -1,7 +1,8 @@
 """Triton kernels of Kimi Delta Attention (the per-channel gate ``g [..., H, K]``): the chunked
-prefill of hybrid_compile/ops/triton/kda_chunk.py (packed varlen batch, chunk states, FP8 pool
-staging) and the recurrent kernel of hybrid_compile/ops/triton/gdn.py (verify / decode steps),
-against the plain-torch ops and the per-token reference.
+prefill pipeline of hybrid_compile/ops/triton/gdn_chunk.py with a per-channel gate (packed varlen
+batch, chunk states, FP8 pool staging, decays that exp(-cumsum) would overflow) and the recurrent
+kernel of hybrid_compile/ops/triton/gdn.py (verify / decode steps), against the plain-torch ops and
+the per-token reference.
 
 On CPU the launchers run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at
 tiny shapes; the ``gpu`` tests run the registered CUDA ops at Kimi-Linear-48B shapes (H=32,
@@ -60,7 +61,7 @@ def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
                                                                 0.0, True)
     assert_close(o, want_o, tol(dtype), msg="output")
     assert_close(got_pool, want_pool, tol(pool_dtype), msg="pool")
-    assert_close(cs, want_cs, msg="chunk states")
+    assert_close(cs, want_cs, tol(dtype), msg="chunk states")  # bf16: bf16 MMA operands (as the GDN pipeline)
     written = {int(s) for s, n in zip(slots, lens) if int(s) >= 0 and n > 0}
     untouched = [i for i in range(NUM_SLOTS) if i not in written]
     assert torch.equal(got_pool[untouched], pool[untouched])  # padding rows and empty requests
@@ -102,6 +103,66 @@ def test_chunk_prefill_strong_decay_is_finite():
     want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
                                                                 True)
     assert torch.isfinite(o).all() and torch.isfinite(got_pool).all()
+    assert_close(o, want_o)
+    assert_close(got_pool, want_pool)
+    assert_close(cs, want_cs)
+
+
+def _decay(T, h, kd, kind):
+    """Per-channel log-decays: ``strong`` about -5 per token on every channel (exp(-cumsum) overflows
+    fp32 within one chunk), ``mixed`` channels from almost none (-1e-3) to -8 per token."""
+    if kind == "strong":
+        return -5.0 + torch.randn(T, h, kd) * 0.5
+    span = torch.logspace(-3, torch.log10(torch.tensor(8.0)).item(), kd)
+    return -(span * (0.5 + torch.rand(T, h, kd)))
+
+
+@pytest.mark.parametrize("kind,dtype,use_l2", [("strong", torch.float32, True), ("mixed", torch.float32, False),
+                                               ("strong", torch.bfloat16, False), ("mixed", torch.bfloat16, True)])
+def test_chunk_prefill_multichunk_varlen_decay(kind, dtype, use_l2):
+    """Multi-chunk varlen batch (requests of 0 to 3 chunks, a padding request, initial states on
+    some) with chunk states, K = 48 (two K blocks of the intra kernel, one masked) and V = 24, under
+    decays whose inverse exp(-cumsum) overflows: the per-token reference, finite everywhere."""
+    h, kd, vd = 2, 48, 24
+    lens = [150, 0, 64, 1, 129, 40]
+    T = sum(lens)
+    q, k, v, _, beta = make_inputs((T,), h, kd, vd, dtype)
+    g = _decay(T, h, kd, kind)
+    assert float((-g[:64].sum(0)).max()) > 89  # exp(-c) would overflow fp32 within the first chunk
+    pool = make_pool(h, kd, vd)
+    cu = cu_seqlens_of(lens)
+    slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=(5,))
+    has_init = torch.tensor([True, False, True, False, True, True])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, use_l2, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, use_l2,
+                                                                0.0, True)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all() and torch.isfinite(cs).all()
+    assert_close(o, want_o, tol(dtype), msg="output")
+    assert_close(got_pool, want_pool, tol(dtype), msg="pool")
+    assert_close(cs, want_cs, tol(dtype), msg="chunk states")
+    assert torch.all(o[cu[5]:] == 0)  # the padding request
+    offs = chunk_row_offsets(cu, C)
+    assert torch.all(cs[offs[5]:] == 0)
+
+
+@pytest.mark.parametrize("bk", [16, 64])
+def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
+    """Other K blocks of the intra kernel (``gdn_chunk.CONFIG["kda_intra_bk"]``, swept on the GPU by
+    benchmarks/profile_gdn_chunk.py --kda): three K blocks of 16 or one masked block of 64 at K = 48."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_bk", bk)
+    h, kd, vd = 1, 48, 16
+    lens = [100, 30]
+    q, k, v, _, beta = make_inputs((sum(lens),), h, kd, vd, torch.float32)
+    g = _decay(sum(lens), h, kd, "mixed")
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of(lens), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False])
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
+                                                                True)
     assert_close(o, want_o)
     assert_close(got_pool, want_pool)
     assert_close(cs, want_cs)
@@ -175,11 +236,15 @@ def _cpu(*xs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.smoke), torch.float32])
-def test_gpu_chunk_prefill_matches_torch_op(dtype):
+@pytest.mark.parametrize("dtype,strength", [pytest.param(torch.bfloat16, 0.4, marks=pytest.mark.smoke),
+                                            (torch.float32, 0.4), (torch.bfloat16, 10.0)])
+def test_gpu_chunk_prefill_matches_torch_op(dtype, strength):
+    """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
+    (itself checked against the per-token reference); ``strength`` 10: per-channel log-decays down to
+    -10 a token, far past where exp(-cumsum) overflows."""
     h, kd, vd = KIMI
     T = sum(GPU_LENS)
-    q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV)
+    q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV, strength=strength)
     pool = make_pool(h, kd, vd, device=DEV, num_slots=GPU_SLOTS)
     cu = cu_seqlens_of(GPU_LENS, DEV)
     slots = distinct_slots(len(GPU_LENS), GPU_SLOTS, pad_rows=(5,)).to(DEV)

@@ -21,8 +21,8 @@ Kernels:
   grid and the one allocation (``o``) depend on shapes only, no host sync, padding rows are
   handled inside the kernel. With a per-channel gate ``g [..., Hv, K]`` (Kimi Delta Attention)
   each state row ``k`` decays by its own ``exp(g_k)``.
-- ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk` for per-head gates; for a
-  per-channel gate ``g [T, Hv, K]`` the kernel of :mod:`.kda_chunk`.
+- ``chunk_gated_delta_rule``: the chunked pipeline in :mod:`.gdn_chunk`, for per-head gates
+  ``g [T, Hv]`` and per-channel ones ``g [T, Hv, K]`` (Kimi Delta Attention) alike.
 
 Import this module to register the kernels (``torch.library.register_kernel(..., "cuda")``);
 the launchers also run on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests use them).
@@ -40,7 +40,6 @@ from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
 from .fp8_cache import quantize_axis, stage_states, unstage_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
-from .kda_chunk import kda_chunk_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = [
@@ -287,10 +286,9 @@ def fused_recurrent_gated_delta_rule_update_triton(
 def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state,
                                      use_qk_l2norm, scale, output_chunk_states, ssm_scales=None):
     """The chunked Triton kernels on a float pool, or on an FP8 pool through an fp32 staging buffer
-    of the batch's states (:func:`.fp8_cache.stage_states`): the per-head pipeline of
-    :mod:`.gdn_chunk`, or for a per-channel gate ``g [T, Hv, K]`` (Kimi Delta Attention) the
-    kernel of :mod:`.kda_chunk`."""
-    chunk = kda_chunk_triton if g.dim() == 3 else chunk_gated_delta_rule_triton
+    of the batch's states (:func:`.fp8_cache.stage_states`); the pipeline of :mod:`.gdn_chunk`
+    (per-head or per-channel gate)."""
+    chunk = chunk_gated_delta_rule_triton
     if ssm_scales is None:
         return chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm, scale,
                      output_chunk_states)

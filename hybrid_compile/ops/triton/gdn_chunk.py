@@ -1,4 +1,5 @@
-"""Triton kernels of the chunked Gated DeltaNet prefill (``chunk_gated_delta_rule``).
+"""Triton kernels of the chunked Gated DeltaNet prefill (``chunk_gated_delta_rule``), for a per-head
+gate ``g [T, Hv]`` (Gated DeltaNet) or a per-channel one ``g [T, Hv, K]`` (Kimi Delta Attention).
 
 Same math, layouts and padding rules as :func:`hybrid_compile.ops.gdn.chunk_gated_delta_rule`
 (WY / UT form over chunks of ``C = 64`` tokens aligned to each request's first token). Per
@@ -14,6 +15,26 @@ L2-normalised (optional) keys/queries and ``r = Hv // Hk`` (value head ``h`` rea
     h_n+1= exp(c_last) h_n + k^T (exp(c_last - c) * v')
     o    = scale * (exp(c) * q h_n + (causal(q.k^T * exp(c_i - c_j))) v')
 
+Per-channel gate (constexpr ``GATE_K``): ``c [C, K]`` holds one cumsum per key channel, every
+``exp(c_i - c_j)`` above sits inside the sum over K, ``exp(c)`` / ``exp(c_last - c)`` multiply the
+keys / queries channel-wise and ``exp(c_last)`` the state's rows::
+
+    A    = strictly_lower(beta_i * sum_k k_ik k_jk exp(c_ik - c_jk))
+    P    = causal(sum_k q_ik k_jk exp(c_ik - c_jk))
+    w    = T (beta * exp(c) * k),  u = T (beta * v)
+    h_n+1= diag(exp(c_last)) h_n + (exp(c_last - c) * k)^T v'
+    o    = scale * ((exp(c) * q) h_n + P v')
+
+The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
+formed: every exponent taken is ``<= 0``. An off-diagonal 16x16 block (rows I > columns J) of A / P
+is an MMA of ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with
+``c_ref`` the cumsum at block I's first row (both factors ``<= 1``, ``c`` being non-increasing);
+the four diagonal blocks are exact fp32 sums over ``[16, 16, BK]`` tiles, masked before the
+``exp``. The intra kernel also writes the decayed queries ``qg = exp(c) q`` and keys
+``kg = exp(c_last - c) k`` (unnormalised; the norms stay per-row factors), ``exp(c_last)`` per
+chunk row, the query norms and ``P`` (rows of 64, key norms applied); the state kernel takes ``kg``
+for ``k`` and the output kernel ``qg`` and ``P`` in place of its own ``q.k^T``.
+
 Pipeline (no host sync, no torch work besides the allocations; every size comes from shapes).
 Chunk rows: ``NR = T // 64 + B`` (the bound ``max_chunk_rows`` of ``_varlen.py``); row ``n`` =
 chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each program finds
@@ -26,7 +47,8 @@ last chunk do nothing.
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
    fla's ``solve_tril``), then ``w`` and ``u``. Writes ``w [T, Hv, K]``, ``u [T, Hv, V]``,
-   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]``.
+   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]`` (per-channel gate: the extras above
+   instead of ``c``; K blocks of ``CONFIG["kda_intra_bk"]``).
 2. ``_chunk_state_kernel``, grid ``(B, Hv, cdiv(V, BV))``: the sequential pass. The state block
    ``[K, BV]`` (fp32, K padded to a power of two) stays in registers while the program walks
    its request's chunks (the next chunks' loads in flight, Triton's software pipelining): stores
@@ -49,7 +71,9 @@ TF32, and the operands of the large matmuls are bf16 (native MMA, fp32 accumulat
 Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9e-3 against
 2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
 1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
-the fp32 path.
+the fp32 path. Per-channel gate, bf16: also the off-diagonal A / P operands, ``qg`` / ``kg`` and
+``P`` are bf16 (the diagonal blocks exact fp32); under the interpreter at tiny shapes its errors
+match the per-head path's (not yet measured on the GPU).
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
 """
@@ -163,22 +187,160 @@ def _rows_before(cu_seqlens, i_b, BB: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _beta_block(G, bi, ri, rj, DIAG: tl.constexpr):
+    """A block from an already decay-weighted Gram block (per-channel gate): G * (beta_i rk_i) rk_j;
+    strictly lower part only on the diagonal."""
+    o = tl.arange(0, 16)
+    A = G * (bi * ri)[:, None] * rj[None, :]
+    if DIAG:
+        A = tl.where(o[:, None] > o[None, :], A, 0.0)
+    return A
+
+
+@triton.jit
+def _lower_blocks_zeros():
+    """Zero fp32 accumulators for the 10 lower 16x16 blocks of a [64, 64] chunk matrix."""
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    return z, z, z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _row16(x, i):
+    """Row ``i`` of a ``[16, N]`` tile as an ``[N]`` vector."""
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == i, x, 0.0), 0)
+
+
+@triton.jit
+def _load4(p, t1, t2, t3, t4, s_t, o_c, s_c, m1, m2, m3, m4, mc):
+    """The four 16-row tiles ``[16, BC]`` (fp32) of a chunk: rows ``t1`` .. ``t4``, columns ``o_c``."""
+    x1 = tl.load(p + t1[:, None] * s_t + o_c[None, :] * s_c, mask=m1[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x2 = tl.load(p + t2[:, None] * s_t + o_c[None, :] * s_c, mask=m2[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x3 = tl.load(p + t3[:, None] * s_t + o_c[None, :] * s_c, mask=m3[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    x4 = tl.load(p + t4[:, None] * s_t + o_c[None, :] * s_c, mask=m4[:, None] & mc[None, :], other=0.0).to(tl.float32)
+    return x1, x2, x3, x4
+
+
+@triton.jit
+def _store4(p, t1, t2, t3, t4, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
+    """Stores four 16-row tiles (cast to ``p``'s dtype) at rows ``t1`` .. ``t4``, unit-stride columns ``o_c``."""
+    ty = p.dtype.element_ty
+    pc = p + o_c[None, :]
+    tl.store(pc + t1[:, None] * s_t, x1.to(ty), mask=m1[:, None] & mc[None, :])
+    tl.store(pc + t2[:, None] * s_t, x2.to(ty), mask=m2[:, None] & mc[None, :])
+    tl.store(pc + t3[:, None] * s_t, x3.to(ty), mask=m3[:, None] & mc[None, :])
+    tl.store(pc + t4[:, None] * s_t, x4.to(ty), mask=m4[:, None] & mc[None, :])
+
+
+@triton.jit
+def _cumsum4(g1, g2, g3, g4):
+    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate."""
+    c1 = tl.cumsum(g1, 0)
+    c2 = tl.cumsum(g2, 0) + _row16(c1, 15)[None, :]
+    c3 = tl.cumsum(g3, 0) + _row16(c2, 15)[None, :]
+    c4 = tl.cumsum(g4, 0) + _row16(c3, 15)[None, :]
+    return c1, c2, c3, c4
+
+
+@triton.jit
+def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``acc + a @ b`` of fp32 operands: rounded to bf16 (native MMA, fp32 accumulation) on the
+    low-precision path (under the interpreter the rounded values multiply in fp32: same products),
+    else fp32 at ``PREC``."""
+    if LOWP:
+        if DOT_F32:
+            r = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), acc, input_precision=PREC)
+        else:
+            r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        r = tl.dot(a, b, acc, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def _diag_gram(qf, kf, c, G, Q):
+    """Accumulates the per-channel-decay products of a diagonal 16x16 block, exactly (fp32, no MMA):
+    ``G += sum_k k_ik k_jk exp(c_ik - c_jk)`` and ``Q += sum_k q_ik k_jk exp(c_ik - c_jk)`` for
+    ``i >= j`` (zero above). Masked before the ``exp``: every exponent taken is ``<= 0``."""
+    o = tl.arange(0, 16)
+    low = (o[:, None] >= o[None, :])[:, :, None]
+    e = tl.exp(tl.where(low, c[:, None, :] - c[None, :, :], float("-inf")))  # [16, 16, BK]
+    ke = kf[None, :, :] * e
+    return G + tl.sum(kf[:, None, :] * ke, 2), Q + tl.sum(qf[:, None, :] * ke, 2)
+
+
+@triton.jit
+def _split_decay(kf, qf, c):
+    """Row block I's keys / queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
+    block's first row: the row side of ``_cross_gram``."""
+    ref = _row16(c, 0)
+    x = tl.exp(c - ref[None, :])
+    return kf * x, qf * x, ref
+
+
+@triton.jit
+def _cross_gram(kd, qd, kf_j, c_j, ref, G, Q, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates an off-diagonal block (row block I > column block J) of both per-channel-decay
+    products as MMAs: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
+    block I's first row, so both factors are ``<= 1`` (``c`` is non-increasing); ``kd`` / ``qd`` are
+    block I's keys / queries times ``exp(c_I - ref)``."""
+    kj = tl.trans(kf_j * tl.exp(ref[None, :] - c_j))
+    return _mma(kd, kj, G, LOWP, DOT_F32, PREC), _mma(qd, kj, Q, LOWP, DOT_F32, PREC)
+
+
+@triton.jit
+def _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1, x2, x3, x4, PREC: tl.constexpr):
+    """``T x`` for the block lower triangular ``T`` [64, 64] and a ``[64, N]`` operand in four 16-row tiles."""
+    y1 = tl.dot(T11, x1, input_precision=PREC)
+    y2 = tl.dot(T22, x2, tl.dot(T21, x1, input_precision=PREC), input_precision=PREC)
+    y3 = tl.dot(T31, x1, input_precision=PREC)
+    y3 = tl.dot(T32, x2, y3, input_precision=PREC)
+    y3 = tl.dot(T33, x3, y3, input_precision=PREC)
+    y4 = tl.dot(T41, x1, input_precision=PREC)
+    y4 = tl.dot(T42, x2, y4, input_precision=PREC)
+    y4 = tl.dot(T43, x3, y4, input_precision=PREC)
+    y4 = tl.dot(T44, x4, y4, input_precision=PREC)
+    return y1, y2, y3, y4
+
+
+@triton.jit
+def _solve_tril64(A11, A21, A22, A31, A32, A33, A41, A42, A43, A44, n, PREC: tl.constexpr):
+    """T = (I + A)^-1 of the strictly lower triangular chunk matrix ``A`` given as its 10 lower 16x16
+    blocks: the four diagonal inverses by exact forward substitution at once, then the block formula
+    ``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``. Returns the 10 lower blocks of ``T``."""
+    T11, T22, T33, T44 = _unstack4(_inv_unit_lower16x4(_stack4(A11, A22, A33, A44), n))
+    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
+    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
+    T43 = -tl.dot(T44, tl.dot(A43, T33, input_precision=PREC), input_precision=PREC)
+    T31 = -tl.dot(T33, tl.dot(A32, T21, tl.dot(A31, T11, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    T42 = -tl.dot(T44, tl.dot(A43, T32, tl.dot(A42, T22, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    X41 = tl.dot(A41, T11, input_precision=PREC)
+    X41 = tl.dot(A42, T21, X41, input_precision=PREC)
+    X41 = tl.dot(A43, T31, X41, input_precision=PREC)
+    T41 = -tl.dot(T44, X41, input_precision=PREC)
+    return T11, T21, T22, T31, T32, T33, T41, T42, T43, T44
+
+
 # ----------------------------------------------------------------------------------------------
-# 1. intra-chunk: cumsum of g, A, (I + A)^-1, w, u
+# 1. intra-chunk: cumsum of g, A, (I + A)^-1, w, u (per-channel gate: also P, qg, kg, exp(c_last))
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_intra_kernel(
-    k, v, g, beta, cu_seqlens, nb, state_indices,
-    w, u, gcum, rk,
+    q, k, v, g, beta, cu_seqlens, nb, state_indices,
+    w, u, gcum, rk, qg, kg, glast, rq, pbuf,
+    s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
-    s_gt, s_gh,
+    s_gt, s_gh, s_gk,
     s_bt, s_bh,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    KPREC: tl.constexpr, RAW_K: tl.constexpr,
+    KPREC: tl.constexpr, RAW_K: tl.constexpr, GATE_K: tl.constexpr, LOWP: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -200,69 +362,108 @@ def _chunk_intra_kernel(
     m3 = (o16 + 32) < n
     m4 = (o16 + 48) < n
 
-    # chunk-local cumulative log-decay (masked tail: g = 0, beta = 0)
-    c1 = tl.cumsum(tl.load(g + t1 * s_gt + i_h * s_gh, mask=m1, other=0.0).to(tl.float32), 0)
-    c2 = tl.cumsum(tl.load(g + t2 * s_gt + i_h * s_gh, mask=m2, other=0.0).to(tl.float32), 0)
-    c3 = tl.cumsum(tl.load(g + t3 * s_gt + i_h * s_gh, mask=m3, other=0.0).to(tl.float32), 0)
-    c4 = tl.cumsum(tl.load(g + t4 * s_gt + i_h * s_gh, mask=m4, other=0.0).to(tl.float32), 0)
-    c2 += tl.sum(tl.where(o16 == 15, c1, 0.0), 0)
-    c3 += tl.sum(tl.where(o16 == 15, c2, 0.0), 0)
-    c4 += tl.sum(tl.where(o16 == 15, c3, 0.0), 0)
     b1 = tl.load(beta + t1 * s_bt + i_h * s_bh, mask=m1, other=0.0).to(tl.float32)
     b2 = tl.load(beta + t2 * s_bt + i_h * s_bh, mask=m2, other=0.0).to(tl.float32)
     b3 = tl.load(beta + t3 * s_bt + i_h * s_bh, mask=m3, other=0.0).to(tl.float32)
     b4 = tl.load(beta + t4 * s_bt + i_h * s_bh, mask=m4, other=0.0).to(tl.float32)
+    if not GATE_K:
+        # chunk-local cumulative log-decay (masked tail: g = 0, beta = 0)
+        c1 = tl.cumsum(tl.load(g + t1 * s_gt + i_h * s_gh, mask=m1, other=0.0).to(tl.float32), 0)
+        c2 = tl.cumsum(tl.load(g + t2 * s_gt + i_h * s_gh, mask=m2, other=0.0).to(tl.float32), 0)
+        c3 = tl.cumsum(tl.load(g + t3 * s_gt + i_h * s_gh, mask=m3, other=0.0).to(tl.float32), 0)
+        c4 = tl.cumsum(tl.load(g + t4 * s_gt + i_h * s_gh, mask=m4, other=0.0).to(tl.float32), 0)
+        c2 += tl.sum(tl.where(o16 == 15, c1, 0.0), 0)
+        c3 += tl.sum(tl.where(o16 == 15, c2, 0.0), 0)
+        c4 += tl.sum(tl.where(o16 == 15, c3, 0.0), 0)
 
-    # Gram matrix k k^T in 16x16 blocks (lower half), and the key norms
-    G11 = tl.zeros([16, 16], dtype=tl.float32)
-    G21 = tl.zeros([16, 16], dtype=tl.float32)
-    G22 = tl.zeros([16, 16], dtype=tl.float32)
-    G31 = tl.zeros([16, 16], dtype=tl.float32)
-    G32 = tl.zeros([16, 16], dtype=tl.float32)
-    G33 = tl.zeros([16, 16], dtype=tl.float32)
-    G41 = tl.zeros([16, 16], dtype=tl.float32)
-    G42 = tl.zeros([16, 16], dtype=tl.float32)
-    G43 = tl.zeros([16, 16], dtype=tl.float32)
-    G44 = tl.zeros([16, 16], dtype=tl.float32)
+    # Gram matrix k k^T in 16x16 blocks (lower half), and the key norms; with a per-channel gate
+    # the decay sits inside the sum over K (so the blocks are decay-weighted), and the query
+    # products Q (lower, diagonal included) come from the same loads
+    G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
     ss1 = tl.zeros([16], dtype=tl.float32)
     ss2 = tl.zeros([16], dtype=tl.float32)
     ss3 = tl.zeros([16], dtype=tl.float32)
     ss4 = tl.zeros([16], dtype=tl.float32)
+    if GATE_K:
+        Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _lower_blocks_zeros()
+        sq1 = tl.zeros([16], dtype=tl.float32)
+        sq2 = tl.zeros([16], dtype=tl.float32)
+        sq3 = tl.zeros([16], dtype=tl.float32)
+        sq4 = tl.zeros([16], dtype=tl.float32)
     p_k = k + i_hk * s_kh
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
-        k1 = tl.load(p_k + t1[:, None] * s_kt + o_k[None, :] * s_kd, mask=m1[:, None] & mk[None, :], other=0.0)
-        k2 = tl.load(p_k + t2[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2[:, None] & mk[None, :], other=0.0)
-        k3 = tl.load(p_k + t3[:, None] * s_kt + o_k[None, :] * s_kd, mask=m3[:, None] & mk[None, :], other=0.0)
-        k4 = tl.load(p_k + t4[:, None] * s_kt + o_k[None, :] * s_kd, mask=m4[:, None] & mk[None, :], other=0.0)
-        if USE_L2:
-            f1 = k1.to(tl.float32)
-            f2 = k2.to(tl.float32)
-            f3 = k3.to(tl.float32)
-            f4 = k4.to(tl.float32)
-            ss1 += tl.sum(f1 * f1, 1)
-            ss2 += tl.sum(f2 * f2, 1)
-            ss3 += tl.sum(f3 * f3, 1)
-            ss4 += tl.sum(f4 * f4, 1)
-        if not RAW_K:  # matmul in fp32 instead of the input dtype
-            k1 = k1.to(tl.float32)
-            k2 = k2.to(tl.float32)
-            k3 = k3.to(tl.float32)
-            k4 = k4.to(tl.float32)
-        k1t = tl.trans(k1)
-        k2t = tl.trans(k2)
-        k3t = tl.trans(k3)
-        G11 = tl.dot(k1, k1t, G11, input_precision=KPREC)
-        G21 = tl.dot(k2, k1t, G21, input_precision=KPREC)
-        G22 = tl.dot(k2, k2t, G22, input_precision=KPREC)
-        G31 = tl.dot(k3, k1t, G31, input_precision=KPREC)
-        G32 = tl.dot(k3, k2t, G32, input_precision=KPREC)
-        G33 = tl.dot(k3, k3t, G33, input_precision=KPREC)
-        G41 = tl.dot(k4, k1t, G41, input_precision=KPREC)
-        G42 = tl.dot(k4, k2t, G42, input_precision=KPREC)
-        G43 = tl.dot(k4, k3t, G43, input_precision=KPREC)
-        G44 = tl.dot(k4, tl.trans(k4), G44, input_precision=KPREC)
+        if GATE_K:
+            k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+            q1, q2, q3, q4 = _load4(q + i_hk * s_qh, t1, t2, t3, t4, s_qt, o_k, s_qd, m1, m2, m3, m4, mk)
+            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+            if USE_L2:
+                ss1 += tl.sum(k1 * k1, 1)
+                ss2 += tl.sum(k2 * k2, 1)
+                ss3 += tl.sum(k3 * k3, 1)
+                ss4 += tl.sum(k4 * k4, 1)
+                sq1 += tl.sum(q1 * q1, 1)
+                sq2 += tl.sum(q2 * q2, 1)
+                sq3 += tl.sum(q3 * q3, 1)
+                sq4 += tl.sum(q4 * q4, 1)
+            # diagonal blocks: exact
+            G11, Q11 = _diag_gram(q1, k1, c1, G11, Q11)
+            G22, Q22 = _diag_gram(q2, k2, c2, G22, Q22)
+            G33, Q33 = _diag_gram(q3, k3, c3, G33, Q33)
+            G44, Q44 = _diag_gram(q4, k4, c4, G44, Q44)
+            # off-diagonal blocks: MMAs with the decay split at each row block's first row
+            kd, qd, ref = _split_decay(k2, q2, c2)
+            G21, Q21 = _cross_gram(kd, qd, k1, c1, ref, G21, Q21, LOWP, DOT_F32, PREC)
+            kd, qd, ref = _split_decay(k3, q3, c3)
+            G31, Q31 = _cross_gram(kd, qd, k1, c1, ref, G31, Q31, LOWP, DOT_F32, PREC)
+            G32, Q32 = _cross_gram(kd, qd, k2, c2, ref, G32, Q32, LOWP, DOT_F32, PREC)
+            kd, qd, ref = _split_decay(k4, q4, c4)
+            G41, Q41 = _cross_gram(kd, qd, k1, c1, ref, G41, Q41, LOWP, DOT_F32, PREC)
+            G42, Q42 = _cross_gram(kd, qd, k2, c2, ref, G42, Q42, LOWP, DOT_F32, PREC)
+            G43, Q43 = _cross_gram(kd, qd, k3, c3, ref, G43, Q43, LOWP, DOT_F32, PREC)
+            # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
+            c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
+            p_qg = qg + i_h * K
+            _store4(p_qg, t1, t2, t3, t4, HV * K, o_k, q1 * tl.exp(c1), q2 * tl.exp(c2), q3 * tl.exp(c3), q4 * tl.exp(c4),
+                    m1, m2, m3, m4, mk)
+            cl = c_last[None, :]
+            _store4(kg + i_h * K, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
+                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
+            tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp(c_last), mask=mk)
+        else:
+            k1 = tl.load(p_k + t1[:, None] * s_kt + o_k[None, :] * s_kd, mask=m1[:, None] & mk[None, :], other=0.0)
+            k2 = tl.load(p_k + t2[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2[:, None] & mk[None, :], other=0.0)
+            k3 = tl.load(p_k + t3[:, None] * s_kt + o_k[None, :] * s_kd, mask=m3[:, None] & mk[None, :], other=0.0)
+            k4 = tl.load(p_k + t4[:, None] * s_kt + o_k[None, :] * s_kd, mask=m4[:, None] & mk[None, :], other=0.0)
+            if USE_L2:
+                f1 = k1.to(tl.float32)
+                f2 = k2.to(tl.float32)
+                f3 = k3.to(tl.float32)
+                f4 = k4.to(tl.float32)
+                ss1 += tl.sum(f1 * f1, 1)
+                ss2 += tl.sum(f2 * f2, 1)
+                ss3 += tl.sum(f3 * f3, 1)
+                ss4 += tl.sum(f4 * f4, 1)
+            if not RAW_K:  # matmul in fp32 instead of the input dtype
+                k1 = k1.to(tl.float32)
+                k2 = k2.to(tl.float32)
+                k3 = k3.to(tl.float32)
+                k4 = k4.to(tl.float32)
+            k1t = tl.trans(k1)
+            k2t = tl.trans(k2)
+            k3t = tl.trans(k3)
+            G11 = tl.dot(k1, k1t, G11, input_precision=KPREC)
+            G21 = tl.dot(k2, k1t, G21, input_precision=KPREC)
+            G22 = tl.dot(k2, k2t, G22, input_precision=KPREC)
+            G31 = tl.dot(k3, k1t, G31, input_precision=KPREC)
+            G32 = tl.dot(k3, k2t, G32, input_precision=KPREC)
+            G33 = tl.dot(k3, k3t, G33, input_precision=KPREC)
+            G41 = tl.dot(k4, k1t, G41, input_precision=KPREC)
+            G42 = tl.dot(k4, k2t, G42, input_precision=KPREC)
+            G43 = tl.dot(k4, k3t, G43, input_precision=KPREC)
+            G44 = tl.dot(k4, tl.trans(k4), G44, input_precision=KPREC)
     if USE_L2:
         r1 = tl.math.rsqrt(ss1 + 1e-6)
         r2 = tl.math.rsqrt(ss2 + 1e-6)
@@ -275,95 +476,94 @@ def _chunk_intra_kernel(
         r4 = tl.full([16], 1.0, tl.float32)
 
     # A (blocks of I + A below the diagonal are the A blocks themselves)
-    A11 = _decay_block(G11, b1, r1, c1, r1, c1, True)
-    A22 = _decay_block(G22, b2, r2, c2, r2, c2, True)
-    A33 = _decay_block(G33, b3, r3, c3, r3, c3, True)
-    A44 = _decay_block(G44, b4, r4, c4, r4, c4, True)
-    A21 = _decay_block(G21, b2, r2, c2, r1, c1, False)
-    A31 = _decay_block(G31, b3, r3, c3, r1, c1, False)
-    A32 = _decay_block(G32, b3, r3, c3, r2, c2, False)
-    A41 = _decay_block(G41, b4, r4, c4, r1, c1, False)
-    A42 = _decay_block(G42, b4, r4, c4, r2, c2, False)
-    A43 = _decay_block(G43, b4, r4, c4, r3, c3, False)
+    if GATE_K:
+        A11 = _beta_block(G11, b1, r1, r1, True)
+        A22 = _beta_block(G22, b2, r2, r2, True)
+        A33 = _beta_block(G33, b3, r3, r3, True)
+        A44 = _beta_block(G44, b4, r4, r4, True)
+        A21 = _beta_block(G21, b2, r2, r1, False)
+        A31 = _beta_block(G31, b3, r3, r1, False)
+        A32 = _beta_block(G32, b3, r3, r2, False)
+        A41 = _beta_block(G41, b4, r4, r1, False)
+        A42 = _beta_block(G42, b4, r4, r2, False)
+        A43 = _beta_block(G43, b4, r4, r3, False)
+        # P = Q rk_j (the query norm and scale are the output kernel's); blocks above the diagonal
+        # are never read (the output kernel masks them)
+        p_p = pbuf + i_h * 64 + o16[None, :]
+        ty = pbuf.dtype.element_ty
+        tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
+        tl.store(p_p + t2[:, None] * (HV * 64), (Q21 * r1[None, :]).to(ty), mask=m2[:, None])
+        tl.store(p_p + t2[:, None] * (HV * 64) + 16, (Q22 * r2[None, :]).to(ty), mask=m2[:, None])
+        tl.store(p_p + t3[:, None] * (HV * 64), (Q31 * r1[None, :]).to(ty), mask=m3[:, None])
+        tl.store(p_p + t3[:, None] * (HV * 64) + 16, (Q32 * r2[None, :]).to(ty), mask=m3[:, None])
+        tl.store(p_p + t3[:, None] * (HV * 64) + 32, (Q33 * r3[None, :]).to(ty), mask=m3[:, None])
+        tl.store(p_p + t4[:, None] * (HV * 64), (Q41 * r1[None, :]).to(ty), mask=m4[:, None])
+        tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
+        tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
+        tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
+        if USE_L2:
+            tl.store(rq + t1 * HV + i_h, tl.math.rsqrt(sq1 + 1e-6), mask=m1)
+            tl.store(rq + t2 * HV + i_h, tl.math.rsqrt(sq2 + 1e-6), mask=m2)
+            tl.store(rq + t3 * HV + i_h, tl.math.rsqrt(sq3 + 1e-6), mask=m3)
+            tl.store(rq + t4 * HV + i_h, tl.math.rsqrt(sq4 + 1e-6), mask=m4)
+    else:
+        A11 = _decay_block(G11, b1, r1, c1, r1, c1, True)
+        A22 = _decay_block(G22, b2, r2, c2, r2, c2, True)
+        A33 = _decay_block(G33, b3, r3, c3, r3, c3, True)
+        A44 = _decay_block(G44, b4, r4, c4, r4, c4, True)
+        A21 = _decay_block(G21, b2, r2, c2, r1, c1, False)
+        A31 = _decay_block(G31, b3, r3, c3, r1, c1, False)
+        A32 = _decay_block(G32, b3, r3, c3, r2, c2, False)
+        A41 = _decay_block(G41, b4, r4, c4, r1, c1, False)
+        A42 = _decay_block(G42, b4, r4, c4, r2, c2, False)
+        A43 = _decay_block(G43, b4, r4, c4, r3, c3, False)
 
-    # T = (I + A)^-1, block lower triangular: T_ii = inv(I + A_ii),
-    # T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    T11, T22, T33, T44 = _unstack4(_inv_unit_lower16x4(_stack4(A11, A22, A33, A44), n))
-    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
-    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
-    T43 = -tl.dot(T44, tl.dot(A43, T33, input_precision=PREC), input_precision=PREC)
-    T31 = -tl.dot(T33, tl.dot(A32, T21, tl.dot(A31, T11, input_precision=PREC), input_precision=PREC),
-                  input_precision=PREC)
-    T42 = -tl.dot(T44, tl.dot(A43, T32, tl.dot(A42, T22, input_precision=PREC), input_precision=PREC),
-                  input_precision=PREC)
-    X41 = tl.dot(A41, T11, input_precision=PREC)
-    X41 = tl.dot(A42, T21, X41, input_precision=PREC)
-    X41 = tl.dot(A43, T31, X41, input_precision=PREC)
-    T41 = -tl.dot(T44, X41, input_precision=PREC)
+    # T = (I + A)^-1, block lower triangular
+    T11, T21, T22, T31, T32, T33, T41, T42, T43, T44 = _solve_tril64(
+        A11, A21, A22, A31, A32, A33, A41, A42, A43, A44, n, PREC)
 
-    # w = T (beta * rk * exp(c) * k_raw)
-    e1 = b1 * r1 * tl.exp(c1)
-    e2 = b2 * r2 * tl.exp(c2)
-    e3 = b3 * r3 * tl.exp(c3)
-    e4 = b4 * r4 * tl.exp(c4)
+    # w = T (beta * rk * exp(c) * k_raw)   (exp(c) per key channel with a per-channel gate)
+    e1 = b1 * r1
+    e2 = b2 * r2
+    e3 = b3 * r3
+    e4 = b4 * r4
+    if not GATE_K:
+        e1 = e1 * tl.exp(c1)
+        e2 = e2 * tl.exp(c2)
+        e3 = e3 * tl.exp(c3)
+        e4 = e4 * tl.exp(c4)
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
-        k1 = tl.load(p_k + t1[:, None] * s_kt + o_k[None, :] * s_kd, mask=m1[:, None] & mk[None, :], other=0.0)
-        k2 = tl.load(p_k + t2[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2[:, None] & mk[None, :], other=0.0)
-        k3 = tl.load(p_k + t3[:, None] * s_kt + o_k[None, :] * s_kd, mask=m3[:, None] & mk[None, :], other=0.0)
-        k4 = tl.load(p_k + t4[:, None] * s_kt + o_k[None, :] * s_kd, mask=m4[:, None] & mk[None, :], other=0.0)
-        x1 = k1.to(tl.float32) * e1[:, None]
-        x2 = k2.to(tl.float32) * e2[:, None]
-        x3 = k3.to(tl.float32) * e3[:, None]
-        x4 = k4.to(tl.float32) * e4[:, None]
-        w1 = tl.dot(T11, x1, input_precision=PREC)
-        w2 = tl.dot(T22, x2, tl.dot(T21, x1, input_precision=PREC), input_precision=PREC)
-        w3 = tl.dot(T31, x1, input_precision=PREC)
-        w3 = tl.dot(T32, x2, w3, input_precision=PREC)
-        w3 = tl.dot(T33, x3, w3, input_precision=PREC)
-        w4 = tl.dot(T41, x1, input_precision=PREC)
-        w4 = tl.dot(T42, x2, w4, input_precision=PREC)
-        w4 = tl.dot(T43, x3, w4, input_precision=PREC)
-        w4 = tl.dot(T44, x4, w4, input_precision=PREC)
-        p_w = w + i_h * K + o_k[None, :]
-        tl.store(p_w + t1[:, None] * (HV * K), w1.to(w.dtype.element_ty), mask=m1[:, None] & mk[None, :])
-        tl.store(p_w + t2[:, None] * (HV * K), w2.to(w.dtype.element_ty), mask=m2[:, None] & mk[None, :])
-        tl.store(p_w + t3[:, None] * (HV * K), w3.to(w.dtype.element_ty), mask=m3[:, None] & mk[None, :])
-        tl.store(p_w + t4[:, None] * (HV * K), w4.to(w.dtype.element_ty), mask=m4[:, None] & mk[None, :])
+        x1, x2, x3, x4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+        x1 = x1 * e1[:, None]
+        x2 = x2 * e2[:, None]
+        x3 = x3 * e3[:, None]
+        x4 = x4 * e4[:, None]
+        if GATE_K:
+            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)
+            x1 = x1 * tl.exp(c1)
+            x2 = x2 * tl.exp(c2)
+            x3 = x3 * tl.exp(c3)
+            x4 = x4 * tl.exp(c4)
+        w1, w2, w3, w4 = _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1, x2, x3, x4, PREC)
+        _store4(w + i_h * K, t1, t2, t3, t4, HV * K, o_k, w1, w2, w3, w4, m1, m2, m3, m4, mk)
 
     # u = T (beta * v)
-    p_v = v + i_h * s_vh
     for vb in range(0, V, BV):
         o_v = vb + tl.arange(0, BV)
         mv = o_v < V
-        x1 = tl.load(p_v + t1[:, None] * s_vt + o_v[None, :] * s_vd, mask=m1[:, None] & mv[None, :], other=0.0)
-        x2 = tl.load(p_v + t2[:, None] * s_vt + o_v[None, :] * s_vd, mask=m2[:, None] & mv[None, :], other=0.0)
-        x3 = tl.load(p_v + t3[:, None] * s_vt + o_v[None, :] * s_vd, mask=m3[:, None] & mv[None, :], other=0.0)
-        x4 = tl.load(p_v + t4[:, None] * s_vt + o_v[None, :] * s_vd, mask=m4[:, None] & mv[None, :], other=0.0)
-        x1 = x1.to(tl.float32) * b1[:, None]
-        x2 = x2.to(tl.float32) * b2[:, None]
-        x3 = x3.to(tl.float32) * b3[:, None]
-        x4 = x4.to(tl.float32) * b4[:, None]
-        u1 = tl.dot(T11, x1, input_precision=PREC)
-        u2 = tl.dot(T22, x2, tl.dot(T21, x1, input_precision=PREC), input_precision=PREC)
-        u3 = tl.dot(T31, x1, input_precision=PREC)
-        u3 = tl.dot(T32, x2, u3, input_precision=PREC)
-        u3 = tl.dot(T33, x3, u3, input_precision=PREC)
-        u4 = tl.dot(T41, x1, input_precision=PREC)
-        u4 = tl.dot(T42, x2, u4, input_precision=PREC)
-        u4 = tl.dot(T43, x3, u4, input_precision=PREC)
-        u4 = tl.dot(T44, x4, u4, input_precision=PREC)
-        p_u = u + i_h * V + o_v[None, :]
-        tl.store(p_u + t1[:, None] * (HV * V), u1.to(u.dtype.element_ty), mask=m1[:, None] & mv[None, :])
-        tl.store(p_u + t2[:, None] * (HV * V), u2.to(u.dtype.element_ty), mask=m2[:, None] & mv[None, :])
-        tl.store(p_u + t3[:, None] * (HV * V), u3.to(u.dtype.element_ty), mask=m3[:, None] & mv[None, :])
-        tl.store(p_u + t4[:, None] * (HV * V), u4.to(u.dtype.element_ty), mask=m4[:, None] & mv[None, :])
+        x1, x2, x3, x4 = _load4(v + i_h * s_vh, t1, t2, t3, t4, s_vt, o_v, s_vd, m1, m2, m3, m4, mv)
+        u1, u2, u3, u4 = _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1 * b1[:, None],
+                                    x2 * b2[:, None], x3 * b3[:, None], x4 * b4[:, None], PREC)
+        _store4(u + i_h * V, t1, t2, t3, t4, HV * V, o_v, u1, u2, u3, u4, m1, m2, m3, m4, mv)
 
-    tl.store(gcum + t1 * HV + i_h, c1, mask=m1)
-    tl.store(gcum + t2 * HV + i_h, c2, mask=m2)
-    tl.store(gcum + t3 * HV + i_h, c3, mask=m3)
-    tl.store(gcum + t4 * HV + i_h, c4, mask=m4)
+    if not GATE_K:
+        tl.store(gcum + t1 * HV + i_h, c1, mask=m1)
+        tl.store(gcum + t2 * HV + i_h, c2, mask=m2)
+        tl.store(gcum + t3 * HV + i_h, c3, mask=m3)
+        tl.store(gcum + t4 * HV + i_h, c4, mask=m4)
     tl.store(rk + t1 * HV + i_h, r1, mask=m1)
     tl.store(rk + t2 * HV + i_h, r2, mask=m2)
     tl.store(rk + t3 * HV + i_h, r3, mask=m3)
@@ -377,13 +577,15 @@ def _chunk_intra_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k, w, u, vn, gcum, rk, cu_seqlens, state_indices, has_init, pool, hbuf, cstates,
+    k, w, u, vn, gcum, rk, glast, cu_seqlens, state_indices, has_init, pool, hbuf, cstates,
     s_kt, s_kh, s_kd,
     s_ps, s_ph, s_pk, s_pv,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KP: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-    DOT_F32: tl.constexpr, STORE_CS: tl.constexpr,
+    DOT_F32: tl.constexpr, STORE_CS: tl.constexpr, GATE_K: tl.constexpr,
 ):
+    # per-channel gate: ``k`` is the intra kernel's decayed keys ``kg`` (one per value head, R = 1)
+    # and the decay of the state rows is ``glast`` = exp(c_last) of the chunk row
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -419,7 +621,6 @@ def _chunk_state_kernel(
         c_mt = (j * 64 + o_t) < length
         c_w = tl.load(p_w + c_t[:, None] * (HV * K), mask=c_mt[:, None] & mk[None, :], other=0.0)
         c_u = tl.load(p_u + c_t[:, None] * (HV * V), mask=c_mt[:, None] & mv[None, :], other=0.0)
-        c_c = tl.load(gcum + c_t * HV + i_h, mask=c_mt, other=0.0)
         c_r = tl.load(rk + c_t * HV + i_h, mask=c_mt, other=0.0)
         c_k = tl.load(p_k + c_t[None, :] * s_kt, mask=mk[:, None] & c_mt[None, :], other=0.0)
         # the state before this chunk: chunk_states row (fp32) and the output kernel's copy
@@ -437,18 +638,24 @@ def _chunk_state_kernel(
             wh = tl.dot(c_w, S_d, input_precision=PREC)
         v_new = c_u.to(tl.float32) - wh
         tl.store(p_vn + c_t[:, None] * (HV * V), v_new.to(vn.dtype.element_ty), mask=c_mt[:, None] & mv[None, :])
-        # h <- exp(c_last) h + k^T (exp(c_last - c) rk v')
-        n_in = tl.minimum(length - j * 64, 64)
-        c_last = tl.sum(tl.where(o_t == n_in - 1, c_c, 0.0), 0)
-        v_s = v_new * tl.where(c_mt, tl.exp(c_last - c_c) * c_r, 0.0)[:, None]
+        # h <- exp(c_last) h + k^T (exp(c_last - c) rk v')   (per channel: kg = exp(c_last - c) k)
+        if GATE_K:
+            decay = tl.load(glast + (row * HV + i_h) * K + o_k, mask=mk, other=0.0)[:, None]
+            v_s = v_new * tl.where(c_mt, c_r, 0.0)[:, None]
+        else:
+            c_c = tl.load(gcum + c_t * HV + i_h, mask=c_mt, other=0.0)
+            n_in = tl.minimum(length - j * 64, 64)
+            c_last = tl.sum(tl.where(o_t == n_in - 1, c_c, 0.0), 0)
+            decay = tl.exp(c_last)
+            v_s = v_new * tl.where(c_mt, tl.exp(c_last - c_c) * c_r, 0.0)[:, None]
         if LOWP:
             v_s = v_s.to(c_k.dtype)
         else:
             c_k = c_k.to(tl.float32)
         if DOT_F32:
-            S = tl.dot(c_k.to(tl.float32), v_s.to(tl.float32), S * tl.exp(c_last), input_precision=PREC)
+            S = tl.dot(c_k.to(tl.float32), v_s.to(tl.float32), S * decay, input_precision=PREC)
         else:
-            S = tl.dot(c_k, v_s, S * tl.exp(c_last), input_precision=PREC)
+            S = tl.dot(c_k, v_s, S * decay, input_precision=PREC)
 
     k_fin = tl.where(length > 0, K, 0)
     tl.store(p_pool, S.to(pool.dtype.element_ty), mask=(o_k[:, None] < k_fin) & mv[None, :])
@@ -461,14 +668,16 @@ def _chunk_state_kernel(
 
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_output_kernel(
-    q, k, vn, gcum, rk, hbuf, cu_seqlens, nb, state_indices, o, scale,
+    q, k, vn, gcum, rk, hbuf, pbuf, rq, cu_seqlens, nb, state_indices, o, scale,
     s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_ot, s_oh, s_od,
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, RAW_QK: tl.constexpr,
-    PREC: tl.constexpr, QKPREC: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+    PREC: tl.constexpr, QKPREC: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr, GATE_K: tl.constexpr,
 ):
+    # per-channel gate: ``q`` is the intra kernel's decayed queries ``qg`` (one per value head,
+    # R = 1), the intra-chunk products ``P`` come from ``pbuf`` and the query norms from ``rq``
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -498,10 +707,9 @@ def _chunk_output_kernel(
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
         b_q = tl.load(p_q + o_k[None, :] * s_qd, mask=mt[:, None] & mk[None, :], other=0.0)
-        b_k = tl.load(p_k + o_k[None, :] * s_kd, mask=mt[:, None] & mk[None, :], other=0.0)
         b_h = tl.load(p_h + o_k[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0)
         f_q = b_q.to(tl.float32)
-        if USE_L2:
+        if USE_L2 and not GATE_K:
             ss += tl.sum(f_q * f_q, 1)
         if LOWP:  # bf16 q and h: native MMA (exact products, fp32 sums)
             if DOT_F32:
@@ -510,26 +718,36 @@ def _chunk_output_kernel(
                 acc = tl.dot(b_q, b_h, acc)
         else:
             acc = tl.dot(f_q, b_h, acc, input_precision=PREC)
-        if RAW_QK:
-            qk = tl.dot(b_q, tl.trans(b_k), qk, input_precision=QKPREC)
-        else:
-            qk = tl.dot(f_q, tl.trans(b_k.to(tl.float32)), qk, input_precision=PREC)
+        if not GATE_K:
+            b_k = tl.load(p_k + o_k[None, :] * s_kd, mask=mt[:, None] & mk[None, :], other=0.0)
+            if RAW_QK:
+                qk = tl.dot(b_q, tl.trans(b_k), qk, input_precision=QKPREC)
+            else:
+                qk = tl.dot(f_q, tl.trans(b_k.to(tl.float32)), qk, input_precision=PREC)
 
-    c = tl.load(gcum + t * HV + i_h, mask=mt, other=0.0)
-    r_k = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
     causal = (o_t[:, None] >= o_t[None, :]) & mt[:, None]  # rows past the end: no exp overflow
-    P = tl.where(causal, qk * r_k[None, :] * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
+    if GATE_K:  # the decay is in qg and P already
+        P = tl.load(pbuf + (t[:, None] * HV + i_h) * 64 + o_t[None, :], mask=causal, other=0.0)
+        inter = acc
+    else:
+        c = tl.load(gcum + t * HV + i_h, mask=mt, other=0.0)
+        r_k = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
+        P = tl.where(causal, qk * r_k[None, :] * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
+        inter = acc * tl.exp(c)[:, None]
     b_vn = tl.load(vn + (t[:, None] * HV + i_h) * V + o_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
     if LOWP:
         if DOT_F32:
-            out = tl.dot(P.to(b_vn.dtype).to(tl.float32), b_vn.to(tl.float32), acc * tl.exp(c)[:, None],
-                         input_precision=PREC)
+            out = tl.dot(P.to(b_vn.dtype).to(tl.float32), b_vn.to(tl.float32), inter, input_precision=PREC)
         else:
-            out = tl.dot(P.to(b_vn.dtype), b_vn, acc * tl.exp(c)[:, None])
+            out = tl.dot(P.to(b_vn.dtype), b_vn, inter)
     else:
-        out = tl.dot(P, b_vn, acc * tl.exp(c)[:, None], input_precision=PREC)
+        out = tl.dot(P, b_vn, inter, input_precision=PREC)
     if USE_L2:
-        out = out * (tl.math.rsqrt(ss + 1e-6) * scale)[:, None]
+        if GATE_K:
+            r_q = tl.load(rq + t * HV + i_h, mask=mt, other=0.0)
+        else:
+            r_q = tl.math.rsqrt(ss + 1e-6)
+        out = out * (r_q * scale)[:, None]
     else:
         out = out * scale
     tl.store(p_o, out.to(o.dtype.element_ty), mask=mt[:, None] & mv[None, :])
@@ -566,6 +784,11 @@ CONFIG = {
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
+    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block (its diagonal blocks
+    # hold [16, 16, BK] fp32 tiles) and warps. Not yet timed on a GPU; chosen by register spills of
+    # the sm_90 build (Triton 3.9, bytes per thread): BK 32 / 8 warps 464, 32 / 4 1816, 16 / 8 120
+    "kda_intra_bk": None,  # 32
+    "kda_intra_warps": None,  # 8
 }
 
 
@@ -591,8 +814,9 @@ def chunk_gated_delta_rule_triton(
     output_chunk_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton implementation of ``chunk_gated_delta_rule`` (same arguments, same results; mutates
-    ``ssm_states``). No host sync and no torch work besides the allocations: each kernel finds its
-    chunk from ``cu_seqlens`` itself."""
+    ``ssm_states``), for a per-head gate ``g [T, Hv]`` or a per-channel one ``g [T, Hv, K]``. No
+    host sync and no torch work besides the allocations: each kernel finds its chunk from
+    ``cu_seqlens`` itself."""
     T, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     if kd > MAX_HEAD_K_DIM:
@@ -620,8 +844,18 @@ def chunk_gated_delta_rule_triton(
     w = torch.empty(T, hv, kd, dtype=low if lowp else f32, device=dev)
     u = torch.empty(T, hv, vd, dtype=low if lowp and cfg["u_bf16"] else f32, device=dev)
     vn = torch.empty(T, hv, vd, dtype=low if lowp else f32, device=dev)
-    gcum = torch.empty(T, hv, dtype=f32, device=dev)
     rk = torch.empty(T, hv, dtype=f32, device=dev)
+    gate_k = g.dim() == 3
+    if gate_k:  # decayed q / k, exp(c_last) per chunk row, query norms, intra-chunk products P
+        qg = torch.empty(T, hv, kd, dtype=low if lowp else f32, device=dev)
+        kg = torch.empty(T, hv, kd, dtype=low if lowp else f32, device=dev)
+        glast = torch.empty(n_rows, hv, kd, dtype=f32, device=dev)
+        rq = torch.empty(T, hv, dtype=f32, device=dev)
+        pbuf = torch.empty(T, hv, C, dtype=low if lowp else f32, device=dev)
+        gcum = rk  # unused
+    else:
+        gcum = torch.empty(T, hv, dtype=f32, device=dev)
+        qg = kg = glast = rq = pbuf = rk  # unused
     if lowp:
         hbuf = torch.empty(n_rows, hv, kd, vd, dtype=low, device=dev)
         store_cs = output_chunk_states
@@ -636,40 +870,49 @@ def chunk_gated_delta_rule_triton(
     prec = _dot_precision(q, k, v)
 
     bv_intra = min(vp, 64)
-    warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
+    if gate_k:
+        bk_intra = max(min(cfg["kda_intra_bk"] or 32, kp), 16)
+        warps_intra = cfg["kda_intra_warps"] or 8
+    else:
+        bk_intra = bk
+        warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
     _chunk_intra_kernel[(n_rows, hv)](
-        k, v, g, beta, cu_seqlens, batch, state_indices,
-        w, u, gcum, rk,
+        q, k, v, g, beta, cu_seqlens, batch, state_indices,
+        w, u, gcum, rk, qg, kg, glast, rq, pbuf,
+        q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        g.stride(0), g.stride(1),
+        g.stride(0), g.stride(1), g.stride(2) if gate_k else 0,
         beta.stride(0), beta.stride(1),
-        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
-        KPREC=_dot_precision(k), RAW_K=_raw_dot(k), **_launch_opts(warps_intra, cfg["intra_stages"]),
+        HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
+        KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
+        **_launch_opts(warps_intra, cfg["intra_stages"]),
     )
+    # the state and output kernels read the decayed keys / queries (one per value head) instead
+    k_state, q_out, r_io = (kg, qg, 1) if gate_k else (k, q, r)
 
     bv_state = cfg["state_bv"] or (64 if kp <= 64 else (32 if kp <= 128 else 16))
     bv_state = max(min(bv_state, vp), 16)
     warps_state = cfg["state_warps"] or (4 if lowp and kp <= 128 else 8)
     _chunk_state_kernel[(batch, hv, triton.cdiv(vd, bv_state))](
-        k, w, u, vn, gcum, rk, cu_seqlens, state_indices, has_initial_state, ssm_states, hbuf,
+        k_state, w, u, vn, gcum, rk, glast, cu_seqlens, state_indices, has_initial_state, ssm_states, hbuf,
         chunk_states if store_cs else hbuf,
-        k.stride(0), k.stride(1), k.stride(2),
+        k_state.stride(0), k_state.stride(1), k_state.stride(2),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        HV=hv, R=r, K=kd, V=vd, KP=kp, BV=bv_state, BB=bb, PREC=prec, LOWP=lowp, DOT_F32=dot_f32,
-        STORE_CS=store_cs,
+        HV=hv, R=r_io, K=kd, V=vd, KP=kp, BV=bv_state, BB=bb, PREC=prec, LOWP=lowp, DOT_F32=dot_f32,
+        STORE_CS=store_cs, GATE_K=gate_k,
         **_launch_opts(warps_state, cfg["state_stages"]),
     )
 
     bv_out = max(min(cfg["out_bv"] or (128 if lowp else 64), vp), 16)
     warps_out = cfg["out_warps"] or 4
     _chunk_output_kernel[(n_rows, hv, triton.cdiv(vd, bv_out))](
-        q, k, vn, gcum, rk, hbuf, cu_seqlens, batch, state_indices, o, scale,
-        q.stride(0), q.stride(1), q.stride(2),
+        q_out, k, vn, gcum, rk, hbuf, pbuf, rq, cu_seqlens, batch, state_indices, o, scale,
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        HV=hv, R=r, K=kd, V=vd, BK=bk, BV=bv_out, BB=bb, USE_L2=bool(use_qk_l2norm),
+        HV=hv, R=r_io, K=kd, V=vd, BK=bk, BV=bv_out, BB=bb, USE_L2=bool(use_qk_l2norm),
         RAW_QK=q.dtype == k.dtype and _raw_dot(q), PREC=prec, QKPREC=_dot_precision(q), LOWP=lowp,
-        DOT_F32=dot_f32, **_launch_opts(warps_out, cfg["out_stages"]),
+        DOT_F32=dot_f32, GATE_K=gate_k, **_launch_opts(warps_out, cfg["out_stages"]),
     )
     return o, chunk_states

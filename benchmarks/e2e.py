@@ -3,6 +3,7 @@
     python benchmarks/e2e.py --fla-path .whl               # the full run on a CUDA machine
     python benchmarks/e2e.py --quick                        # fewer tokens and requests
     python benchmarks/e2e.py --tiny --device cpu            # CPU smoke run of everything (toy models)
+    python benchmarks/e2e.py --quick --models jamba,kimi_linear --fla-path .whl   # the MoE models
 
 Models (``--models``), random weights (bf16, seed 0) from ``benchmarks/reference_models.py``:
 ``qwen3_next`` (the reference Qwen3-Next, 1.912 B) and ``nemotron_h`` (a NemotronH of similar
@@ -12,10 +13,13 @@ size), the default pair; ``jamba`` (Jamba-v0.1's layer shapes in 8 layers: Mamba
 experts top 8, 13.9 B parameters, 1.6 B active), selected with ``--models jamba,kimi_linear``: they
 are not in the default run, which they would lengthen several-fold (each holds ~7x the default
 models' weights, builds once per system process, and transformers' pure-torch paths on them run a
-sequential Mamba1 scan / a chunk loop per layer). ``--model DIR`` loads a safetensors checkpoint directory instead.
-Where a system cannot run a family, its row says why (``unavailable`` / ``unsupported`` with a
-message): ``hf_fla`` exists only for the families whose mixers flash-linear-attention implements
-(GDN, Kimi Delta Attention; not Mamba1 / Mamba2).
+sequential Mamba1 scan / a chunk loop per layer). ``--model DIR`` loads a safetensors checkpoint
+directory instead. Where a system cannot run a family, its row says why: ``unavailable`` /
+``unsupported`` with a message (``hf_fla`` exists only for the families whose mixers
+flash-linear-attention implements: GDN and Kimi Delta Attention, not Mamba1 / Mamba2; an engine
+mode our configuration refuses, e.g. an FP8 KV cache for Kimi-Linear's compressed MLA cache), or,
+where a workload fails at run time (transformers' static-cache compile on a family, an out of
+memory), that workload's ``error`` with the exception, named in the table's row.
 
 Systems (``--systems``), each measured in its own subprocess (transformers picks its kernels at
 import; a crash loses only that system's remaining workloads, and the run JSON is rewritten after
@@ -33,21 +37,21 @@ every system):
 
 Workloads (``--workloads``): ``check`` (our prefill logits against transformers' on the same
 weights: fp32 with a tight tolerance, bf16 against the fp32 logits; and our greedy tokens against
-transformers' ``generate`` in fp32, ``CHECK_NEW_TOKENS`` of them), ``decode`` (tokens/s at batch
-1, 16, 64; prompt 512, 128 new tokens, no EOS), ``prefill`` (time to first token of one 4k and one
-32k prompt, median of ``PREFILL_REPEATS`` cold runs after a warm-up), ``cb`` (256 requests with
-seeded random prompt / output lengths, all queued at t=0: throughput, mean / p99 TTFT and
-inter-token latency; transformers runs them as static batches and the best batch size counts) and
-``shared_prefix`` (groups of prompts sharing a system prompt,
-submitted in waves: wave k holds the k-th prompt of every group, so with the prefix cache every
-wave after the first reuses the system prompts). The decode roofline at batch 1 is (weight bytes
-read + state read and write + KV read) / the memory bandwidth measured in the same run (the best of a
-256 MiB copy, a 1 GiB copy and a 1 GiB read) (by the parent
-process, which also rejects modes the engine's configuration refuses on this device without
-starting a worker); the weight bytes read are the active parameters' (MoE: the routed experts at
-top_k / num_experts; an untied input embedding not at all: a lookup reads one row). Decode tokens/s counts the tokens produced after every request of the batch
-has its first token, over the time from then to the last token; TTFT and token times are host
-timestamps after a device sync (one per transformers ``generate`` call, one per engine step).
+transformers' ``generate`` in fp32, ``CHECK_NEW_TOKENS`` of them), ``decode`` (tokens/s at batch 1,
+16, 64; prompt 512, 128 new tokens, no EOS), ``prefill`` (time to first token of one 4k and one 32k
+prompt, median of ``PREFILL_REPEATS`` cold runs after a warm-up), ``cb`` (256 requests with seeded
+random prompt / output lengths, all queued at t=0: throughput, mean / p99 TTFT and inter-token
+latency; transformers runs them as static batches and the best batch size counts) and
+``shared_prefix`` (groups of prompts sharing a system prompt, submitted in waves: wave k holds the
+k-th prompt of every group, so with the prefix cache every wave after the first reuses the system
+prompts). The decode roofline at batch 1 is (weight bytes read + state read and write + KV read) /
+the memory bandwidth measured in the same run (the best of a 256 MiB copy, a 1 GiB copy and a 1 GiB
+read) (by the parent process, which also rejects modes the engine's configuration refuses on this
+device without starting a worker); the weight bytes read are the active parameters' (MoE: the routed
+experts at top_k / num_experts; an untied input embedding not at all: a lookup reads one row).
+Decode tokens/s counts the tokens produced after every request of the batch has its first token,
+over the time from then to the last token; TTFT and token times are host timestamps after a device
+sync (one per transformers ``generate`` call, one per engine step).
 
 A long run can be split over several calls into one JSON: ``--out FILE --resume`` keeps the jobs
 FILE already holds as finished (measured, unsupported or unavailable) and runs the others.

@@ -187,14 +187,16 @@ def test_reference_models_full_size_shapes_and_names():
     for name, build in reference_models.REFERENCE_BUILDERS.items():
         assert build(device="meta", tiny=True).config.model_type == name
     jamba = reference_models.build_jamba_reference(device="meta").config
-    assert (jamba.hidden_size, jamba.intermediate_size, jamba.num_experts, jamba.num_experts_per_tok) == (4096, 14336, 16, 2)
-    assert (jamba.num_attention_heads, jamba.num_key_value_heads, jamba.mamba_d_state, jamba.mamba_dt_rank) == (32, 8, 16, 256)
+    j = jamba
+    assert (j.hidden_size, j.intermediate_size, j.num_experts, j.num_experts_per_tok) == (4096, 14336, 16, 2)
+    assert (j.num_attention_heads, j.num_key_value_heads, j.mamba_d_state, j.mamba_dt_rank) == (32, 8, 16, 256)
     assert jamba.layers_block_type == ["mamba"] * 4 + ["attention"] + ["mamba"] * 3
     assert jamba.layers_num_experts == [1, 16] * 4 and jamba.vocab_size == 65536
     kimi = reference_models.build_kimi_linear_reference(device="meta")
     c = kimi.config
     assert (c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok) == (2304, 1024, 256, 8)
-    assert (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank) == (512, 64, 128, 128, None)
+    mla = (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank)
+    assert mla == (512, 64, 128, 128, None)
     assert (c.linear_num_heads, c.linear_head_dim, c.vocab_size) == (32, 128, 163840)
     assert c.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert c.mlp_layer_types == ["dense"] + ["sparse"] * 7

@@ -833,11 +833,11 @@ def check_worker(spec, s: Settings, result, save) -> None:
                          max_context_len=s.check_prompt + CHECK_NEW_TOKENS + 8, chunked_prefill_size=s.chunked_prefill)
         try:
             captured = _tap_logits(engine)
-            start = len(captured)
+            engine.generate_batch([prompt], max_new_tokens=1, ignore_eos=True)
+            logits = captured[-1][0]  # the one request's row (a padding row would come last)
+            engine.clear_prefix_cache()  # the tokens from a cold prefill too
             tokens = engine.generate_batch([prompt], max_new_tokens=CHECK_NEW_TOKENS, ignore_eos=True)[0]
-            # the first forward is the whole prompt's (check_prompt < chunked_prefill); row 0 is the
-            # one request's (a padding row would come last)
-            return captured[start][0], list(tokens)
+            return logits, list(tokens)
         finally:
             engine.close()
 

@@ -32,7 +32,8 @@ every system):
 - ``hf_static_compile``: ``generate(cache_implementation="static")``, transformers' own
   ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs) of the forward;
 - ``ours_*``: our engine, eager ops / compiled / compiled + CUDA graphs (``True``, ``"full"``,
-  ``"piecewise"``) / + prefix cache / + n-gram speculative decoding. A mode whose configuration
+  ``"piecewise"``) / + prefix cache / + n-gram speculative decoding / recurrent state in bf16 or
+  FP8, FP8 KV cache / fused MoE experts (``ours_fused_moe``: MoE models). A mode whose configuration
   raises ``NotImplementedError`` or ``ValueError`` is an "unsupported: <message>" row.
 
 Workloads (``--workloads``): ``check`` (our prefill logits against transformers' on the same
@@ -96,6 +97,9 @@ OURS_MODES = {
     # FP8 pools (README "FP8 KV cache and FP8 recurrent state"): e4m3 state / KV cache with scales
     "ours_fp8_state": dict(base=True, ssm_state_dtype="fp8"),
     "ours_fp8_kv_cache": dict(base=True, kv_cache_dtype="fp8"),
+    # MoE models: our grouped-GEMM experts and fused softmax routers (README "Fused MoE experts")
+    # in place of transformers' experts path; a dense model refuses it (an "unsupported" row)
+    "ours_fused_moe": dict(base=True, fused_moe=True),
 }
 SYSTEMS = HF_SYSTEMS + tuple(OURS_MODES)
 # timed prefills per length after the warm-up; the table reports their median (one 4k prefill
@@ -109,6 +113,7 @@ SYSTEM_WORKLOADS = {
     "ours_bf16_state": ("decode", "cb"),
     "ours_fp8_state": ("decode", "cb"),
     "ours_fp8_kv_cache": ("decode", "cb"),
+    "ours_fused_moe": ("decode", "prefill", "cb"),
 }
 MODELS = ("qwen3_next", "nemotron_h")  # the default --models
 # every reference model (benchmarks/reference_models.py REFERENCE_BUILDERS; not imported here: the

@@ -123,11 +123,12 @@ def test_missing_workloads_and_merge_rules():
 @pytest.fixture(scope="module", params=["jamba", "kimi_linear"])
 def moe_model_run(request, tmp_path_factory):
     """A tiny run of one MoE reference model: transformers eager, hf_fla (not available: no
-    --fla-path, or no kernels for the family), our eager engine and CUDA graphs (unsupported on CPU)."""
+    --fla-path, or no kernels for the family), our eager engine, our fused MoE experts and CUDA
+    graphs (unsupported on CPU)."""
     out = tmp_path_factory.mktemp("e2e_moe") / f"{request.param}.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--tiny", "--device", "cpu", "--threads", "1",
-           "--models", request.param, "--systems", "hf_eager,hf_fla,ours_eager,ours_cuda_graphs",
-           "--workloads", "check,decode,prefill", "--no-plots", "--out", str(out)]
+           "--models", request.param, "--systems", "hf_eager,hf_fla,ours_eager,ours_fused_moe,ours_cuda_graphs",
+           "--workloads", "check,decode,prefill", "--ours-base", "ours_eager", "--no-plots", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return request.param, json.loads(out.read_text()), proc.stdout
@@ -165,6 +166,12 @@ def test_moe_reference_models_run_every_row(moe_model_run):
             assert dec[str(b)]["decode_tokens"] == b * (s.decode_new - 1) and dec[str(b)]["decode_tokens_per_s"] > 0
         assert [int(L) for L in r["workloads"]["prefill"]["lengths"]] == s.prefill_lens
         assert all(v["ttft_s"] > 0 for v in r["workloads"]["prefill"]["lengths"].values())
+    fused = results["ours_fused_moe"]  # on the base mode (--ours-base: eager ops) with our experts op
+    assert fused["status"] == "ok" and fused["engine_config"]["fused_moe"] is True, fused
+    assert fused["engine_config"]["compile"] is False
+    assert fused["engine_stats"]["fused_moe_modules"] == (4 if model == "jamba" else 7)
+    dec = fused["workloads"]["decode"]["batches"]
+    assert all(dec[str(b)]["decode_tokens"] == b * (s.decode_new - 1) for b in s.decode_batches)
     fla = results["hf_fla"]
     assert fla["status"] == "unavailable"
     if model == "jamba":  # no fla kernels for Mamba1: said before any --fla-path is asked for

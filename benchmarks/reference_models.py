@@ -33,8 +33,8 @@ Active parameters (:func:`active_params`): every parameter, with the routed expe
 
 Weights are drawn by transformers' own initialisation under ``torch.manual_seed(seed)`` (same
 seed, dtype and device -> same weights), directly on ``device`` in ``dtype``. ``tiny=True``
-keeps every structural feature (layer pattern, GQA on both layer kinds, tied embeddings) at toy
-sizes for CPU smoke runs. No generation defaults leak in: no EOS, greedy.
+keeps every structural feature (layer pattern, GQA on both layer kinds, tied or untied embeddings,
+dense / MoE layers with top-k routing and shared experts) at toy sizes for CPU smoke runs. No generation defaults leak in: no EOS, greedy.
 
 Also the small helpers every benchmark shares: :func:`sync_device`, :func:`random_token_prompts`.
 """

@@ -3,10 +3,23 @@
     python benchmarks/e2e.py --fla-path .whl               # the full run on a CUDA machine
     python benchmarks/e2e.py --quick                        # fewer tokens and requests
     python benchmarks/e2e.py --tiny --device cpu            # CPU smoke run of everything (toy models)
+    python benchmarks/e2e.py --quick --models jamba,kimi_linear --fla-path .whl   # the MoE models
 
-Models (``--models``): the reference random-weight Qwen3-Next (1.912 B, bf16, seed 0) and a
-NemotronH of similar size, both from ``benchmarks/reference_models.py``; ``--model DIR`` loads a
-safetensors checkpoint directory instead.
+Models (``--models``), random weights (bf16, seed 0) from ``benchmarks/reference_models.py``:
+``qwen3_next`` (the reference Qwen3-Next, 1.912 B) and ``nemotron_h`` (a NemotronH of similar
+size), the default pair; ``jamba`` (Jamba-v0.1's layer shapes in 8 layers: Mamba1 + attention every
+8th layer + MoE of 16 experts every 2nd layer, 13.3 B parameters, 3.4 B active) and
+``kimi_linear`` (Kimi-Linear-48B-A3B's layer shapes in 8 layers: ``[KDA x3, MLA] x2``, MoE of 256
+experts top 8, 13.9 B parameters, 1.6 B active), selected with ``--models jamba,kimi_linear``: they
+are not in the default run, which they would lengthen several-fold (each holds ~7x the default
+models' weights, builds once per system process, and transformers' pure-torch paths on them run a
+sequential Mamba1 scan / a chunk loop per layer). ``--model DIR`` loads a safetensors checkpoint
+directory instead. Where a system cannot run a family, its row says why: ``unavailable`` /
+``unsupported`` with a message (``hf_fla`` exists only for the families whose mixers
+flash-linear-attention implements: GDN and Kimi Delta Attention, not Mamba1 / Mamba2; an engine
+mode our configuration refuses, e.g. an FP8 KV cache for Kimi-Linear's compressed MLA cache), or,
+where a workload fails at run time (transformers' static-cache compile on a family, an out of
+memory), that workload's ``error`` with the exception, named in the table's row.
 
 Systems (``--systems``), each measured in its own subprocess (transformers picks its kernels at
 import; a crash loses only that system's remaining workloads, and the run JSON is rewritten after
@@ -19,24 +32,27 @@ every system):
 - ``hf_static_compile``: ``generate(cache_implementation="static")``, transformers' own
   ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs) of the forward;
 - ``ours_*``: our engine, eager ops / compiled / compiled + CUDA graphs (``True``, ``"full"``,
-  ``"piecewise"``) / + prefix cache / + n-gram speculative decoding. A mode whose configuration
+  ``"piecewise"``) / + prefix cache / + n-gram speculative decoding / recurrent state in bf16 or
+  FP8, FP8 KV cache / fused MoE experts (``ours_fused_moe``: MoE models). A mode whose configuration
   raises ``NotImplementedError`` or ``ValueError`` is an "unsupported: <message>" row.
 
 Workloads (``--workloads``): ``check`` (our prefill logits against transformers' on the same
-weights: fp32 with a tight tolerance, bf16 against the fp32 logits), ``decode`` (tokens/s at batch
-1, 16, 64; prompt 512, 128 new tokens, no EOS), ``prefill`` (time to first token of one 4k and one
-32k prompt, median of ``PREFILL_REPEATS`` cold runs after a warm-up), ``cb`` (256 requests with
-seeded random prompt / output lengths, all queued at t=0: throughput, mean / p99 TTFT and
-inter-token latency; transformers runs them as static batches and the best batch size counts) and
-``shared_prefix`` (groups of prompts sharing a system prompt,
-submitted in waves: wave k holds the k-th prompt of every group, so with the prefix cache every
-wave after the first reuses the system prompts). The decode roofline at batch 1 is (weight bytes +
-state read and write + KV read) / the memory bandwidth measured in the same run (the best of a
-256 MiB copy, a 1 GiB copy and a 1 GiB read) (by the parent
-process, which also rejects modes the engine's configuration refuses on this device without
-starting a worker). Decode tokens/s counts the tokens produced after every request of the batch
-has its first token, over the time from then to the last token; TTFT and token times are host
-timestamps after a device sync (one per transformers ``generate`` call, one per engine step).
+weights: fp32 with a tight tolerance, bf16 against the fp32 logits; and our greedy tokens against
+transformers' ``generate`` in fp32, ``CHECK_NEW_TOKENS`` of them), ``decode`` (tokens/s at batch 1,
+16, 64; prompt 512, 128 new tokens, no EOS), ``prefill`` (time to first token of one 4k and one 32k
+prompt, median of ``PREFILL_REPEATS`` cold runs after a warm-up), ``cb`` (256 requests with seeded
+random prompt / output lengths, all queued at t=0: throughput, mean / p99 TTFT and inter-token
+latency; transformers runs them as static batches and the best batch size counts) and
+``shared_prefix`` (groups of prompts sharing a system prompt, submitted in waves: wave k holds the
+k-th prompt of every group, so with the prefix cache every wave after the first reuses the system
+prompts). The decode roofline at batch 1 is (weight bytes read + state read and write + KV read) /
+the memory bandwidth measured in the same run (the best of a 256 MiB copy, a 1 GiB copy and a 1 GiB
+read) (by the parent process, which also rejects modes the engine's configuration refuses on this
+device without starting a worker); the weight bytes read are the active parameters' (MoE: the routed
+experts at top_k / num_experts; an untied input embedding not at all: a lookup reads one row).
+Decode tokens/s counts the tokens produced after every request of the batch has its first token,
+over the time from then to the last token; TTFT and token times are host timestamps after a device
+sync (one per transformers ``generate`` call, one per engine step).
 
 A long run can be split over several calls into one JSON: ``--out FILE --resume`` keeps the jobs
 FILE already holds as finished (measured, unsupported or unavailable) and runs the others.
@@ -81,6 +97,9 @@ OURS_MODES = {
     # FP8 pools (README "FP8 KV cache and FP8 recurrent state"): e4m3 state / KV cache with scales
     "ours_fp8_state": dict(base=True, ssm_state_dtype="fp8"),
     "ours_fp8_kv_cache": dict(base=True, kv_cache_dtype="fp8"),
+    # MoE models: our grouped-GEMM experts and fused softmax routers (README "Fused MoE experts")
+    # in place of transformers' experts path; a dense model refuses it (an "unsupported" row)
+    "ours_fused_moe": dict(base=True, fused_moe=True),
 }
 SYSTEMS = HF_SYSTEMS + tuple(OURS_MODES)
 # timed prefills per length after the warm-up; the table reports their median (one 4k prefill
@@ -94,11 +113,21 @@ SYSTEM_WORKLOADS = {
     "ours_bf16_state": ("decode", "cb"),
     "ours_fp8_state": ("decode", "cb"),
     "ours_fp8_kv_cache": ("decode", "cb"),
+    "ours_fused_moe": ("decode", "prefill", "cb"),
 }
-MODELS = ("qwen3_next", "nemotron_h")
+MODELS = ("qwen3_next", "nemotron_h")  # the default --models
+# every reference model (benchmarks/reference_models.py REFERENCE_BUILDERS; not imported here: the
+# worker must block the kernel packages before transformers is imported)
+ALL_MODELS = MODELS + ("jamba", "kimi_linear")
 # kernel packages transformers uses when they import; hf_eager runs with none of them
 KERNEL_PACKAGES = ("fla", "causal_conv1d", "mamba_ssm")
-FLA_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# the model types whose mixers transformers runs on flash-linear-attention's kernels when it imports
+# (GDN: chunk / fused_recurrent_gated_delta_rule; Kimi Delta Attention: chunk_kda / fused_recurrent_kda)
+FLA_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear")
+# where transformers' fast path for a family comes from instead (hf_fla's "unavailable" message)
+OTHER_KERNEL_PACKAGES = {"jamba": "mamba-ssm and causal-conv1d", "nemotron_h": "mamba-ssm and causal-conv1d"}
+# greedy tokens of the check workload (fp32: ours against transformers' generate)
+CHECK_NEW_TOKENS = 8
 # correctness tolerances (stated in the JSON): fp32 max |ours - HF| relative to max |HF logit|;
 # bf16: our distance to the fp32 logits at most BF16_FACTOR x transformers' own bf16 distance
 # (plus BF16_FLOOR x max |logit|, for when transformers' bf16 happens to be nearly exact)
@@ -496,6 +525,15 @@ def _load_model(spec, dtype):
     return REFERENCE_BUILDERS[spec["model"]](dtype, spec["device"], seed=spec["seed"], tiny=spec["tiny"])
 
 
+def _model_type(spec) -> str:
+    """The spec's model's ``model_type`` without building it: a checkpoint's config.json, or the
+    reference model's name (each is its model type: tests/test_benchmarks.py checks it)."""
+    if spec["model_path"]:
+        with open(os.path.join(spec["model_path"], "config.json")) as f:
+            return json.load(f)["model_type"]
+    return spec["model"]
+
+
 def _dtype(name):
     import torch
 
@@ -539,6 +577,13 @@ def worker(spec_path: str, result_path: str) -> None:
     if system == "hf_eager":
         _block_kernel_packages()
     if system == "hf_fla":
+        model_type = _model_type(spec)
+        if model_type not in FLA_MODEL_TYPES:  # decided before anything loads: no --fla-path would help
+            other = OTHER_KERNEL_PACKAGES.get(model_type)
+            result.update(status="unavailable", message=f"flash-linear-attention has no kernels for {model_type}'s "
+                          "mixers" + (f" (transformers' fast path for them needs {other}, not part of this system)"
+                                      if other else ""))
+            return save()
         if not spec["fla_path"]:
             result.update(status="unavailable", message="flash-linear-attention not available: pass --fla-path DIR")
             return save()
@@ -557,10 +602,6 @@ def worker(spec_path: str, result_path: str) -> None:
     if system == "check":
         return check_worker(spec, s, result, save)
     model = _load_model(spec, _dtype(spec["dtype"]))
-    model_type = model.config.model_type
-    if system == "hf_fla" and model_type not in FLA_MODEL_TYPES:
-        result.update(status="unavailable", message=f"flash-linear-attention has no kernels for {model_type}'s mixers")
-        return save()
     vocab = model.config.vocab_size
     if system in HF_SYSTEMS:
         result["hf_kernels"] = hf_kernel_report(model)
@@ -704,6 +745,9 @@ def measure_env(spec, s: Settings) -> dict:
     from hybrid_compile.memory import kv_bytes_per_token, mamba_bytes_per_slot
     from hybrid_compile.models import family_of
 
+    sys.path.insert(0, HERE)
+    from reference_models import active_params
+
     dev = torch.device(spec["device"])
     result = dict(
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
@@ -726,17 +770,28 @@ def measure_env(spec, s: Settings) -> dict:
     for model_name in spec["models"]:
         model = _load_model(dict(spec, model=model_name, device="meta"), _dtype(spec["dtype"]))
         layout = family_of(model).layout(model, kv_dtype=model.dtype, conv_dtype=model.dtype, ssm_dtype=torch.float32)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = active_params(model, as_bytes=True) - _untied_input_embedding_bytes(model)
         ctx = s.decode_prompt + s.decode_new // 2
         state = 2 * mamba_bytes_per_slot(layout.mamba)  # read + write of one request's conv and SSM state
         kv = kv_bytes_per_token(layout.attention) * ctx
         total = weights + state + kv
         rooflines[model_name] = dict(
-            params=sum(p.numel() for p in model.parameters()), weight_bytes=weights, state_bytes=state,
-            kv_bytes=kv, context=ctx, roofline_ms_per_step=1e3 * total / bw, roofline_tokens_per_s=bw / total,
+            params=sum(p.numel() for p in model.parameters()), active_params=active_params(model),
+            weight_bytes=weights, state_bytes=state, kv_bytes=kv, context=ctx,
+            roofline_ms_per_step=1e3 * total / bw, roofline_tokens_per_s=bw / total,
         )
     result.update(rooflines=rooflines, status="ok")
     return result
+
+
+def _untied_input_embedding_bytes(model) -> int:
+    """Bytes of the input embedding table where the LM head does not share it (a decode step reads
+    one row of it per token, not the table); 0 when tied (the LM head reads all of it)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is emb:
+        return 0
+    return emb.numel() * emb.element_size()
 
 
 def _tap_logits(engine):
@@ -754,7 +809,9 @@ def _tap_logits(engine):
 
 
 def check_worker(spec, s: Settings, result, save) -> None:
-    """Our prefill logits vs transformers' on the same weights: fp32 (tight) and bf16 (vs fp32)."""
+    """Our prefill logits vs transformers' on the same weights: fp32 (tight) and bf16 (vs fp32);
+    our greedy tokens vs transformers' ``generate`` (fp32 must be equal; bf16 is reported only:
+    rounding may flip a near-tie of a random-weight model)."""
     import torch
 
     import hybrid_compile as hc
@@ -769,34 +826,51 @@ def check_worker(spec, s: Settings, result, save) -> None:
         with torch.inference_mode():
             return model(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
 
-    def our_logits():
-        engine = hc.wrap(model, compile=False, max_running_requests=1, max_context_len=s.check_prompt + 8,
-                         chunked_prefill_size=s.chunked_prefill)
+    def hf_tokens():
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=CHECK_NEW_TOKENS,
+                                 min_new_tokens=CHECK_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    def ours():
+        """(our prefill's last-position logits, our CHECK_NEW_TOKENS greedy tokens)."""
+        engine = hc.wrap(model, compile=False, max_running_requests=1,
+                         max_context_len=s.check_prompt + CHECK_NEW_TOKENS + 8, chunked_prefill_size=s.chunked_prefill)
         try:
             captured = _tap_logits(engine)
             engine.generate_batch([prompt], max_new_tokens=1, ignore_eos=True)
-            return captured[-1][0]  # the one request's row (a padding row would come last)
+            logits = captured[-1][0]  # the one request's row (a padding row would come last)
+            engine.clear_prefix_cache()  # the tokens from a cold prefill too
+            tokens = engine.generate_batch([prompt], max_new_tokens=CHECK_NEW_TOKENS, ignore_eos=True)[0]
+            return logits, list(tokens)
         finally:
             engine.close()
+
+    def tokens_compare(ours_t, ref_t):
+        first = next((i for i, (a, b) in enumerate(zip(ours_t, ref_t)) if a != b), None)
+        return dict(ours=ours_t, hf=ref_t, equal=ours_t == ref_t, first_mismatch=first)
 
     def compare(ours, ref):
         scale = ref.abs().max().item()
         return dict(max_abs_diff=(ours - ref).abs().max().item(), max_abs_logit=scale,
                     rel_diff=(ours - ref).abs().max().item() / scale, top1_equal=bool(ours.argmax() == ref.argmax()))
 
-    ref32 = hf_logits()
-    ours32 = our_logits()
+    ref32, ref_tokens32 = hf_logits(), hf_tokens()
+    ours32, our_tokens32 = ours()
     fp32 = compare(ours32, ref32)
     fp32.update(tolerance_rel=FP32_RTOL, passed=fp32["rel_diff"] <= FP32_RTOL)
+    greedy32 = tokens_compare(our_tokens32, ref_tokens32)
     model.to(torch.bfloat16)
-    hf16, ours16 = hf_logits(), our_logits()
+    hf16, hf_tokens16 = hf_logits(), hf_tokens()
+    ours16, our_tokens16 = ours()
     hf_err, our_err = compare(hf16, ref32), compare(ours16, ref32)
     tol = BF16_FACTOR * hf_err["max_abs_diff"] + BF16_FLOOR * hf_err["max_abs_logit"]
     bf16 = dict(ours_vs_hf_bf16=compare(ours16, hf16), ours_vs_fp32=our_err, hf_bf16_vs_fp32=hf_err,
                 tolerance=f"max|ours_bf16 - fp32| <= {BF16_FACTOR} x max|hf_bf16 - fp32| + {BF16_FLOOR} x max|logit|",
                 tolerance_abs=tol, passed=our_err["max_abs_diff"] <= tol)
-    result.update(prompt_tokens=len(prompt), fp32=fp32, bf16=bf16, passed=fp32["passed"] and bf16["passed"],
-                  status="ok")
+    result.update(prompt_tokens=len(prompt), fp32=fp32, bf16=bf16, new_tokens=CHECK_NEW_TOKENS,
+                  greedy_fp32=greedy32, greedy_bf16=tokens_compare(our_tokens16, hf_tokens16),
+                  passed=fp32["passed"] and bf16["passed"] and greedy32["equal"], status="ok")
     save()
 
 
@@ -899,13 +973,20 @@ def print_table(run: dict) -> str:
     lines.append(f"device: {env.get('device')}  torch {env.get('torch')}  transformers {env.get('transformers')}  "
                  f"memory bandwidth {_fmt(env.get('copy_bandwidth_GBps'))} GB/s (best of copy / read)")
     for model, roof in env.get("rooflines", {}).items():
-        lines.append(f"{model}: {roof['params'] / 1e6:,.1f} M params, decode roofline at batch 1 "
+        active = roof.get("active_params", roof["params"])
+        lines.append(f"{model}: {roof['params'] / 1e6:,.1f} M params"
+                     + (f" ({active / 1e6:,.1f} M active)" if active != roof["params"] else "")
+                     + ", decode roofline at batch 1 "
                      f"{roof['roofline_ms_per_step']:.3f} ms/step ({roof['roofline_tokens_per_s']:.0f} tok/s)")
     for model, c in run.get("checks", {}).items():
         if c.get("status") == "ok":
+            greedy = c.get("greedy_fp32")  # (absent in JSON files from before the token check)
+            tokens = "" if greedy is None else (
+                f"; fp32 greedy tokens {'equal' if greedy['equal'] else 'differ at ' + str(greedy['first_mismatch'])}"
+                f" ({len(greedy['hf'])}), bf16 {'equal' if c['greedy_bf16']['equal'] else 'differ'}")
             lines.append(f"{model} logits check: {'PASS' if c['passed'] else 'FAIL'} (fp32 rel diff "
                          f"{c['fp32']['rel_diff']:.2e} <= {c['fp32']['tolerance_rel']:.0e}; bf16 |ours-fp32| "
-                         f"{c['bf16']['ours_vs_fp32']['max_abs_diff']:.3g} <= {c['bf16']['tolerance_abs']:.3g})")
+                         f"{c['bf16']['ours_vs_fp32']['max_abs_diff']:.3g} <= {c['bf16']['tolerance_abs']:.3g}{tokens})")
         else:
             lines.append(f"{model} logits check: {c.get('status')} {c.get('message') or c.get('log_tail', '')[-300:]}")
     head = ["model", "system"] + cols
@@ -935,7 +1016,8 @@ def print_table(run: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma list of {ALL_MODELS} (default: {','.join(MODELS)}; see the module docstring)")
     p.add_argument("--model", default=None, help="a safetensors checkpoint directory instead of the reference models")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {WORKLOADS}")
@@ -957,7 +1039,7 @@ def parse_args(argv=None):
                    help="add to the JSON at --out: keep its finished jobs, run only the missing or failed ones")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name, allowed in (("systems", SYSTEMS), ("workloads", WORKLOADS), ("models", MODELS)):
+    for name, allowed in (("systems", SYSTEMS), ("workloads", WORKLOADS), ("models", ALL_MODELS)):
         values = [v for v in getattr(args, name).split(",") if v]
         bad = sorted(set(values) - set(allowed))
         if bad:

@@ -1,4 +1,6 @@
-"""Reference models of the benchmarks: random-weight Hugging Face hybrid models of ~1.9 B parameters.
+"""Reference models of the benchmarks: random-weight Hugging Face hybrid models (``REFERENCE_BUILDERS``).
+
+Two dense models of ~1.9 B parameters (the e2e benchmark's default pair):
 
 - :func:`build_qwen3_next_reference`: the reference ``Qwen3NextForCausalLM`` of the compile issue
   (vocab 151936, hidden 2048, 24 layers ``[linear_attention x3, full_attention] x6``, dense MLP
@@ -8,10 +10,31 @@
   ``M-M-M-*-`` x6 with relu2 MLPs of 8192, Mamba2 64 heads x 64, state 128, 8 groups, chunk 128,
   attention 16 q / 2 kv heads of dim 128, vocab 131072, tied embeddings: 1.930 B parameters).
 
+Two MoE models with the per-layer shapes of real releases, cut in layers only (every width, head
+count, expert count and top-k as released) so that the bf16 weights (~27 GB) fit one 80 GB GPU
+beside our engine's pools and build in seconds there:
+
+- :func:`build_jamba_reference`: Jamba-v0.1 / Jamba-Mini-1.6 (same shape: vocab 65536, hidden
+  4096, 32 layers, attention every 8th layer from layer 4 (32 q / 8 kv heads of dim 128), the
+  other layers Mamba1 (d_state 16, d_conv 4, expand 2, dt_rank 256), MoE of 16 experts (top 2,
+  width 14336) every 2nd layer from layer 1, dense MLP 14336 in the others, untied embeddings:
+  51.57 B parameters, 12.11 B active). Cut: 32 -> 8 layers, one period of both patterns
+  (7 Mamba1 + 1 attention at layer 4; 4 MoE + 4 dense): 13.295 B parameters, 3.430 B active.
+- :func:`build_kimi_linear_reference`: Kimi-Linear-48B-A3B (transformers' ``KimiLinearConfig``
+  defaults are that checkpoint's: vocab 163840, hidden 2304, 27 layers, Kimi Delta Attention 32
+  heads x 128 with conv 4, MLA full attention in layers 4, 8, ..., 24 and 27 (1-indexed; 32 heads,
+  kv_lora_rank 512, q without LoRA, nope 128 + rope 64, v 128), layer 1 a dense MLP of 9216, the
+  others MoE of 256 experts (top 8, width 1024, sigmoid router, routed scaling 2.446) + 1 shared
+  expert, untied embeddings: 49.13 B parameters, 3.49 B active). Cut: 27 -> 8 layers
+  ``[KDA x3, MLA] x2``, the first dense, 7 MoE: 13.851 B parameters, 1.564 B active.
+
+Active parameters (:func:`active_params`): every parameter, with the routed experts counted at
+``top_k / num_experts`` (what one token reads; shared experts and routers whole).
+
 Weights are drawn by transformers' own initialisation under ``torch.manual_seed(seed)`` (same
 seed, dtype and device -> same weights), directly on ``device`` in ``dtype``. ``tiny=True``
-keeps every structural feature (layer pattern, GQA on both layer kinds, tied embeddings) at toy
-sizes for CPU smoke runs. No generation defaults leak in: no EOS, greedy.
+keeps every structural feature (layer pattern, GQA on both layer kinds, tied or untied embeddings,
+dense / MoE layers with top-k routing and shared experts) at toy sizes for CPU smoke runs. No generation defaults leak in: no EOS, greedy.
 
 Also the small helpers every benchmark shares: :func:`sync_device`, :func:`random_token_prompts`.
 """
@@ -23,6 +46,8 @@ import transformers
 
 QWEN3_NEXT_PARAMS = 1.912e9
 NEMOTRON_H_PARAMS = 1.930e9
+JAMBA_PARAMS, JAMBA_ACTIVE_PARAMS = 13.295e9, 3.430e9
+KIMI_LINEAR_PARAMS, KIMI_LINEAR_ACTIVE_PARAMS = 13.851e9, 1.564e9
 
 
 def qwen3_next_reference_config(tiny: bool = False) -> "transformers.Qwen3NextConfig":
@@ -70,6 +95,50 @@ def nemotron_h_reference_config(tiny: bool = False) -> "transformers.NemotronHCo
     )
 
 
+def jamba_reference_config(tiny: bool = False) -> "transformers.JambaConfig":
+    sizes = (
+        dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8)
+        if tiny else
+        dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+             num_key_value_heads=8, num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_dt_rank=256)
+    )
+    return _require("JambaConfig")(
+        **sizes,
+        num_hidden_layers=8,  # one period of both patterns (the release has 32)
+        attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1,
+        mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=65536 if not tiny else 8192,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def kimi_linear_reference_config(tiny: bool = False) -> "transformers.KimiLinearConfig":
+    sizes = (
+        dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+             num_local_experts=8, num_experts_per_tok=2, linear_num_heads=2, linear_head_dim=16)
+        if tiny else
+        dict(vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+             num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, qk_rope_head_dim=64,
+             qk_nope_head_dim=128, v_head_dim=128, num_local_experts=256, num_experts_per_tok=8,
+             linear_num_heads=32, linear_head_dim=128)
+    )
+    n_layers = 8  # [KDA x3, MLA] x2 (the release: 27 layers)
+    # the keywords both transformers 5.17 and 5.24 take (their KimiLinearConfig fields are the same)
+    return _require("KimiLinearConfig")(
+        **sizes,
+        num_hidden_layers=n_layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (n_layers // 4),
+        mlp_layer_types=["dense"] + ["sparse"] * (n_layers - 1),
+        num_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, q_lora_rank=None,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        max_position_embeddings=65536 if not tiny else 8192,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
 def _build(model_class, config, dtype: torch.dtype, device, seed: int):
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -83,10 +152,14 @@ def _build(model_class, config, dtype: torch.dtype, device, seed: int):
     return model
 
 
-def _check_params(model, expected: float, name: str) -> None:
+def _check_params(model, expected: float, name: str, expected_active: float | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     if abs(n - expected) > 0.005 * expected:
         raise AssertionError(f"{name}: {n / 1e9:.3f} B parameters, expected {expected / 1e9:.3f} B")
+    if expected_active is not None:
+        a = active_params(model)
+        if abs(a - expected_active) > 0.005 * expected_active:
+            raise AssertionError(f"{name}: {a / 1e9:.3f} B active parameters, expected {expected_active / 1e9:.3f} B")
 
 
 def build_qwen3_next_reference(dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0, tiny: bool = False):
@@ -103,6 +176,50 @@ def build_nemotron_h_reference(dtype: torch.dtype = torch.bfloat16, device="cuda
     if not tiny:
         _check_params(model, NEMOTRON_H_PARAMS, "NemotronH reference")
     return model
+
+
+def build_jamba_reference(dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0, tiny: bool = False):
+    """A random-weight JambaForCausalLM with Jamba-v0.1's layer shapes in 8 layers (13.295 B
+    parameters, 3.430 B active; toy sizes with ``tiny``)."""
+    model = _build(_require("JambaForCausalLM"), jamba_reference_config(tiny), dtype, device, seed)
+    if not tiny:
+        _check_params(model, JAMBA_PARAMS, "Jamba reference", JAMBA_ACTIVE_PARAMS)
+    return model
+
+
+def build_kimi_linear_reference(dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0,
+                                tiny: bool = False):
+    """A random-weight KimiLinearForCausalLM with Kimi-Linear-48B-A3B's layer shapes in 8 layers
+    (13.851 B parameters, 1.564 B active; toy sizes with ``tiny``)."""
+    model = _build(_require("KimiLinearForCausalLM"), kimi_linear_reference_config(tiny), dtype, device, seed)
+    if not tiny:
+        _check_params(model, KIMI_LINEAR_PARAMS, "Kimi-Linear reference", KIMI_LINEAR_ACTIVE_PARAMS)
+    return model
+
+
+def _require(name: str):
+    """transformers' class ``name``; a clear error where this transformers lacks it (KimiLinear
+    arrived in 5.17)."""
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise NotImplementedError(f"transformers {transformers.__version__} has no {name}")
+    return cls
+
+
+def active_params(model, as_bytes: bool = False) -> int:
+    """Parameters one token reads (their bytes with ``as_bytes``): all, with each routed-experts
+    module's weights counted at ``top_k / num_experts`` (transformers' ``*Experts`` modules: 3-D
+    ``[E, ...]`` weights; shared experts and routers are whole)."""
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    total, seen = 0.0, set()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]  # tied weights once
+        seen.update(id(p) for p in own)
+        n = sum(p.numel() * (p.element_size() if as_bytes else 1) for p in own)
+        if own and top_k and type(module).__name__.endswith("Experts") and all(p.dim() == 3 for p in own):
+            n = n * top_k / own[0].shape[0]
+        total += n
+    return int(round(total))
 
 
 def save_random_mtp_head(model, path: str, seed: int = 0, std: float = 0.02) -> str:
@@ -138,6 +255,8 @@ def save_random_mtp_head(model, path: str, seed: int = 0, std: float = 0.02) -> 
 REFERENCE_BUILDERS = {
     "qwen3_next": build_qwen3_next_reference,
     "nemotron_h": build_nemotron_h_reference,
+    "jamba": build_jamba_reference,
+    "kimi_linear": build_kimi_linear_reference,
 }
 
 

@@ -3,7 +3,9 @@
 One run covers every worker kind (device/roofline, the logits check, a transformers system, an
 engine mode and a mode the engine cannot run here), every workload, the JSON, the table and
 --resume. Numbers are not asserted (speed belongs to benchmarks); token counts, the logits check
-and the rows' statuses are.
+and the rows' statuses are. The MoE reference models (``jamba``, ``kimi_linear``) get a run each
+(check with greedy tokens, decode, prefill, and the rows that cannot run here), and their
+full-size shapes are checked on the meta device.
 """
 
 import json
@@ -116,6 +118,99 @@ def test_missing_workloads_and_merge_rules():
     still = e2e.merge_result(earlier, dict(status="ok", workloads=dict(prefill=dict(lengths={}))))
     assert still["status"] == "partial"  # cb's error remains
     assert e2e.merge_result(None, new) is new
+
+
+@pytest.fixture(scope="module", params=["jamba", "kimi_linear"])
+def moe_model_run(request, tmp_path_factory):
+    """A tiny run of one MoE reference model: transformers eager, hf_fla (not available: no
+    --fla-path, or no kernels for the family), our eager engine, our fused MoE experts and CUDA
+    graphs (unsupported on CPU)."""
+    out = tmp_path_factory.mktemp("e2e_moe") / f"{request.param}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--tiny", "--device", "cpu", "--threads", "1",
+           "--models", request.param, "--systems", "hf_eager,hf_fla,ours_eager,ours_fused_moe,ours_cuda_graphs",
+           "--workloads", "check,decode,prefill", "--ours-base", "ours_eager", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return request.param, json.loads(out.read_text()), proc.stdout
+
+
+def test_moe_reference_models_run_every_row(moe_model_run):
+    model, run, stdout = moe_model_run
+    s = e2e.settings_for(tiny=True, quick=False)
+    import reference_models
+
+    tiny = reference_models.REFERENCE_BUILDERS[model](device="meta", tiny=True)
+    roof = run["env"]["rooflines"][model]
+    assert roof["params"] == sum(p.numel() for p in tiny.parameters())
+    assert roof["active_params"] == reference_models.active_params(tiny) < roof["params"]
+    # bytes read at batch 1 (bf16 weights, a few kept in fp32 by transformers): every weight, the
+    # routed experts' at top_k / num_experts, less the untied input embedding (a lookup reads one row)
+    cfg = tiny.config
+    share = cfg.num_experts_per_tok / (cfg.num_experts if model == "jamba" else cfg.num_local_experts)
+    read = sum(p.numel() * p.element_size() * (share if ".experts." in n and "shared" not in n else 1)
+               for n, p in tiny.named_parameters())
+    emb = tiny.get_input_embeddings().weight
+    assert roof["weight_bytes"] == round(read) - emb.numel() * emb.element_size()
+
+    check = run["checks"][model]
+    assert check["passed"], check
+    greedy = check["greedy_fp32"]
+    assert greedy["equal"] and len(greedy["hf"]) == e2e.CHECK_NEW_TOKENS, greedy  # ours = HF generate
+
+    results = run["results"][model]
+    for system in ("hf_eager", "ours_eager"):
+        r = results[system]
+        assert r["status"] == "ok", r
+        dec = r["workloads"]["decode"]["batches"]
+        for b in s.decode_batches:
+            assert dec[str(b)]["decode_tokens"] == b * (s.decode_new - 1) and dec[str(b)]["decode_tokens_per_s"] > 0
+        assert [int(L) for L in r["workloads"]["prefill"]["lengths"]] == s.prefill_lens
+        assert all(v["ttft_s"] > 0 for v in r["workloads"]["prefill"]["lengths"].values())
+    fused = results["ours_fused_moe"]  # on the base mode (--ours-base: eager ops) with our experts op
+    assert fused["status"] == "ok" and fused["engine_config"]["fused_moe"] is True, fused
+    assert fused["engine_config"]["compile"] is False
+    assert fused["engine_stats"]["fused_moe_modules"] == (4 if model == "jamba" else 7)
+    dec = fused["workloads"]["decode"]["batches"]
+    assert all(dec[str(b)]["decode_tokens"] == b * (s.decode_new - 1) for b in s.decode_batches)
+    fla = results["hf_fla"]
+    assert fla["status"] == "unavailable"
+    if model == "jamba":  # no fla kernels for Mamba1: said before any --fla-path is asked for
+        assert "no kernels for jamba's mixers" in fla["message"] and "mamba-ssm" in fla["message"]
+    else:  # transformers runs Kimi Delta Attention on fla's chunk_kda when it imports
+        assert "--fla-path" in fla["message"]
+    graphs = results["ours_cuda_graphs"]
+    assert graphs["status"] == "unsupported" and "CUDA" in graphs["message"]
+    assert f"{model} logits check: PASS" in stdout and "fp32 greedy tokens equal" in stdout
+    assert "M active" in stdout
+
+
+def test_reference_models_full_size_shapes_and_names():
+    """Every reference model's name is its model type (hf_fla decides from the name before loading),
+    and the MoE models have the released per-layer shapes at the stated parameter counts (the
+    builders check total and active counts themselves; built on the meta device: no weights)."""
+    import reference_models
+
+    assert e2e.ALL_MODELS == tuple(reference_models.REFERENCE_BUILDERS)
+    for name, build in reference_models.REFERENCE_BUILDERS.items():
+        assert build(device="meta", tiny=True).config.model_type == name
+    jamba = reference_models.build_jamba_reference(device="meta").config
+    j = jamba
+    assert (j.hidden_size, j.intermediate_size, j.num_experts, j.num_experts_per_tok) == (4096, 14336, 16, 2)
+    assert (j.num_attention_heads, j.num_key_value_heads, j.mamba_d_state, j.mamba_dt_rank) == (32, 8, 16, 256)
+    assert jamba.layers_block_type == ["mamba"] * 4 + ["attention"] + ["mamba"] * 3
+    assert jamba.layers_num_experts == [1, 16] * 4 and jamba.vocab_size == 65536
+    kimi = reference_models.build_kimi_linear_reference(device="meta")
+    c = kimi.config
+    assert (c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok) == (2304, 1024, 256, 8)
+    mla = (c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.q_lora_rank)
+    assert mla == (512, 64, 128, 128, None)
+    assert (c.linear_num_heads, c.linear_head_dim, c.vocab_size) == (32, 128, 163840)
+    assert c.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert c.mlp_layer_types == ["dense"] + ["sparse"] * 7
+    # active parameters against an independent count: the routed experts' weights at top_k / E
+    experts = sum(p.numel() for n, p in kimi.named_parameters() if ".mlp.experts." in n)
+    total = sum(p.numel() for p in kimi.parameters())
+    assert reference_models.active_params(kimi) == round(total - experts + experts * 8 / 256)
 
 
 def test_unknown_system_is_rejected():

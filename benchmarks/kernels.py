@@ -6,7 +6,7 @@ cuBLAS (``torch.mm``) at the reference model's projection shapes at 1-4 rows.
 
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
 8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
-compressed cache; group ``kda``), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
+compressed cache; groups ``kda`` and ``mla``), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
 head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
 time of each system and, for our kernel, achieved memory bandwidth (decode / memory-bound ops)
 or TFLOP/s (prefill ops) as a fraction of the peak measured in the same run on this device.
@@ -234,7 +234,7 @@ def bench_gdn(quick, fla):
         b = torch.randn(batch, Hv, dtype=BF16, device=DEV)
         state_bytes = 2 * batch * Hv * K * V * 4
         f = lambda: ops.fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0, ssm_scales=None)  # noqa: E731
-        p = lambda: plain(G.fused_sigmoid_gating_delta_rule_update)(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0)  # noqa: E731
+        p = lambda: plain(G.fused_sigmoid_gating_delta_rule_update)(A_log, dt_bias, q, k, v, a, b, ssm, slots, True, 0.0, 1.0, 20.0, ssm_scales=None)  # noqa: E731
         fla_ms = None
         if "recurrent" in fla:
             state = ssm[:batch].clone()
@@ -255,7 +255,7 @@ def bench_gdn(quick, fla):
         bv = torch.rand(batch, L, Hv, device=DEV)
         inter = torch.zeros(batch, L, Hv, K, V, dtype=BF16, device=DEV)
         f = lambda: ops.fused_recurrent_gated_delta_rule_update(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
-        p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter)  # noqa: E731
+        p = lambda: plain(G.fused_recurrent_gated_delta_rule_update)(qv, kv, vv, gv, bv, ssm, slots, True, 0.0, True, inter, ssm_scales=None, intermediate_scales=None)  # noqa: E731
         record("fused_recurrent_gated_delta_rule_update", f"B={batch} L={L}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=batch * Hv * K * V * (4 + L * 2))
 
@@ -289,7 +289,7 @@ def bench_gdn(quick, fla):
             chunk = 64
             flops = total * Hv * (4 * K * V + 2 * chunk * (K + V) + 2 * chunk * K)
             f = lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False, ssm_scales=None)  # noqa: E731
-            p = lambda: plain(G.chunk_gated_delta_rule)(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False)  # noqa: E731
+            p = lambda: plain(G.chunk_gated_delta_rule)(q, k, v, g, beta, ssm, cu, slots, has, True, 0.0, False, ssm_scales=None)  # noqa: E731
             fla_ms = None
             if "chunk" in fla:
                 rep = Hv // Hk
@@ -319,7 +319,7 @@ def bench_mamba2(quick):
         B = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
         Cm = torch.randn(batch, 1, G_, N, dtype=BF16, device=DEV)
         f = lambda: ops.selective_state_update(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None, A_is_log=False, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
-        p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None)  # noqa: E731
+        p = lambda: plain(M.selective_state_update)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, slots, False, None, A_is_log=False, ssm_scales=None, intermediate_scales=None)  # noqa: E731
         record("selective_state_update", f"B={batch} H={H} P={P} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=2 * batch * H * P * N * 4, note="(no fla equivalent)")
     for total in ([2048, 32768] if quick else [1024, 2048, 8192, 16384, 32768]):
@@ -333,7 +333,7 @@ def bench_mamba2(quick):
             Cm = torch.randn(total, G_, N, dtype=BF16, device=DEV)
             flops = total * H * (2 * CH * N / H * G_ + 2 * CH * P + 4 * P * N)
             f = lambda: ops.ssd_chunk_scan(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False, ssm_scales=None)  # noqa: E731
-            p = lambda: plain(M.ssd_chunk_scan)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False)  # noqa: E731
+            p = lambda: plain(M.ssd_chunk_scan)(x, dt, Am, B, Cm, D, None, dt_bias, True, 0.0, inf, ssm, cu, slots, has, CH, False, ssm_scales=None)  # noqa: E731
             record("ssd_chunk_scan", f"T={total} B={batch}", safe(lambda: bench(f)),
                    safe(lambda: bench(p, iters=3, graph=False)) if total <= 16384 else None, None, flops=flops,
                    note="(no fla equivalent)")
@@ -405,8 +405,8 @@ def try_import_fla_kda():
 
 
 def bench_kda(quick):
-    """Kimi-Linear-48B shapes: Kimi Delta Attention (32 heads x 128, per-channel gate) prefill /
-    verify, and the absorbed MLA attention over the compressed cache (32 heads, 576 / 512)."""
+    """Kimi-Linear-48B shapes: Kimi Delta Attention (32 heads x 128, per-channel gate) prefill and
+    decode, beside fla's ``chunk_kda`` / ``fused_recurrent_kda``."""
     fla = try_import_fla_kda()
     H, K, V, S = 32, 128, 128, 256
     ssm = torch.zeros(S, H, K, V, dtype=torch.float32, device=DEV)
@@ -443,6 +443,11 @@ def bench_kda(quick):
             fla_ms = safe(lambda: bench(fla_fn))
         record("fused_recurrent_gated_delta_rule_update (KDA decode)", f"B={batch}", safe(lambda: bench(f)), None, fla_ms,
                bytes_moved=2 * batch * H * K * V * 4)
+
+
+def bench_mla(quick):
+    """Kimi-Linear-48B's MLA, absorbed: one KV head [latent 512, rope 64] over the compressed
+    cache, V a view of the latent (decode and extend)."""
     # MLA, absorbed: one KV head [latent 512, rope 64], V a view of the latent
     hq, rank, rope, NS = 32, 512, 64, 600_000
     cache = torch.randn(NS, 1, rank + rope, dtype=BF16, device=DEV)
@@ -494,8 +499,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
-    parser.add_argument("--only", default="gdn,kda,lightning,mamba2,attention,skinny_mm", help="comma list of groups")
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma list of groups")
     args = parser.parse_args()
+    groups = args.only.split(",")
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        raise SystemExit(f"--only: unknown group(s) {', '.join(unknown)}; known: {','.join(GROUPS)}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
     torch.manual_seed(0)
@@ -504,11 +513,12 @@ def main():
     print(f"device: {device}; measured peak {PEAK_BW / 1e9:.0f} GB/s copy bandwidth, {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul")
     fla = try_import_fla()
     print(f"flash-linear-attention: {'available' if 'chunk' in fla else fla.get('error')}")
-    groups = args.only.split(",")
     if "gdn" in groups:
         bench_gdn(args.quick, fla)
     if "kda" in groups:
         bench_kda(args.quick)
+    if "mla" in groups:
+        bench_mla(args.quick)
     if "lightning" in groups:
         bench_lightning(args.quick)
     if "mamba2" in groups:
@@ -525,6 +535,7 @@ def main():
 
 
 PEAK_BW = PEAK_TFLOPS = math.nan
+GROUPS = ("gdn", "kda", "mla", "lightning", "mamba2", "attention", "skinny_mm")
 
 if __name__ == "__main__":
     main()

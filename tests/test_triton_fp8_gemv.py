@@ -117,8 +117,9 @@ def test_no_rows_no_channels_and_bad_arguments():
         tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(24, 64, 4, 1))
     with pytest.raises(ValueError, match="BLOCK_K"):
         tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, config=(8, 96, 4, 1))
-    with pytest.raises(ValueError, match="rows_per_program"):
-        tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, rows_per_program=5)
+    for bad in (0, 5):  # (0 is no default: refused like any count outside 1..4)
+        with pytest.raises(ValueError, match="rows_per_program"):
+            tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, rows_per_program=bad)
 
 
 def test_gemv_config_and_dispatch():

@@ -330,7 +330,8 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     grouped = expert_offsets is not None
     m, k = x.shape
     n = weight.shape[-2]
-    rows = rows_per_program or (FP8_GROUPED_GEMV_ROWS if grouped else min(max(m, 1), FP8_GEMV_MAX_ROWS))
+    rows = rows_per_program if rows_per_program is not None else (
+        FP8_GROUPED_GEMV_ROWS if grouped else min(max(m, 1), FP8_GEMV_MAX_ROWS))
     config = config or fp8_gemv_config(n, k, rows if grouped else m, grouped)
     check_gemv_config("fp8_gemv_triton", config, rows)
     if FP8_BLOCK % config[0]:

@@ -45,6 +45,22 @@ def tol(*dtypes):
     return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
 
+def _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, use_l2=True, dtype=torch.float32,
+                          pool_dtype=None, chunk_states=True):
+    """Run the op (its Triton path under the interpreter) and the per-token reference on copies of
+    ``pool``; assert output, pool and chunk states close (``dtype`` / ``pool_dtype`` tolerances);
+    return (output, pool after, chunk states)."""
+    got_pool = pool.clone()
+    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, use_l2, 0.0,
+                                                  chunk_states)
+    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, use_l2,
+                                                                0.0, chunk_states)
+    assert_close(o, want_o, tol(dtype), msg="output")
+    assert_close(got_pool, want_pool, tol(pool_dtype or dtype), msg="pool")
+    assert_close(cs, want_cs, tol(dtype), msg="chunk states")  # bf16: bf16 MMA operands (as the GDN pipeline)
+    return o, got_pool, cs
+
+
 @pytest.mark.parametrize("lens,pad_rows", [([5], ()), ([0, 7, 1], (2,)), ([65, 0, 3], ()), ([130, 17, 64, 1], (1,))])
 @pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
@@ -55,13 +71,8 @@ def test_chunk_prefill_matches_reference(lens, pad_rows, dtype, pool_dtype):
     cu = cu_seqlens_of(lens)
     slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=pad_rows)
     has_init = torch.tensor([i % 2 == 0 for i in range(len(lens))])
-    got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, True, 0.0, True)
-    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, True,
-                                                                0.0, True)
-    assert_close(o, want_o, tol(dtype), msg="output")
-    assert_close(got_pool, want_pool, tol(pool_dtype), msg="pool")
-    assert_close(cs, want_cs, tol(dtype), msg="chunk states")  # bf16: bf16 MMA operands (as the GDN pipeline)
+    o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, dtype=dtype,
+                                            pool_dtype=pool_dtype)
     written = {int(s) for s, n in zip(slots, lens) if int(s) >= 0 and n > 0}
     untouched = [i for i in range(NUM_SLOTS) if i not in written]
     assert torch.equal(got_pool[untouched], pool[untouched])  # padding rows and empty requests
@@ -82,13 +93,7 @@ def test_chunk_prefill_grouped_heads():
     _, _, v, g, beta = make_inputs((70,), hv, kd, vd, torch.float32)
     pool = make_pool(hv, kd, vd)
     cu, slots, init = cu_seqlens_of([66, 4]), torch.tensor([1, 7], dtype=torch.int32), torch.tensor([True, False])
-    got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
-    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
-                                                                True)
-    assert_close(o, want_o)
-    assert_close(got_pool, want_pool)
-    assert_close(cs, want_cs)
+    _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init)
 
 
 def test_chunk_prefill_strong_decay_is_finite():
@@ -98,14 +103,8 @@ def test_chunk_prefill_strong_decay_is_finite():
     q, k, v, g, beta = make_inputs((80,), h, kd, vd, torch.float32, strength=10.0)
     pool = make_pool(h, kd, vd)
     cu, slots, init = cu_seqlens_of([80]), torch.tensor([4], dtype=torch.int32), torch.tensor([True])
-    got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
-    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
-                                                                True)
+    o, got_pool, _ = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init)
     assert torch.isfinite(o).all() and torch.isfinite(got_pool).all()
-    assert_close(o, want_o)
-    assert_close(got_pool, want_pool)
-    assert_close(cs, want_cs)
 
 
 def _decay(T, h, kd, kind):
@@ -133,14 +132,8 @@ def test_chunk_prefill_multichunk_varlen_decay(kind, dtype, use_l2):
     cu = cu_seqlens_of(lens)
     slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=(5,))
     has_init = torch.tensor([True, False, True, False, True, True])
-    got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, has_init, use_l2, 0.0, True)
-    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, has_init, use_l2,
-                                                                0.0, True)
+    o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, use_l2, dtype=dtype)
     assert torch.isfinite(o).all() and torch.isfinite(got_pool).all() and torch.isfinite(cs).all()
-    assert_close(o, want_o, tol(dtype), msg="output")
-    assert_close(got_pool, want_pool, tol(dtype), msg="pool")
-    assert_close(cs, want_cs, tol(dtype), msg="chunk states")
     assert torch.all(o[cu[5]:] == 0)  # the padding request
     offs = chunk_row_offsets(cu, C)
     assert torch.all(cs[offs[5]:] == 0)
@@ -159,13 +152,7 @@ def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
     g = _decay(sum(lens), h, kd, "mixed")
     pool = make_pool(h, kd, vd)
     cu, slots, init = cu_seqlens_of(lens), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False])
-    got_pool = pool.clone()
-    o, cs = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, got_pool, cu, slots, init, True, 0.0, True)
-    want_o, want_pool, want_cs = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, pool, cu, slots, init, True, 0.0,
-                                                                True)
-    assert_close(o, want_o)
-    assert_close(got_pool, want_pool)
-    assert_close(cs, want_cs)
+    _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init)
 
 
 @pytest.mark.parametrize("disable", [False, True])

@@ -181,13 +181,26 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
-    """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
+def rank_cases(rank: int, size: int, cases: list[dict]):
+    """The torchrun-style environment of one spawned rank, then each case of ``cases`` in turn with
+    its rendezvous port set (``_run_group`` gives each case a free port)."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    results = {}
     for case in cases:
         os.environ["MASTER_PORT"] = str(case["port"])
+        yield case
+
+
+def write_rank0_results(rank: int, results: dict, result_path: str) -> None:
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+
+
+def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
+    """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
+    results = {}
+    for case in rank_cases(rank, size, cases):
         if case.get("fail_rank") == rank:  # a fault on this rank: its third GDN mixer call raises
             from hybrid_compile.models import gated_deltanet
 
@@ -222,9 +235,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
+    write_rank0_results(rank, results, result_path)
 
 
 def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False,

@@ -31,7 +31,7 @@ import hybrid_compile as hc
 from hybrid_compile.models.mtp import MTPWeightsNotFoundError
 from engine_models import build_model, hf_greedy, random_prompts, single_threaded, vocab_size
 from mtp_models import ENGINE_ARGS, record_proposals, write_mtp_checkpoint, write_nemotron_h_mtp_checkpoint
-from test_tensor_parallel import _run_group
+from test_tensor_parallel import _run_group, rank_cases, write_rank0_results
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
@@ -94,11 +94,8 @@ def _fc(head):
 
 def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
     """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     results = {}
-    for case in cases:
-        os.environ["MASTER_PORT"] = str(case["port"])
+    for case in rank_cases(rank, size, cases):
         t0 = time.perf_counter()
         engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, speculative=case["speculative"], **OPTIONS)
         if rank != 0:
@@ -120,9 +117,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
         engine.close()
         result.update(pools_used=engine.pools.used_counts(), seconds=time.perf_counter() - t0)
         results[case["name"]] = result
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
+    write_rank0_results(rank, results, result_path)
 
 
 @pytest.fixture(scope="module")

@@ -61,12 +61,12 @@ def read_token_map(value, vocab_size: int | None = None) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{where} must be a path, a list of token ids or a 1-D integer tensor, "
                              f"got {type(value).__name__} ({e})") from None
+    if ids.numel() == 0:
+        raise ValueError(f"{where} is empty: it needs at least one token id")
     if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
         raise ValueError(f"{where} must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() != 1:
         raise ValueError(f"{where} must be 1-D (one token id each), got shape {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError(f"{where} is empty: it needs at least one token id")
     ids = ids.to(torch.int64)
     if int(ids.min()) < 0:
         raise ValueError(f"{where} holds a negative token id ({int(ids.min())})")

@@ -213,3 +213,27 @@ def test_cuda_mtp_draft_graphs_with_token_map(dense_checkpoint, k):
     same = sum(g == w for g, w in zip(got, want))
     assert len(got) == len(want) > 0 and same >= 0.9 * len(got), f"{same} of {len(got)} proposals equal"
     assert counters["mtp_graph_replays"] > 0 and counters["mtp_graph_fallbacks"] == 0
+
+
+def test_benchmark_mtp_token_map_tiny_smoke(tmp_path):
+    """``benchmarks/speculative.py --mtp-token-map N --mtp-token-map-seed S`` on CPU with --tiny: per k
+    a row of the full head and one of the mapped head, each with its head-forward cost (numbers not
+    asserted, only that the rows are there and the replay's acceptance is unchanged by the map)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "speculative.py"), "--tiny", "--device", "cpu", "--batches", "1",
+           "--sources", "mtp", "--mtp-draft-tokens", "2", "--accept-lengths", "3", "--new-tokens", "7",
+           "--mtp-token-map", "40", "--mtp-token-map-seed", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["source"], r["draft_token_map_size"]): r for r in json.loads(out.read_text())["modes"]["eager"]["mtp"]}
+    assert set(rows) == {("mtp", None), ("mtp_accept3", None), ("mtp", 40), ("mtp_accept3", 40)}
+    for size in (None, 40):
+        assert rows[("mtp_accept3", size)]["mean_acceptance_length"] == 3.0
+        assert rows[("mtp", size)]["head_forwards_per_verify"] >= 2 and rows[("mtp", size)]["draft_ms_per_head_forward"] > 0

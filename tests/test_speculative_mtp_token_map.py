@@ -184,6 +184,35 @@ def test_token_map_files_and_errors(checkpoint, tmp_path):
     finish_engine(engine)
 
 
+def test_restricted_lm_head_is_the_map_rows_with_bias(checkpoint):
+    """``MTPHead.restrict_vocabulary`` on an LM head with a bias: the head's linear gives the full
+    head's logits of the map's columns, the full module untouched; a patched (vocab-parallel)
+    LM head is refused."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_compile.models.mtp import load_mtp_head
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    head = load_mtp_head(model, checkpoint)
+    v, h = model.lm_head.weight.shape
+    full = torch.nn.Linear(h, v, bias=True)
+    head.lm_head = full
+    before = full.weight.clone()
+    token_map = _map(checkpoint, 0.25, seed=4)
+    head.restrict_vocabulary(token_map)
+    x = torch.randn(3, h)
+    assert head.lm_head.bias is not None and head.lm_head.weight.shape == (token_map.numel(), h)
+    torch.testing.assert_close(head.lm_head(x), full(x)[:, token_map])
+    assert torch.equal(full.weight, before) and torch.equal(head.token_map, token_map)
+    patched = load_mtp_head(model, checkpoint)
+    patched.lm_head.forward = types.MethodType(lambda self, x: x, patched.lm_head)
+    with pytest.raises(ValueError, match="patched forward"):
+        patched.restrict_vocabulary(token_map)
+    del patched.lm_head.forward
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
 def test_cuda_mtp_draft_graphs_with_token_map(dense_checkpoint, k):

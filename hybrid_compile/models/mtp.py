@@ -22,6 +22,9 @@ At position ``i`` the head reads the model's hidden state at ``i`` and the embed
 keeps a KV cache of its own (layer ids from ``num_hidden_layers`` on: more full-attention layers
 of the engine's KV pool). Its output hidden state feeds its next step when it runs as a chain.
 
+With a draft token map (``SpeculativeConfig.draft_token_map``) the head's LM head is its own
+linear of the map's rows of the target's (:meth:`MTPHead.restrict_vocabulary`).
+
 :func:`load_mtp_head` finds the tensors (the checkpoint directory, or the one the model was
 loaded from), builds the head on the model's device and dtype, and raises
 :class:`MTPWeightsNotFoundError` for a checkpoint without them.

@@ -35,6 +35,11 @@ token, ``a > W``, a row past ``max_context_len``) takes the general EXTEND path
 (``window_fallbacks``); so do the prefill chunks' head EXTENDs (``observe``). Draft trees
 (``propose_tree``) use the same window and chain steps eagerly.
 
+With ``SpeculativeConfig.draft_token_map`` the head's logits are over the map's ids only (its own
+LM head of their rows, ``MTPHead.restrict_vocabulary``): :meth:`MTPDraft.pick` maps each picked
+column to its token id on the device, so drafts and the chain's next inputs are token ids on
+every path (eager, window, proposal graphs, trees).
+
 Positions the target did not compute for this request (a cached prefix, a forked prompt) keep
 the head's KV that their first computation left (for the last cached position, written with the
 token that followed it then); that changes drafts, never outputs.

@@ -196,7 +196,8 @@ def pick_next(logits: torch.Tensor, topk: int, token_map: torch.Tensor | None = 
     map): the picked columns are mapped to their token ids."""
     if topk == 1:
         tokens = torch.ops.hybrid_compile.argmax_rows(logits)
-        return (tokens if token_map is None else token_map[tokens]), None
+        # (index_select: a gather kernel, no host sync, so the proposal graphs capture it)
+        return (tokens if token_map is None else token_map.index_select(0, tokens)), None
     values, tokens = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(topk, logits.shape[-1]), dim=-1)
     if token_map is not None:
         tokens = token_map[tokens]

@@ -47,6 +47,13 @@ from the baseline) as ``head_forward_vs_decode_step``. With the engine's full CU
 proposal is one CUDA-graph replay (``EngineConfig.extra["mtp_draft_graphs"]``, on by default
 there; the rows report ``mtp_graph_replays`` / ``mtp_graph_fallbacks``); ``--no-mtp-draft-graphs``
 turns it off for the MTP engines (each head step run by the head's own runner).
+``--mtp-token-map N``: per k a second MTP engine with ``draft_token_map`` (the head's LM head over
+N ids only), so ``draft_ms_per_head_forward`` with the map stands beside the full head's (rows carry
+``draft_token_map_size``, None for the full head). The map is the N lowest token ids, or with
+``--mtp-token-map-seed S`` N random ids: the random weights have no token frequencies, so neither
+is a real hot vocabulary (a real map: the N most frequent tokens of the target's outputs), and the
+acceptance of the ``mtp`` rows means nothing here; the cost of a head forward does not depend on
+which ids the map holds.
 Draft trees (``--trees``, e.g. ``2x3x8,2x3x16,4x3x8,4x3x16``: top-k x depth x node budget): per
 tree shape one engine with ``speculative={"method": "custom", "topk": k, "num_draft_tokens": depth,
 "num_tree_nodes": budget}`` whose source is the replay draft's tree form
@@ -239,6 +246,10 @@ def main() -> None:
                     help="at most this many fixed-point rounds for the self-consistent replay continuation")
     ap.add_argument("--no-mtp-draft-graphs", action="store_true",
                     help='MTP engines with extra["mtp_draft_graphs"]=False: no proposal CUDA graphs (on by default with full graphs)')
+    ap.add_argument("--mtp-token-map", type=int, default=0,
+                    help="also run each MTP k with a draft token map of this many ids (0: only the full head)")
+    ap.add_argument("--mtp-token-map-seed", type=int, default=None,
+                    help="the map's ids drawn at random with this seed (default: the N lowest ids)")
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
     ap.add_argument("--out", default=None)
@@ -276,6 +287,7 @@ def main() -> None:
         import tempfile
 
         args.mtp_dir = save_random_mtp_head(model, tempfile.mkdtemp(prefix="mtp_head_"))
+        args.mtp_map = mtp_token_map(args.mtp_token_map, vocab, args.mtp_token_map_seed)
     for mode in modes:
         print(f"== {mode}", flush=True)
         res = result["modes"][mode] = {"baseline": {}, "speculative": []}
@@ -388,12 +400,28 @@ def run_trees(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, ba
     return rows
 
 
+def mtp_token_map(size: int, vocab: int, seed: int | None) -> list[int] | None:
+    """``--mtp-token-map``'s map (module docstring): the ``size`` lowest ids, or ``size`` random ids
+    drawn with ``seed``; None for size 0."""
+    if size == 0:
+        return None
+    if not 0 < size <= vocab:
+        raise SystemExit(f"--mtp-token-map must be in 1..{vocab} (the vocabulary), got {size}")
+    if seed is None:
+        return list(range(size))
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].tolist()
+
+
 def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, baseline: dict, vocab: int, args) -> list:
     """The MTP rows of one engine mode (module docstring)."""
     rows = []
     batches = sorted(prompts)
-    for k in [int(x) for x in args.mtp_draft_tokens.split(",")]:
-        spec = hc.SpeculativeConfig(method="mtp", num_draft_tokens=k, mtp_checkpoint=args.mtp_dir)
+    maps = [None] if args.mtp_map is None else [None, args.mtp_map]  # (the full head, then the map's)
+    for k, draft_map in [(k, m) for k in (int(x) for x in args.mtp_draft_tokens.split(",")) for m in maps]:
+        spec = hc.SpeculativeConfig(method="mtp", num_draft_tokens=k, mtp_checkpoint=args.mtp_dir,
+                                    draft_token_map=draft_map)
+        map_size = None if draft_map is None else len(draft_map)
+        label = f"k={k}" + (f" map={map_size}" if map_size else "")
         kw = dict(engine_kw)
         if args.no_mtp_draft_graphs:
             kw["extra"] = {**engine_kw["extra"], "mtp_draft_graphs": False}
@@ -406,7 +434,7 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
                 engine, prompts[b], greedy[b], vocab, args.new_tokens, args.replay_rounds,
                 make_source=lambda c, k=k: MTPCostReplay(head, c, k, vocab))
             continuations.update(conts)
-            print(f"   mtp k={k} replay continuation b={b}: {info['rounds']} round(s), "
+            print(f"   mtp {label} replay continuation b={b}: {info['rounds']} round(s), "
                   f"{'converged' if info['converged'] else 'NOT converged'}", flush=True)
         plan = [("mtp", head)] + [(f"mtp_accept{length}", MTPCostReplay(head, continuations, length - 1, vocab))
                                   for length in (int(x) for x in args.accept_lengths.split(",")) if length <= k + 1]
@@ -420,14 +448,15 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
                 verifies = max(1, r["verify_steps"])
                 decode_ms = 1000.0 * b / baseline[str(b)]["tokens_per_s"]
                 r.update({c: head.counters[c] - before[c] for c in ("mtp_graph_replays", "mtp_graph_fallbacks")})
-                r.update(source=name, k=k, batch=b, speedup=r["tokens_per_s"] / baseline[str(b)]["tokens_per_s"],
+                r.update(source=name, k=k, batch=b, draft_token_map_size=map_size,
+                         speedup=r["tokens_per_s"] / baseline[str(b)]["tokens_per_s"],
                          draft_ms_per_verify=1000.0 * r["draft_seconds"] / verifies,
                          head_forwards_per_verify=forwards / verifies,
                          draft_ms_per_head_forward=1000.0 * r["draft_seconds"] / max(1, forwards),
                          decode_step_ms=decode_ms)
                 r["head_forward_vs_decode_step"] = r["draft_ms_per_head_forward"] / decode_ms
                 rows.append(r)
-                print(f"   mtp k={k} {name:>12} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  accept len "
+                print(f"   mtp {label} {name:>12} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  accept len "
                       f"{r['mean_acceptance_length']:.2f}  head fwd {r['draft_ms_per_head_forward']:.2f} ms "
                       f"({100 * r['head_forward_vs_decode_step']:.0f}% of a decode step)  {_graphs_note(r)}  proposal graphs "
                       f"{r['mtp_graph_replays']} fallbacks {r['mtp_graph_fallbacks']}", flush=True)

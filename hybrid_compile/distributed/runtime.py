@@ -142,6 +142,12 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"tensor_parallel_size={size} is not supported: the followers replay the head's steps one forward at a "
             "time; leave it off (the head's steps still replay its piecewise CUDA graphs)"
         )
+    if spec is not None and spec.draft_token_map is not None:
+        raise ValueError(
+            f"SpeculativeConfig.draft_token_map with tensor_parallel_size={size} is not supported: the MTP head's LM "
+            "head is vocab-parallel there (each rank holds a slice of the vocabulary's rows); leave draft_token_map "
+            "unset (the head drafts over the whole vocabulary)"
+        )
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
     full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))

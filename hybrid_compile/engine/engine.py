@@ -70,6 +70,7 @@ from ..models.base import install_attention
 from ..models.fused_experts import install_fused_experts
 from ..models.fused_router import install_fused_routers
 from ..models.mtp import load_mtp_head
+from .speculative.token_map import read_token_map
 from .runner import ModelRunner, hidden_states_forward
 from .sampling import Sampler, SampleResult, SamplingParams, logprob_entries
 from .scheduler import ScheduledBatch, Scheduler
@@ -211,6 +212,9 @@ class HybridEngine(GenerateAPI):
         if is_mtp and mtp_head is None:
             with self.startup.phase("load"):
                 self.mtp_head = load_mtp_head(model, config.speculative.mtp_checkpoint)
+        if is_mtp and config.speculative.draft_token_map is not None:
+            # the head drafts over the map's ids only (its own LM head of their rows; token_map.py)
+            self.mtp_head.restrict_vocabulary(read_token_map(config.speculative.draft_token_map, self.layout.vocab_size))
         if config.elastic_pools and not (self.layout.attention and self.layout.mamba):
             raise ValueError("EngineConfig.elastic_pools needs a model with both full-attention and linear layers")
         with self.startup.phase("pools"):

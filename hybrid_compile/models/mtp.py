@@ -22,6 +22,9 @@ At position ``i`` the head reads the model's hidden state at ``i`` and the embed
 keeps a KV cache of its own (layer ids from ``num_hidden_layers`` on: more full-attention layers
 of the engine's KV pool). Its output hidden state feeds its next step when it runs as a chain.
 
+With a draft token map (``SpeculativeConfig.draft_token_map``) the head's LM head is its own
+linear of the map's rows of the target's (:meth:`MTPHead.restrict_vocabulary`).
+
 :func:`load_mtp_head` finds the tensors (the checkpoint directory, or the one the model was
 loaded from), builds the head on the model's device and dtype, and raises
 :class:`MTPWeightsNotFoundError` for a checkpoint without them.
@@ -66,6 +69,37 @@ class MTPHead(nn.Module, abc.ABC):
         # shared with the target (its weights; registered here so the compiled forward sees them)
         self.embed_tokens = _decoder(target).get_input_embeddings()
         self.lm_head = target.lm_head
+        # restrict_vocabulary's map: draft logit column i is token token_map[i] (None: column i is token i)
+        self.register_buffer("token_map", None, persistent=False)
+
+    @torch.no_grad()
+    def restrict_vocabulary(self, token_map: torch.Tensor) -> None:
+        """Draft over the ids of ``token_map`` only (``SpeculativeConfig.draft_token_map``, checked
+        by ``engine/speculative/token_map.py``): the head's LM head becomes its own linear of those
+        rows of the target's LM head (its bias rows too; the target's module is untouched), so
+        draft logit column ``i`` is token ``token_map[i]``, kept in :attr:`token_map` on the
+        head's device. Refused on an LM head that holds part of the vocabulary (tensor
+        parallelism's vocab-parallel head) or is no plain float linear."""
+        full = self.lm_head
+        weight, bias = getattr(full, "weight", None), getattr(full, "bias", None)
+        if self.token_map is not None:
+            raise ValueError("MTPHead.restrict_vocabulary: the head's vocabulary is restricted already")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point \
+                or weight.dtype.itemsize < 2:
+            raise ValueError(f"SpeculativeConfig.draft_token_map: the LM head ({type(full).__name__}) has no float "
+                             "[vocab, hidden] weight to take the map's rows of")
+        rows = int(weight.shape[0])
+        if int(token_map.max()) >= rows or "forward" in full.__dict__:
+            raise ValueError(f"SpeculativeConfig.draft_token_map: the LM head holds {rows} rows"
+                             f"{' behind a patched forward (vocab-parallel?)' if 'forward' in full.__dict__ else ''}, "
+                             f"not every id of the map (up to {int(token_map.max())})")
+        index = token_map.to(device=weight.device, dtype=torch.int64)
+        head = nn.Linear(weight.shape[1], index.numel(), bias=bias is not None, device="meta")
+        head.weight = nn.Parameter(weight.detach().index_select(0, index).clone(), requires_grad=False)
+        if bias is not None:
+            head.bias = nn.Parameter(bias.detach().index_select(0, index).clone(), requires_grad=False)
+        self.lm_head = head
+        self.token_map = index
 
     @abc.abstractmethod
     def own_modules(self) -> dict[str, nn.Module]:

@@ -7,7 +7,8 @@ engine then runs its decode steps through :class:`~.decoder.SpeculativeDecoder`.
 
 - ``config.py``: :class:`SpeculativeConfig`, the :class:`DraftSource` protocol and
   :class:`DraftTarget` (what a draft source reads of the target engine);
-- ``drafts.py``: the draft sources and :func:`build_draft_source`; ``mtp.py``: the MTP head's;
+- ``drafts.py``: the draft sources and :func:`build_draft_source`; ``mtp.py``: the MTP head's
+  (``mtp_graphs.py``: its proposals as CUDA graphs; ``token_map.py``: its draft token map);
 - ``acceptance.py``: greedy and sampled acceptance, the cut at a stop token;
 - ``tree.py``: draft trees (``topk > 1``): :class:`DraftTree`, building one from a draft's top-k,
   its verify metadata, greedy and sampled acceptance along it;

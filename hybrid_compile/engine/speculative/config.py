@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from .token_map import read_token_map
+
 METHODS = ("draft_model", "ngram", "custom", "mtp")
 #: Methods whose draft source gives k candidates per step (``propose_tree``): draft trees (top-k > 1).
 TREE_METHODS = ("draft_model", "mtp", "custom")
@@ -100,6 +102,14 @@ class SpeculativeConfig:
             ``mtp.*`` tensors. None: the directory the model was loaded from
             (``config._name_or_path``, set by ``from_pretrained``; a Hub id is looked up in the
             local Hub cache). A directory without ``mtp.*`` tensors is one clear error.
+        draft_token_map: ``method="mtp"``: the token ids the head drafts from (EAGLE's hot
+            vocabulary, SGLang's ``--speculative-token-map``): a path to a ``.pt`` / ``.pth`` /
+            ``.npy`` / ``.json`` file, a list of ids or a 1-D integer tensor of distinct ids of the
+            vocabulary (``token_map.read_token_map``). The head's LM head becomes those rows of the
+            target's (its own small linear; the target's is untouched), so a head forward reads N
+            rows instead of the vocabulary's; drafts are always ids of the map, outputs are
+            unchanged (the target verifies them). None: the whole vocabulary. Not supported with
+            tensor parallelism (the head's LM head is vocab-parallel there).
     """
 
     method: str = "ngram"
@@ -111,6 +121,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_source: Any = None
     mtp_checkpoint: Any = None
+    draft_token_map: Any = None
 
     @classmethod
     def coerce(cls, value: "SpeculativeConfig | dict") -> "SpeculativeConfig":
@@ -185,6 +196,10 @@ class SpeculativeConfig:
                 )
         if self.mtp_checkpoint is not None and self.method != "mtp":
             raise ValueError(f"SpeculativeConfig: mtp_checkpoint is only used with method='mtp', not {self.method!r}")
+        if self.draft_token_map is not None:
+            if self.method != "mtp":
+                raise ValueError(f"SpeculativeConfig: draft_token_map is only used with method='mtp', not {self.method!r}")
+            read_token_map(self.draft_token_map)  # (its contents' errors now; the vocabulary's range at build)
         if self.method == "custom":
             if self.draft_source is None or not callable(getattr(self.draft_source, "propose", None)):
                 raise ValueError("SpeculativeConfig: method='custom' needs draft_source, an object with propose(requests, k)")

@@ -256,7 +256,9 @@ class SpeculativeDecoder:
         ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
         one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
         tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose node is not the
-        verify token of their position, so their K/V moved there)."""
+        verify token of their position, so their K/V moved there); MTP drafts:
+        ``draft_token_map_size`` (the ids of ``SpeculativeConfig.draft_token_map``; None: the whole
+        vocabulary)."""
         c = dict(self.counters)
         c["num_draft_tokens"] = self.k
         c["topk"] = self.config.topk
@@ -268,6 +270,8 @@ class SpeculativeDecoder:
         c["commit_graph_replays"] = self.commit_graphs.replays if self.commit_graphs is not None else 0
         if isinstance(getattr(self.source, "counters", None), dict):  # (the MTP head's forwards)
             c["draft_source"] = dict(self.source.counters)
+        if hasattr(self.source, "token_map_size"):  # (MTP drafts)
+            c["draft_token_map_size"] = self.source.token_map_size
         return c
 
     def _wants_verify(self, force: bool) -> bool:

@@ -35,6 +35,11 @@ token, ``a > W``, a row past ``max_context_len``) takes the general EXTEND path
 (``window_fallbacks``); so do the prefill chunks' head EXTENDs (``observe``). Draft trees
 (``propose_tree``) use the same window and chain steps eagerly.
 
+With ``SpeculativeConfig.draft_token_map`` the head's logits are over the map's ids only (its own
+LM head of their rows, ``MTPHead.restrict_vocabulary``): :meth:`MTPDraft.pick` maps each picked
+column to its token id on the device, so drafts and the chain's next inputs are token ids on
+every path (eager, window, proposal graphs, trees).
+
 Positions the target did not compute for this request (a cached prefix, a forked prompt) keep
 the head's KV that their first computation left (for the last cached position, written with the
 token that followed it then); that changes drafts, never outputs.
@@ -135,6 +140,16 @@ class MTPDraft:
             self.graphs = ProposalGraphs(self, cfg.speculative.num_draft_tokens,
                                          cfg.cuda_graph_batch_sizes or cg.default_decode_batch_sizes(cfg.max_running_requests),
                                          capture=True)
+
+    def pick(self, logits: torch.Tensor, topk: int):
+        """``tree.pick_next`` of the head's draft logits: over the vocabulary, or over the head's
+        draft token map (``SpeculativeConfig.draft_token_map``), its columns mapped to token ids."""
+        return pick_next(logits[:, : self.vocab_size], topk, self.head.token_map)
+
+    @property
+    def token_map_size(self) -> int | None:
+        """The draft token map's ids (``stats()["speculative"]["draft_token_map_size"]``); None: no map."""
+        return None if self.head.token_map is None else int(self.head.token_map.numel())
 
     # -- the target's hidden states ---------------------------------------------------------------
     def observe(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
@@ -299,7 +314,7 @@ class MTPDraft:
         if advanced is None:
             return [[] for _ in requests], {}
         reqs, logits, hidden = advanced
-        tokens, cands = pick_next(logits[:, : self.vocab_size], topk)
+        tokens, cands = self.pick(logits, topk)
         steps, top = [tokens], [cands] if cands is not None else []
         if k > 1:
             steps += self._chain(reqs, tokens, hidden, k - 1, topk, top)
@@ -329,7 +344,7 @@ class MTPDraft:
                                        ForwardMode.DECODE)
                 logits = self.runner.forward(batch, input_ids=tokens, extra=(hidden,))
                 hidden = self.runner.hidden_states
-                tokens, cands = pick_next(logits[:, : self.vocab_size], topk)
+                tokens, cands = self.pick(logits, topk)
                 out.append(tokens)
                 if cands is not None:
                     top.append(cands)

@@ -13,7 +13,8 @@ stable buffer. The graph then runs, on the device only: the ``uniform_step_metad
 window into the stable :class:`~hybrid_compile.compilation.cuda_graphs.GraphBuffers` (a
 TARGET_VERIFY layout of ``k + 1`` tokens per request: the head's attention treats it as the
 EXTEND of the eager path, the same ``paged_attention_extend``), the head's compiled forward,
-the argmax and the gather of the next hidden state; then per chain step the op of a DECODE layout
+the argmax (mapped to token ids by the head's draft token map, if any) and the gather of the
+next hidden state; then per chain step the op of a DECODE layout
 (its input ids the previous argmax, ``ids_src``), the forward and the argmax; every draft lands
 in one ``[bucket, k]`` buffer, read back with one device->host copy.
 
@@ -35,7 +36,6 @@ from ...compilation import cuda_graphs as cg
 from ...layers.context import ForwardContext, ForwardMode, forward_context
 from ...ops import metadata as md_ops
 from ..scheduler import ScheduledBatch
-from .tree import pick_next
 
 #: ``EngineConfig.extra`` key of the proposal graphs (None: on where they can run; True; False).
 OPTION = "mtp_draft_graphs"
@@ -123,13 +123,13 @@ class ProposalGraphs:
         """The proposal of a bucket over the staged step: drafts into :attr:`drafts` ``[:bs]``."""
         window, buffers = self.window, self.buffers
         op, r2t = torch.ops.hybrid_compile.uniform_step_metadata, self.runner.pools.req_to_token.req_to_token
-        vocab = self.source.vocab_size
+        pick = self.source.pick  # (the argmax; with a draft token map, its columns' token ids)
         win_rows, chain_rows, last = self._staged_views(bs)
         key = cg.GraphKey(ForwardMode.TARGET_VERIFY, bs, window)
         op(win_rows, None, window, self.padding_slot, r2t, *buffers.outputs(key))
         md = dataclasses.replace(buffers.metadata(key), logits_indices=last)
         logits, hidden = self._forward(md, buffers.input_ids[: bs * window], self.hidden_in[: bs * window])
-        tokens = pick_next(logits[:, :vocab], 1)[0]
+        tokens = pick(logits, 1)[0]
         hidden = hidden[last]
         self.drafts[:bs, 0] = tokens
         key = cg.GraphKey(ForwardMode.DECODE, bs)
@@ -137,7 +137,7 @@ class ProposalGraphs:
             op(chain_rows[j], tokens, 1, self.padding_slot, r2t, *buffers.outputs(key))
             md = buffers.metadata(key)
             logits, hidden = self._forward(md, buffers.input_ids[:bs], hidden)
-            tokens = pick_next(logits[:, :vocab], 1)[0]
+            tokens = pick(logits, 1)[0]
             self.drafts[:bs, j + 1] = tokens
 
     def _stage_padding(self, bs: int) -> None:

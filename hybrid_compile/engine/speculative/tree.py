@@ -187,13 +187,20 @@ def accept_tree_sampled(probs: torch.Tensor, tree: DraftTree, generator: torch.G
 # -- what a draft source's chain gives ----------------------------------------------------------
 
 
-def pick_next(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def pick_next(logits: torch.Tensor, topk: int, token_map: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """One step of a draft's greedy chain from its ``[B, V]`` logits: (the chain's tokens ``[B]``,
     with ``topk > 1`` also the ``[B, topk]`` top-k tokens and their log-probabilities, best first;
-    the chain continues with the first). On the device."""
+    the chain continues with the first). On the device. ``token_map``: the logits are over a
+    restricted vocabulary whose column ``i`` is token ``token_map[i]`` (an MTP head's draft token
+    map): the picked columns are mapped to their token ids."""
     if topk == 1:
-        return torch.ops.hybrid_compile.argmax_rows(logits), None
+        tokens = torch.ops.hybrid_compile.argmax_rows(logits)
+        # (index_select: a gather kernel, no host sync, so the proposal graphs capture it)
+        return (tokens if token_map is None else token_map.index_select(0, tokens)), None
     values, tokens = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(topk, logits.shape[-1]), dim=-1)
+    if token_map is not None:
+        tokens = token_map[tokens]
     return tokens[:, 0].contiguous(), (tokens, values)
 
 

@@ -1,0 +1,63 @@
+"""benchmarks/kernels.py needs a GPU to run, so its op calls are checked here against the ops'
+signatures: every ``ops.<name>(...)`` call (``torch.ops.hybrid_compile``) and every
+``plain(<module>.<name>)(...)`` call (the plain-torch implementation) binds, with the arguments it
+passes, to the op's schema / Python signature. (An H100 run found the plain rows of the GDN and
+Mamba2 ops failing on arguments the ops had gained since.)"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+import hybrid_compile  # noqa: F401  (registers the ops)
+
+SOURCE = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+
+
+def _calls():
+    """(line, kind, target, positional count, keyword names) of the op calls in the benchmark;
+    kind ``op``: target an op name; kind ``plain``: target (module, function)."""
+    tree = ast.parse(SOURCE.read_text())
+    modules = {a.asname or a.name: f"{node.module}.{a.name}" for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module == "hybrid_compile.ops" for a in node.names}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        kw = [k.arg for k in node.keywords]
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "ops":
+            out.append((node.lineno, "op", f.attr, len(node.args), kw))
+        elif (isinstance(f, ast.Call) and isinstance(f.func, ast.Name) and f.func.id == "plain"
+              and isinstance(f.args[0], ast.Attribute) and isinstance(f.args[0].value, ast.Name)):
+            out.append((node.lineno, "plain", (modules[f.args[0].value.id], f.args[0].attr), len(node.args), kw))
+    return out
+
+
+CALLS = _calls()
+
+
+def test_the_benchmark_has_op_calls_of_both_kinds():
+    kinds = {c[1] for c in CALLS}
+    assert kinds == {"op", "plain"} and len(CALLS) >= 20
+
+
+@pytest.mark.parametrize("line,kind,target,npos,kw", CALLS, ids=[f"line{c[0]}" for c in CALLS])
+def test_call_binds_to_the_op(line, kind, target, npos, kw):
+    if kind == "plain":
+        module, name = target
+        fn = getattr(importlib.import_module(module), name)
+        inspect.signature(getattr(fn, "_init_fn", fn)).bind(*[None] * npos, **dict.fromkeys(kw))
+        return
+    schema = getattr(torch.ops.hybrid_compile, target).default._schema
+    names = [a.name for a in schema.arguments]
+    assert npos <= len(names), f"line {line}: {npos} positional arguments, {target} takes {len(names)}"
+    assert set(kw) <= set(names[npos:]), f"line {line}: keywords {kw} not among {target}'s {names[npos:]}"
+    given = set(names[:npos]) | set(kw)
+    missing = [a.name for a in schema.arguments if a.name not in given and not a.has_default_value()]
+    assert not missing, f"line {line}: {target} called without {missing}"

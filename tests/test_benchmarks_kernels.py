@@ -1,5 +1,5 @@
-"""benchmarks/kernels.py needs a GPU to run, so its op calls are checked here against the ops'
-signatures: every ``ops.<name>(...)`` call (``torch.ops.hybrid_compile``) and every
+"""benchmarks/kernels.py and benchmarks/profile_gdn_chunk.py need a GPU to run, so their op calls are
+checked here against the ops' signatures: every ``ops.<name>(...)`` call (``torch.ops.hybrid_compile``) and every
 ``plain(<module>.<name>)(...)`` call (the plain-torch implementation) binds, with the arguments it
 passes, to the op's schema / Python signature. (An H100 run found the plain rows of the GDN and
 Mamba2 ops failing on arguments the ops had gained since.)"""
@@ -16,13 +16,14 @@ import torch
 
 import hybrid_compile  # noqa: F401  (registers the ops)
 
-SOURCE = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+SOURCES = ("kernels.py", "profile_gdn_chunk.py")
 
 
-def _calls():
-    """(line, kind, target, positional count, keyword names) of the op calls in the benchmark;
+def _calls(source: str):
+    """(line, kind, target, positional count, keyword names) of the op calls in a benchmark;
     kind ``op``: target an op name; kind ``plain``: target (module, function)."""
-    tree = ast.parse(SOURCE.read_text())
+    tree = ast.parse((BENCHMARKS / source).read_text())
     modules = {a.asname or a.name: f"{node.module}.{a.name}" for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.module == "hybrid_compile.ops" for a in node.names}
     out = []
@@ -32,22 +33,37 @@ def _calls():
         f = node.func
         kw = [k.arg for k in node.keywords]
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "ops":
-            out.append((node.lineno, "op", f.attr, len(node.args), kw))
+            out.append((f"{source}:{node.lineno}", "op", f.attr, _positional(node.args), kw))
         elif (isinstance(f, ast.Call) and isinstance(f.func, ast.Name) and f.func.id == "plain"
               and isinstance(f.args[0], ast.Attribute) and isinstance(f.args[0].value, ast.Name)):
-            out.append((node.lineno, "plain", (modules[f.args[0].value.id], f.args[0].attr), len(node.args), kw))
+            out.append((f"{source}:{node.lineno}", "plain", (modules[f.args[0].value.id], f.args[0].attr),
+                        _positional(node.args), kw))
     return out
 
 
-CALLS = _calls()
+def _positional(args) -> int:
+    """How many positional arguments a call passes: a ``*x[a:b]`` star of a constant slice counts
+    ``b - a`` (the benchmarks pass packed inputs that way); any other star fails the test."""
+    n = 0
+    for a in args:
+        if not isinstance(a, ast.Starred):
+            n += 1
+            continue
+        sl = a.value.slice if isinstance(a.value, ast.Subscript) else None
+        assert isinstance(sl, ast.Slice) and isinstance(sl.upper, ast.Constant), ast.unparse(a)
+        n += sl.upper.value - (sl.lower.value if sl.lower is not None else 0)
+    return n
 
 
-def test_the_benchmark_has_op_calls_of_both_kinds():
-    kinds = {c[1] for c in CALLS}
-    assert kinds == {"op", "plain"} and len(CALLS) >= 20
+CALLS = [c for source in SOURCES for c in _calls(source)]
 
 
-@pytest.mark.parametrize("line,kind,target,npos,kw", CALLS, ids=[f"line{c[0]}" for c in CALLS])
+def test_the_benchmarks_have_op_calls_of_both_kinds():
+    assert {c[1] for c in _calls("kernels.py")} == {"op", "plain"} and len(CALLS) >= 20
+    assert any(c[0].startswith("profile_gdn_chunk.py") for c in CALLS)
+
+
+@pytest.mark.parametrize("line,kind,target,npos,kw", CALLS, ids=[c[0] for c in CALLS])
 def test_call_binds_to_the_op(line, kind, target, npos, kw):
     if kind == "plain":
         module, name = target

@@ -490,8 +490,26 @@ def parse_args(argv=None):
     return args
 
 
+def server_stack_versions() -> dict:
+    """Versions of the server's event loop and HTTP parser packages in this environment (the server
+    runs with the same interpreter): uvicorn uses uvloop and httptools when installed, asyncio and
+    h11 otherwise, which changes the event loop's CPU per token. None: not installed."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {name: version(name) for name in ("uvicorn", "uvloop", "httptools")}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    stack = server_stack_versions()
+    print("server stack: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in stack.items())
+          + ("" if stack["uvloop"] else " (uvicorn falls back to asyncio's event loop)"), flush=True)
     if args.tiny:
         device, dtype = "cpu", torch.float32
     else:
@@ -533,7 +551,7 @@ def main(argv=None) -> dict:
         "dtype": str(dtype).split(".")[-1],
         "settings": {**{k: v for k, v in vars(args).items() if k not in ("rates",)},
                      "rates": [_rate_key(r) for r in rates], "engine_options": engine_options(args)},
-        "versions": {"torch": torch.__version__, "hybrid_compile": hc.__version__},
+        "versions": {"torch": torch.__version__, "hybrid_compile": hc.__version__, **server_stack_versions()},
         "results": results,
         "summary": compare(results, rates, args.ttft_slo),
     }

@@ -262,6 +262,9 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
         assert 0 < r["server_ttft_mean_s"] <= r["ttft_s"]["mean"], r
     assert set(run["summary"]["http_vs_inprocess"]) == set(run["summary"]["http-process_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout and "HTTP, engine process throughput" in proc.stdout
+    from importlib.util import find_spec  # which event loop the server had: recorded, not assumed
+    assert (run["versions"]["uvloop"] is not None) == (find_spec("uvloop") is not None) and run["versions"]["uvicorn"]
+    assert "server stack: uvicorn" in proc.stdout
 
 
 def test_radix_eviction_benchmark_smoke(tmp_path):

@@ -209,6 +209,27 @@ class NemotronHReferenceHead(_ChainReference):
 
 
 # -- helpers of the MTP engine tests --------------------------------------------------------------
+def mtp_checkpoint_fixture(kind: str):
+    """A module-scoped pytest fixture: a tiny ``kind`` checkpoint (seed 0) with ``mtp.*`` tensors,
+    written once per test module (``checkpoint = mtp_checkpoint_fixture("qwen3_next_moe")``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        path = tmp_path_factory.mktemp(f"{kind}_mtp")
+        write_mtp_checkpoint(kind, 0, str(path))
+        return str(path)
+
+    return fixture
+
+
+def checkpoint_vocab_size(path: str) -> int:
+    """The vocabulary size a saved checkpoint's config declares (its text config)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+
+
 def record_proposals(engine) -> list:
     """Every chain proposal of the engine's draft source from now on: (tokens so far, drafts)."""
     seen = []

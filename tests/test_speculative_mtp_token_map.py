@@ -24,37 +24,21 @@ import hybrid_compile as hc
 from hybrid_compile.engine.speculative.token_map import read_token_map
 
 from engine_models import hf_greedy, random_prompts, single_threaded
-from mtp_models import (ENGINE_ARGS, assert_compiled_without_breaks, assert_greedy_with_continuations, finish_engine,
-                        record_proposals, write_mtp_checkpoint)
+from mtp_models import (ENGINE_ARGS, assert_compiled_without_breaks, assert_greedy_with_continuations,
+                        checkpoint_vocab_size, finish_engine, mtp_checkpoint_fixture, record_proposals)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
 NEW = 8
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next_mtp_map")
-    write_mtp_checkpoint("qwen3_next_moe", 0, str(path))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def dense_checkpoint(tmp_path_factory):
-    """Qwen3.5 (a dense head: CUDA graphs capture it in fp32, tests/test_speculative_mtp_window.py)."""
-    path = tmp_path_factory.mktemp("qwen3_5_mtp_map")
-    write_mtp_checkpoint("qwen3_5", 0, str(path))
-    return str(path)
-
-
-def _vocab(path) -> int:
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path).get_text_config().vocab_size
+checkpoint = mtp_checkpoint_fixture("qwen3_next_moe")
+dense_checkpoint = mtp_checkpoint_fixture("qwen3_5")  # (a dense head: CUDA graphs capture it in fp32)
 
 
 def _map(path, fraction: float, seed: int = 0) -> torch.Tensor:
     """``fraction`` of the vocabulary's ids, in a random order."""
-    v = _vocab(path)
+    v = checkpoint_vocab_size(path)
     return torch.randperm(v, generator=torch.Generator().manual_seed(seed))[: int(v * fraction)]
 
 
@@ -82,7 +66,7 @@ def _record_tree_tokens(engine) -> list:
 def test_whole_vocabulary_map_proposes_as_without_a_map(checkpoint):
     """A permutation of every id: the head's logits are the full head's columns reordered, so
     every proposal (argmax mapped back) equals the engine's without a map; greedy equals HF's."""
-    prompts = random_prompts((5, 40), _vocab(checkpoint), seed=3)
+    prompts = random_prompts((5, 40), checkpoint_vocab_size(checkpoint), seed=3)
     runs = []
     for token_map in (_map(checkpoint, 1.0, seed=1), None):
         engine = _engine(checkpoint, 3, token_map, enable_prefix_cache=True)
@@ -92,7 +76,8 @@ def test_whole_vocabulary_map_proposes_as_without_a_map(checkpoint):
         finish_engine(engine)
     (got, with_map), (want, without) = runs
     assert got == want and len(got) >= 2 * len(prompts)
-    assert with_map["draft_token_map_size"] == _vocab(checkpoint) and without["draft_token_map_size"] is None
+    assert with_map["draft_token_map_size"] == checkpoint_vocab_size(checkpoint)
+    assert without["draft_token_map_size"] is None
 
 
 @pytest.mark.parametrize("k,topk,compile_", [(1, 1, False), (3, 1, True), (3, 2, False)])
@@ -104,11 +89,11 @@ def test_half_vocabulary_map_drafts_in_map_greedy_exact(checkpoint, k, topk, com
     token_map = _map(checkpoint, 0.5)
     engine = _engine(checkpoint, k, token_map.tolist(), topk=topk, compile=compile_, enable_prefix_cache=True)
     model, head = engine.model, engine.mtp_head
-    assert head.lm_head is not model.lm_head and model.lm_head.weight.shape[0] == _vocab(checkpoint)
+    assert head.lm_head is not model.lm_head and model.lm_head.weight.shape[0] == checkpoint_vocab_size(checkpoint)
     assert torch.equal(head.lm_head.weight, model.lm_head.weight[token_map])
     chains = record_proposals(engine)
     trees = _record_tree_tokens(engine)
-    prompts = random_prompts((5, 40), _vocab(checkpoint), seed=3)
+    prompts = random_prompts((5, 40), checkpoint_vocab_size(checkpoint), seed=3)
     stats = assert_greedy_with_continuations(engine, prompts, NEW)
     drafted = [row for _, row in chains] if topk == 1 else trees
     ids = set(token_map.tolist())
@@ -131,7 +116,7 @@ def test_proposal_graph_body_with_map_equals_eager_path(checkpoint):
     from hybrid_compile.engine.speculative.mtp_graphs import ProposalGraphs
 
     k, token_map = 3, _map(checkpoint, 0.5, seed=2)
-    prompts = random_prompts((5, 40, 11), _vocab(checkpoint), seed=3)
+    prompts = random_prompts((5, 40, 11), checkpoint_vocab_size(checkpoint), seed=3)
     runs = []
     for graphs in (True, False):
         engine = _engine(checkpoint, k, token_map, page_size=4, enable_prefix_cache=True)
@@ -170,7 +155,7 @@ def test_token_map_files_and_errors(checkpoint, tmp_path):
     for value, match in bad:
         with pytest.raises(ValueError, match=f"SpeculativeConfig.draft_token_map.*{match}"):
             config(speculative=dict(method="mtp", draft_token_map=value))
-    v = _vocab(checkpoint)
+    v = checkpoint_vocab_size(checkpoint)
     with pytest.raises(ValueError, match=f"token id {v}, outside the vocabulary of {v} ids"):
         _engine(checkpoint, 2, [0, v])
     with pytest.raises(ValueError, match="draft_token_map with tensor_parallel_size=2 is not supported"):
@@ -222,7 +207,7 @@ def test_cuda_mtp_draft_graphs_with_token_map(dense_checkpoint, k):
     near-tie), greedy equals HF's and the plain engine's."""
     checkpoint = dense_checkpoint
     token_map = _map(checkpoint, 0.5)
-    prompts = random_prompts((5, 40, 11), _vocab(checkpoint), seed=3)
+    prompts = random_prompts((5, 40, 11), checkpoint_vocab_size(checkpoint), seed=3)
     runs = []
     for graphs in (True, False):
         engine = _engine(checkpoint, k, token_map, device="cuda", compile=True, enable_prefix_cache=True,

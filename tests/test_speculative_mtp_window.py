@@ -24,28 +24,18 @@ import torch
 import hybrid_compile as hc
 
 from engine_models import random_prompts, single_threaded, vocab_size
-from mtp_models import (ENGINE_ARGS, assert_compiled_without_breaks, assert_greedy_with_continuations, finish_engine,
-                        record_proposals, write_mtp_checkpoint)
+from mtp_models import (ENGINE_ARGS, assert_compiled_without_breaks, assert_greedy_with_continuations,
+                        checkpoint_vocab_size, finish_engine, mtp_checkpoint_fixture, record_proposals)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
 NEW = 8
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next_mtp")
-    write_mtp_checkpoint("qwen3_next_moe", 0, str(path))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def dense_checkpoint(tmp_path_factory):
-    """Qwen3.5 (a dense head): CUDA graphs capture it in fp32 (transformers' fp32 MoE experts loop
-    syncs with the host, see tests/test_cuda_graphs.py)."""
-    path = tmp_path_factory.mktemp("qwen3_5_mtp")
-    write_mtp_checkpoint("qwen3_5", 0, str(path))
-    return str(path)
+checkpoint = mtp_checkpoint_fixture("qwen3_next_moe")
+# Qwen3.5 (a dense head): CUDA graphs capture it in fp32 (transformers' fp32 MoE experts loop syncs
+# with the host, see tests/test_cuda_graphs.py)
+dense_checkpoint = mtp_checkpoint_fixture("qwen3_5")
 
 
 def _engine(path, k, device="cpu", **kw):
@@ -83,8 +73,7 @@ def _assert_window_equals_general_path(path, prompts, k, device="cpu", **kw) -> 
 
 
 def _prompts(path, lengths, seed):
-    from transformers import AutoConfig
-    return random_prompts(lengths, AutoConfig.from_pretrained(path).get_text_config().vocab_size, seed=seed)
+    return random_prompts(lengths, checkpoint_vocab_size(path), seed=seed)
 
 
 def test_window_proposals_equal_general_path_prefix_cache_pages_compile(checkpoint):

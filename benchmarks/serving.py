@@ -551,7 +551,7 @@ def main(argv=None) -> dict:
         "dtype": str(dtype).split(".")[-1],
         "settings": {**{k: v for k, v in vars(args).items() if k not in ("rates",)},
                      "rates": [_rate_key(r) for r in rates], "engine_options": engine_options(args)},
-        "versions": {"torch": torch.__version__, "hybrid_compile": hc.__version__, **server_stack_versions()},
+        "versions": {"torch": torch.__version__, "hybrid_compile": hc.__version__, **stack},
         "results": results,
         "summary": compare(results, rates, args.ttft_slo),
     }

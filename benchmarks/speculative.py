@@ -254,6 +254,8 @@ def main() -> None:
                     help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.mtp_token_map_seed is not None and not args.mtp_token_map:
+        ap.error("--mtp-token-map-seed needs --mtp-token-map N (the map's size)")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

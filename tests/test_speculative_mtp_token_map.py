@@ -251,3 +251,6 @@ def test_benchmark_mtp_token_map_tiny_smoke(tmp_path):
     for size in (None, 40):
         assert rows[("mtp_accept3", size)]["mean_acceptance_length"] == 3.0
         assert rows[("mtp", size)]["head_forwards_per_verify"] >= 2 and rows[("mtp", size)]["draft_ms_per_head_forward"] > 0
+    seed_alone = subprocess.run([*cmd[:2], "--mtp-token-map-seed", "0"], capture_output=True, text=True, timeout=120,
+                                cwd=root)
+    assert seed_alone.returncode == 2 and "--mtp-token-map-seed needs --mtp-token-map" in seed_alone.stderr

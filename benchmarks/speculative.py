@@ -41,7 +41,9 @@ per chain length k (``--mtp-draft-tokens``, default 1..4) one engine with
 acceptance length ~1) and ``mtp_accept<L>`` for each ``--accept-lengths`` L <= k + 1: the head runs
 its whole proposal every step (its real cost; ``MTPCostReplay``) but the drafts are the replay
 continuation with exactly the first L - 1 right, so every verify step emits L tokens. Each row
-also reports ``draft_ms_per_verify`` (the head's proposal per verify step), ``head_forwards_per_verify``
+also reports ``draft_ms_per_verify`` (the head's proposal per verify step, as the host sees it:
+with the proposal graphs the drafts stay on the device and the graph's GPU time is not waited
+for, so it shows in tok/s, not here), ``head_forwards_per_verify``
 and ``draft_ms_per_head_forward`` against ``decode_step_ms`` (one plain decode step at that batch,
 from the baseline) as ``head_forward_vs_decode_step``. With the engine's full CUDA graphs every
 proposal is one CUDA-graph replay (``EngineConfig.extra["mtp_draft_graphs"]``, on by default
@@ -84,6 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.engine.speculative import NgramDraft, ReplayDraft, build_draft_source  # noqa: E402
+from hybrid_compile.engine.speculative.drafts import fill_drafts  # noqa: E402
 from reference_models import build_qwen3_next_reference, save_random_mtp_head  # noqa: E402
 
 MODES = {
@@ -197,13 +200,27 @@ class MTPCostReplay:
     def release(self, rid: int) -> None:
         self.head.release(rid)
 
-    def propose(self, requests, k: int) -> list[list[int]]:
-        self.head.propose(requests, k)
+    def _rows(self, requests, k: int) -> list[list[int]]:
         out = []
         for r in requests:
             row = self.continuations.get(tuple(r.prompt), [])[len(r.output):len(r.output) + k]
             out.append([t if i < self.accept else (t + 1) % self.vocab for i, t in enumerate(row)])
         return out
+
+    def propose(self, requests, k: int) -> list[list[int]]:
+        self.head.propose(requests, k)
+        return self._rows(requests, k)
+
+    def propose_on_device(self, requests, k: int):
+        """:meth:`propose` through the head's ``propose_on_device``: where the head's drafts stay on
+        the device (no sync before the verify step), the replayed rows follow them there by an
+        asynchronous copy, so the step costs what the head's own drafts cost."""
+        drafts = self.head.propose_on_device(requests, k)
+        rows = self._rows(requests, k)
+        if not isinstance(drafts, torch.Tensor):
+            return rows
+        host = torch.tensor(fill_drafts(rows, requests, k, self.vocab), dtype=torch.int64)
+        return (host.pin_memory() if drafts.is_cuda else host).to(drafts.device, non_blocking=True)
 
 
 def self_consistent_continuations(engine, prompts: list[list[int]], start: list[list[int]], vocab: int,

@@ -231,17 +231,22 @@ def checkpoint_vocab_size(path: str) -> int:
 
 
 def record_proposals(engine) -> list:
-    """Every chain proposal of the engine's draft source from now on: (tokens so far, drafts)."""
+    """Every chain proposal of the engine's draft source from now on: (tokens so far, drafts), the
+    device drafts of ``propose_on_device`` as lists."""
     seen = []
     source = engine.speculative.source
-    propose = source.propose
 
-    def recording(requests, k):
-        out = propose(requests, k)
-        seen.extend((r.prompt + r.output, row) for r, row in zip(requests, out))
-        return out
+    def recording(propose):
+        def record(requests, k):
+            out = propose(requests, k)
+            rows = out.tolist() if isinstance(out, torch.Tensor) else out
+            seen.extend((r.prompt + r.output, row) for r, row in zip(requests, rows))
+            return out
+        return record
 
-    source.propose = recording
+    source.propose = recording(source.propose)
+    if hasattr(source, "propose_on_device"):
+        source.propose_on_device = recording(source.propose_on_device)
     return seen
 
 

@@ -170,6 +170,56 @@ def test_stop_token_inside_accepted_run_and_retraction(case, draft):
     _finish(engine)
 
 
+class _DeviceRows:
+    """A draft source whose chains come back as one int64 tensor (``propose_on_device``, the way the
+    MTP head's proposal graphs leave theirs on the GPU): the decoder's device-draft path."""
+
+    def __init__(self, inner, vocab: int) -> None:
+        self.inner, self.vocab, self.calls = inner, vocab, 0
+
+    def propose(self, requests, k):
+        return self.inner.propose(requests, k)
+
+    def propose_on_device(self, requests, k):
+        from hybrid_compile.engine.speculative.drafts import fill_drafts
+
+        self.calls += 1
+        return torch.tensor(fill_drafts(self.inner.propose(requests, k), requests, k, self.vocab), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("case", ["retraction", "sampled"])
+def test_device_drafts_equal_host_drafts(case):
+    """Drafts handed to the verify step as a device tensor (copied into its input ids, brought to the
+    host with the targets) give what the same drafts as host lists give: greedy equal to HF's
+    with a KV pool small enough to retract requests between the proposal and the verify step
+    (the rows of the requests still scheduled are picked on the device), and seeded sampling
+    (rejection sampling reads the drafts on the host) token for token equal."""
+    model = cached_model(KIND, SEED)
+    prompts = _prompts(model)
+    expected = _expected(model, prompts)
+    continuations = {tuple(p): e for p, e in zip(prompts, expected)}
+    args = dict(ENGINE_ARGS, max_total_tokens=100) if case == "retraction" else ENGINE_ARGS
+    sampling = dict(do_sample=True, temperature=0.8, seed=3) if case == "sampled" else {}
+    outs = []
+    for on_device in (True, False):
+        source = ReplayDraft(continuations, q=0.3, vocab_size=vocab_size(model), seed=5)
+        if on_device:
+            source = _DeviceRows(source, vocab_size(model))
+        engine = make_engine(model, speculative=dict(method="custom", num_draft_tokens=3, draft_source=source), **args)
+        if case == "retraction":  # admit without a reserve for future tokens: the verify steps overrun the pool
+            engine.scheduler.new_token_ratio = engine.scheduler.MIN_NEW_TOKEN_RATIO = 0.0
+        outs.append(engine.generate_batch(prompts, max_new_tokens=MAX_NEW, **sampling))
+        stats = engine.stats()
+        assert stats["speculative"]["device_draft_steps"] == (stats["speculative"]["verify_steps"] if on_device else 0)
+        if case == "retraction":
+            assert stats["retractions"] > 0
+        _finish(engine)
+    assert outs[0] == outs[1]
+    if case == "retraction":
+        for p, g, e in zip(prompts, outs[0], expected):
+            assert_greedy_equal(model, p, g, e, case)
+
+
 def test_compile_and_speculative():
     """The verify step runs through the compiled graph (the layer ops read TARGET_VERIFY from the
     context), one request padded to two."""

@@ -186,11 +186,13 @@ def test_proposal_graph_body_equals_general_path(checkpoint, compile_, k):
         assert_greedy_with_continuations(engine, prompts, NEW)
         if compile_:
             assert_compiled_without_breaks(engine)
-        runs.append((proposals, dict(source.counters)))
+        runs.append((proposals, dict(source.counters), engine.stats()["speculative"]["device_draft_steps"]))
         finish_engine(engine)
-    (got, counters), (want, _) = runs
+    (got, counters, device_steps), (want, _, none) = runs
     assert got == want
     assert counters["mtp_graph_eager_runs"] > 0 and counters["mtp_graph_fallbacks"] == 0
+    # every proposal graph run left its drafts on the device for the verify step
+    assert device_steps == counters["mtp_graph_eager_runs"] and none == 0
     assert counters["mtp_graph_replays"] == 0 and counters["window_fallbacks"] == 0
 
 

@@ -158,7 +158,8 @@ class ForwardBatchBuilder:
                                  f"{tuple(device_ids.shape)} {device_ids.dtype}")
         return self.build_uniform(batch, ForwardMode.DECODE, 1, None, device_ids, self._graph_for(batch, 1))
 
-    def build_verify(self, batch: ScheduledBatch, drafts: list[list[int]], tree: tuple | None = None) -> ForwardBatch:
+    def build_verify(self, batch: ScheduledBatch, drafts: list[list[int]] | torch.Tensor,
+                     tree: tuple | None = None) -> ForwardBatch:
         """(packed input ids, metadata) of a TARGET_VERIFY step (``batch`` from
         ``Scheduler.schedule_verify``: ``L = draft_len`` new tokens per request, its pending token
         then ``drafts[i]``; logits of every token), the verify counterpart of
@@ -166,18 +167,25 @@ class ForwardBatchBuilder:
         tokens), ``(parents, depths, ancestor bits)`` of every verify token per request
         (``speculative.tree.tree_metadata``): positions ``prefix + depth``, ``tree_mask`` and
         ``tree_parents`` are set (:meth:`build_tree_verify`); a step that fits a draft-tree verify
-        graph is built into its buffers."""
+        graph is built into its buffers. ``drafts`` may be a device tensor ``[b, L - 1]`` (int64,
+        a chain): staged as zeros, then copied into the input ids on the device (no host sync)."""
         b = len(batch.requests)
         steps = self.draft_len
-        if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) \
-                or len(drafts) != b or any(len(row) != steps - 1 for row in drafts):
+        on_device = isinstance(drafts, torch.Tensor)
+        shape_ok = tuple(drafts.shape) == (b, steps - 1) and drafts.dtype == torch.int64 and tree is None \
+            if on_device else len(drafts) == b and all(len(row) == steps - 1 for row in drafts)
+        if batch.mode is not ForwardMode.TARGET_VERIFY or any(n != steps for n in batch.extend_lens) or not shape_ok:
             raise ValueError(f"build_verify_metadata: a TARGET_VERIFY step of {steps} tokens per request "
-                             f"(pending token + {steps - 1} drafts), got {batch.mode.value} with extend lengths "
-                             f"{batch.extend_lens[:8]}")
+                             f"(pending token + {steps - 1} drafts{', a chain of int64 device drafts' if on_device else ''}),"
+                             f" got {batch.mode.value} with extend lengths {batch.extend_lens[:8]}")
         graph = self._graph_for(batch, steps, tree=tree is not None)
-        if tree is None:
+        if tree is not None:
+            return self.build_tree_verify(batch, drafts, tree, graph)
+        if not on_device:
             return self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, drafts, None, graph)
-        return self.build_tree_verify(batch, drafts, tree, graph)
+        input_ids, md = self.build_uniform(batch, ForwardMode.TARGET_VERIFY, steps, [[0] * (steps - 1)] * b, None, graph)
+        input_ids.view(b, steps)[:, 1:].copy_(drafts)
+        return input_ids, md
 
     def build_tree_verify(self, batch: ScheduledBatch, drafts: list[list[int]], tree: tuple,
                           graph: GraphKey | None = None, buffers: GraphBuffers | None = None) -> ForwardBatch:

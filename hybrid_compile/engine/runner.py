@@ -165,7 +165,8 @@ class ModelRunner:
         sampled, engine overlap) are used as they are."""
         return self.batch_builder.build(batch, input_ids)
 
-    def build_verify_metadata(self, batch: ScheduledBatch, drafts: list[list[int]], tree: tuple | None = None) -> ForwardBatch:
+    def build_verify_metadata(self, batch: ScheduledBatch, drafts: list[list[int]] | torch.Tensor,
+                              tree: tuple | None = None) -> ForwardBatch:
         """(packed input ids, metadata) of a TARGET_VERIFY step
         (:meth:`.forward_batch.ForwardBatchBuilder.build_verify`), for :meth:`forward_verify`."""
         return self.batch_builder.build_verify(batch, drafts, tree)

@@ -196,7 +196,7 @@ class SpeculativeDecoder:
         self.method = config.method
         self._last_was_verify = False
         self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0,
-                             tree_kv_moves=0)
+                             tree_kv_moves=0, device_draft_steps=0)
         # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
         self.acceptance_histogram: dict[int, int] = {}
 
@@ -253,7 +253,9 @@ class SpeculativeDecoder:
         over all verify steps); ``drafted`` (k per row) and ``accepted`` drafts; ``emitted`` tokens
         kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
-        ``draft_seconds`` (time in the draft source); ``commit_graph_replays`` (commits replayed as
+        ``draft_seconds`` (host time in the draft source: drafts left on the device are not waited
+        for); ``device_draft_steps`` (verify steps whose drafts stayed on the device until the
+        verify step's one sync, ``propose_on_device``); ``commit_graph_replays`` (commits replayed as
         one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
         tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose node is not the
         verify token of their position, so their K/V moved there); MTP drafts:
@@ -274,6 +276,19 @@ class SpeculativeDecoder:
             c["draft_token_map_size"] = self.source.token_map_size
         return c
 
+    def _propose_chain(self, decoding: list[Request]) -> list[list[int]] | torch.Tensor:
+        """k drafts per request: host rows (:func:`fill_drafts`), or a device tensor
+        ``[len(decoding), k]`` from a source's ``propose_on_device`` (the MTP head's proposal
+        graphs), which stays on the device until the verify step's one sync."""
+        on_device = getattr(self.source, "propose_on_device", None)
+        rows = on_device(decoding, self.k) if on_device is not None else self.source.propose(decoding, self.k)
+        if not isinstance(rows, torch.Tensor):
+            return fill_drafts(rows, decoding, self.k, self.vocab_size)
+        if tuple(rows.shape) != (len(decoding), self.k) or rows.dtype != torch.int64:
+            raise ValueError(f"draft source proposed a device tensor of shape {tuple(rows.shape)} {rows.dtype} for "
+                             f"{len(decoding)} requests of {self.k} drafts (needs [{len(decoding)}, {self.k}] int64)")
+        return rows
+
     def _wants_verify(self, force: bool) -> bool:
         sched = self.scheduler
         decoding = sum(1 for r in sched.running if r.decoding)
@@ -285,7 +300,8 @@ class SpeculativeDecoder:
         return not (prefilling and self._last_was_verify)
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch, drafts: list[list[int]], trees: list[DraftTree] | None) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, drafts: list[list[int]] | torch.Tensor,
+                 trees: list[DraftTree] | None) -> torch.Tensor:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.runner
@@ -293,23 +309,32 @@ class SpeculativeDecoder:
             return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
         return runner.forward_verify(*runner.build_verify_metadata(batch, drafts, tree_metadata(trees)))
 
-    def _accept(self, batch: ScheduledBatch, drafts: list[list[int]], logits: torch.Tensor,
+    def _accept(self, batch: ScheduledBatch, drafts: list[list[int]] | torch.Tensor, logits: torch.Tensor,
                 trees: list[DraftTree] | None) -> tuple[list[list[int]], list[list[int]]]:
-        """(emitted tokens, accepted path: the verify node of each) per request."""
+        """(emitted tokens, accepted path: the verify node of each) per request; ``drafts`` on the
+        device come to the host in the same copy as the greedy targets."""
         reqs = batch.requests
-        logits = logits.reshape(len(reqs), self.draft_len, -1)
+        steps = self.draft_len
+        logits = logits.reshape(len(reqs), steps, -1)
         emitted: list[list[int] | None] = [None] * len(reqs)
         paths: list[list[int] | None] = [None] * len(reqs)
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         if greedy:
             # the argmax of every row on the device, one copy to the host (the step's one sync)
-            targets = torch.ops.hybrid_compile.argmax_rows(logits.flatten(0, 1)).view(len(reqs), -1).tolist()
+            targets = torch.ops.hybrid_compile.argmax_rows(logits.flatten(0, 1)).view(len(reqs), -1)
+            if isinstance(drafts, torch.Tensor):
+                rows = torch.cat([targets, drafts], dim=1).tolist()
+                targets, drafts = [row[:steps] for row in rows], [row[steps:] for row in rows]
+            else:
+                targets = targets.tolist()
             if trees is None:
                 for i, tokens in zip(greedy, accept_greedy([targets[i] for i in greedy], [drafts[i] for i in greedy])):
                     emitted[i] = tokens
             else:
                 for i in greedy:
                     emitted[i], paths[i] = accept_tree_greedy(targets[i], trees[i])
+        elif isinstance(drafts, torch.Tensor):
+            drafts = drafts.tolist()
         sampler = self.sampler
         for i, r in enumerate(reqs):
             if emitted[i] is None:
@@ -389,7 +414,7 @@ class SpeculativeDecoder:
                             for t, r in zip(proposed, decoding)]
                 proposals = check_draft_tokens([t.tokens for t in trees_of], self.vocab_size)
             else:
-                proposals = fill_drafts(self.source.propose(decoding, self.k), decoding, self.k, self.vocab_size)
+                proposals = self._propose_chain(decoding)
         except BaseException:
             # a draft model stopped half-way may hold a half-updated state: it forgets these
             # requests (and recomputes them from the target's tokens when next asked)
@@ -403,8 +428,15 @@ class SpeculativeDecoder:
             return None
         self._last_was_verify = True
         reqs = batch.requests
-        by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
-        drafts = [by_rid[r.rid] for r in reqs]
+        if isinstance(proposals, torch.Tensor):  # (the rows of the requests still scheduled)
+            self.counters["device_draft_steps"] += 1
+            row_of = {r.rid: i for i, r in enumerate(decoding)}
+            rows = [row_of[r.rid] for r in reqs]
+            drafts = proposals if rows == list(range(len(decoding))) else \
+                proposals[torch.tensor(rows, dtype=torch.int64).to(proposals.device, non_blocking=True)]
+        else:
+            by_rid = {r.rid: row for r, row in zip(decoding, proposals)}
+            drafts = [by_rid[r.rid] for r in reqs]
         trees = None
         if self.tree:
             tree_of = {r.rid: t for r, t in zip(decoding, trees_of)}

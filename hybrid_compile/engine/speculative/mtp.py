@@ -252,9 +252,10 @@ class MTPDraft:
         return [r for r, _, _ in spans], logits, out_hidden
 
     @torch.inference_mode()
-    def _propose_graph(self, requests: list[Request], k: int) -> list[list[int]] | None:
-        """A chain proposal through the proposal graphs (:mod:`.mtp_graphs`); None where they do
-        not fit it (counted in ``mtp_graph_fallbacks``: the eager window path runs it)."""
+    def _propose_graph(self, requests: list[Request], k: int) -> tuple[list[Request], torch.Tensor] | None:
+        """A chain proposal through the proposal graphs (:mod:`.mtp_graphs`): (the requests it
+        drafted for, in ``requests``' order, and their drafts ``[b, k]`` on the device); None where
+        the graphs do not fit it (counted in ``mtp_graph_fallbacks``: the eager window path runs it)."""
         graphs = self.graphs
         step = self._window(requests, k + 1) if k == graphs.k else None
         if step is None or graphs.bucket(len(step[0])) is None:
@@ -279,12 +280,20 @@ class MTPDraft:
         c["window_steps"] += 1
         c["head_decode_steps"] += k - 1
         c["mtp_graph_replays" if graphs.capture else "mtp_graph_eager_runs"] += 1
-        by_rid = {r.rid: row for r, row in zip(reqs, rows)}
-        return [by_rid.get(r.rid, []) for r in requests]
+        return reqs, rows
 
     # -- proposals --------------------------------------------------------------------------------
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
         rows, _ = self._propose(requests, k, 1)
+        return rows
+
+    def propose_on_device(self, requests: list[Request], k: int) -> torch.Tensor | list[list[int]]:
+        """:meth:`propose`, with the drafts left on the device (``[len(requests), k]`` int64, valid
+        until the next proposal) where the proposal graphs drafted for every request: the verify
+        step copies them into its input ids on the device and brings them to the host with its
+        targets, so no sync stands between the proposal and the verify forward. Elsewhere the
+        host rows of :meth:`propose`."""
+        rows, _ = self._propose(requests, k, 1, on_device=True)
         return rows
 
     def propose_tree(self, requests: list[Request], depth: int, topk: int, budget: int) -> list[DraftTree]:
@@ -294,8 +303,11 @@ class MTPDraft:
         return [tree_from_topk_chain(by_rid.get(r.rid, []), budget) for r in requests]
 
     @torch.inference_mode()
-    def _propose(self, requests: list[Request], k: int, topk: int) -> tuple[list[list[int]], dict]:
-        """(the chain of k drafts per request, with ``topk > 1`` ``{rid: candidate_rows row}``)."""
+    def _propose(self, requests: list[Request], k: int, topk: int,
+                 on_device: bool = False) -> tuple[list[list[int]] | torch.Tensor, dict]:
+        """(the chain of k drafts per request, with ``topk > 1`` ``{rid: candidate_rows row}``);
+        ``on_device``: the chain as the proposal graphs' device tensor where they drafted for
+        every request (:meth:`propose_on_device`)."""
         sched = self.target.scheduler
         live = {r.rid for r in sched.running} | {r.rid for r in sched.waiting}
         for rid in [rid for rid in self._states if rid not in live]:
@@ -305,9 +317,13 @@ class MTPDraft:
             if st is not None and st.hidden is not None:
                 st.m = max(min(st.m, r.num_computed - 1), st.start)
         if self.graphs is not None and topk == 1 and self.use_window:
-            rows = self._propose_graph(requests, k)
-            if rows is not None:
-                return rows, {}
+            drafted = self._propose_graph(requests, k)
+            if drafted is not None:
+                reqs, drafts = drafted
+                if on_device and len(reqs) == len(requests):  # (the same order: _window keeps it)
+                    return drafts, {}
+                by_rid = {r.rid: row for r, row in zip(reqs, drafts.tolist())}  # (one device->host copy)
+                return [by_rid.get(r.rid, []) for r in requests], {}
         advanced = self._advance_window(requests, k + 1) if self.use_window else None
         if advanced is None:
             advanced = self._advance(requests)

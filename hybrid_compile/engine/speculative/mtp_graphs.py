@@ -172,8 +172,9 @@ class ProposalGraphs:
     # -- one proposal ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, window_batch: ScheduledBatch, ids: list[list[int]], hidden_rows: list[torch.Tensor],
-                lens: list[int], chain: list[ScheduledBatch]) -> list[list[int]]:
-        """The drafts ``[b][k]`` of a proposal: ``window_batch`` / ``ids`` / ``hidden_rows`` / ``lens``
+                lens: list[int], chain: list[ScheduledBatch]) -> torch.Tensor:
+        """The drafts ``[b, k]`` (int64, on the device: a view of :attr:`drafts`, valid until the
+        next proposal) of a proposal: ``window_batch`` / ``ids`` / ``hidden_rows`` / ``lens``
         the window step (:meth:`.mtp.MTPDraft._window`), ``chain`` its ``k - 1`` DECODE steps
         (KV slots taken); the batch fits a bucket (:meth:`bucket`)."""
         b = len(window_batch.requests)
@@ -199,4 +200,4 @@ class ProposalGraphs:
             self.graphs[bs].replay()
         else:
             self._run(bs)
-        return self.drafts[:b].tolist()  # (the proposal's one device->host copy)
+        return self.drafts[:b]

@@ -313,12 +313,13 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                                  commands=engine.stats()["tensor_parallel"]["commands_broadcast"])
                     outputs = _serve(engine, case["rounds"])
                     stats = engine.stats()
-                    engine.close()
                     head = engine.speculative.source.runner if engine.mtp_head is not None else None
+                    head_stats = head.compile_stats() if head is not None else None  # (close drops its graphs)
+                    engine.close()
                     result = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
                                   end=_compile_counts(triton), compile=stats["compile"],
                                   speculative=stats.get("speculative"), startup=stats["startup"],
-                                  mtp_compile=head.compile_stats() if head is not None else None)
+                                  mtp_compile=head_stats)
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
                 result = dict(error=f"{type(e).__name__}: {e}")
             faulthandler.cancel_dump_traceback_later()

@@ -279,11 +279,14 @@ def test_engine_close_unpacks_the_weights(tmp_path):
             assert mixer.in_proj_ba.weight.storage_offset() == mixer.in_proj_qkvz.weight.numel()  # packed
             tokens = engine.generate_batch([prompt], max_new_tokens=new)[0]
             assert_greedy_equal(model, prompt, tokens, expected, "wrap before close")
+            code = engine.runner.graphs._code  # (the runner's own code object: Dynamo's entries hang on it)
+            assert _dynamo_entries(code) > 0
         finally:
             engine.close()
         _assert_own_storage(model, params, values)
         gc.collect()
         assert all(b.expired() for b in buffers), "a packed buffer outlives close()"
+        assert _dynamo_entries(code) == 0, "Dynamo's compiled entries (outside Python's gc) outlive close()"
         engine.close()  # idempotent
         _assert_own_storage(model, params, values)
         with pytest.raises(RuntimeError, match="engine was closed"):  # (a recompile would pack again)
@@ -296,6 +299,10 @@ def test_engine_close_unpacks_the_weights(tmp_path):
     state = reloaded.state_dict()
     for name, v in values.items():
         assert torch.equal(state[name], v), name
+
+
+def _dynamo_entries(code) -> int:
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
 def test_close_without_a_compile_is_a_no_op():
@@ -375,6 +382,10 @@ def test_close_unpacks_under_cuda_graphs():
     new = 6
     with make_engine(model, compile=False) as engine:
         reference = engine.generate_batch(prompts, max_new_tokens=new)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()  # (cuBLAS's workspace included: the eager engine made it)
     for _ in range(2):
         with make_engine(model, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4),
                          piecewise_cuda_graph_tokens=(4, 16, 64)) as engine:
@@ -391,3 +402,9 @@ def test_close_unpacks_under_cuda_graphs():
         assert all(b.expired() for b in buffers), "a packed buffer outlives close()"
         with pytest.raises(RuntimeError, match="engine was closed"):
             engine.generate_batch(prompts, max_new_tokens=1)
+    # a closed engine's device memory goes with it (its pools, CUDA graphs and compiled pieces:
+    # Dynamo's entries held them outside Python's gc before close() reset them)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() <= before + (64 << 20), (before, torch.cuda.memory_allocated())

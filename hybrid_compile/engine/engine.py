@@ -404,8 +404,9 @@ class HybridEngine(GenerateAPI):
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        """Undo the model patches (the model behaves exactly as before ``wrap``) and empty the
-        prefix cache."""
+        """Undo the model patches (the model behaves exactly as before ``wrap``), empty the prefix
+        cache and let go of the compiled forward and its CUDA graphs (``ModelRunner.release``: a
+        closed engine holds no device memory but its pools, which go with the engine)."""
         if self._ahead is not None:  # a step launched ahead: let it complete, drop its tokens
             self._ahead.tokens.tolist()
             self._ahead = None
@@ -413,6 +414,7 @@ class HybridEngine(GenerateAPI):
             self.speculative.close()
         self.scheduler.cache.reset(force=True)
         self.patch.undo()
+        self.runner.release()
 
     def clear_prefix_cache(self) -> None:
         """Free every KV slot and Mamba state the prefix cache holds (and zero its counters).

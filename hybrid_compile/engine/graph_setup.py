@@ -137,6 +137,7 @@ class CompiledGraphs:
         full, piecewise = self.full, self.piecewise
         self.compiled_forward = None
         self.code_name: str | None = None  # the compiled forward's own code name (compile)
+        self._code = None  # ... and its code object (Dynamo's compiled entries hang on it)
         self.backend = None
         self.released = False  # release_packed_weights ran: the compiled forward must not run again
         self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
@@ -195,10 +196,9 @@ class CompiledGraphs:
             inductor_config=self.inductor_config,
         )
         self.code_name = f"hybrid_compile_forward_{next(_runner_ids)}"
-        self.compiled_forward = torch.compile(
-            _own_code_copy(self.forward_fn(self.model), self.code_name),
-            backend=self.backend, fullgraph=True, dynamic=True,
-        )
+        own = _own_code_copy(self.forward_fn(self.model), self.code_name)
+        self._code = own.__code__
+        self.compiled_forward = torch.compile(own, backend=self.backend, fullgraph=True, dynamic=True)
         t0 = time.perf_counter()
         try:
             self._warmup(runner)
@@ -344,6 +344,25 @@ class CompiledGraphs:
         if self.piecewise_graphs is not None:
             for piece in self.piecewise_graphs.pieces:
                 piece.graphs.clear()
+
+    def release(self) -> None:
+        """Let go of what holds device memory once the engine is closed (after
+        :meth:`release_packed_weights`): the captured CUDA graphs (their private pool) and
+        Dynamo's compiled entries of this runner's own code object. Dynamo keeps those outside
+        Python's garbage collector, and they hold the compiled pieces and what those reach: on the
+        GPU a closed engine's memory outlived it (measured: 24 GiB of a 25.7 GiB bf16 model's engine
+        still allocated after ``close()``, ``del`` and ``gc.collect()``). Idempotent; the compiled
+        forward does not run again."""
+        self.drop_cuda_graphs()
+        self.released = True
+        if self._code is not None:
+            torch._C._dynamo.eval_frame.reset_code(self._code)
+            self._code = None
+        self.compiled_forward = None
+        if self.piecewise_graphs is not None:
+            self.piecewise_graphs.pieces.clear()
+        if self.full_graphs is not None:
+            self.full_graphs.forward = None
 
     def _one_token_graphs(self) -> int:
         """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""

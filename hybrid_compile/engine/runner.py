@@ -148,6 +148,16 @@ class ModelRunner:
             self.batch_builder.full_graphs = None  # no step is built into a graph's buffers any more
         return released
 
+    def release(self) -> None:
+        """The engine's ``close`` (after :meth:`release_packed_weights`): the compiled forward and
+        its CUDA graphs (:meth:`~.graph_setup.CompiledGraphs.release`), the pool views and the last
+        hidden states go, so that no reference to this runner outliving its engine holds device
+        memory. Idempotent; the runner does not run again."""
+        self.graphs.release()
+        self.kv_caches, self.mamba_caches, self.intermediate_caches = {}, {}, {}
+        self.hidden_states = None
+        self.batch_builder.full_graphs = None
+
     def _refuse_after_release(self) -> None:
         if self.graphs.released:
             raise RuntimeError("hybrid_compile: this engine was closed (its compiled forward's packed projection "

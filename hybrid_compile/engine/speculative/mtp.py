@@ -389,3 +389,4 @@ class MTPDraft:
         self._states.clear()
         self.graphs = None  # (its graphs read the packed weights released below)
         self.runner.release_packed_weights()
+        self.runner.release()

@@ -34,9 +34,12 @@ def percentiles(xs: list[float]) -> dict:
 
 
 def summarize(records: list[dict], wall: float) -> dict:
-    """records: one per request {ttft, itls, e2e, tokens, error}."""
+    """records: one per request {ttft, itls, e2e, tokens, error, send, admitted}. ``ingest_s``: from
+    the client's send to the engine's admission of the request (``admitted``: the driver's
+    ``add_request``, perf_counter time; requests without one are left out)."""
     ok = [r for r in records if r["error"] is None]
     tokens = sum(r["tokens"] for r in ok)
+    ingest = [r["admitted"] - r["send"] for r in ok if r.get("admitted") is not None]
     return {
         "requests": len(records),
         "failed": len(records) - len(ok),
@@ -48,11 +51,15 @@ def summarize(records: list[dict], wall: float) -> dict:
         "ttft_s": percentiles([r["ttft"] for r in ok if r["ttft"] is not None]),
         "itl_s": percentiles([x for r in ok for x in r["itls"]]),
         "e2e_s": percentiles([r["e2e"] for r in ok]),
+        "ingest_s": percentiles(ingest),
     }
 
 
-def record(start: float, times: list[float], tokens: int, error: str | None = None) -> dict:
-    """A finished request's record: ``times`` are the perf_counter() times of its token updates."""
+def record(start: float, times: list[float], tokens: int, error: str | None = None,
+           admitted: float | None = None, request_id: str | None = None) -> dict:
+    """A finished request's record: ``times`` are the perf_counter() times of its token updates;
+    ``send`` (= ``start``), ``first`` and ``admitted`` (the engine's admission, when known) are
+    perf_counter times too, which every process of a Linux machine shares (CLOCK_MONOTONIC)."""
     end = time.perf_counter()
     return {
         "ttft": times[0] - start if times else None,
@@ -60,6 +67,10 @@ def record(start: float, times: list[float], tokens: int, error: str | None = No
         "e2e": end - start,
         "tokens": tokens,
         "error": error,
+        "send": start,
+        "first": times[0] if times else None,
+        "admitted": admitted,
+        "id": request_id,
     }
 
 
@@ -82,14 +93,18 @@ async def run_load(prompts: list, offsets: list[float], one_request) -> dict:
 
 
 def http_request(client, model: str, output_len: int):
-    """One streamed ``/v1/completions`` request of ``output_len`` greedy tokens (EOS ignored)."""
-    async def one(prompt):
+    """One streamed ``/v1/completions`` request of ``output_len`` greedy tokens (EOS ignored) per
+    ``(request id, prompt)``; the id goes in the ``X-Request-Id`` header (the server's timing log
+    names the request by it)."""
+    async def one(item):
+        request_id, prompt = item
         start = time.perf_counter()
         times, tokens = [], 0
         try:
             stream = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": request_id},
             )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].text:
@@ -97,8 +112,8 @@ def http_request(client, model: str, output_len: int):
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
         except Exception as e:  # noqa: BLE001 -- counted as a failed request
-            return record(start, times, tokens, f"{type(e).__name__}: {e}")
-        return record(start, times, tokens)
+            return record(start, times, tokens, f"{type(e).__name__}: {e}", request_id=request_id)
+        return record(start, times, tokens, request_id=request_id)
 
     return one
 
@@ -153,7 +168,13 @@ class HttpClients:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
 
-    def run(self, prompts: list, offsets: list[float], output_len: int) -> dict:
+    def run(self, prompts: list, offsets: list[float], output_len: int, request_ids: list[str] | None = None,
+            annotate=None) -> dict:
+        """Stream every prompt at its offset; ``request_ids`` name them (``X-Request-Id``; default
+        ``r0``, ``r1``, ...); ``annotate(records)``, if given, may add to the records (e.g. the
+        server's admission times) before they are summarized."""
+        ids = request_ids or [f"r{i}" for i in range(len(prompts))]
+        prompts = list(zip(ids, prompts))
         n = self.processes
         if self.pool is None:
             start_wall = time.time()
@@ -165,6 +186,8 @@ class HttpClients:
                                         output_len, self.timeout, start_wall) for i in range(n)]
             parts = [f.result() for f in futures]
         records = [r for part in parts for r in part["records"]]
+        if annotate is not None:
+            annotate(records)
         result = summarize(records, max(p["end_wall"] for p in parts) - start_wall)
         result["client_cpu_s"] = sum(p["cpu_s"] for p in parts)
         return result

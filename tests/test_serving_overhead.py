@@ -149,7 +149,7 @@ class _ScriptedEngine:
         self.tokenizer, self.script = tokenizer, script
         self.closed = False
 
-    def generate_batches(self, prompt, params):
+    def open_stream(self, prompt, params):
         async def batches():
             try:
                 for batch in self.script:
@@ -194,6 +194,7 @@ def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop, int
     fmt = _CompletionFormat(gen, "m")
 
     async def run():
+        gen.start()
         return [piece async for piece in gen._sse(fmt)]
 
     pieces = asyncio.run(run())

@@ -48,6 +48,7 @@ from ..engine import HybridEngine, SamplingParams
 from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
+from .request_timing import REQUEST_ID_HEADER, RequestTimes, RequestTimingLog
 from .protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_error,
     generate_kwargs, parse_request, stop_strings, usage,
@@ -59,9 +60,11 @@ logger = logging.getLogger("hybrid_compile.serving")
 class ServerState:
     """What the handlers share: the engine once loaded, the served name, the metrics."""
 
-    def __init__(self, model_name: str, engine: AsyncEngineBase | None = None) -> None:
+    def __init__(self, model_name: str, engine: AsyncEngineBase | None = None,
+                 timing_log: RequestTimingLog | None = None) -> None:
         self.model_name = model_name
         self.engine = engine
+        self.timing_log = timing_log
         self.load_error: BaseException | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name)
@@ -80,20 +83,22 @@ class ServerState:
 
 def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = None,
               load: Callable[[], HybridEngine | AsyncEngineBase] | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1) -> FastAPI:
+              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1,
+              request_timing_log: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (a HybridEngine, or an AsyncEngine / ProcessAsyncEngine)
     under ``model_name``; or, with ``load``, the app that calls ``load()`` (either kind, e.g. a
     ProcessAsyncEngine whose child loads the model) on a thread at startup and answers 503 until
     it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
     closed). ``stream_interval``: a streamed choice's text goes out every that many tokens (and
-    at its end)."""
+    at its end). ``request_timing_log``: a file that gets one JSON line of times per request
+    (:mod:`.request_timing`)."""
     if (engine is None) == (load is None):
         raise ValueError("build_app takes either engine= or load=")
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     if isinstance(engine, HybridEngine):
         engine = AsyncEngine(engine)
-    state = ServerState(model_name, engine)
+    state = ServerState(model_name, engine, RequestTimingLog(request_timing_log) if request_timing_log else None)
 
     def load_in_background() -> None:
         try:
@@ -121,6 +126,8 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             loader.join()
         if state.engine is not None:
             state.engine.shutdown(close_engine=load is not None)
+        if state.timing_log is not None:
+            state.timing_log.close()
 
     app = FastAPI(title="hybrid_compile", lifespan=lifespan)
     app.state.serving = state
@@ -156,6 +163,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        times = _times(state, request)
         req = parse_request(CompletionRequest, await _json_body(request))
         engine = _check_model(state, req.model)
         if req.echo:
@@ -169,10 +177,11 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
         prompts = _completion_prompts(engine, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs, stream_interval)
-        return await gen.respond(request, _CompletionFormat(gen, model_name))
+        return await gen.respond(request, _CompletionFormat(gen, model_name), times, state.timing_log)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        times = _times(state, request)
         req = parse_request(ChatCompletionRequest, await _json_body(request))
         engine = _check_model(state, req.model)
         if not req.messages:
@@ -197,7 +206,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
                     f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs, stream_interval)
-        return await gen.respond(request, _ChatFormat(gen, model_name))
+        return await gen.respond(request, _ChatFormat(gen, model_name), times, state.timing_log)
 
     return app
 
@@ -215,6 +224,13 @@ async def _json_body(request: Request) -> Any:
             "HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)",
             param=None,
         ) from None
+
+
+def _times(state: ServerState, request: Request) -> RequestTimes | None:
+    """The request's timing record when the server keeps a timing log (its handler starts now)."""
+    if state.timing_log is None:
+        return None
+    return RequestTimes(request.headers.get(REQUEST_ID_HEADER), time.perf_counter())
 
 
 def _check_model(state: ServerState, name: str) -> AsyncEngineBase:
@@ -263,6 +279,7 @@ class _Group:
     params: SamplingParams
     choices: list[_Choice]
     cached_tokens: int = 0
+    batches: Any = None  # its engine request's updates (AsyncEngineBase.open_stream), once queued
 
 
 @dataclass
@@ -288,6 +305,7 @@ class _Generation:
         self.choices = [c for g in groups for c in g.choices]
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
+        self.times: RequestTimes | None = None  # (the timing log's record, set by respond)
 
     @classmethod
     def plan(cls, engine: AsyncEngineBase, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
@@ -332,15 +350,34 @@ class _Generation:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         return cls(engine, groups, bool(req.stream), include_usage, stream_interval)
 
+    def start(self) -> None:
+        """Queue every prompt's engine request now (before the response starts: the engine sees
+        them without waiting for the event loop to get to the response's first step). The
+        requests must then be ended: read to their end, or :meth:`abort`."""
+        try:
+            for group in self.groups:
+                group.batches = self.engine.open_stream(group.prompt, group.params)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort every engine request of this response that has not ended (no-op for the others)."""
+        for group in self.groups:
+            if group.batches is not None:
+                group.batches.close()
+
     async def _events(self, group: _Group) -> AsyncIterator[list[_Event]]:
         """The events of one prompt's choices, by wake-up (at most one per choice each); closing
         this iterator early aborts its request."""
-        batches = self.engine.generate_batches(group.prompt, group.params)
+        batches = group.batches
         open_choices = len(group.choices)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 events = []
                 for out in batch:
+                    if self.times is not None:
+                        self.times.observe(out.arrival_time, out.admission_time, out.first_token_time)
                     choice = group.choices[out.index]
                     if choice.done:  # ended at a stop string before its engine sequence did
                         continue
@@ -368,31 +405,60 @@ class _Generation:
                 if open_choices == 0:
                     return  # (a sequence still running after its stop string: aclosing aborts it)
 
-    async def respond(self, request: Request, fmt: "_Format") -> Response:
+    async def respond(self, request: Request, fmt: "_Format", times: RequestTimes | None = None,
+                      timing_log: RequestTimingLog | None = None) -> Response:
+        if times is not None:
+            self.times, times.prompts = times, len(self.groups)
+        try:
+            self.start()
+        except (EngineClosedError, EngineStepError) as e:  # (an engine that stopped meanwhile)
+            raise _error_of(e) from None
         if self.stream:
-            return StreamingResponse(self._sse(fmt), media_type="text/event-stream")
-        collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
-        if collected is None:  # the client went away: its requests were aborted
-            return Response(status_code=499)
-        events = [e for group_events in collected for e in group_events]
-        return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
+            return _AbortingStreamingResponse(self, self._sse(fmt, timing_log), media_type="text/event-stream")
+        status = 499
+        try:
+            collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
+            if collected is None:  # the client went away: its requests were aborted
+                return Response(status_code=499)
+            events = [e for group_events in collected for e in group_events]
+            response = JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
+            status = 200
+            return response
+        except OpenAIError as e:
+            status = e.status
+            raise
+        finally:
+            self.abort()  # (a client that went away, an error: what still runs)
+            self._log_times(timing_log, fmt, status)
+
+    def _log_times(self, timing_log: RequestTimingLog | None, fmt: "_Format", status: int) -> None:
+        if timing_log is not None and self.times is not None:
+            timing_log.write(self.times.record(f"{fmt.id_prefix}-{self.id_suffix}", time.perf_counter(), status))
 
     async def _collect(self, group: _Group) -> list[_Event]:
         return [e async for events in self._events(group) for e in events]
 
-    async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+    async def _sse(self, fmt: "_Format", timing_log: RequestTimingLog | None = None) -> AsyncIterator[str]:
         """The response's SSE text: one piece (one send) per wake-up, holding its events."""
-        start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
-        if start:
-            yield start
+        status = 499  # (until it ends: a client that went away closes this generator)
         try:
-            async for events in self._merged_events():
-                yield "".join(fmt.chunk_sse(e) for e in events)
-        except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
-            yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
-            return
-        tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
-        yield tail + "data: [DONE]\n\n"
+            start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
+            if start:
+                yield start
+            try:
+                async for events in self._merged_events():
+                    if self.times is not None and self.times.first_sent is None and any(e.text for e in events):
+                        self.times.first_sent = time.perf_counter()
+                    yield "".join(fmt.chunk_sse(e) for e in events)
+            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                status = _error_of(e).status
+                yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
+                return
+            tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
+            status = 200
+            yield tail + "data: [DONE]\n\n"
+        finally:
+            self._log_times(timing_log, fmt, status)
 
     async def _merged_events(self) -> AsyncIterator[list[_Event]]:
         """The events of every prompt's choices by wake-up: one prompt's directly, several through
@@ -439,6 +505,21 @@ class _Generation:
     def usage(self) -> dict:
         return usage(sum(len(g.prompt) for g in self.groups), sum(c.text.num_tokens for c in self.choices),
                      sum(g.cached_tokens for g in self.groups))
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A streamed response whose engine requests were queued before it started: however it ends
+    (finished, the client gone, cancelled before its body began), what still runs is aborted."""
+
+    def __init__(self, gen: _Generation, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.abort()
 
 
 _json_str = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept (ensure_ascii=False)
@@ -594,7 +675,7 @@ class _ChatFormat(_Format):
 
 
 def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], host: str, port: int, log_level: str = "info",
-        access_log: bool = True, stream_interval: int = 1) -> int:
+        access_log: bool = True, stream_interval: int = 1, request_timing_log: str | None = None) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
     import uvicorn
@@ -606,7 +687,8 @@ def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], hos
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval)
+    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval,
+                    request_timing_log=request_timing_log)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -357,7 +357,8 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
         engine_pid = engine_process_pid(server.proc.pid) if engine_process else None
         if engine_process and engine_pid is None:
             raise RuntimeError("serve --engine-process: no engine process found under the server")
-        with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout) as clients:
+        with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout,
+                         args.client_transforms_prompt) as clients:
             warm = make_prompts(args, vocab, seed=999)[: min(4 * args.client_processes, args.num_requests)]
             clients.run(warm, [0.0] * len(warm), 4)
             for i, rate in enumerate(rates):
@@ -525,6 +526,9 @@ def parse_args(argv=None):
                    help="http: the server's --stream-interval (a choice's text every N tokens)")
     p.add_argument("--client-processes", type=int, default=None,
                    help="http: processes running the openai client (default: 1 with --tiny, else min(8, CPUs / 4))")
+    p.add_argument("--client-transforms-prompt", action="store_true",
+                   help="http: pass the token-id prompts through the openai client's own request transform (Python "
+                        "per token id, in the client: how runs before 2026-11-27 sent them); default: in the body as is")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")

@@ -113,6 +113,55 @@ def test_one_event_loop_wakeup_per_step_and_a_busy_loop_gets_merged_updates(engi
     assert not engine.has_unfinished()
 
 
+def _in_engine(engine) -> list[tuple[int, str]]:
+    """(driver) The engine's requests: (rid, status name), queued / running / finished not popped."""
+    return sorted((rid, r.status.name) for rid, r in engine._requests.items())
+
+
+def test_open_stream_queues_at_once_keeps_order_and_closing_aborts(engine):
+    """AsyncEngineBase.open_stream: the request reaches the engine before anyone iterates it (a
+    call queued after it already sees it, in submission order); its updates are transformers'
+    tokens, stamped arrival <= admission <= first token; closing it unfinished aborts it (the
+    engine frees it), closing it after its end queues nothing; ``validated=True`` takes only a
+    checked list of ints."""
+    tok = engine.tokenizer
+    prompts = [tok(s)["input_ids"] for s in ("Hello world! How are", "The quick brown", "Hybrid models mix")]
+    params = hc.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    async_engine = hc.AsyncEngine(engine)
+
+    async def run():
+        first = async_engine.open_stream(prompts[0], params)
+        second = async_engine.open_stream(prompts[1], params, validated=True)
+        seen = await async_engine.call(_in_engine)  # applied after both adds, before any iteration
+        assert [status for _, status in seen] == ["WAITING", "WAITING"], seen
+        assert [engine.request(rid).prompt for rid, _ in seen] == prompts[:2]  # in submission order
+        await second.aclose()  # unfinished: aborted, freed by the driver before its next step
+        tokens, stamps = [], None
+        async for batch in first:
+            for out in batch:
+                tokens += out.new_token_ids
+                if out.new_token_ids and stamps is None:
+                    stamps = (out.arrival_time, out.admission_time, out.first_token_time)
+        commands_before = len(async_engine._commands)
+        first.close()  # ended: nothing to abort
+        assert len(async_engine._commands) == commands_before
+        with pytest.raises(StopAsyncIteration):
+            await first.__anext__()
+        with pytest.raises(TypeError, match="validated=True"):
+            async_engine.open_stream(tuple(prompts[2]), params, validated=True)
+        with pytest.raises(ValueError, match="vocabulary"):
+            async_engine.open_stream([1, engine.front.vocab_size], params)
+        return tokens, stamps, await async_engine.call(_in_engine)
+
+    try:
+        tokens, (arrival, admission, first_token), left = asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert tokens == _hf_greedy(engine, prompts[0])
+    assert arrival <= admission <= first_token
+    assert left == [] and not engine.has_unfinished()  # the aborted one was freed and popped too
+
+
 def _stop_cut(text: str, stops: list[str]) -> str:
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[: min(found)] if found else text
@@ -149,7 +198,7 @@ class _ScriptedEngine:
         self.tokenizer, self.script = tokenizer, script
         self.closed = False
 
-    def open_stream(self, prompt, params):
+    def open_stream(self, prompt, params, validated=False):
         async def batches():
             try:
                 for batch in self.script:

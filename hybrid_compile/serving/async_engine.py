@@ -198,12 +198,19 @@ class AsyncEngineBase:
         prompt, params = self._checked(prompt, params)
         return self._stream(prompt, params)
 
-    def open_stream(self, prompt: Iterable[int], params: SamplingParams | None = None) -> "RequestStream":
+    def open_stream(self, prompt: Iterable[int], params: SamplingParams | None = None,
+                    validated: bool = False) -> "RequestStream":
         """:meth:`generate_batches`, but the request is queued now, not at the first iteration (a
         server queues a request before its response starts, so the engine sees it one event-loop
         round earlier). The caller must end it: iterate it to its end, or close it
-        (``aclose()``, ``close()``, ``contextlib.aclosing``), which aborts it if unfinished."""
-        prompt, params = self._checked(prompt, params)
+        (``aclose()``, ``close()``, ``contextlib.aclosing``), which aborts it if unfinished.
+        ``validated``: ``prompt`` is a list of ints that :meth:`validate` passed with these
+        ``params`` already (a server checks its requests before queueing any): not checked again."""
+        if validated:
+            if params is None or type(prompt) is not list:
+                raise TypeError("open_stream(validated=True) takes the prompt as a list of ints and its params")
+        else:
+            prompt, params = self._checked(prompt, params)
         return RequestStream(self, prompt, params)
 
     def _checked(self, prompt: Iterable[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:

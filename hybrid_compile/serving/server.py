@@ -317,7 +317,8 @@ class _Generation:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
         vocab = engine.front.vocab_size
         for p in prompts:
-            bad = [t for t in p if not 0 <= t < vocab]
+            # min / max first: the common case without a Python loop over thousands of tokens
+            bad = [] if p and min(p) >= 0 and max(p) < vocab else [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise OpenAIError(f"{prompt_name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                                   param=prompt_name)
@@ -356,7 +357,7 @@ class _Generation:
         requests must then be ended: read to their end, or :meth:`abort`."""
         try:
             for group in self.groups:
-                group.batches = self.engine.open_stream(group.prompt, group.params)
+                group.batches = self.engine.open_stream(group.prompt, group.params, validated=True)
         except BaseException:
             self.abort()
             raise

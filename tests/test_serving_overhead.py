@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import pytest
@@ -161,6 +162,56 @@ def test_open_stream_queues_at_once_keeps_order_and_closing_aborts(engine):
     assert tokens == _hf_greedy(engine, prompts[0])
     assert arrival <= admission <= first_token
     assert left == [] and not engine.has_unfinished()  # the aborted one was freed and popped too
+
+
+class _RecordingFront:
+    """The engine's RequestFront, noting the thread of each encode."""
+
+    def __init__(self, front) -> None:
+        self.front, self.threads = front, set()
+
+    def encode(self, prompt):
+        self.threads.add(threading.current_thread().name)
+        return self.front.encode(prompt)
+
+
+def test_server_tokenizes_off_the_event_loop_with_the_same_ids_and_errors(engine):
+    """The server's text and chat tokenization (server._completion_prompts / _tokenize) runs on its
+    tokenizer threads, never the event loop's, and gives RequestFront.encode's token ids for many
+    requests at once (in each request's prompt order) and its errors."""
+    from types import SimpleNamespace
+
+    from hybrid_compile.serving.protocol import OpenAIError
+    from hybrid_compile.serving.server import ServerState, _completion_prompts, _tokenize
+
+    front = engine.front
+    texts = [f"{TEXT} {i} " * (1 + i % 7) for i in range(24)]
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": t}] for t in texts[:8]]
+    recording = _RecordingFront(front)
+    fake = SimpleNamespace(front=recording, tokenizer=front.tokenizer)
+    state = ServerState("m")
+
+    async def run():
+        prompts = await asyncio.gather(*(_completion_prompts(state, fake, [t, [5, 6], texts[0]]) for t in texts))
+        single = await _completion_prompts(state, fake, texts[3])
+        conversations = await asyncio.gather(*(_tokenize(state, fake, [c]) for c in chats))
+        with pytest.raises(TypeError, match="expected a string or a list of chat message dicts"):
+            await _tokenize(state, fake, [42])
+        with pytest.raises(OpenAIError, match="prompt must not be empty"):
+            await _completion_prompts(state, fake, ["", "x"])
+        with pytest.raises(OpenAIError, match="need a tokenizer"):
+            await _completion_prompts(state, SimpleNamespace(front=recording, tokenizer=None), ["x"])
+        return prompts, single, conversations, threading.current_thread().name
+
+    try:
+        prompts, single, conversations, loop_thread = asyncio.run(run())
+    finally:
+        state.tokenizer_threads.shutdown()
+    assert prompts == [[front.encode(t), [5, 6], front.encode(texts[0])] for t in texts]
+    assert single == [front.encode(texts[3])]
+    assert conversations == [[front.encode(c)] for c in chats]
+    assert recording.threads and loop_thread not in recording.threads
+    assert all(name.startswith("hybrid-compile-tokenize") for name in recording.threads), recording.threads
 
 
 def _stop_cut(text: str, stops: list[str]) -> str:

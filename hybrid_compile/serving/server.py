@@ -23,15 +23,22 @@ resulting SSE events in one send; a chunk is a prebuilt JSON prefix and suffix a
 object (only the choice is encoded per event). ``stream_interval`` N > 1 (``serve
 --stream-interval``, as SGLang's and vLLM's) sends a choice's text every N tokens (and at its
 end), detokenizing only then; a non-streaming response detokenizes each choice once, at its end.
+
+Host cost per request: text prompts and chat conversations are tokenized on a few threads of the
+server (the fast tokenizers release the GIL while they encode), not on the event loop; a request
+is queued to the engine in its handler, before its response starts (``open_stream``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -70,6 +77,9 @@ class ServerState:
         self.metrics = ServerMetrics(model_name)
         if engine is not None:
             engine.observer = self.metrics
+        # text prompts and chat conversations are tokenized here, off the event loop (see _tokenize)
+        self.tokenizer_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="hybrid-compile-tokenize")
 
     def ready(self) -> AsyncEngineBase:
         if self.engine is not None and self.engine.failure is not None:  # an engine process that died
@@ -128,6 +138,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             state.engine.shutdown(close_engine=load is not None)
         if state.timing_log is not None:
             state.timing_log.close()
+        state.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybrid_compile", lifespan=lifespan)
     app.state.serving = state
@@ -174,7 +185,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             raise OpenAIError("best_of other than n is not supported by this server", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
-        prompts = _completion_prompts(engine, req.prompt)
+        prompts = await _completion_prompts(state, engine, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs, stream_interval)
         return await gen.respond(request, _CompletionFormat(gen, model_name), times, state.timing_log)
@@ -193,7 +204,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
         try:
-            prompt = engine.front.encode([m.as_template_message() for m in req.messages])
+            (prompt,) = await _tokenize(state, engine, [[m.as_template_message() for m in req.messages]])
         except Exception as e:  # noqa: BLE001 -- the template rejected the conversation
             raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -241,23 +252,36 @@ def _check_model(state: ServerState, name: str) -> AsyncEngineBase:
     return engine
 
 
-def _completion_prompts(engine: AsyncEngineBase, prompt: Any) -> list[list[int]]:
+async def _tokenize(state: ServerState, engine: AsyncEngineBase, prompts: list) -> list[list[int]]:
+    """Texts and chat conversations -> token ids (``RequestFront.encode``) on the server's tokenizer
+    threads: a fast tokenizer releases the GIL while it encodes, so the event loop goes on parsing
+    the next requests and streaming the running ones meanwhile (a prompt of thousands of tokens
+    takes milliseconds). An error of the tokenizer or chat template is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(
+        state.tokenizer_threads, functools.partial(_encode_all, engine.front, prompts))
+
+
+def _encode_all(front, prompts: list) -> list[list[int]]:
+    return [front.encode(p) for p in prompts]
+
+
+async def _completion_prompts(state: ServerState, engine: AsyncEngineBase, prompt: Any) -> list[list[int]]:
     """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    # (the request model validated it: a list holds only token ids, only texts or only lists of ids)
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise OpenAIError("prompt must not be empty", param="prompt")
+    texts = [p for p in prompt if isinstance(p, str)]
+    if texts and engine.tokenizer is None:
+        raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
+    encoded = iter(await _tokenize(state, engine, texts) if texts else [])
     out = []
     for p in prompt:
-        if isinstance(p, str):
-            if engine.tokenizer is None:
-                raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
-            p = engine.front.encode(p)
+        p = next(encoded) if isinstance(p, str) else list(p)
         if not p:
             raise OpenAIError("prompt must not be empty", param="prompt")
-        out.append(list(p))
+        out.append(p)
     return out
 
 

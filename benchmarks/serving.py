@@ -371,6 +371,9 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
                                                                        range(len(prompts))],
                                      annotate=lambda records: add_server_times(records, timing_path, breakdown))
                 result["ingest_breakdown_s"] = breakdown
+                # the client processes' CPU over the run per process: near 1, the clients (parsing every
+                # chunk) set the pace, and the first-token -> client part grows with it
+                result["client_busy_fraction"] = result["client_cpu_s"] / (args.client_processes * result["duration_s"])
                 results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid), engine_before,
                                                           cpu_seconds(engine_pid) if engine_pid else None)
                 ttft_after = server_ttft(server.base)
@@ -382,7 +385,8 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
                 _print_row(mode, rate, results[_rate_key(rate)])
                 print(" " * 10 + "way in, ms p50 / p99: " + ", ".join(
                     f"{k.replace('_to_', ' -> ').replace('_', ' ')} {_ms(v['p50']).strip()} / {_ms(v['p99']).strip()}"
-                    for k, v in breakdown.items()), flush=True)
+                    for k, v in breakdown.items())
+                    + f" | client processes busy {100 * result['client_busy_fraction']:.0f} % of the run", flush=True)
     finally:
         server.stop()
     return results

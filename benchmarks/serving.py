@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -59,6 +60,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hybrid_compile as hc  # noqa: E402
+from hybrid_compile.serving.async_engine import freeze_long_lived_objects  # noqa: E402
 from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts  # noqa: E402
 from benchmarks.serving_client import HttpClients, percentiles, record, run_load  # noqa: E402
 
@@ -270,6 +272,7 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
     engine = hc.from_pretrained(model_dir, dtype=dtype, device=device, tokenizer=False, progress=False,
                                 **engine_options(args))
     async_engine = hc.AsyncEngine(engine)
+    freeze_long_lived_objects()  # as the server does once its model is loaded (both modes): the same collector work
     results = {}
     try:
         warm = make_prompts(args, vocab, seed=999)[: min(4, args.num_requests)]
@@ -283,6 +286,7 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
             _print_row("inprocess", rate, results[_rate_key(rate)])
     finally:
         async_engine.shutdown(close_engine=True)
+        gc.unfreeze()
         del engine, async_engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -704,6 +704,12 @@ def _fail_forward(call_number: int, engine) -> None:
     engine.runner.forward = failing_forward
 
 
+def _frozen_objects(engine) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def _pools_free_after_clearing_the_cache(engine) -> bool:
     engine.clear_prefix_cache()
     engine.pools.check_all_free()
@@ -733,6 +739,8 @@ def test_engine_process_api_streams_a_failed_step_and_shutdown(ckpt):
         with pytest.raises(Exception, match="pickle"):  # what cannot travel to the child raises here
             await async_engine.call(lambda engine: 0)
         stats = await async_engine.stats()
+        # the loaded engine process froze its long-lived objects (no full collector pass over the model mid-burst)
+        assert await async_engine.call(_frozen_objects) > 100_000
         return first, pair, again, stats, await async_engine.call(_pools_free_after_clearing_the_cache)
 
     try:

@@ -34,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import threading
 import time
@@ -437,6 +438,19 @@ class AsyncEngine(AsyncEngineBase):
                 return
 
 
+def freeze_long_lived_objects() -> None:
+    """Collect once, then leave every object alive now out of the cyclic garbage collector's later
+    passes (``gc.freeze``; vLLM's servers do the same after startup). Call it once the model is
+    loaded: torch, transformers, the model and the libraries live as long as the process, and a
+    full pass over them (0.25 s measured on CPU with the tiny model loaded: 500,000 objects) stops
+    every thread of the process, event loop and engine steps alike, whenever the collector's
+    counts trigger it (the first time soon after loading), e.g. in the middle of a burst. Undo it
+    with ``gc.unfreeze()`` when the engine is shut down (the process's exit then collects them as
+    usual: native extensions such as triton's report what is left uncollected)."""
+    gc.collect()
+    gc.freeze()
+
+
 def set_engine_device(engine: HybridEngine) -> None:
     """Make the engine's CUDA device current on the calling thread (it is per thread)."""
     device = engine.device
@@ -664,4 +678,5 @@ async def _flatten(batches: AsyncIterator[list[StreamOutput]]) -> AsyncIterator[
                 yield out
 
 
-__all__ = ["AsyncEngine", "EngineClosedError", "EngineObserver", "EngineStepError", "RequestStream", "StreamOutput"]
+__all__ = ["AsyncEngine", "EngineClosedError", "EngineObserver", "EngineStepError", "RequestStream", "StreamOutput",
+           "freeze_long_lived_objects"]

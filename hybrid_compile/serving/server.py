@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import HybridEngine, SamplingParams
-from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError
+from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError, freeze_long_lived_objects
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
 from .request_timing import REQUEST_ID_HEADER, RequestTimes, RequestTimingLog
@@ -122,6 +123,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             if on_load_error is not None:
                 on_load_error(e)
             return
+        freeze_long_lived_objects()  # (before the first request: no full collection pass mid-burst)
         state.engine = loaded
         logger.info("model %s loaded: serving", model_name)
 
@@ -136,6 +138,8 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             loader.join()
         if state.engine is not None:
             state.engine.shutdown(close_engine=load is not None)
+        if load is not None:
+            gc.unfreeze()  # (frozen once loaded: the exit collects everything as usual)
         if state.timing_log is not None:
             state.timing_log.close()
         state.tokenizer_threads.shutdown(wait=False, cancel_futures=True)

@@ -141,11 +141,11 @@ def _client_process(base_url: str, model: str, prompts, offsets, output_len: int
                     start_wall: float, transform_prompt: bool = False) -> dict:
     """One client process's share, started at ``start_wall`` (time.time(): the clock every process
     shares); its records, when it finished (time.time()) and its CPU seconds."""
-    cpu = time.process_time()
     # what this process holds already (with one client process: the benchmark's own torch and
     # results) is left out of the collector's runs, whose full passes over it paused every request
     gc.collect()
     gc.freeze()
+    cpu = time.process_time()
     try:
         t0 = time.perf_counter() + (start_wall - time.time())
         records = asyncio.run(_http_records(base_url, model, prompts, offsets, output_len, timeout, t0,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -59,8 +60,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hybrid_compile as hc  # noqa: E402
+from hybrid_compile.serving.async_engine import freeze_long_lived_objects  # noqa: E402
 from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts  # noqa: E402
-from benchmarks.serving_client import HttpClients, record, run_load  # noqa: E402
+from benchmarks.serving_client import HttpClients, percentiles, record, run_load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED_NAME = "bench-model"
@@ -173,15 +175,16 @@ def inprocess_request(async_engine: hc.AsyncEngine, output_len: int):
 
     async def one(prompt):
         start = time.perf_counter()
-        times, tokens = [], 0
+        times, tokens, admitted = [], 0, None
         try:
             async for out in async_engine.generate_stream(prompt, params):
+                admitted = out.admission_time
                 if out.new_token_ids:
                     times.append(time.perf_counter())
                     tokens += len(out.new_token_ids)
         except Exception as e:  # noqa: BLE001 -- counted as a failed request
-            return record(start, times, tokens, f"{type(e).__name__}: {e}")
-        return record(start, times, tokens)
+            return record(start, times, tokens, f"{type(e).__name__}: {e}", admitted)
+        return record(start, times, tokens, admitted=admitted)
 
     return one
 
@@ -196,12 +199,17 @@ def _free_port() -> int:
 
 
 class Server:
-    """``python -m hybrid_compile serve`` on 127.0.0.1 (log in a file)."""
+    """``python -m hybrid_compile serve`` on 127.0.0.1 (log in a file; its request timing log,
+    ``--request-timing-log``, in ``timing_path``)."""
 
-    def __init__(self, model_dir: str, cli_options: list[str], log_path: str) -> None:
+    def __init__(self, model_dir: str, cli_options: list[str], log_path: str, timing_path: str | None = None) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.timing_path = timing_path
+        if timing_path is not None:
+            open(timing_path, "w").close()  # (the server appends)
+            cli_options = [*cli_options, "--request-timing-log", timing_path]
         self._log = open(log_path, "wb")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                    NO_PROXY="127.0.0.1")
@@ -264,6 +272,7 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
     engine = hc.from_pretrained(model_dir, dtype=dtype, device=device, tokenizer=False, progress=False,
                                 **engine_options(args))
     async_engine = hc.AsyncEngine(engine)
+    freeze_long_lived_objects()  # as the server does once its model is loaded (both modes): the same collector work
     results = {}
     try:
         warm = make_prompts(args, vocab, seed=999)[: min(4, args.num_requests)]
@@ -277,6 +286,7 @@ def run_inprocess(args, model_dir, device, dtype, rates, vocab) -> dict:
             _print_row("inprocess", rate, results[_rate_key(rate)])
     finally:
         async_engine.shutdown(close_engine=True)
+        gc.unfreeze()
         del engine, async_engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -302,18 +312,57 @@ def server_ttft(base: str) -> tuple[float, float]:
     return total, count
 
 
+def server_times(timing_path: str) -> dict[str, dict]:
+    """The server's request timing log (``serve --request-timing-log``) by request id."""
+    with open(timing_path) as f:
+        return {line["id"]: line for line in map(json.loads, f) if line.get("id")}
+
+
+def add_server_times(records: list[dict], timing_path: str, breakdown: dict) -> None:
+    """Give each client record the engine's admission time from the server's timing log, and fill
+    ``breakdown`` with where the way in and out went (percentiles, seconds): client send ->
+    handler start (the client's own work, the connection, uvicorn's parsing, a busy event loop),
+    handler -> queued to the engine (JSON, validation, the request's checks), queued -> admitted
+    (the hand-off to the driver: a thread or an engine process, and the step it was in), and the
+    engine's first token -> the client's first token (the way out)."""
+    wanted = {r["id"] for r in records if r["error"] is None}
+    deadline = time.monotonic() + 5
+    times = server_times(timing_path)
+    while not wanted <= times.keys() and time.monotonic() < deadline:  # a line written just after the response
+        time.sleep(0.05)
+        times = server_times(timing_path)
+    parts: dict[str, list[float]] = {"send_to_handler": [], "handler_to_queued": [], "queued_to_admitted": [],
+                                     "first_token_to_client": []}
+    for r in records:
+        t = times.get(r["id"])
+        if t is None or r["error"] is not None:
+            continue
+        r["admitted"] = t["admitted"]
+        parts["send_to_handler"].append(t["received"] - r["send"])
+        if t["submitted"] is not None:
+            parts["handler_to_queued"].append(t["submitted"] - t["received"])
+            if t["admitted"] is not None:
+                parts["queued_to_admitted"].append(t["admitted"] - t["submitted"])
+        if t["first_token"] is not None and r["first"] is not None:
+            parts["first_token_to_client"].append(r["first"] - t["first_token"])
+    breakdown.update({k: percentiles(v) for k, v in parts.items()})
+
+
 def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_process: bool = False) -> dict:
     """``http`` (the engine on the server's driver thread) or, with ``engine_process``,
     ``http-process`` (``serve --engine-process``): the same rates, prompts and client processes."""
     mode = "http-process" if engine_process else "http"
-    server = Server(model_dir, cli_options(args, device, dtype) + ["--engine-process"] * engine_process, log_path)
+    timing_path = os.path.splitext(log_path)[0] + "_timing.jsonl"
+    server = Server(model_dir, cli_options(args, device, dtype) + ["--engine-process"] * engine_process, log_path,
+                    timing_path)
     results = {}
     try:
         server.wait_ready(args.server_timeout)
         engine_pid = engine_process_pid(server.proc.pid) if engine_process else None
         if engine_process and engine_pid is None:
             raise RuntimeError("serve --engine-process: no engine process found under the server")
-        with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout) as clients:
+        with HttpClients(server.base + "/v1", SERVED_NAME, args.client_processes, args.request_timeout,
+                         args.client_transforms_prompt) as clients:
             warm = make_prompts(args, vocab, seed=999)[: min(4 * args.client_processes, args.num_requests)]
             clients.run(warm, [0.0] * len(warm), 4)
             for i, rate in enumerate(rates):
@@ -321,7 +370,14 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
                 offsets = arrival_times(len(prompts), rate, seed=args.seed + i)
                 before, ttft_before = cpu_seconds(server.proc.pid), server_ttft(server.base)
                 engine_before = cpu_seconds(engine_pid) if engine_pid else None
-                result = clients.run(prompts, offsets, args.output_len)
+                breakdown: dict = {}
+                result = clients.run(prompts, offsets, args.output_len, [f"{_rate_key(rate)}-{j}" for j in
+                                                                       range(len(prompts))],
+                                     annotate=lambda records: add_server_times(records, timing_path, breakdown))
+                result["ingest_breakdown_s"] = breakdown
+                # the client processes' CPU over the run per process: near 1, the clients (parsing every
+                # chunk) set the pace, and the first-token -> client part grows with it
+                result["client_busy_fraction"] = result["client_cpu_s"] / (args.client_processes * result["duration_s"])
                 results[_rate_key(rate)] = with_host_cost(result, before, cpu_seconds(server.proc.pid), engine_before,
                                                           cpu_seconds(engine_pid) if engine_pid else None)
                 ttft_after = server_ttft(server.base)
@@ -331,6 +387,10 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
                     result["host_cpu_s"]["client_us_per_token"] = (
                         1e6 * result["client_cpu_s"] / max(result["output_tokens"], 1))
                 _print_row(mode, rate, results[_rate_key(rate)])
+                print(" " * 10 + "way in, ms p50 / p99: " + ", ".join(
+                    f"{k.replace('_to_', ' -> ').replace('_', ' ')} {_ms(v['p50']).strip()} / {_ms(v['p99']).strip()}"
+                    for k, v in breakdown.items())
+                    + f" | client processes busy {100 * result['client_busy_fraction']:.0f} % of the run", flush=True)
     finally:
         server.stop()
     return results
@@ -349,6 +409,8 @@ def _print_row(mode: str, rate: float, r: dict) -> None:
           f"tok/s | TTFT ms p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])} | ITL ms p50 "
           f"{_ms(r['itl_s']['p50'])} p99 {_ms(r['itl_s']['p99'])} | e2e ms p50 {_ms(r['e2e_s']['p50'])} | "
           f"failed {r['failed']}"
+          + (f" | ingest ms p50 {_ms(r['ingest_s']['p50'])} p99 {_ms(r['ingest_s']['p99'])}"
+             if r.get("ingest_s", {}).get("n") else "")
           + (f" | TTFT mean ms client {_ms(r['ttft_s']['mean'])} server {_ms(r['server_ttft_mean_s'])}"
              if "server_ttft_mean_s" in r else "")
           + (f" | CPU us/token: event loop {r['host_cpu_s']['event_loop_us_per_token']:.0f}, "
@@ -385,6 +447,7 @@ def compare(results: dict, rates: list[float], slo: float) -> dict:
                     "ttft_p50_added_s": _diff(h["ttft_s"]["p50"], p["ttft_s"]["p50"]),
                     "itl_p50_added_s": _diff(h["itl_s"]["p50"], p["itl_s"]["p50"]),
                     "e2e_p50_added_s": _diff(h["e2e_s"]["p50"], p["e2e_s"]["p50"]),
+                    "ingest_p50_added_s": _diff(h["ingest_s"]["p50"], p["ingest_s"]["p50"]),
                 }
     return out
 
@@ -471,6 +534,9 @@ def parse_args(argv=None):
                    help="http: the server's --stream-interval (a choice's text every N tokens)")
     p.add_argument("--client-processes", type=int, default=None,
                    help="http: processes running the openai client (default: 1 with --tiny, else min(8, CPUs / 4))")
+    p.add_argument("--client-transforms-prompt", action="store_true",
+                   help="http: pass the token-id prompts through the openai client's own request transform (Python "
+                        "per token id, in the client: how runs before 2026-11-27 sent them); default: in the body as is")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="p99 TTFT bound (s) of the summary's best rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=1200, help="seconds to wait for the server to load")

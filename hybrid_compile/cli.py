@@ -352,7 +352,8 @@ def _serve(args: argparse.Namespace) -> int:
     if is_torchrun_follower(args.tensor_parallel_size):
         load()  # only rank 0 listens: a follower follows its engine until it closes, then _load ends the command
     return run(args.served_model_name or args.model, load, host=args.host, port=args.port,
-               log_level=args.log_level, access_log=args.access_log, stream_interval=args.stream_interval)
+               log_level=args.log_level, access_log=args.access_log, stream_interval=args.stream_interval,
+               request_timing_log=args.request_timing_log)
 
 
 def _one_line(e: BaseException) -> str:
@@ -537,6 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "coarser chunks")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
+    s.add_argument("--request-timing-log", default=None, metavar="FILE",
+                   help="append one JSON line per request with the times of its way through the server (handler "
+                        "start, queued to the engine, added to the engine, first token, first event sent, end; "
+                        "perf_counter seconds, keyed by the request's X-Request-Id header)")
     s.add_argument("--engine-process", action="store_true",
                    help="run the engine in its own process (the server process keeps HTTP, tokenization and "
                         "detokenization; the engine process steps): neither waits on the other's Python")

@@ -238,7 +238,7 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
     """benchmarks/serving.py --tiny --engine-process: the in-process AsyncEngine and the HTTP server
     (a live ``hybrid-compile serve`` on 127.0.0.1, streamed to from 2 client processes whose records
     are merged), with its engine on a thread and in its own process, each serve every request of
-    every rate."""
+    every rate, and report the ingest latency (send -> engine admission) and, for HTTP, its parts."""
     out = tmp_path / "serving.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--tiny", "--threads", "1", "--rates", "8,inf",
            "--num-requests", "4", "--output-len", "4", "--cache-dir", str(tmp_path / "models"), "--no-plots",
@@ -251,8 +251,10 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
         assert set(per_rate) == {"8", "inf"}, mode
         for r in per_rate.values():
             assert r["failed"] == 0 and r["requests"] == 4 and r["output_tokens"] == 4 * 4, (mode, r)
-            for metric in ("ttft_s", "itl_s", "e2e_s"):
+            # ingest: the client's send to the engine's admission (for HTTP from the server's timing log)
+            for metric in ("ttft_s", "itl_s", "e2e_s", "ingest_s"):
                 assert r[metric]["n"] > 0 and 0 < r[metric]["p50"] <= r[metric]["p99"], (mode, metric, r)
+            assert r["ingest_s"]["p99"] < r["ttft_s"]["p99"], (mode, r)
     for r in run["results"]["http-process"].values():  # the engine process's CPU time counted apart
         assert r["host_cpu_s"]["engine_process"] > 0, r
     for r in [*run["results"]["http"].values(), *run["results"]["http-process"].values()]:
@@ -260,8 +262,15 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
         assert r["client_cpu_s"] > 0, r
         # the server's view of TTFT lies inside the client's (arrival after the send, first token before its event)
         assert 0 < r["server_ttft_mean_s"] <= r["ttft_s"]["mean"], r
+        # the way in and out, one value per request: send -> handler -> queued -> admitted; first token -> client
+        assert set(r["ingest_breakdown_s"]) == {"send_to_handler", "handler_to_queued", "queued_to_admitted",
+                                                "first_token_to_client"}, r
+        for part in r["ingest_breakdown_s"].values():
+            assert part["n"] == 4 and part["p50"] >= 0, r
+        assert r["client_busy_fraction"] > 0, r  # (with the client's set-up: over 1 in a run this short)
     assert set(run["summary"]["http_vs_inprocess"]) == set(run["summary"]["http-process_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout and "HTTP, engine process throughput" in proc.stdout
+    assert "way in, ms p50 / p99: send -> handler" in proc.stdout
     from importlib.util import find_spec  # which event loop the server had: recorded, not assumed
     assert (run["versions"]["uvloop"] is not None) == (find_spec("uvloop") is not None) and run["versions"]["uvicorn"]
     assert "server stack: uvicorn" in proc.stdout

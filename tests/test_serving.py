@@ -88,13 +88,14 @@ class LiveServer:
         self.base = f"http://127.0.0.1:{self.port}"
         env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
         self.log = log
+        self.timing_log = log.with_name("timing.jsonl")  # serve --request-timing-log
         self._log_file = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hybrid_compile", "serve", "--model", ckpt, "--served-model-name", NAME,
              "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
              "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log",
-             *(["--engine-process"] if engine_process else [])],
+             "--request-timing-log", str(self.timing_log), *(["--engine-process"] if engine_process else [])],
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop(ctrl_c=True) signals only the server's processes
         )
@@ -421,6 +422,52 @@ def test_client_disconnect_mid_stream_frees_its_request(server, ckpt):
     assert generated < 400
 
 
+def _timing_lines(server, ids: set[str], timeout: float = 10) -> dict[str, dict]:
+    """The server's timing-log lines of these request ids (a line is written as its response ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = {}
+        for line in server.timing_log.read_text().splitlines():
+            record = json.loads(line)
+            lines[record["id"]] = record
+        if ids <= lines.keys() or time.monotonic() > deadline:
+            return {i: lines[i] for i in ids if i in lines}
+        time.sleep(0.05)
+
+
+def test_request_timing_log_orders_each_requests_way_through_the_server(server, ckpt):
+    """serve --request-timing-log: one line per request, named by its X-Request-Id header (else the
+    response's id), with handler start <= queued <= added to the engine <= first token <= first
+    event sent <= end, on the clock this process shares (perf_counter); a client gone mid-stream
+    is logged with 499."""
+    client = _client(server)
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    sent = time.perf_counter()
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stream=True,
+                                       extra_headers={"X-Request-Id": f"s-{tag}"})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    whole = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                           max_tokens=NEW, temperature=0, extra_headers={"X-Request-Id": f"j-{tag}"})
+    gone = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": f"g-{tag}"})
+    next(iter(gone))
+    gone.close()  # the client goes away mid-stream
+    done = time.perf_counter()
+    lines = _timing_lines(server, {f"s-{tag}", f"j-{tag}", f"g-{tag}"})
+    assert text and whole.choices[0].message.content is not None
+    assert set(lines) == {f"s-{tag}", f"j-{tag}", f"g-{tag}"}, lines
+    s, j, g = lines[f"s-{tag}"], lines[f"j-{tag}"], lines[f"g-{tag}"]
+    assert sent < s["received"] <= s["submitted"] <= s["admitted"] <= s["first_token"] <= s["first_sent"] \
+        <= s["finished"] < done, s
+    assert s["status"] == 200 and s["prompts"] == 1
+    assert j["received"] <= j["submitted"] <= j["admitted"] <= j["first_token"] <= j["finished"], j
+    assert j["first_sent"] is None and j["status"] == 200  # (not streamed)
+    assert g["status"] == 499 and g["admitted"] is not None, g
+    # without the header, the response's own id
+    reply = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=2, temperature=0)
+    assert _timing_lines(server, {reply.id}).keys() == {reply.id}
+
+
 def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_flight(server, ckpt):
     client = _client(server)
     expected = hf_text(ckpt, PROMPTS[4], 24)
@@ -657,6 +704,12 @@ def _fail_forward(call_number: int, engine) -> None:
     engine.runner.forward = failing_forward
 
 
+def _frozen_objects(engine) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def _pools_free_after_clearing_the_cache(engine) -> bool:
     engine.clear_prefix_cache()
     engine.pools.check_all_free()
@@ -686,6 +739,8 @@ def test_engine_process_api_streams_a_failed_step_and_shutdown(ckpt):
         with pytest.raises(Exception, match="pickle"):  # what cannot travel to the child raises here
             await async_engine.call(lambda engine: 0)
         stats = await async_engine.stats()
+        # the loaded engine process froze its long-lived objects (no full collector pass over the model mid-burst)
+        assert await async_engine.call(_frozen_objects) > 100_000
         return first, pair, again, stats, await async_engine.call(_pools_free_after_clearing_the_cache)
 
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import pytest
@@ -113,6 +114,106 @@ def test_one_event_loop_wakeup_per_step_and_a_busy_loop_gets_merged_updates(engi
     assert not engine.has_unfinished()
 
 
+def _in_engine(engine) -> list[tuple[int, str, list[int]]]:
+    """(driver) The engine's requests (queued, running, finished not popped): rid, status, prompt."""
+    return sorted((rid, r.status.name, list(r.prompt)) for rid, r in engine._requests.items())
+
+
+def test_open_stream_queues_at_once_keeps_order_and_closing_aborts(engine):
+    """AsyncEngineBase.open_stream: the request reaches the engine before anyone iterates it (a
+    call queued after it already sees it, in submission order); its updates are transformers'
+    tokens, stamped arrival <= admission <= first token; closing it unfinished aborts it (the
+    engine frees it), closing it after its end queues nothing; ``validated=True`` takes only a
+    checked list of ints."""
+    tok = engine.tokenizer
+    prompts = [tok(s)["input_ids"] for s in ("Hello world! How are", "The quick brown", "Hybrid models mix")]
+    params = hc.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    async_engine = hc.AsyncEngine(engine)
+
+    async def run():
+        first = async_engine.open_stream(prompts[0], params)
+        second = async_engine.open_stream(prompts[1], params, validated=True)
+        seen = await async_engine.call(_in_engine)  # applied after both adds, before any iteration
+        # (waiting, or running already: the driver may have stepped between the commands)
+        assert len(seen) == 2 and all(status in ("WAITING", "RUNNING") for _, status, _ in seen), seen
+        assert [prompt for _, _, prompt in seen] == prompts[:2]  # in submission order
+        await second.aclose()  # unfinished: aborted, freed by the driver before its next step
+        tokens, stamps = [], None
+        async for batch in first:
+            for out in batch:
+                tokens += out.new_token_ids
+                if out.new_token_ids and stamps is None:
+                    stamps = (out.arrival_time, out.admission_time, out.first_token_time)
+        commands_before = len(async_engine._commands)
+        first.close()  # ended: nothing to abort
+        assert len(async_engine._commands) == commands_before
+        with pytest.raises(StopAsyncIteration):
+            await first.__anext__()
+        with pytest.raises(TypeError, match="validated=True"):
+            async_engine.open_stream(tuple(prompts[2]), params, validated=True)
+        with pytest.raises(ValueError, match="vocabulary"):
+            async_engine.open_stream([1, engine.front.vocab_size], params)
+        return tokens, stamps, await async_engine.call(_in_engine)
+
+    try:
+        tokens, (arrival, admission, first_token), left = asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert tokens == _hf_greedy(engine, prompts[0])
+    assert arrival <= admission <= first_token
+    assert left == [] and not engine.has_unfinished()  # the aborted one was freed and popped too
+
+
+class _RecordingFront:
+    """The engine's RequestFront, noting the thread of each encode."""
+
+    def __init__(self, front) -> None:
+        self.front, self.threads = front, set()
+
+    def encode(self, prompt):
+        self.threads.add(threading.current_thread().name)
+        return self.front.encode(prompt)
+
+
+def test_server_tokenizes_off_the_event_loop_with_the_same_ids_and_errors(engine):
+    """The server's text and chat tokenization (server._completion_prompts / _tokenize) runs on its
+    tokenizer threads, never the event loop's, and gives RequestFront.encode's token ids for many
+    requests at once (in each request's prompt order) and its errors."""
+    from types import SimpleNamespace
+
+    from hybrid_compile.serving.protocol import OpenAIError
+    from hybrid_compile.serving.server import ServerState, _completion_prompts, _tokenize
+
+    front = engine.front
+    texts = [f"{TEXT} {i} " * (1 + i % 7) for i in range(24)]
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": t}] for t in texts[:8]]
+    recording = _RecordingFront(front)
+    fake = SimpleNamespace(front=recording, tokenizer=front.tokenizer)
+    state = ServerState("m")
+
+    async def run():
+        prompts = await asyncio.gather(*(_completion_prompts(state, fake, [t, [5, 6], texts[0]]) for t in texts))
+        single = await _completion_prompts(state, fake, texts[3])
+        conversations = await asyncio.gather(*(_tokenize(state, fake, [c]) for c in chats))
+        with pytest.raises(TypeError, match="expected a string or a list of chat message dicts"):
+            await _tokenize(state, fake, [42])
+        with pytest.raises(OpenAIError, match="prompt must not be empty"):
+            await _completion_prompts(state, fake, ["", "x"])
+        with pytest.raises(OpenAIError, match="need a tokenizer"):
+            await _completion_prompts(state, SimpleNamespace(front=recording, tokenizer=None), ["x"])
+        return prompts, single, conversations, threading.current_thread().name
+
+    try:
+        prompts, single, conversations, loop_thread = asyncio.run(run())
+    finally:
+        state.tokenizer_threads.shutdown()
+    assert prompts == [[front.encode(t), [5, 6], front.encode(texts[0])] for t in texts]
+    assert single == [front.encode(texts[3])]
+    assert conversations == [[front.encode(c)] for c in chats]
+    assert recording.threads and loop_thread not in recording.threads
+    assert all(name.startswith("hybrid-compile-tokenize") for name in recording.threads), recording.threads
+
+
 def _stop_cut(text: str, stops: list[str]) -> str:
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[: min(found)] if found else text
@@ -149,7 +250,7 @@ class _ScriptedEngine:
         self.tokenizer, self.script = tokenizer, script
         self.closed = False
 
-    def generate_batches(self, prompt, params):
+    def open_stream(self, prompt, params, validated=False):
         async def batches():
             try:
                 for batch in self.script:
@@ -194,6 +295,7 @@ def test_sse_over_coalesced_updates_gives_exact_text_and_openai_chunks(stop, int
     fmt = _CompletionFormat(gen, "m")
 
     async def run():
+        gen.start()
         return [piece async for piece in gen._sse(fmt)]
 
     pieces = asyncio.run(run())

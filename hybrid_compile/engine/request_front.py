@@ -69,7 +69,8 @@ class RequestFront:
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty")
         vocab = self.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        # min / max first: a prompt of thousands of tokens is checked without a Python loop over them
+        bad = [] if min(prompt) >= 0 and max(prompt) < vocab else [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         # max_context_len never exceeds the KV pool's capacity, so this also rejects a request

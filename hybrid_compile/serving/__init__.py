@@ -10,6 +10,7 @@
   :class:`~hybrid_compile.SamplingParams`, and OpenAI's error bodies.
 - :mod:`.detokenize` — incremental text of a growing token sequence (for streaming).
 - :mod:`.metrics` — the Prometheus metrics of a server.
+- :mod:`.request_timing` — the server's per-request timing log (``serve --request-timing-log``).
 - :mod:`.server` — the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``) and ``hybrid-compile serve``.
 
@@ -17,7 +18,7 @@ Only :mod:`.async_engine` and :mod:`.engine_process` are imported here; the HTTP
 (FastAPI, uvicorn, prometheus-client) and are imported on use.
 """
 
-from .async_engine import AsyncEngine, EngineStepError, StreamOutput
+from .async_engine import AsyncEngine, EngineStepError, RequestStream, StreamOutput
 from .engine_process import ProcessAsyncEngine
 
-__all__ = ["AsyncEngine", "EngineStepError", "ProcessAsyncEngine", "StreamOutput"]
+__all__ = ["AsyncEngine", "EngineStepError", "ProcessAsyncEngine", "RequestStream", "StreamOutput"]

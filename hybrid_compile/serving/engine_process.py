@@ -27,6 +27,7 @@ scheduler process) neither waits for the other's Python.
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -40,7 +41,7 @@ from ..engine import HybridEngine
 from ..engine.request_front import RequestFront
 from .async_engine import (
     AsyncEngineBase, EngineClosedError, EngineObserver, EngineStepError, _Call, _Driver, _settle, _Stream,
-    set_engine_device,
+    freeze_long_lived_objects, set_engine_device,
 )
 
 logger = logging.getLogger("hybrid_compile.serving")
@@ -195,12 +196,14 @@ def run_engine_process(load: Callable[[], HybridEngine], commands: Any, conn: An
         return
     try:
         set_engine_device(engine)
+        freeze_long_lived_objects()  # (the loaded model: no full collection pass over it mid-burst)
         conn.send(("ready", engine.front))
         _EngineLoop(engine, commands, conn).run()
     except (BrokenPipeError, EOFError, ConnectionResetError):  # the parent is gone
         pass
     finally:
         engine.close()
+        gc.unfreeze()  # (frozen once loaded: the exit collects everything as usual)
 
 
 class _EngineLoop:

@@ -23,15 +23,23 @@ resulting SSE events in one send; a chunk is a prebuilt JSON prefix and suffix a
 object (only the choice is encoded per event). ``stream_interval`` N > 1 (``serve
 --stream-interval``, as SGLang's and vLLM's) sends a choice's text every N tokens (and at its
 end), detokenizing only then; a non-streaming response detokenizes each choice once, at its end.
+
+Host cost per request: text prompts and chat conversations are tokenized on a few threads of the
+server (the fast tokenizers release the GIL while they encode), not on the event loop; a request
+is queued to the engine in its handler, before its response starts (``open_stream``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import gc
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -45,9 +53,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import HybridEngine, SamplingParams
-from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError
+from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError, freeze_long_lived_objects
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
+from .request_timing import REQUEST_ID_HEADER, RequestTimes, RequestTimingLog
 from .protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs, check_n, completion_logprobs, engine_error,
     generate_kwargs, parse_request, stop_strings, usage,
@@ -59,14 +68,19 @@ logger = logging.getLogger("hybrid_compile.serving")
 class ServerState:
     """What the handlers share: the engine once loaded, the served name, the metrics."""
 
-    def __init__(self, model_name: str, engine: AsyncEngineBase | None = None) -> None:
+    def __init__(self, model_name: str, engine: AsyncEngineBase | None = None,
+                 timing_log: RequestTimingLog | None = None) -> None:
         self.model_name = model_name
         self.engine = engine
+        self.timing_log = timing_log
         self.load_error: BaseException | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name)
         if engine is not None:
             engine.observer = self.metrics
+        # text prompts and chat conversations are tokenized here, off the event loop (see _tokenize)
+        self.tokenizer_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="hybrid-compile-tokenize")
 
     def ready(self) -> AsyncEngineBase:
         if self.engine is not None and self.engine.failure is not None:  # an engine process that died
@@ -80,20 +94,22 @@ class ServerState:
 
 def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = None,
               load: Callable[[], HybridEngine | AsyncEngineBase] | None = None,
-              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1) -> FastAPI:
+              on_load_error: Callable[[BaseException], None] | None = None, stream_interval: int = 1,
+              request_timing_log: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (a HybridEngine, or an AsyncEngine / ProcessAsyncEngine)
     under ``model_name``; or, with ``load``, the app that calls ``load()`` (either kind, e.g. a
     ProcessAsyncEngine whose child loads the model) on a thread at startup and answers 503 until
     it returns. The engine's driver thread stops at the app's shutdown (a loaded engine is also
     closed). ``stream_interval``: a streamed choice's text goes out every that many tokens (and
-    at its end)."""
+    at its end). ``request_timing_log``: a file that gets one JSON line of times per request
+    (:mod:`.request_timing`)."""
     if (engine is None) == (load is None):
         raise ValueError("build_app takes either engine= or load=")
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     if isinstance(engine, HybridEngine):
         engine = AsyncEngine(engine)
-    state = ServerState(model_name, engine)
+    state = ServerState(model_name, engine, RequestTimingLog(request_timing_log) if request_timing_log else None)
 
     def load_in_background() -> None:
         try:
@@ -107,6 +123,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             if on_load_error is not None:
                 on_load_error(e)
             return
+        freeze_long_lived_objects()  # (before the first request: no full collection pass mid-burst)
         state.engine = loaded
         logger.info("model %s loaded: serving", model_name)
 
@@ -121,6 +138,11 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             loader.join()
         if state.engine is not None:
             state.engine.shutdown(close_engine=load is not None)
+        if load is not None:
+            gc.unfreeze()  # (frozen once loaded: the exit collects everything as usual)
+        if state.timing_log is not None:
+            state.timing_log.close()
+        state.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybrid_compile", lifespan=lifespan)
     app.state.serving = state
@@ -156,6 +178,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        times = _times(state, request)
         req = parse_request(CompletionRequest, await _json_body(request))
         engine = _check_model(state, req.model)
         if req.echo:
@@ -166,13 +189,14 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
             raise OpenAIError("best_of other than n is not supported by this server", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise OpenAIError(f"logprobs must be between 0 and 5, got {req.logprobs}", param="logprobs")
-        prompts = _completion_prompts(engine, req.prompt)
+        prompts = await _completion_prompts(state, engine, req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         gen = _Generation.plan(engine, req, prompts, max_tokens, "max_tokens", "prompt", req.logprobs, stream_interval)
-        return await gen.respond(request, _CompletionFormat(gen, model_name))
+        return await gen.respond(request, _CompletionFormat(gen, model_name), times, state.timing_log)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        times = _times(state, request)
         req = parse_request(ChatCompletionRequest, await _json_body(request))
         engine = _check_model(state, req.model)
         if not req.messages:
@@ -184,7 +208,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise OpenAIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", param="top_logprobs")
         try:
-            prompt = engine.front.encode([m.as_template_message() for m in req.messages])
+            (prompt,) = await _tokenize(state, engine, [[m.as_template_message() for m in req.messages]])
         except Exception as e:  # noqa: BLE001 -- the template rejected the conversation
             raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -197,7 +221,7 @@ def build_app(model_name: str, engine: HybridEngine | AsyncEngineBase | None = N
                     f"{len(prompt)} tokens", param="messages", code="context_length_exceeded")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen = _Generation.plan(engine, req, [prompt], max_tokens, limit_name, "messages", logprobs, stream_interval)
-        return await gen.respond(request, _ChatFormat(gen, model_name))
+        return await gen.respond(request, _ChatFormat(gen, model_name), times, state.timing_log)
 
     return app
 
@@ -217,6 +241,13 @@ async def _json_body(request: Request) -> Any:
         ) from None
 
 
+def _times(state: ServerState, request: Request) -> RequestTimes | None:
+    """The request's timing record when the server keeps a timing log (its handler starts now)."""
+    if state.timing_log is None:
+        return None
+    return RequestTimes(request.headers.get(REQUEST_ID_HEADER), time.perf_counter())
+
+
 def _check_model(state: ServerState, name: str) -> AsyncEngineBase:
     engine = state.ready()
     if name != state.model_name:
@@ -225,23 +256,36 @@ def _check_model(state: ServerState, name: str) -> AsyncEngineBase:
     return engine
 
 
-def _completion_prompts(engine: AsyncEngineBase, prompt: Any) -> list[list[int]]:
+async def _tokenize(state: ServerState, engine: AsyncEngineBase, prompts: list) -> list[list[int]]:
+    """Texts and chat conversations -> token ids (``RequestFront.encode``) on the server's tokenizer
+    threads: a fast tokenizer releases the GIL while it encodes, so the event loop goes on parsing
+    the next requests and streaming the running ones meanwhile (a prompt of thousands of tokens
+    takes milliseconds). An error of the tokenizer or chat template is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(
+        state.tokenizer_threads, functools.partial(_encode_all, engine.front, prompts))
+
+
+def _encode_all(front, prompts: list) -> list[list[int]]:
+    return [front.encode(p) for p in prompts]
+
+
+async def _completion_prompts(state: ServerState, engine: AsyncEngineBase, prompt: Any) -> list[list[int]]:
     """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) -> token ids."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    # (the request model validated it: a list holds only token ids, only texts or only lists of ids)
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise OpenAIError("prompt must not be empty", param="prompt")
+    texts = [p for p in prompt if isinstance(p, str)]
+    if texts and engine.tokenizer is None:
+        raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
+    encoded = iter(await _tokenize(state, engine, texts) if texts else [])
     out = []
     for p in prompt:
-        if isinstance(p, str):
-            if engine.tokenizer is None:
-                raise OpenAIError("text prompts need a tokenizer and this model has none", param="prompt")
-            p = engine.front.encode(p)
+        p = next(encoded) if isinstance(p, str) else list(p)
         if not p:
             raise OpenAIError("prompt must not be empty", param="prompt")
-        out.append(list(p))
+        out.append(p)
     return out
 
 
@@ -263,6 +307,7 @@ class _Group:
     params: SamplingParams
     choices: list[_Choice]
     cached_tokens: int = 0
+    batches: Any = None  # its engine request's updates (AsyncEngineBase.open_stream), once queued
 
 
 @dataclass
@@ -288,6 +333,7 @@ class _Generation:
         self.choices = [c for g in groups for c in g.choices]
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
+        self.times: RequestTimes | None = None  # (the timing log's record, set by respond)
 
     @classmethod
     def plan(cls, engine: AsyncEngineBase, req, prompts: list[list[int]], max_tokens: int, limit_name: str,
@@ -299,7 +345,8 @@ class _Generation:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
         vocab = engine.front.vocab_size
         for p in prompts:
-            bad = [t for t in p if not 0 <= t < vocab]
+            # min / max first: the common case without a Python loop over thousands of tokens
+            bad = [] if p and min(p) >= 0 and max(p) < vocab else [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise OpenAIError(f"{prompt_name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                                   param=prompt_name)
@@ -332,15 +379,34 @@ class _Generation:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
         return cls(engine, groups, bool(req.stream), include_usage, stream_interval)
 
+    def start(self) -> None:
+        """Queue every prompt's engine request now (before the response starts: the engine sees
+        them without waiting for the event loop to get to the response's first step). The
+        requests must then be ended: read to their end, or :meth:`abort`."""
+        try:
+            for group in self.groups:
+                group.batches = self.engine.open_stream(group.prompt, group.params, validated=True)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort every engine request of this response that has not ended (no-op for the others)."""
+        for group in self.groups:
+            if group.batches is not None:
+                group.batches.close()
+
     async def _events(self, group: _Group) -> AsyncIterator[list[_Event]]:
         """The events of one prompt's choices, by wake-up (at most one per choice each); closing
         this iterator early aborts its request."""
-        batches = self.engine.generate_batches(group.prompt, group.params)
+        batches = group.batches
         open_choices = len(group.choices)
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 events = []
                 for out in batch:
+                    if self.times is not None:
+                        self.times.observe(out.arrival_time, out.admission_time, out.first_token_time)
                     choice = group.choices[out.index]
                     if choice.done:  # ended at a stop string before its engine sequence did
                         continue
@@ -368,31 +434,60 @@ class _Generation:
                 if open_choices == 0:
                     return  # (a sequence still running after its stop string: aclosing aborts it)
 
-    async def respond(self, request: Request, fmt: "_Format") -> Response:
+    async def respond(self, request: Request, fmt: "_Format", times: RequestTimes | None = None,
+                      timing_log: RequestTimingLog | None = None) -> Response:
+        if times is not None:
+            self.times, times.prompts = times, len(self.groups)
+        try:
+            self.start()
+        except (EngineClosedError, EngineStepError) as e:  # (an engine that stopped meanwhile)
+            raise _error_of(e) from None
         if self.stream:
-            return StreamingResponse(self._sse(fmt), media_type="text/event-stream")
-        collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
-        if collected is None:  # the client went away: its requests were aborted
-            return Response(status_code=499)
-        events = [e for group_events in collected for e in group_events]
-        return JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
+            return _AbortingStreamingResponse(self, self._sse(fmt, timing_log), media_type="text/event-stream")
+        status = 499
+        try:
+            collected = await _cancel_on_disconnect(request, _all(self._collect(g) for g in self.groups))
+            if collected is None:  # the client went away: its requests were aborted
+                return Response(status_code=499)
+            events = [e for group_events in collected for e in group_events]
+            response = JSONResponse(fmt.response([[e for e in events if e.choice is c] for c in self.choices]))
+            status = 200
+            return response
+        except OpenAIError as e:
+            status = e.status
+            raise
+        finally:
+            self.abort()  # (a client that went away, an error: what still runs)
+            self._log_times(timing_log, fmt, status)
+
+    def _log_times(self, timing_log: RequestTimingLog | None, fmt: "_Format", status: int) -> None:
+        if timing_log is not None and self.times is not None:
+            timing_log.write(self.times.record(f"{fmt.id_prefix}-{self.id_suffix}", time.perf_counter(), status))
 
     async def _collect(self, group: _Group) -> list[_Event]:
         return [e async for events in self._events(group) for e in events]
 
-    async def _sse(self, fmt: "_Format") -> AsyncIterator[str]:
+    async def _sse(self, fmt: "_Format", timing_log: RequestTimingLog | None = None) -> AsyncIterator[str]:
         """The response's SSE text: one piece (one send) per wake-up, holding its events."""
-        start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
-        if start:
-            yield start
+        status = 499  # (until it ends: a client that went away closes this generator)
         try:
-            async for events in self._merged_events():
-                yield "".join(fmt.chunk_sse(e) for e in events)
-        except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
-            yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
-            return
-        tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
-        yield tail + "data: [DONE]\n\n"
+            start = "".join(_sse_data(chunk) for chunk in fmt.start_chunks())
+            if start:
+                yield start
+            try:
+                async for events in self._merged_events():
+                    if self.times is not None and self.times.first_sent is None and any(e.text for e in events):
+                        self.times.first_sent = time.perf_counter()
+                    yield "".join(fmt.chunk_sse(e) for e in events)
+            except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
+                status = _error_of(e).status
+                yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
+                return
+            tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
+            status = 200
+            yield tail + "data: [DONE]\n\n"
+        finally:
+            self._log_times(timing_log, fmt, status)
 
     async def _merged_events(self) -> AsyncIterator[list[_Event]]:
         """The events of every prompt's choices by wake-up: one prompt's directly, several through
@@ -439,6 +534,21 @@ class _Generation:
     def usage(self) -> dict:
         return usage(sum(len(g.prompt) for g in self.groups), sum(c.text.num_tokens for c in self.choices),
                      sum(g.cached_tokens for g in self.groups))
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A streamed response whose engine requests were queued before it started: however it ends
+    (finished, the client gone, cancelled before its body began), what still runs is aborted."""
+
+    def __init__(self, gen: _Generation, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.abort()
 
 
 _json_str = json.encoder.encode_basestring  # a str as a JSON string, non-ASCII kept (ensure_ascii=False)
@@ -594,7 +704,7 @@ class _ChatFormat(_Format):
 
 
 def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], host: str, port: int, log_level: str = "info",
-        access_log: bool = True, stream_interval: int = 1) -> int:
+        access_log: bool = True, stream_interval: int = 1, request_timing_log: str | None = None) -> int:
     """Serve until interrupted (uvicorn); the model loads on a thread meanwhile. Returns the exit
     status: 2 if the model failed to load (its error printed as one ``error:`` line)."""
     import uvicorn
@@ -606,7 +716,8 @@ def run(model_name: str, load: Callable[[], HybridEngine | AsyncEngineBase], hos
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval)
+    app = build_app(model_name, load=load, on_load_error=stop, stream_interval=stream_interval,
+                    request_timing_log=request_timing_log)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

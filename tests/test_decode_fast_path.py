@@ -166,6 +166,15 @@ def test_set_decode_tokens_equals_set_tokens_batch():
     with pytest.raises(InvalidSlotError, match="2\\*\\*31"):
         b.set_decode_tokens([slots[0]], [1], [-1])
     assert torch.equal(a._req_to_token_host, b._req_to_token_host)
+    # a uniform step of 3 tokens per request in one call (token slots request-major)
+    a.set_tokens_batch(torch.tensor([slots[1], slots[2]]), [4, 9], [3, 3], torch.tensor([50, 51, 52, 60, 61, 62]))
+    b.set_decode_tokens([slots[1], slots[2]], [4, 9], [50, 51, 52, 60, 61, 62], steps=3)
+    assert torch.equal(a._req_to_token_host, b._req_to_token_host)
+    assert b.req_to_token[slots[1], 4:7].tolist() == [50, 51, 52] and b.req_to_token[slots[2], 9:12].tolist() == [60, 61, 62]
+    with pytest.raises(ValueError, match="positions"):
+        b.set_decode_tokens([slots[0]], [14], [1, 2, 3], steps=3)  # (its last token at 16)
+    with pytest.raises(ValueError, match="one of each"):
+        b.set_decode_tokens([slots[0]], [1], [1, 2], steps=3)
 
 
 def test_token_page_list_path_equals_general_path():

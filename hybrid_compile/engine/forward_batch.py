@@ -299,8 +299,8 @@ class ForwardBatchBuilder:
             entries = [pad if s < 0 else s for s in out_cache_loc]
         else:
             entries = out_cache_loc
-        for j in range(steps):  # checks and the host mirror; the op writes the device map
-            r2t.set_decode_tokens(req_slots, [p + j for p in prefix], entries[j::steps], write_device=False)
+        # checks and the host mirror; the op writes the device map
+        r2t.set_decode_tokens(req_slots, prefix, entries, write_device=False, steps=steps)
         rows, start = [], 0
         for i, (r, p) in enumerate(zip(reqs, prefix)):
             if device_ids:

@@ -34,6 +34,10 @@ class InvalidSlotError(ValueError):
     """A slot index given to an allocator is out of range, not in use, or named twice."""
 
 
+# frees of at most this many KV slots are checked on a host list (the common per-step case)
+_FEW_SLOTS = 256
+
+
 def as_index_tensor(indices: IndexLike) -> torch.Tensor:
     """Any int / sequence of ints / tensor -> 1-D CPU int64 tensor (a device tensor is copied)."""
     if isinstance(indices, torch.Tensor):
@@ -107,6 +111,10 @@ class SlotAllocator:
         if idx.numel() == 0:
             return
         self.check_allocated(idx, action="free")
+        self._release(idx)
+
+    def _release(self, idx: torch.Tensor) -> None:
+        """:meth:`free` of indices already checked (in range, in use, named once)."""
         self._in_use[idx] = False
         self._free_stack[self._num_free : self._num_free + idx.numel()] = idx.flip(0)
         self._num_free += idx.numel()
@@ -357,24 +365,33 @@ class TokenSlotAllocator:
     def free(self, slots: IndexLike) -> None:
         """Free token slots; a page returns to the free pages once none of its slots is in use."""
         idx = as_index_tensor(slots)
-        if idx.numel() == 0:
+        n = idx.numel()
+        if n == 0:
             return
-        self._check_range(idx, action="free")
-        not_in_use = ~self._in_use[idx]
-        if bool(not_in_use.any()):
-            raise InvalidSlotError(
-                f"cannot free KV slot(s) {idx[not_in_use][:8].tolist()}: not allocated (already freed, or never handed out)"
-            )
-        if idx.numel() > 1:
-            uniq, counts = torch.unique(idx, return_counts=True)
-            if bool((counts > 1).any()):
+        # a step's few slots (every verify step frees its rejected drafts' slots): range and
+        # uniqueness on the host list, one tensor op; anything else, or a bad free, the checks below
+        fine = False
+        if n <= _FEW_SLOTS:
+            vals = idx.tolist()
+            fine = min(vals) >= self.page_size and max(vals) < self.num_slots and len(set(vals)) == n \
+                and bool(self._in_use[idx].all())
+        if not fine:
+            self._check_range(idx, action="free")
+            not_in_use = ~self._in_use[idx]
+            if bool(not_in_use.any()):
                 raise InvalidSlotError(
-                    f"cannot free KV slot(s) {uniq[counts > 1][:8].tolist()}: named more than once in one call"
+                    f"cannot free KV slot(s) {idx[not_in_use][:8].tolist()}: not allocated (already freed, or never handed out)"
                 )
+            if n > 1:
+                uniq, counts = torch.unique(idx, return_counts=True)
+                if bool((counts > 1).any()):
+                    raise InvalidSlotError(
+                        f"cannot free KV slot(s) {uniq[counts > 1][:8].tolist()}: named more than once in one call"
+                    )
         self._in_use[idx] = False
-        self._num_used -= idx.numel()
+        self._num_used -= n
         if self.page_size == 1:
-            self._pages.free(idx)
+            self._pages._release(idx)  # (each slot its own page: checked above)
             return
         pages = torch.unique(idx // self.page_size)
         empty = ~self._in_use.view(-1, self.page_size)[pages].any(dim=1)

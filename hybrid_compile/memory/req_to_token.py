@@ -173,31 +173,37 @@ class ReqToTokenPool:
 
     def set_decode_tokens(
         self, req_slots: list[int], positions: list[int], token_slots: list[int], write_device: bool = True,
+        steps: int = 1,
     ) -> None:
         """A decode step's :meth:`set_tokens_batch` (one token per request, distinct requests),
         checked on the host lists: ``req_to_token[req_slots[i], positions[i]] = token_slots[i]``.
-        ``write_device=False``: only the checks and the host mirror; the caller writes the device
-        map itself (the ``uniform_step_metadata`` op of ``engine/forward_batch.py`` does, with the
-        rest of the step's metadata)."""
+        ``steps`` > 1: a uniform step of ``steps`` tokens per request (a verify step, an MTP
+        proposal) in one call: ``positions[i]`` the first of request ``i``'s, ``token_slots``
+        request-major (``[i * steps + j]`` at ``positions[i] + j``). ``write_device=False``: only
+        the checks and the host mirror; the caller writes the device map itself (the
+        ``uniform_step_metadata`` op of ``engine/forward_batch.py`` does, with the rest of the
+        step's metadata)."""
         n = len(req_slots)
-        if not (n == len(positions) == len(token_slots)):
+        if steps < 1 or not (n == len(positions) and n * steps == len(token_slots)):
             raise ValueError(
                 f"set_decode_tokens: {n} request slots, {len(positions)} positions and {len(token_slots)} "
-                "token slots: need one of each per request"
+                f"token slots: need one of each per request ({steps} token slots per request, steps >= 1)"
             )
         if n == 0:
             return
-        if min(positions) < 0 or max(positions) >= self.max_context_len:
+        if min(positions) < 0 or max(positions) + steps > self.max_context_len:
             raise ValueError(f"set_decode_tokens: positions must lie in [0, max_context_len={self.max_context_len}); "
-                             f"got {positions[:8]}")
+                             f"got {positions[:8]}" + (f" (+ {steps - 1} more each)" if steps > 1 else ""))
         if min(token_slots) < 0 or max(token_slots) > torch.iinfo(torch.int32).max:
             raise InvalidSlotError("set_decode_tokens: token slots must be in [0, 2**31)")
-        reqs = self.allocator.check_allocated(list(req_slots), action="write tokens of", unique=True)
+        self.allocator.check_allocated(list(req_slots), action="write tokens of", unique=True)
+        width = self.max_context_len
+        flat = [r * width + p + j for r, p in zip(req_slots, positions) for j in range(steps)]
+        flat_t = torch.tensor(flat, dtype=torch.int64)
         vals32 = torch.tensor(token_slots, dtype=torch.int32)
-        self._req_to_token_host[reqs, torch.tensor(positions, dtype=torch.int64)] = vals32
+        self._req_to_token_host.view(-1)[flat_t] = vals32
         if write_device:
-            flat = torch.tensor([r * self.max_context_len + p for r, p in zip(req_slots, positions)], dtype=torch.int64)
-            self.req_to_token.view(-1).index_copy_(0, flat.to(self.device, non_blocking=True),
+            self.req_to_token.view(-1).index_copy_(0, flat_t.to(self.device, non_blocking=True),
                                                    vals32.to(self.device, non_blocking=True))
 
     def tokens(self, req_slot: int, end: int, start: int = 0) -> torch.Tensor:

@@ -258,34 +258,173 @@ def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _diag_gram(qf, kf, c, G, Q):
-    """Accumulates the per-channel-decay products of a diagonal 16x16 block, exactly (fp32, no MMA):
-    ``G += sum_k k_ik k_jk exp(c_ik - c_jk)`` and ``Q += sum_k q_ik k_jk exp(c_ik - c_jk)`` for
-    ``i >= j`` (zero above). Masked before the ``exp``: every exponent taken is ``<= 0``."""
+def _diag_gram_exact(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G):
+    """A diagonal 16x16 block of a per-channel-decay product in exact fp32 (no MMA), one column ``j``
+    at a time on ``[16, BK]`` tiles: ``G[:, j] += sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` the
+    block's keys or queries) for ``i >= j`` (zero above). Masked before the
+    ``exp``: every exponent taken is ``<= 0``. Key row ``j`` is reloaded (``p_k`` at token
+    ``t0 + j``, an L1 hit) rather than extracted from ``kf``; ``c_j`` is row ``j`` of ``c`` itself,
+    so the diagonal's exponent is exactly 0. Columns from ``n_cols`` on (past the chunk's end) stay zero."""
     o = tl.arange(0, 16)
-    low = (o[:, None] >= o[None, :])[:, :, None]
-    e = tl.exp(tl.where(low, c[:, None, :] - c[None, :, :], float("-inf")))  # [16, 16, BK]
-    ke = kf[None, :, :] * e
-    return G + tl.sum(kf[:, None, :] * ke, 2), Q + tl.sum(qf[:, None, :] * ke, 2)
+    for j in range(0, n_cols):
+        kj = tl.load(p_k + (t0 + j) * s_kt + o_k * s_kd, mask=mk, other=0.0).to(tl.float32)
+        cj = _row16(c, j)
+        ke = kj[None, :] * tl.exp(tl.where(o[:, None] >= j, c - cj[None, :], float("-inf")))
+        col = o[None, :] == j
+        G = tl.where(col, G + tl.sum(xf * ke, 1)[:, None], G)
+    return G
 
 
 @triton.jit
-def _split_decay(kf, qf, c):
-    """Row block I's keys / queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
+def _diag_gram(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G, MMA_RANGE: tl.constexpr,
+               LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of a per-channel-decay product ``sum_k x_ik k_jk
+    exp(c_ik - c_jk)`` (``x`` keys or queries; rows ``i >= j`` meaningful, the entries above are
+    finite and masked by the readers). When every channel's cumsum spans
+    ``D = max_i c_i - min_i c_i <= MMA_RANGE`` over the block: one MMA with the decay split at the channel's mid value ``ref = (max + min) / 2``,
+    ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)``, both factors in ``[exp(-D/2), exp(D/2)]``.
+    With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw q / k below
+    ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded entries
+    above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel a decay
+    steeper than ``MMA_RANGE / 16`` per token on average) the exact column loop ``_diag_gram_exact``."""
+    hi = tl.max(c, 0)
+    lo = tl.min(c, 0)
+    if tl.max(hi - lo, 0) <= MMA_RANGE:
+        ref = (hi + lo) * 0.5
+        kt = tl.trans(kf * tl.exp(ref[None, :] - c))
+        G = _mma(xf * tl.exp(c - ref[None, :]), kt, G, LOWP, DOT_F32, PREC)
+    else:
+        G = _diag_gram_exact(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G)
+    return G
+
+
+@triton.jit
+def _split_decay(xf, c):
+    """Row block I's keys or queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
     block's first row: the row side of ``_cross_gram``."""
     ref = _row16(c, 0)
-    x = tl.exp(c - ref[None, :])
-    return kf * x, qf * x, ref
+    return xf * tl.exp(c - ref[None, :]), ref
 
 
 @triton.jit
-def _cross_gram(kd, qd, kf_j, c_j, ref, G, Q, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """Accumulates an off-diagonal block (row block I > column block J) of both per-channel-decay
-    products as MMAs: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
-    block I's first row, so both factors are ``<= 1`` (``c`` is non-increasing); ``kd`` / ``qd`` are
-    block I's keys / queries times ``exp(c_I - ref)``."""
-    kj = tl.trans(kf_j * tl.exp(ref[None, :] - c_j))
-    return _mma(kd, kj, G, LOWP, DOT_F32, PREC), _mma(qd, kj, Q, LOWP, DOT_F32, PREC)
+def _cross_gram(xd, kf_j, c_j, ref, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates an off-diagonal block (row block I > column block J) of a per-channel-decay
+    product as an MMA: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
+    block I's first row, so both factors are ``<= 1`` (``c`` is non-increasing); ``xd`` is block I's
+    keys / queries times ``exp(c_I - ref)``."""
+    return _mma(xd, tl.trans(kf_j * tl.exp(ref[None, :] - c_j)), G, LOWP, DOT_F32, PREC)
+
+
+@triton.jit
+def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_glast, start, n,
+                   t1, t2, t3, t4, m1, m2, m3, m4,
+                   HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
+                   QUERIES: tl.constexpr, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One side of the per-channel-gate chunk products, over ``K`` in blocks of ``BK``: the 10 lower
+    16x16 blocks of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` with ``x`` the keys (``QUERIES`` off: the
+    ``A`` side; stores ``kg = exp(c_last - c) k`` to ``out`` and ``exp(c_last)`` to ``p_glast``) or
+    the queries (``QUERIES`` on: the ``P`` side; stores ``qg = exp(c) q`` to ``out``), plus the
+    squared norms of the keys and of ``x`` per row. Each side runs in its own program, so only 10
+    accumulators are live (both sides in one program spilled heavily)."""
+    o16 = tl.arange(0, 16)
+    X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
+    ss1 = tl.zeros([16], dtype=tl.float32)
+    ss2 = tl.zeros([16], dtype=tl.float32)
+    ss3 = tl.zeros([16], dtype=tl.float32)
+    ss4 = tl.zeros([16], dtype=tl.float32)
+    sx1 = tl.zeros([16], dtype=tl.float32)
+    sx2 = tl.zeros([16], dtype=tl.float32)
+    sx3 = tl.zeros([16], dtype=tl.float32)
+    sx4 = tl.zeros([16], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        mk = o_k < K
+        k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+        g1, g2, g3, g4 = _load4(p_g, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+        c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+        if QUERIES:
+            x1, x2, x3, x4 = _load4(p_x, t1, t2, t3, t4, s_xt, o_k, s_xd, m1, m2, m3, m4, mk)
+        else:
+            x1, x2, x3, x4 = k1, k2, k3, k4
+        if USE_L2:
+            ss1 += tl.sum(k1 * k1, 1)
+            ss2 += tl.sum(k2 * k2, 1)
+            ss3 += tl.sum(k3 * k3, 1)
+            ss4 += tl.sum(k4 * k4, 1)
+            if QUERIES:
+                sx1 += tl.sum(x1 * x1, 1)
+                sx2 += tl.sum(x2 * x2, 1)
+                sx3 += tl.sum(x3 * x3, 1)
+                sx4 += tl.sum(x4 * x4, 1)
+        X11 = _diag_gram(x1, k1, c1, p_k, s_kt, start, o_k, s_kd, mk, tl.minimum(n, 16), X11,
+                         MMA_RANGE, LOWP, DOT_F32, PREC)
+        X22 = _diag_gram(x2, k2, c2, p_k, s_kt, start + 16, o_k, s_kd, mk, tl.minimum(n - 16, 16), X22,
+                         MMA_RANGE, LOWP, DOT_F32, PREC)
+        X33 = _diag_gram(x3, k3, c3, p_k, s_kt, start + 32, o_k, s_kd, mk, tl.minimum(n - 32, 16), X33,
+                         MMA_RANGE, LOWP, DOT_F32, PREC)
+        X44 = _diag_gram(x4, k4, c4, p_k, s_kt, start + 48, o_k, s_kd, mk, tl.minimum(n - 48, 16), X44,
+                         MMA_RANGE, LOWP, DOT_F32, PREC)
+        # off-diagonal blocks: MMAs with the decay split at each row block's first row
+        xd, ref = _split_decay(x2, c2)
+        X21 = _cross_gram(xd, k1, c1, ref, X21, LOWP, DOT_F32, PREC)
+        xd, ref = _split_decay(x3, c3)
+        X31 = _cross_gram(xd, k1, c1, ref, X31, LOWP, DOT_F32, PREC)
+        X32 = _cross_gram(xd, k2, c2, ref, X32, LOWP, DOT_F32, PREC)
+        xd, ref = _split_decay(x4, c4)
+        X41 = _cross_gram(xd, k1, c1, ref, X41, LOWP, DOT_F32, PREC)
+        X42 = _cross_gram(xd, k2, c2, ref, X42, LOWP, DOT_F32, PREC)
+        X43 = _cross_gram(xd, k3, c3, ref, X43, LOWP, DOT_F32, PREC)
+        # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
+        if QUERIES:
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, x1 * tl.exp(c1), x2 * tl.exp(c2), x3 * tl.exp(c3),
+                    x4 * tl.exp(c4), m1, m2, m3, m4, mk)
+        else:
+            c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
+            cl = c_last[None, :]
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
+                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
+            tl.store(p_glast + o_k, tl.exp(c_last), mask=mk)
+    return X11, X21, X22, X31, X32, X33, X41, X42, X43, X44, ss1, ss2, ss3, ss4, sx1, sx2, sx3, sx4
+
+
+@triton.jit
+def _inv_norm(ss, USE_L2: tl.constexpr):
+    """Inverse L2 norms of rows with squared norms ``ss`` (ones without the L2 normalisation)."""
+    if USE_L2:
+        r = tl.math.rsqrt(ss + 1e-6)
+    else:
+        r = tl.full(ss.shape, 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                      Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
+                      ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV: tl.constexpr, USE_L2: tl.constexpr):
+    """Stores ``P = Q rk_j`` (rows of 64; the query norm and scale are the output kernel's, which
+    masks the entries above the diagonal) and the query inverse norms ``rq``."""
+    r1 = _inv_norm(ss1, USE_L2)
+    r2 = _inv_norm(ss2, USE_L2)
+    r3 = _inv_norm(ss3, USE_L2)
+    r4 = _inv_norm(ss4, USE_L2)
+    p_p = pbuf + i_h * 64 + tl.arange(0, 16)[None, :]
+    ty = pbuf.dtype.element_ty
+    tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
+    tl.store(p_p + t2[:, None] * (HV * 64), (Q21 * r1[None, :]).to(ty), mask=m2[:, None])
+    tl.store(p_p + t2[:, None] * (HV * 64) + 16, (Q22 * r2[None, :]).to(ty), mask=m2[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64), (Q31 * r1[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64) + 16, (Q32 * r2[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64) + 32, (Q33 * r3[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64), (Q41 * r1[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
+    if USE_L2:
+        tl.store(rq + t1 * HV + i_h, _inv_norm(sq1, USE_L2), mask=m1)
+        tl.store(rq + t2 * HV + i_h, _inv_norm(sq2, USE_L2), mask=m2)
+        tl.store(rq + t3 * HV + i_h, _inv_norm(sq3, USE_L2), mask=m3)
+        tl.store(rq + t4 * HV + i_h, _inv_norm(sq4, USE_L2), mask=m4)
 
 
 @triton.jit
@@ -340,7 +479,7 @@ def _chunk_intra_kernel(
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     KPREC: tl.constexpr, RAW_K: tl.constexpr, GATE_K: tl.constexpr, LOWP: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -378,61 +517,31 @@ def _chunk_intra_kernel(
 
     # Gram matrix k k^T in 16x16 blocks (lower half), and the key norms; with a per-channel gate
     # the decay sits inside the sum over K (so the blocks are decay-weighted), and the query
-    # products Q (lower, diagonal included) come from the same loads
-    G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
-    ss1 = tl.zeros([16], dtype=tl.float32)
-    ss2 = tl.zeros([16], dtype=tl.float32)
-    ss3 = tl.zeros([16], dtype=tl.float32)
-    ss4 = tl.zeros([16], dtype=tl.float32)
-    if GATE_K:
-        Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _lower_blocks_zeros()
-        sq1 = tl.zeros([16], dtype=tl.float32)
-        sq2 = tl.zeros([16], dtype=tl.float32)
-        sq3 = tl.zeros([16], dtype=tl.float32)
-        sq4 = tl.zeros([16], dtype=tl.float32)
+    # products (P, lower, diagonal included) are the second program's (program_id(2) = 1)
     p_k = k + i_hk * s_kh
-    for kb in range(0, K, BK):
-        o_k = kb + tl.arange(0, BK)
-        mk = o_k < K
-        if GATE_K:
-            k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
-            q1, q2, q3, q4 = _load4(q + i_hk * s_qh, t1, t2, t3, t4, s_qt, o_k, s_qd, m1, m2, m3, m4, mk)
-            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
-            if USE_L2:
-                ss1 += tl.sum(k1 * k1, 1)
-                ss2 += tl.sum(k2 * k2, 1)
-                ss3 += tl.sum(k3 * k3, 1)
-                ss4 += tl.sum(k4 * k4, 1)
-                sq1 += tl.sum(q1 * q1, 1)
-                sq2 += tl.sum(q2 * q2, 1)
-                sq3 += tl.sum(q3 * q3, 1)
-                sq4 += tl.sum(q4 * q4, 1)
-            # diagonal blocks: exact
-            G11, Q11 = _diag_gram(q1, k1, c1, G11, Q11)
-            G22, Q22 = _diag_gram(q2, k2, c2, G22, Q22)
-            G33, Q33 = _diag_gram(q3, k3, c3, G33, Q33)
-            G44, Q44 = _diag_gram(q4, k4, c4, G44, Q44)
-            # off-diagonal blocks: MMAs with the decay split at each row block's first row
-            kd, qd, ref = _split_decay(k2, q2, c2)
-            G21, Q21 = _cross_gram(kd, qd, k1, c1, ref, G21, Q21, LOWP, DOT_F32, PREC)
-            kd, qd, ref = _split_decay(k3, q3, c3)
-            G31, Q31 = _cross_gram(kd, qd, k1, c1, ref, G31, Q31, LOWP, DOT_F32, PREC)
-            G32, Q32 = _cross_gram(kd, qd, k2, c2, ref, G32, Q32, LOWP, DOT_F32, PREC)
-            kd, qd, ref = _split_decay(k4, q4, c4)
-            G41, Q41 = _cross_gram(kd, qd, k1, c1, ref, G41, Q41, LOWP, DOT_F32, PREC)
-            G42, Q42 = _cross_gram(kd, qd, k2, c2, ref, G42, Q42, LOWP, DOT_F32, PREC)
-            G43, Q43 = _cross_gram(kd, qd, k3, c3, ref, G43, Q43, LOWP, DOT_F32, PREC)
-            # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
-            c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
-            p_qg = qg + i_h * K
-            _store4(p_qg, t1, t2, t3, t4, HV * K, o_k, q1 * tl.exp(c1), q2 * tl.exp(c2), q3 * tl.exp(c3), q4 * tl.exp(c4),
-                    m1, m2, m3, m4, mk)
-            cl = c_last[None, :]
-            _store4(kg + i_h * K, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
-                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
-            tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp(c_last), mask=mk)
-        else:
+    if GATE_K:
+        p_g = g + i_h * s_gh
+        if tl.program_id(2) == 1:  # the query side: P, qg, rq
+            Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4 = _kda_gram_pass(
+                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
+                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, True, MMA_RANGE, LOWP, DOT_F32, PREC)
+            _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                              Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
+                              ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV, USE_L2)
+            return
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, _, _, _, _ = _kda_gram_pass(
+            p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
+            glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
+            t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+    else:
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
+        ss1 = tl.zeros([16], dtype=tl.float32)
+        ss2 = tl.zeros([16], dtype=tl.float32)
+        ss3 = tl.zeros([16], dtype=tl.float32)
+        ss4 = tl.zeros([16], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            o_k = kb + tl.arange(0, BK)
+            mk = o_k < K
             k1 = tl.load(p_k + t1[:, None] * s_kt + o_k[None, :] * s_kd, mask=m1[:, None] & mk[None, :], other=0.0)
             k2 = tl.load(p_k + t2[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2[:, None] & mk[None, :], other=0.0)
             k3 = tl.load(p_k + t3[:, None] * s_kt + o_k[None, :] * s_kd, mask=m3[:, None] & mk[None, :], other=0.0)
@@ -464,16 +573,10 @@ def _chunk_intra_kernel(
             G42 = tl.dot(k4, k2t, G42, input_precision=KPREC)
             G43 = tl.dot(k4, k3t, G43, input_precision=KPREC)
             G44 = tl.dot(k4, tl.trans(k4), G44, input_precision=KPREC)
-    if USE_L2:
-        r1 = tl.math.rsqrt(ss1 + 1e-6)
-        r2 = tl.math.rsqrt(ss2 + 1e-6)
-        r3 = tl.math.rsqrt(ss3 + 1e-6)
-        r4 = tl.math.rsqrt(ss4 + 1e-6)
-    else:
-        r1 = tl.full([16], 1.0, tl.float32)
-        r2 = tl.full([16], 1.0, tl.float32)
-        r3 = tl.full([16], 1.0, tl.float32)
-        r4 = tl.full([16], 1.0, tl.float32)
+    r1 = _inv_norm(ss1, USE_L2)
+    r2 = _inv_norm(ss2, USE_L2)
+    r3 = _inv_norm(ss3, USE_L2)
+    r4 = _inv_norm(ss4, USE_L2)
 
     # A (blocks of I + A below the diagonal are the A blocks themselves)
     if GATE_K:
@@ -487,25 +590,6 @@ def _chunk_intra_kernel(
         A41 = _beta_block(G41, b4, r4, r1, False)
         A42 = _beta_block(G42, b4, r4, r2, False)
         A43 = _beta_block(G43, b4, r4, r3, False)
-        # P = Q rk_j (the query norm and scale are the output kernel's); blocks above the diagonal
-        # are never read (the output kernel masks them)
-        p_p = pbuf + i_h * 64 + o16[None, :]
-        ty = pbuf.dtype.element_ty
-        tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
-        tl.store(p_p + t2[:, None] * (HV * 64), (Q21 * r1[None, :]).to(ty), mask=m2[:, None])
-        tl.store(p_p + t2[:, None] * (HV * 64) + 16, (Q22 * r2[None, :]).to(ty), mask=m2[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64), (Q31 * r1[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64) + 16, (Q32 * r2[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64) + 32, (Q33 * r3[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64), (Q41 * r1[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
-        if USE_L2:
-            tl.store(rq + t1 * HV + i_h, tl.math.rsqrt(sq1 + 1e-6), mask=m1)
-            tl.store(rq + t2 * HV + i_h, tl.math.rsqrt(sq2 + 1e-6), mask=m2)
-            tl.store(rq + t3 * HV + i_h, tl.math.rsqrt(sq3 + 1e-6), mask=m3)
-            tl.store(rq + t4 * HV + i_h, tl.math.rsqrt(sq4 + 1e-6), mask=m4)
     else:
         A11 = _decay_block(G11, b1, r1, c1, r1, c1, True)
         A22 = _decay_block(G22, b2, r2, c2, r2, c2, True)
@@ -789,6 +873,7 @@ CONFIG = {
     # the sm_90 build (Triton 3.9, bytes per thread): BK 32 / 8 warps 464, 32 / 4 1816, 16 / 8 120
     "kda_intra_bk": None,  # 32
     "kda_intra_warps": None,  # 8
+    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the exact column loop)
 }
 
 
@@ -870,13 +955,15 @@ def chunk_gated_delta_rule_triton(
     prec = _dot_precision(q, k, v)
 
     bv_intra = min(vp, 64)
+    mma_range = float(64.0 if cfg["kda_intra_mma_range"] is None else cfg["kda_intra_mma_range"])
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 32, kp), 16)
         warps_intra = cfg["kda_intra_warps"] or 8
     else:
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
-    _chunk_intra_kernel[(n_rows, hv)](
+    # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
+    _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
         q, k, v, g, beta, cu_seqlens, batch, state_indices,
         w, u, gcum, rk, qg, kg, glast, rq, pbuf,
         q.stride(0), q.stride(1), q.stride(2),
@@ -886,6 +973,7 @@ def chunk_gated_delta_rule_triton(
         beta.stride(0), beta.stride(1),
         HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
         KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
+        MMA_RANGE=mma_range,
         **_launch_opts(warps_intra, cfg["intra_stages"]),
     )
     # the state and output kernels read the decayed keys / queries (one per value head) instead

@@ -868,11 +868,15 @@ CONFIG = {
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
-    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block (its diagonal blocks
-    # hold [16, 16, BK] fp32 tiles) and warps. Not yet timed on a GPU; chosen by register spills of
-    # the sm_90 build (Triton 3.9, bytes per thread): BK 32 / 8 warps 464, 32 / 4 1816, 16 / 8 120
-    "kda_intra_bk": None,  # 32
-    "kda_intra_warps": None,  # 8
+    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps. Its two
+    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles. Not yet
+    # timed on a GPU; chosen by the sm_90 build (Triton 3.9 / bundled ptxas; registers, spill
+    # bytes stored, static SASS instructions): BK 16 / 4 warps 255, 0, 7720 (the fewest
+    # instructions times warps without spills); 16 / 8 244, 0, 5784; 32 / 8 255, 48, 7384;
+    # 32 / 4 255, 1184, 11464; 16 / 2 255, 2296, 12632. The version with both sides in one program
+    # and [16, 16, BK] diagonal tiles (4.0 ms at 8k tokens on H200): 32 / 8 255, 564, 8936.
+    "kda_intra_bk": None,  # 16
+    "kda_intra_warps": None,  # 4
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the exact column loop)
 }
 
@@ -956,9 +960,11 @@ def chunk_gated_delta_rule_triton(
 
     bv_intra = min(vp, 64)
     mma_range = float(64.0 if cfg["kda_intra_mma_range"] is None else cfg["kda_intra_mma_range"])
+    if mma_range > 64.0:  # see _diag_gram: the bound that keeps every MMA entry finite
+        raise ValueError(f'gdn_chunk.CONFIG["kda_intra_mma_range"] must be <= 64, not {mma_range}')
     if gate_k:
-        bk_intra = max(min(cfg["kda_intra_bk"] or 32, kp), 16)
-        warps_intra = cfg["kda_intra_warps"] or 8
+        bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
+        warps_intra = cfg["kda_intra_warps"] or 4
     else:
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)

@@ -280,12 +280,21 @@ def _cpu(*xs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,strength", [pytest.param(torch.bfloat16, 0.4, marks=pytest.mark.smoke),
-                                            (torch.float32, 0.4), (torch.bfloat16, 10.0)])
-def test_gpu_chunk_prefill_matches_torch_op(dtype, strength):
+@pytest.mark.parametrize("dtype,strength,cfg", [
+    pytest.param(torch.bfloat16, 0.4, {}, marks=pytest.mark.smoke), (torch.float32, 0.4, {}),
+    (torch.bfloat16, 10.0, {}), (torch.bfloat16, 20.0, {}), (torch.float32, 20.0, {}),
+    (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
+    (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8}), (torch.bfloat16, 10.0, {"kda_intra_bk": 64})])
+def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
-    (itself checked against the per-token reference); ``strength`` 10: per-channel log-decays down to
-    -10 a token, far past where exp(-cumsum) overflows."""
+    (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
+    down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
+    blocks then mostly take the exact column loop); ``cfg``: other intra-kernel settings
+    (``gdn_chunk.CONFIG``: the exact diagonal loop everywhere, other K blocks / warps)."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    for key, val in cfg.items():
+        monkeypatch.setitem(gdn_chunk.CONFIG, key, val)
     h, kd, vd = KIMI
     T = sum(GPU_LENS)
     q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV, strength=strength)

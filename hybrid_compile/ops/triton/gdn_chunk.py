@@ -26,14 +26,18 @@ keys / queries channel-wise and ``exp(c_last)`` the state's rows::
     o    = scale * ((exp(c) * q) h_n + P v')
 
 The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
-formed: every exponent taken is ``<= 0``. An off-diagonal 16x16 block (rows I > columns J) of A / P
-is an MMA of ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with
-``c_ref`` the cumsum at block I's first row (both factors ``<= 1``, ``c`` being non-increasing);
-the four diagonal blocks are exact fp32 sums over ``[16, 16, BK]`` tiles, masked before the
-``exp``. The intra kernel also writes the decayed queries ``qg = exp(c) q`` and keys
-``kg = exp(c_last - c) k`` (unnormalised; the norms stay per-row factors), ``exp(c_last)`` per
-chunk row, the query norms and ``P`` (rows of 64, key norms applied); the state kernel takes ``kg``
-for ``k`` and the output kernel ``qg`` and ``P`` in place of its own ``q.k^T``.
+formed. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
+``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with ``c_ref`` the cumsum
+at block I's first row (both factors ``<= 1``, ``c`` being non-increasing). A diagonal block is an
+MMA too where, per K block, every channel's cumsum spans at most ``CONFIG["kda_intra_mma_range"]``
+(64) over the block's 16 rows, split at the channel's mid value (factors within ``e^+-32``; see
+``_diag_gram``), else exact fp32 sums one column at a time with every exponent ``<= 0``. The key
+side (A, its inverse, w, u, ``kg = exp(c_last - c) k``, ``exp(c_last)`` per chunk row) and the query
+side (``P`` in rows of 64 with the key norms applied, the query norms, the decayed queries
+``qg = exp(c) q``) run in two programs of the intra kernel (``program_id(2)``), ten 16x16
+accumulators each: in one program they spilled heavily. ``qg`` / ``kg`` are unnormalised (the
+norms stay per-row factors); the state kernel takes ``kg`` for ``k`` and the output kernel ``qg``
+and ``P`` in place of its own ``q.k^T``.
 
 Pipeline (no host sync, no torch work besides the allocations; every size comes from shapes).
 Chunk rows: ``NR = T // 64 + B`` (the bound ``max_chunk_rows`` of ``_varlen.py``); row ``n`` =
@@ -41,8 +45,8 @@ chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each
 its request, first token and length from ``cu_seqlens`` itself (``_locate_row``); rows past the
 last chunk do nothing.
 
-1. ``_chunk_intra_kernel``, grid ``(NR, Hv)``: per (chunk, value head): the cumsum of ``g``
-   (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
+1. ``_chunk_intra_kernel``, grid ``(NR, Hv)`` (per-channel gate: ``(NR, Hv, 2)``, the key and
+   the query side): per (chunk, value head): the cumsum of ``g`` (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
    blocks of ``BK``, in the input dtype: exact products for bf16/fp16), key norms from the same
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
@@ -71,9 +75,9 @@ TF32, and the operands of the large matmuls are bf16 (native MMA, fp32 accumulat
 Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9e-3 against
 2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
 1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
-the fp32 path. Per-channel gate, bf16: also the off-diagonal A / P operands, ``qg`` / ``kg`` and
-``P`` are bf16 (the diagonal blocks exact fp32); under the interpreter at tiny shapes its errors
-match the per-head path's (not yet measured on the GPU).
+the fp32 path. Per-channel gate, bf16: also the A / P MMA operands (the diagonal blocks' too where
+they take the MMA; the exact column loop stays fp32), ``qg`` / ``kg`` and ``P`` are bf16; under the
+interpreter at tiny shapes its errors match the per-head path's (not yet measured on the GPU).
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
 """

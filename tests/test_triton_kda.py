@@ -158,9 +158,9 @@ def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
 
 def _gate(T, h, kd, kind):
     """Per-channel log-decays for the intra kernel's two diagonal-block paths: ``mild`` (-0.01 to
-    -0.41 a token: every 16-token block's cumsum spans < 64, the MMA path), ``steep`` (uniform in
-    [-20, 0]: spans far past 64, the exact column loop; exp(c_i - ref) of a 16-row block would
-    overflow fp32), ``patchy`` (mild, with 16 steep tokens every 40: both paths in one chunk)."""
+    -0.41 a token: every 16-token block's cumsum spans < 64, the one-MMA path), ``steep`` (uniform
+    in [-20, 0]: spans far past 64, the bisection; exp(c_i - ref) of a 16-row block would overflow
+    fp32), ``patchy`` (mild, with 16 steep tokens every 40: both paths in one chunk)."""
     if kind == "mild":
         return -torch.rand(T, h, kd) * 0.4 - 0.01
     if kind == "steep":
@@ -176,8 +176,8 @@ def _gate(T, h, kd, kind):
                                                   ("patchy", -1.0, torch.bfloat16)])
 def test_chunk_prefill_diag_block_paths(monkeypatch, kind, mma_range, dtype):
     """The diagonal 16x16 blocks of A / P: one MMA with a mid-value decay split where the block's
-    cumsum spans <= ``CONFIG["kda_intra_mma_range"]`` (64), else the exact column loop (forced
-    everywhere by -1), on a varlen batch with chunk-boundary lengths (16, 63, 64, 65, 128 tokens,
+    cumsum spans <= ``CONFIG["kda_intra_mma_range"]`` (64), else four MMAs bisecting the block
+    (forced everywhere by -1), on a varlen batch with chunk-boundary lengths (16, 63, 64, 65, 128 tokens,
     one of 1), against the per-token reference; finite for log-decays down to -20 a token."""
     from hybrid_compile.ops.triton import gdn_chunk
 
@@ -193,7 +193,7 @@ def test_chunk_prefill_diag_block_paths(monkeypatch, kind, mma_range, dtype):
     has_init = torch.tensor([i % 2 == 1 for i in range(len(lens))])
     o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, dtype=dtype)
     assert torch.isfinite(o).all() and torch.isfinite(got_pool).all() and torch.isfinite(cs).all()
-    if kind == "mild" and mma_range is None:  # the MMA path ran (the exact loop rounds differently)
+    if kind == "mild" and mma_range is None:  # the one-MMA path ran (the bisection rounds differently)
         monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_mma_range", -1.0)
         o_exact, _ = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, has_init, True,
                                                            0.0, False)
@@ -289,8 +289,8 @@ def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
     (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
     down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
-    blocks then mostly take the exact column loop); ``cfg``: other intra-kernel settings
-    (``gdn_chunk.CONFIG``: the exact diagonal loop everywhere, other K blocks / warps)."""
+    blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
+    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps)."""
     from hybrid_compile.ops.triton import gdn_chunk
 
     for key, val in cfg.items():

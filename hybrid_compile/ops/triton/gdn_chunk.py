@@ -31,7 +31,7 @@ formed. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
 at block I's first row (both factors ``<= 1``, ``c`` being non-increasing). A diagonal block is an
 MMA too where, per K block, every channel's cumsum spans at most ``CONFIG["kda_intra_mma_range"]``
 (64) over the block's 16 rows, split at the channel's mid value (factors within ``e^+-32``; see
-``_diag_gram``), else exact fp32 sums one column at a time with every exponent ``<= 0``. The key
+``_diag_gram``), else four MMAs bisecting the block with every exponent ``<= 0``. The key
 side (A, its inverse, w, u, ``kg = exp(c_last - c) k``, ``exp(c_last)`` per chunk row) and the query
 side (``P`` in rows of 64 with the key norms applied, the query norms, the decayed queries
 ``qg = exp(c) q``) run in two programs of the intra kernel (``program_id(2)``), ten 16x16
@@ -76,7 +76,7 @@ Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9
 2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
 1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
 the fp32 path. Per-channel gate, bf16: also the A / P MMA operands (the diagonal blocks' too where
-they take the MMA; the exact column loop stays fp32), ``qg`` / ``kg`` and ``P`` are bf16; under the
+they take the MMAs), ``qg`` / ``kg`` and ``P`` are bf16; under the
 interpreter at tiny shapes its errors match the per-head path's (not yet measured on the GPU).
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
@@ -262,35 +262,53 @@ def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _diag_gram_exact(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G):
-    """A diagonal 16x16 block of a per-channel-decay product in exact fp32 (no MMA), one column ``j``
-    at a time on ``[16, BK]`` tiles: ``G[:, j] += sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` the
-    block's keys or queries) for ``i >= j`` (zero above). Masked before the
-    ``exp``: every exponent taken is ``<= 0``. Key row ``j`` is reloaded (``p_k`` at token
-    ``t0 + j``, an L1 hit) rather than extracted from ``kf``; ``c_j`` is row ``j`` of ``c`` itself,
-    so the diagonal's exponent is exactly 0. Columns from ``n_cols`` on (past the chunk's end) stay zero."""
+def _bisect_level(xf, kf, c, G, S: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """One level of ``_diag_gram_bisect``: the pairs (row in the upper, column in the lower half of
+    a ``2S``-row group), decay split at the group's middle row."""
     o = tl.arange(0, 16)
-    for j in range(0, n_cols):
-        kj = tl.load(p_k + (t0 + j) * s_kt + o_k * s_kd, mask=mk, other=0.0).to(tl.float32)
-        cj = _row16(c, j)
-        ke = kj[None, :] * tl.exp(tl.where(o[:, None] >= j, c - cj[None, :], float("-inf")))
-        col = o[None, :] == j
-        G = tl.where(col, G + tl.sum(xf * ke, 1)[:, None], G)
-    return G
+    mid = (o // (2 * S)) * (2 * S) + S - 1  # the last row of each row's group's lower half
+    r = tl.gather(c, tl.broadcast_to(mid[:, None], c.shape), 0)
+    upper = ((o // S) % 2 == 1)[:, None]
+    rows = xf * tl.exp(tl.where(upper, c - r, float("-inf")))
+    cols = kf * tl.exp(tl.where(upper, float("-inf"), r - c))
+    ii = o[:, None]
+    jj = o[None, :]
+    pairs = (ii // (2 * S) == jj // (2 * S)) & ((ii // S) % 2 == 1) & ((jj // S) % 2 == 0)
+    X = _mma(rows, tl.trans(cols), tl.zeros([16, 16], dtype=tl.float32), LOWP, DOT_F32, PREC)
+    return G + tl.where(pairs, X, 0.0)
 
 
 @triton.jit
-def _diag_gram(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G, MMA_RANGE: tl.constexpr,
-               LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """Accumulates a diagonal 16x16 block of a per-channel-decay product ``sum_k x_ik k_jk
-    exp(c_ik - c_jk)`` (``x`` keys or queries; rows ``i >= j`` meaningful, the entries above are
-    finite and masked by the readers). When every channel's cumsum spans
-    ``D = max_i c_i - min_i c_i <= MMA_RANGE`` over the block: one MMA with the decay split at the channel's mid value ``ref = (max + min) / 2``,
+def _diag_gram_bisect(xf, kf, c, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
+    queries) for ``i >= j`` (zero above) as four MMAs whose decay factors are all ``<= 1``, for any
+    decay: every pair ``i > j`` is split by exactly one level ``s`` (8, 4, 2, 1) of halving the
+    block, where ``i`` lies in the upper half and ``j`` in the lower half of one ``2s``-row group;
+    with ``r`` the cumsum at the group's middle (row ``m - 1``, ``m`` the upper half's first row),
+    ``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)`` and both exponents are ``<= 0`` (``c``
+    non-increasing). The level's MMA is masked to its pairs; the diagonal ``i = j`` (exponent 0)
+    is an elementwise sum."""
+    G = _bisect_level(xf, kf, c, G, 8, LOWP, DOT_F32, PREC)
+    G = _bisect_level(xf, kf, c, G, 4, LOWP, DOT_F32, PREC)
+    G = _bisect_level(xf, kf, c, G, 2, LOWP, DOT_F32, PREC)
+    G = _bisect_level(xf, kf, c, G, 1, LOWP, DOT_F32, PREC)
+    o = tl.arange(0, 16)
+    return G + tl.where(o[:, None] == o[None, :], tl.sum(xf * kf, 1)[:, None], 0.0)
+
+
+@triton.jit
+def _diag_gram(xf, kf, c, G, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+               PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
+    queries; rows ``i >= j`` meaningful, the entries above are finite and masked by the readers).
+    When every channel's cumsum spans ``D = max_i c_i - min_i c_i <= MMA_RANGE`` over the block: one
+    MMA with the decay split at the channel's mid value ``ref = (max + min) / 2``,
     ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)``, both factors in ``[exp(-D/2), exp(D/2)]``.
     With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw q / k below
-    ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded entries
-    above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel a decay
-    steeper than ``MMA_RANGE / 16`` per token on average) the exact column loop ``_diag_gram_exact``."""
+    ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded
+    entries above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel
+    a decay steeper than ``MMA_RANGE / 16`` per token on average) ``_diag_gram_bisect``: four MMAs
+    with every factor ``<= 1``, for any decay."""
     hi = tl.max(c, 0)
     lo = tl.min(c, 0)
     if tl.max(hi - lo, 0) <= MMA_RANGE:
@@ -298,7 +316,7 @@ def _diag_gram(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G, MMA_RANGE: tl
         kt = tl.trans(kf * tl.exp(ref[None, :] - c))
         G = _mma(xf * tl.exp(c - ref[None, :]), kt, G, LOWP, DOT_F32, PREC)
     else:
-        G = _diag_gram_exact(xf, kf, c, p_k, s_kt, t0, o_k, s_kd, mk, n_cols, G)
+        G = _diag_gram_bisect(xf, kf, c, G, LOWP, DOT_F32, PREC)
     return G
 
 
@@ -320,7 +338,7 @@ def _cross_gram(xd, kf_j, c_j, ref, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr
 
 
 @triton.jit
-def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_glast, start, n,
+def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_glast,
                    t1, t2, t3, t4, m1, m2, m3, m4,
                    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
                    QUERIES: tl.constexpr, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
@@ -361,14 +379,10 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
                 sx2 += tl.sum(x2 * x2, 1)
                 sx3 += tl.sum(x3 * x3, 1)
                 sx4 += tl.sum(x4 * x4, 1)
-        X11 = _diag_gram(x1, k1, c1, p_k, s_kt, start, o_k, s_kd, mk, tl.minimum(n, 16), X11,
-                         MMA_RANGE, LOWP, DOT_F32, PREC)
-        X22 = _diag_gram(x2, k2, c2, p_k, s_kt, start + 16, o_k, s_kd, mk, tl.minimum(n - 16, 16), X22,
-                         MMA_RANGE, LOWP, DOT_F32, PREC)
-        X33 = _diag_gram(x3, k3, c3, p_k, s_kt, start + 32, o_k, s_kd, mk, tl.minimum(n - 32, 16), X33,
-                         MMA_RANGE, LOWP, DOT_F32, PREC)
-        X44 = _diag_gram(x4, k4, c4, p_k, s_kt, start + 48, o_k, s_kd, mk, tl.minimum(n - 48, 16), X44,
-                         MMA_RANGE, LOWP, DOT_F32, PREC)
+        X11 = _diag_gram(x1, k1, c1, X11, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X22 = _diag_gram(x2, k2, c2, X22, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X33 = _diag_gram(x3, k3, c3, X33, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X44 = _diag_gram(x4, k4, c4, X44, MMA_RANGE, LOWP, DOT_F32, PREC)
         # off-diagonal blocks: MMAs with the decay split at each row block's first row
         xd, ref = _split_decay(x2, c2)
         X21 = _cross_gram(xd, k1, c1, ref, X21, LOWP, DOT_F32, PREC)
@@ -527,7 +541,7 @@ def _chunk_intra_kernel(
         p_g = g + i_h * s_gh
         if tl.program_id(2) == 1:  # the query side: P, qg, rq
             Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4 = _kda_gram_pass(
-                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
+                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast,
                 t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, True, MMA_RANGE, LOWP, DOT_F32, PREC)
             _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
                               Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
@@ -535,7 +549,7 @@ def _chunk_intra_kernel(
             return
         G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, _, _, _, _ = _kda_gram_pass(
             p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
-            glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
+            glast + (i_r.to(tl.int64) * HV + i_h) * K,
             t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
     else:
         G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
@@ -881,7 +895,7 @@ CONFIG = {
     # and [16, 16, BK] diagonal tiles (4.0 ms at 8k tokens on H200): 32 / 8 255, 564, 8936.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 4
-    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the exact column loop)
+    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
 }
 
 

@@ -886,13 +886,15 @@ CONFIG = {
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
-    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps. Its two
-    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles. Not yet
-    # timed on a GPU; chosen by the sm_90 build (Triton 3.9 / bundled ptxas; registers, spill
-    # bytes stored, static SASS instructions): BK 16 / 4 warps 255, 0, 7720 (the fewest
-    # instructions times warps without spills); 16 / 8 244, 0, 5784; 32 / 8 255, 48, 7384;
-    # 32 / 4 255, 1184, 11464; 16 / 2 255, 2296, 12632. The version with both sides in one program
-    # and [16, 16, BK] diagonal tiles (4.0 ms at 8k tokens on H200): 32 / 8 255, 564, 8936.
+    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
+    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Not yet
+    # timed on a GPU; chosen from the sm_90 build (registers / spill bytes stored / static SASS
+    # instructions per thread), Triton 3.6 | 3.9: BK 16 / 4 warps 255 / 56 / 9184 | 255 / 216 /
+    # 10032 (fewest warp-instructions, static count x warps, of the near-spill-free builds);
+    # 16 / 8 255 / 12 / 6968 | 255 / 8 / 7168; 32 / 8 255 / 48 / 9288 | 255 / 464 / 9888;
+    # 32 / 4 255 / 676 / 13328; 16 / 2 255 / 572 / 13424; 64 / 8 255 / 1056 / 13968. The version
+    # before (both sides in one program, [16, 16, BK] fp32 diagonal tiles; 4.0 ms at 8k tokens on
+    # an H200 at its default 32 / 8): 32 / 8 255 / 904 / 8680 | 255 / 564 / 8936.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 4
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)

@@ -28,9 +28,10 @@ keys / queries channel-wise and ``exp(c_last)`` the state's rows::
 The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
 formed. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
 ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with ``c_ref`` the cumsum
-at block I's first row (both factors ``<= 1``, ``c`` being non-increasing). A diagonal block is an
-MMA too where, per K block, every channel's cumsum spans at most ``CONFIG["kda_intra_mma_range"]``
-(64) over the block's 16 rows, split at the channel's mid value (factors within ``e^+-32``; see
+at the row before block I (both factors ``<= 1``, ``c`` being non-increasing: ``g <= 0``). A
+diagonal block is an MMA too where, per K block, every channel's cumsum falls by at most
+``CONFIG["kda_intra_mma_range"]`` (64) from the row before the block to its last row, split at the
+channel's mid value (factors within ``e^+-32``; see
 ``_diag_gram``), else four MMAs bisecting the block with every exponent ``<= 0``. The key
 side (A, its inverse, w, u, ``kg = exp(c_last - c) k``, ``exp(c_last)`` per chunk row) and the query
 side (``P`` in rows of 64 with the key norms applied, the query norms, the decayed queries
@@ -238,12 +239,17 @@ def _store4(p, t1, t2, t3, t4, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
 
 @triton.jit
 def _cumsum4(g1, g2, g3, g4):
-    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate."""
+    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate,
+    and each tile's last row ``e1`` .. ``e4`` (``e4``: the chunk's last cumsum, the masked tail
+    adding ``g = 0``)."""
     c1 = tl.cumsum(g1, 0)
-    c2 = tl.cumsum(g2, 0) + _row16(c1, 15)[None, :]
-    c3 = tl.cumsum(g3, 0) + _row16(c2, 15)[None, :]
-    c4 = tl.cumsum(g4, 0) + _row16(c3, 15)[None, :]
-    return c1, c2, c3, c4
+    e1 = _row16(c1, 15)
+    c2 = tl.cumsum(g2, 0) + e1[None, :]
+    e2 = _row16(c2, 15)
+    c3 = tl.cumsum(g3, 0) + e2[None, :]
+    e3 = _row16(c3, 15)
+    c4 = tl.cumsum(g4, 0) + e3[None, :]
+    return c1, c2, c3, c4, e1, e2, e3, _row16(c4, 15)
 
 
 @triton.jit
@@ -297,22 +303,21 @@ def _diag_gram_bisect(xf, kf, c, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, P
 
 
 @triton.jit
-def _diag_gram(xf, kf, c, G, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
                PREC: tl.constexpr):
     """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
     queries; rows ``i >= j`` meaningful, the entries above are finite and masked by the readers).
-    When every channel's cumsum spans ``D = max_i c_i - min_i c_i <= MMA_RANGE`` over the block: one
-    MMA with the decay split at the channel's mid value ``ref = (max + min) / 2``,
+    ``c`` being non-increasing, the block's cumsums lie in ``[bot, top]`` (``top`` the cumsum at the
+    row before the block, ``bot`` at its last row). When ``D = top - bot <= MMA_RANGE`` on every
+    channel: one MMA with the decay split at the channel's mid value ``ref = (top + bot) / 2``,
     ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)``, both factors in ``[exp(-D/2), exp(D/2)]``.
     With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw q / k below
     ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded
     entries above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel
     a decay steeper than ``MMA_RANGE / 16`` per token on average) ``_diag_gram_bisect``: four MMAs
     with every factor ``<= 1``, for any decay."""
-    hi = tl.max(c, 0)
-    lo = tl.min(c, 0)
-    if tl.max(hi - lo, 0) <= MMA_RANGE:
-        ref = (hi + lo) * 0.5
+    if tl.max(top - bot, 0) <= MMA_RANGE:
+        ref = (top + bot) * 0.5
         kt = tl.trans(kf * tl.exp(ref[None, :] - c))
         G = _mma(xf * tl.exp(c - ref[None, :]), kt, G, LOWP, DOT_F32, PREC)
     else:
@@ -321,19 +326,18 @@ def _diag_gram(xf, kf, c, G, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F3
 
 
 @triton.jit
-def _split_decay(xf, c):
-    """Row block I's keys or queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
-    block's first row: the row side of ``_cross_gram``."""
-    ref = _row16(c, 0)
-    return xf * tl.exp(c - ref[None, :]), ref
+def _split_decay(xf, c, ref):
+    """Row block I's keys or queries times ``exp(c_I - ref)`` (``<= 1``), ``ref`` the cumsum at the
+    row before the block: the row side of ``_cross_gram``."""
+    return xf * tl.exp(c - ref[None, :])
 
 
 @triton.jit
 def _cross_gram(xd, kf_j, c_j, ref, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """Accumulates an off-diagonal block (row block I > column block J) of a per-channel-decay
     product as an MMA: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
-    block I's first row, so both factors are ``<= 1`` (``c`` is non-increasing); ``xd`` is block I's
-    keys / queries times ``exp(c_I - ref)``."""
+    the row before block I (the last of block I - 1 >= J), so both factors are ``<= 1`` (``c`` is
+    non-increasing); ``xd`` is block I's keys / queries times ``exp(c_I - ref)``."""
     return _mma(xd, tl.trans(kf_j * tl.exp(ref[None, :] - c_j)), G, LOWP, DOT_F32, PREC)
 
 
@@ -364,7 +368,8 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
         mk = o_k < K
         k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
         g1, g2, g3, g4 = _load4(p_g, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-        c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+        c1, c2, c3, c4, e1, e2, e3, e4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+        e0 = tl.zeros_like(e1)  # the cumsum before the chunk
         if QUERIES:
             x1, x2, x3, x4 = _load4(p_x, t1, t2, t3, t4, s_xt, o_k, s_xd, m1, m2, m3, m4, mk)
         else:
@@ -379,30 +384,29 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
                 sx2 += tl.sum(x2 * x2, 1)
                 sx3 += tl.sum(x3 * x3, 1)
                 sx4 += tl.sum(x4 * x4, 1)
-        X11 = _diag_gram(x1, k1, c1, X11, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X22 = _diag_gram(x2, k2, c2, X22, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X33 = _diag_gram(x3, k3, c3, X33, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X44 = _diag_gram(x4, k4, c4, X44, MMA_RANGE, LOWP, DOT_F32, PREC)
-        # off-diagonal blocks: MMAs with the decay split at each row block's first row
-        xd, ref = _split_decay(x2, c2)
-        X21 = _cross_gram(xd, k1, c1, ref, X21, LOWP, DOT_F32, PREC)
-        xd, ref = _split_decay(x3, c3)
-        X31 = _cross_gram(xd, k1, c1, ref, X31, LOWP, DOT_F32, PREC)
-        X32 = _cross_gram(xd, k2, c2, ref, X32, LOWP, DOT_F32, PREC)
-        xd, ref = _split_decay(x4, c4)
-        X41 = _cross_gram(xd, k1, c1, ref, X41, LOWP, DOT_F32, PREC)
-        X42 = _cross_gram(xd, k2, c2, ref, X42, LOWP, DOT_F32, PREC)
-        X43 = _cross_gram(xd, k3, c3, ref, X43, LOWP, DOT_F32, PREC)
+        X11 = _diag_gram(x1, k1, c1, e0, e1, X11, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X22 = _diag_gram(x2, k2, c2, e1, e2, X22, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X33 = _diag_gram(x3, k3, c3, e2, e3, X33, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X44 = _diag_gram(x4, k4, c4, e3, e4, X44, MMA_RANGE, LOWP, DOT_F32, PREC)
+        # off-diagonal blocks: MMAs with the decay split at the row before each row block
+        xd = _split_decay(x2, c2, e1)
+        X21 = _cross_gram(xd, k1, c1, e1, X21, LOWP, DOT_F32, PREC)
+        xd = _split_decay(x3, c3, e2)
+        X31 = _cross_gram(xd, k1, c1, e2, X31, LOWP, DOT_F32, PREC)
+        X32 = _cross_gram(xd, k2, c2, e2, X32, LOWP, DOT_F32, PREC)
+        xd = _split_decay(x4, c4, e3)
+        X41 = _cross_gram(xd, k1, c1, e3, X41, LOWP, DOT_F32, PREC)
+        X42 = _cross_gram(xd, k2, c2, e3, X42, LOWP, DOT_F32, PREC)
+        X43 = _cross_gram(xd, k3, c3, e3, X43, LOWP, DOT_F32, PREC)
         # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
         if QUERIES:
             _store4(out, t1, t2, t3, t4, HV * K, o_k, x1 * tl.exp(c1), x2 * tl.exp(c2), x3 * tl.exp(c3),
                     x4 * tl.exp(c4), m1, m2, m3, m4, mk)
         else:
-            c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
-            cl = c_last[None, :]
+            cl = e4[None, :]  # the last token's cumsum
             _store4(out, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
                     k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
-            tl.store(p_glast + o_k, tl.exp(c_last), mask=mk)
+            tl.store(p_glast + o_k, tl.exp(e4), mask=mk)
     return X11, X21, X22, X31, X32, X33, X41, X42, X43, X44, ss1, ss2, ss3, ss4, sx1, sx2, sx3, sx4
 
 
@@ -547,7 +551,7 @@ def _chunk_intra_kernel(
                               Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
                               ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV, USE_L2)
             return
-        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, _, _, _, _ = _kda_gram_pass(
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, sk1, sk2, sk3, sk4 = _kda_gram_pass(
             p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
             glast + (i_r.to(tl.int64) * HV + i_h) * K,
             t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
@@ -644,7 +648,7 @@ def _chunk_intra_kernel(
         x4 = x4 * e4[:, None]
         if GATE_K:
             g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)
+            c1, c2, c3, c4, end1, end2, end3, end4 = _cumsum4(g1, g2, g3, g4)  # the ends unused here
             x1 = x1 * tl.exp(c1)
             x2 = x2 * tl.exp(c2)
             x3 = x3 * tl.exp(c3)

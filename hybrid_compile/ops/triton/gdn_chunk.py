@@ -892,13 +892,14 @@ CONFIG = {
     "out_stages": None,
     # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
     # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Not yet
-    # timed on a GPU; chosen from the sm_90 build (registers / spill bytes stored / static SASS
-    # instructions per thread), Triton 3.6 | 3.9: BK 16 / 4 warps 255 / 56 / 9184 | 255 / 216 /
-    # 10032 (fewest warp-instructions, static count x warps, of the near-spill-free builds);
-    # 16 / 8 255 / 12 / 6968 | 255 / 8 / 7168; 32 / 8 255 / 48 / 9288 | 255 / 464 / 9888;
-    # 32 / 4 255 / 676 / 13328; 16 / 2 255 / 572 / 13424; 64 / 8 255 / 1056 / 13968. The version
-    # before (both sides in one program, [16, 16, BK] fp32 diagonal tiles; 4.0 ms at 8k tokens on
-    # an H200 at its default 32 / 8): 32 / 8 255 / 904 / 8680 | 255 / 564 / 8936.
+    # timed on a GPU; chosen from the sm_90 build (benchmarks/kda_intra_build.py: spill bytes
+    # stored / static SASS instructions per thread, 255 registers unless said), Triton 3.6 (the
+    # GPU's) | 3.9: BK 16 / 4 warps 36 / 8832 | 284 / 9640 (the fewest instructions times warps
+    # of the near-spill-free builds); 16 / 8 16 / 6784 | 0 (250 regs) / 6848; 32 / 8 32 / 8920 |
+    # 432 / 9520; 32 / 4 504 / 12560; 16 / 2 508 / 12672; 64 / 8 916 / 13224. The version before
+    # (both sides in one program, [16, 16, BK] fp32 diagonal tiles; its intra kernel 4.0 ms at 8k
+    # tokens on an H200 at its default 32 / 8, fla's whole chunk_kda 1.9 ms): 32 / 8 904 / 8680 |
+    # 564 / 8936, 16 / 4 1080 / 8824 | 960 / 9184.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 4
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)

@@ -268,7 +268,7 @@ def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _bisect_level(xf, kf, c, G, S: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+def _bisect_level(xf, kf, c, G, S: tl.constexpr, PREC: tl.constexpr):
     """One level of ``_diag_gram_bisect``: the pairs (row in the upper, column in the lower half of
     a ``2S``-row group), decay split at the group's middle row."""
     o = tl.arange(0, 16)
@@ -280,12 +280,12 @@ def _bisect_level(xf, kf, c, G, S: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl
     ii = o[:, None]
     jj = o[None, :]
     pairs = (ii // (2 * S) == jj // (2 * S)) & ((ii // S) % 2 == 1) & ((jj // S) % 2 == 0)
-    X = _mma(rows, tl.trans(cols), tl.zeros([16, 16], dtype=tl.float32), LOWP, DOT_F32, PREC)
+    X = tl.dot(rows, tl.trans(cols), input_precision=PREC)
     return G + tl.where(pairs, X, 0.0)
 
 
 @triton.jit
-def _diag_gram_bisect(xf, kf, c, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+def _diag_gram_bisect(xf, kf, c, G, PREC: tl.constexpr):
     """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
     queries) for ``i >= j`` (zero above) as four MMAs whose decay factors are all ``<= 1``, for any
     decay: every pair ``i > j`` is split by exactly one level ``s`` (8, 4, 2, 1) of halving the
@@ -293,18 +293,18 @@ def _diag_gram_bisect(xf, kf, c, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, P
     with ``r`` the cumsum at the group's middle (row ``m - 1``, ``m`` the upper half's first row),
     ``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)`` and both exponents are ``<= 0`` (``c``
     non-increasing). The level's MMA is masked to its pairs; the diagonal ``i = j`` (exponent 0)
-    is an elementwise sum."""
-    G = _bisect_level(xf, kf, c, G, 8, LOWP, DOT_F32, PREC)
-    G = _bisect_level(xf, kf, c, G, 4, LOWP, DOT_F32, PREC)
-    G = _bisect_level(xf, kf, c, G, 2, LOWP, DOT_F32, PREC)
-    G = _bisect_level(xf, kf, c, G, 1, LOWP, DOT_F32, PREC)
+    is an elementwise sum. Diagonal-block MMAs take fp32 operands at ``PREC`` (TF32 for bf16
+    inputs, TF32x3 for fp32): bf16 operands here raised the bf16 output error by a third."""
+    G = _bisect_level(xf, kf, c, G, 8, PREC)
+    G = _bisect_level(xf, kf, c, G, 4, PREC)
+    G = _bisect_level(xf, kf, c, G, 2, PREC)
+    G = _bisect_level(xf, kf, c, G, 1, PREC)
     o = tl.arange(0, 16)
     return G + tl.where(o[:, None] == o[None, :], tl.sum(xf * kf, 1)[:, None], 0.0)
 
 
 @triton.jit
-def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
-               PREC: tl.constexpr):
+def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
     """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
     queries; rows ``i >= j`` meaningful, the entries above are finite and masked by the readers).
     ``c`` being non-increasing, the block's cumsums lie in ``[bot, top]`` (``top`` the cumsum at the
@@ -319,9 +319,9 @@ def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, LOWP: tl.constex
     if tl.max(top - bot, 0) <= MMA_RANGE:
         ref = (top + bot) * 0.5
         kt = tl.trans(kf * tl.exp(ref[None, :] - c))
-        G = _mma(xf * tl.exp(c - ref[None, :]), kt, G, LOWP, DOT_F32, PREC)
+        G = tl.dot(xf * tl.exp(c - ref[None, :]), kt, G, input_precision=PREC)
     else:
-        G = _diag_gram_bisect(xf, kf, c, G, LOWP, DOT_F32, PREC)
+        G = _diag_gram_bisect(xf, kf, c, G, PREC)
     return G
 
 
@@ -384,10 +384,10 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
                 sx2 += tl.sum(x2 * x2, 1)
                 sx3 += tl.sum(x3 * x3, 1)
                 sx4 += tl.sum(x4 * x4, 1)
-        X11 = _diag_gram(x1, k1, c1, e0, e1, X11, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X22 = _diag_gram(x2, k2, c2, e1, e2, X22, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X33 = _diag_gram(x3, k3, c3, e2, e3, X33, MMA_RANGE, LOWP, DOT_F32, PREC)
-        X44 = _diag_gram(x4, k4, c4, e3, e4, X44, MMA_RANGE, LOWP, DOT_F32, PREC)
+        X11 = _diag_gram(x1, k1, c1, e0, e1, X11, MMA_RANGE, PREC)
+        X22 = _diag_gram(x2, k2, c2, e1, e2, X22, MMA_RANGE, PREC)
+        X33 = _diag_gram(x3, k3, c3, e2, e3, X33, MMA_RANGE, PREC)
+        X44 = _diag_gram(x4, k4, c4, e3, e4, X44, MMA_RANGE, PREC)
         # off-diagonal blocks: MMAs with the decay split at the row before each row block
         xd = _split_decay(x2, c2, e1)
         X21 = _cross_gram(xd, k1, c1, e1, X21, LOWP, DOT_F32, PREC)
@@ -893,13 +893,13 @@ CONFIG = {
     # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
     # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Not yet
     # timed on a GPU; chosen from the sm_90 build (benchmarks/kda_intra_build.py: spill bytes
-    # stored / static SASS instructions per thread, 255 registers unless said), Triton 3.6 (the
-    # GPU's) | 3.9: BK 16 / 4 warps 36 / 8832 | 284 / 9640 (the fewest instructions times warps
-    # of the near-spill-free builds); 16 / 8 16 / 6784 | 0 (250 regs) / 6848; 32 / 8 32 / 8920 |
-    # 432 / 9520; 32 / 4 504 / 12560; 16 / 2 508 / 12672; 64 / 8 916 / 13224. The version before
-    # (both sides in one program, [16, 16, BK] fp32 diagonal tiles; its intra kernel 4.0 ms at 8k
-    # tokens on an H200 at its default 32 / 8, fla's whole chunk_kda 1.9 ms): 32 / 8 904 / 8680 |
-    # 564 / 8936, 16 / 4 1080 / 8824 | 960 / 9184.
+    # stored / static SASS instructions per thread, 255 registers), Triton 3.6 (the GPU's) | 3.9:
+    # BK 16 / 4 warps 40 / 9216 | 196 / 10056 (the fewest instructions times warps of the
+    # near-spill-free builds); 16 / 8 20 / 7336 | 8 / 7384; 32 / 8 40 / 9824 | 436 / 10576;
+    # 32 / 4 564 / 13184; 16 / 2 572 / 12800; 64 / 8 932 / 14840. The version before (both sides
+    # in one program, [16, 16, BK] fp32 diagonal tiles; its intra kernel 4.0 ms at 8k tokens on an
+    # H200 at its default 32 / 8, fla's whole chunk_kda 1.9 ms): 32 / 8 904 / 8680 | 564 / 8936,
+    # 16 / 4 1080 / 8824 | 960 / 9184.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 4
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)

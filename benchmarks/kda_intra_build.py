@@ -5,7 +5,7 @@ SASS instructions per thread and the instruction count of each loop body. This i
 (per-channel gate) intra kernel's ``CONFIG["kda_intra_bk"]`` / ``["kda_intra_warps"]`` defaults
 were chosen before any GPU timing; time them with ``benchmarks/profile_gdn_chunk.py --kda --sweep``.
 
-    python benchmarks/kda_intra_build.py [--configs 16/4,16/8,32/8] [--arch 90] [--gdn] [--fp32]
+    python benchmarks/kda_intra_build.py [--configs 16/4,16/8,32/8] [--arch 90] [--gdn] [--fp32] [--stages N]
 
 Shapes are Kimi-Linear-48B's (32 heads, K = V = 128, bf16 q/k/v, fp32 g); ``--gdn`` builds the
 per-head-gate variant instead (Qwen3-Next: value heads per key head 2, BK 64), ``--fp32`` the
@@ -45,8 +45,9 @@ def _tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def build(bk, warps, arch=90, gate_k=True, fp32=False):
-    """Compiles ``_chunk_intra_kernel`` for ``sm_<arch>``; returns the build's statistics."""
+def build(bk, warps, arch=90, gate_k=True, fp32=False, stages=None):
+    """Compiles ``_chunk_intra_kernel`` for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None =
+    its default, as the launcher); returns the build's statistics."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("benchmarks/kda_intra_build.py builds real kernels: unset TRITON_INTERPRET")
     kern = gdn_chunk._chunk_intra_kernel
@@ -61,7 +62,8 @@ def build(bk, warps, arch=90, gate_k=True, fp32=False):
             sig[name] = _PTR.get(name, "*fp32").replace("bf16", "fp32" if fp32 else "bf16")
     const_args = {(kern.arg_names.index(k),): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const_args),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, **({} if stages is None else {"num_stages": stages})})
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
         with open(cubin, "wb") as f:
@@ -99,11 +101,12 @@ def main():
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--gdn", action="store_true", help="the per-head gate (GDN) variant")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (TF32x3 matmuls)")
+    ap.add_argument("--stages", type=int, default=None, help="num_stages (default: Triton's, as the launcher)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}, {'GDN' if args.gdn else 'KDA'}, {'fp32' if args.fp32 else 'bf16'}")
     for cfg in args.configs.split(","):
         bk, warps = (int(x) for x in cfg.split("/"))
-        r = build(bk, warps, args.arch, gate_k=not args.gdn, fp32=args.fp32)
+        r = build(bk, warps, args.arch, gate_k=not args.gdn, fp32=args.fp32, stages=args.stages)
         print(f"BK {bk:3d} / {warps} warps: {r['regs']} regs, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, {r['shared']} B shared, {r['sass']} SASS instructions, "
               f"loop bodies {r['loops'][:4]}", flush=True)

@@ -284,13 +284,14 @@ def _cpu(*xs):
     pytest.param(torch.bfloat16, 0.4, {}, marks=pytest.mark.smoke), (torch.float32, 0.4, {}),
     (torch.bfloat16, 10.0, {}), (torch.bfloat16, 20.0, {}), (torch.float32, 20.0, {}),
     (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
-    (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8}), (torch.bfloat16, 10.0, {"kda_intra_bk": 64})])
+    (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
+    (torch.bfloat16, 10.0, {"kda_intra_bk": 64})])
 def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
     (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
     down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
     blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
-    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps)."""
+    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages)."""
     from hybrid_compile.ops.triton import gdn_chunk
 
     for key, val in cfg.items():

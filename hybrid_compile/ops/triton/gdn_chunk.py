@@ -902,6 +902,9 @@ CONFIG = {
     # 16 / 4 1080 / 8824 | 960 / 9184.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 4
+    # Triton's default (3: the next K blocks' loads in flight); 1 builds 8% fewer loop instructions
+    # at 16 / 4 (Triton 3.6: 64 B spills), 16 / 8 without spills: to be timed
+    "kda_intra_stages": None,
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
 }
 
@@ -990,9 +993,11 @@ def chunk_gated_delta_rule_triton(
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
         warps_intra = cfg["kda_intra_warps"] or 4
+        stages_intra = cfg["kda_intra_stages"]
     else:
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
+        stages_intra = cfg["intra_stages"]
     # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
     _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
         q, k, v, g, beta, cu_seqlens, batch, state_indices,
@@ -1005,7 +1010,7 @@ def chunk_gated_delta_rule_triton(
         HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
         KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
         MMA_RANGE=mma_range,
-        **_launch_opts(warps_intra, cfg["intra_stages"]),
+        **_launch_opts(warps_intra, stages_intra),
     )
     # the state and output kernels read the decayed keys / queries (one per value head) instead
     k_state, q_out, r_io = (kg, qg, 1) if gate_k else (k, q, r)

@@ -353,7 +353,6 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
     the queries (``QUERIES`` on: the ``P`` side; stores ``qg = exp(c) q`` to ``out``), plus the
     squared norms of the keys and of ``x`` per row. Each side runs in its own program, so only 10
     accumulators are live (both sides in one program spilled heavily)."""
-    o16 = tl.arange(0, 16)
     X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
     ss1 = tl.zeros([16], dtype=tl.float32)
     ss2 = tl.zeros([16], dtype=tl.float32)

@@ -2,7 +2,12 @@
 vs. flash-linear-attention (where it has the same op), on realistic shapes; ``skinny_mm`` against
 cuBLAS (``torch.mm``) at the reference model's projection shapes at 1-4 rows.
 
-    python benchmarks/kernels.py [--quick] [--out benchmarks/results/kernels.json]
+    python benchmarks/kernels.py [--quick] [--only kda,...] [--out benchmarks/results/kernels.json]
+        [--chunk-config '{"kda_intra_bk": 32, "kda_intra_warps": 8}']
+
+``--chunk-config`` overrides launch settings of the chunked GDN / KDA prefill kernels
+(``hybrid_compile/ops/triton/gdn_chunk.py``'s ``CONFIG``) for the whole run, e.g. to time the KDA
+intra kernel's variants one run each (per-kernel times: ``benchmarks/profile_gdn_chunk.py --kda``).
 
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
 8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
@@ -494,23 +499,43 @@ def bench_skinny(quick):
         torch.cuda.empty_cache()
 
 
+def apply_chunk_config(text):
+    """``--chunk-config``: a JSON object of ``gdn_chunk.CONFIG`` overrides, applied in place;
+    unknown keys are refused. Returns the overrides."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    cfg = json.loads(text)
+    if not isinstance(cfg, dict):
+        raise SystemExit("--chunk-config: a JSON object of gdn_chunk.CONFIG overrides")
+    unknown = sorted(set(cfg) - set(gdn_chunk.CONFIG))
+    if unknown:
+        raise SystemExit(f"--chunk-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(gdn_chunk.CONFIG)}")
+    gdn_chunk.CONFIG.update(cfg)
+    return cfg
+
+
 def main():
     global PEAK_BW, PEAK_TFLOPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", default="benchmarks/results/kernels.json")
     parser.add_argument("--only", default=",".join(GROUPS), help="comma list of groups")
+    parser.add_argument("--chunk-config", default=None,
+                        help="JSON object of hybrid_compile/ops/triton/gdn_chunk.py CONFIG overrides (gdn / kda prefill)")
     args = parser.parse_args()
     groups = args.only.split(",")
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         raise SystemExit(f"--only: unknown group(s) {', '.join(unknown)}; known: {','.join(GROUPS)}")
+    chunk_config = apply_chunk_config(args.chunk_config) if args.chunk_config else {}
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
     torch.manual_seed(0)
     PEAK_BW, PEAK_TFLOPS = measure_peaks()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; measured peak {PEAK_BW / 1e9:.0f} GB/s copy bandwidth, {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul")
+    if chunk_config:
+        print(f"gdn_chunk.CONFIG overrides: {chunk_config}")
     fla = try_import_fla()
     print(f"flash-linear-attention: {'available' if 'chunk' in fla else fla.get('error')}")
     if "gdn" in groups:
@@ -530,7 +555,8 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "peak_GBps": PEAK_BW / 1e9,
-                   "peak_TFLOPs": PEAK_TFLOPS, "fla": "chunk" in fla, "rows": ROWS}, f, indent=1)
+                   "peak_TFLOPs": PEAK_TFLOPS, "fla": "chunk" in fla, "chunk_config": chunk_config, "rows": ROWS}, f,
+                  indent=1)
     print(f"wrote {args.out}")
 
 

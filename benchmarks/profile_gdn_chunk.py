@@ -9,7 +9,7 @@ same inputs.
 Shapes are Qwen3-Next's (Hk=16, Hv=32, K=V=128, bf16 q/k/v, fp32 g/beta and state), inputs as in
 ``benchmarks/kernels.py``; ``--kda`` takes Kimi-Linear-48B's instead (Kimi Delta Attention: Hk=Hv=32,
 K=V=128, a per-channel gate ``g [T, Hv, K]``; ``--fla`` then times fla's ``chunk_kda``), e.g.
-``--kda --fla --sweep '[{"kda_intra_bk": 16}, {"kda_intra_warps": 8}]'``. ``--old`` loads another version of the module (a file) to compare with in
+``--kda --fla --sweep '[{"kda_intra_warps": 8}, {"kda_intra_stages": 1}, {"kda_intra_mma_range": -1}]'``. ``--old`` loads another version of the module (a file) to compare with in
 the same run. ``--sweep`` times variants of ``gdn_chunk.CONFIG`` (per kernel) at the largest size.
 """
 

@@ -77,3 +77,21 @@ def test_call_binds_to_the_op(line, kind, target, npos, kw):
     given = set(names[:npos]) | set(kw)
     missing = [a.name for a in schema.arguments if a.name not in given and not a.has_default_value()]
     assert not missing, f"line {line}: {target} called without {missing}"
+
+
+def test_chunk_config_overrides_gdn_chunk_config(monkeypatch):
+    """``benchmarks/kernels.py --chunk-config``: gdn_chunk.CONFIG overrides (the KDA intra kernel's
+    variants, one run each), unknown keys and non-objects refused."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for key in gdn_chunk.CONFIG:
+        monkeypatch.setitem(gdn_chunk.CONFIG, key, gdn_chunk.CONFIG[key])  # restored afterwards
+    kernels = importlib.import_module("kernels")
+    assert kernels.apply_chunk_config('{"kda_intra_bk": 32, "kda_intra_warps": 8}') == {"kda_intra_bk": 32,
+                                                                                        "kda_intra_warps": 8}
+    assert gdn_chunk.CONFIG["kda_intra_bk"] == 32 and gdn_chunk.CONFIG["kda_intra_warps"] == 8
+    with pytest.raises(SystemExit, match="unknown key.*kda_intra_bkk"):
+        kernels.apply_chunk_config('{"kda_intra_bkk": 32}')
+    with pytest.raises(SystemExit, match="JSON object"):
+        kernels.apply_chunk_config("[16]")

@@ -139,10 +139,11 @@ def test_chunk_prefill_multichunk_varlen_decay(kind, dtype, use_l2):
     assert torch.all(cs[offs[5]:] == 0)
 
 
-@pytest.mark.parametrize("bk", [16, 64])
+@pytest.mark.parametrize("bk", [32, 64])
 def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
-    """Other K blocks of the intra kernel (``gdn_chunk.CONFIG["kda_intra_bk"]``, swept on the GPU by
-    benchmarks/profile_gdn_chunk.py --kda): three K blocks of 16 or one masked block of 64 at K = 48."""
+    """Other K blocks of the intra kernel (``gdn_chunk.CONFIG["kda_intra_bk"]``, default 16, swept on
+    the GPU by benchmarks/profile_gdn_chunk.py --kda): two K blocks of 32 (one masked) or one masked
+    block of 64 at K = 48."""
     from hybrid_compile.ops.triton import gdn_chunk
 
     monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_bk", bk)
@@ -153,6 +154,62 @@ def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
     pool = make_pool(h, kd, vd)
     cu, slots, init = cu_seqlens_of(lens), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False])
     _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init)
+
+
+def _gate(T, h, kd, kind):
+    """Per-channel log-decays for the intra kernel's two diagonal-block paths: ``mild`` (-0.01 to
+    -0.41 a token: every 16-token block's cumsum spans < 64, the one-MMA path), ``steep`` (uniform
+    in [-20, 0]: spans far past 64, the bisection; exp(c_i - ref) of a 16-row block would overflow
+    fp32), ``patchy`` (mild, with 16 steep tokens every 40: both paths in one chunk)."""
+    if kind == "mild":
+        return -torch.rand(T, h, kd) * 0.4 - 0.01
+    if kind == "steep":
+        return -torch.rand(T, h, kd) * 20.0
+    g = -torch.rand(T, h, kd) * 0.4 - 0.01
+    steep = (torch.arange(T) % 40) < 16
+    g[steep] = -torch.rand(int(steep.sum()), h, kd) * 20.0
+    return g
+
+
+@pytest.mark.parametrize("kind,mma_range,dtype", [("mild", None, torch.float32), ("mild", -1.0, torch.float32),
+                                                  ("steep", None, torch.float32), ("patchy", None, torch.bfloat16),
+                                                  ("patchy", -1.0, torch.bfloat16)])
+def test_chunk_prefill_diag_block_paths(monkeypatch, kind, mma_range, dtype):
+    """The diagonal 16x16 blocks of A / P: one MMA with a mid-value decay split where the block's
+    cumsum spans <= ``CONFIG["kda_intra_mma_range"]`` (64), else four MMAs bisecting the block
+    (forced everywhere by -1), on a varlen batch with chunk-boundary lengths (16, 63, 64, 65, 128 tokens,
+    one of 1), against the per-token reference; finite for log-decays down to -20 a token."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_mma_range", mma_range)
+    h, kd, vd = 1, 32, 16
+    lens = [64, 17, 128, 1, 63, 16, 65]
+    T = sum(lens)
+    q, k, v, _, beta = make_inputs((T,), h, kd, vd, dtype)
+    g = _gate(T, h, kd, kind)
+    pool = make_pool(h, kd, vd)
+    cu = cu_seqlens_of(lens)
+    slots = distinct_slots(len(lens), NUM_SLOTS)
+    has_init = torch.tensor([i % 2 == 1 for i in range(len(lens))])
+    o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, dtype=dtype)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all() and torch.isfinite(cs).all()
+    if kind == "mild" and mma_range is None:  # the one-MMA path ran (the bisection rounds differently)
+        monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_mma_range", -1.0)
+        o_exact, _ = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, has_init, True,
+                                                           0.0, False)
+        assert not torch.equal(o, o_exact)
+        assert_close(o, o_exact)
+
+
+def test_chunk_prefill_diag_range_is_validated(monkeypatch):
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_mma_range", 200.0)
+    q, k, v, g, beta = make_inputs((5,), 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="kda_intra_mma_range"):
+        tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, make_pool(1, 16, 16), cu_seqlens_of([5]),
+                                              torch.tensor([0], dtype=torch.int32), torch.tensor([False]), True, 0.0,
+                                              False)
 
 
 @pytest.mark.parametrize("disable", [False, True])
@@ -223,12 +280,22 @@ def _cpu(*xs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,strength", [pytest.param(torch.bfloat16, 0.4, marks=pytest.mark.smoke),
-                                            (torch.float32, 0.4), (torch.bfloat16, 10.0)])
-def test_gpu_chunk_prefill_matches_torch_op(dtype, strength):
+@pytest.mark.parametrize("dtype,strength,cfg", [
+    pytest.param(torch.bfloat16, 0.4, {}, marks=pytest.mark.smoke), (torch.float32, 0.4, {}),
+    (torch.bfloat16, 10.0, {}), (torch.bfloat16, 20.0, {}), (torch.float32, 20.0, {}),
+    (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
+    (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
+    (torch.bfloat16, 10.0, {"kda_intra_bk": 64})])
+def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
-    (itself checked against the per-token reference); ``strength`` 10: per-channel log-decays down to
-    -10 a token, far past where exp(-cumsum) overflows."""
+    (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
+    down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
+    blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
+    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages)."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    for key, val in cfg.items():
+        monkeypatch.setitem(gdn_chunk.CONFIG, key, val)
     h, kd, vd = KIMI
     T = sum(GPU_LENS)
     q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV, strength=strength)

@@ -26,14 +26,19 @@ keys / queries channel-wise and ``exp(c_last)`` the state's rows::
     o    = scale * ((exp(c) * q) h_n + P v')
 
 The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
-formed: every exponent taken is ``<= 0``. An off-diagonal 16x16 block (rows I > columns J) of A / P
-is an MMA of ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with
-``c_ref`` the cumsum at block I's first row (both factors ``<= 1``, ``c`` being non-increasing);
-the four diagonal blocks are exact fp32 sums over ``[16, 16, BK]`` tiles, masked before the
-``exp``. The intra kernel also writes the decayed queries ``qg = exp(c) q`` and keys
-``kg = exp(c_last - c) k`` (unnormalised; the norms stay per-row factors), ``exp(c_last)`` per
-chunk row, the query norms and ``P`` (rows of 64, key norms applied); the state kernel takes ``kg``
-for ``k`` and the output kernel ``qg`` and ``P`` in place of its own ``q.k^T``.
+formed. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
+``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with ``c_ref`` the cumsum
+at the row before block I (both factors ``<= 1``, ``c`` being non-increasing: ``g <= 0``). A
+diagonal block is an MMA too where, per K block, every channel's cumsum falls by at most
+``CONFIG["kda_intra_mma_range"]`` (64) from the row before the block to its last row, split at the
+channel's mid value (factors within ``e^+-32``; see
+``_diag_gram``), else four MMAs bisecting the block with every exponent ``<= 0``. The key
+side (A, its inverse, w, u, ``kg = exp(c_last - c) k``, ``exp(c_last)`` per chunk row) and the query
+side (``P`` in rows of 64 with the key norms applied, the query norms, the decayed queries
+``qg = exp(c) q``) run in two programs of the intra kernel (``program_id(2)``), ten 16x16
+accumulators each: in one program they spilled heavily. ``qg`` / ``kg`` are unnormalised (the
+norms stay per-row factors); the state kernel takes ``kg`` for ``k`` and the output kernel ``qg``
+and ``P`` in place of its own ``q.k^T``.
 
 Pipeline (no host sync, no torch work besides the allocations; every size comes from shapes).
 Chunk rows: ``NR = T // 64 + B`` (the bound ``max_chunk_rows`` of ``_varlen.py``); row ``n`` =
@@ -41,8 +46,8 @@ chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each
 its request, first token and length from ``cu_seqlens`` itself (``_locate_row``); rows past the
 last chunk do nothing.
 
-1. ``_chunk_intra_kernel``, grid ``(NR, Hv)``: per (chunk, value head): the cumsum of ``g``
-   (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
+1. ``_chunk_intra_kernel``, grid ``(NR, Hv)`` (per-channel gate: ``(NR, Hv, 2)``, the key and
+   the query side): per (chunk, value head): the cumsum of ``g`` (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
    blocks of ``BK``, in the input dtype: exact products for bf16/fp16), key norms from the same
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
@@ -71,9 +76,9 @@ TF32, and the operands of the large matmuls are bf16 (native MMA, fp32 accumulat
 Measured on H100 at 32k tokens: output error (relative norm, vs fp32 inputs) 2.9e-3 against
 2.0e-3 for all-fp32 intermediates (bf16 output rounding alone is about 2e-3), final-state error
 1.7e-3 against 0.8e-3. ``chunk_states`` stay fp32 (the exact recurrent state). fp16 inputs take
-the fp32 path. Per-channel gate, bf16: also the off-diagonal A / P operands, ``qg`` / ``kg`` and
-``P`` are bf16 (the diagonal blocks exact fp32); under the interpreter at tiny shapes its errors
-match the per-head path's (not yet measured on the GPU).
+the fp32 path. Per-channel gate, bf16: also the A / P MMA operands (the diagonal blocks' too where
+they take the MMAs), ``qg`` / ``kg`` and ``P`` are bf16; under the
+interpreter at tiny shapes its errors match the per-head path's (not yet measured on the GPU).
 
 Constraints: ``K <= 256`` (the state pass keeps a ``[K, BV]`` block in registers); any ``V``.
 """
@@ -234,12 +239,17 @@ def _store4(p, t1, t2, t3, t4, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
 
 @triton.jit
 def _cumsum4(g1, g2, g3, g4):
-    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate."""
+    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate,
+    and each tile's last row ``e1`` .. ``e4`` (``e4``: the chunk's last cumsum, the masked tail
+    adding ``g = 0``)."""
     c1 = tl.cumsum(g1, 0)
-    c2 = tl.cumsum(g2, 0) + _row16(c1, 15)[None, :]
-    c3 = tl.cumsum(g3, 0) + _row16(c2, 15)[None, :]
-    c4 = tl.cumsum(g4, 0) + _row16(c3, 15)[None, :]
-    return c1, c2, c3, c4
+    e1 = _row16(c1, 15)
+    c2 = tl.cumsum(g2, 0) + e1[None, :]
+    e2 = _row16(c2, 15)
+    c3 = tl.cumsum(g3, 0) + e2[None, :]
+    e3 = _row16(c3, 15)
+    c4 = tl.cumsum(g4, 0) + e3[None, :]
+    return c1, c2, c3, c4, e1, e2, e3, _row16(c4, 15)
 
 
 @triton.jit
@@ -258,34 +268,184 @@ def _mma(a, b, acc, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
-def _diag_gram(qf, kf, c, G, Q):
-    """Accumulates the per-channel-decay products of a diagonal 16x16 block, exactly (fp32, no MMA):
-    ``G += sum_k k_ik k_jk exp(c_ik - c_jk)`` and ``Q += sum_k q_ik k_jk exp(c_ik - c_jk)`` for
-    ``i >= j`` (zero above). Masked before the ``exp``: every exponent taken is ``<= 0``."""
+def _bisect_level(xf, kf, c, G, S: tl.constexpr, PREC: tl.constexpr):
+    """One level of ``_diag_gram_bisect``: the pairs (row in the upper, column in the lower half of
+    a ``2S``-row group), decay split at the group's middle row."""
     o = tl.arange(0, 16)
-    low = (o[:, None] >= o[None, :])[:, :, None]
-    e = tl.exp(tl.where(low, c[:, None, :] - c[None, :, :], float("-inf")))  # [16, 16, BK]
-    ke = kf[None, :, :] * e
-    return G + tl.sum(kf[:, None, :] * ke, 2), Q + tl.sum(qf[:, None, :] * ke, 2)
+    mid = (o // (2 * S)) * (2 * S) + S - 1  # the last row of each row's group's lower half
+    r = tl.gather(c, tl.broadcast_to(mid[:, None], c.shape), 0)
+    upper = ((o // S) % 2 == 1)[:, None]
+    rows = xf * tl.exp(tl.where(upper, c - r, float("-inf")))
+    cols = kf * tl.exp(tl.where(upper, float("-inf"), r - c))
+    ii = o[:, None]
+    jj = o[None, :]
+    pairs = (ii // (2 * S) == jj // (2 * S)) & ((ii // S) % 2 == 1) & ((jj // S) % 2 == 0)
+    X = tl.dot(rows, tl.trans(cols), input_precision=PREC)
+    return G + tl.where(pairs, X, 0.0)
 
 
 @triton.jit
-def _split_decay(kf, qf, c):
-    """Row block I's keys / queries times ``exp(c_I - ref)`` (``<= 1``) and ``ref``, the cumsum at the
-    block's first row: the row side of ``_cross_gram``."""
-    ref = _row16(c, 0)
-    x = tl.exp(c - ref[None, :])
-    return kf * x, qf * x, ref
+def _diag_gram_bisect(xf, kf, c, G, PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
+    queries) for ``i >= j`` (zero above) as four MMAs whose decay factors are all ``<= 1``, for any
+    decay: every pair ``i > j`` is split by exactly one level ``s`` (8, 4, 2, 1) of halving the
+    block, where ``i`` lies in the upper half and ``j`` in the lower half of one ``2s``-row group;
+    with ``r`` the cumsum at the group's middle (row ``m - 1``, ``m`` the upper half's first row),
+    ``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)`` and both exponents are ``<= 0`` (``c``
+    non-increasing). The level's MMA is masked to its pairs; the diagonal ``i = j`` (exponent 0)
+    is an elementwise sum. Diagonal-block MMAs take fp32 operands at ``PREC`` (TF32 for bf16
+    inputs, TF32x3 for fp32): bf16 operands here raised the bf16 output error by a third."""
+    G = _bisect_level(xf, kf, c, G, 8, PREC)
+    G = _bisect_level(xf, kf, c, G, 4, PREC)
+    G = _bisect_level(xf, kf, c, G, 2, PREC)
+    G = _bisect_level(xf, kf, c, G, 1, PREC)
+    o = tl.arange(0, 16)
+    return G + tl.where(o[:, None] == o[None, :], tl.sum(xf * kf, 1)[:, None], 0.0)
 
 
 @triton.jit
-def _cross_gram(kd, qd, kf_j, c_j, ref, G, Q, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """Accumulates an off-diagonal block (row block I > column block J) of both per-channel-decay
-    products as MMAs: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
-    block I's first row, so both factors are ``<= 1`` (``c`` is non-increasing); ``kd`` / ``qd`` are
-    block I's keys / queries times ``exp(c_I - ref)``."""
-    kj = tl.trans(kf_j * tl.exp(ref[None, :] - c_j))
-    return _mma(kd, kj, G, LOWP, DOT_F32, PREC), _mma(qd, kj, Q, LOWP, DOT_F32, PREC)
+def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
+    queries; rows ``i >= j`` meaningful, the entries above are finite and masked by the readers).
+    ``c`` being non-increasing, the block's cumsums lie in ``[bot, top]`` (``top`` the cumsum at the
+    row before the block, ``bot`` at its last row). When ``D = top - bot <= MMA_RANGE`` on every
+    channel: one MMA with the decay split at the channel's mid value ``ref = (top + bot) / 2``,
+    ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)``, both factors in ``[exp(-D/2), exp(D/2)]``.
+    With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw q / k below
+    ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded
+    entries above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel
+    a decay steeper than ``MMA_RANGE / 16`` per token on average) ``_diag_gram_bisect``: four MMAs
+    with every factor ``<= 1``, for any decay."""
+    if tl.max(top - bot, 0) <= MMA_RANGE:
+        ref = (top + bot) * 0.5
+        kt = tl.trans(kf * tl.exp(ref[None, :] - c))
+        G = tl.dot(xf * tl.exp(c - ref[None, :]), kt, G, input_precision=PREC)
+    else:
+        G = _diag_gram_bisect(xf, kf, c, G, PREC)
+    return G
+
+
+@triton.jit
+def _split_decay(xf, c, ref):
+    """Row block I's keys or queries times ``exp(c_I - ref)`` (``<= 1``), ``ref`` the cumsum at the
+    row before the block: the row side of ``_cross_gram``."""
+    return xf * tl.exp(c - ref[None, :])
+
+
+@triton.jit
+def _cross_gram(xd, kf_j, c_j, ref, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates an off-diagonal block (row block I > column block J) of a per-channel-decay
+    product as an MMA: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
+    the row before block I (the last of block I - 1 >= J), so both factors are ``<= 1`` (``c`` is
+    non-increasing); ``xd`` is block I's keys / queries times ``exp(c_I - ref)``."""
+    return _mma(xd, tl.trans(kf_j * tl.exp(ref[None, :] - c_j)), G, LOWP, DOT_F32, PREC)
+
+
+@triton.jit
+def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_glast,
+                   t1, t2, t3, t4, m1, m2, m3, m4,
+                   HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
+                   QUERIES: tl.constexpr, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
+                   PREC: tl.constexpr):
+    """One side of the per-channel-gate chunk products, over ``K`` in blocks of ``BK``: the 10 lower
+    16x16 blocks of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` with ``x`` the keys (``QUERIES`` off: the
+    ``A`` side; stores ``kg = exp(c_last - c) k`` to ``out`` and ``exp(c_last)`` to ``p_glast``) or
+    the queries (``QUERIES`` on: the ``P`` side; stores ``qg = exp(c) q`` to ``out``), plus the
+    squared norms of the keys and of ``x`` per row. Each side runs in its own program, so only 10
+    accumulators are live (both sides in one program spilled heavily)."""
+    X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
+    ss1 = tl.zeros([16], dtype=tl.float32)
+    ss2 = tl.zeros([16], dtype=tl.float32)
+    ss3 = tl.zeros([16], dtype=tl.float32)
+    ss4 = tl.zeros([16], dtype=tl.float32)
+    sx1 = tl.zeros([16], dtype=tl.float32)
+    sx2 = tl.zeros([16], dtype=tl.float32)
+    sx3 = tl.zeros([16], dtype=tl.float32)
+    sx4 = tl.zeros([16], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        mk = o_k < K
+        k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
+        g1, g2, g3, g4 = _load4(p_g, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+        c1, c2, c3, c4, e1, e2, e3, e4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+        e0 = tl.zeros_like(e1)  # the cumsum before the chunk
+        if QUERIES:
+            x1, x2, x3, x4 = _load4(p_x, t1, t2, t3, t4, s_xt, o_k, s_xd, m1, m2, m3, m4, mk)
+        else:
+            x1, x2, x3, x4 = k1, k2, k3, k4
+        if USE_L2:
+            ss1 += tl.sum(k1 * k1, 1)
+            ss2 += tl.sum(k2 * k2, 1)
+            ss3 += tl.sum(k3 * k3, 1)
+            ss4 += tl.sum(k4 * k4, 1)
+            if QUERIES:
+                sx1 += tl.sum(x1 * x1, 1)
+                sx2 += tl.sum(x2 * x2, 1)
+                sx3 += tl.sum(x3 * x3, 1)
+                sx4 += tl.sum(x4 * x4, 1)
+        X11 = _diag_gram(x1, k1, c1, e0, e1, X11, MMA_RANGE, PREC)
+        X22 = _diag_gram(x2, k2, c2, e1, e2, X22, MMA_RANGE, PREC)
+        X33 = _diag_gram(x3, k3, c3, e2, e3, X33, MMA_RANGE, PREC)
+        X44 = _diag_gram(x4, k4, c4, e3, e4, X44, MMA_RANGE, PREC)
+        # off-diagonal blocks: MMAs with the decay split at the row before each row block
+        xd = _split_decay(x2, c2, e1)
+        X21 = _cross_gram(xd, k1, c1, e1, X21, LOWP, DOT_F32, PREC)
+        xd = _split_decay(x3, c3, e2)
+        X31 = _cross_gram(xd, k1, c1, e2, X31, LOWP, DOT_F32, PREC)
+        X32 = _cross_gram(xd, k2, c2, e2, X32, LOWP, DOT_F32, PREC)
+        xd = _split_decay(x4, c4, e3)
+        X41 = _cross_gram(xd, k1, c1, e3, X41, LOWP, DOT_F32, PREC)
+        X42 = _cross_gram(xd, k2, c2, e3, X42, LOWP, DOT_F32, PREC)
+        X43 = _cross_gram(xd, k3, c3, e3, X43, LOWP, DOT_F32, PREC)
+        # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
+        if QUERIES:
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, x1 * tl.exp(c1), x2 * tl.exp(c2), x3 * tl.exp(c3),
+                    x4 * tl.exp(c4), m1, m2, m3, m4, mk)
+        else:
+            cl = e4[None, :]  # the last token's cumsum
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
+                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
+            tl.store(p_glast + o_k, tl.exp(e4), mask=mk)
+    return X11, X21, X22, X31, X32, X33, X41, X42, X43, X44, ss1, ss2, ss3, ss4, sx1, sx2, sx3, sx4
+
+
+@triton.jit
+def _inv_norm(ss, USE_L2: tl.constexpr):
+    """Inverse L2 norms of rows with squared norms ``ss`` (ones without the L2 normalisation)."""
+    if USE_L2:
+        r = tl.math.rsqrt(ss + 1e-6)
+    else:
+        r = tl.full(ss.shape, 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                      Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
+                      ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV: tl.constexpr, USE_L2: tl.constexpr):
+    """Stores ``P = Q rk_j`` (rows of 64; the query norm and scale are the output kernel's, which
+    masks the entries above the diagonal) and the query inverse norms ``rq``."""
+    r1 = _inv_norm(ss1, USE_L2)
+    r2 = _inv_norm(ss2, USE_L2)
+    r3 = _inv_norm(ss3, USE_L2)
+    r4 = _inv_norm(ss4, USE_L2)
+    p_p = pbuf + i_h * 64 + tl.arange(0, 16)[None, :]
+    ty = pbuf.dtype.element_ty
+    tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
+    tl.store(p_p + t2[:, None] * (HV * 64), (Q21 * r1[None, :]).to(ty), mask=m2[:, None])
+    tl.store(p_p + t2[:, None] * (HV * 64) + 16, (Q22 * r2[None, :]).to(ty), mask=m2[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64), (Q31 * r1[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64) + 16, (Q32 * r2[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t3[:, None] * (HV * 64) + 32, (Q33 * r3[None, :]).to(ty), mask=m3[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64), (Q41 * r1[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
+    tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
+    if USE_L2:
+        tl.store(rq + t1 * HV + i_h, _inv_norm(sq1, USE_L2), mask=m1)
+        tl.store(rq + t2 * HV + i_h, _inv_norm(sq2, USE_L2), mask=m2)
+        tl.store(rq + t3 * HV + i_h, _inv_norm(sq3, USE_L2), mask=m3)
+        tl.store(rq + t4 * HV + i_h, _inv_norm(sq4, USE_L2), mask=m4)
 
 
 @triton.jit
@@ -340,7 +500,7 @@ def _chunk_intra_kernel(
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     KPREC: tl.constexpr, RAW_K: tl.constexpr, GATE_K: tl.constexpr, LOWP: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -378,61 +538,31 @@ def _chunk_intra_kernel(
 
     # Gram matrix k k^T in 16x16 blocks (lower half), and the key norms; with a per-channel gate
     # the decay sits inside the sum over K (so the blocks are decay-weighted), and the query
-    # products Q (lower, diagonal included) come from the same loads
-    G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
-    ss1 = tl.zeros([16], dtype=tl.float32)
-    ss2 = tl.zeros([16], dtype=tl.float32)
-    ss3 = tl.zeros([16], dtype=tl.float32)
-    ss4 = tl.zeros([16], dtype=tl.float32)
-    if GATE_K:
-        Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _lower_blocks_zeros()
-        sq1 = tl.zeros([16], dtype=tl.float32)
-        sq2 = tl.zeros([16], dtype=tl.float32)
-        sq3 = tl.zeros([16], dtype=tl.float32)
-        sq4 = tl.zeros([16], dtype=tl.float32)
+    # products (P, lower, diagonal included) are the second program's (program_id(2) = 1)
     p_k = k + i_hk * s_kh
-    for kb in range(0, K, BK):
-        o_k = kb + tl.arange(0, BK)
-        mk = o_k < K
-        if GATE_K:
-            k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
-            q1, q2, q3, q4 = _load4(q + i_hk * s_qh, t1, t2, t3, t4, s_qt, o_k, s_qd, m1, m2, m3, m4, mk)
-            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
-            if USE_L2:
-                ss1 += tl.sum(k1 * k1, 1)
-                ss2 += tl.sum(k2 * k2, 1)
-                ss3 += tl.sum(k3 * k3, 1)
-                ss4 += tl.sum(k4 * k4, 1)
-                sq1 += tl.sum(q1 * q1, 1)
-                sq2 += tl.sum(q2 * q2, 1)
-                sq3 += tl.sum(q3 * q3, 1)
-                sq4 += tl.sum(q4 * q4, 1)
-            # diagonal blocks: exact
-            G11, Q11 = _diag_gram(q1, k1, c1, G11, Q11)
-            G22, Q22 = _diag_gram(q2, k2, c2, G22, Q22)
-            G33, Q33 = _diag_gram(q3, k3, c3, G33, Q33)
-            G44, Q44 = _diag_gram(q4, k4, c4, G44, Q44)
-            # off-diagonal blocks: MMAs with the decay split at each row block's first row
-            kd, qd, ref = _split_decay(k2, q2, c2)
-            G21, Q21 = _cross_gram(kd, qd, k1, c1, ref, G21, Q21, LOWP, DOT_F32, PREC)
-            kd, qd, ref = _split_decay(k3, q3, c3)
-            G31, Q31 = _cross_gram(kd, qd, k1, c1, ref, G31, Q31, LOWP, DOT_F32, PREC)
-            G32, Q32 = _cross_gram(kd, qd, k2, c2, ref, G32, Q32, LOWP, DOT_F32, PREC)
-            kd, qd, ref = _split_decay(k4, q4, c4)
-            G41, Q41 = _cross_gram(kd, qd, k1, c1, ref, G41, Q41, LOWP, DOT_F32, PREC)
-            G42, Q42 = _cross_gram(kd, qd, k2, c2, ref, G42, Q42, LOWP, DOT_F32, PREC)
-            G43, Q43 = _cross_gram(kd, qd, k3, c3, ref, G43, Q43, LOWP, DOT_F32, PREC)
-            # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
-            c_last = _row16(c4, 15)  # the masked tail adds g = 0: the last token's cumsum
-            p_qg = qg + i_h * K
-            _store4(p_qg, t1, t2, t3, t4, HV * K, o_k, q1 * tl.exp(c1), q2 * tl.exp(c2), q3 * tl.exp(c3), q4 * tl.exp(c4),
-                    m1, m2, m3, m4, mk)
-            cl = c_last[None, :]
-            _store4(kg + i_h * K, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
-                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
-            tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp(c_last), mask=mk)
-        else:
+    if GATE_K:
+        p_g = g + i_h * s_gh
+        if tl.program_id(2) == 1:  # the query side: P, qg, rq
+            Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4 = _kda_gram_pass(
+                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast,
+                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, True, MMA_RANGE, LOWP, DOT_F32, PREC)
+            _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                              Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
+                              ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV, USE_L2)
+            return
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, sk1, sk2, sk3, sk4 = _kda_gram_pass(
+            p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
+            glast + (i_r.to(tl.int64) * HV + i_h) * K,
+            t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+    else:
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
+        ss1 = tl.zeros([16], dtype=tl.float32)
+        ss2 = tl.zeros([16], dtype=tl.float32)
+        ss3 = tl.zeros([16], dtype=tl.float32)
+        ss4 = tl.zeros([16], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            o_k = kb + tl.arange(0, BK)
+            mk = o_k < K
             k1 = tl.load(p_k + t1[:, None] * s_kt + o_k[None, :] * s_kd, mask=m1[:, None] & mk[None, :], other=0.0)
             k2 = tl.load(p_k + t2[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2[:, None] & mk[None, :], other=0.0)
             k3 = tl.load(p_k + t3[:, None] * s_kt + o_k[None, :] * s_kd, mask=m3[:, None] & mk[None, :], other=0.0)
@@ -464,16 +594,10 @@ def _chunk_intra_kernel(
             G42 = tl.dot(k4, k2t, G42, input_precision=KPREC)
             G43 = tl.dot(k4, k3t, G43, input_precision=KPREC)
             G44 = tl.dot(k4, tl.trans(k4), G44, input_precision=KPREC)
-    if USE_L2:
-        r1 = tl.math.rsqrt(ss1 + 1e-6)
-        r2 = tl.math.rsqrt(ss2 + 1e-6)
-        r3 = tl.math.rsqrt(ss3 + 1e-6)
-        r4 = tl.math.rsqrt(ss4 + 1e-6)
-    else:
-        r1 = tl.full([16], 1.0, tl.float32)
-        r2 = tl.full([16], 1.0, tl.float32)
-        r3 = tl.full([16], 1.0, tl.float32)
-        r4 = tl.full([16], 1.0, tl.float32)
+    r1 = _inv_norm(ss1, USE_L2)
+    r2 = _inv_norm(ss2, USE_L2)
+    r3 = _inv_norm(ss3, USE_L2)
+    r4 = _inv_norm(ss4, USE_L2)
 
     # A (blocks of I + A below the diagonal are the A blocks themselves)
     if GATE_K:
@@ -487,25 +611,6 @@ def _chunk_intra_kernel(
         A41 = _beta_block(G41, b4, r4, r1, False)
         A42 = _beta_block(G42, b4, r4, r2, False)
         A43 = _beta_block(G43, b4, r4, r3, False)
-        # P = Q rk_j (the query norm and scale are the output kernel's); blocks above the diagonal
-        # are never read (the output kernel masks them)
-        p_p = pbuf + i_h * 64 + o16[None, :]
-        ty = pbuf.dtype.element_ty
-        tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
-        tl.store(p_p + t2[:, None] * (HV * 64), (Q21 * r1[None, :]).to(ty), mask=m2[:, None])
-        tl.store(p_p + t2[:, None] * (HV * 64) + 16, (Q22 * r2[None, :]).to(ty), mask=m2[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64), (Q31 * r1[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64) + 16, (Q32 * r2[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t3[:, None] * (HV * 64) + 32, (Q33 * r3[None, :]).to(ty), mask=m3[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64), (Q41 * r1[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
-        tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
-        if USE_L2:
-            tl.store(rq + t1 * HV + i_h, tl.math.rsqrt(sq1 + 1e-6), mask=m1)
-            tl.store(rq + t2 * HV + i_h, tl.math.rsqrt(sq2 + 1e-6), mask=m2)
-            tl.store(rq + t3 * HV + i_h, tl.math.rsqrt(sq3 + 1e-6), mask=m3)
-            tl.store(rq + t4 * HV + i_h, tl.math.rsqrt(sq4 + 1e-6), mask=m4)
     else:
         A11 = _decay_block(G11, b1, r1, c1, r1, c1, True)
         A22 = _decay_block(G22, b2, r2, c2, r2, c2, True)
@@ -542,7 +647,7 @@ def _chunk_intra_kernel(
         x4 = x4 * e4[:, None]
         if GATE_K:
             g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-            c1, c2, c3, c4 = _cumsum4(g1, g2, g3, g4)
+            c1, c2, c3, c4, end1, end2, end3, end4 = _cumsum4(g1, g2, g3, g4)  # the ends unused here
             x1 = x1 * tl.exp(c1)
             x2 = x2 * tl.exp(c2)
             x3 = x3 * tl.exp(c3)
@@ -784,11 +889,22 @@ CONFIG = {
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
-    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block (its diagonal blocks
-    # hold [16, 16, BK] fp32 tiles) and warps. Not yet timed on a GPU; chosen by register spills of
-    # the sm_90 build (Triton 3.9, bytes per thread): BK 32 / 8 warps 464, 32 / 4 1816, 16 / 8 120
-    "kda_intra_bk": None,  # 32
-    "kda_intra_warps": None,  # 8
+    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
+    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Not yet
+    # timed on a GPU; chosen from the sm_90 build (benchmarks/kda_intra_build.py: spill bytes
+    # stored / static SASS instructions per thread, 255 registers), Triton 3.6 (the GPU's) | 3.9:
+    # BK 16 / 4 warps 40 / 9216 | 196 / 10056 (the fewest instructions times warps of the
+    # near-spill-free builds); 16 / 8 20 / 7336 | 8 / 7384; 32 / 8 40 / 9824 | 436 / 10576;
+    # 32 / 4 564 / 13184; 16 / 2 572 / 12800; 64 / 8 932 / 14840. The version before (both sides
+    # in one program, [16, 16, BK] fp32 diagonal tiles; its intra kernel 4.0 ms at 8k tokens on an
+    # H200 at its default 32 / 8, fla's whole chunk_kda 1.9 ms): 32 / 8 904 / 8680 | 564 / 8936,
+    # 16 / 4 1080 / 8824 | 960 / 9184.
+    "kda_intra_bk": None,  # 16
+    "kda_intra_warps": None,  # 4
+    # Triton's default (3: the next K blocks' loads in flight); 1 builds 8% fewer loop instructions
+    # at 16 / 4 (Triton 3.6: 64 B spills), 16 / 8 without spills: to be timed
+    "kda_intra_stages": None,
+    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
 }
 
 
@@ -870,13 +986,19 @@ def chunk_gated_delta_rule_triton(
     prec = _dot_precision(q, k, v)
 
     bv_intra = min(vp, 64)
+    mma_range = float(64.0 if cfg["kda_intra_mma_range"] is None else cfg["kda_intra_mma_range"])
+    if mma_range > 64.0:  # see _diag_gram: the bound that keeps every MMA entry finite
+        raise ValueError(f'gdn_chunk.CONFIG["kda_intra_mma_range"] must be <= 64, not {mma_range}')
     if gate_k:
-        bk_intra = max(min(cfg["kda_intra_bk"] or 32, kp), 16)
-        warps_intra = cfg["kda_intra_warps"] or 8
+        bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
+        warps_intra = cfg["kda_intra_warps"] or 4
+        stages_intra = cfg["kda_intra_stages"]
     else:
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
-    _chunk_intra_kernel[(n_rows, hv)](
+        stages_intra = cfg["intra_stages"]
+    # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
+    _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
         q, k, v, g, beta, cu_seqlens, batch, state_indices,
         w, u, gcum, rk, qg, kg, glast, rq, pbuf,
         q.stride(0), q.stride(1), q.stride(2),
@@ -886,7 +1008,8 @@ def chunk_gated_delta_rule_triton(
         beta.stride(0), beta.stride(1),
         HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
         KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
-        **_launch_opts(warps_intra, cfg["intra_stages"]),
+        MMA_RANGE=mma_range,
+        **_launch_opts(warps_intra, stages_intra),
     )
     # the state and output kernels read the decayed keys / queries (one per value head) instead
     k_state, q_out, r_io = (kg, qg, 1) if gate_k else (k, q, r)

@@ -101,9 +101,9 @@ class TensorParallelEngine(HybridEngine):
             self._reap()
             return
         try:
-            runners = _graph_runners(self)
+            # (close drops the target's and the MTP head's CUDA graphs: they hold NCCL work of the
+            # group destroyed below, and destroy_process_group hangs on it)
             self._guarded(HybridEngine.close, self)
-            _drop_cuda_graphs(runners)
             self._broadcaster.stop()
             self.tp.shutdown(together=True)
         finally:
@@ -290,19 +290,6 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     return engine
 
 
-def _graph_runners(engine) -> list:
-    """The runners whose CUDA graphs hold NCCL work of the group: the target's and its MTP head's
-    (taken before ``close``, which lets go of the head)."""
-    return [r for r in (engine.runner, mtp_runner(engine)) if r is not None]
-
-
-def _drop_cuda_graphs(runners: list) -> None:
-    """Destroy the runners' CUDA graphs before the group's NCCL communicator is destroyed: a graph
-    still holding NCCL work of it makes ``destroy_process_group`` hang (both ranks, at close)."""
-    for runner in runners:
-        runner.graphs.drop_cuda_graphs()
-
-
 def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
                     trust_remote_code: bool) -> None:
     """A follower rank's whole life: its engine follows rank 0's until rank 0 closes (or any rank
@@ -310,9 +297,7 @@ def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: E
     try:
         engine = build_rank_engine(tp, path, config, engine_config, dtype, trust_remote_code)
         follow(engine, tp)
-        runners = _graph_runners(engine)
-        engine.close()
-        _drop_cuda_graphs(runners)
+        engine.close()  # (drops the CUDA graphs, which hold NCCL work of the group ended below)
     except BaseException as e:
         err = tp.fail(e)
         raise (err if err is not None else e)

@@ -333,9 +333,10 @@ class CompiledGraphs:
             self.piecewise_graphs.replays = self.piecewise_graphs.copied_bytes = 0
 
     def drop_cuda_graphs(self) -> None:
-        """Destroy every captured CUDA graph once the last replay has run (waits for the device).
-        Tensor parallelism calls it before its NCCL communicator is destroyed: the graphs hold NCCL
-        work of that communicator. Idempotent; the engine replays nothing afterwards."""
+        """Destroy every captured CUDA graph once the last replay has run (waits for the device):
+        :meth:`release` at the engine's close. Under tensor parallelism this must happen before the
+        NCCL communicator is destroyed (the graphs hold NCCL work of it; ``destroy_process_group``
+        hung on the MTP head's). Idempotent; the engine replays nothing afterwards."""
         if self.graph_pool is None:
             return
         torch.cuda.synchronize(self.device)

@@ -20,6 +20,14 @@ from . import generation_config as gen_config
 from .sampling import SamplingParams
 
 
+def out_of_vocabulary(prompt: list[int], vocab_size: int) -> list[int]:
+    """The token ids of ``prompt`` outside ``[0, vocab_size)`` (min / max first: a prompt of
+    thousands of tokens is checked without a Python loop over them)."""
+    if not prompt or (min(prompt) >= 0 and max(prompt) < vocab_size):
+        return []
+    return [t for t in prompt if not 0 <= t < vocab_size]
+
+
 def is_messages(prompt: Any) -> bool:
     """A chat conversation: a non-empty list of message dicts (``{"role": ..., "content": ...}``)."""
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt)
@@ -69,8 +77,7 @@ class RequestFront:
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty")
         vocab = self.vocab_size
-        # min / max first: a prompt of thousands of tokens is checked without a Python loop over them
-        bad = [] if min(prompt) >= 0 and max(prompt) < vocab else [t for t in prompt if not 0 <= t < vocab]
+        bad = out_of_vocabulary(prompt, vocab)
         if bad:
             raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         # max_context_len never exceeds the KV pool's capacity, so this also rejects a request

@@ -53,6 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import HybridEngine, SamplingParams
+from ..engine.request_front import out_of_vocabulary
 from .async_engine import AsyncEngine, AsyncEngineBase, EngineClosedError, EngineStepError, freeze_long_lived_objects
 from .detokenize import IncrementalText
 from .metrics import ServerMetrics
@@ -345,8 +346,7 @@ class _Generation:
             raise OpenAIError(f"{limit_name} must be at least 1, got {max_tokens}", param=limit_name)
         vocab = engine.front.vocab_size
         for p in prompts:
-            # min / max first: the common case without a Python loop over thousands of tokens
-            bad = [] if p and min(p) >= 0 and max(p) < vocab else [t for t in p if not 0 <= t < vocab]
+            bad = out_of_vocabulary(p, vocab)
             if bad:
                 raise OpenAIError(f"{prompt_name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                                   param=prompt_name)

@@ -480,8 +480,9 @@ class _Generation:
                         self.times.first_sent = time.perf_counter()
                     yield "".join(fmt.chunk_sse(e) for e in events)
             except Exception as e:  # noqa: BLE001 -- ends the whole response with an error event
-                status = _error_of(e).status
-                yield _sse_data(_error_of(e).body()) + "data: [DONE]\n\n"
+                error = _error_of(e)
+                status = error.status
+                yield _sse_data(error.body()) + "data: [DONE]\n\n"
                 return
             tail = _sse_data(fmt.usage_chunk(self.usage())) if self.include_usage else ""
             status = 200

@@ -499,17 +499,25 @@ def bench_skinny(quick):
         torch.cuda.empty_cache()
 
 
+def chunk_config_overrides(cfg, option="--chunk-config"):
+    """``cfg`` (a parsed JSON value) checked as a dict of ``gdn_chunk.CONFIG`` overrides: anything
+    else, or an unknown key, ends the run with an error naming ``option``. Returns it."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"{option}: a JSON object of gdn_chunk.CONFIG overrides")
+    unknown = sorted(set(cfg) - set(gdn_chunk.CONFIG))
+    if unknown:
+        raise SystemExit(f"{option}: unknown key(s) {', '.join(unknown)}; known: {', '.join(gdn_chunk.CONFIG)}")
+    return cfg
+
+
 def apply_chunk_config(text):
     """``--chunk-config``: a JSON object of ``gdn_chunk.CONFIG`` overrides, applied in place;
     unknown keys are refused. Returns the overrides."""
     from hybrid_compile.ops.triton import gdn_chunk
 
-    cfg = json.loads(text)
-    if not isinstance(cfg, dict):
-        raise SystemExit("--chunk-config: a JSON object of gdn_chunk.CONFIG overrides")
-    unknown = sorted(set(cfg) - set(gdn_chunk.CONFIG))
-    if unknown:
-        raise SystemExit(f"--chunk-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(gdn_chunk.CONFIG)}")
+    cfg = chunk_config_overrides(json.loads(text))
     gdn_chunk.CONFIG.update(cfg)
     return cfg
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import hybrid_compile  # noqa: E402,F401  (registers the ops)
 from hybrid_compile.ops.triton import gdn_chunk as G  # noqa: E402
-from kernels import cuda_graph_ms, eager_ms  # noqa: E402  (benchmarks/kernels.py: one timing method)
+from kernels import chunk_config_overrides, cuda_graph_ms, eager_ms  # noqa: E402  (benchmarks/kernels.py: one timing method)
 
 DEV = "cuda"
 HK, HV, K, V = 16, 32, 128, 128
@@ -152,8 +152,13 @@ def main():
             ap.error("--old takes a gdn_chunk.py from before the per-channel gate; it cannot run --kda")
         global HK, KDA
         HK, KDA = HV, True
+    variants = json.loads(args.sweep) if args.sweep else []
+    if not isinstance(variants, list):
+        ap.error("--sweep: a JSON list of gdn_chunk.CONFIG overrides")
+    for cfg in variants:  # (all checked before anything runs: an unknown key is an error, not ignored)
+        chunk_config_overrides(cfg, "--sweep")
     if args.cfg:
-        G.CONFIG.update(json.loads(args.cfg))
+        G.CONFIG.update(chunk_config_overrides(json.loads(args.cfg), "--cfg"))
         DEFAULT_CFG.update(G.CONFIG)
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
@@ -222,8 +227,7 @@ def main():
                       "  ".join(f"{n}: o {r['o']:.2e} state {r['state']:.2e}" for n, r in res.items()), flush=True)
                 torch.cuda.empty_cache()
 
-    if args.sweep:
-        variants = json.loads(args.sweep)
+    if variants:
         total = args.sweep_tokens
         inp = make_inputs(total, 1)
         pool = inp[5]

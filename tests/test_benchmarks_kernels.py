@@ -10,6 +10,9 @@ import ast
 import importlib
 import inspect
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,3 +98,17 @@ def test_chunk_config_overrides_gdn_chunk_config(monkeypatch):
         kernels.apply_chunk_config('{"kda_intra_bkk": 32}')
     with pytest.raises(SystemExit, match="JSON object"):
         kernels.apply_chunk_config("[16]")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sweep", '[{}, {"kda_intra_wraps": 8}]'], "--sweep: unknown key.*kda_intra_wraps"),
+    (["--sweep", '{"kda_intra_warps": 8}'], "--sweep: a JSON list"),
+    (["--cfg", '{"state_bvv": 32}'], "--cfg: unknown key.*state_bvv"),
+])
+def test_profile_gdn_chunk_refuses_unknown_config_keys(args, message):
+    """``benchmarks/profile_gdn_chunk.py --sweep`` / ``--cfg``: an override of a key gdn_chunk.CONFIG
+    does not have is an error before anything runs (it was silently ignored), no GPU needed."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "profile_gdn_chunk.py"), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert re.search(message, run.stderr), run.stderr[-2000:]

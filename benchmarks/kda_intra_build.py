@@ -4,12 +4,16 @@ about each launch setting: registers, spill bytes (stores / loads, ptxas), share
 SASS instructions per thread and the instruction count of each loop body. This is how the KDA
 (per-channel gate) intra kernel's ``CONFIG["kda_intra_bk"]`` / ``["kda_intra_warps"]`` defaults
 were chosen before any GPU timing; time them with ``benchmarks/profile_gdn_chunk.py --kda --sweep``.
+``--kernel state`` builds the sequential state kernel (``_chunk_state_kernel``) at the launcher's
+setting (``gdn_chunk.state_launch``) instead: its shared memory must stay within the 227 KB a block
+may have on sm_90.
 
-    python benchmarks/kda_intra_build.py [--configs 16/4,16/8,32/8] [--arch 90] [--gdn] [--fp32] [--stages N]
+    python benchmarks/kda_intra_build.py [--configs 16/4,16/8,32/8] [--arch 90] [--gdn] [--fp32 | --fp16]
+                                         [--stages N] [--kernel intra|state]
 
 Shapes are Kimi-Linear-48B's (32 heads, K = V = 128, bf16 q/k/v, fp32 g); ``--gdn`` builds the
 per-head-gate variant instead (Qwen3-Next: value heads per key head 2, BK 64), ``--fp32`` the
-fp32-input variant (TF32x3 matmuls). Uses Triton's bundled ``ptxas`` / ``cuobjdump``; must run
+fp32-input variant (TF32x3 matmuls), ``--fp16`` fp16 inputs (fp32 intermediates, TF32 matmuls). Uses Triton's bundled ``ptxas`` / ``cuobjdump``; must run
 without ``TRITON_INTERPRET``.
 """
 
@@ -30,36 +34,52 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from hybrid_compile.ops.triton import gdn_chunk  # noqa: E402
 
-_PTR = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "w": "*bf16", "qg": "*bf16", "kg": "*bf16", "pbuf": "*bf16",
-        "cu_seqlens": "*i32", "state_indices": "*i32"}
+#: element types of the pointer arguments that are not fp32, as the launcher allocates them; "low" =
+#: bf16 on the bf16 (``lowp``) path, fp32 otherwise; "in" = the input dtype
+_PTR = {"q": "in", "k": "in", "v": "in", "w": "low", "qg": "low", "kg": "low", "pbuf": "low", "vn": "low",
+        "hbuf": "low", "cu_seqlens": "*i32", "state_indices": "*i32", "has_init": "*i1"}
+_DTYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "tf32x3")}
 
 
-def constants(bk, gate_k=True, fp32=False):
-    """The kernel's constexpr arguments as the launcher passes them at Kimi-Linear / Qwen3-Next shapes."""
-    prec = "tf32x3" if fp32 else "tf32"
+def constants(bk, gate_k=True, inputs="bf16", kernel="intra"):
+    """The kernel's constexpr arguments as the launcher passes them at Kimi-Linear / Qwen3-Next shapes
+    (K = V = 128; ``bk``: the intra kernel's K block, or the state kernel's V block)."""
+    prec = _DTYPES[inputs][1]
+    lowp = inputs == "bf16"
+    if kernel == "state":
+        return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, KP=128, BV=bk, BB=16, PREC=prec, LOWP=lowp,
+                    DOT_F32=False, STORE_CS=lowp, GATE_K=gate_k)
     return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, BK=bk, BV=64, BB=16, USE_L2=True, PREC=prec, KPREC=prec,
-                RAW_K=True, GATE_K=gate_k, LOWP=not fp32, DOT_F32=False, MMA_RANGE=64.0)
+                RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0)
 
 
-def _tool(name):
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def build(bk, warps, arch=90, gate_k=True, fp32=False, stages=None):
-    """Compiles ``_chunk_intra_kernel`` for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None =
-    its default, as the launcher); returns the build's statistics."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("benchmarks/kda_intra_build.py builds real kernels: unset TRITON_INTERPRET")
-    kern = gdn_chunk._chunk_intra_kernel
-    consts = constants(bk, gate_k, fp32)
+def signature(kern, consts, inputs, kernel="intra"):
+    low = "*bf16" if inputs == "bf16" else "*fp32"
     sig = {}
     for name in kern.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name.startswith("s_") or name == "nb":
             sig[name] = "i32"
-        else:
-            sig[name] = _PTR.get(name, "*fp32").replace("bf16", "fp32" if fp32 else "bf16")
+        else:  # the state kernel's ``k`` is the intra kernel's decayed keys (or the keys: GDN)
+            kind = "low" if kernel == "state" and name == "k" and "GATE_K" in consts and consts["GATE_K"] else _PTR.get(name, "*fp32")
+            sig[name] = {"in": _DTYPES[inputs][0], "low": low}.get(kind, kind)
+    return sig
+
+
+def _tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra"):
+    """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
+    block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
+    build's statistics."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("benchmarks/kda_intra_build.py builds real kernels: unset TRITON_INTERPRET")
+    kern = gdn_chunk._chunk_state_kernel if kernel == "state" else gdn_chunk._chunk_intra_kernel
+    consts = constants(bk, gate_k, inputs, kernel)
+    sig = signature(kern, consts, inputs, kernel)
     const_args = {(kern.arg_names.index(k),): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const_args),
                               target=GPUTarget("cuda", arch, 32),
@@ -97,17 +117,30 @@ def build(bk, warps, arch=90, gate_k=True, fp32=False, stages=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="16/2,16/4,16/8,32/4,32/8,64/8", help="BK/warps, comma separated")
+    ap.add_argument("--configs", default=None,
+                    help="BK/warps, comma separated (default 16/2,16/4,16/8,32/4,32/8,64/8); "
+                         "--kernel state: the launcher's setting (gdn_chunk.state_launch) unless given as BV/warps")
+    ap.add_argument("--kernel", choices=("intra", "state"), default="intra")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--gdn", action="store_true", help="the per-head gate (GDN) variant")
-    ap.add_argument("--fp32", action="store_true", help="fp32 inputs (TF32x3 matmuls)")
+    dt = ap.add_mutually_exclusive_group()
+    dt.add_argument("--fp32", action="store_true", help="fp32 inputs (TF32x3 matmuls)")
+    dt.add_argument("--fp16", action="store_true", help="fp16 inputs (fp32 intermediates, TF32 matmuls)")
     ap.add_argument("--stages", type=int, default=None, help="num_stages (default: Triton's, as the launcher)")
     args = ap.parse_args()
-    print(f"triton {triton.__version__}, sm_{args.arch}, {'GDN' if args.gdn else 'KDA'}, {'fp32' if args.fp32 else 'bf16'}")
-    for cfg in args.configs.split(","):
-        bk, warps = (int(x) for x in cfg.split("/"))
-        r = build(bk, warps, args.arch, gate_k=not args.gdn, fp32=args.fp32, stages=args.stages)
-        print(f"BK {bk:3d} / {warps} warps: {r['regs']} regs, spills {r['spill_stores']} B stored / "
+    inputs = "fp32" if args.fp32 else ("fp16" if args.fp16 else "bf16")
+    stages = args.stages
+    if args.configs is None and args.kernel == "state":
+        bv, warps, launch_stages = gdn_chunk.state_launch(gdn_chunk.CONFIG, inputs == "bf16", 128, 128)
+        configs = [(bv, warps)]
+        stages = launch_stages if stages is None else stages
+    else:
+        configs = [tuple(int(x) for x in c.split("/")) for c in (args.configs or "16/2,16/4,16/8,32/4,32/8,64/8").split(",")]
+    print(f"triton {triton.__version__}, sm_{args.arch}, {args.kernel} kernel, {'GDN' if args.gdn else 'KDA'}, {inputs}, "
+          f"num_stages {stages if stages is not None else 'default'}")
+    for bk, warps in configs:
+        r = build(bk, warps, args.arch, gate_k=not args.gdn, inputs=inputs, stages=stages, kernel=args.kernel)
+        print(f"{'BV' if args.kernel == 'state' else 'BK'} {bk:3d} / {warps} warps: {r['regs']} regs, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, {r['shared']} B shared, {r['sass']} SASS instructions, "
               f"loop bodies {r['loops'][:4]}", flush=True)
 

@@ -352,6 +352,7 @@ GPU_LENS_48 = GPU_LENS + [3, 70, 1, 17, 64, 2, 129, 5] * 5  # GPU_LENS first, th
     pytest.param(torch.bfloat16, torch.float32, GPU_LENS, id="bf16-8reqs", marks=pytest.mark.smoke),
     pytest.param(torch.bfloat16, torch.float32, GPU_LENS_48, id="bf16-48reqs"),
     pytest.param(torch.float32, torch.float32, GPU_LENS_48, id="f32-48reqs"),
+    pytest.param(torch.float16, torch.float32, GPU_LENS, id="f16-8reqs"),  # fp32 intermediates, TF32 MMAs
     pytest.param(torch.bfloat16, torch.bfloat16, GPU_LENS_48, id="bf16pool-48reqs"),
 ])
 def test_gpu_chunk_matches_torch_op(dtype, pool_dtype, lens):

@@ -42,7 +42,7 @@ def make_pool(h, kd, vd, dtype=torch.float32, num_slots=NUM_SLOTS, device="cpu")
 
 
 def tol(*dtypes):
-    return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
+    return torch.bfloat16 if torch.bfloat16 in dtypes or torch.float16 in dtypes else torch.float32
 
 
 def _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, has_init, use_l2=True, dtype=torch.float32,
@@ -281,7 +281,8 @@ def _cpu(*xs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,strength,cfg", [
-    pytest.param(torch.bfloat16, 0.4, {}, marks=pytest.mark.smoke), (torch.float32, 0.4, {}),
+    pytest.param(torch.bfloat16, 0.4, {}, marks=pytest.mark.smoke), (torch.float32, 0.4, {}), (torch.float16, 0.4, {}),
+    (torch.bfloat16, 0.4, {"lowp": False}),
     (torch.bfloat16, 10.0, {}), (torch.bfloat16, 20.0, {}), (torch.float32, 20.0, {}),
     (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
     (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
@@ -291,7 +292,9 @@ def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
     down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
     blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
-    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages)."""
+    (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages); fp16 inputs and
+    bf16 with ``lowp`` off run the fp32-intermediate path (its state kernel once needed more shared
+    memory than sm_90 has)."""
     from hybrid_compile.ops.triton import gdn_chunk
 
     for key, val in cfg.items():

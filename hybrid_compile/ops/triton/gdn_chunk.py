@@ -885,7 +885,7 @@ CONFIG = {
     "intra_stages": None,
     "state_bv": None,  # V block of the sequential pass: 32 for K <= 128
     "state_warps": None,  # 4 on the bf16 path (K <= 128), else 8
-    "state_stages": None,  # Triton's default (3): the next chunks' loads are in flight
+    "state_stages": None,  # Triton's default (3; 2 for fp32 intermediates at K 128): the next chunks' loads are in flight
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
@@ -906,6 +906,22 @@ CONFIG = {
     "kda_intra_stages": None,
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
 }
+
+
+def state_launch(cfg, lowp, kp, vp):
+    """``(BV, num_warps, num_stages)`` of ``_chunk_state_kernel`` (``num_stages`` None = Triton's
+    default, 3). fp32 intermediates (fp32 or fp16 inputs, or ``CONFIG["lowp"]`` off) at K >= 128 take
+    two stages: with fp16 inputs (TF32 MMAs on the fp32 key / w tiles) three stages need 246 KB of
+    shared memory on sm_90 (Triton 3.6 and 3.9), past the 227 KB a block may have; fp32 inputs
+    (TF32x3) need 181 KB at three, 107 KB at two (``benchmarks/kda_intra_build.py --kernel state``
+    prints it)."""
+    bv = cfg["state_bv"] or (64 if kp <= 64 else (32 if kp <= 128 else 16))
+    bv = max(min(bv, vp), 16)
+    warps = cfg["state_warps"] or (4 if lowp and kp <= 128 else 8)
+    stages = cfg["state_stages"]
+    if stages is None and not lowp and kp >= 128:
+        stages = 2
+    return bv, warps, stages
 
 
 def _launch_opts(warps, stages):
@@ -1014,9 +1030,7 @@ def chunk_gated_delta_rule_triton(
     # the state and output kernels read the decayed keys / queries (one per value head) instead
     k_state, q_out, r_io = (kg, qg, 1) if gate_k else (k, q, r)
 
-    bv_state = cfg["state_bv"] or (64 if kp <= 64 else (32 if kp <= 128 else 16))
-    bv_state = max(min(bv_state, vp), 16)
-    warps_state = cfg["state_warps"] or (4 if lowp and kp <= 128 else 8)
+    bv_state, warps_state, stages_state = state_launch(cfg, lowp, kp, vp)
     _chunk_state_kernel[(batch, hv, triton.cdiv(vd, bv_state))](
         k_state, w, u, vn, gcum, rk, glast, cu_seqlens, state_indices, has_initial_state, ssm_states, hbuf,
         chunk_states if store_cs else hbuf,
@@ -1024,7 +1038,7 @@ def chunk_gated_delta_rule_triton(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
         HV=hv, R=r_io, K=kd, V=vd, KP=kp, BV=bv_state, BB=bb, PREC=prec, LOWP=lowp, DOT_F32=dot_f32,
         STORE_CS=store_cs, GATE_K=gate_k,
-        **_launch_opts(warps_state, cfg["state_stages"]),
+        **_launch_opts(warps_state, stages_state),
     )
 
     bv_out = max(min(cfg["out_bv"] or (128 if lowp else 64), vp), 16)

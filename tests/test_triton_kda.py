@@ -285,9 +285,10 @@ def _cpu(*xs):
     (torch.bfloat16, 0.4, {"lowp": False}),
     (torch.bfloat16, 10.0, {}), (torch.bfloat16, 20.0, {}), (torch.float32, 20.0, {}),
     (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
+    (torch.bfloat16, 10.0, {"kda_intra_warps": 4}),
     (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
     (torch.bfloat16, 10.0, {"kda_intra_bk": 64})],
-    ids=["bf16", "f32", "f16", "bf16-lowp-off", "bf16-s10", "bf16-s20", "f32-s20", "bisect", "bk32w8", "bk16w8s1",
+    ids=["bf16", "f32", "f16", "bf16-lowp-off", "bf16-s10", "bf16-s20", "f32-s20", "bisect", "bk32w8", "w4-s10", "bk16w8s1",
          "bk64-s10"])
 def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op

@@ -31,7 +31,7 @@ def _build(args):
     return out
 
 
-@pytest.mark.parametrize("args", [["--configs", "16/4,32/8"], ["--fp32", "--configs", "16/4"]], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("args", [["--configs", "16/2,16/4,32/8"], ["--fp32", "--configs", "16/2"]], ids=["bf16", "fp32"])
 def test_kda_intra_kernel_builds_for_sm90(args):
     out = _build(args)
     n = len(args[-1].split(","))

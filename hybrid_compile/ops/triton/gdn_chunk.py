@@ -890,19 +890,20 @@ CONFIG = {
     "out_warps": None,  # 4
     "out_stages": None,
     # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
-    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Not yet
-    # timed on a GPU; chosen from the sm_90 build (benchmarks/kda_intra_build.py: spill bytes
-    # stored / static SASS instructions per thread, 255 registers), Triton 3.6 (the GPU's) | 3.9:
-    # BK 16 / 4 warps 40 / 9216 | 196 / 10056 (the fewest instructions times warps of the
-    # near-spill-free builds); 16 / 8 20 / 7336 | 8 / 7384; 32 / 8 40 / 9824 | 436 / 10576;
-    # 32 / 4 564 / 13184; 16 / 2 572 / 12800; 64 / 8 932 / 14840. The version before (both sides
-    # in one program, [16, 16, BK] fp32 diagonal tiles; its intra kernel 4.0 ms at 8k tokens on an
-    # H200 at its default 32 / 8, fla's whole chunk_kda 1.9 ms): 32 / 8 904 / 8680 | 564 / 8936,
-    # 16 / 4 1080 / 8824 | 960 / 9184.
+    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Timed on an
+    # H100 (2026-11-27, benchmarks/profile_gdn_chunk.py --kda --sweep, 32k tokens, Kimi-Linear-48B
+    # shapes; intra kernel / whole prefill, us): BK 16 / 2 warps 5476 / 7045; 16 / 4 6874 / 8395;
+    # 16 / 4 one stage 8822 / 10369; 16 / 8 12853 / 14296; 32 / 8 11025 / 12507; 16 / 4 with the
+    # bisection everywhere 9959 / 11537. The sm_90 build (benchmarks/kda_intra_build.py: spill
+    # bytes stored / static SASS instructions per thread, 255 registers), Triton 3.6 (the GPU's) |
+    # 3.9: 16 / 4 40 / 9216 | 196 / 10056; 16 / 8 20 / 7336 | 8 / 7384; 32 / 8 40 / 9824 | 436 /
+    # 10576; 32 / 4 564 / 13184; 16 / 2 572 / 12800; 64 / 8 932 / 14840: fewer warps per program
+    # win despite the spills (more programs resident per SM). The version before (both sides in one
+    # program, [16, 16, BK] fp32 diagonal tiles): its intra kernel 4.0 ms at 8k tokens on an H200
+    # at its default 32 / 8, fla's whole chunk_kda 1.9 ms.
     "kda_intra_bk": None,  # 16
-    "kda_intra_warps": None,  # 4
-    # Triton's default (3: the next K blocks' loads in flight); 1 builds 8% fewer loop instructions
-    # at 16 / 4 (Triton 3.6: 64 B spills), 16 / 8 without spills: to be timed
+    "kda_intra_warps": None,  # 2
+    # Triton's default (3: the next K blocks' loads in flight); 1 was slower (above)
     "kda_intra_stages": None,
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
 }
@@ -1007,7 +1008,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f'gdn_chunk.CONFIG["kda_intra_mma_range"] must be <= 64, not {mma_range}')
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
-        warps_intra = cfg["kda_intra_warps"] or 4
+        warps_intra = cfg["kda_intra_warps"] or 2
         stages_intra = cfg["kda_intra_stages"]
     else:
         bk_intra = bk

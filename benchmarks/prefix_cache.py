@@ -521,23 +521,35 @@ def run_system(model, system: str, args, vocab: int) -> dict:
 
 
 def flip_workload(args, vocab: int):
-    """(phases, engine kwargs) of the elastic-pools comparison: chats, then documents."""
+    """(phases, engine kwargs) of the elastic-pools comparison: chats, then documents. The start-up
+    split is the one sized for the chats: a Mamba slot per chat (plus the two a pool keeps spare) and
+    the KV of the chats at once, so the chats are state-bound and the documents, which need more KV
+    than that, KV-bound."""
     tokens = _token_source(args.seed + 2, vocab)
     chats = [tokens(args.flip_chat_len) for _ in range(args.flip_chats)]
     docs = [tokens(args.flip_doc_len + 2 * i) for i in range(args.flip_docs)]
     phases = [(chats, args.flip_chat_output), (docs, args.flip_doc_output)]
-    # KV for the chats plus ~1.5 documents; Mamba slots for the chats and their cached states
-    kv = args.flip_chats * (args.flip_chat_len + args.flip_chat_output) // 2 + args.flip_doc_len * 3 // 2
-    engine = dict(max_running_requests=args.flip_chats, max_total_tokens=kv, mamba_cache_size=4 * args.flip_chats,
+    kv = args.flip_chats * (args.flip_chat_len + args.flip_chat_output)
+    engine = dict(max_running_requests=args.flip_chats, max_total_tokens=kv, mamba_cache_size=args.flip_chats + 2,
                   chunked_prefill_size=args.chunked_prefill_size or 2048, cuda_graphs=False)
     return phases, engine
 
 
+def fixed_split_slots(startup_slots: int) -> list[int]:
+    """Mamba slot counts of the other fixed splits of the start-up split's bytes: fewer slots (more
+    KV: fewer chats at once) and more (less KV: fewer documents at once), never under 3 (a running
+    request and the two spare)."""
+    fractions = (0.25, 0.5, 0.75, 1.5)
+    return sorted({max(3, round(startup_slots * f)) for f in fractions} - {startup_slots}, reverse=True)
+
+
 def run_elastic_comparison(model, args, vocab: int) -> dict:
-    """The flip workload with the fixed split and with elastic pools (same outputs asserted in fp32 on
-    the CPU, compared and reported on a GPU), then with the other fixed splits of the same bytes
-    (``fixed_splits``: Mamba slots moved to KV up to the fewest the chats need), so that elastic pools
-    are compared with every fixed split, not only with the start-up one."""
+    """The flip workload with the start-up split and with elastic pools (same outputs asserted in
+    fp32 on the CPU, compared and reported on a GPU), then with other fixed splits of the same bytes
+    (``fixed_splits``: Mamba slots traded for KV tokens and back, :func:`fixed_split_slots`), so
+    that elastic pools are compared with fixed splits on both sides of the start-up one. A split
+    with fewer slots than the chats runs fewer chats at once (its ``max_running_requests``: the
+    slots less the two spare)."""
     phases, kw = flip_workload(args, vocab)
     if args.eager:
         kw["compile"] = False
@@ -561,21 +573,22 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
 
     out["fixed"], (per_token, per_slot) = run("fixed", False)
     out["elastic"], _ = run("elastic", True)
-    # the same bytes split otherwise: Mamba slots traded for KV tokens, down to the running chats + 2
-    # and below (fewer chats at once: a pool must hold a slot per running request and two spare)
     budget = kw["max_total_tokens"] * per_token + kw["mamba_cache_size"] * per_slot
-    fewest = kw["max_running_requests"] + 2
     out["fixed_splits"] = []
-    for slots in sorted({(kw["mamba_cache_size"] + fewest) // 2, fewest, max(3, fewest // 2)}, reverse=True):
-        if slots >= kw["mamba_cache_size"]:
-            continue
+    for slots in fixed_split_slots(kw["mamba_cache_size"]):
+        kv_tokens = (budget - slots * per_slot) // per_token
+        if kv_tokens < args.flip_doc_len + 2 * (args.flip_docs - 1) + args.flip_doc_output:
+            continue  # the longest document would not fit at all
         running = min(kw["max_running_requests"], slots - 2)
         r, _ = run(f"fixed/{slots}", False, mamba_cache_size=slots, max_running_requests=running,
-                   max_total_tokens=(budget - slots * per_slot) // per_token)
+                   max_total_tokens=kv_tokens)
         out["fixed_splits"].append(dict(r, mamba_slots=slots, max_running_requests=running))
     fixed_all = [out["fixed"]] + out["fixed_splits"]
     out["fewest_fixed_retractions"] = min(r["retractions"] for r in fixed_all)
+    out["fewest_fixed_steps"] = min(r["steps"] for r in fixed_all)
     out["fastest_fixed_seconds"] = min(r["seconds"] for r in fixed_all)
+    print(f"  elastic: {out['elastic']['steps']} steps against {out['fewest_fixed_steps']} for the best fixed split, "
+          f"{out['elastic']['retractions']} retractions against {out['fewest_fixed_retractions']}", flush=True)
     equal = [a == b for a, b in zip(sum(outputs["fixed"], []), sum(outputs["elastic"], []))]
     out["outputs_equal"], out["requests_equal"] = all(equal), f"{sum(equal)}/{len(equal)}"
     if not all(equal):

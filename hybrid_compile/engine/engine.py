@@ -298,7 +298,8 @@ class HybridEngine(GenerateAPI):
             decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
         if config.elastic_pools:
-            self.scheduler.elastic = ElasticPools(self.pools, self._pools_resized, cache=self.prefix_cache)
+            self.scheduler.elastic = ElasticPools(self.pools, self._pools_resized, cache=self.prefix_cache,
+                                                  running=lambda: self.scheduler.running)
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
             self.speculative = None

@@ -67,9 +67,12 @@ class SlotAllocator:
         first_index: lowest index handed out; indices below it are reserved and never
             allocated (e.g. 1 to keep index 0 as a padding entry).
         name: what the slots are, used in error messages ("Mamba slot", "request slot").
+        lowest_first: hand out the lowest free indices (the free stack kept sorted, O(free) per
+            free) instead of the last freed: elastic pools shrink a pool from its top, which then
+            stays free as long as the pool is not full (see :meth:`free_at_top`).
     """
 
-    def __init__(self, capacity: int, *, first_index: int = 0, name: str = "slot") -> None:
+    def __init__(self, capacity: int, *, first_index: int = 0, name: str = "slot", lowest_first: bool = False) -> None:
         if capacity < 0 or first_index < 0:
             raise ValueError(f"{name} allocator: capacity and first_index must be >= 0, got {capacity}, {first_index}")
         self.name = name
@@ -81,6 +84,7 @@ class SlotAllocator:
         self._free_stack = torch.arange(self.end_index - 1, first_index - 1, -1, dtype=torch.int64)
         self._num_free = capacity
         self._in_use = torch.zeros(self.end_index, dtype=torch.bool)
+        self.lowest_first = lowest_first
 
     def total(self) -> int:
         """Number of indices this allocator manages."""
@@ -118,6 +122,17 @@ class SlotAllocator:
         self._in_use[idx] = False
         self._free_stack[self._num_free : self._num_free + idx.numel()] = idx.flip(0)
         self._num_free += idx.numel()
+        if self.lowest_first:
+            self._sort_free()
+
+    def set_lowest_first(self) -> None:
+        """From now on hand out the lowest free indices first (``lowest_first``)."""
+        self.lowest_first = True
+        self._sort_free()
+
+    def _sort_free(self) -> None:
+        # descending: the stack's top (its end) is the lowest free index
+        self._free_stack[: self._num_free] = torch.sort(self._free_stack[: self._num_free], descending=True).values
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
         """Bool tensor: which of the (in-range) indices are in use."""
@@ -178,6 +193,8 @@ class SlotAllocator:
         self._free_stack = torch.empty(capacity, dtype=torch.int64)
         self._free_stack[: free.numel()] = free
         self._num_free = free.numel()
+        if self.lowest_first:
+            self._sort_free()
         in_use = torch.zeros(end, dtype=torch.bool)
         keep = min(end, self.end_index)
         in_use[:keep] = self._in_use[:keep]

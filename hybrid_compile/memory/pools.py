@@ -72,8 +72,9 @@ class MemoryPools:
         )
         # elastic pools: bytes of the budget moved between the pools that make no whole page / slot yet
         self.spare_bytes = 0
+        # (requests_relocated: running requests moved to a lower Mamba slot to free the top, engine/elastic.py)
         self.moves = dict.fromkeys(("to_kv", "to_mamba", "kv_tokens_gained", "kv_tokens_given",
-                                    "mamba_slots_gained", "mamba_slots_given"), 0)
+                                    "mamba_slots_gained", "mamba_slots_given", "requests_relocated"), 0)
 
     @property
     def page_bytes(self) -> int:

@@ -260,9 +260,10 @@ class CompiledGraphs:
             from ..models.fused_experts import experts_modules, unsupported_reason
 
             # transformers' experts forward (the eager loop of an fp32 model) syncs with the host
-            hint = ("" if config.fused_moe or not any(
+            hint = ("" if config.fused_moe is True or not any(
                 unsupported_reason(m) is None for _, m in experts_modules(self.model)) else
-                    " Its MoE experts run transformers' experts forward: fused_moe=True serves them without host syncs.")
+                    f" Its MoE experts run transformers' experts forward{' above decode sizes' if config.fused_moe else ''}: "
+                    "fused_moe=True serves them without host syncs.")
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
                 f"{type(self.model).__name__} forward failed "

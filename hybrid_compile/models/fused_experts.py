@@ -1,7 +1,7 @@
 """The fused MoE experts patch (``EngineConfig.fused_moe``), family-independent: every transformers
 experts module of the 3-D layout (``gate_up_proj [E, 2I, H]`` with ``act(gate) * up``, or
 ``up_proj [E, I, H]`` and ``act(up)`` without a gate, then ``down_proj [E, H, I]``; float weights, no
-biases, not transposed) gets a forward that, inside an engine step, runs
+biases, not transposed) gets a forward that, inside an engine step (``fused_moe="decode"``: a decode-sized one), runs
 :func:`hybrid_compile.ops.moe.fused_moe_experts` on the module's own weights (one
 ``moe_grouped_linear`` per projection for all experts, SiLU-gate / relu2 fused into the first) instead of transformers' experts forward
 (the eager per-expert loop or ``torch._grouped_mm`` with its sort / histogram kernels). Outside an
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..layers.context import get_forward_context
-from ..ops.moe import fused_moe_experts
+from ..ops.moe import decode_sized, fused_moe_experts
 from ..quantization.fp8_modules import Fp8Experts, is_experts_module
 from .base import PatchHandle, patch_forward
 
@@ -69,27 +69,40 @@ def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     return fused_moe_experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj, self.act_fn, has_gate)
 
 
-def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool, required: bool = True) -> int:
+def _fused_decode_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    # fused_moe="decode": decode-sized calls (ops.moe.decode_sized: the GEMV kernel's calls) on the
+    # fused path, larger ones (prefill, long verify rows) on transformers' experts forward. The test
+    # is on shapes only, so a compiled graph guards on it and a CUDA graph holds one branch.
+    up = self.gate_up_proj if hasattr(self, "gate_up_proj") else self.up_proj
+    if not decode_sized(hidden_states.shape[0] * top_k_index.shape[-1], up.shape[0]):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    return _fused_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | str, required: bool = True) -> int:
     """Apply ``EngineConfig.fused_moe`` = ``option`` to ``model``; returns the number of experts
     modules patched. True: patch (any device), a ValueError naming the option when the model has an
     experts module of another layout, or (``required``: the served model, not a draft model or an
-    MTP head beside it) no experts module at all; False: nothing."""
+    MTP head beside it) no experts module at all; ``"decode"``: the same patch, taking the fused path
+    for decode-sized calls only; False: nothing."""
     if not option:
         return 0
     modules = experts_modules(model)
     bad = [(name, why) for name, m in modules if (why := unsupported_reason(m)) is not None]
     if bad:
         name, why = bad[0]
-        raise ValueError(f"EngineConfig.fused_moe=True: {type(model).__name__}'s experts module {name!r} "
+        raise ValueError(f"EngineConfig.fused_moe={option!r}: {type(model).__name__}'s experts module {name!r} "
                          f"({type(model.get_submodule(name)).__name__}) is not supported: {why}; use fused_moe=False "
                          "(transformers' experts forward)")
     if not modules and not required:
         return 0
     if not modules:
         fp8 = any(isinstance(m, Fp8Experts) for m in model.modules())
-        raise ValueError(f"EngineConfig.fused_moe=True but {type(model).__name__} has no float MoE experts module"
+        raise ValueError(f"EngineConfig.fused_moe={option!r} but {type(model).__name__} has no float MoE experts module"
                          + (" (its experts are FP8: quantization serves them with Fp8Experts' grouped GEMMs)"
                             if fp8 else "") + "; use fused_moe=None or False")
+    forward = _fused_decode_forward if option == "decode" else _fused_forward
     for _, module in modules:
-        patch_forward(module, _fused_forward, handle)
+        patch_forward(module, forward, handle)
     return len(modules)

@@ -78,7 +78,7 @@ def _index_first(module: nn.Module, spec: RouterSpec) -> bool:
             return order[0] == "index"
     got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
            for t in (out if isinstance(out, tuple) else (out,))]
-    raise ValueError(f"EngineConfig.fused_moe=True: {type(module).__name__} returned {got}, not the (logits, weights, "
+    raise ValueError(f"EngineConfig.fused_moe: {type(module).__name__} returned {got}, not the (logits, weights, "
                      f"index) the fused router reproduces; use fused_moe=False")
 
 

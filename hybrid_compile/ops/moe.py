@@ -36,8 +36,23 @@ from torch import nn
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 
-__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts",
-           "grouped_output_width", "moe_grouped_linear", "reference_moe_grouped_linear", "sort_pairs_by_expert"]
+#: Calls of at most this many (token, expert) rows per expert on average are decode-sized: there the
+#: GEMV kernel serves ``moe_grouped_linear`` on CUDA (:func:`hybrid_compile.ops.triton.moe.moe_path`),
+#: the FP8 experts' threshold (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per
+#: program beat the tensor cores at every decode size up to 64 tokens of top-10 routing over 512
+#: experts, 1.25 rows per expert), and ``EngineConfig.fused_moe="decode"`` takes the fused path.
+MOE_GEMV_ROWS_PER_EXPERT = 2
+
+
+def decode_sized(rows: int, experts: int) -> bool:
+    """Whether ``rows`` sorted (token, expert) rows over ``experts`` experts are a decode-sized call
+    (:data:`MOE_GEMV_ROWS_PER_EXPERT`)."""
+    return rows <= MOE_GEMV_ROWS_PER_EXPERT * experts
+
+
+__all__ = ["GROUPED_ACTIVATIONS", "MOE_GEMV_ROWS_PER_EXPERT", "ExpertRouting", "check_activation", "decode_sized",
+           "fused_activation", "fused_moe_experts", "grouped_output_width", "moe_grouped_linear",
+           "reference_moe_grouped_linear", "sort_pairs_by_expert"]
 
 # the activations moe_grouped_linear applies in its epilogue (the Triton kernel's ACT is the index)
 GROUPED_ACTIVATIONS = ("none", "silu_and_mul", "relu2")

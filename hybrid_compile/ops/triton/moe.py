@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe import GROUPED_ACTIVATIONS, _check_grouped, check_activation, grouped_output_width
+from ..moe import GROUPED_ACTIVATIONS, MOE_GEMV_ROWS_PER_EXPERT, _check_grouped, check_activation, decode_sized, \
+    grouped_output_width
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, launch_gemv
@@ -48,11 +49,6 @@ __all__ = ["MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_
 
 #: The kernels :func:`moe_grouped_linear_triton` can take.
 MOE_PATHS = ("gemv", "tensor_cores")
-#: Calls of at most this many rows per expert on average take the GEMV: the FP8 experts' threshold
-#: (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per program beat the tensor
-#: cores at every decode size up to 64 tokens of top-10 routing over 512 experts, 1.25 rows per
-#: expert). ``benchmarks/fused_moe.py --sweep`` times both paths for the float weights.
-MOE_GEMV_ROWS_PER_EXPERT = 2
 #: GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size in bytes, for
 #: one row per program and one weight tile per step. From the FP8 sweep's grouped choice (BLOCK_K
 #: 256, 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages), for 2-byte weights the
@@ -157,7 +153,7 @@ def moe_path(rows: int, experts: int) -> str:
     """The kernel :func:`moe_grouped_linear_triton` takes by default for ``rows`` sorted rows over
     ``experts``: ``"gemv"`` at decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT` rows per expert on
     average), else ``"tensor_cores"``."""
-    return "gemv" if rows <= MOE_GEMV_ROWS_PER_EXPERT * experts else "tensor_cores"
+    return "gemv" if decode_sized(rows, experts) else "tensor_cores"
 
 
 def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none",

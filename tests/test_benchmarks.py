@@ -270,6 +270,13 @@ def test_serving_benchmark_tiny_runs_both_modes_at_the_same_load(tmp_path):
         assert r["client_busy_fraction"] > 0, r  # (with the client's set-up: over 1 in a run this short)
     assert set(run["summary"]["http_vs_inprocess"]) == set(run["summary"]["http-process_vs_inprocess"]) == {"8", "inf"}
     assert "HTTP throughput" in proc.stdout and "HTTP, engine process throughput" in proc.stdout
+    for http in ("http", "http-process"):  # the verdict at the server's own highest rate under the SLO
+        best, at = run["summary"]["best_rate_under_slo"][http], run["summary"][f"{http}_at_its_slo_rate"]
+        assert (at is None) == (best is None), run["summary"]
+        if at:
+            assert at["rate"] == best["rate"] and at["throughput_ratio"] == pytest.approx(
+                best["output_throughput"] / run["results"]["inprocess"][best["rate"]]["output_throughput"])
+            assert at["within_5_percent"] == (at["throughput_ratio"] >= 0.95)
     assert "way in, ms p50 / p99: send -> handler" in proc.stdout
     from importlib.util import find_spec  # which event loop the server had: recorded, not assumed
     assert (run["versions"]["uvloop"] is not None) == (find_spec("uvloop") is not None) and run["versions"]["uvicorn"]

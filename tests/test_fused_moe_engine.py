@@ -179,7 +179,7 @@ def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):
     torch.testing.assert_close(gw, ew, atol=1e-6, rtol=1e-6)
     # a router whose outputs are not the (logits, weights, index) the patch reproduces: a clear error
     monkeypatch.setattr(GraniteMoeHybridTopKRouter, "forward", lambda self, h: (h, h))
-    with pytest.raises(ValueError, match=r"fused_moe=True: GraniteMoeHybridTopKRouter returned .* use fused_moe=False"):
+    with pytest.raises(ValueError, match=r"EngineConfig.fused_moe: GraniteMoeHybridTopKRouter returned .* use fused_moe=False"):
         fused_router.install_fused_routers(router, handle, True)
     assert "forward" not in router.__dict__
 

@@ -18,7 +18,8 @@ the bytes of expert weights the step must read (the experts hit) and the bandwid
 implies; ``path``: which kernel our ``moe_grouped_linear`` took (on CUDA ``moe_path``'s: the
 CUDA-core ``gemv`` at decode, at most two rows per expert on average, else ``tensor_cores``; both
 projections have the same rows; on a CPU run ``plain_torch``). Our output is checked against transformers' ``eager`` forward
-first. Prints a table; writes JSON.
+first. ``ours_grouped_mm`` (CUDA, bf16): ours with ``torch._grouped_mm`` for the calls above decode
+size (``ops.triton.moe.LARGE_CALLS_PATH``), checked the same way. Prints a table; writes JSON.
 
 ``--sweep``: instead, the tile sweep of both kernels of ``moe_grouped_linear`` on the same shapes
 and routings: for each token count and projection (``up``: the tokens gathered into
@@ -50,6 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import hybrid_compile  # noqa: E402,F401  (registers the ops)
 from hybrid_compile.ops.moe import fused_moe_experts  # noqa: E402
+from hybrid_compile.ops.triton import moe as tmoe  # noqa: E402
 from hybrid_compile.ops.triton.moe import moe_path  # noqa: E402
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
@@ -145,6 +147,17 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
             row["times"]["ours"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
             ms, mode = time_ms(ours, device, iters, graph=False)  # launch overhead included
             row["times"]["ours_eager"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
+            if device.type == "cuda" and dtype == torch.bfloat16:
+                # ours with torch._grouped_mm for the calls above decode size (tmoe.LARGE_CALLS_PATH)
+                saved, tmoe.LARGE_CALLS_PATH = tmoe.LARGE_CALLS_PATH, "grouped_mm"
+                try:
+                    diff = float((ours().float() - want).abs().max())
+                    assert diff <= 0.05 * scale + 1e-3, (name, tokens, "grouped_mm", diff, scale)
+                    ms, mode = time_ms(ours, device, iters)
+                    row["times"]["ours_grouped_mm"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6,
+                                                           max_abs_diff_vs_eager=diff)
+                finally:
+                    tmoe.LARGE_CALLS_PATH = saved
         rows.append(row)
     return rows
 
@@ -254,13 +267,15 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
 
 def print_table(rows) -> None:
     cols = ["hf_" + i for i in IMPLEMENTATIONS] + ["ours_eager", "ours"]
+    if any("ours_grouped_mm" in r["times"] for r in rows):
+        cols.insert(-2, "ours_grouped_mm")
     print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} {'ours path':>12s} "
           + " ".join(f"{c + ' ms':>16s}" for c in cols) + f" {'ours GB/s':>9s} {'vs best hf':>10s}")
     for r in rows:
         t = r["times"]
-        cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t[c] else "error"
-                 for c in cols]
-        best = min((t[c]["ms"] for c in cols[:-2] if "ms" in t[c]), default=float("nan"))
+        cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t.get(c, {}) else
+                 ("error" if c in t else "-") for c in cols]
+        best = min((t[c]["ms"] for c in cols if c.startswith("hf_") and "ms" in t[c]), default=float("nan"))
         print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4d} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>12s} "
               + " ".join(f"{c:>16s}" for c in cells)
               + f" {t['ours']['gbps']:9.0f} {best / t['ours']['ms']:9.2f}x")

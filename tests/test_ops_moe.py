@@ -207,6 +207,56 @@ def test_grouped_kernel_matches_op_with_gather_and_scatter(counts, dtype):
             torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=f"{path} {config} gather={g is not None}")
 
 
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs ``torch._grouped_mm`` on the CPU (2.13 does; the GPU machine's 2.11 runs
+    the CUDA tests below)."""
+    try:
+        torch._grouped_mm(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(1, 16, 16, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no CPU torch._grouped_mm")
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+@pytest.mark.parametrize("counts", [[1, 0, 0], [0, 13, 2], [20, 0, 37], [0, 0, 0]])
+def test_grouped_mm_path_matches_the_row_loop(counts, activation, monkeypatch):
+    """The forced ``path="grouped_mm"`` (``torch._grouped_mm``, bf16; CPU here, the same call as on CUDA)
+    against the row loop, with and without gather / scatter, experts without rows, no rows at all; its
+    product is rounded to bf16 before the activation (the bf16 tolerance holds); other dtypes and a
+    ``config`` are errors."""
+    k, n_out = 40, 24
+    n = 2 * n_out if activation == "silu_and_mul" else n_out
+    weight = (torch.randn(3, n, k) / k ** 0.5).bfloat16()
+    rows = sum(counts)
+    x = torch.randn(rows + 2, k).bfloat16()
+    off = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    gather, scatter = torch.randint(0, rows + 2, (rows,)), torch.randperm(rows)
+    atol, rtol = TOL[torch.bfloat16]
+    for g, s in ((gather, scatter), (None, None), (gather, None)):
+        xs = x if g is not None else x[:rows]
+        expected = _row_loop(xs, weight, off, g, s, activation)
+        got = tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation, path="grouped_mm")
+        assert got.shape == (rows, n_out) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"gather={g is not None}")
+    # as the default of calls above decode size (ops.triton.moe.LARGE_CALLS_PATH): bf16 only
+    monkeypatch.setattr(tmoe, "LARGE_CALLS_PATH", "grouped_mm")
+    assert tmoe.moe_path(57, 3, torch.bfloat16) == "grouped_mm" and tmoe.moe_path(57, 3, torch.float32) == "tensor_cores"
+    assert tmoe.moe_path(1, 3, torch.bfloat16) == "gemv"
+    if rows > 6:  # (above decode size over three experts)
+        assert torch.equal(tmoe.moe_grouped_linear_triton(x, weight, off, gather, scatter, activation),
+                           tmoe.moe_grouped_linear_triton(x, weight, off, gather, scatter, activation, path="grouped_mm"))
+    monkeypatch.setattr(tmoe, "LARGE_CALLS_PATH", "cublas")
+    with pytest.raises(ValueError, match="LARGE_CALLS_PATH must be"):
+        tmoe.moe_path(57, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="takes bf16 rows and weights"):
+        moe.grouped_mm_linear(x.float(), weight.float(), off)
+    with pytest.raises(ValueError, match="takes no `config`"):
+        tmoe.moe_grouped_linear_triton(x[:rows], weight, off, activation=activation, path="grouped_mm",
+                                       config=(16, 16, 16, 4, 1))
+
+
 GEMV_COUNTS = [0, 1, 2, 3, 0, 1]  # experts with 0 / 1 / 2 / 3 rows: 7 rows over 6 experts, the GEMV's
 
 
@@ -389,6 +439,21 @@ def test_cuda_grouped_op_other_dtypes_and_prefill_tiles(dtype, tokens, activatio
     expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order,
                                                 activation)
     torch.testing.assert_close(got.float(), expected, atol=TOL[dtype][0] * 10, rtol=TOL[dtype][1] * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+@pytest.mark.parametrize("tokens", [300, 4096])
+def test_cuda_grouped_mm_path_at_prefill_sizes(tokens, activation):
+    """``path="grouped_mm"`` (torch._grouped_mm, bf16) on the GPU at Qwen3.5-MoE's expert shape against the
+    plain-torch op in fp32 (its product rounds to bf16 before the activation: bf16 tolerance)."""
+    x, idx, w, up, down = _cuda_case(tokens, "qwen35_moe", torch.bfloat16)
+    r = moe.sort_pairs_by_expert(idx, up.shape[0])
+    got = tmoe.moe_grouped_linear_triton(x, up, r.expert_offsets, r.token_of_row, r.order, activation,
+                                         path="grouped_mm")
+    expected = moe.reference_moe_grouped_linear(x.float(), up.float(), r.expert_offsets, r.token_of_row, r.order,
+                                                activation)
+    torch.testing.assert_close(got.float(), expected, atol=TOL[torch.bfloat16][0] * 10, rtol=TOL[torch.bfloat16][1] * 10)
 
 
 @pytest.mark.gpu

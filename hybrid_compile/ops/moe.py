@@ -51,7 +51,7 @@ def decode_sized(rows: int, experts: int) -> bool:
 
 
 __all__ = ["GROUPED_ACTIVATIONS", "MOE_GEMV_ROWS_PER_EXPERT", "ExpertRouting", "check_activation", "decode_sized",
-           "fused_activation", "fused_moe_experts", "grouped_output_width", "moe_grouped_linear",
+           "fused_activation", "fused_moe_experts", "grouped_mm_linear", "grouped_output_width", "moe_grouped_linear",
            "reference_moe_grouped_linear", "sort_pairs_by_expert"]
 
 # the activations moe_grouped_linear applies in its epilogue (the Triton kernel's ACT is the index)
@@ -162,6 +162,32 @@ def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, s
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             y[lo:hi] = rows[lo:hi].float() @ weight[e].float().t()
+    if activation == "silu_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    elif activation == "relu2":
+        y = torch.relu(y).square()
+    if scatter_index is not None:
+        y = torch.empty_like(y).index_copy_(0, scatter_index, y)
+    return y.to(x.dtype)
+
+
+def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
+    """``moe_grouped_linear`` through ``torch._grouped_mm`` (on CUDA the bf16 grouped GEMM transformers'
+    ``grouped_mm`` experts call): the gathered rows, one grouped GEMM with the experts' weights
+    transposed as views, the activation in fp32, the scatter. bf16 only (what ``torch._grouped_mm``
+    takes); its output is bf16, so unlike the op's other implementations the product is rounded to bf16
+    once before the activation (as in transformers' path), then once after it."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"grouped_mm_linear: torch._grouped_mm takes bf16 rows and weights, got {x.dtype} / "
+                         f"{weight.dtype}")
+    _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation)
+    rows = x.index_select(0, gather_index) if gather_index is not None else x.contiguous()
+    if rows.shape[0] == 0 or weight.shape[0] == 0:
+        y = rows.new_zeros(rows.shape[0], weight.shape[1]).float()
+    else:
+        # offs: each expert's end row (int32); the weights as [E, K, N] views (column-major per expert)
+        y = torch._grouped_mm(rows, weight.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32)).float()
     if activation == "silu_and_mul":
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up

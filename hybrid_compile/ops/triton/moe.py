@@ -38,17 +38,22 @@ import triton
 import triton.language as tl
 
 from ..moe import GROUPED_ACTIVATIONS, MOE_GEMV_ROWS_PER_EXPERT, _check_grouped, check_activation, decode_sized, \
-    grouped_output_width
+    grouped_mm_linear, grouped_output_width
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config", "moe_gemv_config",
-           "moe_grouped_linear_triton", "moe_path"]
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config",
+           "moe_gemv_config", "moe_grouped_linear_triton", "moe_path"]
 
-#: The kernels :func:`moe_grouped_linear_triton` can take.
-MOE_PATHS = ("gemv", "tensor_cores")
+#: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
+#: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
+MOE_PATHS = ("gemv", "tensor_cores", "grouped_mm")
+#: The path of the calls above decode size (:func:`moe_path`): our tensor-core kernel, or
+#: ``"grouped_mm"`` for bf16 weights (other dtypes keep the tensor cores). ``benchmarks/fused_moe.py``
+#: times both (its ``ours_grouped_mm`` row sets this); the default stays ours until that is measured.
+LARGE_CALLS_PATH = "tensor_cores"
 #: GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size in bytes, for
 #: one row per program and one weight tile per step. From the FP8 sweep's grouped choice (BLOCK_K
 #: 256, 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages), for 2-byte weights the
@@ -149,11 +154,17 @@ def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False,
     return block_n, fit, warps, stages
 
 
-def moe_path(rows: int, experts: int) -> str:
+def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None) -> str:
     """The kernel :func:`moe_grouped_linear_triton` takes by default for ``rows`` sorted rows over
-    ``experts``: ``"gemv"`` at decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT` rows per expert on
-    average), else ``"tensor_cores"``."""
-    return "gemv" if decode_sized(rows, experts) else "tensor_cores"
+    ``experts`` of weights in ``dtype``: ``"gemv"`` at decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT`
+    rows per expert on average), else :data:`LARGE_CALLS_PATH` (``"grouped_mm"`` only for bf16)."""
+    if LARGE_CALLS_PATH not in ("tensor_cores", "grouped_mm"):
+        raise ValueError(f'ops.triton.moe.LARGE_CALLS_PATH must be "tensor_cores" or "grouped_mm", got {LARGE_CALLS_PATH!r}')
+    if decode_sized(rows, experts):
+        return "gemv"
+    if LARGE_CALLS_PATH == "grouped_mm" and dtype != torch.bfloat16:
+        return "tensor_cores"
+    return LARGE_CALLS_PATH
 
 
 def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none",
@@ -161,8 +172,9 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
                               rows_per_program: int | None = None):
     """``moe_grouped_linear`` on the GPU (or under the interpreter).
 
-    ``path``: ``"gemv"`` or ``"tensor_cores"`` forces that kernel; ``None``: :func:`moe_path`, except
-    that a ``config`` without a ``path`` asks for the tensor cores. ``config``: the path's tiles,
+    ``path``: ``"gemv"``, ``"tensor_cores"`` or ``"grouped_mm"`` (``torch._grouped_mm``, bf16, no
+    ``config``) forces that kernel; ``None``: :func:`moe_path`, except that a ``config`` without a
+    ``path`` asks for the tensor cores. ``config``: the path's tiles,
     (BM, BN, BK, warps, stages) for the tensor cores (default :func:`moe_gemm_config`), (BLOCK_N,
     BLOCK_K, warps, stages) for the GEMV (default :func:`moe_gemv_config`). ``rows_per_program``
     (GEMV only, 1-4, default 1): rows of one expert a GEMV program takes."""
@@ -176,7 +188,12 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
     n = grouped_output_width(n_rows, activation)
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     gated = activation == "silu_and_mul"
-    path = path or ("tensor_cores" if config is not None else moe_path(rows, experts))
+    path = path or ("tensor_cores" if config is not None else moe_path(rows, experts, weight.dtype))
+    if path == "grouped_mm":
+        if config is not None or rows_per_program is not None:
+            raise ValueError("moe_grouped_linear_triton: path='grouped_mm' (torch._grouped_mm) takes no `config` "
+                             "or `rows_per_program`")
+        return grouped_mm_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
     if path == "gemv":
         rows_per_program = 1 if rows_per_program is None else rows_per_program
         config = config or moe_gemv_config(n, k, x.dtype, gated, rows_per_program)

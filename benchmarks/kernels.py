@@ -433,21 +433,25 @@ def bench_kda(quick):
             record("chunk_gated_delta_rule (KDA, per-channel g)", f"T={total} B={batch}",
                    safe(lambda: bench(f, graph=False)), None, fla_ms,
                    flops=total * H * (4 * K * V + 2 * 16 * (K + V) + 4 * 16 * K), note="(eager)")
-    for batch in ([1, 64] if quick else [1, 16, 64, 256]):
-        L = 1
-        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
-        q, k = (torch.randn(batch, L, H, K, dtype=BF16, device=DEV) for _ in range(2))
-        v = torch.randn(batch, L, H, V, dtype=BF16, device=DEV)
-        g = -torch.rand(batch, L, H, K, device=DEV)
-        beta = torch.rand(batch, L, H, device=DEV)
-        f = lambda: ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm, slots, True, 0.0, False, None, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
-        fla_ms = None
-        if "recurrent" in fla:  # fla updates the batch's first states in place (its serving mode)
-            fla_fn = lambda: fla["recurrent"](q, k, v, g, beta, initial_state=ssm[:batch], output_final_state=True,  # noqa: E731
-                                              use_qk_l2norm_in_kernel=True)
-            fla_ms = safe(lambda: bench(fla_fn))
-        record("fused_recurrent_gated_delta_rule_update (KDA decode)", f"B={batch}", safe(lambda: bench(f)), None, fla_ms,
-               bytes_moved=2 * batch * H * K * V * 4)
+    # decode with the fp32 state, and with a bf16 state pool (EngineConfig.ssm_state_dtype="bfloat16",
+    # vLLM's default for these layers: half the bytes; fla given the same bf16 initial states)
+    ssm_bf16 = ssm.to(BF16)
+    for state, pool in (("fp32", ssm), ("bf16", ssm_bf16)):
+        for batch in ([1, 64] if quick else [1, 16, 64, 256]):
+            L = 1
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            q, k = (torch.randn(batch, L, H, K, dtype=BF16, device=DEV) for _ in range(2))
+            v = torch.randn(batch, L, H, V, dtype=BF16, device=DEV)
+            g = -torch.rand(batch, L, H, K, device=DEV)
+            beta = torch.rand(batch, L, H, device=DEV)
+            f = lambda: ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, slots, True, 0.0, False, None, ssm_scales=None, intermediate_scales=None, parent_indices=None)  # noqa: E731
+            fla_ms = None
+            if "recurrent" in fla:  # fla updates the batch's first states in place (its serving mode)
+                fla_fn = lambda: fla["recurrent"](q, k, v, g, beta, initial_state=pool[:batch], output_final_state=True,  # noqa: E731
+                                                  use_qk_l2norm_in_kernel=True)
+                fla_ms = safe(lambda: bench(fla_fn))
+            record(f"fused_recurrent_gated_delta_rule_update (KDA decode, {state} state)", f"B={batch}",
+                   safe(lambda: bench(f)), None, fla_ms, bytes_moved=2 * batch * H * K * V * pool.element_size())
 
 
 def bench_mla(quick):

@@ -16,7 +16,9 @@ rounding to the output dtype: ``"none"``; ``"silu_and_mul"``, weight rows ``[0, 
 ``[T * top_k, H]`` copy); the scatter lets the second write each pair back in (token, k) order, so
 the top-k weighted sum is a plain reduction over ``k`` (no atomics, deterministic). The CPU
 implementation is a per-expert loop in plain torch; the CUDA one is a Triton grouped GEMM
-(:mod:`.triton.moe`, one launch for every expert).
+(:mod:`.triton.moe`, one launch for every expert; a GEMV at decode sizes, :func:`decode_sized`), or
+for bf16 above decode size optionally ``torch._grouped_mm`` (:func:`grouped_mm_linear`, whose product
+is rounded to bf16 once before the activation).
 
 :func:`fused_moe_experts` is transformers' experts forward (``gate_up_proj [E, 2I, H]`` with the gate
 rows first and ``act(gate) * up``, or ``up_proj [E, I, H]`` and ``act(up)``; then ``down_proj

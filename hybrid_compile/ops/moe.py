@@ -154,6 +154,19 @@ def moe_grouped_linear(
     return reference_moe_grouped_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
 
 
+def _activate_and_scatter(y, activation, scatter_index, dtype):
+    """The plain-torch implementations' epilogue: ``activation`` on the fp32 products ``y``, rows moved
+    to ``scatter_index``, one rounding to ``dtype``."""
+    if activation == "silu_and_mul":
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    elif activation == "relu2":
+        y = torch.relu(y).square()
+    if scatter_index is not None:
+        y = torch.empty_like(y).index_copy_(0, scatter_index, y)
+    return y.to(dtype)
+
+
 def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
     """The CPU implementation of ``moe_grouped_linear`` in plain torch: a loop over the experts, the
     activation on the fp32 products."""
@@ -164,14 +177,7 @@ def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, s
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             y[lo:hi] = rows[lo:hi].float() @ weight[e].float().t()
-    if activation == "silu_and_mul":
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-    elif activation == "relu2":
-        y = torch.relu(y).square()
-    if scatter_index is not None:
-        y = torch.empty_like(y).index_copy_(0, scatter_index, y)
-    return y.to(x.dtype)
+    return _activate_and_scatter(y, activation, scatter_index, x.dtype)
 
 
 def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
@@ -190,14 +196,7 @@ def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_inde
     else:
         # offs: each expert's end row (int32); the weights as [E, K, N] views (column-major per expert)
         y = torch._grouped_mm(rows, weight.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32)).float()
-    if activation == "silu_and_mul":
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-    elif activation == "relu2":
-        y = torch.relu(y).square()
-    if scatter_index is not None:
-        y = torch.empty_like(y).index_copy_(0, scatter_index, y)
-    return y.to(x.dtype)
+    return _activate_and_scatter(y, activation, scatter_index, x.dtype)
 
 
 @moe_grouped_linear.register_fake

@@ -211,6 +211,13 @@ def _lower_blocks_zeros():
 
 
 @triton.jit
+def _row_sums_zeros():
+    """Zero fp32 row accumulators of the four 16-row blocks of a 64-row chunk."""
+    z = tl.zeros([16], dtype=tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
 def _row16(x, i):
     """Row ``i`` of a ``[16, N]`` tile as an ``[N]`` vector."""
     return tl.sum(tl.where(tl.arange(0, 16)[:, None] == i, x, 0.0), 0)
@@ -354,14 +361,8 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_gla
     squared norms of the keys and of ``x`` per row. Each side runs in its own program, so only 10
     accumulators are live (both sides in one program spilled heavily)."""
     X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
-    ss1 = tl.zeros([16], dtype=tl.float32)
-    ss2 = tl.zeros([16], dtype=tl.float32)
-    ss3 = tl.zeros([16], dtype=tl.float32)
-    ss4 = tl.zeros([16], dtype=tl.float32)
-    sx1 = tl.zeros([16], dtype=tl.float32)
-    sx2 = tl.zeros([16], dtype=tl.float32)
-    sx3 = tl.zeros([16], dtype=tl.float32)
-    sx4 = tl.zeros([16], dtype=tl.float32)
+    ss1, ss2, ss3, ss4 = _row_sums_zeros()
+    sx1, sx2, sx3, sx4 = _row_sums_zeros()
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
@@ -556,10 +557,7 @@ def _chunk_intra_kernel(
             t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
     else:
         G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
-        ss1 = tl.zeros([16], dtype=tl.float32)
-        ss2 = tl.zeros([16], dtype=tl.float32)
-        ss3 = tl.zeros([16], dtype=tl.float32)
-        ss4 = tl.zeros([16], dtype=tl.float32)
+        ss1, ss2, ss3, ss4 = _row_sums_zeros()
         for kb in range(0, K, BK):
             o_k = kb + tl.arange(0, BK)
             mk = o_k < K

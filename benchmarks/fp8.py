@@ -3,6 +3,7 @@
     python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
     python benchmarks/fp8.py --no-engines              # only the kernel table
     python benchmarks/fp8.py --modes fp8               # only the FP8 engine (the model quantized first)
+    python benchmarks/fp8.py --modes bf16,bf16_fused_decode --no-kernels   # bf16: transformers' experts vs ours
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
@@ -14,7 +15,8 @@ intermediate 512 plus a shared expert of 512; 13.8 B parameters, 1.16 B active p
 bf16 weights built on the GPU. The bf16 engine is measured first; then the same model is quantized
 in place (``quantize_model``: projections and experts to e4m3 with 128 x 128 block scales; embeddings,
 LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measured with the same
-settings. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
+settings. ``bf16_fused_decode`` / ``bf16_fused``: the bf16 engine with ``fused_moe="decode"`` / ``True``
+(our experts kernels at decode / at every size instead of transformers' experts path), before FP8. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
 generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token).
 
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
@@ -80,6 +82,9 @@ SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_GRID = dict(block_n=(2, 4, 8, 16), block_k=(512, 1024, 2048), warps=(4, 8), stages=(2,))
 GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16), block_k=(256, 512), warps=(4, 8), stages=(2,))
 GEMV_SWEEP_MAX_ROWS = 16
+#: the engines --modes picks from, in the order they run, with the EngineConfig fields each sets
+#: (fp8 quantizes the model in place, so it runs last)
+MODES = {"bf16": {}, "bf16_fused_decode": {"fused_moe": "decode"}, "bf16_fused": {"fused_moe": True}, "fp8": {}}
 TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
 TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
@@ -403,11 +408,14 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
     p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
     p.add_argument("--modes", default="bf16,fp8",
-                   help="engines to run, in order, from bf16,fp8 (fp8 alone: the model is quantized first)")
+                   help=f"engines to run, in this order, from {','.join(MODES)} (fp8 last: the model is "
+                        "quantized in place; fp8 alone: the model is quantized first)")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"bf16", "fp8"} or modes == ["fp8", "bf16"]:
-        p.error(f"--modes must be bf16, fp8 or bf16,fp8 (the model is quantized in place), got {args.modes!r}")
+    if not modes or len(set(modes)) != len(modes) or not set(modes) <= set(MODES) \
+            or modes != sorted(modes, key=list(MODES).index):
+        p.error(f"--modes must be distinct names from {','.join(MODES)} in that order (the model is quantized "
+                f"in place), got {args.modes!r}")
     if (args.sweep or args.no_engines) and args.modes != "bf16,fp8":
         p.error("--modes picks the engines: it does not apply to --sweep or --no-engines")
     if args.out is None:
@@ -476,9 +484,9 @@ def main(argv=None) -> int:
         fp8_bytes, other = fp8_weight_bytes(model)
         print(f"{mode}: weights {(fp8_bytes + other) / 2**30:.2f} GiB", flush=True)
         t = time.perf_counter()
-        engine = hc.wrap(model, **engine_kw)
+        engine = hc.wrap(model, **engine_kw, **MODES[mode])
         wrap_s = time.perf_counter() - t
-        results[mode] = {"weight_bytes": fp8_bytes + other, "wrap_seconds": wrap_s,
+        results[mode] = {"weight_bytes": fp8_bytes + other, "wrap_seconds": wrap_s, "engine": MODES[mode],
                          **measure_engine(engine, config.vocab_size, decode_batches, steps, prefill_lens, device)}
         engine.close()
         del engine
@@ -490,12 +498,13 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         note_memory(f"{mode} engine closed")
-    for b in decode_batches if len(modes) == 2 else ():
-        r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results["fp8"]["decode"][str(b)]["ms_per_step"]
-        print(f"decode batch {b}: FP8 {r:.2f}x bf16")
-    for n in prefill_lens if len(modes) == 2 else ():
-        r = results["bf16"]["prefill"][str(n)]["seconds"] / results["fp8"]["prefill"][str(n)]["seconds"]
-        print(f"prefill {n}: FP8 {r:.2f}x bf16")
+    for mode in modes[1:] if modes[0] == "bf16" else ():
+        for b in decode_batches:
+            r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results[mode]["decode"][str(b)]["ms_per_step"]
+            print(f"decode batch {b}: {mode} {r:.2f}x bf16")
+        for n in prefill_lens:
+            r = results["bf16"]["prefill"][str(n)]["seconds"] / results[mode]["prefill"][str(n)]["seconds"]
+            print(f"prefill {n}: {mode} {r:.2f}x bf16")
     if device.type == "cuda" and not args.no_kernels:
         del model
         gc.collect()

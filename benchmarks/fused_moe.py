@@ -116,9 +116,11 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
     num, hidden, inter = experts.down_proj.shape
     rows = []
     for tokens in tokens_list:
-        idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
-        w = torch.softmax(torch.randn(tokens, top_k, device=device), -1).to(dtype)
-        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        # drawn on the host: a CUDA-graph capture that failed (an implementation that syncs) can leave
+        # the device generator refusing the next draw
+        idx = torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device)
+        w = torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype)
+        x = torch.randn(tokens, hidden).to(device=device, dtype=dtype)
         hit = int(torch.unique(idx).numel())
         # up [E, (2)I, H] and down [E, H, I] of each expert hit
         weight_bytes = hit * hidden * (up.shape[1] + inter) * up.element_size()
@@ -138,7 +140,8 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
             for impl in IMPLEMENTATIONS:
                 try:
                     config._experts_implementation = impl
-                    ms, mode = time_ms(lambda: experts(x, idx, w), device, iters)
+                    # transformers' eager loop reads the routing on the host: no graph to capture
+                    ms, mode = time_ms(lambda: experts(x, idx, w), device, iters, graph=impl != "eager")
                 except Exception as e:  # noqa: BLE001 - an implementation this torch lacks is recorded
                     row["times"][f"hf_{impl}"] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
                     continue

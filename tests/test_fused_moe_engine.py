@@ -332,7 +332,9 @@ def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
     """On the GPU the routers run the Triton ``moe_topk_softmax`` kernel inside compiled CUDA graphs
     (Granite-4: the router whose tuple order changed between transformers 5.17 and 5.24); greedy tokens
     against HF on the CPU (a CPU/GPU near-tie allowed, see tests/test_cuda_graphs.py). ``"decode"``:
-    the experts' GEMV in the decode graphs, transformers' grouped_mm in the prefill."""
+    the experts' GEMV in the full decode graphs, transformers' experts forward in the prefill, compiled
+    without piecewise graphs: in fp32 that forward is transformers' eager loop, which reads the routing
+    on the host (the capture error that names it: ``test_decode_option_piecewise_capture_error_names_the_fix``)."""
     import copy
 
     from test_cuda_graphs import _assert_greedy_close
@@ -341,7 +343,7 @@ def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
     model = copy.deepcopy(cpu_model).to("cuda")
     prompts = em.random_prompts([13, 1, 40, 5], em.vocab_size(model), seed=7)
     expected = [em.hf_greedy(cpu_model, p, NEW_TOKENS) for p in prompts]
-    graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4))
+    graphs = dict(compile=True, cuda_graphs="full" if option == "decode" else True, cuda_graph_batch_sizes=(1, 4))
     with em.make_engine(model, fused_moe=option, **graphs) as engine:
         got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
         stats = engine.stats()
@@ -349,3 +351,13 @@ def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
     assert stats["compile"]["cuda_graph_replays"] > 0, stats["compile"]
     for p, g, e in zip(prompts, got, expected):
         _assert_greedy_close(cpu_model, p, g, e, f"{name} fused_moe routers GPU")
+
+
+@pytest.mark.gpu
+def test_decode_option_piecewise_capture_error_names_the_fix():
+    """fp32 experts with ``fused_moe="decode"`` under piecewise CUDA graphs: the prefill-sized pieces
+    hold transformers' eager experts loop, which copies the routing to the host, so the capture fails
+    at start-up with one error naming the option that serves them without host syncs."""
+    model = MODELS["qwen3_5_moe"]().to("cuda")
+    with pytest.raises(RuntimeError, match="above decode sizes: fused_moe=True serves them without host syncs"):
+        em.make_engine(model, fused_moe="decode", compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1,))

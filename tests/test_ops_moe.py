@@ -176,11 +176,13 @@ def test_grouped_activation_matches_the_row_loop(counts, dtype, activation):
         assert got.shape == (rows, n_out) and got.dtype == dtype
         torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
         for config in (None, (16, 16, 16, 4, 1)):
-            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, activation, config=config)
+            got = tmoe.moe_grouped_linear_triton(xs, weight, off.to(torch.int32), g, s, activation, config=config,
+                                                 path="tensor_cores")
             torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"{config} {g is not None}")
-        # the default took the GEMV for one row over three experts, the tensor cores for 15 and 57 rows
-        path = "gemv" if rows == 1 else "tensor_cores"
-        assert tmoe.moe_path(rows, 3) == path
+        # the default took the GEMV for one row over three experts; for 15 and 57 rows the tensor cores,
+        # or torch._grouped_mm in bf16 (ops.triton.moe.LARGE_CALLS_PATH)
+        path = "gemv" if rows == 1 else "grouped_mm" if dtype == torch.bfloat16 else "tensor_cores"
+        assert tmoe.moe_path(rows, 3, dtype) == path
         assert torch.equal(tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation),
                            tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation, path=path))
 

@@ -51,10 +51,12 @@ __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MO
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
 MOE_PATHS = ("gemv", "tensor_cores", "grouped_mm")
-#: The path of the calls above decode size (:func:`moe_path`): our tensor-core kernel, or
-#: ``"grouped_mm"`` for bf16 weights (other dtypes keep the tensor cores). ``benchmarks/fused_moe.py``
-#: times both (its ``ours_grouped_mm`` row sets this); the default stays ours until that is measured.
-LARGE_CALLS_PATH = "tensor_cores"
+#: The path of the calls above decode size (:func:`moe_path`): ``"grouped_mm"`` for bf16 weights
+#: (other dtypes keep our tensor-core kernel), or ``"tensor_cores"`` everywhere. ``benchmarks/fused_moe.py``
+#: times both: on an H200 (2026-11-27) at 256 / 1,024 / 4,096 tokens of the Qwen3-Next-80B experts
+#: ``grouped_mm`` took 1.22 / 1.56 / 2.77 ms against our tensor cores' 1.55 / 2.56 / 4.91 ms
+#: (transformers' own ``grouped_mm`` path 1.20 / 1.45 / 2.41 ms).
+LARGE_CALLS_PATH = "grouped_mm"
 #: GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size in bytes, for
 #: one row per program and one weight tile per step. From the FP8 sweep's grouped choice (BLOCK_K
 #: 256, 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages), for 2-byte weights the

@@ -33,7 +33,8 @@ every system):
   ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs) of the forward;
 - ``ours_*``: our engine, eager ops / compiled / compiled + CUDA graphs (``True``, ``"full"``,
   ``"piecewise"``) / + prefix cache / + n-gram speculative decoding / recurrent state in bf16 or
-  FP8, FP8 KV cache / fused MoE experts (``ours_fused_moe``, ``ours_fused_moe_decode``: MoE models). A mode whose configuration
+  FP8, FP8 KV cache / fused MoE experts (``ours_fused_moe``; ``ours_hf_experts``: transformers' experts path, which
+  the default replaces on CUDA; MoE models). A mode whose configuration
   raises ``NotImplementedError`` or ``ValueError`` is an "unsupported: <message>" row.
 
 Workloads (``--workloads``): ``check`` (our prefill logits against transformers' on the same
@@ -100,8 +101,8 @@ OURS_MODES = {
     # MoE models: our grouped-GEMM experts and fused softmax routers (README "Fused MoE experts")
     # in place of transformers' experts path; a dense model refuses it (an "unsupported" row)
     "ours_fused_moe": dict(base=True, fused_moe=True),
-    # ... at decode sizes only (fused_moe="decode": transformers' grouped_mm for prefill)
-    "ours_fused_moe_decode": dict(base=True, fused_moe="decode"),
+    # ... and transformers' experts path instead (the default on the CPU, fused_moe=None on CUDA is ours)
+    "ours_hf_experts": dict(base=True, fused_moe=False),
 }
 SYSTEMS = HF_SYSTEMS + tuple(OURS_MODES)
 # timed prefills per length after the warm-up; the table reports their median (one 4k prefill
@@ -116,7 +117,7 @@ SYSTEM_WORKLOADS = {
     "ours_fp8_state": ("decode", "cb"),
     "ours_fp8_kv_cache": ("decode", "cb"),
     "ours_fused_moe": ("decode", "prefill", "cb"),
-    "ours_fused_moe_decode": ("decode", "prefill", "cb"),
+    "ours_hf_experts": ("decode", "prefill", "cb"),
 }
 MODELS = ("qwen3_next", "nemotron_h")  # the default --models
 # every reference model (benchmarks/reference_models.py REFERENCE_BUILDERS; not imported here: the

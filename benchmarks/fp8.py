@@ -3,7 +3,7 @@
     python benchmarks/fp8.py [--layers 8] [--out benchmarks/results/fp8.json]
     python benchmarks/fp8.py --no-engines              # only the kernel table
     python benchmarks/fp8.py --modes fp8               # only the FP8 engine (the model quantized first)
-    python benchmarks/fp8.py --modes bf16,bf16_fused_decode --no-kernels   # bf16: transformers' experts vs ours
+    python benchmarks/fp8.py --modes bf16_hf_experts,bf16 --no-kernels   # bf16: transformers' experts vs ours
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
@@ -15,8 +15,8 @@ intermediate 512 plus a shared expert of 512; 13.8 B parameters, 1.16 B active p
 bf16 weights built on the GPU. The bf16 engine is measured first; then the same model is quantized
 in place (``quantize_model``: projections and experts to e4m3 with 128 x 128 block scales; embeddings,
 LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measured with the same
-settings. ``bf16_fused_decode`` / ``bf16_fused``: the bf16 engine with ``fused_moe="decode"`` / ``True``
-(our experts kernels at decode / at every size instead of transformers' experts path), before FP8. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
+settings. ``bf16_hf_experts``: the bf16 engine on transformers' experts path (``fused_moe=False``)
+instead of ours (the default on CUDA), first; every later mode is compared with the first. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
 generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token).
 
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
@@ -84,7 +84,7 @@ GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16), block_k=(256, 512), warps=(4, 8), s
 GEMV_SWEEP_MAX_ROWS = 16
 #: the engines --modes picks from, in the order they run, with the EngineConfig fields each sets
 #: (fp8 quantizes the model in place, so it runs last)
-MODES = {"bf16": {}, "bf16_fused_decode": {"fused_moe": "decode"}, "bf16_fused": {"fused_moe": True}, "fp8": {}}
+MODES = {"bf16_hf_experts": {"fused_moe": False}, "bf16": {}, "fp8": {}}
 TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
 TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
@@ -498,13 +498,14 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         note_memory(f"{mode} engine closed")
-    for mode in modes[1:] if modes[0] == "bf16" else ():
+    first = modes[0]
+    for mode in modes[1:]:
         for b in decode_batches:
-            r = results["bf16"]["decode"][str(b)]["ms_per_step"] / results[mode]["decode"][str(b)]["ms_per_step"]
-            print(f"decode batch {b}: {mode} {r:.2f}x bf16")
+            r = results[first]["decode"][str(b)]["ms_per_step"] / results[mode]["decode"][str(b)]["ms_per_step"]
+            print(f"decode batch {b}: {mode} {r:.2f}x {first}")
         for n in prefill_lens:
-            r = results["bf16"]["prefill"][str(n)]["seconds"] / results[mode]["prefill"][str(n)]["seconds"]
-            print(f"prefill {n}: {mode} {r:.2f}x bf16")
+            r = results[first]["prefill"][str(n)]["seconds"] / results[mode]["prefill"][str(n)]["seconds"]
+            print(f"prefill {n}: {mode} {r:.2f}x {first}")
     if device.type == "cuda" and not args.no_kernels:
         del model
         gc.collect()

@@ -28,18 +28,18 @@ def test_tiny_cpu_run(tmp_path):
     assert "decode batch 1: fp8 " in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
 
 
-def test_tiny_cpu_run_fused_decode_then_fp8(tmp_path):
-    """``--modes bf16_fused_decode,fp8``: the bf16 engine on our decode experts kernels, then the
-    model quantized and the FP8 engine; a list out of order refused."""
+def test_tiny_cpu_run_hf_experts_then_fp8(tmp_path):
+    """``--modes bf16_hf_experts,fp8``: the bf16 engine on transformers' experts path, then the model
+    quantized and the FP8 engine compared with it; a list out of order refused."""
     out = tmp_path / "fp8.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tiny", "--device", "cpu", "--modes",
-           "bf16_fused_decode,fp8", "--out", str(out)]
+           "bf16_hf_experts,fp8", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
     assert "bf16" not in run and set(run["fp8"]["decode"]) == {"1", "2"} and run["env"]["quantize_seconds"] >= 0
-    assert run["bf16_fused_decode"]["engine"] == {"fused_moe": "decode"} and run["fp8"]["engine"] == {}
-    assert set(run["bf16_fused_decode"]["decode"]) == {"1", "2"}
+    assert run["bf16_hf_experts"]["engine"] == {"fused_moe": False} and run["fp8"]["engine"] == {}
+    assert set(run["bf16_hf_experts"]["decode"]) == {"1", "2"} and "decode batch 1: fp8 " in proc.stdout
     bad = subprocess.run(cmd[:-2] + ["--modes", "fp8,bf16"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--modes must be" in bad.stderr
 

@@ -186,7 +186,7 @@ def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):
 
 def test_option_resolution_and_errors(fused_calls):
     model = MODELS["qwen3_next_moe"]()
-    for options in ({}, dict(fused_moe=False)):  # the default: transformers' experts forward
+    for options in ({}, dict(fused_moe=False)):  # the default on the CPU: transformers' experts forward
         engine = em.make_engine(model, **options)
         try:
             assert engine.stats()["fused_moe_modules"] == engine.stats()["fused_moe_routers"] == 0
@@ -194,8 +194,9 @@ def test_option_resolution_and_errors(fused_calls):
             assert fused_calls[0] == 0
         finally:
             engine.close()
-    with pytest.raises(ValueError, match='EngineConfig.fused_moe must be True, False or "decode"'):
-        em.make_engine(model, fused_moe="yes")
+    for bad in ("yes", "decode", 1):
+        with pytest.raises(ValueError, match="EngineConfig.fused_moe must be True, False or None"):
+            em.make_engine(model, fused_moe=bad)
     dense = em.build_model("qwen3_next_dense")
     with pytest.raises(ValueError, match="fused_moe=True but Qwen3NextForCausalLM has no float MoE experts module"):
         em.make_engine(dense, fused_moe=True)
@@ -208,45 +209,26 @@ def test_option_resolution_and_errors(fused_calls):
     assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # left untouched
 
 
-def test_decode_option_fuses_decode_sized_calls_only(monkeypatch):
-    """``fused_moe="decode"``: experts calls of at most ``MOE_GEMV_ROWS_PER_EXPERT`` rows per expert on
-    average (decode steps) take the fused path, larger ones (the prompts' prefill) transformers'
-    experts forward; the routers are fused at every size; tokens equal transformers'."""
-    from hybrid_compile.ops.moe import MOE_GEMV_ROWS_PER_EXPERT
-
+def test_default_resolution():
+    """``fused_moe=None`` (the default): on for a CUDA model whose experts all fit the fused path, off
+    on the CPU, under tensor parallelism, for a dense model and for an experts layout it does not
+    serve (no error: the default only picks); True / False as given."""
     model = MODELS["qwen3_next_moe"]()
-    (_, experts), *_ = fused_experts.experts_modules(model)
-    num_experts, top_k = experts.gate_up_proj.shape[0], model.config.num_experts_per_tok
-    fused_rows, hf_rows = [], []
-    real_fused = fused_experts.fused_moe_experts
-
-    def fused(hidden, idx, *args):
-        fused_rows.append(hidden.shape[0] * idx.shape[-1])
-        return real_fused(hidden, idx, *args)
-
-    monkeypatch.setattr(fused_experts, "fused_moe_experts", fused)
-    cls = type(experts)
-    real_forward = cls.forward
-
-    def hf_forward(self, hidden, idx, weights):
-        hf_rows.append(hidden.shape[0] * idx.shape[-1])
-        return real_forward(self, hidden, idx, weights)
-
-    monkeypatch.setattr(cls, "forward", hf_forward)
-    prompts = em.random_prompts([13, 3, 40], em.vocab_size(model), seed=5)
-    engine = em.make_engine(model, fused_moe="decode")
-    try:
-        assert engine.stats()["fused_moe_modules"] == len(fused_experts.experts_modules(model)) > 0
-        assert engine.stats()["fused_moe_routers"] == _expected_routers("qwen3_next_moe", model)
-        got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
+    resolve = fused_experts.resolve_fused_moe
+    assert resolve(model, None, "cuda") is True and resolve(model, None, torch.device("cuda", 1)) is True
+    assert resolve(model, None, "cpu") is False and resolve(model, None, "cuda", tensor_parallel=True) is False
+    assert resolve(model, True, "cpu") is True and resolve(model, False, "cuda") is False
+    assert resolve(em.build_model("qwen3_next_dense"), None, "cuda") is False
+    layer = next(m for _, m in fused_experts.experts_modules(model))
+    layer.is_transposed = True
+    assert resolve(model, None, "cuda") is False
+    layer.is_transposed = False
+    engine = em.make_engine(model, fused_moe=True)
+    try:  # the patched modules are no longer "unfused"; after close they are again
+        assert fused_experts.unfused_experts(model) == []
     finally:
         engine.close()
-    limit = MOE_GEMV_ROWS_PER_EXPERT * num_experts
-    assert fused_rows and all(r <= limit for r in fused_rows), (fused_rows, limit)
-    assert hf_rows and all(r > limit for r in hf_rows), (hf_rows, limit)  # the prefill's calls
-    assert len(prompts) * top_k in fused_rows  # the decode steps of the three requests
-    for p, g in zip(prompts, got):
-        em.assert_greedy_equal(model, p, g, em.hf_greedy(model, p, NEW_TOKENS), what="fused_moe='decode'")
+    assert len(fused_experts.unfused_experts(model)) == len(fused_experts.experts_modules(model)) > 0
 
 
 def test_unsupported_reasons():
@@ -266,15 +248,13 @@ def test_unsupported_reasons():
     assert name == "experts" and "not 3-D stacked weights" in fused_experts.unsupported_reason(m)
 
 
-@pytest.mark.parametrize("name,option", [("nemotron_h", True), ("qwen3_5_moe", True), ("qwen3_5_moe", "decode")])
-def test_compiled_engine_no_graph_breaks(name, option):
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_5_moe"])
+def test_compiled_engine_no_graph_breaks(name):
     """The engine's torch.compile (our backend, Dynamo fullgraph between layer ops) traces the fused
     experts and (Qwen3.5-MoE) the fused routers: no graph break, no recompile across batch sizes, HF's
-    tokens. (No call counter here: a counter's value would be guarded by Dynamo and recompile every step.)
-    ``fused_moe="decode"``: the size test is a guard, so the forward compiles once more (decode-sized
-    and larger calls), never a graph break."""
+    tokens. (No call counter here: a counter's value would be guarded by Dynamo and recompile every step.)"""
     model = MODELS[name]()
-    engine = em.make_engine(model, fused_moe=option, compile=True)
+    engine = em.make_engine(model, fused_moe=True, compile=True)
     try:
         assert engine.stats()["fused_moe_modules"] == len(fused_experts.experts_modules(model))
         assert engine.stats()["fused_moe_routers"] == _expected_routers(name, model)
@@ -286,7 +266,7 @@ def test_compiled_engine_no_graph_breaks(name, option):
         stats = engine.stats()["compile"]
     finally:
         engine.close()
-    assert stats["graph_breaks"] == 0 and stats["recompiles"] == (1 if option == "decode" else 0), stats
+    assert stats["graph_breaks"] == 0 and stats["recompiles"] == 0, stats
 
 
 def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
@@ -327,14 +307,12 @@ def test_draft_model_and_mtp_head_experts_are_fused(tmp_path, fused_calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,option", [("qwen3_5_moe", True), ("granitemoehybrid", True), ("qwen3_5_moe", "decode")])
+@pytest.mark.parametrize("name,option", [("qwen3_5_moe", True), ("granitemoehybrid", True), ("qwen3_5_moe", None)])
 def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
     """On the GPU the routers run the Triton ``moe_topk_softmax`` kernel inside compiled CUDA graphs
     (Granite-4: the router whose tuple order changed between transformers 5.17 and 5.24); greedy tokens
-    against HF on the CPU (a CPU/GPU near-tie allowed, see tests/test_cuda_graphs.py). ``"decode"``:
-    the experts' GEMV in the full decode graphs, transformers' experts forward in the prefill, compiled
-    without piecewise graphs: in fp32 that forward is transformers' eager loop, which reads the routing
-    on the host (the capture error that names it: ``test_decode_option_piecewise_capture_error_names_the_fix``)."""
+    against HF on the CPU (a CPU/GPU near-tie allowed, see tests/test_cuda_graphs.py). ``None``: the
+    default puts a CUDA MoE model on the fused path."""
     import copy
 
     from test_cuda_graphs import _assert_greedy_close
@@ -343,7 +321,7 @@ def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
     model = copy.deepcopy(cpu_model).to("cuda")
     prompts = em.random_prompts([13, 1, 40, 5], em.vocab_size(model), seed=7)
     expected = [em.hf_greedy(cpu_model, p, NEW_TOKENS) for p in prompts]
-    graphs = dict(compile=True, cuda_graphs="full" if option == "decode" else True, cuda_graph_batch_sizes=(1, 4))
+    graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4))
     with em.make_engine(model, fused_moe=option, **graphs) as engine:
         got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
         stats = engine.stats()
@@ -354,10 +332,10 @@ def test_gpu_fused_routers_in_cuda_graphs_match_hf(name, option):
 
 
 @pytest.mark.gpu
-def test_decode_option_piecewise_capture_error_names_the_fix():
-    """fp32 experts with ``fused_moe="decode"`` under piecewise CUDA graphs: the prefill-sized pieces
-    hold transformers' eager experts loop, which copies the routing to the host, so the capture fails
-    at start-up with one error naming the option that serves them without host syncs."""
+def test_transformers_experts_piecewise_capture_error_names_the_fix():
+    """fp32 experts on transformers' forward (``fused_moe=False``) under piecewise CUDA graphs: its
+    eager experts loop copies the routing to the host, so the capture fails at start-up with one error
+    naming the option that serves them without host syncs."""
     model = MODELS["qwen3_5_moe"]().to("cuda")
-    with pytest.raises(RuntimeError, match="above decode sizes: fused_moe=True serves them without host syncs"):
-        em.make_engine(model, fused_moe="decode", compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1,))
+    with pytest.raises(RuntimeError, match="experts forward: fused_moe=True serves them without host syncs"):
+        em.make_engine(model, fused_moe=False, compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1,))

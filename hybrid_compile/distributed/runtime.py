@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..engine import EngineConfig, HybridEngine
 from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from ..engine.startup import Startup
+from ..models.fused_experts import resolve_fused_moe
 from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
@@ -264,7 +265,9 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     # the MTP proposal graphs (on by default with full CUDA graphs) stay off: the followers replay the
     # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
-    engine_config = dataclasses.replace(engine_config, extra=extra)
+    # fused_moe None (the default) is off under tensor parallelism (resolve_fused_moe)
+    fused = resolve_fused_moe(model, engine_config.fused_moe, engine_config.device or "cpu", tensor_parallel=True)
+    engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused)
     if tp.is_leader:
         engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,
                                       startup=startup, mtp_head=mtp_head)

@@ -36,12 +36,12 @@ class EngineConfig:
     # experts path inside engine steps (hybrid_compile.models.fused_experts: one grouped GEMM per
     # projection, Triton on CUDA) instead of transformers' experts forward, and softmax top-k routers
     # through one moe_topk_softmax op (hybrid_compile.models.fused_router). True: on (any device; a
-    # model without such experts, or with experts of another layout, is an error); "decode": the
-    # same, but only decode-sized experts calls (at most ops.moe.MOE_GEMV_ROWS_PER_EXPERT rows per
-    # expert on average: the GEMV kernel's, 1.2-1.6x transformers' grouped_mm per call on an H100)
-    # take the fused experts path, larger ones transformers' (whose grouped_mm beats our tensor-core
-    # kernel at prefill sizes); False (the default): transformers' path.
-    fused_moe: bool | str = False
+    # model without such experts, or with experts of another layout, is an error); False:
+    # transformers' path; None (the default): on for a model on a CUDA device whose experts are all
+    # of that layout, without tensor parallelism (models.fused_experts.resolve_fused_moe: measured
+    # 1.05-1.45x transformers' path end to end on one GPU), else off (on the CPU the fused path is the
+    # plain-torch reference; under tensor parallelism its prefill measured slower).
+    fused_moe: bool | None = None
     max_running_requests: int = 16
     max_total_tokens: int | None = None  # KV token capacity
     mamba_cache_size: int | None = None  # Mamba slots
@@ -152,8 +152,8 @@ class EngineConfig:
             if self.speculative.is_tree and ssm is torch.float8_e4m3fn:
                 raise ValueError("EngineConfig: draft trees (speculative topk > 1) are not supported with "
                                  "ssm_state_dtype='fp8' (a node's state is read back from the intermediate buffer)")
-        if not (self.fused_moe is True or self.fused_moe is False or self.fused_moe == "decode"):
-            raise ValueError(f'EngineConfig.fused_moe must be True, False or "decode", got {self.fused_moe!r}')
+        if not (self.fused_moe is None or isinstance(self.fused_moe, bool)):
+            raise ValueError(f"EngineConfig.fused_moe must be True, False or None, got {self.fused_moe!r}")
         if self.warmup_kernels not in (None, True, False):
             raise ValueError(f"EngineConfig.warmup_kernels must be True, False or None, got {self.warmup_kernels!r}")
         if self.compile not in (None, True, False):

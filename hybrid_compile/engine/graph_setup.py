@@ -257,13 +257,11 @@ class CompiledGraphs:
             # tree verify graphs are captured at start-up), graphs or not: its own error
             raise
         except RuntimeError as e:
-            from ..models.fused_experts import experts_modules, unsupported_reason
+            from ..models.fused_experts import unfused_experts
 
             # transformers' experts forward (the eager loop of an fp32 model) syncs with the host
-            hint = ("" if config.fused_moe is True or not any(
-                unsupported_reason(m) is None for _, m in experts_modules(self.model)) else
-                    f" Its MoE experts run transformers' experts forward{' above decode sizes' if config.fused_moe else ''}: "
-                    "fused_moe=True serves them without host syncs.")
+            hint = (" Its MoE experts run transformers' experts forward: fused_moe=True serves them without host "
+                    "syncs." if unfused_experts(self.model) else "")
             raise RuntimeError(
                 f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
                 f"{type(self.model).__name__} forward failed "

@@ -1,7 +1,7 @@
 """The fused MoE experts patch (``EngineConfig.fused_moe``), family-independent: every transformers
 experts module of the 3-D layout (``gate_up_proj [E, 2I, H]`` with ``act(gate) * up``, or
 ``up_proj [E, I, H]`` and ``act(up)`` without a gate, then ``down_proj [E, H, I]``; float weights, no
-biases, not transposed) gets a forward that, inside an engine step (``fused_moe="decode"``: a decode-sized one), runs
+biases, not transposed) gets a forward that, inside an engine step, runs
 :func:`hybrid_compile.ops.moe.fused_moe_experts` on the module's own weights (one
 ``moe_grouped_linear`` per projection for all experts, SiLU-gate / relu2 fused into the first) instead of transformers' experts forward
 (the eager per-expert loop or ``torch._grouped_mm`` with its sort / histogram kernels). Outside an
@@ -10,6 +10,7 @@ wrapped model is HF's; ``handle.undo()`` restores it. Under tensor parallelism a
 module holds its slice of the intermediate dim (distributed/plans.py ``fused_experts``): the same
 forward serves it. Families with such experts in transformers 5.17 - 5.24: Qwen3-Next, Qwen3.5-MoE,
 NemotronH, Granite-4 (GraniteMoeHybrid), LFM2-MoE, Jamba, MiniMax, Kimi-Linear.
+:func:`resolve_fused_moe` turns the option's default (None) into on or off for a model.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 from torch import nn
 
 from ..layers.context import get_forward_context
-from ..ops.moe import decode_sized, fused_moe_experts
+from ..ops.moe import fused_moe_experts
 from ..quantization.fp8_modules import Fp8Experts, is_experts_module
 from .base import PatchHandle, patch_forward
 
-__all__ = ["experts_modules", "install_fused_experts", "unsupported_reason"]
+__all__ = ["experts_modules", "install_fused_experts", "resolve_fused_moe", "unfused_experts", "unsupported_reason"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,23 +70,35 @@ def _fused_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     return fused_moe_experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj, self.act_fn, has_gate)
 
 
-def _fused_decode_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor) -> torch.Tensor:
-    # fused_moe="decode": decode-sized calls (ops.moe.decode_sized: the GEMV kernel's calls) on the
-    # fused path, larger ones (prefill, long verify rows) on transformers' experts forward. The test
-    # is on shapes only, so a compiled graph guards on it and a CUDA graph holds one branch.
-    up = self.gate_up_proj if hasattr(self, "gate_up_proj") else self.up_proj
-    if not decode_sized(hidden_states.shape[0] * top_k_index.shape[-1], up.shape[0]):
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-    return _fused_forward(self, hidden_states, top_k_index, top_k_weights)
+def resolve_fused_moe(model: nn.Module, option: bool | None, device: torch.device | str,
+                      tensor_parallel: bool = False) -> bool:
+    """``EngineConfig.fused_moe`` as applied to ``model``: True / False as given; None (the default)
+    is on for a model on a CUDA device, without tensor parallelism, whose MoE experts modules are all
+    of the fused path's layout (on one GPU it measured 1.05-1.45x transformers' experts path end to
+    end), and off otherwise: on the CPU the fused path is the plain-torch reference loop, and under
+    tensor parallelism its prefill measured slower than transformers' (README "Fused MoE experts")."""
+    if option is not None:
+        return option
+    if tensor_parallel or torch.device(device).type != "cuda":
+        return False
+    modules = experts_modules(model)
+    return bool(modules) and all(unsupported_reason(m) is None for _, m in modules)
 
 
-def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | str, required: bool = True) -> int:
+def unfused_experts(model: nn.Module) -> list[str]:
+    """Names of ``model``'s experts modules the fused path could serve that run transformers'
+    forward (not patched by :func:`install_fused_experts`)."""
+    return [name for name, m in experts_modules(model)
+            if unsupported_reason(m) is None
+            and getattr(m.__dict__.get("forward"), "__func__", None) is not _fused_forward]
+
+
+def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool, required: bool = True) -> int:
     """Apply ``EngineConfig.fused_moe`` = ``option`` to ``model``; returns the number of experts
     modules patched. True: patch (any device), a ValueError naming the option when the model has an
     experts module of another layout, or (``required``: the served model, not a draft model or an
-    MTP head beside it) no experts module at all; ``"decode"``: the same patch, taking the fused path
-    for decode-sized calls only; False: nothing."""
+    MTP head beside it) no experts module at all; False: nothing (None is resolved first:
+    :func:`resolve_fused_moe`)."""
     if not option:
         return 0
     modules = experts_modules(model)
@@ -102,7 +115,6 @@ def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool | 
         raise ValueError(f"EngineConfig.fused_moe={option!r} but {type(model).__name__} has no float MoE experts module"
                          + (" (its experts are FP8: quantization serves them with Fp8Experts' grouped GEMMs)"
                             if fp8 else "") + "; use fused_moe=None or False")
-    forward = _fused_decode_forward if option == "decode" else _fused_forward
     for _, module in modules:
-        patch_forward(module, forward, handle)
+        patch_forward(module, _fused_forward, handle)
     return len(modules)

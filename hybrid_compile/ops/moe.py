@@ -42,7 +42,7 @@ from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_te
 #: GEMV kernel serves ``moe_grouped_linear`` on CUDA (:func:`hybrid_compile.ops.triton.moe.moe_path`),
 #: the FP8 experts' threshold (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per
 #: program beat the tensor cores at every decode size up to 64 tokens of top-10 routing over 512
-#: experts, 1.25 rows per expert), and ``EngineConfig.fused_moe="decode"`` takes the fused path.
+#: experts, 1.25 rows per expert).
 MOE_GEMV_ROWS_PER_EXPERT = 2
 
 

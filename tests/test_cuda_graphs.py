@@ -703,17 +703,18 @@ def test_pool_exhaustion_retracts_with_graphs():
 
 @pytest.mark.gpu
 def test_capture_of_a_host_syncing_forward_fails_clearly():
-    """transformers' fp32 grouped-mm fallback of NemotronH's MoE calls ``.tolist()``: no graph, and
-    the error names ``fused_moe=True``, whose experts path holds no host sync: with it the same
-    fp32 model captures full graphs and serves the eager engine's greedy tokens."""
+    """transformers' fp32 grouped-mm fallback of NemotronH's MoE calls ``.tolist()``: on that path
+    (``fused_moe=False``) no graph, and the error names ``fused_moe=True``, whose experts path holds
+    no host sync: with it (the default on CUDA) the same fp32 model captures full graphs and serves
+    the eager engine's greedy tokens."""
     model = _gpu_model("nemotron_h")
     graphs = dict(compile=True, cuda_graphs="full", cuda_graph_batch_sizes=(2,))
     with pytest.raises(RuntimeError, match="CUDA graph capture.*cuda_graphs=False.*fused_moe=True"):
-        make_engine(model, **graphs)
+        make_engine(model, **graphs, fused_moe=False)
     prompts = random_prompts([5, 33], vocab_size(model), seed=4)
     with make_engine(model, compile=False, cuda_graphs=False) as eager:
         expected = eager.generate_batch(prompts, max_new_tokens=6)
-    with make_engine(model, **graphs, fused_moe=True) as engine:
+    with make_engine(model, **graphs) as engine:
         got = engine.generate_batch(prompts, max_new_tokens=6)
         stats = engine.stats()
     assert stats["fused_moe_modules"] > 0 and stats["compile"]["cuda_graph_replays"] > 0, stats["compile"]

@@ -353,7 +353,8 @@ def run_http(args, model_dir, device, dtype, rates, vocab, log_path, engine_proc
     ``http-process`` (``serve --engine-process``): the same rates, prompts and client processes."""
     mode = "http-process" if engine_process else "http"
     timing_path = os.path.splitext(log_path)[0] + "_timing.jsonl"
-    server = Server(model_dir, cli_options(args, device, dtype) + ["--engine-process"] * engine_process, log_path,
+    server = Server(model_dir, cli_options(args, device, dtype) + ["--engine-process" if engine_process
+                                                                   else "--no-engine-process"], log_path,
                     timing_path)
     results = {}
     try:

@@ -338,7 +338,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = dict(max_running_requests=args.max_running_requests, enable_prefix_cache=args.prefix_cache)
     load = functools.partial(_load, args, args.tokenizer or "required", **options)
-    if args.engine_process:
+    # the default (None): the engine in its own process, except under tensor parallelism (the ranks'
+    # processes start from the serving process, on the driver thread's engine)
+    engine_process = args.tensor_parallel_size == 1 if args.engine_process is None else args.engine_process
+    if engine_process:
         if args.tensor_parallel_size != 1:
             raise ValueError("--engine-process with --tensor-parallel-size: the engine process cannot start the "
                              "ranks' processes; serve tensor-parallel models without --engine-process")
@@ -542,9 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per request with the times of its way through the server (handler "
                         "start, queued to the engine, added to the engine, first token, first event sent, end; "
                         "perf_counter seconds, keyed by the request's X-Request-Id header)")
-    s.add_argument("--engine-process", action="store_true",
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in its own process (the server process keeps HTTP, tokenization and "
-                        "detokenization; the engine process steps): neither waits on the other's Python")
+                        "detokenization; the engine process steps): neither waits on the other's Python. The "
+                        "default without --tensor-parallel-size; --no-engine-process: the engine on a driver "
+                        "thread of the server process (the default with it)")
     _add_model_options(s, max_running_requests=64)
     s.set_defaults(func=_user_errors(_serve))
     return parser

@@ -95,7 +95,7 @@ class LiveServer:
              "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
              "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log",
-             "--request-timing-log", str(self.timing_log), *(["--engine-process"] if engine_process else [])],
+             "--request-timing-log", str(self.timing_log), "--engine-process" if engine_process else "--no-engine-process"],
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop(ctrl_c=True) signals only the server's processes
         )
@@ -519,7 +519,7 @@ def test_bad_requests_get_openai_400s_naming_the_field_and_lose_nothing_in_fligh
     wait_idle_and_pools_full(server)
 
 
-@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["thread", "process"])
+@pytest.mark.parametrize("mode", [["--no-engine-process"], []], ids=["thread", "process"])
 def test_a_model_that_fails_to_load_ends_the_server_with_one_error_line(tmp_path, mode):
     proc = subprocess.run(
         [sys.executable, "-m", "hybrid_compile", "serve", "--model", str(tmp_path / "no" / "such" / "dir"),

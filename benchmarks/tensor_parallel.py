@@ -3,7 +3,8 @@
 For each tensor-parallel size: decode tokens/s at batch 1 / 16 / 64 (requests of ``--prompt-len``
 tokens, ``--new-tokens`` each; only the steps after every request's first token are timed),
 prefill tokens/s of one prompt of 4k and 32k tokens, the time rank 0 spends in all-reduces per
-decode step (torch.profiler over a few decode steps: gloo / NCCL all-reduce events), each rank's
+decode step (torch.profiler over a few decode steps: gloo / NCCL all-reduce events, and rank 0's host
+ops with the most own CPU time per step), each rank's
 shard and peak memory while loading, and the scaling efficiency
 ``tok/s(TP n) / (n * tok/s(TP 1))`` of every measurement.
 
@@ -257,15 +258,22 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
         k = key.lower()
         return k.startswith("nccl") and "kernel" in k and "allreduce" in k if cuda else k == "gloo:all_reduce"
 
-    us, count, kernels = 0.0, 0, []
+    us, count, kernels, host = 0.0, 0, [], []
     for e in prof.key_averages():
         if is_all_reduce(e.key):
             us += device_us(e, own=True) if cuda else e.cpu_time_total
             count += e.count
         if cuda and device_us(e, own=True) > 0:
             kernels.append((device_us(e, own=True), e.count, e.key))
+        if e.self_cpu_time_total > 0:
+            host.append((e.self_cpu_time_total, e.count, e.key))
+    host.sort(reverse=True)
     out = dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / n, all_reduce_calls=count,
-               wall_ms_per_step=wall * 1e3 / n)
+               wall_ms_per_step=wall * 1e3 / n,
+               # rank 0's host side: the ops (and runtime calls, e.g. a synchronize that waits for the
+               # GPU, a gloo broadcast) with the most own CPU time per step
+               top_host_ops=[dict(name=k[2][:120], ms_per_step=k[0] / 1e3 / n, calls_per_step=k[1] / n)
+                             for k in host[:15]])
     if cuda:
         kernels.sort(reverse=True)
         out["gpu_busy_ms_per_step"] = sum(k[0] for k in kernels) / 1e3 / n
@@ -438,7 +446,8 @@ def main() -> None:
         for b, prof in r.get("profile", {}).items():
             busy = f", GPU busy {prof['gpu_busy_ms_per_step']:.2f}" if "gpu_busy_ms_per_step" in prof else ""
             print(f"TP {tp}: decode batch {b}: {prof['wall_ms_per_step']:.2f} ms per step{busy}, "
-                  f"all-reduce {prof['all_reduce_ms_per_step']:.2f}")
+                  f"all-reduce {prof['all_reduce_ms_per_step']:.2f}; host: "
+                  + ", ".join(f"{o['name'][:40]} {o['ms_per_step']:.3f}" for o in prof["top_host_ops"][:6]))
     final = result()
     for tp, e in final["scaling"].items():
         print(f"TP {tp} scaling: " + "  ".join(f"{k} x{v['speedup']:.2f} ({100 * v['efficiency']:.0f} %)"

@@ -651,6 +651,10 @@ def test_benchmark_smoke_run(tmp_path):
         assert set(r["decode"]) == {"1", "2"} and r["decode"]["2"]["decode_tokens"] == 2 * 2
         assert r["prefill"]["24"]["tokens_per_s"] > 0
     assert tp2["all_reduce"]["all_reduce_calls"] > 0 and tp2["all_reduce"]["all_reduce_ms_per_step"] > 0
+    # rank 0's host side per step: the all-reduces' waits among its ops
+    host = tp2["all_reduce"]["top_host_ops"]
+    assert host and all(o["ms_per_step"] > 0 for o in host) and any("all_reduce" in o["name"] or "allreduce" in o["name"]
+                                                                    or "wait_tensor" in o["name"] for o in host)
     assert len(tp2["tensor_parallel"]["ranks"]) == 2
     assert set(run["scaling"]["2"]) == {"decode_1", "decode_2", "prefill_24"}
 

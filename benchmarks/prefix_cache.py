@@ -563,12 +563,15 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
             st = engine.stats()
             bytes_per = (engine.pools.kv.bytes_per_token, engine.pools.mamba.bytes_per_slot)
             r = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
-                 "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"]}
+                 "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"],
+                 # (a compiled forward built again after a move would cost its compile time)
+                 "recompiles": st.get("compile", {}).get("recompiles", 0)}
         finally:
             engine.close()
         print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
               f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
-              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba", flush=True)
+              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba  recompiles {r['recompiles']}",
+              flush=True)
         return r, bytes_per
 
     out["fixed"], (per_token, per_slot) = run("fixed", False)

@@ -543,6 +543,12 @@ def fixed_split_slots(startup_slots: int) -> list[int]:
     return sorted({max(3, round(startup_slots * f)) for f in fractions} - {startup_slots}, reverse=True)
 
 
+def _triton_cache_entries() -> int:
+    """Entries of Triton's on-disk kernel cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``)."""
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return len(os.listdir(path)) if os.path.isdir(path) else 0
+
+
 def run_elastic_comparison(model, args, vocab: int) -> dict:
     """The flip workload with the start-up split and with elastic pools (same outputs asserted in
     fp32 on the CPU, compared and reported on a GPU), then with other fixed splits of the same bytes
@@ -558,6 +564,7 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
     def run(name: str, elastic: bool, **sizes) -> dict:
         engine = hc.wrap(model, elastic_pools=elastic, **{**kw, **sizes})
         try:
+            built = _triton_cache_entries()
             t0 = time.perf_counter()
             outputs[name] = [engine.generate_batch(p, max_new_tokens=n) for p, n in phases]
             st = engine.stats()
@@ -565,12 +572,16 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
             r = {"seconds": time.perf_counter() - t0, "retractions": st["retractions"], "steps": st["steps"],
                  "pools": st["memory"]["capacity"], "moves": st["memory"]["moves"],
                  # (a compiled forward built again after a move would cost its compile time)
-                 "recompiles": st.get("compile", {}).get("recompiles", 0)}
+                 "recompiles": st.get("compile", {}).get("recompiles", 0),
+                 # Triton kernels built during the run (new entries of Triton's on-disk cache): a kernel
+                 # specialised on a pool size builds again after a move
+                 "triton_kernels_built": _triton_cache_entries() - built}
         finally:
             engine.close()
         print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
               f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
-              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba  recompiles {r['recompiles']}",
+              f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba  recompiles {r['recompiles']}  "
+              f"Triton kernels built {r['triton_kernels_built']}",
               flush=True)
         return r, bytes_per
 

@@ -279,6 +279,8 @@ def test_benchmark_elastic_tiny_run(tmp_path):
     assert r["elastic"]["retractions"] <= r["fewest_fixed_retractions"]
     assert r["elastic"]["steps"] < min(f["steps"] for f in [r["fixed"]] + r["fixed_splits"]), r
     assert r["elastic"]["moves"]["requests_relocated"] >= 1
+    # each run's rebuilds: no Dynamo recompile; Triton kernels counted (none run on the CPU)
+    assert all(x["recompiles"] == 0 and x["triton_kernels_built"] == 0 for x in [r["fixed"], r["elastic"]]), r
 
 
 @pytest.mark.gpu

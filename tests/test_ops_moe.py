@@ -240,6 +240,10 @@ def test_grouped_mm_path_matches_the_row_loop(counts, activation, monkeypatch):
         xs = x if g is not None else x[:rows]
         expected = _row_loop(xs, weight, off, g, s, activation)
         got = tmoe.moe_grouped_linear_triton(xs, weight, off, g, s, activation, path="grouped_mm")
+        if rows and activation == "none":  # scattered in bf16: bit for bit the product's rows moved
+            product = torch._grouped_mm(xs[g] if g is not None else xs, weight.transpose(1, 2),
+                                        offs=off[1:].to(torch.int32))
+            assert torch.equal(got, product if s is None else torch.empty_like(product).index_copy_(0, s, product))
         assert got.shape == (rows, n_out) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=f"gather={g is not None}")
     # as the default of calls above decode size (ops.triton.moe.LARGE_CALLS_PATH): bf16 only

@@ -192,11 +192,14 @@ def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_inde
     _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activation)
     rows = x.index_select(0, gather_index) if gather_index is not None else x.contiguous()
     if rows.shape[0] == 0 or weight.shape[0] == 0:
-        y = rows.new_zeros(rows.shape[0], weight.shape[1]).float()
+        y = rows.new_zeros(rows.shape[0], weight.shape[1])
     else:
         # offs: each expert's end row (int32); the weights as [E, K, N] views (column-major per expert)
-        y = torch._grouped_mm(rows, weight.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32)).float()
-    return _activate_and_scatter(y, activation, scatter_index, x.dtype)
+        y = torch._grouped_mm(rows, weight.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32))
+    # the activation in fp32; without one the bf16 product is scattered as it is (the same values:
+    # bf16 -> fp32 -> bf16 is exact), sparing a [rows, N] fp32 copy (the down projection's is the
+    # largest tensor of the experts call)
+    return _activate_and_scatter(y if activation == "none" else y.float(), activation, scatter_index, x.dtype)
 
 
 @moe_grouped_linear.register_fake

@@ -330,6 +330,17 @@ def _engine_process(load):
     return ProcessAsyncEngine(load)
 
 
+def serve_engine_process(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` steps the engine in its own process: ``--engine-process`` /
+    ``--no-engine-process`` as given; by default yes, except under tensor parallelism (the ranks'
+    processes start from the serving process, whose driver thread steps rank 0's engine), where an
+    explicit ``--engine-process`` is an error."""
+    if args.engine_process and args.tensor_parallel_size != 1:
+        raise ValueError("--engine-process with --tensor-parallel-size: the engine process cannot start the "
+                         "ranks' processes; serve tensor-parallel models without --engine-process")
+    return args.tensor_parallel_size == 1 if args.engine_process is None else args.engine_process
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .serving.server import run
@@ -338,13 +349,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = dict(max_running_requests=args.max_running_requests, enable_prefix_cache=args.prefix_cache)
     load = functools.partial(_load, args, args.tokenizer or "required", **options)
-    # the default (None): the engine in its own process, except under tensor parallelism (the ranks'
-    # processes start from the serving process, on the driver thread's engine)
-    engine_process = args.tensor_parallel_size == 1 if args.engine_process is None else args.engine_process
-    if engine_process:
-        if args.tensor_parallel_size != 1:
-            raise ValueError("--engine-process with --tensor-parallel-size: the engine process cannot start the "
-                             "ranks' processes; serve tensor-parallel models without --engine-process")
+    if serve_engine_process(args):
         # the same _load call, pickled to the engine process (the parser's func is no part of it)
         child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
         load = functools.partial(_engine_process, functools.partial(_load, child_args, args.tokenizer or "required",

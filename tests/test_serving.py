@@ -834,3 +834,20 @@ def test_incremental_text_equals_one_decode_and_holds_back_a_stop_string_prefix(
         if inc.stopped:
             break
     assert inc.stopped and streamed + inc.take(finished=True) == "Hello world! " == inc.text
+
+
+def test_engine_process_default_and_its_tensor_parallel_refusal():
+    """``serve``: the engine in its own process by default, on the driver thread with
+    ``--no-engine-process`` and by default under tensor parallelism; ``--engine-process`` with
+    ``--tensor-parallel-size`` > 1 is one error naming both (before anything loads)."""
+    from hybrid_compile.cli import build_parser, serve_engine_process
+
+    parse = build_parser().parse_args
+    assert serve_engine_process(parse(["serve", "--model", "m"])) is True
+    assert serve_engine_process(parse(["serve", "--model", "m", "--no-engine-process"])) is False
+    assert serve_engine_process(parse(["serve", "--model", "m", "--engine-process"])) is True
+    assert serve_engine_process(parse(["serve", "--model", "m", "--tensor-parallel-size", "2"])) is False
+    assert serve_engine_process(parse(["serve", "--model", "m", "--tensor-parallel-size", "2",
+                                       "--no-engine-process"])) is False
+    with pytest.raises(ValueError, match="--engine-process with --tensor-parallel-size"):
+        serve_engine_process(parse(["serve", "--model", "m", "--tensor-parallel-size", "2", "--engine-process"]))

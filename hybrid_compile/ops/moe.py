@@ -16,7 +16,7 @@ rounding to the output dtype: ``"none"``; ``"silu_and_mul"``, weight rows ``[0, 
 ``[T * top_k, H]`` copy); the scatter lets the second write each pair back in (token, k) order, so
 the top-k weighted sum is a plain reduction over ``k`` (no atomics, deterministic). The CPU
 implementation is a per-expert loop in plain torch; the CUDA one is a Triton grouped GEMM
-(:mod:`.triton.moe`, one launch for every expert; a GEMV at decode sizes, :func:`decode_sized`), or
+(:mod:`.triton.moe`, one launch for every expert; a GEMV at decode sizes), or
 for bf16 above decode size optionally ``torch._grouped_mm`` (:func:`grouped_mm_linear`, whose product
 is rounded to bf16 once before the activation).
 
@@ -38,22 +38,7 @@ from torch import nn
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 
-#: Calls of at most this many (token, expert) rows per expert on average are decode-sized: there the
-#: GEMV kernel serves ``moe_grouped_linear`` on CUDA (:func:`hybrid_compile.ops.triton.moe.moe_path`),
-#: the FP8 experts' threshold (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per
-#: program beat the tensor cores at every decode size up to 64 tokens of top-10 routing over 512
-#: experts, 1.25 rows per expert).
-MOE_GEMV_ROWS_PER_EXPERT = 2
-
-
-def decode_sized(rows: int, experts: int) -> bool:
-    """Whether ``rows`` sorted (token, expert) rows over ``experts`` experts are a decode-sized call
-    (:data:`MOE_GEMV_ROWS_PER_EXPERT`)."""
-    return rows <= MOE_GEMV_ROWS_PER_EXPERT * experts
-
-
-__all__ = ["GROUPED_ACTIVATIONS", "MOE_GEMV_ROWS_PER_EXPERT", "ExpertRouting", "check_activation", "decode_sized",
-           "fused_activation", "fused_moe_experts", "grouped_mm_linear", "grouped_output_width", "moe_grouped_linear",
+__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts", "grouped_mm_linear", "grouped_output_width", "moe_grouped_linear",
            "reference_moe_grouped_linear", "sort_pairs_by_expert"]
 
 # the activations moe_grouped_linear applies in its epilogue (the Triton kernel's ACT is the index)

@@ -38,8 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe import GROUPED_ACTIVATIONS, MOE_GEMV_ROWS_PER_EXPERT, _check_grouped, check_activation, decode_sized, \
-    grouped_mm_linear, grouped_output_width
+from ..moe import GROUPED_ACTIVATIONS, _check_grouped, check_activation, grouped_mm_linear, grouped_output_width
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, launch_gemv
@@ -51,6 +50,11 @@ __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MO
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
 MOE_PATHS = ("gemv", "tensor_cores", "grouped_mm")
+#: Calls of at most this many rows per expert on average take the GEMV: the FP8 experts' threshold
+#: (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per program beat the tensor
+#: cores at every decode size up to 64 tokens of top-10 routing over 512 experts, 1.25 rows per
+#: expert). ``benchmarks/fused_moe.py --sweep`` times both paths for the float weights.
+MOE_GEMV_ROWS_PER_EXPERT = 2
 #: The path of the calls above decode size (:func:`moe_path`): ``"grouped_mm"`` for bf16 weights
 #: (other dtypes keep our tensor-core kernel), or ``"tensor_cores"`` everywhere. ``benchmarks/fused_moe.py``
 #: times both: on an H200 (2026-11-27) at 256 / 1,024 / 4,096 tokens of the Qwen3-Next-80B experts
@@ -163,7 +167,7 @@ def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None) -> str:
     rows per expert on average), else :data:`LARGE_CALLS_PATH` (``"grouped_mm"`` only for bf16)."""
     if LARGE_CALLS_PATH not in ("tensor_cores", "grouped_mm"):
         raise ValueError(f'ops.triton.moe.LARGE_CALLS_PATH must be "tensor_cores" or "grouped_mm", got {LARGE_CALLS_PATH!r}')
-    if decode_sized(rows, experts):
+    if rows <= MOE_GEMV_ROWS_PER_EXPERT * experts:
         return "gemv"
     if LARGE_CALLS_PATH == "grouped_mm" and dtype != torch.bfloat16:
         return "tensor_cores"

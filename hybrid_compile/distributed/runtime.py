@@ -266,7 +266,7 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
     # fused_moe None (the default) is off under tensor parallelism (resolve_fused_moe)
-    fused = resolve_fused_moe(model, engine_config.fused_moe, engine_config.device or "cpu", tensor_parallel=True)
+    fused = resolve_fused_moe(model, engine_config.fused_moe, tp.device, tensor_parallel=True)
     engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused)
     if tp.is_leader:
         engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import datetime
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,12 +28,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_all_reduce(t: torch.Tensor, iters: int, cuda: bool) -> float:
@@ -61,8 +55,10 @@ def _worker(rank: int, ranks: int, port: int, device: str, sizes: list[int], ite
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=ranks)
+    # the rendezvous store is the launching process's (bound to a port the system picked, as
+    # distributed/runtime.py launches ranks): every rank is its client
+    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=ranks)
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
         rows = []
@@ -107,7 +103,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows_file = str(out) + ".rows"
-    mp.spawn(_worker, args=(ranks, _free_port(), args.device, sizes, args.iters, rows_file), nprocs=ranks)
+    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, timeout=datetime.timedelta(seconds=120),
+                          wait_for_workers=False)
+    mp.spawn(_worker, args=(ranks, store.port, args.device, sizes, args.iters, rows_file), nprocs=ranks)
     rows = json.loads(pathlib.Path(rows_file).read_text())
     os.remove(rows_file)
     env = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "ranks": ranks, "torch": torch.__version__,

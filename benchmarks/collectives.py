@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     if ranks < 2 or (cuda and ranks > torch.cuda.device_count()):
         p.error(f"--ranks must be at least 2{f' and at most the {torch.cuda.device_count()} GPUs' if cuda else ''}, "
                 f"got {ranks}")
+    if min(args.sizes_mb) <= 0 or args.iters < 1:
+        p.error(f"--sizes-mb must be positive and --iters at least 1, got {args.sizes_mb} and {args.iters}")
     sizes = [int(mb * 2**20) for mb in args.sizes_mb]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

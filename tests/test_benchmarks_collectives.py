@@ -28,3 +28,7 @@ def test_cpu_two_ranks(tmp_path):
     bad = subprocess.run(cmd[:2] + ["--device", "cpu", "--ranks", "1"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env=checkout_env())
     assert bad.returncode != 0 and "--ranks must be at least 2" in bad.stderr
+    for flags in (["--sizes-mb", "0"], ["--iters", "0"]):
+        bad = subprocess.run(cmd[:2] + ["--device", "cpu", *flags], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env=checkout_env())
+        assert bad.returncode != 0 and "--sizes-mb must be positive and --iters at least 1" in bad.stderr

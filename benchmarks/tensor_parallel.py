@@ -208,7 +208,11 @@ def decode(engine, batch: int, prompt_len: int, new: int, vocab: int, seed: int)
 
 
 def prefill(engine, length: int, vocab: int, seed: int) -> dict:
+    """One prompt of ``length`` tokens, timed after an untimed one of the same length (kernels that
+    first run at this length's chunk sizes are JIT-compiled or autotuned by it)."""
     prompt = random_token_prompts(1, length, vocab, seed)[0]
+    engine.generate_batch([random_token_prompts(1, length, vocab, seed + 1)[0]], max_new_tokens=1)
+    engine.clear_prefix_cache()
     sync_device(engine.device)
     t0 = time.perf_counter()
     engine.generate_batch([prompt], max_new_tokens=1)
@@ -253,10 +257,13 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
         return float(next((getattr(e, k) for k in names if hasattr(e, k)), 0.0))
 
     def is_all_reduce(key: str) -> bool:
-        # the transport's own events only: NCCL's all-reduce kernels (graph replays included) or gloo's
-        # call (not the c10d ops around it, nor Inductor kernels named after a fused all_reduce's users)
+        # the transport's own events only: NCCL's all-reduce kernels and torch's one-shot kernel
+        # (tensor_parallel_all_reduce; graph replays included) or gloo's call (not the c10d ops around
+        # them, nor Inductor kernels named after a fused all_reduce's users)
         k = key.lower()
-        return k.startswith("nccl") and "kernel" in k and "allreduce" in k if cuda else k == "gloo:all_reduce"
+        if not cuda:
+            return k == "gloo:all_reduce"
+        return (k.startswith("nccl") and "kernel" in k and "allreduce" in k) or "one_shot_all_reduce_kernel" in k
 
     us, count, kernels, host = 0.0, 0, [], []
     for e in prof.key_averages():

@@ -455,13 +455,19 @@ def _collectives_main(rank: int, port: int, result_path: str) -> None:
     tp = TensorParallelGroup(rank, 2, torch.device("cpu"), dist.group.WORLD, dist.group.WORLD, None)
     inputs = [torch.arange(24.0).view(2, 3, 4) + 100 * r for r in range(2)]
     got = {}
-    for mode in ("eager", "compiled"):
+    for mode in ("eager", "compiled", "op eager", "op compiled"):
+        # "op": the all-reduce through the one-shot op (hybrid_compile::tp_all_reduce), here on its gloo
+        # path (no symmetric buffer on CPU; its one-shot kernel: tests/test_tensor_parallel_gpu.py)
+        tp.one_shot = mode.startswith("op")
         reduce, gather = tp.all_reduce, tp.all_gather_last
-        if mode == "compiled":  # aot_eager: Dynamo and AOT tracing, no Inductor codegen (fast)
+        if mode.endswith("compiled"):  # aot_eager: Dynamo and AOT tracing, no Inductor codegen (fast)
             torch._dynamo.reset()
             reduce, gather = (torch.compile(f, fullgraph=True, backend="aot_eager") for f in (reduce, gather))
         got[mode] = dict(reduce=torch.equal(reduce(inputs[rank] * 1), sum(inputs)),
                          gather=torch.equal(gather(inputs[rank][:, 1:]), torch.cat([x[:, 1:] for x in inputs], -1)))
+    # the op's registration (schema, fake, dispatch) by opcheck; every rank runs the same calls
+    torch.library.opcheck(torch.ops.hybrid_compile.tp_all_reduce.default, (inputs[rank][:, 1:], tp.group_name))
+    got["opcheck"] = True
     dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "w") as f:
@@ -471,12 +477,14 @@ def _collectives_main(rank: int, port: int, result_path: str) -> None:
 def test_collectives_trace_into_one_graph(tmp_path):
     """The model's collectives trace with no graph break (torch 2.11's ``funcol.all_gather_tensor``
     on the last dim broke the graph in ``_maybe_view_chunk_cat``) and give the sum / the columns of
-    every rank in rank order (a non-contiguous input included), eagerly and compiled."""
+    every rank in rank order (a non-contiguous input included), eagerly and compiled; so does the
+    all-reduce through the one-shot op (its gloo path), which passes opcheck."""
     path = str(tmp_path / "collectives.json")
     torch.multiprocessing.start_processes(_collectives_main, args=(free_port(), path), nprocs=2, start_method="spawn")
     with open(path) as f:
         got = json.load(f)
-    assert got == {m: dict(reduce=True, gather=True) for m in ("eager", "compiled")}, got
+    modes = ("eager", "compiled", "op eager", "op compiled")
+    assert got == {**{m: dict(reduce=True, gather=True) for m in modes}, "opcheck": True}, got
 
 
 def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
@@ -490,6 +498,39 @@ def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
     with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\].*tensor_parallel_size=2 is not supported"):
         hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", extra={"mtp_draft_graphs": True},
                            speculative={"method": "mtp", "num_draft_tokens": 2})
+
+
+def test_one_shot_all_reduce_option(checkpoints):
+    """``tensor_parallel_all_reduce``: an explicit "one_shot" where it cannot run (CPU ranks, a group
+    size its kernel lacks, fp16) or without tensor parallelism raises one error naming the option;
+    "auto" keeps NCCL (gloo) there. The op's size and dtype rule picks the one-shot kernel only for
+    bf16 / fp32 tensors that fit the buffer in whole 16-byte vectors (the kernel itself:
+    tests/test_tensor_parallel_gpu.py, the ``@one_shot`` cases)."""
+    from hybrid_compile.distributed import one_shot
+
+    d = checkpoints["qwen3_next_dense"]["dir"]
+    with pytest.raises(ValueError, match="tensor_parallel_all_reduce='one_shot' cannot run here: symmetric memory "
+                                         "needs CUDA devices"):
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", tensor_parallel_all_reduce="one_shot")
+    with pytest.raises(ValueError, match="tensor_parallel_all_reduce='one_shot' applies to tensor parallelism"):
+        hc.wrap(checkpoints["qwen3_next_dense"]["model"], tensor_parallel_all_reduce="one_shot")
+    with pytest.raises(ValueError, match="tensor_parallel_all_reduce must be one of auto, nccl, one_shot"):
+        hc.wrap(checkpoints["qwen3_next_dense"]["model"], tensor_parallel_all_reduce="custom")
+    cuda = torch.device("cuda")
+    assert not one_shot.resolve("auto", torch.device("cpu"), 2, torch.bfloat16)
+    assert not one_shot.resolve("nccl", cuda, 2, torch.bfloat16)
+    assert not one_shot.resolve("auto", cuda, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="built for 2, 4 or 8 ranks, not 3"):
+        one_shot.resolve("one_shot", cuda, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="sums bfloat16 and float32 tensors, not torch.float16"):
+        one_shot.resolve("one_shot", cuda, 2, torch.float16)
+    buffer = torch.empty(64, dtype=torch.uint8)
+    takes = one_shot.takes_one_shot
+    assert takes(torch.ones(8, dtype=torch.bfloat16), buffer) and takes(torch.ones(2, 8), buffer)
+    assert not takes(torch.ones(3, dtype=torch.bfloat16), buffer)  # 6 bytes: not whole vectors
+    assert not takes(torch.ones(40, dtype=torch.bfloat16), buffer)  # 80 bytes: above the buffer
+    assert not takes(torch.ones(8, dtype=torch.float16), buffer)
+    assert not takes(torch.ones(8, dtype=torch.bfloat16), None)  # no buffer (NCCL chosen, or CPU)
 
 
 def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):

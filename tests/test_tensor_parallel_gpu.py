@@ -212,12 +212,14 @@ def _cases() -> list[tuple[str, object, dict]]:
         cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
     if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
         cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
-    for name in MID_FAMILIES:
-        if name in MID_DEFAULT:
-            cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
-            cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
-        elif ALL_MID:
-            cases.append((f"mid_{name}", _mid(name), dict(TINY)))
+    for name in MID_DEFAULT:
+        cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
+        cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
+    # every other case takes the default all-reduce ("auto": the one-shot kernel up to 64 KiB); this one NCCL's
+    first = MID_DEFAULT[0]
+    cases.append((f"mid_{first}@nccl", _mid(first), dict(MID, cuda_graphs=True, tensor_parallel_all_reduce="nccl")))
+    if ALL_MID:
+        cases += [(f"mid_{name}", _mid(name), dict(TINY)) for name in MID_FAMILIES if name not in MID_DEFAULT]
     return cases
 
 
@@ -318,6 +320,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                     engine.close()
                     result = dict(outputs=outputs, seconds=time.perf_counter() - t0, ready=ready,
                                   end=_compile_counts(triton), compile=stats["compile"],
+                                  all_reduce=stats["tensor_parallel"]["all_reduce"]["mode"],
                                   speculative=stats.get("speculative"), startup=stats["startup"],
                                   mtp_compile=head_stats)
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
@@ -490,6 +493,8 @@ def test_tp2_graphs_match_single_gpu(served, name):
                                 NEAR_TIE[case["options"]["dtype"]])
     c = r["compile"]
     assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
+    # the all-reduces: the one-shot kernel by default (these hosts' GPUs reach each other), NCCL where asked
+    assert r["all_reduce"] == case["options"].get("tensor_parallel_all_reduce", "one_shot").replace("auto", "one_shot")
     mode = case["options"]["cuda_graphs"]
     if "speculative" in case["options"]:  # (every decode step is a verify step)
         assert r["speculative"]["verify_steps"] > 0 and c["verify_graph_replays"] > 0, (r["speculative"], c)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import one_shot
+
 _ERROR_KEY = "hybrid_compile/tp/error"
 _ERROR_COUNT = "hybrid_compile/tp/errors"
 # how long a rank whose collective broke waits for the failing rank's recorded error
@@ -53,6 +55,8 @@ class TensorParallelGroup:
     control: "dist.ProcessGroup"  # step headers (gloo, long timeout)
     store: "dist.Store"
     owns_default_group: bool = True  # destroy the default group at shutdown (False: the user made it)
+    # the model's all-reduces through the one-shot op (one_shot.py; its buffer mapped by enable_one_shot)
+    one_shot: bool = False
     closed: bool = field(default=False)
     # the name the functional collective ops take for ``group``; read once here, outside traced code
     group_name: str = field(init=False)
@@ -68,8 +72,16 @@ class TensorParallelGroup:
     # Each collective is waited right away: eagerly that is the synchronisation; in a graph the
     # wait is the node the split pass keeps in the collective's piece (compilation/split.py).
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_shot:
+            return torch.ops.hybrid_compile.tp_all_reduce(x, self.group_name)
         ops = torch.ops._c10d_functional
         return ops.wait_tensor(ops.all_reduce(x, "sum", self.group_name))
+
+    def enable_one_shot(self) -> None:
+        """Route the model's all-reduces through the one-shot op over symmetric memory (a collective:
+        every rank calls it at the same point; ``one_shot.resolve`` decided that it runs here)."""
+        one_shot.enable(self.group_name, self.device)
+        self.one_shot = True
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on every rank -> ``[..., size * n]``, rank r's columns at ``r * n``."""
@@ -132,6 +144,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        if self.one_shot:
+            one_shot.disable(self.group_name)
         if together:
             try:
                 dist.barrier(group=self.control)

@@ -33,6 +33,7 @@ from ..engine.startup import Startup
 from ..models.fused_experts import resolve_fused_moe
 from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
+from . import one_shot
 from .group import DEFAULT_TIMEOUT_SECONDS, TensorParallelError, TensorParallelGroup
 from .layers import cross_rank_rms_norm, reduce_output, vocab_parallel_embedding, vocab_parallel_lm_head
 from .loading import LoadReport, load_mtp_shard, load_shard
@@ -126,6 +127,9 @@ class TensorParallelEngine(HybridEngine):
             "size": self.tp.size,
             "backend": dist.get_backend(self.tp.group) if not self.tp.closed else None,
             "commands_broadcast": self._broadcaster.commands,
+            # the model's all-reduces: one_shot.py's kernel up to max bytes, NCCL above; or NCCL (gloo) alone
+            "all_reduce": ({"mode": "one_shot", "one_shot_max_bytes": one_shot.MAX_BYTES} if self.tp.one_shot
+                           else {"mode": dist.get_backend(self.tp.group) if not self.tp.closed else None}),
             "ranks": [dataclasses.asdict(r) for r in self.load_reports],
         }
         return s
@@ -150,6 +154,8 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             "head is vocab-parallel there (each rank holds a slice of the vocabulary's rows); leave draft_token_map "
             "unset (the head drafts over the whole vocabulary)"
         )
+    # an explicit one-shot all-reduce that cannot run (CPU, 3 ranks, no P2P): one error before launch
+    one_shot.resolve(config.tensor_parallel_all_reduce, torch.device(device_type), size, None)
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
     full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))
@@ -259,6 +265,8 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
             report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
                                       for p in m.parameters())
+    if one_shot.resolve(engine_config.tensor_parallel_all_reduce, tp.device, tp.size, getattr(model, "dtype", None)):
+        tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
     install_collectives(model, plan, tp)
     if mtp_head is not None:
         install_mtp_collectives(mtp_head, plan, tp)
@@ -267,7 +275,8 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
     # fused_moe None (the default) is off under tensor parallelism (resolve_fused_moe)
     fused = resolve_fused_moe(model, engine_config.fused_moe, tp.device, tensor_parallel=True)
-    engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused)
+    # (the all-reduce mode is the group's now, tp.one_shot; the engine's own check refuses 'one_shot')
+    engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused, tensor_parallel_all_reduce="auto")
     if tp.is_leader:
         engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,
                                       startup=startup, mtp_head=mtp_head)

@@ -42,6 +42,12 @@ class EngineConfig:
     # 1.05-1.45x transformers' path end to end on one GPU), else off (on the CPU the fused path is the
     # plain-torch reference; under tensor parallelism its prefill measured slower).
     fused_moe: bool | None = None
+    # tensor parallelism (from_pretrained(..., tensor_parallel_size=N > 1) only): how the model's
+    # all-reduces run. "nccl": on the device group (NCCL; gloo on CPU); "one_shot": those of at most 64 KiB
+    # of bf16 / fp32 (decode steps) as one kernel over symmetric memory, larger ones on NCCL
+    # (hybrid_compile.distributed.one_shot; CUDA, 2 / 4 / 8 GPUs with P2P between them); "auto" (the
+    # default): "one_shot" where it can run, else "nccl".
+    tensor_parallel_all_reduce: str = "auto"
     max_running_requests: int = 16
     max_total_tokens: int | None = None  # KV token capacity
     mamba_cache_size: int | None = None  # Mamba slots
@@ -152,6 +158,11 @@ class EngineConfig:
             if self.speculative.is_tree and ssm is torch.float8_e4m3fn:
                 raise ValueError("EngineConfig: draft trees (speculative topk > 1) are not supported with "
                                  "ssm_state_dtype='fp8' (a node's state is read back from the intermediate buffer)")
+        from ..distributed.one_shot import MODES as all_reduce_modes  # lazy: distributed imports the engine
+
+        if self.tensor_parallel_all_reduce not in all_reduce_modes:
+            raise ValueError(f"EngineConfig.tensor_parallel_all_reduce must be one of {', '.join(all_reduce_modes)}, "
+                             f"got {self.tensor_parallel_all_reduce!r}")
         if not (self.fused_moe is None or isinstance(self.fused_moe, bool)):
             raise ValueError(f"EngineConfig.fused_moe must be True, False or None, got {self.fused_moe!r}")
         if self.warmup_kernels not in (None, True, False):

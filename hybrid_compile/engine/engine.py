@@ -164,6 +164,9 @@ class HybridEngine(GenerateAPI):
                 f"SpeculativeConfig.topk={config.speculative.topk} (draft trees) is not supported for "
                 f"{model.config.model_type}: {no_trees}; use topk=1 (chain drafts)"
             )
+        if config.tensor_parallel_all_reduce == "one_shot":
+            raise ValueError("EngineConfig.tensor_parallel_all_reduce='one_shot' applies to tensor parallelism "
+                             "(hc.from_pretrained(dir, tensor_parallel_size=N > 1)); this engine serves one device")
         self.model = model
         self.config = config
         # a transformers tokenizer: lets generate / generate_batch take and return text (settable)

@@ -3,8 +3,9 @@
 For each tensor-parallel size: decode tokens/s at batch 1 / 16 / 64 (requests of ``--prompt-len``
 tokens, ``--new-tokens`` each; only the steps after every request's first token are timed),
 prefill tokens/s of one prompt of 4k and 32k tokens, the time rank 0 spends in all-reduces per
-decode step (torch.profiler over a few decode steps: gloo / NCCL all-reduce events, and rank 0's host
-ops with the most own CPU time per step), each rank's
+decode step (torch.profiler over a few decode steps: gloo / NCCL / one-shot all-reduce events, and
+rank 0's host ops with the most own CPU time per step; the same for one prompt of the shortest
+prefill length, ``prefill_profile``), each rank's
 shard and peak memory while loading, and the scaling efficiency
 ``tok/s(TP n) / (n * tok/s(TP 1))`` of every measurement.
 
@@ -222,35 +223,25 @@ def prefill(engine, length: int, vocab: int, seed: int) -> dict:
     return dict(length=length, seconds=seconds, tokens_per_s=length / seconds)
 
 
-def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
-    """A few decode steps of ``batch`` requests under torch.profiler, on rank 0: wall time and the
-    time in all-reduce collectives per step, and on CUDA the GPU's busy time per step (every
-    kernel's and copy's own time, CUDA-graph replays included) and the kernels that take most of it
-    (where busy time is far below wall time, the step waits on the host or on the other ranks)."""
+def _profiled(engine, run) -> tuple:
+    """``run()`` (returns the number of steps it took) under torch.profiler on rank 0 (CPU events, and
+    CUDA kernels on a GPU); returns (profiler, steps, wall seconds)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hybrid_compile import SamplingParams
-
     cuda = engine.device.type == "cuda"
-    prompts = random_token_prompts(batch, 16, vocab, seed=99)
-    rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
-    reqs = [engine.request(r) for r in rids]
-    while not all(r.output for r in reqs):
-        engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        t0, n = time.perf_counter(), 0
-        while engine.has_unfinished() and n < steps:
-            engine.step()
-            n += 1
+        t0 = time.perf_counter()
+        n = run()
         sync_device(engine.device)
         wall = time.perf_counter() - t0
-    while engine.has_unfinished():
-        engine.step()
-    for r in rids:
-        engine.pop_finished(r)
-    engine.clear_prefix_cache()
-    n = max(1, n)
+    return prof, max(1, n), wall
+
+
+def _profile_summary(prof, n: int, wall: float, cuda: bool, **fields) -> dict:
+    """Per step of ``n``: wall and all-reduce time, rank 0's host ops with the most own CPU time and,
+    on CUDA, the GPU's busy time (every kernel's and copy's own time, CUDA-graph replays included)
+    and the kernels that take most of it."""
 
     def device_us(e, own: bool) -> float:
         names = ("self_device_time_total", "self_cuda_time_total") if own else ("device_time_total", "cuda_time_total")
@@ -275,7 +266,7 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
         if e.self_cpu_time_total > 0:
             host.append((e.self_cpu_time_total, e.count, e.key))
     host.sort(reverse=True)
-    out = dict(batch=batch, steps=n, all_reduce_ms_per_step=us / 1e3 / n, all_reduce_calls=count,
+    out = dict(fields, steps=n, all_reduce_ms_per_step=us / 1e3 / n, all_reduce_calls=count,
                wall_ms_per_step=wall * 1e3 / n,
                # rank 0's host side: the ops (and runtime calls, e.g. a synchronize that waits for the
                # GPU, a gloo broadcast) with the most own CPU time per step
@@ -287,6 +278,50 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
         out["top_kernels"] = [dict(name=k[2][:120], ms_per_step=k[0] / 1e3 / n, calls_per_step=k[1] / n)
                               for k in kernels[:10]]
     return out
+
+
+def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
+    """A few decode steps of ``batch`` requests under torch.profiler, on rank 0 (:func:`_profile_summary`:
+    where busy time is far below wall time, the step waits on the host or on the other ranks; the
+    profiler's own host cost inflates the wall time, so the decode rows, not this, give the step rate)."""
+    from hybrid_compile import SamplingParams
+
+    prompts = random_token_prompts(batch, 16, vocab, seed=99)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
+    reqs = [engine.request(r) for r in rids]
+    while not all(r.output for r in reqs):
+        engine.step()
+
+    def run() -> int:
+        n = 0
+        while engine.has_unfinished() and n < steps:
+            engine.step()
+            n += 1
+        return n
+
+    prof, n, wall = _profiled(engine, run)
+    while engine.has_unfinished():
+        engine.step()
+    for r in rids:
+        engine.pop_finished(r)
+    engine.clear_prefix_cache()
+    return _profile_summary(prof, n, wall, engine.device.type == "cuda", batch=batch)
+
+
+def prefill_profile(engine, length: int, vocab: int) -> dict:
+    """One prompt of ``length`` tokens (one chunk or a few) under torch.profiler, on rank 0, per
+    engine step (:func:`_profile_summary`): whether a prefill waits on the other ranks (all-reduce
+    kernels far above their transfer time) or on the host (GPU busy far below wall)."""
+    prompt = random_token_prompts(1, length, vocab, seed=7)[0]
+
+    def run() -> int:
+        before = engine.stats()["steps"]
+        engine.generate_batch([prompt], max_new_tokens=1)
+        return engine.stats()["steps"] - before
+
+    prof, n, wall = _profiled(engine, run)
+    engine.clear_prefix_cache()
+    return _profile_summary(prof, n, wall, engine.device.type == "cuda", length=length)
 
 
 def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
@@ -321,6 +356,7 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
             print(f"TP {tp}: prefill {L} {out['prefill'][str(L)]['tokens_per_s']:.0f} tok/s", flush=True)
             save(out)
         out["profile"] = {str(b): decode_profile(engine, b, vocab) for b in sorted({min(args.batches), max(args.batches)})}
+        out["prefill_profile"] = prefill_profile(engine, min(args.prefill), vocab)
         out["all_reduce"] = out["profile"][str(max(args.batches))] if tp > 1 else None
         stats = engine.stats()
         out["tensor_parallel"] = stats.get("tensor_parallel")
@@ -450,9 +486,12 @@ def main() -> None:
         pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())
         ar = r["all_reduce"]["all_reduce_ms_per_step"] if r["all_reduce"] else 0.0
         print(f"TP {tp}: decode tok/s {dec} | prefill tok/s {pre} | all-reduce {ar:.3f} ms/step")
-        for b, prof in r.get("profile", {}).items():
+        profiles = [(f"decode batch {b}", p) for b, p in r.get("profile", {}).items()]
+        if "prefill_profile" in r:
+            profiles.append((f"prefill {r['prefill_profile']['length']}", r["prefill_profile"]))
+        for what, prof in profiles:
             busy = f", GPU busy {prof['gpu_busy_ms_per_step']:.2f}" if "gpu_busy_ms_per_step" in prof else ""
-            print(f"TP {tp}: decode batch {b}: {prof['wall_ms_per_step']:.2f} ms per step{busy}, "
+            print(f"TP {tp}: {what}: {prof['wall_ms_per_step']:.2f} ms per step{busy}, "
                   f"all-reduce {prof['all_reduce_ms_per_step']:.2f}; host: "
                   + ", ".join(f"{o['name'][:40]} {o['ms_per_step']:.3f}" for o in prof["top_host_ops"][:6]))
     final = result()

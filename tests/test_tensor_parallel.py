@@ -697,6 +697,10 @@ def test_benchmark_smoke_run(tmp_path):
     assert host and all(o["ms_per_step"] > 0 for o in host) and any("all_reduce" in o["name"] or "allreduce" in o["name"]
                                                                     or "wait_tensor" in o["name"] for o in host)
     assert len(tp2["tensor_parallel"]["ranks"]) == 2
+    assert tp2["tensor_parallel"]["all_reduce"] == {"mode": "gloo"}  # ("auto" on CPU ranks)
+    # the prefill's own profile: its steps (24 tokens in one chunk), all-reduces and host ops
+    pre = tp2["prefill_profile"]
+    assert pre["length"] == 24 and pre["steps"] >= 1 and pre["all_reduce_calls"] > 0 and pre["top_host_ops"]
     assert set(run["scaling"]["2"]) == {"decode_1", "decode_2", "prefill_24"}
 
 

@@ -8,7 +8,9 @@ The model's collectives are the functional collective ops themselves
 ``wait_tensor``) on the group's name, so Dynamo traces them into the graph like any other op. Not
 the Python wrappers of ``torch.distributed._functional_collectives``: their helpers differ between
 torch releases, and torch 2.11's ``all_gather_tensor`` on a non-zero dim calls
-``torch._utils._maybe_view_chunk_cat``, which Dynamo refuses to trace (a graph break).
+``torch._utils._maybe_view_chunk_cat``, which Dynamo refuses to trace (a graph break). Where the
+one-shot all-reduce runs (``one_shot.py``: small all-reduces as one kernel over symmetric memory),
+the all-reduces are its custom op instead.
 
 Errors: a rank that fails records ``rank R: <error>`` in the rendezvous store under one key
 (the first failure wins), then tears its process group down, which breaks every collective the

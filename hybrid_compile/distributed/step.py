@@ -22,8 +22,11 @@ does to the device state of the model reaches the followers as one command, in o
 - ``STOP``: the leader's engine closed.
 
 A command is a small header (``torch.distributed.broadcast`` on the gloo control group, which
-followers wait in while rank 0 is idle) and, when it has tensors, one int64 payload broadcast on
-the device group (NCCL on CUDA). The header's first field is the command, then its fields.
+followers wait in while rank 0 is idle), the host-side integers a forward's metadata keeps as
+lists (``extend_lens_cpu``, ``seq_lens_cpu``: one more broadcast on the gloo group, so a follower
+never reads them back from its GPU, which would make it wait for its previous forward before
+queueing the next) and, when it has tensors, one int64 payload broadcast on the device group (NCCL
+on CUDA). The header's first field is the command, then its fields.
 """
 
 from __future__ import annotations
@@ -83,10 +86,12 @@ class StepBroadcaster:
         self.tp = tp
         self.commands = 0
 
-    def _send(self, header: list[int], payload: list[torch.Tensor]) -> None:
+    def _send(self, header: list[int], payload: list[torch.Tensor], host: list[int] = ()) -> None:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[: len(header)] = torch.tensor(header, dtype=torch.int64)
         dist.broadcast(h, 0, group=self.tp.control)
+        if host:  # host-side integers (their count is in the header): on the gloo group, host to host
+            dist.broadcast(torch.tensor(host, dtype=torch.int64), 0, group=self.tp.control)
         if payload:
             dist.broadcast(packed(payload, self.tp.device), 0, group=self.tp.group)
         self.commands += 1
@@ -111,12 +116,13 @@ class StepBroadcaster:
             raise RuntimeError("tensor parallelism: a step built into a full CUDA graph's buffers replays the graph "
                                "(StepBroadcaster.replay), not a model call")
         tensors = [input_ids] + [getattr(md, f) for f in _MD_TENSORS]
-        tensors += [torch.tensor(getattr(md, f), dtype=torch.int64) for f in _MD_LISTS]
+        lists = [list(getattr(md, f)) for f in _MD_LISTS]
         header = [FORWARD, int(compiled), int(bool(ctx.intermediate_caches)), _MODES.index(md.mode), md.draft_len,
                   int(md.has_tracking), int(piecewise), runner, len(extra), *(e.shape[0] for e in extra)]
         for t in tensors:
             header += [0, -1] if t is None else [_DTYPES.index(t.dtype), t.numel()]
-        self._send(header, [t for t in tensors if t is not None])
+        header += [len(v) for v in lists]
+        self._send(header, [t for t in tensors if t is not None], host=[x for v in lists for x in v])
         for e in extra:  # (after the payload: the follower knows its shapes and dtype from its runner)
             dist.broadcast(e.contiguous(), 0, group=self.tp.group)
 
@@ -163,6 +169,15 @@ def _receive(tp: TensorParallelGroup) -> list[int]:
     return h.tolist()
 
 
+def _host_ints(tp: TensorParallelGroup, n: int) -> list[int]:
+    """The ``host`` integers of a command (:meth:`StepBroadcaster._send`), ``n`` of them."""
+    if not n:
+        return []
+    t = torch.empty(n, dtype=torch.int64)
+    dist.broadcast(t, 0, group=tp.control)
+    return t.tolist()
+
+
 def _payload(tp: TensorParallelGroup, n: int) -> torch.Tensor:
     flat = torch.empty(n, dtype=torch.int64, device=tp.device)
     dist.broadcast(flat, 0, group=tp.group)
@@ -188,7 +203,12 @@ def _runner(engine, which: int):
 def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     compiled, verify, mode, draft_len, has_tracking, piecewise, which, n_extra = header[1:9]
     extra_rows, at = header[9: 9 + n_extra], 9 + n_extra
-    specs = [(header[at + 2 * i], header[at + 1 + 2 * i]) for i in range(1 + len(_MD_TENSORS) + len(_MD_LISTS))]
+    n_specs = 1 + len(_MD_TENSORS)
+    specs = [(header[at + 2 * i], header[at + 1 + 2 * i]) for i in range(n_specs)]
+    list_lens = header[at + 2 * n_specs: at + 2 * n_specs + len(_MD_LISTS)]
+    # the host-side lists come over gloo, so this rank never waits for its GPU to read them back
+    # (it queues the forward while its previous one still runs, as rank 0 does)
+    host = _host_ints(tp, sum(list_lens))
     flat = _payload(tp, sum(n for _, n in specs if n > 0))
     runner = _runner(engine, which)
     extra = []
@@ -204,8 +224,11 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
         values.append(flat[offset: offset + n].to(_DTYPES[code]))
         offset += n
     input_ids, rest = values[0], values[1:]
-    fields = dict(zip(_MD_TENSORS, rest[: len(_MD_TENSORS)]))
-    lists = {f: v.tolist() for f, v in zip(_MD_LISTS, rest[len(_MD_TENSORS):])}
+    fields = dict(zip(_MD_TENSORS, rest))
+    lists, start = {}, 0
+    for f, n in zip(_MD_LISTS, list_lens):
+        lists[f] = host[start: start + n]
+        start += n
     if fields["tree_parents"] is not None:
         fields["tree_parents"] = fields["tree_parents"].view(-1, draft_len)
     md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists)

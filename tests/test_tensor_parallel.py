@@ -524,6 +524,9 @@ def test_one_shot_all_reduce_option(checkpoints):
         one_shot.resolve("one_shot", cuda, 3, torch.bfloat16)
     with pytest.raises(ValueError, match="sums bfloat16 and float32 tensors, not torch.float16"):
         one_shot.resolve("one_shot", cuda, 2, torch.float16)
+    # a failed mapping (here: no such group) is one error naming the option that avoids it
+    with pytest.raises(RuntimeError, match="symmetric memory failed on cpu .*tensor_parallel_all_reduce='nccl'"):
+        one_shot.enable("no such group", torch.device("cpu"))
     buffer = torch.empty(64, dtype=torch.uint8)
     takes = one_shot.takes_one_shot
     assert takes(torch.ones(8, dtype=torch.bfloat16), buffer) and takes(torch.ones(2, 8), buffer)

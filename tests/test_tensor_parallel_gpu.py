@@ -16,6 +16,10 @@ the same checkpoint on one GPU with the same options (the oracle). The two run o
 summation orders (the all-reduce adds the ranks' partial sums), so a divergence is accepted only
 at a near tie of the fp32 model's top-2 logits (:func:`_assert_same_greedy`).
 
+Every case takes the default all-reduce (``tensor_parallel_all_reduce="auto"``: the one-shot kernel
+over symmetric memory up to 64 KiB, NCCL above) and checks that the one-shot kernel served it;
+``mid_qwen3_next_moe@nccl`` runs NCCL's alone.
+
 Also checked: zero graph breaks and recompiles, full and piecewise graphs captured and replayed on
 rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask and parents sent to
 rank 1 with every verify graph's step) replaying full verify graphs, MTP drafts from the checkpoint's

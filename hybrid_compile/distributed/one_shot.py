@@ -79,12 +79,17 @@ def enable(group_name: str, device: torch.device, max_bytes: int = MAX_BYTES) ->
     every rank of the group calls it at the same point)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a deprecated no-op in newer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group_name)
-    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buffer, group_name)
+    try:
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, deprecated in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group_name)
+        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+    except Exception as e:  # (e.g. a container that forbids sharing CUDA memory between processes)
+        raise RuntimeError(f"tensor parallelism: mapping the one-shot all-reduce's symmetric memory failed on "
+                           f"{device} ({type(e).__name__}: {e}); pass EngineConfig.tensor_parallel_all_reduce='nccl' "
+                           "to all-reduce on NCCL alone") from e
     _buffers[group_name] = buffer
 
 

@@ -6,7 +6,8 @@ of them whatever the size (the 80B shape at batch 1: 96 of them per token). With
 P2P) an all-reduce is one kernel of torch's, ``symm_mem::one_shot_all_reduce_copy``: the rank copies
 its input into its own buffer, the ranks meet at a barrier of signal pads, and each rank sums every
 rank's buffer itself (in rank order, so every rank gets the same bits). On 4 H200s: 8 us against
-NCCL's 16 us at 4 KB inside a CUDA graph; the 80B shape's batch-1 decode 1.23x faster at TP 4.
+NCCL's 16 us at 4 KB inside a CUDA graph; batch-1 decode of 8 of the 80B shape's layers at TP 4
+1.08x and 1.23x faster in two runs (README, Tensor parallelism).
 
 ``EngineConfig.tensor_parallel_all_reduce`` picks it (:func:`resolve`): ``"one_shot"``, ``"nccl"``
 (every all-reduce on the device group: NCCL, gloo on CPU) or ``"auto"`` (one-shot where it can run:

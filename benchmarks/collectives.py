@@ -38,6 +38,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository's, installed or not
 
+from hybrid_compile.distributed import one_shot  # noqa: E402
+
 
 def _time_all_reduce(reduce, iters: int, cuda: bool) -> float:
     """Median seconds of one call of ``reduce`` (an all-reduce; each timed alone, the ranks meeting
@@ -85,9 +87,8 @@ def _worker(rank: int, ranks: int, port: int, device: str, sizes: list[int], ite
     # distributed/runtime.py launches ranks): every rank is its client
     store = dist.TCPStore("127.0.0.1", port, ranks, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=ranks)
-    from hybrid_compile.distributed import one_shot
-
     group_name = dist.group.WORLD.group_name
+    done = False
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
         device_ = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -114,9 +115,17 @@ def _worker(rank: int, ranks: int, port: int, device: str, sizes: list[int], ite
             rows.append(row)
         if rank == 0:
             pathlib.Path(out).write_text(json.dumps(dict(rows=rows, one_shot_unavailable=reason)))
+        dist.barrier()  # every rank done before any tears its connections down
+        done = True
     finally:
         one_shot.disable(group_name)
         dist.destroy_process_group()
+    if done:
+        # skip the interpreter's teardown: gloo's threads can abort it ("terminate called without an
+        # active exception", SIGABRT; README, Tensor parallelism, known issue) after a complete run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _topology() -> str | None:

@@ -468,10 +468,14 @@ def _collectives_main(rank: int, port: int, result_path: str) -> None:
     # the op's registration (schema, fake, dispatch) by opcheck; every rank runs the same calls
     torch.library.opcheck(torch.ops.hybrid_compile.tp_all_reduce.default, (inputs[rank][:, 1:], tp.group_name))
     got["opcheck"] = True
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(got, f)
+    # skip the interpreter's teardown, where gloo's threads can abort a complete run (README, Tensor
+    # parallelism, known issue); the result is written
+    os._exit(0)
 
 
 def test_collectives_trace_into_one_graph(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -191,10 +192,17 @@ def rank_cases(rank: int, size: int, cases: list[dict]):
         yield case
 
 
-def write_rank0_results(rank: int, results: dict, result_path: str) -> None:
+def finish_rank(rank: int, results: dict, result_path: str) -> None:
+    """A spawned rank's last call after a complete run: rank 0 writes its results, then the process
+    ends without the interpreter's teardown, where gloo's threads can abort a complete run
+    ("terminate called without an active exception"; README, Tensor parallelism, known issue) and
+    turn its exit code non-zero. (A rank that raises never gets here: its exit code says so.)"""
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(results, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
@@ -235,7 +243,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
-    write_rank0_results(rank, results, result_path)
+    finish_rank(rank, results, result_path)
 
 
 def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = False,
@@ -470,12 +478,7 @@ def _collectives_main(rank: int, port: int, result_path: str) -> None:
     got["opcheck"] = True
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(got, f)
-    # skip the interpreter's teardown, where gloo's threads can abort a complete run (README, Tensor
-    # parallelism, known issue); the result is written
-    os._exit(0)
+    finish_rank(rank, got, result_path)
 
 
 def test_collectives_trace_into_one_graph(tmp_path):

@@ -31,7 +31,7 @@ import hybrid_compile as hc
 from hybrid_compile.models.mtp import MTPWeightsNotFoundError
 from engine_models import build_model, hf_greedy, random_prompts, single_threaded, vocab_size
 from mtp_models import ENGINE_ARGS, record_proposals, write_mtp_checkpoint, write_nemotron_h_mtp_checkpoint
-from test_tensor_parallel import _run_group, rank_cases, write_rank0_results
+from test_tensor_parallel import _run_group, rank_cases, finish_rank
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_threaded)
 
@@ -117,7 +117,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
         engine.close()
         result.update(pools_used=engine.pools.used_counts(), seconds=time.perf_counter() - t0)
         results[case["name"]] = result
-    write_rank0_results(rank, results, result_path)
+    finish_rank(rank, results, result_path)
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def _worker(rank: int, ranks: int, port: int, device: str, sizes: list[int], ite
             row = dict(bytes=nbytes, ms=seconds * 1e3, algbw_gb_s=algbw, busbw_gb_s=algbw * 2 * (ranks - 1) / ranks)
             if cuda:
                 row["nccl_graph_us"] = _time_in_graph(lambda: dist.all_reduce(t), graph_reps, iters)
-                if one_shot.takes_one_shot(t, one_shot._buffers.get(group_name)):
+                if one_shot.takes_one_shot(t, one_shot.buffer(group_name)):
                     op = torch.ops.hybrid_compile.tp_all_reduce
                     if not torch.equal(op(t, group_name), t * ranks):  # (every rank holds ones)
                         raise RuntimeError(f"one-shot all-reduce of {nbytes} bytes: wrong sum")

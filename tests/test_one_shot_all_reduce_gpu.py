@@ -55,7 +55,7 @@ def _rank_main(rank: int, port: int, result_path: str) -> None:
     try:
         one_shot.enable(group, device)
         op = torch.ops.hybrid_compile.tp_all_reduce
-        buffer = one_shot._buffers[group]
+        buffer = one_shot.buffer(group)
         for i, (name, shape, dtype, one) in enumerate(CASES):
             gen = torch.Generator(device=device).manual_seed(100 * i + rank)
             x = torch.randn(shape, generator=gen, device=device).to(dtype)

@@ -76,8 +76,7 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_shot:
             return torch.ops.hybrid_compile.tp_all_reduce(x, self.group_name)
-        ops = torch.ops._c10d_functional
-        return ops.wait_tensor(ops.all_reduce(x, "sum", self.group_name))
+        return one_shot.functional_all_reduce(x, self.group_name)
 
     def enable_one_shot(self) -> None:
         """Route the model's all-reduces through the one-shot op over symmetric memory (a collective:

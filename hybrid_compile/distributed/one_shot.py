@@ -94,6 +94,18 @@ def enable(group_name: str, device: torch.device, max_bytes: int = MAX_BYTES) ->
     _buffers[group_name] = buffer
 
 
+def buffer(group_name: str) -> torch.Tensor | None:
+    """This rank's symmetric buffer of the group (None: the one-shot path is not enabled for it)."""
+    return _buffers.get(group_name)
+
+
+def functional_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group by the functional collective (NCCL, gloo on CPU), waited
+    right away: the all-reduce of the group without the one-shot path, and the op's other path."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x, "sum", group_name))
+
+
 def disable(group_name: str) -> None:
     """Forget the group's buffer (at shutdown, after the CUDA graphs that use it are dropped)."""
     _buffers.pop(group_name, None)
@@ -109,15 +121,14 @@ def takes_one_shot(x: torch.Tensor, buffer: torch.Tensor | None) -> bool:
 def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group ``group_name``: the one-shot kernel where
     :func:`takes_one_shot`, else an NCCL (gloo) all-reduce."""
-    buffer = _buffers.get(group_name)
-    if takes_one_shot(x, buffer):
+    symm = buffer(group_name)
+    if takes_one_shot(x, symm):
         x = x.contiguous()
         if x.data_ptr() % _ALIGN:  # the kernel wants the input aligned as the buffer is
             x = x.clone()
-        slot = buffer.view(x.dtype).narrow(0, 0, x.numel()).view(x.shape)
+        slot = symm.view(x.dtype).narrow(0, 0, x.numel()).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", group_name)
-    ops = torch.ops._c10d_functional
-    return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", group_name))
+    return functional_all_reduce(x.contiguous(), group_name)
 
 
 @tp_all_reduce.register_fake

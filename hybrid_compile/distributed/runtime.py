@@ -155,7 +155,9 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             "unset (the head drafts over the whole vocabulary)"
         )
     # an explicit one-shot all-reduce that cannot run (CPU, 3 ranks, no P2P): one error before launch
-    one_shot.resolve(config.tensor_parallel_all_reduce, torch.device(device_type), size, None)
+    # ("auto" never raises: each rank resolves it with the model's dtype, build_rank_engine)
+    if config.tensor_parallel_all_reduce == "one_shot":
+        one_shot.resolve(config.tensor_parallel_all_reduce, torch.device(device_type), size, None)
     # CUDA graphs as without tensor parallelism (an explicit mode on CPU or without compile raises here,
     # before any process starts): every rank captures the same graphs, NCCL collectives inside them
     full, piecewise = config.resolved_cuda_graphs(torch.device(device_type))

@@ -38,8 +38,9 @@ from torch import nn
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 
-__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts", "grouped_mm_linear", "grouped_output_width", "moe_grouped_linear",
-           "reference_moe_grouped_linear", "sort_pairs_by_expert"]
+__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts",
+           "grouped_mm_linear", "grouped_output_width", "moe_grouped_linear", "reference_moe_grouped_linear",
+           "sort_pairs_by_expert"]
 
 # the activations moe_grouped_linear applies in its epilogue (the Triton kernel's ACT is the index)
 GROUPED_ACTIVATIONS = ("none", "silu_and_mul", "relu2")

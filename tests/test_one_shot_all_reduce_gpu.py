@@ -77,14 +77,19 @@ def _rank_main(rank: int, port: int, result_path: str) -> None:
             torch.cuda.synchronize()
             results[name] = dict(rule=one_shot.takes_one_shot(x, buffer) == one, eager=torch.equal(eager, want),
                                  graph=torch.equal(out, want))
+            # (a graph that captured NCCL work must be gone before destroy_process_group, which
+            # otherwise waits on it forever: the engine drops its graphs first for the same reason)
+            del graph, out
+        del buffer  # (the symmetric memory goes with the group's last reference, in disable below)
         torch.library.opcheck(op.default, (torch.randn(4, 256, device=device, dtype=torch.bfloat16), group))
         results["opcheck"] = True
+        if rank == 0:  # (written before the teardown)
+            with open(result_path, "w") as f:
+                json.dump(results, f)
     finally:
         one_shot.disable(group)
+        torch.cuda.synchronize()
         dist.destroy_process_group()
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
 
 
 def test_one_shot_op_equals_nccl_eager_and_in_cuda_graphs(tmp_path):

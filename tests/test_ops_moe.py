@@ -371,6 +371,36 @@ def test_op_opcheck(activation):
                 (x, w, off, torch.tensor([4, 0, 0, 1, 3]), torch.tensor([1, 0, 4, 2, 3]), activation))
 
 
+def _combine_oracle(out, weights):
+    """The literal sum over each token's top-k rows in fp64."""
+    tokens, top_k = weights.shape
+    y = torch.zeros(tokens, out.shape[1], dtype=torch.float64, device=out.device)
+    for t in range(tokens):
+        for j in range(top_k):
+            y[t] += float(weights[t, j]) * out[t * top_k + j].double()
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (7, 6, 40), (3, 10, 64), (0, 4, 8)])
+def test_combine_top_k_matches_the_sum(tokens, top_k, hidden, dtype):
+    """``moe_combine_top_k``: the CPU op and the Triton kernel (interpreter; 16-column blocks, so a
+    width of 40 has a masked last block) against the literal sum; weights in fp32 and non-contiguous
+    (a column slice), rows in ``dtype``; the output in ``dtype``."""
+    out = torch.randn(tokens * top_k, hidden).to(dtype)
+    weights = torch.rand(tokens, 2 * top_k)[:, ::2]  # (stride 2 along k)
+    expected = _combine_oracle(out, weights)
+    atol, rtol = TOL[dtype]
+    for name, call in (("op", ops.moe_combine_top_k),
+                       ("triton", functools.partial(tmoe.moe_combine_top_k_triton, block_h=16))):
+        got = call(out, weights)
+        assert got.dtype == dtype and got.shape == (tokens, hidden), name
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=name)
+    with pytest.raises(ValueError, match="tokens \\* top_k"):
+        ops.moe_combine_top_k(out[1:] if tokens else torch.randn(1, hidden).to(dtype), weights)
+    run_opcheck(ops.moe_combine_top_k.default, (torch.randn(6, 8), torch.rand(2, 3)))
+
+
 @pytest.mark.parametrize("act_fn,has_gate", [(ACT2FN["silu"], True), (F.silu, True), (ACT2FN["relu2"], False)])
 def test_compile_without_graph_breaks(act_fn, has_gate):
     """The experts forward with the fused activation (picked from the module / function inside the graph)."""
@@ -521,3 +551,32 @@ def test_cuda_experts_in_a_cuda_graph(shape, path):
     torch.testing.assert_close(out, step(), rtol=0, atol=0)
     expected = _oracle(x, idx.cpu(), w.cpu(), up, down, silu if has_gate else relu2, has_gate)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.smoke), torch.float32])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("shape", ["qwen3_next_80b", "nemotron3_nano"])
+def test_cuda_combine_top_k(shape, tokens, dtype):
+    """``moe_combine_top_k`` on CUDA at the real top-k and hidden widths (2,688: a masked last column
+    block) against the literal sum on the GPU in fp64 and the plain-torch op; fp32 weights as the
+    routers give them; also inside a CUDA graph replayed on new inputs; opcheck."""
+    _, top_k, hidden, _, _ = SHAPES[shape]
+    out = torch.randn(tokens * top_k, hidden, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    got = ops.moe_combine_top_k(out, weights)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    want = (out.double().view(tokens, top_k, hidden) * weights.double()[..., None]).sum(1)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got, moe.reference_moe_combine_top_k(out, weights), atol=tol, rtol=tol)
+    ops.moe_combine_top_k(out, weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.moe_combine_top_k(out, weights)
+    out.copy_(torch.randn_like(out))
+    weights.copy_(torch.rand_like(weights))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, ops.moe_combine_top_k(out, weights))
+    run_opcheck(ops.moe_combine_top_k.default, (out[: 2 * top_k], weights[:2]))

@@ -1,4 +1,4 @@
-"""Triton kernels of ``moe_grouped_linear`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM on the
+"""Triton kernels of ``moe_grouped_linear`` and ``moe_combine_top_k`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM on the
 tensor cores, and at decode the CUDA-core GEMV of :mod:`.gemv`; :func:`moe_grouped_linear_triton`
 picks one (:func:`moe_path`), or ``torch._grouped_mm`` for bf16 above decode size where
 :data:`LARGE_CALLS_PATH` asks for it (:func:`hybrid_compile.ops.moe.grouped_mm_linear`).
@@ -38,14 +38,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe import GROUPED_ACTIVATIONS, _check_grouped, check_activation, grouped_mm_linear, grouped_output_width
+from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, check_activation, grouped_mm_linear,
+                   grouped_output_width)
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config",
-           "moe_gemv_config", "moe_grouped_linear_triton", "moe_path"]
+           "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
@@ -241,3 +242,50 @@ def _grouped_cuda(x, weight, expert_offsets, gather_index=None, scatter_index=No
 
 
 torch.library.register_kernel("hybrid_compile::moe_grouped_linear", "cuda", _grouped_cuda)
+
+
+# -- the top-k weighted sum ---------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["H"])
+def _combine_top_k_kernel(out, w, y, H, s_out, s_wt, s_wk, s_y,
+                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    # one program: BLOCK_H columns of one token; its TOP_K rows read along the columns (coalesced)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    pdl_wait_and_release(USE_PDL)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        weight = tl.load(w + t * s_wt + j * s_wk).to(tl.float32)
+        row = tl.load(out + (t * TOP_K + j) * s_out + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += weight * row
+    tl.store(y + t * s_y + cols, acc.to(y.dtype.element_ty), mask=mask)
+
+
+def moe_combine_top_k_triton(out, top_k_weights, block_h: int | None = None, pdl: bool | None = None):
+    """``moe_combine_top_k`` on the GPU (or under the interpreter): grid ``(T, cdiv(H, BLOCK_H))``,
+    each program one token's ``BLOCK_H`` columns, its ``top_k`` rows summed in fp32 in order."""
+    tokens, top_k = top_k_weights.shape
+    h = out.shape[1]
+    y = torch.empty(tokens, h, dtype=out.dtype, device=out.device)
+    if tokens == 0 or h == 0:
+        return y
+    if top_k == 0:
+        return y.zero_()
+    if out.stride(1) != 1:
+        out = out.contiguous()
+    block_h = block_h or min(1024, pow2(h, 16))
+    _combine_top_k_kernel[(tokens, triton.cdiv(h, block_h))](
+        out, top_k_weights, y, h, out.stride(0), top_k_weights.stride(0), top_k_weights.stride(1), y.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1, **pdl_launch(out.device, pdl),
+    )
+    return y
+
+
+def _combine_cuda(out, top_k_weights):
+    _check_combine(out, top_k_weights)
+    return moe_combine_top_k_triton(out, top_k_weights)
+
+
+torch.library.register_kernel("hybrid_compile::moe_combine_top_k", "cuda", _combine_cuda)

@@ -210,13 +210,13 @@ def test_option_resolution_and_errors(fused_calls):
 
 
 def test_default_resolution():
-    """``fused_moe=None`` (the default): on for a CUDA model whose experts all fit the fused path, off
-    on the CPU, under tensor parallelism, for a dense model and for an experts layout it does not
-    serve (no error: the default only picks); True / False as given."""
+    """``fused_moe=None`` (the default): on for a CUDA model whose experts all fit the fused path
+    (tensor parallelism included), off on the CPU, for a dense model and for an experts layout it
+    does not serve (no error: the default only picks); True / False as given."""
     model = MODELS["qwen3_next_moe"]()
     resolve = fused_experts.resolve_fused_moe
     assert resolve(model, None, "cuda") is True and resolve(model, None, torch.device("cuda", 1)) is True
-    assert resolve(model, None, "cpu") is False and resolve(model, None, "cuda", tensor_parallel=True) is False
+    assert resolve(model, None, "cpu") is False
     assert resolve(model, True, "cpu") is True and resolve(model, False, "cuda") is False
     assert resolve(em.build_model("qwen3_next_dense"), None, "cuda") is False
     layer = next(m for _, m in fused_experts.experts_modules(model))

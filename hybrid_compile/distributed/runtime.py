@@ -275,8 +275,8 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     # the MTP proposal graphs (on by default with full CUDA graphs) stay off: the followers replay the
     # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
-    # fused_moe None (the default) is off under tensor parallelism (resolve_fused_moe)
-    fused = resolve_fused_moe(model, engine_config.fused_moe, tp.device, tensor_parallel=True)
+    # fused_moe None (the default): resolved once here for the model (every rank holds the same layout)
+    fused = resolve_fused_moe(model, engine_config.fused_moe, tp.device)
     # (the all-reduce mode is the group's now, tp.one_shot; the engine's own check refuses 'one_shot')
     engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused, tensor_parallel_all_reduce="auto")
     if tp.is_leader:

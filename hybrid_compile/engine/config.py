@@ -38,9 +38,9 @@ class EngineConfig:
     # through one moe_topk_softmax op (hybrid_compile.models.fused_router). True: on (any device; a
     # model without such experts, or with experts of another layout, is an error); False:
     # transformers' path; None (the default): on for a model on a CUDA device whose experts are all
-    # of that layout, without tensor parallelism (models.fused_experts.resolve_fused_moe: measured
-    # 1.05-1.45x transformers' path end to end on one GPU), else off (on the CPU the fused path is the
-    # plain-torch reference; under tensor parallelism its prefill measured slower).
+    # of that layout (models.fused_experts.resolve_fused_moe: measured 1.05-1.45x transformers' path
+    # end to end on one GPU, 1.07-1.27x under tensor parallelism), else off (on the CPU the fused
+    # path is the plain-torch reference).
     fused_moe: bool | None = None
     # tensor parallelism (from_pretrained(..., tensor_parallel_size=N > 1) only): how the model's
     # all-reduces run. "nccl": on the device group (NCCL; gloo on CPU); "one_shot": those of at most 64 KiB

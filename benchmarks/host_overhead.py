@@ -31,6 +31,11 @@ every step verifies K + 1 tokens per request and emits one). Phases of a verify 
 ``commit`` (``commit_speculative_state``: on CPU its plain-torch implementation, on CUDA its
 kernels or one graph replay), ``kv_free`` (freeing the rejected drafts' KV slots), ``bookkeeping``
 (the rest: fill_drafts, counters, appending tokens). Output key ``verify_k<K>``.
+``--op-dispatch``: instead, the host cost of calling one op (a no-op body on tiny tensors, inference
+mode) registered as ours are (``hybrid_compile.ops.registration.kernel_op``) against the same op
+through ``torch.library.custom_op``, for 0 / 1 / 4 / 13 mutated arguments (13: the decode metadata
+op's count); microseconds per call, medians of ``--repeats`` runs. Output key ``op_dispatch``.
+
 Output: printed table + JSON (``--out``, default ``benchmarks/results/host_overhead_<device>.json``).
 """
 
@@ -218,6 +223,44 @@ def run_verify(engine, prompts, new_tokens, vocab: int) -> dict[str, float]:
                     verify_row, start=use_replay_always_wrong)
 
 
+OP_DISPATCH_MUTATED = (0, 1, 4, 13)
+
+
+def op_dispatch(device: torch.device, calls: int, repeats: int) -> dict:
+    """Microseconds per call of a no-op op with ``m`` mutated arguments (``OP_DISPATCH_MUTATED``), as a
+    ``kernel_op`` and as a ``torch.library.custom_op`` (``--op-dispatch``, module docstring)."""
+    from hybrid_compile.ops.registration import KernelOp
+
+    rows = {}
+    for m in OP_DISPATCH_MUTATED:
+        names = [f"a{i}" for i in range(m)]
+        params = ", ".join(["x: torch.Tensor"] + [f"{n}: torch.Tensor" for n in names])
+        scope = {"torch": torch}
+        exec(f"def body({params}) -> None:\n    return None", scope)  # (a signature of m tensors)
+        body = scope["body"]
+        ours = KernelOp(f"hybrid_compile::bench_dispatch_m{m}_{os.getpid()}", body, tuple(names))
+        theirs = torch.library.custom_op(f"hybrid_compile_bench::dispatch_m{m}_{os.getpid()}", body,
+                                         mutates_args=tuple(names))
+        args = [torch.zeros(4, device=device) for _ in range(m + 1)]
+        row = {}
+        with torch.inference_mode():
+            for name, op in (("kernel_op", ours), ("custom_op", theirs)):
+                times = []
+                for _ in range(repeats):
+                    for _ in range(calls // 10):
+                        op(*args)
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        op(*args)
+                    times.append((time.perf_counter() - t0) / calls * 1e6)
+                row[name] = statistics.median(times)
+        row["ratio"] = row["custom_op"] / row["kernel_op"]
+        rows[str(m)] = row
+        print(f"op dispatch, {m:2d} mutated: kernel_op {row['kernel_op']:7.1f} us  custom_op {row['custom_op']:7.1f} us "
+              f"({row['ratio']:.1f}x)", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -231,11 +274,25 @@ def main():
                     help="engine overlap settings to run (engine.overlap; an engine without it runs once, as 'n/a')")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="measure the verify steps of a speculative engine with K draft tokens instead (module docstring)")
+    ap.add_argument("--op-dispatch", action="store_true", help="time one op call, ours against custom_op (module docstring)")
+    ap.add_argument("--calls", type=int, default=2000, help="--op-dispatch: calls per timing")
+    ap.add_argument("--repeats", type=int, default=5, help="--op-dispatch: timings per row (the median is kept)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.op_dispatch:
+        result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                  "torch": torch.__version__, "unit": "microseconds per op call",
+                  "op_dispatch": op_dispatch(device, args.calls, args.repeats)}
+        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                       f"host_overhead_op_dispatch_{device.type}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}")
+        return
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modes = (args.modes or ("full" if device.type == "cuda" else "eager")).split(",")
     batches = [int(b) for b in args.batches.split(",")]

@@ -218,6 +218,19 @@ def test_unknown_system_is_rejected():
         e2e.parse_args(["--systems", "hf_eager,vllm"])
 
 
+def test_host_overhead_op_dispatch_smoke(tmp_path):
+    """benchmarks/host_overhead.py --op-dispatch: both registrations timed for every mutated-argument
+    count, JSON written (no speed asserted)."""
+    out = tmp_path / "dispatch.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--device", "cpu", "--op-dispatch",
+           "--calls", "20", "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["op_dispatch"]
+    assert sorted(rows, key=int) == ["0", "1", "4", "13"]
+    assert all(r["kernel_op"] > 0 and r["custom_op"] > 0 and r["ratio"] > 0 for r in rows.values())
+
+
 def test_sampling_penalties_benchmark_smoke(tmp_path):
     """benchmarks/sampling_penalties.py --tiny --device cpu: every mode measured, JSON written."""
     out = tmp_path / "penalties.json"

@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from ..ops.registration import kernel_op
+
 MODES = ("auto", "nccl", "one_shot")
 # the symmetric buffer per rank: all-reduces up to this size take the one-shot kernel. On 4 H200s (NVLink,
 # 2026-11-27) it took 8-12 us in a CUDA graph against NCCL's 16-20 us from 4 KB to 256 KB, but inside
@@ -117,7 +119,7 @@ def takes_one_shot(x: torch.Tensor, buffer: torch.Tensor | None) -> bool:
     return buffer is not None and x.dtype in _DTYPES and 0 < nbytes <= buffer.numel() and nbytes % _ALIGN == 0
 
 
-@torch.library.custom_op("hybrid_compile::tp_all_reduce", mutates_args=())
+@kernel_op("hybrid_compile::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group ``group_name``: the one-shot kernel where
     :func:`takes_one_shot`, else an NCCL (gloo) all-reduce."""

@@ -16,6 +16,7 @@ import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from .context import ForwardMode, require_forward_context
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -30,7 +31,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("attention_layer: q, k, v must have the same number of tokens")
 
 
-@torch.library.custom_op("hybrid_compile::attention_layer", mutates_args=())
+@kernel_op("hybrid_compile::attention_layer", mutates_args=())
 def attention_layer(
     q: torch.Tensor,
     k: torch.Tensor,

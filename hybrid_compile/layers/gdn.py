@@ -36,6 +36,7 @@ from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
 from ..ops.gdn import GDN_CHUNK_SIZE
 from .context import ForwardMode, require_forward_context
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -57,7 +58,7 @@ def _gating(A_log, a, b, dt_bias, beta_scale: float):
     return g, (beta * beta_scale if beta_scale != 1.0 else beta)
 
 
-@torch.library.custom_op("hybrid_compile::gdn_layer", mutates_args=())
+@kernel_op("hybrid_compile::gdn_layer", mutates_args=())
 def gdn_layer(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -197,7 +198,7 @@ def _check_kda(mixed_qkv, g, beta, num_heads, head_dim):
         raise ValueError(f"kda_layer: beta must be [tokens, {num_heads}], got {tuple(beta.shape)}")
 
 
-@torch.library.custom_op("hybrid_compile::kda_layer", mutates_args=())
+@kernel_op("hybrid_compile::kda_layer", mutates_args=())
 def kda_layer(
     mixed_qkv: torch.Tensor,
     g: torch.Tensor,

@@ -23,6 +23,7 @@ from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from ..ops.lightning import LIGHTNING_CHUNK_SIZE
 from .context import ForwardMode, require_forward_context
 from .tracking import tracking, track_ssm_checkpoints
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -37,7 +38,7 @@ def _check(qkv: torch.Tensor, slope: torch.Tensor, num_heads: int, head_dim: int
         raise ValueError(f"lightning_layer: slope must be [{num_heads}], got {tuple(slope.shape)}")
 
 
-@torch.library.custom_op("hybrid_compile::lightning_layer", mutates_args=())
+@kernel_op("hybrid_compile::lightning_layer", mutates_args=())
 def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_heads: int,
                     head_dim: int) -> torch.Tensor:
     """Lightning attention of one MiniMax linear layer for the step's packed tokens.

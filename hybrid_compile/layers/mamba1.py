@@ -30,6 +30,7 @@ from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from ..ops.fp8_cache import MAMBA1_STATE_SCALE_DIM
 from .context import ForwardMode, require_forward_context
 from .tracking import track_ssm_checkpoints, tracking
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -44,7 +45,7 @@ def _check(x, dt, B, C, z):
         raise ValueError(f"mamba1_ssm_layer: B and C must be [tokens, G, N], got {tuple(B.shape)}, {tuple(C.shape)}")
 
 
-@torch.library.custom_op("hybrid_compile::mamba1_ssm_layer", mutates_args=())
+@kernel_op("hybrid_compile::mamba1_ssm_layer", mutates_args=())
 def mamba1_ssm_layer(
     x: torch.Tensor,
     dt: torch.Tensor,

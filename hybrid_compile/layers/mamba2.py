@@ -41,6 +41,7 @@ from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from .context import ForwardMode, require_forward_context
 from ..ops.fp8_cache import MAMBA2_STATE_SCALE_DIM
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -82,7 +83,7 @@ def _discretize_dt(dt, dt_bias, dt_min, dt_max, clamp):
     return torch.where(clamp[:, None], torch.clamp(d, min=dt_min, max=dt_max), d)
 
 
-@torch.library.custom_op("hybrid_compile::mamba2_layer", mutates_args=())
+@kernel_op("hybrid_compile::mamba2_layer", mutates_args=())
 def mamba2_layer(
     xBC: torch.Tensor,
     dt: torch.Tensor,

@@ -30,6 +30,7 @@ import torch
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from .context import ForwardMode, require_forward_context
 from .tracking import track_conv_checkpoints, tracking
+from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
 
@@ -42,7 +43,7 @@ def _check(x: torch.Tensor, conv_weight: torch.Tensor) -> None:
         )
 
 
-@torch.library.custom_op("hybrid_compile::short_conv_layer", mutates_args=())
+@kernel_op("hybrid_compile::short_conv_layer", mutates_args=())
 def short_conv_layer(
     x: torch.Tensor,
     conv_weight: torch.Tensor,

@@ -37,6 +37,12 @@ class InvalidSlotError(ValueError):
 # frees of at most this many KV slots are checked on a host list (the common per-step case)
 _FEW_SLOTS = 256
 
+# The in-use flags are read and written with index_select / index_fill_ / index_copy_, not with
+# advanced indexing (``flags[idx]``, ``flags[idx] = True``): torch's CPU index kernel goes
+# multi-threaded from a few thousand indices, and beside busy processes (the other ranks of a
+# tensor-parallel engine) its threads thrash: a prefill's 4,096 slots took ~3-4 ms that way on the
+# loaded 2-core CPU machine against ~0.02 ms (memory/req_to_token.py does the same for its host map).
+
 
 def as_index_tensor(indices: IndexLike) -> torch.Tensor:
     """Any int / sequence of ints / tensor -> 1-D CPU int64 tensor (a device tensor is copied)."""
@@ -106,7 +112,7 @@ class SlotAllocator:
             return None
         out = self._free_stack[self._num_free - n : self._num_free].flip(0)
         self._num_free -= n
-        self._in_use[out] = True
+        self._in_use.index_fill_(0, out, True)
         return out
 
     def free(self, indices: IndexLike) -> None:
@@ -119,7 +125,7 @@ class SlotAllocator:
 
     def _release(self, idx: torch.Tensor) -> None:
         """:meth:`free` of indices already checked (in range, in use, named once)."""
-        self._in_use[idx] = False
+        self._in_use.index_fill_(0, idx, False)
         self._free_stack[self._num_free : self._num_free + idx.numel()] = idx.flip(0)
         self._num_free += idx.numel()
         if self.lowest_first:
@@ -138,7 +144,7 @@ class SlotAllocator:
         """Bool tensor: which of the (in-range) indices are in use."""
         idx = as_index_tensor(indices)
         self._check_range(idx, action="query")
-        return self._in_use[idx]
+        return self._in_use.index_select(0, idx)
 
     def check_allocated(self, indices: IndexLike, *, action: str = "use", unique: bool = True) -> torch.Tensor:
         """Raise InvalidSlotError unless every index is in range, in use and (if ``unique``)
@@ -150,14 +156,14 @@ class SlotAllocator:
                 and (not unique or len(set(indices)) == len(indices))
             ):
                 idx = torch.tensor(indices, dtype=torch.int64)
-                if bool(self._in_use[idx].all()):
+                if bool(self._in_use.index_select(0, idx).all()):
                     return idx
             # else the checks below name what is wrong
         idx = as_index_tensor(indices)
         self._check_range(idx, action=action)
         if idx.numel() == 0:
             return idx
-        not_in_use = ~self._in_use[idx]
+        not_in_use = ~self._in_use.index_select(0, idx)
         if bool(not_in_use.any()):
             bad = idx[not_in_use][:8].tolist()
             raise InvalidSlotError(
@@ -256,7 +262,7 @@ class TokenSlotAllocator:
     def is_allocated(self, slots: IndexLike) -> torch.Tensor:
         idx = as_index_tensor(slots)
         self._check_range(idx, action="query")
-        return self._in_use[idx]
+        return self._in_use.index_select(0, idx)
 
     def pages_needed(self, prefix_lens: IndexLike, extend_lens: IndexLike) -> int:
         """Fresh pages :meth:`alloc_extend` would take for these requests."""
@@ -315,8 +321,8 @@ class TokenSlotAllocator:
                 raise ValueError(f"KV allocator: `last_slots` has {last.numel()} entries, expected {prefix.numel()}")
             last_cont = last[continuing]
             self._check_range(last_cont, action="extend from")
-            if not bool(self._in_use[last_cont].all()):
-                bad = last_cont[~self._in_use[last_cont]][:8].tolist()
+            if not bool(self._in_use.index_select(0, last_cont).all()):
+                bad = last_cont[~self._in_use.index_select(0, last_cont)][:8].tolist()
                 raise InvalidSlotError(f"cannot extend from KV slot(s) {bad}: not allocated")
             misaligned = (last_cont % ps) != ((prefix[continuing] - 1) % ps)
             if bool(misaligned.any()):
@@ -327,7 +333,7 @@ class TokenSlotAllocator:
                 )
             n_cont = in_page[continuing]
             cont_slots = torch.repeat_interleave(last_cont, n_cont) + 1 + segment_arange(n_cont)
-            taken = self._in_use[cont_slots]
+            taken = self._in_use.index_select(0, cont_slots)
             if bool(taken.any()) or torch.unique(cont_slots).numel() != cont_slots.numel():
                 bad = cont_slots[taken][:8].tolist() if bool(taken.any()) else cont_slots[:8].tolist()
                 raise InvalidSlotError(
@@ -355,10 +361,10 @@ class TokenSlotAllocator:
         req_start = torch.cumsum(extend, 0) - extend
         if cont_slots.numel():
             n_cont = in_page[continuing]
-            out[torch.repeat_interleave(req_start[continuing], n_cont) + segment_arange(n_cont)] = cont_slots
+            out.index_copy_(0, torch.repeat_interleave(req_start[continuing], n_cont) + segment_arange(n_cont), cont_slots)
         if fresh_total:
-            out[torch.repeat_interleave(req_start + in_page, fresh) + segment_arange(fresh)] = fresh_slots
-        self._in_use[out] = True
+            out.index_copy_(0, torch.repeat_interleave(req_start + in_page, fresh) + segment_arange(fresh), fresh_slots)
+        self._in_use.index_fill_(0, out, True)
         self._num_used += total
         return out
 
@@ -375,7 +381,7 @@ class TokenSlotAllocator:
         out = self._pages.alloc(total)
         if out is None:
             return None
-        self._in_use[out] = True
+        self._in_use.index_fill_(0, out, True)
         self._num_used += total
         return out
 
@@ -391,10 +397,10 @@ class TokenSlotAllocator:
         if n <= _FEW_SLOTS:
             vals = idx.tolist()
             fine = min(vals) >= self.page_size and max(vals) < self.num_slots and len(set(vals)) == n \
-                and bool(self._in_use[idx].all())
+                and bool(self._in_use.index_select(0, idx).all())
         if not fine:
             self._check_range(idx, action="free")
-            not_in_use = ~self._in_use[idx]
+            not_in_use = ~self._in_use.index_select(0, idx)
             if bool(not_in_use.any()):
                 raise InvalidSlotError(
                     f"cannot free KV slot(s) {idx[not_in_use][:8].tolist()}: not allocated (already freed, or never handed out)"
@@ -405,7 +411,7 @@ class TokenSlotAllocator:
                     raise InvalidSlotError(
                         f"cannot free KV slot(s) {uniq[counts > 1][:8].tolist()}: named more than once in one call"
                     )
-        self._in_use[idx] = False
+        self._in_use.index_fill_(0, idx, False)
         self._num_used -= n
         if self.page_size == 1:
             self._pages._release(idx)  # (each slot its own page: checked above)

@@ -40,6 +40,7 @@ import math
 import torch
 
 from typing import Optional
+from .registration import kernel_op
 
 from .fp8_cache import FP8_DTYPE, KV_SCALE_DIM, check_scales, dequantize_vectors, is_fp8, read_rows, write_rows
 from ._validation import (
@@ -133,7 +134,7 @@ def _check_store(k_cache, v_cache, slots, k, v, k_scale=None, v_scale=None):
     check_unique_slots(op, "slots", slots)
 
 
-@torch.library.custom_op("hybrid_compile::store_kv_cache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+@kernel_op("hybrid_compile::store_kv_cache", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def store_kv_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
@@ -238,7 +239,7 @@ def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding
                                  f"per request, got {longest}")
 
 
-@torch.library.custom_op("hybrid_compile::paged_attention_extend", mutates_args=())
+@kernel_op("hybrid_compile::paged_attention_extend", mutates_args=())
 def paged_attention_extend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -360,7 +361,7 @@ def _check_decode(q, k_cache, v_cache, kv_indptr, kv_indices, sliding_window, lo
     _check_kv_indices(op, kv_indptr, kv_indices, k_cache.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::paged_attention_decode", mutates_args=())
+@kernel_op("hybrid_compile::paged_attention_decode", mutates_args=())
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -456,7 +457,7 @@ def _check_merge(o_a, lse_a, o_b, lse_b):
     check_same_device(op, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
 
 
-@torch.library.custom_op("hybrid_compile::merge_attention_states", mutates_args=())
+@kernel_op("hybrid_compile::merge_attention_states", mutates_args=())
 def merge_attention_states(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,7 @@ from ._validation import (
     should_check_values,
     tree_start_states,
 )
+from .registration import kernel_op
 
 _SILU_NAMES = ("silu", "swish")
 _IDENTITY_NAMES = ("none", "identity", "")
@@ -126,7 +127,7 @@ def _check_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache
     check_unique_slots(op, "cache_indices", cache_indices)
 
 
-@torch.library.custom_op("hybrid_compile::causal_conv1d_fn", mutates_args=("conv_states",))
+@kernel_op("hybrid_compile::causal_conv1d_fn", mutates_args=("conv_states",))
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -246,7 +247,7 @@ def _check_causal_conv1d_update(
                        disable_state_update=disable_state_update, fp8=False)
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::causal_conv1d_update", mutates_args=("conv_states", "intermediate_conv_windows")
 )
 def causal_conv1d_update(
@@ -395,7 +396,7 @@ def _check_track_conv_window(conv_states, x, query_start_loc, cache_indices, has
             )
 
 
-@torch.library.custom_op("hybrid_compile::track_conv_window", mutates_args=("conv_states",))
+@kernel_op("hybrid_compile::track_conv_window", mutates_args=("conv_states",))
 def track_conv_window(
     conv_states: torch.Tensor,
     x: torch.Tensor,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
+from .registration import kernel_op
 
 __all__ = [
     "FP8_BLOCK", "FP8_DTYPE", "FP8_GROUP", "FP8_MAX", "dequantize_weight_blocks", "fp8_block_linear",
@@ -131,7 +132,7 @@ def _check_quantize(x: torch.Tensor) -> None:
     check_tensor("fp8_quantize_per_token_group", "x", x, ndim=2, dtypes=FLOAT_DTYPES)
 
 
-@torch.library.custom_op("hybrid_compile::fp8_quantize_per_token_group", mutates_args=())
+@kernel_op("hybrid_compile::fp8_quantize_per_token_group", mutates_args=())
 def fp8_quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations to e4m3, one scale per token and group of 128 channels.
 
@@ -177,7 +178,7 @@ def _check_linear(x, weight, weight_scale_inv, bias) -> None:
     check_same_device(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
 
 
-@torch.library.custom_op("hybrid_compile::fp8_block_linear", mutates_args=())
+@kernel_op("hybrid_compile::fp8_block_linear", mutates_args=())
 def fp8_block_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -231,7 +232,7 @@ def _check_grouped(x, weight, weight_scale_inv, expert_offsets) -> None:
                              f"got {o.tolist()}")
 
 
-@torch.library.custom_op("hybrid_compile::fp8_grouped_linear", mutates_args=())
+@kernel_op("hybrid_compile::fp8_grouped_linear", mutates_args=())
 def fp8_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
 ) -> torch.Tensor:

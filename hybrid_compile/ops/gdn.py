@@ -55,6 +55,7 @@ from ._validation import (
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
+from .registration import kernel_op
 
 #: Chunk length of the chunked scan; chunk boundaries (and so ``chunk_states`` rows) are
 #: aligned to each request's first new token. The prefix cache relies on this value.
@@ -155,7 +156,7 @@ def _check_gdn_gating(A_log, a, b, dt_bias):
     check_same_device(op, A_log=A_log, a=a, b=b, dt_bias=dt_bias)
 
 
-@torch.library.custom_op("hybrid_compile::gdn_gating", mutates_args=())
+@kernel_op("hybrid_compile::gdn_gating", mutates_args=())
 def gdn_gating(
     A_log: torch.Tensor,
     a: torch.Tensor,
@@ -217,7 +218,7 @@ def _check_chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_in
     check_varlen_values(op, cu_seqlens, t, state_indices, ssm_states.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::chunk_gated_delta_rule", mutates_args=("ssm_states", "ssm_scales"))
+@kernel_op("hybrid_compile::chunk_gated_delta_rule", mutates_args=("ssm_states", "ssm_scales"))
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -463,7 +464,7 @@ def _check_decode(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, ssm_
     check_unique_slots(op, "state_indices", state_indices)
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::fused_sigmoid_gating_delta_rule_update", mutates_args=("ssm_states", "ssm_scales")
 )
 def fused_sigmoid_gating_delta_rule_update(
@@ -571,7 +572,7 @@ def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_stat
                        fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::fused_recurrent_gated_delta_rule_update",
     mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )

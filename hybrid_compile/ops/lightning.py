@@ -38,6 +38,7 @@ from ._validation import (
     check_varlen_values,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
+from .registration import kernel_op
 
 #: Chunk length of the chunked scan (chunk boundaries aligned to each request's first new token,
 #: as in ``chunk_gated_delta_rule``; the prefix cache checkpoints at multiples of it).
@@ -68,7 +69,7 @@ def _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_init
     check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::chunk_lightning_attention", mutates_args=("ssm_states",))
+@kernel_op("hybrid_compile::chunk_lightning_attention", mutates_args=("ssm_states",))
 def chunk_lightning_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,7 +172,7 @@ def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_sta
     check_unique_slots(op, "state_indices", state_indices)
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::recurrent_lightning_attention_update", mutates_args=("ssm_states", "intermediate_states"),
 )
 def recurrent_lightning_attention_update(

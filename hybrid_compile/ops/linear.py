@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import FLOAT_DTYPES, check_same_device, check_tensor
+from .registration import kernel_op
 
 __all__ = ["SKINNY_MAX_ROWS", "skinny_mm"]
 
@@ -28,7 +29,7 @@ def _check_skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_same_device(op, x=x, weight=weight)
 
 
-@torch.library.custom_op("hybrid_compile::skinny_mm", mutates_args=())
+@kernel_op("hybrid_compile::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (``F.linear`` without bias).
 

@@ -51,6 +51,7 @@ from ._validation import (
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 from .fp8_cache import FP8_DTYPE, MAMBA1_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
+from .registration import kernel_op
 
 #: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, channel) over N.
 STATE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
@@ -124,7 +125,7 @@ def _check_selective_scan(
     check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::mamba1_selective_scan", mutates_args=("ssm_states", "ssm_scales"))
+@kernel_op("hybrid_compile::mamba1_selective_scan", mutates_args=("ssm_states", "ssm_scales"))
 def mamba1_selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -278,7 +279,7 @@ def _check_state_update(x, dt, A, B, C, D, z, dt_bias, ssm_states, state_indices
                        fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::mamba1_state_update",
     mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )

@@ -44,6 +44,7 @@ from ._validation import (
 )
 from ._varlen import max_chunk_rows
 from .fp8_cache import FP8_DTYPE, MAMBA2_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
+from .registration import kernel_op
 
 #: State pool dtypes: float, or e4m3 with one fp32 scale per (slot, head, head-dim row) over N
 #: (``ssm_scales [num_slots, H, P]``, :mod:`.fp8_cache`).
@@ -189,7 +190,7 @@ def _check_ssd_chunk_scan(
     check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
-@torch.library.custom_op("hybrid_compile::ssd_chunk_scan", mutates_args=("ssm_states", "ssm_scales"))
+@kernel_op("hybrid_compile::ssd_chunk_scan", mutates_args=("ssm_states", "ssm_scales"))
 def ssd_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -406,7 +407,7 @@ def _check_selective_state_update(
                        fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::selective_state_update",
     mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ._validation import check_same_device, check_tensor, should_check_values
+from .registration import kernel_op
 
 __all__ = ["STAGED_COLUMNS", "padding_row", "padding_rows", "padding_tree", "staged_row", "staged_width",
            "uniform_step_metadata"]
@@ -127,7 +128,7 @@ def _check_staged_values(op, staged, steps, req_to_token, kv_indices):
         raise ValueError(f"{op}: `kv_indices` holds {kv_indices.shape[0]} entries, the step needs {end}")
 
 
-@torch.library.custom_op("hybrid_compile::uniform_step_metadata", mutates_args=_MUTATED)
+@kernel_op("hybrid_compile::uniform_step_metadata", mutates_args=_MUTATED)
 def uniform_step_metadata(
     staged: torch.Tensor,
     ids_src: Optional[torch.Tensor],

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
+from .registration import kernel_op
 
 __all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts",
            "grouped_mm_linear", "grouped_output_width", "moe_combine_top_k", "moe_grouped_linear",
@@ -114,7 +115,7 @@ def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activ
             raise ValueError(f"{op}: `{name}` values must lie in [0, {bound})")
 
 
-@torch.library.custom_op("hybrid_compile::moe_grouped_linear", mutates_args=())
+@kernel_op("hybrid_compile::moe_grouped_linear", mutates_args=())
 def moe_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
     gather_index: torch.Tensor | None = None, scatter_index: torch.Tensor | None = None, activation: str = "none",
@@ -279,7 +280,7 @@ def _check_combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> None:
                          f"asks for {tokens * top_k} (tokens * top_k)")
 
 
-@torch.library.custom_op("hybrid_compile::moe_combine_top_k", mutates_args=())
+@kernel_op("hybrid_compile::moe_combine_top_k", mutates_args=())
 def moe_combine_top_k(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' top-k weighted sum: ``y[t] = sum_k top_k_weights[t, k] * out[t * top_k + k]``.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import FLOAT_DTYPES, check_tensor
+from .registration import kernel_op
 
 __all__ = ["moe_topk_softmax", "reference_moe_topk_softmax"]
 
@@ -27,7 +28,7 @@ def _check_router(logits: torch.Tensor, top_k: int) -> None:
         raise ValueError(f"{op}: `top_k` must lie in [1, {logits.shape[1]}] (the number of experts), got {top_k}")
 
 
-@torch.library.custom_op("hybrid_compile::moe_topk_softmax", mutates_args=())
+@kernel_op("hybrid_compile::moe_topk_softmax", mutates_args=())
 def moe_topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts, then the top-k experts of each token (see the module docstring).
 

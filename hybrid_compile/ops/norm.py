@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ._validation import FLOAT_DTYPES, check_divisible, check_same_device, check_tensor
+from .registration import kernel_op
 
 __all__ = ["gated_rms_norm"]
 
@@ -46,7 +47,7 @@ def _group_rms(h: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     return (g * torch.rsqrt(var + eps)).reshape(T, D)
 
 
-@torch.library.custom_op("hybrid_compile::gated_rms_norm", mutates_args=())
+@kernel_op("hybrid_compile::gated_rms_norm", mutates_args=())
 def gated_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

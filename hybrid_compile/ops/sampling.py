@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import FLOAT_DTYPES, check_tensor
+from .registration import kernel_op
 
 __all__ = ["argmax_rows"]
 
@@ -21,7 +22,7 @@ def _check_argmax_rows(logits):
         raise ValueError("argmax_rows: `logits` rows are empty (vocabulary of 0)")
 
 
-@torch.library.custom_op("hybrid_compile::argmax_rows", mutates_args=())
+@kernel_op("hybrid_compile::argmax_rows", mutates_args=())
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Index of the largest entry of each row: ``logits [B, V]`` fp32/bf16/fp16 (rows may be a
     strided view) -> ``[B]`` int64. Ties go to the first index and a NaN counts as larger than

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from typing import Optional
+from .registration import kernel_op
 
 from .fp8_cache import FP8_DTYPE, check_scales, is_fp8, write_rows
 from ._validation import (
@@ -70,7 +71,7 @@ def _check_copy_state_slots(states, src_slots, dst_slots):
     check_unique_slots(op, "dst_slots", dst_slots)
 
 
-@torch.library.custom_op("hybrid_compile::copy_state_slots", mutates_args=("states",))
+@kernel_op("hybrid_compile::copy_state_slots", mutates_args=("states",))
 def copy_state_slots(states: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy whole slots within pool tensors: ``states[j][dst_slots[i]] = states[j][src_slots[i]]``.
 
@@ -126,7 +127,7 @@ def _check_commit(states, intermediate_states, state_indices, accepted_steps):
         raise IndexError(f"{op}: `accepted_steps` has a value above the {steps} intermediate steps")
 
 
-@torch.library.custom_op(
+@kernel_op(
     "hybrid_compile::commit_speculative_state", mutates_args=("states",)
 )
 def commit_speculative_state(
@@ -189,7 +190,7 @@ def _check_track(ssm_states, chunk_states, src_chunks, dst_slots, ssm_scales=Non
     check_unique_slots(op, "dst_slots", dst_slots)
 
 
-@torch.library.custom_op("hybrid_compile::track_chunk_states", mutates_args=("ssm_states", "ssm_scales"))
+@kernel_op("hybrid_compile::track_chunk_states", mutates_args=("ssm_states", "ssm_scales"))
 def track_chunk_states(
     ssm_states: torch.Tensor,
     chunk_states: torch.Tensor,

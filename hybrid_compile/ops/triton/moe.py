@@ -1,7 +1,10 @@
-"""Triton kernels of ``moe_grouped_linear`` and ``moe_combine_top_k`` (:mod:`hybrid_compile.ops.moe`): a float grouped GEMM on the
-tensor cores, and at decode the CUDA-core GEMV of :mod:`.gemv`; :func:`moe_grouped_linear_triton`
-picks one (:func:`moe_path`), or ``torch._grouped_mm`` for bf16 above decode size where
-:data:`LARGE_CALLS_PATH` asks for it (:func:`hybrid_compile.ops.moe.grouped_mm_linear`).
+"""Triton kernels of ``moe_grouped_linear`` and ``moe_combine_top_k`` (:mod:`hybrid_compile.ops.moe`).
+
+``moe_grouped_linear``: a float grouped GEMM on the tensor cores, and at decode the CUDA-core GEMV
+of :mod:`.gemv`; :func:`moe_grouped_linear_triton` picks one (:func:`moe_path`), or
+``torch._grouped_mm`` for bf16 above decode size where :data:`LARGE_CALLS_PATH` asks for it
+(:func:`hybrid_compile.ops.moe.grouped_mm_linear`). ``moe_combine_top_k``: ``_combine_top_k_kernel``
+(:func:`moe_combine_top_k_triton`), one program per (token, column block).
 
 ``_grouped_gemm_kernel``: grid ``(cdiv(N, BN), row tiles)``; each program one ``[BM, BN]`` output
 tile of one expert, stepping along ``K`` by ``BK`` with ``tl.dot`` on the tensor cores (bf16 / fp16

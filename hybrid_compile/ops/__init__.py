@@ -1,4 +1,5 @@
-"""Kernel ops: torch.library custom ops under ``torch.ops.hybrid_compile``.
+"""Kernel ops: torch.library ops under ``torch.ops.hybrid_compile``, each defined with
+:func:`.registration.kernel_op` (like ``torch.library.custom_op``, with less host cost per call).
 
 Each op has a schema, a plain-torch implementation (the CPU path), a Triton implementation
 registered as its CUDA kernel (:mod:`.triton`), a fake implementation for tracing, argument validation in both, and a docstring

@@ -321,8 +321,9 @@ class TokenSlotAllocator:
                 raise ValueError(f"KV allocator: `last_slots` has {last.numel()} entries, expected {prefix.numel()}")
             last_cont = last[continuing]
             self._check_range(last_cont, action="extend from")
-            if not bool(self._in_use.index_select(0, last_cont).all()):
-                bad = last_cont[~self._in_use.index_select(0, last_cont)][:8].tolist()
+            held = self._in_use.index_select(0, last_cont)
+            if not bool(held.all()):
+                bad = last_cont[~held][:8].tolist()
                 raise InvalidSlotError(f"cannot extend from KV slot(s) {bad}: not allocated")
             misaligned = (last_cont % ps) != ((prefix[continuing] - 1) % ps)
             if bool(misaligned.any()):

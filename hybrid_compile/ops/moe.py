@@ -265,8 +265,7 @@ def combine_top_k(out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.d
     """``sum_k weight[t, k] * out[t * top_k + k]`` in fp32, as ``dtype``: the experts' outputs in
     (token, k) order, reduced over k by the ``moe_combine_top_k`` op (a fixed summation order: no
     atomics, the same result on every run)."""
-    y = torch.ops.hybrid_compile.moe_combine_top_k(out, top_k_weights)
-    return y if y.dtype == dtype else y.to(dtype)
+    return torch.ops.hybrid_compile.moe_combine_top_k(out, top_k_weights).to(dtype)
 
 
 def _check_combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ ADInplaceOrView keys (version bumps argument by argument, default filling, alias
 the implementation runs. Measured on the 2-core CPU machine (torch 2.13, inference mode, tiny
 tensors, 2026-11-27, ``benchmarks/host_overhead.py --op-dispatch``): a call of an op mutating one
 argument costs 17.6 us through ``custom_op`` against 4.3 us defined here, one mutating 13 arguments
-(``uniform_step_metadata``'s count) 198 us against 7.3 us. Eager op calls are every extend step's layers (the custom ops between the
-piecewise graphs), the decode step's metadata op and the speculative cycle's host work. The
+(``uniform_step_metadata``'s count) 198 us against 7.3 us. Eager op calls are every extend step's
+layers (the ops between the piecewise graphs), the decode step's metadata op and the speculative
+cycle's host work. The
 schema, the fake implementation, ``opcheck``, ``torch.compile`` (mutations are functionalized from
 the schema's alias annotations) and the CUDA kernels are the same either way. These ops have no
 autograd formula under either registration (inference kernels).

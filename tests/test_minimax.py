@@ -25,7 +25,7 @@ from engine_models import (
     random_prompts,
     single_threaded,
 )
-from family_parity import check_prefix_cache_hits, check_speculative, make_family
+from family_parity import check_prefix_cache_hits, check_speculative, check_speculative_tree, make_family
 from minimax_models import HEAD_DIM, HEADS, VOCAB, build_minimax
 
 if not hasattr(transformers, "MiniMaxForCausalLM"):
@@ -95,11 +95,11 @@ def test_speculative_greedy_equals_hf(method):
     check_speculative(MINIMAX, method)
 
 
-def test_draft_trees_are_refused_with_a_clear_error():
-    model = build_minimax()
-    spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=2)
-    with pytest.raises(ValueError, match=r"topk=2 \(draft trees\) is not supported for minimax: its lightning"):
-        make_engine(model, speculative=spec, **ENGINE_ARGS)
+@pytest.mark.parametrize("topk", [2, 4])
+def test_draft_trees_greedy_equal_hf(topk):
+    """Draft trees (topk > 1) verified on the lightning op (each node from its parent's state): a
+    replay tree whose accepted paths leave the first-child chain, and the model as its own tree draft."""
+    check_speculative_tree(MINIMAX, topk)
 
 
 def test_tensor_parallel_shards_hold_the_rank_heads(tmp_path):

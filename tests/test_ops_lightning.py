@@ -1,6 +1,8 @@
 """Lightning attention ops (hybrid_compile/ops/lightning.py) against the per-token reference
 (ops/reference/lightning.py): chunked varlen prefill with chunk states, split prefill (a request
-continued from its slot), decode and verify with intermediate states, opcheck, fullgraph compile."""
+continued from its slot), decode and verify with intermediate states, draft-tree verify (every
+node's root path run as a chain through the reference: ops/reference/tree.py), opcheck, fullgraph
+compile."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from hybrid_compile.ops import lightning
 from hybrid_compile.ops.reference import lightning as ref
+from hybrid_compile.ops.reference import tree as ref_tree
 from op_testing import VARLEN_CASES, assert_close, compile_and_compare, cu_seqlens_of, distinct_slots, run_opcheck
 
 ops = torch.ops.hybrid_compile
@@ -103,6 +106,70 @@ def test_recurrent_matches_reference(L, disable):
     assert torch.all(got_inter[:, L] == 0) and torch.all(got_inter[2] == 0)
 
 
+# draft trees: row 0 a padding row, the others a branching tree, a chain written as parents, a star
+TREES = [[-1, 0, 0, 1, 2, 1], [-1, 0, 0, 1, 2, 1], [-1, 0, 1, 2, 3, 4], [-1, -1, 0, 1, 0, 3]]
+
+
+def tree_inputs(dtype=torch.float32, inter_dtype=torch.float32, device="cpu"):
+    """Verify inputs over the rows of ``TREES`` (row 0 padding), their parents and an intermediate
+    buffer filled with 7 (rows the op must not touch keep it)."""
+    B, L = len(TREES), len(TREES[0])
+    q, k, v, s, pool, slots = recurrent_inputs(B, L, dtype=dtype, pad_rows=(0,), device=device)
+    inter = torch.full((B + 1, L, H, K, V), 7.0, dtype=inter_dtype, device=device)
+    return (q, k, v, s, pool, slots, inter), torch.tensor(TREES, dtype=torch.int32, device=device)
+
+
+def tree_oracle(args, parents):
+    """Every node's root path run as a CHAIN through the per-token reference; a node's output and
+    state are its path's last step's."""
+    q, k, v, s, pool, slots, _ = (a.cpu() for a in args)
+
+    def chain(b, xs, n):
+        o, states = ref.lightning_ref(xs[0][0], xs[1][0], xs[2][0], s, pool[int(slots[b])])
+        return o[None], states[None, 1:]
+
+    return ref_tree.tree_by_paths(chain, [q, k, v], parents.cpu())
+
+
+@pytest.mark.parametrize("inter_dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_tree_matches_the_chain_reference_per_path(inter_dtype):
+    """Each node of a draft tree starts from its parent's stored state (-1: the slot's): outputs
+    and stored states equal each root path's chain; the pool, the padding row and the buffer's
+    extra row are left alone."""
+    args, parents = tree_inputs(inter_dtype=inter_dtype)
+    want_o, want_states = tree_oracle(args, parents)
+    q, k, v, s, pool, slots, inter = args
+    got_pool = pool.clone()
+    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, True, inter, parents)
+    real = [1, 2, 3]
+    # (the op reads a bf16 parent as stored; the chain keeps fp32 between steps)
+    tol = torch.float32 if inter_dtype == torch.float32 else torch.bfloat16
+    assert_close(o[real], want_o[real].to(o.dtype), tol)
+    assert_close(inter[real].float(), want_states[real], tol)
+    assert torch.equal(got_pool, pool)
+    assert torch.all(o[0] == 0) and torch.all(inter[0] == 7.0) and torch.all(inter[4] == 7.0)
+    # a chain written as parents is the chain
+    chain_inter = torch.zeros_like(inter)
+    chain = ops.recurrent_lightning_attention_update(q[2:3], k[2:3], v[2:3], s, pool, slots[2:3], True,
+                                                     chain_inter[:1])
+    assert_close(o[2:3], chain, tol)
+
+
+def test_tree_arguments_raise_clear_errors():
+    (q, k, v, s, pool, slots, inter), parents = tree_inputs()
+    with pytest.raises(ValueError, match="recurrent_lightning_attention_update: `parent_indices` .* needs the "
+                                         "intermediate buffer"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, None, parents)
+    with pytest.raises(ValueError, match="needs disable_state_update=True"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, inter, parents)
+    bad = parents.clone()
+    bad[1, 3] = 3
+    with pytest.raises(ValueError, match=r"`parent_indices\[1, 3\]` = 3, must be in \[-1, 3\)"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, bad)
+    with pytest.raises(ValueError, match="`parent_indices`"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents[:, :2])
+
+
 def test_bad_arguments_raise_clear_errors():
     q, k, v, s, pool, cu, slots, has_init = chunk_inputs([5])
     with pytest.raises(ValueError, match="chunk_lightning_attention: `slope`"):
@@ -121,6 +188,8 @@ def test_opcheck():
     q, k, v, s, pool, slots = recurrent_inputs(3, 2, pad_rows=(1,))
     run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, False, torch.zeros(3, 2, H, K, V)))
     run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, True, None))
+    args, parents = tree_inputs()
+    run_opcheck(ops.recurrent_lightning_attention_update, (*args[:6], True, args[6], parents))
 
 
 def test_fullgraph_compile():

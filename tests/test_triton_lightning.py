@@ -1,5 +1,5 @@
 """Triton lightning attention kernels (hybrid_compile/ops/triton/lightning.py) against the
-plain-torch ops and the per-token reference.
+plain-torch ops and the per-token reference (draft trees: each node's root path as a chain).
 
 On CPU the launchers run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at
 tiny head dims; the ``gpu`` tests run the registered CUDA ops at MiniMax-Text-01 shapes (64 heads
@@ -16,7 +16,8 @@ from hybrid_compile.ops._varlen import chunk_row_offsets
 from hybrid_compile.ops.reference import lightning as ref
 from hybrid_compile.ops.triton import lightning as tl_lightning
 from op_testing import assert_close, run_opcheck
-from test_ops_lightning import C, H, K, V, check_pool, chunk_inputs, recurrent_inputs
+from hybrid_compile.ops.reference import tree as ref_tree
+from test_ops_lightning import C, H, K, V, check_pool, chunk_inputs, recurrent_inputs, tree_inputs, tree_oracle
 
 # CPU tests here call the launchers on CPU tensors under Triton's interpreter (see conftest).
 INTERPRETER_ONLY = True
@@ -57,6 +58,27 @@ def test_interpreted_recurrent_matches_reference(disable):
     else:
         check_pool(got_pool, want_pool, pool, slots)
     assert_close(got_inter, want_inter)
+
+
+@pytest.mark.parametrize("inter_dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_recurrent_tree_matches_chain_reference_and_op(inter_dtype):
+    """The kernel over draft trees (each node from its parent's stored row, -1 from the slot's
+    state): the chain reference per root path, and the plain op."""
+    args, parents = tree_inputs(inter_dtype=inter_dtype)
+    want_o, want_states = tree_oracle(args, parents)
+    q, k, v, s, pool, slots, inter = args
+    op_inter = inter.clone()
+    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, parents)
+    got_pool = pool.clone()
+    o = tl_lightning.recurrent_lightning_attention_update_triton(q, k, v, s, got_pool, slots, True, inter, parents)
+    real = [1, 2, 3]
+    tol = torch.float32 if inter_dtype == torch.float32 else torch.bfloat16
+    assert_close(o[real], want_o[real].to(o.dtype), tol)
+    assert_close(inter[real].float(), want_states[real], tol)
+    # (a bf16 buffer: a one-ulp rounding of a stored state, fp32 sums apart, carries into its children)
+    assert_close(o, op_o, tol)
+    assert_close(inter.float(), op_inter.float(), tol)
+    assert torch.equal(got_pool, pool) and torch.all(o[0] == 0) and torch.all(inter[0] == 7.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,6 +147,37 @@ def test_gpu_recurrent_matches_torch_op_and_replays_in_cuda_graph(L):
     want = lightning.recurrent_lightning_attention_update(*_cpu(q, k, v, s, pool0), slots.cpu(), True, None)
     assert_close(out.cpu(), want, torch.bfloat16)
     assert torch.equal(pool, pool0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nodes", [4, 16])
+def test_gpu_recurrent_tree_matches_torch_op_in_a_cuda_graph(nodes):
+    """The CUDA op over random draft trees at MiniMax shapes against the plain op on CPU copies,
+    eagerly and replayed from a CUDA graph with new trees; opcheck."""
+    B = 8
+    gen = torch.Generator().manual_seed(nodes)
+    q, k, v, s, pool, slots = recurrent_inputs(B, nodes, MINIMAX, torch.bfloat16, (3,), DEV, GPU_SLOTS)
+    inter = torch.zeros(B, nodes, *MINIMAX, device=DEV)
+    parents = ref_tree.random_parents(B, nodes, gen).to(DEV)
+
+    def check(o, parents):
+        cinter = torch.zeros(B, nodes, *MINIMAX)
+        want = lightning.recurrent_lightning_attention_update(*_cpu(q, k, v, s, pool), slots.cpu(), True, cinter,
+                                                              parents.cpu())
+        assert_close(o.cpu(), want, torch.bfloat16)
+        assert_close(inter.cpu(), cinter)
+
+    pool0 = pool.clone()
+    check(ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents), parents)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents)
+    parents.copy_(ref_tree.random_parents(B, nodes, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, parents)
+    assert torch.equal(pool, pool0)
+    run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, True, inter, parents))
 
 
 @pytest.mark.gpu

@@ -158,7 +158,7 @@ class HybridEngine(GenerateAPI):
                  startup: Startup | None = None, mtp_head: nn.Module | None = None) -> None:
         self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
-        no_trees = getattr(self.family, "DRAFT_TREES_UNSUPPORTED", None) or _sliding_window_layers(model)
+        no_trees = _sliding_window_layers(model)
         if config.speculative is not None and config.speculative.is_tree and no_trees:
             raise ValueError(
                 f"SpeculativeConfig.topk={config.speculative.topk} (draft trees) is not supported for "

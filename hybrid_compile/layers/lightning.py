@@ -12,7 +12,8 @@ By forward mode:
   the request has them; prefix-cache checkpoints (chunk states) when the step asks for them.
 - TARGET_VERIFY: ``recurrent_lightning_attention_update`` over each request's ``draft_len`` tokens
   with ``disable_state_update``, writing the state after every step into the layer's intermediate
-  buffer for the engine's commit. Draft trees and FP8 states are refused with a clear error.
+  buffer for the engine's commit; a draft tree (the verify batch's parents) starts each token from
+  its parent's stored state. FP8 states are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -77,12 +78,9 @@ def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_h
         return out
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "lightning_layer")
-        if verify.parents is not None:
-            raise NotImplementedError("lightning_layer: draft trees (speculative top-k > 1) are not supported for "
-                                      "MiniMax layers; use chain drafts")
         out = _kernels.recurrent_lightning_attention_update(
             verify.per_request(q), verify.per_request(k), verify.per_request(v), slope, ssm_states,
-            verify.cache_indices, True, verify.intermediates[1],
+            verify.cache_indices, True, verify.intermediates[1], verify.parents,
         )
         return verify.pad(out.reshape(verify.num_tokens, num_heads, head_dim), n)
     raise NotImplementedError(f"lightning_layer: forward mode {md.mode.value} is not supported")

@@ -29,11 +29,6 @@ from .base import ModelLayout, PatchHandle, install_attention, patch_forward, re
 from .gated_deltanet import delta_rule_layout
 
 MODEL_TYPES = ("minimax",)
-# why the engine refuses speculative draft trees (topk > 1) for this family (engine.py)
-DRAFT_TREES_UNSUPPORTED = (
-    "its lightning-attention verify op advances each request's state along one chain of tokens, not "
-    "from each token's parent"
-)
 
 
 def lightning_forward(self, hidden_states, *args, **kwargs):

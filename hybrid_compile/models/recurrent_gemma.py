@@ -44,7 +44,6 @@ from .base import ModelLayout, PatchHandle, install_attention, patch_forward
 from .mamba2_common import attention_spec, find_attention_modules, max_positions
 
 MODEL_TYPES = ("recurrent_gemma",)
-# why the engine refuses speculative draft trees (topk > 1) for this family (engine.py); its
 RG_LRU_CHECKPOINT_ALIGN = 16
 _MIN_RECURRENT_GATE = 1e-20
 

@@ -14,7 +14,8 @@ with a constant per-head log-decay ``g = -s_h``; the GDN ops cannot express it (
 - ``chunk_lightning_attention``             varlen prefill/extend, chunked (chunk states for the
   prefix cache in the ``_varlen`` row layout, as ``chunk_gated_delta_rule`` emits them).
 - ``recurrent_lightning_attention_update``  decode (``L = 1``) and speculative verify: ``L``
-  tokens per request, optional intermediate states per step.
+  tokens per request, optional intermediate states per step; a draft TREE through
+  ``parent_indices`` (each token from its parent's state).
 
 State pool: ``ssm_states [num_slots, H, K, V]`` fp32/bf16/fp16 (read and computed in fp32, cast
 on write). Slot index -1 marks a padding row: no state read or write, zero outputs.
@@ -33,9 +34,11 @@ from ._validation import (
     check_same_device,
     check_slot_indices,
     check_tensor,
+    check_tree_parents,
     check_unique_slots,
     check_varlen_requests,
     check_varlen_values,
+    tree_start_states,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
 from .registration import kernel_op
@@ -149,7 +152,8 @@ def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states):
+def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update=True,
+                     parent_indices=None):
     op = "recurrent_lightning_attention_update"
     check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bs, steps, h, kd = q.shape
@@ -166,8 +170,10 @@ def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_sta
                 f"{op}: `intermediate_states` has shape {tuple(s)}, expected "
                 f"[>= {bs}, >= {steps}, {h}, {kd}, {vd}] (batch rows, steps, H, K, V)"
             )
+    check_tree_parents(op, parent_indices, bs, steps, has_intermediate=intermediate_states is not None,
+                       disable_state_update=disable_state_update, fp8=False)
     check_same_device(op, q=q, k=k, v=v, slope=slope, ssm_states=ssm_states, state_indices=state_indices,
-                      intermediate_states=intermediate_states)
+                      intermediate_states=intermediate_states, parent_indices=parent_indices)
     check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
     check_unique_slots(op, "state_indices", state_indices)
 
@@ -184,6 +190,7 @@ def recurrent_lightning_attention_update(
     state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``L`` lightning-attention steps per request from its slot's state (decode: ``L = 1``).
 
@@ -198,11 +205,17 @@ def recurrent_lightning_attention_update(
             step is committed later from ``intermediate_states`` by ``commit_speculative_state``).
         intermediate_states: optional ``[>= B, >= L, H, K, V]`` float buffer indexed by BATCH ROW.
             **Mutated**: ``intermediate_states[b, t]`` = state after step ``t``, real rows only.
+        parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Token
+            ``t`` starts from the state stored after token ``parent_indices[b, t]`` (its row of
+            ``intermediate_states``, as stored) or, for ``-1``, from the slot's state;
+            ``-1 <= parent < t``. Needs ``intermediate_states`` and ``disable_state_update``. None:
+            a chain (``parent = t - 1``).
 
     Returns:
         ``o``: ``[B, L, H, V]`` in ``v.dtype``.
     """
-    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states)
+    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
+                     parent_indices)
     bs, steps, h, vd = v.shape
     o = torch.zeros(bs, steps, h, vd, dtype=v.dtype, device=v.device)
     rows = torch.nonzero(state_indices >= 0).flatten()
@@ -213,11 +226,17 @@ def recurrent_lightning_attention_update(
     state = ssm_states[slots].float()  # [R, H, K, V]
     qf, kf, vf = q[rows].float(), k[rows].float(), v[rows].float()
     out = torch.empty(rows.numel(), steps, h, vd, dtype=torch.float32, device=v.device)
+    initial, history = state, []  # (a tree: the states after each token, as stored)
+    parents = None if parent_indices is None else parent_indices.index_select(0, rows)
     for t in range(steps):
+        if parents is not None:
+            state = tree_start_states(initial, history, parents[:, t])
         state = decay * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]
         out[:, t] = (qf[:, t, :, None, :] @ state).squeeze(-2)
         if intermediate_states is not None:
             intermediate_states[rows, t] = state.to(intermediate_states.dtype)
+        if parents is not None:
+            history.append(state.to(intermediate_states.dtype).float())
     if not disable_state_update:
         ssm_states[slots] = state.to(ssm_states.dtype)
     o.index_copy_(0, rows, out.to(v.dtype))
@@ -225,6 +244,7 @@ def recurrent_lightning_attention_update(
 
 
 @recurrent_lightning_attention_update.register_fake
-def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states):
-    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states)
+def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states, parent_indices=None):
+    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
+                     parent_indices)
     return v.new_empty(v.shape)

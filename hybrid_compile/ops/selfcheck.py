@@ -482,6 +482,24 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
 
     result("mamba1_state_update", m1_op, m1_chain, [x1, dt1, B1, C1, z1])
 
+    Hl, Kl, Vl = 4, 32, 32  # lightning attention: a fixed decay per head
+    ql, kl = (_rand(gen, B, L, Hl, Kl, dtype=dtype, device=device, scale=Kl ** -0.5) for _ in range(2))
+    vl = _rand(gen, B, L, Hl, Vl, dtype=dtype, device=device)
+    slope = (0.5 ** (torch.arange(Hl) + 1)).float().to(device)
+    lpool = _rand(gen, S, Hl, Kl, Vl, device=device, scale=0.1)
+
+    def lightning_op():
+        it = torch.zeros(B, L, Hl, Kl, Vl, device=device)
+        o = ops.recurrent_lightning_attention_update(ql, kl, vl, slope, lpool.clone(), slots_d, True, it, P_)
+        return o, it
+
+    def lightning_chain(b, ins, n):
+        o, _, it = ref_lightning.recurrent_lightning_attention_update_ref(
+            *ins, slope.cpu(), lpool.cpu(), slots[b:b + 1], True, torch.zeros(1, n, Hl, Kl, Vl))
+        return o, it
+
+    result("recurrent_lightning_attention_update", lightning_op, lightning_chain, [ql, kl, vl])
+
     # attention: every node sees the prefix and its root path; the reference attends a chain of the path
     Hq, Hkv, Dh, NS = 8, 2, 32, 512
     prefix = [40, 0, 100, 7]

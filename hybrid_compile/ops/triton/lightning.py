@@ -11,7 +11,8 @@ to a power of two and held whole; no host sync, so both are CUDA-graph safe):
 
 - ``_lightning_recurrent_kernel`` (decode / verify): loops over the ``L`` steps,
   ``S = exp(-s) S + k v^T; o = q S``, stores the state after every step into
-  ``intermediate_states[b, t]`` when given and the final state unless ``disable_state_update``.
+  ``intermediate_states[b, t]`` when given and the final state unless ``disable_state_update``;
+  a draft tree (``TREE``) starts each step from its parent's stored row instead.
 - ``_lightning_chunk_kernel`` (prefill / extend): loops over the request's chunks of
   ``LIGHTNING_CHUNK_SIZE`` tokens; per chunk ``o = (q * exp(-s (i + 1))) S + ((q k^T) * D) v``
   with ``D_ij = exp(-s (i - j))`` for ``j <= i``, then ``S = exp(-s c) S + (k * exp(-s (c-1-j)))^T v``;
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, _check_chunk, _check_recurrent
+from .common import tree_start_state
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["chunk_lightning_attention_triton", "recurrent_lightning_attention_update_triton"]
@@ -41,16 +43,19 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _lightning_recurrent_kernel(
-    q, k, v, slope, o, pool, state_indices, inter, L,
+    q, k, v, slope, o, pool, state_indices, inter, parents, L,
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
     s_vb, s_vl, s_vh, s_vd,
     s_ob, s_ol, s_oh,
     s_ps, s_ph, s_pk, s_pv,
     s_ib, s_il, s_ih, s_ik, s_iv,
+    s_rb, s_rl,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, USE_PDL: tl.constexpr, TREE: tl.constexpr = False,
 ):
+    """TREE: a draft tree (``parents`` ``[B, L]``): step ``t`` starts from the state stored after its
+    parent (the row of ``inter`` this program wrote), or from the slot's state for parent -1."""
     pdl_wait_and_release(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -66,7 +71,10 @@ def _lightning_recurrent_kernel(
     p_s = pool + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
     S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
     decay = tl.exp(-tl.load(slope + h).to(tl.float32))
+    p_i0 = inter + b * s_ib + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
     for t in range(L):
+        if TREE:
+            S = tree_start_state(parents + b * s_rb + t * s_rl, p_s, p_i0, s_il, m_s)
         q_t = tl.load(q + b * s_qb + t * s_ql + h * s_qh + rk * s_qd, mask=mk, other=0.0).to(tl.float32)
         k_t = tl.load(k + b * s_kb + t * s_kl + h * s_kh + rk * s_kd, mask=mk, other=0.0).to(tl.float32)
         v_t = tl.load(v + b * s_vb + t * s_vl + h * s_vh + rv * s_vd, mask=mv, other=0.0).to(tl.float32)
@@ -74,8 +82,7 @@ def _lightning_recurrent_kernel(
         o_t = tl.sum(q_t[:, None] * S, axis=0)
         tl.store(o + b * s_ob + t * s_ol + h * s_oh + rv, o_t.to(o.dtype.element_ty), mask=mv)
         if HAS_INTER:
-            p_i = inter + b * s_ib + t * s_il + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
-            tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
+            tl.store(p_i0 + t * s_il, S.to(inter.dtype.element_ty), mask=m_s)
     if UPDATE_STATE:
         tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
 
@@ -154,6 +161,7 @@ def _blocks(kd: int, vd: int, cap: int):
 def recurrent_lightning_attention_update_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, ssm_states: torch.Tensor,
     state_indices: torch.Tensor, disable_state_update: bool, intermediate_states: Optional[torch.Tensor],
+    parent_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``recurrent_lightning_attention_update``. CUDA-graph safe."""
     bs, steps, h, kd = q.shape
@@ -166,10 +174,13 @@ def recurrent_lightning_attention_update_triton(
     has_inter = intermediate_states is not None
     inter = intermediate_states if has_inter else ssm_states  # dummy pointer when absent
     _lightning_recurrent_kernel[(bs, h, triton.cdiv(vd, bv))](
-        q, k, v, slope, o, ssm_states, state_indices, inter, steps,
+        q, k, v, slope, o, ssm_states, state_indices, inter,
+        parent_indices if parent_indices is not None else state_indices, steps,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *ssm_states.stride(),
         *(intermediate_states.stride() if has_inter else (0, 0, 0, 0, 0)),
+        *(parent_indices.stride() if parent_indices is not None else (0, 0)),
         K=kd, V=vd, BK=bk, BV=bv, HAS_INTER=has_inter, UPDATE_STATE=not disable_state_update,
+        TREE=parent_indices is not None,
         num_warps=4 if bk * bv >= 4096 else 2, **pdl_launch(q.device),
     )
     return o
@@ -209,10 +220,12 @@ def _chunk_cuda_impl(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_
                                             output_chunk_states)
 
 
-def _recurrent_cuda_impl(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states):
-    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states)
+def _recurrent_cuda_impl(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states,
+                         parent_indices=None):
+    _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
+                     parent_indices)
     return recurrent_lightning_attention_update_triton(q, k, v, slope, ssm_states, state_indices,
-                                                       disable_state_update, intermediate_states)
+                                                       disable_state_update, intermediate_states, parent_indices)
 
 
 torch.library.register_kernel("hybrid_compile::chunk_lightning_attention", "cuda", _chunk_cuda_impl)

@@ -115,21 +115,6 @@ def check_speculative(family: Family, method: str) -> None:
 TREE_NEW = 16  # (long enough that a wrong sibling state shows in the tokens of every tiny model)
 
 
-def check_draft_trees_refused(model, why: str) -> None:
-    """``topk=2`` draft trees on ``model`` raise one ValueError at construction naming the option,
-    the model type and ``why`` (a regex), and leave the model unpatched."""
-    import pytest
-
-    import hybrid_compile as hc
-
-    forward = type(model).forward
-    spec = dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=2)
-    with pytest.raises(ValueError, match=rf"topk=2 \(draft trees\) is not supported for "
-                                         rf"{model.config.model_type}: {why}"):
-        hc.wrap(model, speculative=spec, **ENGINE_ARGS)
-    assert type(model).forward is forward and not any("forward" in m.__dict__ for m in model.modules())
-
-
 def check_speculative_tree(family: Family, topk: int) -> None:
     """Draft trees (``topk > 1``): a :class:`ReplayDraft` tree holds HF's continuation at random
     ranks, so accepted paths run through later siblings (each node's recurrent state from its

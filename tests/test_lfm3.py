@@ -55,10 +55,12 @@ def test_speculative_greedy_equals_hf(method):
     fp.check_speculative(FAMILY, method)
 
 
-def test_draft_trees_refused_for_the_sliding_window_layers():
-    """The tree-masked verify attention has no sliding window: topk > 1 is refused at construction,
-    naming the option and the window, before anything is patched."""
-    fp.check_draft_trees_refused(build_lfm3(0), rf"its sliding-window attention layers \(window {SLIDING_WINDOW}\)")
+@pytest.mark.parametrize("topk", [2, 4])
+def test_draft_trees_greedy_equal_hf(topk):
+    """Draft trees (topk > 1) with sliding-window and full attention layers: each node's window
+    counted from its depth's position, the short convs from each node's parent's window."""
+    fp.check_speculative_tree(FAMILY, topk)
+
 
 @pytest.mark.gpu
 def test_gpu_graphs_match_eager_and_hf():

@@ -97,11 +97,13 @@ def test_speculative_greedy_equals_hf(method):
     fp.check_speculative(FAMILY, method)
 
 
-def test_draft_trees_refused_before_anything_is_built():
-    """Draft trees (topk > 1): the RG-LRU layers would verify them on the Mamba1 op, but the local
-    attention is sliding-window, which the tree-masked attention op refuses: the engine refuses at
-    construction, naming the option and the reason, and leaves the model unpatched."""
-    fp.check_draft_trees_refused(build_recurrent_gemma(), ".*sliding window")
+@pytest.mark.parametrize("topk", [2, 4])
+def test_draft_trees_greedy_equal_hf(topk):
+    """Draft trees (topk > 1): the RG-LRU layers verify them on the Mamba1 op (each node from its
+    parent's state), the local attention with the tree mask under its sliding window (each node's
+    window counted from its depth's position)."""
+    fp.check_speculative_tree(FAMILY, topk)
+
 
 @pytest.mark.gpu
 def test_gpu_graphs_match_eager_and_hf():

@@ -3,7 +3,7 @@
 and ``paged_attention_extend``, the plain-torch op and the Triton launcher (interpreter on CPU),
 each against an oracle that knows nothing of trees: every node's root path run as a CHAIN through
 the per-token reference (``ops/reference``), whose last step must equal the node's output and
-stored state. opcheck for every changed op; the ``gpu`` tests run the CUDA ops at model shapes.
+stored state (attention also under sliding windows). opcheck for every changed op; the ``gpu`` tests run the CUDA ops at model shapes.
 """
 
 from __future__ import annotations
@@ -161,31 +161,41 @@ def test_mamba2_verify_tree_matches_chain_reference_per_path():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_attention_tree_mask_matches_reference_over_each_path():
+# (trees, prefix lengths): the fixed trees; 20-node random trees over two query blocks of the
+# interpreter's 16-token tiles, prefixes across key tiles
+ATTENTION_TREES = {"fixed": (TREES, [5, 0, 19]),
+                   "random": (ref_tree.random_parents(4, 20, torch.Generator().manual_seed(1)).tolist(), [37, 0, 70, 3])}
+
+
+@pytest.mark.parametrize("window", [-1, 1, 3, 8, 37])
+@pytest.mark.parametrize("trees", list(ATTENTION_TREES))
+def test_attention_tree_mask_matches_reference_over_each_path(trees, window):
     """Node t of a tree sees the cached prefix and its ancestors: the reference attention of a
-    request whose new tokens are exactly its root path (a chain) gives the same output."""
-    torch.manual_seed(0)
-    hq, hkv, d, L = 4, 2, 16, 6
-    prefix = [5, 0, 19]
+    request whose new tokens are exactly its root path (a chain) gives the same output; with a
+    sliding window too (the chain puts the node at the prefix length + its depth, the window's
+    reference point, and its ancestors at theirs)."""
+    rows, prefix = ATTENTION_TREES[trees]
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, L, B = 4, 2, 16, len(rows[0]), len(rows)
     kv_lens = [p + L for p in prefix]
-    k_cache, v_cache = torch.randn(64, hkv, d), torch.randn(64, hkv, d)
-    kv_indices = torch.randperm(64)[: sum(kv_lens)].to(torch.int32)
+    k_cache, v_cache = torch.randn(256, hkv, d, generator=gen), torch.randn(256, hkv, d, generator=gen)
+    kv_indices = torch.randperm(256, generator=gen)[: sum(kv_lens)].to(torch.int32)
     kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
-    qo = torch.arange(0, 3 * L + 1, L, dtype=torch.int32)
-    q = torch.randn(3 * L, hq, d)
-    mask = torch.tensor([b for tree in TREES for b in _bits(tree)], dtype=torch.int64)
-    out, lse = ops.paged_attention_extend(q, k_cache, v_cache, qo, kv_indptr, kv_indices, d ** -0.5, True, -1, 0.0,
-                                          None, None, mask)
+    qo = torch.arange(0, B * L + 1, L, dtype=torch.int32)
+    q = torch.randn(B * L, hq, d, generator=gen)
+    mask = torch.tensor([b for tree in rows for b in _bits(tree)], dtype=torch.int64)
+    out, lse = ops.paged_attention_extend(q, k_cache, v_cache, qo, kv_indptr, kv_indices, d ** -0.5, True, window,
+                                          0.0, None, None, mask)
     t_out, t_lse = tattn.paged_attention_extend_triton(q, k_cache, v_cache, qo, kv_indptr, kv_indices, d ** -0.5,
-                                                       True, -1, 0.0, None, None, mask)
-    for b, tree in enumerate(TREES):
+                                                       True, window, 0.0, None, None, mask)
+    for b, tree in enumerate(rows):
         slots = kv_indices[kv_indptr[b]: kv_indptr[b + 1]]
         for t in range(L):
             path = ref_tree.root_path(tree, t)
             keys = slots[list(range(prefix[b])) + [prefix[b] + a for a in path]]
             o, l = ref_attn.paged_attention_extend_ref(
                 q[b * L + t: b * L + t + 1], k_cache, v_cache, torch.tensor([0, 1]),
-                torch.tensor([0, len(keys)]), keys, d ** -0.5)
+                torch.tensor([0, len(keys)]), keys, d ** -0.5, True, window)
             for got, got_l in ((out, lse), (t_out, t_lse)):
                 assert_close(got[b * L + t], o[0])
                 assert_close(got_l[b * L + t], l[0])
@@ -200,9 +210,9 @@ def test_tree_arguments_are_validated():
     with pytest.raises(ValueError, match="intermediate buffer"):
         ops.causal_conv1d_update(x, states, weight, bias, "silu", idx, True, None, _parents(TREES))
     q = torch.randn(4, 2, 16)
-    with pytest.raises(ValueError, match="sliding window"):
+    with pytest.raises(ValueError, match=r"`tree_mask` \(a draft tree\) needs causal=True"):
         ops.paged_attention_extend(q, torch.randn(8, 2, 16), torch.randn(8, 2, 16), torch.tensor([0, 4]),
-                                   torch.tensor([0, 6]), torch.arange(6), 0.25, True, 3, 0.0, None, None,
+                                   torch.tensor([0, 6]), torch.arange(6), 0.25, False, 3, 0.0, None, None,
                                    torch.ones(4, dtype=torch.int64))
 
 
@@ -216,10 +226,11 @@ def test_opcheck_tree_arguments():
     a = _m2_inputs()
     run_opcheck(ops.selective_state_update.default, (*a.values(), False, None, None, parents))
     mask = torch.tensor([b for tree in TREES for b in _bits(tree)], dtype=torch.int64)
-    run_opcheck(ops.paged_attention_extend.default,
-                (torch.randn(18, 4, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16),
-                 torch.tensor([0, 6, 12, 18], dtype=torch.int32), torch.tensor([0, 8, 14, 30], dtype=torch.int32),
-                 torch.randperm(40)[:30].to(torch.int32), 0.25, True, -1, 0.0, None, None, mask))
+    for window in (-1, 4):
+        run_opcheck(ops.paged_attention_extend.default,
+                    (torch.randn(18, 4, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16),
+                     torch.tensor([0, 6, 12, 18], dtype=torch.int32), torch.tensor([0, 8, 14, 30], dtype=torch.int32),
+                     torch.randperm(40)[:30].to(torch.int32), 0.25, True, window, 0.0, None, None, mask))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,10 +284,11 @@ def test_gpu_tree_verify_ops_match_torch_ops():
     slots = torch.randperm(sum(kv_lens) + 100, generator=gen)[: sum(kv_lens)].to(torch.int32)
     kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
     mask = torch.tensor([b for row in parents.tolist() for b in _bits(row)], dtype=torch.int64)
-    for dtype in (torch.float32, torch.bfloat16):
+    # (and under a sliding window: 512, each node's counted from its depth's position; 7: into the tree)
+    for dtype, window in ((torch.float32, -1), (torch.bfloat16, -1), (torch.bfloat16, 512), (torch.float32, 7)):
         args = [torch.randn(B * L, 16, 256).to(dtype), torch.randn(sum(kv_lens) + 100, 2, 256).to(dtype),
                 torch.randn(sum(kv_lens) + 100, 2, 256).to(dtype), torch.arange(0, B * L + 1, L, dtype=torch.int32),
-                kv_indptr, slots, 256 ** -0.5, True, -1, 0.0, None, None, mask]
+                kv_indptr, slots, 256 ** -0.5, True, window, 0.0, None, None, mask]
         (o, lse), (og, lg) = ops.paged_attention_extend(*args), [
             t.cpu() for t in ops.paged_attention_extend(*[a.to(DEV) if isinstance(a, torch.Tensor) else a
                                                           for a in args])]

@@ -134,18 +134,6 @@ def _model_device_and_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype
     return p.device, p.dtype
 
 
-def _sliding_window_layers(model: nn.Module) -> str | None:
-    """Why draft trees cannot verify on ``model`` because of its sliding-window attention layers
-    (the tree-masked verify attention, ``paged_attention_extend`` with ``tree_mask``, has no
-    window), or None when it has none."""
-    windows = {int(w) for m in model.modules()
-               if isinstance(w := getattr(m, "sliding_window", None), int) and not isinstance(w, bool) and w > 0}
-    if not windows:
-        return None
-    return (f"its sliding-window attention layers (window {min(windows)}) cannot verify a tree: the tree-masked "
-            "verify attention (paged_attention_extend with tree_mask) has no sliding window")
-
-
 class HybridEngine(GenerateAPI):
     """Serves one wrapped HF hybrid model. Build it with :func:`hybrid_compile.wrap`.
 
@@ -158,12 +146,6 @@ class HybridEngine(GenerateAPI):
                  startup: Startup | None = None, mtp_head: nn.Module | None = None) -> None:
         self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
-        no_trees = _sliding_window_layers(model)
-        if config.speculative is not None and config.speculative.is_tree and no_trees:
-            raise ValueError(
-                f"SpeculativeConfig.topk={config.speculative.topk} (draft trees) is not supported for "
-                f"{model.config.model_type}: {no_trees}; use topk=1 (chain drafts)"
-            )
         if config.tensor_parallel_all_reduce == "one_shot":
             raise ValueError("EngineConfig.tensor_parallel_all_reduce='one_shot' applies to tensor parallelism "
                              "(hc.from_pretrained(dir, tensor_parallel_size=N > 1)); this engine serves one device")

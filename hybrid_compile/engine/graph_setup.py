@@ -253,8 +253,8 @@ class CompiledGraphs:
                 # the warm-ups' blocks, cached for the capture stream, would never serve a step
                 torch.cuda.empty_cache()
         except NotImplementedError:
-            # the forward itself refuses the configuration (a layer without draft trees, now that
-            # tree verify graphs are captured at start-up), graphs or not: its own error
+            # the forward itself refuses the configuration (e.g. a MiniMax layer with an FP8 state),
+            # graphs or not: its own error
             raise
         except RuntimeError as e:
             from ..models.fused_experts import unfused_experts

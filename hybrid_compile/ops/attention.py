@@ -230,13 +230,19 @@ def _check_extend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sliding
             )
     if tree_mask is not None:
         check_tensor(op, "tree_mask", tree_mask, ndim=1, dtypes=(torch.int64,), shape=(q.shape[0],))
-        if not causal or sliding_window > 0:
-            raise ValueError(f"{op}: `tree_mask` (a draft tree) needs causal=True and no sliding window")
+        if not causal:
+            raise ValueError(f"{op}: `tree_mask` (a draft tree) needs causal=True")
         if should_check_values(qo_indptr) and qo_indptr.numel() > 1:
             longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
             if longest > MAX_TREE_TOKENS:
                 raise ValueError(f"{op}: `tree_mask` holds one bit per new token: at most {MAX_TREE_TOKENS} new tokens "
                                  f"per request, got {longest}")
+
+
+def tree_depths(tree_mask: torch.Tensor) -> torch.Tensor:
+    """Depth of each draft-tree token from its ``tree_mask`` row (its root path's bit count - 1)."""
+    bits = (tree_mask[:, None] >> torch.arange(MAX_TREE_TOKENS, device=tree_mask.device)) & 1
+    return bits.sum(-1) - 1
 
 
 @kernel_op("hybrid_compile::paged_attention_extend", mutates_args=())
@@ -282,7 +288,10 @@ def paged_attention_extend(
         tree_mask: optional ``[T]`` int64: a speculative draft TREE. Bit ``i`` of row ``j``'s mask
             says whether query ``j`` of its request sees that request's new token ``i`` (its
             ancestors and itself); every query still sees the whole cached prefix
-            (``kv_len - q_len`` tokens). At most 64 new tokens per request; causal, no window.
+            (``kv_len - q_len`` tokens). At most 64 new tokens per request; causal. A tree token's
+            position is ``kv_len - q_len`` plus its depth (its mask's bit count - 1), not its
+            row: a sliding window counts back from there, over the prefix's positions and its
+            ancestors' (the positions the accepted path's tokens take).
 
     Returns:
         ``o``: ``[T, Hq, Dv]`` in ``q.dtype``; ``lse``: ``[T, Hq]`` fp32 natural-log log-sum-exp of
@@ -304,13 +313,16 @@ def paged_attention_extend(
         if q_len == 0:
             continue
         first_pos = kv_len - q_len
+        # a tree with a window: each new token at first_pos + its depth (window positions only)
+        tree_pos = (None if tree_mask is None or sliding_window <= 0
+                    else first_pos + tree_depths(tree_mask[q0 : q0 + q_len]))
         # query block size keeping the logits of one block within budget
         block = max(1, _LOGITS_BUDGET // max(1, hq * kv_len))
         for j0 in range(0, q_len, block):
             j1 = min(q_len, j0 + block)
             p0, p1 = first_pos + j0, first_pos + j1 - 1  # first/last absolute query position
-            # contiguous key range any query of the block can see
-            lo = max(0, p0 - sliding_window + 1) if sliding_window > 0 else 0
+            # contiguous key range any query of the block can see (a tree's tokens: from first_pos on)
+            lo = max(0, (p0 if tree_pos is None else first_pos) - sliding_window + 1) if sliding_window > 0 else 0
             hi = p1 + 1 if causal else kv_len
             hi = min(hi, kv_len)
             lo = min(lo, hi)
@@ -322,8 +334,12 @@ def paged_attention_extend(
             visible = torch.ones(j1 - j0, hi - lo, dtype=torch.bool, device=q.device)
             if causal:
                 visible &= kpos[None, :] <= qpos[:, None]
-            if sliding_window > 0:
+            if sliding_window > 0 and tree_pos is None:
                 visible &= kpos[None, :] > qpos[:, None] - sliding_window
+            elif sliding_window > 0:
+                wq = tree_pos[j0:j1]
+                wk = torch.where(kpos >= first_pos, tree_pos[(kpos - first_pos).clamp(0, q_len - 1)], kpos)
+                visible &= wk[None, :] > wq[:, None] - sliding_window
             if tree_mask is not None:  # new tokens: only the query's ancestors (its mask bits)
                 rel = kpos - first_pos
                 bits = tree_mask[q0 + j0 : q0 + j1, None] >> rel.clamp(0, MAX_TREE_TOKENS - 1)[None, :]

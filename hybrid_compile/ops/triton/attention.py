@@ -203,6 +203,15 @@ def store_kv_cache_triton(
 
 
 @triton.jit
+def _bit_count(bits):
+    """Set bits of each int64 (a draft-tree ancestor mask: its token's depth + 1)."""
+    n = tl.zeros(bits.shape, tl.int32)
+    for i in range(64):
+        n += ((bits >> i) & 1).to(tl.int32)
+    return n
+
+
+@triton.jit
 def _attend_block(
     acc, l_i, m_i, q,
     K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn,
@@ -213,6 +222,7 @@ def _attend_block(
     USE_SOFTCAP: tl.constexpr, QK_F32: tl.constexpr, PV_F32: tl.constexpr, KV_FP8: tl.constexpr,
     tree_bits, tree_base, TREE_MASK: tl.constexpr,
     q_pe=None, offs_pe=None, pe_mask=None, PE_OFF: tl.constexpr = 0, HAS_PE: tl.constexpr = False,
+    wpos=None, TREE_ROWS=None, tree_len=0, TREE_WINDOW: tl.constexpr = False,
 ):
     """One BLOCK_N step of the online softmax: keys at positions n0 + [0, BLOCK_N) below n_hi.
 
@@ -220,7 +230,10 @@ def _attend_block(
     e4m3 values convert exactly to q's dtype, so the dots stay on q's dtype; the K scale multiplies
     the logits' columns and the V scale the probabilities' columns (both per key token).
     HAS_PE: the head dim is split in two power-of-two parts (MLA's latent + rope key, 512 + 64):
-    ``q`` holds the first ``PE_OFF`` channels, ``q_pe`` the rest, and q.k is the sum of two dots."""
+    ``q`` holds the first ``PE_OFF`` channels, ``q_pe`` the rest, and q.k is the sum of two dots.
+    TREE_WINDOW: a draft tree under a sliding window: the window counts from the queries' tree
+    positions ``wpos`` (``tree_base`` + depth) back over the keys' positions, a new token's being
+    ``tree_base`` + its depth (from its ancestor bits, ``TREE_ROWS[rel]``, ``rel < tree_len``)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     slots = tl.load(KVI_REQ + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -245,7 +258,14 @@ def _attend_block(
     if CAUSAL_MASK:
         visible = visible & (offs_n[None, :] <= qpos[:, None])
     if WINDOW_MASK:
-        visible = visible & (offs_n[None, :] > qpos[:, None] - window)
+        if TREE_WINDOW:
+            rel_k = offs_n - tree_base
+            is_new = (rel_k >= 0) & (rel_k < tree_len)
+            k_bits = tl.load(TREE_ROWS + tl.maximum(rel_k, 0), mask=is_new & n_mask, other=0)
+            kpos = tl.where(rel_k >= 0, tree_base + _bit_count(k_bits) - 1, offs_n)
+            visible = visible & (kpos[None, :] > wpos[:, None] - window)
+        else:
+            visible = visible & (offs_n[None, :] > qpos[:, None] - window)
     if TREE_MASK:  # a draft tree: new tokens (from tree_base on) only where the query's ancestor bit is set
         rel = offs_n - tree_base
         bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
@@ -289,7 +309,8 @@ def _extend_kernel(
     HEAD_DPE: tl.constexpr = 0, BLOCK_DPE: tl.constexpr = 16,
 ):
     """USE_TREE: ``TREE`` ``[T]`` int64 ancestor bits per query (a speculative draft tree): the
-    request's new tokens are masked by them; the unmasked interior stops at the cached prefix."""
+    request's new tokens are masked by them; the unmasked interior stops at the cached prefix; with
+    a window, each token's position for it is the prefix length + its depth (``_attend_block``)."""
     h = tl.program_id(0)
     # heaviest (last) causal blocks first; heads fastest so the heads of one kv group run together
     bid = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -333,7 +354,9 @@ def _extend_kernel(
     if USE_TREE:
         full_hi = tl.minimum(full_hi, pos_base)
     if USE_WINDOW:
-        k_lo = tl.maximum(k_lo, first_pos - window + 1)
+        # (a tree's rows sit at pos_base + depth <= their row position: the window may reach back
+        # from pos_base; last_pos still bounds the keys every row sees)
+        k_lo = tl.maximum(k_lo, (pos_base if USE_TREE else first_pos) - window + 1)
         full_lo = tl.maximum(k_lo, last_pos - window + 1)
     k_hi = tl.where(m0 < q_len, k_hi, k_lo)  # pure padding block: no keys
     k_lo = tl.minimum(k_lo, k_hi)
@@ -376,16 +399,19 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     tree_bits = tl.zeros([BLOCK_M], tl.int64)
+    wpos = qpos
     if USE_TREE:
         tree_bits = tl.load(TREE + q_start + offs_m, mask=q_mask, other=0)
+        if USE_WINDOW:
+            wpos = pos_base + _bit_count(tree_bits) - 1
 
     # window edge (masked), interior (unmasked), causal diagonal (masked)
     for n0 in range(k_lo, full_lo, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, full_lo, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
-            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, False,
-            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
+            BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, USE_TREE,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0, wpos, TREE + q_start, q_len, USE_TREE and USE_WINDOW,
         )
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
@@ -399,7 +425,7 @@ def _extend_kernel(
             acc, l_i, m_i, q, K_HEAD, V_HEAD, KVI_REQ, stride_kn, stride_vn, offs_d, d_mask, offs_dv, dv_mask,
             n0, k_hi, qpos, window, qk_mult, cap_mult, KS_HEAD, VS_HEAD, stride_ksn, stride_vsn,
             BLOCK_N, CAUSAL, USE_WINDOW, USE_SOFTCAP, QK_F32, PV_F32, KV_FP8, tree_bits, pos_base, USE_TREE,
-            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0,
+            q_pe, offs_pe, pe_mask, HEAD_D, HEAD_DPE > 0, wpos, TREE + q_start, q_len, USE_TREE and USE_WINDOW,
         )
 
     seen = (l_i > 0.0) & q_mask

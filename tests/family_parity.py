@@ -143,14 +143,16 @@ def check_speculative_tree(family: Family, topk: int) -> None:
 
 def check_gpu_graphs(family: Family) -> None:
     """GPU: compile + full and piecewise CUDA graphs give the eager GPU engine's tokens; those and
-    speculative decoding's under graphs equal HF's on the CPU up to CPU/GPU near-ties."""
+    speculative decoding's under graphs (chains; top-2 draft trees of the model's own drafts) equal
+    HF's on the CPU up to CPU/GPU near-ties."""
     from test_cuda_graphs import _assert_greedy_close  # HF-on-CPU oracle with a CPU/GPU near-tie allowance
 
     model = copy.deepcopy(family.model()).to("cuda")
     prompts = random_prompts((37, 1, 90, 5, 64, 3), family.vocab, seed=16)
     graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
     runs = {"eager": dict(compile=False), "graphs": graphs,
-            "graphs+speculative": dict(graphs, speculative=_speculative("draft_self", model))}
+            "graphs+speculative": dict(graphs, speculative=_speculative("draft_self", model)),
+            "graphs+tree": dict(graphs, speculative=dict(_speculative("draft_self", model), topk=2))}
     outs, stats = {}, {}
     for name, kw in runs.items():
         with make_engine(model, max_running_requests=8, **kw) as engine:
@@ -158,7 +160,7 @@ def check_gpu_graphs(family: Family) -> None:
             outs[name] = engine.generate_batch(prompts, max_new_tokens=TREE_NEW)
             stats[name] = engine.stats()
             assert_pools_restored(engine, initial_free)
-    for name in ("eager", "graphs+speculative"):  # verify runs other kernels than decode: near-ties may flip
+    for name in ("eager", "graphs+speculative", "graphs+tree"):  # verify runs other kernels: near-ties may flip
         for p, got in zip(prompts, outs[name]):
             _assert_greedy_close(family.model(), p, got, family.hf(tuple(p), TREE_NEW), f"{family.name} {name} GPU")
     assert outs["graphs"] == outs["eager"], outs  # the same kernels per step, replayed
@@ -166,3 +168,4 @@ def check_gpu_graphs(family: Family) -> None:
     assert c["recompiles"] == 0 and c["graph_breaks"] == 0, c
     assert c["cuda_graph_replays"] > 0 and c["piecewise_replays"] > 0, c
     assert stats["graphs+speculative"]["speculative"]["verify_steps"] > 0
+    assert stats["graphs+tree"]["speculative"]["verify_steps"] > 0 and stats["graphs+tree"]["speculative"]["topk"] == 2

@@ -163,7 +163,7 @@ def test_fp8_state_refused_at_wrap():
 @pytest.mark.gpu
 def test_gpu_eager_and_graphs_match_hf():
     """Eager, compiled + CUDA graphs (full decode graphs and piecewise), and graphs + speculative
-    on the GPU (the Triton lightning kernels), against HF on the CPU. The GPU copy runs its MoE
+    (chains; draft trees) on the GPU (the Triton lightning kernels), against HF on the CPU. The GPU copy runs its MoE
     experts with transformers' ``batched_mm`` (no host sync, which graph capture refuses; the
     default fp32 path syncs, see tests/test_cuda_graphs.py): the same math."""
     import copy
@@ -177,9 +177,14 @@ def test_gpu_eager_and_graphs_match_hf():
     expected = [hf_greedy_cached(cpu_model, ("minimax", 0), p, MAX_NEW) for p in prompts]
     graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4), piecewise_cuda_graph_tokens=(4, 16, 64))
     runs = {"eager": dict(compile=False), "graphs": graphs,
-            "graphs+speculative": dict(graphs, speculative=dict(method="ngram", num_draft_tokens=3))}
+            "graphs+speculative": dict(graphs, speculative=dict(method="ngram", num_draft_tokens=3)),
+            # draft trees: full tree verify graphs, the lightning kernel's tree path
+            "graphs+tree": dict(graphs, speculative=dict(method="draft_model", draft_model=model, num_draft_tokens=3,
+                                                         topk=2))}
     for name, kw in runs.items():
         with make_engine(model, max_running_requests=8, **kw) as engine:
             got = engine.generate_batch(prompts, max_new_tokens=MAX_NEW)
+            if name == "graphs+tree":
+                assert engine.stats()["speculative"]["verify_steps"] > 0
         for p, g, want in zip(prompts, got, expected):
             _assert_greedy_close(cpu_model, p, g, want, f"minimax {name} GPU")

@@ -35,6 +35,9 @@ kernels or one graph replay), ``kv_free`` (freeing the rejected drafts' KV slots
 mode) registered as ours are (``hybrid_compile.ops.registration.kernel_op``) against the same op
 through ``torch.library.custom_op``, for 0 / 1 / 4 / 13 mutated arguments (13: the decode metadata
 op's count); microseconds per call, medians of ``--repeats`` runs. Output key ``op_dispatch``.
+``--op-checks``: instead, the host cost of the argument checks (shapes, dtypes, devices) that the GDN
+layer's extend ops and the attention extend op run before their kernels, at a 512-token step of the
+Qwen3-Next-80B shapes, on meta tensors (no value checks, as on a GPU); output key ``op_checks``.
 
 Output: printed table + JSON (``--out``, default ``benchmarks/results/host_overhead_<device>.json``).
 """
@@ -261,6 +264,44 @@ def op_dispatch(device: torch.device, calls: int, repeats: int) -> dict:
     return rows
 
 
+def op_checks(calls: int, repeats: int) -> dict:
+    """Microseconds per call of the argument checks the GDN layer's extend ops and the attention
+    extend op run before their kernels (``--op-checks``), at a 512-token, 2-request step of the
+    Qwen3-Next-80B shapes, on meta tensors: a device's path, where no check reads values."""
+    from hybrid_compile.ops import attention, conv1d, gdn
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    t, hk, hv, dk, dv, conv_dim, width, slots = 512, 16, 32, 128, 128, 8192, 4, 64
+    cu, idx = meta(3, dtype=torch.int32), meta(2, dtype=torch.int32)
+    init = meta(2, dtype=torch.bool)
+    cases = {
+        "gdn_gating": (gdn._check_gdn_gating, (meta(hv, dtype=torch.float32), meta(t, hv), meta(t, hv),
+                                               meta(hv, dtype=torch.float32))),
+        "causal_conv1d_fn": (conv1d._check_causal_conv1d_fn,
+                             (meta(t, conv_dim), meta(conv_dim, width), None, meta(slots, width - 1, conv_dim), cu, idx,
+                              init, "silu")),
+        "chunk_gated_delta_rule": (gdn._check_chunk, (meta(t, hk, dk), meta(t, hk, dk), meta(t, hv, dv),
+                                                      meta(t, hv, dtype=torch.float32), meta(t, hv),
+                                                      meta(slots, hv, dk, dv, dtype=torch.float32), cu, idx, init)),
+        "paged_attention_extend": (attention._check_extend,
+                                   (meta(t, 16, 256), meta(4096, 2, 256), meta(4096, 2, 256), cu, cu,
+                                    meta(t, dtype=torch.int32), -1, 0.0)),
+    }
+    rows = {}
+    for name, (check, args) in cases.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                check(*args)
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+        rows[name] = statistics.median(times)
+        print(f"argument checks of {name:24s} {rows[name]:6.1f} us", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -275,19 +316,24 @@ def main():
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="measure the verify steps of a speculative engine with K draft tokens instead (module docstring)")
     ap.add_argument("--op-dispatch", action="store_true", help="time one op call, ours against custom_op (module docstring)")
-    ap.add_argument("--calls", type=int, default=2000, help="--op-dispatch: calls per timing")
-    ap.add_argument("--repeats", type=int, default=5, help="--op-dispatch: timings per row (the median is kept)")
+    ap.add_argument("--op-checks", action="store_true",
+                    help="time the argument checks of the extend-step ops on meta tensors (module docstring)")
+    ap.add_argument("--calls", type=int, default=2000, help="--op-dispatch / --op-checks: calls per timing")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="--op-dispatch / --op-checks: timings per row (the median is kept)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.op_dispatch:
-        result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                  "torch": torch.__version__, "unit": "microseconds per op call",
-                  "op_dispatch": op_dispatch(device, args.calls, args.repeats)}
+    if args.op_dispatch or args.op_checks:
+        key = "op_dispatch" if args.op_dispatch else "op_checks"
+        rows = op_dispatch(device, args.calls, args.repeats) if args.op_dispatch else op_checks(args.calls, args.repeats)
+        on_gpu = args.op_dispatch and device.type == "cuda"  # (the checks run on the host whatever --device)
+        result = {"device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
+                  "torch": torch.__version__, "unit": "microseconds per op call", key: rows}
         out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                       f"host_overhead_op_dispatch_{device.type}.json")
+                                       f"host_overhead_{key}_{device.type if args.op_dispatch else 'host'}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

@@ -231,6 +231,19 @@ def test_host_overhead_op_dispatch_smoke(tmp_path):
     assert all(r["kernel_op"] > 0 and r["custom_op"] > 0 and r["ratio"] > 0 for r in rows.values())
 
 
+def test_host_overhead_op_checks_smoke(tmp_path):
+    """benchmarks/host_overhead.py --op-checks: every extend op's argument checks timed at the 80B
+    shapes (the checks pass: a wrong shape would raise), JSON written (no speed asserted)."""
+    out = tmp_path / "checks.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--op-checks", "--calls", "20",
+           "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["op_checks"]
+    assert sorted(rows) == ["causal_conv1d_fn", "chunk_gated_delta_rule", "gdn_gating", "paged_attention_extend"]
+    assert all(v > 0 for v in rows.values())
+
+
 def test_sampling_penalties_benchmark_smoke(tmp_path):
     """benchmarks/sampling_penalties.py --tiny --device cpu: every mode measured, JSON written."""
     out = tmp_path / "penalties.json"

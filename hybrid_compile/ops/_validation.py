@@ -14,6 +14,7 @@ import os
 from typing import Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -32,9 +33,7 @@ def debug_checks_enabled() -> bool:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or t.device.type == "meta"
+    return t.device.type == "meta" or is_fake(t)
 
 
 def check_tensor(
@@ -58,22 +57,27 @@ def check_tensor(
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{op}: `{name}` must have dtype in ({names}), got {t.dtype}")
     if shape is not None:
-        if len(shape) != t.dim():
-            raise ValueError(f"{op}: `{name}` must have {len(shape)} dims, got shape {tuple(t.shape)}")
+        size = t.shape  # (read once: these checks run at every op call)
+        if len(shape) != len(size):
+            raise ValueError(f"{op}: `{name}` must have {len(shape)} dims, got shape {tuple(size)}")
         for i, want in enumerate(shape):
-            if want is not None and t.shape[i] != want:
+            if want is not None and size[i] != want:
                 expected = tuple("*" if s is None else s for s in shape)
                 raise ValueError(
-                    f"{op}: `{name}` has shape {tuple(t.shape)}, expected {expected} (dim {i} must be {want})"
+                    f"{op}: `{name}` has shape {tuple(size)}, expected {expected} (dim {i} must be {want})"
                 )
 
 
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
     """All given (non-None) tensors must live on one device."""
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len({(d.type, d.index) for d in devices.values()}) > 1:
-        listing = ", ".join(f"{n}={d}" for n, d in devices.items())
-        raise RuntimeError(f"{op}: all tensors must be on the same device, got {listing}")
+    first = None
+    for t in tensors.values():  # (every op call runs this: the common case without building anything)
+        if t is not None:
+            if first is None:
+                first = t.device
+            elif t.device != first:
+                listing = ", ".join(f"{n}={t.device}" for n, t in tensors.items() if t is not None)
+                raise RuntimeError(f"{op}: all tensors must be on the same device, got {listing}")
 
 
 def check_divisible(op: str, what: str, a: int, b: int) -> None:
@@ -83,12 +87,10 @@ def check_divisible(op: str, what: str, a: int, b: int) -> None:
 
 def should_check_values(*tensors: torch.Tensor) -> bool:
     """True when value checks may read these tensors: real CPU tensors, or debug mode."""
-    for t in tensors:
-        if _is_fake(t):
-            return False
-    if all(t.device.type == "cpu" for t in tensors):
-        return True
-    return _debug_checks
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    if not (on_cpu or _debug_checks):  # (a device's hot path: decided without the fake-tensor test)
+        return False
+    return not any(_is_fake(t) for t in tensors)
 
 
 def check_slot_indices(op: str, name: str, indices: torch.Tensor, num_slots: int, *, allow_pad: bool = True) -> None:

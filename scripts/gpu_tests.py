@@ -21,6 +21,13 @@ compiled graph is built once per run, not once per worker. ``--time-limit`` stop
 SIGINT (pytest still writes the JUnit XML of what ran) and then kills it; the table is built
 from ``timings.jsonl`` either way. The exit status is pytest's (124 when the time limit hit).
 Needs a CUDA device.
+
+``--gpus N`` (0: every visible device) splits the test files over N GPUs: one run of this script
+per GPU (``CUDA_VISIBLE_DEVICES`` = that one, its own ``--workers``, out folder ``gpuI`` and time
+limit), the files dealt out by their summed test seconds of an earlier run (``--balance``, default
+``benchmarks/results/gpu_tests/file_seconds.json``; a file it lacks counts as their median),
+heaviest first onto the least loaded GPU; then one table over all of them. A test that needs
+several GPUs (``multi_gpu``) sees one in a shard and skips: run those on all GPUs apart.
 """
 
 from __future__ import annotations
@@ -62,6 +69,101 @@ def pytest_command(args, out: str) -> list[str]:
     return cmd + list(args.pytest_args or ["tests/"])
 
 
+BALANCE = os.path.join(ROOT, "benchmarks", "results", "gpu_tests", "file_seconds.json")
+
+
+def split_targets(pytest_args: list[str]) -> tuple[list[str], list[str]]:
+    """(pytest options, test paths) of the pytest arguments: a path is an argument naming an
+    existing file or folder (from the checkout's root), ``::`` node ids included."""
+    options, targets = [], []
+    for a in pytest_args:
+        path = a.split("::")[0]
+        (targets if path and os.path.exists(os.path.join(ROOT, path)) else options).append(a)
+    return options, targets
+
+
+def list_test_files(targets: list[str]) -> list[str]:
+    """Every test file the targets name: a folder's ``test_*.py`` files (sorted), files as given."""
+    files = []
+    for t in targets:
+        full = os.path.join(ROOT, t.split("::")[0])
+        if os.path.isdir(full):
+            files += sorted(os.path.relpath(os.path.join(full, f), ROOT) for f in os.listdir(full)
+                            if f.startswith("test_") and f.endswith(".py"))
+        else:
+            files.append(t)
+    return files
+
+
+def plan_shards(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
+    """``files`` dealt out to at most ``n`` shards, heaviest first onto the least loaded one (a file's
+    weight: its ``seconds``, else the median of those known, else 1); each shard keeps the files'
+    given order. Empty shards are dropped."""
+    known = sorted(seconds[f.split("::")[0]] for f in files if f.split("::")[0] in seconds)
+    default = known[len(known) // 2] if known else 1.0
+    weight = {f: seconds.get(f.split("::")[0], default) for f in files}
+    loads, shards = [0.0] * n, [[] for _ in range(n)]
+    for f in sorted(files, key=lambda f: -weight[f]):
+        i = loads.index(min(loads))
+        shards[i].append(f)
+        loads[i] += weight[f]
+    order = {f: i for i, f in enumerate(files)}
+    return [sorted(s, key=order.get) for s in shards if s]
+
+
+def run_sharded(args, out: str, gpus: int) -> int:
+    """``--gpus``: this script once per GPU over its share of the files, then one table (module docstring)."""
+    import torch
+
+    options, targets = split_targets(list(args.pytest_args or ["tests/"]))
+    seconds = {}
+    if args.balance and os.path.exists(args.balance):
+        with open(args.balance) as f:
+            seconds = json.load(f)["seconds"]
+    shards = plan_shards(list_test_files(targets or ["tests/"]), gpus, seconds)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = visible or [str(i) for i in range(torch.cuda.device_count() if torch.cuda.is_available() else gpus)]
+    if len(visible) < len(shards):
+        raise SystemExit(f"gpu_tests: --gpus {gpus} needs {len(shards)} devices, {len(visible)} visible")
+    started = time.time()
+    procs = []
+    for i, files in enumerate(shards):
+        sub = os.path.join(out, f"gpu{i}")
+        cmd = [sys.executable, os.path.abspath(__file__), "--workers", str(args.workers), "--out", sub,
+               "--time-limit", str(args.time_limit), "--test-timeout", str(args.test_timeout)]
+        cmd += [flag for flag, on in (("--smoke", args.smoke), ("--cold", args.cold), ("--allow-cpu", args.allow_cpu))
+                if on]
+        print(f"gpu_tests: GPU {visible[i]}: {len(files)} files", flush=True)
+        log = open(os.path.join(out, f"gpu{i}.log"), "w")
+        procs.append((subprocess.Popen(cmd + ["--"] + options + files, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i])), log))
+    codes = []
+    for proc, log in procs:
+        codes.append(proc.wait())
+        log.close()
+    merged = os.path.join(out, "timings.jsonl")
+    with open(merged, "w") as f:
+        for i in range(len(shards)):
+            part = os.path.join(out, f"gpu{i}", "timings.jsonl")
+            if os.path.exists(part):
+                with open(part) as p:
+                    f.write(p.read())
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    timed_out = 124 in codes
+    table = summarize(merged, wall=time.time() - started, device=f"{len(shards)} x {device}",
+                      command=[sys.executable, os.path.abspath(__file__), "--gpus", str(gpus)], timed_out=timed_out)
+    _write_table(out, table)
+    return 124 if timed_out else max(codes, default=0)
+
+
+def _write_table(out: str, table: dict) -> None:
+    with open(os.path.join(out, "timings.md"), "w") as f:
+        f.write(table["markdown"])
+    with open(os.path.join(out, "timings.json"), "w") as f:
+        json.dump({k: v for k, v in table.items() if k != "markdown"}, f, indent=1)
+    print("\n" + table["markdown"], flush=True)
+
+
 def run(args) -> int:
     import torch
 
@@ -69,6 +171,9 @@ def run(args) -> int:
         raise SystemExit("gpu_tests: no CUDA device here; the gpu tests only skip on a CPU machine")
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="hc-gpu-tests-"))
     os.makedirs(out, exist_ok=True)
+    gpus = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    if gpus > 1:
+        return run_sharded(args, out, gpus)
     timings = os.path.join(out, "timings.jsonl")
     if os.path.exists(timings):
         os.remove(timings)
@@ -114,11 +219,7 @@ def run(args) -> int:
         reader.join(timeout=10)
     wall = time.time() - started
     table = summarize(timings, wall=wall, device=device, command=cmd, timed_out=timed_out)
-    with open(os.path.join(out, "timings.md"), "w") as f:
-        f.write(table["markdown"])
-    with open(os.path.join(out, "timings.json"), "w") as f:
-        json.dump({k: v for k, v in table.items() if k != "markdown"}, f, indent=1)
-    print("\n" + table["markdown"], flush=True)
+    _write_table(out, table)
     return 124 if timed_out else proc.returncode
 
 
@@ -199,6 +300,10 @@ def main(argv=None) -> int:
     p.add_argument("--test-timeout", type=float, default=0,
                    help="pytest-timeout limit per test in seconds (0 = none; needs pytest-timeout)")
     p.add_argument("--cold", action="store_true", help="fresh empty Triton / Inductor caches (a fresh machine's cost)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="split the test files over this many GPUs, one run per GPU (0: every visible one; module docstring)")
+    p.add_argument("--balance", default=BALANCE,
+                   help="--gpus: JSON {'seconds': {file: seconds}} of an earlier run to deal the files out by")
     p.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("pytest_args", nargs="*", help="instead of tests/: paths or pytest options (after --)")
     return run(p.parse_args(argv))

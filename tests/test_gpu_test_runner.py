@@ -2,7 +2,8 @@
 
 CPU: the timings plugin logs every test phase of a real pytest run (pass, fail, skip, setup
 error) and the per-file table counts them, names each failure with its error line and counts a
-test whose lines are missing as not run; the runner refuses to run without CUDA; every kernel op
+test whose lines are missing as not run; the runner refuses to run without CUDA; ``--gpus`` deals
+the files out by their seconds and one table counts every shard's tests; every kernel op
 of ``hybrid_compile.ops.KERNEL_OPS`` is called by some test of the ``gpu and smoke`` subset (a
 new op needs a smoke test).
 """
@@ -106,3 +107,41 @@ def test_smoke_subset_calls_every_kernel_op():
     assert not missing, f"kernel ops no `gpu and smoke` test calls: {missing}"
     for mode in ("compiled", "full", "piecewise", "both"):  # engine modes: tests/test_cuda_graphs.py
         assert f'"{mode}"' in sources["test_cuda_graphs.py::test_greedy_equal_across_modes"]
+
+
+def test_shards_deal_the_files_by_their_seconds():
+    """``--gpus``: files dealt heaviest first onto the least loaded shard (an unknown file weighs the
+    known files' median), each shard in the given order; pytest options told from paths; a folder
+    expanded into its test files."""
+    seconds = {"a": 10.0, "b": 7.0, "c": 5.0, "d": 4.0}
+    shards = gpu_tests.plan_shards(["a", "b", "c", "d", "e"], 2, seconds)
+    assert sorted(f for s in shards for f in s) == list("abcde")
+    assert shards == [["a", "c"], ["b", "d", "e"]]  # 10 + 5 against 7 + 7 + 4 (e: the known median, 7)
+    assert gpu_tests.plan_shards(["a"], 3, seconds) == [["a"]]  # no empty shards
+    assert gpu_tests.plan_shards(["x", "y", "z"], 2, {}) == [["x", "z"], ["y"]]
+    opts, targets = gpu_tests.split_targets(["-k", "qwen3_next or mamba", "tests/test_memory.py",
+                                            "tests/test_memory.py::test_x", "-x"])
+    assert opts == ["-k", "qwen3_next or mamba", "-x"]
+    assert targets == ["tests/test_memory.py", "tests/test_memory.py::test_x"]
+    files = gpu_tests.list_test_files(["tests/"])
+    assert "tests/test_memory.py" in files and all(os.path.basename(f).startswith("test_") for f in files)
+
+
+def test_sharded_run_merges_every_shard(tmp_path):
+    """Three files of ``gpu`` tests over two shards (``--allow-cpu`` on this CPU machine): each shard
+    writes its own folder, the table counts every test of both, the exit status is a failure's."""
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"test_shard{i}.py"
+        path.write_text(f"import pytest\n\n\n@pytest.mark.gpu\ndef test_ok{i}():\n    pass\n\n\n"
+                        f"@pytest.mark.gpu\ndef test_bad{i}():\n    assert {i} < 2\n")
+        paths.append(str(path))
+    out = tmp_path / "out"
+    rc = gpu_tests.main(["--allow-cpu", "--gpus", "2", "--workers", "1", "--balance", "", "--out", str(out), "--", *paths])
+    assert rc == 1
+    table = json.loads((out / "timings.json").read_text())
+    assert table["totals"]["tests"] == 6 and table["totals"]["passed"] == 5 and table["totals"]["failed"] == 1, table
+    assert table["device"].startswith("2 x ")
+    assert [f["test"].split("::")[1] for f in table["failures"]] == ["test_bad2"]
+    for i in range(2):
+        assert (out / f"gpu{i}" / "timings.jsonl").exists() and (out / f"gpu{i}.log").exists()

@@ -82,7 +82,7 @@ def test_the_mutated_default_check_can_fail():
 def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "23/23 ops match" in out  # (the six verify ops over draft trees, the KDA / MLA and lightning cases included)
+    assert "24/24 ops match" in out  # (the six verify ops over draft trees, windowed tree attention, KDA / MLA, lightning)
 
 
 def test_demo_command_matches_transformers(capsys):

@@ -511,11 +511,9 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
     qa = _rand(gen, B * L, Hq, Dh, dtype=dtype, device=device)
     mask = torch.tensor([m for row in parents.tolist() for m in ref_tree.ancestor_bits(row)], dtype=torch.int64)
     scale = Dh ** -0.5
-    (o, lse), ms = _timed(lambda: ops.paged_attention_extend(
-        qa, k_cache, v_cache, qo_indptr.to(device), kv_indptr.to(device), kv_indices.to(device), scale, True, -1, 0.0,
-        None, None, mask.to(device)), reps)
 
-    def attention_by_paths():
+    def attention_by_paths(window):
+        """A node at the prefix length + its depth (its root path as a chain), for the window too."""
         outs = []
         for b in range(B):
             slots_b = kv_indices[kv_indptr[b]: kv_indptr[b + 1]]
@@ -523,12 +521,16 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
                 keys = slots_b[list(range(prefix[b])) + [prefix[b] + a for a in ref_tree.root_path(parents[b].tolist(), t)]]
                 ro, rl = ref_attn.paged_attention_extend_ref(
                     qa[b * L + t: b * L + t + 1].cpu(), k_cache.cpu(), v_cache.cpu(), torch.tensor([0, 1]),
-                    torch.tensor([0, len(keys)]), keys, scale)
+                    torch.tensor([0, len(keys)]), keys, scale, True, window)
                 outs.append((ro[0], rl[0]))
         return torch.stack([a for a, _ in outs]), torch.stack([b for _, b in outs])
 
-    (ro, rlse), ref_ms = _timed(attention_by_paths)
-    results.append(CheckResult("paged_attention_extend (tree)", _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
+    for window, name in ((-1, "paged_attention_extend (tree)"), (24, "paged_attention_extend (tree, window 24)")):
+        (o, lse), ms = _timed(lambda: ops.paged_attention_extend(
+            qa, k_cache, v_cache, qo_indptr.to(device), kv_indptr.to(device), kv_indices.to(device), scale, True,
+            window, 0.0, None, None, mask.to(device)), reps)
+        (ro, rlse), ref_ms = _timed(lambda: attention_by_paths(window))
+        results.append(CheckResult(name, _err((o, ro), (lse, rlse)), TOLERANCE[dtype], ms, ref_ms))
     return results
 
 

@@ -131,23 +131,32 @@ def tree_oracle(args, parents):
     return ref_tree.tree_by_paths(chain, [q, k, v], parents.cpu())
 
 
-@pytest.mark.parametrize("inter_dtype", [torch.float32, torch.bfloat16])
-def test_recurrent_tree_matches_the_chain_reference_per_path(inter_dtype):
-    """Each node of a draft tree starts from its parent's stored state (-1: the slot's): outputs
-    and stored states equal each root path's chain; the pool, the padding row and the buffer's
-    extra row are left alone."""
+def check_tree_result(run, inter_dtype):
+    """``run(q, k, v, slope, pool, slots, inter, parents) -> o`` over :func:`tree_inputs` against
+    the chain oracle: the real rows' outputs and stored states, the pool untouched, the padding row
+    and the buffer's extra row left alone. Returns (args, parents, o, tolerance dtype)."""
     args, parents = tree_inputs(inter_dtype=inter_dtype)
     want_o, want_states = tree_oracle(args, parents)
     q, k, v, s, pool, slots, inter = args
     got_pool = pool.clone()
-    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, True, inter, parents)
+    o = run(q, k, v, s, got_pool, slots, inter, parents)
     real = [1, 2, 3]
-    # (the op reads a bf16 parent as stored; the chain keeps fp32 between steps)
+    # (a bf16 buffer: a parent is read as stored; the chain keeps fp32 between steps)
     tol = torch.float32 if inter_dtype == torch.float32 else torch.bfloat16
     assert_close(o[real], want_o[real].to(o.dtype), tol)
     assert_close(inter[real].float(), want_states[real], tol)
     assert torch.equal(got_pool, pool)
     assert torch.all(o[0] == 0) and torch.all(inter[0] == 7.0) and torch.all(inter[4] == 7.0)
+    return args, parents, o, tol
+
+
+@pytest.mark.parametrize("inter_dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_tree_matches_the_chain_reference_per_path(inter_dtype):
+    """Each node of a draft tree starts from its parent's stored state (-1: the slot's): outputs
+    and stored states equal each root path's chain (:func:`check_tree_result`)."""
+    (q, k, v, s, pool, slots, inter), _, o, tol = check_tree_result(
+        lambda q, k, v, s, p, sl, i, par: ops.recurrent_lightning_attention_update(q, k, v, s, p, sl, True, i, par),
+        inter_dtype)
     # a chain written as parents is the chain
     chain_inter = torch.zeros_like(inter)
     chain = ops.recurrent_lightning_attention_update(q[2:3], k[2:3], v[2:3], s, pool, slots[2:3], True,

@@ -17,7 +17,7 @@ from hybrid_compile.ops.reference import lightning as ref
 from hybrid_compile.ops.triton import lightning as tl_lightning
 from op_testing import assert_close, run_opcheck
 from hybrid_compile.ops.reference import tree as ref_tree
-from test_ops_lightning import C, H, K, V, check_pool, chunk_inputs, recurrent_inputs, tree_inputs, tree_oracle
+from test_ops_lightning import C, H, K, V, check_pool, check_tree_result, chunk_inputs, recurrent_inputs
 
 # CPU tests here call the launchers on CPU tensors under Triton's interpreter (see conftest).
 INTERPRETER_ONLY = True
@@ -64,21 +64,14 @@ def test_interpreted_recurrent_matches_reference(disable):
 def test_interpreted_recurrent_tree_matches_chain_reference_and_op(inter_dtype):
     """The kernel over draft trees (each node from its parent's stored row, -1 from the slot's
     state): the chain reference per root path, and the plain op."""
-    args, parents = tree_inputs(inter_dtype=inter_dtype)
-    want_o, want_states = tree_oracle(args, parents)
-    q, k, v, s, pool, slots, inter = args
-    op_inter = inter.clone()
+    (q, k, v, s, pool, slots, inter), parents, o, tol = check_tree_result(
+        lambda q, k, v, s, p, sl, i, par: tl_lightning.recurrent_lightning_attention_update_triton(
+            q, k, v, s, p, sl, True, i, par), inter_dtype)
+    op_inter = torch.full_like(inter, 7.0)
     op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, parents)
-    got_pool = pool.clone()
-    o = tl_lightning.recurrent_lightning_attention_update_triton(q, k, v, s, got_pool, slots, True, inter, parents)
-    real = [1, 2, 3]
-    tol = torch.float32 if inter_dtype == torch.float32 else torch.bfloat16
-    assert_close(o[real], want_o[real].to(o.dtype), tol)
-    assert_close(inter[real].float(), want_states[real], tol)
     # (a bf16 buffer: a one-ulp rounding of a stored state, fp32 sums apart, carries into its children)
     assert_close(o, op_o, tol)
     assert_close(inter.float(), op_inter.float(), tol)
-    assert torch.equal(got_pool, pool) and torch.all(o[0] == 0) and torch.all(inter[0] == 7.0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -229,6 +229,20 @@ def run_verify(engine, prompts, new_tokens, vocab: int) -> dict[str, float]:
 OP_DISPATCH_MUTATED = (0, 1, 4, 13)
 
 
+def _median_call_us(fn, args, calls: int, repeats: int) -> float:
+    """Microseconds per ``fn(*args)``: the median of ``repeats`` timings of ``calls`` calls, each
+    after ``calls // 10`` warm-up calls."""
+    times = []
+    for _ in range(repeats):
+        for _ in range(calls // 10):
+            fn(*args)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
 def op_dispatch(device: torch.device, calls: int, repeats: int) -> dict:
     """Microseconds per call of a no-op op with ``m`` mutated arguments (``OP_DISPATCH_MUTATED``), as a
     ``kernel_op`` and as a ``torch.library.custom_op`` (``--op-dispatch``, module docstring)."""
@@ -248,15 +262,7 @@ def op_dispatch(device: torch.device, calls: int, repeats: int) -> dict:
         row = {}
         with torch.inference_mode():
             for name, op in (("kernel_op", ours), ("custom_op", theirs)):
-                times = []
-                for _ in range(repeats):
-                    for _ in range(calls // 10):
-                        op(*args)
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        op(*args)
-                    times.append((time.perf_counter() - t0) / calls * 1e6)
-                row[name] = statistics.median(times)
+                row[name] = _median_call_us(op, args, calls, repeats)
         row["ratio"] = row["custom_op"] / row["kernel_op"]
         rows[str(m)] = row
         print(f"op dispatch, {m:2d} mutated: kernel_op {row['kernel_op']:7.1f} us  custom_op {row['custom_op']:7.1f} us "
@@ -291,13 +297,7 @@ def op_checks(calls: int, repeats: int) -> dict:
     }
     rows = {}
     for name, (check, args) in cases.items():
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                check(*args)
-            times.append((time.perf_counter() - t0) / calls * 1e6)
-        rows[name] = statistics.median(times)
+        rows[name] = _median_call_us(check, args, calls, repeats)
         print(f"argument checks of {name:24s} {rows[name]:6.1f} us", flush=True)
     return rows
 

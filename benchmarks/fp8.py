@@ -6,6 +6,7 @@
     python benchmarks/fp8.py --modes bf16_hf_experts,bf16 --no-kernels   # bf16: transformers' experts vs ours
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
+    python benchmarks/fp8.py --sweep --prefill           # the tensor-core GEMM's tiles at prefill sizes
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
 
 Model: the Qwen3-Next-80B-A3B layer shape on ``--layers`` of its 48 layers (default 8: pattern
@@ -17,7 +18,9 @@ in place (``quantize_model``: projections and experts to e4m3 with 128 x 128 blo
 LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measured with the same
 settings. ``bf16_hf_experts``: the bf16 engine on transformers' experts path (``fused_moe=False``)
 instead of ours (the default on CUDA), first; every later mode is compared with the first. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
-generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token).
+generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token); then
+the 4k prefill once more under ``torch.profiler`` (``prefill_profile`` in the JSON: wall and GPU-busy
+ms per engine step and the 20 kernels with the most GPU time), to compare the modes kernel by kernel.
 
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
 the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quantized e4m3 inputs
@@ -45,6 +48,11 @@ the same bf16 values) before it is timed; a wrong one is reported and the run ex
 median of CUDA-graph replays; GB/s from the weight bytes the call streams (the experts hit).
 Printed per case: the current default (what the op dispatches to), the best FP8 candidate and
 its config and speedup over the default, the best bf16 time and FP8-best / bf16-best.
+
+``--sweep --prefill``: the same cases at prefill sizes (:data:`PREFILL_ROWS` dense rows; as many
+tokens of top-10 experts, 10x the rows) with the tensor-core GEMM under :data:`TC_GRID` (``tc[BM,
+BN, warps, stages, GROUP_M]``) beside its default ``tc``, ``torch._scaled_mm``, ``torch.mm`` and the
+bf16 experts kernels (no GEMV).
 """
 
 
@@ -67,6 +75,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.ops import fp8 as fp8_ops  # noqa: E402
 from hybrid_compile.quantization import fp8_weight_bytes, quantize_model  # noqa: E402
+from benchmarks.profiling import prefill_profile  # noqa: E402
 from reference_models import _build, random_token_prompts, sync_device  # noqa: E402
 
 # (name, N, K) of the 80B model's projections; experts: (name, E, N, K)
@@ -88,6 +97,11 @@ MODES = {"bf16_hf_experts": {"fused_moe": False}, "bf16": {}, "fp8": {}}
 TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
 TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
+#: ``--sweep --prefill``: dense rows (a 4k prompt, an 8k prefill chunk) and expert tokens (x top-10 rows)
+PREFILL_ROWS = (4096, 8192)
+#: the tensor-core GEMM's tiles tried there: (BM, BN, warps, stages, GROUP_M)
+TC_GRID = dict(bm=(64, 128), bn=(64, 128), warps=(4, 8), stages=(3, 4), group_m=(1, 8))
+TINY_PREFILL = dict(rows=(20,), tc_grid=dict(bm=(16,), bn=(16,), warps=(4,), stages=(1,), group_m=(1, 2)))
 
 
 def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Qwen3NextConfig:
@@ -133,6 +147,14 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
         s = _timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
         out["prefill"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
         print(f"  prefill {n:6d}: {s * 1e3:9.1f} ms  {n / s:9.0f} tok/s", flush=True)
+    # where the shortest prefill's time goes (kernels by GPU time), to compare the modes kernel by kernel
+    prof = prefill_profile(engine, min(prefill_lens), vocab, kernels_shown=20)
+    out["prefill_profile"] = prof
+    if "top_kernels" in prof:
+        print(f"  prefill {prof['length']} profiled: wall {prof['wall_ms_per_step']:.1f} ms/step, GPU busy "
+              f"{prof['gpu_busy_ms_per_step']:.1f} ms/step; top kernels (ms/step):", flush=True)
+        for k in prof["top_kernels"]:
+            print(f"    {k['ms_per_step']:8.3f}  x{k['calls_per_step']:<6.1f} {k['name'][:90]}", flush=True)
     return out
 
 
@@ -198,7 +220,7 @@ def _gemv_grid(grid, rows_per_program, k) -> list[tuple]:
     from hybrid_compile.ops.triton.common import pow2
 
     out = []
-    for bn, bk, warps, stages in itertools.product(*grid.values()):
+    for bn, bk, warps, stages in (itertools.product(*grid.values()) if grid else ()):
         regs = (rows_per_program + 1) * bn * bk / (32 * warps)  # fp32 accumulators + weight tile, a thread
         if bk <= pow2(k, 16) and regs <= 160:
             out.append((bn, bk, warps, stages))
@@ -235,6 +257,9 @@ def _time_candidates(cands, device, iters) -> dict:
 
 def _summarize(case: dict, current: str) -> dict:
     t = case["times"]
+    for v in t.values():  # every candidate does the same 2 * rows * N * K flops
+        if "ms" in v:
+            v["tflops"] = 2 * case["rows"] * case["n"] * case["k"] / (v["ms"] * 1e-3) / 1e12
     fp8_labels = [k for k in t if not k.startswith("bf16") and k != "scaled_mm" and "ms" in t[k]]
     bf16_labels = [k for k in t if k.startswith("bf16") and "ms" in t[k]]
     if not fp8_labels:
@@ -261,6 +286,10 @@ def _summarize(case: dict, current: str) -> dict:
         vs_current = case["bf16_over_current"] or float("nan")
         line += (f"  bf16 {case['best_bf16'][5:]:10s} {t[case['best_bf16']]['ms'] * 1e3:8.1f} us  "
                  f"fp8 current/best vs bf16 {vs_current:.2f}x/{case['bf16_over_best_fp8']:.2f}x")
+    if case["rows"] > 64:  # prefill sizes: compute rates
+        line += f"  TFLOP/s current {cur.get('tflops', float('nan')):.0f} best {bst['tflops']:.0f}"
+        if "ms" in t.get("scaled_mm", {}):
+            line += f" scaled_mm {t['scaled_mm']['tflops']:.0f}"
     if case["best_gemv"] and case["best_gemv"] != best:
         g = t[case["best_gemv"]]
         line += f"  (best gemv {tuple(g['config'])} {g['ms'] * 1e3:.1f} us)"
@@ -268,7 +297,13 @@ def _summarize(case: dict, current: str) -> dict:
     return case
 
 
-def sweep_dense(shapes, rows_list, grid, device, iters) -> list[dict]:
+def _tc_grid(grid) -> list[tuple]:
+    import itertools
+
+    return list(itertools.product(*grid.values())) if grid else []
+
+
+def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None) -> list[dict]:
     from hybrid_compile.ops.triton import fp8 as tfp8
     from hybrid_compile.ops.triton.linear import skinny_mm_triton
 
@@ -283,10 +318,12 @@ def sweep_dense(shapes, rows_list, grid, device, iters) -> list[dict]:
             want = fp8_ops.reference_block_linear(x.float(), q, s)
             want_bf16 = x.float() @ wb.float().t()
             rpp = min(m, tfp8.FP8_GEMV_MAX_ROWS)
-            cands = {
-                "tc_old": (lambda: tfp8.fp8_gemm_triton(x, q, s, quant_in_gemm=True), want, fp8_bytes, None),
-                "tc": (lambda: tfp8.fp8_gemm_triton(x, q, s), want, fp8_bytes, None),
-            }
+            cands = {"tc": (lambda: tfp8.fp8_gemm_triton(x, q, s), want, fp8_bytes, None)}
+            if tc_grid is None:  # decode sizes: the earlier decode scheme
+                cands["tc_old"] = (lambda: tfp8.fp8_gemm_triton(x, q, s, quant_in_gemm=True), want, fp8_bytes, None)
+            for cfg in _tc_grid(tc_grid):
+                cands[f"tc{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemm_triton(x, q, s, config=cfg), want,
+                                           fp8_bytes, cfg)
             if m <= max(GEMV_SWEEP_MAX_ROWS, tfp8.FP8_DECODE_MAX_ROWS):
                 cands["gemv"] = (lambda: tfp8.fp8_gemv_triton(x, q, s), want, fp8_bytes,
                                  tfp8.fp8_gemv_config(n, k, m))
@@ -319,7 +356,7 @@ def _grouped_reference(x, weight_of, offsets):
     return y
 
 
-def sweep_experts(shapes, tokens_list, top_k, grid, device, iters) -> list[dict]:
+def sweep_experts(shapes, tokens_list, top_k, grid, device, iters, tc_grid=None) -> list[dict]:
     from hybrid_compile.ops.triton import fp8 as tfp8
     from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
 
@@ -339,16 +376,18 @@ def sweep_experts(shapes, tokens_list, top_k, grid, device, iters) -> list[dict]
             want_bf16 = _grouped_reference(x, lambda i: wb[i].float(), off)
             fp8_bytes = hit * (n * k + 4 * s[0].numel())
             rpp = tfp8.FP8_GROUPED_GEMV_ROWS
-            cands = {
+            cands = {"tc": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off), want, fp8_bytes, None)}
+            if tc_grid is None:  # decode sizes: the earlier scheme and the GEMV
                 # as it was: quantized in the GEMM up to 64 rows (all experts together), else once
-                "tc_old": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off, quant_in_gemm=m <= 64), want,
-                           fp8_bytes, None),
-                "tc": (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off), want, fp8_bytes, None),
-                "gemv": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off), want, fp8_bytes,
-                         tfp8.fp8_gemv_config(n, k, rpp, grouped=True)),
-                "gemv_1row": (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=1), want,
-                              fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, grouped=True)),
-            }
+                cands["tc_old"] = (lambda: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off, quant_in_gemm=m <= 64),
+                                   want, fp8_bytes, None)
+                cands["gemv"] = (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off), want, fp8_bytes,
+                                 tfp8.fp8_gemv_config(n, k, rpp, grouped=True))
+                cands["gemv_1row"] = (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=1),
+                                      want, fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, grouped=True))
+            for cfg in _tc_grid(tc_grid):
+                cands[f"tc{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off, config=cfg),
+                                           want, fp8_bytes, cfg)
             for cfg in _gemv_grid(grid, rpp, k):
                 cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off,
                                                                                   config=cfg), want, fp8_bytes, cfg)
@@ -373,15 +412,19 @@ def run_sweep(args) -> int:
     else:
         linear, experts, rows, top_k = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10
         grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
-    print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: "
-          "gemv BLOCK_N, BLOCK_K, warps, stages)       best bf16", flush=True)
+    tc_grid = None
+    if args.prefill:  # prefill sizes: the tensor-core GEMM's tiles, no GEMV
+        rows, tc_grid = (TINY_PREFILL["rows"], TINY_PREFILL["tc_grid"]) if args.tiny else (PREFILL_ROWS, TC_GRID)
+        grid = grid_grouped = {}
+    print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: gemv "
+          "BLOCK_N, BLOCK_K, warps, stages; tc BM, BN, warps, stages, GROUP_M)       best bf16", flush=True)
     t = time.perf_counter()
-    dense = sweep_dense(linear, rows, grid, device, args.iters)
-    grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters)
+    dense = sweep_dense(linear, rows, grid, device, args.iters, tc_grid)
+    grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters, tc_grid)
     wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped for label, v in c["times"].items()
              if "wrong" in v]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "tiny": args.tiny, "seconds": time.perf_counter() - t,
+           "torch": torch.__version__, "tiny": args.tiny, "prefill": args.prefill, "seconds": time.perf_counter() - t,
            "date": time.strftime("%Y-%m-%d")}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -407,6 +450,8 @@ def main(argv=None) -> int:
                                                  "fp8_sweep.json with --sweep)")
     p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
     p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
+    p.add_argument("--prefill", action="store_true",
+                   help="--sweep at prefill sizes instead: the tensor-core GEMM under TC_GRID (see above)")
     p.add_argument("--modes", default="bf16,fp8",
                    help=f"engines to run, in this order, from {','.join(MODES)} (fp8 last: the model is "
                         "quantized in place; fp8 alone: the model is quantized first)")
@@ -416,10 +461,13 @@ def main(argv=None) -> int:
             or modes != sorted(modes, key=list(MODES).index):
         p.error(f"--modes must be distinct names from {','.join(MODES)} in that order (the model is quantized "
                 f"in place), got {args.modes!r}")
+    if args.prefill and not args.sweep:
+        p.error("--prefill is a size range of --sweep: pass --sweep too")
     if (args.sweep or args.no_engines) and args.modes != "bf16,fp8":
         p.error("--modes picks the engines: it does not apply to --sweep or --no-engines")
     if args.out is None:
-        args.out = "benchmarks/results/fp8_sweep.json" if args.sweep else "benchmarks/results/fp8.json"
+        args.out = (f"benchmarks/results/fp8_sweep{'_prefill' * args.prefill}.json" if args.sweep
+                    else "benchmarks/results/fp8.json")
     if args.sweep:
         return run_sweep(args)
     device = torch.device(args.device)

@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository's, installed or not
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from benchmarks.profiling import decode_profile, prefill_profile  # noqa: E402
 from reference_models import (qwen3_next_reference_config, random_token_prompts, save_random_mtp_head,  # noqa: E402
                               sync_device)
 
@@ -221,107 +222,6 @@ def prefill(engine, length: int, vocab: int, seed: int) -> dict:
     seconds = time.perf_counter() - t0
     engine.clear_prefix_cache()
     return dict(length=length, seconds=seconds, tokens_per_s=length / seconds)
-
-
-def _profiled(engine, run) -> tuple:
-    """``run()`` (returns the number of steps it took) under torch.profiler on rank 0 (CPU events, and
-    CUDA kernels on a GPU); returns (profiler, steps, wall seconds)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        n = run()
-        sync_device(engine.device)
-        wall = time.perf_counter() - t0
-    return prof, max(1, n), wall
-
-
-def _profile_summary(prof, n: int, wall: float, cuda: bool, **fields) -> dict:
-    """Per step of ``n``: wall and all-reduce time, rank 0's host ops with the most own CPU time and,
-    on CUDA, the GPU's busy time (every kernel's and copy's own time, CUDA-graph replays included)
-    and the kernels that take most of it."""
-
-    def device_us(e, own: bool) -> float:
-        names = ("self_device_time_total", "self_cuda_time_total") if own else ("device_time_total", "cuda_time_total")
-        return float(next((getattr(e, k) for k in names if hasattr(e, k)), 0.0))
-
-    def is_all_reduce(key: str) -> bool:
-        # the transport's own events only: NCCL's all-reduce kernels and torch's one-shot kernel
-        # (tensor_parallel_all_reduce; graph replays included) or gloo's call (not the c10d ops around
-        # them, nor Inductor kernels named after a fused all_reduce's users)
-        k = key.lower()
-        if not cuda:
-            return k == "gloo:all_reduce"
-        return (k.startswith("nccl") and "kernel" in k and "allreduce" in k) or "one_shot_all_reduce_kernel" in k
-
-    us, count, kernels, host = 0.0, 0, [], []
-    for e in prof.key_averages():
-        if is_all_reduce(e.key):
-            us += device_us(e, own=True) if cuda else e.cpu_time_total
-            count += e.count
-        if cuda and device_us(e, own=True) > 0:
-            kernels.append((device_us(e, own=True), e.count, e.key))
-        if e.self_cpu_time_total > 0:
-            host.append((e.self_cpu_time_total, e.count, e.key))
-    host.sort(reverse=True)
-    out = dict(fields, steps=n, all_reduce_ms_per_step=us / 1e3 / n, all_reduce_calls=count,
-               wall_ms_per_step=wall * 1e3 / n,
-               # rank 0's host side: the ops (and runtime calls, e.g. a synchronize that waits for the
-               # GPU, a gloo broadcast) with the most own CPU time per step
-               top_host_ops=[dict(name=k[2][:120], ms_per_step=k[0] / 1e3 / n, calls_per_step=k[1] / n)
-                             for k in host[:15]])
-    if cuda:
-        kernels.sort(reverse=True)
-        out["gpu_busy_ms_per_step"] = sum(k[0] for k in kernels) / 1e3 / n
-        out["top_kernels"] = [dict(name=k[2][:120], ms_per_step=k[0] / 1e3 / n, calls_per_step=k[1] / n)
-                              for k in kernels[:10]]
-    return out
-
-
-def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
-    """A few decode steps of ``batch`` requests under torch.profiler, on rank 0 (:func:`_profile_summary`:
-    where busy time is far below wall time, the step waits on the host or on the other ranks; the
-    profiler's own host cost inflates the wall time, so the decode rows, not this, give the step rate)."""
-    from hybrid_compile import SamplingParams
-
-    prompts = random_token_prompts(batch, 16, vocab, seed=99)
-    rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
-    reqs = [engine.request(r) for r in rids]
-    while not all(r.output for r in reqs):
-        engine.step()
-
-    def run() -> int:
-        n = 0
-        while engine.has_unfinished() and n < steps:
-            engine.step()
-            n += 1
-        return n
-
-    prof, n, wall = _profiled(engine, run)
-    while engine.has_unfinished():
-        engine.step()
-    for r in rids:
-        engine.pop_finished(r)
-    engine.clear_prefix_cache()
-    return _profile_summary(prof, n, wall, engine.device.type == "cuda", batch=batch)
-
-
-def prefill_profile(engine, length: int, vocab: int) -> dict:
-    """One prompt of ``length`` tokens (one chunk or a few) under torch.profiler, on rank 0, per
-    engine step (:func:`_profile_summary`): whether a prefill waits on the other ranks (all-reduce
-    kernels far above their transfer time) or on the host (GPU busy far below wall)."""
-    prompt = random_token_prompts(1, length, vocab, seed=7)[0]
-
-    def run() -> int:
-        before = engine.stats()["steps"]
-        engine.generate_batch([prompt], max_new_tokens=1)
-        return engine.stats()["steps"] - before
-
-    prof, n, wall = _profiled(engine, run)
-    engine.clear_prefix_cache()
-    return _profile_summary(prof, n, wall, engine.device.type == "cuda", length=length)
 
 
 def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:

@@ -24,6 +24,8 @@ def test_tiny_cpu_run(tmp_path):
         assert set(run[mode]["decode"]) == {"1", "2"} and set(run[mode]["prefill"]) == {"64"}
         # (a difference of two timings of a few toy steps: its sign is noise on a busy CPU)
         assert all(math.isfinite(v["ms_per_step"]) for v in run[mode]["decode"].values())
+        prof = run[mode]["prefill_profile"]  # one engine step for the 64-token prompt, with its host ops
+        assert prof["length"] == 64 and prof["steps"] == 1 and prof["wall_ms_per_step"] > 0 and prof["top_host_ops"]
     assert run["fp8"]["weight_bytes"] < run["bf16"]["weight_bytes"]
     assert "decode batch 1: fp8 " in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
 
@@ -87,3 +89,22 @@ def test_decode_sweep_tiny_under_the_interpreter(tmp_path):
         assert case["current"] == ("gemv" if use_gemv(case["rows"], experts) else "tc")
         assert case["best_fp8"] in t and case["best_over_current"] >= 1.0
     assert "best" in proc.stdout and "current" in proc.stdout
+
+
+def test_prefill_sweep_tiny_under_the_interpreter(tmp_path):
+    """``--sweep --prefill --tiny``: the tensor-core GEMM's default and its tile grid (GROUP_M 1 and 2)
+    checked against the reference inside the script, no GEMV; compute rates recorded."""
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--sweep", "--prefill", "--tiny", "--device", "cpu",
+           "--iters", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["wrong"] == [] and run["env"]["prefill"] is True
+    assert [c["rows"] for c in run["dense"]] == [20] and [c["tokens"] for c in run["experts"]] == [20]
+    for case in run["dense"] + run["experts"]:
+        t = case["times"]
+        assert {"tc", "tc[16, 16, 4, 1, 1]", "tc[16, 16, 4, 1, 2]"} <= set(t), sorted(t)
+        assert not any(k.startswith("gemv") or k == "tc_old" for k in t)
+        assert case["current"] == "tc" and all(v["tflops"] > 0 for v in t.values() if "ms" in v)

@@ -179,6 +179,9 @@ def test_linear_kernel_matches_op(m, n, k):
     # an explicit config with narrow column tiles (each divides the 128-row weight block)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, None, config=(16, 32, 4, 1)),
                                ops.fp8_block_linear(x, q, s), rtol=1e-5, atol=1e-5)
+    # the launch order walking 3 row tiles at a time column by column (a last group of fewer)
+    torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, bias, config=(16, 16, 4, 1, 3)), expected,
+                               rtol=1e-5, atol=1e-5)
     xb = x.to(torch.bfloat16)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(xb, q, s).float(),
                                ops.fp8_block_linear(xb, q, s).float(), rtol=1e-2, atol=1e-2)
@@ -197,6 +200,8 @@ def test_grouped_kernel_matches_op(counts):
     torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off.to(torch.int32), config=(16, 16, 4, 1)),
                                expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off, config=(16, 16, 4, 1, 4)),
+                               expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_edge_shapes_and_configs():
@@ -206,6 +211,10 @@ def test_kernel_edge_shapes_and_configs():
     assert qz.shape == (0, 64) and sz.shape == (0, 1)
     with pytest.raises(ValueError, match="BN"):
         tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 48, 4, 1))
+    with pytest.raises(ValueError, match="GROUP_M"):
+        tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 16, 4, 1, 0))
+    with pytest.raises(ValueError, match="config is"):
+        tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 16, 4))
     # decode: narrow column tiles so about two programs per SM stream the weight; prefill: 128 x 128
     assert tfp8.fp8_gemm_config(1, 2048, 2048, sms=132)[:2] == (16, 16)
     assert tfp8.fp8_gemm_config(1, 12288, 2048, sms=132)[:2] == (16, 32)

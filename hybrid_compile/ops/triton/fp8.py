@@ -13,8 +13,9 @@
   activation). Grouped: a program per (row of one expert, column tile), streaming only that
   expert's weight; shape-only launch. Programmatic dependent launch: a dense program loads its
   first weight tile before waiting for the quantize kernel.
-- ``_fp8_gemm_kernel`` (more rows): grid ``(cdiv(N, BN), row tiles)``; each program a ``[BM, BN]``
-  output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
+- ``_fp8_gemm_kernel`` (more rows): a 1-D grid over ``cdiv(N, BN) x row tiles``, walked ``GROUP_M``
+  row tiles at a time column by column (programs side by side share rows and columns in L2); each
+  program a ``[BM, BN]`` output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
   activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32 accumulation), scaled by
   the activation's per-row group scale and the weight's block scale (``BN`` divides 128). The
   activation comes from the quantize kernel; ``QUANT_A`` (the earlier decode scheme, kept for the
@@ -130,11 +131,18 @@ def _fp8_gemm_kernel(
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     QUANT_A: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait_and_release(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # a 1-D grid over (row tile, column tile), GROUP_M row tiles at a time column by column: the
+    # programs running side by side share their activation rows and weight columns in L2
+    tiles_n = tl.cdiv(N, BN)
+    pid = tl.program_id(0)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(tl.num_programs(0) // tiles_n - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
     if GROUPED:
         expert, row0, row_end = expert_row_tile(offsets_ptr, E, pid_m, BM, BLOCK_E)
         w_ptr += tl.minimum(expert, E - 1).to(tl.int64) * stride_we
@@ -154,10 +162,14 @@ def _fp8_gemm_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, k_steps):
         kk = kb * BK + rk
-        k_ok = kk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk,
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a_mask = m_ok[:, None] & k_ok[None, :]
+        if EVEN_K:  # every K step whole: masks along the rows and columns only
+            w_mask = n_ok[:, None]
+            a_mask = m_ok[:, None]
+        else:
+            k_ok = kk < K
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            a_mask = m_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk, mask=w_mask, other=0.0)
         if QUANT_A:
             a = tl.load(a_ptr + rm64[:, None] * stride_am + kk[None, :] * stride_ak, mask=a_mask, other=0.0)
             aq, a_scale = _quantize_tile(a.to(tl.float32))
@@ -191,8 +203,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: int = 1,
-                    sms: int = 132) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for ``m`` rows (``grouped``: ``m`` rows over ``experts``).
+                    sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BM, BN, num_warps, num_stages, GROUP_M) for ``m`` rows (``grouped``: ``m`` rows over ``experts``;
+    ``GROUP_M``: row tiles the launch order walks column by column, for L2 reuse).
 
     Decode (few rows): 16-row tiles and narrow column tiles, so enough programs stream the weight
     at once (at least about two per SM). Prefill: 128 x 128 tiles (64-row tiles for experts, whose
@@ -205,9 +218,9 @@ def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: i
         bn = 128
         while bn > 16 and _cdiv(n, bn) * tiles_m < 2 * sms:
             bn //= 2
-        return bm, bn, 4, 4
+        return bm, bn, 4, 4, 1
     bm = 64 if grouped and rows_per_group < 128 else 128
-    return bm, 128, 8, 3
+    return bm, 128, 8, 3, 1
 
 
 def _check_fp8_device(op: str, device: torch.device) -> None:
@@ -268,10 +281,14 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl, quant_in_gemm):
     if y is not None:
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, warps, stages = config or fp8_gemm_config(m, n, k, grouped=grouped, experts=experts,
-                                                       sms=_sm_count(x.device))
+    config = config or fp8_gemm_config(m, n, k, grouped=grouped, experts=experts, sms=_sm_count(x.device))
+    if len(config) not in (4, 5):
+        raise ValueError(f"fp8 GEMM: config is (BM, BN, warps, stages[, GROUP_M]), got {config!r}")
+    bm, bn, warps, stages, group_m = (*config, 1) if len(config) == 4 else config
     if FP8_BLOCK % bn:
         raise ValueError(f"fp8 GEMM: BN={bn} must divide the weight block {FP8_BLOCK}")
+    if group_m < 1:
+        raise ValueError(f"fp8 GEMM: GROUP_M={group_m} must be at least 1")
     if quant_in_gemm:
         a, a_scale = x, x  # a_scale unused
     else:
@@ -279,13 +296,14 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl, quant_in_gemm):
     tiles_m = grouped_row_tiles(m, bm, experts) if grouped else _cdiv(m, bm)
     ws = scale_inv if grouped else scale_inv[None]
     w = weight if grouped else weight[None]
-    _fp8_gemm_kernel[(triton.cdiv(n, bn), tiles_m)](
+    _fp8_gemm_kernel[(triton.cdiv(n, bn) * tiles_m,)](
         a, a_scale, w, ws, bias if bias is not None else x, y, offsets if grouped else x,
         m, n, k, experts,
         a.stride(0), a.stride(1), a_scale.stride(0),
         w.stride(0), w.stride(1), w.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
         QUANT_A=quant_in_gemm, GROUPED=grouped, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=FP8_BLOCK,
-        BLOCK_E=pow2(experts), num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
+        BLOCK_E=pow2(experts), GROUP_M=group_m, EVEN_K=k % FP8_BLOCK == 0, num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device, pdl),
     )
     return y
 
@@ -294,7 +312,7 @@ def fp8_gemm_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
                     pdl: bool | None = None, quant_in_gemm: bool = False):
     """The tensor-core path of both ops (``expert_offsets`` given: grouped over ``weight[E, N, K]``).
 
-    ``config`` = (BM, BN, warps, stages) overrides :func:`fp8_gemm_config`. ``quant_in_gemm``: every
+    ``config`` = (BM, BN, warps, stages[, GROUP_M]) overrides :func:`fp8_gemm_config`. ``quant_in_gemm``: every
     column program quantizes its activation tile itself (the earlier decode scheme, kept so the sweep
     of ``benchmarks/fp8.py`` can time it against the default: the activation quantized once by the
     quantize kernel, whose IEEE divisions are then not repeated by each of the ``cdiv(N, BN)``
@@ -357,7 +375,7 @@ def use_gemv(rows: int, experts: int | None = None) -> bool:
 
 def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None, pdl: bool | None = None):
     """``fp8_block_linear``: the GEMV path for few rows (:func:`use_gemv`), else the tensor cores.
-    ``config`` = (BM, BN, warps, stages) asks for the tensor-core path with these tiles."""
+    ``config`` = (BM, BN, warps, stages[, GROUP_M]) asks for the tensor-core path with these tiles."""
     if config is None and use_gemv(x.shape[0]):
         return fp8_gemv_triton(x, weight, weight_scale_inv, bias, pdl=pdl)
     return fp8_gemm_triton(x, weight, weight_scale_inv, bias, config=config, pdl=pdl)
@@ -366,7 +384,7 @@ def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None,
 def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, config=None, pdl: bool | None = None):
     """``fp8_grouped_linear``: one launch for every expert (after the activation's quantize kernel),
     the GEMV path at decode (:func:`use_gemv`), else the tensor cores. ``config`` = (BM, BN, warps,
-    stages) asks for the tensor-core path with these tiles."""
+    stages[, GROUP_M]) asks for the tensor-core path with these tiles."""
     if config is None and use_gemv(x.shape[0], weight.shape[0]):
         return fp8_gemv_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, pdl=pdl)
     return fp8_gemm_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)

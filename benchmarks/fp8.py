@@ -100,7 +100,7 @@ TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
 #: ``--sweep --prefill``: dense rows (a 4k prompt, an 8k prefill chunk) and expert tokens (x top-10 rows)
 PREFILL_ROWS = (4096, 8192)
 #: the tensor-core GEMM's tiles tried there: (BM, BN, warps, stages, GROUP_M)
-TC_GRID = dict(bm=(64, 128), bn=(64, 128), warps=(4, 8), stages=(3, 4), group_m=(1, 8))
+TC_GRID = dict(bm=(64, 128), bn=(64, 128, 256), warps=(4, 8), stages=(3, 4), group_m=(1, 8))
 TINY_PREFILL = dict(rows=(20,), tc_grid=dict(bm=(16,), bn=(16,), warps=(4,), stages=(1,), group_m=(1, 2)))
 
 

@@ -179,9 +179,11 @@ def test_linear_kernel_matches_op(m, n, k):
     # an explicit config with narrow column tiles (each divides the 128-row weight block)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, None, config=(16, 32, 4, 1)),
                                ops.fp8_block_linear(x, q, s), rtol=1e-5, atol=1e-5)
-    # the launch order walking 3 row tiles at a time column by column (a last group of fewer)
-    torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, bias, config=(16, 16, 4, 1, 3)), expected,
-                               rtol=1e-5, atol=1e-5)
+    # the launch order walking 3 row tiles at a time column by column (a last group of fewer); column
+    # tiles spanning two weight blocks (a scale per column)
+    for config in ((16, 16, 4, 1, 3), (16, 256, 4, 1, 2)):
+        torch.testing.assert_close(tfp8.fp8_block_linear_triton(x, q, s, bias, config=config), expected,
+                                   rtol=1e-5, atol=1e-5)
     xb = x.to(torch.bfloat16)
     torch.testing.assert_close(tfp8.fp8_block_linear_triton(xb, q, s).float(),
                                ops.fp8_block_linear(xb, q, s).float(), rtol=1e-2, atol=1e-2)
@@ -200,8 +202,9 @@ def test_grouped_kernel_matches_op(counts):
     torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off.to(torch.int32), config=(16, 16, 4, 1)),
                                expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off, config=(16, 16, 4, 1, 4)),
-                               expected, rtol=1e-5, atol=1e-5)
+    for config in ((16, 16, 4, 1, 4), (16, 256, 4, 1, 1)):
+        torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off, config=config),
+                                   expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_edge_shapes_and_configs():
@@ -215,11 +218,11 @@ def test_kernel_edge_shapes_and_configs():
         tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 16, 4, 1, 0))
     with pytest.raises(ValueError, match="config is"):
         tfp8.fp8_block_linear_triton(torch.randn(2, 64), q, s, config=(16, 16, 4))
-    # decode: narrow column tiles so about two programs per SM stream the weight; prefill: 128 x 128
+    # decode: narrow column tiles so about two programs per SM stream the weight; prefill: 64 x 128
     assert tfp8.fp8_gemm_config(1, 2048, 2048, sms=132)[:2] == (16, 16)
     assert tfp8.fp8_gemm_config(1, 12288, 2048, sms=132)[:2] == (16, 32)
-    assert tfp8.fp8_gemm_config(4096, 2048, 2048, sms=132)[:2] == (128, 128)
-    assert tfp8.fp8_gemm_config(40960, 1024, 2048, grouped=True, experts=512, sms=132)[0] == 64
+    assert tfp8.fp8_gemm_config(4096, 2048, 2048, sms=132) == (64, 128, 4, 3, 8)
+    assert tfp8.fp8_gemm_config(40960, 1024, 2048, grouped=True, experts=512, sms=132) == (64, 128, 4, 4, 8)
 
 
 def test_ops_opcheck_and_compile_without_graph_breaks():

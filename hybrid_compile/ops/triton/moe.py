@@ -27,9 +27,9 @@ per (row of an expert, ``BLOCK_N`` output columns), streaming that expert's ``[B
 slab (``silu_and_mul``: its gate and its up rows) on the CUDA cores with fp32 accumulators, the
 same gather, scatter, activations and shape-only launch; tiles from :data:`MOE_GEMV_TILES`.
 
-Tiles of the tensor-core kernel: :func:`fp8_gemm_config`'s choice (decode: 16-row tiles and column
-tiles narrow enough that about two programs per SM stream the weights; prefill: 64 / 128-row
-tiles), ``BK`` 64 (128 for 16-bit weights at decode in column tiles narrower than 128: fewer loop
+Tiles of the tensor-core kernel: at decode :func:`fp8_gemm_config`'s choice (16-row tiles and column
+tiles narrow enough that about two programs per SM stream the weights); prefill: 64 / 128-row
+tiles by the rows per expert, 128 columns, 8 warps, 3 stages; ``BK`` 64 (128 for 16-bit weights at decode in column tiles narrower than 128: fewer loop
 steps over the long ``K`` of the weight stream).
 """
 
@@ -139,8 +139,10 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
                     sms: int = 132, gated: bool = False) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) for ``rows`` sorted rows over ``experts`` (``gated``:
     ``silu_and_mul``, two weight tiles per K step)."""
-    bm, bn, warps, stages = fp8_gemm_config(rows, n, k, grouped=True, experts=experts, sms=sms)
+    bm, bn, warps, stages, _ = fp8_gemm_config(rows, n, k, grouped=True, experts=experts, sms=sms)
     decode = bm == 16
+    if not decode:  # prefill: 128 x 128 tiles (64 rows where an expert's rows are short), 8 warps, 3 stages
+        bm, bn, warps, stages = (64 if rows / max(experts, 1) < 128 else 128), 128, 8, 3
     # narrow column tiles (one row per expert hit): long K steps. With 128-wide tiles BK 64 was
     # faster in every case of a tile sweep on an H100 (Qwen3.5-35B / Nemotron-3-Nano experts, 16 to
     # 256 tokens, both projections: 3-15 % less time than BK 128)

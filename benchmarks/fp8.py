@@ -18,7 +18,8 @@ in place (``quantize_model``: projections and experts to e4m3 with 128 x 128 blo
 LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measured with the same
 settings. ``bf16_hf_experts``: the bf16 engine on transformers' experts path (``fused_moe=False``)
 instead of ours (the default on CUDA), first; every later mode is compared with the first. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
-generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token); then
+generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token), each
+the median of :data:`REPEATS` timed runs; then
 the 4k prefill once more under ``torch.profiler`` (``prefill_profile`` in the JSON: wall and GPU-busy
 ms per engine step and the 20 kernels with the most GPU time), to compare the modes kernel by kernel.
 
@@ -63,6 +64,7 @@ import gc
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -123,6 +125,11 @@ def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Q
     )
 
 
+#: timed runs per decode size / prefill length; the median is reported (one run is at the mercy of
+#: whatever else the host is doing: a decode step of ~1 ms and a prefill's host work move with it)
+REPEATS = 3
+
+
 def _timed(fn, device) -> float:
     sync_device(device)
     t = time.perf_counter()
@@ -136,15 +143,20 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
     for b in decode_batches:
         prompts = random_token_prompts(b, 32, vocab, seed=b)
         engine.generate_batch(prompts, max_new_tokens=4, do_sample=False)  # warm (graphs, kernels)
-        short = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2, do_sample=False), device)
-        long = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2 + decode_steps, do_sample=False), device)
-        ms = 1e3 * (long - short) / decode_steps
+        diffs = []
+        for _ in range(REPEATS):
+            short = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2, do_sample=False), device)
+            long = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2 + decode_steps, do_sample=False),
+                          device)
+            diffs.append(long - short)
+        ms = 1e3 * statistics.median(diffs) / decode_steps
         out["decode"][str(b)] = {"ms_per_step": ms, "tokens_per_s": b * 1e3 / ms}
         print(f"  decode batch {b:3d}: {ms:8.3f} ms/step  {b * 1e3 / ms:9.1f} tok/s", flush=True)
     for n in prefill_lens:
         prompt = random_token_prompts(1, n, vocab, seed=n)[0]
         engine.generate_batch([prompt], max_new_tokens=1, do_sample=False)
-        s = _timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
+        s = statistics.median(_timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
+                              for _ in range(REPEATS))
         out["prefill"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
         print(f"  prefill {n:6d}: {s * 1e3:9.1f} ms  {n / s:9.0f} tok/s", flush=True)
     # where the shortest prefill's time goes (kernels by GPU time), to compare the modes kernel by kernel

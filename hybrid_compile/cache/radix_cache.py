@@ -292,7 +292,9 @@ class HybridRadixCache:
             raise ValueError("HybridRadixCache: host_pool was built for pools on another device")
         self.host = host_pool
         self._node_ids = itertools.count()
-        # Which slots the tree owns (host masks, for validation and exact accounting).
+        # Which slots the tree owns (host masks, for validation and exact accounting). The KV mask has
+        # a flag per KV slot (millions): read and written with index_select / index_fill_, never with
+        # advanced indexing (memory/allocator.py says why: a prefill's slots cost ms that way).
         self._kv_owned = torch.zeros(self.kv_allocator.num_slots, dtype=torch.bool)
         self._mamba_owned = torch.zeros(self.mamba_pool.total(), dtype=torch.bool)
         self._init_tree()
@@ -451,7 +453,7 @@ class HybridRadixCache:
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, mamba_slot: int) -> TreeNode:
         node = TreeNode(next(self._node_ids), key, value.clone(), parent)
         parent.children[self._child_key(key)] = node
-        self._kv_owned[value] = True
+        self._mark_kv(value, True)
         self._cached_tokens += len(key)
         self._num_nodes += 1
         self._set_mamba(node, mamba_slot)
@@ -488,7 +490,7 @@ class HybridRadixCache:
         if node.value is not None:
             if node.value.numel():
                 self.kv_allocator.free(node.value)
-                self._kv_owned[node.value] = False
+                self._mark_kv(node.value, False)
             tokens = len(node.key)
             self._cached_tokens -= tokens
         self._num_nodes -= 1
@@ -692,17 +694,25 @@ class HybridRadixCache:
         matched, tree_kv = self._walk(key)
         own = torch.ones(len(key), dtype=torch.bool)
         own[:matched] = kv[:matched] != tree_kv
-        own_slots = kv[own]
+        own_slots = kv.masked_select(own)
         if own_slots.numel():
             allocated = self.kv_allocator.is_allocated(own_slots)  # raises on out-of-range slots
             if not bool(allocated.all()):
                 raise ValueError(f"KV slot(s) {own_slots[~allocated][:8].tolist()} are not allocated")
-            if bool(self._kv_owned[own_slots].any()):
-                bad = own_slots[self._kv_owned[own_slots]][:8].tolist()
+            owned = self._kv_owned_at(own_slots)
+            if bool(owned.any()):
+                bad = own_slots[owned][:8].tolist()
                 raise ValueError(f"KV slot(s) {bad} belong to the prefix cache at other positions")
             if own_slots.numel() > 1 and torch.unique(own_slots).numel() != own_slots.numel():
                 raise ValueError("KV slots named more than once")
         return matched, own[:matched]
+
+    def _kv_owned_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The tree's ownership flags of KV ``slots``."""
+        return self._kv_owned.index_select(0, slots.to(torch.int64))
+
+    def _mark_kv(self, slots: torch.Tensor, owned: bool) -> None:
+        self._kv_owned.index_fill_(0, slots.to(torch.int64), owned)
 
     def _check_page_layout(self, kv: torch.Tensor) -> None:
         ps = self.page_size
@@ -721,7 +731,7 @@ class HybridRadixCache:
 
     def _free_request_kv(self, kv: torch.Tensor) -> int:
         """Free the slots among ``kv`` that the tree does not own; returns how many."""
-        own = kv[~self._kv_owned[kv]] if kv.numel() else kv
+        own = kv.masked_select(~self._kv_owned_at(kv)) if kv.numel() else kv
         if own.numel():
             self.kv_allocator.free(own)
         return own.numel()
@@ -732,7 +742,7 @@ class HybridRadixCache:
         """Insert validated input; returns (tokens already cached, node ending at ``len(key)``
         or ``None`` when nothing holds a state there)."""
         now = self._tick()
-        dup_slots = kv[:matched][dup]
+        dup_slots = kv[:matched].masked_select(dup)
         if dup_slots.numel():
             self.kv_allocator.free(dup_slots)
             self._counters["duplicate_tokens_freed"] += dup_slots.numel()
@@ -785,7 +795,7 @@ class HybridRadixCache:
                 child = self._split(child, common)
             slots = kv[pos : pos + common]
             child.value = slots.clone()
-            self._kv_owned[slots] = True
+            self._mark_kv(slots, True)
             self._cached_tokens += common
             child.last_access = now
             self._reindex(child)
@@ -1030,7 +1040,7 @@ class HybridRadixCache:
         if node.mamba_slot is not None:
             self._drop_mamba(node)
         self.kv_allocator.free(node.value)
-        self._kv_owned[node.value] = False
+        self._mark_kv(node.value, False)
         self._cached_tokens -= len(node.key)
         node.value = None
         self._reindex(node)
@@ -1093,7 +1103,7 @@ class HybridRadixCache:
             pos += len(n.key)
             self.host.load_kv(n.host_start, slots)
             n.value = slots.clone()
-            self._kv_owned[slots] = True
+            self._mark_kv(slots, True)
             self._cached_tokens += len(n.key)
         if need_state:
             slot = int(state[0])

@@ -19,7 +19,8 @@ LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measure
 settings. ``bf16_hf_experts``: the bf16 engine on transformers' experts path (``fused_moe=False``)
 instead of ours (the default on CUDA), first; every later mode is compared with the first. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
 generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token), each
-the median of :data:`REPEATS` timed runs; then
+the median of :data:`REPEATS` timed runs, every run on an emptied prefix cache (a repeated prompt
+would otherwise be served from it); then
 the 4k prefill once more under ``torch.profiler`` (``prefill_profile`` in the JSON: wall and GPU-busy
 ms per engine step and the 20 kernels with the most GPU time), to compare the modes kernel by kernel.
 
@@ -145,7 +146,9 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
         engine.generate_batch(prompts, max_new_tokens=4, do_sample=False)  # warm (graphs, kernels)
         diffs = []
         for _ in range(REPEATS):
+            engine.clear_prefix_cache()
             short = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2, do_sample=False), device)
+            engine.clear_prefix_cache()
             long = _timed(lambda: engine.generate_batch(prompts, max_new_tokens=2 + decode_steps, do_sample=False),
                           device)
             diffs.append(long - short)
@@ -154,9 +157,12 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
         print(f"  decode batch {b:3d}: {ms:8.3f} ms/step  {b * 1e3 / ms:9.1f} tok/s", flush=True)
     for n in prefill_lens:
         prompt = random_token_prompts(1, n, vocab, seed=n)[0]
-        engine.generate_batch([prompt], max_new_tokens=1, do_sample=False)
-        s = statistics.median(_timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
-                              for _ in range(REPEATS))
+        def run_cold() -> float:  # the prefix cache emptied first: a repeated prompt would be a cache hit
+            engine.clear_prefix_cache()
+            return _timed(lambda: engine.generate_batch([prompt], max_new_tokens=1, do_sample=False), device)
+
+        run_cold()
+        s = statistics.median(run_cold() for _ in range(REPEATS))
         out["prefill"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
         print(f"  prefill {n:6d}: {s * 1e3:9.1f} ms  {n / s:9.0f} tok/s", flush=True)
     # where the shortest prefill's time goes (kernels by GPU time), to compare the modes kernel by kernel

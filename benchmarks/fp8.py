@@ -21,8 +21,9 @@ instead of ours (the default on CUDA), first; every later mode is compared with 
 generate lengths, so prefill cancels) and prefill of one 4k / 32k prompt (one generated token), each
 the median of :data:`REPEATS` timed runs, every run on an emptied prefix cache (a repeated prompt
 would otherwise be served from it); then
-the 4k prefill once more under ``torch.profiler`` (``prefill_profile`` in the JSON: wall and GPU-busy
-ms per engine step and the 20 kernels with the most GPU time), to compare the modes kernel by kernel.
+a few batch-1 decode steps and the 4k prefill once more under ``torch.profiler`` (``decode_profile``,
+``prefill_profile`` in the JSON: wall and GPU-busy ms per engine step and the 20 kernels with the
+most GPU time), to compare the modes kernel by kernel.
 
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
 the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quantized e4m3 inputs
@@ -78,7 +79,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.ops import fp8 as fp8_ops  # noqa: E402
 from hybrid_compile.quantization import fp8_weight_bytes, quantize_model  # noqa: E402
-from benchmarks.profiling import prefill_profile  # noqa: E402
+from benchmarks.profiling import decode_profile, prefill_profile  # noqa: E402
 from reference_models import _build, random_token_prompts, sync_device  # noqa: E402
 
 # (name, N, K) of the 80B model's projections; experts: (name, E, N, K)
@@ -165,14 +166,18 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
         s = statistics.median(run_cold() for _ in range(REPEATS))
         out["prefill"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
         print(f"  prefill {n:6d}: {s * 1e3:9.1f} ms  {n / s:9.0f} tok/s", flush=True)
-    # where the shortest prefill's time goes (kernels by GPU time), to compare the modes kernel by kernel
-    prof = prefill_profile(engine, min(prefill_lens), vocab, kernels_shown=20)
-    out["prefill_profile"] = prof
-    if "top_kernels" in prof:
-        print(f"  prefill {prof['length']} profiled: wall {prof['wall_ms_per_step']:.1f} ms/step, GPU busy "
-              f"{prof['gpu_busy_ms_per_step']:.1f} ms/step; top kernels (ms/step):", flush=True)
-        for k in prof["top_kernels"]:
-            print(f"    {k['ms_per_step']:8.3f}  x{k['calls_per_step']:<6.1f} {k['name'][:90]}", flush=True)
+    # where the smallest decode's and the shortest prefill's time go (kernels by GPU time), to compare the
+    # modes kernel by kernel
+    engine.clear_prefix_cache()
+    out["decode_profile"] = decode_profile(engine, min(decode_batches), vocab, kernels_shown=20)
+    out["prefill_profile"] = prefill_profile(engine, min(prefill_lens), vocab, kernels_shown=20)
+    for what, prof in (("decode batch %d" % min(decode_batches), out["decode_profile"]),
+                       ("prefill %d" % min(prefill_lens), out["prefill_profile"])):
+        if "top_kernels" in prof:
+            print(f"  {what} profiled: wall {prof['wall_ms_per_step']:.2f} ms/step, GPU busy "
+                  f"{prof['gpu_busy_ms_per_step']:.2f} ms/step; top kernels (ms/step):", flush=True)
+            for k in prof["top_kernels"]:
+                print(f"    {k['ms_per_step']:8.3f}  x{k['calls_per_step']:<6.1f} {k['name'][:90]}", flush=True)
     return out
 
 

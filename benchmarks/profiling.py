@@ -185,7 +185,7 @@ def _profile_summary(prof, n: int, wall: float, cuda: bool, kernels_shown: int =
     return out
 
 
-def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
+def decode_profile(engine, batch: int, vocab: int, steps: int = 4, kernels_shown: int = 10) -> dict:
     """A few decode steps of ``batch`` requests under torch.profiler, on rank 0 (:func:`_profile_summary`:
     where busy time is far below wall time, the step waits on the host or on the other ranks; the
     profiler's own host cost inflates the wall time, so the decode rows, not this, give the step rate)."""
@@ -210,7 +210,7 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4) -> dict:
     for r in rids:
         engine.pop_finished(r)
     engine.clear_prefix_cache()
-    return _profile_summary(prof, n, wall, engine.device.type == "cuda", batch=batch)
+    return _profile_summary(prof, n, wall, engine.device.type == "cuda", kernels_shown, batch=batch)
 
 
 def prefill_profile(engine, length: int, vocab: int, kernels_shown: int = 10) -> dict:

@@ -26,6 +26,8 @@ def test_tiny_cpu_run(tmp_path):
         assert all(math.isfinite(v["ms_per_step"]) for v in run[mode]["decode"].values())
         prof = run[mode]["prefill_profile"]  # one engine step for the 64-token prompt, with its host ops
         assert prof["length"] == 64 and prof["steps"] == 1 and prof["wall_ms_per_step"] > 0 and prof["top_host_ops"]
+        dec = run[mode]["decode_profile"]  # batch 1: a few decode steps
+        assert dec["batch"] == 1 and dec["steps"] >= 1 and dec["wall_ms_per_step"] > 0
     assert run["fp8"]["weight_bytes"] < run["bf16"]["weight_bytes"]
     assert "decode batch 1: fp8 " in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
 

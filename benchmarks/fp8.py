@@ -7,6 +7,7 @@
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
     python benchmarks/fp8.py --sweep --prefill           # the tensor-core GEMM's tiles at prefill sizes
+    python benchmarks/fp8.py --layers 48 --modes fp8 --build-quantized --no-kernels   # the whole 80B shape, one H200
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
 
 Model: the Qwen3-Next-80B-A3B layer shape on ``--layers`` of its 48 layers (default 8: pattern
@@ -130,6 +131,31 @@ def qwen3_next_80b_config(layers: int = 8, tiny: bool = False) -> transformers.Q
 #: timed runs per decode size / prefill length; the median is reported (one run is at the mercy of
 #: whatever else the host is doing: a decode step of ~1 ms and a prefill's host work move with it)
 REPEATS = 3
+
+
+def build_quantized(config, device, seed: int = 0) -> torch.nn.Module:
+    """The Qwen3-Next model of ``config`` with random weights, each decoder layer drawn on ``device`` in
+    bf16 and quantized to FP8 before the next exists (the whole model never exists in bf16: the 48-layer
+    80B shape is ~160 GB in bf16, ~80 GB in FP8). Built on the meta device, then per part: storage on
+    ``device``, the model's own weight init (``_init_weights``), :func:`quantize_model`; the rotary
+    embedding (buffers only) is rebuilt on ``device``."""
+    with torch.device("meta"):
+        model = transformers.Qwen3NextForCausalLM._from_config(config, dtype=torch.bfloat16)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        for part in (model.model.embed_tokens, model.model.norm, model.lm_head, *model.model.layers):
+            part.to_empty(device=device)
+            for module in part.modules():
+                model._init_weights(module)
+            if part in model.model.layers:
+                quantize_model(part)
+        with torch.device(device):
+            model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    model = model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
 
 
 def _timed(fn, device) -> float:
@@ -473,6 +499,9 @@ def main(argv=None) -> int:
                                                  "fp8_sweep.json with --sweep)")
     p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
     p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
+    p.add_argument("--build-quantized", action="store_true",
+                   help="build each layer in bf16 and quantize it before the next (with --modes fp8: a model "
+                        "whose bf16 weights do not fit, e.g. --layers 48 on one H200)")
     p.add_argument("--prefill", action="store_true",
                    help="--sweep at prefill sizes instead: the tensor-core GEMM under TC_GRID (see above)")
     p.add_argument("--modes", default="bf16,fp8",
@@ -484,6 +513,9 @@ def main(argv=None) -> int:
             or modes != sorted(modes, key=list(MODES).index):
         p.error(f"--modes must be distinct names from {','.join(MODES)} in that order (the model is quantized "
                 f"in place), got {args.modes!r}")
+    if args.build_quantized and (args.sweep or args.no_engines or modes != ["fp8"]):
+        p.error("--build-quantized builds the model for the FP8 engine alone: pass --modes fp8 (no --sweep / "
+                "--no-engines)")
     if args.prefill and not args.sweep:
         p.error("--prefill is a size range of --sweep: pass --sweep too")
     if (args.sweep or args.no_engines) and args.modes != "bf16,fp8":
@@ -511,12 +543,16 @@ def main(argv=None) -> int:
         print(f"wrote {out}")
         return 0
     t = time.perf_counter()
-    model = _build(transformers.Qwen3NextForCausalLM, config, torch.bfloat16, device, seed=0)
+    if args.build_quantized:
+        model = build_quantized(config, device, seed=0)
+    else:
+        model = _build(transformers.Qwen3NextForCausalLM, config, torch.bfloat16, device, seed=0)
     build_s = time.perf_counter() - t
     params = sum(p.numel() for p in model.parameters())
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "layers": layers,
-           "params": params, "tiny": tiny, "date": time.strftime("%Y-%m-%d")}
+           "params": params, "tiny": tiny, "build_quantized": args.build_quantized, "build_seconds": build_s,
+           "date": time.strftime("%Y-%m-%d")}
     print(f"model: {params / 1e9:.2f} B parameters, {layers} layers, built in {build_s:.1f} s on {env['device']}")
     # Mamba slots given explicitly (running requests + as many for the prefix cache): sized from the
     # budget they would depend on what the first engine left reserved, and differ between the modes

@@ -10,6 +10,9 @@ import pathlib
 import subprocess
 import sys
 
+import torch
+import transformers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -110,3 +113,39 @@ def test_prefill_sweep_tiny_under_the_interpreter(tmp_path):
         assert {"tc", "tc[16, 16, 4, 1, 1]", "tc[16, 16, 4, 1, 2]"} <= set(t), sorted(t)
         assert not any(k.startswith("gemv") or k == "tc_old" for k in t)
         assert case["current"] == "tc" and all(v["tflops"] > 0 for v in t.values() if "ms" in v)
+
+
+def test_build_quantized_never_holds_the_bf16_model(tmp_path):
+    """``build_quantized``: every decoder layer's projections and experts in FP8 with finite weights and
+    block scales, embeddings / norms / LM head in bf16 as the model's own init draws them (their std
+    and the rotary frequencies as a model built the usual way), and the FP8 engine serves it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fp8 as fp8_bench
+    from reference_models import _build
+
+    from hybrid_compile.quantization import has_fp8_layers
+    from hybrid_compile.quantization.fp8_modules import Fp8Experts, Fp8Linear
+
+    config = fp8_bench.qwen3_next_80b_config(4, tiny=True)
+    model = fp8_bench.build_quantized(config, torch.device("cpu"), seed=0)
+    usual = _build(transformers.Qwen3NextForCausalLM, config, torch.bfloat16, torch.device("cpu"), seed=0)
+    assert has_fp8_layers(model)
+    for layer in model.model.layers:
+        kinds = {type(m) for m in layer.modules()}
+        assert Fp8Linear in kinds and Fp8Experts in kinds
+        assert not any(isinstance(m, torch.nn.Linear) and m.weight.numel() >= 128 * 128 for m in layer.modules())
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        got, want = model.get_parameter(name), usual.get_parameter(name)
+        assert got.dtype == torch.bfloat16 and abs(got.float().std() - want.float().std()) < 0.2 * want.float().std()
+    assert torch.equal(model.model.rotary_emb.inv_freq, usual.model.rotary_emb.inv_freq)
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tiny", "--device", "cpu", "--build-quantized"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--build-quantized" in proc.stderr  # refused beside a bf16 engine
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run(cmd + ["--modes", "fp8", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["env"]["build_quantized"] and "bf16" not in run and set(run["fp8"]["decode"]) == {"1", "2"}

@@ -99,6 +99,28 @@ def test_engine_rejects_cuda_graphs_on_cpu():
         make_engine(model, compile=True, cuda_graphs="full")
 
 
+def test_capture_out_of_memory_names_the_memory_settings(monkeypatch):
+    """A capture that runs out of device memory is a sizing problem, not a host sync: its error names
+    memory_fraction / chunked_prefill_size / max_running_requests, not cuda_graphs=False."""
+    from hybrid_compile.engine.config import EngineConfig
+    from hybrid_compile.engine.graph_setup import CompiledGraphs
+
+    graphs = object.__new__(CompiledGraphs)
+    graphs.model, graphs.device, graphs.full, graphs.piecewise = torch.nn.Linear(2, 2), torch.device("cpu"), True, False
+    graphs.config = EngineConfig(memory_fraction=0.5, chunked_prefill_size=8192, max_running_requests=64)
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 320.00 MiB.")
+
+    monkeypatch.setattr(CompiledGraphs, "_capture_full", oom)
+    with pytest.raises(RuntimeError, match="ran out of device memory") as info:
+        graphs.capture_cuda_graphs(runner=None)
+    msg = str(info.value)
+    assert "memory_fraction=0.5" in msg and "chunked_prefill_size (now 8192)" in msg and "(now 64)" in msg
+    assert "cuda_graphs=False" not in msg and "Tried to allocate 320.00 MiB" in msg
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+
+
 def test_buckets():
     assert cg.default_decode_batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert cg.default_decode_batch_sizes(1) == (1,)

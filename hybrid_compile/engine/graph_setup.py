@@ -256,6 +256,9 @@ class CompiledGraphs:
             # the forward itself refuses the configuration (e.g. a MiniMax layer with an FP8 state),
             # graphs or not: its own error
             raise
+        except torch.cuda.OutOfMemoryError as e:
+            # not a graph-safety problem: the pools left too little memory for the captures' activations
+            raise RuntimeError(self._capture_oom_message(e)) from e
         except RuntimeError as e:
             from ..models.fused_experts import unfused_experts
 
@@ -269,6 +272,19 @@ class CompiledGraphs:
                 "syncs or CPU<->GPU copies. Serve this model with cuda_graphs=False (compiled without graphs)."
                 + hint
             ) from e
+
+    def _capture_oom_message(self, e: BaseException) -> str:
+        config = self.config
+        held = ""
+        if self.device.type == "cuda":
+            held = (f" ({torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB allocated of "
+                    f"{torch.cuda.get_device_properties(self.device).total_memory / 2**30:.1f} GiB)")
+        return (f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
+                f"{type(self.model).__name__} forward ran out of device memory{held}: the KV and state pools "
+                f"(memory_fraction={config.memory_fraction} of the free memory) leave too "
+                "little for the activations of the largest captured step. Lower memory_fraction, "
+                f"chunked_prefill_size (now {config.chunked_prefill_size}) or max_running_requests (now "
+                f"{config.max_running_requests}). ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
     @torch.inference_mode()
     def _capture_piecewise(self, runner: "ModelRunner") -> None:

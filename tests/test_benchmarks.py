@@ -328,6 +328,35 @@ def test_radix_eviction_benchmark_smoke(tmp_path):
             assert r["nodes_after"] < r["nodes"]
 
 
+def test_radix_commit_benchmark_smoke(tmp_path):
+    """benchmarks/radix_commit.py on small pools: every (pool size, threads) row measured, each commit
+    checked inside (the fresh sequence cached whole, the tree's invariants after), JSON written."""
+    out = tmp_path / "radix_commit.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "radix_commit.py"), "--tokens", "64", "--slots", "200,1000",
+           "--threads", "1,2", "--repeats", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["kv_slots"] - 1, r["threads"]) for r in rows] == [(200, 1), (200, 2), (1000, 1), (1000, 2)]
+    assert all(r["tokens"] == 64 and r["repeats"] == 3 and r["median_us"] > 0 for r in rows)
+
+
+def test_radix_key_of_any_int_sequence():
+    """The tree's key of a token sequence: plain ints as they are, numpy / bool ints and tensors as
+    ints (one key for the same ids however they are given)."""
+    import numpy as np
+    import torch
+
+    from hybrid_compile.cache import HybridRadixCache
+
+    as_key = HybridRadixCache._as_key
+    want = (3, 1, 0, 7)
+    for ids in ([3, 1, 0, 7], (3, 1, 0, 7), np.array([3, 1, 0, 7]), torch.tensor([3, 1, 0, 7]),
+                [np.int64(3), 1, False, 7]):
+        key = as_key(None, ids)
+        assert key == want and all(type(t) is int for t in key), (ids, key)
+
+
 def test_speculative_benchmark_tree_rows_tiny(tmp_path):
     """benchmarks/speculative.py --trees runs on CPU with --tiny: draft-tree rows (top-k 2 and 4,
     depth 3, budgets 8 and 16) beside the chain rows at the same replay q; a budget over the full

@@ -359,7 +359,11 @@ class HybridRadixCache:
     def _as_key(self, token_ids: TokenIds) -> tuple[int, ...]:
         if isinstance(token_ids, torch.Tensor):
             return tuple(token_ids.reshape(-1).tolist())
-        return tuple(int(t) for t in token_ids)
+        key = tuple(token_ids)
+        # plain ints (the engine's token lists) as they are; anything else (numpy or bool ints) through
+        # int(): one type scan in C instead of a Python call per token (a 32k-token prompt's key is
+        # built at every prefill chunk)
+        return key if set(map(type, key)) <= {int} else tuple(map(int, key))
 
     def _child_key(self, key: tuple[int, ...], pos: int = 0):
         """Children-dict key of the edge starting at ``key[pos]`` (None: less than a page left)."""

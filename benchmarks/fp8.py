@@ -81,7 +81,7 @@ import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.ops import fp8 as fp8_ops  # noqa: E402
 from hybrid_compile.quantization import fp8_weight_bytes, quantize_model  # noqa: E402
 from benchmarks.profiling import decode_profile, prefill_profile  # noqa: E402
-from reference_models import _build, random_token_prompts, sync_device  # noqa: E402
+from reference_models import _build, as_benchmark_model, random_token_prompts, sync_device  # noqa: E402
 
 # (name, N, K) of the 80B model's projections; experts: (name, E, N, K)
 LINEAR_SHAPES = [("gdn in_proj_qkvz", 12288, 2048), ("gdn out_proj", 2048, 4096), ("attn q_proj", 8192, 2048),
@@ -151,11 +151,7 @@ def build_quantized(config, device, seed: int = 0) -> torch.nn.Module:
                 quantize_model(part)
         with torch.device(device):
             model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    model = model.eval()
-    model.generation_config.do_sample = False
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model
+    return as_benchmark_model(model)
 
 
 def _timed(fn, device) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -29,12 +28,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hybrid_compile.cache import HybridRadixCache  # noqa: E402
-from hybrid_compile.memory import AttentionLayerSpec, MambaLayerSpec, MemoryPools  # noqa: E402
+from hybrid_compile.memory import MemoryPools  # noqa: E402
+from radix_eviction import ATTN, LINEAR, write_result  # noqa: E402  (the same tiny pools)
 
-ATTN = [AttentionLayerSpec((1,), num_kv_heads=1, head_dim=1, dtype=torch.float32)]
-LINEAR = [MambaLayerSpec((0,), conv_width=2, conv_dim=2, state_shape=(1,), conv_dtype=torch.float32)]
 VOCAB = 1000
 
 
@@ -85,11 +84,7 @@ def main(argv=None) -> dict:
             result["results"].append(r)
             print(f"{r['tokens']:>7} {r['kv_slots']:>9} {r['threads']:>8} {r['median_us']:>10.1f} {r['mean_us']:>9.1f}",
                   flush=True)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "radix_commit_cpu.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_result(result, args.out, "radix_commit_cpu.json")
     return result
 
 

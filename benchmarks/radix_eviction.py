@@ -151,12 +151,17 @@ def main(argv=None) -> dict:
             print(f"{policy:8} {r['nodes']:>7} {r['kv_per_call_us']['median']:>11.1f} "
                   f"{r['mamba_per_call_us']['median']:>14.1f} {r['kv_bulk_us_per_node']:>16.1f} "
                   f"{r['mamba_bulk_us_per_node']:>19.1f} {r['full_rank_ms']:>13.1f} {r['build_s']:>8.1f}", flush=True)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "radix_eviction_cpu.json")
+    write_result(result, args.out, "radix_eviction_cpu.json")
+    return result
+
+
+def write_result(result: dict, out: str | None, default_name: str) -> None:
+    """``result`` as JSON to ``out`` (default: ``benchmarks/results/<default_name>``)."""
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", default_name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
-    return result
 
 
 if __name__ == "__main__":

@@ -145,6 +145,12 @@ def _build(model_class, config, dtype: torch.dtype, device, seed: int):
         torch.manual_seed(seed)
         with torch.device(device):
             model = model_class._from_config(config, dtype=dtype)
+    return as_benchmark_model(model)
+
+
+def as_benchmark_model(model):
+    """``model`` in eval mode with greedy, EOS-free generation defaults (random weights would stop
+    at a random EOS)."""
     model = model.eval()
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = None

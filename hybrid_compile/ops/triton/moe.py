@@ -29,8 +29,8 @@ same gather, scatter, activations and shape-only launch; tiles from :data:`MOE_G
 
 Tiles of the tensor-core kernel: at decode :func:`fp8_gemm_config`'s choice (16-row tiles and column
 tiles narrow enough that about two programs per SM stream the weights); prefill: 64 / 128-row
-tiles by the rows per expert, 128 columns, 8 warps, 3 stages; ``BK`` 64 (128 for 16-bit weights at decode in column tiles narrower than 128: fewer loop
-steps over the long ``K`` of the weight stream).
+tiles by the rows per expert, 128 columns, 8 warps, 3 stages; ``BK`` 64 (128 for 16-bit weights at
+decode in column tiles narrower than 128: fewer loop steps over the long ``K`` of the weight stream).
 """
 
 from __future__ import annotations

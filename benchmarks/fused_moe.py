@@ -27,7 +27,8 @@ and routings: for each token count and projection (``up``: the tokens gathered i
 sorted rows into ``down_proj``, scattered back) the default (the path and tiles the op takes),
 every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tiles only below 16
 tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
-BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID`, each output checked against the default's,
+BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` (but tiles of more accumulators than
+:data:`GEMV_SWEEP_MAX_ACCUMULATORS`), each output checked against the default's,
 timed as above; prints the default and the best of each path per case, writes every timing. On
 CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
 """
@@ -169,9 +170,14 @@ SWEEP_GRID = dict(bm=(16, 32, 64), bn=(16, 32, 64, 128), bk=(64, 128, 256), warp
 #: GEMV tiles of the sweep (rows per program, BLOCK_N, BLOCK_K, warps, stages), around the defaults
 #: (``MOE_GEMV_TILES``: 16 x 256, 8 x 256 for silu_and_mul, 4 warps); stages fixed at 2, as in the FP8
 #: sweep's grouped grid (the loop's loads are not staged through shared memory).
-GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=(4, 8), stages=(2,))
-#: The GEMV is swept up to this many tokens (the decode sizes it serves)
-GEMV_SWEEP_MAX_TOKENS = 16
+GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32, 64, 128), block_k=(128, 256, 512), warps=(4, 8),
+                       stages=(2,))
+#: The GEMV is swept up to this many tokens (the decode sizes it serves: 64 tokens of top-10 routing
+#: over 512 experts are 1.25 rows per expert)
+GEMV_SWEEP_MAX_TOKENS = 64
+#: GEMV tiles holding more fp32 accumulators than this (rows x BLOCK_N x BLOCK_K, twice for
+#: silu_and_mul) are left out: 4x the default tile's 4096, beyond which the registers spill
+GEMV_SWEEP_MAX_ACCUMULATORS = 16384
 TINY_GRID = dict(bm=(16,), bn=(16, 32), bk=(32,), warps=(4,), stages=(2,))
 TINY_GEMV_GRID = dict(rows=(1, 2), block_n=(4,), block_k=(16,), warps=(2,), stages=(1,))
 
@@ -195,7 +201,8 @@ def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid)
     if gemv_grid is not None and tokens <= GEMV_SWEEP_MAX_TOKENS:
         for rpp, *c in itertools.product(*gemv_grid.values()):
             cand = dict(path="gemv", config=list(c), rows_per_program=rpp)
-            if cand != default:
+            accumulators = rpp * c[0] * min(c[1], k) * (2 if gated else 1)
+            if cand != default and accumulators <= GEMV_SWEEP_MAX_ACCUMULATORS:
                 found.append(cand)
     return found
 

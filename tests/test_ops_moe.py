@@ -316,6 +316,8 @@ def test_which_path_and_gemv_tiles():
     assert tmoe.moe_gemv_config(512, 2048, fp32, gated=True) == (16, 128, 4, 2)
     assert tmoe.moe_gemv_config(2048, 512, bf16, rows=2) == (8, 256, 4, 2)
     assert tmoe.moe_gemv_config(2048, 40, bf16) == (64, 64, 4, 2)  # short K: the same 4096 accumulators
+    assert tmoe.moe_gemv_config(2048, 256, bf16) == (32, 128, 4, 2)  # one 256-column step: two of 128 instead
+    assert tmoe.moe_gemv_config(2048, 128, bf16) == (32, 128, 4, 2)  # the down_proj of TP 4's slice
     assert tmoe.moe_gemv_config(20, 40, bf16) == (32, 64, 4, 2)  # no wider than 20 columns need
     x, w, off = torch.randn(3, 16), torch.randn(2, 8, 16), torch.tensor([0, 1, 3])
     with pytest.raises(ValueError, match="`path` must be one of"):

@@ -29,17 +29,28 @@ def grouped_row_tiles(rows: int, bm: int, experts: int) -> int:
 def expert_row_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     """Row tile ``pid_m`` of a grouped GEMM over rows sorted by expert (``offsets_ptr``: ``E + 1``
     first rows): ``(expert, row0, row_end)``. Tiles are numbered by the experts' cumulative tile
-    counts; past the last used tile ``expert == E`` and ``row_end == 0`` (no rows)."""
+    counts; past the last used tile ``expert == E`` and ``row_end == 0`` (no rows).
+
+    One-row tiles (``BM == 1``, the GEMV's decode launch: a program per row and column tile, tens of
+    thousands of them at batch 64 over 512 experts) skip the scan: tile ``pid_m`` is row ``pid_m``,
+    and its expert is the number of experts that end at or before it (the experts' rows lie back to
+    back), one compare and one sum over the ``E`` end offsets."""
     eidx = tl.arange(0, BLOCK_E)
     e_ok = eidx < E
-    lo = tl.load(offsets_ptr + eidx, mask=e_ok, other=0).to(tl.int32)
-    hi = tl.load(offsets_ptr + eidx + 1, mask=e_ok, other=0).to(tl.int32)
-    ntiles = (hi - lo + BM - 1) // BM
-    tile_end = tl.cumsum(ntiles, 0)
-    expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
-    mine = eidx == expert
-    row0 = tl.sum(tl.where(mine, lo + (pid_m - (tile_end - ntiles)) * BM, 0), axis=0)
-    row_end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    if BM == 1:
+        ends = tl.load(offsets_ptr + eidx + 1, mask=e_ok, other=2147483647).to(tl.int32)
+        expert = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        row0 = pid_m
+        row_end = tl.where(expert < E, pid_m + 1, 0)
+    else:
+        lo = tl.load(offsets_ptr + eidx, mask=e_ok, other=0).to(tl.int32)
+        hi = tl.load(offsets_ptr + eidx + 1, mask=e_ok, other=0).to(tl.int32)
+        ntiles = (hi - lo + BM - 1) // BM
+        tile_end = tl.cumsum(ntiles, 0)
+        expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+        mine = eidx == expert
+        row0 = tl.sum(tl.where(mine, lo + (pid_m - (tile_end - ntiles)) * BM, 0), axis=0)
+        row_end = tl.sum(tl.where(mine, hi, 0), axis=0)
     return expert, row0, row_end
 
 

@@ -159,9 +159,15 @@ def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV for ``n`` output columns over ``k`` input
     channels: :data:`MOE_GEMV_TILES`, ``BLOCK_N`` halved for ``gated`` (``silu_and_mul``) and divided
     by the ``rows`` a program takes; a ``K`` shorter than ``BLOCK_K`` shortens the tile and widens
-    ``BLOCK_N`` to keep the accumulators (at most 128, and no wider than ``n`` needs)."""
+    ``BLOCK_N`` to keep the accumulators (at most 128, and no wider than ``n`` needs). A weight row
+    that fits one step of a tile wider than 128 columns is streamed in 128-column steps (BLOCK_N
+    doubled): on an H200 (2026-11-28, ``benchmarks/fused_moe.py --sweep --tp 2``) Qwen3-Next-80B's
+    ``down_proj`` at TP 2 (K = 256) took 46.7 / 147.1 us at 16 / 64 tokens against 55.9 / 187.8 us
+    in one 256-column step."""
     block_n, block_k, warps, stages = MOE_GEMV_TILES[dtype.itemsize]
     fit = min(block_k, pow2(k, 16))
+    if fit > 128 and k <= fit:
+        fit = 128
     accumulators = block_n * block_k // ((2 if gated else 1) * pow2(rows))
     block_n = max(2, min(128, pow2(n, 2), accumulators // fit))
     return block_n, fit, warps, stages

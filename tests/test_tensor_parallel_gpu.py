@@ -44,6 +44,15 @@ mid-size families:
     HC_TP_GPU_ALL_MID=1 python scripts/gpu_tests.py --workers 1 --time-limit 560 --out OUT/tp_mid \
         -- tests/test_tensor_parallel_gpu.py -k "mid_ and not mid_qwen3_next_moe and not mid_nemotron_h"
 
+On a host with 4 GPUs the two halves run at once, each on its own pair of GPUs and each serving every
+other case (``HC_TP_GPU_SHARD=i/n``: the cases at positions ``i, i + n, ...`` of the module's list;
+each process's group sees only its ``CUDA_VISIBLE_DEVICES``):
+
+    CUDA_VISIBLE_DEVICES=0,1 HC_TP_GPU_SHARD=0/2 python scripts/gpu_tests.py --workers 1 --time-limit 400 \
+        --out OUT/tp_0 -- tests/test_tensor_parallel_gpu.py &
+    CUDA_VISIBLE_DEVICES=2,3 HC_TP_GPU_SHARD=1/2 python scripts/gpu_tests.py --workers 1 --time-limit 400 \
+        --out OUT/tp_1 -- tests/test_tensor_parallel_gpu.py &
+
 With ``HC_TP_GPU_RANKS=4`` (4 devices) the group has 4 ranks and serves the CPU suite's 4-rank tiny
 models (``FOUR_RANKS`` of ``tests/test_tensor_parallel.py``: the 2-rank ones' head counts do not all
 divide by 4), their speculative and tree cases, and the two default mid-size models.
@@ -228,7 +237,21 @@ def _cases() -> list[tuple[str, object, dict]]:
     return cases
 
 
-CASE_NAMES = [c[0] for c in _cases()]
+def _shard(names: list[str]) -> list[str]:
+    """The cases of this process's shard (``HC_TP_GPU_SHARD=i/n``: every n-th from the i-th), or all."""
+    spec = os.environ.get("HC_TP_GPU_SHARD")
+    if not spec:
+        return names
+    try:
+        index, count = (int(v) for v in spec.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise ValueError(f"HC_TP_GPU_SHARD must be 'i/n' with 0 <= i < n, got {spec!r}")
+    return names[index::count]
+
+
+CASE_NAMES = _shard([c[0] for c in _cases()])
 CASES = CASE_NAMES + ([] if ALL_MID else [
     pytest.param(f"mid_{n}", marks=pytest.mark.skip(reason="the other mid-size families run with HC_TP_GPU_ALL_MID=1"))
     for n in MID_FAMILIES if n not in MID_DEFAULT])

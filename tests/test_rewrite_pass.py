@@ -189,6 +189,58 @@ def _assert_own_storage(model, params, values):
     assert len(set(ptrs)) == len(ptrs), "parameters share storage"
 
 
+class Fp8Block(nn.Module):
+    """Block-FP8 projections of one input: two that fill whole 128-row scale blocks, two that do not
+    (only one of those can go last in the packing), one with a bias (never packed)."""
+
+    def __init__(self):
+        super().__init__()
+        from hybrid_compile.quantization import Fp8Linear
+
+        def fp8(n, bias=False):
+            return Fp8Linear.from_linear(nn.Linear(256, n, bias=bias))
+
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = fp8(384), fp8(64), fp8(128), fp8(96)
+        self.biased = fp8(128, bias=True)
+
+    def forward(self, x):
+        return (self.q_proj(x) + 1, self.k_proj(x) * 2, self.v_proj(x), self.o_proj(x).relu(), self.biased(x))
+
+
+def test_pass_fuses_block_fp8_projections_with_their_scales():
+    """Bias-free ``fp8_block_linear`` calls on one input: the weights are packed in one buffer and their
+    block scales in another, in the same order (whole 128-row blocks first, the one partial-block
+    weight last, a second partial one and the biased one left alone); the pass makes the run one
+    ``fp8_block_linear`` call; outputs bitwise those of eager (one activation quantization, the same
+    per-column products); releasing the backend gives every parameter its own storage back."""
+    torch.manual_seed(0)
+    block = Fp8Block().eval()
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        expected = block(x)
+    values = {name: p.detach().clone() for name, p in block.named_parameters()}
+    torch._dynamo.reset()
+    backend = HybridCompileBackend()
+    with _no_compile_caches(), torch.no_grad():
+        got = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)(x)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    r = backend.stats.rewrites
+    assert r["packed_groups"] == 2 and r["packed_weights"] == 6, r  # 3 weights + their 3 scales
+    assert r["fused_groups"] == r["fp8_fused_groups"] == 1 and r["group_sizes"] == {3: 1}, r
+    q, v, k, o = block.q_proj, block.v_proj, block.k_proj, block.o_proj
+    for attr, rows in (("weight", 1), ("weight_scale_inv", 128)):
+        t = [getattr(m, attr) for m in (q, v, k)]  # k (64 rows) last: its partial scale block ends the buffer
+        assert len({x.untyped_storage().data_ptr() for x in t}) == 1
+        assert [x.storage_offset() for x in t] == [0, t[0].numel(), t[0].numel() + t[1].numel()]
+        assert getattr(o, attr).untyped_storage().data_ptr() != t[0].untyped_storage().data_ptr()
+    for name, p in block.named_parameters():
+        assert torch.equal(p, values[name]), name
+    assert backend.release_packed_weights() == 6
+    ptrs = [p.untyped_storage().data_ptr() for p in block.parameters()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
 def test_replaced_packed_weight_fails_clearly():
     """The fused matmul reads the group through its first weight: replacing a packed parameter
     after the compile must fail with a clear error, not read out of bounds."""

@@ -33,6 +33,14 @@ Two steps, so that no weight is copied per call:
    beats cuBLAS; ``torch.mm`` elsewhere. The pieces are compiled for a dynamic token count, so
    the op picks its kernel at run time (inside a CUDA graph: once, at capture).
 
+4. Block-FP8 projections (``hybrid_compile::fp8_block_linear``, :class:`~hybrid_compile.quantization.Fp8Linear`)
+   the same way: step 1 packs a group's e4m3 weights in one buffer and their ``weight_scale_inv``
+   block scales in another, in the same order (every weight but the last filling whole 128-row
+   scale blocks, so that scale row ``r // 128`` belongs to packed weight row ``r``; one weight with a
+   partial block goes last, others stay alone), and the pass makes the run one ``fp8_block_linear``
+   over both packed views: one activation quantization and one GEMM (GEMV at decode) launch
+   instead of one each per projection (the shared experts' gate / up, attention's q / k / v).
+
 The backend builds the pieces' fake inputs as views of the packed buffer
 (:func:`packed_fake_inputs`), so the adjacency the pass reads is the one of the real weights.
 The packing is undone when the engine closes (:func:`unpack_weights`: every parameter gets its own
@@ -60,6 +68,7 @@ from .. import ops as _ops  # noqa: F401  (registers hybrid_compile::skinny_mm)
 aten = torch.ops.aten
 
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
+_FP8_LINEAR_TARGETS = (torch.ops.hybrid_compile.fp8_block_linear, torch.ops.hybrid_compile.fp8_block_linear.default)
 _VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,6 +115,51 @@ def _linear_weight_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return [ws for ws in by_input.values() if len(ws) > 1 and all(uses[w] == 1 for w in ws)]
 
 
+def _input_key(x: Any) -> Any:
+    """What a projection reads: ``x``, or (source, shape) for ``x.reshape(shape)`` / ``x.view(shape)``
+    (each ``Fp8Linear`` flattens its input itself: views of one tensor to one shape feed the same rows)."""
+    if isinstance(x, fx.Node) and x.op == "call_method" and x.target in ("reshape", "view"):
+        return (x.args[0], tuple(x.args[1:]))
+    return x
+
+
+def _fp8_linear_args(node: fx.Node) -> tuple[Any, Any, Any, Any]:
+    """(x, weight, weight_scale_inv, bias) of an ``fp8_block_linear`` call node."""
+    args = (*node.args, None, None, None, None)[:4]
+    names = ("x", "weight", "weight_scale_inv", "bias")
+    return tuple(node.kwargs.get(name, a) for name, a in zip(names, args))
+
+
+def _fp8_weight_groups(gm: fx.GraphModule) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+    """(weight placeholders, scale placeholders) of bias-free ``fp8_block_linear`` calls on one input,
+    in call order; groups of two or more, each parameter used by one call only."""
+    by_input: dict[Any, list[tuple[fx.Node, fx.Node]]] = collections.defaultdict(list)
+    uses: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _FP8_LINEAR_TARGETS:
+            continue
+        x, w, scale, bias = _fp8_linear_args(node)
+        if bias is not None or not all(isinstance(t, fx.Node) and t.op == "placeholder" for t in (w, scale)):
+            continue
+        uses[w] += 1
+        uses[scale] += 1
+        by_input[_input_key(x)].append((w, scale))
+    return [([w for w, _ in pairs], [sc for _, sc in pairs]) for pairs in by_input.values()
+            if len(pairs) > 1 and all(uses[w] == 1 and uses[sc] == 1 for w, sc in pairs)]
+
+
+def _fp8_packing_order(weights: Sequence[torch.Tensor]) -> list[int] | None:
+    """The order in which block-FP8 weights can lie back to back, or None: every weight but the last
+    must fill whole 128-row scale blocks (its scales' rows then follow the previous weight's); one
+    weight with a partial block goes last, a second one is left out."""
+    from ..ops.fp8 import FP8_BLOCK
+
+    whole = [i for i, w in enumerate(weights) if w.shape[0] % FP8_BLOCK == 0]
+    partial = [i for i, w in enumerate(weights) if w.shape[0] % FP8_BLOCK]
+    order = whole + partial[:1]
+    return order if len(order) > 1 else None
+
+
 def _already_packed(weights: Sequence[torch.Tensor]) -> bool:
     start = 0
     for w in weights:
@@ -132,27 +186,48 @@ def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any],
     groups = []
     for nodes in _linear_weight_groups(gm):
         idx = tuple(index_of[n] for n in nodes)
-        ws = [example_inputs[i] for i in idx]
-        # parameters only: the same tensors come back every call (a per-call weight input could not be packed)
-        if not all(isinstance(w, torch.nn.Parameter) and not isinstance(w, torch._subclasses.FakeTensor) for w in ws):
+        if _packable([example_inputs[i] for i in idx]):
+            groups.append(_pack(idx, [example_inputs[i] for i in idx], user))
+    # block-FP8 projections: the weights packed in one buffer and their block scales in another, in
+    # the same order, so that the fused call's scale rows line up with its weight rows
+    for weight_nodes, scale_nodes in _fp8_weight_groups(gm):
+        ws = [example_inputs[index_of[n]] for n in weight_nodes]
+        scales = [example_inputs[index_of[n]] for n in scale_nodes]
+        if not (_packable(ws) and _packable(scales)):
             continue
-        w0 = ws[0]
-        if not all(w.dim() == 2 and w.is_contiguous() and w.dtype == w0.dtype and w.device == w0.device
-                   and w.shape[1] == w0.shape[1] for w in ws):
+        order = _fp8_packing_order(ws)
+        if order is None:
             continue
-        rows = tuple(int(w.shape[0]) for w in ws)
-        if _already_packed(ws):
-            packed = w0.new_empty(0).set_(w0.untyped_storage(), 0, (sum(rows), w0.shape[1]), (w0.shape[1], 1))
-        else:
-            with torch.inference_mode(False), torch.no_grad():
-                packed = torch.cat([w.detach() for w in ws])
-                start = 0
-                for w, n in zip(ws, rows):
-                    w.data = packed[start:start + n]
-                    start += n
-        _packing_users.setdefault(_storage_id(packed), weakref.WeakSet()).add(user)
-        groups.append(PackedGroup(idx, packed, rows, tuple(ws)))
+        groups.append(_pack(tuple(index_of[weight_nodes[i]] for i in order), [ws[i] for i in order], user))
+        groups.append(_pack(tuple(index_of[scale_nodes[i]] for i in order), [scales[i] for i in order], user))
     return groups
+
+
+def _packable(ws: Sequence[Any]) -> bool:
+    """2-D contiguous parameters of one dtype, device and width. Parameters only: the same tensors come
+    back every call (a per-call weight input could not be packed)."""
+    if not all(isinstance(w, torch.nn.Parameter) and not isinstance(w, torch._subclasses.FakeTensor) for w in ws):
+        return False
+    w0 = ws[0]
+    return all(w.dim() == 2 and w.is_contiguous() and w.dtype == w0.dtype and w.device == w0.device
+               and w.shape[1] == w0.shape[1] for w in ws)
+
+
+def _pack(idx: tuple[int, ...], ws: Sequence[torch.nn.Parameter], user: object) -> PackedGroup:
+    """Re-point ``ws`` at adjacent row slices of one new buffer (or reuse the buffer they already lie in)."""
+    w0 = ws[0]
+    rows = tuple(int(w.shape[0]) for w in ws)
+    if _already_packed(ws):
+        packed = w0.new_empty(0).set_(w0.untyped_storage(), 0, (sum(rows), w0.shape[1]), (w0.shape[1], 1))
+    else:
+        with torch.inference_mode(False), torch.no_grad():
+            packed = torch.cat([w.detach() for w in ws])
+            start = 0
+            for w, n in zip(ws, rows):
+                w.data = packed[start:start + n]
+                start += n
+    _packing_users.setdefault(_storage_id(packed), weakref.WeakSet()).add(user)
+    return PackedGroup(idx, packed, rows, tuple(ws))
 
 
 def unpack_weights(groups: Sequence[PackedGroup], user: object) -> int:
@@ -256,6 +331,48 @@ def _projection(node: fx.Node) -> tuple[Any, _Projection] | None:
     return key, _Projection(node, w, value)
 
 
+@dataclass
+class _Fp8Projection:
+    mm: fx.Node  # the fp8_block_linear call
+    weight: fx.Node  # placeholder of the e4m3 weight
+    value: torch.Tensor  # its fake tensor
+    scale: fx.Node  # placeholder of its block scales
+    scale_value: torch.Tensor
+
+
+def _fp8_projection(node: fx.Node) -> tuple[Any, _Fp8Projection] | None:
+    """A bias-free ``fp8_block_linear(x, w, scale)`` with ``w`` and ``scale`` 2-D contiguous graph
+    inputs -> (key of x, match)."""
+    if node.op != "call_function" or node.target is not torch.ops.hybrid_compile.fp8_block_linear.default:
+        return None
+    x, w, scale, bias = _fp8_linear_args(node)
+    if bias is not None or not all(isinstance(t, fx.Node) and t.op == "placeholder" for t in (w, scale)):
+        return None
+    values = [t.meta.get("val") for t in (w, scale)]
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_contiguous() for v in values):
+        return None
+    key = (x.args[0], tuple(x.args[1])) if isinstance(x, fx.Node) and x.target in _VIEW_TARGETS else x
+    return key, _Fp8Projection(node, w, values[0], scale, values[1])
+
+
+def _scales_follow(run: list[_Fp8Projection]) -> bool:
+    """The run's block scales lie back to back from offset 0 in one storage, in the weights' order,
+    and every weight but the last fills whole 128-row blocks (so scale row ``r // 128`` belongs to
+    packed weight row ``r``)."""
+    from ..ops.fp8 import FP8_BLOCK
+
+    start = 0
+    for i, p in enumerate(run):
+        v = p.scale_value
+        if (_storage_id(v) != _storage_id(run[0].scale_value) or v.storage_offset() != start
+                or v.shape[1] != run[0].scale_value.shape[1] or v.dtype != run[0].scale_value.dtype):
+            return False
+        if i < len(run) - 1 and p.value.shape[0] % FP8_BLOCK:
+            return False
+        start += v.numel()
+    return True
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -305,10 +422,12 @@ class RewriteCounts:
     matmuls_removed: int = 0  # sum over groups of (members - 1)
     group_sizes: dict[int, int] = field(default_factory=dict)  # members -> groups
     skinny_matmuls: int = 0  # mm nodes routed to hybrid_compile::skinny_mm
+    fp8_fused_groups: int = 0  # of fused_groups: block-FP8 projections (one fp8_block_linear call)
 
     def as_dict(self) -> dict:
         return {"pass_runs": self.graphs, "fused_groups": self.fused_groups, "matmuls_removed": self.matmuls_removed,
-                "group_sizes": dict(self.group_sizes), "skinny_matmuls": self.skinny_matmuls}
+                "group_sizes": dict(self.group_sizes), "skinny_matmuls": self.skinny_matmuls,
+                "fp8_fused_groups": self.fp8_fused_groups}
 
 
 class SharedInputMatmulFusion(CustomGraphPass):
@@ -339,10 +458,19 @@ class SharedInputMatmulFusion(CustomGraphPass):
             if match is not None:
                 groups[match[0]].append(match[1])
         runs = [run for ps in groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)]
+        fp8_groups: dict[Any, list[_Fp8Projection]] = collections.defaultdict(list)
+        for node in graph.nodes:
+            match = _fp8_projection(node)
+            if match is not None:
+                fp8_groups[match[0]].append(match[1])
+        fp8_runs = [run for ps in fp8_groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)
+                    if _scales_follow(run)]
         fake_mode = _fake_mode_of(graph)
         order = {node: i for i, node in enumerate(graph.nodes)}
         for run in runs:
             self._fuse(graph, fake_mode, sorted(run, key=lambda p: order[p.mm]))
+        for run in fp8_runs:
+            self._fuse(graph, fake_mode, sorted(run, key=lambda p: order[p.mm]), fp8=True)
         if self.skinny_matmuls is not False and fake_mode is not None:
             self._route_skinny(graph, fake_mode)
         graph.eliminate_dead_code()
@@ -366,15 +494,25 @@ class SharedInputMatmulFusion(CustomGraphPass):
             graph.erase_node(node)
             self.counts.skinny_matmuls += 1
 
-    def _fuse(self, graph: fx.Graph, fake_mode, run: list[_Projection]) -> None:
+    def _fuse(self, graph: fx.Graph, fake_mode, run: list, fp8: bool = False) -> None:
+        """One call over the run's packed weight (``mm``, or ``fp8_block_linear`` over the packed weight
+        and packed block scales with ``fp8``), then each member's columns sliced out of it."""
         first = run[0]  # earliest in the graph: its input is defined before every member
         first_weight = min(run, key=lambda p: p.value.storage_offset())
         k = first.value.shape[1]
         total = sum(p.value.shape[0] for p in run)
         with graph.inserting_before(first.mm):
             packed = _call(graph, fake_mode, aten.as_strided.default, (first_weight.weight, [total, k], [k, 1], 0))
-            packed_t = _call(graph, fake_mode, aten.permute.default, (packed, [1, 0]))
-            out = _call(graph, fake_mode, aten.mm.default, (first.mm.args[0], packed_t))
+            if fp8:
+                ks = first.scale_value.shape[1]
+                scale_rows = sum(p.scale_value.shape[0] for p in run)
+                scales = _call(graph, fake_mode, aten.as_strided.default,
+                               (first_weight.scale, [scale_rows, ks], [ks, 1], 0))
+                out = _call(graph, fake_mode, torch.ops.hybrid_compile.fp8_block_linear.default,
+                            (_fp8_linear_args(first.mm)[0], packed, scales))
+            else:
+                packed_t = _call(graph, fake_mode, aten.permute.default, (packed, [1, 0]))
+                out = _call(graph, fake_mode, aten.mm.default, (first.mm.args[0], packed_t))
             for p in run:
                 start = p.value.storage_offset() // k
                 sliced = _call(graph, fake_mode, aten.slice.Tensor, (out, 1, start, start + p.value.shape[0]))
@@ -387,6 +525,7 @@ class SharedInputMatmulFusion(CustomGraphPass):
             graph.erase_node(p.mm)
         c = self.counts
         c.fused_groups += 1
+        c.fp8_fused_groups += fp8
         c.matmuls_removed += len(run) - 1
         c.group_sizes[len(run)] = c.group_sizes.get(len(run), 0) + 1
 

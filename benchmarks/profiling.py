@@ -198,11 +198,14 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4, kernels_shown
         engine.step()
 
     def run() -> int:
+        # forwards, not step() calls: with overlap (the engine's default) the first step() also launches
+        # the next decode step ahead, so `steps` calls run (and the profile holds) steps + 1 forwards
+        before = engine.stats()["steps"]
         n = 0
         while engine.has_unfinished() and n < steps:
             engine.step()
             n += 1
-        return n
+        return engine.stats()["steps"] - before
 
     prof, n, wall = _profiled(engine, run)
     while engine.has_unfinished():

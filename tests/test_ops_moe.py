@@ -340,6 +340,18 @@ def test_which_path_and_gemv_tiles():
     assert torch.equal(zeros, torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scatter_rows_is_the_permutations_scatter(dtype):
+    """``scatter_rows`` (a gather through the inverse permutation) writes every row where ``index_copy_``
+    would, bit for bit; an empty permutation gives an empty tensor."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(37, 24, generator=g).to(dtype)
+    perm = torch.randperm(37, generator=g)
+    want = torch.empty_like(y).index_copy_(0, perm, y)
+    assert torch.equal(moe.scatter_rows(y, perm), want)
+    assert moe.scatter_rows(y[:0], perm[:0]).shape == (0, 24)
+
+
 def test_routing_sort_and_op_argument_errors():
     idx = torch.tensor([[2, 0], [2, 1], [0, 2]])
     r = moe.sort_pairs_by_expert(idx, 4)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.fp8 import FP8_DTYPE, quantize_weight_blocks
-from ..ops.moe import combine_top_k, sort_pairs_by_expert
+from ..ops.moe import combine_top_k, scatter_rows, sort_pairs_by_expert
 
 __all__ = ["Fp8Experts", "Fp8Linear", "KEEP_HIGH_PRECISION", "fp8_weight_bytes", "has_fp8_layers", "quantize_model"]
 
@@ -106,9 +106,7 @@ class Fp8Experts(nn.Module):
             h = self.act_fn(h)
         out = ops.fp8_grouped_linear(h, self.down_proj, self.down_proj_scale_inv, offsets)
         # back to (token, k) order (a permutation), then the fixed-order sum (not an atomic index_add_)
-        pairs = torch.empty_like(out)
-        pairs[order] = out
-        return combine_top_k(pairs, top_k_weights, hidden_states.dtype)
+        return combine_top_k(scatter_rows(out, order), top_k_weights, hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "

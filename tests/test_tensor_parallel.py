@@ -59,6 +59,20 @@ def _qwen3_next_4(seed=0):
     return em.build_model("qwen3_next_moe", seed, config=cfg)
 
 
+def _qwen3_next_fp8(seed=0):
+    """A Qwen3-Next MoE whose every 2-rank shard boundary falls on a 128-row / 128-column FP8 block
+    (head dims 128, expert widths 256): each rank's block-FP8 quantization of its shard is then the
+    single process's, block for block."""
+    cfg = em.make_config("qwen3_next_moe")
+    cfg.hidden_size, cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim = 128, 128, 128, 128
+    cfg.intermediate_size = cfg.moe_intermediate_size = cfg.shared_expert_intermediate_size = 256
+    # transformers' own init scale: with larger weights the logits are chaotic in the activations, and a
+    # one-ulp difference of the ranks' summation order can move an activation across an e4m3 rounding
+    # boundary and a greedy pick with it (tests/test_fp8_models.py serves its compiled case so too)
+    cfg.initializer_range = 0.02
+    return em.build_model("qwen3_next_moe", seed, config=cfg)
+
+
 def _nemotron_h_4(seed=0):
     """A NemotronH whose Mamba2 B/C groups (4) and heads split over 4 ranks."""
     import transformers
@@ -117,6 +131,7 @@ MODELS = {
     "bamba_one_group_4": _one_group("bamba"),
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
+    "qwen3_next_fp8": _qwen3_next_fp8,
 }
 TWO_RANKS = ("qwen3_next_moe", "qwen3_next_dense", "qwen3_5", "qwen3_5_moe", "nemotron_h", "mamba2", "bamba",
              "granitemoehybrid", "falcon_h1", "mamba2_one_group", "olmo_hybrid",
@@ -149,6 +164,8 @@ VARIANTS = (
     ("qwen3_next_moe@fused_moe", "qwen3_next_moe", dict(fused_moe=True), 1),
     ("nemotron_h@fused_moe", "nemotron_h", dict(fused_moe=True), 1),
     ("minimax@bf16", "minimax_bf16", dict(dtype="bfloat16"), 1),
+    # block-FP8 projections and experts, each rank quantizing its own shard before the collectives go in
+    ("qwen3_next_fp8@fp8", "qwen3_next_fp8", dict(quantization="fp8"), 1),
 ) + ((("kimi_linear@compiled", "kimi_linear_2l", dict(compile=True), 1),) if "kimi_linear" in MODELS else ())
 
 
@@ -492,6 +509,40 @@ def test_collectives_trace_into_one_graph(tmp_path):
         got = json.load(f)
     modes = ("eager", "compiled", "op eager", "op compiled")
     assert got == {**{m: dict(reduce=True, gather=True) for m in modes}, "opcheck": True}, got
+
+
+def test_fp8_quantization_two_ranks_equal_the_single_process_engine(checkpoints, two_ranks):
+    """quantization="fp8" over 2 ranks: each rank quantizes its shard before the collectives go in
+    (quantizing after them dropped the row-parallel projections' all-reduces). On a model whose shard
+    boundaries fall on the 128 x 128 blocks the ranks' FP8 weights are the single process's block for
+    block, so the greedy tokens equal the single-process FP8 engine's."""
+    from hybrid_compile.quantization import has_fp8_layers
+
+    ck = checkpoints["qwen3_next_fp8"]
+    opts = {k: v for k, v in OPTIONS.items() if k != "device"}
+    with hc.from_pretrained(ck["dir"], device="cpu", quantization="fp8", **opts) as engine:
+        assert has_fp8_layers(engine.model)
+        single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
+    assert two_ranks["qwen3_next_fp8@fp8"]["outputs"] == single
+
+
+def test_fp8_checkpoint_with_tensor_parallelism_is_one_clear_error(checkpoints, tmp_path):
+    """An FP8 checkpoint (its config's quantization_config) at tensor_parallel_size=2: one error naming
+    the checkpoint and what to do instead, before any rank process starts."""
+    import json
+    import shutil
+
+    d = tmp_path / "fp8_config_only"
+    shutil.copytree(checkpoints["qwen3_next_dense"]["dir"], d)
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128],
+                                         activation_scheme="dynamic")
+    (d / "config.json").write_text(json.dumps(config))
+    from hybrid_compile.loading import UnsupportedQuantizationError
+
+    with pytest.raises(UnsupportedQuantizationError, match="is an FP8 checkpoint, which tensor parallelism "
+                                                              "does not load.*quantization='fp8'"):
+        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu")
 
 
 def test_unsupported_speculative_methods_fail_before_launch(checkpoints):

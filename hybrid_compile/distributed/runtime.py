@@ -267,6 +267,13 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
             report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
                                       for p in m.parameters())
+        if engine_config.quantization == "fp8":
+            from ..quantization import quantize_model
+
+            # each rank quantizes its own shard (block scales over its rows and columns) before the
+            # collectives go in: quantize_model swaps the projection modules, the collectives patch the
+            # modules' forwards (the other order would drop the row-parallel projections' all-reduces)
+            quantize_model(model)
     if one_shot.resolve(engine_config.tensor_parallel_all_reduce, tp.device, tp.size, getattr(model, "dtype", None)):
         tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
     install_collectives(model, plan, tp)

@@ -10,7 +10,8 @@
   ``None`` once rank 0's engine is closed.
 
 Every rank loads only its shard (``distributed/loading.py``; with speculative method "mtp" also
-its shard of the MTP head), installs the collectives (``distributed/layers.py``) and builds a
+its shard of the MTP head; with ``quantization="fp8"`` it quantizes that shard before anything else
+patches its modules), installs the collectives (``distributed/layers.py``) and builds a
 :class:`~hybrid_compile.engine.HybridEngine` over it with the same configuration and pool sizes.
 Rank 0's engine (:class:`TensorParallelEngine`) broadcasts every step (``distributed/step.py``); a
 failure on any rank ends every rank with that error (``distributed/group.py``), and the user's

@@ -229,7 +229,7 @@ def test_pass_fuses_block_fp8_projections_with_their_scales():
     assert r["packed_groups"] == 2 and r["packed_weights"] == 6, r  # 3 weights + their 3 scales
     assert r["fused_groups"] == r["fp8_fused_groups"] == 1 and r["group_sizes"] == {3: 1}, r
     q, v, k, o = block.q_proj, block.v_proj, block.k_proj, block.o_proj
-    for attr, rows in (("weight", 1), ("weight_scale_inv", 128)):
+    for attr in ("weight", "weight_scale_inv"):
         t = [getattr(m, attr) for m in (q, v, k)]  # k (64 rows) last: its partial scale block ends the buffer
         assert len({x.untyped_storage().data_ptr() for x in t}) == 1
         assert [x.storage_offset() for x in t] == [0, t[0].numel(), t[0].numel() + t[1].numel()]

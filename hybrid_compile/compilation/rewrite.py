@@ -116,10 +116,14 @@ def _linear_weight_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
 
 
 def _input_key(x: Any) -> Any:
-    """What a projection reads: ``x``, or (source, shape) for ``x.reshape(shape)`` / ``x.view(shape)``
-    (each ``Fp8Linear`` flattens its input itself: views of one tensor to one shape feed the same rows)."""
-    if isinstance(x, fx.Node) and x.op == "call_method" and x.target in ("reshape", "view"):
-        return (x.args[0], tuple(x.args[1:]))
+    """What a projection reads: ``x``, or (source, shape) for a reshape / view of it (Dynamo's
+    ``x.reshape(*shape)`` method calls, the post-grad graph's aten views): views of one tensor to one
+    shape feed the same rows (each ``Fp8Linear`` flattens its input itself)."""
+    if isinstance(x, fx.Node):
+        if x.op == "call_method" and x.target in ("reshape", "view"):
+            return (x.args[0], tuple(x.args[1:]))
+        if x.target in _VIEW_TARGETS:
+            return (x.args[0], tuple(x.args[1]))
     return x
 
 
@@ -326,9 +330,7 @@ def _projection(node: fx.Node) -> tuple[Any, _Projection] | None:
     value = w.meta.get("val") if isinstance(w, fx.Node) else None
     if w.op != "placeholder" or not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_contiguous():
         return None
-    # views of one tensor to the same shape feed the same rows
-    key = (x.args[0], tuple(x.args[1])) if isinstance(x, fx.Node) and x.target in _VIEW_TARGETS else x
-    return key, _Projection(node, w, value)
+    return _input_key(x), _Projection(node, w, value)
 
 
 @dataclass
@@ -351,8 +353,7 @@ def _fp8_projection(node: fx.Node) -> tuple[Any, _Fp8Projection] | None:
     values = [t.meta.get("val") for t in (w, scale)]
     if not all(isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_contiguous() for v in values):
         return None
-    key = (x.args[0], tuple(x.args[1])) if isinstance(x, fx.Node) and x.target in _VIEW_TARGETS else x
-    return key, _Fp8Projection(node, w, values[0], scale, values[1])
+    return _input_key(x), _Fp8Projection(node, w, values[0], scale, values[1])
 
 
 def _scales_follow(run: list[_Fp8Projection]) -> bool:
@@ -453,16 +454,13 @@ class SharedInputMatmulFusion(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         self.counts.graphs += 1
         groups: dict[Any, list[_Projection]] = collections.defaultdict(list)
-        for node in graph.nodes:
-            match = _projection(node)
-            if match is not None:
-                groups[match[0]].append(match[1])
-        runs = [run for ps in groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)]
         fp8_groups: dict[Any, list[_Fp8Projection]] = collections.defaultdict(list)
         for node in graph.nodes:
-            match = _fp8_projection(node)
-            if match is not None:
-                fp8_groups[match[0]].append(match[1])
+            for find, found in ((_projection, groups), (_fp8_projection, fp8_groups)):
+                match = find(node)
+                if match is not None:
+                    found[match[0]].append(match[1])
+        runs = [run for ps in groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)]
         fp8_runs = [run for ps in fp8_groups.values() if len(ps) > 1 for run in _adjacent_runs(ps)
                     if _scales_follow(run)]
         fake_mode = _fake_mode_of(graph)

@@ -29,7 +29,9 @@ most GPU time), to compare the modes kernel by kernel.
 Kernel table: ``fp8_block_linear`` (activation quantization included) and ``fp8_grouped_linear`` at
 the model's shapes against ``torch._scaled_mm`` with row-wise scales on pre-quantized e4m3 inputs
 (quantization not included: the strongest baseline torch offers on every supported version) and
-bf16 ``torch.mm``. Each time is the median of CUDA-graph replays. Prints tables, writes JSON
+bf16 ``torch.mm``; ``path`` says what the op ran (``gemv``, ``cublas``: cuBLAS's block-scaled GEMM
+on Hopper, ``triton``: our tensor-core kernel), and where it ran cuBLAS, ``triton ms`` times our
+kernel on the same call. Each time is the median of CUDA-graph replays. Prints tables, writes JSON
 after each part (an out-of-memory kernel table is recorded as such; ``--no-engines`` runs only the
 kernel table, in a process of its own). ``memory_gib``: what the caching allocator holds (allocated /
 reserved) after the build, the quantization and each engine's close (Dynamo's code cache is reset
@@ -205,6 +207,7 @@ def measure_engine(engine, vocab: int, decode_batches, decode_steps: int, prefil
 
 def kernel_table(rows_list) -> list[dict]:
     from kernels import bench
+    from hybrid_compile.ops.triton import fp8 as tfp8
 
     ops = torch.ops.hybrid_compile
     dev = "cuda"
@@ -224,7 +227,12 @@ def kernel_table(rows_list) -> list[dict]:
                 scaled = None
                 print(f"  torch._scaled_mm {name} m={m}: {type(e).__name__}: {str(e)[:80]}")
             bf16 = bench(lambda: torch.mm(x, wb.t()))
-            table.append(_row(name, m, n, k, ours, scaled, bf16, 1))
+            row = _row(name, m, n, k, ours, scaled, bf16, 1)
+            # what the op dispatches to, and our tensor-core kernel beside it where that is cuBLAS
+            row["path"] = "gemv" if tfp8.use_gemv(m) else "cublas" if tfp8.use_cublas(x, q) else "triton"
+            if row["path"] == "cublas":
+                row["triton_ms"] = float(bench(lambda: tfp8.fp8_block_linear_triton(x, q, s)))
+            table.append(row)
     for name, e, n, k in EXPERT_SHAPES:
         q, s = fp8_ops.quantize_weight_blocks(torch.randn(e, n, k, device=dev) / k ** 0.5)
         for tokens in rows_list:
@@ -236,14 +244,15 @@ def kernel_table(rows_list) -> list[dict]:
             # the same bytes and FLOPs as one dense e4m3 GEMM over all routed rows x one expert's weight
             # would not be comparable; _scaled_mm has no grouped form on every supported torch: no baseline
             table.append(_row(name, ids.numel(), n, k, ours, None, None, e))
-    print(f"\n{'kernel':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'ours ms':>9s} {'_scaled_mm':>10s} {'ratio':>6s} "
-          f"{'bf16 mm':>8s} {'TFLOP/s':>8s}")
+    print(f"\n{'kernel':24s} {'M':>6s} {'N':>6s} {'K':>6s} {'path':>7s} {'ours ms':>9s} {'_scaled_mm':>10s} "
+          f"{'ratio':>6s} {'bf16 mm':>8s} {'TFLOP/s':>8s} {'triton ms':>9s}")
     for r in table:
         sm = f"{r['scaled_mm_ms']:.4f}" if r["scaled_mm_ms"] else "-"
         ratio = f"{r['scaled_mm_ms'] / r['ours_ms']:.2f}" if r["scaled_mm_ms"] else "-"
         bf = f"{r['bf16_mm_ms']:.4f}" if r["bf16_mm_ms"] else "-"
-        print(f"{r['kernel']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['ours_ms']:9.4f} {sm:>10s} {ratio:>6s} "
-              f"{bf:>8s} {r['ours_tflops']:8.1f}")
+        tr = f"{r['triton_ms']:.4f}" if "triton_ms" in r else "-"
+        print(f"{r['kernel']:24s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r.get('path', 'grouped'):>7s} "
+              f"{r['ours_ms']:9.4f} {sm:>10s} {ratio:>6s} {bf:>8s} {r['ours_tflops']:8.1f} {tr:>9s}")
     return table
 
 
@@ -549,6 +558,10 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "transformers": transformers.__version__, "layers": layers,
            "params": params, "tiny": tiny, "build_quantized": args.build_quantized, "build_seconds": build_s,
            "date": time.strftime("%Y-%m-%d")}
+    if device.type == "cuda":  # what serves the FP8 engine's dense GEMMs above decode size
+        from hybrid_compile.ops.triton import fp8 as tfp8
+        env["fp8_dense_gemm"] = ("triton" if tfp8.fp8_gemm_choice() == "triton"
+                                 or not tfp8.cublas_block_gemm_supported(device) else "cublas block-scaled")
     print(f"model: {params / 1e9:.2f} B parameters, {layers} layers, built in {build_s:.1f} s on {env['device']}")
     # Mamba slots given explicitly (running requests + as many for the prefix cache): sized from the
     # budget they would depend on what the first engine left reserved, and differ between the modes

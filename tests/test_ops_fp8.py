@@ -225,6 +225,38 @@ def test_kernel_edge_shapes_and_configs():
     assert tfp8.fp8_gemm_config(40960, 1024, 2048, grouped=True, experts=512, sms=132) == (64, 128, 4, 4, 8)
 
 
+@pytest.mark.parametrize("m,k", [(5, 256), (8, 200), (1, 128)])
+def test_quantize_in_cublas_layout(m, k):
+    """The activation cuBLAS's block-scaled GEMM takes: the reference's bytes in rows padded to a multiple
+    of 4 (zeros, scale of a zero group) and column-major scales (``[G, rows]``)."""
+    x = torch.randn(m, k + 3)[:, :k] * 3  # strided
+    q, st = tfp8.fp8_quantize_for_cublas(x)
+    rows = -(-m // 4) * 4
+    assert q.shape == (rows, k) and st.shape == (-(-k // 128), rows)
+    qr, sr = fp8.reference_quantize(x)
+    assert torch.equal(q[:m].float(), qr.float()) and torch.equal(st.t()[:m], sr)
+    assert torch.equal(q[m:].float(), torch.zeros(rows - m, k))
+    assert torch.equal(st.t()[m:], torch.full((rows - m, st.shape[0]), fp8.FP8_EPS / fp8.FP8_MAX))
+
+
+def test_cublas_choice(monkeypatch):
+    """``HYBRID_COMPILE_FP8_GEMM``: ``auto`` takes cuBLAS only where it runs (never on a CPU or under the
+    interpreter), ``triton`` never, ``cublas`` where it cannot run is an error naming the setting, as
+    is an unknown value; decode sizes stay on the GEMV whatever the choice."""
+    q, s = fp8.quantize_weight_blocks(torch.randn(128, 256))
+    x = torch.randn(16, 256)
+    assert not tfp8.cublas_block_gemm_supported(x.device) and not tfp8.use_cublas(x, q)
+    monkeypatch.setenv(tfp8.FP8_GEMM_ENV, "triton")
+    assert not tfp8.use_cublas(x, q)
+    monkeypatch.setenv(tfp8.FP8_GEMM_ENV, "cublas")
+    assert not tfp8.use_cublas(x[:1], q)
+    with pytest.raises(RuntimeError, match="HYBRID_COMPILE_FP8_GEMM=cublas"):
+        tfp8.use_cublas(x, q)
+    monkeypatch.setenv(tfp8.FP8_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="HYBRID_COMPILE_FP8_GEMM='fast'"):
+        tfp8.use_cublas(x, q)
+
+
 def test_ops_opcheck_and_compile_without_graph_breaks():
     q, s = fp8.quantize_weight_blocks(torch.randn(48, 64))
     qe, se = fp8.quantize_weight_blocks(torch.randn(3, 32, 48))
@@ -262,6 +294,39 @@ def test_cuda_linear_at_model_shapes(n, k):
         torch.testing.assert_close(ops.fp8_block_linear(x, q, s).float(), expected, rtol=2e-2, atol=2e-2,
                                    msg=f"m={m}")
     opcheck_fp8_inputs(ops.fp8_block_linear.default, (torch.randn(3, k, device="cuda", dtype=torch.bfloat16), q, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_cublas_block_gemm_against_reference_and_our_kernel(dtype):
+    """Dense calls above decode size on a Hopper GPU go to cuBLAS's block-scaled GEMM: rows not a
+    multiple of 4 (padded), K blocks not a multiple of 4 (the weight scales padded), a bias, fp32 and
+    bf16 activations; equal to the reference and to our tensor-core kernel within the output's
+    rounding, and replayed from a CUDA graph with new inputs."""
+    if not tfp8.cublas_block_gemm_supported(torch.device("cuda")):
+        pytest.skip("cuBLAS's block-scaled FP8 GEMM needs Hopper, CUDA 12.9+ and torch 2.9+")
+    torch.manual_seed(0)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    for n, k in ((2048, 4096), (256, 640)):
+        q, s = fp8.quantize_weight_blocks(torch.randn(n, k, device="cuda") / k ** 0.5)
+        bias = torch.randn(n, device="cuda").to(dtype)
+        for m in (9, 65, 4099):
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            assert tfp8.use_cublas(x, q)
+            expected = fp8.reference_block_linear(x.float(), q, s, bias.float())
+            got = ops.fp8_block_linear(x, q, s, bias)
+            assert got.shape == (m, n) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=f"n={n} k={k} m={m}")
+            torch.testing.assert_close(got.float(), tfp8.fp8_block_linear_triton(x, q, s, bias).float(),
+                                       rtol=tol, atol=tol)
+    x = torch.randn(33, k, device="cuda").to(dtype)
+    graph, static = torch.cuda.CUDAGraph(), x.clone()
+    ops.fp8_block_linear(static, q, s)  # warm
+    with torch.cuda.graph(graph):
+        out = ops.fp8_block_linear(static, q, s)
+    static.copy_(x)
+    graph.replay()
+    torch.testing.assert_close(out, ops.fp8_block_linear(x, q, s), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

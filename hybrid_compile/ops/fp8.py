@@ -21,7 +21,8 @@ Ops (CPU implementations are the ground truth: plain torch, dequantize + matmul 
 The CUDA implementations are Triton kernels (:mod:`.triton.fp8`), after one quantization launch:
 a GEMV on the CUDA cores for decode (a few rows; grouped: about one row per expert) and a GEMM,
 FP8 x FP8 on the tensor cores with fp32 accumulation, above that; each serves both linear ops (one
-launch per call, the grouped one included). Also here, in plain torch: :func:`quantize_weight_blocks` (a bf16 / fp32 weight to the
+launch per call, the grouped one included). On Hopper a dense call above decode size goes to cuBLAS's
+block-scaled GEMM instead (``torch._scaled_mm``, the same block recipe; ``HYBRID_COMPILE_FP8_GEMM``). Also here, in plain torch: :func:`quantize_weight_blocks` (a bf16 / fp32 weight to the
 block format, used when a model is quantized on load) and :func:`dequantize_weight_blocks`.
 """
 

@@ -13,7 +13,12 @@
   activation). Grouped: a program per (row of one expert, column tile), streaming only that
   expert's weight; shape-only launch. Programmatic dependent launch: a dense program loads its
   first weight tile before waiting for the quantize kernel.
-- ``_fp8_gemm_kernel`` (more rows): a 1-D grid over ``cdiv(N, BN) x row tiles``, walked ``GROUP_M``
+- cuBLAS's block-scaled GEMM (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight
+  scales; Hopper, CUDA 12.9+, torch 2.9+): dense calls above decode size with whole weight blocks go
+  there (:func:`use_cublas`; ``HYBRID_COMPILE_FP8_GEMM`` picks), after the quantize kernel writes the
+  activation in its layouts. An H200 (2026-11-28, 4,096 rows of the 80B model's projections): 1.2-1.5x
+  our tensor-core kernel below, quantize included.
+- ``_fp8_gemm_kernel`` (more rows; the experts, and dense calls cuBLAS does not take): a 1-D grid over ``cdiv(N, BN) x row tiles``, walked ``GROUP_M``
   row tiles at a time column by column (programs side by side share rows and columns in L2); each
   program a ``[BM, BN]`` output tile, stepping along ``K`` one 128-channel block at a time: ``tl.dot`` of an e4m3
   activation tile and an e4m3 weight tile on the FP8 tensor cores (fp32 accumulation), scaled by
@@ -43,6 +48,7 @@ FP8 needs compute capability 8.9 or later; older GPUs get a clear error.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -56,8 +62,11 @@ from .gemv import GEMV_MAX_ROWS, check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
-           "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_config", "fp8_gemm_triton",
-           "fp8_gemv_config", "fp8_gemv_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton", "use_gemv"]
+           "FP8_GEMM_ENV", "cublas_block_gemm_supported",
+           "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_choice", "fp8_linear_cublas",
+           "fp8_quantize_for_cublas", "fp8_gemm_config", "fp8_gemm_triton",
+           "fp8_gemv_config", "fp8_gemv_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton", "use_cublas",
+           "use_gemv"]
 
 #: Dense calls of at most this many rows take the GEMV kernel (CUDA cores: per e4m3 weight element
 #: one conversion plus one FMA per row). H100 sweep (``benchmarks/fp8.py --sweep``, 2026-11-27): at the
@@ -106,22 +115,24 @@ FP8_EPS_C = tl.constexpr(FP8_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_xk, BR: tl.constexpr, GROUP: tl.constexpr,
-                     DEQUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["M", "M_OUT", "stride_sm"])
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk, stride_sm, stride_sg, BR: tl.constexpr,
+                     GROUP: tl.constexpr, DEQUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    # rows M..M_OUT (padding for cuBLAS) are written as zeros with the scale of a zero group
     pdl_wait_and_release(USE_PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     r64 = rows.to(tl.int64)
     m = (rows < M)[:, None] & (cols < K)[None, :]
+    out = (rows < M_OUT)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
     q, scale = _quantize_tile(x)
     if DEQUANT:  # fp32 q * scale: the reference's dequantized activation, the same single rounding
-        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q * scale[:, None], mask=m)
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q * scale[:, None], mask=out)
     else:
-        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + r64 * G + g, scale, mask=rows < M)
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
+        tl.store(s_ptr + r64 * stride_sm + g * stride_sg, scale, mask=rows < M_OUT)
 
 
 @triton.jit(do_not_specialize=["M", "N", "K", "E"])
@@ -258,13 +269,17 @@ def fp8_dequantized_activation_triton(x: torch.Tensor, pdl: bool | None = None) 
     return xd
 
 
-def _launch_quantize(x, out, scale, dequant, pdl):
+def _launch_quantize(x, out, scale, dequant, pdl, rows_out=None):
+    """``rows_out`` (at least ``x``'s rows): rows written, zeros past ``x``'s; ``scale`` ``[rows, G]``
+    of any strides (a transposed view: column-major)."""
     m, k = x.shape
+    rows_out = m if rows_out is None else rows_out
     g = _cdiv(k, FP8_GROUP)
     br = 16
-    _quantize_kernel[(triton.cdiv(m, br), g)](
-        x, out, scale, m, k, g, x.stride(0), x.stride(1), BR=br, GROUP=FP8_GROUP, DEQUANT=dequant, num_warps=4,
-        **pdl_launch(x.device, pdl))
+    stride_sm, stride_sg = (g, 1) if dequant else scale.stride()
+    _quantize_kernel[(triton.cdiv(rows_out, br), g)](
+        x, out, scale, m, rows_out, k, x.stride(0), x.stride(1), stride_sm, stride_sg, BR=br, GROUP=FP8_GROUP,
+        DEQUANT=dequant, num_warps=4, **pdl_launch(x.device, pdl))
 
 
 def _empty_product(x, n, bias):
@@ -397,6 +412,93 @@ def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, confi
     return fp8_gemm_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)
 
 
+# --------------------------------------------------------------------------------------------
+# cuBLAS's block-scaled FP8 GEMM (Hopper): the dense op above decode size
+# --------------------------------------------------------------------------------------------
+
+#: ``HYBRID_COMPILE_FP8_GEMM``: which GEMM serves a dense ``fp8_block_linear`` call above
+#: :data:`FP8_DECODE_MAX_ROWS` rows. ``auto`` (default): cuBLAS's block-scaled GEMM where
+#: :func:`cublas_block_gemm_supported` and the shapes allow (:func:`use_cublas`), else our tensor-core
+#: kernel; ``triton``: always our kernel; ``cublas``: cuBLAS, an error where it cannot run.
+FP8_GEMM_ENV = "HYBRID_COMPILE_FP8_GEMM"
+_FP8_GEMM_CHOICES = ("auto", "triton", "cublas")
+
+
+def fp8_gemm_choice() -> str:
+    choice = os.environ.get(FP8_GEMM_ENV, "auto")
+    if choice not in _FP8_GEMM_CHOICES:
+        raise ValueError(f"{FP8_GEMM_ENV}={choice!r}: expected one of {', '.join(_FP8_GEMM_CHOICES)}")
+    return choice
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    return tuple(int(p) for p in (text or "0").split("+")[0].split(".")[:2] if p.isdigit())
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_block_gemm_on(index: int) -> bool:
+    return (torch.cuda.get_device_capability(index)[0] == 9 and _version(torch.version.cuda) >= (12, 9)
+            and _version(torch.__version__) >= (2, 9))
+
+
+def cublas_block_gemm_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` has the DeepSeek block recipe (1 x 128 activation groups, 128 x 128
+    weight blocks) on ``device``: cuBLAS 12.9+ through torch 2.9+, compute capability 9.x (Hopper)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _cublas_block_gemm_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def use_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a dense ``fp8_block_linear`` call goes to cuBLAS's block-scaled GEMM: above decode size,
+    whole 128 x 128 weight blocks, a row-major weight, a bf16 or fp32 output, on a supporting device
+    (``HYBRID_COMPILE_FP8_GEMM=cublas`` makes any other case an error, ``triton`` turns it off)."""
+    choice = fp8_gemm_choice()
+    if choice == "triton" or use_gemv(x.shape[0]):
+        return False
+    n, k = weight.shape
+    fits = (n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0 and weight.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float32))
+    if choice == "cublas" and not (fits and cublas_block_gemm_supported(x.device)):
+        raise RuntimeError(f"{FP8_GEMM_ENV}=cublas: cuBLAS's block-scaled FP8 GEMM needs a Hopper GPU, CUDA 12.9+, "
+                           f"torch 2.9+, N and K multiples of {FP8_BLOCK}, a contiguous weight and a bf16 / fp32 "
+                           f"activation; got {x.device} ({torch.version.cuda}, torch {torch.__version__}), "
+                           f"N={n} K={k}, {x.dtype}")
+    return fits and cublas_block_gemm_supported(x.device)
+
+
+def fp8_quantize_for_cublas(x: torch.Tensor, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_quantize_per_token_group`` in cuBLAS's layouts: ``(q [M4, K], scale_t [G, M4])``, ``M4`` the
+    rows rounded up to a multiple of 4 (rows past ``M``: zeros, scale ``1e-10 / 448``)."""
+    m, k = x.shape
+    rows = -(-m // 4) * 4
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty(_cdiv(k, FP8_GROUP), rows, dtype=torch.float32, device=x.device)
+    if rows and k:
+        _launch_quantize(x, q, scale_t.t(), False, pdl, rows_out=rows)
+    return q, scale_t
+
+
+def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                      bias: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """``fp8_block_linear`` by cuBLAS's block-scaled GEMM: our quantize kernel writes the e4m3
+    activation and its group scales (the bytes of the plain-torch path) in the layouts cuBLAS asks
+    for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``; the weight's block
+    scales padded along K to a multiple of 4 blocks. The GEMM accumulates each 128-channel block in
+    fp32 and scales it, as the reference does, in another order of additions."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = _empty_product(x, n, bias)
+    if y is not None:
+        return y
+    q, scale_t = fp8_quantize_for_cublas(x, pdl)
+    g = scale_t.shape[0]
+    blocks = -(-g // 4) * 4
+    ws = weight_scale_inv.contiguous() if blocks == g else torch.nn.functional.pad(weight_scale_inv, (0, blocks - g))
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_t.t(), scale_b=ws.t(), out_dtype=x.dtype)[:m]
+    return y if bias is None else y.add_(bias.to(y.dtype))
+
+
 def _quantize_cuda(x):
     _check_quantize(x)
     _check_fp8_device("fp8_quantize_per_token_group", x.device)
@@ -406,6 +508,8 @@ def _quantize_cuda(x):
 def _linear_cuda(x, weight, weight_scale_inv, bias=None):
     _check_linear(x, weight, weight_scale_inv, bias)
     _check_fp8_device("fp8_block_linear", x.device)
+    if use_cublas(x, weight):
+        return fp8_linear_cublas(x, weight, weight_scale_inv, bias)
     return fp8_block_linear_triton(x, weight, weight_scale_inv, bias)
 
 

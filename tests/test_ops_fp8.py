@@ -300,9 +300,9 @@ def test_cuda_linear_at_model_shapes(n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_cublas_block_gemm_against_reference_and_our_kernel(dtype):
     """Dense calls above decode size on a Hopper GPU go to cuBLAS's block-scaled GEMM: rows not a
-    multiple of 4 (padded), K blocks not a multiple of 4 (the weight scales padded), a bias, fp32 and
-    bf16 activations; equal to the reference and to our tensor-core kernel within the output's
-    rounding, and replayed from a CUDA graph with new inputs."""
+    multiple of 4 (padded), a bias, fp32 and bf16 activations; equal to the reference and to our
+    tensor-core kernel within the output's rounding, and replayed from a CUDA graph with new inputs.
+    K blocks not a multiple of 4 (torch refuses their weight scales) stay on our kernel."""
     if not tfp8.cublas_block_gemm_supported(torch.device("cuda")):
         pytest.skip("cuBLAS's block-scaled FP8 GEMM needs Hopper, CUDA 12.9+ and torch 2.9+")
     torch.manual_seed(0)
@@ -312,14 +312,16 @@ def test_cuda_cublas_block_gemm_against_reference_and_our_kernel(dtype):
         bias = torch.randn(n, device="cuda").to(dtype)
         for m in (9, 65, 4099):
             x = torch.randn(m, k, device="cuda").to(dtype)
-            assert tfp8.use_cublas(x, q)
+            assert tfp8.use_cublas(x, q) == (k % 512 == 0)
             expected = fp8.reference_block_linear(x.float(), q, s, bias.float())
             got = ops.fp8_block_linear(x, q, s, bias)
             assert got.shape == (m, n) and got.dtype == dtype
             torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=f"n={n} k={k} m={m}")
             torch.testing.assert_close(got.float(), tfp8.fp8_block_linear_triton(x, q, s, bias).float(),
                                        rtol=tol, atol=tol)
-    x = torch.randn(33, k, device="cuda").to(dtype)
+    q, s = fp8.quantize_weight_blocks(torch.randn(256, 512, device="cuda") / 512 ** 0.5)
+    x = torch.randn(33, 512, device="cuda").to(dtype)
+    assert tfp8.use_cublas(x, q)
     graph, static = torch.cuda.CUDAGraph(), x.clone()
     ops.fp8_block_linear(static, q, s)  # warm
     with torch.cuda.graph(graph):

@@ -451,17 +451,18 @@ def cublas_block_gemm_supported(device: torch.device) -> bool:
 
 def use_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a dense ``fp8_block_linear`` call goes to cuBLAS's block-scaled GEMM: above decode size,
-    whole 128 x 128 weight blocks, a row-major weight, a bf16 or fp32 output, on a supporting device
+    whole 128 x 128 weight blocks, ``K`` a multiple of 4 blocks (torch 2.11 refuses the weight scales
+    of other ``K``, padded or not), a row-major weight, a bf16 or fp32 output, on a supporting device
     (``HYBRID_COMPILE_FP8_GEMM=cublas`` makes any other case an error, ``triton`` turns it off)."""
     choice = fp8_gemm_choice()
     if choice == "triton" or use_gemv(x.shape[0]):
         return False
     n, k = weight.shape
-    fits = (n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0 and weight.is_contiguous()
+    fits = (n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0 and weight.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float32))
     if choice == "cublas" and not (fits and cublas_block_gemm_supported(x.device)):
         raise RuntimeError(f"{FP8_GEMM_ENV}=cublas: cuBLAS's block-scaled FP8 GEMM needs a Hopper GPU, CUDA 12.9+, "
-                           f"torch 2.9+, N and K multiples of {FP8_BLOCK}, a contiguous weight and a bf16 / fp32 "
+                           f"torch 2.9+, N a multiple of {FP8_BLOCK} and K of {4 * FP8_BLOCK}, a contiguous weight and a bf16 / fp32 "
                            f"activation; got {x.device} ({torch.version.cuda}, torch {torch.__version__}), "
                            f"N={n} K={k}, {x.dtype}")
     return fits and cublas_block_gemm_supported(x.device)
@@ -483,8 +484,7 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
                       bias: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``fp8_block_linear`` by cuBLAS's block-scaled GEMM: our quantize kernel writes the e4m3
     activation and its group scales (the bytes of the plain-torch path) in the layouts cuBLAS asks
-    for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``; the weight's block
-    scales padded along K to a multiple of 4 blocks. The GEMM accumulates each 128-channel block in
+    for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``. The GEMM accumulates each 128-channel block in
     fp32 and scales it, as the reference does, in another order of additions."""
     m, k = x.shape
     n = weight.shape[0]
@@ -492,10 +492,8 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
     if y is not None:
         return y
     q, scale_t = fp8_quantize_for_cublas(x, pdl)
-    g = scale_t.shape[0]
-    blocks = -(-g // 4) * 4
-    ws = weight_scale_inv.contiguous() if blocks == g else torch.nn.functional.pad(weight_scale_inv, (0, blocks - g))
-    y = torch._scaled_mm(q, weight.t(), scale_a=scale_t.t(), scale_b=ws.t(), out_dtype=x.dtype)[:m]
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_t.t(), scale_b=weight_scale_inv.contiguous().t(),
+                         out_dtype=x.dtype)[:m]
     return y if bias is None else y.add_(bias.to(y.dtype))
 
 

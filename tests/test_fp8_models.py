@@ -220,6 +220,34 @@ def test_unsupported_quantization_is_one_clear_error(checkpoints, tmp_path):
         hc.wrap(_float_model(0.2), quantization="awq")
 
 
+def test_fp8_experts_behind_the_fused_router(checkpoints, monkeypatch):
+    """On a CUDA device the softmax top-k routers in front of FP8 experts run on ``moe_topk_softmax``
+    (``fused_moe=None``; the experts stay :class:`Fp8Experts`). The choice: routers on for FP8 experts
+    on CUDA only, never when ``fused_moe=False``, and decided by the fused experts where a model has
+    float experts. The engine with the fused router in front of the FP8 experts (forced here, on the
+    CPU) gives the greedy tokens of the one with transformers' router."""
+    from hybrid_compile.engine import engine as engine_module
+    from hybrid_compile.models.fused_experts import resolve_fused_routers
+    from hybrid_compile.quantization import quantize_model
+
+    fp8_model, float_model = _float_model(0.2), _float_model(0.2)
+    quantize_model(fp8_model)
+    assert resolve_fused_routers(fp8_model, None, "cuda", False)
+    assert not resolve_fused_routers(fp8_model, None, "cpu", False)
+    assert not resolve_fused_routers(fp8_model, False, "cuda", False)
+    assert not resolve_fused_routers(float_model, None, "cuda", False)
+    assert resolve_fused_routers(float_model, None, "cuda", True)
+    prompt = _prompt()
+    with hc.from_pretrained(checkpoints[0.2], device="cpu", dtype="float32") as plain:
+        assert plain.stats()["fused_moe_routers"] == 0
+        expected = plain.generate(prompt, max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
+    monkeypatch.setattr(engine_module, "resolve_fused_routers", lambda *args: True)
+    with hc.from_pretrained(checkpoints[0.2], device="cpu", dtype="float32") as engine:
+        assert engine.stats()["fused_moe_routers"] == 3 and engine.stats()["fused_moe_modules"] == 0
+        assert sum(isinstance(m, Fp8Experts) for m in engine.model.modules()) == 3
+        assert engine.generate(prompt, max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist() == expected
+
+
 def test_fp8_engine_compiles_without_graph_breaks(checkpoints):
     """One Dynamo graph, no graph break or recompile; tokens equal the eager FP8 engine's (std-0.02
     model: on the chaotic one Inductor's fp32 rounding of an activation can flip its e4m3 rounding);

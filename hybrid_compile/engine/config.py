@@ -40,7 +40,8 @@ class EngineConfig:
     # transformers' path; None (the default): on for a model on a CUDA device whose experts are all
     # of that layout (models.fused_experts.resolve_fused_moe: measured 1.05-1.45x transformers' path
     # end to end on one GPU, 1.07-1.27x under tensor parallelism), else off (on the CPU the fused
-    # path is the plain-torch reference).
+    # path is the plain-torch reference). The routers follow the option and, with None, are also on
+    # before FP8 experts on a CUDA device (models.fused_experts.resolve_fused_routers).
     fused_moe: bool | None = None
     # tensor parallelism (from_pretrained(..., tensor_parallel_size=N > 1) only): how the model's
     # all-reduces run. "nccl": on the device group (NCCL; gloo on CPU); "one_shot": those of at most 64 KiB

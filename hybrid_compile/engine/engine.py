@@ -67,7 +67,7 @@ from .config import EngineConfig, _as_dtype
 from .generate_api import GenerateAPI
 from .request import Request, StepOutput
 from ..models.base import install_attention
-from ..models.fused_experts import install_fused_experts, resolve_fused_moe
+from ..models.fused_experts import install_fused_experts, resolve_fused_moe, resolve_fused_routers
 from ..models.fused_router import install_fused_routers
 from ..models.mtp import load_mtp_head
 from .speculative.token_map import read_token_map
@@ -254,12 +254,14 @@ class HybridEngine(GenerateAPI):
                 # path): the experts modules patched (0: transformers' experts forward)
                 self.fused_moe = resolve_fused_moe(model, config.fused_moe, self.device)
                 self.fused_experts = install_fused_experts(model, self.patch, self.fused_moe)
-                # ... and their softmax top-k routers (0: transformers' router forward)
-                self.fused_routers = install_fused_routers(model, self.patch, self.fused_moe)
+                # ... and their softmax top-k routers (0: transformers' router forward; also on before
+                # FP8 experts)
+                routers = resolve_fused_routers(model, config.fused_moe, self.device, self.fused_moe)
+                self.fused_routers = install_fused_routers(model, self.patch, routers)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, self.fused_moe,
                                                                 required=False)
-                    self.fused_routers += install_fused_routers(self.mtp_head.layers, self.patch, self.fused_moe)
+                    self.fused_routers += install_fused_routers(self.mtp_head.layers, self.patch, routers)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,

@@ -23,7 +23,8 @@ from ..ops.moe import fused_moe_experts
 from ..quantization.fp8_modules import Fp8Experts, is_experts_module
 from .base import PatchHandle, patch_forward
 
-__all__ = ["experts_modules", "install_fused_experts", "resolve_fused_moe", "unfused_experts", "unsupported_reason"]
+__all__ = ["experts_modules", "install_fused_experts", "resolve_fused_moe", "resolve_fused_routers", "unfused_experts",
+           "unsupported_reason"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,6 +84,20 @@ def resolve_fused_moe(model: nn.Module, option: bool | None, device: torch.devic
         return False
     modules = experts_modules(model)
     return bool(modules) and all(unsupported_reason(m) is None for _, m in modules)
+
+
+def resolve_fused_routers(model: nn.Module, option: bool | None, device: torch.device | str, fused_moe: bool) -> bool:
+    """Whether ``model``'s softmax top-k routers run on ``moe_topk_softmax`` (the same option,
+    ``EngineConfig.fused_moe``): True / False as given; None: on where the experts are fused
+    (``fused_moe``, as resolved) and also for a CUDA model whose experts are all FP8 (:class:`Fp8Experts`
+    serve them, not the fused path; the router before them is the same top-k softmax, which
+    transformers' forward runs as four kernels)."""
+    if option is not None or fused_moe:
+        return bool(option) or fused_moe
+    if torch.device(device).type != "cuda":
+        return False
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+    return bool(fp8) and not experts_modules(model)
 
 
 def unfused_experts(model: nn.Module) -> list[str]:

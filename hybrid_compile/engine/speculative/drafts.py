@@ -36,7 +36,7 @@ import torch
 from ...layers.context import ForwardMode
 from ...memory import MemoryPools
 from ...models import PatchHandle, family_of
-from ...models.fused_experts import install_fused_experts, resolve_fused_moe
+from ...models.fused_experts import install_fused_experts, resolve_fused_moe, resolve_fused_routers
 from ...models.fused_router import install_fused_routers
 from ..config import _as_dtype
 from ..request import Request
@@ -197,7 +197,7 @@ class EngineDraftModel:
             if model is not target.model:  # EngineConfig.fused_moe on the draft model's experts too
                 fused = resolve_fused_moe(model, cfg.fused_moe, self.device)
                 install_fused_experts(model, self.patch, fused, required=False)
-                install_fused_routers(model, self.patch, fused)
+                install_fused_routers(model, self.patch, resolve_fused_routers(model, cfg.fused_moe, self.device, fused))
             self.runner = ModelRunner(model, self.pools, self.device, cfg)
             self.patch.restores.append(self.runner.release_packed_weights)  # packed projection weights: on close()
         except BaseException:

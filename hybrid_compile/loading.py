@@ -301,14 +301,7 @@ def from_pretrained(
     if tensor_parallel_size != 1:
         from .distributed import launch
         from .distributed.group import DEFAULT_TIMEOUT_SECONDS
-        from .quantization import checkpoint_quantization
-
-        if _quantization(engine_config, config, path) and checkpoint_quantization(config):
-            # the ranks' shard loader reads float tensors: the e4m3 weights and their block scales are not sharded
-            raise UnsupportedQuantizationError(
-                f"{path!r} is an FP8 checkpoint, which tensor parallelism does not load (its block scales are not "
-                "sharded): serve it with tensor_parallel_size=1, or pass a float checkpoint with quantization='fp8' "
-                "(each rank then quantizes its own shard)")
+        _quantization(engine_config, config, path)  # an unsupported method: one error before the ranks start
 
         if model_kwargs:
             raise ValueError(f"model_kwargs with tensor_parallel_size={tensor_parallel_size}: each rank builds its "

@@ -46,6 +46,7 @@ from kimi_models import build_kimi_linear
 from lfm3_models import build_lfm3
 from minimax_models import BF16_INIT_STD, build_minimax
 from recurrent_gemma_models import build_recurrent_gemma
+from fp8_models import save_fp8_checkpoint
 
 NEW = 6
 OPTIONS = dict(device="cpu", max_total_tokens=512, mamba_cache_size=24, max_running_requests=2, chunked_prefill_size=32,
@@ -166,6 +167,8 @@ VARIANTS = (
     ("minimax@bf16", "minimax_bf16", dict(dtype="bfloat16"), 1),
     # block-FP8 projections and experts, each rank quantizing its own shard before the collectives go in
     ("qwen3_next_fp8@fp8", "qwen3_next_fp8", dict(quantization="fp8"), 1),
+    # the same model's FP8 checkpoint: each rank reads its e4m3 slices and their block scales
+    ("qwen3_next_fp8@checkpoint", "qwen3_next_fp8_checkpoint", dict(dtype="float32"), 1),
 ) + ((("kimi_linear@compiled", "kimi_linear_2l", dict(compile=True), 1),) if "kimi_linear" in MODELS else ())
 
 
@@ -196,6 +199,9 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(d)
         rounds, expected = _rounds(model)
         out[name] = dict(dir=str(d), model=model, rounds=rounds, expected=expected)
+    fp8 = out["qwen3_next_fp8"]
+    out["qwen3_next_fp8_checkpoint"] = dict(fp8, dir=str(save_fp8_checkpoint(
+        fp8["model"], tmp_path_factory.mktemp("qwen3_next_fp8_checkpoint"))))
     return out
 
 
@@ -526,23 +532,60 @@ def test_fp8_quantization_two_ranks_equal_the_single_process_engine(checkpoints,
     assert two_ranks["qwen3_next_fp8@fp8"]["outputs"] == single
 
 
-def test_fp8_checkpoint_with_tensor_parallelism_is_one_clear_error(checkpoints, tmp_path):
-    """An FP8 checkpoint (its config's quantization_config) at tensor_parallel_size=2: one error naming
-    the checkpoint and what to do instead, before any rank process starts."""
-    import json
-    import shutil
+def test_fp8_checkpoint_two_ranks_equal_the_single_process_engine(checkpoints, two_ranks):
+    """An FP8 checkpoint at tensor_parallel_size=2: each rank reads its e4m3 slices and the block scales
+    over them (no float copy), so the ranks serve the single-process FP8 engine's greedy tokens."""
+    ck = checkpoints["qwen3_next_fp8_checkpoint"]
+    opts = {k: v for k, v in OPTIONS.items() if k != "device"}
+    # (float32 on both sides: "auto" is the config's bfloat16 on one process, the tensors' float32 on the ranks)
+    with hc.from_pretrained(ck["dir"], device="cpu", dtype="float32", **opts) as engine:
+        single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
+    assert two_ranks["qwen3_next_fp8@checkpoint"]["outputs"] == single
 
-    d = tmp_path / "fp8_config_only"
-    shutil.copytree(checkpoints["qwen3_next_dense"]["dir"], d)
-    config = json.loads((d / "config.json").read_text())
-    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128],
-                                         activation_scheme="dynamic")
-    (d / "config.json").write_text(json.dumps(config))
-    from hybrid_compile.loading import UnsupportedQuantizationError
 
-    with pytest.raises(UnsupportedQuantizationError, match="is an FP8 checkpoint, which tensor parallelism "
-                                                              "does not load.*quantization='fp8'"):
-        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu")
+def test_fp8_checkpoint_shards_are_the_single_process_blocks(checkpoints):
+    """Each rank's FP8 projection and experts weights and block scales are the single-process FP8
+    model's, sliced on whole 128 x 128 blocks along the plan's split (column-parallel: rows;
+    row-parallel: columns); the checkpoint's float tensors (norms, routers) stay float."""
+    from hybrid_compile.distributed.loading import load_shard
+    from hybrid_compile.quantization import Fp8Experts, Fp8Linear, load_quantized_model
+
+    d = checkpoints["qwen3_next_fp8_checkpoint"]["dir"]
+    config = transformers.AutoConfig.from_pretrained(d)
+    single = load_quantized_model(d, config, device="cpu", dtype=torch.float32)
+    whole = dict(single.named_parameters())
+    ranks = [load_shard(d, config, plan_for(config, 2, r), torch.float32, torch.device("cpu"))[0] for r in range(2)]
+    fp8_names = [n for n, m in single.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    assert fp8_names and all(type(r.get_submodule(n)) is type(single.get_submodule(n)) for r in ranks for n in fp8_names)
+    for name in ("model.layers.0.linear_attn.in_proj_qkvz", "model.layers.1.self_attn.o_proj",
+                 "model.layers.0.mlp.experts"):
+        for pname, full in single.get_submodule(name).named_parameters():
+            parts = [dict(r.get_submodule(name).named_parameters())[pname] for r in ranks]
+            assert parts[0].dtype == full.dtype
+            # the local tensors of both ranks hold every entry of the full one exactly once
+            assert sum(p.numel() for p in parts) == full.numel(), (name, pname)
+            assert sorted(torch.cat([p.float().flatten() for p in parts]).tolist()) == \
+                sorted(full.float().flatten().tolist()), (name, pname)
+    o = "model.layers.1.self_attn.o_proj"  # row-parallel: each rank the columns (and scale columns) of its heads
+    for r, rank in enumerate(ranks):
+        local = rank.get_submodule(o)
+        k = local.in_features
+        assert torch.equal(local.weight.float(), whole[f"{o}.weight"][:, r * k:(r + 1) * k].float())
+        assert torch.equal(local.weight_scale_inv, whole[f"{o}.weight_scale_inv"][:, r * k // 128:(r + 1) * k // 128])
+        assert rank.get_submodule("model.layers.0.mlp.gate").weight.dtype == torch.float32
+
+
+def test_fp8_checkpoint_off_the_blocks_is_one_clear_error(tmp_path):
+    """An FP8 checkpoint whose shards would cut its 128 x 128 scale blocks (the tiny Qwen3-Next MoE:
+    64-wide heads) cannot be split: the shard loader names the tensor, the rank and the blocks."""
+    from hybrid_compile.distributed.loading import load_shard
+
+    model = em.build_model("qwen3_next_moe", 0)
+    d = save_fp8_checkpoint(model, tmp_path / "fp8")
+    config = transformers.AutoConfig.from_pretrained(d)
+    with pytest.raises(ValueError, match=r"rank 0 of 2 would hold entries .* of FP8 checkpoint tensor .*"
+                                         r"do not start and end on its 128 x 128 scale blocks"):
+        load_shard(str(d), config, plan_for(config, 2, 0), torch.float32, torch.device("cpu"))
 
 
 def test_unsupported_speculative_methods_fail_before_launch(checkpoints):

@@ -10,6 +10,12 @@ unless the plan splits them: MiniMax's per-head decays). Parameters transformers
 shared blocks) are read once and tied again. Each local tensor's shape is checked against the module transformers
 built for the local config: a plan and a config that disagree fail loudly, not silently.
 
+An FP8 checkpoint (fine-grained block FP8, ``quantization_config`` in its config): the layers it
+stores in e4m3 (those with ``weight_scale_inv``) become the quantization package's ``Fp8Linear`` /
+``Fp8Experts`` holding the rank's e4m3 slices and the block scales over them; a slice must start and
+end on the 128 x 128 blocks (else one error naming the tensor), so each block scale covers the same
+weights as in the checkpoint.
+
 The checkpoint's MTP head (speculative method "mtp", :func:`load_mtp_shard`) is built the same
 way: with the rank's local sizes on the meta device (``models/mtp.py``), each ``mtp.*`` parameter
 read by the family's plan (its decoder layer's names match the model layers' patterns).
@@ -297,6 +303,117 @@ def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> 
     return torch.stack(experts)
 
 
+# --------------------------------------------------------------------------------------------
+# FP8 checkpoints (fine-grained block FP8): each rank's e4m3 slices and their block scales
+# --------------------------------------------------------------------------------------------
+
+_FP8_BLOCK = 128
+
+
+def _scale_key(weight_key: str) -> str:
+    """The block-scale tensor of an FP8 weight: ``L.weight`` -> ``L.weight_scale_inv``; a fused experts
+    tensor ``E.gate_up_proj`` -> ``E.gate_up_proj_scale_inv``."""
+    return weight_key + "_scale_inv" if not weight_key.endswith(".weight") else weight_key[: -len("weight")] + "weight_scale_inv"
+
+
+def _block_ranges(s: Slice, key: str, shape, rank: int, size: int, dim: int) -> list[tuple[int, int]]:
+    """This rank's ranges of FP8 tensor ``key`` along ``dim`` as ranges of its 128-wide blocks. Each
+    range must start on a block and end on one (or at the tensor's end, last): a block scale then
+    covers the same weights in the rank's shard as in the checkpoint."""
+    if s.vocab is not None or s.concat_keys:
+        raise ValueError(f"tensor parallelism: FP8 checkpoint tensor {key!r} is split by vocabulary rows or "
+                         "stored in parts, which the block-FP8 shard loader does not read")
+    if not s.segments:
+        return [(0, -(-shape[dim] // _FP8_BLOCK))]
+    ranges = _ranges(s, key, shape[dim], rank, size, dim)
+    for i, (a, b) in enumerate(ranges):
+        end_ok = b % _FP8_BLOCK == 0 or (b == shape[dim] and i == len(ranges) - 1)
+        if a % _FP8_BLOCK or not end_ok:
+            raise ValueError(
+                f"tensor parallelism: rank {rank} of {size} would hold entries {a}..{b} along dim {dim} of FP8 "
+                f"checkpoint tensor {key!r} ({tuple(shape)}), which do not start and end on its {_FP8_BLOCK} x "
+                f"{_FP8_BLOCK} scale blocks: this model's block-FP8 weights cannot be split over {size} ranks "
+                "(serve it with a tensor_parallel_size whose shards fall on the blocks, or with 1)")
+    return [(a // _FP8_BLOCK, -(-b // _FP8_BLOCK)) for a, b in ranges]
+
+
+def _read_fp8(ckpt: "Checkpoint", key: str, s: Slice, rank: int, size: int,
+              dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 weight ``key``'s part for this rank and the matching part of its block scales."""
+    dim = s.dim if dim is None else dim
+    shape = ckpt.slice(key).get_shape()
+    blocks = _block_ranges(s, key, shape, rank, size, dim)
+    scales = ckpt.slice(_scale_key(key))
+    ndim = len(scales.get_shape())
+    scale = _cat([scales[_index(ndim, dim, a, b)] for a, b in blocks], dim)
+    return _read(ckpt, key, s, rank, size, dim), scale.float()
+
+
+def _read_fp8_experts(ckpt: "Checkpoint", name: str, s: Slice, rank: int, size: int):
+    """An experts parameter (``gate_up_proj`` / ``up_proj`` / ``down_proj``) of an FP8 checkpoint: this
+    rank's ``[E, ...]`` e4m3 weights and ``[E, ...]`` block scales, from per-expert tensors (gate and
+    up stacked) or from a fused 3-D tensor."""
+    if name in ckpt:
+        return _read_fp8(ckpt, name, s, rank, size)
+    prefix = name.rsplit(".", 1)[0]
+    per_key = len(s.segments) // len(s.expert_keys)
+    weights, scales = [], []
+    for e in range(s.experts):
+        parts = [_read_fp8(ckpt, template.format(p=prefix, e=e), Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key]),
+                           rank, size)
+                 for i, template in enumerate(s.expert_keys)]
+        weights.append(_cat([w for w, _ in parts], s.concat_dim))
+        scales.append(_cat([sc for _, sc in parts], s.concat_dim))
+    return torch.stack(weights), torch.stack(scales)
+
+
+def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, dtype: torch.dtype | None,
+                         device: torch.device) -> tuple[set[str], int]:
+    """Swap the local model's layers the checkpoint stores in FP8 (those with block scales) for
+    :class:`~hybrid_compile.quantization.Fp8Linear` / :class:`~hybrid_compile.quantization.Fp8Experts`
+    holding this rank's e4m3 slices and scales (never a float copy); returns the parameter names they
+    hold and their bytes."""
+    from ..quantization import Fp8Experts, Fp8Linear
+    from ..quantization.fp8_modules import is_experts_module
+
+    done, nbytes = set(), 0
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and f"{name}.weight_scale_inv" in ckpt:
+            q, scale = _read_fp8(ckpt, f"{name}.weight", plan.slice_of(f"{name}.weight"), plan.rank, plan.size)
+            expect = (module.out_features, module.in_features)
+            bias = None
+            if module.bias is not None:
+                bs = plan.slice_of(f"{name}.bias")
+                bias = _read(ckpt, f"{name}.bias", bs, plan.rank, plan.size)
+                bias = (torch.zeros_like(bias) if bs.rank0_only and plan.rank != 0 else bias).to(device, dtype or bias.dtype)
+            new = Fp8Linear(q.to(device), scale.to(device), bias)
+            names = [f"{name}.weight", f"{name}.weight_scale_inv"] + ([f"{name}.bias"] if bias is not None else [])
+        elif is_experts_module(module) and (f"{name}.0.down_proj.weight_scale_inv" in ckpt
+                                            or f"{name}.down_proj_scale_inv" in ckpt):
+            has_gate = hasattr(module, "gate_up_proj")
+            up = "gate_up_proj" if has_gate else "up_proj"
+            uq, us = _read_fp8_experts(ckpt, f"{name}.{up}", plan.slice_of(f"{name}.{up}"), plan.rank, plan.size)
+            dq, ds = _read_fp8_experts(ckpt, f"{name}.down_proj", plan.slice_of(f"{name}.down_proj"), plan.rank, plan.size)
+            expect = (tuple(getattr(module, up).shape), tuple(module.down_proj.shape))
+            if (tuple(uq.shape), tuple(dq.shape)) != expect:
+                raise ValueError(f"tensor parallelism: rank {plan.rank}'s FP8 shard of {name!r} has shapes "
+                                 f"{tuple(uq.shape)} / {tuple(dq.shape)}, the local {plan.family} model expects {expect}")
+            new = Fp8Experts(uq.to(device), us.to(device), dq.to(device), ds.to(device), module.act_fn, has_gate)
+            names = [f"{name}.{up}", f"{name}.{up}_scale_inv", f"{name}.down_proj", f"{name}.down_proj_scale_inv"]
+        else:
+            continue
+        if isinstance(new, Fp8Linear) and (new.out_features, new.in_features) != expect:
+            raise ValueError(f"tensor parallelism: rank {plan.rank}'s FP8 shard of {name!r}.weight has shape "
+                             f"{(new.out_features, new.in_features)}, the local {plan.family} model expects {expect}")
+        model.set_submodule(name, new)
+        done.update(names)
+        nbytes += sum(p.numel() * p.element_size() for p in new.parameters())
+    if not done:
+        raise ValueError("tensor parallelism: the checkpoint declares FP8 quantization but has no weight_scale_inv "
+                         "tensors for this model's linear layers")
+    return done, nbytes
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, buffer: bool = False) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
@@ -327,6 +444,12 @@ def _status_bytes(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _is_fp8_checkpoint(config) -> bool:
+    from ..quantization import checkpoint_quantization
+
+    return checkpoint_quantization(config) == "fp8"
+
+
 def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, device: torch.device,
                trust_remote_code: bool = False) -> tuple[nn.Module, LoadReport]:
     """This rank's model (local config, sharded weights on ``device``, eval mode) and its report."""
@@ -334,6 +457,8 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     local_config = plan.local_config(config)
+    if hasattr(local_config, "quantization_config"):  # FP8 layers are ours (below), not transformers'
+        delattr(local_config, "quantization_config")
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(local_config, trust_remote_code=trust_remote_code)
         for name, module in list(model.named_modules()):
@@ -351,7 +476,12 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     shard_bytes = 0
     try:
+        fp8_names: set[str] = set()
+        if _is_fp8_checkpoint(config) and isinstance(ckpt, Checkpoint):
+            fp8_names, shard_bytes = _install_fp8_modules(model, ckpt, plan, dtype, device)
         for name, param in list(model.named_parameters(remove_duplicate=False)):
+            if name in fp8_names:
+                continue  # read with its block scales above
             s = plan.slice_of(name)
             try:
                 value = _read_param(ckpt, name, s, plan.rank, plan.size)

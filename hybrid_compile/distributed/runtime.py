@@ -268,9 +268,10 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
             report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
                                       for p in m.parameters())
-        if engine_config.quantization == "fp8":
-            from ..quantization import quantize_model
+        from ..quantization import has_fp8_layers, quantize_model
 
+        # (an FP8 checkpoint's shard is FP8 as loaded: its float layers stay float, as on one process)
+        if engine_config.quantization == "fp8" and not has_fp8_layers(model):
             # each rank quantizes its own shard (block scales over its rows and columns) before the
             # collectives go in: quantize_model swaps the projection modules, the collectives patch the
             # modules' forwards (the other order would drop the row-parallel projections' all-reduces)

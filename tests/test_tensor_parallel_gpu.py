@@ -22,7 +22,8 @@ over symmetric memory up to 64 KiB, NCCL above) and checks that the one-shot ker
 
 Also checked: zero graph breaks and recompiles, full and piecewise graphs captured and replayed on
 rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask and parents sent to
-rank 1 with every verify graph's step) replaying full verify graphs, MTP drafts from the checkpoint's
+rank 1 with every verify graph's step) replaying full verify graphs, an FP8 checkpoint
+(``qwen3_next_fp8@fp8_checkpoint``: each rank's e4m3 slices and block scales), MTP drafts from the checkpoint's
 head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head sharded on every rank, its
 steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees; run them
 alone with ``-k mtp``), and no Triton kernel, Dynamo
@@ -226,6 +227,9 @@ def _cases() -> list[tuple[str, object, dict]]:
         cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
     if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
         cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
+        # an FP8 checkpoint (block scales on 128 x 128 blocks the ranks' shards fall on): each rank reads
+        # its e4m3 slices; FP8 GEMVs, cuBLAS's block-scaled GEMM and the FP8 experts inside the graphs
+        cases.append(("qwen3_next_fp8@fp8_checkpoint", MODELS["qwen3_next_fp8"], dict(TINY)))
     for name in MID_DEFAULT:
         cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
         cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
@@ -464,6 +468,10 @@ def served(request, tmp_path_factory):
                 from mtp_models import write_mtp_checkpoint
 
                 write_mtp_checkpoint(MTP_KINDS[name], 0, str(d), model=model)
+            elif name.endswith("@fp8_checkpoint"):
+                from fp8_models import save_fp8_checkpoint
+
+                save_fp8_checkpoint(model, d)
             else:
                 model.save_pretrained(d)
         vocab = model.config.get_text_config().vocab_size

@@ -537,7 +537,8 @@ def test_fp8_checkpoint_two_ranks_equal_the_single_process_engine(checkpoints, t
     over them (no float copy), so the ranks serve the single-process FP8 engine's greedy tokens."""
     ck = checkpoints["qwen3_next_fp8_checkpoint"]
     opts = {k: v for k, v in OPTIONS.items() if k != "device"}
-    # (float32 on both sides: "auto" is the config's bfloat16 on one process, the tensors' float32 on the ranks)
+    # (float32 on both sides: the checkpoint's float tensors and config are bfloat16, whose rounding of the
+    # ranks' partial sums, in another order than one process's, moved a near-tied greedy pick)
     with hc.from_pretrained(ck["dir"], device="cpu", dtype="float32", **opts) as engine:
         single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
     assert two_ranks["qwen3_next_fp8@checkpoint"]["outputs"] == single

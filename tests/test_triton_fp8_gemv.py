@@ -107,6 +107,33 @@ def test_grouped_decode(counts):
                                 rows_per_program=1), want)
 
 
+@pytest.mark.parametrize("m,k,grouped", [(1, 300, False), (3, 256, False), (5, 200, True)])
+def test_gemv_quantizing_its_own_activation(m, k, grouped):
+    """The GEMV that quantizes its rows itself (batch-1 decode: no quantize kernel before it) gives the
+    bytes of the GEMV after the quantize kernel: a partial last group, an all-zero group, a strided
+    activation, several rows per program, grouped rows; the choice by the repeated work."""
+    g = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k + 5, generator=g) * torch.logspace(-3, 2, k + 5))[:, 2: 2 + k]
+    x[0, :128] = 0
+    n = 72
+    kw = {}
+    if grouped:
+        counts = [2, 0, 3]
+        q, s = _weight(len(counts), n, k, seed=3)
+        kw = dict(expert_offsets=_offsets(counts))
+    else:
+        q, s = _weight(n, k, seed=2)
+    own = tfp8.fp8_gemv_triton(x, q, s, quantize_in_gemv=True, **kw)
+    assert torch.equal(own, tfp8.fp8_gemv_triton(x, q, s, quantize_in_gemv=False, **kw))
+    _close(own, _oracle(x, q, s, counts=[2, 0, 3]) if grouped else _oracle(x, q, s))
+    # the default: batch-1 sizes of the 80B shapes quantize in the GEMV, two rows of its largest do not
+    assert tfp8.gemv_quantizes_activation(1, 12288, 2048, tfp8.fp8_gemv_config(12288, 2048, 1))
+    assert not tfp8.gemv_quantizes_activation(2, 12288, 2048, tfp8.fp8_gemv_config(12288, 2048, 2))
+    assert not tfp8.gemv_quantizes_activation(1, 64, 64, (8, 64, 4, 1))  # a K step narrower than a group
+    with pytest.raises(ValueError, match="quantize_a needs"):
+        tfp8.fp8_gemv_triton(x, *(_weight(n, k, seed=2)), config=(8, 64, 4, 1), quantize_in_gemv=True)
+
+
 def test_no_rows_no_channels_and_bad_arguments():
     q, s = _weight(32, 64)
     assert tfp8.fp8_gemv_triton(torch.randn(0, 64), q, s).shape == (0, 32)

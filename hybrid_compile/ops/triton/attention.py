@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..attention import _check_decode, _check_extend, _check_merge, _check_store
-from .fp8_cache import quantize_axis
+from .common import quantize_axis
 from .launch import pdl_launch, pdl_wait_and_release
 
 _LOG2E = 1.4426950408889634

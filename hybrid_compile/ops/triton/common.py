@@ -3,15 +3,22 @@
 otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), :func:`softplus`
 (torch's, for the Mamba dt), :func:`tree_start_state` (a draft-tree node's starting state),
 :func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM) and
-:func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV)."""
+:func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV), :func:`round_to_e4m3` and
+:func:`quantize_axis` (e4m3 with one scale per vector: the block-FP8 activation quantization of the
+quantize kernel and of the GEMV that quantizes its own activation, and the FP8 caches')."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2", "softplus",
-           "tree_start_state"]
+from ..fp8 import FP8_EPS, FP8_MAX
+
+__all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2",
+           "quantize_axis", "round_to_e4m3", "softplus", "tree_start_state"]
+
+FP8_EPS_C = tl.constexpr(FP8_EPS)
+FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
 def pow2(n: int, lo: int = 1) -> int:
@@ -117,3 +124,29 @@ def tree_start_state(par_p, s_ptrs, i_ptrs, si_t, mask):
     S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask, False), other=0.0).to(tl.float32)
     S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask, False), other=0.0).to(tl.float32)
     return tl.where(par < 0, S_slot, S_par)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (already within +-448) rounded to the nearest e4m3 value, ties to even, as fp32."""
+    a = tl.abs(v)
+    u = v.to(tl.uint32, bitcast=True)
+    normal = (((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    sub = (a + 16384.0) - 16384.0  # subnormals: multiples of 2**-9 (the fp32 ulp of 2**14)
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def quantize_axis(x, AXIS: tl.constexpr):
+    """fp32 tile ``x`` -> (e4m3-valued fp32 tile, fp32 scales): one scale per vector along ``AXIS``
+    (``max(|vector|, 1e-10) / 448``, IEEE divisions: the plain-torch path's bytes; padded entries must
+    be 0). The block-FP8 activation groups (``AXIS`` 1 over ``[rows, 128]``) and the FP8 caches'
+    vectors; cast the values to e4m3 when storing (exact)."""
+    scale = div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), FP8_EPS_C), FP8_MAX_C)
+    if AXIS == 0:
+        q = div_rn(x, scale[None, :])
+    else:
+        q = div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    return round_to_e4m3(q), scale

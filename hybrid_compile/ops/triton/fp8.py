@@ -5,7 +5,8 @@
   instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
 - the GEMV (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped calls of at
   most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average): the CUDA-core
-  ``gemv_kernel`` of :mod:`.gemv` (shared with the float experts), ``SCALED`` by the weight's
+  ``gemv_kernel`` of :mod:`.gemv` (shared with the float experts; at batch-1 sizes it quantizes the
+  activation itself, :func:`gemv_quantizes_activation`, else after the quantize kernel), ``SCALED`` by the weight's
   128 x 128 block scales: each program owns ``BLOCK_N`` output columns (dividing the 128-row
   weight block, so one block row of scales) and up to four rows; per step along ``K`` it loads a
   ``[BLOCK_N, BLOCK_K]`` e4m3 tile (``BLOCK_K`` up to 2048), converts it to fp32 and multiplies it
@@ -36,9 +37,12 @@ IEEE-rounded division per element (:func:`~.common.div_rn`, a multi-instruction 
 GPU; ``x * (1 / scale)`` is an ulp off at times, and an ulp moves a value across an e4m3 rounding
 tie). Done inside the GEMM, every one of the ``cdiv(N, BN)`` column programs repeats those
 divisions for the same rows: about as many instructions as streaming the weight takes. One small
-kernel does them once; it costs a launch, which the programmatic dependent launch overlaps.
+kernel does them once; it costs a launch, which the programmatic dependent launch overlaps. At one
+token the balance turns: the repeated divisions are a few million for the whole call, while the
+launch of the quantize kernel (and the GEMV's wait on it) is a fixed few microseconds that batch-1
+decode pays 48 times a forward on the 80B shape's 8 layers; there the GEMV quantizes its own rows.
 
-e4m3 rounding: values are rounded to the e4m3 grid explicitly (:func:`round_to_e4m3`, nearest even)
+e4m3 rounding: values are rounded to the e4m3 grid explicitly (:func:`~.common.round_to_e4m3`, nearest even)
 before the cast, which is then exact: Triton's CPU interpreter's fp32 -> e4m3 cast drops the carry
 when rounding up crosses a power of two (0.496 -> 0.25); the GPU's conversion rounds the same way
 as the explicit rounding. Everything is a shape-only launch (no host sync): usable in CUDA graphs.
@@ -57,14 +61,14 @@ import triton.language as tl
 from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
-from .common import cast_rne, div_rn, expert_row_tile, grouped_row_tiles, pow2
+from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
 from .gemv import GEMV_MAX_ROWS, check_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
-           "FP8_GEMM_ENV", "cublas_block_gemm_supported",
+           "FP8_GEMM_ENV", "FP8_GEMV_FUSED_QUANT_MAX", "cublas_block_gemm_supported",
            "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_choice", "fp8_linear_cublas",
-           "fp8_quantize_for_cublas", "fp8_gemm_config", "fp8_gemm_triton",
+           "fp8_quantize_for_cublas", "gemv_quantizes_activation", "fp8_gemm_config", "fp8_gemm_triton",
            "fp8_gemv_config", "fp8_gemv_triton", "fp8_grouped_linear_triton", "fp8_quantize_triton", "use_cublas",
            "use_gemv"]
 
@@ -83,6 +87,12 @@ FP8_GROUPED_DECODE_ROWS_PER_EXPERT = 2
 #: programs wait on a second row that most hit experts do not have); an expert with more rows is
 #: streamed once per row, from L2 when its programs run side by side.
 FP8_GROUPED_GEMV_ROWS = 1
+#: Most element quantizations a GEMV call repeats when it quantizes its own activation (see
+#: :func:`gemv_quantizes_activation`): batch-1 decode at the Qwen3-Next-80B shapes repeats 0.3-3.1 M
+#: (one row; in_proj_qkvz the most), two rows of in_proj_qkvz 12.6 M. At ~10 instructions an element,
+#: 4 M is about a microsecond of an H200's CUDA cores spread over the call, against the quantize
+#: kernel's launch (3.6 us a call in the 2026-11-28 batch-1 profile) it saves. Not yet timed on a GPU.
+FP8_GEMV_FUSED_QUANT_MAX = 1 << 22
 #: Dense GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) by the call's rows (1, 2, 3-4, 5-8): the H100
 #: sweep's configs with the best geometric mean over the seven dense shapes, each within 2-13 % of
 #: the best config of every shape.
@@ -91,28 +101,6 @@ _DENSE_GEMV_TILES = {1: (8, 1024, 4, 2), 2: (4, 1024, 4, 2), 4: (4, 1024, 8, 2),
 DECODE_TILE_MAX_ROWS = 64
 
 
-@triton.jit
-def round_to_e4m3(v):
-    """fp32 ``v`` (already within +-448) rounded to the nearest e4m3 value, ties to even, as fp32."""
-    a = tl.abs(v)
-    u = v.to(tl.uint32, bitcast=True)
-    normal = (((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    sub = (a + 16384.0) - 16384.0  # subnormals: multiples of 2**-9 (the fp32 ulp of 2**14)
-    sub = tl.where(v < 0, -sub, sub)
-    return tl.where(a < 0.015625, sub, normal)
-
-
-@triton.jit
-def _quantize_tile(x):
-    """``[R, 128]`` fp32 -> (e4m3-valued fp32 tile, per-row fp32 scale)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = div_rn(tl.maximum(amax, FP8_EPS_C), FP8_MAX_C)  # IEEE divisions: the CPU path's bytes
-    q = tl.minimum(tl.maximum(div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-    return round_to_e4m3(q), scale
-
-
-FP8_EPS_C = tl.constexpr(FP8_EPS)
-FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT", "stride_sm"])
@@ -127,7 +115,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk, str
     m = (rows < M)[:, None] & (cols < K)[None, :]
     out = (rows < M_OUT)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-    q, scale = _quantize_tile(x)
+    q, scale = quantize_axis(x, 1)
     if DEQUANT:  # fp32 q * scale: the reference's dequantized activation, the same single rounding
         tl.store(q_ptr + r64[:, None] * K + cols[None, :], q * scale[:, None], mask=out)
     else:
@@ -187,7 +175,7 @@ def _fp8_gemm_kernel(
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :] * stride_wk, mask=w_mask, other=0.0)
         if QUANT_A:
             a = tl.load(a_ptr + rm64[:, None] * stride_am + kk[None, :] * stride_ak, mask=a_mask, other=0.0)
-            aq, a_scale = _quantize_tile(a.to(tl.float32))
+            aq, a_scale = quantize_axis(a.to(tl.float32), 1)
             aq = aq.to(w.dtype)
         else:
             aq = tl.load(a_ptr + rm64[:, None] * stride_am + kk[None, :] * stride_ak, mask=a_mask, other=0.0)
@@ -358,10 +346,13 @@ def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False) -> tuple[i
 
 
 def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,
-                    pdl: bool | None = None, rows_per_program: int | None = None):
+                    pdl: bool | None = None, rows_per_program: int | None = None,
+                    quantize_in_gemv: bool | None = None):
     """The GEMV path of both ops (CUDA cores, few rows; ``expert_offsets`` given: grouped).
 
-    The activation is quantized once (:func:`fp8_dequantized_activation_triton`); each program
+    The activation is quantized once (:func:`fp8_dequantized_activation_triton`), or by the GEMV's
+    programs themselves as they stream it (``quantize_in_gemv``; None: when
+    :func:`gemv_quantizes_activation`), which saves the quantize kernel's launch; each program
     streams a ``[BLOCK_N, K]`` slab of the weight (of its expert, when grouped) for
     ``rows_per_program`` rows (default: up to 4 rows of a dense call, one row of an expert when
     grouped). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides
@@ -379,11 +370,19 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     y = _empty_product(x, n, bias)
     if y is not None:
         return y
-    a = fp8_dequantized_activation_triton(x, pdl)
+    fused = gemv_quantizes_activation(m, n, k, config) if quantize_in_gemv is None else quantize_in_gemv
+    a = x if fused else fp8_dequantized_activation_triton(x, pdl)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     return launch_gemv(a, weight if grouped else weight[None], y, config, rows,
                        expert_offsets=expert_offsets, scale=weight_scale_inv if grouped else weight_scale_inv[None],
-                       scale_block=FP8_BLOCK, bias=bias, pdl=pdl)
+                       scale_block=FP8_BLOCK, bias=bias, pdl=pdl, quantize_a=fused)
+
+
+def gemv_quantizes_activation(m: int, n: int, k: int, config: tuple[int, int, int, int]) -> bool:
+    """Whether the GEMV quantizes its own activation: every column program re-quantizes its rows, so
+    the call repeats ``m * cdiv(n, BLOCK_N) * k`` element quantizations (IEEE divisions); taken up to
+    :data:`FP8_GEMV_FUSED_QUANT_MAX` of them, with ``BLOCK_K`` covering whole 128-column groups."""
+    return config[1] >= FP8_GROUP and m * _cdiv(n, config[0]) * k <= FP8_GEMV_FUSED_QUANT_MAX
 
 
 def use_gemv(rows: int, experts: int | None = None) -> bool:

@@ -1,9 +1,10 @@
 """Triton pieces of the FP8 cache formats (:mod:`..fp8_cache`): e4m3 values with one fp32 scale
 per vector along one axis.
 
-- ``quantize_axis`` (``@triton.jit``): an fp32 tile -> (e4m3-valued fp32 tile, scales), one scale
-  per vector along axis 0 or 1 of the tile; the kernels that write an FP8 pool (GDN recurrent,
-  Mamba2 step, KV store) call it on the tile they hold, which spans the whole scaled axis.
+- :func:`~.common.quantize_axis` (``@triton.jit``, shared with the block-FP8 kernels): an fp32 tile ->
+  (e4m3-valued fp32 tile, scales), one scale per vector along axis 0 or 1 of the tile; the kernels
+  that write an FP8 pool (GDN recurrent, Mamba2 step, KV store) call it on the tile they hold, which
+  spans the whole scaled axis.
 - ``move_state_rows``: ``dst[dst_rows[i]] = src[src_rows[i]]`` between an fp32 buffer and an FP8
   pool (either way), quantizing or dequantizing on the way; rows with -1 are skipped in-kernel.
   It serves ``track_chunk_states`` into an FP8 pool and the chunked (prefill) scans, which stage
@@ -11,7 +12,7 @@ per vector along one axis.
   kernel pipeline on the buffer, quantize the ``B`` final states back (one read and one write of
   each request's state per prefill step, next to the scan's ``O(T)`` work).
 
-Rounding: :func:`~.fp8.round_to_e4m3` before the cast (exact there), so the interpreter on CPU
+Rounding: :func:`~.common.round_to_e4m3` before the cast (exact there), so the interpreter on CPU
 and the GPU agree with ``Tensor.to(float8_e4m3fn)`` of the plain-torch path. Shape-only grids,
 no host sync: CUDA-graph safe.
 """
@@ -22,30 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import FP8_EPS, FP8_MAX
 from ..fp8_cache import is_fp8
-from .common import div_rn
-from .fp8 import round_to_e4m3
+from .common import quantize_axis
 
-__all__ = ["move_state_rows", "quantize_axis", "round_rows", "store_state_rows"]
-
-_EPS = tl.constexpr(FP8_EPS)
-_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def quantize_axis(x, AXIS: tl.constexpr):
-    """fp32 tile ``x`` -> (e4m3-valued fp32 tile, fp32 scales): one scale per vector along ``AXIS``
-    (``max(|vector|, 1e-10) / 448``; padded entries must be 0). Cast the values to the pool's
-    e4m3 dtype when storing (exact)."""
-    scale = div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS), _MAX)  # IEEE divisions: the CPU path's bytes
-    if AXIS == 0:
-        q = div_rn(x, scale[None, :])
-    else:
-        q = div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -_MAX), _MAX)
-    return round_to_e4m3(q), scale
-
+__all__ = ["move_state_rows", "round_rows", "store_state_rows"]
 
 @triton.jit
 def _move_rows_kernel(

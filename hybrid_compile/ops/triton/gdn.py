@@ -38,7 +38,8 @@ import triton.language as tl
 
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
-from .fp8_cache import quantize_axis, stage_states, unstage_states
+from .common import quantize_axis
+from .fp8_cache import stage_states, unstage_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
 

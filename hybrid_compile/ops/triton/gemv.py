@@ -21,7 +21,10 @@ is shape-only (:func:`~.common.grouped_row_tiles` row tiles; one past the last u
 nothing). ``GATHER``: row ``r`` reads ``a[gather[r]]``; ``SCATTER``: it is stored at
 ``y[scatter[r]]``. ``ACT`` (:func:`~.common.apply_activation`): 1 = ``silu_and_mul``, where the same
 ``K`` loop also streams the up rows ``N + rn`` into a second accumulator per row; 2 = relu2.
-``HAS_BIAS`` adds a per-column bias before the activation. No host sync, no atomics: usable in
+``HAS_BIAS`` adds a per-column bias before the activation. ``QUANT_A`` (block FP8 at batch-1 sizes):
+the activation is the float one, and each program quantizes every 128-column run of its rows to
+e4m3 and back as it loads it (:func:`~.common.quantize_axis`: the quantize kernel's bytes), so no
+quantize kernel runs before the GEMV. No host sync, no atomics: usable in
 CUDA graphs. Programmatic dependent launch (:mod:`.launch`): a dense program loads its first
 weight tile before waiting for the kernel before it; a grouped one waits first (which expert's
 weight to stream depends on the routing that kernel wrote). Every program releases the next
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
+from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
 from .launch import pdl_launch
 
 __all__ = ["GEMV_MAX_ROWS", "check_gemv_config", "gemv_kernel", "launch_gemv"]
@@ -71,10 +74,15 @@ def _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride
 
 @triton.jit
 def _row_product(acc, acc_up, a_ptr, src, ok, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                 SCALED: tl.constexpr, GATED: tl.constexpr):
+                 SCALED: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
     """One row's accumulators plus the weight tiles times the row's per-column factor: its activation
-    ``a[src, kk]`` in fp32 (times the block scale when ``SCALED``; zeros for a row past the tile's)."""
+    ``a[src, kk]`` in fp32 (``QUANT_A``: quantized to e4m3 per run of 128 columns and dequantized, the
+    bytes of the quantize kernel's fp32 output; times the block scale when ``SCALED``; zeros for a row
+    past the tile's)."""
     a = tl.load(a_ptr + src * stride_am + kk * stride_ak, mask=tl.where(ok, k_ok, False), other=0.0).to(tl.float32)
+    if QUANT_A:
+        q, a_scale = quantize_axis(a, 1)
+        a = q * a_scale[:, None]
     if SCALED:
         a = a * w_scale[:, None]
     acc += w * a[None, :, :]
@@ -86,19 +94,19 @@ def _row_product(acc, acc_up, a_ptr, src, ok, kk, k_ok, stride_am, stride_ak, w,
 @triton.jit
 def _step(a_ptr, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
           acc0, acc1, acc2, acc3, up0, up1, up2, up3,
-          ROWS: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr):
+          ROWS: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
     """One weight tile applied to the program's ``ROWS`` (1-4) rows."""
     acc0, up0 = _row_product(acc0, up0, a_ptr, src0, ok0, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                             SCALED, GATED)
+                             SCALED, GATED, QUANT_A)
     if ROWS >= 2:
         acc1, up1 = _row_product(acc1, up1, a_ptr, src1, ok1, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED)
+                                 SCALED, GATED, QUANT_A)
     if ROWS >= 3:
         acc2, up2 = _row_product(acc2, up2, a_ptr, src2, ok2, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED)
+                                 SCALED, GATED, QUANT_A)
     if ROWS >= 4:
         acc3, up3 = _row_product(acc3, up3, a_ptr, src3, ok3, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED)
+                                 SCALED, GATED, QUANT_A)
     return acc0, acc1, acc2, acc3, up0, up1, up2, up3
 
 
@@ -133,10 +141,11 @@ def gemv_kernel(
     GROUPED: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     SCATTER: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, QUANT_A: tl.constexpr = False,
 ):
     # the up rows of silu_and_mul lie in another block row of scales (and a bias would need its own)
     tl.static_assert(ACT != 1 or not (SCALED or HAS_BIAS))
+    tl.static_assert(not QUANT_A or GROUP_W == 128)  # a run of the K step is one activation group
     GATED: tl.constexpr = ACT == 1
     pid = tl.program_id(0)
     pid_m = pid % TILES_M
@@ -195,13 +204,13 @@ def gemv_kernel(
     if not GROUPED:
         acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
             a_ptr, rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
-            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED)
+            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, QUANT_A)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, w_up, w_scale, k_ok = _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk,
                                                stride_wsk, SCALED, GATED, GROUP_W, SCALE_BLOCK, EVEN_K)
         acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
             a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
-            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED)
+            acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, QUANT_A)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     _store_row(y_ptr, bias_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, HAS_BIAS, SCATTER, ACT)
@@ -229,7 +238,7 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
                 *, expert_offsets: torch.Tensor | None = None, gather_index: torch.Tensor | None = None,
                 scatter_index: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                 scale_block: int = 1, bias: torch.Tensor | None = None, activation: int = 0,
-                pdl: bool | None = None) -> torch.Tensor:
+                pdl: bool | None = None, quantize_a: bool = False) -> torch.Tensor:
     """Fill ``y [R, N]`` with ``act(a[src(r)] @ weight[e(r), cols].T (+ bias))`` for each row ``r``.
 
     ``a [X, K]`` (any strides); ``weight [E, N_w, K]`` (``E == 1`` for a dense call) whose rows
@@ -237,8 +246,13 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     follow); ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages); ``rows`` per program.
     ``expert_offsets [E + 1]``: grouped rows sorted by expert; ``gather_index`` / ``scatter_index``
     ``[R]``: where each row reads / is stored; ``scale [E, cdiv(N_w, scale_block), cdiv(K,
-    scale_block)]``: the weight's fp32 block scales (``BLOCK_N`` then divides ``scale_block``)."""
+    scale_block)]``: the weight's fp32 block scales (``BLOCK_N`` then divides ``scale_block``).
+    ``quantize_a``: ``a`` is the float activation, which each program quantizes per 128-column group
+    as it streams it (block FP8: ``scale_block`` 128 and ``BLOCK_K`` at least 128)."""
     block_n, block_k, warps, stages = config
+    if quantize_a and (scale is None or scale_block != 128 or block_k < 128):
+        raise ValueError(f"launch_gemv: quantize_a needs 128 x 128 block scales and BLOCK_K >= 128, got scale_block "
+                         f"{scale_block}, BLOCK_K {block_k}")
     experts, _, k = weight.shape
     m, n = y.shape
     grouped = expert_offsets is not None
@@ -253,7 +267,7 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
         GROUPED=grouped, SCALED=scale is not None, HAS_BIAS=bias is not None, GATHER=gather_index is not None,
         SCATTER=scatter_index is not None, ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
-        BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, QUANT_A=quantize_a, num_warps=warps, num_stages=stages,
         **pdl_launch(a.device, pdl),
     )
     return y

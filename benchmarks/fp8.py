@@ -497,6 +497,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers of the 80B shape (48 = the full model)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--chunked-prefill", type=int, default=8192,
+                   help="the engines' chunked_prefill_size (the largest prefill piece captured; the 48-layer "
+                        "model's capture ran out of memory at 8192 with --memory-fraction 0.5 on an H200)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     p.add_argument("--no-engines", action="store_true",
                    help="only the kernel table (e.g. in its own process when the engines left too little memory)")
@@ -567,7 +570,8 @@ def main(argv=None) -> int:
     # budget they would depend on what the first engine left reserved, and differ between the modes
     engine_kw = dict(max_running_requests=max(decode_batches), mamba_cache_size=2 * max(decode_batches),
                      memory_fraction=args.memory_fraction,
-                     max_context_len=max(prefill_lens) + 64, chunked_prefill_size=min(8192, max(prefill_lens)))
+                     max_context_len=max(prefill_lens) + 64,
+                     chunked_prefill_size=min(args.chunked_prefill, max(prefill_lens)))
     results = {"env": env}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -313,7 +313,9 @@ _FP8_BLOCK = 128
 def _scale_key(weight_key: str) -> str:
     """The block-scale tensor of an FP8 weight: ``L.weight`` -> ``L.weight_scale_inv``; a fused experts
     tensor ``E.gate_up_proj`` -> ``E.gate_up_proj_scale_inv``."""
-    return weight_key + "_scale_inv" if not weight_key.endswith(".weight") else weight_key[: -len("weight")] + "weight_scale_inv"
+    if weight_key.endswith(".weight"):
+        return weight_key[: -len("weight")] + "weight_scale_inv"
+    return weight_key + "_scale_inv"
 
 
 def _block_ranges(s: Slice, key: str, shape, rank: int, size: int, dim: int) -> list[tuple[int, int]]:
@@ -359,8 +361,8 @@ def _read_fp8_experts(ckpt: "Checkpoint", name: str, s: Slice, rank: int, size: 
     per_key = len(s.segments) // len(s.expert_keys)
     weights, scales = [], []
     for e in range(s.experts):
-        parts = [_read_fp8(ckpt, template.format(p=prefix, e=e), Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key]),
-                           rank, size)
+        parts = [_read_fp8(ckpt, template.format(p=prefix, e=e),
+                           Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key]), rank, size)
                  for i, template in enumerate(s.expert_keys)]
         weights.append(_cat([w for w, _ in parts], s.concat_dim))
         scales.append(_cat([sc for _, sc in parts], s.concat_dim))
@@ -385,7 +387,9 @@ def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, 
             if module.bias is not None:
                 bs = plan.slice_of(f"{name}.bias")
                 bias = _read(ckpt, f"{name}.bias", bs, plan.rank, plan.size)
-                bias = (torch.zeros_like(bias) if bs.rank0_only and plan.rank != 0 else bias).to(device, dtype or bias.dtype)
+                if bs.rank0_only and plan.rank != 0:
+                    bias = torch.zeros_like(bias)
+                bias = bias.to(device, dtype or bias.dtype)
             new = Fp8Linear(q.to(device), scale.to(device), bias)
             names = [f"{name}.weight", f"{name}.weight_scale_inv"] + ([f"{name}.bias"] if bias is not None else [])
         elif is_experts_module(module) and (f"{name}.0.down_proj.weight_scale_inv" in ckpt
@@ -393,11 +397,13 @@ def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, 
             has_gate = hasattr(module, "gate_up_proj")
             up = "gate_up_proj" if has_gate else "up_proj"
             uq, us = _read_fp8_experts(ckpt, f"{name}.{up}", plan.slice_of(f"{name}.{up}"), plan.rank, plan.size)
-            dq, ds = _read_fp8_experts(ckpt, f"{name}.down_proj", plan.slice_of(f"{name}.down_proj"), plan.rank, plan.size)
+            down = f"{name}.down_proj"
+            dq, ds = _read_fp8_experts(ckpt, down, plan.slice_of(down), plan.rank, plan.size)
             expect = (tuple(getattr(module, up).shape), tuple(module.down_proj.shape))
             if (tuple(uq.shape), tuple(dq.shape)) != expect:
                 raise ValueError(f"tensor parallelism: rank {plan.rank}'s FP8 shard of {name!r} has shapes "
-                                 f"{tuple(uq.shape)} / {tuple(dq.shape)}, the local {plan.family} model expects {expect}")
+                                 f"{tuple(uq.shape)} / {tuple(dq.shape)}, the local {plan.family} model expects "
+                                 f"{expect}")
             new = Fp8Experts(uq.to(device), us.to(device), dq.to(device), ds.to(device), module.act_fn, has_gate)
             names = [f"{name}.{up}", f"{name}.{up}_scale_inv", f"{name}.down_proj", f"{name}.down_proj_scale_inv"]
         else:

@@ -197,7 +197,8 @@ class EngineDraftModel:
             if model is not target.model:  # EngineConfig.fused_moe on the draft model's experts too
                 fused = resolve_fused_moe(model, cfg.fused_moe, self.device)
                 install_fused_experts(model, self.patch, fused, required=False)
-                install_fused_routers(model, self.patch, resolve_fused_routers(model, cfg.fused_moe, self.device, fused))
+                routers = resolve_fused_routers(model, cfg.fused_moe, self.device, fused)
+                install_fused_routers(model, self.patch, routers)
             self.runner = ModelRunner(model, self.pools, self.device, cfg)
             self.patch.restores.append(self.runner.release_packed_weights)  # packed projection weights: on close()
         except BaseException:

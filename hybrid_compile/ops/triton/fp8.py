@@ -461,8 +461,8 @@ def use_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float32))
     if choice == "cublas" and not (fits and cublas_block_gemm_supported(x.device)):
         raise RuntimeError(f"{FP8_GEMM_ENV}=cublas: cuBLAS's block-scaled FP8 GEMM needs a Hopper GPU, CUDA 12.9+, "
-                           f"torch 2.9+, N a multiple of {FP8_BLOCK} and K of {4 * FP8_BLOCK}, a contiguous weight and a bf16 / fp32 "
-                           f"activation; got {x.device} ({torch.version.cuda}, torch {torch.__version__}), "
+                           f"torch 2.9+, N a multiple of {FP8_BLOCK} and K of {4 * FP8_BLOCK}, a contiguous weight "
+                           f"and a bf16 / fp32 activation; got {x.device} ({torch.version.cuda}, torch {torch.__version__}), "
                            f"N={n} K={k}, {x.dtype}")
     return fits and cublas_block_gemm_supported(x.device)
 
@@ -483,8 +483,8 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
                       bias: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``fp8_block_linear`` by cuBLAS's block-scaled GEMM: our quantize kernel writes the e4m3
     activation and its group scales (the bytes of the plain-torch path) in the layouts cuBLAS asks
-    for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``. The GEMM accumulates each 128-channel block in
-    fp32 and scales it, as the reference does, in another order of additions."""
+    for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``. The GEMM accumulates
+    each 128-channel block in fp32 and scales it, as the reference does, in another order of additions."""
     m, k = x.shape
     n = weight.shape[0]
     y = _empty_product(x, n, bias)

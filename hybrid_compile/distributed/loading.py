@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.fp8 import FP8_BLOCK
 from .plans import ShardPlan, Slice
 
 _INDEX = "model.safetensors.index.json"
@@ -276,8 +277,25 @@ def _read_concatenated(ckpt: Checkpoint, keys: list[str], s: Slice, rank: int, s
     return _cat(parts, s.dim)
 
 
-def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> torch.Tensor:
+def _expert_parts(ckpt: Checkpoint, name: str, s: Slice) -> list[list[tuple[str, Slice]]]:
+    """transformers' fused experts parameter ``name`` as per-expert checkpoint tensors
+    (``"{prefix}.{e}.gate_proj.weight"``, ...): for each expert, each key with its 2-D slice, in the
+    order they concatenate along ``s.concat_dim``."""
     prefix = name.rsplit(".", 1)[0]
+    per_key = len(s.segments) // len(s.expert_keys)
+    experts = []
+    for e in range(s.experts):
+        parts = []
+        for i, template in enumerate(s.expert_keys):
+            key = template.format(p=prefix, e=e)
+            if key not in ckpt:
+                raise KeyError(key)
+            parts.append((key, Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key])))
+        experts.append(parts)
+    return experts
+
+
+def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> torch.Tensor:
     if name not in ckpt and s.concat_keys:  # one parameter stored as several tensors (OLMo-Hybrid's conv)
         keys = [template.format(p=name.rsplit(".", 2)[0]) for template in s.concat_keys]
         for key in keys:
@@ -288,27 +306,13 @@ def _read_param(ckpt: Checkpoint, name: str, s: Slice, rank: int, size: int) -> 
         if name not in ckpt:
             raise KeyError(name)
         return _read(ckpt, name, s, rank, size)
-    # transformers' fused experts from per-expert checkpoint tensors ("{prefix}.{e}.gate_proj.weight", ...)
-    per_key = len(s.segments) // len(s.expert_keys)
-    experts = []
-    for e in range(s.experts):
-        parts = []
-        for i, template in enumerate(s.expert_keys):
-            key = template.format(p=prefix, e=e)
-            if key not in ckpt:
-                raise KeyError(key)
-            one = Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key])
-            parts.append(_read(ckpt, key, one, rank, size))
-        experts.append(_cat(parts, s.concat_dim))
-    return torch.stack(experts)
+    return torch.stack([_cat([_read(ckpt, key, one, rank, size) for key, one in parts], s.concat_dim)
+                        for parts in _expert_parts(ckpt, name, s)])
 
 
 # --------------------------------------------------------------------------------------------
 # FP8 checkpoints (fine-grained block FP8): each rank's e4m3 slices and their block scales
 # --------------------------------------------------------------------------------------------
-
-_FP8_BLOCK = 128
-
 
 def _scale_key(weight_key: str) -> str:
     """The block-scale tensor of an FP8 weight: ``L.weight`` -> ``L.weight_scale_inv``; a fused experts
@@ -326,17 +330,17 @@ def _block_ranges(s: Slice, key: str, shape, rank: int, size: int, dim: int) -> 
         raise ValueError(f"tensor parallelism: FP8 checkpoint tensor {key!r} is split by vocabulary rows or "
                          "stored in parts, which the block-FP8 shard loader does not read")
     if not s.segments:
-        return [(0, -(-shape[dim] // _FP8_BLOCK))]
+        return [(0, -(-shape[dim] // FP8_BLOCK))]
     ranges = _ranges(s, key, shape[dim], rank, size, dim)
     for i, (a, b) in enumerate(ranges):
-        end_ok = b % _FP8_BLOCK == 0 or (b == shape[dim] and i == len(ranges) - 1)
-        if a % _FP8_BLOCK or not end_ok:
+        end_ok = b % FP8_BLOCK == 0 or (b == shape[dim] and i == len(ranges) - 1)
+        if a % FP8_BLOCK or not end_ok:
             raise ValueError(
                 f"tensor parallelism: rank {rank} of {size} would hold entries {a}..{b} along dim {dim} of FP8 "
-                f"checkpoint tensor {key!r} ({tuple(shape)}), which do not start and end on its {_FP8_BLOCK} x "
-                f"{_FP8_BLOCK} scale blocks: this model's block-FP8 weights cannot be split over {size} ranks "
+                f"checkpoint tensor {key!r} ({tuple(shape)}), which do not start and end on its {FP8_BLOCK} x "
+                f"{FP8_BLOCK} scale blocks: this model's block-FP8 weights cannot be split over {size} ranks "
                 "(serve it with a tensor_parallel_size whose shards fall on the blocks, or with 1)")
-    return [(a // _FP8_BLOCK, -(-b // _FP8_BLOCK)) for a, b in ranges]
+    return [(a // FP8_BLOCK, -(-b // FP8_BLOCK)) for a, b in ranges]
 
 
 def _read_fp8(ckpt: "Checkpoint", key: str, s: Slice, rank: int, size: int,
@@ -357,13 +361,9 @@ def _read_fp8_experts(ckpt: "Checkpoint", name: str, s: Slice, rank: int, size: 
     up stacked) or from a fused 3-D tensor."""
     if name in ckpt:
         return _read_fp8(ckpt, name, s, rank, size)
-    prefix = name.rsplit(".", 1)[0]
-    per_key = len(s.segments) // len(s.expert_keys)
     weights, scales = [], []
-    for e in range(s.experts):
-        parts = [_read_fp8(ckpt, template.format(p=prefix, e=e),
-                           Slice(s.dim - 1, s.segments[i * per_key:(i + 1) * per_key]), rank, size)
-                 for i, template in enumerate(s.expert_keys)]
+    for keys in _expert_parts(ckpt, name, s):
+        parts = [_read_fp8(ckpt, key, one, rank, size) for key, one in keys]
         weights.append(_cat([w for w, _ in parts], s.concat_dim))
         scales.append(_cat([sc for _, sc in parts], s.concat_dim))
     return torch.stack(weights), torch.stack(scales)
@@ -376,13 +376,21 @@ def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, 
     holding this rank's e4m3 slices and scales (never a float copy); returns the parameter names they
     hold and their bytes."""
     from ..quantization import Fp8Experts, Fp8Linear
-    from ..quantization.fp8_modules import is_experts_module
+    from ..quantization.fp8_checkpoint import quantized_targets
 
+    linears, experts = quantized_targets(model, ckpt)
+    if not (linears or experts):
+        raise ValueError("tensor parallelism: the checkpoint declares FP8 quantization but has no weight_scale_inv "
+                         "tensors for this model's linear layers")
     done, nbytes = set(), 0
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and f"{name}.weight_scale_inv" in ckpt:
+    for name, is_linear in [(n, True) for n in linears] + [(n, False) for n in experts]:
+        module = model.get_submodule(name)
+        if is_linear:
             q, scale = _read_fp8(ckpt, f"{name}.weight", plan.slice_of(f"{name}.weight"), plan.rank, plan.size)
             expect = (module.out_features, module.in_features)
+            if tuple(q.shape) != expect:
+                raise ValueError(f"tensor parallelism: rank {plan.rank}'s FP8 shard of {name!r}.weight has shape "
+                                 f"{tuple(q.shape)}, the local {plan.family} model expects {expect}")
             bias = None
             if module.bias is not None:
                 bs = plan.slice_of(f"{name}.bias")
@@ -392,8 +400,7 @@ def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, 
                 bias = bias.to(device, dtype or bias.dtype)
             new = Fp8Linear(q.to(device), scale.to(device), bias)
             names = [f"{name}.weight", f"{name}.weight_scale_inv"] + ([f"{name}.bias"] if bias is not None else [])
-        elif is_experts_module(module) and (f"{name}.0.down_proj.weight_scale_inv" in ckpt
-                                            or f"{name}.down_proj_scale_inv" in ckpt):
+        else:
             has_gate = hasattr(module, "gate_up_proj")
             up = "gate_up_proj" if has_gate else "up_proj"
             uq, us = _read_fp8_experts(ckpt, f"{name}.{up}", plan.slice_of(f"{name}.{up}"), plan.rank, plan.size)
@@ -406,17 +413,9 @@ def _install_fp8_modules(model: nn.Module, ckpt: "Checkpoint", plan: ShardPlan, 
                                  f"{expect}")
             new = Fp8Experts(uq.to(device), us.to(device), dq.to(device), ds.to(device), module.act_fn, has_gate)
             names = [f"{name}.{up}", f"{name}.{up}_scale_inv", f"{name}.down_proj", f"{name}.down_proj_scale_inv"]
-        else:
-            continue
-        if isinstance(new, Fp8Linear) and (new.out_features, new.in_features) != expect:
-            raise ValueError(f"tensor parallelism: rank {plan.rank}'s FP8 shard of {name!r}.weight has shape "
-                             f"{(new.out_features, new.in_features)}, the local {plan.family} model expects {expect}")
         model.set_submodule(name, new)
         done.update(names)
         nbytes += sum(p.numel() * p.element_size() for p in new.parameters())
-    if not done:
-        raise ValueError("tensor parallelism: the checkpoint declares FP8 quantization but has no weight_scale_inv "
-                         "tensors for this model's linear layers")
     return done, nbytes
 
 

@@ -92,12 +92,13 @@ def resolve_fused_routers(model: nn.Module, option: bool | None, device: torch.d
     (``fused_moe``, as resolved) and also for a CUDA model whose experts are all FP8 (:class:`Fp8Experts`
     serve them, not the fused path; the router before them is the same top-k softmax, which
     transformers' forward runs as four kernels)."""
-    if option is not None or fused_moe:
-        return bool(option) or fused_moe
+    if option is not None:
+        return option
+    if fused_moe:
+        return True
     if torch.device(device).type != "cuda":
         return False
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Experts)]
-    return bool(fp8) and not experts_modules(model)
+    return any(isinstance(m, Fp8Experts) for m in model.modules()) and not experts_modules(model)
 
 
 def unfused_experts(model: nn.Module) -> list[str]:

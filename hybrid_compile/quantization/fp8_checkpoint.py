@@ -35,7 +35,7 @@ from ..ops.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_weight_blocks
 from .fp8_modules import Fp8Experts, Fp8Linear, fp8_targets, is_experts_module
 
 __all__ = ["UnsupportedQuantizationError", "checkpoint_quantization", "load_quantized_model",
-           "resolve_quantization"]
+           "quantized_targets", "resolve_quantization"]
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 
@@ -172,8 +172,10 @@ def _load_experts(ckpt, name, experts: nn.Module, device, quantize: bool) -> Fp8
                       experts.act_fn, has_gate)
 
 
-def _quantized_targets(model: nn.Module, ckpt: _Checkpoint) -> tuple[list[str], list[str]]:
-    """Layers the checkpoint stores in FP8 (those with a ``weight_scale_inv``)."""
+def quantized_targets(model: nn.Module, ckpt) -> tuple[list[str], list[str]]:
+    """Layers the checkpoint stores in FP8 (those with a ``weight_scale_inv``): linear layers and experts
+    modules by name; ``ckpt`` answers ``key in ckpt`` for the model's names (here and in the
+    tensor-parallel shard loader)."""
     linears, experts = [], []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and f"{name}.weight_scale_inv" in ckpt:
@@ -219,7 +221,7 @@ def load_quantized_model(path: str, config, *, device: str | torch.device, dtype
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     ckpt = _Checkpoint(path)
-    linears, experts = fp8_targets(model) if quantize else _quantized_targets(model, ckpt)
+    linears, experts = fp8_targets(model) if quantize else quantized_targets(model, ckpt)
     if not quantize and not (linears or experts):
         raise ValueError(f"{path!r} declares FP8 quantization but has no weight_scale_inv tensors for this model's "
                          "linear layers")

@@ -101,8 +101,6 @@ _DENSE_GEMV_TILES = {1: (8, 1024, 4, 2), 2: (4, 1024, 4, 2), 4: (4, 1024, 8, 2),
 DECODE_TILE_MAX_ROWS = 64
 
 
-
-
 @triton.jit(do_not_specialize=["M", "M_OUT", "stride_sm"])
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_xk, stride_sm, stride_sg, BR: tl.constexpr,
                      GROUP: tl.constexpr, DEQUANT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
@@ -485,8 +483,7 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
     activation and its group scales (the bytes of the plain-torch path) in the layouts cuBLAS asks
     for: rows padded to a multiple of 4 (zeros), scales column-major ``[G, M]``. The GEMM accumulates
     each 128-channel block in fp32 and scales it, as the reference does, in another order of additions."""
-    m, k = x.shape
-    n = weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     y = _empty_product(x, n, bias)
     if y is not None:
         return y

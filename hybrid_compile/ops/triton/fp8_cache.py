@@ -28,6 +28,7 @@ from .common import quantize_axis
 
 __all__ = ["move_state_rows", "round_rows", "store_state_rows"]
 
+
 @triton.jit
 def _move_rows_kernel(
     src, src_scales, dst, dst_scales, src_rows, dst_rows,

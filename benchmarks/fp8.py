@@ -7,6 +7,7 @@
     python benchmarks/fp8.py --tiny --device cpu      # CPU smoke run (toy sizes, tests/test_benchmarks_fp8.py)
     python benchmarks/fp8.py --sweep [--out benchmarks/results/fp8_sweep.json]   # decode kernel sweep (CUDA)
     python benchmarks/fp8.py --sweep --prefill           # the tensor-core GEMM's tiles at prefill sizes
+    python benchmarks/fp8.py --sweep --tp 2 --sweep-only experts --sweep-rows 1 16 64   # a TP 2 rank's experts
     python benchmarks/fp8.py --layers 48 --modes fp8 --build-quantized --no-kernels   # the whole 80B shape, one H200
     TRITON_INTERPRET=1 python benchmarks/fp8.py --sweep --tiny --device cpu       # its smoke run
 
@@ -43,8 +44,8 @@ minutes, most of it Triton compiling the grid). Dense projections (:data:`LINEAR
 as many tokens; per case: ``tc_old`` (the tensor-core GEMM as it was: the activation quantized in
 every column program, up to 64 rows), ``tc`` (the same GEMM on an activation quantized once),
 ``gemv`` (the CUDA-core GEMV, default config) and the GEMV under :data:`GEMV_GRID` (dense, up to 16
-rows) / :data:`GEMV_GRID_GROUPED` (a row pair per program, plus one row per program at the default
-config: ``gemv_1row``); the bf16
+rows) / :data:`GEMV_GRID_GROUPED` (one row of an expert per program; at the default config also
+``gemv_1row`` and ``gemv_2rows``, a row pair per program); the bf16
 equivalents on the same (dequantized) weight: ``skinny_mm`` (1-2 rows), ``torch.mm``, our bf16
 ``moe_grouped_linear`` (``bf16_grouped``: its default kernel, the GEMV at decode, else the tensor
 cores) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
@@ -54,6 +55,9 @@ the same bf16 values) before it is timed; a wrong one is reported and the run ex
 median of CUDA-graph replays; GB/s from the weight bytes the call streams (the experts hit).
 Printed per case: the current default (what the op dispatches to), the best FP8 candidate and
 its config and speedup over the default, the best bf16 time and FP8-best / bf16-best.
+
+``--sweep --tp N``: the shapes of one rank's shard (:func:`tp_slices`); ``--sweep-only dense|experts``
+and ``--sweep-rows`` narrow the cases.
 
 ``--sweep --prefill``: the same cases at prefill sizes (:data:`PREFILL_ROWS` dense rows; as many
 tokens of top-10 experts, 10x the rows) with the tensor-core GEMM under :data:`TC_GRID` (``tc[BM,
@@ -96,7 +100,10 @@ SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: and weight tile would take more than 160 registers a thread are left out: they spill), up to
 #: GEMV_SWEEP_MAX_ROWS rows
 GEMV_GRID = dict(block_n=(2, 4, 8, 16), block_k=(512, 1024, 2048), warps=(4, 8), stages=(2,))
-GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16), block_k=(256, 512), warps=(4, 8), stages=(2,))
+GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=(4, 8), stages=(2,))
+#: --sweep --tp N: the projections split over N ranks as tensor parallelism splits them (the others
+#: split their output rows): these split their input columns (row-parallel), and the experts' down_proj
+ROW_PARALLEL = ("gdn out_proj", "attn o_proj", "shared expert down")
 GEMV_SWEEP_MAX_ROWS = 16
 #: the engines --modes picks from, in the order they run, with the EngineConfig fields each sets
 #: (fp8 quantizes the model in place, so it runs last)
@@ -266,6 +273,20 @@ def _row(name, m, n, k, ours, scaled, bf16, experts):
 # --------------------------------------------------------------------------------------------
 # --sweep: the decode kernels
 # --------------------------------------------------------------------------------------------
+
+
+def tp_slices(linear, experts, tp: int) -> tuple[list, list]:
+    """The sweep's shapes as one of ``tp`` ranks holds them (``--tp``): column-parallel projections and
+    the experts' gate_up split their output rows, :data:`ROW_PARALLEL` ones and the experts' down_proj
+    their input columns."""
+    def split(size, what):
+        if size % tp:
+            raise SystemExit(f"--tp {tp}: {what} of {size} does not split evenly")
+        return size // tp
+
+    lin = [(name, n, split(k, name)) if name in ROW_PARALLEL else (name, split(n, name), k) for name, n, k in linear]
+    exp = [(name, e, n, split(k, name)) if "down" in name else (name, e, split(n, name), k) for name, e, n, k in experts]
+    return lin, exp
 
 
 def _gemv_grid(grid, rows_per_program, k) -> list[tuple]:
@@ -439,6 +460,9 @@ def sweep_experts(shapes, tokens_list, top_k, grid, device, iters, tc_grid=None)
                                  tfp8.fp8_gemv_config(n, k, rpp, grouped=True))
                 cands["gemv_1row"] = (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=1),
                                       want, fp8_bytes, tfp8.fp8_gemv_config(n, k, 1, grouped=True))
+                # a row pair per program (an expert's second row converts the same weight tile again for free)
+                cands["gemv_2rows"] = (lambda: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, rows_per_program=2),
+                                       want, fp8_bytes, tfp8.fp8_gemv_config(n, k, 2, grouped=True))
             for cfg in _tc_grid(tc_grid):
                 cands[f"tc{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemm_triton(x, q, s, expert_offsets=off, config=cfg),
                                            want, fp8_bytes, cfg)
@@ -466,6 +490,12 @@ def run_sweep(args) -> int:
     else:
         linear, experts, rows, top_k = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10
         grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
+    if args.tp > 1:
+        linear, experts = tp_slices(linear, experts, args.tp)
+    if args.sweep_rows:
+        rows = tuple(args.sweep_rows)
+    linear = [] if args.sweep_only == "experts" else linear
+    experts = [] if args.sweep_only == "dense" else experts
     tc_grid = None
     if args.prefill:  # prefill sizes: the tensor-core GEMM's tiles, no GEMV
         rows, tc_grid = (TINY_PREFILL["rows"], TINY_PREFILL["tc_grid"]) if args.tiny else (PREFILL_ROWS, TC_GRID)
@@ -478,7 +508,8 @@ def run_sweep(args) -> int:
     wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped for label, v in c["times"].items()
              if "wrong" in v]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "tiny": args.tiny, "prefill": args.prefill, "seconds": time.perf_counter() - t,
+           "torch": torch.__version__, "tiny": args.tiny, "prefill": args.prefill, "tp": args.tp,
+           "seconds": time.perf_counter() - t,
            "date": time.strftime("%Y-%m-%d")}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -507,6 +538,11 @@ def main(argv=None) -> int:
                                                  "fp8_sweep.json with --sweep)")
     p.add_argument("--sweep", action="store_true", help="the decode kernel sweep instead (see above)")
     p.add_argument("--iters", type=int, default=10, help="--sweep: timed replays (x3) per candidate")
+    p.add_argument("--tp", type=int, default=1,
+                   help="--sweep: the shapes of one rank's shard at this tensor-parallel size (see tp_slices)")
+    p.add_argument("--sweep-only", choices=["dense", "experts"], help="--sweep: only these cases")
+    p.add_argument("--sweep-rows", type=int, nargs="+",
+                   help="--sweep: dense rows / expert tokens (default 1 2 4 8 16 32 64)")
     p.add_argument("--build-quantized", action="store_true",
                    help="build each layer in bf16 and quantize it before the next (with --modes fp8: a model "
                         "whose bf16 weights do not fit, e.g. --layers 48 on one H200)")
@@ -524,6 +560,10 @@ def main(argv=None) -> int:
     if args.build_quantized and (args.sweep or args.no_engines or modes != ["fp8"]):
         p.error("--build-quantized builds the model for the FP8 engine alone: pass --modes fp8 (no --sweep / "
                 "--no-engines)")
+    if not args.sweep and (args.tp != 1 or args.sweep_only or args.sweep_rows):
+        p.error("--tp, --sweep-only and --sweep-rows are options of --sweep: pass --sweep too")
+    if args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}")
     if args.prefill and not args.sweep:
         p.error("--prefill is a size range of --sweep: pass --sweep too")
     if (args.sweep or args.no_engines) and args.modes != "bf16,fp8":

@@ -96,6 +96,35 @@ def test_decode_sweep_tiny_under_the_interpreter(tmp_path):
     assert "best" in proc.stdout and "current" in proc.stdout
 
 
+def test_sweep_at_a_tensor_parallel_rank_s_shapes(tmp_path):
+    """``--sweep --tp 2``: a rank's shards (column-parallel projections and the experts' gate_up halve
+    their output rows, row-parallel ones and the experts' down_proj their input columns);
+    ``--sweep-only`` / ``--sweep-rows`` narrow the run, which still checks the row-pair GEMV."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fp8 as bench
+
+    lin, exp = bench.tp_slices(bench.SWEEP_LINEAR_SHAPES, bench.EXPERT_SHAPES, 2)
+    assert dict((name, (n, k)) for name, n, k in lin) == {
+        "gdn in_proj_qkvz": (6144, 2048), "gdn out_proj": (2048, 2048), "attn q_proj": (4096, 2048),
+        "attn o_proj": (2048, 2048), "shared expert gate_up": (512, 2048), "shared expert down": (2048, 256),
+        "attn k/v_proj": (256, 2048)}
+    assert exp == [("experts gate_up", 512, 512, 2048), ("experts down", 512, 2048, 256)]
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--sweep", "--tiny", "--device", "cpu", "--iters", "1",
+           "--tp", "2", "--sweep-only", "experts", "--sweep-rows", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["wrong"] == [] and run["dense"] == [] and run["env"]["tp"] == 2
+    [case] = run["experts"]
+    assert (case["n"], case["k"], case["tokens"]) == (8, 160, 3)  # the tiny experts' gate_up (16 rows) halved
+    assert "ms" in case["times"]["gemv_2rows"]
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tp", "2"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "options of --sweep" in bad.stderr
+
+
 def test_prefill_sweep_tiny_under_the_interpreter(tmp_path):
     """``--sweep --prefill --tiny``: the tensor-core GEMM's default and its tile grid (GROUP_M 1 and 2)
     checked against the reference inside the script, no GEMV; compute rates recorded."""

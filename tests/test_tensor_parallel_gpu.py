@@ -121,8 +121,9 @@ def _tree_speculative() -> dict:
 NEAR_TIE = {"float32": 0.05, "bfloat16": 0.10}
 
 
-def _dtype_options(model, options: dict) -> dict:
-    """The case's dtype (and ``fused_moe``): a model with routed experts (tiny or mid-size) runs in
+def _dtype_options(name: str, model, options: dict) -> dict:
+    """The case's dtype (and ``fused_moe``): an FP8 checkpoint's float tensors in fp32, its experts on
+    the FP8 experts path (``fused_moe`` is for float experts). A model with routed experts (tiny or mid-size) runs in
     fp32 on our fused experts path where every experts module takes it (transformers' fp32 experts
     forward syncs with the host, which CUDA-graph capture refuses). In bf16 the router's top-k makes
     TP and one GPU incomparable: their inputs differ by the all-reduce's summation order, a rounding
@@ -132,6 +133,8 @@ def _dtype_options(model, options: dict) -> dict:
     the options' dtype (the mid-size ones: bf16)."""
     from hybrid_compile.models.fused_experts import experts_modules, unsupported_reason
 
+    if name.endswith("@fp8_checkpoint"):
+        return {"dtype": "float32"}
     experts = experts_modules(model)
     if not experts:
         return {"dtype": options.get("dtype", OPTIONS["dtype"])}
@@ -420,13 +423,15 @@ class _Group:
         return "\n".join(tails)
 
     def single(self, name: str):
-        """The case's tokens on one GPU with the same options (the oracle), or its error."""
+        """The case's tokens on one GPU with the same options (the oracle), or its error; the
+        oracle's MoE paths (experts modules and routers on our fused ops) go to ``case["single_moe"]``."""
         case = self.cases[name]
         if "single" not in case:
             try:
                 engine = hc.from_pretrained(case["dir"], **case["options"])
                 try:
                     case["single"] = _serve(engine, case["rounds"])
+                    case["single_moe"] = _moe_paths(engine.stats()["compile"])
                 finally:
                     engine.close()
             except Exception as e:  # noqa: BLE001 (reported by the case's tests)
@@ -477,7 +482,7 @@ def served(request, tmp_path_factory):
         vocab = model.config.get_text_config().vocab_size
         models[name] = model
         cases.append(dict(name=name, dir=str(d), rounds=_prompts(vocab), port=free_port(),
-                          options={**OPTIONS, **options, **_dtype_options(model, options)}))
+                          options={**OPTIONS, **options, **_dtype_options(name, model, options)}))
     group = _Group(root, cases)
     yield dict(group=group, models=models, skipped=skipped, failed=failed)
     group.close()
@@ -508,6 +513,10 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     )
 
 
+def _moe_paths(compile_stats: dict) -> dict:
+    return {k: compile_stats[k] for k in ("fused_moe_modules", "fused_moe_routers")}
+
+
 def _result(served, name: str) -> tuple[dict, dict]:
     """Rank 0's results of case ``name`` and the followers' (a list)."""
     if name in served["skipped"]:
@@ -532,6 +541,8 @@ def test_tp2_graphs_match_single_gpu(served, name):
                                 NEAR_TIE[case["options"]["dtype"]])
     c = r["compile"]
     assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
+    # each rank resolves fused_moe as one GPU does (the fused routers before FP8 experts too)
+    assert _moe_paths(c) == case["single_moe"], (_moe_paths(c), case["single_moe"])
     # the all-reduces: the one-shot kernel by default (these hosts' GPUs reach each other), NCCL where asked
     assert r["all_reduce"] == case["options"].get("tensor_parallel_all_reduce", "one_shot").replace("auto", "one_shot")
     mode = case["options"]["cuda_graphs"]

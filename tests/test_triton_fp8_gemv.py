@@ -157,6 +157,11 @@ def test_gemv_config_and_dispatch():
             assert bn * bk * min(rows, tfp8.FP8_GEMV_MAX_ROWS) <= 16384  # accumulators: 64 a thread at 8 warps
     assert tfp8.fp8_gemv_config(12288, 2048, 1) == (8, 1024, 4, 2)  # the H100 sweep's one-row tiles
     assert tfp8.fp8_gemv_config(1024, 2048, 1, grouped=True) == (16, 256, 4, 2)
+    # the experts' tiles are the float experts' rule (one 256-column step streamed as two of 128: TP 2's down_proj)
+    assert tfp8.fp8_gemv_config(2048, 256, 1, grouped=True) == (32, 128, 4, 2)
+    from hybrid_compile.ops.triton.moe import moe_gemv_config
+    for n, k in [(1024, 2048), (2048, 512), (2048, 256), (2048, 128), (512, 2048), (40, 100)]:
+        assert tfp8.fp8_gemv_config(n, k, 1, grouped=True) == moe_gemv_config(n, k, torch.bfloat16)
     assert tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS) and not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
     assert tfp8.use_gemv(1024, 512) and not tfp8.use_gemv(1025, 512)
 

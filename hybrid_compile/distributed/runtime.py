@@ -31,7 +31,6 @@ import torch.distributed as dist
 from ..engine import EngineConfig, HybridEngine
 from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from ..engine.startup import Startup
-from ..models.fused_experts import resolve_fused_moe
 from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
 from . import one_shot
@@ -284,10 +283,10 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     # the MTP proposal graphs (on by default with full CUDA graphs) stay off: the followers replay the
     # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
     extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
-    # fused_moe None (the default): resolved once here for the model (every rank holds the same layout)
-    fused = resolve_fused_moe(model, engine_config.fused_moe, tp.device)
-    # (the all-reduce mode is the group's now, tp.one_shot; the engine's own check refuses 'one_shot')
-    engine_config = dataclasses.replace(engine_config, extra=extra, fused_moe=fused, tensor_parallel_all_reduce="auto")
+    # (fused_moe stays as given: each rank's engine resolves it, and the fused routers before FP8 experts, as
+    # one process does, on the same layout. The all-reduce mode is the group's now, tp.one_shot; the engine's
+    # own check refuses 'one_shot')
+    engine_config = dataclasses.replace(engine_config, extra=extra, tensor_parallel_all_reduce="auto")
     if tp.is_leader:
         engine = TensorParallelEngine(model, engine_config, tp, tokenizer=tokenizer, processes=processes,
                                       startup=startup, mtp_head=mtp_head)

@@ -62,7 +62,7 @@ from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
 from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
-from .gemv import GEMV_MAX_ROWS, check_gemv_config, launch_gemv
+from .gemv import GEMV_MAX_ROWS, check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
@@ -332,13 +332,12 @@ def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False) -> tuple[i
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight.
 
     Dense: ``rows`` = the call's rows, tiles from :data:`_DENSE_GEMV_TILES` (``BLOCK_K`` capped at the
-    row length). Grouped: ``rows`` = rows per program; every program first finds its expert (a scan
-    over ``expert_offsets``), so a program streams a ``BLOCK_N x K`` slab in ``BLOCK_K`` 256 steps
-    with about 4096 fp32 accumulators (``BLOCK_N`` 16 at one row: the sweep's best at every size).
-    ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
+    row length). Grouped: ``rows`` = rows per program, the experts' tiles of 1-byte weights
+    (:func:`~.gemv.grouped_gemv_config`, shared with the float experts: ``BLOCK_K`` 256 with 4096 fp32
+    accumulators, a row that fits one step streamed in 128-column steps). ``benchmarks/fp8.py --sweep``
+    times a grid around these choices."""
     if grouped:
-        block_k = min(256, pow2(k, 16))
-        return max(2, min(FP8_BLOCK, 4096 // (block_k * pow2(rows)))), block_k, 4, 2
+        return grouped_gemv_config(n, k, 1, rows=rows)
     block_n, block_k, warps, stages = _DENSE_GEMV_TILES[pow2(min(max(rows, 1), FP8_DECODE_MAX_ROWS))]
     return block_n, min(block_k, pow2(k, 16)), warps, stages
 

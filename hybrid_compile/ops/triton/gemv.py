@@ -40,10 +40,20 @@ import triton.language as tl
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
 from .launch import pdl_launch
 
-__all__ = ["GEMV_MAX_ROWS", "check_gemv_config", "gemv_kernel", "launch_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "GROUPED_GEMV_TILES", "check_gemv_config", "gemv_kernel", "grouped_gemv_config",
+           "launch_gemv"]
 
 #: Most rows one GEMV program takes (its accumulators are written out one per row).
 GEMV_MAX_ROWS = 4
+#: Grouped (experts) GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size
+#: in bytes, for one row per program and one weight tile per step, shared by the float experts
+#: (:mod:`.moe`) and the FP8 ones (:mod:`.fp8`). From the FP8 sweep's grouped choice (BLOCK_K 256,
+#: 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages); for 2-byte weights the same tile:
+#: a warp's 16-byte loads then cover one 256-column row (512 bytes), each step streams 8 KB a program
+#: (the FP8 tile's 4 KB at twice the bytes per element) and ptxas for sm_90a gives 80 registers, no
+#: spill. fp32: BLOCK_K 128 (a warp's 16-byte loads again span one row) and BLOCK_N 32, the same 4096
+#: accumulators (96 registers).
+GROUPED_GEMV_TILES = {1: (16, 256, 4, 2), 2: (16, 256, 4, 2), 4: (32, 128, 4, 2)}
 
 
 @triton.jit
@@ -220,6 +230,26 @@ def gemv_kernel(
         _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, HAS_BIAS, SCATTER, ACT)
     if ROWS >= 4:
         _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, HAS_BIAS, SCATTER, ACT)
+
+
+def grouped_gemv_config(n: int, k: int, element_bytes: int, gated: bool = False,
+                        rows: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a grouped GEMV for ``n`` output columns over ``k``
+    input channels of ``element_bytes`` weights: :data:`GROUPED_GEMV_TILES`, ``BLOCK_N`` halved for
+    ``gated`` (``silu_and_mul``: a gate and an up accumulator per column) and divided by the ``rows`` a
+    program takes; a ``K`` shorter than ``BLOCK_K`` shortens the tile and widens ``BLOCK_N`` to keep
+    the accumulators (at most 128, the FP8 scale block, and no wider than ``n`` needs). A weight row
+    that fits one step of a tile wider than 128 columns is streamed in 128-column steps (BLOCK_N
+    doubled): on an H200 (2026-11-28, ``benchmarks/fused_moe.py --sweep --tp 2``) Qwen3-Next-80B's
+    bf16 ``down_proj`` at TP 2 (K = 256) took 46.7 / 147.1 us at 16 / 64 tokens against 55.9 / 187.8 us
+    in one 256-column step."""
+    block_n, block_k, warps, stages = GROUPED_GEMV_TILES[element_bytes]
+    fit = min(block_k, pow2(k, 16))
+    if fit > 128 and k <= fit:
+        fit = 128
+    accumulators = block_n * block_k // ((2 if gated else 1) * pow2(rows))
+    block_n = max(2, min(128, pow2(n, 2), accumulators // fit))
+    return block_n, fit, warps, stages
 
 
 def check_gemv_config(op: str, config: tuple[int, int, int, int], rows: int) -> None:

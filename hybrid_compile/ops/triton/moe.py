@@ -45,7 +45,7 @@ from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, check_ac
                    grouped_output_width)
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
-from .gemv import check_gemv_config, launch_gemv
+from .gemv import GROUPED_GEMV_TILES, check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config",
@@ -65,15 +65,8 @@ MOE_GEMV_ROWS_PER_EXPERT = 2
 #: ``grouped_mm`` took 1.22 / 1.56 / 2.77 ms against our tensor cores' 1.55 / 2.56 / 4.91 ms
 #: (transformers' own ``grouped_mm`` path 1.20 / 1.45 / 2.41 ms).
 LARGE_CALLS_PATH = "grouped_mm"
-#: GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's element size in bytes, for
-#: one row per program and one weight tile per step. From the FP8 sweep's grouped choice (BLOCK_K
-#: 256, 16 x 256 = 4096 fp32 accumulators a program, 4 warps, 2 stages), for 2-byte weights the
-#: same tile: a warp's 16-byte loads then cover one 256-column row (512 bytes), each step streams
-#: 8 KB a program (the FP8 tile's 4 KB at twice the bytes per element) and ptxas for sm_90a gives
-#: 80 registers, no spill. fp32: BLOCK_K 128 (a warp's 16-byte loads again span one row) and
-#: BLOCK_N 32, the same 4096 accumulators (96 registers). :func:`moe_gemv_config` halves BLOCK_N
-#: for ``silu_and_mul`` (a gate and an up accumulator per column).
-MOE_GEMV_TILES = {2: (16, 256, 4, 2), 4: (32, 128, 4, 2)}
+#: GEMV tiles by the weight's element size in bytes (the grouped GEMV's table, shared with the FP8 experts).
+MOE_GEMV_TILES = GROUPED_GEMV_TILES
 
 # Triton's interpreter multiplies the raw bits of bf16 operands in tl.dot: there the tiles are
 # widened to fp32 first (exact for bf16 / fp16 values, so the products are those of the GPU's dot)
@@ -157,20 +150,8 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
 def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False,
                     rows: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV for ``n`` output columns over ``k`` input
-    channels: :data:`MOE_GEMV_TILES`, ``BLOCK_N`` halved for ``gated`` (``silu_and_mul``) and divided
-    by the ``rows`` a program takes; a ``K`` shorter than ``BLOCK_K`` shortens the tile and widens
-    ``BLOCK_N`` to keep the accumulators (at most 128, and no wider than ``n`` needs). A weight row
-    that fits one step of a tile wider than 128 columns is streamed in 128-column steps (BLOCK_N
-    doubled): on an H200 (2026-11-28, ``benchmarks/fused_moe.py --sweep --tp 2``) Qwen3-Next-80B's
-    ``down_proj`` at TP 2 (K = 256) took 46.7 / 147.1 us at 16 / 64 tokens against 55.9 / 187.8 us
-    in one 256-column step."""
-    block_n, block_k, warps, stages = MOE_GEMV_TILES[dtype.itemsize]
-    fit = min(block_k, pow2(k, 16))
-    if fit > 128 and k <= fit:
-        fit = 128
-    accumulators = block_n * block_k // ((2 if gated else 1) * pow2(rows))
-    block_n = max(2, min(128, pow2(n, 2), accumulators // fit))
-    return block_n, fit, warps, stages
+    channels of ``dtype`` weights (:func:`~.gemv.grouped_gemv_config`)."""
+    return grouped_gemv_config(n, k, dtype.itemsize, gated, rows)
 
 
 def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None) -> str:

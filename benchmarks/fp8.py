@@ -45,7 +45,8 @@ as many tokens; per case: ``tc_old`` (the tensor-core GEMM as it was: the activa
 every column program, up to 64 rows), ``tc`` (the same GEMM on an activation quantized once),
 ``gemv`` (the CUDA-core GEMV, default config) and the GEMV under :data:`GEMV_GRID` (dense, up to 16
 rows) / :data:`GEMV_GRID_GROUPED` (one row of an expert per program; at the default config also
-``gemv_1row`` and ``gemv_2rows``, a row pair per program); the bf16
+``gemv_1row`` and ``gemv_2rows``, a row pair per program; for gate_up also ``routed``: the call as
+the experts forward makes it, rows gathered and silu_and_mul fused, FP8 beside bf16); the bf16
 equivalents on the same (dequantized) weight: ``skinny_mm`` (1-2 rows), ``torch.mm``, our bf16
 ``moe_grouped_linear`` (``bf16_grouped``: its default kernel, the GEMV at decode, else the tensor
 cores) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
@@ -108,7 +109,8 @@ GEMV_SWEEP_MAX_ROWS = 16
 #: the engines --modes picks from, in the order they run, with the EngineConfig fields each sets
 #: (fp8 quantizes the model in place, so it runs last)
 MODES = {"bf16_hf_experts": {"fused_moe": False}, "bf16": {}, "fp8": {}}
-TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts", 4, 16, 160)], rows=(1, 5), top_k=2,
+TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts gate_up", 4, 16, 160)], rows=(1, 5),
+                  top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
 TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
 #: ``--sweep --prefill``: dense rows (a 4k prompt, an 8k prefill chunk) and expert tokens (x top-10 rows)
@@ -476,8 +478,36 @@ def sweep_experts(shapes, tokens_list, top_k, grid, device, iters, tc_grid=None)
             case = dict(shape=name, kind="experts", rows=m, tokens=tokens, experts_hit=hit, n=n, k=k,
                         times=_time_candidates(cands, device, iters))
             current = "gemv" if tfp8.use_gemv(m, e) else "tc"
+            if "gate_up" in name and tc_grid is None:
+                case["routed"] = _routed_gate_up(x, ids, off, q, s, wb, top_k, device, iters, 2 * hit * n * k)
             cases.append(_summarize(case, current))
     return cases
+
+
+def _routed_gate_up(x, ids, off, q, s, wb, top_k, device, iters, bf16_bytes) -> dict:
+    """The gate_up call as the experts forward makes it: each token's row gathered by the kernel and
+    silu_and_mul in its epilogue (half the output columns), FP8 (``fp8_grouped_linear``'s default path)
+    beside the bf16 experts op (``moe_grouped_linear``'s), each checked against its reference."""
+    from hybrid_compile.ops.moe import reference_moe_grouped_linear
+    from hybrid_compile.ops.triton import fp8 as tfp8
+    from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
+
+    tokens = x.shape[0] // top_k
+    gather = torch.argsort(ids, stable=True) // top_k  # the token of each row sorted by expert
+    xt = x[:tokens].contiguous()
+    act = "silu_and_mul"
+    want = fp8_ops.reference_grouped_linear(xt.float(), q, s, off, gather, None, act)
+    want_bf16 = reference_moe_grouped_linear(xt.float(), wb.float(), off, gather, None, act)
+    times = _time_candidates({
+        "fp8": (lambda: tfp8.fp8_grouped_linear_triton(xt, q, s, off, gather, None, act), want,
+                bf16_bytes // 2, None),
+        "bf16": (lambda: moe_grouped_linear_triton(xt, wb, off, gather, None, act), want_bf16, bf16_bytes, None),
+    }, device, iters)
+    if "ms" in times["fp8"] and "ms" in times["bf16"]:
+        times["fp8_over_bf16"] = times["bf16"]["ms"] / times["fp8"]["ms"]
+        print(f"  routed gate_up + silu_and_mul, {tokens} tokens: FP8 {times['fp8']['ms'] * 1e3:.1f} us, bf16 "
+              f"{times['bf16']['ms'] * 1e3:.1f} us (FP8 {times['fp8_over_bf16']:.2f}x)", flush=True)
+    return times
 
 
 def run_sweep(args) -> int:
@@ -505,7 +535,9 @@ def run_sweep(args) -> int:
     t = time.perf_counter()
     dense = sweep_dense(linear, rows, grid, device, args.iters, tc_grid)
     grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters, tc_grid)
-    wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped for label, v in c["times"].items()
+    wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped
+             for label, v in {**c["times"], **{f"routed {k}": r for k, r in c.get("routed", {}).items()
+                                               if isinstance(r, dict)}}.items()
              if "wrong" in v]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "tiny": args.tiny, "prefill": args.prefill, "tp": args.tp,

@@ -94,12 +94,13 @@ def compile_and_compare(fn, *args, clone_args=True):
 OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-def opcheck_fp8_inputs(op, args):
+def opcheck_fp8_inputs(op, args, kwargs=None):
     """opcheck of an op with ``float8_e4m3fn`` inputs, plus a bitwise check that none was mutated."""
+    kwargs = kwargs or {}
     before = [a.view(torch.uint8).clone() if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn
               else a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
-    op(*args)
+    torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_WITHOUT_SCHEMA)
+    op(*args, **kwargs)
     for a, b in zip(args, before):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b), "an input was mutated"

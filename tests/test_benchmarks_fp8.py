@@ -120,6 +120,8 @@ def test_sweep_at_a_tensor_parallel_rank_s_shapes(tmp_path):
     [case] = run["experts"]
     assert (case["n"], case["k"], case["tokens"]) == (8, 160, 3)  # the tiny experts' gate_up (16 rows) halved
     assert "ms" in case["times"]["gemv_2rows"]
+    # the gate_up call as the experts forward makes it (rows gathered, silu_and_mul fused), checked and timed
+    assert "ms" in case["routed"]["fp8"] and "ms" in case["routed"]["bf16"]
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tp", "2"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode != 0 and "options of --sweep" in bad.stderr

@@ -145,6 +145,81 @@ def test_grouped_op_is_each_experts_product():
         ops.fp8_grouped_linear(x, q, s, _expert_offsets([3, 0, 9, 2]))
 
 
+def _routed_oracle(x, q, s, off, gather, scatter, activation):
+    """``fp8_grouped_linear`` with a gather, an activation and a scatter, row by row: each sorted row
+    ``r`` of expert ``e`` is ``fp8_block_linear(x[gather[r]], weight[e])`` in fp32 (the op's product,
+    the ungathered op as the ground truth), then the activation, stored at ``scatter[r]``."""
+    out = None
+    for e in range(q.shape[0]):
+        for r in range(int(off[e]), int(off[e + 1])):
+            row = x[int(gather[r])][None].float()
+            y = fp8.reference_block_linear(row, q[e], s[e]).double()  # (fp32 in, fp32 out: no rounding of x)
+            if activation == "silu_and_mul":
+                gate, up = y.chunk(2, dim=-1)
+                y = torch.nn.functional.silu(gate) * up
+            elif activation == "relu2":
+                y = torch.relu(y) ** 2
+            if out is None:
+                out = torch.zeros(gather.shape[0], y.shape[1], dtype=torch.float64)
+            out[int(scatter[r])] = y[0]
+    return out
+
+
+@pytest.mark.parametrize("activation", ["none", "silu_and_mul", "relu2"])
+def test_grouped_op_gathers_activates_and_scatters(activation):
+    """The routed form the experts forward calls: row ``r`` reads ``x[gather[r]]``, the activation
+    runs on the fp32 products, the row lands at ``scatter[r]``; the CPU op against a row-by-row oracle,
+    the Triton launcher (GEMV: gather, silu_and_mul with each half's block scales, scatter in the
+    kernel; tensor cores: around the GEMM) against the op under the interpreter."""
+    torch.manual_seed(0)
+    k, n = 160, 96  # silu_and_mul: 48 gate rows then 48 up rows in one 128-row block of scales
+    q, s = fp8.quantize_weight_blocks(torch.randn(4, n, k) / k ** 0.5)
+    x = torch.randn(5, k)
+    counts = [3, 0, 4, 1]
+    gather = torch.tensor([4, 0, 2, 2, 1, 3, 0, 4])
+    scatter = torch.randperm(8)
+    off = _expert_offsets(counts)
+    got = ops.fp8_grouped_linear(x, q, s, off, gather, scatter, activation=activation)
+    torch.testing.assert_close(got.double(), _routed_oracle(x, q, s, off, gather, scatter, activation),
+                               rtol=1e-5, atol=1e-5)
+    assert tfp8.use_gemv(8, 4)
+    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off, gather, scatter, activation), got,
+                               rtol=1e-5, atol=1e-5)
+    # the tensor-core path (a config asks for it) and a GEMV tile of 16 columns (3 of the 48 gate rows)
+    torch.testing.assert_close(tfp8.fp8_grouped_linear_triton(x, q, s, off, gather, scatter, activation,
+                                                              config=(16, 16, 4, 1)), got, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, gather_index=gather,
+                                                    scatter_index=scatter, activation=activation,
+                                                    config=(16, 64, 4, 1)), got, rtol=1e-5, atol=1e-5)
+    if activation == "silu_and_mul":
+        with pytest.raises(ValueError, match="BLOCK_N .32. to divide the output columns .48."):
+            tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, gather_index=gather, activation=activation,
+                                 config=(32, 64, 4, 1))
+        with pytest.raises(ValueError, match="even number of weight rows"):
+            ops.fp8_grouped_linear(x, q[:, :95], s, off, gather, scatter, activation=activation)
+    with pytest.raises(ValueError, match="gather_index"):
+        ops.fp8_grouped_linear(x, q, s, off, gather + 1, scatter, activation=activation)
+
+
+def test_silu_and_mul_up_rows_take_their_own_block_scales():
+    """Gate rows and up rows in different 128-row blocks of scales (an intermediate of 128 per half),
+    the up block scaled 1000x the gate block's: a kernel reading the gate's scales for the up rows is
+    off by that factor."""
+    torch.manual_seed(1)
+    k, half = 256, 128
+    w = torch.randn(2, 2 * half, k) / k ** 0.5
+    w[:, half:] *= 1000
+    q, s = fp8.quantize_weight_blocks(w)
+    assert float(s[0, 1, 0] / s[0, 0, 0]) > 100
+    x = torch.randn(3, k)
+    off, gather = _expert_offsets([2, 2]), torch.tensor([0, 1, 2, 0])
+    want = ops.fp8_grouped_linear(x, q, s, off, gather, None, activation="silu_and_mul")
+    for config in (None, (8, 128, 4, 1)):
+        torch.testing.assert_close(tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, gather_index=gather,
+                                                        activation="silu_and_mul", config=config),
+                                   want, rtol=1e-5, atol=1e-4)
+
+
 def test_op_argument_errors():
     q, s = fp8.quantize_weight_blocks(torch.randn(64, 64))
     with pytest.raises(ValueError, match="weight_scale_inv"):
@@ -265,6 +340,9 @@ def test_ops_opcheck_and_compile_without_graph_breaks():
     run_opcheck(ops.fp8_quantize_per_token_group.default, (x,))
     opcheck_fp8_inputs(ops.fp8_block_linear.default, (x, q, s, torch.randn(48)))
     opcheck_fp8_inputs(ops.fp8_grouped_linear.default, (x[:, :48], qe, se, off))
+    # the routed form: gathered rows, silu_and_mul, scattered rows
+    routed = (x[:, :48], qe, se, _expert_offsets([3, 1, 2]), torch.tensor([4, 0, 2, 2, 1, 3]), torch.randperm(6))
+    opcheck_fp8_inputs(ops.fp8_grouped_linear.default, routed, {"activation": "silu_and_mul"})
 
     def fn(a, w, ws, we, wes, o):
         h = torch.relu(ops.fp8_block_linear(a, w, ws)) + 1
@@ -346,6 +424,14 @@ def test_cuda_grouped_at_qwen3_next_expert_shapes(tokens):
         x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)
         expected = fp8.reference_grouped_linear(x.float(), q, s, off)
         torch.testing.assert_close(ops.fp8_grouped_linear(x, q, s, off).float(), expected, rtol=2e-2, atol=2e-2)
+        # as the experts forward calls it: gate_up reads each token's row and fuses silu_and_mul, down_proj
+        # writes its rows back in (token, k) order
+        order = torch.argsort(ids, stable=True)
+        gather, scatter, act = (order // top_k, None, "silu_and_mul") if n == 1024 else (None, order, "none")
+        xt = x[:tokens] if gather is not None else x
+        expected = fp8.reference_grouped_linear(xt.float(), q, s, off, gather, scatter, act)
+        torch.testing.assert_close(ops.fp8_grouped_linear(xt, q, s, off, gather, scatter, activation=act).float(),
+                                   expected, rtol=2e-2, atol=2e-2)
     opcheck_fp8_inputs(ops.fp8_grouped_linear.default,
                         (x[:5], q[:3], s[:3], torch.tensor([0, 2, 2, 5], device="cuda")))
 

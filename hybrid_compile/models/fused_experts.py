@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..layers.context import get_forward_context
-from ..ops.moe import fused_moe_experts
+from ..ops.moe import fused_moe_experts, warm_activation_classes
 from ..quantization.fp8_modules import Fp8Experts, is_experts_module
 from .base import PatchHandle, patch_forward
 
@@ -131,6 +131,7 @@ def install_fused_experts(model: nn.Module, handle: PatchHandle, option: bool, r
         raise ValueError(f"EngineConfig.fused_moe={option!r} but {type(model).__name__} has no float MoE experts module"
                          + (" (its experts are FP8: quantization serves them with Fp8Experts' grouped GEMMs)"
                             if fp8 else "") + "; use fused_moe=None or False")
+    warm_activation_classes()  # (outside the compiled forward that asks for them)
     for _, module in modules:
         patch_forward(module, _fused_forward, handle)
     return len(modules)

@@ -15,7 +15,8 @@ Ops (CPU implementations are the ground truth: plain torch, dequantize + matmul 
 ``fp8_block_linear``              ``x[M, K] @ dequant(weight[N, K]).T (+ bias)``, the activation
                                   quantized per token group first (what the FP8 tensor cores see)
 ``fp8_grouped_linear``            the same for MoE experts: rows ``offsets[e]:offsets[e + 1]`` of
-                                  ``x`` (tokens sorted by expert) times expert ``e``'s weight
+                                  ``x`` (tokens sorted by expert) times expert ``e``'s weight, with
+                                  ``moe_grouped_linear``'s row gather / scatter and activations
 ===============================  ==============================================================
 
 The CUDA implementations are Triton kernels (:mod:`.triton.fp8`), after one quantization launch:
@@ -30,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
+from ._validation import FLOAT_DTYPES, check_same_device, check_tensor
+from .moe import activate_and_scatter, check_activation, check_sorted_rows, grouped_output_width
 from .registration import kernel_op
 
 __all__ = [
@@ -220,53 +222,65 @@ def _(x, weight, weight_scale_inv, bias=None):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_grouped(x, weight, weight_scale_inv, expert_offsets) -> None:
+def _check_grouped(x, weight, weight_scale_inv, expert_offsets, gather_index=None, scatter_index=None,
+                   activation="none") -> None:
     op = "fp8_grouped_linear"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     _check_weight(op, weight, weight_scale_inv, x.shape[1], experts=True)
-    check_tensor(op, "expert_offsets", expert_offsets, ndim=1, dtypes=INDEX_DTYPES, shape=(weight.shape[0] + 1,))
-    check_same_device(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, expert_offsets=expert_offsets)
-    if should_check_values(expert_offsets):
-        o = expert_offsets
-        if int(o[0]) != 0 or int(o[-1]) != x.shape[0] or bool((o[1:] < o[:-1]).any()):
-            raise ValueError(f"{op}: `expert_offsets` must rise from 0 to the number of rows ({x.shape[0]}), "
-                             f"got {o.tolist()}")
+    check_activation(activation, weight.shape[1], op)
+    check_same_device(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, expert_offsets=expert_offsets,
+                      gather_index=gather_index, scatter_index=scatter_index)
+    check_sorted_rows(op, x, weight.shape[0], expert_offsets, gather_index, scatter_index)
 
 
 @kernel_op("hybrid_compile::fp8_grouped_linear", mutates_args=())
 def fp8_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
+    gather_index: torch.Tensor | None = None, scatter_index: torch.Tensor | None = None, activation: str = "none",
 ) -> torch.Tensor:
-    """``fp8_block_linear`` per expert over rows sorted by expert (one launch on CUDA).
+    """``fp8_block_linear`` per expert over rows sorted by expert (one launch on CUDA), with the row
+    gather, scatter and activations of ``moe_grouped_linear``.
 
     Args:
-        x: ``[T, K]`` fp32/bf16/fp16, the rows of expert ``e`` at ``expert_offsets[e]:expert_offsets[e+1]``.
+        x: ``[X, K]`` fp32/bf16/fp16 (any strides); each row quantized per 128-channel group.
         weight: ``[E, N, K]`` ``float8_e4m3fn`` (the experts' stacked weights).
         weight_scale_inv: ``[E, cdiv(N, 128), cdiv(K, 128)]`` fp32.
-        expert_offsets: ``[E + 1]`` int32/int64, non-decreasing from 0 to ``T``.
+        expert_offsets: ``[E + 1]`` int32/int64, non-decreasing from 0 to ``R`` (the sorted rows:
+            ``R = len(gather_index)``, else ``X``); the rows of expert ``e`` are ``offsets[e]:offsets[e+1]``.
+        gather_index: optional ``[R]``, row ``r`` reads ``x[gather_index[r]]`` (else ``x[r]``).
+        scatter_index: optional ``[R]``, a permutation of ``range(R)``: row ``r`` is written to
+            ``y[scatter_index[r]]`` (else ``y[r]``).
+        activation: ``"none"``, ``"silu_and_mul"`` (``N`` even: ``silu(gate) * up`` of the rows
+            ``[0, N/2)`` and ``[N/2, N)``) or ``"relu2"``, on the fp32 products.
 
     Returns:
-        ``[T, N]`` contiguous in ``x.dtype``; row ``t`` of expert ``e`` is
-        ``dequant(q_x[t]) @ dequant(weight[e]).T``.
+        ``[R, N]`` (``[R, N/2]`` for ``silu_and_mul``) contiguous in ``x.dtype``; before the
+        activation, row ``r`` of expert ``e`` is ``dequant(q_x[src(r)]) @ dequant(weight[e]).T``.
     """
-    _check_grouped(x, weight, weight_scale_inv, expert_offsets)
-    return reference_grouped_linear(x, weight, weight_scale_inv, expert_offsets)
+    _check_grouped(x, weight, weight_scale_inv, expert_offsets, gather_index, scatter_index, activation)
+    return reference_grouped_linear(x, weight, weight_scale_inv, expert_offsets, gather_index, scatter_index,
+                                    activation)
 
 
-def reference_grouped_linear(x, weight, weight_scale_inv, expert_offsets):
-    """The CPU implementation of ``fp8_grouped_linear`` in plain torch: a loop over the experts."""
+def reference_grouped_linear(x, weight, weight_scale_inv, expert_offsets, gather_index=None, scatter_index=None,
+                             activation="none"):
+    """The CPU implementation of ``fp8_grouped_linear`` in plain torch: a loop over the experts, the
+    activation on the fp32 products."""
     q, s = reference_quantize(x)
     xd = _dequantize_groups(q, s)
-    y = torch.zeros(x.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
+    if gather_index is not None:
+        xd = xd[gather_index]  # (a row's quantization is its own: quantize, then gather)
+    y = torch.zeros(xd.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
     offsets = expert_offsets.tolist()
     for e in range(weight.shape[0]):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             y[lo:hi] = xd[lo:hi] @ dequantize_weight_blocks(weight[e], weight_scale_inv[e]).t()
-    return y.to(x.dtype)
+    return activate_and_scatter(y, activation, scatter_index, x.dtype)
 
 
 @fp8_grouped_linear.register_fake
-def _(x, weight, weight_scale_inv, expert_offsets):
-    _check_grouped(x, weight, weight_scale_inv, expert_offsets)
-    return x.new_empty(x.shape[0], weight.shape[1])
+def _(x, weight, weight_scale_inv, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
+    _check_grouped(x, weight, weight_scale_inv, expert_offsets, gather_index, scatter_index, activation)
+    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    return x.new_empty(rows, grouped_output_width(weight.shape[1], activation))

@@ -32,15 +32,14 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-import functools
-
 import torch
 from torch import nn
 
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, should_check_values
 from .registration import kernel_op
 
-__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "check_activation", "fused_activation", "fused_moe_experts",
+__all__ = ["GROUPED_ACTIVATIONS", "ExpertRouting", "activate_and_scatter", "check_activation", "check_sorted_rows",
+           "fused_activation", "fused_moe_experts", "warm_activation_classes",
            "grouped_mm_linear", "grouped_output_width", "moe_combine_top_k", "moe_grouped_linear",
            "reference_moe_combine_top_k", "reference_moe_grouped_linear", "scatter_rows", "sort_pairs_by_expert"]
 
@@ -73,14 +72,37 @@ def sort_pairs_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertR
 # --------------------------------------------------------------------------------------------
 
 
-def check_activation(activation: str, n: int) -> None:
+def check_activation(activation: str, n: int, op: str = "moe_grouped_linear") -> None:
     """``activation`` is one of :data:`GROUPED_ACTIVATIONS` (and ``silu_and_mul`` has an even ``n``)."""
     if activation not in GROUPED_ACTIVATIONS:
-        raise ValueError(f"moe_grouped_linear: `activation` must be one of {', '.join(map(repr, GROUPED_ACTIVATIONS))}, "
+        raise ValueError(f"{op}: `activation` must be one of {', '.join(map(repr, GROUPED_ACTIVATIONS))}, "
                          f"got {activation!r}")
     if activation == "silu_and_mul" and n % 2:
-        raise ValueError(f"moe_grouped_linear: `activation`='silu_and_mul' needs an even number of weight rows "
+        raise ValueError(f"{op}: `activation`='silu_and_mul' needs an even number of weight rows "
                          f"(gate rows then up rows), got {n}")
+
+
+def check_sorted_rows(op: str, x: torch.Tensor, experts: int, expert_offsets: torch.Tensor,
+                      gather_index: torch.Tensor | None, scatter_index: torch.Tensor | None) -> None:
+    """The grouped ops' row arguments: ``expert_offsets [experts + 1]`` rising from 0 to the sorted
+    rows (``len(gather_index)``, else ``x``'s rows), the gather's values rows of ``x``, the scatter's
+    rows of the output (what the values are checked for: ``should_check_values``)."""
+    check_tensor(op, "expert_offsets", expert_offsets, ndim=1, dtypes=INDEX_DTYPES, shape=(experts + 1,))
+    rows = x.shape[0]
+    if gather_index is not None:
+        check_tensor(op, "gather_index", gather_index, ndim=1, dtypes=INDEX_DTYPES)
+        rows = gather_index.shape[0]
+    if scatter_index is not None:
+        check_tensor(op, "scatter_index", scatter_index, ndim=1, dtypes=INDEX_DTYPES, shape=(rows,))
+    if should_check_values(expert_offsets):
+        o = expert_offsets
+        if int(o[0]) != 0 or int(o[-1]) != rows or bool((o[1:] < o[:-1]).any()):
+            raise ValueError(f"{op}: `expert_offsets` must rise from 0 to the number of rows ({rows}), "
+                             f"got {o.tolist()}")
+    for name, idx, bound in (("gather_index", gather_index, x.shape[0]), ("scatter_index", scatter_index, rows)):
+        if idx is not None and idx.numel() and should_check_values(idx) and not (
+                int(idx.min()) >= 0 and int(idx.max()) < bound):
+            raise ValueError(f"{op}: `{name}` values must lie in [0, {bound})")
 
 
 def grouped_output_width(n: int, activation: str) -> int:
@@ -95,24 +117,9 @@ def _check_grouped(x, weight, expert_offsets, gather_index, scatter_index, activ
     check_activation(activation, weight.shape[1])
     if weight.shape[2] != x.shape[1]:
         raise ValueError(f"{op}: `weight` has {weight.shape[2]} input channels, `x` has {x.shape[1]}")
-    check_tensor(op, "expert_offsets", expert_offsets, ndim=1, dtypes=INDEX_DTYPES, shape=(weight.shape[0] + 1,))
-    rows = x.shape[0]
-    if gather_index is not None:
-        check_tensor(op, "gather_index", gather_index, ndim=1, dtypes=INDEX_DTYPES)
-        rows = gather_index.shape[0]
-    if scatter_index is not None:
-        check_tensor(op, "scatter_index", scatter_index, ndim=1, dtypes=INDEX_DTYPES, shape=(rows,))
     check_same_device(op, x=x, weight=weight, expert_offsets=expert_offsets, gather_index=gather_index,
                       scatter_index=scatter_index)
-    if should_check_values(expert_offsets):
-        o = expert_offsets
-        if int(o[0]) != 0 or int(o[-1]) != rows or bool((o[1:] < o[:-1]).any()):
-            raise ValueError(f"{op}: `expert_offsets` must rise from 0 to the number of rows ({rows}), "
-                             f"got {o.tolist()}")
-    for name, idx, bound in (("gather_index", gather_index, x.shape[0]), ("scatter_index", scatter_index, rows)):
-        if idx is not None and idx.numel() and should_check_values(idx) and not (
-                int(idx.min()) >= 0 and int(idx.max()) < bound):
-            raise ValueError(f"{op}: `{name}` values must lie in [0, {bound})")
+    check_sorted_rows(op, x, weight.shape[0], expert_offsets, gather_index, scatter_index)
 
 
 @kernel_op("hybrid_compile::moe_grouped_linear", mutates_args=())
@@ -155,7 +162,7 @@ def scatter_rows(y: torch.Tensor, scatter_index: torch.Tensor) -> torch.Tensor:
     return y.index_select(0, inverse)
 
 
-def _activate_and_scatter(y, activation, scatter_index, dtype):
+def activate_and_scatter(y, activation, scatter_index, dtype):
     """The plain-torch implementations' epilogue: ``activation`` on the fp32 products ``y``, one
     rounding to ``dtype``, rows moved to ``scatter_index`` (after the rounding: half the bytes to move
     from fp32)."""
@@ -178,7 +185,7 @@ def reference_moe_grouped_linear(x, weight, expert_offsets, gather_index=None, s
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             y[lo:hi] = rows[lo:hi].float() @ weight[e].float().t()
-    return _activate_and_scatter(y, activation, scatter_index, x.dtype)
+    return activate_and_scatter(y, activation, scatter_index, x.dtype)
 
 
 def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_index=None, activation="none"):
@@ -200,7 +207,7 @@ def grouped_mm_linear(x, weight, expert_offsets, gather_index=None, scatter_inde
     # the activation in fp32; without one the bf16 product is scattered as it is (the same values:
     # bf16 -> fp32 -> bf16 is exact), sparing a [rows, N] fp32 copy (the down projection's is the
     # largest tensor of the experts call)
-    return _activate_and_scatter(y if activation == "none" else y.float(), activation, scatter_index, x.dtype)
+    return activate_and_scatter(y if activation == "none" else y.float(), activation, scatter_index, x.dtype)
 
 
 @moe_grouped_linear.register_fake
@@ -220,14 +227,25 @@ def _(x, weight, expert_offsets, gather_index=None, scatter_index=None, activati
 _SILU_FUNCTION = torch.nn.functional.silu  # LFM2-MoE's experts hold the function itself
 
 
-@functools.cache
+_ACTIVATION_CLASSES: list = []
+
+
 def _transformers_activation_classes() -> tuple[tuple[type, ...], type]:
     """(the SiLU classes, the relu2 class) of transformers' ``ACT2FN``: imported on first use, not
     with this module (transformers' ``activations`` imports its hub-kernels integration, which
-    probes for a top-level ``kernels`` module: one that imports this package would be a cycle)."""
-    from transformers.activations import ACT2FN
+    probes for a top-level ``kernels`` module: one that imports this package would be a cycle).
+    Kept in a plain list, not a ``functools`` cache, which Dynamo would trace through when an
+    experts forward asks under compile (the patches ask first, outside it: :func:`warm_activation_classes`)."""
+    if not _ACTIVATION_CLASSES:
+        from transformers.activations import ACT2FN
 
-    return (nn.SiLU, type(ACT2FN["silu"])), type(ACT2FN["relu2"])
+        _ACTIVATION_CLASSES.append(((nn.SiLU, type(ACT2FN["silu"])), type(ACT2FN["relu2"])))
+    return _ACTIVATION_CLASSES[0]
+
+
+def warm_activation_classes() -> None:
+    """Import transformers' activation classes now (before an experts forward is compiled)."""
+    _transformers_activation_classes()
 
 
 def fused_activation(act_fn: Callable, has_gate: bool) -> str:
@@ -246,8 +264,9 @@ def fused_activation(act_fn: Callable, has_gate: bool) -> str:
 
 def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
-                      has_gate: bool, grouped_linear: Callable | None = None) -> torch.Tensor:
-    """transformers' experts forward on float weights (see the module docstring).
+                      has_gate: bool, grouped_linear: Callable | None = None, up_scale: torch.Tensor | None = None,
+                      down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' experts forward on float weights, or on block-FP8 ones (see the module docstring).
 
     ``hidden_states [T, H]``, ``top_k_index [T, k]``, ``top_k_weights [T, k]``; ``up_proj [E, 2I, H]``
     (gate rows first) when ``has_gate`` else ``[E, I, H]``; ``down_proj [E, H, I]``. Returns
@@ -255,14 +274,26 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     The activation is fused into the first grouped GEMM for SiLU (``nn.SiLU``, transformers'
     ``ACT2FN["silu"]``, ``F.silu``) with a gate and ``ACT2FN["relu2"]`` without one
     (:func:`fused_activation`); any other ``act_fn`` (gelu, another function, a subclass, ...) is
-    applied to the first GEMM's output between the two grouped GEMMs.
-    ``grouped_linear``: the ``moe_grouped_linear`` implementation to call (default: the op; the
-    tests pass the Triton launcher to run the whole forward under the interpreter).
+    applied to the first GEMM's output between the two grouped GEMMs. ``up_scale`` / ``down_scale``:
+    the block scales of e4m3 weights (``fp8_grouped_linear`` then serves both projections, with the
+    same gather, activation and scatter).
+    ``grouped_linear``: the ``moe_grouped_linear`` (or, with scales, ``fp8_grouped_linear``)
+    implementation to call (default: the op; the tests pass the Triton launcher to run the whole
+    forward under the interpreter).
     """
-    linear = grouped_linear or torch.ops.hybrid_compile.moe_grouped_linear
+    if (up_scale is None) != (down_scale is None):
+        raise ValueError("fused_moe_experts: FP8 experts need both up_scale and down_scale")
+    ops = torch.ops.hybrid_compile
+    fp8 = up_scale is not None
+    linear = grouped_linear or (ops.fp8_grouped_linear if fp8 else ops.moe_grouped_linear)
     routing = sort_pairs_by_expert(top_k_index, up_proj.shape[0])
+
+    def project(x, weight, scale, gather_index, scatter_index, activation="none"):
+        head = (x, weight, scale) if fp8 else (x, weight)
+        return linear(*head, routing.expert_offsets, gather_index, scatter_index, activation=activation)
+
     activation = fused_activation(act_fn, has_gate)
-    h = linear(hidden_states, up_proj, routing.expert_offsets, routing.token_of_row, None, activation=activation)
+    h = project(hidden_states, up_proj, up_scale, routing.token_of_row, None, activation)
     if activation == "none":
         if has_gate:
             gate, up = h.chunk(2, dim=-1)
@@ -270,7 +301,7 @@ def fused_moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
         else:
             h = act_fn(h)
     # rows written back in (token, k) order: the weighted sum over k is a reduction, no scatter-add
-    out = linear(h, down_proj, routing.expert_offsets, None, routing.order)
+    out = project(h, down_proj, down_scale, None, routing.order)
     return combine_top_k(out, top_k_weights, hidden_states.dtype)
 
 

@@ -5,8 +5,10 @@ parameter names as the checkpoints: ``weight`` in e4m3 and ``weight_scale_inv``)
 ``fp8_block_linear`` over the flattened tokens. :class:`Fp8Experts` replaces a transformers MoE
 experts module (the 5.x layout: ``gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]``, or
 ``up_proj`` + ``down_proj`` for experts without a gate, e.g. NemotronH) with the same call
-signature ``(hidden_states, top_k_index, top_k_weights)``: the ``T * top_k`` (token, expert) pairs
-are sorted by expert and each projection is one ``fp8_grouped_linear`` launch for all experts.
+signature ``(hidden_states, top_k_index, top_k_weights)`` and the float experts' fused forward
+(``ops.moe.fused_moe_experts``): the ``T * top_k`` (token, expert) pairs are sorted by expert and each
+projection is one ``fp8_grouped_linear`` launch for all experts, the first reading each token's row
+itself with SiLU-and-mul (or relu2) in its epilogue, the second writing its rows back in (token, k) order.
 
 What stays in high precision (as the FP8 releases leave it): embeddings, the LM head, norms,
 convolutions, SSM parameters, MoE routers (``mlp.gate``, ``shared_expert_gate``, ``router``) and
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from ..ops.fp8 import FP8_DTYPE, quantize_weight_blocks
-from ..ops.moe import combine_top_k, scatter_rows, sort_pairs_by_expert
+from ..ops.moe import fused_moe_experts, warm_activation_classes
 
 __all__ = ["Fp8Experts", "Fp8Linear", "KEEP_HIGH_PRECISION", "fp8_weight_bytes", "has_fp8_layers", "quantize_model"]
 
@@ -71,6 +73,7 @@ class Fp8Experts(nn.Module):
         self.hidden_dim = down.shape[1]
         self.intermediate_dim = down.shape[2]
         self.act_fn = act_fn
+        warm_activation_classes()  # (fused_moe_experts asks for them inside the compiled forward)
         name = "gate_up_proj" if has_gate else "up_proj"
         self.register_parameter(name, _frozen(up))
         self.register_parameter(f"{name}_scale_inv", _frozen(up_scale_inv.float()))
@@ -94,19 +97,11 @@ class Fp8Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.hybrid_compile
-        order, offsets, token_of_pair = sort_pairs_by_expert(top_k_index, self.num_experts)
-        x = hidden_states[token_of_pair]
+        # the float experts' fused forward on the e4m3 weights: rows gathered, activated and scattered
+        # inside the grouped GEMMs, then the fixed-order sum over k (not an atomic index_add_)
         up, up_scale = self.up_weights
-        h = ops.fp8_grouped_linear(x, up, up_scale, offsets)
-        if self.has_gate:
-            gate, u = h.chunk(2, dim=-1)
-            h = self.act_fn(gate) * u
-        else:
-            h = self.act_fn(h)
-        out = ops.fp8_grouped_linear(h, self.down_proj, self.down_proj_scale_inv, offsets)
-        # back to (token, k) order (a permutation), then the fixed-order sum (not an atomic index_add_)
-        return combine_top_k(scatter_rows(out, order), top_k_weights, hidden_states.dtype)
+        return fused_moe_experts(hidden_states, top_k_index, top_k_weights, up, self.down_proj, self.act_fn,
+                                 self.has_gate, up_scale=up_scale, down_scale=self.down_proj_scale_inv)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "

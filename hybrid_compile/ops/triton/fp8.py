@@ -61,6 +61,7 @@ import triton.language as tl
 from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
+from ..moe import GROUPED_ACTIVATIONS, activate_and_scatter, grouped_output_width
 from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
 from .gemv import GEMV_MAX_ROWS, check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
@@ -268,10 +269,11 @@ def _launch_quantize(x, out, scale, dequant, pdl, rows_out=None):
         DEQUANT=dequant, num_warps=4, **pdl_launch(x.device, pdl))
 
 
-def _empty_product(x, n, bias):
-    """The ``[M, N]`` output when there is nothing to stream (``None`` when there is): no rows or
-    columns, or ``K == 0`` (zeros, plus the bias)."""
-    m, k = x.shape
+def _empty_product(x, n, bias, rows: int | None = None):
+    """The ``[M, N]`` output (``M``: ``rows``, else ``x``'s) when there is nothing to stream (``None``
+    when there is): no rows or columns, or ``K == 0`` (zeros, plus the bias; every grouped activation
+    maps 0 to 0)."""
+    m, k = x.shape if rows is None else (rows, x.shape[1])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -328,28 +330,35 @@ def fp8_gemm_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     return _gemm(x, weight, weight_scale_inv, bias, expert_offsets, config, pdl, quant_in_gemm)
 
 
-def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for an ``[n, k]`` weight.
+def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False,
+                    gated: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV kernel for ``n`` output columns over ``k``.
 
     Dense: ``rows`` = the call's rows, tiles from :data:`_DENSE_GEMV_TILES` (``BLOCK_K`` capped at the
     row length). Grouped: ``rows`` = rows per program, the experts' tiles of 1-byte weights
     (:func:`~.gemv.grouped_gemv_config`, shared with the float experts: ``BLOCK_K`` 256 with 4096 fp32
-    accumulators, a row that fits one step streamed in 128-column steps). ``benchmarks/fp8.py --sweep``
-    times a grid around these choices."""
+    accumulators, a row that fits one step streamed in 128-column steps; ``gated``: silu_and_mul's
+    gate and up accumulators, ``BLOCK_N`` then a power of two dividing ``n``, so that a tile's up rows
+    share one block row of scales). ``benchmarks/fp8.py --sweep`` times a grid around these choices."""
     if grouped:
-        return grouped_gemv_config(n, k, 1, rows=rows)
+        block_n, block_k, warps, stages = grouped_gemv_config(n, k, 1, gated, rows)
+        if gated:
+            block_n = max(1, min(block_n, n & -n))
+        return block_n, block_k, warps, stages
     block_n, block_k, warps, stages = _DENSE_GEMV_TILES[pow2(min(max(rows, 1), FP8_DECODE_MAX_ROWS))]
     return block_n, min(block_k, pow2(k, 16)), warps, stages
 
 
 def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,
                     pdl: bool | None = None, rows_per_program: int | None = None,
-                    quantize_in_gemv: bool | None = None):
-    """The GEMV path of both ops (CUDA cores, few rows; ``expert_offsets`` given: grouped).
+                    quantize_in_gemv: bool | None = None, gather_index=None, scatter_index=None,
+                    activation: str = "none"):
+    """The GEMV path of both ops (CUDA cores, few rows; ``expert_offsets`` given: grouped, with the
+    grouped op's ``gather_index`` / ``scatter_index`` / ``activation``).
 
-    The activation is quantized once (:func:`fp8_dequantized_activation_triton`), or by the GEMV's
-    programs themselves as they stream it (``quantize_in_gemv``; None: when
-    :func:`gemv_quantizes_activation`), which saves the quantize kernel's launch; each program
+    The activation is quantized once (:func:`fp8_dequantized_activation_triton`, the rows of ``x``
+    before any gather), or by the GEMV's programs themselves as they stream it (``quantize_in_gemv``;
+    None: when :func:`gemv_quantizes_activation`), which saves the quantize kernel's launch; each program
     streams a ``[BLOCK_N, K]`` slab of the weight (of its expert, when grouped) for
     ``rows_per_program`` rows (default: up to 4 rows of a dense call, one row of an expert when
     grouped). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides
@@ -357,22 +366,26 @@ def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None,
     tiles (each re-reads the weight, from L2 when the tiles run side by side)."""
     grouped = expert_offsets is not None
     m, k = x.shape
-    n = weight.shape[-2]
+    rows_out = gather_index.shape[0] if gather_index is not None else m
+    n = grouped_output_width(weight.shape[-2], activation)
+    gated = activation == "silu_and_mul"
     rows = rows_per_program if rows_per_program is not None else (
         FP8_GROUPED_GEMV_ROWS if grouped else min(max(m, 1), FP8_GEMV_MAX_ROWS))
-    config = config or fp8_gemv_config(n, k, rows if grouped else m, grouped)
+    if config is None:
+        config = fp8_gemv_config(n, k, rows if grouped else m, grouped, gated)
     check_gemv_config("fp8_gemv_triton", config, rows)
     if FP8_BLOCK % config[0]:
         raise ValueError(f"fp8_gemv_triton: BLOCK_N={config[0]} must divide the weight block {FP8_BLOCK}")
-    y = _empty_product(x, n, bias)
+    y = _empty_product(x, n, bias, rows_out)
     if y is not None:
         return y
-    fused = gemv_quantizes_activation(m, n, k, config) if quantize_in_gemv is None else quantize_in_gemv
+    y = torch.empty(rows_out, n, dtype=x.dtype, device=x.device)
+    fused = gemv_quantizes_activation(rows_out, n, k, config) if quantize_in_gemv is None else quantize_in_gemv
     a = x if fused else fp8_dequantized_activation_triton(x, pdl)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     return launch_gemv(a, weight if grouped else weight[None], y, config, rows,
-                       expert_offsets=expert_offsets, scale=weight_scale_inv if grouped else weight_scale_inv[None],
-                       scale_block=FP8_BLOCK, bias=bias, pdl=pdl, quantize_a=fused)
+                       expert_offsets=expert_offsets, gather_index=gather_index, scatter_index=scatter_index,
+                       scale=weight_scale_inv if grouped else weight_scale_inv[None], scale_block=FP8_BLOCK,
+                       bias=bias, activation=GROUPED_ACTIVATIONS.index(activation), pdl=pdl, quantize_a=fused)
 
 
 def gemv_quantizes_activation(m: int, n: int, k: int, config: tuple[int, int, int, int]) -> bool:
@@ -399,13 +412,22 @@ def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None,
     return fp8_gemm_triton(x, weight, weight_scale_inv, bias, config=config, pdl=pdl)
 
 
-def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, config=None, pdl: bool | None = None):
-    """``fp8_grouped_linear``: one launch for every expert (after the activation's quantize kernel),
-    the GEMV path at decode (:func:`use_gemv`), else the tensor cores. ``config`` = (BM, BN, warps,
-    stages[, GROUP_M]) asks for the tensor-core path with these tiles."""
-    if config is None and use_gemv(x.shape[0], weight.shape[0]):
-        return fp8_gemv_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, pdl=pdl)
-    return fp8_gemm_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)
+def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, gather_index=None, scatter_index=None,
+                              activation: str = "none", config=None, pdl: bool | None = None):
+    """``fp8_grouped_linear``: one launch for every expert, the GEMV path at decode (:func:`use_gemv`:
+    the row gather, the activation and the scatter inside the kernel), else the tensor cores (after
+    the activation's quantize kernel; the rows gathered before, the activation in fp32 and the scatter
+    after, on the GEMM's output in ``x.dtype``). ``config`` = (BM, BN, warps, stages[, GROUP_M]) asks
+    for the tensor-core path with these tiles."""
+    rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    if config is None and use_gemv(rows, weight.shape[0]):
+        return fp8_gemv_triton(x, weight, weight_scale_inv, expert_offsets=expert_offsets, pdl=pdl,
+                               gather_index=gather_index, scatter_index=scatter_index, activation=activation)
+    rows_in = x.index_select(0, gather_index) if gather_index is not None else x
+    y = fp8_gemm_triton(rows_in, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)
+    if activation == "none" and scatter_index is None:
+        return y
+    return activate_and_scatter(y if activation == "none" else y.float(), activation, scatter_index, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,10 +528,12 @@ def _linear_cuda(x, weight, weight_scale_inv, bias=None):
     return fp8_block_linear_triton(x, weight, weight_scale_inv, bias)
 
 
-def _grouped_cuda(x, weight, weight_scale_inv, expert_offsets):
-    _check_grouped(x, weight, weight_scale_inv, expert_offsets)
+def _grouped_cuda(x, weight, weight_scale_inv, expert_offsets, gather_index=None, scatter_index=None,
+                  activation="none"):
+    _check_grouped(x, weight, weight_scale_inv, expert_offsets, gather_index, scatter_index, activation)
     _check_fp8_device("fp8_grouped_linear", x.device)
-    return fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets)
+    return fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, gather_index, scatter_index,
+                                     activation)
 
 
 torch.library.register_kernel("hybrid_compile::fp8_quantize_per_token_group", "cuda", _quantize_cuda)

@@ -20,8 +20,9 @@ expert): row tile ``t`` belongs to the expert found from ``expert_offsets``
 is shape-only (:func:`~.common.grouped_row_tiles` row tiles; one past the last used tile reads
 nothing). ``GATHER``: row ``r`` reads ``a[gather[r]]``; ``SCATTER``: it is stored at
 ``y[scatter[r]]``. ``ACT`` (:func:`~.common.apply_activation`): 1 = ``silu_and_mul``, where the same
-``K`` loop also streams the up rows ``N + rn`` into a second accumulator per row; 2 = relu2.
-``HAS_BIAS`` adds a per-column bias before the activation. ``QUANT_A`` (block FP8 at batch-1 sizes):
+``K`` loop also streams the up rows ``N + rn`` into a second accumulator per row (with block scales,
+``SCALED``, times the scales of their own block row); 2 = relu2. ``HAS_BIAS`` adds a per-column bias
+before the activation (not with ``silu_and_mul``). ``QUANT_A`` (block FP8 at batch-1 sizes):
 the activation is the float one, and each program quantizes every 128-column run of its rows to
 e4m3 and back as it loads it (:func:`~.common.quantize_axis`: the quantize kernel's bytes), so no
 quantize kernel runs before the GEMV. No host sync, no atomics: usable in
@@ -57,13 +58,14 @@ GROUPED_GEMV_TILES = {1: (16, 256, 4, 2), 2: (16, 256, 4, 2), 4: (32, 128, 4, 2)
 
 
 @triton.jit
-def _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk, stride_wsk,
+def _weight_tiles(w_ptr, ws_row, ws_up_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk, stride_wsk,
                   SCALED: tl.constexpr, GATED: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                   EVEN_K: tl.constexpr):
     """The weight tile at columns ``k0 + rk`` as ``[BLOCK_N, G, GROUP_W]`` fp32, the up rows' tile
     (``GATED``; else the same tile again, unused), the block scale of each run ``[G]`` (``SCALED``:
-    the tile's rows share one block row, so one scale load a run; else ones, unused) and the
-    column mask ``[G, GROUP_W]``."""
+    the tile's rows share one block row, so one scale load a run; else ones, unused), the up rows'
+    (``GATED`` and ``SCALED``: from their own block row ``ws_up_row``; else the same) and the column
+    mask ``[G, GROUP_W]``."""
     kk = k0 + rk
     if EVEN_K:
         k_ok = tl.full(rk.shape, 1, tl.int1)
@@ -76,47 +78,54 @@ def _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride
     if GATED:
         w_up = tl.load(w_ptr + (rn64 + N)[:, None, None] * stride_wn + cols, mask=mask, other=0.0).to(tl.float32)
     w_scale = tl.full(rg.shape, 1.0, tl.float32)
+    w_scale_up = w_scale
     if SCALED:
         run0 = k0 + rg * GROUP_W
         w_scale = tl.load(ws_row + (run0 // SCALE_BLOCK) * stride_wsk, mask=run0 < K, other=0.0)
-    return w, w_up, w_scale, k_ok
+        w_scale_up = w_scale
+        if GATED:
+            w_scale_up = tl.load(ws_up_row + (run0 // SCALE_BLOCK) * stride_wsk, mask=run0 < K, other=0.0)
+    return w, w_up, w_scale, w_scale_up, k_ok
 
 
 @triton.jit
-def _row_product(acc, acc_up, a_ptr, src, ok, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
+def _row_product(acc, acc_up, a_ptr, src, ok, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up,
                  SCALED: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
     """One row's accumulators plus the weight tiles times the row's per-column factor: its activation
     ``a[src, kk]`` in fp32 (``QUANT_A``: quantized to e4m3 per run of 128 columns and dequantized, the
-    bytes of the quantize kernel's fp32 output; times the block scale when ``SCALED``; zeros for a row
-    past the tile's)."""
+    bytes of the quantize kernel's fp32 output; times the block scale when ``SCALED``, the up rows'
+    own for the up tile; zeros for a row past the tile's)."""
     a = tl.load(a_ptr + src * stride_am + kk * stride_ak, mask=tl.where(ok, k_ok, False), other=0.0).to(tl.float32)
     if QUANT_A:
         q, a_scale = quantize_axis(a, 1)
         a = q * a_scale[:, None]
+    a_up = a
     if SCALED:
+        a_up = a * w_scale_up[:, None]
         a = a * w_scale[:, None]
     acc += w * a[None, :, :]
     if GATED:
-        acc_up += w_up * a[None, :, :]
+        acc_up += w_up * a_up[None, :, :]
     return acc, acc_up
 
 
 @triton.jit
-def _step(a_ptr, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+def _step(a_ptr, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
+          ok0, ok1, ok2, ok3,
           acc0, acc1, acc2, acc3, up0, up1, up2, up3,
           ROWS: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr, QUANT_A: tl.constexpr):
     """One weight tile applied to the program's ``ROWS`` (1-4) rows."""
     acc0, up0 = _row_product(acc0, up0, a_ptr, src0, ok0, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                             SCALED, GATED, QUANT_A)
+                             w_scale_up, SCALED, GATED, QUANT_A)
     if ROWS >= 2:
         acc1, up1 = _row_product(acc1, up1, a_ptr, src1, ok1, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED, QUANT_A)
+                                 w_scale_up, SCALED, GATED, QUANT_A)
     if ROWS >= 3:
         acc2, up2 = _row_product(acc2, up2, a_ptr, src2, ok2, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED, QUANT_A)
+                                 w_scale_up, SCALED, GATED, QUANT_A)
     if ROWS >= 4:
         acc3, up3 = _row_product(acc3, up3, a_ptr, src3, ok3, kk, k_ok, stride_am, stride_ak, w, w_up, w_scale,
-                                 SCALED, GATED, QUANT_A)
+                                 w_scale_up, SCALED, GATED, QUANT_A)
     return acc0, acc1, acc2, acc3, up0, up1, up2, up3
 
 
@@ -153,8 +162,9 @@ def gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, QUANT_A: tl.constexpr = False,
 ):
-    # the up rows of silu_and_mul lie in another block row of scales (and a bias would need its own)
-    tl.static_assert(ACT != 1 or not (SCALED or HAS_BIAS))
+    # (silu_and_mul's up rows would need a bias of their own; with block scales they have their own block
+    # row, one for the whole tile: the launcher checks that BLOCK_N divides N)
+    tl.static_assert(ACT != 1 or not HAS_BIAS)
     tl.static_assert(not QUANT_A or GROUP_W == 128)  # a run of the K step is one activation group
     GATED: tl.constexpr = ACT == 1
     pid = tl.program_id(0)
@@ -183,6 +193,7 @@ def gemv_kernel(
         e64 = tl.minimum(expert, E - 1).to(tl.int64)
         w_ptr += e64 * stride_we
         ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
+        ws_up_row = ws_ptr + e64 * stride_wse + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
         k_end = tl.where(expert < E, K, 0)  # a tile past the last used one reads nothing
         k_start = 0
     else:
@@ -190,10 +201,12 @@ def gemv_kernel(
         row_end = M
         k_end = K
         ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn  # BLOCK_N divides the scale block
+        ws_up_row = ws_ptr + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
         # the first weight tile is loaded before anything that reads the activation: under a
         # programmatic dependent launch it streams while the kernel before is still running
-        w, w_up, w_scale, k_ok = _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, 0, rk, rg, K, stride_wn, stride_wk,
-                                               stride_wsk, SCALED, GATED, GROUP_W, SCALE_BLOCK, EVEN_K)
+        w, w_up, w_scale, w_scale_up, k_ok = _weight_tiles(w_ptr, ws_row, ws_up_row, rn64, n_ok, N, 0, rk, rg, K,
+                                                           stride_wn, stride_wk, stride_wsk, SCALED, GATED, GROUP_W,
+                                                           SCALE_BLOCK, EVEN_K)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
@@ -213,13 +226,16 @@ def gemv_kernel(
         src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
     if not GROUPED:
         acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
-            a_ptr, rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+            a_ptr, rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
+            ok0, ok1, ok2, ok3,
             acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, QUANT_A)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w, w_up, w_scale, k_ok = _weight_tiles(w_ptr, ws_row, rn64, n_ok, N, k0, rk, rg, K, stride_wn, stride_wk,
-                                               stride_wsk, SCALED, GATED, GROUP_W, SCALE_BLOCK, EVEN_K)
+        w, w_up, w_scale, w_scale_up, k_ok = _weight_tiles(w_ptr, ws_row, ws_up_row, rn64, n_ok, N, k0, rk, rg, K,
+                                                           stride_wn, stride_wk, stride_wsk, SCALED, GATED, GROUP_W,
+                                                           SCALE_BLOCK, EVEN_K)
         acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
-            a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, src0, src1, src2, src3, ok0, ok1, ok2, ok3,
+            a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
+            ok0, ok1, ok2, ok3,
             acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, QUANT_A)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
@@ -280,6 +296,9 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     ``quantize_a``: ``a`` is the float activation, which each program quantizes per 128-column group
     as it streams it (block FP8: ``scale_block`` 128 and ``BLOCK_K`` at least 128)."""
     block_n, block_k, warps, stages = config
+    if activation == 1 and scale is not None and y.shape[1] % block_n:
+        raise ValueError(f"launch_gemv: silu_and_mul with block scales needs BLOCK_N ({block_n}) to divide the "
+                         f"output columns ({y.shape[1]}): a tile's up rows then share one block row of scales")
     if quantize_a and (scale is None or scale_block != 128 or block_k < 128):
         raise ValueError(f"launch_gemv: quantize_a needs 128 x 128 block scales and BLOCK_K >= 128, got scale_block "
                          f"{scale_block}, BLOCK_K {block_k}")

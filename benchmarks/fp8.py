@@ -498,15 +498,23 @@ def _routed_gate_up(x, ids, off, q, s, wb, top_k, device, iters, bf16_bytes) -> 
     act = "silu_and_mul"
     want = fp8_ops.reference_grouped_linear(xt.float(), q, s, off, gather, None, act)
     want_bf16 = reference_moe_grouped_linear(xt.float(), wb.float(), off, gather, None, act)
+    e, n, k = q.shape
+    tc = tfp8.fp8_gemm_config(gather.shape[0], n, k, grouped=True, experts=e, sms=tfp8._sm_count(device))
     times = _time_candidates({
         "fp8": (lambda: tfp8.fp8_grouped_linear_triton(xt, q, s, off, gather, None, act), want,
                 bf16_bytes // 2, None),
+        # the tensor-core path whatever the size: rows gathered before, silu_and_mul after the GEMM
+        "fp8_tc": (lambda: tfp8.fp8_grouped_linear_triton(xt, q, s, off, gather, None, act, config=tc), want,
+                   bf16_bytes // 2, tc),
         "bf16": (lambda: moe_grouped_linear_triton(xt, wb, off, gather, None, act), want_bf16, bf16_bytes, None),
+        "bf16_grouped_mm": (lambda: moe_grouped_linear_triton(xt, wb, off, gather, None, act, path="grouped_mm"),
+                            want_bf16, bf16_bytes, None),
     }, device, iters)
     if "ms" in times["fp8"] and "ms" in times["bf16"]:
         times["fp8_over_bf16"] = times["bf16"]["ms"] / times["fp8"]["ms"]
-        print(f"  routed gate_up + silu_and_mul, {tokens} tokens: FP8 {times['fp8']['ms'] * 1e3:.1f} us, bf16 "
-              f"{times['bf16']['ms'] * 1e3:.1f} us (FP8 {times['fp8_over_bf16']:.2f}x)", flush=True)
+        print(f"  routed gate_up + silu_and_mul, {tokens} tokens: " + ", ".join(
+            f"{label} {v['ms'] * 1e3:.1f} us" for label, v in times.items() if isinstance(v, dict) and "ms" in v)
+            + f" (FP8 default {times['fp8_over_bf16']:.2f}x bf16 default)", flush=True)
     return times
 
 

@@ -360,6 +360,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
                                   end=_compile_counts(triton), compile=stats["compile"],
                                   all_reduce=stats["tensor_parallel"]["all_reduce"]["mode"],
                                   speculative=stats.get("speculative"), startup=stats["startup"],
+                                  moe=_moe_paths(stats),
                                   mtp_compile=head_stats)
             except Exception as e:  # noqa: BLE001 (recorded for the test to report; the next case goes on)
                 result = dict(error=f"{type(e).__name__}: {e}")
@@ -431,7 +432,7 @@ class _Group:
                 engine = hc.from_pretrained(case["dir"], **case["options"])
                 try:
                     case["single"] = _serve(engine, case["rounds"])
-                    case["single_moe"] = _moe_paths(engine.stats()["compile"])
+                    case["single_moe"] = _moe_paths(engine.stats())
                 finally:
                     engine.close()
             except Exception as e:  # noqa: BLE001 (reported by the case's tests)
@@ -513,8 +514,9 @@ def _assert_same_greedy(model, prompt: list[int], got: list[int], expected: list
     )
 
 
-def _moe_paths(compile_stats: dict) -> dict:
-    return {k: compile_stats[k] for k in ("fused_moe_modules", "fused_moe_routers")}
+def _moe_paths(stats: dict) -> dict:
+    """An engine's MoE paths from its ``stats()``: experts modules and routers on our fused ops."""
+    return {k: stats[k] for k in ("fused_moe_modules", "fused_moe_routers")}
 
 
 def _result(served, name: str) -> tuple[dict, dict]:
@@ -542,7 +544,7 @@ def test_tp2_graphs_match_single_gpu(served, name):
     c = r["compile"]
     assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
     # each rank resolves fused_moe as one GPU does (the fused routers before FP8 experts too)
-    assert _moe_paths(c) == case["single_moe"], (_moe_paths(c), case["single_moe"])
+    assert r["moe"] == case["single_moe"], (r["moe"], case["single_moe"])
     # the all-reduces: the one-shot kernel by default (these hosts' GPUs reach each other), NCCL where asked
     assert r["all_reduce"] == case["options"].get("tensor_parallel_all_reduce", "one_shot").replace("auto", "one_shot")
     mode = case["options"]["cuda_graphs"]

@@ -163,7 +163,9 @@ def test_gemv_config_and_dispatch():
     for n, k in [(1024, 2048), (2048, 512), (2048, 256), (2048, 128), (512, 2048), (40, 100)]:
         assert tfp8.fp8_gemv_config(n, k, 1, grouped=True) == moe_gemv_config(n, k, torch.bfloat16)
     assert tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS) and not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
-    assert tfp8.use_gemv(1024, 512) and not tfp8.use_gemv(1025, 512)
+    # experts: one row per 16 of them (512 experts: 3 tokens of top-10), at least the dense calls' 8 rows
+    assert tfp8.use_gemv(32, 512) and not tfp8.use_gemv(33, 512)
+    assert tfp8.use_gemv(8, 4) and not tfp8.use_gemv(9, 4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,8 +204,9 @@ def test_cuda_grouped_gemv_at_expert_shapes(tokens):
             off = torch.zeros(experts + 1, dtype=torch.int64, device="cuda")
             off[1:] = counts.cumsum(0)
             x = torch.randn(ids.numel(), k, device="cuda").to(torch.bfloat16)
-            assert tfp8.use_gemv(x.shape[0], experts)
             want = fp8.reference_grouped_linear(x.float(), q, s, off)
+            torch.testing.assert_close(tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off).float(), want,
+                                       rtol=2e-2, atol=2e-2)  # (at 40 tokens the op takes the tensor cores)
             torch.testing.assert_close(ops.fp8_grouped_linear(x, q, s, off).float(), want, rtol=2e-2, atol=2e-2)
     assert tfp8.use_gemv(3, 3)  # the opcheck below runs the GEMV path
     opcheck_fp8_inputs(ops.fp8_grouped_linear.default,

@@ -4,7 +4,7 @@
   program ``BR`` rows of one 128-channel group: max magnitude, scale, e4m3 values (``DEQUANT``:
   instead the fp32 ``q * scale``, the reference's dequantized activation, for the GEMV).
 - the GEMV (decode: dense calls of at most :data:`FP8_DECODE_MAX_ROWS` rows, grouped calls of at
-  most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average): the CUDA-core
+  most one row per :data:`FP8_GROUPED_GEMV_EXPERTS_PER_ROW` experts): the CUDA-core
   ``gemv_kernel`` of :mod:`.gemv` (shared with the float experts; at batch-1 sizes it quantizes the
   activation itself, :func:`gemv_quantizes_activation`, else after the quantize kernel), ``SCALED`` by the weight's
   128 x 128 block scales: each program owns ``BLOCK_N`` output columns (dividing the 128-row
@@ -66,7 +66,7 @@ from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize
 from .gemv import GEMV_MAX_ROWS, check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_PER_EXPERT", "FP8_GROUPED_GEMV_ROWS",
+__all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_GEMV_EXPERTS_PER_ROW", "FP8_GROUPED_GEMV_ROWS",
            "FP8_GEMM_ENV", "FP8_GEMV_FUSED_QUANT_MAX", "cublas_block_gemm_supported",
            "fp8_block_linear_triton", "fp8_dequantized_activation_triton", "fp8_gemm_choice", "fp8_linear_cublas",
            "fp8_quantize_for_cublas", "gemv_quantizes_activation", "fp8_gemm_config", "fp8_gemm_triton",
@@ -80,10 +80,13 @@ __all__ = ["FP8_DECODE_MAX_ROWS", "FP8_GEMV_MAX_ROWS", "FP8_GROUPED_DECODE_ROWS_
 FP8_DECODE_MAX_ROWS = 8
 #: Most rows one GEMV program takes (its accumulators are written out one per row).
 FP8_GEMV_MAX_ROWS = GEMV_MAX_ROWS
-#: Grouped (experts) calls take the GEMV kernel up to this many rows per expert on average: in the
-#: sweep one row per program beat the tensor cores at every decode size up to 64 tokens of top-10
-#: routing over 512 experts (640 rows, 1.25 per expert: gate_up 1.39x, down 1.02x).
-FP8_GROUPED_DECODE_ROWS_PER_EXPERT = 2
+#: Grouped (experts) calls take the GEMV kernel up to one row per this many experts (and always up to
+#: :data:`FP8_DECODE_MAX_ROWS` rows), the tensor cores above. H200 sweep (2026-11-28, ``benchmarks/fp8.py
+#: --sweep --sweep-only experts --tp 1`` / ``--tp 2``, Qwen3-Next-80B's 512 experts, top-10): at 160 and
+#: 640 rows the tensor cores took 0.45-0.87x the GEMV's time on both projections at both slices (the
+#: routed gate_up with silu_and_mul at 64 tokens: 204 vs 449 us at TP 1, 116 vs 218 us at TP 2); at 40
+#: rows the two were within 1.25x either way; at 10 rows the GEMV won (down_proj 9.6 vs 13.7 us).
+FP8_GROUPED_GEMV_EXPERTS_PER_ROW = 16
 #: Rows of one expert per GEMV program when grouped: one (the sweep: 1.02-1.74x over row pairs, whose
 #: programs wait on a second row that most hit experts do not have); an expert with more rows is
 #: streamed once per row, from L2 when its programs run side by side.
@@ -397,11 +400,11 @@ def gemv_quantizes_activation(m: int, n: int, k: int, config: tuple[int, int, in
 
 def use_gemv(rows: int, experts: int | None = None) -> bool:
     """Whether the ops take the GEMV path: a dense call of at most :data:`FP8_DECODE_MAX_ROWS` rows; a
-    grouped one of at most :data:`FP8_GROUPED_DECODE_ROWS_PER_EXPERT` rows per expert on average
-    (decode: top-k routing spreads a few tokens over many experts, one or two rows each)."""
+    grouped one of at most that many or of one row per :data:`FP8_GROUPED_GEMV_EXPERTS_PER_ROW` experts
+    (decode at batch 1-3 of top-10 over 512 experts: one row on each of a few experts)."""
     if experts is None:
         return rows <= FP8_DECODE_MAX_ROWS
-    return rows <= FP8_GROUPED_DECODE_ROWS_PER_EXPERT * experts
+    return rows <= max(FP8_DECODE_MAX_ROWS, experts // FP8_GROUPED_GEMV_EXPERTS_PER_ROW)
 
 
 def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None, pdl: bool | None = None):

@@ -54,10 +54,12 @@ __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MO
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
 MOE_PATHS = ("gemv", "tensor_cores", "grouped_mm")
-#: Calls of at most this many rows per expert on average take the GEMV: the FP8 experts' threshold
-#: (``FP8_GROUPED_DECODE_ROWS_PER_EXPERT``: in its H100 sweep one row per program beat the tensor
-#: cores at every decode size up to 64 tokens of top-10 routing over 512 experts, 1.25 rows per
-#: expert). ``benchmarks/fused_moe.py --sweep`` times both paths for the float weights.
+#: Calls of at most this many rows per expert on average take the GEMV (the FP8 experts' earlier
+#: threshold: in an H100 sweep one row per program beat the FP8 tensor cores at every decode size up to
+#: 64 tokens of top-10 routing over 512 experts; a 2026-11-28 H200 sweep moved the FP8 experts to the
+#: tensor cores above one row per 16 experts, ``ops.triton.fp8.FP8_GROUPED_GEMV_EXPERTS_PER_ROW``; for
+#: bf16 the same sweep had transformers' grouped_mm slower than this GEMV at 16 and 64 tokens).
+#: ``benchmarks/fused_moe.py --sweep`` times both paths for the float weights.
 MOE_GEMV_ROWS_PER_EXPERT = 2
 #: The path of the calls above decode size (:func:`moe_path`): ``"grouped_mm"`` for bf16 weights
 #: (other dtypes keep our tensor-core kernel), or ``"tensor_cores"`` everywhere. ``benchmarks/fused_moe.py``

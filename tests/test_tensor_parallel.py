@@ -344,6 +344,7 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
     assert r["tp"]["size"] == 2 and r["tp"]["commands_broadcast"] > 0
     ranks = r["tp"]["ranks"]
     assert len(ranks) == 2 and all(x["shard_bytes"] < 0.75 * x["full_model_bytes"] for x in ranks)
+    assert all(x["served_bytes"] == x["shard_bytes"] for x in ranks)  # (served as loaded: no quantization)
     # the pools hold the rank's heads and conv channels: half the single-process layout's (one KV
     # head is replicated; one Mamba2 B/C group too, so that case's conv is checked by its tokens)
     model = checkpoints[name]["model"]
@@ -530,6 +531,9 @@ def test_fp8_quantization_two_ranks_equal_the_single_process_engine(checkpoints,
         assert has_fp8_layers(engine.model)
         single = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
     assert two_ranks["qwen3_next_fp8@fp8"]["outputs"] == single
+    # each rank reports its weights as served: the e4m3 shard and its scales, under 0.6x the fp32 shard it loaded
+    ranks = two_ranks["qwen3_next_fp8@fp8"]["tp"]["ranks"]
+    assert all(0 < r["served_bytes"] < 0.6 * r["shard_bytes"] for r in ranks), ranks
 
 
 def test_fp8_checkpoint_two_ranks_equal_the_single_process_engine(checkpoints, two_ranks):

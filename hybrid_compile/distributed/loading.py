@@ -50,12 +50,15 @@ RANDOM_WEIGHTS = "random_weights.json"
 @dataclass
 class LoadReport:
     """What one rank loaded: bytes of its shard, of the whole checkpoint, and its peak host memory
-    growth while loading (resident set high-water mark, bytes)."""
+    growth while loading (resident set high-water mark, bytes); ``served_bytes``: its weights as
+    served (after ``quantization="fp8"`` quantizes the shard on the rank: the e4m3 weights and their
+    scales; otherwise ``shard_bytes``)."""
 
     shard_bytes: int
     full_model_bytes: int
     peak_host_bytes: int
     peak_device_bytes: int
+    served_bytes: int = 0
 
 
 class Checkpoint:
@@ -533,7 +536,7 @@ def load_shard(path: str, config, plan: ShardPlan, dtype: torch.dtype | None, de
         pass
     peak = max(0, _status_bytes("VmHWM") - base_rss)
     dev_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else shard_bytes
-    return model, LoadReport(shard_bytes, full, peak, int(dev_peak))
+    return model, LoadReport(shard_bytes, full, peak, int(dev_peak), shard_bytes)
 
 
 def load_mtp_shard(model: nn.Module, path: str, config, plan: ShardPlan, checkpoint=None) -> nn.Module:

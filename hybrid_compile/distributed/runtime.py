@@ -245,6 +245,12 @@ def install_mtp_collectives(head, plan: ShardPlan, tp: TensorParallelGroup) -> N
         raise RuntimeError(f"tensor parallelism: the {plan.family} plan found no module of the MTP head to all-reduce")
 
 
+def _weight_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the modules' parameters (each tensor once)."""
+    seen = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
 def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,
                       trust_remote_code: bool, tokenizer=None, processes=None,
                       startup: Startup | None = None) -> HybridEngine:
@@ -264,9 +270,8 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         spec = engine_config.speculative
         mtp_head = (load_mtp_shard(model, path, config, plan, spec.mtp_checkpoint)
                     if spec is not None and spec.method == "mtp" else None)
-        if mtp_head is not None:  # (the checkpoint's bytes count the mtp.* tensors too)
-            report.shard_bytes += sum(p.numel() * p.element_size() for m in mtp_head.own_modules().values()
-                                      for p in m.parameters())
+        head_bytes = _weight_bytes(*mtp_head.own_modules().values()) if mtp_head is not None else 0
+        report.shard_bytes += head_bytes  # (the checkpoint's bytes count the mtp.* tensors too)
         from ..quantization import has_fp8_layers, quantize_model
 
         # (an FP8 checkpoint's shard is FP8 as loaded: its float layers stay float, as on one process)
@@ -275,6 +280,8 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
             # collectives go in: quantize_model swaps the projection modules, the collectives patch the
             # modules' forwards (the other order would drop the row-parallel projections' all-reduces)
             quantize_model(model)
+        # the weights as served: the quantized shard's e4m3 weights and scales (the head stays as loaded)
+        report.served_bytes = _weight_bytes(model) + head_bytes if has_fp8_layers(model) else report.shard_bytes
     if one_shot.resolve(engine_config.tensor_parallel_all_reduce, tp.device, tp.size, getattr(model, "dtype", None)):
         tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
     install_collectives(model, plan, tp)
@@ -294,7 +301,7 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         engine = HybridEngine(model, dataclasses.replace(engine_config, warmup_kernels=False), startup=startup,
                               mtp_head=mtp_head)
     reports = tp.gather_ints([report.shard_bytes, report.full_model_bytes, report.peak_host_bytes,
-                              report.peak_device_bytes])
+                              report.peak_device_bytes, report.served_bytes])
     capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total()])
     if any(c != capacities[0] for c in capacities):
         raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "

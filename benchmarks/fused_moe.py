@@ -168,7 +168,7 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
 
 SWEEP_GRID = dict(bm=(16, 32, 64), bn=(16, 32, 64, 128), bk=(64, 128, 256), warps=(4, 8), stages=(3, 4))
 #: GEMV tiles of the sweep (rows per program, BLOCK_N, BLOCK_K, warps, stages), around the defaults
-#: (``MOE_GEMV_TILES``: 16 x 256, 8 x 256 for silu_and_mul, 4 warps); stages fixed at 2, as in the FP8
+#: (``GROUPED_GEMV_TILES``: 16 x 256, 8 x 256 for silu_and_mul, 4 warps); stages fixed at 2, as in the FP8
 #: sweep's grouped grid (the loop's loads are not staged through shared memory).
 GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32, 64, 128), block_k=(128, 256, 512), warps=(4, 8),
                        stages=(2,))

@@ -58,7 +58,7 @@ class LoadReport:
     full_model_bytes: int
     peak_host_bytes: int
     peak_device_bytes: int
-    served_bytes: int = 0
+    served_bytes: int
 
 
 class Checkpoint:

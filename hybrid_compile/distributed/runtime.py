@@ -280,8 +280,10 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
             # collectives go in: quantize_model swaps the projection modules, the collectives patch the
             # modules' forwards (the other order would drop the row-parallel projections' all-reduces)
             quantize_model(model)
-        # the weights as served: the quantized shard's e4m3 weights and scales (the head stays as loaded)
-        report.served_bytes = _weight_bytes(model) + head_bytes if has_fp8_layers(model) else report.shard_bytes
+            # the weights as served: the shard's e4m3 weights and scales (the head stays as loaded)
+            report.served_bytes = _weight_bytes(model) + head_bytes
+        else:
+            report.served_bytes = report.shard_bytes
     if one_shot.resolve(engine_config.tensor_parallel_all_reduce, tp.device, tp.size, getattr(model, "dtype", None)):
         tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
     install_collectives(model, plan, tp)

@@ -277,6 +277,8 @@ def _empty_product(x, n, bias, rows: int | None = None):
     when there is): no rows or columns, or ``K == 0`` (zeros, plus the bias; every grouped activation
     maps 0 to 0)."""
     m, k = x.shape if rows is None else (rows, x.shape[1])
+    if m and n and k:
+        return None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -428,8 +430,6 @@ def fp8_grouped_linear_triton(x, weight, weight_scale_inv, expert_offsets, gathe
                                gather_index=gather_index, scatter_index=scatter_index, activation=activation)
     rows_in = x.index_select(0, gather_index) if gather_index is not None else x
     y = fp8_gemm_triton(rows_in, weight, weight_scale_inv, expert_offsets=expert_offsets, config=config, pdl=pdl)
-    if activation == "none" and scatter_index is None:
-        return y
     return activate_and_scatter(y if activation == "none" else y.float(), activation, scatter_index, x.dtype)
 
 

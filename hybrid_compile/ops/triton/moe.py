@@ -25,7 +25,7 @@ its rows and too few programs would stream the weights, so the call takes ``gemv
 (:mod:`.gemv`, the kernel of the FP8 experts' decode path without the block scales): one program
 per (row of an expert, ``BLOCK_N`` output columns), streaming that expert's ``[BLOCK_N, K]`` weight
 slab (``silu_and_mul``: its gate and its up rows) on the CUDA cores with fp32 accumulators, the
-same gather, scatter, activations and shape-only launch; tiles from :data:`MOE_GEMV_TILES`.
+same gather, scatter, activations and shape-only launch; tiles from :data:`~.gemv.GROUPED_GEMV_TILES`.
 
 Tiles of the tensor-core kernel: at decode :func:`fp8_gemm_config`'s choice (16-row tiles and column
 tiles narrow enough that about two programs per SM stream the weights); prefill: 64 / 128-row
@@ -45,10 +45,10 @@ from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, check_ac
                    grouped_output_width)
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
-from .gemv import GROUPED_GEMV_TILES, check_gemv_config, grouped_gemv_config, launch_gemv
+from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_GEMV_TILES", "MOE_PATHS", "moe_gemm_config",
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_PATHS", "moe_gemm_config",
            "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
@@ -67,8 +67,6 @@ MOE_GEMV_ROWS_PER_EXPERT = 2
 #: ``grouped_mm`` took 1.22 / 1.56 / 2.77 ms against our tensor cores' 1.55 / 2.56 / 4.91 ms
 #: (transformers' own ``grouped_mm`` path 1.20 / 1.45 / 2.41 ms).
 LARGE_CALLS_PATH = "grouped_mm"
-#: GEMV tiles by the weight's element size in bytes (the grouped GEMV's table, shared with the FP8 experts).
-MOE_GEMV_TILES = GROUPED_GEMV_TILES
 
 # Triton's interpreter multiplies the raw bits of bf16 operands in tl.dot: there the tiles are
 # widened to fp32 first (exact for bf16 / fp16 values, so the products are those of the GPU's dot)

@@ -530,14 +530,14 @@ def run_sweep(args) -> int:
         grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
     if args.tp > 1:
         linear, experts = tp_slices(linear, experts, args.tp)
-    if args.sweep_rows:
-        rows = tuple(args.sweep_rows)
     linear = [] if args.sweep_only == "experts" else linear
     experts = [] if args.sweep_only == "dense" else experts
     tc_grid = None
     if args.prefill:  # prefill sizes: the tensor-core GEMM's tiles, no GEMV
         rows, tc_grid = (TINY_PREFILL["rows"], TINY_PREFILL["tc_grid"]) if args.tiny else (PREFILL_ROWS, TC_GRID)
         grid = grid_grouped = {}
+    if args.sweep_rows:  # (decode or prefill sizes alike)
+        rows = tuple(args.sweep_rows)
     print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: gemv "
           "BLOCK_N, BLOCK_K, warps, stages; tc BM, BN, warps, stages, GROUP_M)       best bf16", flush=True)
     t = time.perf_counter()
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
                    help="--sweep: the shapes of one rank's shard at this tensor-parallel size (see tp_slices)")
     p.add_argument("--sweep-only", choices=["dense", "experts"], help="--sweep: only these cases")
     p.add_argument("--sweep-rows", type=int, nargs="+",
-                   help="--sweep: dense rows / expert tokens (default 1 2 4 8 16 32 64)")
+                   help="--sweep: dense rows / expert tokens (default 1 2 4 8 16 32 64; with --prefill 4096 8192)")
     p.add_argument("--build-quantized", action="store_true",
                    help="build each layer in bf16 and quantize it before the next (with --modes fp8: a model "
                         "whose bf16 weights do not fit, e.g. --layers 48 on one H200)")

@@ -9,7 +9,8 @@ matmul over weights packed once.
 - Engine on the tiny dense Qwen3-Next with the pass on (the default): ``engine.stats()["compile"]
   ["rewrites"]`` shows every group fused (MLP gate/up per layer, GDN ``in_proj_qkvz``/``in_proj_ba``,
   attention q/k/v) and greedy tokens equal HF ``generate``; ``extra={"rewrite_passes": False}``
-  reaches the backend.
+  reaches the backend. On the tiny Qwen3-Next MoE the fused router's linear joins the shared
+  expert's group (it reads a reshape of the same rows).
 - Undoing the packing: a backend's ``release_packed_weights`` leaves the packing to another live
   backend compiled against it, the last one gives every parameter its own storage back (same
   ``Parameter`` objects, same values); ``engine.close()`` does it for the engine's backend: no two
@@ -299,6 +300,24 @@ def test_engine_routes_projections_to_skinny_mm_and_matches_hf():
     for prompt, tokens in zip(prompts, got):
         assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, ("qwen3_next_dense", 0), prompt, 5),
                             "skinny_mm")
+
+
+def test_engine_packs_the_fused_router_with_the_shared_expert():
+    """Tiny Qwen3-Next MoE with the fused router (``fused_moe=True``): the router's linear reads a
+    reshape of the rows the shared expert reads, and joins its group (router, shared gate / up,
+    shared-expert gate: 4 per MoE layer), so each MoE layer issues one projection matmul for the
+    four (skinny matmuls per GDN / attention layer: in_proj or q/k/v, out_proj, router + shared
+    expert, shared down; plus the LM head); greedy tokens equal HF."""
+    model = cached_model("qwen3_next_moe", 0)
+    with _no_compile_caches(), make_engine(model, compile=True,
+                                           extra={"skinny_matmuls": True, "fused_moe": True}) as engine:
+        r = engine.stats()["compile"]["rewrites"]
+        assert r["group_sizes"] == {2: 2, 3: 2, 4: 4} and r["skinny_matmuls"] == 4 * 4 + 1, r
+        prompts = random_prompts([1, 23], vocab_size(model), seed=34)
+        got = engine.generate_batch(prompts, max_new_tokens=5)
+    for prompt, tokens in zip(prompts, got):
+        assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, ("qwen3_next_moe", 0), prompt, 5),
+                            "router packed with the shared expert")
 
 
 def test_engine_config_turns_the_pass_off():

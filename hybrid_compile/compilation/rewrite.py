@@ -3,7 +3,9 @@ matmul over a packed weight ("horizontal" matmul fusion).
 
 The hybrid models project the same hidden states several times in a row: the MLP's
 ``gate_proj``/``up_proj``, the Gated DeltaNet mixer's ``in_proj_qkvz``/``in_proj_ba``
-(Qwen3.5: ``in_proj_qkv``/``z``/``b``/``a``), attention's ``q_proj``/``k_proj``/``v_proj``. Each
+(Qwen3.5: ``in_proj_qkv``/``z``/``b``/``a``), attention's ``q_proj``/``k_proj``/``v_proj``, a MoE
+block's router (the fused router's linear) with its shared expert's ``gate_proj``/``up_proj`` and
+``shared_expert_gate``. Each
 is its own GEMM (GEMV at decode) in Inductor's output; Inductor does not merge them by itself:
 its concat-linear patterns (``fx_passes/freezing_patterns.py``) only run under ``freezing``, on
 weights that are graph constants (``get_attr``; our pieces get the parameters as inputs), fold a
@@ -110,21 +112,28 @@ def _linear_weight_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
         if bias is not None or not isinstance(w, fx.Node) or w.op != "placeholder":
             continue
         uses[w] += 1
-        if w not in by_input[x]:
-            by_input[x].append(w)
+        if w not in by_input[_input_key(x)]:
+            by_input[_input_key(x)].append(w)
     return [ws for ws in by_input.values() if len(ws) > 1 and all(uses[w] == 1 for w in ws)]
 
 
 def _input_key(x: Any) -> Any:
-    """What a projection reads: ``x``, or (source, shape) for a reshape / view of it (Dynamo's
-    ``x.reshape(*shape)`` method calls, the post-grad graph's aten views): views of one tensor to one
-    shape feed the same rows (each ``Fp8Linear`` flattens its input itself)."""
-    if isinstance(x, fx.Node):
-        if x.op == "call_method" and x.target in ("reshape", "view"):
-            return (x.args[0], tuple(x.args[1:]))
-        if x.target in _VIEW_TARGETS:
-            return (x.args[0], tuple(x.args[1]))
-    return x
+    """What a projection reads: ``x``, or (root, shape) for a chain of reshapes / views of a tensor
+    (Dynamo's ``x.reshape(*shape)`` / ``x.view(*shape)`` method calls, the post-grad graph's aten
+    views) ending in ``shape``: views of one tensor to one shape feed the same rows (each
+    ``Fp8Linear`` flattens its input itself; a fused MoE router reshapes the ``[T, H]`` rows the
+    block's shared expert reads once more)."""
+    if not isinstance(x, fx.Node):
+        return x
+    if x.op == "call_method" and x.target in ("reshape", "view"):
+        shape = x.args[1:]
+    elif x.target in _VIEW_TARGETS:
+        shape = x.args[1]
+    else:
+        return x
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+    source = _input_key(x.args[0])
+    return (source[0] if isinstance(source, tuple) else source, shape)
 
 
 def _fp8_linear_args(node: fx.Node) -> tuple[Any, Any, Any, Any]:

@@ -309,6 +309,15 @@ def test_from_pretrained_errors_are_clear(ckpt, tmp_path):
         hc.from_pretrained(ckpt["no_tok"], tokenizer="required")
     with pytest.raises(TypeError, match="unknown EngineConfig field"):
         hc.from_pretrained(ckpt["qwen"], max_runing_requests=2)
+    # EngineConfig.extra's keys are checked too (a typo or a field put in extra is never ignored),
+    # from from_pretrained / wrap and from a HybridEngine built directly
+    with pytest.raises(ValueError, match=r"unknown EngineConfig.extra key\(s\): 'fused_moe'; the keys are 'rewrite_passes'"):
+        hc.from_pretrained(ckpt["qwen"], extra={"fused_moe": True})
+    from hybrid_compile.engine.config import EngineConfig
+    from hybrid_compile.engine.engine import HybridEngine
+
+    with pytest.raises(ValueError, match=r"unknown EngineConfig.extra key\(s\): 'overlapp'"):
+        HybridEngine(torch.nn.Linear(2, 2), EngineConfig(extra={"overlapp": False}))
     # a supported family the installed transformers lacks (LFM3 on transformers 5.17) says so
     (tmp_path / "lfm3").mkdir()
     (tmp_path / "lfm3" / "config.json").write_text('{"model_type": "lfm3"}')

@@ -310,7 +310,7 @@ def test_engine_packs_the_fused_router_with_the_shared_expert():
     expert, shared down; plus the LM head); greedy tokens equal HF."""
     model = cached_model("qwen3_next_moe", 0)
     with _no_compile_caches(), make_engine(model, compile=True,
-                                           extra={"skinny_matmuls": True, "fused_moe": True}) as engine:
+                                           fused_moe=True, extra={"skinny_matmuls": True}) as engine:
         r = engine.stats()["compile"]["rewrites"]
         assert r["group_sizes"] == {2: 2, 3: 2, 4: 4} and r["skinny_matmuls"] == 4 * 4 + 1, r
         prompts = random_prompts([1, 23], vocab_size(model), seed=34)

@@ -11,6 +11,19 @@ import torch
 from ..cache.policy import check_policy_name
 
 
+#: ``EngineConfig.extra``: settings for experiments and tests (the engine reads each where it applies);
+#: any other key is an error, never ignored.
+EXTRA_OPTIONS: dict[str, str] = {
+    "rewrite_passes": "False turns off the post-grad projection-packing pass (compilation/rewrite.py)",
+    "skinny_matmuls": "True / False forces the routing of projections to skinny_mm (default: on CUDA)",
+    "inductor_config": "a dict of Inductor config patches for every compiled piece",
+    "memory_budget_bytes": "the bytes the KV + Mamba pools may take, instead of memory_fraction of free memory",
+    "overlap": "False turns off the overlapped scheduler (one step's host work beside the last's GPU work)",
+    "speculative_commit_graphs": "False commits accepted speculative states with one op launch per state tensor",
+    "mtp_draft_graphs": "True / False: full CUDA graphs of whole MTP draft proposals (default: where they run)",
+}
+
+
 @dataclass
 class EngineConfig:
     """Settings of one :class:`~hybrid_compile.engine.HybridEngine`.
@@ -83,7 +96,7 @@ class EngineConfig:
     # JIT-compiled before the first real request (HybridEngine._warm_up_kernels). None: on for CUDA.
     warmup_kernels: bool | None = None
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # the expert settings of EXTRA_OPTIONS
 
     @classmethod
     def from_args(cls, config: "EngineConfig | dict | None" = None, **overrides) -> "EngineConfig":
@@ -108,6 +121,13 @@ class EngineConfig:
         return result
 
     def validate(self) -> None:
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"EngineConfig.extra must be a dict, got {type(self.extra).__name__}")
+        unknown = sorted(set(self.extra) - set(EXTRA_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown EngineConfig.extra key(s): {', '.join(map(repr, unknown))}; the keys are "
+                             + "; ".join(f"{k!r} ({v})" for k, v in EXTRA_OPTIONS.items()))
+
         def positive(name):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):

@@ -144,6 +144,7 @@ class HybridEngine(GenerateAPI):
 
     def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None,
                  startup: Startup | None = None, mtp_head: nn.Module | None = None) -> None:
+        config.validate()  # (a config built directly, not through from_args)
         self.startup = startup if startup is not None else Startup()
         self.family = family_of(model)
         if config.tensor_parallel_all_reduce == "one_shot":

@@ -27,7 +27,8 @@ Two steps, so that no weight is copied per call:
    ``W = as_strided(w_0, [sum n_i, k], [k, 1], 0)`` (a view of the packed storage: Inductor
    passes the input buffer reinterpreted, no copy) followed by column slices, each made dense
    again (``clone``: the layout every consumer was traced with; Inductor inlines it into pointwise
-   consumers, so a copy is only written where a dense buffer leaves the piece or feeds an op).
+   consumers, so a copy is only written where a dense buffer leaves the piece or feeds an op; an op
+   that reads rows at any stride, the fused router's ``moe_topk_softmax``, takes the slice itself).
 
 3. Skinny matmuls (same pass, after step 2): every projection ``mm(x, w.T)`` on CUDA becomes
    ``hybrid_compile::skinny_mm(x, w)`` (:mod:`hybrid_compile.ops.linear`): a Triton
@@ -72,6 +73,8 @@ aten = torch.ops.aten
 _LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 _FP8_LINEAR_TARGETS = (torch.ops.hybrid_compile.fp8_block_linear, torch.ops.hybrid_compile.fp8_block_linear.default)
 _VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# our ops whose kernels read their input rows at any stride (a column slice of a packed projection)
+_STRIDED_ROW_OPS = (torch.ops.hybrid_compile.moe_topk_softmax.default,)
 _SKINNY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -433,11 +436,12 @@ class RewriteCounts:
     group_sizes: dict[int, int] = field(default_factory=dict)  # members -> groups
     skinny_matmuls: int = 0  # mm nodes routed to hybrid_compile::skinny_mm
     fp8_fused_groups: int = 0  # of fused_groups: block-FP8 projections (one fp8_block_linear call)
+    strided_slices: int = 0  # members whose slice feeds only ops that read any stride (no dense copy)
 
     def as_dict(self) -> dict:
         return {"pass_runs": self.graphs, "fused_groups": self.fused_groups, "matmuls_removed": self.matmuls_removed,
                 "group_sizes": dict(self.group_sizes), "skinny_matmuls": self.skinny_matmuls,
-                "fp8_fused_groups": self.fp8_fused_groups}
+                "fp8_fused_groups": self.fp8_fused_groups, "strided_slices": self.strided_slices}
 
 
 class SharedInputMatmulFusion(CustomGraphPass):
@@ -525,7 +529,13 @@ class SharedInputMatmulFusion(CustomGraphPass):
                 sliced = _call(graph, fake_mode, aten.slice.Tensor, (out, 1, start, start + p.value.shape[0]))
                 # the mm's output was dense: downstream views, piece outputs (whose strides the next piece
                 # was compiled for) and ops keep the layout they were traced with; Inductor inlines the
-                # copy into pointwise consumers and only materialises it where a dense buffer is needed
+                # copy into pointwise consumers and only materialises it where a dense buffer is needed.
+                # Ops that read rows at any stride (the fused router's logits) take the slice itself: a
+                # materialised copy would be one more kernel a decode step
+                if p.mm.users and all(u.target in _STRIDED_ROW_OPS for u in p.mm.users):
+                    p.mm.replace_all_uses_with(sliced)
+                    self.counts.strided_slices += 1
+                    continue
                 dense = _call(graph, fake_mode, aten.clone.default, (sliced,), {"memory_format": torch.contiguous_format})
                 p.mm.replace_all_uses_with(dense)
         for p in run:

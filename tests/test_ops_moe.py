@@ -352,6 +352,48 @@ def test_scatter_rows_is_the_permutations_scatter(dtype):
     assert moe.scatter_rows(y[:0], perm[:0]).shape == (0, 24)
 
 
+def _sort_oracle(ids, experts):
+    """The stable sort by its definition: pairs ordered by (expert, pair index); offsets by counting."""
+    flat = ids.reshape(-1).tolist()
+    order = sorted(range(len(flat)), key=lambda p: (flat[p], p))
+    offsets = [sum(v < e for v in flat) for e in range(experts + 1)]
+    return order, offsets, [p // ids.shape[1] for p in order]
+
+
+SORT_CASES = [(0, 4, 8), (1, 1, 1), (3, 2, 4), (5, 10, 512), (64, 10, 512), (50, 2, 3), (33, 8, 200),
+              (410, 10, 64)]  # the last: 4,100 pairs, above MOE_SORT_MAX_PAIRS (torch's sort)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("tokens,top_k,experts", SORT_CASES)
+@pytest.mark.parametrize("impl", ["op", "triton"])
+def test_sort_pairs_matches_the_stable_order(impl, tokens, top_k, experts, dtype):
+    """``moe_sort_pairs`` (the CPU op, the Triton kernel under the interpreter) against the sort by
+    definition: many ties (3 experts over 100 pairs), empty experts (512 experts over 15 pairs),
+    pair counts across the kernel's 64 / 128 blocks, none, and above the kernel's size."""
+    assert tokens * top_k <= tmoe.MOE_SORT_MAX_PAIRS or (tokens, top_k) == (410, 10)
+    g = torch.Generator().manual_seed(tokens * 1000 + experts)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g).to(dtype)
+    fn = ops.moe_sort_pairs if impl == "op" else tmoe.moe_sort_pairs_triton
+    order, offsets, token_of_row = fn(ids, experts)
+    want = _sort_oracle(ids, experts)
+    assert all(t.dtype == torch.int64 for t in (order, offsets, token_of_row))
+    assert (order.tolist(), offsets.tolist(), token_of_row.tolist()) == want
+
+
+def test_sort_pairs_opcheck_and_compile():
+    """opcheck; ``sort_pairs_by_expert`` under torch.compile(fullgraph=True) calls the op (several tokens)
+    without a graph break and equals eager."""
+    ids = torch.randint(0, 6, (5, 3))
+    run_opcheck(ops.moe_sort_pairs.default, (ids, 6))
+    eager, compiled, _, _ = compile_and_compare(lambda i: tuple(moe.sort_pairs_by_expert(i, 6)), ids)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    with pytest.raises(ValueError, match="num_experts"):
+        ops.moe_sort_pairs(ids, 0)
+    with pytest.raises(ValueError, match="top_k_index"):
+        ops.moe_sort_pairs(ids.float(), 6)
+
+
 def test_routing_sort_and_op_argument_errors():
     idx = torch.tensor([[2, 0], [2, 1], [0, 2]])
     r = moe.sort_pairs_by_expert(idx, 4)
@@ -594,3 +636,22 @@ def test_cuda_combine_top_k(shape, tokens, dtype):
     torch.cuda.synchronize()
     assert torch.equal(captured, ops.moe_combine_top_k(out, weights))
     run_opcheck(ops.moe_combine_top_k.default, (out[: 2 * top_k], weights[:2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,experts", [(2, 10, 512), pytest.param(64, 10, 512, marks=pytest.mark.smoke),
+                                                  (16, 8, 256), (400, 10, 512), (1000, 6, 128)])
+def test_cuda_sort_pairs(tokens, top_k, experts):
+    """``moe_sort_pairs`` on CUDA at decode / extend sizes of the real routings (the last above the
+    kernel's size: torch's sort) against the plain-torch op, also inside a CUDA graph replayed on new ids."""
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    want = moe.reference_moe_sort_pairs(ids, experts)
+    assert all(torch.equal(a, b) for a, b in zip(ops.moe_sort_pairs(ids, experts), want))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.moe_sort_pairs(ids, experts)
+    ids.copy_(torch.randint(0, experts, (tokens, top_k), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, moe.reference_moe_sort_pairs(ids, experts)))

@@ -4,7 +4,8 @@
 of :mod:`.gemv`; :func:`moe_grouped_linear_triton` picks one (:func:`moe_path`), or
 ``torch._grouped_mm`` for bf16 above decode size where :data:`LARGE_CALLS_PATH` asks for it
 (:func:`hybrid_compile.ops.moe.grouped_mm_linear`). ``moe_combine_top_k``: ``_combine_top_k_kernel``
-(:func:`moe_combine_top_k_triton`), one program per (token, column block).
+(:func:`moe_combine_top_k_triton`), one program per (token, column block). ``moe_sort_pairs``:
+``_sort_pairs_kernel`` (:func:`moe_sort_pairs_triton`), the routing sort by counting.
 
 ``_grouped_gemm_kernel``: grid ``(cdiv(N, BN), row tiles)``; each program one ``[BM, BN]`` output
 tile of one expert, stepping along ``K`` by ``BK`` with ``tl.dot`` on the tensor cores (bf16 / fp16
@@ -41,15 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, check_activation, grouped_mm_linear,
-                   grouped_output_width)
+from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, _check_sort, check_activation,
+                   grouped_mm_linear, grouped_output_width, reference_moe_sort_pairs)
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
 from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_PATHS", "moe_gemm_config",
-           "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path"]
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config",
+           "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path",
+           "moe_sort_pairs_triton"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
@@ -281,3 +283,74 @@ def _combine_cuda(out, top_k_weights):
 
 
 torch.library.register_kernel("hybrid_compile::moe_combine_top_k", "cuda", _combine_cuda)
+
+
+# -- the routing sort ---------------------------------------------------------------------------
+
+#: ``moe_sort_pairs`` ranks up to this many (token, expert) pairs in its kernel (decode and short
+#: extends: the counting is quadratic in the pairs); larger calls (prefill, where the sort is a sliver
+#: of the step) take torch's sort, the CPU implementation's code.
+MOE_SORT_MAX_PAIRS = 4096
+
+
+@triton.jit(do_not_specialize=["N", "E"])
+def _sort_pairs_kernel(ids, order, token_of_row, offsets, N, E, TOP_K: tl.constexpr, BLOCK_I: tl.constexpr,
+                       BLOCK_J: tl.constexpr, USE_PDL: tl.constexpr):
+    # programs [0, cdiv(N, BLOCK_I)): BLOCK_I pairs each, ranked by the pairs before them in the stable
+    # order (a smaller expert, or the same expert at a smaller index) and stored at their rank; the rest:
+    # BLOCK_I experts' offsets each (the pairs of a smaller expert). Both count over all N pairs.
+    pid = tl.program_id(0)
+    rank_programs = tl.cdiv(N, BLOCK_I)
+    lanes = tl.arange(0, BLOCK_I)
+    rj = tl.arange(0, BLOCK_J)
+    pdl_wait_and_release(USE_PDL)
+    past = 9223372036854775807  # masked pairs: above every expert, never counted
+    if pid < rank_programs:
+        i = pid * BLOCK_I + lanes
+        i_ok = i < N
+        e_i = tl.where(i_ok, tl.load(ids + i, mask=i_ok, other=0).to(tl.int64), past)
+        rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
+        for j0 in range(0, N, BLOCK_J):
+            j = j0 + rj
+            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int64), past)
+            before = (e_j[None, :] < e_i[:, None]) | ((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(order + rank, i.to(tl.int64), mask=i_ok)
+        tl.store(token_of_row + rank, (i // TOP_K).to(tl.int64), mask=i_ok)
+    else:
+        e = (pid - rank_programs) * BLOCK_I + lanes
+        count = tl.zeros((BLOCK_I,), dtype=tl.int32)
+        for j0 in range(0, N, BLOCK_J):
+            j = j0 + rj
+            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int64), past)
+            count += tl.sum((e_j[None, :] < e[:, None].to(tl.int64)).to(tl.int32), axis=1)
+        tl.store(offsets + e, count.to(tl.int64), mask=e <= E)
+
+
+def moe_sort_pairs_triton(top_k_index: torch.Tensor, num_experts: int, pdl: bool | None = None):
+    """``moe_sort_pairs`` on the GPU (or under the interpreter): one launch of ``_sort_pairs_kernel`` up
+    to :data:`MOE_SORT_MAX_PAIRS` pairs, torch's sort above."""
+    tokens, top_k = top_k_index.shape
+    n = tokens * top_k
+    if n > MOE_SORT_MAX_PAIRS:
+        return reference_moe_sort_pairs(top_k_index, num_experts)
+    ids = top_k_index.reshape(-1)
+    device = top_k_index.device
+    order = torch.empty(n, dtype=torch.int64, device=device)
+    token_of_row = torch.empty(n, dtype=torch.int64, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
+    if n == 0:
+        return order, offsets.zero_(), token_of_row
+    block_i = 64
+    grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_i)
+    _sort_pairs_kernel[(grid,)](ids, order, token_of_row, offsets, n, num_experts, TOP_K=top_k, BLOCK_I=block_i,
+                                BLOCK_J=128, num_warps=4, **pdl_launch(device, pdl))
+    return order, offsets, token_of_row
+
+
+def _sort_cuda(top_k_index, num_experts):
+    _check_sort(top_k_index, num_experts)
+    return moe_sort_pairs_triton(top_k_index, num_experts)
+
+
+torch.library.register_kernel("hybrid_compile::moe_sort_pairs", "cuda", _sort_cuda)

@@ -22,7 +22,7 @@ import mamba1_models as m1
 import mamba2_models as mm
 import minimax_models
 import test_lfm2 as lfm2
-from hybrid_compile.models import PatchHandle, fused_experts, fused_router
+from hybrid_compile.models import PatchHandle, fused_experts, fused_router, shared_expert_fold
 
 NEW_TOKENS = 8
 
@@ -65,16 +65,18 @@ def _expected_routers(name, model):
     return n
 
 
-def _count_calls(monkeypatch, module, name: str) -> list[int]:
-    """Replace ``module.name`` by a wrapper counting its calls; the count is ``[n]``."""
+def _count_calls(monkeypatch, modules, name: str) -> list[int]:
+    """Replace ``module.name`` of each of ``modules`` by a wrapper counting its calls; the count (all
+    of them together) is ``[n]``."""
     calls = [0]
-    real = getattr(module, name)
+    for module in modules if isinstance(modules, tuple) else (modules,):
+        real = getattr(module, name)
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+        def counting(*args, real=real, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, counting)
+        monkeypatch.setattr(module, name, counting)
     return calls
 
 
@@ -91,8 +93,9 @@ def _one_thread():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts calls of the fused experts forward (engine steps only)."""
-    return _count_calls(monkeypatch, fused_experts, "fused_moe_experts")
+    """Counts calls of the fused experts forward (engine steps only): the experts modules' and, where
+    a block's shared expert folds into its routed experts, the block's."""
+    return _count_calls(monkeypatch, (fused_experts, shared_expert_fold), "fused_moe_experts")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

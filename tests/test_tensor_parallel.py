@@ -262,7 +262,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             verify_steps=stats["speculative"]["verify_steps"], accepted=stats["speculative"]["accepted"],
             compile=stats["compile"], tp=stats["tensor_parallel"], pools_used=engine.pools.used_counts(),
             startup=stats["startup"], fused_moe_modules=stats["fused_moe_modules"],
-            fused_moe_routers=stats["fused_moe_routers"],
+            fused_moe_routers=stats["fused_moe_routers"], folded_shared_experts=stats["folded_shared_experts"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
         )
@@ -425,10 +425,13 @@ def test_kimi_linear_shards_split_heads_and_replicate_the_latent(checkpoints):
 
 @pytest.mark.parametrize("name", ["qwen3_next_moe@fused_moe", "nemotron_h@fused_moe"])
 def test_fused_moe_two_ranks_match_hf(checkpoints, two_ranks, name):
-    """The fused experts (gated silu; relu2 without a gate) over a rank's half of the intermediate dim."""
+    """The fused experts (gated silu; relu2 without a gate) over a rank's half of the intermediate dim;
+    Qwen3-Next's shared expert folded into its routed experts inside the block's all-reduce (a rank's
+    slices of both have one width)."""
     r = _check(checkpoints, two_ranks, name, name.split("@")[0])
     assert r["fused_moe_modules"] > 0
     assert (r["fused_moe_routers"] > 0) == name.startswith("qwen3_next")  # NemotronH's router is not a softmax one
+    assert (r["folded_shared_experts"] > 0) == name.startswith("qwen3_next")  # (NemotronH: no gated shared expert)
 
 
 def test_two_sequences_per_prompt_fork_on_every_rank(checkpoints, two_ranks):

@@ -23,6 +23,7 @@ import types
 import torch
 from torch import nn
 
+from ..models.base import INNER_FORWARD
 from .group import TensorParallelGroup
 
 
@@ -34,10 +35,13 @@ def _first(output, fn):
 
 
 def reduce_output(module: nn.Module, tp: TensorParallelGroup) -> None:
-    forward = module.forward
+    """All-reduce ``module``'s output. The forward it reduces is kept as the instance attribute
+    :data:`~hybrid_compile.models.base.INNER_FORWARD`: a patch installed later (the engine's, e.g. the
+    MoE block's folded shared expert) replaces that one and stays inside the reduction."""
+    module.__dict__[INNER_FORWARD] = module.forward
 
     def reduced_forward(self, *args, **kwargs):
-        return _first(forward(*args, **kwargs), tp.all_reduce)
+        return _first(getattr(self, INNER_FORWARD)(*args, **kwargs), tp.all_reduce)
 
     module.forward = types.MethodType(reduced_forward, module)
 

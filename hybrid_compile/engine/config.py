@@ -21,6 +21,8 @@ EXTRA_OPTIONS: dict[str, str] = {
     "overlap": "False turns off the overlapped scheduler (one step's host work beside the last's GPU work)",
     "speculative_commit_graphs": "False commits accepted speculative states with one op launch per state tensor",
     "mtp_draft_graphs": "True / False: full CUDA graphs of whole MTP draft proposals (default: where they run)",
+    "fold_shared_experts": "False keeps a MoE block's shared expert out of the routed experts' call "
+                           "(models/shared_expert_fold.py; default: folded on the fused experts path)",
 }
 
 

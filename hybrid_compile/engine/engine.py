@@ -69,6 +69,7 @@ from .request import Request, StepOutput
 from ..models.base import install_attention
 from ..models.fused_experts import install_fused_experts, resolve_fused_moe, resolve_fused_routers
 from ..models.fused_router import install_fused_routers
+from ..models.shared_expert_fold import install_shared_expert_folds
 from ..models.mtp import load_mtp_head
 from .speculative.token_map import read_token_map
 from .runner import ModelRunner, hidden_states_forward
@@ -259,10 +260,15 @@ class HybridEngine(GenerateAPI):
                 # FP8 experts)
                 routers = resolve_fused_routers(model, config.fused_moe, self.device, self.fused_moe)
                 self.fused_routers = install_fused_routers(model, self.patch, routers)
+                # ... and a shared expert of the routed experts' shape served as one more routed expert
+                # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart)
+                fold = self.fused_moe and config.extra.get("fold_shared_experts", True) is not False
+                self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, self.fused_moe,
                                                                 required=False)
                     self.fused_routers += install_fused_routers(self.mtp_head.layers, self.patch, routers)
+                    self.folded_shared_experts += install_shared_expert_folds(self.mtp_head.layers, self.patch, fold)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,
@@ -807,6 +813,7 @@ class HybridEngine(GenerateAPI):
         c["warmup_kernels_seconds"] = self.warmup_seconds
         c["fused_moe_modules"] = self.fused_experts  # experts modules on the fused path (EngineConfig.fused_moe)
         c["fused_moe_routers"] = self.fused_routers  # softmax top-k routers on moe_topk_softmax (the same option)
+        c["folded_shared_experts"] = self.folded_shared_experts  # MoE blocks serving their shared expert as a routed one
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         # time to first token / per output token of the recently finished requests (seconds)
         c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])

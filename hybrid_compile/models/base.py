@@ -145,8 +145,19 @@ def install_attention(model: nn.Module, handle: PatchHandle) -> None:
         handle.restores.append(lambda m=module, c=cfg: m.__dict__.__setitem__("config", c))
 
 
+#: The instance attribute holding the forward that a tensor-parallel all-reduce wraps
+#: (distributed/layers.py ``reduce_output``).
+INNER_FORWARD = "_hc_inner_forward"
+
+
 def patch_forward(module: nn.Module, forward: Callable, handle: PatchHandle) -> None:
-    """Replace ``module.forward`` on this instance only (the class is untouched)."""
+    """Replace ``module.forward`` on this instance only (the class is untouched); a module whose output
+    a tensor-parallel rank all-reduces gets the new forward inside the reduction (:data:`INNER_FORWARD`)."""
+    inner = module.__dict__.get(INNER_FORWARD)
+    if inner is not None:
+        module.__dict__[INNER_FORWARD] = types.MethodType(forward, module)
+        handle.restores.append(lambda m=module, f=inner: m.__dict__.__setitem__(INNER_FORWARD, f))
+        return
     module.forward = types.MethodType(forward, module)
     handle.restores.append(lambda m=module: m.__dict__.pop("forward", None))
 

@@ -1,0 +1,118 @@
+"""The shared expert folded into the routed experts (with ``EngineConfig.fused_moe``): a MoE block
+whose shared expert has the routed experts' shape is served as one more routed expert.
+
+Qwen3-Next and Qwen3.5-MoE blocks compute ``experts(x, top-k) + sigmoid(shared_expert_gate(x)) *
+shared_expert(x)``, and their shared expert (``gate_proj`` / ``up_proj`` / ``down_proj``, SiLU gate)
+has the routed experts' width in the released checkpoints (512 in Qwen3-Next-80B-A3B). At decode its
+three projections, its activation and the gated sum are four more kernels per layer, each near its
+launch floor, beside a grouped GEMV that streams ten experts in one launch anyway. Folded, every token
+gets an eleventh (token, expert) pair: expert ``E`` (the shared expert's weights, laid after the
+routed experts' in one ``[E + 1, ...]`` tensor at wrap) with the weight ``sigmoid(shared_expert_gate(x))``,
+and the block is one ``fused_moe_experts`` call (both grouped projections with the activation fused,
+the weighted sum over the ``top_k + 1`` rows in fp32). The sum then rounds once where transformers
+rounds the shared output, its gating and the final add each to the model dtype: tokens equal
+transformers' on fp32 models; bf16 logits differ by that rounding.
+
+Parameters are re-pointed, not copied: the experts' ``gate_up_proj`` / ``down_proj`` become the
+first ``E`` rows of the packed tensors and the shared expert's weights its last row (same values);
+``handle.undo()`` gives each its own storage again. Blocks whose shared expert is FP8, of another
+width or activation, or whose experts are not on the fused path keep transformers' forward
+(:func:`fold_reason`). ``EngineConfig.extra["fold_shared_experts"] = False`` turns the fold off.
+Under tensor parallelism a rank's shared expert and routed experts are sliced along the same
+intermediate dimension, so the rank's slices fold the same way, inside the block's all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.context import get_forward_context
+from ..ops.moe import fused_activation, fused_moe_experts
+from .base import PatchHandle, patch_forward
+from .fused_experts import unsupported_reason
+
+__all__ = ["FOLDABLE_BLOCKS", "fold_reason", "install_shared_expert_folds"]
+
+#: transformers' MoE blocks of ``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``
+FOLDABLE_BLOCKS = ("Qwen3NextSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock")
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def fold_reason(block: nn.Module) -> str | None:
+    """Why ``block``'s shared expert cannot fold into its routed experts, or None when it can."""
+    experts = getattr(block, "experts", None)
+    shared = getattr(block, "shared_expert", None)
+    gate = getattr(block, "shared_expert_gate", None)
+    if experts is None or shared is None or not isinstance(gate, nn.Linear) or gate.bias is not None:
+        return "not an experts + gated shared expert block"
+    reason = unsupported_reason(experts)
+    if reason is not None or not hasattr(experts, "gate_up_proj"):
+        return f"its experts are not on the fused path ({reason or 'no gate'})"
+    linears = [getattr(shared, name, None) for name in _PROJECTIONS]
+    if not all(type(m) is nn.Linear and m.bias is None for m in linears):
+        return "its shared expert's projections are not bias-free float nn.Linear modules (e.g. FP8)"
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    width = gate_up.shape[1] // 2
+    if any(m.weight.dtype != gate_up.dtype or m.weight.device != gate_up.device for m in linears):
+        return "its shared expert's weights are not in the experts' dtype and device"
+    if (linears[0].weight.shape != (width, gate_up.shape[2]) or linears[1].weight.shape != linears[0].weight.shape
+            or linears[2].weight.shape != (down.shape[1], width)):
+        return (f"its shared expert's width ({linears[0].weight.shape[0]}) is not the routed experts' "
+                f"({width})")
+    act = fused_activation(experts.act_fn, True)
+    if act != "silu_and_mul" or fused_activation(getattr(shared, "act_fn", None), True) != act:
+        return "its shared expert's activation is not the experts' fused SiLU gate"
+    return None
+
+
+def _pack(block: nn.Module, handle: PatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E + 1, 2I, H]`` / ``[E + 1, H, I]`` tensors holding the routed experts' projections then the
+    shared expert's; the parameters are re-pointed at their rows."""
+    experts, shared = block.experts, block.shared_expert
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    e, width = gate_up.shape[0], gate_up.shape[1] // 2
+    with torch.no_grad():
+        packed_up = torch.cat([gate_up, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
+        packed_down = torch.cat([down, shared.down_proj.weight[None]])
+        views = [(gate_up, packed_up[:e]), (down, packed_down[:e]), (shared.gate_proj.weight, packed_up[e, :width]),
+                 (shared.up_proj.weight, packed_up[e, width:]), (shared.down_proj.weight, packed_down[e])]
+        for param, view in views:
+            param.data = view
+    handle.restores.append(lambda params=[p for p, _ in views]: [_own_storage(p) for p in params])
+    return packed_up, packed_down
+
+
+def _own_storage(param: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.data = param.data.clone()
+
+
+def _folded_forward(packed_up: torch.Tensor, packed_down: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if get_forward_context() is None:
+            return type(self).forward(self, hidden_states)
+        batch, length, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        _, weights, index = self.gate(x)
+        # the shared expert: pair (token, E) weighted by its sigmoid gate, summed last like transformers' add
+        shared_weight = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight).float())
+        index = torch.cat([index, torch.full_like(index[:, :1], packed_up.shape[0] - 1)], dim=1)
+        weights = torch.cat([weights.float(), shared_weight], dim=1)
+        out = fused_moe_experts(x, index, weights, packed_up, packed_down, self.experts.act_fn, True)
+        return out.reshape(batch, length, hidden)
+
+    return forward
+
+
+def install_shared_expert_folds(model: nn.Module, handle: PatchHandle, option: bool) -> int:
+    """Fold the shared expert of every foldable block of ``model`` when ``option`` (the fused experts
+    path is on and ``extra["fold_shared_experts"]`` is not False); returns the number folded."""
+    if not option:
+        return 0
+    blocks = [m for m in model.modules() if type(m).__name__ in FOLDABLE_BLOCKS and fold_reason(m) is None]
+    for block in blocks:
+        patch_forward(block, _folded_forward(*_pack(block, handle)), handle)
+    return len(blocks)

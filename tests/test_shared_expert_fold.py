@@ -1,0 +1,131 @@
+"""The shared expert folded into the routed experts (hybrid_compile/models/shared_expert_fold.py).
+
+Oracle: transformers' own ``generate`` (greedy) on tiny fp32 Qwen3-Next and Qwen3.5-MoE models, where
+the fold's single rounding of the block sum changes nothing a greedy token sees.
+
+- With ``fused_moe=True`` every MoE block folds (``stats()["folded_shared_experts"]``), the engine's
+  greedy tokens equal HF's eager and compiled (one Dynamo graph, no graph break), and the fused experts
+  op then runs with ``E + 1`` experts and ``top_k + 1`` pairs per token; the block forward is
+  transformers' again outside an engine step.
+- ``engine.close()`` leaves the model as it was: every parameter bitwise equal and in its own storage.
+- ``extra={"fold_shared_experts": False}`` keeps the blocks apart (0 folded, same tokens).
+- :func:`fold_reason` names why a block cannot fold (a shared expert of another width, FP8 shared
+  expert projections, experts off the fused path).
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import hybrid_compile  # noqa: F401
+from hybrid_compile.models import shared_expert_fold as fold
+from hybrid_compile.ops import moe as moe_ops
+
+from engine_models import (
+    assert_greedy_equal,
+    cached_model,
+    hf_greedy_cached,
+    make_engine,
+    random_prompts,
+    single_threaded,
+    vocab_size,
+)
+
+NEW = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_threaded()
+
+
+def _blocks(model):
+    return [m for m in model.modules() if type(m).__name__ in fold.FOLDABLE_BLOCKS]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe"])
+def test_folded_blocks_match_hf_and_close_restores_the_model(kind, monkeypatch):
+    model = cached_model(kind, 0)
+    blocks = _blocks(model)
+    assert blocks and all(fold.fold_reason(b) is None for b in blocks)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+    real = fold.fused_moe_experts
+
+    def recording(x, index, weights, up, down, *args, **kwargs):
+        calls.append((index.shape[1], up.shape[0], weights.dtype))
+        return real(x, index, weights, up, down, *args, **kwargs)
+
+    monkeypatch.setattr(fold, "fused_moe_experts", recording)
+    prompts = random_prompts([1, 9, 30], vocab_size(model), seed=5)
+    with make_engine(model, fused_moe=True) as engine:
+        assert engine.stats()["folded_shared_experts"] == len(blocks)
+        got = engine.generate_batch(prompts, max_new_tokens=NEW)
+    experts = blocks[0].experts.gate_up_proj.shape[0]
+    top_k = blocks[0].gate.top_k
+    assert calls and set(calls) == {(top_k + 1, experts + 1, torch.float32)}
+    for prompt, tokens in zip(prompts, got):
+        assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, (kind, 0), prompt, NEW), "folded")
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    storages = [StorageWeakRef(p.untyped_storage()) for p in after.values()]
+    assert len(set(storages)) == len(storages), "a parameter still shares storage after close()"
+    assert all("forward" not in b.__dict__ for b in blocks)
+
+
+def test_folded_blocks_compile_without_graph_breaks():
+    model = cached_model("qwen3_next_moe", 0)
+    prompts = random_prompts([1, 17], vocab_size(model), seed=6)
+    with make_engine(model, fused_moe=True, compile=True) as engine:
+        got = engine.generate_batch(prompts, max_new_tokens=NEW)
+        stats = engine.stats()
+    assert stats["folded_shared_experts"] == len(_blocks(model))
+    c = stats["compile"]
+    assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c
+    for prompt, tokens in zip(prompts, got):
+        assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, ("qwen3_next_moe", 0), prompt, NEW),
+                            "folded, compiled")
+
+
+def test_extra_option_keeps_the_shared_expert_apart(monkeypatch):
+    model = cached_model("qwen3_next_moe", 0)
+    monkeypatch.setattr(fold, "fused_moe_experts", lambda *a, **k: pytest.fail("folded despite the option"))
+    prompts = random_prompts([12], vocab_size(model), seed=7)
+    with make_engine(model, fused_moe=True, extra={"fold_shared_experts": False}) as engine:
+        assert engine.stats()["folded_shared_experts"] == 0
+        got = engine.generate_batch(prompts, max_new_tokens=NEW)
+    assert_greedy_equal(model, prompts[0], got[0], hf_greedy_cached(model, ("qwen3_next_moe", 0), prompts[0], NEW),
+                        "not folded")
+
+
+def test_fold_reason_names_what_does_not_fit():
+    model = cached_model("qwen3_next_moe", 0)
+    block = _blocks(model)[0]
+    shared, experts = block.shared_expert, block.experts
+    hidden = experts.gate_up_proj.shape[2]
+    saved = shared.gate_proj
+    shared.gate_proj = nn.Linear(hidden, 8, bias=False)  # another width
+    try:
+        assert "width" in fold.fold_reason(block)
+    finally:
+        shared.gate_proj = saved
+
+    class FakeFp8(nn.Module):  # not an nn.Linear (as Fp8Linear)
+        pass
+
+    saved = shared.down_proj
+    shared.down_proj = FakeFp8()
+    try:
+        assert "FP8" in fold.fold_reason(block)
+    finally:
+        shared.down_proj = saved
+    saved = experts.down_proj
+    experts.down_proj = nn.Parameter(saved.detach()[:, :, :-1].clone(), requires_grad=False)  # shapes do not pair
+    try:
+        assert "fused path" in fold.fold_reason(block)
+    finally:
+        experts.down_proj = saved
+    assert fold.fold_reason(block) is None
+    assert fold.fold_reason(nn.Linear(2, 2)) == "not an experts + gated shared expert block"
+    assert moe_ops.fused_activation(experts.act_fn, True) == "silu_and_mul"

@@ -3,10 +3,10 @@
 Oracle: transformers' own ``generate`` (greedy) on tiny fp32 Qwen3-Next and Qwen3.5-MoE models, where
 the fold's single rounding of the block sum changes nothing a greedy token sees.
 
-- With ``fused_moe=True`` every MoE block folds (``stats()["folded_shared_experts"]``), the engine's
-  greedy tokens equal HF's eager and compiled (one Dynamo graph, no graph break), and the fused experts
-  op then runs with ``E + 1`` experts and ``top_k + 1`` pairs per token; the block forward is
-  transformers' again outside an engine step.
+- With ``fused_moe=True`` every MoE block folds (``stats()["folded_shared_experts"]``): steps of one
+  token (one request decoding) run the fused experts op with ``E + 1`` experts and ``top_k + 1`` pairs,
+  steps of several tokens transformers' block; greedy tokens equal HF's, eager and compiled (no graph
+  break); the folded one-token forward under torch.compile(fullgraph=True) equals transformers' block.
 - ``engine.close()`` leaves the model as it was: every parameter bitwise equal and in its own storage.
 - ``extra={"fold_shared_experts": False}`` keeps the blocks apart (0 folded, same tokens).
 - :func:`fold_reason` names why a block cannot fold (a shared expert of another width, FP8 shared
@@ -61,10 +61,15 @@ def test_folded_blocks_match_hf_and_close_restores_the_model(kind, monkeypatch):
     prompts = random_prompts([1, 9, 30], vocab_size(model), seed=5)
     with make_engine(model, fused_moe=True) as engine:
         assert engine.stats()["folded_shared_experts"] == len(blocks)
-        got = engine.generate_batch(prompts, max_new_tokens=NEW)
+        # one request: its decode steps are one token each, which fold
+        got = engine.generate_batch(prompts[2:], max_new_tokens=NEW)
+        one_token_calls = len(calls)
+        # several requests: steps of several tokens run transformers' block (nothing folded)
+        got = engine.generate_batch(prompts[:2], max_new_tokens=NEW) + got
     experts = blocks[0].experts.gate_up_proj.shape[0]
     top_k = blocks[0].gate.top_k
-    assert calls and set(calls) == {(top_k + 1, experts + 1, torch.float32)}
+    assert one_token_calls >= len(blocks) * (NEW - 1)
+    assert set(calls) == {(top_k + 1, experts + 1, torch.float32)}
     for prompt, tokens in zip(prompts, got):
         assert_greedy_equal(model, prompt, tokens, hf_greedy_cached(model, (kind, 0), prompt, NEW), "folded")
     after = dict(model.named_parameters())
@@ -74,7 +79,31 @@ def test_folded_blocks_match_hf_and_close_restores_the_model(kind, monkeypatch):
     assert all("forward" not in b.__dict__ for b in blocks)
 
 
-def test_folded_blocks_compile_without_graph_breaks():
+def test_folded_block_compiles_and_matches_the_block(monkeypatch):
+    """The folded forward of one token (what the batch-1 decode graph traces; on the CPU the engine pads
+    compiled steps to two requests) under torch.compile(fullgraph=True) equals transformers' block."""
+    model = cached_model("qwen3_next_moe", 0)
+    block = _blocks(model)[0]
+    x = torch.randn(1, 1, block.experts.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = type(block).forward(block, x)
+    from hybrid_compile.models.base import PatchHandle
+
+    handle = PatchHandle()
+    try:
+        forward = fold._folded_forward(*fold._pack(block, handle)).__get__(block)
+        inside = object()
+        monkeypatch.setattr(fold, "get_forward_context", lambda: inside)  # as inside an engine step
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager, compiled = forward(x), torch.compile(forward, fullgraph=True)(x)
+    finally:
+        handle.undo()
+    torch.testing.assert_close(eager, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_folds_compiles_without_graph_breaks():
     model = cached_model("qwen3_next_moe", 0)
     prompts = random_prompts([1, 17], vocab_size(model), seed=6)
     with make_engine(model, fused_moe=True, compile=True) as engine:

@@ -21,7 +21,7 @@ gated_rms_norm                                   :mod:`.norm`
 skinny_mm                                        :mod:`.linear`
 fp8_quantize_per_token_group / fp8_block_linear  :mod:`.fp8` (block-FP8 weights)
 fp8_grouped_linear                               :mod:`.fp8` (MoE experts)
-moe_grouped_linear / moe_combine_top_k /        :mod:`.moe` (MoE experts, float weights; the routing sort)
+moe_grouped_linear / moe_combine_top_k /         :mod:`.moe` (MoE experts, float weights; the routing sort)
 moe_sort_pairs
 moe_topk_softmax                                 :mod:`.moe_router` (softmax top-k MoE router)
 store_kv_cache / paged_attention_extend /        :mod:`.attention`

@@ -318,6 +318,13 @@ def test_from_pretrained_errors_are_clear(ckpt, tmp_path):
 
     with pytest.raises(ValueError, match=r"unknown EngineConfig.extra key\(s\): 'overlapp'"):
         HybridEngine(torch.nn.Linear(2, 2), EngineConfig(extra={"overlapp": False}))
+    # and their values: a switch is a bool, not something that reads as one
+    for extra, message in (({"overlap": "false"}, r"extra\['overlap'\] must be True or False, got 'false'"),
+                           ({"skinny_matmuls": 1}, r"extra\['skinny_matmuls'\] must be None or True or False"),
+                           ({"inductor_config": 3}, r"extra\['inductor_config'\] must be a dict"),
+                           ({"memory_budget_bytes": 0}, r"extra\['memory_budget_bytes'\] must be a positive integer")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_args(extra=extra)
     # a supported family the installed transformers lacks (LFM3 on transformers 5.17) says so
     (tmp_path / "lfm3").mkdir()
     (tmp_path / "lfm3" / "config.json").write_text('{"model_type": "lfm3"}')

@@ -26,6 +26,16 @@ EXTRA_OPTIONS: dict[str, str] = {
 }
 
 
+# the extra keys that are switches, and the values each takes (None: the default)
+_EXTRA_SWITCHES = {
+    "rewrite_passes": (True, False),
+    "skinny_matmuls": (None, True, False),
+    "overlap": (True, False),
+    "speculative_commit_graphs": (True, False),
+    "fold_shared_experts": (True, False),
+}
+
+
 @dataclass
 class EngineConfig:
     """Settings of one :class:`~hybrid_compile.engine.HybridEngine`.
@@ -129,6 +139,17 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown EngineConfig.extra key(s): {', '.join(map(repr, unknown))}; the keys are "
                              + "; ".join(f"{k!r} ({v})" for k, v in EXTRA_OPTIONS.items()))
+        # values: a switch is a bool (a string such as "false" would read as True), never coerced
+        for key, allowed in _EXTRA_SWITCHES.items():
+            if key in self.extra and not any(self.extra[key] is a for a in allowed):  # (1 == True: by identity)
+                raise ValueError(f"EngineConfig.extra[{key!r}] must be {' or '.join(map(repr, allowed))}, "
+                                 f"got {self.extra[key]!r}")
+        if not isinstance(self.extra.get("inductor_config", {}), dict):
+            raise ValueError(f"EngineConfig.extra['inductor_config'] must be a dict of Inductor config patches, got "
+                             f"{self.extra['inductor_config']!r}")
+        budget = self.extra.get("memory_budget_bytes")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"EngineConfig.extra['memory_budget_bytes'] must be a positive integer, got {budget!r}")
 
         def positive(name):
             v = getattr(self, name)

@@ -320,7 +320,7 @@ def test_from_pretrained_errors_are_clear(ckpt, tmp_path):
         HybridEngine(torch.nn.Linear(2, 2), EngineConfig(extra={"overlapp": False}))
     # and their values: a switch is a bool, not something that reads as one
     for extra, message in (({"overlap": "false"}, r"extra\['overlap'\] must be True or False, got 'false'"),
-                           ({"skinny_matmuls": 1}, r"extra\['skinny_matmuls'\] must be None or True or False"),
+                           ({"skinny_matmuls": 1}, r"extra\['skinny_matmuls'\] must be True, False or None, got 1"),
                            ({"inductor_config": 3}, r"extra\['inductor_config'\] must be a dict"),
                            ({"memory_budget_bytes": 0}, r"extra\['memory_budget_bytes'\] must be a positive integer")):
         with pytest.raises(ValueError, match=message):

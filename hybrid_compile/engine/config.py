@@ -26,12 +26,13 @@ EXTRA_OPTIONS: dict[str, str] = {
 }
 
 
-# the extra keys that are switches, and the values each takes (None: the default)
+# the extra keys that are switches, and the values each takes (None: a default resolved where it is read)
 _EXTRA_SWITCHES = {
     "rewrite_passes": (True, False),
-    "skinny_matmuls": (None, True, False),
+    "skinny_matmuls": (True, False, None),
     "overlap": (True, False),
     "speculative_commit_graphs": (True, False),
+    "mtp_draft_graphs": (True, False, None),
     "fold_shared_experts": (True, False),
 }
 
@@ -142,8 +143,8 @@ class EngineConfig:
         # values: a switch is a bool (a string such as "false" would read as True), never coerced
         for key, allowed in _EXTRA_SWITCHES.items():
             if key in self.extra and not any(self.extra[key] is a for a in allowed):  # (1 == True: by identity)
-                raise ValueError(f"EngineConfig.extra[{key!r}] must be {' or '.join(map(repr, allowed))}, "
-                                 f"got {self.extra[key]!r}")
+                values = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+                raise ValueError(f"EngineConfig.extra[{key!r}] must be {values}, got {self.extra[key]!r}")
         if not isinstance(self.extra.get("inductor_config", {}), dict):
             raise ValueError(f"EngineConfig.extra['inductor_config'] must be a dict of Inductor config patches, got "
                              f"{self.extra['inductor_config']!r}")

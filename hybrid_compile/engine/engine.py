@@ -262,7 +262,7 @@ class HybridEngine(GenerateAPI):
                 self.fused_routers = install_fused_routers(model, self.patch, routers)
                 # ... and a shared expert of the routed experts' shape served as one more routed expert
                 # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart)
-                fold = self.fused_moe and config.extra.get("fold_shared_experts", True) is not False
+                fold = self.fused_moe and config.extra.get("fold_shared_experts", True)
                 self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, self.fused_moe,

@@ -99,12 +99,11 @@ def _own_storage(param: torch.Tensor) -> None:
 
 def _folded_forward(packed_up: torch.Tensor, packed_down: torch.Tensor):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if get_forward_context() is None:
-            return type(self).forward(self, hidden_states)
         batch, length, hidden = hidden_states.shape
-        if not (isinstance(batch * length, int) and batch * length == 1):
-            # more tokens (a graph of several, its token count symbolic): transformers' block, whose shared
-            # expert runs as its own matmuls (faster there) on its parameters, views of the packed rows
+        if get_forward_context() is None or not (isinstance(batch * length, int) and batch * length == 1):
+            # outside a step, or more tokens (a graph of several, its token count symbolic): transformers'
+            # block, whose shared expert runs as its own matmuls (faster there) on its parameters, views of
+            # the packed rows
             return type(self).forward(self, hidden_states)
         x = hidden_states.view(-1, hidden)
         _, weights, index = self.gate(x)

@@ -44,13 +44,11 @@ OPTION = "mtp_draft_graphs"
 def resolve_option(config, device: torch.device) -> bool:
     """``EngineConfig.extra["mtp_draft_graphs"]``: None (default: on where it can run, i.e. the
     engine's full CUDA graphs, compile on a CUDA device with ``cuda_graphs`` None or full, and a
-    chain of drafts, ``topk`` 1), True (the same, and anything else is a ValueError naming the
-    option) or False."""
+    chain of drafts, ``topk`` 1), True (the same, and a ValueError naming the option where they
+    cannot run) or False (any other value: ``EngineConfig.validate`` refuses it)."""
     value = config.extra.get(OPTION)
     if value is False:
         return False
-    if value is not None and value is not True:
-        raise ValueError(f"EngineConfig.extra[{OPTION!r}] must be True, False or None (default), got {value!r}")
     full, _ = config.resolved_cuda_graphs(device)
     spec = config.speculative
     chain = spec is not None and spec.method == "mtp" and not spec.is_tree

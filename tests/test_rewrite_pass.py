@@ -259,6 +259,64 @@ def test_replaced_packed_weight_fails_clearly():
             compiled(x)
 
 
+class FourProjections(nn.Module):
+    """Four projections of one input; ``forward(x, all_four=False)`` reads two of them (a graph
+    specialised otherwise, as the folded MoE block's one-token step reads the router and the shared
+    expert's gate only)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(hidden, n, bias=False) for n in (12, 8, 8, 4))
+
+    def forward(self, x, all_four=True):
+        if all_four:
+            return self.a(x).sum(-1) + (self.b(x) * self.c(x)).sum(-1) + self.d(x).sum(-1)
+        return self.a(x).sum(-1) * self.d(x).sum(-1)
+
+
+def _compile_fn(fn, x):
+    """``fn`` compiled by a backend of its own (a live user of what it packs): (backend, compiled fn)."""
+    backend = HybridCompileBackend()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    with _no_compile_caches(), torch.no_grad():
+        compiled(x)
+    return backend, compiled
+
+
+@pytest.mark.parametrize("laid_out", [False, True])
+def test_a_second_graph_never_moves_weights_a_live_graph_reads_packed(laid_out):
+    """Two live graphs over the same parameters group them differently (all four, then ``a`` and ``d``).
+    Re-packing ``a`` / ``d`` for the second would move weights under the first (its packed-weight guard
+    then refuses to run): the second leaves them apart. Laid out beforehand with ``pack_parameters`` in
+    an order where ``a`` / ``d`` lead (``a, d, b, c``), both graphs find their groups packed -- in any
+    order -- and fuse them. Outputs equal eager either way; the weights keep their values."""
+    from hybrid_compile.compilation.rewrite import pack_parameters
+
+    torch.manual_seed(3)
+    block = FourProjections().eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        want_all, want_two = block(x), block(x, all_four=False)
+    params, values = _snapshot(block)
+    if laid_out:
+        pack_parameters([block.a.weight, block.d.weight, block.b.weight, block.c.weight])
+    torch._dynamo.reset()
+    first, all_four = _compile_fn(block, x)
+    layout = {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in block.named_parameters()}
+    second, two = _compile_fn(lambda t: block(t, all_four=False), x)
+    assert {n: (p.untyped_storage().data_ptr(), p.storage_offset()) for n, p in block.named_parameters()} == layout
+    assert first.stats.rewrites["fused_groups"] == 1 and first.stats.rewrites["group_sizes"] == {4: 1}
+    assert second.stats.rewrites.get("fused_groups", 0) == (1 if laid_out else 0), second.stats.rewrites
+    with torch.no_grad():
+        torch.testing.assert_close(all_four(x), want_all)  # the first graph still runs: nothing moved
+        torch.testing.assert_close(two(x), want_two)
+        torch.testing.assert_close(all_four(x[:3]), want_all[:3])
+    for name, p in block.named_parameters():
+        assert torch.equal(p, values[name]), name
+    first.release_packed_weights()
+    second.release_packed_weights()
+
+
 def test_backend_refuses_a_foreign_post_grad_pre_pass():
     with pytest.raises(ValueError, match="rewrites=False"):
         HybridCompileBackend(inductor_config={"post_grad_custom_pre_pass": lambda g: None})

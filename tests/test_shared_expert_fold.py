@@ -91,7 +91,7 @@ def test_folded_block_compiles_and_matches_the_block(monkeypatch):
 
     handle = PatchHandle()
     try:
-        forward = fold._folded_forward(*fold._pack(block, handle)).__get__(block)
+        forward = fold._folded_forward(*fold._pack(block, handle, False)).__get__(block)
         inside = object()
         monkeypatch.setattr(fold, "get_forward_context", lambda: inside)  # as inside an engine step
         torch._dynamo.reset()
@@ -101,6 +101,58 @@ def test_folded_block_compiles_and_matches_the_block(monkeypatch):
         handle.undo()
     torch.testing.assert_close(eager, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
+
+
+def test_one_token_graph_and_other_graphs_fuse_the_input_projections(monkeypatch):
+    """With the rewrite pass the fold lays the router's, ``shared_expert_gate``'s, then the shared
+    ``gate_proj`` / ``up_proj`` weights back to back: a graph of several tokens (transformers' block:
+    all four project the input) and the one-token folded graph (router and gate only) both fuse their
+    projections over that buffer and neither moves a weight under the other (the first graph runs
+    again after the second compiled; on the GPU a re-packing had failed its packed-weight guard). Outputs equal transformers' block; undo gives every parameter
+    its own storage with its values."""
+    from hybrid_compile.compilation.backend import HybridCompileBackend
+    from hybrid_compile.models.base import PatchHandle
+
+    model = cached_model("qwen3_next_moe", 0)
+    block = _blocks(model)[0]
+    hidden = block.experts.gate_up_proj.shape[2]
+    g = torch.Generator().manual_seed(9)
+    x1, x3 = torch.randn(1, 1, hidden, generator=g), torch.randn(1, 3, hidden, generator=g)
+    params = dict(block.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        want1, want3 = type(block).forward(block, x1), type(block).forward(block, x3)
+    handle = PatchHandle()
+    backends = []
+    try:
+        folded = fold._folded_forward(*fold._pack(block, handle, pack_projections=True)).__get__(block)
+        router = block.gate.weight
+        assert [p.storage_offset() for p in (router, block.shared_expert_gate.weight)] == [0, router.numel()]
+        inside = object()
+        monkeypatch.setattr(fold, "get_forward_context", lambda: inside)  # as inside an engine step
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+            compiled = []
+            for fn, x in ((lambda t: type(block).forward(block, t), x3), (folded, x1)):
+                backends.append(HybridCompileBackend())
+                compiled.append(torch.compile(fn, backend=backends[-1], fullgraph=True, dynamic=False))
+                compiled[-1](x)
+            got3, got1 = compiled[0](x3), compiled[1](x1)
+        r = [b.stats.rewrites for b in backends]
+        assert r[0]["group_sizes"] == {4: 1}, r
+        # the one-token graph takes the router and the gate packed as they lie (on the CPU Inductor turns a
+        # one-row matmul into a reduction before the fusion step, so it is fused on CUDA only)
+        assert (r[1]["packed_groups"], r[1]["packed_weights"]) == (1, 2), r
+        torch.testing.assert_close(got3, want3, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got1, want1, atol=1e-5, rtol=1e-5)
+    finally:
+        for b in backends:
+            b.release_packed_weights()
+        handle.undo()
+    for name, p in block.named_parameters():
+        assert p is params[name] and torch.equal(p, values[name]) and p.storage_offset() == 0, name
+    storages = {StorageWeakRef(p.untyped_storage()) for p in params.values()}
+    assert len(storages) == len(params)
 
 
 def test_engine_with_folds_compiles_without_graph_breaks():

@@ -20,7 +20,10 @@ Two steps, so that no weight is copied per call:
 1. :func:`pack_shared_input_weights` (the backend, once, on the real parameters of the Dynamo
    graph): the weights of every group of bias-free ``linear`` calls on one input are copied once
    into one contiguous buffer and the parameters are re-pointed at adjacent slices of it
-   (``param.data = packed[rows]``): same values, same memory, eager code unchanged.
+   (``param.data = packed[rows]``): same values, same memory, eager code unchanged. A graph
+   specialised otherwise (the folded MoE block's one-token step projects its input by fewer weights)
+   reuses weights that already lie back to back and never re-points one that a live graph reads
+   packed (that graph's guard would refuse to run): its group then stays apart.
 2. :class:`SharedInputMatmulFusion` (``post_grad_custom_pre_pass``): ``mm(x, w_i.T)`` nodes on one
    input whose weights are graph inputs lying back to back in one storage (read from the fake
    tensors' storage and offsets, the first at offset 0) become one ``mm(x, W.T)`` over
@@ -176,15 +179,23 @@ def _fp8_packing_order(weights: Sequence[torch.Tensor]) -> list[int] | None:
     return order if len(order) > 1 else None
 
 
-def _already_packed(weights: Sequence[torch.Tensor]) -> bool:
-    start = 0
-    for w in weights:
-        if w.untyped_storage().data_ptr() != weights[0].untyped_storage().data_ptr():
-            return False
-        if not w.is_contiguous() or w.storage_offset() != start:
-            return False
+def _packed_order(weights: Sequence[torch.Tensor]) -> list[int] | None:
+    """The order in which ``weights`` lie back to back from offset 0 of one storage (ascending
+    offsets), or None when they do not."""
+    order = sorted(range(len(weights)), key=lambda i: weights[i].storage_offset())
+    storage, start = _storage_id(weights[0]), 0
+    for i in order:
+        w = weights[i]
+        if _storage_id(w) != storage or not w.is_contiguous() or w.storage_offset() != start:
+            return None
         start += w.numel()
-    return True
+    return order
+
+
+def _in_live_buffer(w: torch.Tensor) -> bool:
+    """``w`` lies in a buffer that a live backend's compiled graphs read packed."""
+    users = _packing_users.get(_storage_id(w))
+    return users is not None and len(users) > 0
 
 
 # the live users (backends) of every packed buffer, by storage: the last one to release it unpacks
@@ -195,15 +206,18 @@ def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any],
     """Pack the weights of every group of bias-free linears on one input (see the module doc).
 
     Only 2-D contiguous ``nn.Parameter`` weights of one dtype/device and one ``in_features`` that
-    are graph inputs (Dynamo lifts parameters) are packed; weights already packed (an earlier compile of
-    the same model) are reused as they are. ``user`` (the backend) is registered as a user of every
+    are graph inputs (Dynamo lifts parameters) are packed; weights already lying back to back from the
+    start of one buffer (an earlier compile of the same model, :func:`pack_parameters`) are reused as
+    they lie, in any order; a group that would move a weight another live backend's graphs read
+    packed stays apart (:func:`_layout`). ``user`` (the backend) is registered as a user of every
     returned group's buffer until it calls :func:`unpack_weights`."""
     index_of = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     groups = []
     for nodes in _linear_weight_groups(gm):
         idx = tuple(index_of[n] for n in nodes)
-        if _packable([example_inputs[i] for i in idx]):
-            groups.append(_pack(idx, [example_inputs[i] for i in idx], user))
+        ws = [example_inputs[i] for i in idx]
+        if _packable(ws) and (layout := _layout(ws, any_order=True)) is not None:
+            groups.append(_pack(*_reordered(idx, ws, layout), layout is not _NEW, user))
     # block-FP8 projections: the weights packed in one buffer and their block scales in another, in
     # the same order, so that the fused call's scale rows line up with its weight rows
     for weight_nodes, scale_nodes in _fp8_weight_groups(gm):
@@ -214,8 +228,12 @@ def pack_shared_input_weights(gm: fx.GraphModule, example_inputs: Sequence[Any],
         order = _fp8_packing_order(ws)
         if order is None:
             continue
-        groups.append(_pack(tuple(index_of[weight_nodes[i]] for i in order), [ws[i] for i in order], user))
-        groups.append(_pack(tuple(index_of[scale_nodes[i]] for i in order), [scales[i] for i in order], user))
+        ws, scales = [ws[i] for i in order], [scales[i] for i in order]
+        layouts = (_layout(ws, any_order=False), _layout(scales, any_order=False))
+        if None in layouts:
+            continue
+        for nodes, ts, layout in ((weight_nodes, ws, layouts[0]), (scale_nodes, scales, layouts[1])):
+            groups.append(_pack(tuple(index_of[nodes[i]] for i in order), ts, layout is not _NEW, user))
     return groups
 
 
@@ -229,19 +247,51 @@ def _packable(ws: Sequence[Any]) -> bool:
                and w.shape[1] == w0.shape[1] for w in ws)
 
 
-def _pack(idx: tuple[int, ...], ws: Sequence[torch.nn.Parameter], user: object) -> PackedGroup:
-    """Re-point ``ws`` at adjacent row slices of one new buffer (or reuse the buffer they already lie in)."""
+def pack_parameters(ws: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """Copy 2-D parameters of one width into one buffer, back to back in this order, and re-point each
+    at its rows (``param.data = buffer[rows]``: same values, same ``Parameter`` objects); returns the
+    buffer. A later compile finds such a group packed (:func:`pack_shared_input_weights`)."""
+    with torch.inference_mode(False), torch.no_grad():
+        packed = torch.cat([w.detach() for w in ws])
+        start = 0
+        for w in ws:
+            w.data = packed[start:start + w.shape[0]]
+            start += w.shape[0]
+    return packed
+
+
+_NEW = "new"  # _layout: the group gets a buffer of its own
+
+
+def _layout(ws: Sequence[torch.nn.Parameter], any_order: bool) -> str | list[int] | None:
+    """How a group's weights are packed: the order in which they already lie back to back from
+    offset 0 of one buffer (an earlier compile's, in any order when ``any_order``, else in theirs), else
+    :data:`_NEW` (copied into a buffer of their own) -- unless one of them lies in a buffer that a live
+    backend's graphs read packed (a graph specialised otherwise, e.g. a one-token step that skips some
+    of the group's projections): re-pointing it would move a weight under that graph, so None (the
+    group's matmuls stay apart)."""
+    order = _packed_order(ws)
+    if order is not None and (any_order or order == sorted(order)):
+        return order
+    return None if any(_in_live_buffer(w) for w in ws) else _NEW
+
+
+def _reordered(idx: tuple[int, ...], ws: Sequence[Any], layout: str | list[int]) -> tuple[tuple[int, ...], list]:
+    """``idx`` / ``ws`` in the order of the buffer they lie in (a :func:`_layout` order), else as given."""
+    if layout is _NEW:
+        return idx, list(ws)
+    return tuple(idx[i] for i in layout), [ws[i] for i in layout]
+
+
+def _pack(idx: tuple[int, ...], ws: Sequence[torch.nn.Parameter], reuse: bool, user: object) -> PackedGroup:
+    """Re-point ``ws`` at adjacent row slices of one new buffer, or (``reuse``) take the buffer they
+    already lie in, in this order."""
     w0 = ws[0]
     rows = tuple(int(w.shape[0]) for w in ws)
-    if _already_packed(ws):
+    if reuse:
         packed = w0.new_empty(0).set_(w0.untyped_storage(), 0, (sum(rows), w0.shape[1]), (w0.shape[1], 1))
     else:
-        with torch.inference_mode(False), torch.no_grad():
-            packed = torch.cat([w.detach() for w in ws])
-            start = 0
-            for w, n in zip(ws, rows):
-                w.data = packed[start:start + n]
-                start += n
+        packed = pack_parameters(ws)
     _packing_users.setdefault(_storage_id(packed), weakref.WeakSet()).add(user)
     return PackedGroup(idx, packed, rows, tuple(ws))
 

@@ -263,12 +263,15 @@ class HybridEngine(GenerateAPI):
                 # ... and a shared expert of the routed experts' shape served as one more routed expert
                 # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart)
                 fold = self.fused_moe and config.extra.get("fold_shared_experts", True)
-                self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold)
+                # (laid out for the rewrite pass's projection packing when the engine compiles with it)
+                packs = config.resolved_compile(self.device) and config.extra.get("rewrite_passes", True)
+                self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold, packs)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, self.fused_moe,
                                                                 required=False)
                     self.fused_routers += install_fused_routers(self.mtp_head.layers, self.patch, routers)
-                    self.folded_shared_experts += install_shared_expert_folds(self.mtp_head.layers, self.patch, fold)
+                    self.folded_shared_experts += install_shared_expert_folds(self.mtp_head.layers, self.patch, fold,
+                                                                              packs)
                     install_attention(self.mtp_head, self.patch)
             # an MTP head reads the target's final hidden states: the forward returns them too
             self.runner = ModelRunner(model, self.pools, self.device, config,

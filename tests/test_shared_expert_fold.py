@@ -158,9 +158,18 @@ def test_one_token_graph_and_other_graphs_fuse_the_input_projections(monkeypatch
 def test_engine_with_folds_compiles_without_graph_breaks():
     model = cached_model("qwen3_next_moe", 0)
     prompts = random_prompts([1, 17], vocab_size(model), seed=6)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with make_engine(model, fused_moe=True, compile=True) as engine:
+        block = _blocks(model)[0]
+        # compiled with the rewrite pass: the block's input projections lie back to back
+        laid = [block.gate.weight, block.shared_expert_gate.weight, block.shared_expert.gate_proj.weight,
+                block.shared_expert.up_proj.weight]
+        assert len({p.untyped_storage().data_ptr() for p in laid}) == 1
         got = engine.generate_batch(prompts, max_new_tokens=NEW)
         stats = engine.stats()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) and after[n].storage_offset() == 0 for n in before)
+    assert len({StorageWeakRef(p.untyped_storage()) for p in after.values()}) == len(after)
     assert stats["folded_shared_experts"] == len(_blocks(model))
     c = stats["compile"]
     assert c["graph_breaks"] == 0 and c["recompiles"] == 0, c

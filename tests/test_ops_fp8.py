@@ -217,7 +217,7 @@ def test_silu_and_mul_up_rows_take_their_own_block_scales():
     for config in (None, (8, 128, 4, 1)):
         torch.testing.assert_close(tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, gather_index=gather,
                                                         activation="silu_and_mul", config=config),
-                                   want, rtol=1e-5, atol=1e-4)
+                                   want, rtol=1e-4, atol=1e-3)  # (fp32 sums in another order; the bug is 1000x)
 
 
 def test_op_argument_errors():

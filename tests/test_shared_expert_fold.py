@@ -91,7 +91,7 @@ def test_folded_block_compiles_and_matches_the_block(monkeypatch):
 
     handle = PatchHandle()
     try:
-        forward = fold._folded_forward(*fold._pack(block, handle, False)).__get__(block)
+        forward = fold._folded_forward(*fold._pack(block, handle, None)).__get__(block)
         inside = object()
         monkeypatch.setattr(fold, "get_forward_context", lambda: inside)  # as inside an engine step
         torch._dynamo.reset()
@@ -108,9 +108,10 @@ def test_one_token_graph_and_other_graphs_fuse_the_input_projections(monkeypatch
     ``gate_proj`` / ``up_proj`` weights back to back: a graph of several tokens (transformers' block:
     all four project the input) and the one-token folded graph (router and gate only) both fuse their
     projections over that buffer and neither moves a weight under the other (the first graph runs
-    again after the second compiled; on the GPU a re-packing had failed its packed-weight guard). Outputs equal transformers' block; undo gives every parameter
-    its own storage with its values."""
+    again after the second compiled; on the GPU a re-packing had failed its packed-weight guard).
+    Outputs equal transformers' block; undo gives every parameter its own storage with its values."""
     from hybrid_compile.compilation.backend import HybridCompileBackend
+    from hybrid_compile.compilation.rewrite import pack_parameters
     from hybrid_compile.models.base import PatchHandle
 
     model = cached_model("qwen3_next_moe", 0)
@@ -125,7 +126,7 @@ def test_one_token_graph_and_other_graphs_fuse_the_input_projections(monkeypatch
     handle = PatchHandle()
     backends = []
     try:
-        folded = fold._folded_forward(*fold._pack(block, handle, pack_projections=True)).__get__(block)
+        folded = fold._folded_forward(*fold._pack(block, handle, pack_parameters)).__get__(block)
         router = block.gate.weight
         assert [p.storage_offset() for p in (router, block.shared_expert_gate.weight)] == [0, router.numel()]
         inside = object()

@@ -25,20 +25,21 @@ first ``E`` rows of the packed tensors and the shared expert's weights its last 
 ``handle.undo()`` gives each its own storage again. When the engine compiles with the rewrite pass,
 the shared ``gate_proj`` / ``up_proj`` instead lie back to back with the router's and
 ``shared_expert_gate``'s weights, so that the one-token graph and the others fuse the block's input
-projections over one buffer (:func:`_pack_input_projections`; their last experts row is then a copy). Blocks whose shared expert is FP8, of another
-width or activation, or whose experts are not on the fused path keep transformers' forward
-(:func:`fold_reason`). ``EngineConfig.extra["fold_shared_experts"] = False`` turns the fold off.
+projections over one buffer (:func:`_pack_input_projections`; their last experts row is then a copy).
+Blocks whose shared expert is FP8, of another width or activation, or whose experts are not on the
+fused path keep transformers' forward (:func:`fold_reason`). ``EngineConfig.extra["fold_shared_experts"] = False`` turns the fold off.
 Under tensor parallelism a rank's shared expert and routed experts are sliced along the same
 intermediate dimension, so the rank's slices fold the same way, inside the block's all-reduce.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compilation.rewrite import pack_parameters
 from ..layers.context import get_forward_context
 from ..ops.moe import fused_activation, fused_moe_experts
 from .base import PatchHandle, patch_forward
@@ -79,7 +80,13 @@ def fold_reason(block: nn.Module) -> str | None:
     return None
 
 
-def _pack(block: nn.Module, handle: PatchHandle, pack_projections: bool) -> tuple[torch.Tensor, torch.Tensor]:
+#: lays parameters back to back in one buffer, re-pointing each at its rows (the compile's packing:
+#: ``compilation.rewrite.pack_parameters``, handed in by the engine)
+PackParameters = Callable[[Sequence[nn.Parameter]], torch.Tensor]
+
+
+def _pack(block: nn.Module, handle: PatchHandle,
+          pack_projections: PackParameters | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E + 1, 2I, H]`` / ``[E + 1, H, I]`` tensors holding the routed experts' projections then the
     shared expert's; the parameters are re-pointed at their rows, except (``pack_projections``) the
     shared ``gate_proj`` / ``up_proj``, laid out for the compile's projection packing instead
@@ -91,21 +98,21 @@ def _pack(block: nn.Module, handle: PatchHandle, pack_projections: bool) -> tupl
         packed_up = torch.cat([gate_up, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
         packed_down = torch.cat([down, shared.down_proj.weight[None]])
         views = [(gate_up, packed_up[:e]), (down, packed_down[:e]), (shared.down_proj.weight, packed_down[e])]
-        if not pack_projections:
+        if pack_projections is None:
             width = gate_up.shape[1] // 2
             views += [(shared.gate_proj.weight, packed_up[e, :width]), (shared.up_proj.weight, packed_up[e, width:])]
         for param, view in views:
             param.data = view
     params = [p for p, _ in views]
-    if pack_projections:
-        params += _pack_input_projections(block)
+    if pack_projections is not None:
+        params += _pack_input_projections(block, pack_projections)
     handle.restores.append(lambda: [_own_storage(p) for p in params])
     return packed_up, packed_down
 
 
-def _pack_input_projections(block: nn.Module) -> list[nn.Parameter]:
+def _pack_input_projections(block: nn.Module, pack: PackParameters) -> list[nn.Parameter]:
     """Lay the router's weight, ``shared_expert_gate``'s, then the shared ``gate_proj`` / ``up_proj``
-    back to back in one buffer (``compilation.rewrite.pack_parameters``); returns them.
+    back to back in one buffer (``pack``); returns them.
 
     The compile's rewrite pass fuses the projections of one input into one matmul over weights lying
     back to back, and never re-points a weight that a compiled graph reads packed. The one-token graph
@@ -119,7 +126,7 @@ def _pack_input_projections(block: nn.Module) -> list[nn.Parameter]:
     if (isinstance(router, nn.Parameter) and router.dim() == 2 and router.shape[1] == linears[0].shape[1]
             and router.dtype == linears[0].dtype and router.device == linears[0].device):
         linears.insert(0, router)
-    pack_parameters(linears)
+    pack(linears)
     return linears
 
 
@@ -149,10 +156,11 @@ def _folded_forward(packed_up: torch.Tensor, packed_down: torch.Tensor):
 
 
 def install_shared_expert_folds(model: nn.Module, handle: PatchHandle, option: bool,
-                                pack_projections: bool = False) -> int:
+                                pack_projections: PackParameters | None = None) -> int:
     """Fold the shared expert of every foldable block of ``model`` when ``option`` (the fused experts
     path is on and ``extra["fold_shared_experts"]`` is not False); returns the number folded.
-    ``pack_projections``: the engine compiles with the rewrite pass (:func:`_pack_input_projections`)."""
+    ``pack_projections``: the compile's packing when the engine compiles with the rewrite pass
+    (:func:`_pack_input_projections`), else None."""
     if not option:
         return 0
     blocks = [m for m in model.modules() if type(m).__name__ in FOLDABLE_BLOCKS and fold_reason(m) is None]

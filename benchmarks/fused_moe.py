@@ -29,7 +29,9 @@ every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tile
 tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
 BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` (but tiles of more accumulators than
 :data:`GEMV_SWEEP_MAX_ACCUMULATORS`), each output checked against the default's,
-timed as above; prints the default and the best of each path per case, writes every timing. On
+timed as above (on CUDA a case of at most :data:`FEW_TOKENS` tokens as :data:`CALLS_PER_GRAPH` calls in one graph,
+each over its own routing draw, per call: ``calls_per_timing``); prints the default and the best of each
+path per case, writes every timing. On
 CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
 """
 
@@ -89,20 +91,28 @@ def _sync(device):
 
 
 def time_ms(fn, device, iters: int, graph: bool = True) -> tuple[float, str]:
-    """Median ms of ``fn``: CUDA-graph replays when ``graph`` and it can be captured (CUDA), else eager calls."""
+    """Median ms of ``fn``: CUDA-graph replays when ``graph`` and it can be captured (CUDA), else eager
+    calls. ``fn`` may be a list of calls: they run in turn (one graph holding all of them) and the time
+    is per call."""
+    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+
+    def run():
+        for f in fns:
+            f()
+
     for _ in range(3):
-        fn()
+        run()
     _sync(device)
     if device.type == "cuda":
         from kernels import bench
 
-        ms = bench(fn, iters=iters, graph=graph)
-        return float(ms), ms.mode
+        ms = bench(run, iters=iters, graph=graph)
+        return float(ms) / len(fns), ms.mode
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
+        run()
+        times.append((time.perf_counter() - t) * 1e3 / len(fns))
     return statistics.median(times), "eager"
 
 
@@ -175,6 +185,12 @@ GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32, 64, 128), block_k=(12
 #: The GEMV is swept up to this many tokens (the decode sizes it serves: 64 tokens of top-10 routing
 #: over 512 experts are 1.25 rows per expert)
 GEMV_SWEEP_MAX_TOKENS = 64
+#: Sweep calls of at most FEW_TOKENS tokens are timed CALLS_PER_GRAPH at a time (one graph of them, each
+#: over its own routing; the time per call): such a call takes a few microseconds, less than what timing
+#: a replay of it alone adds (an H200 sweep of 2026-11-28 timed every tile of TP 4's one-token calls at
+#: 10 or 16 us, where the model's decode graph spends 5.7 us a call)
+FEW_TOKENS = 8
+CALLS_PER_GRAPH = 16
 #: GEMV tiles holding more fp32 accumulators than this (rows x BLOCK_N x BLOCK_K, twice for
 #: silu_and_mul) are left out: 4x the default tile's 4096, beyond which the registers spill
 GEMV_SWEEP_MAX_ACCUMULATORS = 16384
@@ -229,15 +245,20 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
     num, hidden, inter = down.shape
     sms = _sm_count(device)
     rows = []
+    act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
     for tokens in tokens_list:
-        idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
-        routing = sort_pairs_by_expert(idx, num)
-        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-        h = torch.randn(tokens * top_k, inter, device=device, dtype=dtype)
-        hit = int(torch.unique(idx).numel())
-        act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
-        cases = {"up": (x, up, routing.token_of_row, None, act), "down": (h, down, None, routing.order, "none")}
-        for projection, (inp, weight, gather, scatter, activation) in cases.items():
+        # on CUDA calls of a few tokens are timed CALLS_PER_GRAPH at a time, each over its own routing draw
+        # (other experts: a call does not find its weights in L2 from the one before)
+        draws = []
+        for _ in range(CALLS_PER_GRAPH if tokens <= FEW_TOKENS and device.type == "cuda" else 1):
+            idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
+            draws.append((idx, sort_pairs_by_expert(idx, num), torch.randn(tokens, hidden, device=device, dtype=dtype),
+                          torch.randn(tokens * top_k, inter, device=device, dtype=dtype)))
+        hit = sum(int(torch.unique(idx).numel()) for idx, *_ in draws) / len(draws)
+        # projection: (weight, activation, the call's (input, gather, scatter) of a draw)
+        cases = {"up": (up, act, lambda routing, x, h: (x, routing.token_of_row, None)),
+                 "down": (down, "none", lambda routing, x, h: (h, None, routing.order))}
+        for projection, (weight, activation, operands) in cases.items():
             candidates = _candidates(tokens, tokens * top_k, grouped_output_width(weight.shape[1], activation),
                                      weight.shape[2], num, dtype, sms, activation == "silu_and_mul", *grids)
             weight_bytes = hit * weight.shape[1] * weight.shape[2] * weight.element_size()
@@ -245,12 +266,14 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
             timings = []
             with torch.inference_mode():
                 for cand in candidates:
-                    def call(cand=cand):
+                    def call(routing, x, h, cand=cand, weight=weight, activation=activation, operands=operands):
+                        inp, gather, scatter = operands(routing, x, h)
                         return moe_grouped_linear_triton(inp, weight, routing.expert_offsets, gather, scatter,
                                                          activation, config=tuple(cand["config"]), path=cand["path"],
                                                          rows_per_program=cand.get("rows_per_program"))
+                    calls = [lambda d=d, call=call: call(*d[1:]) for d in draws]
                     try:
-                        got = call().float()
+                        got = calls[0]().float()
                     except Exception as e:  # noqa: BLE001 - a tile this device cannot hold is recorded
                         timings.append(dict(cand, error=f"{type(e).__name__}: {str(e)[:120]}"))
                         continue
@@ -258,14 +281,15 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
                         want = got
                     err = float((got - want).abs().max())
                     assert err <= 0.02 * float(want.abs().max()) + 1e-3, (name, tokens, projection, cand, err)
-                    ms, mode = time_ms(call, device, iters)
+                    ms, mode = time_ms(calls, device, iters)
                     timings.append(dict(cand, ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6))
             timed = [t for t in timings if "ms" in t]
             best = min(timed, key=lambda t: t["ms"])
             best_by_path = {p: min((t for t in timed if t["path"] == p), key=lambda t: t["ms"])
                             for p in ("gemv", "tensor_cores") if any(t["path"] == p for t in timed)}
             rows.append(dict(shape=name, tokens=tokens, projection=projection, activation=activation, experts_hit=hit,
-                             weight_bytes=weight_bytes, default=timed[0], best=best, best_by_path=best_by_path,
+                             calls_per_timing=len(draws), weight_bytes=weight_bytes, default=timed[0], best=best,
+                             best_by_path=best_by_path,
                              timings=timings))
             d = timed[0]
             per_path = "  ".join(f"best {_label(t)} {t['ms'] * 1e3:.1f} us ({d['ms'] / t['ms']:.2f}x)"

@@ -45,6 +45,7 @@ def test_tiny_tile_sweep_under_the_interpreter(tmp_path):
     for r in run["rows"]:
         # the default + the tiny grids' 2 tensor-core and 2 GEMV tiles
         assert r["timings"][0] == r["default"] and len(r["timings"]) == 5
+        assert r["calls_per_timing"] == 1  # (on CUDA 1 token is timed as 16 calls over 16 routing draws)
         assert r["default"]["path"] == "gemv" and r["default"]["rows_per_program"] == 1
         assert [t["path"] for t in r["timings"][1:]] == ["tensor_cores"] * 2 + ["gemv"] * 2
         assert [t.get("rows_per_program") for t in r["timings"][3:]] == [1, 2]

@@ -97,37 +97,6 @@ def kernel_profile(path: str, device: torch.device, row_limit: int = 30):
         f.write(events.table(sort_by=key, row_limit=row_limit, max_name_column_width=70))
 
 
-class TritonCompiles:
-    """``with TritonCompiles() as tc: ...`` counts the Triton JIT compiles (new kernel
-    specialisations) launched inside the block, by kernel name (``tc.by_kernel``). Chains any
-    hook already installed. Inductor's generated kernels compile elsewhere and are not counted."""
-
-    def __init__(self):
-        self.by_kernel: dict[str, int] = {}
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_kernel.values())
-
-    def __enter__(self) -> "TritonCompiles":
-        import triton
-
-        self._runtime = triton.knobs.runtime
-        self._previous = self._runtime.jit_post_compile_hook
-
-        def hook(*args, **kwargs):
-            fn = kwargs.get("fn")
-            name = getattr(fn, "name", None) or str(fn)
-            self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
-            return self._previous(*args, **kwargs) if self._previous is not None else None
-
-        self._runtime.jit_post_compile_hook = hook
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._runtime.jit_post_compile_hook = self._previous
-
-
 def _profiled(engine, run) -> tuple:
     """``run()`` (returns the number of steps it took) under torch.profiler on rank 0 (CPU events, and
     CUDA kernels on a GPU); returns (profiler, steps, wall seconds)."""

@@ -242,7 +242,8 @@ def run_tp(args, path: str, tp: int, vocab: int, save) -> dict:
     engine = hc.from_pretrained(path, dtype=args.dtype, device=args.device, tokenizer=False, tensor_parallel_size=tp,
                                 **opts)
     out = dict(tp=tp, load_seconds=time.perf_counter() - t0, decode={}, prefill={}, all_reduce=None,
-               startup=engine.stats()["startup"], memory=engine.stats()["memory"])
+               startup=engine.stats()["startup"], startup_work=engine.stats()["startup_work"],
+               memory=engine.stats()["memory"])
     print(f"TP {tp}: ready in {out['load_seconds']:.1f} s", flush=True)
     save(out)
     try:

@@ -685,11 +685,7 @@ def test_no_triton_compiles_after_wrap(kind, mode):
     sizes and lengths with prefix-cache hits, checkpoints and mixed steps JIT-compiles no Triton
     kernel: no constexpr or specialisation of ours depends on the batch's shape (each compile
     costs about a second, inside some request's time to first token)."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks.profiling import TritonCompiles
+    from hybrid_compile.compilation.compile_counts import TritonCompiles
 
     model = _gpu_model(kind)
     vocab = vocab_size(model)

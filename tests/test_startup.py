@@ -46,6 +46,10 @@ def test_wrap_is_silent_and_reports_its_phases(capsys):
     engine, wall = _timed(lambda: make_engine(model))
     with engine:
         _check_breakdown(engine.stats()["startup"], wall, {"pools", "patch"})
+        # an eager engine compiles nothing in any phase
+        work = engine.stats()["startup_work"]
+        assert set(work) == {"pools", "patch"} and all(
+            c["dynamo_graphs"] == c["inductor_compiles"] == c["inductor_cache_hits"] == 0 for c in work.values()), work
     out, err = capsys.readouterr()
     assert out == "" and err == ""
 
@@ -80,6 +84,13 @@ def test_compiled_wrap_times_the_compile_phase():
     _check_breakdown(startup, wall, {"pools", "patch", "compile"})
     # the backend (split + Inductor per piece) runs inside the compile phase
     assert 0 < compiled["compile_seconds"] <= startup["compile_s"]
+    # what each phase compiled: the trace and the pieces in the compile phase, nothing before it
+    work = stats["startup_work"]
+    assert set(work) == {"pools", "patch", "compile"}, work
+    assert all(work[p]["dynamo_graphs"] == work[p]["inductor_compiles"] == work[p]["inductor_cache_hits"] == 0
+               for p in ("pools", "patch")), work
+    assert work["compile"]["dynamo_graphs"] >= 1, work
+    assert work["compile"]["inductor_compiles"] + work["compile"]["inductor_cache_hits"] == compiled["pieces"], work
     caches = compiled["caches"]
     # every piece looked up once in each of Inductor's caches (hit or miss: this process may have
     # compiled the same model before)

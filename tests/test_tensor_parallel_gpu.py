@@ -64,7 +64,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import sys
 import time
 
 import pytest
@@ -283,8 +282,7 @@ def _compile_counts(triton) -> dict:
 
 
 def _triton_compiles():
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks.profiling import TritonCompiles
+    from hybrid_compile.compilation.compile_counts import TritonCompiles
 
     return TritonCompiles()
 

@@ -820,6 +820,7 @@ class HybridEngine(GenerateAPI):
         c["fused_moe_routers"] = self.fused_routers  # softmax top-k routers on moe_topk_softmax (the same option)
         c["folded_shared_experts"] = self.folded_shared_experts  # MoE blocks serving their shared expert as a routed one
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
+        c["startup_work"] = self.startup.work_dict()  # ... and what each compiled
         # time to first token / per output token of the recently finished requests (seconds)
         c["ttft"] = _percentiles([t for t, _ in self._timings if t is not None])
         c["tpot"] = _percentiles([t for _, t in self._timings if t is not None])

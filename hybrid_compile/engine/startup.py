@@ -18,6 +18,10 @@ The phases, in the order they run:
 
 ``total_s`` is the wall time from the start (before ``load`` for ``from_pretrained``) to the
 engine being ready; the phases are parts of it.
+
+``engine.stats()["startup_work"]`` says what each phase that ran compiled
+(:class:`~hybrid_compile.compilation.compile_counts.CompileWork`): Dynamo graphs traced, Inductor
+graphs compiled and served from its cache, Triton JIT compiles of the package's kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import contextlib
 import sys
 import time
 from typing import Iterator
+
+from ..compilation.compile_counts import WORK_KEYS, CompileWork
 
 PHASES = ("load", "pools", "patch", "compile", "capture", "speculative", "warmup")
 
@@ -38,6 +44,7 @@ class Startup:
 
     def __init__(self, progress: bool = False, desc: str = "starting engine") -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.work: dict[str, dict] = {}  # phase -> compile counts (CompileWork), summed over its runs
         self.total_seconds: float | None = None
         self.progress = progress
         self._desc = desc
@@ -81,10 +88,15 @@ class Startup:
         bar = self._shown()
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
+        work = CompileWork()
         try:
-            yield
+            with work:
+                yield
         finally:
             self.seconds[name] += time.perf_counter() - t0
+            summed = self.work.setdefault(name, dict.fromkeys(WORK_KEYS, 0))
+            for key, count in work.counts.items():
+                summed[key] = None if count is None or summed[key] is None else summed[key] + count
         bar.update()
 
     def finish(self) -> None:
@@ -93,6 +105,11 @@ class Startup:
         bar = self._shown()
         bar.set_postfix_str("ready")
         bar.close()
+
+    def work_dict(self) -> dict:
+        """``{phase: {"dynamo_graphs", "inductor_compiles", "inductor_cache_hits", "triton_compiles"}}``
+        for every phase that ran (``triton_compiles`` None where Triton's compile hook is missing)."""
+        return {name: dict(counts) for name, counts in self.work.items()}
 
     def as_dict(self) -> dict:
         """``{"load_s", "pools_s", "patch_s", "compile_s", "capture_s", "speculative_s", "warmup_s",

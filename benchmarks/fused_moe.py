@@ -13,7 +13,9 @@ transformers' ``Qwen3NextExperts``, the same layout as ``Qwen3_5MoeExperts``), Q
 token count: transformers' forward with each of its experts implementations (``eager``: a loop over
 the hit experts with host syncs; ``grouped_mm``: ``torch._grouped_mm`` after a sort; ``batched_mm``)
 and ours, the median of CUDA-graph replays where the call can be captured, else of eager calls (the
-``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included), plus
+``mode`` field says which; ``ours_eager``: ours without a graph, launch overhead included; on CUDA a
+case of at most :data:`FEW_TOKENS` tokens is timed per call of a graph of :data:`CALLS_PER_GRAPH`
+calls, each over its own routing draw: ``calls_per_timing``), plus
 the bytes of expert weights the step must read (the experts hit) and the bandwidth that time
 implies; ``path``: which kernel our ``moe_grouped_linear`` took (on CUDA ``moe_path``'s: the
 CUDA-core ``gemv`` at decode, at most two rows per expert on average, else ``tensor_cores``; both
@@ -29,8 +31,7 @@ every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tile
 tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
 BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` (but tiles of more accumulators than
 :data:`GEMV_SWEEP_MAX_ACCUMULATORS`), each output checked against the default's,
-timed as above (on CUDA a case of at most :data:`FEW_TOKENS` tokens as :data:`CALLS_PER_GRAPH` calls in one graph,
-each over its own routing draw, per call: ``calls_per_timing``); prints the default and the best of each
+timed as above; prints the default and the best of each
 path per case, writes every timing. On
 CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
 """
@@ -90,6 +91,19 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+#: On CUDA calls of at most FEW_TOKENS tokens are timed CALLS_PER_GRAPH at a time (one graph of them, each
+#: over its own routing draw; the time per call; ``calls_per_timing`` in the JSON): such a call takes a
+#: few microseconds, less than what timing a replay of it alone adds (an H200 sweep of 2026-11-28 timed
+#: every tile of TP 4's one-token calls at 10 or 16 us, where the model's decode graph spends 5.7 us a call)
+FEW_TOKENS = 8
+CALLS_PER_GRAPH = 16
+
+
+def _draws(tokens: int, device) -> int:
+    """How many routing draws (calls timed in one graph) a case of ``tokens`` tokens takes."""
+    return CALLS_PER_GRAPH if tokens <= FEW_TOKENS and device.type == "cuda" else 1
+
+
 def time_ms(fn, device, iters: int, graph: bool = True) -> tuple[float, str]:
     """Median ms of ``fn``: CUDA-graph replays when ``graph`` and it can be captured (CUDA), else eager
     calls. ``fn`` may be a list of calls: they run in turn (one graph holding all of them) and the time
@@ -128,19 +142,27 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
     rows = []
     for tokens in tokens_list:
         # drawn on the host: a CUDA-graph capture that failed (an implementation that syncs) can leave
-        # the device generator refusing the next draw
-        idx = torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device)
-        w = torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype)
-        x = torch.randn(tokens, hidden).to(device=device, dtype=dtype)
-        hit = int(torch.unique(idx).numel())
+        # the device generator refusing the next draw. A few tokens: several draws (_draws)
+        draws = []
+        for _ in range(_draws(tokens, device)):
+            draws.append((torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device),
+                          torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype),
+                          torch.randn(tokens, hidden).to(device=device, dtype=dtype)))
+        idx, w, x = draws[0]
+        hit = sum(int(torch.unique(d[0]).numel()) for d in draws) / len(draws)
         # up [E, (2)I, H] and down [E, H, I] of each expert hit
         weight_bytes = hit * hidden * (up.shape[1] + inter) * up.element_size()
 
-        def ours():
+        def ours(idx=idx, w=w, x=x):
             return fused_moe_experts(x, idx, w, up, experts.down_proj, experts.act_fn, has_gate)
 
+        def each_draw(fn):
+            """``fn(idx, w, x)`` once per draw: the calls ``time_ms`` times in turn."""
+            return [lambda d=d: fn(*d) for d in draws]
+
         row = dict(shape=name, tokens=tokens, experts=num, top_k=top_k, hidden=hidden, intermediate=inter,
-                   experts_hit=hit, weight_bytes=weight_bytes, path=ours_path(tokens * top_k, num, device), times={})
+                   experts_hit=hit, calls_per_timing=len(draws), weight_bytes=weight_bytes,
+                   path=ours_path(tokens * top_k, num, device), times={})
         with torch.inference_mode():
             config._experts_implementation = "eager"
             want = experts(x, idx, w).float()
@@ -152,14 +174,15 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
                 try:
                     config._experts_implementation = impl
                     # transformers' eager loop reads the routing on the host: no graph to capture
-                    ms, mode = time_ms(lambda: experts(x, idx, w), device, iters, graph=impl != "eager")
+                    ms, mode = time_ms(each_draw(lambda i, w_, x_: experts(x_, i, w_)), device, iters,
+                                       graph=impl != "eager")
                 except Exception as e:  # noqa: BLE001 - an implementation this torch lacks is recorded
                     row["times"][f"hf_{impl}"] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
                     continue
                 row["times"][f"hf_{impl}"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
-            ms, mode = time_ms(ours, device, iters)
+            ms, mode = time_ms(each_draw(ours), device, iters)
             row["times"]["ours"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
-            ms, mode = time_ms(ours, device, iters, graph=False)  # launch overhead included
+            ms, mode = time_ms(each_draw(ours), device, iters, graph=False)  # launch overhead included
             row["times"]["ours_eager"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6)
             if device.type == "cuda" and dtype == torch.bfloat16:
                 # ours with torch._grouped_mm for the calls above decode size (tmoe.LARGE_CALLS_PATH)
@@ -167,7 +190,7 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
                 try:
                     diff = float((ours().float() - want).abs().max())
                     assert diff <= 0.05 * scale + 1e-3, (name, tokens, "grouped_mm", diff, scale)
-                    ms, mode = time_ms(ours, device, iters)
+                    ms, mode = time_ms(each_draw(ours), device, iters)
                     row["times"]["ours_grouped_mm"] = dict(ms=ms, mode=mode, gbps=weight_bytes / ms / 1e6,
                                                            max_abs_diff_vs_eager=diff)
                 finally:
@@ -185,12 +208,6 @@ GEMV_SWEEP_GRID = dict(rows=(1, 2), block_n=(4, 8, 16, 32, 64, 128), block_k=(12
 #: The GEMV is swept up to this many tokens (the decode sizes it serves: 64 tokens of top-10 routing
 #: over 512 experts are 1.25 rows per expert)
 GEMV_SWEEP_MAX_TOKENS = 64
-#: Sweep calls of at most FEW_TOKENS tokens are timed CALLS_PER_GRAPH at a time (one graph of them, each
-#: over its own routing; the time per call): such a call takes a few microseconds, less than what timing
-#: a replay of it alone adds (an H200 sweep of 2026-11-28 timed every tile of TP 4's one-token calls at
-#: 10 or 16 us, where the model's decode graph spends 5.7 us a call)
-FEW_TOKENS = 8
-CALLS_PER_GRAPH = 16
 #: GEMV tiles holding more fp32 accumulators than this (rows x BLOCK_N x BLOCK_K, twice for
 #: silu_and_mul) are left out: 4x the default tile's 4096, beyond which the registers spill
 GEMV_SWEEP_MAX_ACCUMULATORS = 16384
@@ -247,10 +264,10 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
     rows = []
     act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
     for tokens in tokens_list:
-        # on CUDA calls of a few tokens are timed CALLS_PER_GRAPH at a time, each over its own routing draw
-        # (other experts: a call does not find its weights in L2 from the one before)
+        # a few tokens: several draws (_draws), other experts in each (a call does not find its weights in
+        # L2 from the one before)
         draws = []
-        for _ in range(CALLS_PER_GRAPH if tokens <= FEW_TOKENS and device.type == "cuda" else 1):
+        for _ in range(_draws(tokens, device)):
             idx = torch.stack([torch.randperm(num, device=device)[:top_k] for _ in range(tokens)])
             draws.append((idx, sort_pairs_by_expert(idx, num), torch.randn(tokens, hidden, device=device, dtype=dtype),
                           torch.randn(tokens * top_k, inter, device=device, dtype=dtype)))
@@ -310,7 +327,7 @@ def print_table(rows) -> None:
         cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t.get(c, {}) else
                  ("error" if c in t else "-") for c in cols]
         best = min((t[c]["ms"] for c in cols if c.startswith("hf_") and "ms" in t[c]), default=float("nan"))
-        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4d} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>12s} "
+        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4.0f} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>12s} "
               + " ".join(f"{c:>16s}" for c in cells)
               + f" {t['ours']['gbps']:9.0f} {best / t['ours']['ms']:9.2f}x")
     print("(g: CUDA-graph replays, e: eager calls; MB: expert weights the step reads; ours path: the kernel our "

@@ -31,8 +31,7 @@ every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tile
 tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
 BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` (but tiles of more accumulators than
 :data:`GEMV_SWEEP_MAX_ACCUMULATORS`), each output checked against the default's,
-timed as above; prints the default and the best of each
-path per case, writes every timing. On
+timed as above; prints the default and the best of each path per case, writes every timing. On
 CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
 """
 

@@ -271,7 +271,7 @@ def _layout(ws: Sequence[torch.nn.Parameter], any_order: bool) -> str | list[int
     of the group's projections): re-pointing it would move a weight under that graph, so None (the
     group's matmuls stay apart)."""
     order = _packed_order(ws)
-    if order is not None and (any_order or order == sorted(order)):
+    if order is not None and (any_order or order == list(range(len(ws)))):
         return order
     return None if any(_in_live_buffer(w) for w in ws) else _NEW
 

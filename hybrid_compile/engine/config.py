@@ -226,6 +226,12 @@ class EngineConfig:
                     raise ValueError(f"EngineConfig.{name} must be a non-empty tuple of positive integers, got {sizes!r}")
                 setattr(self, name, sizes)
 
+    @property
+    def rewrite_passes(self) -> bool:
+        """Whether compiled pieces run the post-grad projection-packing pass (``extra["rewrite_passes"]``,
+        on by default; :mod:`hybrid_compile.compilation.rewrite`)."""
+        return bool(self.extra.get("rewrite_passes", True))
+
     def resolved_compile(self, device: torch.device) -> bool:
         """Whether the engine compiles the model forward: ``compile=None`` (the default) means on
         for CUDA devices, off on CPU."""

@@ -265,8 +265,7 @@ class HybridEngine(GenerateAPI):
                 # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart)
                 fold = self.fused_moe and config.extra.get("fold_shared_experts", True)
                 # (laid out for the rewrite pass's projection packing when the engine compiles with it)
-                packs = pack_parameters if (config.resolved_compile(self.device)
-                                            and config.extra.get("rewrite_passes", True)) else None
+                packs = pack_parameters if config.resolved_compile(self.device) and config.rewrite_passes else None
                 self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold, packs)
                 if self.mtp_head is not None:
                     self.fused_experts += install_fused_experts(self.mtp_head.layers, self.patch, self.fused_moe,

@@ -147,7 +147,7 @@ class CompiledGraphs:
         self.full_graphs: cg.FullGraphRunner | None = None
         self.max_running_requests = config.max_running_requests if config is not None else 1
         # our post-grad rewrite pass (compilation/rewrite.py); EngineConfig.extra["rewrite_passes"]=False turns it off
-        self.rewrite_passes = bool(config.extra.get("rewrite_passes", True)) if config is not None else True
+        self.rewrite_passes = config.rewrite_passes if config is not None else True
         # its routing of matmuls to skinny_mm (ops/linear.py): None = on CUDA; extra["skinny_matmuls"] True/False forces
         self.skinny_matmuls = config.extra.get("skinny_matmuls") if config is not None else None
         # Inductor config patches for every compiled piece (extra["inductor_config"]). Inductor's combo kernels

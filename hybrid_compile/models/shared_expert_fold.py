@@ -27,7 +27,8 @@ the shared ``gate_proj`` / ``up_proj`` instead lie back to back with the router'
 ``shared_expert_gate``'s weights, so that the one-token graph and the others fuse the block's input
 projections over one buffer (:func:`_pack_input_projections`; their last experts row is then a copy).
 Blocks whose shared expert is FP8, of another width or activation, or whose experts are not on the
-fused path keep transformers' forward (:func:`fold_reason`). ``EngineConfig.extra["fold_shared_experts"] = False`` turns the fold off.
+fused path keep transformers' forward (:func:`fold_reason`). ``EngineConfig.extra["fold_shared_experts"] =
+False`` turns the fold off.
 Under tensor parallelism a rank's shared expert and routed experts are sliced along the same
 intermediate dimension, so the rank's slices fold the same way, inside the block's all-reduce.
 """

@@ -179,6 +179,47 @@ def test_engine_with_folds_compiles_without_graph_breaks():
                             "folded, compiled")
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe"])
+def test_one_token_graph_sees_the_folded_experts_with_static_shapes(kind, monkeypatch):
+    """The compiled forward of one token (what the batch-1 decode CUDA graph captures; here called
+    with a one-token decode step of graph buffers on the CPU) gets only its step inputs with symbolic
+    sizes: the packed experts the folded blocks read are Parameters, whose shapes Dynamo keeps static.
+    As plain tensors closed over by the forward they got fresh size symbols per layer under the engine's
+    ``dynamic=True`` compile, so no two layers' pieces shared an Inductor FX-cache key (on a GPU the
+    80B shape's capture phase compiled all 49 pieces, the compile phase 5)."""
+    from hybrid_compile.compilation import backend as backend_module
+    from hybrid_compile.compilation import cuda_graphs as cg
+    from hybrid_compile.engine.forward_batch import ForwardMode
+    from hybrid_compile.layers.context import ForwardContext, forward_context
+
+    graphs = []
+    call = backend_module.HybridCompileBackend.__call__
+
+    def recording(self, gm, example_inputs):
+        graphs.append([(n.name, tuple(n.meta["example_value"].shape)) for n in gm.graph.nodes
+                       if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)])
+        return call(self, gm, example_inputs)
+
+    monkeypatch.setattr(backend_module.HybridCompileBackend, "__call__", recording)
+    model = cached_model(kind, 0)
+    with make_engine(model, fused_moe=True, compile=True) as engine:
+        assert engine.stats()["folded_shared_experts"] == len(_blocks(model))
+        runner, pools = engine.runner, engine.runner.pools
+        r2t = pools.req_to_token.req_to_token
+        buffers = cg.GraphBuffers(2, r2t.shape[1], r2t.device, r2t.dtype, pools.kv.PADDING_SLOT)
+        key = cg.GraphKey(ForwardMode.DECODE, 1)
+        buffers.reset(key)
+        with torch.inference_mode(), forward_context(ForwardContext(buffers.metadata(key), runner.kv_caches,
+                                                                    runner.mamba_caches)):
+            runner._call_compiled(buffers.input_ids[:1], buffers.positions[:1], buffers.logits_indices[:1])
+    assert len(graphs) == 2, "expected the step graph and the one-token graph"
+    one_token = graphs[1]
+    folded = [name for name, _ in one_token if "closure" in name or "packed" in name]
+    assert folded, one_token  # the folded blocks' packed experts are inputs of this graph
+    symbolic = [(name, shape) for name, shape in one_token if not all(isinstance(d, int) for d in shape)]
+    assert symbolic == [], symbolic
+
+
 def test_extra_option_keeps_the_shared_expert_apart(monkeypatch):
     model = cached_model("qwen3_next_moe", 0)
     monkeypatch.setattr(fold, "fused_moe_experts", lambda *a, **k: pytest.fail("folded despite the option"))

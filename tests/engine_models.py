@@ -321,3 +321,32 @@ def single_threaded():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+STEP_INPUTS = ("input_ids", "positions", "logits_indices")
+
+
+def record_graph_inputs(monkeypatch) -> list[list[tuple[str, tuple]]]:
+    """Record every Dynamo graph our compile backend receives from now on: per graph, the
+    ``(placeholder name, example shape)`` of its tensor inputs (a shape holds SymInts where Dynamo
+    traced a size as symbolic)."""
+    from hybrid_compile.compilation import backend as backend_module
+
+    graphs: list[list[tuple[str, tuple]]] = []
+    call = backend_module.HybridCompileBackend.__call__
+
+    def recording(self, gm, example_inputs):
+        graphs.append([(n.name, tuple(n.meta["example_value"].shape)) for n in gm.graph.nodes
+                       if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)])
+        return call(self, gm, example_inputs)
+
+    monkeypatch.setattr(backend_module.HybridCompileBackend, "__call__", recording)
+    return graphs
+
+
+def symbolic_model_inputs(graph: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """The inputs of a recorded graph (:func:`record_graph_inputs`) with a symbolic size other than the
+    step's own (``STEP_INPUTS``): a weight or state traced so gets size symbols of its own, which makes
+    otherwise identical layers' pieces distinct Inductor compiles (no FX-cache hit between them)."""
+    return [(name, shape) for name, shape in graph
+            if not all(isinstance(d, int) for d in shape) and not any(s in name for s in STEP_INPUTS)]

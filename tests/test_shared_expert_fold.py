@@ -28,7 +28,9 @@ from engine_models import (
     hf_greedy_cached,
     make_engine,
     random_prompts,
+    record_graph_inputs,
     single_threaded,
+    symbolic_model_inputs,
     vocab_size,
 )
 
@@ -187,20 +189,11 @@ def test_one_token_graph_sees_the_folded_experts_with_static_shapes(kind, monkey
     As plain tensors closed over by the forward they got fresh size symbols per layer under the engine's
     ``dynamic=True`` compile, so no two layers' pieces shared an Inductor FX-cache key (on a GPU the
     80B shape's capture phase compiled all 49 pieces, the compile phase 5)."""
-    from hybrid_compile.compilation import backend as backend_module
     from hybrid_compile.compilation import cuda_graphs as cg
     from hybrid_compile.engine.forward_batch import ForwardMode
     from hybrid_compile.layers.context import ForwardContext, forward_context
 
-    graphs = []
-    call = backend_module.HybridCompileBackend.__call__
-
-    def recording(self, gm, example_inputs):
-        graphs.append([(n.name, tuple(n.meta["example_value"].shape)) for n in gm.graph.nodes
-                       if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)])
-        return call(self, gm, example_inputs)
-
-    monkeypatch.setattr(backend_module.HybridCompileBackend, "__call__", recording)
+    graphs = record_graph_inputs(monkeypatch)
     model = cached_model(kind, 0)
     with make_engine(model, fused_moe=True, compile=True) as engine:
         assert engine.stats()["folded_shared_experts"] == len(_blocks(model))
@@ -216,8 +209,7 @@ def test_one_token_graph_sees_the_folded_experts_with_static_shapes(kind, monkey
     one_token = graphs[1]
     folded = [name for name, _ in one_token if "closure" in name or "packed" in name]
     assert folded, one_token  # the folded blocks' packed experts are inputs of this graph
-    symbolic = [(name, shape) for name, shape in one_token if not all(isinstance(d, int) for d in shape)]
-    assert symbolic == [], symbolic
+    assert symbolic_model_inputs(one_token) == [], one_token
 
 
 def test_extra_option_keeps_the_shared_expert_apart(monkeypatch):

@@ -223,7 +223,7 @@ def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid)
 
     path = moe_path(rows, experts)
     if path == "gemv":
-        default = dict(path=path, config=list(moe_gemv_config(n, k, dtype, gated)), rows_per_program=1)
+        default = dict(path=path, config=list(moe_gemv_config(n, k, dtype, gated, total_rows=rows)), rows_per_program=1)
     else:
         default = dict(path=path, config=list(moe_gemm_config(rows, n, k, experts, dtype, sms=sms, gated=gated)))
     found = [default]

@@ -273,8 +273,9 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     """The decode path (few rows per expert: the GEMV by default) against the plain-torch op's
     reference and the literal row loop: every activation, with (``indexed``) and without gather and
     scatter (each alone: ``test_grouped_kernel_matches_op_with_gather_and_scatter``), experts with 0-3
-    rows, K = 40 (no multiple of BLOCK_K: a partial last step) and K = 48 over 16-column steps; one,
-    three and four rows a program."""
+    rows, K = 40 (no multiple of BLOCK_K: a partial last step), K = 48 over 16-column steps and K = 1040
+    (2-byte weights: the few-rows default of 512-column steps, a partial third); one, three and four
+    rows a program."""
     rows = sum(GEMV_COUNTS)
     off = torch.tensor([0, *torch.tensor(GEMV_COUNTS).cumsum(0).tolist()])
     assert tmoe.moe_path(rows, len(GEMV_COUNTS)) == "gemv"
@@ -283,7 +284,8 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     atol, rtol = TOL[dtype]
     n_out = 12
     n = 2 * n_out if activation == "silu_and_mul" else n_out
-    for k, configs in ((40, [(None, None), ((2, 32, 2, 2), 3)]), (48, [((4, 16, 4, 1), 4)])):
+    for k, configs in ((40, [(None, None), ((2, 32, 2, 2), 3)]), (48, [((4, 16, 4, 1), 4)]),
+                       (1040, [(None, None)])):  # 1040: a few rows' default over 512-column steps, a partial last
         weight = (torch.randn(len(GEMV_COUNTS), n, k) / k ** 0.5).to(dtype)
         x = torch.randn(rows + 3 if g is not None else rows, k).to(dtype)
         want = moe.reference_moe_grouped_linear(x, weight, off, g, s, activation)
@@ -319,6 +321,15 @@ def test_which_path_and_gemv_tiles():
     assert tmoe.moe_gemv_config(2048, 256, bf16) == (32, 128, 4, 2)  # one 256-column step: two of 128 instead
     assert tmoe.moe_gemv_config(2048, 128, bf16) == (32, 128, 4, 2)  # the down_proj of TP 4's slice
     assert tmoe.moe_gemv_config(20, 40, bf16) == (32, 64, 4, 2)  # no wider than 20 columns need
+    # one decode token's rows over a narrow slice (a grid of <= 384 programs): 512-column steps, BLOCK_N halved
+    assert tmoe.moe_gemv_config(128, 2048, bf16, gated=True, total_rows=10) == (4, 512, 4, 2)  # gate_up, TP 4
+    assert tmoe.moe_gemv_config(256, 2048, bf16, gated=True, total_rows=11) == (4, 512, 4, 2)  # TP 2, + shared expert
+    assert tmoe.moe_gemv_config(2048, 2048, torch.float16, total_rows=3) == (8, 512, 4, 2)
+    assert tmoe.moe_gemv_config(128, 2048, bf16, gated=True, total_rows=160) == (8, 256, 4, 2)  # 16 tokens
+    assert tmoe.moe_gemv_config(512, 2048, bf16, gated=True, total_rows=10) == (8, 256, 4, 2)  # TP 1: 640 programs
+    assert tmoe.moe_gemv_config(128, 512, bf16, total_rows=10) == (16, 256, 4, 2)  # one 512-column step: no
+    assert tmoe.moe_gemv_config(128, 2048, fp32, gated=True, total_rows=10) == (16, 128, 4, 2)  # 2-byte weights only
+    assert tmoe.moe_gemv_config(128, 2048, bf16, gated=True, rows=2, total_rows=10) == (4, 256, 4, 2)
     x, w, off = torch.randn(3, 16), torch.randn(2, 8, 16), torch.tensor([0, 1, 3])
     with pytest.raises(ValueError, match="`path` must be one of"):
         tmoe.moe_grouped_linear_triton(x, w, off, path="cutlass")

@@ -49,8 +49,8 @@ from .fp8 import _sm_count, fp8_gemm_config
 from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_ROWS_PER_EXPERT", "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config",
-           "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path",
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
+           "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path",
            "moe_sort_pairs_triton"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
@@ -149,11 +149,29 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
     return bm, bn, bk, warps, stages
 
 
-def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False,
-                    rows: int = 1) -> tuple[int, int, int, int]:
+#: A grouped GEMV whose default tiles make a grid of at most this many programs (rows x column tiles:
+#: one decode token's pairs over narrow expert slices) streams 2-byte weights in ``MOE_GEMV_LONG_K``-column
+#: steps, ``BLOCK_N`` narrowed to keep the accumulators (twice the programs, half the loop's steps). On an
+#: H200 (2026-11-28, ``benchmarks/fused_moe.py --sweep --sweep-paths gemv --tokens 1``, 16 calls timed in
+#: one CUDA graph) Qwen3-Next-80B's gated ``gate_up`` at one token (10 rows) took 7.85 -> 6.06 us at TP 4
+#: (128 columns: 160 programs) and 9.26 -> 7.94 us at TP 2 (256 columns: 320 programs); at 16 / 64 tokens
+#: (2,560 programs and more) the long steps were 10 / 15 % slower. 384: the folded shared expert's 11th row
+#: at TP 2; one token at TP 1 (640 programs) was not measured and keeps the default.
+MOE_GEMV_LONG_K_MAX_PROGRAMS = 384
+MOE_GEMV_LONG_K = 512
+
+
+def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False, rows: int = 1,
+                    total_rows: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV for ``n`` output columns over ``k`` input
-    channels of ``dtype`` weights (:func:`~.gemv.grouped_gemv_config`)."""
-    return grouped_gemv_config(n, k, dtype.itemsize, gated, rows)
+    channels of ``dtype`` weights (:func:`~.gemv.grouped_gemv_config`), ``rows`` per program; a call of
+    ``total_rows`` rows whose grid would be small takes :data:`MOE_GEMV_LONG_K`-column steps
+    (:data:`MOE_GEMV_LONG_K_MAX_PROGRAMS`; 2-byte weights, one row a program, at least two such steps)."""
+    block_n, block_k, warps, stages = grouped_gemv_config(n, k, dtype.itemsize, gated, rows)
+    if (total_rows is not None and dtype.itemsize == 2 and rows == 1 and block_k < MOE_GEMV_LONG_K <= k // 2
+            and total_rows * triton.cdiv(n, block_n) <= MOE_GEMV_LONG_K_MAX_PROGRAMS):
+        return max(2, block_n * block_k // MOE_GEMV_LONG_K), MOE_GEMV_LONG_K, warps, stages
+    return block_n, block_k, warps, stages
 
 
 def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None) -> str:
@@ -198,7 +216,7 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
         return grouped_mm_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
     if path == "gemv":
         rows_per_program = 1 if rows_per_program is None else rows_per_program
-        config = config or moe_gemv_config(n, k, x.dtype, gated, rows_per_program)
+        config = config or moe_gemv_config(n, k, x.dtype, gated, rows_per_program, total_rows=rows)
         check_gemv_config("moe_grouped_linear_triton", config, rows_per_program)
     else:
         if rows_per_program is not None:

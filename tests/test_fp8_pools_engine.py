@@ -153,7 +153,7 @@ def test_fp8_pools_compiled_engine_matches_eager_without_graph_breaks():
         assert engine.generate_batch(prompts, max_new_tokens=6) == compiled
 
 
-@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("name", ["gdn", "mamba2", "lightning"])
 def test_fp8_verify_then_commit_equals_decode_steps(name):
     """Layer ops on FP8 pools: a TARGET_VERIFY batch + the commit of the accepted steps leaves the
     same e4m3 state (values and scales), and gives the same outputs, as one DECODE step per token
@@ -164,7 +164,7 @@ def test_fp8_verify_then_commit_equals_decode_steps(name):
     )
     from test_speculative import _layer_cases, _metadata
 
-    dim = GDN_STATE_SCALE_DIM if name == "gdn" else MAMBA2_STATE_SCALE_DIM
+    dim = MAMBA2_STATE_SCALE_DIM if name == "mamba2" else GDN_STATE_SCALE_DIM  # (lightning: K, as GDN)
     case = _layer_cases()[name]
     steps, slots, prefix = 4, [2, 0], [6, 9]
     g = torch.Generator().manual_seed(6)

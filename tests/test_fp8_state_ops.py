@@ -297,6 +297,91 @@ def test_mamba2_chunk_scan_fp8_pool():
 
 
 # --------------------------------------------------------------------------------------------
+# Lightning attention (MiniMax; one scale per value column over K, as GDN)
+# --------------------------------------------------------------------------------------------
+
+
+def _lightning_ops():
+    from hybrid_compile.ops import lightning
+    from hybrid_compile.ops.triton import lightning as tlight
+    from test_ops_lightning import chunk_inputs, recurrent_inputs
+
+    assert lightning.LIGHTNING_STATE_SCALE_DIM == GDN_DIM
+    return tlight, chunk_inputs, recurrent_inputs
+
+
+@pytest.mark.parametrize("steps,disable", [(1, False), (3, True), (3, False)])
+def test_lightning_recurrent_fp8_pool_and_intermediates(steps, disable):
+    """Oracle: ``steps`` one-token steps of the fp32 op on the dequantized pool, each state stored
+    in the FP8 format as a decode step would (the intermediates: every step's state, quantized)."""
+    tlight, _, recurrent_inputs = _lightning_ops()
+    torch.manual_seed(4)
+    q, k, v, s, pool, slots = recurrent_inputs(3, steps, pad_rows=(1,))
+    pq, ps = quantized(pool, GDN_DIM)
+    ref_pool = deq(pq, ps, GDN_DIM)
+    real = slots[slots >= 0].long()
+    ys, inter_ref = [], torch.zeros(3, steps, *pool.shape[1:])
+    for t in range(steps):
+        ys.append(ops.recurrent_lightning_attention_update(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], s, ref_pool,
+                                                           slots, False, None))
+        inter_ref[slots >= 0, t] = ref_pool[real]
+        if t < steps - 1 or not disable:
+            ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
+    y_ref = torch.cat(ys, 1)
+    for name, fn in (("plain", ops.recurrent_lightning_attention_update),
+                     ("triton", tlight.recurrent_lightning_attention_update_triton)):
+        sq, ss = pq.clone(), ps.clone()
+        iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(inter_ref.shape[:-2] + inter_ref.shape[-1:])
+        y = fn(q, k, v, s, sq, slots, disable, iq, None, ss, iss)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        assert_state_equal(sq, ss, ref_pool, [] if disable else slots.tolist(), pq, ps, GDN_DIM, exact=name == "plain")
+        for row in (0, 2):  # (row 1 is padding)
+            want_q, want_s = quantize_vectors(inter_ref[row], GDN_DIM)
+            got, want = deq(iq[row], iss[row], GDN_DIM), deq(want_q, want_s, GDN_DIM)
+            assert ((got - want).abs() <= want_s.unsqueeze(GDN_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
+    iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(inter_ref.shape[:-2] + inter_ref.shape[-1:])
+    run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pq.clone(), slots, disable, iq),
+                dict(ssm_scales=ps.clone(), intermediate_scales=iss))
+
+
+def test_lightning_chunk_fp8_pool():
+    """Oracle: the fp32 op on the dequantized pool, its written slots quantized; a zero-length and
+    a padding request leave their slots alone; chunk states (fp32) as the oracle's."""
+    tlight, chunk_inputs, _ = _lightning_ops()
+    torch.manual_seed(5)
+    lens = [70, 0, 5, 9]
+    q, k, v, s, pool, cu, slots, has_init = chunk_inputs(lens, pad_rows=(3,))
+    pq, ps = quantized(pool, GDN_DIM)
+    ref_pool = deq(pq, ps, GDN_DIM)
+    o_ref, cs_ref = ops.chunk_lightning_attention(q, k, v, s, ref_pool, cu, slots, has_init, True)
+    written = [sl for sl, n in zip(slots.tolist(), lens) if n > 0]
+    for name, fn in (("plain", ops.chunk_lightning_attention), ("triton", tlight.chunk_lightning_attention_fp8_aware)):
+        sq, ss = pq.clone(), ps.clone()
+        o, cs = fn(q, k, v, s, sq, cu, slots, has_init, True, ss)
+        torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cs, cs_ref, atol=1e-5, rtol=1e-5)
+        assert_state_equal(sq, ss, ref_pool, written, pq, ps, GDN_DIM, exact=name == "plain")
+    run_opcheck(ops.chunk_lightning_attention, (q, k, v, s, pq.clone(), cu, slots, has_init, True),
+                dict(ssm_scales=ps.clone()))
+
+
+def test_lightning_fp8_arguments_raise_clear_errors():
+    _, _, recurrent_inputs = _lightning_ops()
+    q, k, v, s, pool, slots = recurrent_inputs(2, 2)
+    pq, ps = quantized(pool, GDN_DIM)
+    with pytest.raises(ValueError, match="needs `ssm_scales`"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, False, None)
+    with pytest.raises(ValueError, match="`ssm_scales` is only for an FP8"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, None, None, ps)
+    with pytest.raises(ValueError, match="`intermediate_scales` without `intermediate_states`"):
+        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, True, None, None, ps, ps[:2, None])
+    parents = torch.tensor([[-1, 0], [-1, 0]])
+    with pytest.raises(ValueError, match="FP8"):  # draft trees keep float buffers
+        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, True, torch.zeros(2, 2, *pool.shape[1:]),
+                                                 parents, ps)
+
+
+# --------------------------------------------------------------------------------------------
 # Mamba1 (one scale per channel over N)
 # --------------------------------------------------------------------------------------------
 
@@ -459,3 +544,46 @@ def test_gpu_mamba1_fp8_pool_at_falcon_mamba_shape():
     torch.testing.assert_close(cs.cpu(), cs_ref, atol=6e-2, rtol=3e-2)
     got, want = deq(dev["ssm_states"].cpu(), dev_s.cpu(), M1_DIM), deq(cpu["ssm_states"], cpu_s, M1_DIM)
     assert ((got - want).abs() <= cpu_s.unsqueeze(M1_DIM) * 32 + 0.05 * want.abs() + 1e-6).all()
+
+
+@pytest.mark.gpu
+def test_gpu_lightning_fp8_pool_at_minimax_shape():
+    """Decode-verify (3 steps, e4m3 intermediates) and chunked prefill at MiniMax-Text-01's lightning
+    shape (64 heads, K = V = 128) on an FP8 pool: the CUDA kernels against the plain-torch ops, in
+    the tolerances of the GDN case above (fp32 sums in another order, each re-quantizing write up to
+    one e4m3 step apart)."""
+    from test_ops_lightning import slopes
+
+    torch.manual_seed(11)
+    bs, steps, h, d, slots_n = 8, 3, 64, 128, 12
+    pq, ps = quantize_vectors(torch.randn(slots_n, h, d, d) * 0.1, GDN_DIM)
+    slots = torch.tensor([3, 0, -1, 7, 1, 11, 5, 9], dtype=torch.int32)
+    q, k = ((torch.randn(bs, steps, h, d) / d ** 0.5).bfloat16() for _ in range(2))
+    v, s = torch.randn(bs, steps, h, d).bfloat16(), slopes(h)
+    iq = torch.zeros(bs, steps, h, d, d, dtype=FP8_DTYPE)
+    iss = torch.zeros(bs, steps, h, d)
+    ref_q, ref_s, ref_iq, ref_is = pq.clone(), ps.clone(), iq.clone(), iss.clone()
+    o_ref = ops.recurrent_lightning_attention_update(q, k, v, s, ref_q, slots, False, ref_iq, None, ref_s, ref_is)
+    gq, gs, giq, gis = pq.cuda(), ps.cuda(), iq.cuda(), iss.cuda()
+    o = ops.recurrent_lightning_attention_update(q.cuda(), k.cuda(), v.cuda(), s.cuda(), gq, slots.cuda(), False, giq,
+                                                 None, gs, gis)
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    for got_q, got_s, want_q, want_s in ((gq, gs, ref_q, ref_s), (giq, gis, ref_iq, ref_is)):
+        got_s = got_s.cpu()
+        got, want = deq(got_q.cpu(), got_s, GDN_DIM), deq(want_q, want_s, GDN_DIM)
+        tol = steps * 32 * torch.maximum(want_s, got_s) + 448 * (got_s - want_s).abs()
+        assert ((got - want).abs() <= tol.unsqueeze(GDN_DIM) + 1e-6).all()
+    lens = [200, 1, 64]
+    T = sum(lens)
+    q, k = ((torch.randn(T, h, d) / d ** 0.5).bfloat16() for _ in range(2))
+    v = torch.randn(T, h, d).bfloat16()
+    cu, idx, init = cu_seqlens_of(lens), torch.tensor([4, 2, 6], dtype=torch.int32), torch.tensor([True, False, True])
+    ref_q, ref_s = pq.clone(), ps.clone()
+    o_ref, _ = ops.chunk_lightning_attention(q, k, v, s, ref_q, cu, idx, init, False, ref_s)
+    gq, gs = pq.cuda(), ps.cuda()
+    o, _ = ops.chunk_lightning_attention(q.cuda(), k.cuda(), v.cuda(), s.cuda(), gq, cu.cuda(), idx.cuda(), init.cuda(),
+                                         False, gs)
+    torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=3e-2, rtol=3e-2)
+    got, want = deq(gq.cpu(), gs.cpu(), GDN_DIM), deq(ref_q, ref_s, GDN_DIM)
+    ratio = ((got - want).abs() / torch.maximum(ref_s, gs.cpu()).unsqueeze(GDN_DIM)).max().item()
+    assert ratio <= 32 + 0.03 * 448, f"state off by {ratio:.1f} x its scale"

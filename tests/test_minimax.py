@@ -152,9 +152,52 @@ def test_not_a_transformers_minimax_model_is_refused():
                        ssm_dtype=torch.float32)
 
 
-def test_fp8_state_refused_at_wrap():
-    with pytest.raises(ValueError, match="minimax: an FP8 recurrent state"):
-        make_engine(build_minimax(), ssm_state_dtype="float8_e4m3fn", **ENGINE_ARGS)
+def test_fp8_state_tracks_hf_logits_within_e4m3_rounding():
+    """``ssm_state_dtype="fp8"``: the lightning states really are e4m3 with scales, the fp32-state
+    engine is exact to fp32 noise against transformers' fp32 logits on the same tokens (the oracle of
+    tests/test_fp8_pools_engine.py), and the FP8 state's per-step logit error exceeds the bf16 state's
+    by no more than e4m3's coarser rounding (3 mantissa bits against 8: 32x). The model routes every
+    token to all its experts: with top-2 routing a state rounding can flip an expert, a jump of the
+    logits that no rounding bound describes."""
+    from minimax_models import make_config
+    from test_fp8_pools_engine import FP8, _step_errors
+
+    config = make_config()
+    config.num_experts_per_tok = config.num_local_experts
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.MiniMaxForCausalLM(config).float().eval()
+    (prompt,) = random_prompts([40], VOCAB, seed=11)
+    errors = {}
+    for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp8", "fp8")):
+        # (one prefill step: the tap takes every forward's logits as the next token's)
+        errors[name], (ssm_dtypes, _), (ssm_scales, _) = _step_errors(model, prompt, 8, ssm_state_dtype=dtype)
+        if name == "fp8":
+            assert ssm_dtypes == {FP8} and ssm_scales > 0
+    assert errors["fp32"] < 1e-5, errors
+    assert errors["bf16"] < errors["fp8"] < 32 * errors["bf16"], errors
+
+
+def test_fp8_state_with_speculative_decoding_chunked_prefill_and_prefix_cache():
+    """The FP8 lightning state through verify steps (rounded between steps as decode steps store it,
+    committed with its scales), chunked prefills and prefix-cache hits on FP8 checkpoints: greedy
+    tokens equal the plain FP8 engine's."""
+    model = build_minimax()
+    prompts = random_prompts([70, 11, 25], VOCAB, seed=7) + [[5, 9, 14, 3] * 5]
+    kw = dict(ENGINE_ARGS, ssm_state_dtype="fp8", mamba_cache_size=16, enable_prefix_cache=True)
+    outputs = []
+    for speculative in (None, dict(method="draft_model", draft_model=model, num_draft_tokens=3)):
+        with make_engine(model, speculative=speculative, **kw) as engine:
+            got = engine.generate_batch(prompts, max_new_tokens=10)
+            more = engine.generate_batch([p + g for p, g in zip(prompts, got)], max_new_tokens=5)
+            stats = engine.stats()
+            assert stats["prefix_cache"]["hit_tokens"] > 0
+            if speculative:
+                assert stats["speculative"]["verify_steps"] > 0
+            engine.clear_prefix_cache()
+            engine.pools.check_all_free()
+        outputs.append((got, more))
+    assert outputs[0] == outputs[1]
 
 
 # -- GPU -------------------------------------------------------------------------------------------

@@ -221,3 +221,4 @@ def test_fullgraph_compile():
     assert_close(compiled[0], eager[0])
     assert_close(compiled[1], eager[1])
     assert_close(compiled_args[4], eager_args[4])
+

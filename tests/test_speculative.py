@@ -564,10 +564,17 @@ def _layer_cases():
         # a dt clamp that only prompt tokens get (as HF's mixers): verify tokens must not get it
         params=(r(conv_dim2, w), r(conv_dim2), r(h), r(h), r(h), 0, h, p, gr, ns, "silu", 16, 0.5, 2.0, False),
     )
-    return {"gdn": gdn, "mamba2": mamba}
+    # MiniMax's lightning layer: no conv (a 1-wide spec keeps an empty window), state [H, D, D]; small
+    # qkv and slopes so the decayed state stays O(1) over the steps
+    hl, dl = 2, 8
+    lightning = dict(
+        op=torch.ops.hybrid_compile.lightning_layer, width=1, conv_dim=1, state=(hl, dl, dl),
+        inputs=lambda n: (0.5 * r(n, 3 * hl * dl),), params=(torch.tensor([0.1, 0.7]), 0, hl, dl),
+    )
+    return {"gdn": gdn, "mamba2": mamba, "lightning": lightning}
 
 
-@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("name", ["gdn", "mamba2", "lightning"])
 def test_verify_then_commit_equals_decode_steps(name):
     case = _layer_cases()[name]
     steps, slots, prefix = 4, [2, 0], [6, 9]

@@ -13,7 +13,11 @@ By forward mode:
 - TARGET_VERIFY: ``recurrent_lightning_attention_update`` over each request's ``draft_len`` tokens
   with ``disable_state_update``, writing the state after every step into the layer's intermediate
   buffer for the engine's commit; a draft tree (the verify batch's parents) starts each token from
-  its parent's stored state. FP8 states are refused with a clear error.
+  its parent's stored state.
+
+An FP8 state pool (``ssm_state_dtype="fp8"``) passes its scales (one per value column over K) to
+every op, and its intermediate buffers' scales to the verify; the prefix-cache checkpoints are
+quantized into the pool's slots as they are copied.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
-from ..ops.lightning import LIGHTNING_CHUNK_SIZE
+from ..ops.lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM
 from .context import ForwardMode, require_forward_context
 from .tracking import tracking, track_ssm_checkpoints
 from ..ops.registration import kernel_op
@@ -57,30 +61,30 @@ def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_h
     _check(qkv, slope, num_heads, head_dim)
     ctx = require_forward_context("hybrid_compile::lightning_layer")
     md = ctx.metadata
-    _, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)
-    if ssm_scales is not None:
-        raise NotImplementedError("lightning_layer: FP8 recurrent state is not supported for MiniMax layers "
-                                  "(use ssm_state_dtype float32 / bfloat16)")
+    _, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)  # scales: an FP8 state pool's, else None
     n = qkv.shape[0]
     q, k, v = qkv.view(n, num_heads, 3 * head_dim).split(head_dim, dim=-1)
 
     if md.mode is ForwardMode.DECODE:
         return _kernels.recurrent_lightning_attention_update(
-            q[:, None], k[:, None], v[:, None], slope, ssm_states, md.mamba_cache_indices, False, None,
+            q[:, None], k[:, None], v[:, None], slope, ssm_states, md.mamba_cache_indices, False, None, None,
+            ssm_scales,
         ).squeeze(1)
     if md.mode is ForwardMode.EXTEND:
         track = tracking(md)
         out, chunk_states = _kernels.chunk_lightning_attention(
             q, k, v, slope, ssm_states, md.query_start_loc, md.mamba_cache_indices, md.has_initial_state, track,
+            ssm_scales,
         )
         if track:
-            track_ssm_checkpoints(md, ssm_states, chunk_states, LIGHTNING_CHUNK_SIZE)
+            track_ssm_checkpoints(md, ssm_states, chunk_states, LIGHTNING_CHUNK_SIZE, ssm_scales,
+                                  LIGHTNING_STATE_SCALE_DIM)
         return out
     if md.mode is ForwardMode.TARGET_VERIFY:
         verify = ctx.verify_batch(layer_id, "lightning_layer")
         out = _kernels.recurrent_lightning_attention_update(
             verify.per_request(q), verify.per_request(k), verify.per_request(v), slope, ssm_states,
-            verify.cache_indices, True, verify.intermediates[1], verify.parents,
+            verify.cache_indices, True, verify.intermediates[1], verify.parents, ssm_scales, verify.intermediates[2],
         )
         return verify.pad(out.reshape(verify.num_tokens, num_heads, head_dim), n)
     raise NotImplementedError(f"lightning_layer: forward mode {md.mode.value} is not supported")

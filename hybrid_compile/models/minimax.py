@@ -5,7 +5,8 @@ layers every few layers + MoE.
   and ``out_proj`` stay HF's modules; the recurrent core (linear attention with a fixed per-head
   decay ``exp(-slope_rate)``) runs through the ``lightning_layer`` op, with HF's ``slope_rate``
   buffer as the decay. Its per-request state ``[H, D, D]`` lives in the Mamba pool (a 1-wide conv
-  spec: the layer has no conv window).
+  spec: the layer has no conv window); with ``ssm_state_dtype="fp8"`` in e4m3 with one scale per
+  value column over the key axis.
 - ``MiniMaxAttention``: HF's code with our attention function (KV pool).
 
 MoE blocks, norms, the decoder layers' alpha/beta residual factors and the LM head stay HF's modules.
@@ -24,7 +25,7 @@ from torch import nn
 from ..layers import lightning as _lightning_layer  # noqa: F401  (registers lightning_layer)
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
-from ..ops.lightning import LIGHTNING_CHUNK_SIZE
+from ..ops.lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM
 from .base import ModelLayout, PatchHandle, install_attention, patch_forward, require_hf_modules
 from .gated_deltanet import delta_rule_layout
 
@@ -51,16 +52,13 @@ def _lightning_layers(model: nn.Module) -> list[nn.Module]:
 
 def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> ModelLayout:
     _lightning_layers(model)
-    if ssm_dtype == torch.float8_e4m3fn:  # the lightning ops keep float states only
-        raise ValueError("minimax: an FP8 recurrent state (ssm_state_dtype float8_e4m3fn) is not supported for "
-                         "lightning attention layers; use float32 or bfloat16")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h = cfg.num_attention_heads
     base = delta_rule_layout(
         cfg, AttentionLayerSpec(0, cfg.num_key_value_heads, head_dim, kv_dtype),
         # no conv: a 1-wide conv keeps an empty window; the state is [H, D, D]
-        MambaLayerSpec(0, 1, 1, (h, head_dim, head_dim), conv_dtype, ssm_dtype),
+        MambaLayerSpec(0, 1, 1, (h, head_dim, head_dim), conv_dtype, ssm_dtype, ssm_scale_dim=LIGHTNING_STATE_SCALE_DIM),
     )
     return replace(base, ssm_chunk_size=LIGHTNING_CHUNK_SIZE)
 

@@ -18,7 +18,10 @@ with a constant per-head log-decay ``g = -s_h``; the GDN ops cannot express it (
   ``parent_indices`` (each token from its parent's state).
 
 State pool: ``ssm_states [num_slots, H, K, V]`` fp32/bf16/fp16 (read and computed in fp32, cast
-on write). Slot index -1 marks a padding row: no state read or write, zero outputs.
+on write), or float8_e4m3fn with ``ssm_scales [num_slots, H, V]`` (one fp32 scale per value column
+over K, as the GDN state: :mod:`.fp8_cache`; dequantized on read, quantized on every write, and
+between the steps of a verify as a decode step would store it). Slot index -1 marks a padding row: no
+state read or write, zero outputs.
 The CUDA implementations are Triton kernels (:mod:`.triton.lightning`).
 """
 
@@ -41,15 +44,21 @@ from ._validation import (
     tree_start_states,
 )
 from ._varlen import chunk_row_offsets, max_chunk_rows
+from .fp8_cache import FP8_DTYPE, GDN_STATE_SCALE_DIM, check_scales, is_fp8, read_rows, round_trip, write_rows
 from .registration import kernel_op
 
 #: Chunk length of the chunked scan (chunk boundaries aligned to each request's first new token,
 #: as in ``chunk_gated_delta_rule``; the prefix cache checkpoints at multiples of it).
 LIGHTNING_CHUNK_SIZE = 64
+#: Axis of a state slot ``[H, K, V]`` one FP8 scale covers (K: the kernels hold it whole, as GDN's).
+LIGHTNING_STATE_SCALE_DIM = GDN_STATE_SCALE_DIM
+#: State pool dtypes: float, or e4m3 with ``ssm_scales``.
+STATE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 
-def _check_pool_and_slope(op, ssm_states, slope, h, kd, vd):
-    check_tensor(op, "ssm_states", ssm_states, dtypes=FLOAT_DTYPES, shape=(None, h, kd, vd))
+def _check_pool_and_slope(op, ssm_states, slope, h, kd, vd, ssm_scales=None):
+    check_tensor(op, "ssm_states", ssm_states, dtypes=STATE_DTYPES, shape=(None, h, kd, vd))
+    check_scales(op, ssm_states, ssm_scales, "ssm_scales", LIGHTNING_STATE_SCALE_DIM)
     check_tensor(op, "slope", slope, dtypes=(torch.float32,), shape=(h,))
 
 
@@ -58,21 +67,21 @@ def _check_pool_and_slope(op, ssm_states, slope, h, kd, vd):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state):
+def _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales=None):
     op = "chunk_lightning_attention"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     T, h, kd = q.shape
     check_tensor(op, "k", k, dtypes=FLOAT_DTYPES, shape=(T, h, kd))
     check_tensor(op, "v", v, dtypes=FLOAT_DTYPES, shape=(T, h, None))
     vd = v.shape[2]
-    _check_pool_and_slope(op, ssm_states, slope, h, kd, vd)
+    _check_pool_and_slope(op, ssm_states, slope, h, kd, vd, ssm_scales)
     check_varlen_requests(op, cu_seqlens, state_indices, has_initial_state)
     check_same_device(op, q=q, k=k, v=v, slope=slope, ssm_states=ssm_states, cu_seqlens=cu_seqlens,
                       state_indices=state_indices, has_initial_state=has_initial_state)
     check_varlen_values(op, cu_seqlens, T, state_indices, ssm_states.shape[0])
 
 
-@kernel_op("hybrid_compile::chunk_lightning_attention", mutates_args=("ssm_states",))
+@kernel_op("hybrid_compile::chunk_lightning_attention", mutates_args=("ssm_states", "ssm_scales"))
 def chunk_lightning_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,6 +92,7 @@ def chunk_lightning_attention(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     output_chunk_states: bool,
+    ssm_scales: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning attention over a packed batch of variable-length requests (prefill / extend).
 
@@ -97,12 +107,14 @@ def chunk_lightning_attention(
         has_initial_state: ``[B]`` bool: start from the slot's state (else from zeros).
         output_chunk_states: also return the state before every chunk of ``LIGHTNING_CHUNK_SIZE``
             tokens of each request (the ``_varlen`` row layout, fp32).
+        ssm_scales: ``[num_slots, H, V]`` fp32 scales when ``ssm_states`` is float8_e4m3fn (module
+            docstring). **Mutated** with the states.
 
     Returns:
         ``(o [T, H, V] in v.dtype, chunk_states [rows, H, K, V] fp32)``; ``rows`` is
         ``max_chunk_rows(T, B, LIGHTNING_CHUNK_SIZE)`` with ``output_chunk_states``, else 0.
     """
-    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state)
+    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     T, h, kd = q.shape
     vd = v.shape[2]
     C = LIGHTNING_CHUNK_SIZE
@@ -120,7 +132,8 @@ def chunk_lightning_attention(
         start, end = cu[b], cu[b + 1]
         if slots[b] < 0 or end == start:
             continue
-        state = (ssm_states[slots[b]].float() if bool(has_initial_state[b])
+        slot = torch.tensor([slots[b]], dtype=torch.int64, device=dev)
+        state = (read_rows(ssm_states, ssm_scales, slot, LIGHTNING_STATE_SCALE_DIM)[0] if bool(has_initial_state[b])
                  else torch.zeros(h, kd, vd, dtype=torch.float32, device=dev))
         for j, c0 in enumerate(range(start, end, C)):
             c = min(C, end - c0)
@@ -135,13 +148,13 @@ def chunk_lightning_attention(
             out = (qc * torch.exp(-s * (p[:, None] + 1))) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ vc
             o[c0 : c0 + c] = out.transpose(0, 1).to(v.dtype)
             state = torch.exp(-s * c) * state + (kc * torch.exp(-s * (c - 1 - p)[:, None])).transpose(-1, -2) @ vc
-        ssm_states[slots[b]] = state.to(ssm_states.dtype)
+        write_rows(ssm_states, ssm_scales, slot, state[None], LIGHTNING_STATE_SCALE_DIM)
     return o, chunk_states
 
 
 @chunk_lightning_attention.register_fake
-def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states):
-    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state)
+def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states, ssm_scales=None):
+    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     T, h, kd = q.shape
     rows = max_chunk_rows(T, state_indices.shape[0], LIGHTNING_CHUNK_SIZE) if output_chunk_states else 0
     return v.new_empty(v.shape), v.new_empty((rows, h, kd, v.shape[2]), dtype=torch.float32)
@@ -153,17 +166,21 @@ def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, 
 
 
 def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update=True,
-                     parent_indices=None):
+                     parent_indices=None, ssm_scales=None, intermediate_scales=None):
     op = "recurrent_lightning_attention_update"
     check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bs, steps, h, kd = q.shape
     check_tensor(op, "k", k, dtypes=FLOAT_DTYPES, shape=(bs, steps, h, kd))
     check_tensor(op, "v", v, dtypes=FLOAT_DTYPES, shape=(bs, steps, h, None))
     vd = v.shape[3]
-    _check_pool_and_slope(op, ssm_states, slope, h, kd, vd)
+    _check_pool_and_slope(op, ssm_states, slope, h, kd, vd, ssm_scales)
     check_tensor(op, "state_indices", state_indices, dtypes=INDEX_DTYPES, shape=(bs,))
+    if intermediate_states is None and intermediate_scales is not None:
+        raise ValueError(f"{op}: `intermediate_scales` without `intermediate_states`")
     if intermediate_states is not None:
-        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=FLOAT_DTYPES)
+        check_tensor(op, "intermediate_states", intermediate_states, ndim=5, dtypes=STATE_DTYPES)
+        check_scales(op, intermediate_states, intermediate_scales, "intermediate_scales", LIGHTNING_STATE_SCALE_DIM,
+                     "intermediate_states")
         s = intermediate_states.shape
         if s[0] < bs or s[1] < steps or tuple(s[2:]) != (h, kd, vd):
             raise ValueError(
@@ -171,7 +188,8 @@ def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_sta
                 f"[>= {bs}, >= {steps}, {h}, {kd}, {vd}] (batch rows, steps, H, K, V)"
             )
     check_tree_parents(op, parent_indices, bs, steps, has_intermediate=intermediate_states is not None,
-                       disable_state_update=disable_state_update, fp8=False)
+                       disable_state_update=disable_state_update,
+                       fp8=is_fp8(ssm_states) or (intermediate_states is not None and is_fp8(intermediate_states)))
     check_same_device(op, q=q, k=k, v=v, slope=slope, ssm_states=ssm_states, state_indices=state_indices,
                       intermediate_states=intermediate_states, parent_indices=parent_indices)
     check_slot_indices(op, "state_indices", state_indices, ssm_states.shape[0])
@@ -179,7 +197,8 @@ def _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_sta
 
 
 @kernel_op(
-    "hybrid_compile::recurrent_lightning_attention_update", mutates_args=("ssm_states", "intermediate_states"),
+    "hybrid_compile::recurrent_lightning_attention_update",
+    mutates_args=("ssm_states", "intermediate_states", "ssm_scales", "intermediate_scales"),
 )
 def recurrent_lightning_attention_update(
     q: torch.Tensor,
@@ -191,6 +210,8 @@ def recurrent_lightning_attention_update(
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
     parent_indices: Optional[torch.Tensor] = None,
+    ssm_scales: Optional[torch.Tensor] = None,
+    intermediate_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``L`` lightning-attention steps per request from its slot's state (decode: ``L = 1``).
 
@@ -208,14 +229,16 @@ def recurrent_lightning_attention_update(
         parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Token
             ``t`` starts from the state stored after token ``parent_indices[b, t]`` (its row of
             ``intermediate_states``, as stored) or, for ``-1``, from the slot's state;
-            ``-1 <= parent < t``. Needs ``intermediate_states`` and ``disable_state_update``. None:
-            a chain (``parent = t - 1``).
+            ``-1 <= parent < t``. Needs ``intermediate_states`` and ``disable_state_update``; not with
+            FP8 buffers. None: a chain (``parent = t - 1``).
+        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, H, V]``, ``[>= B, >= L, H, V]``)
+            of an e4m3 pool / intermediate buffer (module docstring). **Mutated** with their buffers.
 
     Returns:
         ``o``: ``[B, L, H, V]`` in ``v.dtype``.
     """
     _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
-                     parent_indices)
+                     parent_indices, ssm_scales, intermediate_scales)
     bs, steps, h, vd = v.shape
     o = torch.zeros(bs, steps, h, vd, dtype=v.dtype, device=v.device)
     rows = torch.nonzero(state_indices >= 0).flatten()
@@ -223,7 +246,7 @@ def recurrent_lightning_attention_update(
         return o
     slots = state_indices.to(torch.int64)[rows]
     decay = torch.exp(-slope.float())[None, :, None, None]  # [1, H, 1, 1]
-    state = ssm_states[slots].float()  # [R, H, K, V]
+    state = read_rows(ssm_states, ssm_scales, slots, LIGHTNING_STATE_SCALE_DIM)  # [R, H, K, V] fp32
     qf, kf, vf = q[rows].float(), k[rows].float(), v[rows].float()
     out = torch.empty(rows.numel(), steps, h, vd, dtype=torch.float32, device=v.device)
     initial, history = state, []  # (a tree: the states after each token, as stored)
@@ -234,17 +257,21 @@ def recurrent_lightning_attention_update(
         state = decay * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]
         out[:, t] = (qf[:, t, :, None, :] @ state).squeeze(-2)
         if intermediate_states is not None:
-            intermediate_states[rows, t] = state.to(intermediate_states.dtype)
+            write_rows(intermediate_states[:, t], None if intermediate_scales is None else intermediate_scales[:, t],
+                       rows, state, LIGHTNING_STATE_SCALE_DIM)
         if parents is not None:
             history.append(state.to(intermediate_states.dtype).float())
+        if is_fp8(ssm_states) and t < steps - 1:  # as a decode step would store it (fp8_cache.round_trip)
+            state = round_trip(state, LIGHTNING_STATE_SCALE_DIM)
     if not disable_state_update:
-        ssm_states[slots] = state.to(ssm_states.dtype)
+        write_rows(ssm_states, ssm_scales, slots, state, LIGHTNING_STATE_SCALE_DIM)
     o.index_copy_(0, rows, out.to(v.dtype))
     return o
 
 
 @recurrent_lightning_attention_update.register_fake
-def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states, parent_indices=None):
+def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states, parent_indices=None,
+      ssm_scales=None, intermediate_scales=None):
     _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
-                     parent_indices)
+                     parent_indices, ssm_scales, intermediate_scales)
     return v.new_empty(v.shape)

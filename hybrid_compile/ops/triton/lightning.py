@@ -3,8 +3,10 @@ as their CUDA implementations.
 
 Same schemas and semantics as the plain-torch ops: q/k ``[..., H, K]``, v ``[..., H, V]`` (strided
 views allowed), one decay slope per head, fp32 compute, outputs in ``v.dtype``, state pool
-``[num_slots, H, K, V]`` read in fp32 and cast on write, slot -1 = padding row (zero output,
-nothing read or written).
+``[num_slots, H, K, V]`` read in fp32 and cast on write (or e4m3 with one scale per value column
+over K: the recurrent kernel dequantizes on load and quantizes each store, the chunked kernel runs on
+an fp32 staging copy of the batch's states, :func:`.fp8_cache.stage_states`), slot -1 = padding row
+(zero output, nothing read or written).
 
 Kernels (both: grid ``(B, H, cdiv(V, BV))``, the state block ``[K, BV]`` in registers, K padded
 to a power of two and held whole; no host sync, so both are CUDA-graph safe):
@@ -31,11 +33,13 @@ import triton
 import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
-from ..lightning import LIGHTNING_CHUNK_SIZE, _check_chunk, _check_recurrent
-from .common import tree_start_state
+from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
+from .common import quantize_axis, tree_start_state
+from .fp8_cache import stage_states, unstage_states
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["chunk_lightning_attention_triton", "recurrent_lightning_attention_update_triton"]
+__all__ = ["chunk_lightning_attention_fp8_aware", "chunk_lightning_attention_triton",
+           "recurrent_lightning_attention_update_triton"]
 
 #: Largest head dim the kernels hold whole in registers (MiniMax: 128).
 MAX_HEAD_DIM = 256
@@ -43,7 +47,7 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _lightning_recurrent_kernel(
-    q, k, v, slope, o, pool, state_indices, inter, parents, L,
+    q, k, v, slope, o, pool, state_indices, inter, parents, pool_scales, inter_scales, L,
     s_qb, s_ql, s_qh, s_qd,
     s_kb, s_kl, s_kh, s_kd,
     s_vb, s_vl, s_vh, s_vd,
@@ -51,11 +55,16 @@ def _lightning_recurrent_kernel(
     s_ps, s_ph, s_pk, s_pv,
     s_ib, s_il, s_ih, s_ik, s_iv,
     s_rb, s_rl,
+    s_pss, s_psh, s_isb, s_isl, s_ish,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, USE_PDL: tl.constexpr, TREE: tl.constexpr = False,
+    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
 ):
     """TREE: a draft tree (``parents`` ``[B, L]``): step ``t`` starts from the state stored after its
-    parent (the row of ``inter`` this program wrote), or from the slot's state for parent -1."""
+    parent (the row of ``inter`` this program wrote), or from the slot's state for parent -1.
+    POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
+    (``pool_scales [S, H, V]`` / ``inter_scales [B, L, H, V]``); with an e4m3 pool the state is rounded
+    as a decode step would store it between the steps of a verify."""
     pdl_wait_and_release(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,6 +79,9 @@ def _lightning_recurrent_kernel(
     m_s = mk[:, None] & mv[None, :]
     p_s = pool + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
     S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    p_ss = pool_scales + slot * s_pss + h * s_psh + rv
+    if POOL_FP8:
+        S = S * tl.load(p_ss, mask=mv, other=0.0)[None, :]
     decay = tl.exp(-tl.load(slope + h).to(tl.float32))
     p_i0 = inter + b * s_ib + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
     for t in range(L):
@@ -82,9 +94,23 @@ def _lightning_recurrent_kernel(
         o_t = tl.sum(q_t[:, None] * S, axis=0)
         tl.store(o + b * s_ob + t * s_ol + h * s_oh + rv, o_t.to(o.dtype.element_ty), mask=mv)
         if HAS_INTER:
-            tl.store(p_i0 + t * s_il, S.to(inter.dtype.element_ty), mask=m_s)
+            if INTER_FP8:
+                S_q, S_s = quantize_axis(S, 0)
+                tl.store(p_i0 + t * s_il, S_q.to(inter.dtype.element_ty), mask=m_s)
+                tl.store(inter_scales + b * s_isb + t * s_isl + h * s_ish + rv, S_s, mask=mv)
+            else:
+                tl.store(p_i0 + t * s_il, S.to(inter.dtype.element_ty), mask=m_s)
+        if POOL_FP8:  # the state as a decode step would store it, between steps (the last: stored below)
+            if t < L - 1:
+                S_q, S_s = quantize_axis(S, 0)
+                S = S_q * S_s[None, :]
     if UPDATE_STATE:
-        tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
+        if POOL_FP8:
+            S_q, S_s = quantize_axis(S, 0)
+            tl.store(p_s, S_q.to(pool.dtype.element_ty), mask=m_s)
+            tl.store(p_ss, S_s, mask=mv)
+        else:
+            tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
 
 
 @triton.jit
@@ -161,7 +187,8 @@ def _blocks(kd: int, vd: int, cap: int):
 def recurrent_lightning_attention_update_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, ssm_states: torch.Tensor,
     state_indices: torch.Tensor, disable_state_update: bool, intermediate_states: Optional[torch.Tensor],
-    parent_indices: Optional[torch.Tensor] = None,
+    parent_indices: Optional[torch.Tensor] = None, ssm_scales: Optional[torch.Tensor] = None,
+    intermediate_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``recurrent_lightning_attention_update``. CUDA-graph safe."""
     bs, steps, h, kd = q.shape
@@ -175,12 +202,16 @@ def recurrent_lightning_attention_update_triton(
     inter = intermediate_states if has_inter else ssm_states  # dummy pointer when absent
     _lightning_recurrent_kernel[(bs, h, triton.cdiv(vd, bv))](
         q, k, v, slope, o, ssm_states, state_indices, inter,
-        parent_indices if parent_indices is not None else state_indices, steps,
+        parent_indices if parent_indices is not None else state_indices,
+        ssm_scales if ssm_scales is not None else slope,  # dummy pointers when the buffers are float
+        intermediate_scales if intermediate_scales is not None else slope, steps,
         *q.stride(), *k.stride(), *v.stride(), *o.stride()[:3], *ssm_states.stride(),
         *(intermediate_states.stride() if has_inter else (0, 0, 0, 0, 0)),
         *(parent_indices.stride() if parent_indices is not None else (0, 0)),
+        *(ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)),
+        *(intermediate_scales.stride()[:3] if intermediate_scales is not None else (0, 0, 0)),
         K=kd, V=vd, BK=bk, BV=bv, HAS_INTER=has_inter, UPDATE_STATE=not disable_state_update,
-        TREE=parent_indices is not None,
+        TREE=parent_indices is not None, POOL_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         num_warps=4 if bk * bv >= 4096 else 2, **pdl_launch(q.device),
     )
     return o
@@ -214,18 +245,35 @@ def chunk_lightning_attention_triton(
     return o, chunk_states
 
 
-def _chunk_cuda_impl(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states):
-    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state)
-    return chunk_lightning_attention_triton(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state,
-                                            output_chunk_states)
+def chunk_lightning_attention_fp8_aware(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state,
+                                        output_chunk_states, ssm_scales=None):
+    """The chunked kernel on a float pool, or on an e4m3 pool through an fp32 staging copy of the
+    batch's states (dequantized in, quantized back into the slots of the requests that had tokens)."""
+    if ssm_scales is None:
+        return chunk_lightning_attention_triton(q, k, v, slope, ssm_states, cu_seqlens, state_indices,
+                                                has_initial_state, output_chunk_states)
+    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, LIGHTNING_STATE_SCALE_DIM)
+    out = chunk_lightning_attention_triton(q, k, v, slope, buf, cu_seqlens, rows, has_initial_state,
+                                           output_chunk_states)
+    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
+    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, LIGHTNING_STATE_SCALE_DIM)
+    return out
+
+
+def _chunk_cuda_impl(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states,
+                     ssm_scales=None):
+    _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
+    return chunk_lightning_attention_fp8_aware(q, k, v, slope, ssm_states, cu_seqlens, state_indices,
+                                               has_initial_state, output_chunk_states, ssm_scales)
 
 
 def _recurrent_cuda_impl(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states,
-                         parent_indices=None):
+                         parent_indices=None, ssm_scales=None, intermediate_scales=None):
     _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
-                     parent_indices)
+                     parent_indices, ssm_scales, intermediate_scales)
     return recurrent_lightning_attention_update_triton(q, k, v, slope, ssm_states, state_indices,
-                                                       disable_state_update, intermediate_states, parent_indices)
+                                                       disable_state_update, intermediate_states, parent_indices,
+                                                       ssm_scales, intermediate_scales)
 
 
 torch.library.register_kernel("hybrid_compile::chunk_lightning_attention", "cuda", _chunk_cuda_impl)

@@ -2,12 +2,17 @@
 
     python benchmarks/fp8_state_accuracy.py [--device cuda] [--tokens 1024] [--out benchmarks/results/fp8_state_accuracy.json]
     python benchmarks/fp8_state_accuracy.py --tiny --device cpu     # CI smoke run (tests/test_benchmarks_fp8.py)
+    python benchmarks/fp8_state_accuracy.py --family minimax        # MiniMax's lightning-attention state
 
 Model: a mid-size random Qwen3-Next (GDN + gated attention, dense MLP; ``--tiny``: toy sizes): 8 layers
 ``[linear_attention x3, full_attention] x2``, hidden 1024, GDN 4 key / 8 value heads of dim 128 (state
 ``[8, 128, 128]`` per layer), attention 8 q / 2 kv heads of dim 128, vocab 32000, in ``--dtype``
 (bf16 on a GPU, fp32 on CPU). Weights are random (scaled like HF's init), so the logits are not a
 language model's, but the recurrences, the state magnitudes and the rounding are the real ones.
+``--family minimax``: a mid-size random MiniMax instead (the same 8-layer pattern with lightning
+attention for GDN: 8 heads of dim 128, state ``[8, 128, 128]`` per layer; attention 8 q / 2 kv heads of
+dim 128; MoE of 4 experts, each token routed to all 4: with top-k routing a state rounding can flip an
+expert, a jump of the logits that says nothing about the state's precision).
 
 Method: the reference engine (fp32 recurrent state, KV cache in the model dtype) generates
 ``--tokens`` greedy tokens from a random prompt, recording every step's logits. Each other engine
@@ -45,6 +50,31 @@ MODES = [
     ("fp8_kv_cache", dict(kv_cache_dtype="fp8")),
     ("fp8_state_and_kv_cache", dict(ssm_state_dtype="fp8", kv_cache_dtype="fp8")),
 ]
+
+
+def minimax_config(tiny: bool) -> "transformers.MiniMaxConfig":
+    h, d, hidden, vocab = (4, 16, 64, 512) if tiny else (8, 128, 1024, 32000)
+    n = 4 if tiny else 8
+    return transformers.MiniMaxConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n,
+        layer_types=[("full_attention" if i % 4 == 3 else "linear_attention") for i in range(n)],
+        num_attention_heads=h, num_key_value_heads=2, head_dim=d, num_local_experts=4, num_experts_per_tok=4,
+        block_size=64, tie_word_embeddings=True, max_position_embeddings=8192, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+#: --family -> (config builder, model class name in transformers, the state shape's config fields)
+FAMILIES = {
+    "qwen3_next": lambda tiny: (model_config(tiny), "Qwen3NextForCausalLM"),
+    "minimax": lambda tiny: (minimax_config(tiny), "MiniMaxForCausalLM"),
+}
+
+
+def state_shape(config) -> list[int]:
+    if config.model_type == "minimax":
+        return [config.num_attention_heads, config.head_dim, config.head_dim]
+    return [config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim]
 
 
 def model_config(tiny: bool) -> transformers.Qwen3NextConfig:
@@ -122,13 +152,17 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(name for name, _ in MODES),
                    help="comma-separated subset of the compared engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_next",
+                   help="the model's family (module docstring)")
     p.add_argument("--out", default="benchmarks/results/fp8_state_accuracy.json")
     args = p.parse_args(argv)
     steps = args.tokens or (32 if args.tiny else 1024)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
                                                            else torch.float32)
-    config = model_config(args.tiny)
-    model = _build(transformers.Qwen3NextForCausalLM, config, dtype, args.device, args.seed)
+    config, class_name = FAMILIES[args.family](args.tiny)
+    if not hasattr(transformers, class_name):
+        p.error(f"--family {args.family}: transformers {transformers.__version__} has no {class_name}")
+    model = _build(getattr(transformers, class_name), config, dtype, args.device, args.seed)
     (prompt,) = random_token_prompts(1, args.prompt_len, config.vocab_size, seed=args.seed + 1)
 
     ref = run(model, prompt, steps, args.device, None, ssm_state_dtype="float32")
@@ -138,9 +172,8 @@ def main(argv=None) -> int:
                  torch=torch.__version__, transformers=transformers.__version__, tiny=args.tiny,
                  model_dtype=str(dtype).replace("torch.", ""), tokens=steps, prompt_len=args.prompt_len,
                  date=time.strftime("%Y-%m-%d"),
-                 model=dict(hidden=config.hidden_size, layers=config.num_hidden_layers, vocab=config.vocab_size,
-                            gdn_state=[config.linear_num_value_heads, config.linear_key_head_dim,
-                                       config.linear_value_head_dim])),
+                 model=dict(family=args.family, hidden=config.hidden_size, layers=config.num_hidden_layers,
+                            vocab=config.vocab_size, state=state_shape(config))),
         reference=dict(mode="fp32_state", bytes=ref["bytes"], dtypes=ref["dtypes"], seconds=ref["seconds"]),
         modes={},
     )

@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 import transformers
 
@@ -51,12 +52,15 @@ def test_tiny_cpu_run_hf_experts_then_fp8(tmp_path):
     assert bad.returncode != 0 and "--modes must be" in bad.stderr
 
 
-def test_fp8_state_accuracy_tiny_cpu_run(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_next", "minimax"])
+def test_fp8_state_accuracy_tiny_cpu_run(tmp_path, family):
     """benchmarks/fp8_state_accuracy.py --tiny: every mode teacher-forced on the reference's tokens;
     the fp8 state is further from the fp32-state engine than the bf16 state, and its pools smaller."""
+    if family == "minimax" and not hasattr(transformers, "MiniMaxForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no MiniMaxForCausalLM")
     out = tmp_path / "acc.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8_state_accuracy.py"), "--tiny", "--device", "cpu",
-           "--tokens", "12", "--out", str(out)]
+           "--tokens", "12", "--family", family, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())

@@ -328,10 +328,11 @@ def test_lightning_recurrent_fp8_pool_and_intermediates(steps, disable):
         if t < steps - 1 or not disable:
             ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
     y_ref = torch.cat(ys, 1)
+    scales_shape = inter_ref.shape[:-2] + inter_ref.shape[-1:]  # one per value column
     for name, fn in (("plain", ops.recurrent_lightning_attention_update),
                      ("triton", tlight.recurrent_lightning_attention_update_triton)):
         sq, ss = pq.clone(), ps.clone()
-        iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(inter_ref.shape[:-2] + inter_ref.shape[-1:])
+        iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(scales_shape)
         y = fn(q, k, v, s, sq, slots, disable, iq, None, ss, iss)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
         assert_state_equal(sq, ss, ref_pool, [] if disable else slots.tolist(), pq, ps, GDN_DIM, exact=name == "plain")
@@ -339,7 +340,7 @@ def test_lightning_recurrent_fp8_pool_and_intermediates(steps, disable):
             want_q, want_s = quantize_vectors(inter_ref[row], GDN_DIM)
             got, want = deq(iq[row], iss[row], GDN_DIM), deq(want_q, want_s, GDN_DIM)
             assert ((got - want).abs() <= want_s.unsqueeze(GDN_DIM) * (0 if name == "plain" else 32) + 1e-6).all()
-    iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(inter_ref.shape[:-2] + inter_ref.shape[-1:])
+    iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(scales_shape)
     run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pq.clone(), slots, disable, iq),
                 dict(ssm_scales=ps.clone(), intermediate_scales=iss))
 

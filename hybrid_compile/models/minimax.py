@@ -58,7 +58,8 @@ def layout(model: nn.Module, *, kv_dtype: torch.dtype, conv_dtype: torch.dtype, 
     base = delta_rule_layout(
         cfg, AttentionLayerSpec(0, cfg.num_key_value_heads, head_dim, kv_dtype),
         # no conv: a 1-wide conv keeps an empty window; the state is [H, D, D]
-        MambaLayerSpec(0, 1, 1, (h, head_dim, head_dim), conv_dtype, ssm_dtype, ssm_scale_dim=LIGHTNING_STATE_SCALE_DIM),
+        MambaLayerSpec(0, 1, 1, (h, head_dim, head_dim), conv_dtype, ssm_dtype,
+                       ssm_scale_dim=LIGHTNING_STATE_SCALE_DIM),
     )
     return replace(base, ssm_chunk_size=LIGHTNING_CHUNK_SIZE)
 

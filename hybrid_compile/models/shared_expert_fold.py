@@ -100,8 +100,8 @@ def _pack(block: nn.Module, handle: PatchHandle,
         # forward closes over gets fresh size symbols per layer under the engine's dynamic=True compile, so
         # every layer's piece of the one-token graph was its own Inductor compile (no FX-cache hit
         # between identical layers: the 80B shape's capture phase compiled 49 pieces)
-        packed_up = nn.Parameter(torch.cat([gate_up, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]]),
-                                 requires_grad=False)
+        shared_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        packed_up = nn.Parameter(torch.cat([gate_up, shared_up[None]]), requires_grad=False)
         packed_down = nn.Parameter(torch.cat([down, shared.down_proj.weight[None]]), requires_grad=False)
         views = [(gate_up, packed_up[:e]), (down, packed_down[:e]), (shared.down_proj.weight, packed_down[e])]
         if pack_projections is None:

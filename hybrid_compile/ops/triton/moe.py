@@ -50,8 +50,8 @@ from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
-           "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config", "moe_grouped_linear_triton", "moe_path",
-           "moe_sort_pairs_triton"]
+           "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config",
+           "moe_grouped_linear_triton", "moe_path", "moe_sort_pairs_triton"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).

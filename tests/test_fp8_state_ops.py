@@ -323,7 +323,7 @@ def test_lightning_recurrent_fp8_pool_and_intermediates(steps, disable):
     ys, inter_ref = [], torch.zeros(3, steps, *pool.shape[1:])
     for t in range(steps):
         ys.append(ops.recurrent_lightning_attention_update(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], s, ref_pool,
-                                                           slots, False, None))
+                                                           slots, False, None, None, None))
         inter_ref[slots >= 0, t] = ref_pool[real]
         if t < steps - 1 or not disable:
             ref_pool[real] = deq(*quantize_vectors(ref_pool[real], GDN_DIM), GDN_DIM)
@@ -333,7 +333,7 @@ def test_lightning_recurrent_fp8_pool_and_intermediates(steps, disable):
                      ("triton", tlight.recurrent_lightning_attention_update_triton)):
         sq, ss = pq.clone(), ps.clone()
         iq, iss = torch.zeros(inter_ref.shape, dtype=FP8_DTYPE), torch.zeros(scales_shape)
-        y = fn(q, k, v, s, sq, slots, disable, iq, None, ss, iss)
+        y = fn(q, k, v, s, sq, slots, disable, iq, ssm_scales=ss, intermediate_scales=iss)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
         assert_state_equal(sq, ss, ref_pool, [] if disable else slots.tolist(), pq, ps, GDN_DIM, exact=name == "plain")
         for row in (0, 2):  # (row 1 is padding)
@@ -354,7 +354,7 @@ def test_lightning_chunk_fp8_pool():
     q, k, v, s, pool, cu, slots, has_init = chunk_inputs(lens, pad_rows=(3,))
     pq, ps = quantized(pool, GDN_DIM)
     ref_pool = deq(pq, ps, GDN_DIM)
-    o_ref, cs_ref = ops.chunk_lightning_attention(q, k, v, s, ref_pool, cu, slots, has_init, True)
+    o_ref, cs_ref = ops.chunk_lightning_attention(q, k, v, s, ref_pool, cu, slots, has_init, True, None)
     written = [sl for sl, n in zip(slots.tolist(), lens) if n > 0]
     for name, fn in (("plain", ops.chunk_lightning_attention), ("triton", tlight.chunk_lightning_attention_fp8_aware)):
         sq, ss = pq.clone(), ps.clone()
@@ -371,15 +371,15 @@ def test_lightning_fp8_arguments_raise_clear_errors():
     q, k, v, s, pool, slots = recurrent_inputs(2, 2)
     pq, ps = quantized(pool, GDN_DIM)
     with pytest.raises(ValueError, match="needs `ssm_scales`"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, False, None)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, False, None, None, None)
     with pytest.raises(ValueError, match="`ssm_scales` is only for an FP8"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, None, None, ps)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, None, ps, None)
     with pytest.raises(ValueError, match="`intermediate_scales` without `intermediate_states`"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, True, None, None, ps, ps[:2, None])
+        ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, True, None, ps, ps[:2, None])
     parents = torch.tensor([[-1, 0], [-1, 0]])
     with pytest.raises(ValueError, match="FP8"):  # draft trees keep float buffers
         ops.recurrent_lightning_attention_update(q, k, v, s, pq, slots, True, torch.zeros(2, 2, *pool.shape[1:]),
-                                                 parents, ps)
+                                                 ps, None, parents)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,10 +564,10 @@ def test_gpu_lightning_fp8_pool_at_minimax_shape():
     iq = torch.zeros(bs, steps, h, d, d, dtype=FP8_DTYPE)
     iss = torch.zeros(bs, steps, h, d)
     ref_q, ref_s, ref_iq, ref_is = pq.clone(), ps.clone(), iq.clone(), iss.clone()
-    o_ref = ops.recurrent_lightning_attention_update(q, k, v, s, ref_q, slots, False, ref_iq, None, ref_s, ref_is)
+    o_ref = ops.recurrent_lightning_attention_update(q, k, v, s, ref_q, slots, False, ref_iq, ref_s, ref_is)
     gq, gs, giq, gis = pq.cuda(), ps.cuda(), iq.cuda(), iss.cuda()
     o = ops.recurrent_lightning_attention_update(q.cuda(), k.cuda(), v.cuda(), s.cuda(), gq, slots.cuda(), False, giq,
-                                                 None, gs, gis)
+                                                 gs, gis)
     torch.testing.assert_close(o.cpu().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
     for got_q, got_s, want_q, want_s in ((gq, gs, ref_q, ref_s), (giq, gis, ref_iq, ref_is)):
         got_s = got_s.cpu()

@@ -61,13 +61,13 @@ def test_chunk_matches_reference(lens):
     pad_rows = (0,) if len(lens) > 2 else ()
     q, k, v, s, pool, cu, slots, has_init = chunk_inputs(lens, pad_rows=pad_rows)
     got = pool.clone()
-    o, cs = ops.chunk_lightning_attention(q, k, v, s, got, cu, slots, has_init, True)
+    o, cs = ops.chunk_lightning_attention(q, k, v, s, got, cu, slots, has_init, True, None)
     want_o, want_pool, want_cs = ref.chunk_lightning_attention_ref(q, k, v, s, pool, cu, slots, has_init, True, C)
     assert_close(o, want_o, msg="output")
     check_pool(got, want_pool, pool, [sl for sl, n in zip(slots.tolist(), lens) if n > 0])
     assert_close(cs, want_cs, msg="chunk states")
     got2 = pool.clone()
-    o2, cs2 = ops.chunk_lightning_attention(q, k, v, s, got2, cu, slots, has_init, False)
+    o2, cs2 = ops.chunk_lightning_attention(q, k, v, s, got2, cu, slots, has_init, False, None)
     assert cs2.shape[0] == 0 and torch.equal(o2, o) and torch.equal(got2, got)
 
 
@@ -76,12 +76,12 @@ def test_split_prefill_equals_one_prefill():
     q, k, v, s, pool, _, _, _ = chunk_inputs([150])
     slot = torch.tensor([3], dtype=torch.int32)
     one = pool.clone()
-    o_all, _ = ops.chunk_lightning_attention(q, k, v, s, one, cu_seqlens_of([150]), slot, torch.tensor([False]), False)
+    o_all, _ = ops.chunk_lightning_attention(q, k, v, s, one, cu_seqlens_of([150]), slot, torch.tensor([False]), False, None)
     two = pool.clone()
     o1, _ = ops.chunk_lightning_attention(q[:70], k[:70], v[:70], s, two, cu_seqlens_of([70]), slot,
-                                          torch.tensor([False]), False)
+                                          torch.tensor([False]), False, None)
     o2, _ = ops.chunk_lightning_attention(q[70:], k[70:], v[70:], s, two, cu_seqlens_of([80]), slot,
-                                          torch.tensor([True]), False)
+                                          torch.tensor([True]), False, None)
     assert_close(torch.cat([o1, o2]), o_all)
     assert_close(two, one)
 
@@ -93,7 +93,7 @@ def test_recurrent_matches_reference(L, disable):
     q, k, v, s, pool, slots = recurrent_inputs(B, L, pad_rows=(2,))
     inter = torch.zeros(B, L + 1, H, K, V)
     got_pool, got_inter = pool.clone(), inter.clone()
-    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, disable, got_inter)
+    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, disable, got_inter, None, None)
     want_o, want_pool, want_inter = ref.recurrent_lightning_attention_update_ref(q, k, v, s, pool, slots, disable,
                                                                                  inter)
     assert_close(o, want_o)
@@ -155,12 +155,12 @@ def test_recurrent_tree_matches_the_chain_reference_per_path(inter_dtype):
     """Each node of a draft tree starts from its parent's stored state (-1: the slot's): outputs
     and stored states equal each root path's chain (:func:`check_tree_result`)."""
     (q, k, v, s, pool, slots, inter), _, o, tol = check_tree_result(
-        lambda q, k, v, s, p, sl, i, par: ops.recurrent_lightning_attention_update(q, k, v, s, p, sl, True, i, par),
+        lambda q, k, v, s, p, sl, i, par: ops.recurrent_lightning_attention_update(q, k, v, s, p, sl, True, i, None, None, par),
         inter_dtype)
     # a chain written as parents is the chain
     chain_inter = torch.zeros_like(inter)
     chain = ops.recurrent_lightning_attention_update(q[2:3], k[2:3], v[2:3], s, pool, slots[2:3], True,
-                                                     chain_inter[:1])
+                                                     chain_inter[:1], None, None)
     assert_close(o[2:3], chain, tol)
 
 
@@ -168,26 +168,26 @@ def test_tree_arguments_raise_clear_errors():
     (q, k, v, s, pool, slots, inter), parents = tree_inputs()
     with pytest.raises(ValueError, match="recurrent_lightning_attention_update: `parent_indices` .* needs the "
                                          "intermediate buffer"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, None, parents)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, None, None, None, parents)
     with pytest.raises(ValueError, match="needs disable_state_update=True"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, inter, parents)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, inter, None, None, parents)
     bad = parents.clone()
     bad[1, 3] = 3
     with pytest.raises(ValueError, match=r"`parent_indices\[1, 3\]` = 3, must be in \[-1, 3\)"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, bad)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None, bad)
     with pytest.raises(ValueError, match="`parent_indices`"):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents[:, :2])
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None, parents[:, :2])
 
 
 def test_bad_arguments_raise_clear_errors():
     q, k, v, s, pool, cu, slots, has_init = chunk_inputs([5])
     with pytest.raises(ValueError, match="chunk_lightning_attention: `slope`"):
-        ops.chunk_lightning_attention(q, k, v, s[:1], pool, cu, slots, has_init, False)
+        ops.chunk_lightning_attention(q, k, v, s[:1], pool, cu, slots, has_init, False, None)
     with pytest.raises(ValueError, match="chunk_lightning_attention: `ssm_states`"):
-        ops.chunk_lightning_attention(q, k, v, s, pool[:, :, :3], cu, slots, has_init, False)
+        ops.chunk_lightning_attention(q, k, v, s, pool[:, :, :3], cu, slots, has_init, False, None)
     rq, rk, rv, rs, rpool, rslots = recurrent_inputs(2, 2)
     with pytest.raises(ValueError, match="recurrent_lightning_attention_update: `intermediate_states`"):
-        ops.recurrent_lightning_attention_update(rq, rk, rv, rs, rpool, rslots, True, torch.zeros(2, 1, H, K, V))
+        ops.recurrent_lightning_attention_update(rq, rk, rv, rs, rpool, rslots, True, torch.zeros(2, 1, H, K, V), None, None)
 
 
 def test_opcheck():
@@ -198,14 +198,14 @@ def test_opcheck():
     run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, False, torch.zeros(3, 2, H, K, V)))
     run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, True, None))
     args, parents = tree_inputs()
-    run_opcheck(ops.recurrent_lightning_attention_update, (*args[:6], True, args[6], parents))
+    run_opcheck(ops.recurrent_lightning_attention_update, (*args[:6], True, args[6], None, None, parents))
 
 
 def test_fullgraph_compile():
     q, k, v, s, pool, slots = recurrent_inputs(3, 1)
 
     def decode(q, k, v, s, pool, slots):
-        return ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, None) * 2
+        return ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, False, None, None, None) * 2
 
     eager, compiled, eager_args, compiled_args = compile_and_compare(decode, q, k, v, s, pool, slots)
     assert_close(compiled, eager)
@@ -214,7 +214,7 @@ def test_fullgraph_compile():
     cq, ck, cv, cs_, cpool, cu, cslots, chi = chunk_inputs([70, 5])
 
     def prefill(q, k, v, s, pool, cu, slots, hi):
-        o, cs = ops.chunk_lightning_attention(q, k, v, s, pool, cu, slots, hi, True)
+        o, cs = ops.chunk_lightning_attention(q, k, v, s, pool, cu, slots, hi, True, None)
         return o + 1, cs
 
     eager, compiled, eager_args, compiled_args = compile_and_compare(prefill, cq, ck, cv, cs_, cpool, cu, cslots, chi)

@@ -68,7 +68,7 @@ def test_interpreted_recurrent_tree_matches_chain_reference_and_op(inter_dtype):
         lambda q, k, v, s, p, sl, i, par: tl_lightning.recurrent_lightning_attention_update_triton(
             q, k, v, s, p, sl, True, i, par), inter_dtype)
     op_inter = torch.full_like(inter, 7.0)
-    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, parents)
+    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, None, None, parents)
     # (a bf16 buffer: a one-ulp rounding of a stored state, fp32 sums apart, carries into its children)
     assert_close(o, op_o, tol)
     assert_close(inter.float(), op_inter.float(), tol)
@@ -94,11 +94,11 @@ def _cpu(*xs):
 def test_gpu_chunk_matches_torch_op(dtype, pool_dtype):
     q, k, v, s, pool, cu, slots, has_init = chunk_inputs(GPU_LENS, MINIMAX, dtype, pool_dtype, (5,), DEV, GPU_SLOTS)
     got = pool.clone()
-    o, cs = ops.chunk_lightning_attention(q, k, v, s, got, cu, slots, has_init, True)
+    o, cs = ops.chunk_lightning_attention(q, k, v, s, got, cu, slots, has_init, True, None)
     torch.cuda.synchronize()
     cq, ck, cv, cs_, cpool, ccu, cslots, chi = _cpu(q, k, v, s, pool, cu, slots, has_init)
     want_pool = cpool.clone()
-    want_o, want_cs = lightning.chunk_lightning_attention(cq, ck, cv, cs_, want_pool, ccu, cslots, chi, True)
+    want_o, want_cs = lightning.chunk_lightning_attention(cq, ck, cv, cs_, want_pool, ccu, cslots, chi, True, None)
     tol = torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype) else torch.float32
     assert_close(o.cpu(), want_o, tol, msg="output")
     assert_close(got.cpu(), want_pool, tol, msg="pool")
@@ -115,10 +115,10 @@ def test_gpu_recurrent_matches_torch_op_and_replays_in_cuda_graph(L):
     q, k, v, s, pool, slots = recurrent_inputs(B, L, MINIMAX, torch.bfloat16, (3,), DEV, GPU_SLOTS)
     inter = torch.zeros(B, L, *MINIMAX, device=DEV)
     got_pool = pool.clone()
-    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, False, inter)
+    o = ops.recurrent_lightning_attention_update(q, k, v, s, got_pool, slots, False, inter, None, None)
     cq, ck, cv, cs_, cpool, cslots, cinter = _cpu(q, k, v, s, pool, slots, torch.zeros_like(inter))
     want_pool = cpool.clone()
-    want = lightning.recurrent_lightning_attention_update(cq, ck, cv, cs_, want_pool, cslots, False, cinter)
+    want = lightning.recurrent_lightning_attention_update(cq, ck, cv, cs_, want_pool, cslots, False, cinter, None, None)
     assert_close(o.cpu(), want, torch.bfloat16)
     assert_close(got_pool.cpu(), want_pool)
     assert_close(inter.cpu(), cinter)
@@ -127,17 +127,17 @@ def test_gpu_recurrent_matches_torch_op_and_replays_in_cuda_graph(L):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter)
+        ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter)
+        out = ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None)
     nq, nk, nv, _, _, _ = recurrent_inputs(B, L, MINIMAX, torch.bfloat16, (3,), DEV, GPU_SLOTS)
     for dst, src in ((q, nq), (k, nk), (v, nv)):
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    want = lightning.recurrent_lightning_attention_update(*_cpu(q, k, v, s, pool0), slots.cpu(), True, None)
+    want = lightning.recurrent_lightning_attention_update(*_cpu(q, k, v, s, pool0), slots.cpu(), True, None, None, None)
     assert_close(out.cpu(), want, torch.bfloat16)
     assert torch.equal(pool, pool0)
 
@@ -156,15 +156,15 @@ def test_gpu_recurrent_tree_matches_torch_op_in_a_cuda_graph(nodes):
     def check(o, parents):
         cinter = torch.zeros(B, nodes, *MINIMAX)
         want = lightning.recurrent_lightning_attention_update(*_cpu(q, k, v, s, pool), slots.cpu(), True, cinter,
-                                                              parents.cpu())
+                                                              None, None, parents.cpu())
         assert_close(o.cpu(), want, torch.bfloat16)
         assert_close(inter.cpu(), cinter)
 
     pool0 = pool.clone()
-    check(ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents), parents)
+    check(ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None, parents), parents)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, parents)
+        out = ops.recurrent_lightning_attention_update(q, k, v, s, pool, slots, True, inter, None, None, parents)
     parents.copy_(ref_tree.random_parents(B, nodes, gen))
     graph.replay()
     torch.cuda.synchronize()

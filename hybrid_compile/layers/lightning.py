@@ -67,8 +67,8 @@ def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_h
 
     if md.mode is ForwardMode.DECODE:
         return _kernels.recurrent_lightning_attention_update(
-            q[:, None], k[:, None], v[:, None], slope, ssm_states, md.mamba_cache_indices, False, None, None,
-            ssm_scales,
+            q[:, None], k[:, None], v[:, None], slope, ssm_states, md.mamba_cache_indices, False, None, ssm_scales,
+            None,
         ).squeeze(1)
     if md.mode is ForwardMode.EXTEND:
         track = tracking(md)
@@ -84,7 +84,7 @@ def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_h
         verify = ctx.verify_batch(layer_id, "lightning_layer")
         out = _kernels.recurrent_lightning_attention_update(
             verify.per_request(q), verify.per_request(k), verify.per_request(v), slope, ssm_states,
-            verify.cache_indices, True, verify.intermediates[1], verify.parents, ssm_scales, verify.intermediates[2],
+            verify.cache_indices, True, verify.intermediates[1], ssm_scales, verify.intermediates[2], verify.parents,
         )
         return verify.pad(out.reshape(verify.num_tokens, num_heads, head_dim), n)
     raise NotImplementedError(f"lightning_layer: forward mode {md.mode.value} is not supported")

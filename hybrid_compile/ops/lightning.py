@@ -92,7 +92,7 @@ def chunk_lightning_attention(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     output_chunk_states: bool,
-    ssm_scales: Optional[torch.Tensor] = None,
+    ssm_scales: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning attention over a packed batch of variable-length requests (prefill / extend).
 
@@ -108,7 +108,8 @@ def chunk_lightning_attention(
         output_chunk_states: also return the state before every chunk of ``LIGHTNING_CHUNK_SIZE``
             tokens of each request (the ``_varlen`` row layout, fp32).
         ssm_scales: ``[num_slots, H, V]`` fp32 scales when ``ssm_states`` is float8_e4m3fn (module
-            docstring). **Mutated** with the states.
+            docstring), else None. **Mutated** with the states (required, as every mutated argument:
+            ``tests/test_project.py``).
 
     Returns:
         ``(o [T, H, V] in v.dtype, chunk_states [rows, H, K, V] fp32)``; ``rows`` is
@@ -153,7 +154,7 @@ def chunk_lightning_attention(
 
 
 @chunk_lightning_attention.register_fake
-def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states, ssm_scales=None):
+def _(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states, ssm_scales):
     _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     T, h, kd = q.shape
     rows = max_chunk_rows(T, state_indices.shape[0], LIGHTNING_CHUNK_SIZE) if output_chunk_states else 0
@@ -209,9 +210,9 @@ def recurrent_lightning_attention_update(
     state_indices: torch.Tensor,
     disable_state_update: bool,
     intermediate_states: Optional[torch.Tensor],
+    ssm_scales: Optional[torch.Tensor],
+    intermediate_scales: Optional[torch.Tensor],
     parent_indices: Optional[torch.Tensor] = None,
-    ssm_scales: Optional[torch.Tensor] = None,
-    intermediate_scales: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``L`` lightning-attention steps per request from its slot's state (decode: ``L = 1``).
 
@@ -226,13 +227,14 @@ def recurrent_lightning_attention_update(
             step is committed later from ``intermediate_states`` by ``commit_speculative_state``).
         intermediate_states: optional ``[>= B, >= L, H, K, V]`` float buffer indexed by BATCH ROW.
             **Mutated**: ``intermediate_states[b, t]`` = state after step ``t``, real rows only.
+        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, H, V]``, ``[>= B, >= L, H, V]``)
+            of an e4m3 pool / intermediate buffer (module docstring), else None. **Mutated** with their
+            buffers (required, as every mutated argument).
         parent_indices: optional ``[B, L]`` int32/int64: a draft TREE (top-k > 1 drafts). Token
             ``t`` starts from the state stored after token ``parent_indices[b, t]`` (its row of
             ``intermediate_states``, as stored) or, for ``-1``, from the slot's state;
             ``-1 <= parent < t``. Needs ``intermediate_states`` and ``disable_state_update``; not with
             FP8 buffers. None: a chain (``parent = t - 1``).
-        ssm_scales, intermediate_scales: fp32 scales (``[num_slots, H, V]``, ``[>= B, >= L, H, V]``)
-            of an e4m3 pool / intermediate buffer (module docstring). **Mutated** with their buffers.
 
     Returns:
         ``o``: ``[B, L, H, V]`` in ``v.dtype``.
@@ -270,8 +272,8 @@ def recurrent_lightning_attention_update(
 
 
 @recurrent_lightning_attention_update.register_fake
-def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states, parent_indices=None,
-      ssm_scales=None, intermediate_scales=None):
+def _(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states, ssm_scales,
+      intermediate_scales, parent_indices=None):
     _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
                      parent_indices, ssm_scales, intermediate_scales)
     return v.new_empty(v.shape)

@@ -294,7 +294,7 @@ def check_lightning(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_chunk():
         p = pool.clone()
-        o, cs = ops.chunk_lightning_attention(q, k, v, slope, p, bt.cu, bt.slots, bt.has_init, True)
+        o, cs = ops.chunk_lightning_attention(q, k, v, slope, p, bt.cu, bt.slots, bt.has_init, True, None)
         return o, cs, p
 
     (o, cs, p), ms = _timed(run_chunk, reps)
@@ -307,7 +307,7 @@ def check_lightning(device, dtype, gen, reps) -> list[CheckResult]:
 
     def run_verify():
         p, i = pool.clone(), inter.clone()
-        return ops.recurrent_lightning_attention_update(vq, vk, vv, slope, p, bt.slots, False, i), p, i
+        return ops.recurrent_lightning_attention_update(vq, vk, vv, slope, p, bt.slots, False, i, None, None), p, i
 
     (o, p, i), ms = _timed(run_verify, reps)
     (ro, rp, ri), ref_ms = _timed(lambda: ref_lightning.recurrent_lightning_attention_update_ref(
@@ -490,7 +490,7 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
 
     def lightning_op():
         it = torch.zeros(B, L, Hl, Kl, Vl, device=device)
-        o = ops.recurrent_lightning_attention_update(ql, kl, vl, slope, lpool.clone(), slots_d, True, it, P_)
+        o = ops.recurrent_lightning_attention_update(ql, kl, vl, slope, lpool.clone(), slots_d, True, it, None, None, P_)
         return o, it
 
     def lightning_chain(b, ins, n):

@@ -261,14 +261,14 @@ def chunk_lightning_attention_fp8_aware(q, k, v, slope, ssm_states, cu_seqlens, 
 
 
 def _chunk_cuda_impl(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states,
-                     ssm_scales=None):
+                     ssm_scales):
     _check_chunk(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, ssm_scales)
     return chunk_lightning_attention_fp8_aware(q, k, v, slope, ssm_states, cu_seqlens, state_indices,
                                                has_initial_state, output_chunk_states, ssm_scales)
 
 
 def _recurrent_cuda_impl(q, k, v, slope, ssm_states, state_indices, disable_state_update, intermediate_states,
-                         parent_indices=None, ssm_scales=None, intermediate_scales=None):
+                         ssm_scales, intermediate_scales, parent_indices=None):
     _check_recurrent(q, k, v, slope, ssm_states, state_indices, intermediate_states, disable_state_update,
                      parent_indices, ssm_scales, intermediate_scales)
     return recurrent_lightning_attention_update_triton(q, k, v, slope, ssm_states, state_indices,

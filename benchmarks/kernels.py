@@ -352,8 +352,11 @@ def bench_lightning(quick):
     for batch in ([1, 64] if quick else [1, 16, 64, 256]):
         slots = torch.arange(batch, dtype=torch.int32, device=DEV)
         q, k, v = (torch.randn(batch, 1, H, D, dtype=BF16, device=DEV) * D ** -0.5 for _ in range(3))
-        f = lambda: ops.recurrent_lightning_attention_update(q, k, v, slope, ssm, slots, False, None, None, None)  # noqa: E731
-        p = lambda: plain(LA.recurrent_lightning_attention_update)(q, k, v, slope, ssm, slots, False, None, None, None)  # noqa: E731
+        # (no intermediates; a float pool: no scales)
+        f = lambda: ops.recurrent_lightning_attention_update(  # noqa: E731
+            q, k, v, slope, ssm, slots, False, None, None, None)
+        p = lambda: plain(LA.recurrent_lightning_attention_update)(  # noqa: E731
+            q, k, v, slope, ssm, slots, False, None, None, None)
         record("recurrent_lightning_attention_update", f"B={batch} H={H} D={D}", safe(lambda: bench(f)),
                safe(lambda: bench(p, graph=False)), None, bytes_moved=2 * batch * H * D * D * 4, note="decode")
     for total in ([2048, 32768] if quick else [2048, 8192, 32768]):
@@ -365,7 +368,8 @@ def bench_lightning(quick):
             C_ = LA.LIGHTNING_CHUNK_SIZE
             flops = total * H * (2 * C_ * D * 2 + 2 * D * D * 2)  # q k^T, (qk) v; q S, k^T v
             f = lambda: ops.chunk_lightning_attention(q, k, v, slope, ssm, cu, slots, has, False, None)  # noqa: E731
-            p = lambda: plain(LA.chunk_lightning_attention)(q, k, v, slope, ssm, cu, slots, has, False, None)  # noqa: E731
+            p = lambda: plain(LA.chunk_lightning_attention)(  # noqa: E731
+                q, k, v, slope, ssm, cu, slots, has, False, None)
             record("chunk_lightning_attention", f"T={total} B={batch}", safe(lambda: bench(f, graph=False)),
                    safe(lambda: bench(p, iters=3, graph=False)) if total <= 8192 else None, None, flops=flops,
                    note="(fp32 dots)")

@@ -76,7 +76,8 @@ def test_split_prefill_equals_one_prefill():
     q, k, v, s, pool, _, _, _ = chunk_inputs([150])
     slot = torch.tensor([3], dtype=torch.int32)
     one = pool.clone()
-    o_all, _ = ops.chunk_lightning_attention(q, k, v, s, one, cu_seqlens_of([150]), slot, torch.tensor([False]), False, None)
+    o_all, _ = ops.chunk_lightning_attention(q, k, v, s, one, cu_seqlens_of([150]), slot, torch.tensor([False]), False,
+                                             None)
     two = pool.clone()
     o1, _ = ops.chunk_lightning_attention(q[:70], k[:70], v[:70], s, two, cu_seqlens_of([70]), slot,
                                           torch.tensor([False]), False, None)
@@ -155,7 +156,8 @@ def test_recurrent_tree_matches_the_chain_reference_per_path(inter_dtype):
     """Each node of a draft tree starts from its parent's stored state (-1: the slot's): outputs
     and stored states equal each root path's chain (:func:`check_tree_result`)."""
     (q, k, v, s, pool, slots, inter), _, o, tol = check_tree_result(
-        lambda q, k, v, s, p, sl, i, par: ops.recurrent_lightning_attention_update(q, k, v, s, p, sl, True, i, None, None, par),
+        lambda q, k, v, s, p, sl, i, par: ops.recurrent_lightning_attention_update(q, k, v, s, p, sl, True, i, None,
+                                                                                   None, par),
         inter_dtype)
     # a chain written as parents is the chain
     chain_inter = torch.zeros_like(inter)
@@ -187,7 +189,8 @@ def test_bad_arguments_raise_clear_errors():
         ops.chunk_lightning_attention(q, k, v, s, pool[:, :, :3], cu, slots, has_init, False, None)
     rq, rk, rv, rs, rpool, rslots = recurrent_inputs(2, 2)
     with pytest.raises(ValueError, match="recurrent_lightning_attention_update: `intermediate_states`"):
-        ops.recurrent_lightning_attention_update(rq, rk, rv, rs, rpool, rslots, True, torch.zeros(2, 1, H, K, V), None, None)
+        ops.recurrent_lightning_attention_update(rq, rk, rv, rs, rpool, rslots, True, torch.zeros(2, 1, H, K, V), None,
+                                                 None)
 
 
 def test_opcheck():

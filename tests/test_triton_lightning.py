@@ -68,7 +68,8 @@ def test_interpreted_recurrent_tree_matches_chain_reference_and_op(inter_dtype):
         lambda q, k, v, s, p, sl, i, par: tl_lightning.recurrent_lightning_attention_update_triton(
             q, k, v, s, p, sl, True, i, par), inter_dtype)
     op_inter = torch.full_like(inter, 7.0)
-    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, None, None, parents)
+    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, None, None,
+                                                          parents)
     # (a bf16 buffer: a one-ulp rounding of a stored state, fp32 sums apart, carries into its children)
     assert_close(o, op_o, tol)
     assert_close(inter.float(), op_inter.float(), tol)

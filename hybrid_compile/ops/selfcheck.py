@@ -490,7 +490,8 @@ def check_trees(device, dtype, gen, reps) -> list[CheckResult]:
 
     def lightning_op():
         it = torch.zeros(B, L, Hl, Kl, Vl, device=device)
-        o = ops.recurrent_lightning_attention_update(ql, kl, vl, slope, lpool.clone(), slots_d, True, it, None, None, P_)
+        o = ops.recurrent_lightning_attention_update(ql, kl, vl, slope, lpool.clone(), slots_d, True, it, None, None,
+                                                     P_)
         return o, it
 
     def lightning_chain(b, ins, n):

@@ -120,6 +120,21 @@ def stage_states(pool: torch.Tensor, scales: torch.Tensor, state_indices: torch.
     return buf, rows
 
 
+def scan_on_staged_states(scan, pool: torch.Tensor, scales: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                          state_indices: torch.Tensor, scale_dim: int):
+    """``scan(pool, state_indices)`` (a chunked prefill kernel pipeline over a float pool), on an FP8
+    pool (``scales`` given) through an fp32 staging copy of the batch's states (:func:`stage_states`,
+    rows ``b`` or -1), quantized back into the slots of the requests that had tokens (a zero-length
+    request leaves its slot untouched). Returns what ``scan`` returns."""
+    if scales is None:
+        return scan(pool, state_indices)
+    buf, rows = stage_states(pool, scales, state_indices, scale_dim)
+    out = scan(buf, rows)
+    written = cu_seqlens[1:] > cu_seqlens[:-1]
+    unstage_states(buf, rows, pool, scales, state_indices, written, scale_dim)
+    return out
+
+
 def unstage_states(buf: torch.Tensor, rows: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor,
                    state_indices: torch.Tensor, written: torch.Tensor, scale_dim: int) -> None:
     """Quantize ``buf[b]`` back into slot ``state_indices[b]`` where ``written[b]`` (bool)."""

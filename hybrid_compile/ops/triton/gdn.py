@@ -39,7 +39,7 @@ import triton.language as tl
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
 from .common import quantize_axis
-from .fp8_cache import stage_states, unstage_states
+from .fp8_cache import scan_on_staged_states
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -290,14 +290,10 @@ def chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, ssm_states, cu_seqlens, s
     of the batch's states (:func:`.fp8_cache.stage_states`); the pipeline of :mod:`.gdn_chunk`
     (per-head or per-channel gate)."""
     chunk = chunk_gated_delta_rule_triton
-    if ssm_scales is None:
-        return chunk(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm, scale,
-                     output_chunk_states)
-    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, GDN_STATE_SCALE_DIM)
-    out = chunk(q, k, v, g, beta, buf, cu_seqlens, rows, has_initial_state, use_qk_l2norm, scale, output_chunk_states)
-    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
-    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, GDN_STATE_SCALE_DIM)
-    return out
+    return scan_on_staged_states(
+        lambda pool, slots: chunk(q, k, v, g, beta, pool, cu_seqlens, slots, has_initial_state, use_qk_l2norm, scale,
+                                  output_chunk_states),
+        ssm_states, ssm_scales, cu_seqlens, state_indices, GDN_STATE_SCALE_DIM)
 
 
 def _chunk_cuda_impl(q, k, v, g, beta, ssm_states, cu_seqlens, state_indices, has_initial_state, use_qk_l2norm,

@@ -35,7 +35,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
 from .common import quantize_axis, tree_start_state
-from .fp8_cache import stage_states, unstage_states
+from .fp8_cache import scan_on_staged_states
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["chunk_lightning_attention_fp8_aware", "chunk_lightning_attention_triton",
@@ -249,15 +249,10 @@ def chunk_lightning_attention_fp8_aware(q, k, v, slope, ssm_states, cu_seqlens, 
                                         output_chunk_states, ssm_scales=None):
     """The chunked kernel on a float pool, or on an e4m3 pool through an fp32 staging copy of the
     batch's states (dequantized in, quantized back into the slots of the requests that had tokens)."""
-    if ssm_scales is None:
-        return chunk_lightning_attention_triton(q, k, v, slope, ssm_states, cu_seqlens, state_indices,
-                                                has_initial_state, output_chunk_states)
-    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, LIGHTNING_STATE_SCALE_DIM)
-    out = chunk_lightning_attention_triton(q, k, v, slope, buf, cu_seqlens, rows, has_initial_state,
-                                           output_chunk_states)
-    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
-    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, LIGHTNING_STATE_SCALE_DIM)
-    return out
+    return scan_on_staged_states(
+        lambda pool, slots: chunk_lightning_attention_triton(q, k, v, slope, pool, cu_seqlens, slots,
+                                                             has_initial_state, output_chunk_states),
+        ssm_states, ssm_scales, cu_seqlens, state_indices, LIGHTNING_STATE_SCALE_DIM)
 
 
 def _chunk_cuda_impl(q, k, v, slope, ssm_states, cu_seqlens, state_indices, has_initial_state, output_chunk_states,

@@ -27,7 +27,7 @@ from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
 from .common import pow2, softplus, tree_start_state
-from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
+from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["mamba1_selective_scan_fp8_aware", "mamba1_selective_scan_triton", "mamba1_state_update_triton"]
@@ -273,19 +273,11 @@ def mamba1_selective_scan_fp8_aware(
 ):
     """The scan kernel on a float pool, or on an FP8 pool through an fp32 staging buffer of the
     batch's states (:func:`.fp8_cache.stage_states`)."""
-    if ssm_scales is None:
-        return mamba1_selective_scan_triton(
-            x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state,
-            chunk_size, output_chunk_states, A_is_log,
-        )
-    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, MAMBA1_STATE_SCALE_DIM)
-    out = mamba1_selective_scan_triton(
-        x, dt, A, B, C, D, z, dt_bias, dt_softplus, buf, cu_seqlens, rows, has_initial_state, chunk_size,
-        output_chunk_states, A_is_log,
-    )
-    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
-    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, MAMBA1_STATE_SCALE_DIM)
-    return out
+    return scan_on_staged_states(
+        lambda pool, slots: mamba1_selective_scan_triton(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, pool, cu_seqlens, slots, has_initial_state, chunk_size,
+            output_chunk_states, A_is_log,
+        ), ssm_states, ssm_scales, cu_seqlens, state_indices, MAMBA1_STATE_SCALE_DIM)
 
 
 def _selective_scan_cuda_impl(

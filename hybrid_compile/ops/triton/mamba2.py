@@ -48,7 +48,7 @@ import triton.language as tl
 from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
-from .fp8_cache import round_rows, stage_states, store_state_rows, unstage_states
+from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .common import pow2, tree_start_state
 from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
@@ -627,19 +627,11 @@ def ssd_chunk_scan_fp8_aware(
 ):
     """The SSD Triton pipeline on a float pool, or on an FP8 pool through an fp32 staging buffer of
     the batch's states (:func:`.fp8_cache.stage_states`)."""
-    if ssm_scales is None:
-        return ssd_chunk_scan_triton(
-            x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, ssm_states, cu_seqlens, state_indices,
+    return scan_on_staged_states(
+        lambda pool, slots: ssd_chunk_scan_triton(
+            x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, pool, cu_seqlens, slots,
             has_initial_state, chunk_size, output_chunk_states,
-        )
-    buf, rows = stage_states(ssm_states, ssm_scales, state_indices, MAMBA2_STATE_SCALE_DIM)
-    out = ssd_chunk_scan_triton(
-        x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, buf, cu_seqlens, rows,
-        has_initial_state, chunk_size, output_chunk_states,
-    )
-    written = cu_seqlens[1:] > cu_seqlens[:-1]  # a zero-length request leaves its slot untouched
-    unstage_states(buf, rows, ssm_states, ssm_scales, state_indices, written, MAMBA2_STATE_SCALE_DIM)
-    return out
+        ), ssm_states, ssm_scales, cu_seqlens, state_indices, MAMBA2_STATE_SCALE_DIM)
 
 
 def _ssd_chunk_scan_cuda_impl(

@@ -171,7 +171,8 @@ def test_gpu_recurrent_tree_matches_torch_op_in_a_cuda_graph(nodes):
     torch.cuda.synchronize()
     check(out, parents)
     assert torch.equal(pool, pool0)
-    run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, True, inter, parents))
+    run_opcheck(ops.recurrent_lightning_attention_update, (q, k, v, s, pool, slots, True, inter),
+                dict(parent_indices=parents))
 
 
 @pytest.mark.gpu

@@ -575,13 +575,17 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
                  "recompiles": st.get("compile", {}).get("recompiles", 0),
                  # Triton kernels built during the run (new entries of Triton's on-disk cache): a kernel
                  # specialised on a pool size builds again after a move
-                 "triton_kernels_built": _triton_cache_entries() - built}
+                 "triton_kernels_built": _triton_cache_entries() - built,
+                 # the scheduler's asks for a move and the host time they took (elastic pools only)
+                 "elastic_asks": st.get("elastic_pools", {}).get("asks"),
+                 "elastic_ask_seconds": st.get("elastic_pools", {}).get("ask_seconds", 0.0)}
         finally:
             engine.close()
         print(f"  {name:8s} retractions {r['retractions']:3d}  steps {r['steps']:5d}  {r['seconds']:7.2f} s  "
               f"KV {r['pools']['kv_tokens']} tokens / Mamba {r['pools']['mamba_slots']} slots at the end  "
               f"moves {r['moves']['to_kv']} to KV, {r['moves']['to_mamba']} to Mamba  recompiles {r['recompiles']}  "
-              f"Triton kernels built {r['triton_kernels_built']}",
+              f"Triton kernels built {r['triton_kernels_built']}"
+              + (f"  asks {r['elastic_asks']} ({r['elastic_ask_seconds']:.3f} s)" if r["elastic_asks"] else ""),
               flush=True)
         return r, bytes_per
 
@@ -589,7 +593,7 @@ def run_elastic_comparison(model, args, vocab: int) -> dict:
     out["elastic"], _ = run("elastic", True)
     budget = kw["max_total_tokens"] * per_token + kw["mamba_cache_size"] * per_slot
     out["fixed_splits"] = []
-    for slots in fixed_split_slots(kw["mamba_cache_size"]):
+    for slots in (args.flip_splits if args.flip_splits is not None else fixed_split_slots(kw["mamba_cache_size"])):
         kv_tokens = (budget - slots * per_slot) // per_token
         if kv_tokens < args.flip_doc_len + 2 * (args.flip_docs - 1) + args.flip_doc_output:
             continue  # the longest document would not fit at all
@@ -709,6 +713,9 @@ def parse_args(argv=None):
     p.add_argument("--flip-docs", type=int, default=None, help="documents of the flip workload")
     p.add_argument("--flip-doc-len", type=int, default=None)
     p.add_argument("--flip-doc-output", type=int, default=None)
+    p.add_argument("--flip-splits", type=int, nargs="*", default=None, metavar="SLOTS",
+                   help="Mamba slot counts of the other fixed splits of the flip (default: a quarter, half, three "
+                        "quarters and 1.5 times the start-up split's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,

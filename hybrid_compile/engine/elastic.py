@@ -32,6 +32,8 @@ an MTP head's KV views; its intermediate buffers are by batch row and stay).
 
 from __future__ import annotations
 
+import time
+
 
 class ElasticPools:
     """The scheduler's hook to re-partition the pools (see the module docstring).
@@ -63,9 +65,20 @@ class ElasticPools:
         self.running = running
         self.mamba_reserve = mamba_reserve
         self.kv_reserve = kv_reserve
+        # scheduler asks (a move or not) and the host time spent answering them
+        self.asks = {"grow_kv": 0, "grow_mamba": 0}
+        self.ask_seconds = 0.0
 
     def grow_kv(self, kv_tokens: int) -> bool:
         """At least ``kv_tokens`` more KV token slots from free Mamba slots; True if any came."""
+        t0 = time.perf_counter()
+        self.asks["grow_kv"] += 1
+        try:
+            return self._grow_kv(kv_tokens)
+        finally:
+            self.ask_seconds += time.perf_counter() - t0
+
+    def _grow_kv(self, kv_tokens: int) -> bool:
         mamba = self.pools.mamba
         wanted = min(-(-kv_tokens * self.pools.kv.bytes_per_token // mamba.bytes_per_slot) + self.mamba_reserve,
                      mamba.total())
@@ -100,10 +113,15 @@ class ElasticPools:
 
     def grow_mamba(self, slots: int) -> bool:
         """At least ``slots`` more Mamba slots from free KV pages; True if any came."""
-        gained = self.pools.move_kv_to_mamba(slots, keep_kv_free=self.kv_reserve)
-        if gained:
-            self.on_resize()
-        return gained > 0
+        t0 = time.perf_counter()
+        self.asks["grow_mamba"] += 1
+        try:
+            gained = self.pools.move_kv_to_mamba(slots, keep_kv_free=self.kv_reserve)
+            if gained:
+                self.on_resize()
+            return gained > 0
+        finally:
+            self.ask_seconds += time.perf_counter() - t0
 
     def stats(self) -> dict:
         p = self.pools
@@ -114,4 +132,6 @@ class ElasticPools:
             "mamba_bytes": p.mamba.nbytes(),
             "spare_bytes": p.spare_bytes,
             **p.moves,
+            "asks": dict(self.asks),  # the scheduler's calls, moves or not
+            "ask_seconds": self.ask_seconds,  # host time in them, moves and re-captures included
         }

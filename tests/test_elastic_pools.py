@@ -174,6 +174,9 @@ def test_flip_from_chats_to_documents_needs_fewer_retractions_than_the_fixed_spl
     el = runs[True][2]["elastic_pools"]
     assert el["to_kv"] > 0 and el["kv_tokens_gained"] > 0 and el["kv_tokens"] > ARGS["max_total_tokens"], el
     assert runs[True][2]["memory"]["moves"]["to_kv"] == el["to_kv"]
+    # every move answered an ask of the scheduler, and the asks' host time is counted
+    assert el["asks"]["grow_kv"] >= el["to_kv"] and el["asks"]["grow_mamba"] >= el["to_mamba"], el
+    assert el["ask_seconds"] > 0, el
 
 
 def test_elastic_pools_with_the_host_tier_move_the_host_views_too():
@@ -271,6 +274,7 @@ def test_benchmark_elastic_tiny_run(tmp_path):
     r = json.loads(out.read_text())["elastic"]
     assert r["fixed"]["retractions"] > r["elastic"]["retractions"], r
     assert r["elastic"]["moves"]["to_kv"] > 0 and r["fixed"]["moves"]["to_kv"] == 0
+    assert r["elastic"]["elastic_asks"]["grow_kv"] >= r["elastic"]["moves"]["to_kv"] and r["fixed"]["elastic_asks"] is None
     # the other fixed splits of the same bytes: none beats elastic pools in retractions or steps
     assert len(r["fixed_splits"]) == 3 and all(f["moves"]["to_kv"] == 0 for f in r["fixed_splits"]), r
     # (the start-up split is sized for the chats: the splits with fewer Mamba slots run fewer chats

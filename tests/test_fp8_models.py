@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import hybrid_compile as hc
 from engine_models import FULL, LIN, KindSpec, _common_kwargs, single_threaded
@@ -246,6 +247,75 @@ def test_fp8_experts_behind_the_fused_router(checkpoints, monkeypatch):
         assert engine.stats()["fused_moe_routers"] == 3 and engine.stats()["fused_moe_modules"] == 0
         assert sum(isinstance(m, Fp8Experts) for m in engine.model.modules()) == 3
         assert engine.generate(prompt, max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist() == expected
+
+
+def test_fp8_shared_expert_folds_into_the_fp8_experts(checkpoints, monkeypatch):
+    """At one token the FP8 shared expert is served as one more FP8 routed expert
+    (``models/shared_expert_fold.py``): its e4m3 rows and block scales packed after the experts'. On the
+    chaotic model the engine's greedy tokens with the fold (its one-token steps: one request's decode)
+    equal the same-arithmetic oracle's, whose shared expert runs as three quantized linears; the
+    folded block of one token equals transformers' block on the same FP8 modules, eagerly and compiled
+    with ``fullgraph=True``; ``close()`` gives
+    every weight its own storage back with its values; ``fold_shared_experts=False`` keeps it apart."""
+    from hybrid_compile.engine import engine as engine_module
+    from hybrid_compile.models import shared_expert_fold as fold
+
+    d = checkpoints[0.2]
+    prompt = _prompt()
+    monkeypatch.setattr(engine_module, "resolve_fused_routers", lambda *args: True)  # (what CUDA resolves)
+    calls = []
+    real = fold.fused_moe_experts
+    monkeypatch.setattr(fold, "fused_moe_experts", lambda *a, **k: calls.append((a[3].shape, k)) or real(*a, **k))
+    with hc.from_pretrained(d, device="cpu", dtype="float32", extra={"fold_shared_experts": False}) as apart:
+        assert apart.stats()["folded_shared_experts"] == 0
+        apart.generate(prompt, max_new_tokens=2)
+    assert not calls
+    with hc.from_pretrained(d, device="cpu", dtype="float32") as engine:
+        assert engine.stats()["folded_shared_experts"] == 3
+        blocks = [m for m in engine.model.modules() if type(m).__name__ in fold.FOLDABLE_BLOCKS]
+        before = {n: p.detach().clone() for n, p in blocks[0].named_parameters()}
+        ours = engine.generate(prompt, max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
+        experts = blocks[0].experts
+        assert calls and all(shape[0] == experts.num_experts + 1 and k["up_scale"] is not None
+                             and k["down_scale"].shape[0] == experts.num_experts + 1 for shape, k in calls)
+        # the folded forward of one token against transformers' block forward on the same modules
+        x = torch.randn(1, 1, experts.hidden_dim, generator=torch.Generator().manual_seed(3))
+        inside = object()
+        monkeypatch.setattr(fold, "get_forward_context", lambda: inside)  # as inside an engine step
+        with torch.no_grad():
+            want = type(blocks[0]).forward(blocks[0], x)
+            torch.testing.assert_close(blocks[0](x), want, atol=1e-5, rtol=1e-5)
+            torch._dynamo.reset()  # (fullgraph: no graph break in the folded FP8 forward)
+            torch.testing.assert_close(torch.compile(blocks[0].forward, fullgraph=True)(x), want, atol=1e-5, rtol=1e-5)
+    after = dict(blocks[0].named_parameters())
+    assert all(torch.equal(before[n].float(), after[n].float()) for n in before)
+    storages = [StorageWeakRef(p.untyped_storage()) for p in after.values()]
+    assert len(set(storages)) == len(storages), "a parameter still shares storage after close()"
+    expected = _same_arithmetic_oracle(d).generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert ours == expected[0, PROMPT_LEN:].tolist()
+
+
+def test_fp8_fold_reason_names_what_does_not_fit():
+    from hybrid_compile.models import shared_expert_fold as fold
+    from hybrid_compile.quantization import quantize_model
+
+    model = _float_model(0.02)
+    quantize_model(model)
+    block = model.model.layers[0].mlp
+    assert fold.fold_reason(block) is None
+    shared = block.shared_expert
+    saved = shared.down_proj
+    shared.down_proj = torch.nn.Linear(saved.in_features, saved.out_features, bias=False)  # float beside FP8
+    try:
+        assert "Fp8Linear" in fold.fold_reason(block)
+    finally:
+        shared.down_proj = saved
+    experts = block.experts
+    experts.intermediate_dim = 64  # (as a width of half a scale block would read)
+    try:
+        assert "width" in fold.fold_reason(block)
+    finally:
+        experts.intermediate_dim = 128
 
 
 def test_fp8_engine_compiles_without_graph_breaks(checkpoints):

@@ -262,8 +262,9 @@ class HybridEngine(GenerateAPI):
                 routers = resolve_fused_routers(model, config.fused_moe, self.device, self.fused_moe)
                 self.fused_routers = install_fused_routers(model, self.patch, routers)
                 # ... and a shared expert of the routed experts' shape served as one more routed expert
-                # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart)
-                fold = self.fused_moe and config.extra.get("fold_shared_experts", True)
+                # (models/shared_expert_fold.py; extra["fold_shared_experts"]=False keeps it apart): where
+                # the experts are fused, or FP8 behind the fused routers
+                fold = routers and config.extra.get("fold_shared_experts", True)
                 # (laid out for the rewrite pass's projection packing when the engine compiles with it)
                 packs = pack_parameters if config.resolved_compile(self.device) and config.rewrite_passes else None
                 self.folded_shared_experts = install_shared_expert_folds(model, self.patch, fold, packs)

@@ -90,23 +90,29 @@ def move_state_rows(src: torch.Tensor, src_scales: torch.Tensor | None, src_rows
 
 
 @triton.jit
-def store_state_rows(ptrs, scale_ptrs, S, mask, row_mask, FP8: tl.constexpr):
-    """Store an fp32 state tile ``S [rows, cols]``: e4m3 values with one scale per row (over the
-    columns, which the program holds whole) at ``scale_ptrs [rows]`` when ``FP8``, else cast to the
-    buffer's dtype (``scale_ptrs`` unused). Shared by the Mamba2 and Mamba1 step kernels."""
+def store_state_rows(ptrs, scale_ptrs, S, mask, scale_mask, FP8: tl.constexpr, AXIS: tl.constexpr = 1):
+    """Store an fp32 state tile ``S``: e4m3 values with one scale per vector along ``AXIS`` (1: per
+    row over the columns, as the Mamba2 / Mamba1 states; 0: per column over the rows, as the GDN /
+    lightning states' value columns over K; the program holds that axis whole) at ``scale_ptrs``
+    (masked by ``scale_mask``) when ``FP8``, else cast to the buffer's dtype (``scale_ptrs`` unused).
+    Shared by the Mamba2, Mamba1, GDN and lightning step kernels."""
     if FP8:
-        q, s = quantize_axis(S, 1)
+        q, s = quantize_axis(S, AXIS)
         tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=mask)
-        tl.store(scale_ptrs, s, mask=row_mask)
+        tl.store(scale_ptrs, s, mask=scale_mask)
     else:
         tl.store(ptrs, S.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def round_rows(S):
-    """fp32 tile ``S`` as the FP8 format (one scale per row) stores and returns it."""
-    q, s = quantize_axis(S, 1)
-    return q * s[:, None]
+def round_rows(S, AXIS: tl.constexpr = 1):
+    """fp32 tile ``S`` as the FP8 format (one scale per vector along ``AXIS``, as
+    :func:`store_state_rows`) stores and returns it."""
+    q, s = quantize_axis(S, AXIS)
+    if AXIS == 1:
+        return q * s[:, None]
+    else:
+        return q * s[None, :]
 
 
 def stage_states(pool: torch.Tensor, scales: torch.Tensor, state_indices: torch.Tensor, scale_dim: int):

@@ -38,8 +38,7 @@ import triton.language as tl
 
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
-from .common import quantize_axis
-from .fp8_cache import scan_on_staged_states
+from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -148,22 +147,12 @@ def _gdn_recurrent_kernel(
         tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(o.dtype.element_ty), mask=mv)
         if HAS_INTER:
             p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-            if INTER_FP8:
-                S_q, S_s = quantize_axis(S, 0)
-                tl.store(p_i, S_q.to(inter.dtype.element_ty), mask=m_s)
-                tl.store(inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S_s, mask=m_o)
-            else:
-                tl.store(p_i, S.to(inter.dtype.element_ty), mask=m_s)
+            store_state_rows(p_i, inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S, m_s, m_o,
+                             INTER_FP8, 0)
         if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S_q, S_s = quantize_axis(S, 0)
-            S = tl.where(t < L - 1, S_q * S_s[None, :], S)
+            S = tl.where(t < L - 1, round_rows(S, 0), S)
     if UPDATE_STATE:
-        if POOL_FP8:
-            S_q, S_s = quantize_axis(S, 0)
-            tl.store(p_s, S_q.to(pool.dtype.element_ty), mask=m_s)
-            tl.store(p_ss, S_s, mask=m_o)
-        else:
-            tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
+        store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0)
 
 
 def _recurrent_config(rows: int, kd: int, vd: int):

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
-from .common import quantize_axis, tree_start_state
-from .fp8_cache import scan_on_staged_states
+from .common import tree_start_state
+from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["chunk_lightning_attention_fp8_aware", "chunk_lightning_attention_triton",
@@ -94,23 +94,13 @@ def _lightning_recurrent_kernel(
         o_t = tl.sum(q_t[:, None] * S, axis=0)
         tl.store(o + b * s_ob + t * s_ol + h * s_oh + rv, o_t.to(o.dtype.element_ty), mask=mv)
         if HAS_INTER:
-            if INTER_FP8:
-                S_q, S_s = quantize_axis(S, 0)
-                tl.store(p_i0 + t * s_il, S_q.to(inter.dtype.element_ty), mask=m_s)
-                tl.store(inter_scales + b * s_isb + t * s_isl + h * s_ish + rv, S_s, mask=mv)
-            else:
-                tl.store(p_i0 + t * s_il, S.to(inter.dtype.element_ty), mask=m_s)
+            store_state_rows(p_i0 + t * s_il, inter_scales + b * s_isb + t * s_isl + h * s_ish + rv, S, m_s, mv,
+                             INTER_FP8, 0)
         if POOL_FP8:  # the state as a decode step would store it, between steps (the last: stored below)
             if t < L - 1:
-                S_q, S_s = quantize_axis(S, 0)
-                S = S_q * S_s[None, :]
+                S = round_rows(S, 0)
     if UPDATE_STATE:
-        if POOL_FP8:
-            S_q, S_s = quantize_axis(S, 0)
-            tl.store(p_s, S_q.to(pool.dtype.element_ty), mask=m_s)
-            tl.store(p_ss, S_s, mask=mv)
-        else:
-            tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_s)
+        store_state_rows(p_s, p_ss, S, m_s, mv, POOL_FP8, 0)
 
 
 @triton.jit

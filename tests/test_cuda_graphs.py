@@ -119,6 +119,33 @@ def test_capture_out_of_memory_names_the_memory_settings(monkeypatch):
     assert "memory_fraction=0.5" in msg and "chunked_prefill_size (now 8192)" in msg and "(now 64)" in msg
     assert "cuda_graphs=False" not in msg and "Tried to allocate 320.00 MiB" in msg
     assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert "while capturing the full graphs" not in msg  # (a CPU engine: no memory breakdown)
+
+    # on a GPU the message breaks the allocated memory down (device figures stubbed here)
+    from types import SimpleNamespace
+
+    from hybrid_compile.engine import graph_setup
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=16 * gib))
+    monkeypatch.setattr(graph_setup, "_device_bytes", lambda model, device: 6 * gib)
+    graphs.device, graphs._capturing = torch.device("cuda"), "the piecewise graphs of 8192 tokens"
+    msg = graphs._capture_oom_message(RuntimeError("CUDA out of memory."),
+                                      SimpleNamespace(pools=SimpleNamespace(nbytes=lambda: 3 * gib)))
+    assert ("while capturing the piecewise graphs of 8192 tokens (10.0 GiB allocated of 16.0 GiB: weights 6.0, "
+            "pools 3.0, the rest 1.0 in captured graphs") in msg, msg
+
+
+def test_device_bytes_counts_a_shared_storage_once():
+    from hybrid_compile.engine.graph_setup import _device_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+    packed = torch.zeros(64)
+    model[0].weight.data = packed[:32].view(8, 4)  # two weights in one buffer, as the projection packing lays them
+    model[1].weight.data = packed[32:].view(4, 8)
+    model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    assert _device_bytes(model, torch.device("cpu")) == 64 * 4 + 3 * 8
 
 
 def test_buckets():

@@ -117,6 +117,19 @@ def _inductor_caches() -> dict:
             "autograd_cache": bool(functorch_config.enable_autograd_cache) and not off, "dir": cache_dir()}
 
 
+def _device_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of ``model``'s parameters and buffers on ``device``, each storage once (packed
+    projections share one)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device == device or (t.device.type == device.type and device.index is None):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 class CompiledGraphs:
     """The compiled forward of one model runner and the CUDA graphs over it.
 
@@ -240,6 +253,7 @@ class CompiledGraphs:
 
     def capture_cuda_graphs(self, runner: "ModelRunner") -> None:
         config, full, piecewise = self.config, self.full, self.piecewise
+        self._capturing = "the full graphs"
         try:
             if full:
                 self._capture_full(runner, config.cuda_graph_batch_sizes
@@ -258,7 +272,7 @@ class CompiledGraphs:
             raise
         except torch.cuda.OutOfMemoryError as e:
             # not a graph-safety problem: the pools left too little memory for the captures' activations
-            raise RuntimeError(self._capture_oom_message(e)) from e
+            raise RuntimeError(self._capture_oom_message(e, runner)) from e
         except RuntimeError as e:
             from ..models.fused_experts import unfused_experts
 
@@ -273,12 +287,18 @@ class CompiledGraphs:
                 + hint
             ) from e
 
-    def _capture_oom_message(self, e: BaseException) -> str:
+    def _capture_oom_message(self, e: BaseException, runner: "ModelRunner | None" = None) -> str:
         config = self.config
         held = ""
         if self.device.type == "cuda":
-            held = (f" ({torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB allocated of "
-                    f"{torch.cuda.get_device_properties(self.device).total_memory / 2**30:.1f} GiB)")
+            gib = 2**30
+            allocated = torch.cuda.memory_allocated(self.device)
+            weights = _device_bytes(self.model, self.device)
+            pools = runner.pools.nbytes() if runner is not None else 0
+            held = (f" while capturing {getattr(self, '_capturing', 'the graphs')} ({allocated / gib:.1f} GiB allocated of "
+                    f"{torch.cuda.get_device_properties(self.device).total_memory / gib:.1f} GiB: weights "
+                    f"{weights / gib:.1f}, pools {pools / gib:.1f}, the rest {(allocated - weights - pools) / gib:.1f} "
+                    "in captured graphs, their buffers and warm-up activations)")
         return (f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: CUDA graph capture of the "
                 f"{type(self.model).__name__} forward ran out of device memory{held}: the KV and state pools "
                 f"(memory_fraction={config.memory_fraction} of the free memory) leave too "
@@ -293,6 +313,7 @@ class CompiledGraphs:
         pw = self.piecewise_graphs
         t0 = time.perf_counter()
         for n in sorted(self.token_buckets, reverse=True):
+            self._capturing = f"the piecewise graphs of {n} tokens"
             step = runner.batch_builder.padding_step([n], self.logits_rows(n))
             extra = runner._extra_zeros(n)
             pw.pool.warm_up(lambda: runner._run_compiled(*step, extra=extra))  # outside the capture

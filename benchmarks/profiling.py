@@ -8,7 +8,8 @@
   device time (and the wall time of the block) to a text file.
 - :func:`decode_profile` / :func:`prefill_profile`: a few decode steps or one prompt's prefill under
   ``torch.profiler`` as a dict per step (wall, GPU-busy and all-reduce ms, top host ops, top kernels)
-  for a benchmark's JSON (``tensor_parallel.py`` on rank 0, ``fp8.py`` per engine).
+  for a benchmark's JSON (``tensor_parallel.py`` on rank 0, ``fp8.py`` per engine);
+  :func:`step_profile`, the same for given prompts (``speculative.py``: verify steps of a draft source).
 """
 
 from __future__ import annotations
@@ -155,13 +156,25 @@ def _profile_summary(prof, n: int, wall: float, cuda: bool, kernels_shown: int =
 
 
 def decode_profile(engine, batch: int, vocab: int, steps: int = 4, kernels_shown: int = 10) -> dict:
-    """A few decode steps of ``batch`` requests under torch.profiler, on rank 0 (:func:`_profile_summary`:
-    where busy time is far below wall time, the step waits on the host or on the other ranks; the
-    profiler's own host cost inflates the wall time, so the decode rows, not this, give the step rate)."""
+    """A few decode steps of ``batch`` random prompts under torch.profiler, on rank 0
+    (:func:`step_profile`: where busy time is far below wall time, the step waits on the host or on
+    the other ranks; the profiler's own host cost inflates the wall time, so the decode rows, not
+    this, give the step rate)."""
+    prompts = random_token_prompts(batch, 16, vocab, seed=99)
+    return step_profile(engine, prompts, steps, kernels_shown, batch=batch)
+
+
+def step_profile(engine, prompts: list[list[int]], steps: int = 4, kernels_shown: int = 10,
+                 max_new_tokens: int | None = None, **fields) -> dict:
+    """``steps`` engine steps of ``prompts`` after their prefill under torch.profiler, on rank 0, per
+    forward (:func:`_profile_summary`): decode steps, or verify steps with speculative decoding (the
+    prompts of a replay draft's continuations then draft as in the timed run). The requests run to
+    their end after it (``max_new_tokens``, default ``steps + 2``: enough for decode steps; a verify
+    step emits several tokens) and the prefix cache is emptied."""
     from hybrid_compile import SamplingParams
 
-    prompts = random_token_prompts(batch, 16, vocab, seed=99)
-    rids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)) for p in prompts]
+    params = SamplingParams(max_new_tokens=max_new_tokens or steps + 2, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
     reqs = [engine.request(r) for r in rids]
     while not all(r.output for r in reqs):
         engine.step()
@@ -182,7 +195,7 @@ def decode_profile(engine, batch: int, vocab: int, steps: int = 4, kernels_shown
     for r in rids:
         engine.pop_finished(r)
     engine.clear_prefix_cache()
-    return _profile_summary(prof, n, wall, engine.device.type == "cuda", kernels_shown, batch=batch)
+    return _profile_summary(prof, n, wall, engine.device.type == "cuda", kernels_shown, **fields)
 
 
 def prefill_profile(engine, length: int, vocab: int, kernels_shown: int = 10) -> dict:

@@ -87,6 +87,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hybrid_compile as hc  # noqa: E402
 from hybrid_compile.engine.speculative import NgramDraft, ReplayDraft, build_draft_source  # noqa: E402
 from hybrid_compile.engine.speculative.drafts import fill_drafts  # noqa: E402
+from benchmarks.profiling import step_profile  # noqa: E402
 from reference_models import build_qwen3_next_reference, save_random_mtp_head  # noqa: E402
 
 MODES = {
@@ -166,6 +167,23 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
         out["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
     out["outputs"] = outputs
     return out
+
+
+def profile_row(engine, row: dict, prompts: list[list[int]], args, label: str) -> None:
+    """With ``--profile-steps N``: N engine steps of ``prompts`` (the first batch size's; decode steps of
+    the baseline, verify steps of a draft source) under torch.profiler, after the row's timed runs,
+    into ``row["step_profile"]`` (``benchmarks/profiling.step_profile``: wall and GPU-busy ms per
+    forward, the top kernels and host ops), so a verify step's kernels stand beside a decode step's;
+    GPU-busy and the top kernels are printed."""
+    if not args.profile_steps:
+        return
+    prof = row["step_profile"] = step_profile(engine, prompts, args.profile_steps, kernels_shown=15,
+                                              max_new_tokens=args.new_tokens)
+    busy = prof.get("gpu_busy_ms_per_step")
+    print(f"      {label} profiled: wall {prof['wall_ms_per_step']:.2f} ms/forward"
+          + (f", GPU busy {busy:.3f} ms/forward; top kernels:" if busy is not None else ""), flush=True)
+    for k in prof.get("top_kernels", [])[:8]:
+        print(f"        {k['ms_per_step']:7.3f} ms x{k['calls_per_step']:<5.1f} {k['name'][:90]}", flush=True)
 
 
 def _graphs_note(r: dict) -> str:
@@ -269,6 +287,8 @@ def main() -> None:
                     help="the map's ids drawn at random with this seed (default: the N lowest ids)")
     ap.add_argument("--extra", type=json.loads, default={},
                     help='JSON merged into EngineConfig.extra of every engine, e.g. \'{"speculative_commit_graphs": false}\'')
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many steps of every row's first batch size after its timed runs (step_profile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.mtp_token_map_seed is not None and not args.mtp_token_map:
@@ -318,6 +338,7 @@ def main() -> None:
             greedy[b] = r.pop("outputs")
             res["baseline"][str(b)] = r
             print(f"   baseline b={b}: {r['tokens_per_s']:.1f} tok/s  {_graphs_note(r)}", flush=True)
+        profile_row(engine, res["baseline"][str(batches[0])], prompts[batches[0]], args, f"baseline b={batches[0]}")
         engine.close()
         del engine
         gc.collect()
@@ -363,6 +384,9 @@ def main() -> None:
                     print(f"   k={k} {name:>14} b={b}: {r['tokens_per_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
                           f"accept len {r['mean_acceptance_length']:.2f}  match {r['match_tokens']:.0f}  {_graphs_note(r)}",
                           flush=True)
+                    if b == batches[0]:
+                        first = r
+                profile_row(engine, first, prompts[batches[0]], args, f"k={k} {name} b={batches[0]}")
             engine.close()
             del engine
             gc.collect()
@@ -413,6 +437,9 @@ def run_trees(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, ba
                 print(f"   tree {topk}x{depth}x{nodes} {name:>16} b={b}: {r['tokens_per_s']:8.1f} tok/s  "
                       f"x{r['speedup']:.2f}  accept len {r['mean_acceptance_length']:.2f}  {_graphs_note(r)}",
                       flush=True)
+                if b == batches[0]:
+                    first = r
+            profile_row(engine, first, prompts[batches[0]], args, f"tree {topk}x{depth}x{nodes} {name} b={batches[0]}")
         engine.close()
         del engine
         gc.collect()
@@ -479,6 +506,9 @@ def run_mtp(model, mode: str, engine_kw: dict, prompts: dict, greedy: dict, base
                       f"{r['mean_acceptance_length']:.2f}  head fwd {r['draft_ms_per_head_forward']:.2f} ms "
                       f"({100 * r['head_forward_vs_decode_step']:.0f}% of a decode step)  {_graphs_note(r)}  proposal graphs "
                       f"{r['mtp_graph_replays']} fallbacks {r['mtp_graph_fallbacks']}", flush=True)
+                if b == batches[0]:
+                    first = r
+            profile_row(engine, first, prompts[batches[0]], args, f"mtp {label} {name} b={batches[0]}")
         engine.speculative.use_source(head, "mtp", close_previous=False)  # (engine.close closes the head)
         engine.close()
         del engine

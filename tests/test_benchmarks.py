@@ -360,11 +360,12 @@ def test_radix_key_of_any_int_sequence():
 def test_speculative_benchmark_tree_rows_tiny(tmp_path):
     """benchmarks/speculative.py --trees runs on CPU with --tiny: draft-tree rows (top-k 2 and 4,
     depth 3, budgets 8 and 16) beside the chain rows at the same replay q; a budget over the full
-    tree is skipped; an uncorrupted replay tree is accepted in full."""
+    tree is skipped; an uncorrupted replay tree is accepted in full. ``--profile-steps``: each row's
+    first batch profiled after its timed runs (decode steps of the baseline, verify steps of a source)."""
     out = tmp_path / "spec.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--tiny", "--device", "cpu", "--batches", "1",
            "--draft-tokens", "3", "--qs", "0,0.5", "--sources", "replay", "--trees", "2x3x8,2x3x16,4x3x16",
-           "--new-tokens", "8", "--out", str(out)]
+           "--new-tokens", "8", "--profile-steps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -377,3 +378,10 @@ def test_speculative_benchmark_tree_rows_tiny(tmp_path):
         if source == "tree_replay_q0.0":  # 7 tokens after the prefill's first: verify steps of 4, then the cut
             assert r["mean_acceptance_length"] == 3.5
     assert {r["source"] for r in run["speculative"]} == {"replay_q0.0", "replay_q0.5"}
+    profiled = [run["baseline"]["1"]] + run["speculative"] + run["trees"]
+    for r in profiled:
+        prof = r["step_profile"]
+        assert prof["steps"] >= 2 and prof["wall_ms_per_step"] > 0 and prof["top_host_ops"], prof
+    # a tree's verify forward runs the recurrent update over its nodes (the custom op among the host ops)
+    ops = {o["name"] for o in rows[(2, 8, "tree_replay_q0.0")]["step_profile"]["top_host_ops"]}
+    assert any(name.startswith("hybrid_compile::") for name in ops), ops

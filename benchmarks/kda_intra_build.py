@@ -71,15 +71,14 @@ def _tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra"):
-    """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
-    block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
-    build's statistics."""
+def build_kernel(kern, sig: dict, consts: dict, warps: int, arch: int = 90, stages: int | None = None) -> dict:
+    """Compiles the ``@triton.jit`` kernel ``kern`` with the argument types ``sig`` (``"constexpr"`` for
+    the ``consts``) for ``sm_<arch>`` and returns the build's statistics: ``regs``, ``spill_stores`` /
+    ``spill_loads`` (bytes, ptxas), ``shared`` (bytes), ``sass`` (static instructions) and ``loops``
+    (instructions of each loop body, largest first). Any kernel of the package: the KDA intra and state
+    kernels here, the fp32 paged-attention extend tile in ``tests/test_triton_attention.py``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("benchmarks/kda_intra_build.py builds real kernels: unset TRITON_INTERPRET")
-    kern = gdn_chunk._chunk_state_kernel if kernel == "state" else gdn_chunk._chunk_intra_kernel
-    consts = constants(bk, gate_k, inputs, kernel)
-    sig = signature(kern, consts, inputs, kernel)
+        raise SystemExit("building real kernels (benchmarks/kda_intra_build.py): unset TRITON_INTERPRET")
     const_args = {(kern.arg_names.index(k),): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=const_args),
                               target=GPUTarget("cuda", arch, 32),
@@ -110,9 +109,17 @@ def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="i
         m = re.search(r"BRA (?:\S+ )?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < int(addr, 16):  # a backward branch: a loop's body
             loops.append((int(addr, 16) - int(m.group(1), 16)) // 16 + 1)
-    return {"bk": bk, "warps": warps, "regs": regs, "spill_stores": spills and spills[0],
-            "spill_loads": spills and spills[1], "shared": compiled.metadata.shared, "sass": len(insts),
-            "loops": sorted(loops, reverse=True)}
+    return {"warps": warps, "regs": regs, "spill_stores": spills and spills[0], "spill_loads": spills and spills[1],
+            "shared": compiled.metadata.shared, "sass": len(insts), "loops": sorted(loops, reverse=True)}
+
+
+def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra"):
+    """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
+    block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
+    build's statistics (:func:`build_kernel`)."""
+    kern = gdn_chunk._chunk_state_kernel if kernel == "state" else gdn_chunk._chunk_intra_kernel
+    consts = constants(bk, gate_k, inputs, kernel)
+    return {"bk": bk, **build_kernel(kern, signature(kern, consts, inputs, kernel), consts, warps, arch, stages)}
 
 
 def main():

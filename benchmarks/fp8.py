@@ -21,8 +21,8 @@ LM head, norms, routers and ``in_proj_ba`` stay bf16) and the FP8 engine measure
 settings. ``bf16_hf_experts``: the bf16 engine on transformers' experts path (``fused_moe=False``)
 instead of ours (the default on CUDA), first; every later mode is compared with the first. Workloads: greedy decode at batch 1 / 16 / 64 (ms per step from the difference of two
 generate lengths, so prefill cancels; the median of :data:`DECODE_REPEATS` runs) and prefill of one
-4k / 32k prompt (one generated token; the median of :data:`REPEATS` runs), each timed run every run on an emptied prefix cache (a repeated prompt
-would otherwise be served from it); then
+4k / 32k prompt (one generated token; the median of :data:`REPEATS` runs), every timed run on an
+emptied prefix cache (a repeated prompt would otherwise be served from it); then
 a few batch-1 decode steps and the 4k prefill once more under ``torch.profiler`` (``decode_profile``,
 ``prefill_profile`` in the JSON: wall and GPU-busy ms per engine step and the 20 kernels with the
 most GPU time), to compare the modes kernel by kernel.

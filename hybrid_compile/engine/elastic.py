@@ -32,6 +32,7 @@ an MTP head's KV views; its intermediate buffers are by batch row and stay).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -71,10 +72,16 @@ class ElasticPools:
 
     def grow_kv(self, kv_tokens: int) -> bool:
         """At least ``kv_tokens`` more KV token slots from free Mamba slots; True if any came."""
-        t0 = time.perf_counter()
-        self.asks["grow_kv"] += 1
-        try:
+        with self._ask("grow_kv"):
             return self._grow_kv(kv_tokens)
+
+    @contextlib.contextmanager
+    def _ask(self, name: str):
+        """Counts one ask of the scheduler and the host time it takes (``stats()``)."""
+        t0 = time.perf_counter()
+        self.asks[name] += 1
+        try:
+            yield
         finally:
             self.ask_seconds += time.perf_counter() - t0
 
@@ -113,15 +120,11 @@ class ElasticPools:
 
     def grow_mamba(self, slots: int) -> bool:
         """At least ``slots`` more Mamba slots from free KV pages; True if any came."""
-        t0 = time.perf_counter()
-        self.asks["grow_mamba"] += 1
-        try:
+        with self._ask("grow_mamba"):
             gained = self.pools.move_kv_to_mamba(slots, keep_kv_free=self.kv_reserve)
             if gained:
                 self.on_resize()
             return gained > 0
-        finally:
-            self.ask_seconds += time.perf_counter() - t0
 
     def stats(self) -> dict:
         p = self.pools

@@ -718,6 +718,9 @@ def parse_args(argv=None):
                         "quarters and 1.5 times the start-up split's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.flip_splits is not None and any(n < 3 for n in args.flip_splits):
+        p.error(f"--flip-splits: every split needs at least 3 Mamba slots (a running request and the two a pool "
+                f"keeps spare), got {args.flip_splits}")
     defaults = (dict(groups=4, prompts_per_group=4, system_len=660, question_len=96, output_len=8,
                      chunked_prefill_size=256, pressure_wave=8, pressure_mamba_slots=4, warmup_len=300)
                 if args.tiny else

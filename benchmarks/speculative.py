@@ -293,6 +293,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.mtp_token_map_seed is not None and not args.mtp_token_map:
         ap.error("--mtp-token-map-seed needs --mtp-token-map N (the map's size)")
+    if args.profile_steps < 0:
+        ap.error(f"--profile-steps must be >= 0 (0: no profile), got {args.profile_steps}")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -75,8 +75,8 @@ def build_kernel(kern, sig: dict, consts: dict, warps: int, arch: int = 90, stag
     """Compiles the ``@triton.jit`` kernel ``kern`` with the argument types ``sig`` (``"constexpr"`` for
     the ``consts``) for ``sm_<arch>`` and returns the build's statistics: ``regs``, ``spill_stores`` /
     ``spill_loads`` (bytes, ptxas), ``shared`` (bytes), ``sass`` (static instructions) and ``loops``
-    (instructions of each loop body, largest first). Any kernel of the package (:func:`build` gives it
-    the KDA intra and state kernels' arguments)."""
+    (instructions of each loop body, largest first). Any kernel of the package: the KDA intra and state
+    kernels here, the fp32 paged-attention extend tile in ``tests/test_triton_attention.py``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("building real kernels (benchmarks/kda_intra_build.py): unset TRITON_INTERPRET")
     const_args = {(kern.arg_names.index(k),): v for k, v in consts.items()}

@@ -412,8 +412,9 @@ GPU_HEADS = [
 ]
 
 
-# an fp32 cache at head dim 256: the extend tile that fits shared memory. Its extend kernel takes ~130 s
-# of an H100 per case (the build of that fp32 tile), so extend runs it in one case, decode in all.
+# an fp32 cache at head dim 256: the extend tile that fits shared memory (its kernel build took ~130 s of
+# an H100 host per case with the spilling 64 x 64 tile used until 2026-11-29; extend runs it in one case,
+# decode in all).
 FP32_HEAD_256 = (16, 2, 256, 256, F32, F32)
 def _head_id(h) -> str:
     return "hq{}-hkv{}-d{}-dv{}-{}-{}".format(*h[:4], str(h[4])[6:], str(h[5])[6:])
@@ -599,3 +600,51 @@ def test_gpu_extend_cuda_graph_replay():
         )
         assert_close(out_o.cpu(), want_o, BF16)
         assert_close(out_lse.cpu(), want_lse, F16)
+
+
+_SM90_BUILD = r'''
+import json, types
+import torch
+from benchmarks.kda_intra_build import build_kernel
+from hybrid_compile.ops.triton import attention as tri
+
+# the launcher's choice for an fp32 cache at head dim 256 (q only says "on a GPU")
+f32 = torch.empty(1, 2, 256)
+cfg = tri._extend_config(types.SimpleNamespace(device=torch.device("cuda")), f32, f32, 256, 256)
+kernel = tri._extend_kernel
+const = dict(GROUP=8, HEAD_D=256, HEAD_DV=256, BLOCK_D=256, BLOCK_DV=256, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+             CAUSAL=True, USE_WINDOW=True, USE_SOFTCAP=False, QK_F32=True, PV_F32=True, KV_FP8=False, USE_TREE=False,
+             HEAD_DPE=0, BLOCK_DPE=16)
+pointers = dict(Q="*fp32", K="*fp32", V="*fp32", O="*fp32", LSE="*fp32", QO="*i32", KVP="*i32", KVI="*i32",
+                KS="*fp32", VS="*fp32", TREE="*i32", qk_mult="fp32", cap_mult="fp32")
+sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in kernel.arg_names}
+stats = build_kernel(kernel, sig, const, cfg["num_warps"], stages=cfg["num_stages"])
+print(json.dumps(dict(cfg=cfg, **stats)))
+'''
+
+
+def test_fp32_head_256_extend_tile_builds_for_sm90_without_spilling(tmp_path):
+    """The extend tile of an fp32 cache at head dim 256, compiled for sm_90 by Triton's bundled ptxas
+    (no GPU needed; outside the interpreter, in a subprocess: ``benchmarks/kda_intra_build.build_kernel``):
+    it fits the H100's shared memory and keeps its fp32 query and accumulator in registers (the
+    64 x 64 / 4-warp tile spilled 238 KB a thread and took minutes to build)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this Triton build has no bundled ptxas / cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]), TRITON_DEFAULT_FP_FUSION="1",
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))  # (a cold build every run)
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shared"] <= 232448, out  # the H100's shared memory per block
+    # (spill stores, bytes a thread: 352 at the tile chosen, 238 KB for the 64 x 64 / 4-warp tile used before)
+    assert out["spill_stores"] is not None and out["spill_stores"] <= 2048, out

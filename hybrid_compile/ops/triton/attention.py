@@ -453,9 +453,13 @@ def _extend_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
     if max(k_cache.element_size(), v_cache.element_size()) == 4:
         # fp32 K/V tiles of head dim 256 (an fp32 cache): Triton's shared-memory count for sm_90 is
-        # 295424 bytes for the tile below (over the H100's 232448), 229888 for it with one stage; this
-        # one needs 147712 (under the A100's 166912 too)
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+        # 295424 bytes for the bf16 tile below (over the H100's 232448); 32 x 64 needs 106624 (under the
+        # A100's 166912 too). Its fp32 dots hold the [BLOCK_M, 256] query and accumulator in registers:
+        # built for sm_90 on a CPU (benchmarks/kda_intra_build.build_kernel, Triton 3.9's ptxas), 32 x 64
+        # with 16 warps takes 128 registers and spills 352 bytes a thread (8 warps: 255 and 1,000), 4 s to
+        # build; the 64 x 64 / 4-warp tile used before spilled 238 KB a thread in 194k SASS instructions
+        # and took 71 s here (~130 s on an H100 host, per process on a cold Triton cache). Not timed on a GPU
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=16, num_stages=1)
     # head dim 256 (Qwen3-Next): an H100 sweep of the last 8k chunk of a 32k prompt gave 9.9 ms
     # for this tile against 29.5 ms for 64 x 64 / 1 stage (387 vs 131 TFLOP/s)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)

@@ -11,7 +11,9 @@ intra kernel's variants one run each (per-kernel times: ``benchmarks/profile_gdn
 
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
 8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
-compressed cache; groups ``kda`` and ``mla``), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
+compressed cache; groups ``kda`` and ``mla``), Jamba's Mamba1 (8192 channels, state 16, group ``mamba1``:
+the prefill scan also as one sequential walk per request, ``time_chunk=0``, beside the time-chunked
+walk the op takes for long requests), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
 head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
 time of each system and, for our kernel, achieved memory bandwidth (decode / memory-bound ops)
 or TFLOP/s (prefill ops) as a fraction of the peak measured in the same run on this device.
@@ -36,7 +38,9 @@ from hybrid_compile.ops import attention as A  # noqa: E402
 from hybrid_compile.ops import conv1d as C  # noqa: E402
 from hybrid_compile.ops import gdn as G  # noqa: E402
 from hybrid_compile.ops import lightning as LA  # noqa: E402
+from hybrid_compile.ops import mamba1 as M1  # noqa: E402
 from hybrid_compile.ops import mamba2 as M  # noqa: E402
+from hybrid_compile.ops.triton import mamba1 as TM1  # noqa: E402
 
 ops = torch.ops.hybrid_compile
 DEV = "cuda"
@@ -344,6 +348,44 @@ def bench_mamba2(quick):
                    note="(no fla equivalent)")
 
 
+def bench_mamba1(quick):
+    """Jamba's Mamba1 mixer (d_inner 8192, state 16, one B/C group): the decode update, and the prefill
+    scan through the op (time-chunked from 1024 tokens a request, ``TM1.time_chunk_for``) beside the
+    single sequential walk per request (the launcher with ``time_chunk=0``)."""
+    Di, N, S = 8192, 16, 256
+    ssm = torch.zeros(S, Di, N, dtype=torch.float32, device=DEV)
+    A = -torch.rand(Di, N, device=DEV) - 0.1
+    D = torch.randn(Di, device=DEV)
+    dt_bias = torch.randn(Di, device=DEV) * 0.3
+    for batch in ([1, 64] if quick else [1, 16, 64, 256]):
+        slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        x, z, dt = (torch.randn(batch, 1, Di, dtype=BF16, device=DEV) for _ in range(3))
+        B, Cm = (torch.randn(batch, 1, 1, N, dtype=BF16, device=DEV) for _ in range(2))
+        f = lambda: ops.mamba1_state_update(x, dt, A, B, Cm, D, z, dt_bias, True, ssm, slots, False, None, False, None, None)  # noqa: E731
+        p = lambda: plain(M1.mamba1_state_update)(x, dt, A, B, Cm, D, z, dt_bias, True, ssm, slots, False, None, False, None, None)  # noqa: E731
+        record("mamba1_state_update", f"B={batch} D={Di} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
+               None, bytes_moved=2 * batch * Di * N * 4, note="(no fla equivalent)")
+    for total in ([4096, 32768] if quick else [1024, 4096, 8192, 32768]):
+        for batch in (1, 8):
+            lens, cu = varlen(total, batch)
+            slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+            has = torch.zeros(batch, dtype=torch.bool, device=DEV)
+            x, z, dt = (torch.randn(total, Di, dtype=BF16, device=DEV) for _ in range(3))
+            B, Cm = (torch.randn(total, 1, N, dtype=BF16, device=DEV) for _ in range(2))
+            args = (x, dt, A, B, Cm, D, z, dt_bias, True, ssm, cu, slots, has, 256, False)
+            f = lambda: ops.mamba1_selective_scan(*args[0:15], False, None)  # noqa: E731
+            walk = lambda: TM1.mamba1_selective_scan_triton(*args, time_chunk=0)  # noqa: E731
+            p = lambda: plain(M1.mamba1_selective_scan)(*args[0:15], False, None)  # noqa: E731
+            tc = TM1.time_chunk_for(total, batch)
+            walk_ms = safe(lambda: bench(walk, graph=False))
+            ours = safe(lambda: bench(f, graph=False))
+            record("mamba1_selective_scan", f"T={total} B={batch}", ours,
+                   safe(lambda: bench(p, iters=2, graph=False)) if total <= 4096 else None, None,
+                   bytes_moved=total * Di * 2 * 4,
+                   note=f"time chunk {tc or 'off'}; single walk {walk_ms if walk_ms is None else round(walk_ms, 4)} ms"
+                        + (f" ({walk_ms / ours:.2f}x)" if walk_ms and ours else ""))
+
+
 def bench_lightning(quick):
     """MiniMax-Text-01 lightning attention: 64 heads of 128, fp32 state, bf16 inputs."""
     H, D, S = 64, 128, 512
@@ -562,6 +604,8 @@ def main():
         bench_mla(args.quick)
     if "lightning" in groups:
         bench_lightning(args.quick)
+    if "mamba1" in groups:
+        bench_mamba1(args.quick)
     if "mamba2" in groups:
         bench_mamba2(args.quick)
     if "attention" in groups:
@@ -577,7 +621,7 @@ def main():
 
 
 PEAK_BW = PEAK_TFLOPS = math.nan
-GROUPS = ("gdn", "kda", "mla", "lightning", "mamba2", "attention", "skinny_mm")
+GROUPS = ("gdn", "kda", "mla", "lightning", "mamba1", "mamba2", "attention", "skinny_mm")
 
 if __name__ == "__main__":
     main()

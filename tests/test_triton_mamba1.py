@@ -58,6 +58,41 @@ def test_selective_scan_triton(lens, chunk_size, opts):
     assert_close(cs, cs_op, dtype, msg="chunk states vs plain op")
 
 
+TIME_CHUNK_CASES = [
+    ([0, 1, 15, 16, 17, 40], 16, 4, dict(pad_rows=(2,))),  # chunks of 4 inside cache chunks of 16
+    ([33, 0, 9], 8, 5, dict(dtype=torch.bfloat16, pool_dtype=torch.bfloat16)),  # 5 does not divide 8
+    ([21, 4], 8, 8, dict(G=4, D_inner=40, init=[True, False])),
+    ([9, 0, 20], 8, 3, dict(RG_LRU, D_inner=40)),
+    ([5, 3], 16, 2, dict(pad_rows=(0, 1))),  # every request is padding
+]
+
+
+@pytest.mark.parametrize("lens,chunk_size,time_chunk,opts", TIME_CHUNK_CASES)
+def test_selective_scan_time_chunks(lens, chunk_size, time_chunk, opts):
+    """The time-chunked scan (chunk states from zero, their ordered combination, every chunk scanned
+    from its true start) against the per-token reference and the plain op: y, chunk states, pool."""
+    inp = make_scan(lens, **opts)
+    inp["_before"] = inp["ssm_states"].clone()
+    plain = _clone(inp)
+    y_op, cs_op = mamba1_selective_scan(*(plain[k] for k in SCAN_ORDER), chunk_size, True, A_is_log=False, ssm_scales=None)
+    tri = _to(inp, KDEV)
+    y, cs = tm.mamba1_selective_scan_triton(*(tri[k] for k in SCAN_ORDER), chunk_size, True, time_chunk=time_chunk)
+    y, cs, pool = y.cpu(), cs.cpu(), tri["ssm_states"].cpu()
+    dtype = inp["x"].dtype
+    check_scan(dict(inp, ssm_states=pool), chunk_size, y, cs, dtype)
+    assert_close(y, y_op, dtype, msg="y vs plain op")
+    assert_close(cs, cs_op, dtype, msg="chunk states vs plain op")
+    assert_close(pool, plain["ssm_states"], dtype, msg="pool vs plain op")
+
+
+def test_time_chunks_are_chosen_from_shapes_and_refuse_a_negative_size():
+    assert tm.time_chunk_for(4096, 1) == tm.TIME_CHUNK and tm.time_chunk_for(4096, 4) == tm.TIME_CHUNK
+    assert tm.time_chunk_for(4096, 5) == 0 and tm.time_chunk_for(1023, 1) == 0 and tm.time_chunk_for(0, 0) == 0
+    inp = _to(make_scan([6, 3]), KDEV)
+    with pytest.raises(ValueError, match="time_chunk must be >= 0"):
+        tm.mamba1_selective_scan_triton(*(inp[k] for k in SCAN_ORDER), 4, True, time_chunk=-1)
+
+
 def test_selective_scan_triton_no_chunk_states_A_log_strided_flags_and_empty():
     inp = make_scan([6, 13], D_inner=20)
     inp["has_initial_state"] = torch.tensor([True, False, False, True])[::2]  # a strided view: [True, False]
@@ -141,6 +176,10 @@ def _gpu_compare(actual, expected, dtype, what):
         pytest.param([300, 17], dict(D_inner=4096, init=[True, False]), marks=pytest.mark.smoke),
         ([600, 33], dict(D_inner=3072, G=16, dtype=torch.bfloat16)),  # Zamba-like heads as B/C groups
         ([700, 1, 300], dict(RG_LRU, D_inner=2560, init=[True, False, True])),  # RecurrentGemma-2B's lru_width
+        # time-chunked (tm.time_chunk_for: >= 1024 tokens a request): Jamba's 8192 channels, one long
+        # request and two uneven ones
+        ([3000], dict(D_inner=8192, dtype=torch.bfloat16, init=[True])),
+        ([2500, 100], dict(D_inner=4096, init=[False, True])),
     ],
 )
 def test_gpu_selective_scan_matches_plain(lens, opts):

@@ -10,9 +10,13 @@ batch's states through fp32 (:func:`.fp8_cache.stage_states`).
 Both kernels give one program a block of ``BLOCK_D`` channels of one request (grid
 ``(cdiv(D_inner, BLOCK_D), requests)``), keep its ``[BLOCK_D, N]`` slice of the state and of ``A``
 in registers (B / C are loaded per channel from the channel's group: ``G`` groups, Zamba's heads) and walk the request's tokens in order: the Mamba1 decay ``exp(dt[d] * A[d, n])``
-differs per state entry, so (unlike Mamba2's SSD) there is no matmul form to chunk. Channel blocks
-are independent, which is where the parallelism of a long prefill comes from (``D_inner /
-BLOCK_D`` programs per request). The scan writes the state every ``chunk_size`` tokens of its
+differs per state entry, so (unlike Mamba2's SSD) there is no matmul form to chunk. Parallelism
+comes from the channel blocks (``D_inner / BLOCK_D`` programs per request) and, in a step of long
+requests, from time chunks (:func:`time_chunk_for`): since ``A`` is constant in time, a chunk's
+decay of its start state is ``exp(A * sum dt)``, so each chunk's state from a zero start
+(``_time_chunk_end_kernel``) and its ``dt`` sum give every chunk's true start state in one short
+ordered pass (``_time_chunk_combine_kernel``, which also writes the final state), after which the
+chunks are scanned side by side. The scan writes the state every ``chunk_size`` tokens of its
 request to the chunk-state rows (``_varlen.py`` layout; row offsets computed on the device), so
 the launchers never read the device and the decode / verify launcher is CUDA-graph safe.
 """
@@ -50,17 +54,25 @@ def _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, s
 
 
 @triton.jit
-def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
-           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
-    """One token of the recurrence for a block of channels: returns the new ``S`` and ``y``.
-    ``B_p`` / ``C_p``: ``[BLOCK_D, BLOCK_N]`` pointers to each channel's group of B / C."""
+def _advance(S, A, bias, x_p, dt_p, B_p, mask_d, mask_dn, DT_SOFTPLUS: tl.constexpr):
+    """The state half of one token for a block of channels: returns the new ``S``, ``x`` and the
+    (biased, softplus'd) ``dt``."""
     x = tl.load(x_p, mask=mask_d, other=0.0).to(tl.float32)
     dt = tl.load(dt_p, mask=mask_d, other=0.0).to(tl.float32) + bias
     if DT_SOFTPLUS:
         dt = softplus(dt)
     Bt = tl.load(B_p, mask=mask_dn, other=0.0).to(tl.float32)
-    Ct = tl.load(C_p, mask=mask_dn, other=0.0).to(tl.float32)
     S = S * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt
+    return S, x, dt
+
+
+@triton.jit
+def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
+           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """One token of the recurrence for a block of channels: returns the new ``S`` and ``y``.
+    ``B_p`` / ``C_p``: ``[BLOCK_D, BLOCK_N]`` pointers to each channel's group of B / C."""
+    S, x, dt = _advance(S, A, bias, x_p, dt_p, B_p, mask_d, mask_dn, DT_SOFTPLUS)
+    Ct = tl.load(C_p, mask=mask_dn, other=0.0).to(tl.float32)
     y = tl.sum(S * Ct, axis=1)
     if HAS_D:
         y += Dv * x
@@ -78,13 +90,18 @@ def _token(S, A, Dv, bias, x_p, dt_p, B_p, C_p, z_p, mask_d, mask_dn,
 @triton.jit(do_not_specialize=["chunk_size"])
 def _scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, state_ptr, cu_ptr, idx_ptr, init_ptr, rows_ptr,
-    y_ptr, cs_ptr,
+    y_ptr, cs_ptr, tcs_ptr, tc_rows_ptr,
     D_inner, N, R, chunk_size, s_init,
     sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_g, sB_n, sC_t, sC_g, sC_n, sz_t, sz_d,
     ss_s, ss_d, ss_n, sy_t, scs_r, scs_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     A_IS_LOG: tl.constexpr, CHUNK_STATES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TIME_CHUNK: tl.constexpr,
 ):
+    """The scan of one channel block of one request (``TIME_CHUNK`` 0), or of one time chunk of it
+    (``TIME_CHUNK`` tokens, chunk ``program_id(2)``) from the start state that
+    :func:`_time_chunk_combine_kernel` left in the scratch rows ``tcs_ptr`` (the pool's state is
+    then written by that kernel, not here)."""
     pid_d = tl.program_id(0)
     b = tl.program_id(1)
     slot = tl.load(idx_ptr + b).to(tl.int64)
@@ -92,6 +109,13 @@ def _scan_kernel(
         return
     start = tl.load(cu_ptr + b).to(tl.int64)
     end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    first = start
+    last = end
+    if TIME_CHUNK > 0:
+        first = start + tl.program_id(2) * TIME_CHUNK
+        if first >= end:
+            return
+        last = tl.minimum(first + TIME_CHUNK, end)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < D_inner
@@ -100,14 +124,19 @@ def _scan_kernel(
     A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
                                HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
-    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
-        S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    dn = offs_d[:, None] * N + offs_n[None, :]  # (a scratch row is [D_inner, N], contiguous)
+    if TIME_CHUNK > 0:
+        tc_row = tl.load(tc_rows_ptr + b) + tl.program_id(2)
+        S = tl.load(tcs_ptr + tc_row * D_inner * N + dn, mask=mask_dn, other=0.0)
+    else:
+        S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+        if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
+            S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
     row0 = tl.load(rows_ptr + b)
     cs_ptrs = cs_ptr + offs_d[:, None] * scs_d + offs_n[None, :]
     B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's B/C group
     C_ptrs = C_ptr + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
-    for t in range(start, end):
+    for t in range(first, last):
         if CHUNK_STATES:
             j = t - start
             if j % chunk_size == 0:  # state after j tokens: row j // chunk_size of the request
@@ -118,8 +147,84 @@ def _scan_kernel(
             mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
         )
         tl.store(y_ptr + t * sy_t + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-    if end > start:
+    if TIME_CHUNK == 0 and end > start:
         tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
+
+
+@triton.jit
+def _time_chunk_end_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, dtb_ptr, cu_ptr, idx_ptr, tcs_ptr, dts_ptr, tc_rows_ptr,
+    D_inner, N, R, sx_t, sx_d, sdt_t, sdt_d, sA_d, sA_n, sB_t, sB_g, sB_n,
+    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, A_IS_LOG: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TIME_CHUNK: tl.constexpr,
+):
+    """Time-chunked scan, pass 1: each time chunk's state from a zero start (scratch row) and the
+    sum of its ``dt`` per channel (its decay is ``exp(A * sum dt)``: ``A`` is constant in time)."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1)
+    c = tl.program_id(2)
+    if tl.load(idx_ptr + b) < 0:
+        return
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    first = start + c * TIME_CHUNK
+    if first >= end:
+        return
+    last = tl.minimum(first + TIME_CHUNK, end)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D_inner
+    mask_dn = mask_d[:, None] & (offs_n < N)[None, :]
+    A, _, bias = _load_params(A_ptr, x_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
+                              False, HAS_BIAS, A_IS_LOG, BLOCK_D)
+    B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n
+    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    dt_sum = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for t in range(first, last):
+        S, _, dt = _advance(S, A, bias, x_ptr + t * sx_t + offs_d * sx_d, dt_ptr + t * sdt_t + offs_d * sdt_d,
+                            B_ptrs + t * sB_t, mask_d, mask_dn, DT_SOFTPLUS)
+        dt_sum += dt
+    row = tl.load(tc_rows_ptr + b) + c
+    tl.store(tcs_ptr + row * D_inner * N + offs_d[:, None] * N + offs_n[None, :], S, mask=mask_dn)
+    tl.store(dts_ptr + row * D_inner + offs_d, dt_sum, mask=mask_d)
+
+
+@triton.jit
+def _time_chunk_combine_kernel(
+    A_ptr, state_ptr, cu_ptr, idx_ptr, init_ptr, tcs_ptr, dts_ptr, tc_rows_ptr,
+    D_inner, N, s_init, sA_d, sA_n, ss_s, ss_d, ss_n,
+    A_IS_LOG: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TIME_CHUNK: tl.constexpr,
+):
+    """Time-chunked scan, pass 2: walks a request's time chunks in order, replacing each scratch row
+    by the chunk's true start state (``S = S * exp(A * sum dt) + chunk state``), and writes the
+    final state into the pool."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1)
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    if slot < 0:
+        return
+    n_tok = tl.load(cu_ptr + b + 1).to(tl.int64) - tl.load(cu_ptr + b).to(tl.int64)
+    if n_tok <= 0:
+        return
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D_inner
+    mask_dn = mask_d[:, None] & (offs_n < N)[None, :]
+    A, _, _ = _load_params(A_ptr, A_ptr, A_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
+                           False, False, A_IS_LOG, BLOCK_D)
+    s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
+    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
+        S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    row0 = tl.load(tc_rows_ptr + b)
+    dn = offs_d[:, None] * N + offs_n[None, :]
+    for c in range((n_tok + TIME_CHUNK - 1) // TIME_CHUNK):
+        p = tcs_ptr + (row0 + c) * D_inner * N + dn
+        chunk = tl.load(p, mask=mask_dn, other=0.0)
+        dts = tl.load(dts_ptr + (row0 + c) * D_inner + offs_d, mask=mask_d, other=0.0)
+        tl.store(p, S, mask=mask_dn)
+        S = S * tl.exp(A * dts[:, None]) + chunk
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_dn)
 
 
 def _block_d(D_inner: int, BLOCK_N: int) -> int:
@@ -130,11 +235,26 @@ def _block_d(D_inner: int, BLOCK_N: int) -> int:
     return max(2, min(pow2(D_inner, 2), max(8, pow2(-(-D_inner // 128))), max(2, 1024 // BLOCK_N)))
 
 
+# Time chunks: a step whose requests average at least TIME_CHUNK_MIN_TOKENS new tokens scans each
+# request in chunks of TIME_CHUNK tokens in parallel (three launches: chunk states from zero, their
+# combination in order, the scan of every chunk from its true start), so a long prefill is no longer one
+# sequential walk per channel block: 4k tokens of one request are 16 programs per block, not one.
+TIME_CHUNK = 256
+TIME_CHUNK_MIN_TOKENS = 1024
+
+
+def time_chunk_for(num_tokens: int, batch: int) -> int:
+    """Tokens per time chunk of a scan over ``num_tokens`` tokens of ``batch`` requests (shapes only,
+    so one CUDA graph per bucket), 0 for the single walk per request."""
+    return TIME_CHUNK if batch > 0 and num_tokens >= TIME_CHUNK_MIN_TOKENS * batch else 0
+
+
 def mamba1_selective_scan_triton(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
-    output_chunk_states, A_is_log=False,
+    output_chunk_states, A_is_log=False, *, time_chunk: int | None = None,
 ):
-    """Triton ``mamba1_selective_scan`` (same arguments, mutation and results as the op; no validation)."""
+    """Triton ``mamba1_selective_scan`` (same arguments, mutation and results as the op; no validation).
+    ``time_chunk``: tokens per time chunk (0: one walk per request; None: :func:`time_chunk_for`)."""
     T, D_inner = x.shape
     G, N = B.shape[1], B.shape[2]
     batch = cu_seqlens.shape[0] - 1
@@ -143,21 +263,44 @@ def mamba1_selective_scan_triton(
     chunk_states = torch.zeros(rows, D_inner, N, dtype=torch.float32, device=x.device)
     if T == 0 or batch == 0:
         return y, chunk_states
+    tc = time_chunk_for(T, batch) if time_chunk is None else int(time_chunk)
+    if tc < 0:
+        raise ValueError(f"mamba1_selective_scan_triton: time_chunk must be >= 0, got {time_chunk}")
     row_offsets = chunk_row_offsets(cu_seqlens, chunk_size)
     BLOCK_N = pow2(N, 2)
-    BLOCK_D = _block_d(D_inner, BLOCK_N)
-    grid = (triton.cdiv(D_inner, BLOCK_D), batch)
+    # time chunks bring their own parallelism: [BLOCK_D, BLOCK_N] tiles of 256 on 2 warps (88 registers
+    # at Jamba's N = 16 in an sm_90 build, against 187 for the single walk's 1024 on 4 warps), so that
+    # several programs share an SM
+    BLOCK_D = max(2, min(pow2(D_inner, 2), 256 // BLOCK_N)) if tc else _block_d(D_inner, BLOCK_N)
+    warps = 4 if BLOCK_D * BLOCK_N >= 512 else 2
     # bool flags read as bytes (a strided view of the engine's metadata is fine)
     init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
-    _scan_kernel[grid](
+    flags = dict(A_IS_LOG=bool(A_is_log), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, TIME_CHUNK=tc)
+    n_chunks = 1
+    tc_states = tc_rows = y  # (unused unless time-chunked)
+    if tc:
+        n_chunks = triton.cdiv(T, tc)
+        tc_rows = chunk_row_offsets(cu_seqlens, tc)
+        tc_count = max_chunk_rows(T, batch, tc)
+        tc_states = torch.empty(tc_count, D_inner, N, dtype=torch.float32, device=x.device)
+        dt_sums = torch.empty(tc_count, D_inner, dtype=torch.float32, device=x.device)
+        _time_chunk_end_kernel[(triton.cdiv(D_inner, BLOCK_D), batch, n_chunks)](
+            x, dt, A, B, dt_bias if dt_bias is not None else x, cu_seqlens, state_indices, tc_states, dt_sums,
+            tc_rows, D_inner, N, D_inner // G, *x.stride(), *dt.stride(), *A.stride(), *B.stride(),
+            HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), num_warps=warps, **flags,
+        )
+        _time_chunk_combine_kernel[(triton.cdiv(D_inner, BLOCK_D), batch)](
+            A, ssm_states, cu_seqlens, state_indices, init, tc_states, dt_sums, tc_rows,
+            D_inner, N, init.stride(0), *A.stride(), *ssm_states.stride(), num_warps=warps, **flags,
+        )
+    _scan_kernel[(triton.cdiv(D_inner, BLOCK_D), batch, n_chunks)](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
-        ssm_states, cu_seqlens, state_indices, init, row_offsets, y, chunk_states,
+        ssm_states, cu_seqlens, state_indices, init, row_offsets, y, chunk_states, tc_states, tc_rows,
         D_inner, N, D_inner // G, chunk_size, init.stride(0),
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *(z.stride() if z is not None else (0, 0)),
         *ssm_states.stride(), y.stride(0), chunk_states.stride(0), chunk_states.stride(1),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        A_IS_LOG=bool(A_is_log), CHUNK_STATES=bool(output_chunk_states), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
+        CHUNK_STATES=bool(output_chunk_states), num_warps=warps, **flags,
     )
     return y, chunk_states
 

@@ -628,23 +628,9 @@ def test_fp32_head_256_extend_tile_builds_for_sm90_without_spilling(tmp_path):
     (no GPU needed; outside the interpreter, in a subprocess: ``benchmarks/kda_intra_build.build_kernel``):
     it fits the H100's shared memory and keeps its fp32 query and accumulator in registers (the
     64 x 64 / 4-warp tile spilled 238 KB a thread and took minutes to build)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from sm90_builds import build_stats
 
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this Triton build has no bundled ptxas / cuobjdump")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]), TRITON_DEFAULT_FP_FUSION="1",
-               TRITON_CACHE_DIR=str(tmp_path / "triton"))  # (a cold build every run)
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = build_stats(_SM90_BUILD, tmp_path)[-1]
     assert out["shared"] <= 232448, out  # the H100's shared memory per block
     # (spill stores, bytes a thread: 352 at the tile chosen, 238 KB for the 64 x 64 / 4-warp tile used before)
     assert out["spill_stores"] is not None and out["spill_stores"] <= 2048, out

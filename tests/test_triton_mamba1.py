@@ -317,3 +317,41 @@ def test_gpu_state_update_tree_matches_plain(batch, steps, opts):
     _gpu_compare(gpu["intermediate_states"], cpu["intermediate_states"], dtype, "intermediate states")
     assert torch.equal(gpu["ssm_states"].cpu(), inp["ssm_states"])
     run_opcheck(op.default, tuple(gpu[k] for k in UPDATE_ORDER) + (False, None, None, parents.cuda()))
+
+
+_SM90_BUILD = r'''
+import json
+from benchmarks.kda_intra_build import build_kernel
+from hybrid_compile.ops.triton import mamba1 as m
+
+# Jamba's mixer: 8192 channels, state 16, bf16 activations, an fp32 pool
+pointers = dict(cu_ptr="*i32", idx_ptr="*i32", init_ptr="*u8", rows_ptr="*i64", tc_rows_ptr="*i64", x_ptr="*bf16",
+                dt_ptr="*bf16", B_ptr="*bf16", C_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16")
+for tc in (0, m.TIME_CHUNK):
+    bd, bn, warps = m.scan_tiles(8192, 16, tc)
+    flags = dict(BLOCK_D=bd, BLOCK_N=bn, A_IS_LOG=False, TIME_CHUNK=tc)
+    kernels = [(m._scan_kernel, dict(flags, HAS_D=True, HAS_Z=True, HAS_BIAS=True, DT_SOFTPLUS=True, CHUNK_STATES=True))]
+    if tc:
+        kernels += [(m._time_chunk_end_kernel, dict(flags, HAS_BIAS=True, DT_SOFTPLUS=True)),
+                    (m._time_chunk_combine_kernel, flags)]
+    for kern, consts in kernels:
+        sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+               for n in kern.arg_names}
+        stats = build_kernel(kern, sig, consts, warps)
+        print(json.dumps(dict(kernel=kern.fn.__name__, time_chunk=tc, regs=stats["regs"], spill_stores=stats["spill_stores"])))
+'''
+
+
+def test_scan_kernels_build_for_sm90_without_spilling(tmp_path):
+    """The scan kernels at Jamba's width, single walk and time-chunked, compiled for sm_90 at the
+    launcher's tiles (``scan_tiles``; the interpreter runs kernels but never compiles them): all four
+    build, none spills, and the time-chunked tiles take fewer registers than the single walk's (what
+    lets several of their programs share an SM)."""
+    from sm90_builds import build_stats
+
+    rows = build_stats(_SM90_BUILD, tmp_path)
+    assert [(r["kernel"], r["time_chunk"]) for r in rows] == [
+        ("_scan_kernel", 0), ("_scan_kernel", tm.TIME_CHUNK), ("_time_chunk_end_kernel", tm.TIME_CHUNK),
+        ("_time_chunk_combine_kernel", tm.TIME_CHUNK)], rows
+    assert all(r["spill_stores"] == 0 for r in rows), rows
+    assert rows[1]["regs"] < rows[0]["regs"], rows

@@ -249,6 +249,15 @@ def time_chunk_for(num_tokens: int, batch: int) -> int:
     return TIME_CHUNK if batch > 0 and num_tokens >= TIME_CHUNK_MIN_TOKENS * batch else 0
 
 
+def scan_tiles(D_inner: int, N: int, time_chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_N, warps) of the scan kernels. Time chunks bring their own parallelism:
+    ``[BLOCK_D, BLOCK_N]`` tiles of 256 on 2 warps (88 registers at Jamba's N = 16 in an sm_90
+    build, against 187 for the single walk's 1024 on 4 warps), so that several programs share an SM."""
+    BLOCK_N = pow2(N, 2)
+    BLOCK_D = max(2, min(pow2(D_inner, 2), 256 // BLOCK_N)) if time_chunk else _block_d(D_inner, BLOCK_N)
+    return BLOCK_D, BLOCK_N, 4 if BLOCK_D * BLOCK_N >= 512 else 2
+
+
 def mamba1_selective_scan_triton(
     x, dt, A, B, C, D, z, dt_bias, dt_softplus, ssm_states, cu_seqlens, state_indices, has_initial_state, chunk_size,
     output_chunk_states, A_is_log=False, *, time_chunk: int | None = None,
@@ -267,12 +276,7 @@ def mamba1_selective_scan_triton(
     if tc < 0:
         raise ValueError(f"mamba1_selective_scan_triton: time_chunk must be >= 0, got {time_chunk}")
     row_offsets = chunk_row_offsets(cu_seqlens, chunk_size)
-    BLOCK_N = pow2(N, 2)
-    # time chunks bring their own parallelism: [BLOCK_D, BLOCK_N] tiles of 256 on 2 warps (88 registers
-    # at Jamba's N = 16 in an sm_90 build, against 187 for the single walk's 1024 on 4 warps), so that
-    # several programs share an SM
-    BLOCK_D = max(2, min(pow2(D_inner, 2), 256 // BLOCK_N)) if tc else _block_d(D_inner, BLOCK_N)
-    warps = 4 if BLOCK_D * BLOCK_N >= 512 else 2
+    BLOCK_D, BLOCK_N, warps = scan_tiles(D_inner, N, tc)
     # bool flags read as bytes (a strided view of the engine's metadata is fine)
     init = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     flags = dict(A_IS_LOG=bool(A_is_log), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, TIME_CHUNK=tc)

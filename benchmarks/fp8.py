@@ -690,7 +690,12 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engine = hc.wrap(model, **engine_kw, **MODES[mode])
         wrap_s = time.perf_counter() - t
-        results[mode] = {"weight_bytes": fp8_bytes + other, "wrap_seconds": wrap_s, "engine": MODES[mode],
+        # what the wrap spent its time on (phases) and compiled (stats()["startup"] / ["startup_work"])
+        stats = engine.stats()
+        startup = {"startup": stats["startup"], "startup_work": stats["startup_work"]}
+        print(f"{mode}: wrap {wrap_s:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in stats["startup"].items() if v),
+              flush=True)
+        results[mode] = {"weight_bytes": fp8_bytes + other, "wrap_seconds": wrap_s, "engine": MODES[mode], **startup,
                          **measure_engine(engine, config.vocab_size, decode_batches, steps, prefill_lens, device)}
         engine.close()
         del engine

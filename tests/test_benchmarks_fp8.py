@@ -32,8 +32,14 @@ def test_tiny_cpu_run(tmp_path):
         assert prof["length"] == 64 and prof["steps"] == 1 and prof["wall_ms_per_step"] > 0 and prof["top_host_ops"]
         dec = run[mode]["decode_profile"]  # batch 1: a few decode steps
         assert dec["batch"] == 1 and dec["steps"] >= 1 and dec["wall_ms_per_step"] > 0
+        # the wrap's phases and what it compiled (the 48-layer FP8 model's 155 s wrap had neither)
+        startup = run[mode]["startup"]
+        assert startup["total_s"] > 0 and startup["total_s"] <= run[mode]["wrap_seconds"] + 1e-6
+        assert {"pools_s", "patch_s", "compile_s", "capture_s", "warmup_s"} <= set(startup) and startup["pools_s"] > 0
+        assert isinstance(run[mode]["startup_work"], dict)
     assert run["fp8"]["weight_bytes"] < run["bf16"]["weight_bytes"]
     assert "decode batch 1: fp8 " in proc.stdout and "kernels" not in run  # the kernel table needs CUDA
+    assert "fp8: wrap " in proc.stdout
 
 
 def test_tiny_cpu_run_hf_experts_then_fp8(tmp_path):

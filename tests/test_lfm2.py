@@ -194,10 +194,11 @@ def test_compiled_engine_matches_hf_with_zero_graph_breaks(kind):
 
 
 @pytest.mark.gpu
-def test_gpu_graphs_and_speculative_match_eager_and_hf():
-    """``lfm2`` only: transformers' fp32 MoE experts may sync with the host, which graph capture
-    refuses (see tests/test_cuda_graphs.py)."""
-    kind = "lfm2"
+@pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
+def test_gpu_graphs_and_speculative_match_eager_and_hf(kind):
+    """fp32 on the GPU, CUDA graphs (full and piecewise) and speculative decoding. ``lfm2_moe``'s fp32
+    experts run our fused MoE op (the default on CUDA), which holds no host sync (transformers' fp32
+    experts forward does, which graph capture refuses: tests/test_cuda_graphs.py)."""
     from test_cuda_graphs import _assert_greedy_close  # HF-on-CPU oracle with a CPU/GPU near-tie allowance
 
     cpu_model = _model(kind)
@@ -225,6 +226,7 @@ def test_gpu_graphs_and_speculative_match_eager_and_hf():
     assert c["graphs"] == 1 + c["one_token_graph"] and c["recompiles"] == 0 and c["graph_breaks"] == 0, c
     assert c["cuda_graph_replays"] > 0 and c["piecewise_replays"] > 0, c
     assert stats["graphs+speculative"]["speculative"]["verify_steps"] > 0
+    assert (stats["graphs"]["fused_moe_modules"] > 0) == (kind == "lfm2_moe"), stats["graphs"]["fused_moe_modules"]
 
 
 # -- the layer op against a brute-force conv ------------------------------------------------------

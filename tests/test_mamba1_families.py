@@ -291,10 +291,11 @@ def test_ssm_layer_op_fake_shape_and_verify_needs_buffers():
 # --------------------------------------------------------------------------------------------
 
 
-def _graphs_case(name: str):
+def _graphs_case(name: str, moe: bool = False):
     """(fp32 CPU model, prompts) of the compile-count tests: token counts 1 to 90 per step (the
-    warm-up compiles at 3 tokens). Jamba dense (see ``test_gpu_graphs_and_speculative``)."""
-    cpu_model = mm.build_jamba(2, moe=False) if name == "jamba" else mm.BUILDERS[name](CASES[name])
+    warm-up compiles at 3 tokens). Jamba dense unless ``moe`` (on the CPU transformers' experts run,
+    whose fp32 loop syncs with the host: the GPU test serves them on our fused MoE op)."""
+    cpu_model = mm.build_jamba(2, moe=moe) if name == "jamba" else mm.BUILDERS[name](CASES[name])
     return cpu_model, random_prompts((37, 1, 90, 5, 64, 3), mm.VOCAB, seed=16) + [[5, 9, 14, 3] * 5]
 
 
@@ -334,11 +335,12 @@ def test_gpu_graphs_and_speculative(name, dtype):
     + speculative decoding (the target as its own draft). CUDA graphs replay the compiled engine's
     tokens exactly (same kernels); fp32: eager and graphs + speculative give HF's greedy tokens on the
     CPU up to CPU/GPU near-ties; bf16: the self-draft is mostly accepted (verify runs the projections
-    over 4 tokens per request, so bf16 rounding may differ from decode's). Jamba is built dense here
-    (transformers' fp32 MoE fallback syncs with the host, which graph capture refuses)."""
+    over 4 tokens per request, so bf16 rounding may differ from decode's). Jamba with its MoE layers,
+    on our fused MoE op (the default on CUDA; transformers' fp32 experts loop syncs with the host,
+    which graph capture refuses)."""
     from test_cuda_graphs import _assert_greedy_close
 
-    cpu_model, prompts = _graphs_case(name)
+    cpu_model, prompts = _graphs_case(name, moe=True)
     model = copy.deepcopy(cpu_model).to("cuda", dtype)
     graphs = dict(compile=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 4),
                   piecewise_cuda_graph_tokens=(4, 16, 64))
@@ -364,3 +366,4 @@ def test_gpu_graphs_and_speculative(name, dtype):
     assert c["cuda_graph_replays"] > 0 and c["piecewise_replays"] > 0, c
     s = stats["graphs+speculative"]["speculative"]
     assert s["verify_steps"] > 0 and s["acceptance_rate"] > (0.9 if dtype == torch.float32 else 0.5), s
+    assert (stats["graphs"]["fused_moe_modules"] > 0) == (name == "jamba"), stats["graphs"]["fused_moe_modules"]

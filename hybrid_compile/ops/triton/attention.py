@@ -458,7 +458,8 @@ def _extend_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # built for sm_90 on a CPU (benchmarks/kda_intra_build.build_kernel, Triton 3.9's ptxas), 32 x 64
         # with 16 warps takes 128 registers and spills 352 bytes a thread (8 warps: 255 and 1,000), 4 s to
         # build; the 64 x 64 / 4-warp tile used before spilled 238 KB a thread in 194k SASS instructions
-        # and took 71 s here (~130 s on an H100 host, per process on a cold Triton cache). Not timed on a GPU
+        # and took 71 s here (~130 s on an H100 host, per process on a cold Triton cache). Its GPU test
+        # passed on an H200 (2026-11-29); not timed against the old tile
         return dict(BLOCK_M=32, BLOCK_N=64, num_warps=16, num_stages=1)
     # head dim 256 (Qwen3-Next): an H100 sweep of the last 8k chunk of a 32k prompt gave 9.9 ms
     # for this tile against 29.5 ms for 64 x 64 / 1 stage (387 vs 131 TFLOP/s)

@@ -608,29 +608,38 @@ import torch
 from benchmarks.kda_intra_build import build_kernel
 from hybrid_compile.ops.triton import attention as tri
 
-# the launcher's choice for an fp32 cache at head dim 256 (q only says "on a GPU")
-f32 = torch.empty(1, 2, 256)
-cfg = tri._extend_config(types.SimpleNamespace(device=torch.device("cuda")), f32, f32, 256, 256)
+# the launcher's tile for fp32 dots at head dim 256: an fp32 cache (d 256 / 256), an fp32 query over a
+# bf16 cache (d 192 / 128, BLOCK_D 256) (q only says "on a GPU" and its dtype)
+q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
 kernel = tri._extend_kernel
-const = dict(GROUP=8, HEAD_D=256, HEAD_DV=256, BLOCK_D=256, BLOCK_DV=256, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-             CAUSAL=True, USE_WINDOW=True, USE_SOFTCAP=False, QK_F32=True, PV_F32=True, KV_FP8=False, USE_TREE=False,
-             HEAD_DPE=0, BLOCK_DPE=16)
-pointers = dict(Q="*fp32", K="*fp32", V="*fp32", O="*fp32", LSE="*fp32", QO="*i32", KVP="*i32", KVI="*i32",
-                KS="*fp32", VS="*fp32", TREE="*i32", qk_mult="fp32", cap_mult="fp32")
-sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in kernel.arg_names}
-stats = build_kernel(kernel, sig, const, cfg["num_warps"], stages=cfg["num_stages"])
-print(json.dumps(dict(cfg=cfg, **stats)))
+for cache, d, dv in ((torch.float32, 256, 256), (torch.bfloat16, 192, 128)):
+    kv = torch.empty(1, 2, d, dtype=cache)
+    cfg = tri._extend_config(q, kv, kv, d, dv)
+    qk_f32, pv_f32 = tri._dot_modes(q, kv, kv)
+    const = dict(GROUP=8, HEAD_D=d, HEAD_DV=dv, BLOCK_D=256, BLOCK_DV=dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                 CAUSAL=True, USE_WINDOW=True, USE_SOFTCAP=False, QK_F32=qk_f32, PV_F32=pv_f32, KV_FP8=False,
+                 USE_TREE=False, HEAD_DPE=0, BLOCK_DPE=16)
+    kv_ptr = "*fp32" if cache == torch.float32 else "*bf16"
+    pointers = dict(Q="*fp32", K=kv_ptr, V=kv_ptr, O="*fp32", LSE="*fp32", QO="*i32", KVP="*i32", KVI="*i32",
+                    KS="*fp32", VS="*fp32", TREE="*i32", qk_mult="fp32", cap_mult="fp32")
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in kernel.arg_names}
+    stats = build_kernel(kernel, sig, const, cfg["num_warps"], stages=cfg["num_stages"])
+    print(json.dumps(dict(cache=str(cache), d=d, cfg=cfg, **stats)))
 '''
 
 
 def test_fp32_head_256_extend_tile_builds_for_sm90_without_spilling(tmp_path):
-    """The extend tile of an fp32 cache at head dim 256, compiled for sm_90 by Triton's bundled ptxas
-    (no GPU needed; outside the interpreter, in a subprocess: ``benchmarks/kda_intra_build.build_kernel``):
-    it fits the H100's shared memory and keeps its fp32 query and accumulator in registers (the
-    64 x 64 / 4-warp tile spilled 238 KB a thread and took minutes to build)."""
+    """The extend tile of fp32 dots at head dim 256 (an fp32 cache; an fp32 query over a bf16 cache at
+    head dims 192 / 128), compiled for sm_90 by Triton's bundled ptxas (no GPU needed; outside the
+    interpreter, in a subprocess: ``benchmarks/kda_intra_build.build_kernel``): it fits the H100's
+    shared memory and keeps its fp32 query and accumulator in registers (the 64 x 64 / 4-warp tile of
+    the fp32 cache spilled 238 KB a thread, the 16-bit tile with an fp32 query 31.5 KB; both took
+    40-70 s to build)."""
     from sm90_builds import build_stats
 
-    out = build_stats(_SM90_BUILD, tmp_path)[-1]
-    assert out["shared"] <= 232448, out  # the H100's shared memory per block
-    # (spill stores, bytes a thread: 352 at the tile chosen, 238 KB for the 64 x 64 / 4-warp tile used before)
-    assert out["spill_stores"] is not None and out["spill_stores"] <= 2048, out
+    rows = build_stats(_SM90_BUILD, tmp_path)
+    assert [(r["cache"], r["d"]) for r in rows] == [("torch.float32", 256), ("torch.bfloat16", 192)], rows
+    for out in rows:
+        assert out["shared"] <= 232448, out  # the H100's shared memory per block
+        # (spill stores, bytes a thread: 352 / 0 at the tile chosen)
+        assert out["spill_stores"] is not None and out["spill_stores"] <= 2048, out

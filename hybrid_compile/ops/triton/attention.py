@@ -451,7 +451,11 @@ def _extend_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1)
     if max(d, dv) > _MAX_HEAD_DIM:  # MLA (512 + 64, v 512): a [BLOCK_M, 512] fp32 accumulator; not benchmarked
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
-    if max(k_cache.element_size(), v_cache.element_size()) == 4:
+    if any(_dot_modes(q, k_cache, v_cache)):
+        # fp32 dots at head dim 256 (an fp32 cache, or an fp32 query over a 16-bit one): the [BLOCK_M,
+        # 256] fp32 query and accumulator live in registers. An fp32 query over a bf16 cache at head
+        # dims 192 / 128 built for sm_90 on a CPU: the 16-bit tile below takes 255 registers and spills
+        # 31.5 KB a thread (40 s to build), this one 97 registers, no spills (4 s).
         # fp32 K/V tiles of head dim 256 (an fp32 cache): Triton's shared-memory count for sm_90 is
         # 295424 bytes for the bf16 tile below (over the H100's 232448); 32 x 64 needs 106624 (under the
         # A100's 166912 too). Its fp32 dots hold the [BLOCK_M, 256] query and accumulator in registers:

@@ -199,6 +199,24 @@ def test_extend_block_shapes(block_m, block_n, causal, window):
     _check_extend_result(o, lse, args, sum(q_lens), F32)
 
 
+@pytest.mark.parametrize("cache_dtype,d,dv", [(F32, 256, 256), (BF16, 192, 128)])
+def test_extend_gpu_tile_of_fp32_dots_at_head_dim_256(cache_dtype, d, dv):
+    """The tile the launcher picks on a GPU for fp32 dots at head dim 256 (an fp32 cache; an fp32 query
+    over a bf16 cache at 192 / 128, held in 256-wide blocks), run here in the interpreter: query
+    blocks of 32 over key blocks of 64, across a causal edge, a window and a 70-token prefix."""
+    import types
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"), dtype=F32)
+    kv = torch.empty(1, 1, d, dtype=cache_dtype)
+    cfg = tri._extend_config(on_gpu, kv, kv, d, dv)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (32, 64), cfg
+    b = extend_batch([40, 3], [70, 0], hq=2, hkv=1, d=d, dv=dv, q_dtype=F32, cache_dtype=cache_dtype, pad_rows=1)
+    for causal, window in [(True, -1), (True, 50)]:
+        args = ext_args(b, causal, window)
+        o, lse = tri.paged_attention_extend_triton(*args, config=cfg)
+        _check_extend_result(o, lse, args, 43, _tol_dtype(F32, cache_dtype))
+
+
 def test_extend_odd_head_dims_noncontiguous_q():
     """D=24 (padded to 32), Dv=8 (padded to 16), GQA group 3, q a strided view of a fused projection."""
     q_lens, prefix, hq, hkv, d = [20, 1, 0, 6], [3, 12, 5, 0], 6, 2, 24

@@ -11,7 +11,7 @@ intra kernel's variants one run each (per-kernel times: ``benchmarks/profile_gdn
 
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
 8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
-compressed cache; groups ``kda`` and ``mla``), Jamba's Mamba1 (8192 channels, state 16, group ``mamba1``:
+compressed cache, and the ``mla_layer`` op absorbed / expanded at prefill; groups ``kda`` and ``mla``), Jamba's Mamba1 (8192 channels, state 16, group ``mamba1``:
 the prefill scan also as one sequential walk per request, ``time_chunk=0``, beside the time-chunked
 walk the op takes for long requests), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
 head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hybrid_compile.layers import attention as layer_attention  # noqa: E402
+from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context  # noqa: E402
 from hybrid_compile.ops import attention as A  # noqa: E402
 from hybrid_compile.ops import conv1d as C  # noqa: E402
 from hybrid_compile.ops import gdn as G  # noqa: E402
@@ -523,6 +525,47 @@ def bench_mla(quick):
         f = lambda: ops.paged_attention_extend(q, cache, cache[..., :rank], qo, qo, kv_indices, scale, True, -1, 0.0)  # noqa: E731
         record("paged_attention_extend (MLA 512+64)", f"T={total} B={batch}", safe(lambda: bench(f)), None, None,
                flops=sum(2 * n * n / 2 * hq * (2 * rank + rope) for n in lens))
+    bench_mla_layer(quick, hq, rank, rope, scale)
+
+
+def bench_mla_layer(quick, hq, rank, rope, scale, nope=128, v_dim=128):
+    """The ``mla_layer`` op (Kimi-Linear's MLA core: the compressed row's store, then attention) on one
+    prompt without a prefix, in the form its cost rule picks (expanded at these lengths) beside the
+    absorbed form forced (``layer_attention.mla_expands`` replaced for the run)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w_uk = torch.randn(hq, nope, rank, dtype=BF16, device=DEV, generator=g) * rank ** -0.5
+    w_uv = torch.randn(hq, v_dim, rank, dtype=BF16, device=DEV, generator=g) * rank ** -0.5
+    rule = layer_attention.mla_expands
+    for total in ([4096, 16384] if quick else [1024, 4096, 16384, 32768]):
+        cache = torch.zeros(total + 1, 1, rank + rope, dtype=BF16, device=DEV)
+        i32 = dict(dtype=torch.int32, device=DEV)
+        qsl = torch.tensor([0, total], **i32)
+        slots = torch.arange(1, total + 1, device=DEV)
+        md = ForwardMetadata(
+            mode=ForwardMode.EXTEND, positions=torch.arange(total, device=DEV), query_start_loc=qsl,
+            seq_lens=torch.tensor([total], **i32), prefix_lens=torch.zeros(1, **i32),
+            mamba_cache_indices=torch.zeros(1, **i32), has_initial_state=torch.zeros(1, dtype=torch.bool, device=DEV),
+            out_cache_loc=slots, kv_indptr=qsl, kv_indices=slots, logits_indices=qsl[1:].long() - 1,
+            extend_lens_cpu=[total], seq_lens_cpu=[total])
+        q_nope = torch.randn(total, hq, nope, dtype=BF16, device=DEV, generator=g)
+        q_rope = torch.randn(total, hq, rope, dtype=BF16, device=DEV, generator=g)
+        latent = torch.randn(total, rank, dtype=BF16, device=DEV, generator=g)
+        k_rope = torch.randn(total, rope, dtype=BF16, device=DEV, generator=g)
+        f = lambda: ops.mla_layer(q_nope, q_rope, latent, k_rope, w_uk, w_uv, 0, scale)  # noqa: E731
+        times = {}
+        for form, choose in (("per step", rule), ("absorbed", lambda *a: False)):
+            layer_attention.mla_expands = choose
+            try:
+                with forward_context(ForwardContext(md, {0: (cache, cache[..., :rank])}, {})):
+                    times[form] = safe(lambda: bench(f, graph=False))
+            finally:
+                layer_attention.mla_expands = rule
+        picked = "expanded" if rule(md, hq, nope, rope, rank, v_dim, 2) else "absorbed"
+        ours, absorbed = times["per step"], times["absorbed"]
+        record(f"mla_layer ({picked})", f"T={total} B=1 H={hq}", ours, None, None,
+               flops=2 * total * total / 2 * hq * (nope + rope + v_dim if picked == "expanded" else 2 * rank + rope),
+               note=f"absorbed form {absorbed if absorbed is None else round(absorbed, 4)} ms"
+                    + (f" ({absorbed / ours:.2f}x)" if ours and absorbed else ""))
 
 
 #: (name, N, K) of the reference Qwen3-Next's projections at decode, packed as the rewrite pass packs them

@@ -46,7 +46,7 @@ BUILDERS = {
     "recurrent_gemma": lambda: rgm.build_recurrent_gemma(0),
 }
 SPLIT_OPS = {
-    "kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1},
+    "kimi_linear": {"hybrid_compile::kda_layer": 1, "hybrid_compile::mla_layer": 1},
     "minimax": {"hybrid_compile::lightning_layer": 1, "hybrid_compile::attention_layer": 1},
     "lfm3": {"hybrid_compile::short_conv_layer": 3, "hybrid_compile::attention_layer": 2},
     "recurrent_gemma": {"hybrid_compile::short_conv_layer": 2, "hybrid_compile::mamba1_ssm_layer": 2,

@@ -4,8 +4,8 @@ multi-head latent attention over a compressed KV cache (hybrid_compile/models/ki
 Greedy tokens equal transformers' own ``generate`` (tests/engine_models.py's oracle) for single
 prompts, a continuous batch with chunked prefill, prefix-cache hits (SSM checkpoints every 64
 tokens), speculative decoding (the target as its own draft, n-gram drafts) and ``compile=True``
-(tests/test_compile_families.py: one graph, zero graph breaks). The MLA layer in the absorbed form equals HF's own layer (keys and
-values expanded per head) on a packed chunked prefill + decode; the KV pool holds one compressed
+(tests/test_compile_families.py: one graph, zero graph breaks). The MLA layer op, absorbed or expanded, equals HF's own
+layer (keys and values expanded per head) on a packed chunked prefill + decode; the KV pool holds one compressed
 row per token. Tiny random fp32 model: hidden 64, 4 layers (KDA, MLA, KDA, MLA), MoE, vocab 128.
 GPU (``@pytest.mark.gpu``): the eager GPU engine and full + piecewise CUDA graphs equal HF's
 tokens on the CPU up to CPU/GPU near-ties.
@@ -160,12 +160,26 @@ def _metadata(mode, lens, prefix, slots):
     )
 
 
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
 @torch.inference_mode()
-def test_mla_absorbed_layer_equals_hf_layer_over_chunked_prefill_and_decode():
+def test_mla_layer_equals_hf_layer_over_chunked_prefill_and_decode(form, monkeypatch):
     """Two requests (37 and 20 tokens) prefilled in two chunks, then one decode step each, through
     the patched layer with a compressed KV pool; every output row equals HF's layer run on that
-    request's whole prefix (eager attention, keys/values expanded per head, causal mask)."""
+    request's whole prefix (eager attention, keys/values expanded per head, causal mask). The
+    ``mla_layer`` op's extends in either form (the decode step is always absorbed; at these tiny
+    dims the cost rule never expands: ``test_real_mla_head_dims_match_hf`` runs it)."""
+    from hybrid_compile.layers import attention
     from hybrid_compile.models import kimi_linear
+
+    picked = []
+    rule = attention.mla_expands
+
+    def choose(md, *dims):
+        assert not rule(md, *dims)  # (2 * rank + rope) - (nope + rope + v) = 0: nothing to save
+        picked.append(form == "expanded" and md.mode is ForwardMode.EXTEND)
+        return picked[-1]
+
+    monkeypatch.setattr(attention, "mla_expands", choose)
 
     model = _model(0, 24)
     layer = model.model.layers[1].self_attn
@@ -190,10 +204,44 @@ def test_mla_absorbed_layer_equals_hf_layer_over_chunked_prefill_and_decode():
             got[r].append(rows)
     for b in range(2):
         torch.testing.assert_close(torch.cat(got[b]), want[b][0], atol=2e-5, rtol=2e-5)
+    assert picked == {"absorbed": [False] * 3, "expanded": [True, True, False]}[form]
+    # opcheck (schema, fake impl, dispatch) of the op in this form, on a fresh prefill of the pool
+    k0 = torch.zeros_like(k_cache)
+    n = 12
+    q = torch.randn(n, 4, 16 + ROPE, generator=g)
+    args = (q[..., :16], q[..., 16:], torch.randn(n, KV_RANK, generator=g), torch.randn(n, ROPE, generator=g),
+            *kimi_linear._absorbed_weights(layer), 1, 0.25)
+    with forward_context(ForwardContext(_metadata(ForwardMode.EXTEND, [n], [0], [0]), {1: (k0, k0[..., :KV_RANK])}, {})):
+        torch.library.opcheck(torch.ops.hybrid_compile.mla_layer, args)
     # the pool holds the compressed rows: latent after kv_a_layernorm, then the rope key
     compressed = layer.kv_a_proj_with_mqa(hidden[0][0])
     latent = layer.kv_a_layernorm(compressed[:, :KV_RANK])
     torch.testing.assert_close(k_cache[1:39, 0], torch.cat([latent, compressed[:, KV_RANK:]], -1))
+
+
+def test_mla_form_rule_at_kimi_48b_dims():
+    """The per-step choice at Kimi-Linear-48B's MLA dims (32 heads, nope 128, rope 64, rank 512,
+    V 128, bf16): a long prompt chunk expands; decode, a one-token extend over a long context and a
+    mixed step whose decode rows bring too much context to rebuild stay absorbed."""
+    from hybrid_compile.layers.attention import MLA_EXPAND_MAX_BYTES, mla_expands
+
+    dims = (32, 128, 64, 512, 128, 2)
+
+    def md(mode, lens, prefix):
+        return _metadata(mode, lens, prefix, list(range(len(lens))))
+
+    assert mla_expands(md(ForwardMode.EXTEND, [4096], [0]), *dims)
+    assert mla_expands(md(ForwardMode.EXTEND, [512], [2048]), *dims)  # 512 queries a context token
+    assert not mla_expands(md(ForwardMode.EXTEND, [100], [4000]), *dims)  # ~2.4: rebuilding costs more
+    assert not mla_expands(md(ForwardMode.DECODE, [1, 1], [4000, 9]), *dims)
+    assert not mla_expands(md(ForwardMode.TARGET_VERIFY, [4, 4], [4000, 4000]), *dims)
+    # 8 decode rows of 4k context + a 4k chunk: cheaper expanded, and its 36k rows fit the byte budget
+    mixed = md(ForwardMode.EXTEND, [1] * 8 + [4096], [4096] * 8 + [0])
+    assert mla_expands(mixed, *dims)
+    # 64 such rows: 266k context tokens, 5.4 GB of rebuilt keys and values, over the budget
+    crowded = md(ForwardMode.EXTEND, [1] * 64 + [8192], [4096] * 64 + [0])
+    assert sum(crowded.seq_lens_cpu) * 32 * 320 * 2 > MLA_EXPAND_MAX_BYTES
+    assert not mla_expands(crowded, *dims)
 
 
 def test_kda_layer_op_extend_decode_against_reference_and_opcheck():
@@ -287,9 +335,21 @@ def test_other_kimi_linear_implementation_is_refused_clearly():
 # -- GPU -------------------------------------------------------------------------------------------
 
 
-def test_real_mla_head_dims_match_hf():
+def test_real_mla_head_dims_match_hf(monkeypatch):
     """Kimi-Linear-48B's MLA dims (kv_lora_rank 512, rope 64: attention head dim 576 over the
-    compressed cache) with the rest tiny."""
+    compressed cache) with the rest tiny: the prompts' extends run the expanded form (at these dims
+    it pays from ~17 new tokens per context token), the decode steps and a short extend the
+    absorbed one, and the tokens are HF's."""
+    from hybrid_compile.layers import attention
+
+    forms = []
+    rule = attention.mla_expands
+
+    def spy(md, *dims):
+        forms.append((md.mode, rule(md, *dims)))
+        return forms[-1][1]
+
+    monkeypatch.setattr(attention, "mla_expands", spy)
     model = build_kimi_linear(0, None, ("linear_attention", "full_attention"), (512, 64))
     prompts = random_prompts((1, 70, 9), VOCAB, seed=17)
     expected = [hf_greedy_cached(model, ("kimi_linear", "mla512"), p, 4) for p in prompts]
@@ -297,6 +357,7 @@ def test_real_mla_head_dims_match_hf():
         got = engine.generate_batch(prompts, max_new_tokens=4)
         assert engine.layout.attention[0].k_shape == (1, 576)
     _assert_all_equal(prompts, got, expected, "mla 512+64", model)
+    assert {(ForwardMode.EXTEND, True), (ForwardMode.EXTEND, False), (ForwardMode.DECODE, False)} <= set(forms), forms
 
 
 @pytest.mark.gpu

@@ -382,11 +382,11 @@ def test_compiled_gated_deltanet_two_ranks_zero_graph_breaks(checkpoints, two_ra
 
 @KIMI
 def test_compiled_kimi_linear_two_ranks_zero_graph_breaks(checkpoints, two_ranks):
-    """Kimi-Linear (KDA + absorbed MLA + MoE) compiled over 2 ranks: HF's tokens, one graph."""
+    """Kimi-Linear (KDA + MLA + MoE) compiled over 2 ranks: HF's tokens, one graph."""
     r = _check(checkpoints, two_ranks, "kimi_linear@compiled", "kimi_linear_2l")
     c = r["compile"]
     assert c["enabled"] and c["graph_breaks"] == 0 and c["recompiles"] == 0 and c["graphs"] >= 1
-    assert c["split_ops_seen"] == {"hybrid_compile::kda_layer": 1, "hybrid_compile::attention_layer": 1}, c
+    assert c["split_ops_seen"] == {"hybrid_compile::kda_layer": 1, "hybrid_compile::mla_layer": 1}, c
 
 
 @KIMI

@@ -2,7 +2,7 @@
 full CUDA-graph runners.
 
 - :mod:`.split`: ``split_graph`` cuts a Dynamo graph at the splitting ops (default: the layer ops
-  ``attention_layer``, ``gdn_layer``, ``kda_layer``, ``mamba2_layer``, ``short_conv_layer``,
+  ``attention_layer``, ``mla_layer``, ``gdn_layer``, ``kda_layer``, ``mamba2_layer``, ``short_conv_layer``,
   ``mamba1_ssm_layer``, ``lightning_layer``), each
   alone in its piece.
 - :mod:`.backend`: ``HybridCompileBackend`` / ``hybrid_compile_backend``: split, compile every other

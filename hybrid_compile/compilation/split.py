@@ -26,10 +26,11 @@ from torch.fx.passes.split_module import split_module
 
 OpLike = Union[str, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
 
-# The layer ops of hybrid_compile.layers (attention core, GDN / KDA core, Mamba2 core, short conv (LFM2,
-# Mamba1's conv), Mamba1 scan core, MiniMax lightning attention core).
+# The layer ops of hybrid_compile.layers (attention core, Kimi-Linear's MLA core, GDN / KDA core, Mamba2
+# core, short conv (LFM2, Mamba1's conv), Mamba1 scan core, MiniMax lightning attention core).
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "hybrid_compile::attention_layer",
+    "hybrid_compile::mla_layer",
     "hybrid_compile::gdn_layer",
     "hybrid_compile::kda_layer",
     "hybrid_compile::mamba2_layer",

@@ -9,15 +9,14 @@ latent attention (MLA) layers + DeepSeek-V3-style MoE.
   family; the ``qk_rope_head_dim`` part of the key is shared by all heads): the KV pool keeps the
   *compressed* cache, one vector per token ``[kv_a_layernorm(latent) (kv_lora_rank), k_rot
   (qk_rope_head_dim)]`` (an :class:`~..memory.AttentionLayerSpec` with one KV head and ``v_from_k``:
-  V is the latent, a view of K's first channels). The up-projection is **absorbed into the
-  query** (DeepSeek's decode form): with ``kv_b_proj.weight = [W_uk; W_uv]`` per head,
-  ``q_nope . (W_uk c) = (W_uk^T q_nope) . c``, so each head attends over the latents with
-  ``q' = [W_uk^T q_nope, q_rope]`` (one shared KV head, multi-query attention through the
-  ordinary ``attention_layer`` op), and its output ``sum p c`` is projected by ``W_uv`` before
-  ``o_proj``. Nothing per head is ever cached or re-expanded over the context, at prefill as at
-  decode. The head dim of that attention is ``kv_lora_rank + qk_rope_head_dim`` (576 = 512 + 64
-  in the 48B checkpoint): the Triton attention kernels compute q.k above 256 as two dots (a
-  power-of-two part and the rest) with a v head dim up to 512.
+  V is the latent, a view of K's first channels); the ``mla_layer`` op attends over it. With
+  ``kv_b_proj.weight = [W_uk; W_uv]`` per head it runs decode, verify and short extends in
+  DeepSeek's **absorbed** form (``q_nope . (W_uk c) = (W_uk^T q_nope) . c``: each head attends over
+  the latents with ``q' = [W_uk^T q_nope, q_rope]``, head dim ``kv_lora_rank + qk_rope_head_dim``,
+  576 in the 48B checkpoint, and its output ``sum p c`` is projected by ``W_uv``) and long extends
+  in the **expanded** form (keys and values rebuilt per head from the cached rows for the step,
+  attention at head dims 192 / 128: ~3.4x fewer FLOPs a query and key at the 48B dims), whichever
+  costs less for the step (``layers/attention.py::mla_expands``). Nothing per head is ever cached.
 
 MoE blocks, MLPs, norms and the LM head stay HF's modules. Needs transformers' ``kimi_linear``
 (transformers >= 5.17 has it); the module's 5.17 (``past_key_values`` / ``cache_params``) and
@@ -29,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layers import attention as _attention_layer  # noqa: F401  (registers mla_layer)
 from ..layers import gdn as _gdn_layer  # noqa: F401  (registers kda_layer)
 from ..layers.context import get_forward_context
 from ..memory import AttentionLayerSpec, MambaLayerSpec
@@ -74,7 +74,8 @@ def _absorbed_weights(self):
 
 def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
     """Patched ``KimiLinearAttention.forward``: HF's code outside an engine step; inside, the
-    compressed latent + rope key go to the KV pool and attention runs in the absorbed form."""
+    compressed latent + rope key go to the KV pool and the ``mla_layer`` op attends (absorbed or
+    expanded form, per step)."""
     if get_forward_context() is None:
         return type(self).forward(self, hidden_states, attention_mask, *args, **kwargs)
     hidden = hidden_states[0]
@@ -87,12 +88,9 @@ def mla_forward(self, hidden_states, attention_mask=None, *args, **kwargs):
     latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([rank, self.qk_rope_head_dim], -1)
     latent = self.kv_a_layernorm(latent)
     w_uk, w_uv = _absorbed_weights(self)
-    q_cat = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, R + rope]
-    kv = torch.cat((latent, k_rot), dim=-1).unsqueeze(1)  # [N, 1, R + rope]: the compressed cache row
-    out = torch.ops.hybrid_compile.attention_layer(q_cat, kv, kv[..., :rank], int(self.layer_idx),
-                                                   float(self.scaling), -1, 0.0)  # [N, H, R]
-    o = torch.einsum("nhr,hvr->nhv", out, w_uv).reshape(1, n, heads * self.v_head_dim)
-    return self.o_proj(o), None
+    o = torch.ops.hybrid_compile.mla_layer(q_nope, q_rope, latent, k_rot, w_uk, w_uv, int(self.layer_idx),
+                                           float(self.scaling))  # [N, H, V]
+    return self.o_proj(o.reshape(1, n, heads * self.v_head_dim)), None
 
 
 def _require_transformers_classes(model: nn.Module) -> list[nn.Module]:

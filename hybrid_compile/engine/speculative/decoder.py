@@ -238,15 +238,23 @@ class SpeculativeDecoder:
         if release is not None:
             release(rid)
 
-    def observe(self, batch: ScheduledBatch, rows: torch.Tensor | None = None) -> None:
+    def observe(self, batch: ScheduledBatch, paths: list[list[int]] | None = None) -> None:
         """After a target forward of ``batch`` (its requests' ``num_computed`` already advanced): a
         draft source with ``observe(batch, hidden_states)`` (the MTP head) gets the target's final
-        hidden states of every token of the step (``rows``: in this order; a tree verify puts each
-        request's accepted path first, in position order)."""
+        hidden states of every token of the step (a tree verify's ``paths``: each request's accepted
+        path first, in position order, :meth:`_path_rows`; their row order reaches the device in one
+        pinned copy, only for a source that observes)."""
         observe = getattr(self.source, "observe", None)
-        if observe is not None:
-            hidden = self.runner.hidden_states
-            observe(batch, hidden if rows is None else hidden[rows.to(hidden.device)])
+        if observe is None:
+            return
+        hidden = self.runner.hidden_states
+        if paths is None:
+            observe(batch, hidden)
+            return
+        rows = self._path_rows(paths)
+        if hidden.device.type == "cuda":
+            rows = rows.pin_memory()
+        observe(batch, hidden[rows.to(hidden.device, non_blocking=True)])
 
     def stats(self) -> dict:
         """``engine.stats()["speculative"]``: ``verify_steps``; ``verified_requests`` (request rows
@@ -462,7 +470,7 @@ class SpeculativeDecoder:
         except BaseException:  # states half-committed: the requests recompute
             self._roll_back(reqs, generators)
             raise
-        self.observe(batch, self._path_rows(paths) if self.tree else None)
+        self.observe(batch, paths if self.tree else None)
         t2 = time.perf_counter()
 
         c = self.counters

@@ -1,4 +1,4 @@
-"""The softmax top-k MoE router op (hybrid_compile/ops/moe_router.py) and its Triton kernel
+"""The MoE router ops (hybrid_compile/ops/moe_router.py: softmax top-k, sigmoid group-limited) and their Triton kernels
 (hybrid_compile/ops/triton/moe_router.py).
 
 Oracle: a literal per-row computation in fp64 (softmax by its definition, the experts ordered by a
@@ -156,3 +156,116 @@ def test_cuda_router_in_a_cuda_graph():
     assert torch.equal(i, ei)
     torch.testing.assert_close(w, ew, rtol=0, atol=0)
     _check((w, i), logits, 10, True)
+
+
+# --------------------------------------------------------------------------------------------
+# moe_topk_sigmoid_grouped: the sigmoid group-limited router (Kimi-Linear, NemotronH)
+# --------------------------------------------------------------------------------------------
+
+
+def _grouped_oracle(logits, bias, top_k, groups, topk_groups, renormalize, scaling):
+    """Per row in fp64: sigmoid by its definition, corrected scores, each group's two best summed,
+    groups and then experts ordered by a Python sort on (-score, index), the first ones kept."""
+    weights, indices = [], []
+    per = logits.shape[1] // groups
+    for row in logits.double().tolist():
+        s = [1 / (1 + math.exp(-v)) for v in row]
+        c = [a + b for a, b in zip(s, bias.double().tolist())]
+        gs = [sum(sorted(c[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: (-gs[g], g))[:topk_groups] if groups > 1 else [0]
+        allowed = [i for i in range(len(c)) if i // per in kept]
+        order = sorted(allowed, key=lambda i: (-c[i], i))[:top_k]
+        w = [s[i] for i in order]
+        if renormalize:
+            w = [v / (sum(w) + 1e-20) for v in w]
+        weights.append([v * scaling for v in w])
+        indices.append(order)
+    return torch.tensor(weights, dtype=torch.float64), torch.tensor(indices, dtype=torch.int64)
+
+
+GROUPED_IMPLS = {"op": ops.moe_topk_sigmoid_grouped, "triton": trouter.moe_topk_sigmoid_grouped_triton}
+GROUPED_CASES = [(1, 8, 2, 1, 1), (5, 12, 3, 4, 2), (9, 64, 6, 8, 4), (70, 48, 8, 1, 1), (3, 16, 16, 2, 2)]
+
+
+@pytest.mark.parametrize("impl", sorted(GROUPED_IMPLS))
+@pytest.mark.parametrize("tokens,experts,top_k,groups,topk_groups", GROUPED_CASES)
+@pytest.mark.parametrize("renormalize,scaling", [(True, 2.5), (False, 1.0)])
+def test_sigmoid_grouped_matches_the_sorted_oracle(impl, tokens, experts, top_k, groups, topk_groups, renormalize,
+                                                   scaling):
+    """T = 1 and 70 (4 rows a program), E not a power of two, groups of 2-16 experts, top_k = E."""
+    gen = torch.Generator().manual_seed(tokens * experts + groups)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    bias = torch.randn(experts, generator=gen) * 0.3
+    w, i = GROUPED_IMPLS[impl](logits, bias, top_k, groups, topk_groups, renormalize, scaling)
+    ew, ei = _grouped_oracle(logits, bias, top_k, groups, topk_groups, renormalize, scaling)
+    assert w.dtype == torch.float32 and i.dtype == torch.int64 and w.shape == i.shape == (tokens, top_k)
+    assert torch.equal(i, ei)
+    torch.testing.assert_close(w.double(), ew, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("groups,topk_groups,top_k", [(1, 1, 8), (8, 4, 6)])
+def test_sigmoid_grouped_equals_transformers_router(groups, topk_groups, top_k):
+    """transformers' NemotronH router (Kimi-Linear's is the same code): the same experts (its
+    ``torch.topk(sorted=False)`` gives them in no promised order) and weights."""
+    import types
+
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    cfg = types.SimpleNamespace(num_experts_per_tok=top_k, num_local_experts=64, hidden_size=32, n_group=groups,
+                                topk_group=topk_groups, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = NemotronHTopkRouter(cfg)
+    gen = torch.Generator().manual_seed(groups)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(64, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(64, generator=gen) * 0.3)
+        logits, hf_w, hf_i = router(torch.randn(40, 32, generator=gen))
+    for impl in GROUPED_IMPLS.values():
+        w, i = impl(logits, router.e_score_correction_bias, top_k, groups, topk_groups, True, 2.5)
+        order, hf_order = i.argsort(-1), hf_i.argsort(-1)
+        assert torch.equal(i.gather(1, order), hf_i.gather(1, hf_order))
+        torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order), atol=1e-6, rtol=1e-5)
+
+
+def test_sigmoid_grouped_argument_errors_opcheck_and_compile():
+    x, b = torch.randn(4, 16), torch.randn(16)
+    for args, match in [((x, b, 3, 3, 1), "num_groups"), ((x, b, 3, 4, 5), "topk_groups"), ((x, b, 9, 4, 2), "top_k"),
+                        ((x, b[:8], 3, 1, 1), "bias"), ((x.bfloat16(), b, 3, 1, 1), "dtype"),
+                        ((torch.randn(4, 8), torch.randn(8), 1, 8, 1), "too small")]:
+        with pytest.raises(ValueError, match=match):
+            ops.moe_topk_sigmoid_grouped(*args, True, 1.0)
+    for renormalize in (True, False):
+        run_opcheck(ops.moe_topk_sigmoid_grouped.default, (x, b, 3, 4, 2, renormalize, 2.0))
+
+    def fn(x):
+        w, i = ops.moe_topk_sigmoid_grouped(x * 2, b, 3, 4, 2, True, 2.5)
+        return w * 2, i + 1
+
+    eager, compiled, _, _ = compile_and_compare(fn, torch.randn(7, 16))
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(256, 8, 1, 1), (256, 8, 8, 4), (128, 6, 1, 1)])
+def test_cuda_sigmoid_grouped_at_real_shapes(tokens, experts, top_k, groups, topk_groups):
+    """Kimi-Linear-48B (256 experts, top-8), a DeepSeek-V3-style grouping (8 groups, 4 kept) and
+    Nemotron-3 Nano's 128 / top-6 against the oracle; opcheck and a CUDA graph replay on the GPU."""
+    gen = torch.Generator().manual_seed(tokens + experts + groups)
+    logits, bias = torch.randn(tokens, experts, generator=gen) * 2, torch.randn(experts, generator=gen) * 0.3
+    w, i = ops.moe_topk_sigmoid_grouped(logits.cuda(), bias.cuda(), top_k, groups, topk_groups, True, 2.5)
+    ew, ei = _grouped_oracle(logits, bias, top_k, groups, topk_groups, True, 2.5)
+    assert torch.equal(i.cpu(), ei)
+    torch.testing.assert_close(w.cpu().double(), ew, atol=1e-6, rtol=1e-5)
+    run_opcheck(ops.moe_topk_sigmoid_grouped.default, (logits[:5].cuda(), bias.cuda(), top_k, groups, topk_groups,
+                                                       True, 2.5))
+    x, b = logits.cuda(), bias.cuda()
+    ops.moe_topk_sigmoid_grouped(x, b, top_k, groups, topk_groups, True, 2.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gw, gi = ops.moe_topk_sigmoid_grouped(x, b, top_k, groups, topk_groups, True, 2.5)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ew, ei = _grouped_oracle(x.cpu(), bias, top_k, groups, topk_groups, True, 2.5)
+    assert torch.equal(gi.cpu(), ei)

@@ -23,7 +23,8 @@ fp8_quantize_per_token_group / fp8_block_linear  :mod:`.fp8` (block-FP8 weights)
 fp8_grouped_linear                               :mod:`.fp8` (MoE experts)
 moe_grouped_linear / moe_combine_top_k /         :mod:`.moe` (MoE experts, float weights; the routing sort)
 moe_sort_pairs
-moe_topk_softmax                                 :mod:`.moe_router` (softmax top-k MoE router)
+moe_topk_softmax / moe_topk_sigmoid_grouped      :mod:`.moe_router` (the softmax top-k and the sigmoid
+                                                 group-limited MoE routers)
 store_kv_cache / paged_attention_extend /        :mod:`.attention`
 paged_attention_decode / merge_attention_states
 copy_state_slots / commit_speculative_state /    :mod:`.state`
@@ -78,6 +79,7 @@ KERNEL_OPS = (
     "moe_combine_top_k",
     "moe_sort_pairs",
     "moe_topk_softmax",
+    "moe_topk_sigmoid_grouped",
     "store_kv_cache",
     "paged_attention_extend",
     "paged_attention_decode",

@@ -1,4 +1,5 @@
-"""Triton kernel of ``moe_topk_softmax`` (:mod:`hybrid_compile.ops.moe_router`): the softmax top-k router.
+"""Triton kernels of ``moe_topk_softmax`` and ``moe_topk_sigmoid_grouped`` (:mod:`hybrid_compile.ops.moe_router`):
+the softmax top-k router and the sigmoid group-limited one.
 
 ``_topk_softmax_kernel``: grid ``(cdiv(T, ROWS),)``; each program holds ``ROWS`` token rows of all
 ``E`` logits in registers (``BLOCK_E`` = next power of two of ``E``, masked lanes at -inf): a fp32
@@ -6,6 +7,11 @@ softmax (max, exp, sum, IEEE-rounded division as torch's), then ``TOP_K`` passes
 index holding it), each pass taking its expert out (-1 stands below every probability). The chosen
 weights gather in a ``[ROWS, BLOCK_K]`` tile so the renormalising sum + divide needs no second read.
 Shape-only launch, no host sync: usable in CUDA graphs.
+
+``_topk_sigmoid_grouped_kernel``: the same grid and tiles; sigmoid scores ``s`` and corrected scores
+``c = s + bias``; with groups, each group's score (its largest ``c`` plus the largest of the rest),
+``TOPK_GROUPS`` passes choosing groups (lowest index on ties) and the other groups' experts set to
+-inf; then ``TOP_K`` passes over ``c`` as above, each taking the chosen expert's ``s`` as its weight.
 """
 
 from __future__ import annotations
@@ -14,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe_router import _check_router
+from ..moe_router import _check_grouped_router, _check_router
 from .common import div_rn, pow2
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["moe_topk_softmax_triton"]
+__all__ = ["moe_topk_sigmoid_grouped_triton", "moe_topk_softmax_triton"]
 
 
 @triton.jit(do_not_specialize=["T", "stride_t", "stride_e"])
@@ -85,3 +91,87 @@ def _topk_softmax_cuda(logits, top_k, renormalize):
 
 
 torch.library.register_kernel("hybrid_compile::moe_topk_softmax", "cuda", _topk_softmax_cuda)
+
+
+@triton.jit(do_not_specialize=["T", "stride_t", "stride_e"])
+def _topk_sigmoid_grouped_kernel(
+    logits_ptr, bias_ptr, w_ptr, idx_ptr, T, E, stride_t, stride_e, scaling,
+    TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
+    RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    pdl_wait_and_release(USE_PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :] * stride_e,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    s = div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x))  # sigmoid
+    c = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    c = tl.where(col_ok[None, :], c, float("-inf"))
+    if NUM_GROUPS > 1:
+        group_of = cols // PER_GROUP
+        gcols = tl.arange(0, BLOCK_G)
+        gscore = tl.full((ROWS, BLOCK_G), float("-inf"), tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            in_g = (group_of == g)[None, :]
+            m1 = tl.max(tl.where(in_g, c, float("-inf")), axis=1)
+            a1 = tl.min(tl.where(in_g & (c == m1[:, None]), cols[None, :], BLOCK_E), axis=1)
+            m2 = tl.max(tl.where(in_g & (cols[None, :] != a1[:, None]), c, float("-inf")), axis=1)
+            gscore = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gscore)
+        keep = tl.zeros((ROWS, BLOCK_E), dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.max(gscore, axis=1)
+            arg = tl.min(tl.where(gscore == best[:, None], gcols[None, :], BLOCK_G), axis=1)
+            keep = keep | (group_of[None, :] == arg[:, None])
+            gscore = tl.where(gcols[None, :] == arg[:, None], float("-inf"), gscore)
+        c = tl.where(keep, c, float("-inf"))
+    kcols = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    indices = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(c, axis=1)
+        arg = tl.min(tl.where(c == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        arg = tl.minimum(arg, E - 1)
+        hit = cols[None, :] == arg[:, None]
+        chosen = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        weights = tl.where(kcols[None, :] == j, chosen[:, None], weights)
+        indices = tl.where(kcols[None, :] == j, arg[:, None], indices)
+        c = tl.where(hit, float("-inf"), c)
+    if RENORMALIZE:
+        total = tl.sum(tl.where(kcols[None, :] < TOP_K, weights, 0.0), axis=1) + 1e-20
+        weights = div_rn(weights, total[:, None])
+    weights = weights * scaling
+    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
+    ok = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(w_ptr + out, weights, mask=ok)
+    tl.store(idx_ptr + out, indices.to(tl.int64), mask=ok)
+
+
+def moe_topk_sigmoid_grouped_triton(logits, bias, top_k: int, num_groups: int, topk_groups: int, renormalize: bool,
+                                    scaling: float, rows_per_program: int | None = None, pdl: bool | None = None):
+    """``moe_topk_sigmoid_grouped`` on the GPU (or under the interpreter); rows per program as
+    :func:`moe_topk_softmax_triton`."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, indices
+    rows = rows_per_program or (1 if T <= 64 else 4)
+    block_e = pow2(E)
+    _topk_sigmoid_grouped_kernel[(triton.cdiv(T, rows),)](
+        logits, bias, weights, indices, T, E, logits.stride(0), logits.stride(1), float(scaling),
+        TOP_K=top_k, NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, PER_GROUP=E // num_groups,
+        RENORMALIZE=renormalize, ROWS=rows, BLOCK_E=block_e, BLOCK_K=pow2(top_k), BLOCK_G=pow2(num_groups),
+        num_warps=4 if block_e * rows >= 1024 else 1, **pdl_launch(logits.device, pdl),
+    )
+    return weights, indices
+
+
+def _topk_sigmoid_grouped_cuda(logits, bias, top_k, num_groups, topk_groups, renormalize, scaling):
+    _check_grouped_router(logits, bias, top_k, num_groups, topk_groups)
+    return moe_topk_sigmoid_grouped_triton(logits, bias, top_k, num_groups, topk_groups, renormalize, scaling)
+
+
+torch.library.register_kernel("hybrid_compile::moe_topk_sigmoid_grouped", "cuda", _topk_sigmoid_grouped_cuda)

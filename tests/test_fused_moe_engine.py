@@ -54,36 +54,41 @@ MODELS = {
 SOFTMAX_ROUTER_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe", "granitemoehybrid", "jamba", "minimax"}
 
 
+GROUPED_ROUTER_FAMILIES = {"nemotron_h", "kimi_linear"}  # sigmoid group-limited routers
+
+
 def _expected_routers(name, model):
-    """Routers the fused path patches: every softmax router; 0 for the other families, and for Jamba in
-    transformers 5.17 (its router is a plain nn.Linear there, no router module)."""
-    n = len(fused_router.softmax_routers(model))
-    if name in SOFTMAX_ROUTER_FAMILIES and name != "jamba":
+    """Routers the fused path patches: every softmax and sigmoid group-limited router; 0 for the other
+    families (LFM2-MoE), and for Jamba in transformers 5.17 (its router is a plain nn.Linear there, no
+    router module)."""
+    n = len(fused_router.fused_routers(model))
+    if name in SOFTMAX_ROUTER_FAMILIES | GROUPED_ROUTER_FAMILIES and name != "jamba":
         assert n > 0, name
-    if name not in SOFTMAX_ROUTER_FAMILIES:
+    if name not in SOFTMAX_ROUTER_FAMILIES | GROUPED_ROUTER_FAMILIES:
         assert n == 0 and any(type(m).__name__ in fused_router.OTHER_ROUTERS for m in model.modules()), name
     return n
 
 
-def _count_calls(monkeypatch, modules, name: str) -> list[int]:
-    """Replace ``module.name`` of each of ``modules`` by a wrapper counting its calls; the count (all
-    of them together) is ``[n]``."""
+def _count_calls(monkeypatch, modules, names) -> list[int]:
+    """Replace ``module.name`` of each of ``modules`` and ``names`` by a wrapper counting its calls; the
+    count (all of them together) is ``[n]``."""
     calls = [0]
     for module in modules if isinstance(modules, tuple) else (modules,):
-        real = getattr(module, name)
+        for name in names if isinstance(names, tuple) else (names,):
+            real = getattr(module, name)
 
-        def counting(*args, real=real, **kwargs):
-            calls[0] += 1
-            return real(*args, **kwargs)
+            def counting(*args, real=real, **kwargs):
+                calls[0] += 1
+                return real(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, counting)
+            monkeypatch.setattr(module, name, counting)
     return calls
 
 
 @pytest.fixture
 def router_calls(monkeypatch):
-    """Counts calls of the router op from the patched routers (engine steps only)."""
-    return _count_calls(monkeypatch, fused_router, "moe_topk_softmax")
+    """Counts calls of the router ops from the patched routers (engine steps only)."""
+    return _count_calls(monkeypatch, fused_router, ("moe_topk_softmax", "moe_topk_sigmoid_grouped"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,7 +113,7 @@ def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls, router_calls):
         n_experts = sum(1 for _, m in fused_experts.experts_modules(model))
         assert engine.stats()["fused_moe_modules"] == n_experts > 0
         assert engine.stats()["fused_moe_routers"] == n_routers
-        assert all("forward" in m.__dict__ for _, m in fused_router.softmax_routers(model))
+        assert all("forward" in m.__dict__ for _, m in fused_router.fused_routers(model))
         got = engine.generate_batch(prompts, max_new_tokens=NEW_TOKENS)
         assert fused_calls[0] > 0
         assert (router_calls[0] > 0) == (n_routers > 0)
@@ -121,7 +126,7 @@ def test_fused_experts_greedy_tokens_equal_hf(name, fused_calls, router_calls):
     for p, g, e in zip(prompts, got, expected):
         em.assert_greedy_equal(model, p, g, e, what=f"{name} fused_moe")
     assert all("forward" not in m.__dict__ for _, m in fused_experts.experts_modules(model))  # close() undid it
-    assert all("forward" not in m.__dict__ for _, m in fused_router.softmax_routers(model))
+    assert all("forward" not in m.__dict__ for _, m in fused_router.fused_routers(model))
 
 
 @pytest.mark.parametrize("name", sorted(SOFTMAX_ROUTER_FAMILIES))
@@ -153,6 +158,36 @@ def test_patched_router_returns_transformers_outputs(name, monkeypatch):
                 tol = 1e-6 if g.dtype == torch.float32 else 1e-2
                 torch.testing.assert_close(g, e, atol=tol, rtol=tol)
     assert fused_router.install_fused_routers(model, handle, False) == 0
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_ROUTER_FAMILIES))
+def test_patched_grouped_router_returns_transformers_outputs(name, monkeypatch):
+    """Inside an engine step a patched sigmoid group-limited router returns transformers' tuple (same
+    order, shapes and dtypes, also for bf16 weights): the same logits, the same experts (transformers'
+    ``topk(sorted=False)`` promises no order: compared as sets) with their weights to rounding."""
+    import copy
+
+    model = copy.deepcopy(MODELS[name]())
+    routers = fused_router.fused_routers(model)
+    assert routers and all(type(m).__name__ in fused_router.GROUPED_ROUTERS for _, m in routers)
+    handle = PatchHandle()
+    monkeypatch.setattr(fused_router, "get_forward_context", lambda: object())  # as in an engine step
+    for dtype in (torch.float32, torch.bfloat16):
+        _, router = routers[0]
+        router.to(dtype)
+        with torch.no_grad():  # a bias that changes the choice (the builders leave it at zero)
+            router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape,
+                                                             generator=torch.Generator().manual_seed(4)) * 0.3)
+        assert fused_router.install_fused_routers(model, handle, True) == len(routers)
+        x = torch.randn(7, router.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
+        got, expected = router(x), type(router).forward(router, x)
+        handle.undo()
+        assert "forward" not in router.__dict__
+        assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected]
+        torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+        order, hf_order = got[2].argsort(-1), expected[2].argsort(-1)
+        assert torch.equal(got[2].gather(1, order), expected[2].gather(1, hf_order))
+        torch.testing.assert_close(got[1].gather(1, order), expected[1].gather(1, hf_order), atol=1e-6, rtol=1e-5)
 
 
 def test_router_tuple_order_of_transformers_5_17_granite(monkeypatch):

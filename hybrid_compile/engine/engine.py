@@ -817,7 +817,7 @@ class HybridEngine(GenerateAPI):
         c["compile"] = self.runner.compile_stats()
         c["warmup_kernels_seconds"] = self.warmup_seconds
         c["fused_moe_modules"] = self.fused_experts  # experts modules on the fused path (EngineConfig.fused_moe)
-        c["fused_moe_routers"] = self.fused_routers  # softmax top-k routers on moe_topk_softmax (the same option)
+        c["fused_moe_routers"] = self.fused_routers  # routers on moe_topk_softmax / _sigmoid_grouped (the same option)
         c["folded_shared_experts"] = self.folded_shared_experts  # MoE blocks serving their shared expert as a routed one
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         c["startup_work"] = self.startup.work_dict()  # ... and what each compiled

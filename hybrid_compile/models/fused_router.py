@@ -2,8 +2,13 @@
 softmax top-k routers get a forward that, inside an engine step, computes the router logits with the
 module's own weight (``F.linear``) and then runs ``hybrid_compile::moe_topk_softmax`` (one kernel for
 transformers' fp32 softmax, ``torch.topk``, renormalising sum + divide) before the casts transformers
-applies; it returns transformers' tuple (same order, dtypes and shapes). Outside an engine step (no
-forward context) the module runs transformers' forward; ``handle.undo()`` restores it.
+applies; it returns transformers' tuple (same order, dtypes and shapes). The sigmoid group-limited
+routers (:data:`GROUPED_ROUTERS`: Kimi-Linear, NemotronH) likewise run
+``hybrid_compile::moe_topk_sigmoid_grouped`` after their fp32 linear (one kernel for transformers'
+sigmoid, bias correction, group scores, two ``torch.topk`` passes, masks, gather, renormalisation and
+routed scaling); their experts come by descending corrected score, where transformers'
+``topk(sorted=False)`` promises no order (the experts' sum does not depend on it). Outside an engine
+step (no forward context) the module runs transformers' forward; ``handle.undo()`` restores it.
 
 Routers served (:data:`SOFTMAX_ROUTERS`, transformers 5.17 - 5.24): Qwen3-Next, Qwen3.5-MoE, MiniMax,
 Granite-4 (its softmax over the top-k logits is the renormalised top-k of the full softmax) and
@@ -22,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.context import get_forward_context
-from ..ops.moe_router import moe_topk_softmax
+from ..ops.moe_router import moe_topk_sigmoid_grouped, moe_topk_softmax
 from .base import PatchHandle, patch_forward
 
-__all__ = ["OTHER_ROUTERS", "SOFTMAX_ROUTERS", "RouterSpec", "install_fused_routers", "softmax_routers"]
+__all__ = ["GROUPED_ROUTERS", "OTHER_ROUTERS", "SOFTMAX_ROUTERS", "RouterSpec", "fused_routers",
+           "install_fused_routers", "softmax_routers"]
 
 
 class RouterSpec(NamedTuple):
@@ -46,17 +52,28 @@ SOFTMAX_ROUTERS: dict[str, RouterSpec] = {
     "GraniteMoeHybridTopKRouter": RouterSpec(lambda m: True, "hidden", True, False),
 }
 
-#: Router classes of the fused-experts families that are not a softmax top-k, and why.
+#: Sigmoid group-limited routers (scores + expert-bias correction + group top-k + routed scaling):
+#: transformers' fp32 linear, then its outputs (logits, weights, index), all fp32 / int64.
+GROUPED_ROUTERS: dict[str, RouterSpec] = {
+    name: RouterSpec(lambda m: bool(m.norm_topk_prob), "fp32", True, True)
+    for name in ("NemotronHTopkRouter", "KimiLinearTopkRouter")
+}
+
+#: Router classes of the fused-experts families that neither op serves, and why.
 OTHER_ROUTERS: dict[str, str] = {
-    "NemotronHTopkRouter": "sigmoid scores + expert-bias correction + group top-k, routed scaling",
-    "KimiLinearTopkRouter": "sigmoid scores + expert-bias correction + group top-k, routed scaling",
-    "Lfm2MoeTopKRouter": "sigmoid scores (+ optional expert bias), routed scaling",
+    "Lfm2MoeTopKRouter": "sigmoid scores (+ optional expert bias) without groups, routed scaling",
 }
 
 
 def softmax_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's router modules of a class in :data:`SOFTMAX_ROUTERS`."""
     return [(name, m) for name, m in model.named_modules() if type(m).__name__ in SOFTMAX_ROUTERS]
+
+
+def fused_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's router modules that the patch serves: :data:`SOFTMAX_ROUTERS` and :data:`GROUPED_ROUTERS`."""
+    return [(name, m) for name, m in model.named_modules()
+            if type(m).__name__ in SOFTMAX_ROUTERS or type(m).__name__ in GROUPED_ROUTERS]
 
 
 def _index_first(module: nn.Module, spec: RouterSpec) -> bool:
@@ -103,15 +120,35 @@ def _router_forward(spec: RouterSpec, index_first: bool):
     return forward
 
 
+def _grouped_router_forward(self, hidden_states: torch.Tensor):
+    """Patched forward of a :data:`GROUPED_ROUTERS` router (transformers' outputs, see the module docstring)."""
+    if get_forward_context() is None:
+        return type(self).forward(self, hidden_states)
+    x = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = F.linear(x.float(), self.weight.float())
+    weights, index = moe_topk_sigmoid_grouped(
+        logits, self.e_score_correction_bias.float(), self.top_k, int(self.num_group or 1), int(self.topk_group or 1),
+        bool(self.norm_topk_prob), float(self.routed_scaling_factor),
+    )
+    return logits, weights, index
+
+
 def install_fused_routers(model: nn.Module, handle: PatchHandle, option: bool) -> int:
-    """Apply ``EngineConfig.fused_moe`` = ``option`` to ``model``'s softmax top-k routers; returns the
-    number patched (0 when the option is off or the model has none: their absence is no error, the
-    experts patch decides whether the model serves the option)."""
+    """Apply ``EngineConfig.fused_moe`` = ``option`` to ``model``'s softmax top-k and sigmoid
+    group-limited routers; returns the number patched (0 when the option is off or the model has none:
+    their absence is no error, the experts patch decides whether the model serves the option)."""
     if not option:
         return 0
-    routers = softmax_routers(model)
-    plans = [(m, _router_forward(spec, _index_first(m, spec)))
-             for _, m in routers for spec in (SOFTMAX_ROUTERS[type(m).__name__],)]
+    plans = []
+    for _, m in fused_routers(model):
+        name = type(m).__name__
+        if name in SOFTMAX_ROUTERS:
+            plans.append((m, _router_forward(SOFTMAX_ROUTERS[name], _index_first(m, SOFTMAX_ROUTERS[name]))))
+        elif _index_first(m, GROUPED_ROUTERS[name]):  # (the probe checks the outputs; index first is not theirs)
+            raise ValueError(f"EngineConfig.fused_moe: {name} returned (index, weights, logits), not the "
+                             "(logits, weights, index) the fused router reproduces; use fused_moe=False")
+        else:
+            plans.append((m, _grouped_router_forward))
     for module, forward in plans:
         patch_forward(module, forward, handle)
     return len(plans)

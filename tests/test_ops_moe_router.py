@@ -245,7 +245,7 @@ def test_sigmoid_grouped_argument_errors_opcheck_and_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 300])
+@pytest.mark.parametrize("tokens", [1, pytest.param(64, marks=pytest.mark.smoke), 300])
 @pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(256, 8, 1, 1), (256, 8, 8, 4), (128, 6, 1, 1)])
 def test_cuda_sigmoid_grouped_at_real_shapes(tokens, experts, top_k, groups, topk_groups):
     """Kimi-Linear-48B (256 experts, top-8), a DeepSeek-V3-style grouping (8 groups, 4 kept) and

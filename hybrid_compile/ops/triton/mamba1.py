@@ -54,6 +54,26 @@ def _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, s
 
 
 @triton.jit
+def _channel_block(pid_d, D_inner, N, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid_d``'s channels and state columns and their masks: ``offs_d [BLOCK_D]``, ``offs_n
+    [BLOCK_N]``, ``mask_d``, ``mask_dn [BLOCK_D, BLOCK_N]``."""
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D_inner
+    return offs_d, offs_n, mask_d, mask_d[:, None] & (offs_n < N)[None, :]
+
+
+@triton.jit
+def _initial_state(s_ptrs, init_ptr, b, s_init, mask_dn, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 ``[BLOCK_D, BLOCK_N]`` start state of request ``b``: the pool's (``s_ptrs``) where its
+    ``has_initial_state`` flag is set, else zeros."""
+    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
+        S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
 def _advance(S, A, bias, x_p, dt_p, B_p, mask_d, mask_dn, DT_SOFTPLUS: tl.constexpr):
     """The state half of one token for a block of channels: returns the new ``S``, ``x`` and the
     (biased, softplus'd) ``dt``."""
@@ -116,11 +136,7 @@ def _scan_kernel(
         if first >= end:
             return
         last = tl.minimum(first + TIME_CHUNK, end)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < D_inner
-    mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
+    offs_d, offs_n, mask_d, mask_dn = _channel_block(pid_d, D_inner, N, BLOCK_D, BLOCK_N)
     A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
                                HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
@@ -129,9 +145,7 @@ def _scan_kernel(
         tc_row = tl.load(tc_rows_ptr + b) + tl.program_id(2)
         S = tl.load(tcs_ptr + tc_row * D_inner * N + dn, mask=mask_dn, other=0.0)
     else:
-        S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-        if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
-            S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+        S = _initial_state(s_ptrs, init_ptr, b, s_init, mask_dn, BLOCK_D, BLOCK_N)
     row0 = tl.load(rows_ptr + b)
     cs_ptrs = cs_ptr + offs_d[:, None] * scs_d + offs_n[None, :]
     B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's B/C group
@@ -171,10 +185,7 @@ def _time_chunk_end_kernel(
     if first >= end:
         return
     last = tl.minimum(first + TIME_CHUNK, end)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < D_inner
-    mask_dn = mask_d[:, None] & (offs_n < N)[None, :]
+    offs_d, offs_n, mask_d, mask_dn = _channel_block(pid_d, D_inner, N, BLOCK_D, BLOCK_N)
     A, _, bias = _load_params(A_ptr, x_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
                               False, HAS_BIAS, A_IS_LOG, BLOCK_D)
     B_ptrs = B_ptr + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n
@@ -206,16 +217,11 @@ def _time_chunk_combine_kernel(
     n_tok = tl.load(cu_ptr + b + 1).to(tl.int64) - tl.load(cu_ptr + b).to(tl.int64)
     if n_tok <= 0:
         return
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < D_inner
-    mask_dn = mask_d[:, None] & (offs_n < N)[None, :]
+    offs_d, offs_n, mask_d, mask_dn = _channel_block(pid_d, D_inner, N, BLOCK_D, BLOCK_N)
     A, _, _ = _load_params(A_ptr, A_ptr, A_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
                            False, False, A_IS_LOG, BLOCK_D)
     s_ptrs = state_ptr + slot * ss_s + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
-    S = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    if tl.load(init_ptr + b * s_init).to(tl.int32) != 0:
-        S = tl.load(s_ptrs, mask=mask_dn, other=0.0).to(tl.float32)
+    S = _initial_state(s_ptrs, init_ptr, b, s_init, mask_dn, BLOCK_D, BLOCK_N)
     row0 = tl.load(tc_rows_ptr + b)
     dn = offs_d[:, None] * N + offs_n[None, :]
     for c in range((n_tok + TIME_CHUNK - 1) // TIME_CHUNK):
@@ -335,11 +341,7 @@ def _update_kernel(
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch (launch.py)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < D_inner
-    mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
+    offs_d, offs_n, mask_d, mask_dn = _channel_block(pid_d, D_inner, N, BLOCK_D, BLOCK_N)
     out_ptrs = out_ptr + b * so_b + offs_d
     slot = tl.load(idx_ptr + b).to(tl.int64)
     if slot < 0:  # padding row: zero output, nothing read or written

@@ -40,6 +40,22 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("attention_layer: q, k, v must have the same number of tokens")
 
 
+def _paged_attention(q, k_cache, v_cache, k_scale, v_scale, md, scale: float, sliding_window: int,
+                     logit_softcap: float) -> torch.Tensor:
+    """The step's queries over the pool, by forward mode: DECODE through ``paged_attention_decode``,
+    EXTEND / TARGET_VERIFY (its tree mask included) through ``paged_attention_extend``."""
+    if md.mode is ForwardMode.DECODE:
+        out, _ = _kernels.paged_attention_decode(
+            q, k_cache, v_cache, md.kv_indptr, md.kv_indices, scale, sliding_window, logit_softcap, k_scale, v_scale
+        )
+    else:
+        out, _ = _kernels.paged_attention_extend(
+            q, k_cache, v_cache, md.query_start_loc, md.kv_indptr, md.kv_indices, scale, True,
+            sliding_window, logit_softcap, k_scale, v_scale, md.tree_mask,
+        )
+    return out
+
+
 @kernel_op("hybrid_compile::attention_layer", mutates_args=())
 def attention_layer(
     q: torch.Tensor,
@@ -72,16 +88,7 @@ def attention_layer(
     md = ctx.metadata
     k_cache, v_cache, k_scale, v_scale = ctx.kv_cache(layer_id)  # scales: FP8 KV cache only
     _kernels.store_kv_cache(k_cache, v_cache, md.out_cache_loc, k, v, k_scale, v_scale)
-    if md.mode is ForwardMode.DECODE:
-        out, _ = _kernels.paged_attention_decode(
-            q, k_cache, v_cache, md.kv_indptr, md.kv_indices, scale, sliding_window, logit_softcap, k_scale, v_scale
-        )
-    else:
-        out, _ = _kernels.paged_attention_extend(
-            q, k_cache, v_cache, md.query_start_loc, md.kv_indptr, md.kv_indices, scale, True,
-            sliding_window, logit_softcap, k_scale, v_scale, md.tree_mask,
-        )
-    return out
+    return _paged_attention(q, k_cache, v_cache, k_scale, v_scale, md, scale, sliding_window, logit_softcap)
 
 
 @attention_layer.register_fake
@@ -175,15 +182,7 @@ def mla_layer(
         )
         return out
     q_abs = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope), dim=-1)  # [N, H, R + rope]
-    if md.mode is ForwardMode.DECODE:
-        out, _ = _kernels.paged_attention_decode(
-            q_abs, k_cache, v_cache, md.kv_indptr, md.kv_indices, scale, -1, 0.0, k_scale, v_scale
-        )
-    else:
-        out, _ = _kernels.paged_attention_extend(
-            q_abs, k_cache, v_cache, md.query_start_loc, md.kv_indptr, md.kv_indices, scale, True,
-            -1, 0.0, k_scale, v_scale, md.tree_mask,
-        )
+    out = _paged_attention(q_abs, k_cache, v_cache, k_scale, v_scale, md, scale, -1, 0.0)
     return torch.einsum("nhr,hvr->nhv", out, w_uv).contiguous()  # [N, H, V] (einsum leaves it head-major)
 
 

@@ -492,6 +492,7 @@ def _routed_gate_up(x, ids, off, q, s, wb, top_k, device, iters, bf16_bytes) -> 
     beside the bf16 experts op (``moe_grouped_linear``'s), each checked against its reference."""
     from hybrid_compile.ops.moe import reference_moe_grouped_linear
     from hybrid_compile.ops.triton import fp8 as tfp8
+    from hybrid_compile.ops.triton.common import sm_count
     from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
 
     tokens = x.shape[0] // top_k
@@ -501,7 +502,7 @@ def _routed_gate_up(x, ids, off, q, s, wb, top_k, device, iters, bf16_bytes) -> 
     want = fp8_ops.reference_grouped_linear(xt.float(), q, s, off, gather, None, act)
     want_bf16 = reference_moe_grouped_linear(xt.float(), wb.float(), off, gather, None, act)
     e, n, k = q.shape
-    tc = tfp8.fp8_gemm_config(gather.shape[0], n, k, grouped=True, experts=e, sms=tfp8._sm_count(device))
+    tc = tfp8.fp8_gemm_config(gather.shape[0], n, k, grouped=True, experts=e, sms=sm_count(device))
     times = _time_candidates({
         "fp8": (lambda: tfp8.fp8_grouped_linear_triton(xt, q, s, off, gather, None, act), want,
                 bf16_bytes // 2, None),

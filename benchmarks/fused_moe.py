@@ -248,7 +248,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
     """Tile sweep of both projections of ``name``'s experts (see the module docstring); ``grids`` =
     (tensor-core grid, GEMV grid)."""
     from hybrid_compile.ops.moe import fused_activation, grouped_output_width, sort_pairs_by_expert
-    from hybrid_compile.ops.triton.fp8 import _sm_count
+    from hybrid_compile.ops.triton.common import sm_count
     from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
 
     torch.manual_seed(0)
@@ -259,7 +259,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
         up.normal_(0, up.shape[-1] ** -0.5)
         down.normal_(0, down.shape[-1] ** -0.5)
     num, hidden, inter = down.shape
-    sms = _sm_count(device)
+    sms = sm_count(device)
     rows = []
     act = fused_activation(experts.act_fn, hasattr(experts, "gate_up_proj"))  # as the engine's first GEMM
     for tokens in tokens_list:

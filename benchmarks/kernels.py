@@ -12,8 +12,8 @@ intra kernel's variants one run each (per-kernel times: ``benchmarks/profile_gdn
 Shapes: Qwen3-Next-like GDN (16 key heads / 32 value heads x 128, conv kernel 4, conv_dim
 8192), Kimi-Linear-48B KDA (32 heads x 128, per-channel gate) and MLA (32 heads, 576 / 512 over a
 compressed cache, and the ``mla_layer`` op absorbed / expanded at prefill; groups ``kda`` and ``mla``), Jamba's Mamba1 (8192 channels, state 16, group ``mamba1``:
-the prefill scan also as one sequential walk per request, ``time_chunk=0``, beside the time-chunked
-walk the op takes for long requests), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
+the prefill scan through the op beside both of its forms, the sequential walk per request and the
+time chunks), Mamba2-like (128 heads x 64, state 128, 8 groups), attention (16 q heads, 2 kv heads,
 head dim 256). Decode at batch 1..256, prefill at 1k..32k tokens. Every row reports the median
 time of each system and, for our kernel, achieved memory bandwidth (decode / memory-bound ops)
 or TFLOP/s (prefill ops) as a fraction of the peak measured in the same run on this device.
@@ -23,6 +23,7 @@ Needs a CUDA device. Writes JSON and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from hybrid_compile.ops import lightning as LA  # noqa: E402
 from hybrid_compile.ops import mamba1 as M1  # noqa: E402
 from hybrid_compile.ops import mamba2 as M  # noqa: E402
 from hybrid_compile.ops.triton import mamba1 as TM1  # noqa: E402
+from hybrid_compile.ops.triton.common import sm_count  # noqa: E402
 
 ops = torch.ops.hybrid_compile
 DEV = "cuda"
@@ -50,8 +52,8 @@ BF16 = torch.bfloat16
 
 
 def plain(op):
-    """The plain-torch implementation behind a custom op (what the CPU path runs)."""
-    return op._init_fn
+    """The plain-torch implementation behind a ``kernel_op`` (what the CPU path runs)."""
+    return op.__wrapped__
 
 
 def _events_ms(fn, iters, max_seconds):
@@ -352,8 +354,8 @@ def bench_mamba2(quick):
 
 def bench_mamba1(quick):
     """Jamba's Mamba1 mixer (d_inner 8192, state 16, one B/C group): the decode update, and the prefill
-    scan through the op (time-chunked from 1024 tokens a request, ``TM1.time_chunk_for``) beside the
-    single sequential walk per request (the launcher with ``time_chunk=0``)."""
+    scan through the op (``TM1.time_chunk_for`` picks the form) beside both of its forms forced through
+    the launcher: the single sequential walk per request (``time_chunk=0``) and the time chunks."""
     Di, N, S = 8192, 16, 256
     ssm = torch.zeros(S, Di, N, dtype=torch.float32, device=DEV)
     A = -torch.rand(Di, N, device=DEV) - 0.1
@@ -368,7 +370,7 @@ def bench_mamba1(quick):
         record("mamba1_state_update", f"B={batch} D={Di} N={N}", safe(lambda: bench(f)), safe(lambda: bench(p, graph=False)),
                None, bytes_moved=2 * batch * Di * N * 4, note="(no fla equivalent)")
     for total in ([4096, 32768] if quick else [1024, 4096, 8192, 32768]):
-        for batch in (1, 8):
+        for batch in ((1, 2, 8) if quick else (1, 2, 4, 8)):
             lens, cu = varlen(total, batch)
             slots = torch.arange(batch, dtype=torch.int32, device=DEV)
             has = torch.zeros(batch, dtype=torch.bool, device=DEV)
@@ -376,16 +378,18 @@ def bench_mamba1(quick):
             B, Cm = (torch.randn(total, 1, N, dtype=BF16, device=DEV) for _ in range(2))
             args = (x, dt, A, B, Cm, D, z, dt_bias, True, ssm, cu, slots, has, 256, False)
             f = lambda: ops.mamba1_selective_scan(*args[0:15], False, None)  # noqa: E731
-            walk = lambda: TM1.mamba1_selective_scan_triton(*args, time_chunk=0)  # noqa: E731
             p = lambda: plain(M1.mamba1_selective_scan)(*args[0:15], False, None)  # noqa: E731
-            tc = TM1.time_chunk_for(total, batch)
-            walk_ms = safe(lambda: bench(walk, graph=False))
+            tc = TM1.time_chunk_for(total, batch, Di, N, sm_count(x.device))
+            forms = {}
+            for name, size in (("single walk", 0), ("time chunks", TM1.TIME_CHUNK)):
+                launch = functools.partial(TM1.mamba1_selective_scan_triton, *args, time_chunk=size)
+                forms[name] = safe(lambda: bench(launch, graph=False))
             ours = safe(lambda: bench(f, graph=False))
             record("mamba1_selective_scan", f"T={total} B={batch}", ours,
                    safe(lambda: bench(p, iters=2, graph=False)) if total <= 4096 else None, None,
                    bytes_moved=total * Di * 2 * 4,
-                   note=f"time chunk {tc or 'off'}; single walk {walk_ms if walk_ms is None else round(walk_ms, 4)} ms"
-                        + (f" ({walk_ms / ours:.2f}x)" if walk_ms and ours else ""))
+                   note=f"picked {'time chunks' if tc else 'single walk'}; "
+                        + "; ".join(f"{k} {v if v is None else round(v, 4)} ms" for k, v in forms.items()))
 
 
 def bench_lightning(quick):

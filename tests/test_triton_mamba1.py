@@ -86,8 +86,14 @@ def test_selective_scan_time_chunks(lens, chunk_size, time_chunk, opts):
 
 
 def test_time_chunks_are_chosen_from_shapes_and_refuse_a_negative_size():
-    assert tm.time_chunk_for(4096, 1) == tm.TIME_CHUNK and tm.time_chunk_for(4096, 4) == tm.TIME_CHUNK
-    assert tm.time_chunk_for(4096, 5) == 0 and tm.time_chunk_for(1023, 1) == 0 and tm.time_chunk_for(0, 0) == 0
+    """Time chunks from 1024 tokens a request while the single walks fill at most two waves of SMs:
+    Jamba's 8192 channels are 128 walk programs a request, so one or two requests on 132 SMs."""
+    tc = tm.TIME_CHUNK
+    assert tm.time_chunk_for(4096, 1, 8192, 16, 132) == tc and tm.time_chunk_for(8192, 2, 8192, 16, 132) == tc
+    assert tm.time_chunk_for(3 * 4096, 3, 8192, 16, 132) == 0  # 384 walk programs: the walks are as fast
+    assert tm.time_chunk_for(1023, 1, 8192, 16, 132) == 0 and tm.time_chunk_for(0, 0, 8192, 16, 132) == 0
+    assert tm.time_chunk_for(4 * 4096, 4, 4096, 16, 132) == 0 and tm.time_chunk_for(4 * 4096, 4, 4096, 16, 264) == tc
+    assert tm.time_chunk_for(4096, 4, 64, 16, 132) == tc and tm.time_chunk_for(4095, 4, 64, 16, 132) == 0
     inp = _to(make_scan([6, 3]), KDEV)
     with pytest.raises(ValueError, match="time_chunk must be >= 0"):
         tm.mamba1_selective_scan_triton(*(inp[k] for k in SCAN_ORDER), 4, True, time_chunk=-1)
@@ -176,8 +182,8 @@ def _gpu_compare(actual, expected, dtype, what):
         pytest.param([300, 17], dict(D_inner=4096, init=[True, False]), marks=pytest.mark.smoke),
         ([600, 33], dict(D_inner=3072, G=16, dtype=torch.bfloat16)),  # Zamba-like heads as B/C groups
         ([700, 1, 300], dict(RG_LRU, D_inner=2560, init=[True, False, True])),  # RecurrentGemma-2B's lru_width
-        # time-chunked (tm.time_chunk_for: >= 1024 tokens a request): Jamba's 8192 channels, one long
-        # request and two uneven ones
+        # time-chunked (tm.time_chunk_for: >= 1024 tokens a request, <= 2 waves of walks): Jamba's 8192
+        # channels, one long request and two uneven ones
         ([3000], dict(D_inner=8192, dtype=torch.bfloat16, init=[True])),
         ([2500, 100], dict(D_inner=4096, init=[False, True])),
     ],

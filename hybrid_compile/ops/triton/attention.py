@@ -41,14 +41,12 @@ attention's 512 latent + 64 rope channels) with a v head dim up to 512.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..attention import _check_decode, _check_extend, _check_merge, _check_store
-from .common import quantize_axis
+from .common import quantize_axis, sm_count
 from .launch import pdl_launch, pdl_wait_and_release
 
 _LOG2E = 1.4426950408889634
@@ -66,11 +64,6 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 def _interpreting(t: torch.Tensor) -> bool:
     return t.device.type != "cuda"
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -682,7 +675,7 @@ def _decode_config(q: torch.Tensor, d: int, dv: int, group: int) -> dict:
 
 def _decode_num_splits(q: torch.Tensor, programs: int) -> int:
     """Splits per request from shapes only: enough programs to fill about two waves of SMs."""
-    sms = 4 if _interpreting(q) else _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = 4 if _interpreting(q) else sm_count(q.device)
     want = triton.cdiv(2 * sms, max(1, programs))
     return max(1, min(_MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
 

@@ -5,20 +5,37 @@ otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), 
 :func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM) and
 :func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV), :func:`round_to_e4m3` and
 :func:`quantize_axis` (e4m3 with one scale per vector: the block-FP8 activation quantization of the
-quantize kernel and of the GEMV that quantizes its own activation, and the FP8 caches')."""
+quantize kernel and of the GEMV that quantizes its own activation, and the FP8 caches'), and
+:func:`sm_count` (the SMs that launch-shape rules size grids for)."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from ..fp8 import FP8_EPS, FP8_MAX
 
 __all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2",
-           "quantize_axis", "round_to_e4m3", "softplus", "tree_start_state"]
+           "quantize_axis", "round_to_e4m3", "sm_count", "softplus", "tree_start_state"]
 
 FP8_EPS_C = tl.constexpr(FP8_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of ``device``; an H100 / H200's 132 for a non-CUDA device (the interpreter), so that the
+    launch-shape rules pick on the CPU what they pick on those GPUs."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pow2(n: int, lo: int = 1) -> int:

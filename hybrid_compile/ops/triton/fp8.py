@@ -62,7 +62,7 @@ from ..fp8 import (
     FP8_BLOCK, FP8_DTYPE, FP8_EPS, FP8_GROUP, FP8_MAX, _cdiv, _check_grouped, _check_linear, _check_quantize,
 )
 from ..moe import GROUPED_ACTIVATIONS, activate_and_scatter, grouped_output_width
-from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
+from .common import cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis, sm_count
 from .gemv import GEMV_MAX_ROWS, check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -198,17 +198,6 @@ def _fp8_gemm_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def fp8_gemm_config(m: int, n: int, k: int, *, grouped: bool = False, experts: int = 1,
                     sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BM, BN, num_warps, num_stages, GROUP_M) for ``m`` rows (``grouped``: ``m`` rows over ``experts``;
@@ -296,7 +285,7 @@ def _gemm(x, weight, scale_inv, bias, offsets, config, pdl, quant_in_gemm):
     if y is not None:
         return y
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = config or fp8_gemm_config(m, n, k, grouped=grouped, experts=experts, sms=_sm_count(x.device))
+    config = config or fp8_gemm_config(m, n, k, grouped=grouped, experts=experts, sms=sm_count(x.device))
     if len(config) not in (4, 5):
         raise ValueError(f"fp8 GEMM: config is (BM, BN, warps, stages[, GROUP_M]), got {config!r}")
     bm, bn, warps, stages, group_m = (*config, 1) if len(config) == 4 else config

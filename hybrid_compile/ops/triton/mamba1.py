@@ -30,7 +30,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
-from .common import pow2, softplus, tree_start_state
+from .common import pow2, sm_count, softplus, tree_start_state
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -241,18 +241,29 @@ def _block_d(D_inner: int, BLOCK_N: int) -> int:
     return max(2, min(pow2(D_inner, 2), max(8, pow2(-(-D_inner // 128))), max(2, 1024 // BLOCK_N)))
 
 
-# Time chunks: a step whose requests average at least TIME_CHUNK_MIN_TOKENS new tokens scans each
-# request in chunks of TIME_CHUNK tokens in parallel (three launches: chunk states from zero, their
-# combination in order, the scan of every chunk from its true start), so a long prefill is no longer one
-# sequential walk per channel block: 4k tokens of one request are 16 programs per block, not one.
+# Time chunks: a step whose requests average at least TIME_CHUNK_MIN_TOKENS new tokens, and whose
+# single walks leave the GPU idle, scans each request in chunks of TIME_CHUNK tokens in parallel (three
+# launches: chunk states from zero, their combination in order, the scan of every chunk from its true
+# start), so a long prefill is no longer one sequential walk per channel block: 4k tokens of one request
+# are 16 programs per block, not one. The chunked scan does ~2.5x the single walk's work per token, so
+# it pays only while the single walk runs at most TIME_CHUNK_MAX_WAVES programs per SM: the walk's time
+# is its longest request's length (latency-bound, flat in the batch up to ~8 programs per SM), the
+# chunks' time is the step's total tokens. Measured on an H200 at Jamba's 8192 channels (128 walk
+# programs a request; benchmarks/kernels.py --only mamba1, 2026-11-29): 4k / 32k tokens of one request
+# 2.10x / 2.60x faster in chunks, 8 requests of 4k each 0.42x (slower).
 TIME_CHUNK = 256
 TIME_CHUNK_MIN_TOKENS = 1024
+TIME_CHUNK_MAX_WAVES = 2
 
 
-def time_chunk_for(num_tokens: int, batch: int) -> int:
-    """Tokens per time chunk of a scan over ``num_tokens`` tokens of ``batch`` requests (shapes only,
-    so one CUDA graph per bucket), 0 for the single walk per request."""
-    return TIME_CHUNK if batch > 0 and num_tokens >= TIME_CHUNK_MIN_TOKENS * batch else 0
+def time_chunk_for(num_tokens: int, batch: int, D_inner: int, N: int, sms: int) -> int:
+    """Tokens per time chunk of a scan over ``num_tokens`` tokens of ``batch`` requests of ``D_inner``
+    channels and state size ``N`` on a GPU of ``sms`` SMs (shapes only, so one CUDA graph per bucket),
+    0 for the single walk per request."""
+    if batch <= 0 or num_tokens < TIME_CHUNK_MIN_TOKENS * batch:
+        return 0
+    walk_programs = batch * -(-D_inner // _block_d(D_inner, pow2(N, 2)))
+    return TIME_CHUNK if walk_programs <= TIME_CHUNK_MAX_WAVES * sms else 0
 
 
 def scan_tiles(D_inner: int, N: int, time_chunk: int) -> tuple[int, int, int]:
@@ -278,7 +289,7 @@ def mamba1_selective_scan_triton(
     chunk_states = torch.zeros(rows, D_inner, N, dtype=torch.float32, device=x.device)
     if T == 0 or batch == 0:
         return y, chunk_states
-    tc = time_chunk_for(T, batch) if time_chunk is None else int(time_chunk)
+    tc = time_chunk_for(T, batch, D_inner, N, sm_count(x.device)) if time_chunk is None else int(time_chunk)
     if tc < 0:
         raise ValueError(f"mamba1_selective_scan_triton: time_chunk must be >= 0, got {time_chunk}")
     row_offsets = chunk_row_offsets(cu_seqlens, chunk_size)

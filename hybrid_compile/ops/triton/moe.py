@@ -44,8 +44,8 @@ import triton.language as tl
 
 from ..moe import (GROUPED_ACTIVATIONS, _check_combine, _check_grouped, _check_sort, check_activation,
                    grouped_mm_linear, grouped_output_width, reference_moe_sort_pairs)
-from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2
-from .fp8 import _sm_count, fp8_gemm_config
+from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2, sm_count
+from .fp8 import fp8_gemm_config
 from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -234,7 +234,7 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
     if path == "gemv":
         return launch_gemv(x, weight, y, config, rows_per_program, expert_offsets=expert_offsets,
                            gather_index=gather_index, scatter_index=scatter_index, activation=act, pdl=pdl)
-    bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=_sm_count(x.device),
+    bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=sm_count(x.device),
                                                           gated=gated)
     _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](
         x, gather_index if gather_index is not None else expert_offsets, weight, y,

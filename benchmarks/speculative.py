@@ -29,7 +29,8 @@ then the decode phase is timed (until every request has ``--new-tokens`` tokens,
 baseline at that batch size, ``mean_acceptance_length`` (tokens emitted per request per verify
 step), ``acceptance_rate`` and ``match_tokens`` (how many leading tokens equal the baseline's
 greedy output, mean over requests; bf16 near-ties may flip a token), ``replay_match_tokens`` (the
-same against the replay continuation), and the decode phase's
+same against the replay continuation), ``phase_ms_per_verify`` (host ms of each part of a verify step, the decoder's ``PHASES``: the GPU's
+time shows in the part that waits for it, ``accept``), and the decode phase's
 CUDA-graph counters (``cuda_graph_replays`` of decode graphs, ``verify_graph_replays`` of the
 full TARGET_VERIFY graphs, ``eager_fallbacks``: with ``--modes graphs`` every verify step of a
 batch within the buckets replays a verify graph and, ``commit_graph_replays``, one commit graph).
@@ -163,6 +164,11 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
         d = {k: after.get(k, 0) - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
                                                       "emitted", "draft_seconds", "commit_graph_replays")}
         out.update(d)
+        # host ms of each part of a verify step (the decoder's PHASES; the GPU's time lands in the part
+        # that waits for it)
+        phases_before, phases_after = before.get("phase_seconds", {}), after.get("phase_seconds", {})
+        out["phase_ms_per_verify"] = {k: 1000.0 * (v - phases_before.get(k, 0.0)) / max(1, d["verify_steps"])
+                                      for k, v in phases_after.items()}
         out["mean_acceptance_length"] = d["emitted"] / d["verified_requests"] if d["verified_requests"] else 0.0
         out["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else 0.0
     out["outputs"] = outputs
@@ -187,8 +193,12 @@ def profile_row(engine, row: dict, prompts: list[list[int]], args, label: str) -
 
 
 def _graphs_note(r: dict) -> str:
-    return (f"graph replays decode {r['cuda_graph_replays']} verify {r['verify_graph_replays']} "
+    note = (f"graph replays decode {r['cuda_graph_replays']} verify {r['verify_graph_replays']} "
             f"fallbacks {r['eager_fallbacks']}")
+    phases = r.get("phase_ms_per_verify")
+    if phases:
+        note += "\n      host ms / verify step: " + " ".join(f"{k} {v:.3f}" for k, v in phases.items())
+    return note
 
 
 def _match(a: list[int], b: list[int]) -> int:

@@ -56,6 +56,13 @@ from .tree import DraftTree, accept_tree_greedy, accept_tree_sampled, fill_tree,
 
 _kernels = torch.ops.hybrid_compile
 
+#: The parts of a verify step timed on the host (``stats()["phase_seconds"]``): the draft source's
+#: proposal, scheduling the verify batch, its metadata, the forward's launch (a graph replay), the
+#: acceptance (the step's one device->host copy: where it waits for the GPU) and stop checks,
+#: the commit (a tree's K/V moves, the state commit, freeing the rest), the draft source's
+#: ``observe`` and emitting the tokens.
+PHASES = ("draft", "schedule", "metadata", "forward", "accept", "commit", "observe", "emit")
+
 
 # -- the commit as CUDA graphs ------------------------------------------------------------------
 
@@ -197,6 +204,8 @@ class SpeculativeDecoder:
         self._last_was_verify = False
         self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0,
                              tree_kv_moves=0, device_draft_steps=0)
+        # host seconds of each part of the verify steps (stats()["phase_seconds"], PHASES)
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         # tokens a request kept per verify step (accepted drafts + 1, less at a stop) -> count
         self.acceptance_histogram: dict[int, int] = {}
 
@@ -262,7 +271,9 @@ class SpeculativeDecoder:
         kept; ``mean_acceptance_length`` (emitted per row: accepted drafts + 1, the bonus or
         correction token); ``acceptance_rate`` (accepted / drafted); ``acceptance_histogram``;
         ``draft_seconds`` (host time in the draft source: drafts left on the device are not waited
-        for); ``device_draft_steps`` (verify steps whose drafts stayed on the device until the
+        for); ``phase_seconds``: host wall seconds of each part of the verify steps (:data:`PHASES`:
+        the GPU's time shows in the part that waits for it, ``accept``'s one copy to the host, or in
+        the next step's parts when the host runs ahead); ``device_draft_steps`` (verify steps whose drafts stayed on the device until the
         verify step's one sync, ``propose_on_device``); ``commit_graph_replays`` (commits replayed as
         one CUDA graph, :class:`CommitGraphs`); draft trees: ``topk``, ``draft_nodes`` (nodes per
         tree: ``drafted`` counts them) and ``tree_kv_moves`` (kept tokens whose node is not the
@@ -270,6 +281,7 @@ class SpeculativeDecoder:
         ``draft_token_map_size`` (the ids of ``SpeculativeConfig.draft_token_map``; None: the whole
         vocabulary)."""
         c = dict(self.counters)
+        c["phase_seconds"] = dict(self.phase_seconds)
         c["num_draft_tokens"] = self.k
         c["topk"] = self.config.topk
         c["draft_nodes"] = self.draft_len - 1
@@ -313,9 +325,15 @@ class SpeculativeDecoder:
         """The TARGET_VERIFY forward -> logits ``[B * L, V]`` of every verify position (through the
         runner's dispatch: a full verify CUDA graph when one fits, ``ModelRunner.forward_verify``)."""
         runner = self.runner
+        t = time.perf_counter()
         if trees is None:
-            return runner.forward_verify(*runner.build_verify_metadata(batch, drafts))
-        return runner.forward_verify(*runner.build_verify_metadata(batch, drafts, tree_metadata(trees)))
+            step = runner.build_verify_metadata(batch, drafts)
+        else:
+            step = runner.build_verify_metadata(batch, drafts, tree_metadata(trees))
+        t = self._lap("metadata", t)
+        logits = runner.forward_verify(*step)
+        self._lap("forward", t)
+        return logits
 
     def _accept(self, batch: ScheduledBatch, drafts: list[list[int]] | torch.Tensor, logits: torch.Tensor,
                 trees: list[DraftTree] | None) -> tuple[list[list[int]], list[list[int]]]:
@@ -403,6 +421,12 @@ class SpeculativeDecoder:
             r.num_computed += len(tokens)
         self.scheduler.free_uncomputed_kv(reqs)
 
+    def _lap(self, phase: str, since: float) -> float:
+        """Adds the host seconds since ``since`` to ``phase``; returns now."""
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now
+
     def step(self, force: bool = False) -> list | None:
         """One draft + verify + commit step (class docstring): the outputs of the emitted tokens
         (``emit``'s), or None when this step should be a normal one."""
@@ -429,7 +453,7 @@ class SpeculativeDecoder:
             for r in decoding:
                 self.release(r.rid)
             raise
-        t1 = time.perf_counter()
+        t1 = self._lap("draft", t0)
         batch = self.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)
         if batch is None:
             self._last_was_verify = False
@@ -450,13 +474,16 @@ class SpeculativeDecoder:
             tree_of = {r.rid: t for r, t in zip(decoding, trees_of)}
             trees = [tree_of[r.rid] for r in reqs]
         generators = self.sampler.snapshot(reqs)
+        self._lap("schedule", t1)
         try:
             logits = self._forward(batch, drafts, trees)
+            t = time.perf_counter()
             emitted, paths = self._accept(batch, drafts, logits, trees)
             kept = [truncate_at_stop(r, tokens) for r, tokens in zip(reqs, emitted)]
             # the host-side stop checks before anything is committed (HybridEngine._finish), once
             # per request after its last kept token
             stops = [self._host_stop(r, tokens, None) for r, tokens in zip(reqs, kept)]
+            t = self._lap("accept", t)
         except BaseException:
             # the verify forward leaves the requests' states as they were (it writes the
             # intermediate buffers only): the drafts' KV slots are all there is to undo
@@ -470,8 +497,9 @@ class SpeculativeDecoder:
         except BaseException:  # states half-committed: the requests recompute
             self._roll_back(reqs, generators)
             raise
+        t = self._lap("commit", t)
         self.observe(batch, paths if self.tree else None)
-        t2 = time.perf_counter()
+        t2 = self._lap("observe", t)
 
         c = self.counters
         c["verify_steps"] += 1
@@ -486,4 +514,5 @@ class SpeculativeDecoder:
             for j, tok in enumerate(tokens):
                 outputs.append(self._emit(r, tok, stop if j == len(tokens) - 1 else None))
         self._count_step(sum(len(t) for t in kept), t2 - t1)
+        self._lap("emit", t2)
         return outputs

@@ -24,7 +24,7 @@ from hybrid_compile.engine.speculative import (
     accept_tree_sampled,
     tree_from_topk_chain,
 )
-from hybrid_compile.engine.speculative.tree import ancestor_bits, depths, fill_tree, verify_parents
+from hybrid_compile.engine.speculative.tree import ancestor_bits, chain_first, depths, fill_tree, verify_parents
 from hybrid_compile.ops.reference.tree import root_path
 
 import mamba2_models as mm
@@ -178,6 +178,43 @@ def test_accept_tree_greedy_brute_force():
         assert len(path) == deepest == len(emitted)
         assert path == root_path(vp, path[-1]) and path[-1] in ok
         assert emitted == [tokens[c] for c in path[1:]] + [targets[path[-1]]]
+
+
+def _token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Every node as the tokens on its root path (the tree as a set of draft continuations)."""
+    vp, tokens = verify_parents(tree), [None] + tree.tokens
+    return sorted(tuple(tokens[c] for c in root_path(vp, node)[1:]) for node in range(1, len(vp)))
+
+
+def test_chain_first_renumbering_brute_force():
+    """chain_first keeps the tree (the same token paths, parents before children), puts the
+    first-child chain at nodes 1 .. d, keeps the other nodes' order, and greedy acceptance emits
+    the same tokens; a tree whose chain is already first is returned as is. fill_tree applies it:
+    a depth-then-rank tree accepting its rank-0 chain then needs no K/V move (path = 0, 1, ...)."""
+    rng = random.Random(3)
+    for _ in range(500):
+        n = rng.randint(1, 12)
+        tree = DraftTree([rng.randrange(4) for _ in range(n)], [rng.randint(0, i) for i in range(n)])
+        out = chain_first(tree)
+        assert _token_paths(out) == _token_paths(tree) and len(out) == n
+        assert all(p <= i for i, p in enumerate(out.parents))
+        kids = [[j for j, p in enumerate(verify_parents(tree)) if p == i] for i in range(n + 1)]
+        chain, node = [], 0
+        while kids[node]:
+            node = kids[node][0]
+            chain.append(node)
+        d = len(chain)
+        assert out.parents[:d] == list(range(d)) and out.tokens[:d] == [tree.tokens[c - 1] for c in chain]
+        assert out.tokens[d:] == [tree.tokens[j - 1] for j in range(1, n + 1) if j not in chain]
+        targets = [rng.randrange(4) for _ in range(n + 1)]
+        new_targets = [targets[0]] + [targets[c] for c in chain] + [targets[j] for j in range(1, n + 1) if j not in chain]
+        assert accept_tree_greedy(new_targets, out)[0] == accept_tree_greedy(targets, tree)[0]
+    chain = DraftTree([5, 6, 7], [0, 1, 2])
+    assert chain_first(chain) is chain
+    # depth then rank (tree_from_topk_chain's numbering): 1 = d1 r0, 2 = d1 r1, 3 = d2 r0, 4 = d2 r1, 5 = d3 r0
+    t = fill_tree(DraftTree([10, 11, 20, 21, 30], [0, 0, 1, 1, 3]), 5, pending=1)
+    assert t.tokens == [10, 20, 30, 11, 21] and t.parents == [0, 1, 2, 0, 1]
+    assert accept_tree_greedy([10, 20, 30, 40, 0, 0], t) == ([10, 20, 30, 40], [0, 1, 2, 3])
 
 
 def test_fill_tree_and_validation():

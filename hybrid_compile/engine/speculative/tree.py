@@ -123,12 +123,33 @@ def tree_from_topk_chain(candidates: list[list[tuple[int, float]]], budget: int)
 def fill_tree(tree: DraftTree, nodes: int, pending: int) -> DraftTree:
     """``tree`` with exactly ``nodes`` nodes: cut (its first ``nodes``: parents precede children),
     or filled as fill_drafts fills a chain: a chain of copies of its last token (the pending token
-    when it has none) under its last node."""
+    when it has none) under its last node; then renumbered :func:`chain_first`."""
     tokens, parents = list(tree.tokens[:nodes]), list(tree.parents[:nodes])
     while len(tokens) < nodes:
         parents.append(len(tokens))
         tokens.append(tokens[-1] if tokens else pending)
-    return DraftTree(tokens, parents)
+    return chain_first(DraftTree(tokens, parents))
+
+
+def chain_first(tree: DraftTree) -> DraftTree:
+    """The same tree with its first-child chain (from the root, each node's lowest-numbered child:
+    the draft's own greedy chain, as the sources number their nodes) as nodes ``1 .. d`` and the
+    other nodes after it in their order (parents still precede children). Verify token ``j`` of a
+    row takes KV slot ``j``, and the accepted path's K/V moves to the slots of positions
+    ``prefix + depth`` (``SpeculativeDecoder._move_path_kv``): with the chain first, a step that
+    accepts a prefix of the draft's chain (the common case) moves nothing."""
+    kids = _children(verify_parents(tree))
+    chain = []
+    node = 0
+    while kids[node]:
+        node = kids[node][0]
+        chain.append(node)
+    if chain == list(range(1, len(chain) + 1)):
+        return tree
+    on_chain = set(chain)
+    order = chain + [j for j in range(1, len(tree) + 1) if j not in on_chain]  # new node i + 1 = old order[i]
+    new_of = {0: 0, **{old: i + 1 for i, old in enumerate(order)}}
+    return DraftTree([tree.tokens[old - 1] for old in order], [new_of[tree.parents[old - 1]] for old in order])
 
 
 # -- acceptance ---------------------------------------------------------------------------------

@@ -117,6 +117,47 @@ def test_gdn_verify_tree_matches_chain_reference_per_path():
     assert torch.equal(got_pool, pool) and torch.equal(t_pool, pool)
 
 
+@pytest.mark.parametrize("per_k_gate,inter_dtype", [(False, torch.float32), (True, torch.float32),
+                                                      (False, torch.bfloat16)])
+def test_gdn_verify_random_trees_one_program_per_path(per_k_gate, inter_dtype):
+    """The Triton verify walks each root-to-leaf path in its own programs (state in registers,
+    every node stored once by the path that owns it): random trees of 11 nodes, a forest (several
+    nodes starting from the slot's state) and a chain against the chain reference per root path,
+    with a per-channel gate (KDA) and a bf16 intermediate buffer (children start from the state as
+    stored) against the plain op."""
+    gen = torch.Generator().manual_seed(5)
+    B, L = 5, 11
+    parents = ref_tree.random_parents(B, L, gen)
+    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
+    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    q, k, v, g, beta, pool, _, _ = _gdn_inputs(B, L)
+    if per_k_gate:
+        g = -torch.rand(*g.shape, q.shape[-1], generator=gen) * 0.4 - 0.01
+    idx = torch.tensor([4, 1, -1, 6, 0], dtype=torch.int32)
+    inter = torch.full((B, L, *pool.shape[1:]), 7.0, dtype=inter_dtype)
+    got_inter, t_inter = inter.clone(), inter.clone()
+    out = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool.clone(), idx, True, 0.0, True, got_inter,
+                                                      None, None, parents)
+    t_out = tgdn.fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, pool.clone(), idx, True, 0.0, True,
+                                                                t_inter, None, None, parents)
+    # (bf16: the interpreter's fp32 -> bf16 cast truncates where torch rounds, in the stored states and so
+    # in the children started from them: bf16 tolerances)
+    assert_close(t_out, out, inter_dtype)
+    assert_close(t_inter.float(), got_inter.float(), inter_dtype)
+    assert torch.all(t_out[2] == 0) and torch.all(t_inter[2] == 7.0)  # the padding row: nothing written
+    if inter_dtype == torch.float32:
+
+        def chain(b, xs, n):
+            o, _, st = ref_gdn.fused_recurrent_gated_delta_rule_update_ref(
+                *xs, pool, idx[b:b + 1], True, 0.0, True, torch.zeros(1, n, *inter.shape[2:]))
+            return o, st
+
+        want_out, want_state = ref_tree.tree_by_paths(chain, [q, k, v, g, beta], parents)
+        real = [0, 1, 3, 4]
+        assert_close(t_out[real], want_out[real])
+        assert_close(t_inter[real], want_state[real])
+
+
 # ---------------------------------------------------------------------------------------------
 # Mamba2
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), 
 :func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV), :func:`round_to_e4m3` and
 :func:`quantize_axis` (e4m3 with one scale per vector: the block-FP8 activation quantization of the
 quantize kernel and of the GEMV that quantizes its own activation, and the FP8 caches'), and
-:func:`sm_count` (the SMs that launch-shape rules size grids for)."""
+:func:`sm_count` (the SMs that launch-shape rules size grids for), :func:`tree_path` / :func:`flag_at` (a
+draft tree's root-to-leaf path per program)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from ..fp8 import FP8_EPS, FP8_MAX
 
 __all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2",
-           "quantize_axis", "round_to_e4m3", "sm_count", "softplus", "tree_start_state"]
+           "quantize_axis", "flag_at", "round_to_e4m3", "sm_count", "softplus", "tree_path", "tree_start_state"]
 
 FP8_EPS_C = tl.constexpr(FP8_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -141,6 +142,42 @@ def tree_start_state(par_p, s_ptrs, i_ptrs, si_t, mask):
     S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask, False), other=0.0).to(tl.float32)
     S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask, False), other=0.0).to(tl.float32)
     return tl.where(par < 0, S_slot, S_par)
+
+
+@triton.jit
+def tree_path(par_row, s_par, L, i_p, BL: tl.constexpr):
+    """Root-to-leaf path ``i_p`` of a draft tree (``par_row + j * s_par``: node ``j``'s parent, -1 a
+    root, parents before children, ``L`` nodes, ``BL >= L`` a power of two), for kernels that give
+    each path its own program so the state stays in registers along it: (``found``: the tree has
+    more than ``i_p`` leaves, ``on_path`` / ``owned`` ``[BL]`` int32 flags). Leaves are numbered in
+    node order. A node is ``owned`` by the one path that reaches a leaf from it through first
+    (lowest-numbered) children only: its outputs are that path's to store, once."""
+    o = tl.arange(0, BL)
+    par = tl.load(par_row + o * s_par, mask=o < L, other=-2).to(tl.int32)  # (-2: past the row)
+    big = BL + 1
+    child = (par[:, None] == o[None, :]) & (o[:, None] < L)  # [j, x]: node j is a child of node x
+    first_child = tl.min(tl.where(child, o[:, None], big), 0)  # [x]
+    leaf = (o < L) & (first_child == big)
+    rank = tl.cumsum(leaf.to(tl.int32), 0) - 1
+    found = tl.sum(leaf.to(tl.int32), 0) > i_p
+    cur = tl.sum(tl.where(leaf & (rank == i_p), o, 0), 0)
+    on_path = (o == cur).to(tl.int32)
+    for _ in range(L - 1):  # up to the root (cur becomes -1 there and stays)
+        up = tl.sum(tl.where(o == cur, par, 0), 0)
+        cur = tl.where(cur >= 0, up, -1)
+        on_path = tl.where(o == cur, 1, on_path)
+    # an edge off the first-child descent below a node takes the node's ownership to another path
+    fc_of_parent = tl.sum(tl.where(o[None, :] == par[:, None], first_child[None, :], 0), 1)  # [j]
+    off = (on_path > 0) & (par >= 0) & (fc_of_parent != o)
+    last_off = tl.max(tl.where(off, o, -1), 0)
+    owned = tl.where((on_path > 0) & (o >= last_off), 1, 0)
+    return found, on_path, owned
+
+
+@triton.jit
+def flag_at(flags, t, BL: tl.constexpr):
+    """``flags[t]`` of an int32 ``[BL]`` flag vector, as a scalar bool."""
+    return tl.sum(tl.where(tl.arange(0, BL) == t, flags, 0), 0) > 0
 
 
 @triton.jit

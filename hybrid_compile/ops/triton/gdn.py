@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
+from .common import flag_at, tree_path
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
@@ -66,11 +67,15 @@ def _gdn_recurrent_kernel(
     GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr,
     POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
     TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False, PER_K_GATE: tl.constexpr = False,
+    BL: tl.constexpr = 1,
 ):
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
-    TREE: a draft tree (``parents`` ``[B, L]``, float buffers): step ``t`` starts from the state
-    stored after its parent (the row of ``inter`` this program wrote, element for element), or
-    from the slot's state for parent -1.
+    TREE: a draft tree (``parents`` ``[B, L]``, float buffers; ``BL`` a power of two >= L): node ``t``
+    starts from the state stored after its parent, or from the slot's state for parent -1. Each
+    root-to-leaf path has its own programs (grid axis 2: path-major over the value blocks,
+    :func:`.common.tree_path`), which walk it with the state in registers, rounded after each
+    node to the intermediate buffer's dtype as stored; a node's output and state are stored by the
+    one path that owns it. A tree of depth ``d`` costs ``d + 1`` steps, not ``L``.
     POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
     (over K, which this program holds whole): dequantized on load, quantized on store.
     PER_K_GATE: ``g`` holds one log-decay per key channel (Kimi Delta Attention), row ``k`` of the
@@ -80,6 +85,12 @@ def _gdn_recurrent_kernel(
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     i_hk = i_h // R
+    if TREE:
+        NV: tl.constexpr = (V + BV - 1) // BV
+        found, on_path, owned = tree_path(parents + i_b * s_parb, s_parl, L, i_v // NV, BL)
+        if not found:  # fewer leaves than this program's path index
+            return
+        i_v = i_v % NV
     slot = tl.load(state_indices + i_b).to(tl.int64)
     live = slot >= 0
 
@@ -96,6 +107,8 @@ def _gdn_recurrent_kernel(
     p_ss = pool_scales + tl.maximum(slot, 0) * s_pss + i_h * s_psh + o_v
     if POOL_FP8:
         S = S * tl.load(p_ss, mask=m_o, other=0.0)[None, :]
+    neg_a = 0.0
+    bias = 0.0
     if GATING:
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h).to(tl.float32)
@@ -108,51 +121,71 @@ def _gdn_recurrent_kernel(
     p_o = o + i_b * s_ob + i_h * s_oh + o_v
     for t in range(L):
         if TREE:
-            # the parent's row was stored by this program's threads in an earlier step: make
-            # those stores visible whatever thread reads them back
-            tl.debug_barrier()
-            par = tl.load(parents + i_b * s_parb + t * s_parl).to(tl.int64)
-            # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
-            S_slot = tl.load(p_s, mask=tl.where(par < 0, m_s, False), other=0.0).to(tl.float32)
-            p_par = inter + i_b * s_ib + tl.maximum(par, 0) * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-            S_par = tl.load(p_par, mask=tl.where(par >= 0, m_s, False), other=0.0).to(tl.float32)
-            S = tl.where(par < 0, S_slot, S_par)
-        b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
-        if GATING:
-            x = tl.load(p_g + t * s_gl).to(tl.float32) + bias
-            bx = softplus_beta * x
-            sp = tl.where(bx > softplus_threshold, x,
-                          tl.log(1.0 + tl.exp(tl.minimum(bx, softplus_threshold))) / softplus_beta)
-            b_g = neg_a * sp
-            b_beta = tl.sigmoid(tl.load(p_beta + t * s_bl).to(tl.float32))
-        elif PER_K_GATE:
-            b_g = tl.load(p_g + t * s_gl + o_k * s_gk, mask=mk, other=0.0).to(tl.float32)
-            b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
+            keep = flag_at(owned, t, BL)
+            if flag_at(on_path, t, BL):  # (masks as selects: the interpreter rejects ``block & scalar``)
+                S = _recurrent_node(S, t, p_q, p_k, p_v, p_g, p_beta, p_o, inter, inter_scales, o_k, o_v, mk, mv,
+                                    tl.where(keep, m_s, False), tl.where(keep, m_o, False), tl.where(keep, mv, False),
+                                    L, scale, softplus_beta, softplus_threshold, neg_a, bias,
+                                    s_ql, s_kl, s_vl, s_gl, s_gk, s_bl, s_ol, i_b, i_h, s_ib, s_il, s_ih, s_ik, s_iv,
+                                    s_isb, s_isl, s_ish, GATING, USE_L2, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE,
+                                    PER_K_GATE)
         else:
-            b_g = tl.load(p_g + t * s_gl).to(tl.float32)
-            b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
-        if USE_L2:
-            b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
-            b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-        b_q = b_q * scale
-        if PER_K_GATE:
-            S = S * tl.exp(b_g)[:, None]
-        else:
-            S = S * tl.exp(b_g)
-        delta = (b_v - tl.sum(S * b_k[:, None], 0)) * b_beta
-        S = S + b_k[:, None] * delta[None, :]
-        b_o = tl.sum(S * b_q[:, None], 0)
-        tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(o.dtype.element_ty), mask=mv)
-        if HAS_INTER:
-            p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-            store_state_rows(p_i, inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S, m_s, m_o,
-                             INTER_FP8, 0)
-        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S = tl.where(t < L - 1, round_rows(S, 0), S)
+            S = _recurrent_node(S, t, p_q, p_k, p_v, p_g, p_beta, p_o, inter, inter_scales, o_k, o_v, mk, mv,
+                                m_s, m_o, mv, L, scale, softplus_beta, softplus_threshold, neg_a, bias,
+                                s_ql, s_kl, s_vl, s_gl, s_gk, s_bl, s_ol, i_b, i_h, s_ib, s_il, s_ih, s_ik, s_iv,
+                                s_isb, s_isl, s_ish, GATING, USE_L2, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE,
+                                PER_K_GATE)
     if UPDATE_STATE:
         store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0)
+
+
+@triton.jit
+def _recurrent_node(S, t, p_q, p_k, p_v, p_g, p_beta, p_o, inter, inter_scales, o_k, o_v, mk, mv, m_s, m_o, m_out,
+                    L, scale, softplus_beta, softplus_threshold, neg_a, bias,
+                    s_ql, s_kl, s_vl, s_gl, s_gk, s_bl, s_ol, i_b, i_h, s_ib, s_il, s_ih, s_ik, s_iv,
+                    s_isb, s_isl, s_ish, GATING: tl.constexpr, USE_L2: tl.constexpr, HAS_INTER: tl.constexpr,
+                    INTER_FP8: tl.constexpr, ROUND_STEPS: tl.constexpr, TREE: tl.constexpr,
+                    PER_K_GATE: tl.constexpr):
+    """One step ``t`` of ``_gdn_recurrent_kernel`` from state ``S``: its output stored under
+    ``m_out``, the state after it under ``m_s`` / ``m_o`` (the intermediate buffer); returns it (a
+    tree: as the buffer stores it, the start of the node's children)."""
+    b_q = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
+    if GATING:
+        x = tl.load(p_g + t * s_gl).to(tl.float32) + bias
+        bx = softplus_beta * x
+        sp = tl.where(bx > softplus_threshold, x,
+                      tl.log(1.0 + tl.exp(tl.minimum(bx, softplus_threshold))) / softplus_beta)
+        b_g = neg_a * sp
+        b_beta = tl.sigmoid(tl.load(p_beta + t * s_bl).to(tl.float32))
+    elif PER_K_GATE:
+        b_g = tl.load(p_g + t * s_gl + o_k * s_gk, mask=mk, other=0.0).to(tl.float32)
+        b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
+    else:
+        b_g = tl.load(p_g + t * s_gl).to(tl.float32)
+        b_beta = tl.load(p_beta + t * s_bl).to(tl.float32)
+    if USE_L2:
+        b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+        b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    b_q = b_q * scale
+    if PER_K_GATE:
+        S = S * tl.exp(b_g)[:, None]
+    else:
+        S = S * tl.exp(b_g)
+    delta = (b_v - tl.sum(S * b_k[:, None], 0)) * b_beta
+    S = S + b_k[:, None] * delta[None, :]
+    b_o = tl.sum(S * b_q[:, None], 0)
+    tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(p_o.dtype.element_ty), mask=m_out)
+    if HAS_INTER:
+        p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
+        store_state_rows(p_i, inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S, m_s, m_o,
+                         INTER_FP8, 0)
+        if TREE:  # the children start from the state as stored (float buffers only)
+            S = S.to(inter.dtype.element_ty).to(tl.float32)
+    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+        S = tl.where(t < L - 1, round_rows(S, 0), S)
+    return S
 
 
 def _recurrent_config(rows: int, kd: int, vd: int):
@@ -191,7 +224,9 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     iss = inter_scales if inter_scales is not None else g
     ps_strides = ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)
     is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
-    _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv))](
+    # a tree: one program per root-to-leaf path and value block (at most L leaves; the rest exit)
+    paths = steps if parents is not None else 1
+    _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv) * paths)](
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
         parents if parents is not None else state_indices,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),
@@ -202,7 +237,7 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parents is not None,
-        PER_K_GATE=per_k,
+        PER_K_GATE=per_k, BL=triton.next_power_of_2(steps) if parents is not None else 1,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )

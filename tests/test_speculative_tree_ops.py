@@ -197,6 +197,47 @@ def test_mamba2_verify_tree_matches_chain_reference_per_path():
         assert torch.equal(d["ssm_states"], a["ssm_states"])
 
 
+@pytest.mark.parametrize("inter_dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_verify_random_trees_one_program_per_path(inter_dtype):
+    """The Triton Mamba2 verify walks each root-to-leaf path in its own programs (as the GDN one):
+    random trees of 11 nodes, a forest and a chain, two P blocks per head (P 8 over blocks of 4:
+    BLOCK_P from N 256), against the plain op; fp32 also against the chain reference per root path."""
+    gen = torch.Generator().manual_seed(6)
+    B, L = 4, 11
+    parents = ref_tree.random_parents(B, L, gen)
+    parents[2] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
+    parents[3] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    a = _m2_inputs(B=B, L=L, N=256)
+    a["state_indices"] = torch.tensor([-1, 3, 6, 0], dtype=torch.int32)
+    a["intermediate_states"] = a["intermediate_states"].to(inter_dtype)
+    got = {**a, "ssm_states": a["ssm_states"].clone(), "intermediate_states": a["intermediate_states"].clone()}
+    out = ops.selective_state_update(*got.values(), False, None, None, parents)
+    tri = {**a, "ssm_states": a["ssm_states"].clone(), "intermediate_states": a["intermediate_states"].clone()}
+    t_out = tm2.selective_state_update_triton(*tri.values(), False, None, None, parents)
+    if inter_dtype == torch.float32:
+        assert_close(t_out, out)
+        assert_close(tri["intermediate_states"], got["intermediate_states"])
+    else:  # the interpreter's fp32 -> bf16 cast truncates where torch rounds, and the children compound it
+        for mine, theirs in ((t_out, out), (tri["intermediate_states"], got["intermediate_states"])):
+            err = (mine.float() - theirs.float()).norm() / theirs.float().norm()
+            assert err < 1e-2, err
+    assert torch.all(t_out[0] == 0) and torch.all(tri["intermediate_states"][0] == 7.0)
+    assert torch.equal(tri["ssm_states"], a["ssm_states"])
+    if inter_dtype == torch.float32:
+
+        def chain(b, xs, n):
+            x, dt, B_, C_, z = xs
+            y, _, st = ref_m2.selective_state_update_reference(
+                x, dt, a["A"], B_, C_, a["D"], None, a["dt_bias"], True, 0.0, float("inf"), a["ssm_states"],
+                a["state_indices"][b:b + 1], True, torch.zeros(1, n, *a["intermediate_states"].shape[2:]))
+            return y * torch.nn.functional.silu(z), st
+
+        want_out, want_state = ref_tree.tree_by_paths(chain, [a["x"], a["dt"], a["B"], a["C"], a["z"]], parents)
+        real = [1, 2, 3]
+        assert_close(t_out[real], want_out[real])
+        assert_close(tri["intermediate_states"][real], want_state[real])
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------

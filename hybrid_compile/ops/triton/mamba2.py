@@ -49,7 +49,7 @@ from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
-from .common import pow2, tree_start_state
+from .common import flag_at, pow2, tree_path
 from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -130,26 +130,39 @@ def _ssu_kernel(
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False, BL: tl.constexpr = 1,
 ):
     """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per (head, p) row over N (held whole here):
     dequantized on load, quantized on store. TREE: a draft tree (``parent_ptr`` ``[B, L]``, float
-    buffers): step ``t`` starts from the state stored after its parent (the row of ``inter`` this
-    program wrote, element for element), or from the slot's state for parent -1."""
+    buffers; ``BL`` a power of two >= L): node ``t`` starts from the state stored after its parent,
+    or from the slot's state for parent -1; each root-to-leaf path has its own programs (grid axis
+    0: path-major over the P blocks, :func:`.common.tree_path`) walking it with the state in
+    registers (rounded to the intermediate buffer's dtype after each node, as stored), a node's
+    output and state stored by the one path that owns it: depth + 1 steps, not ``L``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
+    if TREE:
+        NP = tl.cdiv(P, BLOCK_P)
+        i_path = pid_p // NP
+        pid_p = pid_p % NP
+        found, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, i_path, BL)
+        if not found:  # fewer leaves than this program's path index
+            return
+    else:
+        i_path = 0
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
     mask_n = offs_n < N
     out_ptrs = out_ptr + b * so_b + h * so_h + offs_p
     slot = tl.load(idx_ptr + b).to(tl.int64)
-    if slot < 0:  # padding row: zero output, nothing read or written
-        for t in range(L):
-            tl.store(out_ptrs + t * so_t, tl.zeros((BLOCK_P,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=mask_p)
+    if slot < 0:  # padding row: zero output (by the first path's programs), nothing read or written
+        if i_path == 0:
+            for t in range(L):
+                tl.store(out_ptrs + t * so_t, tl.zeros((BLOCK_P,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=mask_p)
         return
 
     g = h // R
@@ -174,29 +187,51 @@ def _ssu_kernel(
     B_ptrs = B_ptr + b * sB_b + g * sB_g + offs_n * sB_n
     C_ptrs = C_ptr + b * sC_b + g * sC_g + offs_n * sC_n
     i_ptrs = inter_ptr + b * si_b + h * si_h + offs_p[:, None] * si_p + offs_n[None, :] * si_n
+    inter_scales = inter_scale_ptr + b * sis_b + h * sis_h + offs_p
     for t in range(L):
         if TREE:
-            S = tree_start_state(parent_ptr + b * spar_b + t * spar_t, s_ptrs, i_ptrs, si_t, mask_pn)
-        x = tl.load(x_ptrs + t * sx_t, mask=mask_p, other=0.0).to(tl.float32)
-        dt = tl.load(dt_p + t * sdt_t).to(tl.float32)
-        dt = _discretize(dt, bias, dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS)
-        Bt = tl.load(B_ptrs + t * sB_t, mask=mask_n, other=0.0).to(tl.float32)
-        Ct = tl.load(C_ptrs + t * sC_t, mask=mask_n, other=0.0).to(tl.float32)
-        S = S * tl.exp(dt * A) + (x * dt)[:, None] * Bt[None, :]
-        y = tl.sum(S * Ct[None, :], axis=1)
-        if HAS_D:
-            y += Dh * x
-        if HAS_Z:
-            z = tl.load(z_ptrs + t * sz_t, mask=mask_p, other=0.0).to(tl.float32)
-            y = y * (z * tl.sigmoid(z))
-        tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
-        if HAS_INTER:
-            store_state_rows(i_ptrs + t * si_t, inter_scale_ptr + b * sis_b + t * sis_t + h * sis_h + offs_p, S,
-                             mask_pn, mask_p, INTER_FP8)
-        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S = tl.where(t < L - 1, round_rows(S), S)
+            keep = flag_at(owned, t, BL)
+            if flag_at(on_path, t, BL):  # (masks as selects: the interpreter rejects ``block & scalar``)
+                S = _ssu_step(S, t, x_ptrs, dt_p, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs, inter_scales, A, Dh, bias,
+                              dt_min, dt_max, mask_p, mask_n, tl.where(keep, mask_p, False),
+                              tl.where(keep, mask_pn, False), L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t, si_t, sis_t,
+                              HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE)
+        else:
+            S = _ssu_step(S, t, x_ptrs, dt_p, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs, inter_scales, A, Dh, bias,
+                          dt_min, dt_max, mask_p, mask_n, mask_p, mask_pn, L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t,
+                          si_t, sis_t, HAS_D, HAS_Z, HAS_BIAS, DT_SOFTPLUS, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE)
     if UPDATE_STATE:
         store_state_rows(s_ptrs, ss_ptrs, S, mask_pn, mask_p, STATE_FP8)
+
+
+@triton.jit
+def _ssu_step(S, t, x_ptrs, dt_p, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs, inter_scales, A, Dh, bias, dt_min, dt_max,
+              mask_p, mask_n, m_out, m_inter, L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t, si_t, sis_t,
+              HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+              HAS_INTER: tl.constexpr, INTER_FP8: tl.constexpr, ROUND_STEPS: tl.constexpr, TREE: tl.constexpr):
+    """Step ``t`` of ``_ssu_kernel`` from state ``S``: its output stored under ``m_out``, the state after
+    it under ``m_inter`` (the intermediate buffer); returns it (a tree: as the buffer stores it, the
+    start of the node's children)."""
+    x = tl.load(x_ptrs + t * sx_t, mask=mask_p, other=0.0).to(tl.float32)
+    dt = tl.load(dt_p + t * sdt_t).to(tl.float32)
+    dt = _discretize(dt, bias, dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS)
+    Bt = tl.load(B_ptrs + t * sB_t, mask=mask_n, other=0.0).to(tl.float32)
+    Ct = tl.load(C_ptrs + t * sC_t, mask=mask_n, other=0.0).to(tl.float32)
+    S = S * tl.exp(dt * A) + (x * dt)[:, None] * Bt[None, :]
+    y = tl.sum(S * Ct[None, :], axis=1)
+    if HAS_D:
+        y += Dh * x
+    if HAS_Z:
+        z = tl.load(z_ptrs + t * sz_t, mask=mask_p, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+    tl.store(out_ptrs + t * so_t, y.to(out_ptrs.dtype.element_ty), mask=m_out)
+    if HAS_INTER:
+        store_state_rows(i_ptrs + t * si_t, inter_scales + t * sis_t, S, m_inter, m_out, INTER_FP8)
+        if TREE:  # the children start from the state as stored (float buffers only)
+            S = S.to(i_ptrs.dtype.element_ty).to(tl.float32)
+    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+        S = tl.where(t < L - 1, round_rows(S), S)
+    return S
 
 
 def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
@@ -232,7 +267,8 @@ def selective_state_update_triton(
         return out
     BLOCK_N = pow2(N, 2)
     BLOCK_P = min(pow2(P, 2), max(2, 1024 // BLOCK_N))
-    grid = (triton.cdiv(P, BLOCK_P), batch, H)
+    # a tree: one program per root-to-leaf path and P block (at most L leaves; the rest exit)
+    grid = (triton.cdiv(P, BLOCK_P) * (steps if parent_indices is not None else 1), batch, H)
     _ssu_kernel[grid](
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
         dt_bias if dt_bias is not None else A, ssm_states, state_indices,
@@ -250,6 +286,7 @@ def selective_state_update_triton(
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
+        BL=pow2(steps) if parent_indices is not None else 1,
         **pdl_launch(x.device),
     )
     return out

@@ -299,6 +299,30 @@ def test_state_update_tree_triton(dtype, opts):
     assert torch.equal(tri["ssm_states"].cpu(), inp["ssm_states"])
 
 
+def test_state_update_random_trees_one_program_per_path():
+    """The kernel walks each root-to-leaf path in its own programs (``common.tree_path``): random trees
+    of 11 nodes, a forest (several nodes from the slot's state) and a chain, five channel blocks,
+    against the literal per-path chain recurrence and the plain op; every node stored exactly once."""
+    gen = torch.Generator().manual_seed(7)
+    B, L = 5, 11
+    inp = make_update(B, L, D_inner=40, pad_rows=(1,), disable=True)
+    parents = ref_tree.random_parents(B, L, gen)
+    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
+    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    want_y, want_states = tree_oracle(inp, parents)
+    plain = _clone(inp)
+    y_op = mamba1_state_update(*(plain[k] for k in UPDATE_ORDER), False, None, None, parents)
+    tri = _to(inp, KDEV)
+    y = tm.mamba1_state_update_triton(*(tri[k] for k in UPDATE_ORDER), False, None, None, parents.to(KDEV)).cpu()
+    inter = tri["intermediate_states"].cpu()
+    real = [0, 2, 3, 4]
+    assert_close(y[real], want_y[real])
+    assert_close(inter[real], want_states[real])
+    assert_close(y, y_op)
+    assert_close(inter, plain["intermediate_states"])
+    assert torch.all(y[1] == 0) and torch.all(inter[1] == 7.0) and torch.all(inter[B] == 7.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "batch,steps,opts",

@@ -30,7 +30,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
-from .common import pow2, sm_count, softplus, tree_start_state
+from .common import flag_at, pow2, sm_count, softplus, tree_path
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -343,22 +343,35 @@ def _update_kernel(
     UPDATE_STATE: tl.constexpr, HAS_INTER: tl.constexpr, A_IS_LOG: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     STATE_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, ROUND_STEPS: tl.constexpr = False,
-    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, USE_PDL: tl.constexpr = False, BL: tl.constexpr = 1,
 ):
     """STATE_FP8 / INTER_FP8: e4m3 buffers with one scale per channel over N (held whole here).
-    TREE: a draft tree (``parent_ptr`` ``[B, L]``, float buffers): step ``t`` starts from the state
-    stored after its parent (the row of ``inter`` this program wrote, element for element), or from
-    the slot's state for parent -1."""
+    TREE: a draft tree (``parent_ptr`` ``[B, L]``, float buffers; ``BL`` a power of two >= L): node
+    ``t`` starts from the state stored after its parent, or from the slot's state for parent -1;
+    each root-to-leaf path has its own programs (grid axis 0: path-major over the channel blocks,
+    :func:`.common.tree_path`) walking it with the state in registers (rounded to the intermediate
+    buffer's dtype after each node, as stored), a node's output and state stored by the one path
+    that owns it: depth + 1 steps, not ``L``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch (launch.py)
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    if TREE:
+        ND = tl.cdiv(D_inner, BLOCK_D)
+        i_path = pid_d // ND
+        pid_d = pid_d % ND
+        found, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, i_path, BL)
+        if not found:  # fewer leaves than this program's path index
+            return
+    else:
+        i_path = 0
     offs_d, offs_n, mask_d, mask_dn = _channel_block(pid_d, D_inner, N, BLOCK_D, BLOCK_N)
     out_ptrs = out_ptr + b * so_b + offs_d
     slot = tl.load(idx_ptr + b).to(tl.int64)
-    if slot < 0:  # padding row: zero output, nothing read or written
-        for t in range(L):
-            tl.store(out_ptrs + t * so_t, tl.zeros((BLOCK_D,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=mask_d)
+    if slot < 0:  # padding row: zero output (by the first path's programs), nothing read or written
+        if i_path == 0:
+            for t in range(L):
+                tl.store(out_ptrs + t * so_t, tl.zeros((BLOCK_D,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=mask_d)
         return
     A, Dv, bias = _load_params(A_ptr, D_ptr, dtb_ptr, offs_d, offs_n, mask_d, mask_dn, sA_d, sA_n,
                                HAS_D, HAS_BIAS, A_IS_LOG, BLOCK_D)
@@ -370,22 +383,44 @@ def _update_kernel(
     i_ptrs = inter_ptr + b * si_b + offs_d[:, None] * si_d + offs_n[None, :] * si_n
     B_ptrs = B_ptr + b * sB_b + (offs_d // R)[:, None] * sB_g + offs_n[None, :] * sB_n  # each channel's group
     C_ptrs = C_ptr + b * sC_b + (offs_d // R)[:, None] * sC_g + offs_n[None, :] * sC_n
+    x_ptrs = x_ptr + b * sx_b + offs_d * sx_d
+    dt_ptrs = dt_ptr + b * sdt_b + offs_d * sdt_d
+    z_ptrs = z_ptr + b * sz_b + offs_d * sz_d
+    inter_scales = inter_scale_ptr + b * sis_b + offs_d
     for t in range(L):
         if TREE:
-            S = tree_start_state(parent_ptr + b * spar_b + t * spar_t, s_ptrs, i_ptrs, si_t, mask_dn)
-        S, y = _token(
-            S, A, Dv, bias, x_ptr + b * sx_b + t * sx_t + offs_d * sx_d,
-            dt_ptr + b * sdt_b + t * sdt_t + offs_d * sdt_d, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
-            z_ptr + b * sz_b + t * sz_t + offs_d * sz_d, mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS,
-        )
-        tl.store(out_ptrs + t * so_t, y.to(out_ptr.dtype.element_ty), mask=mask_d)
-        if HAS_INTER:
-            store_state_rows(i_ptrs + t * si_t, inter_scale_ptr + b * sis_b + t * sis_t + offs_d, S, mask_dn, mask_d,
-                             INTER_FP8)
-        if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-            S = tl.where(t < L - 1, round_rows(S), S)
+            keep = flag_at(owned, t, BL)
+            if flag_at(on_path, t, BL):  # (masks as selects: the interpreter rejects ``block & scalar``)
+                S = _update_step(S, t, A, Dv, bias, x_ptrs, dt_ptrs, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs,
+                                 inter_scales, mask_d, mask_dn, tl.where(keep, mask_d, False),
+                                 tl.where(keep, mask_dn, False), L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t, si_t, sis_t,
+                                 HAS_D, HAS_Z, DT_SOFTPLUS, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE)
+        else:
+            S = _update_step(S, t, A, Dv, bias, x_ptrs, dt_ptrs, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs,
+                             inter_scales, mask_d, mask_dn, mask_d, mask_dn, L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t,
+                             si_t, sis_t, HAS_D, HAS_Z, DT_SOFTPLUS, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE)
     if UPDATE_STATE:
         store_state_rows(s_ptrs, ss_ptrs, S, mask_dn, mask_d, STATE_FP8)
+
+
+@triton.jit
+def _update_step(S, t, A, Dv, bias, x_ptrs, dt_ptrs, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs, inter_scales,
+                 mask_d, mask_dn, m_out, m_inter, L, sx_t, sdt_t, sB_t, sC_t, sz_t, so_t, si_t, sis_t,
+                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_INTER: tl.constexpr,
+                 INTER_FP8: tl.constexpr, ROUND_STEPS: tl.constexpr, TREE: tl.constexpr):
+    """Step ``t`` of ``_update_kernel`` from state ``S``: its output stored under ``m_out``, the state
+    after it under ``m_inter`` (the intermediate buffer); returns it (a tree: as the buffer stores
+    it, the start of the node's children)."""
+    S, y = _token(S, A, Dv, bias, x_ptrs + t * sx_t, dt_ptrs + t * sdt_t, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
+                  z_ptrs + t * sz_t, mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS)
+    tl.store(out_ptrs + t * so_t, y.to(out_ptrs.dtype.element_ty), mask=m_out)
+    if HAS_INTER:
+        store_state_rows(i_ptrs + t * si_t, inter_scales + t * sis_t, S, m_inter, m_out, INTER_FP8)
+        if TREE:  # the children start from the state as stored (float buffers only)
+            S = S.to(i_ptrs.dtype.element_ty).to(tl.float32)
+    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
+        S = tl.where(t < L - 1, round_rows(S), S)
+    return S
 
 
 def mamba1_state_update_triton(
@@ -401,7 +436,9 @@ def mamba1_state_update_triton(
     BLOCK_N = pow2(N, 2)
     BLOCK_D = _block_d(D_inner, BLOCK_N)
     inter = intermediate_states
-    _update_kernel[(triton.cdiv(D_inner, BLOCK_D), batch)](
+    # a tree: one program per root-to-leaf path and channel block (at most L leaves; the rest exit)
+    paths = steps if parent_indices is not None else 1
+    _update_kernel[(triton.cdiv(D_inner, BLOCK_D) * paths, batch)](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, state_indices, inter if inter is not None else ssm_states, out,
         ssm_scales if ssm_scales is not None else A, intermediate_scales if intermediate_scales is not None else A,
@@ -417,6 +454,7 @@ def mamba1_state_update_triton(
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
+        BL=pow2(steps) if parent_indices is not None else 1,
         **pdl_launch(x.device),
     )
     return out

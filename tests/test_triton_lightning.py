@@ -17,7 +17,7 @@ from hybrid_compile.ops.reference import lightning as ref
 from hybrid_compile.ops.triton import lightning as tl_lightning
 from op_testing import assert_close, run_opcheck
 from hybrid_compile.ops.reference import tree as ref_tree
-from test_ops_lightning import C, H, K, V, check_pool, check_tree_result, chunk_inputs, recurrent_inputs
+from test_ops_lightning import C, H, K, V, check_pool, check_tree_result, chunk_inputs, recurrent_inputs, tree_oracle
 
 # CPU tests here call the launchers on CPU tensors under Triton's interpreter (see conftest).
 INTERPRETER_ONLY = True
@@ -73,6 +73,32 @@ def test_interpreted_recurrent_tree_matches_chain_reference_and_op(inter_dtype):
     # (a bf16 buffer: a one-ulp rounding of a stored state, fp32 sums apart, carries into its children)
     assert_close(o, op_o, tol)
     assert_close(inter.float(), op_inter.float(), tol)
+
+
+def test_interpreted_recurrent_random_trees_one_program_per_path():
+    """The kernel walks each root-to-leaf path in its own programs (``common.tree_path``): random
+    trees of 11 nodes, a forest (several nodes from the slot's state) and a chain, against the
+    chain reference per root path and the plain op; every node stored exactly once."""
+    gen = torch.Generator().manual_seed(8)
+    B, L = 5, 11
+    parents = ref_tree.random_parents(B, L, gen)
+    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
+    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    q, k, v, s, pool, slots = recurrent_inputs(B, L, pad_rows=(1,))
+    inter = torch.full((B + 1, L, H, K, V), 7.0)
+    want_o, want_states = tree_oracle((q, k, v, s, pool, slots, inter), parents)
+    got_pool = pool.clone()
+    o = tl_lightning.recurrent_lightning_attention_update_triton(q, k, v, s, got_pool, slots, True, inter, parents)
+    op_inter = torch.full_like(inter, 7.0)
+    op_o = lightning.recurrent_lightning_attention_update(q, k, v, s, pool.clone(), slots, True, op_inter, None, None,
+                                                          parents)
+    real = [0, 2, 3, 4]
+    assert_close(o[real], want_o[real].to(o.dtype))
+    assert_close(inter[real], want_states[real])
+    assert_close(o, op_o)
+    assert_close(inter, op_inter)
+    assert torch.equal(got_pool, pool)
+    assert torch.all(o[1] == 0) and torch.all(inter[1] == 7.0) and torch.all(inter[B] == 7.0)
 
 
 # ------------------------------------------------------------------------------------------------

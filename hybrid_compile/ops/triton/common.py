@@ -1,7 +1,7 @@
 """Helpers shared by the Triton kernel modules: :func:`pow2` (block sizes), :func:`cast_rne`
 (fp32 -> storage dtype, rounding to nearest even under Triton's CPU interpreter too, which
 otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), :func:`softplus`
-(torch's, for the Mamba dt), :func:`tree_start_state` (a draft-tree node's starting state),
+(torch's, for the Mamba dt),
 :func:`expert_row_tile` (which expert owns a row tile of an MoE grouped GEMM) and
 :func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV), :func:`round_to_e4m3` and
 :func:`quantize_axis` (e4m3 with one scale per vector: the block-FP8 activation quantization of the
@@ -20,7 +20,7 @@ import triton.language as tl
 from ..fp8 import FP8_EPS, FP8_MAX
 
 __all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2",
-           "quantize_axis", "flag_at", "round_to_e4m3", "sm_count", "softplus", "tree_path", "tree_start_state"]
+           "quantize_axis", "flag_at", "round_to_e4m3", "sm_count", "softplus", "tree_path"]
 
 FP8_EPS_C = tl.constexpr(FP8_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -127,21 +127,6 @@ def softplus(v):
     den = tl.where(w == 1.0, 1.0, w - 1.0)
     lp = tl.where(w == 1.0, u, tl.log(w) * (u / den))
     return tl.where(v > 20.0, v, lp)
-
-
-@triton.jit
-def tree_start_state(par_p, s_ptrs, i_ptrs, si_t, mask):
-    """fp32 state a draft-tree node starts from (``par_p``: its parent index, -1 = the slot's state
-    at ``s_ptrs``, else the parent's row of the intermediate buffer, ``i_ptrs + parent * si_t``,
-    as this program stored it in an earlier step)."""
-    # the parent's row was stored by this program's threads: make those stores visible whatever
-    # thread reads them back
-    tl.debug_barrier()
-    par = tl.load(par_p).to(tl.int64)
-    # (masks as selects: the interpreter rejects ``block & scalar`` as a mask)
-    S_slot = tl.load(s_ptrs, mask=tl.where(par < 0, mask, False), other=0.0).to(tl.float32)
-    S_par = tl.load(i_ptrs + tl.maximum(par, 0) * si_t, mask=tl.where(par >= 0, mask, False), other=0.0).to(tl.float32)
-    return tl.where(par < 0, S_slot, S_par)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
-from .common import tree_start_state
+from .common import flag_at, tree_path
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -58,10 +58,14 @@ def _lightning_recurrent_kernel(
     s_pss, s_psh, s_isb, s_isl, s_ish,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INTER: tl.constexpr, UPDATE_STATE: tl.constexpr, USE_PDL: tl.constexpr, TREE: tl.constexpr = False,
-    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False,
+    POOL_FP8: tl.constexpr = False, INTER_FP8: tl.constexpr = False, BL: tl.constexpr = 1,
 ):
-    """TREE: a draft tree (``parents`` ``[B, L]``): step ``t`` starts from the state stored after its
-    parent (the row of ``inter`` this program wrote), or from the slot's state for parent -1.
+    """TREE: a draft tree (``parents`` ``[B, L]``, float buffers; ``BL`` a power of two >= L): node ``t``
+    starts from the state stored after its parent, or from the slot's state for parent -1; each
+    root-to-leaf path has its own programs (grid axis 2: path-major over the value blocks,
+    :func:`.common.tree_path`) walking it with the state in registers (rounded to the intermediate
+    buffer's dtype after each node, as stored), a node's output and state stored by the one path
+    that owns it: depth + 1 steps, not ``L``.
     POOL_FP8 / INTER_FP8: the pool / intermediate buffer is e4m3 with one scale per value column
     (``pool_scales [S, H, V]`` / ``inter_scales [B, L, H, V]``); with an e4m3 pool the state is rounded
     as a decode step would store it between the steps of a verify."""
@@ -69,6 +73,12 @@ def _lightning_recurrent_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
+    if TREE:
+        NV: tl.constexpr = (V + BV - 1) // BV
+        found, on_path, owned = tree_path(parents + b * s_rb, s_rl, L, iv // NV, BL)
+        if not found:  # fewer leaves than this program's path index
+            return
+        iv = iv % NV
     slot = tl.load(state_indices + b).to(tl.int64)
     if slot < 0:
         return  # o is zero-filled by the launcher
@@ -84,23 +94,46 @@ def _lightning_recurrent_kernel(
         S = S * tl.load(p_ss, mask=mv, other=0.0)[None, :]
     decay = tl.exp(-tl.load(slope + h).to(tl.float32))
     p_i0 = inter + b * s_ib + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
+    p_q = q + b * s_qb + h * s_qh + rk * s_qd
+    p_k = k + b * s_kb + h * s_kh + rk * s_kd
+    p_v = v + b * s_vb + h * s_vh + rv * s_vd
+    p_o = o + b * s_ob + h * s_oh + rv
+    p_is = inter_scales + b * s_isb + h * s_ish + rv
     for t in range(L):
         if TREE:
-            S = tree_start_state(parents + b * s_rb + t * s_rl, p_s, p_i0, s_il, m_s)
-        q_t = tl.load(q + b * s_qb + t * s_ql + h * s_qh + rk * s_qd, mask=mk, other=0.0).to(tl.float32)
-        k_t = tl.load(k + b * s_kb + t * s_kl + h * s_kh + rk * s_kd, mask=mk, other=0.0).to(tl.float32)
-        v_t = tl.load(v + b * s_vb + t * s_vl + h * s_vh + rv * s_vd, mask=mv, other=0.0).to(tl.float32)
-        S = decay * S + k_t[:, None] * v_t[None, :]
-        o_t = tl.sum(q_t[:, None] * S, axis=0)
-        tl.store(o + b * s_ob + t * s_ol + h * s_oh + rv, o_t.to(o.dtype.element_ty), mask=mv)
-        if HAS_INTER:
-            store_state_rows(p_i0 + t * s_il, inter_scales + b * s_isb + t * s_isl + h * s_ish + rv, S, m_s, mv,
-                             INTER_FP8, 0)
-        if POOL_FP8:  # the state as a decode step would store it, between steps (the last: stored below)
-            if t < L - 1:
-                S = round_rows(S, 0)
+            keep = flag_at(owned, t, BL)
+            if flag_at(on_path, t, BL):  # (masks as selects: the interpreter rejects ``block & scalar``)
+                S = _lightning_step(S, t, decay, p_q, p_k, p_v, p_o, p_i0, p_is, mk, mv,
+                                    tl.where(keep, mv, False), tl.where(keep, m_s, False), L,
+                                    s_ql, s_kl, s_vl, s_ol, s_il, s_isl, HAS_INTER, INTER_FP8, POOL_FP8, TREE)
+        else:
+            S = _lightning_step(S, t, decay, p_q, p_k, p_v, p_o, p_i0, p_is, mk, mv, mv, m_s, L,
+                                s_ql, s_kl, s_vl, s_ol, s_il, s_isl, HAS_INTER, INTER_FP8, POOL_FP8, TREE)
     if UPDATE_STATE:
         store_state_rows(p_s, p_ss, S, m_s, mv, POOL_FP8, 0)
+
+
+@triton.jit
+def _lightning_step(S, t, decay, p_q, p_k, p_v, p_o, p_i0, p_is, mk, mv, m_out, m_inter, L,
+                    s_ql, s_kl, s_vl, s_ol, s_il, s_isl, HAS_INTER: tl.constexpr, INTER_FP8: tl.constexpr,
+                    POOL_FP8: tl.constexpr, TREE: tl.constexpr):
+    """Step ``t`` of ``_lightning_recurrent_kernel`` from state ``S``: its output stored under
+    ``m_out``, the state after it under ``m_inter`` (the intermediate buffer); returns it (a tree: as
+    the buffer stores it, the start of the node's children)."""
+    q_t = tl.load(p_q + t * s_ql, mask=mk, other=0.0).to(tl.float32)
+    k_t = tl.load(p_k + t * s_kl, mask=mk, other=0.0).to(tl.float32)
+    v_t = tl.load(p_v + t * s_vl, mask=mv, other=0.0).to(tl.float32)
+    S = decay * S + k_t[:, None] * v_t[None, :]
+    o_t = tl.sum(q_t[:, None] * S, axis=0)
+    tl.store(p_o + t * s_ol, o_t.to(p_o.dtype.element_ty), mask=m_out)
+    if HAS_INTER:
+        store_state_rows(p_i0 + t * s_il, p_is + t * s_isl, S, m_inter, m_out, INTER_FP8, 0)
+        if TREE:  # the children start from the state as stored (float buffers only)
+            S = S.to(p_i0.dtype.element_ty).to(tl.float32)
+    if POOL_FP8:  # the state as a decode step would store it, between steps (the last: stored below)
+        if t < L - 1:
+            S = round_rows(S, 0)
+    return S
 
 
 @triton.jit
@@ -190,7 +223,9 @@ def recurrent_lightning_attention_update_triton(
     bk, bv = _blocks(kd, vd, 32)
     has_inter = intermediate_states is not None
     inter = intermediate_states if has_inter else ssm_states  # dummy pointer when absent
-    _lightning_recurrent_kernel[(bs, h, triton.cdiv(vd, bv))](
+    # a tree: one program per root-to-leaf path and value block (at most L leaves; the rest exit)
+    paths = steps if parent_indices is not None else 1
+    _lightning_recurrent_kernel[(bs, h, triton.cdiv(vd, bv) * paths)](
         q, k, v, slope, o, ssm_states, state_indices, inter,
         parent_indices if parent_indices is not None else state_indices,
         ssm_scales if ssm_scales is not None else slope,  # dummy pointers when the buffers are float
@@ -202,6 +237,7 @@ def recurrent_lightning_attention_update_triton(
         *(intermediate_scales.stride()[:3] if intermediate_scales is not None else (0, 0, 0)),
         K=kd, V=vd, BK=bk, BV=bv, HAS_INTER=has_inter, UPDATE_STATE=not disable_state_update,
         TREE=parent_indices is not None, POOL_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
+        BL=triton.next_power_of_2(steps) if parent_indices is not None else 1,
         num_warps=4 if bk * bv >= 4096 else 2, **pdl_launch(q.device),
     )
     return o

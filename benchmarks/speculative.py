@@ -33,7 +33,8 @@ same against the replay continuation), ``phase_ms_per_verify`` (host ms of each 
 time shows in the part that waits for it, ``accept``), and the decode phase's
 CUDA-graph counters (``cuda_graph_replays`` of decode graphs, ``verify_graph_replays`` of the
 full TARGET_VERIFY graphs, ``eager_fallbacks``: with ``--modes graphs`` every verify step of a
-batch within the buckets replays a verify graph and, ``commit_graph_replays``, one commit graph).
+batch within the buckets replays a verify graph and, ``commit_graph_replays``, one commit graph), and
+``tree_kv_moves`` (kept tokens whose K/V moved into their position: draft trees only).
 
 MTP (``--sources`` with ``mtp``): the reference model gets a random MTP head
 (``reference_models.save_random_mtp_head``: random weights, so its own drafts are rejected) and
@@ -162,7 +163,8 @@ def run_decode(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     out.update({k: graphs_after[k] - graphs_before[k] for k in GRAPH_COUNTERS})
     if after:
         d = {k: after.get(k, 0) - before.get(k, 0) for k in ("verify_steps", "verified_requests", "drafted", "accepted",
-                                                      "emitted", "draft_seconds", "commit_graph_replays")}
+                                                      "emitted", "draft_seconds", "commit_graph_replays",
+                                                      "tree_kv_moves")}
         out.update(d)
         # host ms of each part of a verify step (the decoder's PHASES; the GPU's time lands in the part
         # that waits for it)

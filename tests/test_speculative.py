@@ -11,6 +11,8 @@ verify host-overhead phases). GPU: the commit as CUDA graphs equals the op, in t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -282,8 +284,16 @@ def test_mamba2_families_greedy(family):
         model, speculative=dict(method="draft_model", draft_model=model, num_draft_tokens=3), max_running_requests=2,
         chunked_prefill_size=32, max_context_len=256, max_total_tokens=2048, mamba_cache_size=8,
     )
+    t0 = time.perf_counter()
     assert engine.generate_batch(prompts, max_new_tokens=10) == expected
-    assert engine.stats()["speculative"]["acceptance_rate"] == 1.0
+    wall = time.perf_counter() - t0
+    spec = engine.stats()["speculative"]
+    assert spec["acceptance_rate"] == 1.0
+    # every part of the verify steps timed on the host, within the run's wall time
+    phases = spec["phase_seconds"]
+    assert set(phases) == {"draft", "schedule", "metadata", "forward", "accept", "commit", "observe", "emit"}
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) < wall, phases
+    assert phases["draft"] == pytest.approx(spec["draft_seconds"])
     _finish(engine)
 
 

@@ -22,7 +22,7 @@ import torch._dynamo
 
 import hybrid_compile as hc
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context
-from hybrid_compile.compilation.backend import HybridCompileBackend
+from hybrid_compile.compilation.backend import HybridCompileBackend, piece_key
 from hybrid_compile.compilation.split import DEFAULT_SPLITTING_OPS, resolve_op, resolve_ops, split_graph
 
 from engine_models import (
@@ -30,6 +30,7 @@ from engine_models import (
     assert_pools_restored,
     build_model,
     cached_model,
+    make_config,
     hf_greedy_cached,
     make_engine,
     random_prompts,
@@ -159,6 +160,62 @@ def test_backend_splits_dynamo_graph_and_runs_op_eagerly():
     assert backend.stats.split_ops_seen == {
         "hybrid_compile::attention_layer": 1, "hybrid_compile::gdn_layer": 1, "hybrid_compile::mamba2_layer": 1,
     }
+
+
+def _fx(fn, names):
+    """A GraphModule of ``fn`` whose placeholders are called ``names`` (symbolic trace)."""
+    gm = torch.fx.symbolic_trace(fn)
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
+        node.name = node.target = name
+    gm.recompile()
+    return gm
+
+
+def test_piece_key_shares_repeated_pieces_only():
+    """Two pieces share a compiled callable when their nodes match by position (placeholder names
+    aside) and their inputs match in sizes, strides, offset, dtype and storage sharing; a piece with
+    a constant (get_attr) shares with none."""
+    def f(x, w):
+        return torch.relu(x @ w.t()) * 2
+
+    a, b = _fx(f, ["layer1_x", "layer1_w"]), _fx(f, ["layer7_x", "layer7_w"])
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    assert piece_key(a, [x, w]) == piece_key(b, [torch.randn(3, 4), torch.randn(5, 4)])
+    assert piece_key(a, [x, w]) != piece_key(b, [torch.randn(3, 4), torch.randn(6, 4)])  # a size
+    assert piece_key(a, [x, w]) != piece_key(b, [x, w.double()])  # a dtype
+    assert piece_key(a, [x, w]) != piece_key(b, [x, torch.randn(4, 5).t()])  # strides
+    packed = torch.randn(10, 4)  # two weights in one storage (the rewrite pass fuses by storage)
+    assert piece_key(a, [packed[:3], packed[5:]]) != piece_key(a, [torch.randn(3, 4), torch.randn(5, 4)])
+    assert piece_key(a, [x, w]) != piece_key(_fx(lambda x, w: torch.relu(x @ w.t()) * 3, ["x", "w"]), [x, w])
+
+    class WithConstant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("c", torch.randn(5))
+
+        def forward(self, x, w):
+            return x @ w.t() + self.c
+
+    c1, c2 = torch.fx.symbolic_trace(WithConstant()), torch.fx.symbolic_trace(WithConstant())
+    assert piece_key(c1, [x, w]) == piece_key(c1, [x, w]) and piece_key(c1, [x, w]) != piece_key(c2, [x, w])
+
+
+def test_repeated_layers_compile_once_and_generate_as_eager():
+    """A 9-layer tiny Qwen3-Next ((GDN, GDN, attention) x 3): 10 pieces, of which the repeated
+    layers' share compiled code (``stats()["compile"]["distinct_pieces"]``), greedy tokens as the
+    eager engine's."""
+    config = make_config("qwen3_next_dense")
+    config.num_hidden_layers = 9
+    config.layer_types = ["linear_attention", "linear_attention", "full_attention"] * 3
+    config.mlp_only_layers = list(range(9))
+    model = build_model("qwen3_next_dense", 0, config)
+    prompts = random_prompts((1, 37), vocab_size(model), seed=5)
+    with make_engine(model) as eager:
+        want = eager.generate_batch(prompts, max_new_tokens=6)
+    with make_engine(model, compile=True) as engine:
+        assert engine.generate_batch(prompts, max_new_tokens=6) == want
+        stats = engine.stats()["compile"]
+    assert stats["pieces"] == 10 and 3 <= stats["distinct_pieces"] <= 6, stats
 
 
 def test_resolve_splitting_ops():

@@ -36,8 +36,8 @@ import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from .rewrite import (
-    PackedGroup, PackedWeightsGuard, SharedInputMatmulFusion, pack_shared_input_weights, packed_fake_inputs,
-    packing_signature, unpack_weights,
+    PackedGroup, PackedWeightsGuard, RewriteCounts, SharedInputMatmulFusion, pack_shared_input_weights,
+    packed_fake_inputs, packing_signature, unpack_weights,
 )
 from .split import OpLike, SplitItem, resolve_ops, split_graph
 
@@ -69,6 +69,7 @@ class CompileStats:
 
     graphs: int = 0  # backend invocations
     pieces: int = 0  # Inductor-compiled pieces of the latest graph
+    distinct_pieces: int = 0  # of them, compiled (or loaded from the cache) once each: the rest share (piece_key)
     splitting_op_calls: int = 0  # layer-op calls left eager in the latest graph
     split_ops_seen: dict[str, int] = field(default_factory=dict)  # op name -> calls (latest graph)
     backend_seconds: float = 0.0  # split + Inductor, all graphs
@@ -84,6 +85,7 @@ class CompileStats:
         return {
             "graphs": self.graphs,
             "pieces": self.pieces,
+            "distinct_pieces": self.distinct_pieces,
             "splitting_op_calls": self.splitting_op_calls,
             "split_ops_seen": dict(self.split_ops_seen),
             "backend_seconds": self.backend_seconds,
@@ -112,16 +114,69 @@ def _inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], config_patc
     return compile_fx(gm, example_inputs, config_patches=config_patches or None)
 
 
+def _canonical(value: Any, index: dict) -> Any:
+    """A node argument with every graph node replaced by its position (``index``): hashable."""
+    if isinstance(value, fx.Node):
+        return ("node", index[value])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_canonical(v, index) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), _canonical(v, index)) for k, v in value.items())))
+    if isinstance(value, slice):
+        return ("slice", _canonical(value.start, index), _canonical(value.stop, index), _canonical(value.step, index))
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return (type(value).__name__, value)
+    return (type(value).__name__, str(value))  # dtypes, devices, memory formats, SymInts, ops
+
+
+def piece_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple:
+    """What Inductor compiles for a piece, as a key: its nodes (op, target, arguments by position,
+    not by name) and the fake inputs it is compiled for (symbolic sizes and strides, storage
+    offset, dtype, device, and which inputs share a storage: the rewrite pass packs weights by
+    storage). Two pieces with one key compile to the same code (a model's repeated layers: their
+    pieces differ only in their placeholders' names); a piece holding constants (``get_attr``)
+    keys on their identity, so it shares with no other piece."""
+    storages: dict[int, int] = {}
+    inputs = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            group = storages.setdefault(id(a.untyped_storage()), len(storages))
+            inputs.append(("tensor", tuple(map(str, a.shape)), tuple(map(str, a.stride())), str(a.storage_offset()),
+                           str(a.dtype), str(a.device), a.requires_grad, group))
+        else:
+            inputs.append(_canonical(a, {}))
+    index: dict[fx.Node, int] = {}
+    nodes = []
+    for node in gm.graph.nodes:
+        index[node] = len(index)
+        target = node.target
+        if node.op == "placeholder":  # (by position: the names differ from layer to layer)
+            target = ""
+        elif node.op == "get_attr":
+            target = ("attr", id(gm.get_submodule(target) if not hasattr(gm, target) else getattr(gm, target)))
+        elif callable(target):
+            target = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', str(target))}"
+        nodes.append((node.op, str(target), _canonical(node.args, index), _canonical(node.kwargs, index)))
+    return tuple(inputs), tuple(nodes)
+
+
 class PiecewiseCompiler(torch.fx.Interpreter):
     """Runs the split module on fake inputs; compiles each non-splitting piece with the fake
-    values that reach it (so their shapes are the symbolic ones) and swaps it in."""
+    values that reach it (so their shapes are the symbolic ones) and swaps it in. Pieces with one
+    :func:`piece_key` (a model's repeated layers) share the first one's compiled callable: one
+    Inductor compile or cache load per distinct piece instead of one per piece."""
 
-    def __init__(self, split_gm: fx.GraphModule, items: list[SplitItem], compile_piece: Callable, fake_mode) -> None:
+    def __init__(self, split_gm: fx.GraphModule, items: list[SplitItem], compile_piece: Callable, fake_mode,
+                 counts: "RewriteCounts | None" = None) -> None:
         super().__init__(split_gm)
         self.to_compile = {item.name for item in items if not item.is_splitting_op}
         self.compile_piece = compile_piece
         self.fake_mode = fake_mode
         self.compiled: dict[str, Callable] = {}
+        self.by_key: dict[tuple, Callable] = {}
+        # the rewrite pass's counts (None: no pass): a shared piece counts what its first compile did
+        self.counts = counts
+        self._count_deltas: dict[tuple, tuple] = {}
         self.extra_traceback = False
 
     def run(self, *args):
@@ -135,7 +190,15 @@ class PiecewiseCompiler(torch.fx.Interpreter):
             if kwargs:
                 raise RuntimeError(f"hybrid_compile backend: piece {target} called with keyword arguments")
             submod = self.fetch_attr(target)
-            self.compiled[target] = self.compile_piece(submod, list(args))
+            key = piece_key(submod, args)
+            if key not in self.by_key:
+                before = self.counts.copy() if self.counts is not None else None
+                self.by_key[key] = self.compile_piece(submod, list(args))
+                if self.counts is not None:
+                    self._count_deltas[key] = (self.counts.copy(), before)
+            elif self.counts is not None:
+                self.counts.add_shared(*self._count_deltas[key], 1)
+            self.compiled[target] = self.by_key[key]
         return out
 
 
@@ -195,7 +258,8 @@ class HybridCompileBackend:
                 config = {**config, "post_grad_custom_pre_pass": self.rewrite_pass}
                 self.stats.rewrites = {"packed_groups": len(packed), "packed_weights": sum(len(g.rows) for g in packed)}
             compiler = PiecewiseCompiler(
-                split_gm, items, lambda sub, args: _inductor_compile(sub, args, config), fake_mode
+                split_gm, items, lambda sub, args: _inductor_compile(sub, args, config), fake_mode,
+                self.rewrite_pass.counts if self.rewrites else None,
             )
             before = _cache_counts()
             compiler.run(*fakes)
@@ -209,14 +273,16 @@ class HybridCompileBackend:
                     fn = self.piecewise_graphs.wrap(name, fn)
                 split_gm.__dict__[name] = fn
             pieces = len(compiler.compiled)
+            distinct = len(compiler.by_key)
         else:
-            pieces = sum(1 for item in items if not item.is_splitting_op)
+            pieces = distinct = sum(1 for item in items if not item.is_splitting_op)
         seconds = time.perf_counter() - t0
 
         seen = collections.Counter(str(item.op.name()) for item in items if item.is_splitting_op)
         s = self.stats
         s.graphs += 1
         s.pieces = pieces
+        s.distinct_pieces = distinct
         s.splitting_op_calls = sum(seen.values())
         s.split_ops_seen = dict(seen)
         s.backend_seconds += seconds
@@ -224,6 +290,7 @@ class HybridCompileBackend:
         s.graph_nodes = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
         s.history.append({
             "pieces": pieces,
+            "distinct_pieces": distinct,
             "splitting_op_calls": s.splitting_op_calls,
             "seconds": seconds,
             "symbolic_inputs": [str(x) for x in example_inputs if isinstance(x, torch.SymInt)],

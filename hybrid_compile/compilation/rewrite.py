@@ -60,6 +60,7 @@ The pass's ``uuid`` keys Inductor's FX graph cache on this file and on the packi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import weakref
 from dataclasses import dataclass, field
@@ -487,6 +488,20 @@ class RewriteCounts:
     skinny_matmuls: int = 0  # mm nodes routed to hybrid_compile::skinny_mm
     fp8_fused_groups: int = 0  # of fused_groups: block-FP8 projections (one fp8_block_linear call)
     strided_slices: int = 0  # members whose slice feeds only ops that read any stride (no dense copy)
+
+    def copy(self) -> "RewriteCounts":
+        return dataclasses.replace(self, group_sizes=dict(self.group_sizes))
+
+    def add_shared(self, after: "RewriteCounts", before: "RewriteCounts", times: int) -> None:
+        """Count ``times`` more pieces that share the compiled code of the piece whose pass run took the
+        counts from ``before`` to ``after`` (the backend's shared pieces, ``backend.piece_key``): what
+        the model's forward does, not how often the pass ran (``graphs`` stays the runs)."""
+        for name in ("fused_groups", "matmuls_removed", "skinny_matmuls", "fp8_fused_groups", "strided_slices"):
+            setattr(self, name, getattr(self, name) + times * (getattr(after, name) - getattr(before, name)))
+        for size, count in after.group_sizes.items():
+            extra = times * (count - before.group_sizes.get(size, 0))
+            if extra:
+                self.group_sizes[size] = self.group_sizes.get(size, 0) + extra
 
     def as_dict(self) -> dict:
         return {"pass_runs": self.graphs, "fused_groups": self.fused_groups, "matmuls_removed": self.matmuls_removed,

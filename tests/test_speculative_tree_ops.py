@@ -158,6 +158,66 @@ def test_gdn_verify_random_trees_one_program_per_path(per_k_gate, inter_dtype):
         assert_close(t_inter[real], want_state[real])
 
 
+# the recurrent verify kernels built for sm_90 at model shapes, chain and tree (JSON lines)
+_SM90_TREE_BUILDS = """
+import json, sys
+from benchmarks.kda_intra_build import build_kernel
+from hybrid_compile.ops.triton import gdn, lightning, mamba1, mamba2
+
+def sig(kern, consts, ints, floats, ptr_i32, ptr_bf16):
+    out = {}
+    for n in kern.arg_names:
+        if n in consts: out[n] = "constexpr"
+        elif n in ints: out[n] = "i32"
+        elif n in floats: out[n] = "fp32"
+        elif n in ptr_i32: out[n] = "*i32"
+        elif n in ptr_bf16: out[n] = "*bf16"
+        elif n.startswith("s") and not n.endswith("_ptr") and n not in ("slope", "scale", "softplus_beta",
+                                                                          "softplus_threshold", "state_indices"):
+            out[n] = "i64"
+        else: out[n] = "*fp32"
+    return out
+
+cases = [
+    ("gdn", gdn._gdn_recurrent_kernel, 2, dict(R=2, K=128, V=128, BK=128, BV=16, GATING=False, USE_L2=True,
+     HAS_INTER=True, UPDATE_STATE=False, POOL_FP8=False, INTER_FP8=False, ROUND_STEPS=False, USE_PDL=False,
+     PER_K_GATE=False), ("L",), ("scale", "softplus_beta", "softplus_threshold"), ("state_indices", "parents"),
+     ("q", "k", "v", "o", "g", "beta")),
+    ("mamba2", mamba2._ssu_kernel, 4, dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, DT_SOFTPLUS=True,
+     UPDATE_STATE=False, HAS_INTER=True, A_IS_LOG=True, BLOCK_P=8, BLOCK_N=128, STATE_FP8=False, INTER_FP8=False,
+     ROUND_STEPS=False, USE_PDL=False), ("L", "P", "N", "R"), ("dt_min", "dt_max"), ("idx_ptr", "parent_ptr"),
+     ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "out_ptr", "dt_ptr")),
+    ("mamba1", mamba1._update_kernel, 4, dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, DT_SOFTPLUS=True,
+     UPDATE_STATE=False, HAS_INTER=True, A_IS_LOG=True, BLOCK_D=64, BLOCK_N=16, STATE_FP8=False, INTER_FP8=False,
+     ROUND_STEPS=False, USE_PDL=False), ("L", "D_inner", "N", "R"), (), ("idx_ptr", "parent_ptr"),
+     ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "out_ptr", "dt_ptr")),
+    ("lightning", lightning._lightning_recurrent_kernel, 4, dict(K=128, V=128, BK=128, BV=32, HAS_INTER=True,
+     UPDATE_STATE=False, USE_PDL=False, POOL_FP8=False, INTER_FP8=False), ("L",), (), ("state_indices", "parents"),
+     ("q", "k", "v", "o")),
+]
+for name, kern, warps, base, ints, floats, p32, pbf in cases:
+    for tree in (False, True):
+        consts = dict(base, TREE=tree, BL=16 if tree else 1)
+        st = build_kernel(kern, sig(kern, consts, ints, floats, p32, pbf), consts, warps)
+        print(json.dumps(dict(kernel=name, tree=tree, regs=st["regs"], spill_stores=st["spill_stores"],
+                              node_loop=st["loops"][0])))
+"""
+
+
+def test_tree_verify_kernels_build_for_sm90_without_spilling(tmp_path):
+    """The GDN, Mamba2, Mamba1 and lightning verify kernels compiled for sm_90 at model shapes (the
+    interpreter runs kernels but never compiles them), chain and tree: all build without spills, and
+    a tree's node loop (one path per program, ``common.tree_path``) stays within 1.3x the chain's."""
+    from sm90_builds import build_stats
+
+    rows = build_stats(_SM90_TREE_BUILDS, tmp_path)
+    assert [(r["kernel"], r["tree"]) for r in rows] == [
+        (k, t) for k in ("gdn", "mamba2", "mamba1", "lightning") for t in (False, True)], rows
+    assert all(r["spill_stores"] == 0 for r in rows), rows
+    for chain, tree in zip(rows[::2], rows[1::2]):
+        assert tree["node_loop"] <= 1.3 * chain["node_loop"], (chain, tree)
+
+
 # ---------------------------------------------------------------------------------------------
 # Mamba2
 # ---------------------------------------------------------------------------------------------

@@ -351,6 +351,30 @@ def test_kv_pool_store_through_slots_and_padding_slot():
     assert pool.available() == pool.total() == 6
 
 
+def test_kv_pool_copy_slots_moves_every_layer_gather_then_scatter():
+    """``copy_slots``: K/V of the sources into the destinations in every layer, all sources read
+    before any destination is written (a tree's path: a slot both a source and a destination);
+    mismatched counts and unallocated slots refused, nothing copied."""
+    pool = KVPool(ATTN, max_total_tokens=6, page_size=1)
+    slots = pool.alloc(4)
+    for layer in (3, 7):
+        pool.k_cache(layer)[slots] = torch.randn(4, 2, 8).to(torch.bfloat16)
+        pool.v_cache(layer)[slots] = torch.randn(4, 2, 8).to(torch.bfloat16)
+    before = {layer: (pool.k_cache(layer).clone(), pool.v_cache(layer).clone()) for layer in (3, 7)}
+    pool.copy_slots(slots[[2, 3]], slots[[1, 2]])  # slot 2 is read, then written
+    for layer, (k, v) in before.items():
+        assert torch.equal(pool.k_cache(layer)[slots[1]], k[slots[2]]) and torch.equal(pool.k_cache(layer)[slots[2]], k[slots[3]])
+        assert torch.equal(pool.v_cache(layer)[slots[1]], v[slots[2]]) and torch.equal(pool.v_cache(layer)[slots[0]], v[slots[0]])
+    after = {layer: pool.k_cache(layer).clone() for layer in (3, 7)}
+    with pytest.raises(ValueError, match="2 sources but 1 destinations"):
+        pool.copy_slots(slots[:2], slots[2:3])
+    free = pool.alloc(1)
+    pool.free(free)
+    with pytest.raises(ValueError, match="must be allocated"):
+        pool.copy_slots(slots[:1], free)
+    assert all(torch.equal(pool.k_cache(layer), after[layer]) for layer in (3, 7))
+
+
 # --------------------------------------------------------------------------------------
 # MambaPool
 # --------------------------------------------------------------------------------------

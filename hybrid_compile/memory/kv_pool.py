@@ -168,11 +168,12 @@ class KVPool:
             raise ValueError(f"KVPool.copy_slots: {src.numel()} sources but {dst.numel()} destinations")
         if src.numel() == 0:
             return
-        if not bool(alloc.is_allocated(src).all()) or not bool(alloc.is_allocated(dst).all()):
+        both = torch.cat([src, dst])
+        if not bool(alloc.is_allocated(both).all()):
             raise ValueError("KVPool.copy_slots: every source and destination slot must be allocated")
-        pin = self.device.type == "cuda"
-        src_d = (src.pin_memory() if pin else src).to(self.device, non_blocking=True)
-        dst_d = (dst.pin_memory() if pin else dst).to(self.device, non_blocking=True)
+        # (one pinned host->device copy of both index lists)
+        src_d, dst_d = (both.pin_memory() if self.device.type == "cuda" else both).to(
+            self.device, non_blocking=True).split(src.numel())
         if self.observer is not None:
             self.observer.copy_kv_slots(src_d, dst_d)
         self.copy_state(src_d, dst_d)

@@ -481,6 +481,38 @@ def test_verify_opcheck(pad_rows, with_inter, disable):
     run_opcheck(ops.fused_recurrent_gated_delta_rule_update, (q, k, v, g, beta, pool, slots, True, 0.0, disable, inter))
 
 
+def test_verify_gates_raw_projections_as_gdn_gating():
+    """``A_log`` / ``dt_bias`` given: the verify op takes the raw ``a`` / ``b`` projections and gates
+    them itself, bit for bit what ``gdn_gating`` then the op give (a tree too); opcheck with them."""
+    B, L = 3, 4
+    q, k, v, g, beta, pool, slots = verify_case(B, L, DIMS[1], torch.float32, pad_rows=(1,))
+    hv = v.shape[2]
+    gen = torch.Generator().manual_seed(9)
+    A_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    a, b = torch.randn(B, L, hv, generator=gen), torch.randn(B, L, hv, generator=gen)
+    g, beta = (t.view(B, L, hv) for t in ops.gdn_gating(A_log, a.reshape(-1, hv), b.reshape(-1, hv), dt_bias,
+                                                         1.0, 20.0))
+    parents = torch.tensor([[-1, 0, 0, 1]] * B, dtype=torch.int32)
+    for tree in (None, parents):
+        inter, want_inter = (torch.zeros(B, L, *pool.shape[1:]) for _ in range(2))
+        got = ops.fused_recurrent_gated_delta_rule_update(q, k, v, a, b, pool.clone(), slots, True, 0.0, True, inter,
+                                                          None, None, tree, A_log=A_log, dt_bias=dt_bias)
+        want = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, pool.clone(), slots, True, 0.0, True,
+                                                           want_inter, None, None, tree)
+        assert torch.equal(got, want) and torch.equal(inter, want_inter)
+    run_opcheck(ops.fused_recurrent_gated_delta_rule_update,
+                (q, k, v, a, b, pool, slots, True, 0.0, True, torch.zeros(B, L, *pool.shape[1:]), None, None, parents),
+                {"A_log": A_log, "dt_bias": dt_bias})
+    op = functools.partial(ops.fused_recurrent_gated_delta_rule_update, ssm_scales=None, intermediate_scales=None)
+    with pytest.raises(ValueError, match="`A_log` and `dt_bias`.*come together"):
+        op(q, k, v, a, b, pool, slots, True, 0.0, True, None, A_log=A_log)
+    with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule_update.*`dt_bias`"):
+        op(q, k, v, a, b, pool, slots, True, 0.0, True, None, A_log=A_log, dt_bias=dt_bias[:1])
+    with pytest.raises(ValueError, match="per-channel gate is not gated here"):
+        op(q, k, v, a[..., None].expand(B, L, hv, q.shape[-1]), b, pool, slots, True, 0.0, True, None,
+           A_log=A_log, dt_bias=dt_bias)
+
+
 # ----------------------------------------------------------------------------------------------
 # invalid arguments
 # ----------------------------------------------------------------------------------------------

@@ -301,6 +301,27 @@ def test_verify_matches_op_and_reference(dtype, pool_dtype, inter_dtype, disable
         assert torch.all(o[r] == 0)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_gating_in_the_kernel_matches_the_op(tree):
+    """The kernel gating the raw ``a`` / ``b`` itself (``A_log`` / ``dt_bias`` given) against the plain op
+    given the same (which gates with ``gdn_gating``), a chain and a tree."""
+    B, L = 3, 4
+    dims = (1, 2, 16, 16)
+    q, k, v, _, _, pool, slots = verify_inputs(B, L, dims, torch.bfloat16, torch.float32, (1,))
+    gen = torch.Generator().manual_seed(11)
+    A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
+    a, b = torch.randn(B, L, 2, generator=gen).bfloat16(), torch.randn(B, L, 2, generator=gen).bfloat16()
+    parents = torch.tensor([[-1, 0, 1, 0]] * B, dtype=torch.int32) if tree else None
+    inter, op_inter = (torch.full((B, L, 2, 16, 16), 7.0) for _ in range(2))
+    o = tgdn.fused_recurrent_gated_delta_rule_update_triton(q, k, v, a, b, pool.clone(), slots, True, 0.0, True,
+                                                            inter, None, None, parents, A_log, dt_bias)
+    op_o = gdn.fused_recurrent_gated_delta_rule_update(q, k, v, a, b, pool.clone(), slots, True, 0.0, True, op_inter,
+                                                       None, None, parents, A_log=A_log, dt_bias=dt_bias)
+    assert_close(o, op_o, torch.bfloat16)
+    assert_close(inter, op_inter)
+    assert torch.all(o[1] == 0) and torch.all(inter[1] == 7.0)
+
+
 def test_verify_last_step_equals_decode_steps():
     """L verify steps from a slot end in the state that L decode steps reach (same kernel family,
     different entry points), and verify's intermediate states are the per-step states."""

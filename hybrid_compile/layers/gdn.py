@@ -15,7 +15,8 @@ By forward mode:
   prefix-cache checkpoints inside the extend when the step asks for them (``layers/tracking.py``).
 - TARGET_VERIFY (speculative verify): every request runs
   ``draft_len`` tokens (its last accepted token + the drafts): ``causal_conv1d_update`` over them
-  and ``gdn_gating`` + ``fused_recurrent_gated_delta_rule_update``, both with
+  and ``fused_recurrent_gated_delta_rule_update`` (gating the raw ``a`` / ``b`` itself; ``gdn_gating``
+  first where ``beta_scale != 1``), both with
   ``disable_state_update`` and writing the state after every step into the layer's intermediate
   buffers (``ForwardContext.intermediate_caches``, rows = batch rows); the engine commits the
   state of the last accepted step afterwards (``commit_speculative_state``). Trailing requests
@@ -104,17 +105,21 @@ def gdn_layer(
             A_log, dt_bias, q, k, v, a, b, ssm_states, md.mamba_cache_indices, True, 0.0, 1.0, 20.0, ssm_scales,
         )
 
+    # the verify op gates the raw projections itself (no gating kernel) where beta is sigmoid(b)
+    raw_gates = (lambda n: (a[:n], b[:n], A_log, dt_bias)) if beta_scale == 1.0 else None
     return _delta_rule_core("gdn_layer", mixed_qkv, conv_weight, conv_bias, layer_id, num_k_heads, head_k_dim,
-                            num_v_heads, head_v_dim, activation, gates, fused_decode)
+                            num_v_heads, head_v_dim, activation, gates, fused_decode, raw_gates)
 
 
 def _delta_rule_core(op, mixed_qkv, conv_weight, conv_bias, layer_id, num_k_heads, head_k_dim, num_v_heads,
-                     head_v_dim, activation, gates, fused_decode=None):
+                     head_v_dim, activation, gates, fused_decode=None, raw_gates=None):
     """Conv + delta rule by forward mode, shared by ``gdn_layer`` and ``kda_layer``.
 
     ``gates(n)`` returns ``(g, beta)`` of the first ``n`` tokens: g ``[n, Hv]`` (per head) or
     ``[n, Hv, K]`` (per key channel); ``fused_decode(q, k, v, ssm_states, ssm_scales, md)`` is a decode
-    step with the gating fused in, or returns None (then decode runs the verify op over one step)."""
+    step with the gating fused in, or returns None (then decode runs the verify op over one step);
+    ``raw_gates(n)``: ``(a, b, A_log, dt_bias)`` of the first ``n`` tokens for the verify op to gate
+    itself, or None (then ``gates``)."""
     ctx = require_forward_context(f"hybrid_compile::{op}")
     md = ctx.metadata
     conv_states, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)
@@ -168,11 +173,17 @@ def _delta_rule_core(op, mixed_qkv, conv_weight, conv_bias, layer_id, num_k_head
             True, inter_conv, verify.parents,
         )
         q, k, v = torch.split(x, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
-        g, beta = step_gates(*gates(nv), rows, steps)
+        gating = {}
+        if raw_gates is None:
+            g, beta = step_gates(*gates(nv), rows, steps)
+        else:
+            a, b, A_log, dt_bias = raw_gates(nv)
+            g, beta = step_gates(a, b, rows, steps)
+            gating = dict(A_log=A_log, dt_bias=dt_bias)
         out = _kernels.fused_recurrent_gated_delta_rule_update(
             q.reshape(rows, steps, num_k_heads, head_k_dim), k.reshape(rows, steps, num_k_heads, head_k_dim),
             v.reshape(rows, steps, num_v_heads, head_v_dim), g, beta, ssm_states, verify.cache_indices, True, 0.0,
-            True, inter_ssm, ssm_scales, inter_scales, verify.parents,
+            True, inter_ssm, ssm_scales, inter_scales, verify.parents, **gating,
         )
         return verify.pad(out.reshape(nv, num_v_heads, head_v_dim), n)
     raise NotImplementedError(f"{op}: forward mode {md.mode.value} is not supported")

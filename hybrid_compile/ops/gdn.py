@@ -535,8 +535,17 @@ def _(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, use_qk_l2norm, s
 
 
 def _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales=None,
-                  intermediate_scales=None, disable_state_update=True, parent_indices=None):
+                  intermediate_scales=None, disable_state_update=True, parent_indices=None, A_log=None, dt_bias=None):
     op = "fused_recurrent_gated_delta_rule_update"
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError(f"{op}: `A_log` and `dt_bias` (the gating of raw `g` / `beta` projections) come together")
+    if A_log is not None:
+        hv = v.shape[2] if v.dim() == 4 else -1
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            check_tensor(op, name, t, dtypes=FLOAT_DTYPES, shape=(hv,))
+        if g.dim() != 3:
+            raise ValueError(f"{op}: with `A_log` / `dt_bias`, `g` is the raw decay projection [B, L, Hv] "
+                             f"(a per-channel gate is not gated here), got {tuple(g.shape)}")
     check_tensor(op, "q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bs, steps, hk, kd = q.shape
     check_tensor(op, "k", k, dtypes=FLOAT_DTYPES, shape=(bs, steps, hk, kd))
@@ -591,6 +600,8 @@ def fused_recurrent_gated_delta_rule_update(
     ssm_scales: Optional[torch.Tensor],
     intermediate_scales: Optional[torch.Tensor],
     parent_indices: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Speculative verify: ``L`` delta-rule steps per request from its slot's state.
 
@@ -622,12 +633,20 @@ def fused_recurrent_gated_delta_rule_update(
             ``intermediate_states``, as stored), or the slot's state for ``-1``;
             ``-1 <= parent < t``. Needs ``intermediate_states``, ``disable_state_update`` and
             float buffers. None: a chain (``parent = t - 1``).
+        A_log, dt_bias: optional ``[Hv]`` (both or neither): ``g`` and ``beta`` are then the raw
+            projections ``a`` / ``b`` ``[B, L, Hv]`` and the op gates them itself, as
+            :func:`gdn_gating` (softplus 1.0 / 20.0) and the decode op do (the CUDA kernel in its
+            loop: no separate gating kernel).
 
     Returns:
         ``o``: ``[B, L, Hv, V]`` in ``v.dtype``.
     """
     _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
-                  intermediate_scales, disable_state_update, parent_indices)
+                  intermediate_scales, disable_state_update, parent_indices, A_log, dt_bias)
+    if A_log is not None:
+        hv = v.shape[2]
+        g, beta = (t.reshape(g.shape) for t in _gating(A_log, g.reshape(-1, hv), beta.reshape(-1, hv), dt_bias,
+                                                          1.0, 20.0))
     bs, steps, hv, vd = v.shape
     o = torch.zeros(bs, steps, hv, vd, dtype=v.dtype, device=v.device)
     if bs == 0 or steps == 0:
@@ -666,7 +685,7 @@ def fused_recurrent_gated_delta_rule_update(
 
 @fused_recurrent_gated_delta_rule_update.register_fake
 def _(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None):
+      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None, A_log=None, dt_bias=None):
     _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales,
-                  intermediate_scales, disable_state_update, parent_indices)
+                  intermediate_scales, disable_state_update, parent_indices, A_log, dt_bias)
     return v.new_empty(v.shape)

@@ -288,17 +288,20 @@ def fused_recurrent_gated_delta_rule_update_triton(
     ssm_scales: Optional[torch.Tensor] = None,
     intermediate_scales: Optional[torch.Tensor] = None,
     parent_indices: Optional[torch.Tensor] = None,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``fused_recurrent_gated_delta_rule_update`` (speculative verify;
     mutates ``ssm_states`` unless ``disable_state_update``, and ``intermediate_states[b, t]`` for
-    real rows and ``t < L``). CUDA-graph safe."""
+    real rows and ``t < L``; with ``A_log`` / ``dt_bias`` the kernel gates the raw ``g`` / ``beta``
+    itself, as the decode kernel does). CUDA-graph safe."""
     bs, steps, hv, vd = v.shape
     _check_k("fused_recurrent_gated_delta_rule_update", q.shape[-1])
     o = torch.empty(bs, steps, hv, vd, dtype=v.dtype, device=v.device)
     if bs == 0 or steps == 0:
         return o
-    _launch_recurrent(q, k, v, g, beta, None, None, o, ssm_states, state_indices, intermediate_states,
-                      use_qk_l2norm, scale, 1.0, 20.0, gating=False, update_state=not disable_state_update,
+    _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_indices, intermediate_states,
+                      use_qk_l2norm, scale, 1.0, 20.0, gating=A_log is not None, update_state=not disable_state_update,
                       ssm_scales=ssm_scales, inter_scales=intermediate_scales, parents=parent_indices)
     return o
 
@@ -336,12 +339,14 @@ def _decode_cuda_impl(A_log, dt_bias, q, k, v, a, b, ssm_states, state_indices, 
 
 
 def _verify_cuda_impl(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm, scale, disable_state_update,
-                      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None):
+                      intermediate_states, ssm_scales=None, intermediate_scales=None, parent_indices=None,
+                      A_log=None, dt_bias=None):
     _check_verify(q, k, v, g, beta, ssm_states, state_indices, intermediate_states, ssm_scales, intermediate_scales,
-                  disable_state_update, parent_indices)
+                  disable_state_update, parent_indices, A_log, dt_bias)
     return fused_recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, ssm_states, state_indices, use_qk_l2norm,
                                                           scale, disable_state_update, intermediate_states,
-                                                          ssm_scales, intermediate_scales, parent_indices)
+                                                          ssm_scales, intermediate_scales, parent_indices, A_log,
+                                                          dt_bias)
 
 
 torch.library.register_kernel("hybrid_compile::chunk_gated_delta_rule", "cuda", _chunk_cuda_impl)

@@ -420,19 +420,25 @@ def test_gpu_decode_matches_torch_op(dtype, pool_dtype, B):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("disable", [False, True])
+@pytest.mark.parametrize("disable,gating", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_verify_matches_torch_op(dtype, disable):
+def test_gpu_verify_matches_torch_op(dtype, disable, gating):
+    """``gating``: raw a / b with ``A_log`` / ``dt_bias``, gated in the kernel (the engine's verify)."""
     B, L = 16, 4
     hk, hv, kd, vd = QWEN3_NEXT
     q, k, v, g, beta, pool, slots = verify_inputs(B, L, QWEN3_NEXT, dtype, torch.float32, (3,), DEV, GPU_SLOTS)
+    gates = {}
+    if gating:
+        g, beta = torch.randn(B, L, hv, device=DEV).to(dtype), torch.randn(B, L, hv, device=DEV).to(dtype)
+        gates = dict(A_log=torch.randn(hv, device=DEV), dt_bias=torch.randn(hv, device=DEV))
     inter = torch.zeros(B, L + 1, hv, kd, vd, device=DEV)
     got_pool, got_inter = pool.clone(), inter.clone()
-    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
+    o = ops.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, got_pool, slots, True, 0.0, disable, got_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None, **gates)
     cq, ck, cv, cg, cb, cpool, cslots, cinter = _cpu(q, k, v, g, beta, pool, slots, inter)
     want_pool, want_inter = cpool.clone(), cinter.clone()
     want = gdn.fused_recurrent_gated_delta_rule_update(cq, ck, cv, cg, cb, want_pool, cslots, True, 0.0, disable,
-                                                       want_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None)
+                                                       want_inter, ssm_scales=None, intermediate_scales=None, parent_indices=None,
+                                                       **{name: t.cpu() for name, t in gates.items()})
     tol = tol_dtype(dtype)
     assert_close(o.cpu(), want, tol)
     if disable:

@@ -6,8 +6,8 @@ otherwise truncates fp32 -> bf16), :func:`div_rn` (IEEE-rounded fp32 division), 
 :func:`apply_activation` (the epilogue of the grouped GEMM and the GEMV), :func:`round_to_e4m3` and
 :func:`quantize_axis` (e4m3 with one scale per vector: the block-FP8 activation quantization of the
 quantize kernel and of the GEMV that quantizes its own activation, and the FP8 caches'), and
-:func:`sm_count` (the SMs that launch-shape rules size grids for), :func:`tree_path` / :func:`flag_at` (a
-draft tree's root-to-leaf path per program)."""
+:func:`sm_count` (the SMs that launch-shape rules size grids for), :func:`tree_path` / :func:`tree_paths` / :func:`flag_at`
+(a draft tree's root-to-leaf path per program)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import triton.language as tl
 from ..fp8 import FP8_EPS, FP8_MAX
 
 __all__ = ["apply_activation", "cast_rne", "div_rn", "expert_row_tile", "grouped_row_tiles", "pow2",
-           "quantize_axis", "flag_at", "round_to_e4m3", "sm_count", "softplus", "tree_path"]
+           "quantize_axis", "flag_at", "round_to_e4m3", "sm_count", "softplus", "tree_path", "tree_paths"]
 
 FP8_EPS_C = tl.constexpr(FP8_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -129,14 +129,22 @@ def softplus(v):
     return tl.where(v > 20.0, v, lp)
 
 
+def tree_paths(steps: int, tree: bool) -> tuple[int, int]:
+    """(programs per block, ``BL``) of a verify launch over ``steps`` nodes: a tree's kernel gives each
+    root-to-leaf path its programs (at most ``steps`` leaves; :func:`tree_path`), a chain one."""
+    return (steps, pow2(steps)) if tree else (1, 1)
+
+
 @triton.jit
-def tree_path(par_row, s_par, L, i_p, BL: tl.constexpr):
-    """Root-to-leaf path ``i_p`` of a draft tree (``par_row + j * s_par``: node ``j``'s parent, -1 a
-    root, parents before children, ``L`` nodes, ``BL >= L`` a power of two), for kernels that give
-    each path its own program so the state stays in registers along it: (``found``: the tree has
-    more than ``i_p`` leaves, ``on_path`` / ``owned`` ``[BL]`` int32 flags). Leaves are numbered in
-    node order. A node is ``owned`` by the one path that reaches a leaf from it through first
-    (lowest-numbered) children only: its outputs are that path's to store, once."""
+def tree_path(par_row, s_par, L, pid, blocks, BL: tl.constexpr):
+    """Root-to-leaf path of a draft tree for the program ``pid`` of a grid axis that is path-major
+    over ``blocks`` blocks (``par_row + j * s_par``: node ``j``'s parent, -1 a root, parents before
+    children, ``L`` nodes, ``BL >= L`` a power of two), for kernels that give each path its own
+    programs so the state stays in registers along it: (``found``: the tree has that path, the
+    program's ``block`` and ``path`` index, ``on_path`` / ``owned`` ``[BL]`` int32 flags). Leaves are
+    numbered in node order. A node is ``owned`` by the one path that reaches a leaf from it through
+    first (lowest-numbered) children only: its outputs are that path's to store, once."""
+    i_p = pid // blocks
     o = tl.arange(0, BL)
     par = tl.load(par_row + o * s_par, mask=o < L, other=-2).to(tl.int32)  # (-2: past the row)
     big = BL + 1
@@ -156,7 +164,7 @@ def tree_path(par_row, s_par, L, i_p, BL: tl.constexpr):
     off = (on_path > 0) & (par >= 0) & (fc_of_parent != o)
     last_off = tl.max(tl.where(off, o, -1), 0)
     owned = tl.where((on_path > 0) & (o >= last_off), 1, 0)
-    return found, on_path, owned
+    return found, pid % blocks, i_p, on_path, owned
 
 
 @triton.jit

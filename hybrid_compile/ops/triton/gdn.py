@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
-from .common import flag_at, tree_path
+from .common import flag_at, tree_path, tree_paths
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
@@ -86,11 +86,9 @@ def _gdn_recurrent_kernel(
     i_v = tl.program_id(2)
     i_hk = i_h // R
     if TREE:
-        NV: tl.constexpr = (V + BV - 1) // BV
-        found, on_path, owned = tree_path(parents + i_b * s_parb, s_parl, L, i_v // NV, BL)
+        found, i_v, _, on_path, owned = tree_path(parents + i_b * s_parb, s_parl, L, i_v, (V + BV - 1) // BV, BL)
         if not found:  # fewer leaves than this program's path index
             return
-        i_v = i_v % NV
     slot = tl.load(state_indices + i_b).to(tl.int64)
     live = slot >= 0
 
@@ -224,8 +222,7 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     iss = inter_scales if inter_scales is not None else g
     ps_strides = ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)
     is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
-    # a tree: one program per root-to-leaf path and value block (at most L leaves; the rest exit)
-    paths = steps if parents is not None else 1
+    paths, bl = tree_paths(steps, parents is not None)
     _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv) * paths)](
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
         parents if parents is not None else state_indices,
@@ -237,7 +234,7 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
         GATING=gating, USE_L2=bool(use_qk_l2norm), HAS_INTER=has_inter, UPDATE_STATE=update_state,
         POOL_FP8=ssm_scales is not None, INTER_FP8=inter_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parents is not None,
-        PER_K_GATE=per_k, BL=triton.next_power_of_2(steps) if parents is not None else 1,
+        PER_K_GATE=per_k, BL=bl,
         num_warps=num_warps,
         **pdl_launch(q.device),
     )

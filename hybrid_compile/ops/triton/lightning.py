@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
-from .common import flag_at, tree_path
+from .common import flag_at, tree_path, tree_paths
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -74,11 +74,9 @@ def _lightning_recurrent_kernel(
     h = tl.program_id(1)
     iv = tl.program_id(2)
     if TREE:
-        NV: tl.constexpr = (V + BV - 1) // BV
-        found, on_path, owned = tree_path(parents + b * s_rb, s_rl, L, iv // NV, BL)
+        found, iv, _, on_path, owned = tree_path(parents + b * s_rb, s_rl, L, iv, (V + BV - 1) // BV, BL)
         if not found:  # fewer leaves than this program's path index
             return
-        iv = iv % NV
     slot = tl.load(state_indices + b).to(tl.int64)
     if slot < 0:
         return  # o is zero-filled by the launcher
@@ -223,8 +221,7 @@ def recurrent_lightning_attention_update_triton(
     bk, bv = _blocks(kd, vd, 32)
     has_inter = intermediate_states is not None
     inter = intermediate_states if has_inter else ssm_states  # dummy pointer when absent
-    # a tree: one program per root-to-leaf path and value block (at most L leaves; the rest exit)
-    paths = steps if parent_indices is not None else 1
+    paths, bl = tree_paths(steps, parent_indices is not None)
     _lightning_recurrent_kernel[(bs, h, triton.cdiv(vd, bv) * paths)](
         q, k, v, slope, o, ssm_states, state_indices, inter,
         parent_indices if parent_indices is not None else state_indices,
@@ -237,7 +234,7 @@ def recurrent_lightning_attention_update_triton(
         *(intermediate_scales.stride()[:3] if intermediate_scales is not None else (0, 0, 0)),
         K=kd, V=vd, BK=bk, BV=bv, HAS_INTER=has_inter, UPDATE_STATE=not disable_state_update,
         TREE=parent_indices is not None, POOL_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
-        BL=triton.next_power_of_2(steps) if parent_indices is not None else 1,
+        BL=bl,
         num_warps=4 if bk * bv >= 4096 else 2, **pdl_launch(q.device),
     )
     return o

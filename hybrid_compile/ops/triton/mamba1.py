@@ -30,7 +30,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
-from .common import flag_at, pow2, sm_count, softplus, tree_path
+from .common import flag_at, pow2, sm_count, softplus, tree_path, tree_paths
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -356,10 +356,8 @@ def _update_kernel(
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     if TREE:
-        ND = tl.cdiv(D_inner, BLOCK_D)
-        i_path = pid_d // ND
-        pid_d = pid_d % ND
-        found, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, i_path, BL)
+        found, pid_d, i_path, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, pid_d,
+                                                         tl.cdiv(D_inner, BLOCK_D), BL)
         if not found:  # fewer leaves than this program's path index
             return
     else:
@@ -436,8 +434,7 @@ def mamba1_state_update_triton(
     BLOCK_N = pow2(N, 2)
     BLOCK_D = _block_d(D_inner, BLOCK_N)
     inter = intermediate_states
-    # a tree: one program per root-to-leaf path and channel block (at most L leaves; the rest exit)
-    paths = steps if parent_indices is not None else 1
+    paths, bl = tree_paths(steps, parent_indices is not None)
     _update_kernel[(triton.cdiv(D_inner, BLOCK_D) * paths, batch)](
         x, dt, A, B, C, D if D is not None else x, z if z is not None else x, dt_bias if dt_bias is not None else x,
         ssm_states, state_indices, inter if inter is not None else ssm_states, out,
@@ -454,7 +451,7 @@ def mamba1_state_update_triton(
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_D * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
-        BL=pow2(steps) if parent_indices is not None else 1,
+        BL=bl,
         **pdl_launch(x.device),
     )
     return out

@@ -49,7 +49,7 @@ from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
 from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
-from .common import flag_at, pow2, tree_path
+from .common import flag_at, pow2, tree_path, tree_paths
 from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -144,10 +144,8 @@ def _ssu_kernel(
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     if TREE:
-        NP = tl.cdiv(P, BLOCK_P)
-        i_path = pid_p // NP
-        pid_p = pid_p % NP
-        found, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, i_path, BL)
+        found, pid_p, i_path, on_path, owned = tree_path(parent_ptr + b * spar_b, spar_t, L, pid_p,
+                                                         tl.cdiv(P, BLOCK_P), BL)
         if not found:  # fewer leaves than this program's path index
             return
     else:
@@ -267,8 +265,8 @@ def selective_state_update_triton(
         return out
     BLOCK_N = pow2(N, 2)
     BLOCK_P = min(pow2(P, 2), max(2, 1024 // BLOCK_N))
-    # a tree: one program per root-to-leaf path and P block (at most L leaves; the rest exit)
-    grid = (triton.cdiv(P, BLOCK_P) * (steps if parent_indices is not None else 1), batch, H)
+    paths, bl = tree_paths(steps, parent_indices is not None)
+    grid = (triton.cdiv(P, BLOCK_P) * paths, batch, H)
     _ssu_kernel[grid](
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
         dt_bias if dt_bias is not None else A, ssm_states, state_indices,
@@ -286,7 +284,7 @@ def selective_state_update_triton(
         BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_P * BLOCK_N >= 512 else 2,
         STATE_FP8=ssm_scales is not None, INTER_FP8=intermediate_scales is not None,
         ROUND_STEPS=ssm_scales is not None and steps > 1, TREE=parent_indices is not None,
-        BL=pow2(steps) if parent_indices is not None else 1,
+        BL=bl,
         **pdl_launch(x.device),
     )
     return out

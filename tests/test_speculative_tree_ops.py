@@ -127,9 +127,7 @@ def test_gdn_verify_random_trees_one_program_per_path(per_k_gate, inter_dtype):
     stored) against the plain op."""
     gen = torch.Generator().manual_seed(5)
     B, L = 5, 11
-    parents = ref_tree.random_parents(B, L, gen)
-    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
-    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    parents = ref_tree.trees_forest_and_chain(B, gen)  # random trees, a forest, a chain
     q, k, v, g, beta, pool, _, _ = _gdn_inputs(B, L)
     if per_k_gate:
         g = -torch.rand(*g.shape, q.shape[-1], generator=gen) * 0.4 - 0.01
@@ -264,9 +262,7 @@ def test_mamba2_verify_random_trees_one_program_per_path(inter_dtype):
     BLOCK_P from N 256), against the plain op; fp32 also against the chain reference per root path."""
     gen = torch.Generator().manual_seed(6)
     B, L = 4, 11
-    parents = ref_tree.random_parents(B, L, gen)
-    parents[2] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
-    parents[3] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    parents = ref_tree.trees_forest_and_chain(B, gen)  # random trees, a forest, a chain
     a = _m2_inputs(B=B, L=L, N=256)
     a["state_indices"] = torch.tensor([-1, 3, 6, 0], dtype=torch.int32)
     a["intermediate_states"] = a["intermediate_states"].to(inter_dtype)

@@ -81,9 +81,7 @@ def test_interpreted_recurrent_random_trees_one_program_per_path():
     chain reference per root path and the plain op; every node stored exactly once."""
     gen = torch.Generator().manual_seed(8)
     B, L = 5, 11
-    parents = ref_tree.random_parents(B, L, gen)
-    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
-    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
+    parents = ref_tree.trees_forest_and_chain(B, gen)  # random trees, a forest, a chain
     q, k, v, s, pool, slots = recurrent_inputs(B, L, pad_rows=(1,))
     inter = torch.full((B + 1, L, H, K, V), 7.0)
     want_o, want_states = tree_oracle((q, k, v, s, pool, slots, inter), parents)

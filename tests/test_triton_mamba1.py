@@ -284,18 +284,24 @@ def test_gpu_decode_cuda_graph_replay():
 def test_state_update_tree_triton(dtype, opts):
     """The kernel over trees against the literal per-path chain recurrence and the plain op."""
     inp, parents = make_tree_update(dtype, **opts)
+    _check_tree_update(inp, parents, pad_row=0, dtype=dtype)
+
+
+def _check_tree_update(inp, parents, pad_row, dtype=torch.float32):
+    """The kernel over the trees of ``parents`` against the literal per-path chain recurrence and the
+    plain op; the padding row zero, its and the buffer's extra row's states untouched, the pool too."""
     want_y, want_states = tree_oracle(inp, parents)
     plain = _clone(inp)
     y_op = mamba1_state_update(*(plain[k] for k in UPDATE_ORDER), False, None, None, parents)
     tri = _to(inp, KDEV)
     y = tm.mamba1_state_update_triton(*(tri[k] for k in UPDATE_ORDER), False, None, None, parents.to(KDEV)).cpu()
     inter = tri["intermediate_states"].cpu()
-    real = [1, 2]
+    real = [r for r in range(parents.shape[0]) if r != pad_row]
     assert_close(y[real], want_y[real], dtype)
     assert_close(inter[real], want_states[real], dtype)
     assert_close(y, y_op, dtype)
     assert_close(inter, plain["intermediate_states"], dtype)
-    assert torch.all(y[0] == 0) and torch.all(inter[0] == 7.0) and torch.all(inter[3] == 7.0)
+    assert torch.all(y[pad_row] == 0) and torch.all(inter[pad_row] == 7.0) and torch.all(inter[-1] == 7.0)
     assert torch.equal(tri["ssm_states"].cpu(), inp["ssm_states"])
 
 
@@ -306,21 +312,8 @@ def test_state_update_random_trees_one_program_per_path():
     gen = torch.Generator().manual_seed(7)
     B, L = 5, 11
     inp = make_update(B, L, D_inner=40, pad_rows=(1,), disable=True)
-    parents = ref_tree.random_parents(B, L, gen)
-    parents[3] = torch.tensor([-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8], dtype=torch.int32)  # a forest
-    parents[4] = torch.arange(-1, L - 1, dtype=torch.int32)  # a chain
-    want_y, want_states = tree_oracle(inp, parents)
-    plain = _clone(inp)
-    y_op = mamba1_state_update(*(plain[k] for k in UPDATE_ORDER), False, None, None, parents)
-    tri = _to(inp, KDEV)
-    y = tm.mamba1_state_update_triton(*(tri[k] for k in UPDATE_ORDER), False, None, None, parents.to(KDEV)).cpu()
-    inter = tri["intermediate_states"].cpu()
-    real = [0, 2, 3, 4]
-    assert_close(y[real], want_y[real])
-    assert_close(inter[real], want_states[real])
-    assert_close(y, y_op)
-    assert_close(inter, plain["intermediate_states"])
-    assert torch.all(y[1] == 0) and torch.all(inter[1] == 7.0) and torch.all(inter[B] == 7.0)
+    parents = ref_tree.trees_forest_and_chain(B, gen)  # random trees, a forest, a chain
+    _check_tree_update(inp, parents, pad_row=1)
 
 
 @pytest.mark.gpu

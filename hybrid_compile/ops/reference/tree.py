@@ -53,3 +53,16 @@ def random_parents(batch: int, nodes: int, gen: torch.Generator) -> torch.Tensor
     """``[batch, nodes]`` int32 random trees: node 0 the root, each other under an earlier node."""
     rows = [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, nodes)] for _ in range(batch)]
     return torch.tensor(rows, dtype=torch.int32)
+
+
+#: A forest of 11 nodes: nodes 0, 2 and 5 start from the slot's state.
+FOREST_11 = [-1, 0, -1, 2, 1, -1, 5, 5, 0, 3, 8]
+
+
+def trees_forest_and_chain(batch: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch, 11]`` int32: :func:`random_parents` rows, then :data:`FOREST_11` and a chain as the
+    last two rows (the cases a per-path kernel must get right besides random trees)."""
+    parents = random_parents(batch, len(FOREST_11), gen)
+    parents[-2] = torch.tensor(FOREST_11, dtype=torch.int32)
+    parents[-1] = torch.arange(-1, len(FOREST_11) - 1, dtype=torch.int32)
+    return parents

@@ -199,6 +199,17 @@ def test_piece_key_shares_repeated_pieces_only():
     c1, c2 = torch.fx.symbolic_trace(WithConstant()), torch.fx.symbolic_trace(WithConstant())
     assert piece_key(c1, [x, w]) == piece_key(c1, [x, w]) and piece_key(c1, [x, w]) != piece_key(c2, [x, w])
 
+    class Nested(torch.nn.Module):  # a constant of a submodule: a dotted get_attr target
+        def __init__(self):
+            super().__init__()
+            self.inner = WithConstant()
+
+        def forward(self, x, w):
+            return x @ w.t() - self.inner.c
+
+    n1, n2 = torch.fx.symbolic_trace(Nested()), torch.fx.symbolic_trace(Nested())
+    assert piece_key(n1, [x, w]) == piece_key(n1, [x, w]) and piece_key(n1, [x, w]) != piece_key(n2, [x, w])
+
 
 def test_repeated_layers_compile_once_and_generate_as_eager():
     """A 9-layer tiny Qwen3-Next ((GDN, GDN, attention) x 3): 10 pieces, of which the repeated

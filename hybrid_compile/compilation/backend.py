@@ -27,6 +27,7 @@ lookups of the backend's pieces are counted in ``CompileStats.caches``.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -153,7 +154,7 @@ def piece_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple:
         if node.op == "placeholder":  # (by position: the names differ from layer to layer)
             target = ""
         elif node.op == "get_attr":
-            target = ("attr", id(gm.get_submodule(target) if not hasattr(gm, target) else getattr(gm, target)))
+            target = ("attr", id(functools.reduce(getattr, target.split("."), gm)))  # (dotted: a submodule's)
         elif callable(target):
             target = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', str(target))}"
         nodes.append((node.op, str(target), _canonical(node.args, index), _canonical(node.kwargs, index)))

@@ -202,7 +202,7 @@ class SpeculativeDecoder:
                              f"propose_tree(requests, depth, topk, budget); {type(self.source).__name__} has none")
         self.method = config.method
         self._last_was_verify = False
-        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0, draft_seconds=0.0,
+        self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0,
                              tree_kv_moves=0, device_draft_steps=0)
         # host seconds of each part of the verify steps (stats()["phase_seconds"], PHASES)
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
@@ -281,6 +281,7 @@ class SpeculativeDecoder:
         ``draft_token_map_size`` (the ids of ``SpeculativeConfig.draft_token_map``; None: the whole
         vocabulary)."""
         c = dict(self.counters)
+        c["draft_seconds"] = self.phase_seconds["draft"]
         c["phase_seconds"] = dict(self.phase_seconds)
         c["num_draft_tokens"] = self.k
         c["topk"] = self.config.topk
@@ -505,7 +506,6 @@ class SpeculativeDecoder:
         c["verify_steps"] += 1
         c["verified_requests"] += len(reqs)
         c["drafted"] += (self.draft_len - 1) * len(reqs)
-        c["draft_seconds"] += t1 - t0
         outputs = []
         for r, tokens, full, stop in zip(reqs, kept, emitted, stops):
             c["accepted"] += len(full) - 1

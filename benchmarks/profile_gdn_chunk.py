@@ -9,8 +9,9 @@ same inputs.
 Shapes are Qwen3-Next's (Hk=16, Hv=32, K=V=128, bf16 q/k/v, fp32 g/beta and state), inputs as in
 ``benchmarks/kernels.py``; ``--kda`` takes Kimi-Linear-48B's instead (Kimi Delta Attention: Hk=Hv=32,
 K=V=128, a per-channel gate ``g [T, Hv, K]``; ``--fla`` then times fla's ``chunk_kda``), e.g.
-``--kda --fla --sweep '[{"kda_intra_warps": 8}, {"kda_intra_stages": 1}, {"kda_intra_mma_range": -1}]'``. ``--old`` loads another version of the module (a file) to compare with in
-the same run. ``--sweep`` times variants of ``gdn_chunk.CONFIG`` (per kernel) at the largest size.
+``--kda --fla --sweep '[{"kda_intra_warps": 8}, {"kda_intra_stages": 1}, {"kda_intra_mma_range": -1}]'``. ``--old`` loads another version of the module (a copy of the file
+with its relative imports made absolute, ``from ..gdn`` -> ``from hybrid_compile.ops.gdn``) to compare with in
+the same run (with ``--kda`` one that has the per-channel gate). ``--sweep`` times variants of ``gdn_chunk.CONFIG`` (per kernel) at the largest size.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.kda:
-        if args.old:
-            ap.error("--old takes a gdn_chunk.py from before the per-channel gate; it cannot run --kda")
+        if args.old and "GATE_K" not in open(args.old).read():
+            ap.error(f"--old {args.old}: a gdn_chunk.py from before the per-channel gate cannot run --kda")
         global HK, KDA
         HK, KDA = HV, True
     variants = json.loads(args.sweep) if args.sweep else []

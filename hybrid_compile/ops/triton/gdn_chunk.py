@@ -218,12 +218,6 @@ def _row_sums_zeros():
 
 
 @triton.jit
-def _row16(x, i):
-    """Row ``i`` of a ``[16, N]`` tile as an ``[N]`` vector."""
-    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == i, x, 0.0), 0)
-
-
-@triton.jit
 def _load4(p, t1, t2, t3, t4, s_t, o_c, s_c, m1, m2, m3, m4, mc):
     """The four 16-row tiles ``[16, BC]`` (fp32) of a chunk: rows ``t1`` .. ``t4``, columns ``o_c``."""
     x1 = tl.load(p + t1[:, None] * s_t + o_c[None, :] * s_c, mask=m1[:, None] & mc[None, :], other=0.0).to(tl.float32)
@@ -245,18 +239,22 @@ def _store4(p, t1, t2, t3, t4, s_t, o_c, x1, x2, x3, x4, m1, m2, m3, m4, mc):
 
 
 @triton.jit
-def _cumsum4(g1, g2, g3, g4):
-    """Chunk-local cumulative sums (along the rows) of the four 16-row tiles of a per-channel gate,
-    and each tile's last row ``e1`` .. ``e4`` (``e4``: the chunk's last cumsum, the masked tail
-    adding ``g = 0``)."""
-    c1 = tl.cumsum(g1, 0)
-    e1 = _row16(c1, 15)
-    c2 = tl.cumsum(g2, 0) + e1[None, :]
-    e2 = _row16(c2, 15)
-    c3 = tl.cumsum(g3, 0) + e2[None, :]
-    e3 = _row16(c3, 15)
-    c4 = tl.cumsum(g4, 0) + e3[None, :]
-    return c1, c2, c3, c4, e1, e2, e3, _row16(c4, 15)
+def _gate_tiles(p_c, start, n, t1, t2, t3, t4, s_t, o_c, s_c, m1, m2, m3, m4, mc):
+    """The four 16-row tiles of a chunk's per-channel cumulative gate (log2 units, from
+    ``_chunk_kda_prep_kernel``) and each tile's last cumsum ``e1`` .. ``e4`` (rows past the chunk's
+    end ``n`` read the last token's: ``g = 0`` there, so no factor ``exp2(c - e)`` of them exceeds 1).
+    ``start``: the chunk's first token (``t1 = start + 0..15``)."""
+    p = p_c + o_c * s_c
+    e1 = tl.load(p + (start + tl.minimum(15, n - 1)) * s_t, mask=mc, other=0.0)
+    e2 = tl.load(p + (start + tl.minimum(31, n - 1)) * s_t, mask=mc, other=0.0)
+    e3 = tl.load(p + (start + tl.minimum(47, n - 1)) * s_t, mask=mc, other=0.0)
+    e4 = tl.load(p + (start + tl.minimum(63, n - 1)) * s_t, mask=mc, other=0.0)
+    c1, c2, c3, c4 = _load4(p_c, t1, t2, t3, t4, s_t, o_c, s_c, m1, m2, m3, m4, mc)
+    c1 = tl.where(m1[:, None], c1, e1[None, :])
+    c2 = tl.where(m2[:, None], c2, e2[None, :])
+    c3 = tl.where(m3[:, None], c3, e3[None, :])
+    c4 = tl.where(m4[:, None], c4, e4[None, :])
+    return c1, c2, c3, c4, e1, e2, e3, e4
 
 
 @triton.jit
@@ -282,8 +280,8 @@ def _bisect_level(xf, kf, c, G, S: tl.constexpr, PREC: tl.constexpr):
     mid = (o // (2 * S)) * (2 * S) + S - 1  # the last row of each row's group's lower half
     r = tl.gather(c, tl.broadcast_to(mid[:, None], c.shape), 0)
     upper = ((o // S) % 2 == 1)[:, None]
-    rows = xf * tl.exp(tl.where(upper, c - r, float("-inf")))
-    cols = kf * tl.exp(tl.where(upper, float("-inf"), r - c))
+    rows = xf * tl.exp2(tl.where(upper, c - r, float("-inf")))
+    cols = kf * tl.exp2(tl.where(upper, float("-inf"), r - c))
     ii = o[:, None]
     jj = o[None, :]
     pairs = (ii // (2 * S) == jj // (2 * S)) & ((ii // S) % 2 == 1) & ((jj // S) % 2 == 0)
@@ -293,14 +291,14 @@ def _bisect_level(xf, kf, c, G, S: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _diag_gram_bisect(xf, kf, c, G, PREC: tl.constexpr):
-    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
-    queries) for ``i >= j`` (zero above) as four MMAs whose decay factors are all ``<= 1``, for any
-    decay: every pair ``i > j`` is split by exactly one level ``s`` (8, 4, 2, 1) of halving the
-    block, where ``i`` lies in the upper half and ``j`` in the lower half of one ``2s``-row group;
-    with ``r`` the cumsum at the group's middle (row ``m - 1``, ``m`` the upper half's first row),
-    ``exp(c_i - c_j) = exp(c_i - r) exp(r - c_j)`` and both exponents are ``<= 0`` (``c``
-    non-increasing). The level's MMA is masked to its pairs; the diagonal ``i = j`` (exponent 0)
-    is an elementwise sum. Diagonal-block MMAs take fp32 operands at ``PREC`` (TF32 for bf16
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk 2^(c_ik - c_jk)`` (``x`` keys or
+    queries, ``c`` the cumsum in log2 units) for ``i >= j`` (zero above) as four MMAs whose decay
+    factors are all ``<= 1``, for any decay: every pair ``i > j`` is split by exactly one level ``s``
+    (8, 4, 2, 1) of halving the block, where ``i`` lies in the upper half and ``j`` in the lower half
+    of one ``2s``-row group; with ``r`` the cumsum at the group's middle (row ``m - 1``, ``m`` the upper
+    half's first row), ``2^(c_i - c_j) = 2^(c_i - r) 2^(r - c_j)`` and both exponents are ``<= 0``
+    (``c`` non-increasing). The level's MMA is masked to its pairs; the diagonal ``i = j`` (exponent
+    0) is an elementwise sum. Diagonal-block MMAs take fp32 operands at ``PREC`` (TF32 for bf16
     inputs, TF32x3 for fp32): bf16 operands here raised the bf16 output error by a third."""
     G = _bisect_level(xf, kf, c, G, 8, PREC)
     G = _bisect_level(xf, kf, c, G, 4, PREC)
@@ -311,103 +309,88 @@ def _diag_gram_bisect(xf, kf, c, G, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diag_gram(xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
-    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` (``x`` keys or
-    queries; rows ``i >= j`` meaningful, the entries above are finite and masked by the readers).
-    ``c`` being non-increasing, the block's cumsums lie in ``[bot, top]`` (``top`` the cumsum at the
-    row before the block, ``bot`` at its last row). When ``D = top - bot <= MMA_RANGE`` on every
-    channel: one MMA with the decay split at the channel's mid value ``ref = (top + bot) / 2``,
-    ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)``, both factors in ``[exp(-D/2), exp(D/2)]``.
-    With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw q / k below
-    ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the discarded
-    entries above the diagonal (``exp(c_i - c_j) <= e^64``) stay finite. Otherwise (on some channel
-    a decay steeper than ``MMA_RANGE / 16`` per token on average) ``_diag_gram_bisect``: four MMAs
-    with every factor ``<= 1``, for any decay."""
-    if tl.max(top - bot, 0) <= MMA_RANGE:
-        ref = (top + bot) * 0.5
-        kt = tl.trans(kf * tl.exp(ref[None, :] - c))
-        G = tl.dot(xf * tl.exp(c - ref[None, :]), kt, G, input_precision=PREC)
+def _diag_gram(xr, kc, xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
+    """Accumulates a diagonal 16x16 block of ``sum_k x_ik k_jk 2^(c_ik - c_jk)`` (``x`` keys or
+    queries, ``c`` the cumsum in log2 units; rows ``i >= j`` meaningful, the entries above are finite
+    and masked by the readers). ``c`` being non-increasing, the block's cumsums lie in ``[bot, top]``
+    (``top`` the cumsum at the row before the block, ``bot`` at its last row), and the shared factors
+    are ``xr = x 2^(c - top)``, ``kc = k 2^(bot - c)`` (both ``<= 1``). When ``D = top - bot`` is at most
+    ``MMA_RANGE`` (natural-log units) on every channel: one MMA with the decay split at the channel's
+    mid value, ``2^(c_i - c_j) = (2^(c_i - top) 2^(D/2)) (2^(D/2) 2^(bot - c_j))``, both factors in
+    ``[e^(-D/2), e^(D/2)]``. With ``MMA_RANGE = 64`` (the default) that is ``e^+-32``: no factor times a raw
+    q / k below ``1e24`` overflows, none above ``1e-24`` reaches fp32's subnormals, and even the
+    discarded entries above the diagonal (``<= e^64``) stay finite. Otherwise (on some channel a decay
+    steeper than ``MMA_RANGE / 16`` per token on average) ``_diag_gram_bisect`` on the raw ``xf`` /
+    ``kf``: four MMAs with every factor ``<= 1``, for any decay."""
+    d = top - bot
+    if tl.max(d, 0) <= MMA_RANGE * 1.4426950408889634:
+        half = tl.exp2(d * 0.5)[None, :]
+        G = tl.dot(xr * half, tl.trans(kc * half), G, input_precision=PREC)
     else:
         G = _diag_gram_bisect(xf, kf, c, G, PREC)
     return G
 
 
 @triton.jit
-def _split_decay(xf, c, ref):
-    """Row block I's keys or queries times ``exp(c_I - ref)`` (``<= 1``), ``ref`` the cumsum at the
-    row before the block: the row side of ``_cross_gram``."""
-    return xf * tl.exp(c - ref[None, :])
-
-
-@triton.jit
-def _cross_gram(xd, kf_j, c_j, ref, G, LOWP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """Accumulates an off-diagonal block (row block I > column block J) of a per-channel-decay
-    product as an MMA: ``exp(c_i - c_j) = exp(c_i - ref) exp(ref - c_j)`` with ``ref`` the cumsum at
-    the row before block I (the last of block I - 1 >= J), so both factors are ``<= 1`` (``c`` is
-    non-increasing); ``xd`` is block I's keys / queries times ``exp(c_I - ref)``."""
-    return _mma(xd, tl.trans(kf_j * tl.exp(ref[None, :] - c_j)), G, LOWP, DOT_F32, PREC)
-
-
-@triton.jit
-def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, out, p_glast,
+def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_c, s_ct, s_ck, out, p_glast, start, n,
                    t1, t2, t3, t4, m1, m2, m3, m4,
-                   HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    QUERIES: tl.constexpr, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
                    PREC: tl.constexpr):
     """One side of the per-channel-gate chunk products, over ``K`` in blocks of ``BK``: the 10 lower
     16x16 blocks of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` with ``x`` the keys (``QUERIES`` off: the
     ``A`` side; stores ``kg = exp(c_last - c) k`` to ``out`` and ``exp(c_last)`` to ``p_glast``) or
-    the queries (``QUERIES`` on: the ``P`` side; stores ``qg = exp(c) q`` to ``out``), plus the
-    squared norms of the keys and of ``x`` per row. Each side runs in its own program, so only 10
-    accumulators are live (both sides in one program spilled heavily)."""
+    the queries (``QUERIES`` on: the ``P`` side; stores ``qg = exp(c) q`` to ``out``), of the raw
+    (unnormalised) keys and queries. Each side runs in its own program, so only 10 accumulators are
+    live (both sides in one program spilled heavily).
+
+    ``p_c``: the chunk-local cumsum in log2 units. Per K block, eight exponential tiles serve every
+    product: with ``e_0 = 0`` and ``e_I`` the cumsum at block ``I``'s last row, the row factors
+    ``R_I = 2^(c_I - e_(I-1))`` and the column factors ``C_J = 2^(e_J - c_J)`` (all ``<= 1``); an
+    off-diagonal block ``I > J`` is the MMA of ``x_I R_I 2^(e_(I-1) - e_J)`` (a per-channel vector,
+    ``<= 1``, and 1 for ``J = I - 1``) and ``(k_J C_J)^T``, a diagonal one ``_diag_gram``'s, and the
+    stored ``qg`` / ``kg`` are ``x_I R_I 2^(e_(I-1))`` / ``k_J C_J 2^(e_4 - e_J)``."""
     X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
-    ss1, ss2, ss3, ss4 = _row_sums_zeros()
-    sx1, sx2, sx3, sx4 = _row_sums_zeros()
     for kb in range(0, K, BK):
         o_k = kb + tl.arange(0, BK)
         mk = o_k < K
         k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
-        g1, g2, g3, g4 = _load4(p_g, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-        c1, c2, c3, c4, e1, e2, e3, e4 = _cumsum4(g1, g2, g3, g4)  # [16, BK] each; masked tail: g = 0
+        c1, c2, c3, c4, e1, e2, e3, e4 = _gate_tiles(p_c, start, n, t1, t2, t3, t4, s_ct, o_k, s_ck,
+                                                     m1, m2, m3, m4, mk)
         e0 = tl.zeros_like(e1)  # the cumsum before the chunk
         if QUERIES:
             x1, x2, x3, x4 = _load4(p_x, t1, t2, t3, t4, s_xt, o_k, s_xd, m1, m2, m3, m4, mk)
         else:
             x1, x2, x3, x4 = k1, k2, k3, k4
-        if USE_L2:
-            ss1 += tl.sum(k1 * k1, 1)
-            ss2 += tl.sum(k2 * k2, 1)
-            ss3 += tl.sum(k3 * k3, 1)
-            ss4 += tl.sum(k4 * k4, 1)
-            if QUERIES:
-                sx1 += tl.sum(x1 * x1, 1)
-                sx2 += tl.sum(x2 * x2, 1)
-                sx3 += tl.sum(x3 * x3, 1)
-                sx4 += tl.sum(x4 * x4, 1)
-        X11 = _diag_gram(x1, k1, c1, e0, e1, X11, MMA_RANGE, PREC)
-        X22 = _diag_gram(x2, k2, c2, e1, e2, X22, MMA_RANGE, PREC)
-        X33 = _diag_gram(x3, k3, c3, e2, e3, X33, MMA_RANGE, PREC)
-        X44 = _diag_gram(x4, k4, c4, e3, e4, X44, MMA_RANGE, PREC)
-        # off-diagonal blocks: MMAs with the decay split at the row before each row block
-        xd = _split_decay(x2, c2, e1)
-        X21 = _cross_gram(xd, k1, c1, e1, X21, LOWP, DOT_F32, PREC)
-        xd = _split_decay(x3, c3, e2)
-        X31 = _cross_gram(xd, k1, c1, e2, X31, LOWP, DOT_F32, PREC)
-        X32 = _cross_gram(xd, k2, c2, e2, X32, LOWP, DOT_F32, PREC)
-        xd = _split_decay(x4, c4, e3)
-        X41 = _cross_gram(xd, k1, c1, e3, X41, LOWP, DOT_F32, PREC)
-        X42 = _cross_gram(xd, k2, c2, e3, X42, LOWP, DOT_F32, PREC)
-        X43 = _cross_gram(xd, k3, c3, e3, X43, LOWP, DOT_F32, PREC)
+        xr1 = x1 * tl.exp2(c1)
+        xr2 = x2 * tl.exp2(c2 - e1[None, :])
+        xr3 = x3 * tl.exp2(c3 - e2[None, :])
+        xr4 = x4 * tl.exp2(c4 - e3[None, :])
+        kc1 = k1 * tl.exp2(e1[None, :] - c1)
+        kc2 = k2 * tl.exp2(e2[None, :] - c2)
+        kc3 = k3 * tl.exp2(e3[None, :] - c3)
+        kc4 = k4 * tl.exp2(e4[None, :] - c4)
+        X11 = _diag_gram(xr1, kc1, x1, k1, c1, e0, e1, X11, MMA_RANGE, PREC)
+        X22 = _diag_gram(xr2, kc2, x2, k2, c2, e1, e2, X22, MMA_RANGE, PREC)
+        X33 = _diag_gram(xr3, kc3, x3, k3, c3, e2, e3, X33, MMA_RANGE, PREC)
+        X44 = _diag_gram(xr4, kc4, x4, k4, c4, e3, e4, X44, MMA_RANGE, PREC)
+        kt1 = tl.trans(kc1)
+        kt2 = tl.trans(kc2)
+        X21 = _mma(xr2, kt1, X21, LOWP, DOT_F32, PREC)
+        X31 = _mma(xr3 * tl.exp2(e2 - e1)[None, :], kt1, X31, LOWP, DOT_F32, PREC)
+        X32 = _mma(xr3, kt2, X32, LOWP, DOT_F32, PREC)
+        X41 = _mma(xr4 * tl.exp2(e3 - e1)[None, :], kt1, X41, LOWP, DOT_F32, PREC)
+        X42 = _mma(xr4 * tl.exp2(e3 - e2)[None, :], kt2, X42, LOWP, DOT_F32, PREC)
+        X43 = _mma(xr4, tl.trans(kc3), X43, LOWP, DOT_F32, PREC)
         # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
         if QUERIES:
-            _store4(out, t1, t2, t3, t4, HV * K, o_k, x1 * tl.exp(c1), x2 * tl.exp(c2), x3 * tl.exp(c3),
-                    x4 * tl.exp(c4), m1, m2, m3, m4, mk)
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, xr1, xr2 * tl.exp2(e1)[None, :], xr3 * tl.exp2(e2)[None, :],
+                    xr4 * tl.exp2(e3)[None, :], m1, m2, m3, m4, mk)
         else:
-            cl = e4[None, :]  # the last token's cumsum
-            _store4(out, t1, t2, t3, t4, HV * K, o_k, k1 * tl.exp(cl - c1), k2 * tl.exp(cl - c2),
-                    k3 * tl.exp(cl - c3), k4 * tl.exp(cl - c4), m1, m2, m3, m4, mk)
-            tl.store(p_glast + o_k, tl.exp(e4), mask=mk)
-    return X11, X21, X22, X31, X32, X33, X41, X42, X43, X44, ss1, ss2, ss3, ss4, sx1, sx2, sx3, sx4
+            _store4(out, t1, t2, t3, t4, HV * K, o_k, kc1 * tl.exp2(e4 - e1)[None, :], kc2 * tl.exp2(e4 - e2)[None, :],
+                    kc3 * tl.exp2(e4 - e3)[None, :], kc4, m1, m2, m3, m4, mk)
+            tl.store(p_glast + o_k, tl.exp2(e4), mask=mk)
+    return X11, X21, X22, X31, X32, X33, X41, X42, X43, X44
 
 
 @triton.jit
@@ -421,15 +404,10 @@ def _inv_norm(ss, USE_L2: tl.constexpr):
 
 
 @triton.jit
-def _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
-                      Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
-                      ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV: tl.constexpr, USE_L2: tl.constexpr):
-    """Stores ``P = Q rk_j`` (rows of 64; the query norm and scale are the output kernel's, which
-    masks the entries above the diagonal) and the query inverse norms ``rq``."""
-    r1 = _inv_norm(ss1, USE_L2)
-    r2 = _inv_norm(ss2, USE_L2)
-    r3 = _inv_norm(ss3, USE_L2)
-    r4 = _inv_norm(ss4, USE_L2)
+def _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                      Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, r1, r2, r3, r4, HV: tl.constexpr):
+    """Stores ``P = Q rk_j`` (rows of 64, ``r1`` .. ``r4`` the key inverse norms; the query norm and
+    scale are the output kernel's, which masks the entries above the diagonal)."""
     p_p = pbuf + i_h * 64 + tl.arange(0, 16)[None, :]
     ty = pbuf.dtype.element_ty
     tl.store(p_p + t1[:, None] * (HV * 64), (Q11 * r1[None, :]).to(ty), mask=m1[:, None])
@@ -442,11 +420,6 @@ def _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
     tl.store(p_p + t4[:, None] * (HV * 64) + 16, (Q42 * r2[None, :]).to(ty), mask=m4[:, None])
     tl.store(p_p + t4[:, None] * (HV * 64) + 32, (Q43 * r3[None, :]).to(ty), mask=m4[:, None])
     tl.store(p_p + t4[:, None] * (HV * 64) + 48, (Q44 * r4[None, :]).to(ty), mask=m4[:, None])
-    if USE_L2:
-        tl.store(rq + t1 * HV + i_h, _inv_norm(sq1, USE_L2), mask=m1)
-        tl.store(rq + t2 * HV + i_h, _inv_norm(sq2, USE_L2), mask=m2)
-        tl.store(rq + t3 * HV + i_h, _inv_norm(sq3, USE_L2), mask=m3)
-        tl.store(rq + t4 * HV + i_h, _inv_norm(sq4, USE_L2), mask=m4)
 
 
 @triton.jit
@@ -482,6 +455,48 @@ def _solve_tril64(A11, A21, A22, A31, A32, A33, A41, A42, A43, A44, n, PREC: tl.
     X41 = tl.dot(A43, T31, X41, input_precision=PREC)
     T41 = -tl.dot(T44, X41, input_precision=PREC)
     return T11, T21, T22, T31, T32, T33, T41, T42, T43, T44
+
+
+# ----------------------------------------------------------------------------------------------
+# 0. per-channel gate only: the chunk-local cumsum of g in log2 units, the q / k inverse norms
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
+def _chunk_kda_prep_kernel(q, k, g, cu_seqlens, nb, state_indices, gc, rk, rq,
+                           s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_gt, s_gh, s_gk,
+                           HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           BB: tl.constexpr, USE_L2: tl.constexpr):
+    """Grid ``(NR, HV)``, per chunk row and value head: ``gc [T, HV, K]`` (fp32) = ``log2(e) *
+    cumsum(g)`` along the chunk's tokens, and the inverse L2 norms of its keys / queries ``rk`` /
+    ``rq [T, HV]`` (``rk`` ones without the normalisation; ``rq`` then unwritten). Done once here for
+    the intra kernel's two programs and its ``w`` pass: they take ``exp2`` of cumsum differences
+    (one MUFU instruction each) and read the norms instead of reducing rows in every K block.
+    Rows of padding requests are not written (nothing reads them)."""
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)
+    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
+    if req < 0:
+        return
+    if tl.load(state_indices + req) < 0:
+        return
+    t = start + tl.arange(0, 64)
+    mt = tl.arange(0, 64) < n
+    ssk = tl.zeros([64], dtype=tl.float32)
+    ssq = tl.zeros([64], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        m = mt[:, None] & (o_k < K)[None, :]
+        x = tl.load(g + i_h * s_gh + t[:, None] * s_gt + o_k[None, :] * s_gk, mask=m, other=0.0).to(tl.float32)
+        tl.store(gc + (t[:, None] * HV + i_h) * K + o_k[None, :], tl.cumsum(x, 0) * 1.4426950408889634, mask=m)
+        if USE_L2:
+            kx = tl.load(k + (i_h // R) * s_kh + t[:, None] * s_kt + o_k[None, :] * s_kd, mask=m, other=0.0).to(tl.float32)
+            qx = tl.load(q + (i_h // R) * s_qh + t[:, None] * s_qt + o_k[None, :] * s_qd, mask=m, other=0.0).to(tl.float32)
+            ssk += tl.sum(kx * kx, 1)
+            ssq += tl.sum(qx * qx, 1)
+    tl.store(rk + t * HV + i_h, _inv_norm(ssk, USE_L2), mask=mt)
+    if USE_L2:
+        tl.store(rq + t * HV + i_h, _inv_norm(ssq, USE_L2), mask=mt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,19 +557,26 @@ def _chunk_intra_kernel(
     # products (P, lower, diagonal included) are the second program's (program_id(2) = 1)
     p_k = k + i_hk * s_kh
     if GATE_K:
-        p_g = g + i_h * s_gh
+        p_g = g + i_h * s_gh  # the chunk-local cumsum in log2 units (_chunk_kda_prep_kernel)
         if tl.program_id(2) == 1:  # the query side: P, qg, rq
-            Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4 = _kda_gram_pass(
-                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast,
-                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, True, MMA_RANGE, LOWP, DOT_F32, PREC)
-            _store_query_side(pbuf, rq, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+            Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
+                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
+                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
+            _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
                               Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
-                              ss1, ss2, ss3, ss4, sq1, sq2, sq3, sq4, HV, USE_L2)
+                              tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0), tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0),
+                              tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0), tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0),
+                              HV)
             return
-        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44, ss1, ss2, ss3, ss4, sk1, sk2, sk3, sk4 = _kda_gram_pass(
+        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _kda_gram_pass(
             p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
-            glast + (i_r.to(tl.int64) * HV + i_h) * K,
-            t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, USE_L2, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+            glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
+            t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+        # the key inverse norms (_chunk_kda_prep_kernel's)
+        r1 = tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0)
+        r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
+        r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
+        r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
     else:
         G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
         ss1, ss2, ss3, ss4 = _row_sums_zeros()
@@ -592,10 +614,10 @@ def _chunk_intra_kernel(
             G42 = tl.dot(k4, k2t, G42, input_precision=KPREC)
             G43 = tl.dot(k4, k3t, G43, input_precision=KPREC)
             G44 = tl.dot(k4, tl.trans(k4), G44, input_precision=KPREC)
-    r1 = _inv_norm(ss1, USE_L2)
-    r2 = _inv_norm(ss2, USE_L2)
-    r3 = _inv_norm(ss3, USE_L2)
-    r4 = _inv_norm(ss4, USE_L2)
+        r1 = _inv_norm(ss1, USE_L2)
+        r2 = _inv_norm(ss2, USE_L2)
+        r3 = _inv_norm(ss3, USE_L2)
+        r4 = _inv_norm(ss4, USE_L2)
 
     # A (blocks of I + A below the diagonal are the A blocks themselves)
     if GATE_K:
@@ -644,12 +666,12 @@ def _chunk_intra_kernel(
         x3 = x3 * e3[:, None]
         x4 = x4 * e4[:, None]
         if GATE_K:
-            g1, g2, g3, g4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
-            c1, c2, c3, c4, end1, end2, end3, end4 = _cumsum4(g1, g2, g3, g4)  # the ends unused here
-            x1 = x1 * tl.exp(c1)
-            x2 = x2 * tl.exp(c2)
-            x3 = x3 * tl.exp(c3)
-            x4 = x4 * tl.exp(c4)
+            # the log2 cumsum (rows past the chunk read 0: their keys are 0)
+            c1, c2, c3, c4 = _load4(g + i_h * s_gh, t1, t2, t3, t4, s_gt, o_k, s_gk, m1, m2, m3, m4, mk)
+            x1 = x1 * tl.exp2(c1)
+            x2 = x2 * tl.exp2(c2)
+            x3 = x3 * tl.exp2(c3)
+            x4 = x4 * tl.exp2(c4)
         w1, w2, w3, w4 = _tri_apply(T11, T21, T22, T31, T32, T33, T41, T42, T43, T44, x1, x2, x3, x4, PREC)
         _store4(w + i_h * K, t1, t2, t3, t4, HV * K, o_k, w1, w2, w3, w4, m1, m2, m3, m4, mk)
 
@@ -667,10 +689,10 @@ def _chunk_intra_kernel(
         tl.store(gcum + t2 * HV + i_h, c2, mask=m2)
         tl.store(gcum + t3 * HV + i_h, c3, mask=m3)
         tl.store(gcum + t4 * HV + i_h, c4, mask=m4)
-    tl.store(rk + t1 * HV + i_h, r1, mask=m1)
-    tl.store(rk + t2 * HV + i_h, r2, mask=m2)
-    tl.store(rk + t3 * HV + i_h, r3, mask=m3)
-    tl.store(rk + t4 * HV + i_h, r4, mask=m4)
+        tl.store(rk + t1 * HV + i_h, r1, mask=m1)
+        tl.store(rk + t2 * HV + i_h, r2, mask=m2)
+        tl.store(rk + t3 * HV + i_h, r3, mask=m3)
+        tl.store(rk + t4 * HV + i_h, r4, mask=m4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1012,14 +1034,24 @@ def chunk_gated_delta_rule_triton(
         bk_intra = bk
         warps_intra = cfg["intra_warps"] or (2 if lowp else 4)
         stages_intra = cfg["intra_stages"]
+    if gate_k:  # the intra kernel reads the chunk-local cumsum (log2 units) in place of g, and the norms
+        gc = torch.empty(T, hv, kd, dtype=f32, device=dev)
+        _chunk_kda_prep_kernel[(n_rows, hv)](
+            q, k, g, cu_seqlens, batch, state_indices, gc, rk, rq,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            g.stride(0), g.stride(1), g.stride(2),
+            HV=hv, R=r, K=kd, BK=min(kp, 32), BB=bb, USE_L2=bool(use_qk_l2norm), num_warps=4)
+        g_in = gc
+    else:
+        g_in = g
     # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
     _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
-        q, k, v, g, beta, cu_seqlens, batch, state_indices,
+        q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
         w, u, gcum, rk, qg, kg, glast, rq, pbuf,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        g.stride(0), g.stride(1), g.stride(2) if gate_k else 0,
+        g_in.stride(0), g_in.stride(1), g_in.stride(2) if gate_k else 0,
         beta.stride(0), beta.stride(1),
         HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
         KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,

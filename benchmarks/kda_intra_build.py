@@ -4,7 +4,8 @@ about each launch setting: registers, spill bytes (stores / loads, ptxas), share
 SASS instructions per thread and the instruction count of each loop body. This is how the KDA
 (per-channel gate) intra kernel's ``CONFIG["kda_intra_bk"]`` / ``["kda_intra_warps"]`` defaults
 were chosen before any GPU timing; time them with ``benchmarks/profile_gdn_chunk.py --kda --sweep``.
-``--kernel state`` builds the sequential state kernel (``_chunk_state_kernel``) at the launcher's
+``--kernel gram`` builds the KDA chunk-wide product kernel (``_chunk_kda_gram_kernel``; BK/warps as for
+the intra kernel). ``--kernel state`` builds the sequential state kernel (``_chunk_state_kernel``) at the launcher's
 setting (``gdn_chunk.state_launch``) instead: its shared memory must stay within the 227 KB a block
 may have on sm_90.
 
@@ -37,7 +38,7 @@ from hybrid_compile.ops.triton import gdn_chunk  # noqa: E402
 #: element types of the pointer arguments that are not fp32, as the launcher allocates them; "low" =
 #: bf16 on the bf16 (``lowp``) path, fp32 otherwise; "in" = the input dtype
 _PTR = {"q": "in", "k": "in", "v": "in", "w": "low", "qg": "low", "kg": "low", "pbuf": "low", "vn": "low",
-        "hbuf": "low", "cu_seqlens": "*i32", "state_indices": "*i32", "has_init": "*i1"}
+        "hbuf": "low", "cu_seqlens": "*i32", "state_indices": "*i32", "has_init": "*i1", "steep": "*i8"}
 _DTYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "tf32x3")}
 
 
@@ -49,6 +50,8 @@ def constants(bk, gate_k=True, inputs="bf16", kernel="intra"):
     if kernel == "state":
         return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, KP=128, BV=bk, BB=16, PREC=prec, LOWP=lowp,
                     DOT_F32=False, STORE_CS=lowp, GATE_K=gate_k)
+    if kernel == "gram":
+        return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=64.0, PREC=prec)
     return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, BK=bk, BV=64, BB=16, USE_L2=True, PREC=prec, KPREC=prec,
                 RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0)
 
@@ -117,7 +120,8 @@ def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="i
     """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
     block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
     build's statistics (:func:`build_kernel`)."""
-    kern = gdn_chunk._chunk_state_kernel if kernel == "state" else gdn_chunk._chunk_intra_kernel
+    kern = {"state": gdn_chunk._chunk_state_kernel, "gram": gdn_chunk._chunk_kda_gram_kernel}.get(
+        kernel, gdn_chunk._chunk_intra_kernel)
     consts = constants(bk, gate_k, inputs, kernel)
     return {"bk": bk, **build_kernel(kern, signature(kern, consts, inputs, kernel), consts, warps, arch, stages)}
 
@@ -127,7 +131,7 @@ def main():
     ap.add_argument("--configs", default=None,
                     help="BK/warps, comma separated (default 16/2,16/4,16/8,32/4,32/8,64/8); "
                          "--kernel state: the launcher's setting (gdn_chunk.state_launch) unless given as BV/warps")
-    ap.add_argument("--kernel", choices=("intra", "state"), default="intra")
+    ap.add_argument("--kernel", choices=("intra", "state", "gram"), default="intra")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--gdn", action="store_true", help="the per-head gate (GDN) variant")
     dt = ap.add_mutually_exclusive_group()

@@ -201,6 +201,34 @@ def test_chunk_prefill_diag_block_paths(monkeypatch, kind, mma_range, dtype):
         assert_close(o, o_exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_prefill_chunk_wide_and_block_paths_in_one_call(monkeypatch, dtype):
+    """A chunk whose decay spans <= 64 on every channel takes the chunk-wide 64x64 MMAs
+    (``_chunk_kda_gram_kernel``), a steeper one the 16x16 blocks of the intra kernel, per (chunk,
+    head) within one call: head 0 mild everywhere, head 1 mild in its first request and steep
+    (every 16-token block past 64) in the second. Against the reference; and against a run with
+    every chunk in blocks (``kda_intra_mma_range`` -1): head 1's steep request is bit-equal there
+    (it took the blocks, whose steep diagonal blocks bisect either way), head 0 is not (it took the
+    chunk-wide path)."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    h, kd, vd = 2, 32, 16
+    lens = [70, 128]  # the steep request in whole chunks: a partial one's empty 16-row blocks span 0
+    T = sum(lens)
+    q, k, v, _, beta = make_inputs((T,), h, kd, vd, dtype)
+    g = _gate(T, h, kd, "mild")
+    g[lens[0]:, 1] = _gate(lens[1], 1, kd, "steep")[:, 0]
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of(lens), torch.tensor([3, 6], dtype=torch.int32), torch.tensor([True, False])
+    o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init, dtype=dtype)
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_mma_range", -1.0)
+    o_blocks, cs_blocks = tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, init, True,
+                                                                0.0, True)
+    assert torch.equal(o[lens[0]:, 1], o_blocks[lens[0]:, 1])
+    assert not torch.equal(o[:, 0], o_blocks[:, 0])
+    assert_close(o, o_blocks, tol(dtype))
+
+
 def test_chunk_prefill_diag_range_is_validated(monkeypatch):
     from hybrid_compile.ops.triton import gdn_chunk
 

@@ -499,6 +499,90 @@ def _chunk_kda_prep_kernel(q, k, g, cu_seqlens, nb, state_indices, gc, rk, rq,
         tl.store(rq + t * HV + i_h, _inv_norm(ssq, USE_L2), mask=mt)
 
 
+@triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
+def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg, kg, glast, pbuf, ascr, steep,
+                           s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_bt, s_bh,
+                           HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           BB: tl.constexpr, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
+    """Grid ``(NR, HV)``: the per-channel-gate chunk products of a chunk whose decay spans at most
+    ``MMA_RANGE`` (natural-log units) on every channel, as two 64x64 MMAs per K block. With ``c`` the
+    log2 cumsum (``gc``), ``e`` its value at the chunk's last token and ``m = e / 2`` the channel's
+    mid value, ``2^(c_i - c_j) = 2^(c_i - m) 2^(m - c_j)``, both factors in ``[e^(-R/2), e^(R/2)]``
+    (``R = MMA_RANGE``; the bound of ``_diag_gram``), so ``A = (k 2^(c - m)) (k 2^(m - c))^T`` and
+    ``P = (q 2^(c - m)) (k 2^(m - c))^T`` over the whole chunk at once, in fp32 operands at ``PREC``
+    (TF32 for bf16 inputs). Writes ``P`` (causal, times the key norms) to ``pbuf``, ``A`` (strictly
+    lower, times ``beta`` and both key norms) to ``ascr`` for the intra kernel's solve, ``qg``, ``kg``,
+    ``glast``, and ``steep[row, head]`` = 0. A steeper chunk gets ``steep`` = 1 and nothing else: the
+    intra kernel's two programs then build its products in 16x16 blocks (``_kda_gram_pass``)."""
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)
+    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
+    if req < 0:
+        return
+    if tl.load(state_indices + req) < 0:
+        return
+    p_last = gc + (start + n - 1) * (HV * K) + i_h * K  # the cumsum at the chunk's last token
+    span = 0.0
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        span = tl.maximum(span, tl.max(-tl.load(p_last + o_k, mask=o_k < K, other=0.0), 0))
+    flag = (span > MMA_RANGE * 1.4426950408889634).to(tl.int8)
+    tl.store(steep + i_r * HV + i_h, flag)
+    if flag != 0:
+        return
+    o = tl.arange(0, 64)
+    t = start + o
+    mt = o < n
+    Akk = tl.zeros([64, 64], dtype=tl.float32)
+    Aqk = tl.zeros([64, 64], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        o_k = kb + tl.arange(0, BK)
+        mk = o_k < K
+        m2 = mt[:, None] & mk[None, :]
+        kx = tl.load(k + (i_h // R) * s_kh + t[:, None] * s_kt + o_k[None, :] * s_kd, mask=m2, other=0.0).to(tl.float32)
+        qx = tl.load(q + (i_h // R) * s_qh + t[:, None] * s_qt + o_k[None, :] * s_qd, mask=m2, other=0.0).to(tl.float32)
+        e = tl.load(p_last + o_k, mask=mk, other=0.0)
+        c = tl.load(gc + t[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m2, other=0.0)
+        c = tl.where(mt[:, None], c, e[None, :])  # rows past the chunk: g = 0 (their q / k are 0)
+        mid = e * 0.5
+        up = tl.exp2(c - mid[None, :])
+        kc = kx * tl.exp2(mid[None, :] - c)
+        kt = tl.trans(kc)
+        Akk = tl.dot(kx * up, kt, Akk, input_precision=PREC)
+        qr = qx * up
+        Aqk = tl.dot(qr, kt, Aqk, input_precision=PREC)
+        # the decayed queries / keys of the output and state kernels (unnormalised), exp(c_last)
+        p_out = (t[:, None] * HV + i_h) * K + o_k[None, :]
+        tl.store(qg + p_out, (qr * tl.exp2(mid)[None, :]).to(qg.dtype.element_ty), mask=m2)
+        tl.store(kg + p_out, (kc * tl.exp2(e - mid)[None, :]).to(kg.dtype.element_ty), mask=m2)
+        tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp2(e), mask=mk)
+    r = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
+    b = tl.load(beta + t * s_bt + i_h * s_bh, mask=mt, other=0.0).to(tl.float32)
+    ii = o[:, None]
+    jj = o[None, :]
+    p_row = (t[:, None] * HV + i_h) * 64 + jj
+    tl.store(pbuf + p_row, tl.where(ii >= jj, Aqk * r[None, :], 0.0).to(pbuf.dtype.element_ty), mask=mt[:, None])
+    tl.store(ascr + p_row, tl.where(ii > jj, Akk * (b * r)[:, None] * r[None, :], 0.0), mask=mt[:, None])
+
+
+@triton.jit
+def _load_lower_blocks(p, t1, t2, t3, t4, m1, m2, m3, m4, HV: tl.constexpr):
+    """The 10 lower 16x16 blocks of a chunk matrix stored in rows of 64 (``[T, HV, 64]``, ``p`` at
+    the head's first column): ``_chunk_kda_gram_kernel``'s ``A``; rows past the chunk read 0."""
+    c = tl.arange(0, 16)[None, :]
+    A11 = tl.load(p + t1[:, None] * (HV * 64) + c, mask=m1[:, None], other=0.0)
+    A21 = tl.load(p + t2[:, None] * (HV * 64) + c, mask=m2[:, None], other=0.0)
+    A22 = tl.load(p + t2[:, None] * (HV * 64) + 16 + c, mask=m2[:, None], other=0.0)
+    A31 = tl.load(p + t3[:, None] * (HV * 64) + c, mask=m3[:, None], other=0.0)
+    A32 = tl.load(p + t3[:, None] * (HV * 64) + 16 + c, mask=m3[:, None], other=0.0)
+    A33 = tl.load(p + t3[:, None] * (HV * 64) + 32 + c, mask=m3[:, None], other=0.0)
+    A41 = tl.load(p + t4[:, None] * (HV * 64) + c, mask=m4[:, None], other=0.0)
+    A42 = tl.load(p + t4[:, None] * (HV * 64) + 16 + c, mask=m4[:, None], other=0.0)
+    A43 = tl.load(p + t4[:, None] * (HV * 64) + 32 + c, mask=m4[:, None], other=0.0)
+    A44 = tl.load(p + t4[:, None] * (HV * 64) + 48 + c, mask=m4[:, None], other=0.0)
+    return A11, A21, A22, A31, A32, A33, A41, A42, A43, A44
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. intra-chunk: cumsum of g, A, (I + A)^-1, w, u (per-channel gate: also P, qg, kg, exp(c_last))
 # ----------------------------------------------------------------------------------------------
@@ -507,7 +591,7 @@ def _chunk_kda_prep_kernel(q, k, g, cu_seqlens, nb, state_indices, gc, rk, rq,
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_intra_kernel(
     q, k, v, g, beta, cu_seqlens, nb, state_indices,
-    w, u, gcum, rk, qg, kg, glast, rq, pbuf,
+    w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
     s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
@@ -558,7 +642,11 @@ def _chunk_intra_kernel(
     p_k = k + i_hk * s_kh
     if GATE_K:
         p_g = g + i_h * s_gh  # the chunk-local cumsum in log2 units (_chunk_kda_prep_kernel)
-        if tl.program_id(2) == 1:  # the query side: P, qg, rq
+        # 0: _chunk_kda_gram_kernel took the chunk (A in ascr; P, qg, kg, glast written)
+        flag = tl.load(steep + i_r * HV + i_h)
+        if tl.program_id(2) == 1:  # the query side: P, qg
+            if flag == 0:
+                return
             Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
                 q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
                 t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
@@ -568,15 +656,29 @@ def _chunk_intra_kernel(
                               tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0), tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0),
                               HV)
             return
-        G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _kda_gram_pass(
-            p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
-            glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
-            t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, False, MMA_RANGE, LOWP, DOT_F32, PREC)
         # the key inverse norms (_chunk_kda_prep_kernel's)
         r1 = tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0)
         r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
         r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
         r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
+        if flag == 0:
+            A11, A21, A22, A31, A32, A33, A41, A42, A43, A44 = _load_lower_blocks(
+                ascr + i_h * 64, t1, t2, t3, t4, m1, m2, m3, m4, HV)
+        else:
+            G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _kda_gram_pass(
+                p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
+                glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
+                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+            A11 = _beta_block(G11, b1, r1, r1, True)
+            A22 = _beta_block(G22, b2, r2, r2, True)
+            A33 = _beta_block(G33, b3, r3, r3, True)
+            A44 = _beta_block(G44, b4, r4, r4, True)
+            A21 = _beta_block(G21, b2, r2, r1, False)
+            A31 = _beta_block(G31, b3, r3, r1, False)
+            A32 = _beta_block(G32, b3, r3, r2, False)
+            A41 = _beta_block(G41, b4, r4, r1, False)
+            A42 = _beta_block(G42, b4, r4, r2, False)
+            A43 = _beta_block(G43, b4, r4, r3, False)
     else:
         G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _lower_blocks_zeros()
         ss1, ss2, ss3, ss4 = _row_sums_zeros()
@@ -618,20 +720,7 @@ def _chunk_intra_kernel(
         r2 = _inv_norm(ss2, USE_L2)
         r3 = _inv_norm(ss3, USE_L2)
         r4 = _inv_norm(ss4, USE_L2)
-
-    # A (blocks of I + A below the diagonal are the A blocks themselves)
-    if GATE_K:
-        A11 = _beta_block(G11, b1, r1, r1, True)
-        A22 = _beta_block(G22, b2, r2, r2, True)
-        A33 = _beta_block(G33, b3, r3, r3, True)
-        A44 = _beta_block(G44, b4, r4, r4, True)
-        A21 = _beta_block(G21, b2, r2, r1, False)
-        A31 = _beta_block(G31, b3, r3, r1, False)
-        A32 = _beta_block(G32, b3, r3, r2, False)
-        A41 = _beta_block(G41, b4, r4, r1, False)
-        A42 = _beta_block(G42, b4, r4, r2, False)
-        A43 = _beta_block(G43, b4, r4, r3, False)
-    else:
+        # A (blocks of I + A below the diagonal are the A blocks themselves)
         A11 = _decay_block(G11, b1, r1, c1, r1, c1, True)
         A22 = _decay_block(G22, b2, r2, c2, r2, c2, True)
         A33 = _decay_block(G33, b3, r3, c3, r3, c3, True)
@@ -926,6 +1015,10 @@ CONFIG = {
     # Triton's default (3: the next K blocks' loads in flight); 1 was slower (above)
     "kda_intra_stages": None,
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
+    # _chunk_kda_gram_kernel (the chunk-wide 64x64 products, also bounded by kda_intra_mma_range)
+    "kda_gram_bk": None,  # 16
+    "kda_gram_warps": None,  # 4
+    "kda_gram_stages": None,
 }
 
 
@@ -1042,12 +1135,23 @@ def chunk_gated_delta_rule_triton(
             g.stride(0), g.stride(1), g.stride(2),
             HV=hv, R=r, K=kd, BK=min(kp, 32), BB=bb, USE_L2=bool(use_qk_l2norm), num_warps=4)
         g_in = gc
+        # chunks of a gentle enough decay: A and P as 64x64 MMAs (steep[row, head] = 0); the others
+        # (steep = 1) are the intra kernel's, in 16x16 blocks
+        ascr = torch.empty(T, hv, C, dtype=f32, device=dev)
+        steep = torch.empty(n_rows, hv, dtype=torch.int8, device=dev)
+        _chunk_kda_gram_kernel[(n_rows, hv)](
+            q, k, gc, beta, cu_seqlens, batch, state_indices, rk, qg, kg, glast, pbuf, ascr, steep,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            beta.stride(0), beta.stride(1),
+            HV=hv, R=r, K=kd, BK=max(min(cfg["kda_gram_bk"] or 16, kp), 16), BB=bb, MMA_RANGE=mma_range, PREC=prec,
+            **_launch_opts(cfg["kda_gram_warps"] or 4, cfg["kda_gram_stages"]))
     else:
         g_in = g
+        ascr = steep = rk  # unused
     # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
     _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
         q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
-        w, u, gcum, rk, qg, kg, glast, rq, pbuf,
+        w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

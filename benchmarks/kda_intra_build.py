@@ -42,7 +42,7 @@ _PTR = {"q": "in", "k": "in", "v": "in", "w": "low", "qg": "low", "kg": "low", "
 _DTYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "tf32x3")}
 
 
-def constants(bk, gate_k=True, inputs="bf16", kernel="intra"):
+def constants(bk, gate_k=True, inputs="bf16", kernel="intra", chunk_wide=False):
     """The kernel's constexpr arguments as the launcher passes them at Kimi-Linear / Qwen3-Next shapes
     (K = V = 128; ``bk``: the intra kernel's K block, or the state kernel's V block)."""
     prec = _DTYPES[inputs][1]
@@ -53,7 +53,7 @@ def constants(bk, gate_k=True, inputs="bf16", kernel="intra"):
     if kernel == "gram":
         return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=64.0, PREC=prec)
     return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, BK=bk, BV=64, BB=16, USE_L2=True, PREC=prec, KPREC=prec,
-                RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0)
+                RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0, CHUNK_WIDE=chunk_wide)
 
 
 def signature(kern, consts, inputs, kernel="intra"):
@@ -116,13 +116,13 @@ def build_kernel(kern, sig: dict, consts: dict, warps: int, arch: int = 90, stag
             "shared": compiled.metadata.shared, "sass": len(insts), "loops": sorted(loops, reverse=True)}
 
 
-def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra"):
+def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra", chunk_wide=False):
     """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
     block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
     build's statistics (:func:`build_kernel`)."""
     kern = {"state": gdn_chunk._chunk_state_kernel, "gram": gdn_chunk._chunk_kda_gram_kernel}.get(
         kernel, gdn_chunk._chunk_intra_kernel)
-    consts = constants(bk, gate_k, inputs, kernel)
+    consts = constants(bk, gate_k, inputs, kernel, chunk_wide)
     return {"bk": bk, **build_kernel(kern, signature(kern, consts, inputs, kernel), consts, warps, arch, stages)}
 
 
@@ -138,6 +138,8 @@ def main():
     dt.add_argument("--fp32", action="store_true", help="fp32 inputs (TF32x3 matmuls)")
     dt.add_argument("--fp16", action="store_true", help="fp16 inputs (fp32 intermediates, TF32 matmuls)")
     ap.add_argument("--stages", type=int, default=None, help="num_stages (default: Triton's, as the launcher)")
+    ap.add_argument("--chunk-wide", action="store_true",
+                    help="the intra kernel's CHUNK_WIDE compile (KDA chunks whose A the gram kernel made)")
     args = ap.parse_args()
     inputs = "fp32" if args.fp32 else ("fp16" if args.fp16 else "bf16")
     stages = args.stages
@@ -150,7 +152,8 @@ def main():
     print(f"triton {triton.__version__}, sm_{args.arch}, {args.kernel} kernel, {'GDN' if args.gdn else 'KDA'}, {inputs}, "
           f"num_stages {stages if stages is not None else 'default'}")
     for bk, warps in configs:
-        r = build(bk, warps, args.arch, gate_k=not args.gdn, inputs=inputs, stages=stages, kernel=args.kernel)
+        r = build(bk, warps, args.arch, gate_k=not args.gdn, inputs=inputs, stages=stages, kernel=args.kernel,
+                  chunk_wide=args.chunk_wide)
         print(f"{'BV' if args.kernel == 'state' else 'BK'} {bk:3d} / {warps} warps: {r['regs']} regs, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, {r['shared']} B shared, {r['sass']} SASS instructions, "
               f"loop bodies {r['loops'][:4]}", flush=True)

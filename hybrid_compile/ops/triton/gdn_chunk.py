@@ -600,7 +600,7 @@ def _chunk_intra_kernel(
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     KPREC: tl.constexpr, RAW_K: tl.constexpr, GATE_K: tl.constexpr, LOWP: tl.constexpr,
-    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr,
+    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr, CHUNK_WIDE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -642,11 +642,16 @@ def _chunk_intra_kernel(
     p_k = k + i_hk * s_kh
     if GATE_K:
         p_g = g + i_h * s_gh  # the chunk-local cumsum in log2 units (_chunk_kda_prep_kernel)
-        # 0: _chunk_kda_gram_kernel took the chunk (A in ascr; P, qg, kg, glast written)
+        # steep 0: _chunk_kda_gram_kernel took the chunk (A in ascr; P, qg, kg, glast written), and
+        # the CHUNK_WIDE compile solves it; 1: the block compile does everything (two programs)
         flag = tl.load(steep + i_r * HV + i_h)
-        if tl.program_id(2) == 1:  # the query side: P, qg
+        if CHUNK_WIDE:
+            if flag != 0:
+                return
+        else:
             if flag == 0:
                 return
+        if not CHUNK_WIDE and tl.program_id(2) == 1:  # the query side: P, qg
             Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
                 q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
                 t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
@@ -661,7 +666,7 @@ def _chunk_intra_kernel(
         r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
         r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
         r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
-        if flag == 0:
+        if CHUNK_WIDE:
             A11, A21, A22, A31, A32, A33, A41, A42, A43, A44 = _load_lower_blocks(
                 ascr + i_h * 64, t1, t2, t3, t4, m1, m2, m3, m4, HV)
         else:
@@ -1019,6 +1024,9 @@ CONFIG = {
     "kda_gram_bk": None,  # 16
     "kda_gram_warps": None,  # 4
     "kda_gram_stages": None,
+    # warps of the intra kernel's CHUNK_WIDE compile (solve, w, u of the gram kernel's chunks): None =
+    # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 776 B spills; 4 warps 228, none
+    "kda_solve_warps": None,
 }
 
 
@@ -1148,20 +1156,23 @@ def chunk_gated_delta_rule_triton(
     else:
         g_in = g
         ascr = steep = rk  # unused
-    # per-channel gate: program_id(2) picks the key side (A, solve, w, u) or the query side (P)
-    _chunk_intra_kernel[(n_rows, hv, 2 if gate_k else 1)](
-        q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
-        w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        g_in.stride(0), g_in.stride(1), g_in.stride(2) if gate_k else 0,
-        beta.stride(0), beta.stride(1),
-        HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
-        KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
-        MMA_RANGE=mma_range,
-        **_launch_opts(warps_intra, stages_intra),
-    )
+    # per-channel gate: compiled twice, CHUNK_WIDE (the solve, w and u of the gram kernel's chunks: no
+    # 16x16 product code, so far fewer registers) and the block path of the steep chunks, where
+    # program_id(2) picks the key side (A, solve, w, u) or the query side (P)
+    for chunk_wide in ((True, False) if gate_k else (False,)):
+        _chunk_intra_kernel[(n_rows, hv, 2 if gate_k and not chunk_wide else 1)](
+            q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
+            w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            g_in.stride(0), g_in.stride(1), g_in.stride(2) if gate_k else 0,
+            beta.stride(0), beta.stride(1),
+            HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
+            KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
+            MMA_RANGE=mma_range, CHUNK_WIDE=chunk_wide,
+            **_launch_opts((cfg["kda_solve_warps"] or warps_intra) if chunk_wide else warps_intra, stages_intra),
+        )
     # the state and output kernels read the decayed keys / queries (one per value head) instead
     k_state, q_out, r_io = (kg, qg, 1) if gate_k else (k, q, r)
 

@@ -651,16 +651,17 @@ def _chunk_intra_kernel(
         else:
             if flag == 0:
                 return
-        if not CHUNK_WIDE and tl.program_id(2) == 1:  # the query side: P, qg
-            Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
-                q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
-                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
-            _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
-                              Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
-                              tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0), tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0),
-                              tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0), tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0),
-                              HV)
-            return
+        if not CHUNK_WIDE:
+            if tl.program_id(2) == 1:  # the query side: P, qg
+                Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
+                    q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
+                    t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
+                _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
+                                  Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
+                                  tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0), tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0),
+                                  tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0), tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0),
+                                  HV)
+                return
         # the key inverse norms (_chunk_kda_prep_kernel's)
         r1 = tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0)
         r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)

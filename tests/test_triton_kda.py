@@ -139,18 +139,20 @@ def test_chunk_prefill_multichunk_varlen_decay(kind, dtype, use_l2):
     assert torch.all(cs[offs[5]:] == 0)
 
 
-@pytest.mark.parametrize("bk", [32, 64])
-def test_chunk_prefill_intra_k_block_tunable(monkeypatch, bk):
-    """Other K blocks of the intra kernel (``gdn_chunk.CONFIG["kda_intra_bk"]``, default 16, swept on
-    the GPU by benchmarks/profile_gdn_chunk.py --kda): two K blocks of 32 (one masked) or one masked
-    block of 64 at K = 48."""
+@pytest.mark.parametrize("key,bk,kind", [("kda_intra_bk", 32, "mixed"), ("kda_intra_bk", 64, "mixed"),
+                                         ("kda_gram_bk", 32, "mild"), ("kda_gram_bk", 64, "mild")])
+def test_chunk_prefill_k_block_tunable(monkeypatch, key, bk, kind):
+    """Other K blocks of the intra kernel's block path (``gdn_chunk.CONFIG["kda_intra_bk"]``, default
+    16; steep decays, so every chunk takes it) and of the chunk-wide gram kernel (``"kda_gram_bk"``,
+    default 16; mild decays), both swept on the GPU by benchmarks/profile_gdn_chunk.py --kda: two K
+    blocks of 32 (one masked) or one masked block of 64 at K = 48."""
     from hybrid_compile.ops.triton import gdn_chunk
 
-    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_intra_bk", bk)
+    monkeypatch.setitem(gdn_chunk.CONFIG, key, bk)
     h, kd, vd = 1, 48, 16
     lens = [100, 30]
     q, k, v, _, beta = make_inputs((sum(lens),), h, kd, vd, torch.float32)
-    g = _decay(sum(lens), h, kd, "mixed")
+    g = _decay(sum(lens), h, kd, "mixed") if kind == "mixed" else _gate(sum(lens), h, kd, "mild")
     pool = make_pool(h, kd, vd)
     cu, slots, init = cu_seqlens_of(lens), torch.tensor([2, 5], dtype=torch.int32), torch.tensor([True, False])
     _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init)
@@ -315,9 +317,10 @@ def _cpu(*xs):
     (torch.bfloat16, 0.4, {"kda_intra_mma_range": -1.0}), (torch.bfloat16, 0.4, {"kda_intra_bk": 32, "kda_intra_warps": 8}),
     (torch.bfloat16, 10.0, {"kda_intra_warps": 4}),
     (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
-    (torch.bfloat16, 10.0, {"kda_intra_bk": 64})],
+    (torch.bfloat16, 10.0, {"kda_intra_bk": 64}), (torch.bfloat16, 0.4, {"kda_gram_bk": 32}),
+    (torch.float32, 0.4, {"kda_gram_bk": 32, "kda_gram_warps": 8})],
     ids=["bf16", "f32", "f16", "bf16-lowp-off", "bf16-s10", "bf16-s20", "f32-s20", "bisect", "bk32w8", "w4-s10", "bk16w8s1",
-         "bk64-s10"])
+         "bk64-s10", "gram-bk32", "f32-gram-bk32w8"])
 def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
     (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays

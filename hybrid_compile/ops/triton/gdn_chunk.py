@@ -26,7 +26,11 @@ keys / queries channel-wise and ``exp(c_last)`` the state's rows::
     o    = scale * ((exp(c) * q) h_n + P v')
 
 The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
-formed. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
+formed. Per (chunk, value head), where every channel's cumsum falls by at most
+``CONFIG["kda_intra_mma_range"]`` (64) over the chunk, ``A`` and ``P`` are two chunk-wide 64x64 MMAs
+with the decay split at each channel's mid value (``_chunk_kda_gram_kernel``: factors within
+``e^+-32``, fp32 operands at TF32 / TF32x3); a steeper chunk is flagged and built in 16x16 blocks
+as follows. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
 ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with ``c_ref`` the cumsum
 at the row before block I (both factors ``<= 1``, ``c`` being non-increasing: ``g <= 0``). A
 diagonal block is an MMA too where, per K block, every channel's cumsum falls by at most
@@ -46,8 +50,13 @@ chunk ``n`` in request order, i.e. exactly the ``chunk_states`` row layout. Each
 its request, first token and length from ``cu_seqlens`` itself (``_locate_row``); rows past the
 last chunk do nothing.
 
-1. ``_chunk_intra_kernel``, grid ``(NR, Hv)`` (per-channel gate: ``(NR, Hv, 2)``, the key and
-   the query side): per (chunk, value head): the cumsum of ``g`` (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
+0. Per-channel gate only: ``_chunk_kda_prep_kernel``, grid ``(NR, Hv)``: the chunk-local cumsum of
+   ``g`` in log2 units (``gc [T, Hv, K]``, fp32) and the key / query inverse norms; then
+   ``_chunk_kda_gram_kernel``, grid ``(NR, Hv)``: the chunk-wide ``A`` (to a scratch ``[T, Hv, 64]``)
+   and ``P``, ``qg``, ``kg``, ``exp(c_last)`` of the chunks within range, and ``steep[row, head]``.
+1. ``_chunk_intra_kernel``, grid ``(NR, Hv)`` (per-channel gate: launched twice, the ``CHUNK_WIDE``
+   compile over ``(NR, Hv)`` solving the gram kernel's chunks from its ``A``, and the block compile
+   over ``(NR, Hv, 2)``, the key and the query side of the steep chunks): per (chunk, value head): the cumsum of ``g`` (four 16-token sub-blocks), the key Gram matrix in 16x16 blocks (``tl.dot`` over ``K`` in
    blocks of ``BK``, in the input dtype: exact products for bf16/fp16), key norms from the same
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
@@ -1004,29 +1013,29 @@ CONFIG = {
     "out_bv": None,  # the whole V (<= 128) on the bf16 path, else 64
     "out_warps": None,  # 4
     "out_stages": None,
-    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (its two
-    # programs per (chunk, head) each hold 10 [16, 16] accumulators and [16, BK] tiles). Timed on an
-    # H100 (2026-11-27, benchmarks/profile_gdn_chunk.py --kda --sweep, 32k tokens, Kimi-Linear-48B
-    # shapes; intra kernel / whole prefill, us): BK 16 / 2 warps 5476 / 7045; 16 / 4 6874 / 8395;
-    # 16 / 4 one stage 8822 / 10369; 16 / 8 12853 / 14296; 32 / 8 11025 / 12507; 16 / 4 with the
-    # bisection everywhere 9959 / 11537. The sm_90 build (benchmarks/kda_intra_build.py: spill
-    # bytes stored / static SASS instructions per thread, 255 registers), Triton 3.6 (the GPU's) |
-    # 3.9: 16 / 4 40 / 9216 | 196 / 10056; 16 / 8 20 / 7336 | 8 / 7384; 32 / 8 40 / 9824 | 436 /
-    # 10576; 32 / 4 564 / 13184; 16 / 2 572 / 12800; 64 / 8 932 / 14840: fewer warps per program
-    # win despite the spills (more programs resident per SM). The version before (both sides in one
-    # program, [16, 16, BK] fp32 diagonal tiles): its intra kernel 4.0 ms at 8k tokens on an H200
-    # at its default 32 / 8, fla's whole chunk_kda 1.9 ms.
+    # per-channel gate (Kimi Delta Attention) only: the intra kernel's K block and warps (the block
+    # path of steep chunks: two programs per (chunk, head), 10 [16, 16] accumulators and [16, BK]
+    # tiles each; also the CHUNK_WIDE compile's warps, see kda_solve_warps). Timed on an H100
+    # (2026-11-27, benchmarks/profile_gdn_chunk.py --kda --sweep, 32k tokens, when every chunk took the
+    # blocks; intra kernel / whole prefill, us): BK 16 / 2 warps 5476 / 7045; 16 / 4 6874 / 8395;
+    # 16 / 8 12853 / 14296; 32 / 8 11025 / 12507: fewer warps per program win despite the spills
+    # (more programs resident per SM). On an H200 (2026-11-29, the chunk-wide path taking every chunk)
+    # kda_intra_warps 4 made the whole prefill 5.83 ms against 4.44 at 2.
     "kda_intra_bk": None,  # 16
     "kda_intra_warps": None,  # 2
     # Triton's default (3: the next K blocks' loads in flight); 1 was slower (above)
     "kda_intra_stages": None,
     "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
     # _chunk_kda_gram_kernel (the chunk-wide 64x64 products, also bounded by kda_intra_mma_range)
-    "kda_gram_bk": None,  # 16
+    "kda_gram_bk": None,  # 16 (the GPU tests' setting). On an H200 at 32k tokens 32 took 805-807 us
+    # against 889-925 at 16 (4 warps; 8 warps: 1007 at 16, 828 at 32; profile_kda_gram /
+    # _solve_h200_2026-11-29.json), 1 % of the whole prefill, not yet GPU-tested. sm_90 build
+    # (Triton 3.9): 32 / 4 254 registers, 16 / 4 166, 16 / 8 126, 32 / 8 154, none spilling
     "kda_gram_warps": None,  # 4
     "kda_gram_stages": None,
     # warps of the intra kernel's CHUNK_WIDE compile (solve, w, u of the gram kernel's chunks): None =
-    # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 776 B spills; 4 warps 228, none
+    # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 776 B spills; 4 warps 228,
+    # none; yet on an H200 at 32k tokens 2 warps 1284 us, 4 warps 2267 (more programs resident)
     "kda_solve_warps": None,
 }
 

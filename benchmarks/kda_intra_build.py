@@ -51,7 +51,7 @@ def constants(bk, gate_k=True, inputs="bf16", kernel="intra", chunk_wide=False):
         return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, KP=128, BV=bk, BB=16, PREC=prec, LOWP=lowp,
                     DOT_F32=False, STORE_CS=lowp, GATE_K=gate_k)
     if kernel == "gram":
-        return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=64.0, PREC=prec)
+        return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=128.0, PREC=prec)
     return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, BK=bk, BV=64, BB=16, USE_L2=True, PREC=prec, KPREC=prec,
                 RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0, CHUNK_WIDE=chunk_wide)
 

@@ -231,6 +231,42 @@ def test_chunk_prefill_chunk_wide_and_block_paths_in_one_call(monkeypatch, dtype
     assert_close(o, o_blocks, tol(dtype))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_prefill_chunk_wide_up_to_its_range(monkeypatch, dtype):
+    """Decays of -1.1 to -1.9 a token on every channel: a 64-token chunk spans ~96 (natural log), past
+    the 16x16 blocks' 64 but within the chunk-wide path's ``CONFIG["kda_gram_range"]`` (128), whose
+    factors then reach ``e^+-48`` and whose discarded entries above the diagonal overflow. Against the
+    reference, finite; the chunk-wide path ran (not bit-equal to every chunk in blocks,
+    ``kda_gram_range`` -1); a range of 64 puts these chunks in blocks (bit-equal to that run). (The
+    interpreter's numpy warns of the discarded entries' overflow.)"""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    h, kd, vd = 2, 32, 16
+    lens = [128, 64]
+    T = sum(lens)
+    q, k, v, _, beta = make_inputs((T,), h, kd, vd, dtype)
+    g = -1.1 - torch.rand(T, h, kd) * 0.8
+    assert 64 < float(-g[:64].sum(0).min()) and float(-g[:64].sum(0).max()) < 128
+    pool = make_pool(h, kd, vd)
+    cu, slots, init = cu_seqlens_of(lens), torch.tensor([1, 4], dtype=torch.int32), torch.tensor([True, False])
+    o, got_pool, _ = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init, dtype=dtype)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all()
+
+    def run():
+        return tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, init, True, 0.0,
+                                                     False)[0]
+
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_gram_range", -1.0)  # every chunk in blocks
+    o_blocks = run()
+    assert not torch.equal(o, o_blocks)
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_gram_range", 64.0)
+    assert torch.equal(run(), o_blocks)
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_gram_range", 200.0)
+    with pytest.raises(ValueError, match="kda_gram_range"):
+        run()
+
+
 def test_chunk_prefill_diag_range_is_validated(monkeypatch):
     from hybrid_compile.ops.triton import gdn_chunk
 
@@ -318,12 +354,13 @@ def _cpu(*xs):
     (torch.bfloat16, 10.0, {"kda_intra_warps": 4}),
     (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
     (torch.bfloat16, 10.0, {"kda_intra_bk": 64}), (torch.bfloat16, 0.4, {"kda_gram_bk": 32}),
-    (torch.float32, 0.4, {"kda_gram_bk": 32, "kda_gram_warps": 8})],
+    (torch.float32, 0.4, {"kda_gram_bk": 32, "kda_gram_warps": 8}), (torch.bfloat16, 3.0, {}), (torch.float32, 3.0, {})],
     ids=["bf16", "f32", "f16", "bf16-lowp-off", "bf16-s10", "bf16-s20", "f32-s20", "bisect", "bk32w8", "w4-s10", "bk16w8s1",
-         "bk64-s10", "gram-bk32", "f32-gram-bk32w8"])
+         "bk64-s10", "gram-bk32", "f32-gram-bk32w8", "bf16-s3", "f32-s3"])
 def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
-    (itself checked against the per-token reference); ``strength`` 10 / 20: per-channel log-decays
+    (itself checked against the per-token reference); ``strength`` 3: chunks spanning ~96 (the
+    chunk-wide path past the 16x16 blocks' 64); 10 / 20: per-channel log-decays
     down to -10 / -20 a token, far past where exp(-cumsum) overflows (the intra kernel's diagonal
     blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
     (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages); fp16 inputs and

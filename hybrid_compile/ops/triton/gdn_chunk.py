@@ -27,9 +27,9 @@ keys / queries channel-wise and ``exp(c_last)`` the state's rows::
 
 The decay has no lower bound (transformers' ``KimiLinearForgetGate``), so ``exp(-c)`` is never
 formed. Per (chunk, value head), where every channel's cumsum falls by at most
-``CONFIG["kda_intra_mma_range"]`` (64) over the chunk, ``A`` and ``P`` are two chunk-wide 64x64 MMAs
+``CONFIG["kda_gram_range"]`` (128) over the chunk, ``A`` and ``P`` are two chunk-wide 64x64 MMAs
 with the decay split at each channel's mid value (``_chunk_kda_gram_kernel``: factors within
-``e^+-32``, fp32 operands at TF32 / TF32x3); a steeper chunk is flagged and built in 16x16 blocks
+``e^+-64``, fp32 operands at TF32 / TF32x3); a steeper chunk is flagged and built in 16x16 blocks
 as follows. An off-diagonal 16x16 block (rows I > columns J) of A / P is an MMA of
 ``k_I exp(c_I - c_ref)`` (or ``q_I ...``) and ``(k_J exp(c_ref - c_J))^T`` with ``c_ref`` the cumsum
 at the row before block I (both factors ``<= 1``, ``c`` being non-increasing: ``g <= 0``). A
@@ -514,12 +514,16 @@ def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg
                            HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                            BB: tl.constexpr, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
     """Grid ``(NR, HV)``: the per-channel-gate chunk products of a chunk whose decay spans at most
-    ``MMA_RANGE`` (natural-log units) on every channel, as two 64x64 MMAs per K block. With ``c`` the
-    log2 cumsum (``gc``), ``e`` its value at the chunk's last token and ``m = e / 2`` the channel's
-    mid value, ``2^(c_i - c_j) = 2^(c_i - m) 2^(m - c_j)``, both factors in ``[e^(-R/2), e^(R/2)]``
-    (``R = MMA_RANGE``; the bound of ``_diag_gram``), so ``A = (k 2^(c - m)) (k 2^(m - c))^T`` and
+    ``MMA_RANGE`` (natural-log units, ``CONFIG["kda_gram_range"]``) on every channel, as two 64x64 MMAs
+    per K block. With ``c`` the log2 cumsum (``gc``), ``e`` its value at the chunk's last token and
+    ``m = e / 2`` the channel's mid value, ``2^(c_i - c_j) = 2^(c_i - m) 2^(m - c_j)``, both factors in
+    ``[e^(-R/2), e^(R/2)]`` (``R = MMA_RANGE``), so ``A = (k 2^(c - m)) (k 2^(m - c))^T`` and
     ``P = (q 2^(c - m)) (k 2^(m - c))^T`` over the whole chunk at once, in fp32 operands at ``PREC``
-    (TF32 for bf16 inputs). Writes ``P`` (causal, times the key norms) to ``pbuf``, ``A`` (strictly
+    (TF32 for bf16 inputs). At ``R = 128`` every factor is a normal fp32 number (``e^+-64``; fp32's
+    normal range is ``e^+-87``) whose product with a raw q / k below ``1e10`` stays finite; each
+    entry at or below the diagonal is a sum of terms no larger than their true values
+    ``|q_i k_j| e^(c_i - c_j)``, so its rounding is relative to them; the entries above the
+    diagonal (``e^(c_i - c_j)`` up to ``e^R``) may overflow and are discarded with ``where``. Writes ``P`` (causal, times the key norms) to ``pbuf``, ``A`` (strictly
     lower, times ``beta`` and both key norms) to ``ascr`` for the intra kernel's solve, ``qg``, ``kg``,
     ``glast``, and ``steep[row, head]`` = 0. A steeper chunk gets ``steep`` = 1 and nothing else: the
     intra kernel's two programs then build its products in 16x16 blocks (``_kda_gram_pass``)."""
@@ -1025,8 +1029,10 @@ CONFIG = {
     "kda_intra_warps": None,  # 2
     # Triton's default (3: the next K blocks' loads in flight); 1 was slower (above)
     "kda_intra_stages": None,
-    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay)
-    # _chunk_kda_gram_kernel (the chunk-wide 64x64 products, also bounded by kda_intra_mma_range)
+    "kda_intra_mma_range": None,  # 64.0 (see _diag_gram; -1 = always the bisection, any decay, and no chunk-wide path)
+    # _chunk_kda_gram_kernel (the chunk-wide 64x64 products): the largest decay span over a chunk it
+    # takes (natural-log units, <= 128; -1 = none: every chunk in 16x16 blocks)
+    "kda_gram_range": None,  # 128.0
     "kda_gram_bk": None,  # 16 (the GPU tests' setting). On an H200 at 32k tokens 32 took 805-807 us
     # against 889-925 at 16 (4 warps; 8 warps: 1007 at 16, 828 at 32; profile_kda_gram /
     # _solve_h200_2026-11-29.json), 1 % of the whole prefill, not yet GPU-tested. sm_90 build
@@ -1137,6 +1143,11 @@ def chunk_gated_delta_rule_triton(
     mma_range = float(64.0 if cfg["kda_intra_mma_range"] is None else cfg["kda_intra_mma_range"])
     if mma_range > 64.0:  # see _diag_gram: the bound that keeps every MMA entry finite
         raise ValueError(f'gdn_chunk.CONFIG["kda_intra_mma_range"] must be <= 64, not {mma_range}')
+    gram_range = float(128.0 if cfg["kda_gram_range"] is None else cfg["kda_gram_range"])
+    if gram_range > 128.0:  # see _chunk_kda_gram_kernel: every factor a normal fp32 number
+        raise ValueError(f'gdn_chunk.CONFIG["kda_gram_range"] must be <= 128, not {gram_range}')
+    if mma_range < 0:  # the bisection everywhere: no mid-value split at all
+        gram_range = -1.0
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
         warps_intra = cfg["kda_intra_warps"] or 2
@@ -1161,7 +1172,7 @@ def chunk_gated_delta_rule_triton(
             q, k, gc, beta, cu_seqlens, batch, state_indices, rk, qg, kg, glast, pbuf, ascr, steep,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             beta.stride(0), beta.stride(1),
-            HV=hv, R=r, K=kd, BK=max(min(cfg["kda_gram_bk"] or 16, kp), 16), BB=bb, MMA_RANGE=mma_range, PREC=prec,
+            HV=hv, R=r, K=kd, BK=max(min(cfg["kda_gram_bk"] or 16, kp), 16), BB=bb, MMA_RANGE=gram_range, PREC=prec,
             **_launch_opts(cfg["kda_gram_warps"] or 4, cfg["kda_gram_stages"]))
     else:
         g_in = g

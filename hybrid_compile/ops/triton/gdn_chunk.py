@@ -604,7 +604,7 @@ def _load_lower_blocks(p, t1, t2, t3, t4, m1, m2, m3, m4, HV: tl.constexpr):
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_intra_kernel(
     q, k, v, g, beta, cu_seqlens, nb, state_indices,
-    w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
+    w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep,
     s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
@@ -1183,7 +1183,7 @@ def chunk_gated_delta_rule_triton(
     for chunk_wide in ((True, False) if gate_k else (False,)):
         _chunk_intra_kernel[(n_rows, hv, 2 if gate_k and not chunk_wide else 1)](
             q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
-            w, u, gcum, rk, qg, kg, glast, rq, pbuf, ascr, steep,
+            w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),

@@ -13,7 +13,8 @@ on load and quantizes on store; the chunked pipeline stages the batch's states t
 Kernels:
 
 - ``_gdn_recurrent_kernel`` (decode ``fused_sigmoid_gating_delta_rule_update`` and verify
-  ``fused_recurrent_gated_delta_rule_update``): grid ``(B, Hv, cdiv(V, BV))``. Each program
+  ``fused_recurrent_gated_delta_rule_update``): grid ``(cdiv(V, BV), Hv, B)`` (the value blocks of
+  one state launch together, as fla's kernel orders them: B <= 65535). Each program
   holds the state block ``[K, BV]`` (K padded to a power of two, loaded whole) in registers,
   loops over the ``L`` steps (1 for decode) with the gating (decode) and the q/k L2 norm done
   in-kernel, stores the per-step state into ``intermediate_states[b, t]`` when given, and
@@ -72,7 +73,7 @@ def _gdn_recurrent_kernel(
     """GATING: ``g``/``beta`` are the raw ``a``/``b`` projections and the gating is computed here.
     TREE: a draft tree (``parents`` ``[B, L]``, float buffers; ``BL`` a power of two >= L): node ``t``
     starts from the state stored after its parent, or from the slot's state for parent -1. Each
-    root-to-leaf path has its own programs (grid axis 2: path-major over the value blocks,
+    root-to-leaf path has its own programs (grid axis 0: path-major over the value blocks,
     :func:`.common.tree_path`), which walk it with the state in registers, rounded after each
     node to the intermediate buffer's dtype as stored; a node's output and state are stored by the
     one path that owns it. A tree of depth ``d`` costs ``d + 1`` steps, not ``L``.
@@ -81,9 +82,11 @@ def _gdn_recurrent_kernel(
     PER_K_GATE: ``g`` holds one log-decay per key channel (Kimi Delta Attention), row ``k`` of the
     state decays by ``exp(g[..., k])``."""
     pdl_wait_and_release(USE_PDL)  # programmatic dependent launch: wait for the kernel before (launch.py)
-    i_b = tl.program_id(0).to(tl.int64)
+    # grid (value blocks x paths, Hv, B): the value blocks of one (request, head) state launch
+    # next to each other, so its rows are read and written while their DRAM pages are open
+    i_v = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    i_b = tl.program_id(2).to(tl.int64)
     i_hk = i_h // R
     if TREE:
         found, i_v, _, on_path, owned = tree_path(parents + i_b * s_parb, s_parl, L, i_v, (V + BV - 1) // BV, BL)
@@ -223,7 +226,9 @@ def _launch_recurrent(q, k, v, g, beta, A_log, dt_bias, o, ssm_states, state_ind
     ps_strides = ssm_scales.stride()[:2] if ssm_scales is not None else (0, 0)
     is_strides = inter_scales.stride()[:3] if inter_scales is not None else (0, 0, 0)
     paths, bl = tree_paths(steps, parents is not None)
-    _gdn_recurrent_kernel[(bs, hv, triton.cdiv(vd, bv) * paths)](
+    if bs > 65535:  # the grid's third axis
+        raise ValueError(f"GDN recurrent kernel (Triton): batch {bs} > 65535 rows in one call")
+    _gdn_recurrent_kernel[(triton.cdiv(vd, bv) * paths, hv, bs)](
         q, k, v, g, beta, a_log, dtb, o, ssm_states, state_indices, it, ps, iss,
         parents if parents is not None else state_indices,
         steps, float(scale) if scale > 0 else float(kd) ** -0.5, float(softplus_beta), float(softplus_threshold),

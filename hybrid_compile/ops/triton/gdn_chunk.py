@@ -61,8 +61,9 @@ last chunk do nothing.
    loads, ``A``, its inverse (exact fp32 forward substitution of the four 16x16 diagonal blocks
    at once, as one [4, 16, 16] tensor, then the block formula for the off-diagonal blocks, as
    fla's ``solve_tril``), then ``w`` and ``u``. Writes ``w [T, Hv, K]``, ``u [T, Hv, V]``,
-   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]`` (per-channel gate: the extras above
-   instead of ``c``; K blocks of ``CONFIG["kda_intra_bk"]``).
+   ``c [T, Hv]`` and the key inverse norms ``rk [T, Hv]``. Per-channel gate: the cumsum and norms
+   are the prep kernel's; the block compile writes the extras above (``P``, ``qg``, ``kg``,
+   ``exp(c_last)``) of the steep chunks, in K blocks of ``CONFIG["kda_intra_bk"]``.
 2. ``_chunk_state_kernel``, grid ``(B, Hv, cdiv(V, BV))``: the sequential pass. The state block
    ``[K, BV]`` (fp32, K padded to a power of two) stays in registers while the program walks
    its request's chunks (the next chunks' loads in flight, Triton's software pipelining): stores

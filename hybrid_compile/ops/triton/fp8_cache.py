@@ -105,6 +105,23 @@ def store_state_rows(ptrs, scale_ptrs, S, mask, scale_mask, FP8: tl.constexpr, A
 
 
 @triton.jit
+def keep_step_state(S, t, L, ptrs, scale_ptrs, mask, scale_mask, HAS_INTER: tl.constexpr, INTER_FP8: tl.constexpr,
+                    ROUND_STEPS: tl.constexpr, TREE: tl.constexpr, AXIS: tl.constexpr = 1):
+    """The state ``S`` after step ``t`` of ``L`` of a recurrent step kernel: stored to the
+    intermediate buffer (``ptrs``, as :func:`store_state_rows`) when ``HAS_INTER``; returned as the
+    next step starts from it: as stored for a tree (its children start from the stored state; float
+    buffers only), rounded to the FP8 format between steps when ``ROUND_STEPS`` (an FP8 pool: as a
+    decode step would store it). Shared by the Mamba2, Mamba1, GDN and lightning step kernels."""
+    if HAS_INTER:
+        store_state_rows(ptrs, scale_ptrs, S, mask, scale_mask, INTER_FP8, AXIS)
+        if TREE:
+            S = S.to(ptrs.dtype.element_ty).to(tl.float32)
+    if ROUND_STEPS:
+        S = tl.where(t < L - 1, round_rows(S, AXIS), S)
+    return S
+
+
+@triton.jit
 def round_rows(S, AXIS: tl.constexpr = 1):
     """fp32 tile ``S`` as the FP8 format (one scale per vector along ``AXIS``, as
     :func:`store_state_rows`) stores and returns it."""

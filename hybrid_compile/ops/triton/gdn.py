@@ -40,7 +40,7 @@ import triton.language as tl
 from ..fp8_cache import GDN_STATE_SCALE_DIM
 from ..gdn import _check_chunk, _check_decode, _check_verify
 from .common import flag_at, tree_path, tree_paths
-from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
+from .fp8_cache import keep_step_state, scan_on_staged_states, store_state_rows
 from .gdn_chunk import MAX_HEAD_K_DIM, chunk_gated_delta_rule_triton
 from .launch import pdl_launch, pdl_wait_and_release
 
@@ -178,15 +178,9 @@ def _recurrent_node(S, t, p_q, p_k, p_v, p_g, p_beta, p_o, inter, inter_scales, 
     S = S + b_k[:, None] * delta[None, :]
     b_o = tl.sum(S * b_q[:, None], 0)
     tl.store(p_o + t * s_ol, tl.where(m_o, b_o, 0.0).to(p_o.dtype.element_ty), mask=m_out)
-    if HAS_INTER:
-        p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
-        store_state_rows(p_i, inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, S, m_s, m_o,
-                         INTER_FP8, 0)
-        if TREE:  # the children start from the state as stored (float buffers only)
-            S = S.to(inter.dtype.element_ty).to(tl.float32)
-    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-        S = tl.where(t < L - 1, round_rows(S, 0), S)
-    return S
+    p_i = inter + i_b * s_ib + t * s_il + i_h * s_ih + o_k[:, None] * s_ik + o_v[None, :] * s_iv
+    return keep_step_state(S, t, L, p_i, inter_scales + i_b * s_isb + t * s_isl + i_h * s_ish + o_v, m_s, m_o,
+                           HAS_INTER, INTER_FP8, ROUND_STEPS, TREE, 0)
 
 
 def _recurrent_config(rows: int, kd: int, vd: int):

@@ -35,7 +35,7 @@ import triton.language as tl
 from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM, _check_chunk, _check_recurrent
 from .common import flag_at, tree_path, tree_paths
-from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
+from .fp8_cache import keep_step_state, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["chunk_lightning_attention_fp8_aware", "chunk_lightning_attention_triton",
@@ -124,14 +124,9 @@ def _lightning_step(S, t, decay, p_q, p_k, p_v, p_o, p_i0, p_is, mk, mv, m_out, 
     S = decay * S + k_t[:, None] * v_t[None, :]
     o_t = tl.sum(q_t[:, None] * S, axis=0)
     tl.store(p_o + t * s_ol, o_t.to(p_o.dtype.element_ty), mask=m_out)
-    if HAS_INTER:
-        store_state_rows(p_i0 + t * s_il, p_is + t * s_isl, S, m_inter, m_out, INTER_FP8, 0)
-        if TREE:  # the children start from the state as stored (float buffers only)
-            S = S.to(p_i0.dtype.element_ty).to(tl.float32)
-    if POOL_FP8:  # the state as a decode step would store it, between steps (the last: stored below)
-        if t < L - 1:
-            S = round_rows(S, 0)
-    return S
+    # FP8 pool: rounded between steps as a decode step would store it (the last: stored below)
+    return keep_step_state(S, t, L, p_i0 + t * s_il, p_is + t * s_isl, m_inter, m_out, HAS_INTER,
+                           INTER_FP8, POOL_FP8, TREE, 0)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from .._varlen import chunk_row_offsets, max_chunk_rows
 from ..fp8_cache import MAMBA1_STATE_SCALE_DIM
 from ..mamba1 import _check_selective_scan, _check_state_update
 from .common import flag_at, pow2, sm_count, softplus, tree_path, tree_paths
-from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
+from .fp8_cache import keep_step_state, scan_on_staged_states, store_state_rows
 from .launch import pdl_launch, pdl_wait_and_release
 
 __all__ = ["mamba1_selective_scan_fp8_aware", "mamba1_selective_scan_triton", "mamba1_state_update_triton"]
@@ -412,13 +412,8 @@ def _update_step(S, t, A, Dv, bias, x_ptrs, dt_ptrs, B_ptrs, C_ptrs, z_ptrs, out
     S, y = _token(S, A, Dv, bias, x_ptrs + t * sx_t, dt_ptrs + t * sdt_t, B_ptrs + t * sB_t, C_ptrs + t * sC_t,
                   z_ptrs + t * sz_t, mask_d, mask_dn, HAS_D, HAS_Z, DT_SOFTPLUS)
     tl.store(out_ptrs + t * so_t, y.to(out_ptrs.dtype.element_ty), mask=m_out)
-    if HAS_INTER:
-        store_state_rows(i_ptrs + t * si_t, inter_scales + t * sis_t, S, m_inter, m_out, INTER_FP8)
-        if TREE:  # the children start from the state as stored (float buffers only)
-            S = S.to(i_ptrs.dtype.element_ty).to(tl.float32)
-    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-        S = tl.where(t < L - 1, round_rows(S), S)
-    return S
+    return keep_step_state(S, t, L, i_ptrs + t * si_t, inter_scales + t * sis_t, m_inter, m_out, HAS_INTER, INTER_FP8,
+                           ROUND_STEPS, TREE)
 
 
 def mamba1_state_update_triton(

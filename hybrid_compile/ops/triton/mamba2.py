@@ -48,7 +48,7 @@ import triton.language as tl
 from .._varlen import chunks_per_request, max_chunk_rows
 from ..fp8_cache import MAMBA2_STATE_SCALE_DIM
 from ..mamba2 import _check_selective_state_update, _check_ssd_chunk_scan, varlen_chunk_table
-from .fp8_cache import round_rows, scan_on_staged_states, store_state_rows
+from .fp8_cache import keep_step_state, scan_on_staged_states, store_state_rows
 from .common import flag_at, pow2, tree_path, tree_paths
 from .common import softplus as _softplus
 from .launch import pdl_launch, pdl_wait_and_release
@@ -223,13 +223,8 @@ def _ssu_step(S, t, x_ptrs, dt_p, B_ptrs, C_ptrs, z_ptrs, out_ptrs, i_ptrs, inte
         z = tl.load(z_ptrs + t * sz_t, mask=mask_p, other=0.0).to(tl.float32)
         y = y * (z * tl.sigmoid(z))
     tl.store(out_ptrs + t * so_t, y.to(out_ptrs.dtype.element_ty), mask=m_out)
-    if HAS_INTER:
-        store_state_rows(i_ptrs + t * si_t, inter_scales + t * sis_t, S, m_inter, m_out, INTER_FP8)
-        if TREE:  # the children start from the state as stored (float buffers only)
-            S = S.to(i_ptrs.dtype.element_ty).to(tl.float32)
-    if ROUND_STEPS:  # FP8 pool, L > 1: the state as a decode step would store it, between steps
-        S = tl.where(t < L - 1, round_rows(S), S)
-    return S
+    return keep_step_state(S, t, L, i_ptrs + t * si_t, inter_scales + t * sis_t, m_inter, m_out, HAS_INTER, INTER_FP8,
+                           ROUND_STEPS, TREE)
 
 
 def _strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:

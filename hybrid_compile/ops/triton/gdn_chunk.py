@@ -190,6 +190,15 @@ def _locate_row(cu_seqlens, nb, i_r, BB: tl.constexpr):
 
 
 @triton.jit
+def _live_row(cu_seqlens, nb, state_indices, i_r, BB: tl.constexpr):
+    """``(live, first token, length)`` of chunk-state row ``i_r`` (``_locate_row``); ``live`` is false
+    past the last chunk and for a padding request (slot -1): the row's program has nothing to do."""
+    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
+    slot = tl.load(state_indices + tl.maximum(req, 0))
+    return (req >= 0) & (slot >= 0), start, n
+
+
+@triton.jit
 def _rows_before(cu_seqlens, i_b, BB: tl.constexpr):
     """First chunk-state row of request ``i_b``: sum of ``ceil(len / 64)`` over the requests before it."""
     acc = i_b * 0
@@ -485,10 +494,8 @@ def _chunk_kda_prep_kernel(q, k, g, cu_seqlens, nb, state_indices, gc, rk, rq,
     Rows of padding requests are not written (nothing reads them)."""
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
-    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
-    if req < 0:
-        return
-    if tl.load(state_indices + req) < 0:
+    live, start, n = _live_row(cu_seqlens, nb, state_indices, i_r, BB)
+    if not live:
         return
     t = start + tl.arange(0, 64)
     mt = tl.arange(0, 64) < n
@@ -530,10 +537,8 @@ def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg
     intra kernel's two programs then build its products in 16x16 blocks (``_kda_gram_pass``)."""
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
-    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
-    if req < 0:
-        return
-    if tl.load(state_indices + req) < 0:
+    live, start, n = _live_row(cu_seqlens, nb, state_indices, i_r, BB)
+    if not live:
         return
     p_last = gc + (start + n - 1) * (HV * K) + i_h * K  # the cumsum at the chunk's last token
     span = 0.0
@@ -619,11 +624,8 @@ def _chunk_intra_kernel(
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     i_hk = i_h // R
-    req, start, n = _locate_row(cu_seqlens, nb, i_r, BB)
-    if req < 0:  # past the last chunk
-        return
-    slot = tl.load(state_indices + req)
-    if slot < 0:  # a padding request
+    live, start, n = _live_row(cu_seqlens, nb, state_indices, i_r, BB)
+    if not live:  # past the last chunk, or a padding request
         return
 
     o16 = tl.arange(0, 16)
@@ -665,22 +667,19 @@ def _chunk_intra_kernel(
         else:
             if flag == 0:
                 return
+        # the key inverse norms (_chunk_kda_prep_kernel's)
+        r1 = tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0)
+        r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
+        r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
+        r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
         if not CHUNK_WIDE:
             if tl.program_id(2) == 1:  # the query side: P, qg
                 Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
                     q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
                     t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
                 _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
-                                  Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44,
-                                  tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0), tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0),
-                                  tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0), tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0),
-                                  HV)
+                                  Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, r1, r2, r3, r4, HV)
                 return
-        # the key inverse norms (_chunk_kda_prep_kernel's)
-        r1 = tl.load(rk + t1 * HV + i_h, mask=m1, other=0.0)
-        r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
-        r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
-        r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
         if CHUNK_WIDE:
             A11, A21, A22, A31, A32, A33, A41, A42, A43, A44 = _load_lower_blocks(
                 ascr + i_h * 64, t1, t2, t3, t4, m1, m2, m3, m4, HV)
@@ -1037,11 +1036,11 @@ CONFIG = {
     "kda_gram_bk": None,  # 16 (the GPU tests' setting). On an H200 at 32k tokens 32 took 805-807 us
     # against 889-925 at 16 (4 warps; 8 warps: 1007 at 16, 828 at 32; profile_kda_gram /
     # _solve_h200_2026-11-29.json), 1 % of the whole prefill, not yet GPU-tested. sm_90 build
-    # (Triton 3.9): 32 / 4 254 registers, 16 / 4 166, 16 / 8 126, 32 / 8 154, none spilling
+    # (Triton 3.9): 32 / 4 250 registers, 16 / 4 174, 16 / 8 125, 32 / 8 158, none spilling
     "kda_gram_warps": None,  # 4
     "kda_gram_stages": None,
     # warps of the intra kernel's CHUNK_WIDE compile (solve, w, u of the gram kernel's chunks): None =
-    # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 776 B spills; 4 warps 228,
+    # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 224 B spills; 4 warps 240,
     # none; yet on an H200 at 32k tokens 2 warps 1284 us, 4 warps 2267 (more programs resident)
     "kda_solve_warps": None,
 }

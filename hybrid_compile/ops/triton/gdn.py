@@ -104,7 +104,8 @@ def _gdn_recurrent_kernel(
     m_o = o_v < tl.where(live, V, 0)
 
     p_s = pool + tl.maximum(slot, 0) * s_ps + i_h * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv
-    S = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+    # the state streams through once (read here, written at the end): first out of the caches
+    S = tl.load(p_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
     p_ss = pool_scales + tl.maximum(slot, 0) * s_pss + i_h * s_psh + o_v
     if POOL_FP8:
         S = S * tl.load(p_ss, mask=m_o, other=0.0)[None, :]
@@ -137,7 +138,7 @@ def _gdn_recurrent_kernel(
                                 s_isb, s_isl, s_ish, GATING, USE_L2, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE,
                                 PER_K_GATE)
     if UPDATE_STATE:
-        store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0)
+        store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0, STREAM=True)
 
 
 @triton.jit
@@ -185,13 +186,16 @@ def _recurrent_node(S, t, p_q, p_k, p_v, p_g, p_beta, p_o, inter, inter_scales, 
 
 def _recurrent_config(rows: int, kd: int, vd: int):
     """(BK, BV, num_warps) of the recurrent kernel from shapes: the whole K in one block, V split
-    in blocks of 32 (16 when the grid would otherwise be small, to spread the state loads)."""
+    in blocks of 32 (16 when the grid would otherwise be small, to spread the state loads); two
+    warps for a 128 x 32 block (H200, KDA decode 32 heads x 128 at batch 16-256: 2 warps stream
+    the fp32 / bf16 state 5-15% faster than 4, 8 slower still;
+    ``benchmarks/results/kda_decode_sweep_h200_2026-11-29.json``)."""
     bk = triton.next_power_of_2(kd)
     vp = triton.next_power_of_2(vd)
     bv = min(vp, 32)
     if rows * triton.cdiv(vd, bv) < 512:
         bv = min(vp, 16)
-    num_warps = 4 if bk * bv >= 4096 else (2 if bk * bv >= 1024 else 1)
+    num_warps = 4 if bk * bv >= 8192 else (2 if bk * bv >= 1024 else 1)
     return bk, bv, num_warps
 
 

@@ -1,5 +1,6 @@
 """PNG plots of an end-to-end benchmark run (the JSON that ``benchmarks/e2e.py`` writes), and of
-tensor-parallel scaling runs (``plot_tensor_parallel``, the JSON of ``benchmarks/tensor_parallel.py``).
+tensor-parallel scaling runs (``plot_tensor_parallel``, the JSON of ``benchmarks/tensor_parallel.py``) and
+of start-up runs (``plot_startup``, the JSON of ``benchmarks/startup.py``).
 
 ``make_plots(run, prefix)`` writes, per model, ``<prefix>_<model>_decode.png`` (decode tokens/s
 vs batch size, one line per system), ``<prefix>_<model>_ttft.png`` (CDF of the per-request time
@@ -117,6 +118,35 @@ def plot_tensor_parallel(runs: list[dict], path: str) -> dict:
         ax.legend(fontsize=8)
     model = os.path.basename(str(runs[0].get("model", ""))).rstrip("/")
     fig.suptitle(f"{model} on {runs[0].get('device_name', '')}")
+    return dict(files=[_save(fig, path)])
+
+
+def plot_startup(run: dict, path: str) -> dict:
+    """One PNG of a ``benchmarks/startup.py`` run: each process's start-up phases as a stacked bar
+    (seconds), labelled with its caches (empty / warm)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return dict(files=[], message="plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+    runs = run["runs"]
+    phases = [k for k in ("load_s", "pools_s", "patch_s", "compile_s", "capture_s", "speculative_s", "warmup_s")
+              if any(r["startup"].get(k) for r in runs)]
+    fig, ax = plt.subplots(figsize=(1.6 * len(runs) + 3, 4))
+    bottom = [0.0] * len(runs)
+    labels = [f"run {r['run']}\n({r['caches']})" for r in runs]
+    for k in phases:
+        vals = [r["startup"].get(k, 0.0) for r in runs]
+        ax.bar(labels, vals, bottom=bottom, label=k[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(runs):
+        ax.text(i, bottom[i], f"{r['startup']['total_s']:.1f} s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"start-up of {run['model']}{' (tiny)' if run.get('tiny') else ''} on {run.get('device_name', '')}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
     return dict(files=[_save(fig, path)])
 
 

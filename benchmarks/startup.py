@@ -1,0 +1,139 @@
+"""Start-up of a wrapped reference model: on a fresh machine (empty compile caches) and with warm
+caches, each run a fresh Python process, as a user restarting a server gets.
+
+    python benchmarks/startup.py [--model qwen3_next] [--runs 3] [--device cuda] [--tiny]
+        [--cache-dir DIR] [--new-tokens 8] [--out benchmarks/results/startup.json]
+
+Each run builds the reference model's random weights on the device (``benchmarks/reference_models.py``;
+timed apart as ``build_s``: a deployment loads its weights instead), then times
+``hc.wrap(model, compile=True)`` (CUDA graphs by default on a GPU) around the call and records
+``engine.stats()["startup"]`` (each phase's seconds: pools, patch, compile, capture, warm-up) and
+``["startup_work"]`` (what each phase compiled: Dynamo graphs, Inductor compiles and cache hits, our
+Triton kernels' JIT compiles), then greedy-generates ``--new-tokens`` tokens for two prompts (the
+engine works; every run must give the same tokens: ``tokens_equal``). ``process_s`` is the whole
+process (interpreter, imports, build, wrap, generate) as the parent sees it.
+
+The first run gets empty cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``
+under ``--cache-dir``, default a new temporary directory): a fresh machine's caches; the later runs
+reuse them: warm caches. The JSON holds every run; a PNG beside it plots the phases per run
+(``benchmarks/plots.py::plot_startup``). ``--tiny`` (CPU smoke runs) keeps the model's structure at
+toy sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("load_s", "pools_s", "patch_s", "compile_s", "capture_s", "speculative_s", "warmup_s")
+
+
+def run_child(args) -> dict:
+    """One start-up in this process (the parent runs this in a fresh one): build, wrap, generate."""
+    t_start = time.perf_counter()
+    import torch
+
+    import hybrid_compile as hc
+    from benchmarks.reference_models import REFERENCE_BUILDERS, random_token_prompts, sync_device
+
+    import_s = time.perf_counter() - t_start
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    t = time.perf_counter()
+    model = REFERENCE_BUILDERS[args.model](dtype=dtype, device=args.device, seed=0, tiny=args.tiny)
+    sync_device(args.device)
+    build_s = time.perf_counter() - t
+    t = time.perf_counter()
+    engine = hc.wrap(model, compile=True, max_running_requests=2)
+    sync_device(args.device)
+    wrap_s = time.perf_counter() - t
+    with engine:
+        prompts = random_token_prompts(2, 16, model.config.vocab_size, seed=0)
+        t = time.perf_counter()
+        tokens = engine.generate_batch(prompts, max_new_tokens=args.new_tokens)
+        generate_s = time.perf_counter() - t
+        stats = engine.stats()
+    return dict(import_s=import_s, build_s=build_s, wrap_s=wrap_s, generate_s=generate_s, tokens=tokens,
+                startup=stats["startup"], startup_work=stats["startup_work"],
+                compile=dict(pieces=stats["compile"]["pieces"],
+                             distinct_pieces=stats["compile"].get("distinct_pieces"),
+                             caches=stats["compile"]["caches"]),
+                cuda_graphs=stats.get("cuda_graphs"))
+
+
+def run_parent(args) -> dict:
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="hc_startup_")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    fresh = not any(os.path.exists(os.path.join(cache_dir, d)) for d in ("inductor", "triton"))
+    child_args = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--device", args.device,
+                  "--new-tokens", str(args.new_tokens)] + (["--tiny"] if args.tiny else [])
+    runs = []
+    for i in range(args.runs):
+        t = time.perf_counter()
+        proc = subprocess.run(child_args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        process_s = time.perf_counter() - t
+        if proc.returncode != 0:
+            raise SystemExit(f"run {i} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        run.update(run=i, caches="empty" if i == 0 and fresh else "warm", process_s=process_s)
+        runs.append(run)
+        s = run["startup"]
+        work = run["startup_work"]
+        print(f"run {i} ({run['caches']} caches): wrap {run['wrap_s']:.1f} s = "
+              + ", ".join(f"{k[:-2]} {s[k]:.1f}" for k in PHASES if s.get(k))
+              + f"; process {process_s:.1f} s (imports {run['import_s']:.1f}, build {run['build_s']:.1f}); "
+              + "compiled: " + ", ".join(f"{p} {w['inductor_compiles']} inductor / {w['inductor_cache_hits']} hits / "
+                                         f"{w.get('triton_compiles', 0)} triton" for p, w in work.items()
+                                         if any(w.values())), flush=True)
+    return dict(runs=runs, cache_dir=cache_dir, tokens_equal=all(r["tokens"] == runs[0]["tokens"] for r in runs))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3_next", help="a reference model (benchmarks/reference_models.py)")
+    p.add_argument("--runs", type=int, default=3, help="processes in a row; the first on the caches as found")
+    p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    p.add_argument("--tiny", action="store_true", help="toy sizes of the model (CPU smoke runs)")
+    p.add_argument("--cache-dir", default=None, help="where the runs' compile caches live (default: a new temp dir)")
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/startup_<device>.json)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
+    import torch
+
+    from benchmarks.plots import plot_startup
+
+    result = dict(model=args.model, tiny=args.tiny, device=args.device,
+                  device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%d"), **run_parent(args))
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"startup_{args.device}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    plots = plot_startup(result, os.path.splitext(out)[0] + ".png")
+    print(f"tokens equal across runs: {result['tokens_equal']}; wrote {out}"
+          + (f", {plots['files'][0]}" if plots["files"] else f" ({plots['message']})"))
+    if not result["tokens_equal"]:
+        raise SystemExit("the runs generated different tokens")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()

@@ -10,7 +10,7 @@ setting (``gdn_chunk.state_launch``) instead: its shared memory must stay within
 may have on sm_90.
 
     python benchmarks/kda_intra_build.py [--configs 16/4,16/8,32/8] [--arch 90] [--gdn] [--fp32 | --fp16]
-                                         [--stages N] [--kernel intra|state]
+                                         [--stages N] [--kernel intra|state|gram] [--chunk-wide] [--split]
 
 Shapes are Kimi-Linear-48B's (32 heads, K = V = 128, bf16 q/k/v, fp32 g); ``--gdn`` builds the
 per-head-gate variant instead (Qwen3-Next: value heads per key head 2, BK 64), ``--fp32`` the
@@ -42,7 +42,7 @@ _PTR = {"q": "in", "k": "in", "v": "in", "w": "low", "qg": "low", "kg": "low", "
 _DTYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "tf32x3")}
 
 
-def constants(bk, gate_k=True, inputs="bf16", kernel="intra", chunk_wide=False):
+def constants(bk, gate_k=True, inputs="bf16", kernel="intra", chunk_wide=False, split=False):
     """The kernel's constexpr arguments as the launcher passes them at Kimi-Linear / Qwen3-Next shapes
     (K = V = 128; ``bk``: the intra kernel's K block, or the state kernel's V block)."""
     prec = _DTYPES[inputs][1]
@@ -51,9 +51,10 @@ def constants(bk, gate_k=True, inputs="bf16", kernel="intra", chunk_wide=False):
         return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, KP=128, BV=bk, BB=16, PREC=prec, LOWP=lowp,
                     DOT_F32=False, STORE_CS=lowp, GATE_K=gate_k)
     if kernel == "gram":
-        return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=128.0, PREC=prec)
+        return dict(HV=32, R=1, K=128, BK=bk, BB=16, MMA_RANGE=128.0, PREC=prec, SPLIT=split)
     return dict(HV=32, R=1 if gate_k else 2, K=128, V=128, BK=bk, BV=64, BB=16, USE_L2=True, PREC=prec, KPREC=prec,
-                RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0, CHUNK_WIDE=chunk_wide)
+                RAW_K=True, GATE_K=gate_k, LOWP=lowp, DOT_F32=False, MMA_RANGE=64.0, CHUNK_WIDE=chunk_wide,
+                SPLIT=split)
 
 
 def signature(kern, consts, inputs, kernel="intra"):
@@ -66,6 +67,8 @@ def signature(kern, consts, inputs, kernel="intra"):
             sig[name] = "i32"
         else:  # the state kernel's ``k`` is the intra kernel's decayed keys (or the keys: GDN)
             kind = "low" if kernel == "state" and name == "k" and "GATE_K" in consts and consts["GATE_K"] else _PTR.get(name, "*fp32")
+            if consts.get("SPLIT") and name in ("steep", "sidx"):  # channel counts and lists
+                kind = "*i32"
             sig[name] = {"in": _DTYPES[inputs][0], "low": low}.get(kind, kind)
     return sig
 
@@ -116,13 +119,14 @@ def build_kernel(kern, sig: dict, consts: dict, warps: int, arch: int = 90, stag
             "shared": compiled.metadata.shared, "sass": len(insts), "loops": sorted(loops, reverse=True)}
 
 
-def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra", chunk_wide=False):
+def build(bk, warps, arch=90, gate_k=True, inputs="bf16", stages=None, kernel="intra", chunk_wide=False,
+          split=False):
     """Compiles ``_chunk_intra_kernel`` (or ``_chunk_state_kernel``: ``kernel="state"``, ``bk`` its V
     block) for ``sm_<arch>`` (``stages``: Triton's ``num_stages``, None = its default); returns the
     build's statistics (:func:`build_kernel`)."""
     kern = {"state": gdn_chunk._chunk_state_kernel, "gram": gdn_chunk._chunk_kda_gram_kernel}.get(
         kernel, gdn_chunk._chunk_intra_kernel)
-    consts = constants(bk, gate_k, inputs, kernel, chunk_wide)
+    consts = constants(bk, gate_k, inputs, kernel, chunk_wide, split)
     return {"bk": bk, **build_kernel(kern, signature(kern, consts, inputs, kernel), consts, warps, arch, stages)}
 
 
@@ -140,6 +144,8 @@ def main():
     ap.add_argument("--stages", type=int, default=None, help="num_stages (default: Triton's, as the launcher)")
     ap.add_argument("--chunk-wide", action="store_true",
                     help="the intra kernel's CHUNK_WIDE compile (KDA chunks whose A the gram kernel made)")
+    ap.add_argument("--split", action="store_true",
+                    help="KDA with CONFIG['kda_split_channels'] (steep channels listed per chunk; gram and intra kernels)")
     args = ap.parse_args()
     inputs = "fp32" if args.fp32 else ("fp16" if args.fp16 else "bf16")
     stages = args.stages
@@ -153,7 +159,7 @@ def main():
           f"num_stages {stages if stages is not None else 'default'}")
     for bk, warps in configs:
         r = build(bk, warps, args.arch, gate_k=not args.gdn, inputs=inputs, stages=stages, kernel=args.kernel,
-                  chunk_wide=args.chunk_wide)
+                  chunk_wide=args.chunk_wide, split=args.split)
         print(f"{'BV' if args.kernel == 'state' else 'BK'} {bk:3d} / {warps} warps: {r['regs']} regs, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, {r['shared']} B shared, {r['sass']} SASS instructions, "
               f"loop bodies {r['loops'][:4]}", flush=True)

@@ -9,7 +9,9 @@ same inputs.
 Shapes are Qwen3-Next's (Hk=16, Hv=32, K=V=128, bf16 q/k/v, fp32 g/beta and state), inputs as in
 ``benchmarks/kernels.py``; ``--kda`` takes Kimi-Linear-48B's instead (Kimi Delta Attention: Hk=Hv=32,
 K=V=128, a per-channel gate ``g [T, Hv, K]``; ``--fla`` then times fla's ``chunk_kda``), e.g.
-``--kda --fla --sweep '[{"kda_intra_warps": 8}, {"kda_intra_stages": 1}, {"kda_intra_mma_range": -1}]'``. ``--old`` loads another version of the module (a copy of the file
+``--kda --fla --sweep '[{"kda_intra_warps": 8}, {"kda_intra_stages": 1}, {"kda_intra_mma_range": -1}]'``;
+``--kda-steep-channels N`` gives N evenly spaced channels of the gate a steep decay (every chunk then has
+channels past the chunk-wide range: ``--sweep '[{"kda_split_channels": true}]'`` times the channel split). ``--old`` loads another version of the module (a copy of the file
 with its relative imports made absolute, ``from ..gdn`` -> ``from hybrid_compile.ops.gdn``) to compare with in
 the same run (with ``--kda`` one that has the per-channel gate). ``--sweep`` times variants of ``gdn_chunk.CONFIG`` (per kernel) at the largest size.
 """
@@ -34,6 +36,7 @@ from kernels import chunk_config_overrides, cuda_graph_ms, eager_ms  # noqa: E40
 DEV = "cuda"
 HK, HV, K, V = 16, 32, 128, 128
 KDA = False  # --kda: Kimi-Linear shapes and a per-channel gate
+STEEP_CHANNELS = 0  # --kda-steep-channels
 ops = torch.ops.hybrid_compile
 DEFAULT_CFG = dict(G.CONFIG)
 
@@ -52,6 +55,8 @@ def make_inputs(total, batch, decay="gating", seed=0):
     v = torch.randn(total, HV, V, dtype=torch.bfloat16, device=DEV, generator=gen)
     if KDA:  # as benchmarks/kernels.py ("gating"), or a slow decay
         g = -torch.rand(total, HV, K, device=DEV, generator=gen) * (0.5 if decay == "gating" else 0.02)
+        if STEEP_CHANNELS:  # every (K / n)-th channel steep: -3 to -23 a token (every chunk past the range)
+            g[..., :: K // STEEP_CHANNELS] = -torch.rand(total, HV, STEEP_CHANNELS, device=DEV, generator=gen) * 20 - 3
         beta = torch.rand(total, HV, device=DEV, generator=gen)
     elif decay == "gating":  # as benchmarks/kernels.py: gdn_gating of random projections
         A_log = torch.randn(HV, device=DEV, generator=gen) * 0.3
@@ -142,12 +147,19 @@ def main():
     ap.add_argument("--old", default=None)
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--kda", action="store_true", help="Kimi-Linear shapes with a per-channel gate")
+    ap.add_argument("--kda-steep-channels", type=int, default=0,
+                    help="--kda: this many of the 128 channels (evenly spaced) decay steeply (-3 to -23 a token), "
+                         "so every chunk has channels past the chunk-wide range (CONFIG['kda_split_channels'])")
     ap.add_argument("--sweep", default=None, help="JSON list of CONFIG overrides to time at the largest size")
     ap.add_argument("--sweep-tokens", type=int, default=32768)
     ap.add_argument("--accuracy", default="8192,32768")
     ap.add_argument("--cfg", default=None, help="JSON CONFIG overrides for every run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.kda_steep_channels and (not args.kda or K % args.kda_steep_channels):
+        ap.error(f"--kda-steep-channels needs --kda and a divisor of {K}, got {args.kda_steep_channels}")
+    global STEEP_CHANNELS
+    STEEP_CHANNELS = args.kda_steep_channels
     if args.kda:
         if args.old and "GATE_K" not in open(args.old).read():
             ap.error(f"--old {args.old}: a gdn_chunk.py from before the per-channel gate cannot run --kda")

@@ -267,6 +267,52 @@ def test_chunk_prefill_chunk_wide_up_to_its_range(monkeypatch, dtype):
         run()
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_prefill_split_channels(monkeypatch, dtype):
+    """``CONFIG["kda_split_channels"]``: a chunk with a few channels steeper than the chunk-wide
+    range takes the chunk-wide MMAs over the others and the 16x16 blocks over those few (gathered
+    from a per-chunk list). K = 48 (three K blocks of 16): head 0 mild except channels 3, 17, 30 and
+    41 (steep, scattered over the blocks), head 1 steep on every channel in its second request, mild
+    elsewhere; a varlen batch with a partial chunk, a padding request and initial states. Against the
+    per-token reference, finite; against the unsplit run: head 0's mixed chunks differ (they took the
+    split), the chunks with no steep channel and those with every channel steep are bit-equal (the
+    same path); with ``kda_gram_range`` -1 (every channel steep) split and unsplit are bit-equal."""
+    from hybrid_compile.ops.triton import gdn_chunk
+
+    h, kd, vd = 2, 48, 16
+    lens = [128, 0, 64, 40]
+    T = sum(lens)
+    q, k, v, _, beta = make_inputs((T,), h, kd, vd, dtype)
+    g = _gate(T, h, kd, "mild")
+    steep_ch = [3, 17, 30, 41]
+    g[:, 0, steep_ch] = -torch.rand(T, len(steep_ch)) * 20.0 - 3.0
+    g[lens[0]:lens[0] + lens[2], 1] = _gate(lens[2], 1, kd, "steep")[:, 0] - 3.0
+    pool = make_pool(h, kd, vd)
+    cu = cu_seqlens_of(lens)
+    slots = distinct_slots(len(lens), NUM_SLOTS, pad_rows=(1,))
+    init = torch.tensor([True, False, False, True])
+
+    def run():
+        return tgdn.chunk_gated_delta_rule_fp8_aware(q, k, v, g, beta, pool.clone(), cu, slots, init, True, 0.0,
+                                                     True)
+
+    o_whole, cs_whole = run()
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_split_channels", True)
+    o, got_pool, cs = _prefill_vs_reference(q, k, v, g, beta, pool, cu, slots, init, dtype=dtype)
+    assert torch.isfinite(o).all() and torch.isfinite(got_pool).all() and torch.isfinite(cs).all()
+    assert torch.equal(o, run()[0])  # deterministic
+    assert not torch.equal(o[:, 0], o_whole[:, 0])  # head 0: the split ran
+    second = slice(lens[0], lens[0] + lens[2])
+    assert torch.equal(o[second, 1], o_whole[second, 1])  # every channel steep: the blocks either way
+    assert torch.equal(o[:lens[0], 1], o_whole[:lens[0], 1])  # no steep channel: the chunk-wide path
+    assert_close(o, o_whole, tol(dtype))
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_gram_range", -1.0)
+    o_split_blocks = run()[0]
+    monkeypatch.setitem(gdn_chunk.CONFIG, "kda_split_channels", False)
+    assert torch.equal(o_split_blocks, run()[0])
+
+
 def test_chunk_prefill_diag_range_is_validated(monkeypatch):
     from hybrid_compile.ops.triton import gdn_chunk
 
@@ -354,9 +400,11 @@ def _cpu(*xs):
     (torch.bfloat16, 10.0, {"kda_intra_warps": 4}),
     (torch.bfloat16, 0.4, {"kda_intra_bk": 16, "kda_intra_warps": 8, "kda_intra_stages": 1}),
     (torch.bfloat16, 10.0, {"kda_intra_bk": 64}), (torch.bfloat16, 0.4, {"kda_gram_bk": 32}),
-    (torch.float32, 0.4, {"kda_gram_bk": 32, "kda_gram_warps": 8}), (torch.bfloat16, 3.0, {}), (torch.float32, 3.0, {})],
+    (torch.float32, 0.4, {"kda_gram_bk": 32, "kda_gram_warps": 8}), (torch.bfloat16, 3.0, {}), (torch.float32, 3.0, {}),
+    (torch.bfloat16, 0.4, {"kda_split_channels": True}), (torch.float32, 0.4, {"kda_split_channels": True}),
+    (torch.bfloat16, 20.0, {"kda_split_channels": True})],
     ids=["bf16", "f32", "f16", "bf16-lowp-off", "bf16-s10", "bf16-s20", "f32-s20", "bisect", "bk32w8", "w4-s10", "bk16w8s1",
-         "bk64-s10", "gram-bk32", "f32-gram-bk32w8", "bf16-s3", "f32-s3"])
+         "bk64-s10", "gram-bk32", "f32-gram-bk32w8", "bf16-s3", "f32-s3", "bf16-split", "f32-split", "bf16-s20-split"])
 def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     """Kimi-Linear-48B shapes, the multi-chunk varlen batch of GPU_LENS, against the plain-torch op
     (itself checked against the per-token reference); ``strength`` 3: chunks spanning ~96 (the
@@ -365,7 +413,8 @@ def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     blocks then mostly take the bisection); ``cfg``: other intra-kernel settings
     (``gdn_chunk.CONFIG``: the bisection everywhere, other K blocks / warps / stages); fp16 inputs and
     bf16 with ``lowp`` off run the fp32-intermediate path (its state kernel once needed more shared
-    memory than sm_90 has)."""
+    memory than sm_90 has). ``kda_split_channels``: every 8th channel steep (log-decays -3 to -23 a
+    token) in a mild gate, so that every chunk splits its channels (16 of 128 in blocks)."""
     from hybrid_compile.ops.triton import gdn_chunk
 
     for key, val in cfg.items():
@@ -373,6 +422,8 @@ def test_gpu_chunk_prefill_matches_torch_op(monkeypatch, dtype, strength, cfg):
     h, kd, vd = KIMI
     T = sum(GPU_LENS)
     q, k, v, g, beta = make_inputs((T,), h, kd, vd, dtype, DEV, strength=strength)
+    if cfg.get("kda_split_channels"):
+        g[..., ::8] = -torch.rand_like(g[..., ::8]) * 20.0 - 3.0
     pool = make_pool(h, kd, vd, device=DEV, num_slots=GPU_SLOTS)
     cu = cu_seqlens_of(GPU_LENS, DEV)
     slots = distinct_slots(len(GPU_LENS), GPU_SLOTS, pad_rows=(5,)).to(DEV)

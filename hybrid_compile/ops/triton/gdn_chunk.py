@@ -352,10 +352,10 @@ def _diag_gram(xr, kc, xf, kf, c, top, bot, G, MMA_RANGE: tl.constexpr, PREC: tl
 
 @triton.jit
 def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_c, s_ct, s_ck, out, p_glast, start, n,
-                   t1, t2, t3, t4, m1, m2, m3, m4,
+                   t1, t2, t3, t4, m1, m2, m3, m4, p_idx, nch, p_part,
                    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                    QUERIES: tl.constexpr, MMA_RANGE: tl.constexpr, LOWP: tl.constexpr, DOT_F32: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, SPLIT: tl.constexpr):
     """One side of the per-channel-gate chunk products, over ``K`` in blocks of ``BK``: the 10 lower
     16x16 blocks of ``sum_k x_ik k_jk exp(c_ik - c_jk)`` with ``x`` the keys (``QUERIES`` off: the
     ``A`` side; stores ``kg = exp(c_last - c) k`` to ``out`` and ``exp(c_last)`` to ``p_glast``) or
@@ -368,11 +368,29 @@ def _kda_gram_pass(p_x, s_xt, s_xd, p_k, s_kt, s_kd, p_c, s_ct, s_ck, out, p_gla
     ``R_I = 2^(c_I - e_(I-1))`` and the column factors ``C_J = 2^(e_J - c_J)`` (all ``<= 1``); an
     off-diagonal block ``I > J`` is the MMA of ``x_I R_I 2^(e_(I-1) - e_J)`` (a per-channel vector,
     ``<= 1``, and 1 for ``J = I - 1``) and ``(k_J C_J)^T``, a diagonal one ``_diag_gram``'s, and the
-    stored ``qg`` / ``kg`` are ``x_I R_I 2^(e_(I-1))`` / ``k_J C_J 2^(e_4 - e_J)``."""
-    X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
-    for kb in range(0, K, BK):
-        o_k = kb + tl.arange(0, BK)
-        mk = o_k < K
+    stored ``qg`` / ``kg`` are ``x_I R_I 2^(e_(I-1))`` / ``k_J C_J 2^(e_4 - e_J)``.
+
+    ``SPLIT`` (``CONFIG["kda_split_channels"]``): only the ``nch`` channels listed at ``p_idx`` (the
+    chunk's steep ones), the sums starting from the other channels' (``p_part``, rows of 64, raw:
+    ``_chunk_kda_gram_kernel``'s chunk-wide MMAs) unless every channel is listed."""
+    if SPLIT:
+        if nch < K:
+            X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _load_lower_blocks(
+                p_part, t1, t2, t3, t4, m1, m2, m3, m4, HV)
+        else:
+            X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
+        kend = nch
+    else:
+        X11, X21, X22, X31, X32, X33, X41, X42, X43, X44 = _lower_blocks_zeros()
+        kend = K
+    for kb in range(0, kend, BK):
+        if SPLIT:  # the listed channels, gathered
+            j = kb + tl.arange(0, BK)
+            mk = j < nch
+            o_k = tl.load(p_idx + j, mask=mk, other=0)
+        else:
+            o_k = kb + tl.arange(0, BK)
+            mk = o_k < K
         k1, k2, k3, k4 = _load4(p_k, t1, t2, t3, t4, s_kt, o_k, s_kd, m1, m2, m3, m4, mk)
         c1, c2, c3, c4, e1, e2, e3, e4 = _gate_tiles(p_c, start, n, t1, t2, t3, t4, s_ct, o_k, s_ck,
                                                      m1, m2, m3, m4, mk)
@@ -518,9 +536,10 @@ def _chunk_kda_prep_kernel(q, k, g, cu_seqlens, nb, state_indices, gc, rk, rq,
 
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg, kg, glast, pbuf, ascr, steep,
+                           sidx, pscr,
                            s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_bt, s_bh,
                            HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           BB: tl.constexpr, MMA_RANGE: tl.constexpr, PREC: tl.constexpr):
+                           BB: tl.constexpr, MMA_RANGE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """Grid ``(NR, HV)``: the per-channel-gate chunk products of a chunk whose decay spans at most
     ``MMA_RANGE`` (natural-log units, ``CONFIG["kda_gram_range"]``) on every channel, as two 64x64 MMAs
     per K block. With ``c`` the log2 cumsum (``gc``), ``e`` its value at the chunk's last token and
@@ -534,21 +553,42 @@ def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg
     diagonal (``e^(c_i - c_j)`` up to ``e^R``) may overflow and are discarded with ``where``. Writes ``P`` (causal, times the key norms) to ``pbuf``, ``A`` (strictly
     lower, times ``beta`` and both key norms) to ``ascr`` for the intra kernel's solve, ``qg``, ``kg``,
     ``glast``, and ``steep[row, head]`` = 0. A steeper chunk gets ``steep`` = 1 and nothing else: the
-    intra kernel's two programs then build its products in 16x16 blocks (``_kda_gram_pass``)."""
+    intra kernel's two programs then build its products in 16x16 blocks (``_kda_gram_pass``).
+
+    ``SPLIT`` (``CONFIG["kda_split_channels"]``): a chunk's channels are split instead: ``steep[row,
+    head]`` is the number of channels whose span exceeds the range, listed at ``sidx[row, head]``;
+    when some channels are in range, the chunk-wide MMAs run over those (the others' factors set to 1
+    and their q / k to 0) and store their raw sums, ``A`` to ``ascr`` and ``P`` to ``pscr`` (strictly
+    lower / lower), and ``qg`` / ``kg`` of those channels; the intra kernel's blocks add the listed
+    channels and scale the sums (the blocks' cost scales with the steep channels, not with K)."""
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
     live, start, n = _live_row(cu_seqlens, nb, state_indices, i_r, BB)
     if not live:
         return
     p_last = gc + (start + n - 1) * (HV * K) + i_h * K  # the cumsum at the chunk's last token
-    span = 0.0
-    for kb in range(0, K, BK):
-        o_k = kb + tl.arange(0, BK)
-        span = tl.maximum(span, tl.max(-tl.load(p_last + o_k, mask=o_k < K, other=0.0), 0))
-    flag = (span > MMA_RANGE * 1.4426950408889634).to(tl.int8)
-    tl.store(steep + i_r * HV + i_h, flag)
-    if flag != 0:
-        return
+    lim = MMA_RANGE * 1.4426950408889634  # the range in log2 units
+    if SPLIT:  # list the steep channels (an exclusive prefix count gives each its place)
+        p_idx = sidx + (i_r.to(tl.int64) * HV + i_h) * K
+        flag = 0
+        for kb in range(0, K, BK):
+            o_k = kb + tl.arange(0, BK)
+            st = ((-tl.load(p_last + o_k, mask=o_k < K, other=0.0)) > lim) & (o_k < K)
+            sti = st.to(tl.int32)
+            tl.store(p_idx + flag + tl.cumsum(sti, 0) - sti, o_k, mask=st)
+            flag += tl.sum(sti, 0)
+        tl.store(steep + i_r * HV + i_h, flag)
+        if flag == K:  # no channel in range: the blocks take it all
+            return
+    else:
+        span = 0.0
+        for kb in range(0, K, BK):
+            o_k = kb + tl.arange(0, BK)
+            span = tl.maximum(span, tl.max(-tl.load(p_last + o_k, mask=o_k < K, other=0.0), 0))
+        flag = (span > lim).to(tl.int8)
+        tl.store(steep + i_r * HV + i_h, flag)
+        if flag != 0:
+            return
     o = tl.arange(0, 64)
     t = start + o
     mt = o < n
@@ -564,6 +604,12 @@ def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg
         c = tl.load(gc + t[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m2, other=0.0)
         c = tl.where(mt[:, None], c, e[None, :])  # rows past the chunk: g = 0 (their q / k are 0)
         mid = e * 0.5
+        if SPLIT:  # the steep channels: no contribution here, factors 1 (finite), q / k / qg / kg theirs
+            mild = -e <= lim
+            c = tl.where(mild[None, :], c, mid[None, :])
+            kx = tl.where(mild[None, :], kx, 0.0)
+            qx = tl.where(mild[None, :], qx, 0.0)
+            m2 = m2 & mild[None, :]
         up = tl.exp2(c - mid[None, :])
         kc = kx * tl.exp2(mid[None, :] - c)
         kt = tl.trans(kc)
@@ -575,11 +621,16 @@ def _chunk_kda_gram_kernel(q, k, gc, beta, cu_seqlens, nb, state_indices, rk, qg
         tl.store(qg + p_out, (qr * tl.exp2(mid)[None, :]).to(qg.dtype.element_ty), mask=m2)
         tl.store(kg + p_out, (kc * tl.exp2(e - mid)[None, :]).to(kg.dtype.element_ty), mask=m2)
         tl.store(glast + (i_r.to(tl.int64) * HV + i_h) * K + o_k, tl.exp2(e), mask=mk)
-    r = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
-    b = tl.load(beta + t * s_bt + i_h * s_bh, mask=mt, other=0.0).to(tl.float32)
     ii = o[:, None]
     jj = o[None, :]
     p_row = (t[:, None] * HV + i_h) * 64 + jj
+    if SPLIT:
+        if flag > 0:  # raw partial sums for the intra kernel's blocks
+            tl.store(pscr + p_row, tl.where(ii >= jj, Aqk, 0.0), mask=mt[:, None])
+            tl.store(ascr + p_row, tl.where(ii > jj, Akk, 0.0), mask=mt[:, None])
+            return
+    r = tl.load(rk + t * HV + i_h, mask=mt, other=0.0)
+    b = tl.load(beta + t * s_bt + i_h * s_bh, mask=mt, other=0.0).to(tl.float32)
     tl.store(pbuf + p_row, tl.where(ii >= jj, Aqk * r[None, :], 0.0).to(pbuf.dtype.element_ty), mask=mt[:, None])
     tl.store(ascr + p_row, tl.where(ii > jj, Akk * (b * r)[:, None] * r[None, :], 0.0), mask=mt[:, None])
 
@@ -610,7 +661,7 @@ def _load_lower_blocks(p, t1, t2, t3, t4, m1, m2, m3, m4, HV: tl.constexpr):
 @triton.jit(do_not_specialize=['nb'])  # batch-dependent counts: one compile for all
 def _chunk_intra_kernel(
     q, k, v, g, beta, cu_seqlens, nb, state_indices,
-    w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep,
+    w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep, sidx, pscr,
     s_qt, s_qh, s_qd,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
@@ -619,7 +670,7 @@ def _chunk_intra_kernel(
     HV: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BB: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     KPREC: tl.constexpr, RAW_K: tl.constexpr, GATE_K: tl.constexpr, LOWP: tl.constexpr,
-    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr, CHUNK_WIDE: tl.constexpr,
+    DOT_F32: tl.constexpr, MMA_RANGE: tl.constexpr, CHUNK_WIDE: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
     i_r = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -672,11 +723,14 @@ def _chunk_intra_kernel(
         r2 = tl.load(rk + t2 * HV + i_h, mask=m2, other=0.0)
         r3 = tl.load(rk + t3 * HV + i_h, mask=m3, other=0.0)
         r4 = tl.load(rk + t4 * HV + i_h, mask=m4, other=0.0)
+        # SPLIT: flag = the steep channels listed at sidx (the others' raw sums in ascr / pscr)
+        p_idx = sidx + (i_r.to(tl.int64) * HV + i_h) * K
         if not CHUNK_WIDE:
             if tl.program_id(2) == 1:  # the query side: P, qg
                 Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44 = _kda_gram_pass(
                     q + i_hk * s_qh, s_qt, s_qd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, qg + i_h * K, glast, start, n,
-                    t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC)
+                    t1, t2, t3, t4, m1, m2, m3, m4, p_idx, flag, pscr + i_h * 64,
+                    HV, K, BK, True, MMA_RANGE, LOWP, DOT_F32, PREC, SPLIT)
                 _store_query_side(pbuf, i_h, t1, t2, t3, t4, m1, m2, m3, m4,
                                   Q11, Q21, Q22, Q31, Q32, Q33, Q41, Q42, Q43, Q44, r1, r2, r3, r4, HV)
                 return
@@ -687,7 +741,8 @@ def _chunk_intra_kernel(
             G11, G21, G22, G31, G32, G33, G41, G42, G43, G44 = _kda_gram_pass(
                 p_k, s_kt, s_kd, p_k, s_kt, s_kd, p_g, s_gt, s_gk, kg + i_h * K,
                 glast + (i_r.to(tl.int64) * HV + i_h) * K, start, n,
-                t1, t2, t3, t4, m1, m2, m3, m4, HV, K, BK, False, MMA_RANGE, LOWP, DOT_F32, PREC)
+                t1, t2, t3, t4, m1, m2, m3, m4, p_idx, flag, ascr + i_h * 64,
+                HV, K, BK, False, MMA_RANGE, LOWP, DOT_F32, PREC, SPLIT)
             A11 = _beta_block(G11, b1, r1, r1, True)
             A22 = _beta_block(G22, b2, r2, r2, True)
             A33 = _beta_block(G33, b3, r3, r3, True)
@@ -1043,6 +1098,10 @@ CONFIG = {
     # kda_intra_warps (2). sm_90 build (Triton 3.9): 2 warps 255 registers, 224 B spills; 4 warps 240,
     # none; yet on an H200 at 32k tokens 2 warps 1284 us, 4 warps 2267 (more programs resident)
     "kda_solve_warps": None,
+    # a chunk with some channels steeper than kda_gram_range: the chunk-wide MMAs over the channels in
+    # range, the 16x16 blocks over the steep ones only (listed per chunk and head), instead of the
+    # blocks over every channel. Interpreter-tested; not yet run on a GPU, hence off
+    "kda_split_channels": False,
 }
 
 
@@ -1148,6 +1207,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f'gdn_chunk.CONFIG["kda_gram_range"] must be <= 128, not {gram_range}')
     if mma_range < 0:  # the bisection everywhere: no mid-value split at all
         gram_range = -1.0
+    split = bool(cfg["kda_split_channels"]) and g.dim() == 3 and gram_range >= 0
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
         warps_intra = cfg["kda_intra_warps"] or 2
@@ -1167,23 +1227,29 @@ def chunk_gated_delta_rule_triton(
         # chunks of a gentle enough decay: A and P as 64x64 MMAs (steep[row, head] = 0); the others
         # (steep = 1) are the intra kernel's, in 16x16 blocks
         ascr = torch.empty(T, hv, C, dtype=f32, device=dev)
-        steep = torch.empty(n_rows, hv, dtype=torch.int8, device=dev)
+        if split:  # steep channel counts and lists, the query side's raw partial sums
+            steep = torch.empty(n_rows, hv, dtype=torch.int32, device=dev)
+            sidx = torch.empty(n_rows, hv, kd, dtype=torch.int32, device=dev)
+            pscr = torch.empty(T, hv, C, dtype=f32, device=dev)
+        else:
+            steep = torch.empty(n_rows, hv, dtype=torch.int8, device=dev)
+            sidx = pscr = ascr  # unused
         _chunk_kda_gram_kernel[(n_rows, hv)](
-            q, k, gc, beta, cu_seqlens, batch, state_indices, rk, qg, kg, glast, pbuf, ascr, steep,
+            q, k, gc, beta, cu_seqlens, batch, state_indices, rk, qg, kg, glast, pbuf, ascr, steep, sidx, pscr,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             beta.stride(0), beta.stride(1),
             HV=hv, R=r, K=kd, BK=max(min(cfg["kda_gram_bk"] or 16, kp), 16), BB=bb, MMA_RANGE=gram_range, PREC=prec,
-            **_launch_opts(cfg["kda_gram_warps"] or 4, cfg["kda_gram_stages"]))
+            SPLIT=split, **_launch_opts(cfg["kda_gram_warps"] or 4, cfg["kda_gram_stages"]))
     else:
         g_in = g
-        ascr = steep = rk  # unused
+        ascr = steep = sidx = pscr = rk  # unused
     # per-channel gate: compiled twice, CHUNK_WIDE (the solve, w and u of the gram kernel's chunks: no
     # 16x16 product code, so far fewer registers) and the block path of the steep chunks, where
     # program_id(2) picks the key side (A, solve, w, u) or the query side (P)
     for chunk_wide in ((True, False) if gate_k else (False,)):
         _chunk_intra_kernel[(n_rows, hv, 2 if gate_k and not chunk_wide else 1)](
             q, k, v, g_in, beta, cu_seqlens, batch, state_indices,
-            w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep,
+            w, u, gcum, rk, qg, kg, glast, pbuf, ascr, steep, sidx, pscr,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -1191,7 +1257,7 @@ def chunk_gated_delta_rule_triton(
             beta.stride(0), beta.stride(1),
             HV=hv, R=r, K=kd, V=vd, BK=bk_intra, BV=bv_intra, BB=bb, USE_L2=bool(use_qk_l2norm), PREC=prec,
             KPREC=_dot_precision(k), RAW_K=_raw_dot(k), GATE_K=gate_k, LOWP=lowp, DOT_F32=dot_f32,
-            MMA_RANGE=mma_range, CHUNK_WIDE=chunk_wide,
+            MMA_RANGE=mma_range, CHUNK_WIDE=chunk_wide, SPLIT=split,
             **_launch_opts((cfg["kda_solve_warps"] or warps_intra) if chunk_wide else warps_intra, stages_intra),
         )
     # the state and output kernels read the decayed keys / queries (one per value head) instead

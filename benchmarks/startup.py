@@ -2,7 +2,7 @@
 caches, each run a fresh Python process, as a user restarting a server gets.
 
     python benchmarks/startup.py [--model qwen3_next] [--runs 3] [--device cuda] [--tiny]
-        [--cache-dir DIR] [--new-tokens 8] [--out benchmarks/results/startup.json]
+        [--cache-dir DIR] [--new-tokens 8] [--profile N] [--out benchmarks/results/startup.json]
 
 Each run builds the reference model's random weights on the device (``benchmarks/reference_models.py``;
 timed apart as ``build_s``: a deployment loads its weights instead), then times
@@ -17,7 +17,9 @@ The first run gets empty cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TR
 under ``--cache-dir``, default a new temporary directory): a fresh machine's caches; the later runs
 reuse them: warm caches. The JSON holds every run; a PNG beside it plots the phases per run
 (``benchmarks/plots.py::plot_startup``). ``--tiny`` (CPU smoke runs) keeps the model's structure at
-toy sizes.
+toy sizes. ``--profile N`` runs each ``wrap`` under cProfile and keeps its N costliest functions (by
+own time and by cumulative time) in the run's ``profile`` (the profiler slows the call: its ``wrap_s``
+is then not the start-up's).
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ def run_child(args) -> dict:
     model = REFERENCE_BUILDERS[args.model](dtype=dtype, device=args.device, seed=0, tiny=args.tiny)
     sync_device(args.device)
     build_s = time.perf_counter() - t
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t = time.perf_counter()
     engine = hc.wrap(model, compile=True, max_running_requests=2)
     sync_device(args.device)
     wrap_s = time.perf_counter() - t
+    if profiler is not None:
+        profiler.disable()
     with engine:
         prompts = random_token_prompts(2, 16, model.config.vocab_size, seed=0)
         t = time.perf_counter()
@@ -63,7 +73,19 @@ def run_child(args) -> dict:
                 compile=dict(pieces=stats["compile"]["pieces"],
                              distinct_pieces=stats["compile"].get("distinct_pieces"),
                              caches=stats["compile"]["caches"]),
-                cuda_graphs=stats.get("cuda_graphs"))
+                cuda_graphs=stats.get("cuda_graphs"),
+                profile=_top_functions(profiler, args.profile) if profiler is not None else None)
+
+
+def _top_functions(profiler, n: int) -> dict:
+    """The ``n`` functions of a cProfile run with the most own time and the most cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = [dict(function=f"{os.path.relpath(f) if f.startswith(ROOT) else f}:{line}({name})", calls=nc,
+                 own_s=round(tt, 4), cumulative_s=round(ct, 4)) for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return dict(by_own_time=sorted(rows, key=lambda r: -r["own_s"])[:n],
+                by_cumulative_time=sorted(rows, key=lambda r: -r["cumulative_s"])[:n])
 
 
 def run_parent(args) -> dict:
@@ -73,7 +95,7 @@ def run_parent(args) -> dict:
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     fresh = not any(os.path.exists(os.path.join(cache_dir, d)) for d in ("inductor", "triton"))
     child_args = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--device", args.device,
-                  "--new-tokens", str(args.new_tokens)] + (["--tiny"] if args.tiny else [])
+                  "--new-tokens", str(args.new_tokens), "--profile", str(args.profile)] + (["--tiny"] if args.tiny else [])
     runs = []
     for i in range(args.runs):
         t = time.perf_counter()
@@ -104,6 +126,7 @@ def main(argv=None):
     p.add_argument("--cache-dir", default=None, help="where the runs' compile caches live (default: a new temp dir)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take")
+    p.add_argument("--profile", type=int, default=0, help="keep the N costliest functions of each wrap (cProfile)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/startup_<device>.json)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

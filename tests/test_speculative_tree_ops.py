@@ -76,6 +76,27 @@ def test_conv1d_update_tree_matches_chain_reference_per_path():
     assert torch.equal(got_states, states) and torch.equal(t_states, states)
 
 
+@pytest.mark.parametrize("inter_dtype,width", [(torch.bfloat16, 4), (torch.float16, 3), (torch.float32, 2)])
+def test_conv1d_update_tree_windows_as_stored(inter_dtype, width):
+    """A node continues its parent's window as the intermediate buffer stores it: with a bf16 / fp16
+    buffer under fp32 inputs and state (a node's window then holds its ancestors' inputs and the
+    slot's rows rounded to the buffer's dtype, except a root's, read from the slot), the Triton kernel
+    equals the plain op exactly, windows and outputs, on trees of 9 nodes (two roots in one, depths
+    0 to 5, past the window)."""
+    B, L, D = 3, 9, 24
+    x = torch.randn(B, L, D)
+    states = torch.randn(6, width - 1, D)
+    weight, bias = torch.randn(D, width) * 0.5, torch.randn(D)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    parents = _parents([[-1, 0, 0, 1, 1, 3, 2, 5, 7], [-1, -1, 0, 1, 2, 2, 5, 0, 6], [-1, 0, 1, 2, 3, 4, 0, 6, 6]])
+    inter = torch.zeros(B, L, width - 1, D, dtype=inter_dtype)
+    got_inter, t_inter = inter.clone(), inter.clone()
+    out = ops.causal_conv1d_update(x, states.clone(), weight, bias, "silu", idx, True, got_inter, parents)
+    t_out = tconv.causal_conv1d_update_triton(x, states.clone(), weight, bias, "silu", idx, True, t_inter, parents)
+    assert torch.equal(t_inter, got_inter)
+    torch.testing.assert_close(t_out, out, atol=1e-6, rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gated DeltaNet
 # ---------------------------------------------------------------------------------------------

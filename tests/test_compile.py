@@ -211,10 +211,15 @@ def test_piece_key_shares_repeated_pieces_only():
     assert piece_key(n1, [x, w]) == piece_key(n1, [x, w]) and piece_key(n1, [x, w]) != piece_key(n2, [x, w])
 
 
-def test_repeated_layers_compile_once_and_generate_as_eager():
+def test_repeated_layers_compile_once_and_generate_as_eager(monkeypatch):
     """A 9-layer tiny Qwen3-Next ((GDN, GDN, attention) x 3): 10 pieces, of which the repeated
-    layers' share compiled code (``stats()["compile"]["distinct_pieces"]``), greedy tokens as the
-    eager engine's."""
+    layers' share compiled code (``stats()["compile"]["distinct_pieces"]``) and get their fake
+    outputs laid out from the first piece of their key instead of a second fake run
+    (``laid_out_pieces``; here each also runs and must match: ``verify_reuse``), greedy tokens as
+    the eager engine's."""
+    from hybrid_compile.compilation.backend import PiecewiseCompiler
+
+    monkeypatch.setattr(PiecewiseCompiler, "verify_reuse", True)
     config = make_config("qwen3_next_dense")
     config.num_hidden_layers = 9
     config.layer_types = ["linear_attention", "linear_attention", "full_attention"] * 3
@@ -227,6 +232,7 @@ def test_repeated_layers_compile_once_and_generate_as_eager():
         assert engine.generate_batch(prompts, max_new_tokens=6) == want
         stats = engine.stats()["compile"]
     assert stats["pieces"] == 10 and 3 <= stats["distinct_pieces"] <= 6, stats
+    assert 0 < stats["laid_out_pieces"] <= stats["pieces"] - stats["distinct_pieces"], stats
 
 
 def test_resolve_splitting_ops():

@@ -59,6 +59,15 @@ def _one_thread():
     yield from single_threaded()
 
 
+@pytest.fixture(autouse=True)
+def _verify_laid_out_pieces(monkeypatch):
+    """Every family's repeated pieces also run under fake mode, their outputs checked against the
+    layout taken from their key's first piece (``PiecewiseCompiler.verify_reuse``)."""
+    from hybrid_compile.compilation.backend import PiecewiseCompiler
+
+    monkeypatch.setattr(PiecewiseCompiler, "verify_reuse", True)
+
+
 @pytest.mark.parametrize("family", list(BUILDERS))
 def test_compiled_family_matches_hf(family, monkeypatch):
     model = BUILDERS[family]()

@@ -7,8 +7,11 @@ symbolic. :func:`~hybrid_compile.compilation.split.split_graph` cuts that graph 
 ops; :class:`PiecewiseCompiler` runs the split module once on the graph's fake inputs (the
 placeholders' ``example_value`` metadata: symbolic shapes included) and replaces every piece
 without a splitting op by Inductor's compiled callable for it (``compile_fx`` on the piece, with
-the piece's fake inputs, so each piece is compiled once for all token counts). The layer-op
-pieces stay as they are: calling them calls the op, which reads the forward context at run time.
+the piece's fake inputs, so each piece is compiled once for all token counts). Pieces with one
+key (:func:`piece_key`: a model's repeated layers) share one compiled callable, and their fake
+outputs are laid out from the first one's (:func:`_output_layout`) rather than run again. The
+layer-op pieces stay as they are: calling them calls the op, which reads the forward context at
+run time.
 
 With ``piecewise_graphs`` (:class:`~hybrid_compile.compilation.cuda_graphs.PiecewiseGraphs`) every
 compiled piece is wrapped in a per-token-bucket CUDA-graph runner. With ``rewrites`` (default on)
@@ -71,6 +74,7 @@ class CompileStats:
     graphs: int = 0  # backend invocations
     pieces: int = 0  # Inductor-compiled pieces of the latest graph
     distinct_pieces: int = 0  # of them, compiled (or loaded from the cache) once each: the rest share (piece_key)
+    laid_out_pieces: int = 0  # of the rest, fake outputs laid out from their key's first piece (not run)
     splitting_op_calls: int = 0  # layer-op calls left eager in the latest graph
     split_ops_seen: dict[str, int] = field(default_factory=dict)  # op name -> calls (latest graph)
     backend_seconds: float = 0.0  # split + Inductor, all graphs
@@ -87,6 +91,7 @@ class CompileStats:
             "graphs": self.graphs,
             "pieces": self.pieces,
             "distinct_pieces": self.distinct_pieces,
+            "laid_out_pieces": self.laid_out_pieces,
             "splitting_op_calls": self.splitting_op_calls,
             "split_ops_seen": dict(self.split_ops_seen),
             "backend_seconds": self.backend_seconds,
@@ -161,11 +166,81 @@ def piece_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple:
     return tuple(inputs), tuple(nodes)
 
 
+def _output_layout(gm: fx.GraphModule, args: Sequence[Any], out: Any):
+    """How a piece's fake outputs sit in memory, so that every piece with its :func:`piece_key` can
+    get outputs laid out the same way without running its ops under fake mode again: per output
+    leaf ``("arg", i)`` (input ``i`` itself), ``("in", i, view)`` (a view of input ``i``'s storage),
+    ``("new", g, view)`` (a view of the ``g``-th storage the piece created) or ``("value", leaf)``
+    (anything else, e.g. a SymInt), ``view`` = (size,
+    stride, offset); and per created storage (dtype, device, elements it must hold). None when the
+    outputs cannot be reproduced that way: an in-place op in the piece (it could change an input's
+    metadata), an unbacked (data-dependent) size, or a view whose dtype is not its storage's."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if any(n.op in ("call_function", "call_method") and str(getattr(n.target, "__name__", n.target)).endswith("_")
+           for n in gm.graph.nodes):
+        return None
+    inputs = {id(a.untyped_storage()): (i, a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    created: dict[int, int] = {}
+    storages: list[list] = []  # [dtype, device, elements]
+    leaves = []
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if isinstance(leaf, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(leaf):
+            return None
+        if not isinstance(leaf, torch.Tensor):
+            leaves.append(("value", leaf))
+            continue
+        same = [i for i, a in enumerate(args) if a is leaf]
+        if same:
+            leaves.append(("arg", same[0]))
+            continue
+        view = (tuple(leaf.size()), tuple(leaf.stride()), leaf.storage_offset())
+        sid = id(leaf.untyped_storage())
+        if sid in inputs:
+            if inputs[sid][1] != leaf.dtype:
+                return None
+            leaves.append(("in", inputs[sid][0], view))
+            continue
+        if sid not in created:
+            created[sid] = len(storages)
+            storages.append([leaf.dtype, leaf.device, None])
+        g = storages[created[sid]]
+        if g[0] != leaf.dtype:
+            return None
+        end = leaf.storage_offset() + sum((n - 1) * st for n, st in zip(leaf.size(), leaf.stride())) + 1
+        g[2] = end if g[2] is None else torch.sym_max(g[2], end)  # (no comparison: no guard)
+        leaves.append(("new", created[sid], view))
+    return leaves, storages, torch.utils._pytree.tree_structure(out)
+
+
+def _outputs_from_layout(layout, args: Sequence[Any]) -> Any:
+    """Fresh fake outputs for a piece's ``args`` laid out as :func:`_output_layout` recorded (under
+    the active fake mode): new storages where the piece created them, views of the inputs where it
+    returned them."""
+    leaves, storages, spec = layout
+    bases = [torch.empty(n, dtype=dtype, device=device) for dtype, device, n in storages]
+    out = []
+    for leaf in leaves:
+        if leaf[0] == "value":
+            out.append(leaf[1])
+        elif leaf[0] == "arg":  # the input itself, passed through
+            out.append(args[leaf[1]])
+        else:
+            base = args[leaf[1]] if leaf[0] == "in" else bases[leaf[1]]
+            out.append(base.as_strided(*leaf[2]))
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
 class PiecewiseCompiler(torch.fx.Interpreter):
     """Runs the split module on fake inputs; compiles each non-splitting piece with the fake
     values that reach it (so their shapes are the symbolic ones) and swaps it in. Pieces with one
     :func:`piece_key` (a model's repeated layers) share the first one's compiled callable: one
-    Inductor compile or cache load per distinct piece instead of one per piece."""
+    Inductor compile or cache load per distinct piece instead of one per piece; and their fake
+    outputs are laid out as the first one's were (:func:`_output_layout`) instead of running the
+    piece's ops under fake mode again (Dynamo has propagated them once already).
+    ``verify_reuse``: run the piece anyway and check that both layouts agree (tests)."""
+
+    verify_reuse = False
 
     def __init__(self, split_gm: fx.GraphModule, items: list[SplitItem], compile_piece: Callable, fake_mode,
                  counts: "RewriteCounts | None" = None) -> None:
@@ -178,6 +253,8 @@ class PiecewiseCompiler(torch.fx.Interpreter):
         # the rewrite pass's counts (None: no pass): a shared piece counts what its first compile did
         self.counts = counts
         self._count_deltas: dict[tuple, tuple] = {}
+        self.layouts: dict[tuple, Any] = {}  # a distinct piece's output layout (_output_layout), when reproducible
+        self.reused_outputs = 0
         self.extra_traceback = False
 
     def run(self, *args):
@@ -186,20 +263,33 @@ class PiecewiseCompiler(torch.fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         assert isinstance(target, str)
-        out = super().call_module(target, args, kwargs)
-        if target in self.to_compile:
-            if kwargs:
-                raise RuntimeError(f"hybrid_compile backend: piece {target} called with keyword arguments")
-            submod = self.fetch_attr(target)
-            key = piece_key(submod, args)
-            if key not in self.by_key:
-                before = self.counts.copy() if self.counts is not None else None
-                self.by_key[key] = self.compile_piece(submod, list(args))
-                if self.counts is not None:
-                    self._count_deltas[key] = (self.counts.copy(), before)
-            elif self.counts is not None:
-                self.counts.add_shared(*self._count_deltas[key], 1)
-            self.compiled[target] = self.by_key[key]
+        if target not in self.to_compile:
+            return super().call_module(target, args, kwargs)
+        if kwargs:
+            raise RuntimeError(f"hybrid_compile backend: piece {target} called with keyword arguments")
+        submod = self.fetch_attr(target)
+        key = piece_key(submod, args)
+        if key in self.layouts:
+            out = _outputs_from_layout(self.layouts[key], args)
+            self.reused_outputs += 1
+            if self.verify_reuse:
+                ran = super().call_module(target, args, kwargs)
+                if _output_layout(submod, args, ran)[:2] != _output_layout(submod, args, out)[:2]:
+                    raise AssertionError(f"piece {target}: the outputs laid out from its key's first piece differ "
+                                         "from its own")
+        else:
+            out = super().call_module(target, args, kwargs)
+            layout = _output_layout(submod, args, out)
+            if layout is not None:
+                self.layouts[key] = layout
+        if key not in self.by_key:
+            before = self.counts.copy() if self.counts is not None else None
+            self.by_key[key] = self.compile_piece(submod, list(args))
+            if self.counts is not None:
+                self._count_deltas[key] = (self.counts.copy(), before)
+        elif self.counts is not None:
+            self.counts.add_shared(*self._count_deltas[key], 1)
+        self.compiled[target] = self.by_key[key]
         return out
 
 
@@ -275,6 +365,7 @@ class HybridCompileBackend:
                 split_gm.__dict__[name] = fn
             pieces = len(compiler.compiled)
             distinct = len(compiler.by_key)
+            self.stats.laid_out_pieces = compiler.reused_outputs
         else:
             pieces = distinct = sum(1 for item in items if not item.is_splitting_op)
         seconds = time.perf_counter() - t0

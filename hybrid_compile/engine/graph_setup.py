@@ -412,7 +412,9 @@ class CompiledGraphs:
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
         ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
         batch 1, see ``cuda_graphs.FullGraphRunner``), ``recompile_reasons`` (Dynamo's first failed guard per
-        recompile, the one-token graph's included), ``pieces`` (Inductor-compiled pieces), ``distinct_pieces`` (of them, compiled once each: repeated layers share code), ``splitting_op_calls`` and
+        recompile, the one-token graph's included), ``pieces`` (Inductor-compiled pieces), ``distinct_pieces`` (of them, compiled once each: repeated layers share code), ``laid_out_pieces`` (of the
+        rest, those whose fake outputs the backend laid out from their key's first piece instead of running
+        them under fake mode), ``splitting_op_calls`` and
         ``split_ops_seen`` (layer ops left eager between them), ``caches`` (Inductor's on-disk
         caches: ``fx_graph_cache`` / ``autograd_cache`` on, their ``dir``, and the pieces' lookups:
         ``fx_graph_hits`` / ``_misses`` / ``_bypasses``, ``autograd_hits`` / ...), ``graph_breaks``, ``compiled_steps``
@@ -442,6 +444,7 @@ class CompiledGraphs:
             "recompile_reasons": _recompile_reasons(self.code_name),  # the one-token graph's included
             "pieces": s.pieces,
             "distinct_pieces": s.distinct_pieces,  # compiled once each, the rest sharing their code (backend.piece_key)
+            "laid_out_pieces": s.laid_out_pieces,  # of the rest, fake outputs laid out, not run (backend._output_layout)
             "splitting_op_calls": s.splitting_op_calls,
             "split_ops_seen": dict(s.split_ops_seen),
             "inductor_config": dict(self.inductor_config),

@@ -2,11 +2,13 @@
 caches, each run a fresh Python process, as a user restarting a server gets.
 
     python benchmarks/startup.py [--model qwen3_next] [--runs 3] [--device cuda] [--tiny]
-        [--cache-dir DIR] [--new-tokens 8] [--profile N] [--out benchmarks/results/startup.json]
+        [--cache-dir DIR] [--new-tokens 8] [--max-running-requests N] [--profile N]
+        [--out benchmarks/results/startup.json]
 
 Each run builds the reference model's random weights on the device (``benchmarks/reference_models.py``;
 timed apart as ``build_s``: a deployment loads its weights instead), then times
-``hc.wrap(model, compile=True)`` (CUDA graphs by default on a GPU) around the call and records
+``hc.wrap(model, compile=True)`` (CUDA graphs by default on a GPU; ``--max-running-requests`` sets the
+engine's, and so the decode graphs captured: by default the engine's default) around the call and records
 ``engine.stats()["startup"]`` (each phase's seconds: pools, patch, compile, capture, warm-up) and
 ``["startup_work"]`` (what each phase compiled: Dynamo graphs, Inductor compiles and cache hits, our
 Triton kernels' JIT compiles), then greedy-generates ``--new-tokens`` tokens for two prompts (the
@@ -57,7 +59,8 @@ def run_child(args) -> dict:
         profiler = cProfile.Profile()
         profiler.enable()
     t = time.perf_counter()
-    engine = hc.wrap(model, compile=True, max_running_requests=2)
+    extra = {} if args.max_running_requests is None else {"max_running_requests": args.max_running_requests}
+    engine = hc.wrap(model, compile=True, **extra)
     sync_device(args.device)
     wrap_s = time.perf_counter() - t
     if profiler is not None:
@@ -95,7 +98,8 @@ def run_parent(args) -> dict:
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     fresh = not any(os.path.exists(os.path.join(cache_dir, d)) for d in ("inductor", "triton"))
     child_args = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--device", args.device,
-                  "--new-tokens", str(args.new_tokens), "--profile", str(args.profile)] + (["--tiny"] if args.tiny else [])
+                  "--new-tokens", str(args.new_tokens), "--profile", str(args.profile)] + (["--tiny"] if args.tiny else []) \
+        + ([] if args.max_running_requests is None else ["--max-running-requests", str(args.max_running_requests)])
     runs = []
     for i in range(args.runs):
         t = time.perf_counter()
@@ -125,6 +129,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="toy sizes of the model (CPU smoke runs)")
     p.add_argument("--cache-dir", default=None, help="where the runs' compile caches live (default: a new temp dir)")
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="the engine's (decode graphs are captured up to it); default: the engine's default")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take")
     p.add_argument("--profile", type=int, default=0, help="keep the N costliest functions of each wrap (cProfile)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/startup_<device>.json)")
@@ -143,7 +149,7 @@ def main(argv=None):
 
     from benchmarks.plots import plot_startup
 
-    result = dict(model=args.model, tiny=args.tiny, device=args.device,
+    result = dict(model=args.model, tiny=args.tiny, device=args.device, max_running_requests=args.max_running_requests,
                   device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"), **run_parent(args))
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"startup_{args.device}.json")

@@ -118,7 +118,7 @@ def test_second_process_loads_every_piece_from_inductors_cache(tmp_path):
     from benchmarks import startup
 
     out = tmp_path / "startup.json"
-    startup.main(["--tiny", "--device", "cpu", "--runs", "2", "--new-tokens", "6", "--cache-dir",
+    startup.main(["--tiny", "--device", "cpu", "--runs", "2", "--new-tokens", "6", "--max-running-requests", "2", "--cache-dir",
                   str(tmp_path / "caches"), "--out", str(out), "--timeout", "300"])
     result = json.loads(out.read_text())
     first, second = result["runs"]

@@ -13,7 +13,9 @@ engine's, and so the decode graphs captured: by default the engine's default) ar
 ``["startup_work"]`` (what each phase compiled: Dynamo graphs, Inductor compiles and cache hits, our
 Triton kernels' JIT compiles), then greedy-generates ``--new-tokens`` tokens for two prompts (the
 engine works; every run must give the same tokens: ``tokens_equal``). ``process_s`` is the whole
-process (interpreter, imports, build, wrap, generate) as the parent sees it.
+process (interpreter, imports, build, wrap, generate) as the parent sees it; ``dynamo_frames`` each
+Dynamo compile of the forward (the first at the compile phase, the one-token decode graph's in the
+capture phase) split into Dynamo's trace and our backend (torch's compile metrics).
 
 The first run gets empty cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``
 under ``--cache-dir``, default a new temporary directory): a fresh machine's caches; the later runs
@@ -72,12 +74,33 @@ def run_child(args) -> dict:
         generate_s = time.perf_counter() - t
         stats = engine.stats()
     return dict(import_s=import_s, build_s=build_s, wrap_s=wrap_s, generate_s=generate_s, tokens=tokens,
+                dynamo_frames=_dynamo_frames(),
                 startup=stats["startup"], startup_work=stats["startup_work"],
                 compile=dict(pieces=stats["compile"]["pieces"],
                              distinct_pieces=stats["compile"].get("distinct_pieces"),
                              caches=stats["compile"]["caches"]),
                 cuda_graphs=stats.get("cuda_graphs"),
                 profile=_top_functions(profiler, args.profile) if profiler is not None else None)
+
+
+def _dynamo_frames() -> list[dict]:
+    """Dynamo's compile metrics of each compile of the engine's forward in this process (torch's
+    ``get_compilation_metrics``): the whole frame's seconds, our backend's (split + Inductor) within
+    them, and the trace (the rest); AOTAutograd / Inductor / garbage-collection microseconds where
+    this torch records them."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    frames = []
+    for m in get_compilation_metrics():
+        if not str(getattr(m, "co_name", "")).startswith("hybrid_compile_forward"):
+            continue
+        entire, backend = getattr(m, "entire_frame_compile_time_s", None), getattr(m, "backend_compile_time_s", None)
+        frames.append(dict(
+            entire_s=entire, backend_s=backend,
+            trace_s=entire - backend if entire is not None and backend is not None else None,
+            **{k: getattr(m, k, None) for k in ("aot_autograd_cumulative_compile_time_us",
+                                                 "inductor_cumulative_compile_time_us", "gc_time_us")}))
+    return frames
 
 
 def _top_functions(profiler, n: int) -> dict:
@@ -117,7 +140,10 @@ def run_parent(args) -> dict:
               + f"; process {process_s:.1f} s (imports {run['import_s']:.1f}, build {run['build_s']:.1f}); "
               + "compiled: " + ", ".join(f"{p} {w['inductor_compiles']} inductor / {w['inductor_cache_hits']} hits / "
                                          f"{w.get('triton_compiles', 0)} triton" for p, w in work.items()
-                                         if any(w.values())), flush=True)
+                                         if any(w.values()))
+              + "; Dynamo frames (trace + backend s): " + ", ".join(
+                  f"{f['trace_s']:.1f} + {f['backend_s']:.1f}" for f in run["dynamo_frames"] if f["trace_s"] is not None),
+              flush=True)
     return dict(runs=runs, cache_dir=cache_dir, tokens_equal=all(r["tokens"] == runs[0]["tokens"] for r in runs))
 
 

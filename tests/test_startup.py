@@ -139,3 +139,7 @@ def test_second_process_loads_every_piece_from_inductors_cache(tmp_path):
     for run in (first, second):
         assert set(run["startup"]) == PHASE_KEYS and run["startup"]["compile_s"] > 0
         assert run["startup"]["total_s"] <= run["wrap_s"] <= run["process_s"], run
+        # one Dynamo compile of the forward (no CUDA graphs here), its trace and our backend within the compile phase
+        (frame,) = run["dynamo_frames"]
+        assert 0 < frame["trace_s"] and 0 < frame["backend_s"], frame
+        assert frame["trace_s"] + frame["backend_s"] <= run["startup"]["compile_s"], (frame, run["startup"])

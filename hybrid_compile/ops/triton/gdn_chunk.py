@@ -1207,7 +1207,7 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f'gdn_chunk.CONFIG["kda_gram_range"] must be <= 128, not {gram_range}')
     if mma_range < 0:  # the bisection everywhere: no mid-value split at all
         gram_range = -1.0
-    split = bool(cfg["kda_split_channels"]) and g.dim() == 3 and gram_range >= 0
+    split = bool(cfg["kda_split_channels"]) and g.dim() == 3
     if gate_k:
         bk_intra = max(min(cfg["kda_intra_bk"] or 16, kp), 16)
         warps_intra = cfg["kda_intra_warps"] or 2

@@ -131,9 +131,10 @@ def plot_startup(run: dict, path: str) -> dict:
         import matplotlib.pyplot as plt
     except ImportError:
         return dict(files=[], message="plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+    from hybrid_compile.engine.startup import PHASES
+
     runs = run["runs"]
-    phases = [k for k in ("load_s", "pools_s", "patch_s", "compile_s", "capture_s", "speculative_s", "warmup_s")
-              if any(r["startup"].get(k) for r in runs)]
+    phases = [f"{k}_s" for k in PHASES if any(r["startup"].get(f"{k}_s") for r in runs)]
     fig, ax = plt.subplots(figsize=(1.6 * len(runs) + 3, 4))
     bottom = [0.0] * len(runs)
     labels = [f"run {r['run']}\n({r['caches']})" for r in runs]

@@ -37,7 +37,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("load_s", "pools_s", "patch_s", "compile_s", "capture_s", "speculative_s", "warmup_s")
 
 
 def run_child(args) -> dict:
@@ -115,6 +114,8 @@ def _top_functions(profiler, n: int) -> dict:
 
 
 def run_parent(args) -> dict:
+    from hybrid_compile.engine.startup import PHASES
+
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="hc_startup_")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
@@ -136,7 +137,7 @@ def run_parent(args) -> dict:
         s = run["startup"]
         work = run["startup_work"]
         print(f"run {i} ({run['caches']} caches): wrap {run['wrap_s']:.1f} s = "
-              + ", ".join(f"{k[:-2]} {s[k]:.1f}" for k in PHASES if s.get(k))
+              + ", ".join(f"{k} {s[f'{k}_s']:.1f}" for k in PHASES if s.get(f"{k}_s"))
               + f"; process {process_s:.1f} s (imports {run['import_s']:.1f}, build {run['build_s']:.1f}); "
               + "compiled: " + ", ".join(f"{p} {w['inductor_compiles']} inductor / {w['inductor_cache_hits']} hits / "
                                          f"{w.get('triton_compiles', 0)} triton" for p, w in work.items()
@@ -148,8 +149,11 @@ def run_parent(args) -> dict:
 
 
 def main(argv=None):
+    from benchmarks.reference_models import REFERENCE_BUILDERS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3_next", help="a reference model (benchmarks/reference_models.py)")
+    p.add_argument("--model", default="qwen3_next", choices=sorted(REFERENCE_BUILDERS),
+                   help="a reference model (benchmarks/reference_models.py)")
     p.add_argument("--runs", type=int, default=3, help="processes in a row; the first on the caches as found")
     p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes of the model (CPU smoke runs)")
@@ -169,8 +173,8 @@ def main(argv=None):
     if args.child:
         print(json.dumps(run_child(args)))
         return
-    if args.runs < 1:
-        p.error("--runs must be at least 1")
+    if args.runs < 1 or args.new_tokens < 1 or args.profile < 0:
+        p.error("--runs and --new-tokens must be at least 1, --profile at least 0")
     import torch
 
     from benchmarks.plots import plot_startup

@@ -91,20 +91,25 @@ def move_state_rows(src: torch.Tensor, src_scales: torch.Tensor | None, src_rows
 
 @triton.jit
 def store_state_rows(ptrs, scale_ptrs, S, mask, scale_mask, FP8: tl.constexpr, AXIS: tl.constexpr = 1,
-                     CACHE: tl.constexpr = ""):
+                     STREAM: tl.constexpr = False):
     """Store an fp32 state tile ``S``: e4m3 values with one scale per vector along ``AXIS`` (1: per
     row over the columns, as the Mamba2 / Mamba1 states; 0: per column over the rows, as the GDN /
     lightning states' value columns over K; the program holds that axis whole) at ``scale_ptrs``
     (masked by ``scale_mask``) when ``FP8``, else cast to the buffer's dtype (``scale_ptrs`` unused).
-    CACHE: the values' store cache modifier (``".cs"``, streaming: the caller never reads them back,
-    so they leave the caches first; ``""`` Triton's default). Shared by the Mamba2, Mamba1, GDN and
-    lightning step kernels."""
+    STREAM: the values are stored with the streaming cache modifier (``.cs``: the caller never reads
+    them back, so they leave the caches first). A flag rather than a string argument: Triton 3.6
+    passes a helper's string default through unwrapped and fails to compile it. Shared by the
+    Mamba2, Mamba1, GDN and lightning step kernels."""
     if FP8:
         q, s = quantize_axis(S, AXIS)
-        tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=mask, cache_modifier=CACHE)
+        values = q.to(ptrs.dtype.element_ty)
         tl.store(scale_ptrs, s, mask=scale_mask)
     else:
-        tl.store(ptrs, S.to(ptrs.dtype.element_ty), mask=mask, cache_modifier=CACHE)
+        values = S.to(ptrs.dtype.element_ty)
+    if STREAM:
+        tl.store(ptrs, values, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptrs, values, mask=mask)
 
 
 @triton.jit

@@ -138,7 +138,7 @@ def _gdn_recurrent_kernel(
                                 s_isb, s_isl, s_ish, GATING, USE_L2, HAS_INTER, INTER_FP8, ROUND_STEPS, TREE,
                                 PER_K_GATE)
     if UPDATE_STATE:
-        store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0, CACHE=".cs")
+        store_state_rows(p_s, p_ss, S, m_s, m_o, POOL_FP8, 0, STREAM=True)
 
 
 @triton.jit

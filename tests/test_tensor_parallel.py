@@ -310,11 +310,39 @@ def _tree_case(checkpoints, name: str, ck: str) -> dict:
     return _case(checkpoints, name, ck, speculative=spec)
 
 
+def _llama_draft(vocab: int):
+    """A tiny random Llama with the target's vocabulary: a draft model outside our families (HF's own
+    forward and KV cache on rank 0, ``drafts.HFDraftModel``)."""
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, pad_token_id=None, bos_token_id=None,
+                                   eos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def _draft_model_cases(checkpoints) -> list[dict]:
+    """Speculative method "draft_model" at 2 ranks, the draft model on rank 0 alone: the target's own
+    weights as the draft (a chain, every draft right but at a chunk's edge), the same as a tree
+    (top-k 2, depth 2) and an HF Llama draft (mostly wrong drafts: the verify's rejections)."""
+    own = checkpoints["qwen3_next_dense"]["model"]
+    nemotron = checkpoints["nemotron_h"]["model"]
+    return [
+        _case(checkpoints, "qwen3_next_dense@draft_model", "qwen3_next_dense",
+              speculative=dict(method="draft_model", draft_model=own, num_draft_tokens=2)),
+        _case(checkpoints, "qwen3_next_dense@draft_tree", "qwen3_next_dense",
+              speculative=dict(method="draft_model", draft_model=own, num_draft_tokens=2, topk=2)),
+        _case(checkpoints, "nemotron_h@hf_draft", "nemotron_h",
+              speculative=dict(method="draft_model", draft_model=_llama_draft(_vocab(nemotron)), num_draft_tokens=2)),
+    ]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory):
     cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
     cases += [_case(checkpoints, name, ck, n, **opts) for name, ck, opts, n in VARIANTS]
     cases.append(_tree_case(checkpoints, "qwen3_next_moe@tree", "qwen3_next_moe"))
+    cases += _draft_model_cases(checkpoints)
     return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
 
 
@@ -359,6 +387,23 @@ def test_two_ranks_match_hf(checkpoints, two_ranks, name):
 def test_draft_tree_two_ranks_match_hf(checkpoints, two_ranks):
     """Speculative draft trees under tensor parallelism: the tree metadata travel with the step."""
     _check(checkpoints, two_ranks, "qwen3_next_moe@tree", "qwen3_next_moe")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next_dense@draft_model", "qwen3_next_dense@draft_tree", "nemotron_h@hf_draft"])
+def test_draft_model_two_ranks_match_hf(checkpoints, two_ranks, name):
+    """A draft model under tensor parallelism runs on rank 0 alone (the other ranks' draft source never
+    proposes: it would raise); its drafts reach rank 1 as the verify steps' input ids."""
+    checkpoint, _ = name.split("@")
+    r = _check(checkpoints, two_ranks, name, checkpoint)
+    # the single-process engine with the same draft model: the same drafts taken in the same verify steps
+    case = next(c for c in _draft_model_cases(checkpoints) if c["name"] == name)
+    with hc.from_pretrained(case["dir"], **case["options"]) as engine:
+        outputs = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in case["rounds"]]
+        spec = engine.stats()["speculative"]
+    assert outputs == r["outputs"]
+    assert (r["verify_steps"], r["accepted"]) == (spec["verify_steps"], spec["accepted"])
+    if checkpoint == "qwen3_next_dense":  # the target's own weights: drafts taken (a random Llama's: rejected)
+        assert r["accepted"] >= 2 * r["verify_steps"], (r["accepted"], r["verify_steps"])
 
 
 def test_kernel_warm_up_runs_on_every_rank(checkpoints, two_ranks):
@@ -597,14 +642,33 @@ def test_fp8_checkpoint_off_the_blocks_is_one_clear_error(tmp_path):
         load_shard(str(d), config, plan_for(config, 2, 0), torch.float32, torch.device("cpu"))
 
 
+def test_follower_config_keeps_the_draft_model_on_rank0(checkpoints):
+    """The other ranks' configuration under method "draft_model": the same verify shape (drafts per
+    step, a tree's nodes), no draft model (it is not sent to their processes), a source that raises
+    if ever asked; every other configuration passes unchanged."""
+    from hybrid_compile.distributed.runtime import LeaderDrafts, follower_config
+    from hybrid_compile.engine import EngineConfig
+
+    model = checkpoints["qwen3_next_dense"]["model"]
+    for spec in (dict(method="draft_model", draft_model=model, num_draft_tokens=3),
+                 dict(method="draft_model", draft_model=model, num_draft_tokens=2, topk=3),
+                 dict(method="draft_model", draft_model=model, num_draft_tokens=3, topk=2, num_tree_nodes=4)):
+        config = EngineConfig.from_args(device="cpu", speculative=spec)
+        follower = follower_config(config).speculative
+        assert follower.draft_model is None and isinstance(follower.draft_source, LeaderDrafts)
+        assert (follower.draft_nodes, follower.num_draft_tokens, follower.topk) == (
+            config.speculative.draft_nodes, config.speculative.num_draft_tokens, config.speculative.topk)
+        with pytest.raises(RuntimeError, match="a follower rank never proposes"):
+            follower.draft_source.propose_tree([], 2, 2, 4)
+    ngram = EngineConfig.from_args(device="cpu", speculative=OPTIONS["speculative"])
+    assert follower_config(ngram) is ngram
+
+
 def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
-    """Draft-model drafts and the MTP proposal graphs under tensor parallelism: one clear error naming
-    the method or option, raised before any rank process starts (MTP drafts themselves:
-    tests/test_tensor_parallel_mtp.py)."""
+    """The MTP proposal graphs under tensor parallelism: one clear error naming the option, raised
+    before any rank process starts (MTP drafts themselves: tests/test_tensor_parallel_mtp.py; draft
+    models: test_draft_model_two_ranks_match_hf)."""
     d = checkpoints["qwen3_next_dense"]["dir"]
-    spec = dict(method="draft_model", draft_model=checkpoints["qwen3_next_dense"]["model"], num_draft_tokens=2)
-    with pytest.raises(ValueError, match="'draft_model' with tensor_parallel_size=2 is not supported"):
-        hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", speculative=spec)
     with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\].*tensor_parallel_size=2 is not supported"):
         hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", extra={"mtp_draft_graphs": True},
                            speculative={"method": "mtp", "num_draft_tokens": 2})

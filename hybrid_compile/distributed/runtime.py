@@ -10,7 +10,8 @@
   ``None`` once rank 0's engine is closed.
 
 Every rank loads only its shard (``distributed/loading.py``; with speculative method "mtp" also
-its shard of the MTP head; with ``quantization="fp8"`` it quantizes that shard before anything else
+its shard of the MTP head; with method "draft_model" the draft model is rank 0's alone:
+:func:`follower_config`; with ``quantization="fp8"`` it quantizes that shard before anything else
 patches its modules), installs the collectives (``distributed/layers.py``) and builds a
 :class:`~hybrid_compile.engine.HybridEngine` over it with the same configuration and pool sizes.
 Rank 0's engine (:class:`TensorParallelEngine`) broadcasts every step (``distributed/step.py``); a
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
+from ..engine.speculative import SpeculativeConfig
 from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
 from ..engine.startup import Startup
 from ..models.mtp import check_mtp_checkpoint
@@ -137,11 +139,6 @@ class TensorParallelEngine(HybridEngine):
 
 def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineConfig:
     spec = config.speculative
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError(
-            f"speculative method 'draft_model' with tensor_parallel_size={size} is not supported (the draft model "
-            "would run on rank 0 alone); use method 'ngram'"
-        )
     if spec is not None and spec.method == "mtp" and config.extra.get(MTP_GRAPHS_OPTION, False) not in (False, None):
         raise ValueError(
             f"EngineConfig.extra[{MTP_GRAPHS_OPTION!r}] (full CUDA graphs of whole MTP proposals) with "
@@ -168,6 +165,33 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             "cuda_graphs=False"
         )
     return config
+
+
+class LeaderDrafts:
+    """The draft source of ranks 1..N-1 under speculative method "draft_model": the draft model is
+    rank 0's alone (one process, its own pools, no collectives), and its drafts reach the other
+    ranks as the verify step's input ids (``distributed/step.py``), so this source never proposes."""
+
+    def propose(self, requests, k):
+        raise RuntimeError("tensor parallelism: a follower rank never proposes drafts (rank 0's draft model does)")
+
+    def propose_tree(self, requests, depth, topk, budget):
+        self.propose(requests, depth)
+
+
+def follower_config(config: EngineConfig) -> EngineConfig:
+    """The engine configuration of ranks 1..N-1: rank 0's, except with speculative method
+    "draft_model", whose draft model runs on rank 0 alone. Their speculative decoder then has rank
+    0's shape (drafts per step, a tree's nodes: the verify buffers and graphs are the same on every
+    rank) over a :class:`LeaderDrafts` source, and the draft model is not sent to their processes."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return config
+    follower = SpeculativeConfig(method="custom", num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
+                                 num_tree_nodes=spec.draft_nodes if spec.is_tree else None,
+                                 draft_source=LeaderDrafts())
+    follower.validate()
+    return dataclasses.replace(config, speculative=follower)
 
 
 def _resolve_device(device: Any) -> str:
@@ -380,7 +404,7 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
         _group.set_current_group(tp)
         if rank != 0:
             try:
-                _serve_follower(tp, path, config, engine_config, dtype, trust_remote_code)
+                _serve_follower(tp, path, config, follower_config(engine_config), dtype, trust_remote_code)
             finally:
                 _group.set_current_group(None)
             return None
@@ -390,9 +414,10 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
     threads = max(1, torch.get_num_threads() // size)
     ctx = torch.multiprocessing.get_context("spawn")
     processes = []
+    followers = follower_config(engine_config)
     for rank in range(1, size):
         p = ctx.Process(target=_worker, args=(rank, size, store.port, device_type, timeout, threads, path, config,
-                                              engine_config, dtype, trust_remote_code), daemon=True)
+                                              followers, dtype, trust_remote_code), daemon=True)
         p.start()
         processes.append(p)
     try:

@@ -26,7 +26,8 @@ rank 1 with every verify graph's step) replaying full verify graphs, an FP8 chec
 (``qwen3_next_fp8@fp8_checkpoint``: each rank's e4m3 slices and block scales), MTP drafts from the checkpoint's
 head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head sharded on every rank, its
 steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees; run them
-alone with ``-k mtp``), and no Triton kernel, Dynamo
+alone with ``-k mtp``), a draft model on rank 0 alone (``@draft_model`` / ``@draft_tree``: the checkpoint's
+own weights as the draft, compiled with its own CUDA graphs), and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
 a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
 compared at the command rank 0 had sent when its engine was ready and at the end).
@@ -92,6 +93,9 @@ OPTIONS = dict(dtype="bfloat16", device="cuda", max_total_tokens=2048, mamba_cac
 TINY = dict(cuda_graphs=True, cuda_graph_batch_sizes=(2, 4), dtype="float32")
 MID = dict(cuda_graph_batch_sizes=(1, 2, 4))  # batch 1: the graph compiled for one token
 SPECULATIVE = {"method": "ngram", "num_draft_tokens": 2, "ngram_max": 3, "ngram_min": 1}
+# a draft model on rank 0 alone ("self": the case's own checkpoint loaded as the draft, on the rank's GPU:
+# _engine_options; its drafts are taken, so the verify graphs emit several tokens a step)
+DRAFT_SELF = {"method": "draft_model", "draft_model": "self", "num_draft_tokens": 2}
 
 
 # speculative decoding with the checkpoint's MTP head (tests/mtp_models.py writes its mtp.* tensors):
@@ -229,6 +233,10 @@ def _cases() -> list[tuple[str, object, dict]]:
         cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
     if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
         cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
+        # a draft model (compiled, its own CUDA graphs) on rank 0 alone, as a chain and as a tree
+        cases.append(("qwen3_next_dense@draft_model", MODELS["qwen3_next_dense"], dict(TINY, speculative=DRAFT_SELF)))
+        cases.append(("qwen3_next_dense@draft_tree", MODELS["qwen3_next_dense"],
+                      dict(TINY, speculative=dict(DRAFT_SELF, topk=2))))
         # an FP8 checkpoint (block scales on 128 x 128 blocks the ranks' shards fall on): each rank reads
         # its e4m3 slices; FP8 GEMVs, cuBLAS's block-scaled GEMM and the FP8 experts inside the graphs
         cases.append(("qwen3_next_fp8@fp8_checkpoint", MODELS["qwen3_next_fp8"], dict(TINY)))
@@ -287,6 +295,19 @@ def _triton_compiles():
     return TritonCompiles()
 
 
+def _engine_options(case: dict, device: str) -> dict:
+    """The case's engine options, a ``"self"`` draft model (:data:`DRAFT_SELF`) loaded from the case's
+    checkpoint onto ``device`` in the case's dtype."""
+    options = dict(case["options"])
+    spec = options.get("speculative")
+    if isinstance(spec, dict) and spec.get("draft_model") == "self":
+        import transformers
+
+        draft = transformers.AutoModelForCausalLM.from_pretrained(case["dir"], dtype=getattr(torch, options["dtype"]))
+        options["speculative"] = dict(spec, draft_model=draft.to(device).eval())
+    return options
+
+
 def _serve(engine, rounds) -> list:
     return [engine.generate_batch(batch, max_new_tokens=NEW) for batch in rounds]
 
@@ -342,7 +363,8 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_dir: str) -> None
             note(f"{case['name']}: start")
             faulthandler.dump_traceback_later(STACK_DUMP_SECONDS, repeat=True, file=progress)
             try:
-                engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, **case["options"])
+                engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size,
+                                            **_engine_options(case, f"cuda:{rank}"))
                 if rank != 0:
                     assert engine is None
                     result = dict(log=list(log))
@@ -427,7 +449,7 @@ class _Group:
         case = self.cases[name]
         if "single" not in case:
             try:
-                engine = hc.from_pretrained(case["dir"], **case["options"])
+                engine = hc.from_pretrained(case["dir"], **_engine_options(case, "cuda"))
                 try:
                     case["single"] = _serve(engine, case["rounds"])
                     case["single_moe"] = _moe_paths(engine.stats())

@@ -8,7 +8,8 @@ back to token ids on the device (eager, window and proposal-graph paths, chains 
   ``generate`` and the non-speculative engine (verification keeps it exact), chains k = 1 and 3
   (compiled, no graph break) and a draft tree (topk 2), with the prefix cache and chunked prefill.
 - The proposal graphs' body without a capture equals the eager window path with the same map.
-- Errors: another method, bad contents, ids outside the vocabulary, tensor parallelism.
+- Errors: another method, bad contents, ids outside the vocabulary (tensor parallelism:
+  tests/test_tensor_parallel_mtp.py's ``@token_map`` case).
 - ``gpu``: the proposal graphs captured, with the map: proposals equal the eager path's.
 """
 
@@ -136,7 +137,7 @@ def test_proposal_graph_body_with_map_equals_eager_path(checkpoint):
 
 def test_token_map_files_and_errors(checkpoint, tmp_path):
     """The map from .pt / .npy / .json files, a list, a tensor or a numpy array; one clear error for
-    another method, bad contents, ids outside the vocabulary and tensor parallelism."""
+    another method, bad contents and ids outside the vocabulary."""
     ids = [7, 3, 11]
     torch.save(torch.tensor(ids), tmp_path / "m.pt")
     np.save(tmp_path / "m.npy", np.array(ids, dtype=np.int32))
@@ -158,9 +159,6 @@ def test_token_map_files_and_errors(checkpoint, tmp_path):
     v = checkpoint_vocab_size(checkpoint)
     with pytest.raises(ValueError, match=f"token id {v}, outside the vocabulary of {v} ids"):
         _engine(checkpoint, 2, [0, v])
-    with pytest.raises(ValueError, match="draft_token_map with tensor_parallel_size=2 is not supported"):
-        hc.from_pretrained(checkpoint, tensor_parallel_size=2, device="cpu",
-                           speculative=dict(method="mtp", num_draft_tokens=2, draft_token_map=ids))
     engine = _engine(checkpoint, 1, ids)
     with pytest.raises(ValueError, match="restricted already"):
         engine.mtp_head.restrict_vocabulary(torch.tensor(ids))

@@ -25,7 +25,8 @@ rank 0, one n-gram speculative case and one draft-tree case (top-k 2: tree mask 
 rank 1 with every verify graph's step) replaying full verify graphs, an FP8 checkpoint
 (``qwen3_next_fp8@fp8_checkpoint``: each rank's e4m3 slices and block scales), MTP drafts from the checkpoint's
 head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head sharded on every rank, its
-steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees; run them
+steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees;
+``@mtp_token_map``: MTP drafts over a draft token map; run them
 alone with ``-k mtp``), a draft model on rank 0 alone (``@draft_model`` / ``@draft_tree``: the checkpoint's
 own weights as the draft, compiled with its own CUDA graphs), and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
@@ -103,7 +104,15 @@ DRAFT_SELF = {"method": "draft_model", "draft_model": "self", "num_draft_tokens"
 MTP = {"method": "mtp", "num_draft_tokens": 2}
 MTP_TREE = {"method": "mtp", "num_draft_tokens": 2, "topk": 2, "num_tree_nodes": 4}  # (tree verify graphs)
 MTP_KINDS = {"qwen3_next_moe@mtp": "qwen3_next_moe", "qwen3_next_moe@mtp_tree": "qwen3_next_moe", "qwen3_5@mtp": "qwen3_5",
-             "qwen3_next_4@mtp": "qwen3_next_moe"}
+             "qwen3_next_4@mtp": "qwen3_next_moe", "qwen3_next_moe@mtp_token_map": "qwen3_next_moe"}
+
+
+def _mtp_token_map() -> dict:
+    """MTP drafts over every other id of the tiny Qwen3-Next's vocabulary: each rank's rows of the map
+    from its vocab-parallel LM head, the logits gathered inside the head's graphs."""
+    from engine_models import make_config
+
+    return dict(MTP, draft_token_map=list(range(1, make_config("qwen3_next_moe").vocab_size, 2)))
 
 
 def _tree_speculative() -> dict:
@@ -233,6 +242,7 @@ def _cases() -> list[tuple[str, object, dict]]:
         cases.append((f"{name}@mtp", MODELS[name], dict(TINY, speculative=MTP)))
     if RANKS == 2:  # MTP draft trees: the head's top-2 chain, verified through the tree verify graphs
         cases.append((f"{spec}@mtp_tree", MODELS[spec], dict(TINY, speculative=MTP_TREE)))
+        cases.append((f"{spec}@mtp_token_map", MODELS[spec], dict(TINY, speculative=_mtp_token_map())))
         # a draft model (compiled, its own CUDA graphs) on rank 0 alone, as a chain and as a tree
         cases.append(("qwen3_next_dense@draft_model", MODELS["qwen3_next_dense"], dict(TINY, speculative=DRAFT_SELF)))
         cases.append(("qwen3_next_dense@draft_tree", MODELS["qwen3_next_dense"],

@@ -8,7 +8,9 @@ forward of rank 0's proposals (``distributed/step.py``, ``HEAD`` forwards). Case
 head, experts stored per expert), Qwen3.5 (dense head; its tensors in a directory of their own,
 ``mtp_checkpoint``), a Qwen3.5-MoE draft tree (top-k 2) and
 NemotronH (its MTP step: an attention block and a MoE block); a Qwen3-Next case and the tree case
-with a rank-one LM head that makes about half the drafts accepted. Each with chunked prefill (a
+with a rank-one LM head that makes about half the drafts accepted, and a Qwen3-Next case with a draft
+token map (``draft_token_map``: each rank's rows of the map from its vocab-parallel LM head, the
+logits gathered, ``distributed.layers.VocabParallelRows``). Each with chunked prefill (a
 45-token prompt over chunks of 32), the prefix cache (round two continues round one's sequences)
 and more prompts than running slots. In fp32 the sharded head's math is the single-process
 head's up to summation order, so the greedy tokens equal the single-process MTP engine's and HF
@@ -46,6 +48,8 @@ CASES = (
     ("qwen3_5@mtp_checkpoint", "qwen3_5", dict(method="mtp", num_draft_tokens=2), False),
     ("qwen3_5_moe@tree", "qwen3_5_moe", dict(method="mtp", num_draft_tokens=2, topk=2, num_tree_nodes=4), True),
     ("nemotron_h", "nemotron_h", dict(method="mtp", num_draft_tokens=2), False),
+    # a draft token map (the fixture draws it: _token_map): each rank's LM head rows of the map, gathered
+    ("qwen3_next_moe@token_map", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), True),
 )
 ACCEPTING = tuple(c[0] for c in CASES if c[3])
 
@@ -74,6 +78,17 @@ def _two_token_model(kind: str):
     return model
 
 
+def _token_map(model) -> list[int]:
+    """Half the vocabulary's ids in a random order, both rank-one heads' picks among them (the
+    largest and smallest entry of the LM head's first column: :func:`_two_token_model`), so that
+    drafts over the map are accepted; the ids fall on both ranks' rows of the vocab-parallel head."""
+    w = model.lm_head.weight[:, 0]
+    vocab = w.numel()
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[: vocab // 2].tolist()
+    picks = {int(w.argmax()), int(w.argmin())}
+    return [i for i in ids if i not in picks] + sorted(picks)
+
+
 def _serve(engine, prompts: list[list[int]]) -> dict:
     """Round one, then each sequence continued (prefix-cache hits); the proposals of chain
     drafts, the speculative counters and the prefix-cache hits."""
@@ -83,7 +98,8 @@ def _serve(engine, prompts: list[list[int]]) -> dict:
     stats = engine.stats()
     spec = stats["speculative"]
     return dict(outputs=[first, second], proposals=proposals, prefix_hits=stats["prefix_cache"]["admitted_hit_tokens"],
-                counters={k: spec.get(k) for k in ("verify_steps", "verified_requests", "drafted", "accepted", "topk")},
+                counters={k: spec.get(k) for k in ("verify_steps", "verified_requests", "drafted", "accepted", "topk",
+                                                   "draft_token_map_size")},
                 head=spec["draft_source"])
 
 
@@ -130,7 +146,10 @@ def served(tmp_path_factory):
         if kind == "nemotron_h":  # (its MTP step: an attention block, then a MoE block)
             write_nemotron_h_mtp_checkpoint(0, path)
         else:
-            write_mtp_checkpoint(kind, 0, path, model=_two_token_model(kind) if two_tokens else None)
+            model = _two_token_model(kind) if two_tokens else None
+            write_mtp_checkpoint(kind, 0, path, model=model)
+            if name.endswith("@token_map"):
+                spec = dict(spec, draft_token_map=_token_map(model))
         if name.endswith("@mtp_checkpoint"):
             spec = dict(spec, mtp_checkpoint=str(tmp_path_factory.mktemp("mtp_head")))
             _move_mtp_tensors(path, spec["mtp_checkpoint"])
@@ -140,6 +159,7 @@ def served(tmp_path_factory):
         one = _serve(engine, prompts)
         one["full_q_proj"] = list(engine.mtp_head.attention_modules()[0].q_proj.weight.shape)
         one["head_kv_heads"] = engine.mtp_head.attention_specs(torch.float32)[0].num_kv_heads
+        one["token_map"] = spec.get("draft_token_map")
         engine.close()
         first = [hf_greedy(model, p, NEW) for p in prompts]
         one["hf"] = [first, [hf_greedy(model, p + g, MORE) for p, g in zip(prompts, first)]]
@@ -166,6 +186,10 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     assert (r["counters"]["topk"] or 1) == (2 if "@tree" in name else 1)
     if name in ACCEPTING:
         assert r["counters"]["accepted"] >= r["counters"]["verify_steps"] // 2, r["counters"]
+    if name.endswith("@token_map"):  # every draft an id of the map (its size in the counters, compared above)
+        ids = set(one["token_map"])
+        assert r["counters"]["draft_token_map_size"] == len(ids)
+        assert all(t in ids for _, row in r["proposals"] for t in row), r["proposals"]
     # the rank's head holds half the query heads (q_proj rows) and its KV layer in the pool half the KV
     # heads (one when there are fewer KV heads than ranks: replicated); its fc (eh_proj) is replicated
     assert r["q_proj"] == [one["full_q_proj"][0] // 2, one["full_q_proj"][1]]

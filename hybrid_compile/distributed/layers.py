@@ -9,6 +9,7 @@ its weights are loaded (the model exists only for tensor parallelism, so nothing
   the all-reduce adds the rank that holds them;
 - the LM head holds the same rows of the output projection: the local logits are all-gathered
   along the vocabulary and cut to the real vocabulary size (the last rank's rows may be padding);
+  an MTP head's restricted vocabulary takes the map's rows of it on every rank (:class:`VocabParallelRows`);
 - an RMSNorm over channels split across every rank (a Mamba2 gated norm over one group that spans
   every rank, ``n_groups == 1``; OLMo-Hybrid's attention ``q_norm`` / ``k_norm``) all-reduces its
   sum of squares and divides by the whole width.
@@ -62,6 +63,47 @@ def vocab_parallel_lm_head(module: nn.Linear, vocab_size: int, tp: TensorParalle
         return tp.all_gather_last(logits)[..., :vocab_size]
 
     module.forward = types.MethodType(lm_head_forward, module)
+    module.vocab_parallel = tp  # (rank r holds rows [r * rows, (r + 1) * rows): VocabParallelRows)
+
+
+class VocabParallelRows(nn.Module):
+    """The rows of a vocab-parallel LM head (:func:`vocab_parallel_lm_head`) at the ids of
+    ``token_map``, in the map's order: column ``i`` of its logits is token ``token_map[i]`` (an MTP
+    head's restricted vocabulary, ``SpeculativeConfig.draft_token_map``). Each rank keeps the map's
+    ids among its own rows (padded with zero rows to the most any rank keeps), the local logits are
+    all-gathered and their columns put in the map's order by one ``index_select``."""
+
+    def __init__(self, lm_head: nn.Linear, token_map: torch.Tensor) -> None:
+        super().__init__()
+        tp: TensorParallelGroup = lm_head.vocab_parallel
+        self.tp = tp
+        weight, bias = lm_head.weight, lm_head.bias
+        rows = int(weight.shape[0])
+        ids = token_map.to(torch.int64).cpu()
+        owner = ids // rows  # the rank that holds each id's row
+        per_rank = [ids[owner == r] - r * rows for r in range(tp.size)]  # (each in the map's order)
+        width = max(int(x.numel()) for x in per_rank)
+        local = per_rank[tp.rank].to(weight.device)
+        w = torch.zeros(width, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        w[: local.numel()] = weight.detach().index_select(0, local)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            b = torch.zeros(width, dtype=bias.dtype, device=bias.device)
+            b[: local.numel()] = bias.detach().index_select(0, local)
+            self.bias = nn.Parameter(b, requires_grad=False)
+        else:
+            self.bias = None
+        # map position i -> its gathered column: rank r's block starts at r * width
+        rank_of, place = owner.tolist(), [0] * tp.size
+        order = []
+        for r in rank_of:
+            order.append(r * width + place[r])
+            place[r] += 1
+        self.register_buffer("order", torch.tensor(order, dtype=torch.int64, device=weight.device), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(nn.functional.linear(hidden, self.weight, self.bias))
+        return logits.index_select(-1, self.order)
 
 
 def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, gated: bool) -> None:

@@ -145,12 +145,6 @@ def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineC
             f"tensor_parallel_size={size} is not supported: the followers replay the head's steps one forward at a "
             "time; leave it off (the head's steps still replay its piecewise CUDA graphs)"
         )
-    if spec is not None and spec.draft_token_map is not None:
-        raise ValueError(
-            f"SpeculativeConfig.draft_token_map with tensor_parallel_size={size} is not supported: the MTP head's LM "
-            "head is vocab-parallel there (each rank holds a slice of the vocabulary's rows); leave draft_token_map "
-            "unset (the head drafts over the whole vocabulary)"
-        )
     # an explicit one-shot all-reduce that cannot run (CPU, 3 ranks, no P2P): one error before launch
     # ("auto" never raises: each rank resolves it with the model's dtype, build_rank_engine)
     if config.tensor_parallel_all_reduce == "one_shot":

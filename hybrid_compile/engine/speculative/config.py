@@ -108,8 +108,8 @@ class SpeculativeConfig:
             vocabulary (``token_map.read_token_map``). The head's LM head becomes those rows of the
             target's (its own small linear; the target's is untouched), so a head forward reads N
             rows instead of the vocabulary's; drafts are always ids of the map, outputs are
-            unchanged (the target verifies them). None: the whole vocabulary. Not supported with
-            tensor parallelism (the head's LM head is vocab-parallel there).
+            unchanged (the target verifies them). None: the whole vocabulary. With tensor
+            parallelism each rank takes the map's rows of its vocab-parallel LM head.
     """
 
     method: str = "ngram"

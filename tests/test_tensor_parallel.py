@@ -228,6 +228,35 @@ def finish_rank(rank: int, results: dict, result_path: str) -> None:
     os._exit(0)
 
 
+def _serve_through_a_draft_fault(engine, case: dict, params) -> list:
+    """Rank 0: the case's rounds, step by step, while the draft model's second decoder layer raises
+    once, at its third call (a half-run draft forward); the step's error is recorded in
+    ``case["raised"]`` and the engine serves on."""
+    calls, raised = [0], case.setdefault("raised", [])
+
+    def fault(module, args, output):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected fault in the draft model")
+
+    hook = case["options"]["speculative"]["draft_model"].model.layers[1].register_forward_hook(fault)
+    outputs = []
+    try:
+        for batch in case["rounds"]:
+            rids = [engine.add_request(p, params) for p in batch]
+            while engine.has_unfinished():
+                try:
+                    engine.step()
+                except RuntimeError as e:
+                    raised.append(str(e))
+                    if len(raised) > 1:  # (one fault was injected: the engine must serve on after it)
+                        raise
+            outputs.append([engine.pop_finished(rid).output for rid in rids])
+    finally:
+        hook.remove()
+    return outputs
+
+
 def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> None:
     """One torchrun-style rank: serve every case in turn (rank 0 drives and records)."""
     results = {}
@@ -251,7 +280,10 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             continue
         try:
             params = hc.SamplingParams(max_new_tokens=NEW, n=case.get("n", 1))
-            outputs = [engine.generate_batch(batch, params=params) for batch in case["rounds"]]
+            if case.get("draft_fault"):
+                outputs = _serve_through_a_draft_fault(engine, case, params)
+            else:
+                outputs = [engine.generate_batch(batch, params=params) for batch in case["rounds"]]
         except Exception as e:  # noqa: BLE001 (recorded for the test to check)
             results[case["name"]] = dict(error=f"{type(e).__name__}: {e}")
             break
@@ -264,7 +296,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             startup=stats["startup"], fused_moe_modules=stats["fused_moe_modules"],
             fused_moe_routers=stats["fused_moe_routers"], folded_shared_experts=stats["folded_shared_experts"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
-            state_shapes=[list(m.state_shape) for m in engine.layout.mamba],
+            state_shapes=[list(m.state_shape) for m in engine.layout.mamba], raised=case.get("raised", []),
         )
     finish_rank(rank, results, result_path)
 
@@ -334,6 +366,9 @@ def _draft_model_cases(checkpoints) -> list[dict]:
               speculative=dict(method="draft_model", draft_model=own, num_draft_tokens=2, topk=2)),
         _case(checkpoints, "nemotron_h@hf_draft", "nemotron_h",
               speculative=dict(method="draft_model", draft_model=_llama_draft(_vocab(nemotron)), num_draft_tokens=2)),
+        dict(_case(checkpoints, "qwen3_next_dense@draft_fault", "qwen3_next_dense",
+                   speculative=dict(method="draft_model", draft_model=copy.deepcopy(own), num_draft_tokens=2)),
+             draft_fault=True),
     ]
 
 
@@ -404,6 +439,16 @@ def test_draft_model_two_ranks_match_hf(checkpoints, two_ranks, name):
     assert (r["verify_steps"], r["accepted"]) == (spec["verify_steps"], spec["accepted"])
     if checkpoint == "qwen3_next_dense":  # the target's own weights: drafts taken (a random Llama's: rejected)
         assert r["accepted"] >= 2 * r["verify_steps"], (r["accepted"], r["verify_steps"])
+
+
+def test_draft_model_fault_on_rank0_leaves_the_group_serving(checkpoints, two_ranks):
+    """A draft model that raises half-way through a forward on rank 0 (before anything of the step
+    reached rank 1): that step's call raises the very error, the group is not torn down, and every
+    request of both rounds ends with HF's greedy tokens (the draft side forgets the requests it was
+    proposing for and recomputes them)."""
+    r = _check(checkpoints, two_ranks, "qwen3_next_dense@draft_fault", "qwen3_next_dense")
+    assert r["raised"] == ["injected fault in the draft model"], r["raised"]
+    assert r["tp"]["commands_broadcast"] > 0
 
 
 def test_kernel_warm_up_runs_on_every_rank(checkpoints, two_ranks):

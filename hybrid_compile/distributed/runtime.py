@@ -87,12 +87,23 @@ class TensorParallelEngine(HybridEngine):
         try:
             return fn(*args)
         except BaseException as e:
+            if self._rank0_only(e):  # the other ranks saw nothing of it: the group serves on
+                raise
             err = self.tp.fail(e)
             self._failure = err if err is not None else e
             self._reap(terminate_after=5.0)
             if err is None:
                 raise
             raise err from e
+
+    def _rank0_only(self, e: BaseException) -> bool:
+        """Whether ``e`` came from a step's draft phase with a draft source that runs on rank 0 alone
+        (a draft model, n-gram, custom: everything but the MTP head, whose forwards every rank runs).
+        The draft phase comes before anything of the step reaches the other ranks, and the decoder
+        leaves every request and pool as it was (``SpeculativeDecoder.step``), so the engine serves on
+        as one process does; any other failure may leave a rank inside a collective: it ends the group."""
+        spec = self.speculative
+        return spec is not None and spec.draft_failure == id(e) and mtp_runner(self) is None
 
     def step(self):
         return self._guarded(super().step)

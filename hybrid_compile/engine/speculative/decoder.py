@@ -202,6 +202,9 @@ class SpeculativeDecoder:
                              f"propose_tree(requests, depth, topk, budget); {type(self.source).__name__} has none")
         self.method = config.method
         self._last_was_verify = False
+        # id() of the exception the latest failed draft phase raised (before any verify work: tensor
+        # parallelism tells by it a rank-0-only fault, TensorParallelEngine)
+        self.draft_failure: int | None = None
         self.counters = dict(verify_steps=0, verified_requests=0, drafted=0, accepted=0, emitted=0,
                              tree_kv_moves=0, device_draft_steps=0)
         # host seconds of each part of the verify steps (stats()["phase_seconds"], PHASES)
@@ -448,11 +451,12 @@ class SpeculativeDecoder:
                 proposals = check_draft_tokens([t.tokens for t in trees_of], self.vocab_size)
             else:
                 proposals = self._propose_chain(decoding)
-        except BaseException:
+        except BaseException as e:
             # a draft model stopped half-way may hold a half-updated state: it forgets these
             # requests (and recomputes them from the target's tokens when next asked)
             for r in decoding:
                 self.release(r.rid)
+            self.draft_failure = id(e)
             raise
         t1 = self._lap("draft", t0)
         batch = self.scheduler.schedule_verify(self.draft_len)  # (may retract some of them)

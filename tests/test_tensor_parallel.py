@@ -11,7 +11,9 @@ share prefixes and n-gram speculative decoding. Variants of some cases at 2 rank
 Mamba2 and a Gated DeltaNet model), ``n = 2`` sequences per prompt (forks copy the prompt's KV and
 recurrent state on every rank) and a bf16 recurrent state (against the single-process engine with
 the same setting, since HF keeps an fp32 state) and the fused MoE experts (``fused_moe=True``, Qwen3-Next MoE
-and NemotronH). The spawned path
+and NemotronH), draft models on rank 0 alone (the target's own weights as a chain and a tree, an HF
+Llama; against HF and the single-process engine's tokens and accepted drafts) and a draft model
+that raises on rank 0 (the group serves on). The spawned path
 (``from_pretrained`` starting its own ranks) is tested with a failure on rank 0, a failure on a
 follower (torchrun-style), and each rank's peak host memory against the full model size. Also:
 the group's collectives alone, eager and compiled with ``fullgraph=True``, against the sum and the

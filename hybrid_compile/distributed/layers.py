@@ -64,6 +64,8 @@ def vocab_parallel_lm_head(module: nn.Linear, vocab_size: int, tp: TensorParalle
 
     module.forward = types.MethodType(lm_head_forward, module)
     module.vocab_parallel = tp  # (rank r holds rows [r * rows, (r + 1) * rows): VocabParallelRows)
+    # an MTP head's draft token map takes its rows this way (models/mtp.py: MTPHead.restrict_vocabulary)
+    module.restricted_rows = lambda token_map: VocabParallelRows(module, token_map)
 
 
 class VocabParallelRows(nn.Module):

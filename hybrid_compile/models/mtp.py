@@ -78,17 +78,16 @@ class MTPHead(nn.Module, abc.ABC):
         by ``engine/speculative/token_map.py``): the head's LM head becomes its own linear of those
         rows of the target's LM head (its bias rows too; the target's module is untouched), so
         draft logit column ``i`` is token ``token_map[i]``, kept in :attr:`token_map` on the
-        head's device. Tensor parallelism's vocab-parallel LM head: each rank's rows of the map,
-        their logits gathered (``distributed.layers.VocabParallelRows``). Refused on an LM head that
+        head's device. An LM head with ``restricted_rows(token_map)`` (tensor parallelism's
+        vocab-parallel head: each rank's rows of the map, their logits gathered) builds its own. Refused on an LM head that
         is no plain float linear or holds part of the vocabulary behind another patched forward."""
         full = self.lm_head
         weight, bias = getattr(full, "weight", None), getattr(full, "bias", None)
         if self.token_map is not None:
             raise ValueError("MTPHead.restrict_vocabulary: the head's vocabulary is restricted already")
-        if getattr(full, "vocab_parallel", None) is not None:  # tensor parallelism: each rank's rows of the map
-            from ..distributed.layers import VocabParallelRows
-
-            self.lm_head = VocabParallelRows(full, token_map)
+        restricted_rows = getattr(full, "restricted_rows", None)
+        if restricted_rows is not None:  # tensor parallelism's vocab-parallel LM head: each rank's rows of the map
+            self.lm_head = restricted_rows(token_map)
             self.token_map = token_map.to(device=weight.device, dtype=torch.int64)
             return
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point \

@@ -111,6 +111,7 @@ def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more
     for name in ("max_total_tokens", "max_context_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    options.update(_engine_choices(args))
     engine = from_pretrained(
         args.model, dtype=None if args.dtype == "auto" else args.dtype,
         device=None if args.device == "auto" else args.device, tokenizer=tokenizer,
@@ -120,6 +121,66 @@ def _load(args: argparse.Namespace, tokenizer, max_running_requests: int, **more
     if engine is None:
         raise _FollowerRankDone
     return engine
+
+
+_SWITCHES = {"auto": None, "on": True, "off": False}
+
+
+def _engine_choices(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of ``--quantization``, ``--kv-cache-dtype``, ``--ssm-state-dtype``,
+    ``--compile``, ``--cuda-graphs`` and ``--speculative-config`` (each passed on as given: the
+    engine honours it or raises naming it)."""
+    options = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                   ssm_state_dtype=args.ssm_state_dtype, compile=_SWITCHES[args.compile],
+                   cuda_graphs=_SWITCHES.get(args.cuda_graphs, args.cuda_graphs))
+    if args.speculative_config is not None:
+        options["speculative"] = _speculative(args)
+    return options
+
+
+def _speculative(args: argparse.Namespace) -> dict:
+    """``--speculative-config``'s fields, its ``draft_model`` directory loaded with transformers onto
+    the model's device (``--dtype``; under ``torchrun`` only on rank 0: the other ranks never draft)."""
+    text = args.speculative_config
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config: not a JSON object ({e}): {text!r}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config: a JSON object of SpeculativeConfig fields, got {text!r}")
+    if "draft_source" in spec:
+        raise ValueError("--speculative-config: draft_source (a Python object, method 'custom') cannot come from "
+                         "the command line; use method 'ngram', 'mtp' or 'draft_model'")
+    from .engine.speculative import SpeculativeConfig
+
+    try:  # the fields checked before a draft model is read (its directory stands in for it here)
+        SpeculativeConfig.coerce(spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    path = spec.get("draft_model")
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"--speculative-config: draft_model must be a checkpoint directory, got {path!r}")
+        from .distributed.group import is_torchrun_follower
+
+        # (a torchrun rank other than 0 keeps the path: its engine drafts nothing, runtime.follower_config)
+        if not is_torchrun_follower(args.tensor_parallel_size):
+            spec["draft_model"] = _draft_model(args, path)
+    return spec
+
+
+def _draft_model(args: argparse.Namespace, path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype="auto" if args.dtype == "auto" else getattr(torch, args.dtype),
+            trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--speculative-config: draft_model {path!r}: {_one_line(e)}") from None
+    return model.to(device).eval()
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -419,6 +480,21 @@ def _add_model_options(p: argparse.ArgumentParser, max_running_requests: int | N
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of torch (torch.set_num_threads); 0 = torch's default")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars (stderr)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: serve the projections and MoE experts in block FP8, a float checkpoint quantized as "
+                   "it loads; None = as stored (an FP8 checkpoint stays FP8)")
+    p.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=["auto", "fp8"],
+                   help="KV cache of the full-attention layers: auto = the model dtype, fp8 = e4m3 with scales")
+    p.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp8"],
+                   help="recurrent-state pool of the linear-attention / SSM layers")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile with hybrid_compile's backend; auto = on for CUDA, off on CPU")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off", "full", "piecewise"],
+                   help="CUDA graphs over the compiled forward; auto = on with --compile on CUDA")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding: a JSON object of SpeculativeConfig fields, e.g. '
+                   '\'{"method": "mtp", "num_draft_tokens": 3}\' or \'{"method": "draft_model", "draft_model": DIR}\' '
+                   "(a checkpoint directory, loaded onto the model's device); None = off")
     _add_tensor_parallel_option(p)
 
 

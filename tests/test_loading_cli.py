@@ -158,6 +158,47 @@ def test_cli_bench_reports_prefill_and_decode_rates_and_writes_json(ckpt, tmp_pa
     assert result["ttft_seconds"]["count"] == 3 and result["tpot_seconds"]["p50"] > 0
 
 
+def test_cli_engine_options_reach_the_engine(ckpt, tmp_path, capsys):
+    """--quantization, --kv-cache-dtype, --ssm-state-dtype, --compile and --speculative-config are
+    honoured: the bench's engine stats show the FP8 layers, the pools' dtypes, no compile and the
+    n-gram verify steps."""
+    path = tmp_path / "bench.json"
+    spec = json.dumps({"method": "ngram", "num_draft_tokens": 2})
+    assert main(["bench", "--model", ckpt["no_tok"], "--num-prompts", "2", "--input-len", "12", "--output-len", "6",
+                 "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--ssm-state-dtype", "bfloat16",
+                 "--compile", "off", "--cuda-graphs", "off", "--speculative-config", spec, "--json", str(path),
+                 *SMALL_CLI]) == 0, capsys.readouterr().err
+    stats = json.loads(path.read_text())["engine_stats"]
+    assert stats["quantization"]["method"] == "fp8" and stats["quantization"]["fp8_weight_bytes"] > 0
+    assert stats["memory"]["dtypes"] == {"kv": ["float8_e4m3fn"], "ssm": ["bfloat16"] * len(stats["memory"]["dtypes"]["ssm"])}
+    assert stats["compile"]["enabled"] is False
+    assert stats["speculative"]["method"] == "ngram" and stats["speculative"]["verify_steps"] > 0
+
+
+def test_cli_speculative_draft_model_prints_transformers_greedy_text(ckpt, capsys):
+    """--speculative-config with a draft model directory (the checkpoint itself): the draft model is
+    loaded beside the target and the printed text is transformers' greedy text."""
+    spec = json.dumps({"method": "draft_model", "draft_model": ckpt["qwen"], "num_draft_tokens": 3})
+    assert main(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens", str(NEW),
+                 "--speculative-config", spec, *SMALL_CLI]) == 0
+    assert capsys.readouterr().out == hf_text(ckpt["qwen"], PROMPT, NEW) + "\n"
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("{method: mtp}", "--speculative-config: not a JSON object"),
+    ('["mtp"]', "--speculative-config: a JSON object of SpeculativeConfig fields"),
+    ('{"method": "ngram", "draft_tokens": 2}', "unknown SpeculativeConfig field(s): draft_tokens"),
+    ('{"method": "custom", "draft_source": "x"}', "draft_source (a Python object, method 'custom') cannot come"),
+    ('{"method": "draft_model", "draft_model": "/no/such/dir"}', "draft_model '/no/such/dir'"),
+    ('{"method": "draft_model"}', "method='draft_model' needs draft_model"),
+    ('{"method": "mtp"}', "has no mtp.* tensors"),
+])
+def test_cli_speculative_config_errors_are_one_clear_line(ckpt, capsys, spec, needle):
+    assert main(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens", "2",
+                 "--speculative-config", spec, *SMALL_CLI]) == 2
+    assert_clean_error(2, capsys.readouterr().err, needle)
+
+
 def test_bench_progress_advances_once_per_generated_token(qwen_engine):
     """bench's progress bar (cli._StepMeter) moves with every step by the tokens that step generated,
     not once at the end; the engine's own step is back in place afterwards."""

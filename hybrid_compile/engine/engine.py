@@ -156,11 +156,14 @@ class HybridEngine(GenerateAPI):
         self.config = config
         # a transformers tokenizer: lets generate / generate_batch take and return text (settable)
         self.tokenizer = tokenizer
-        if config.quantization == "fp8":
-            from ..quantization import has_fp8_layers, quantize_model
+        from ..quantization import fp8_weight_bytes, has_fp8_layers, quantize_model
 
-            if not has_fp8_layers(model):
-                quantize_model(model)
+        if config.quantization == "fp8" and not has_fp8_layers(model):
+            quantize_model(model)
+        # the weights as served (stats()["quantization"]): e4m3 bytes (FP8 layers) and every other parameter's
+        fp8_bytes, other_bytes = fp8_weight_bytes(model)
+        self.quantization = {"method": "fp8" if fp8_bytes else None, "fp8_weight_bytes": fp8_bytes,
+                             "other_weight_bytes": other_bytes}
         model_device, model_dtype = _model_device_and_dtype(model)
         self.device = torch.device(config.device) if config.device is not None else model_device
         if self.device.type != model_device.type or (
@@ -819,6 +822,7 @@ class HybridEngine(GenerateAPI):
         c["fused_moe_modules"] = self.fused_experts  # experts modules on the fused path (EngineConfig.fused_moe)
         c["fused_moe_routers"] = self.fused_routers  # routers on moe_topk_softmax / _sigmoid_grouped (the same option)
         c["folded_shared_experts"] = self.folded_shared_experts  # MoE blocks serving their shared expert as a routed one
+        c["quantization"] = dict(self.quantization)  # FP8 layers (EngineConfig.quantization, an FP8 checkpoint)
         c["startup"] = self.startup.as_dict()  # seconds per start-up phase (engine/startup.py)
         c["startup_work"] = self.startup.work_dict()  # ... and what each compiled
         # time to first token / per output token of the recently finished requests (seconds)

@@ -79,6 +79,38 @@ def test_the_mutated_default_check_can_fail():
     found = _ops_with_defaulted_mutated_args("hybrid_compile_selftest")
     assert found == ["hybrid_compile_selftest::defaulted_mutation(out)"]
 
+def _jit_string_defaults(files) -> list[str]:
+    """``function(param)`` of every ``@triton.jit`` function in ``files`` whose parameter has a string default."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(pathlib.Path(path).read_text())):
+            if not isinstance(node, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            args = node.args.posonlyargs + node.args.args
+            defaults = [None] * (len(args) - len(node.args.defaults)) + node.args.defaults
+            pairs = list(zip(args, defaults)) + list(zip(node.args.kwonlyargs, node.args.kw_defaults))
+            found += [f"{node.name}({a.arg})" for a, d in pairs
+                      if isinstance(d, ast.Constant) and isinstance(d.value, str)]
+    return found
+
+
+def test_no_triton_helper_has_a_string_default():
+    """Triton 3.6 (the GPU machine's) passes a ``@triton.jit`` helper's string default through unwrapped
+    (``AttributeError: 'str' object has no attribute 'type'`` at compile), where the interpreter and newer
+    Triton accept it: every step kernel calling ``store_state_rows`` without its ``CACHE=""`` argument failed
+    on the GPU that way. Flags and ints only; this walks every kernel module."""
+    files = sorted((ROOT / "hybrid_compile").rglob("*.py"))
+    assert any("triton.jit" in f.read_text() for f in files)
+    found = _jit_string_defaults(files)
+    assert not found, f"@triton.jit parameters with a string default (use a flag): {found}"
+
+
+def test_the_jit_string_default_check_can_fail(tmp_path):
+    src = tmp_path / "k.py"
+    src.write_text("import triton\n@triton.jit\ndef f(x, A: tl.constexpr = 1, C: tl.constexpr = ''):\n    pass\n")
+    assert _jit_string_defaults([src]) == ["f(C)"]
+
+
 def test_selfcheck_command_passes(capsys):
     assert main(["selfcheck", "--reps", "1"]) == 0
     out = capsys.readouterr().out

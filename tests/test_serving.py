@@ -83,7 +83,7 @@ class LiveServer:
     """``python -m hybrid_compile serve`` on 127.0.0.1 (logs to a file, never a full pipe);
     ``engine_process``: with ``--engine-process`` (the engine steps in a child process)."""
 
-    def __init__(self, ckpt: str, log: pathlib.Path, engine_process: bool = False) -> None:
+    def __init__(self, ckpt: str, log: pathlib.Path, engine_process: bool = False, extra: tuple = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = checkout_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1")
@@ -95,7 +95,8 @@ class LiveServer:
              "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--threads", "1",
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", "64",
              "--chunked-prefill-size", "256", "--no-progress", "--log-level", "warning", "--no-access-log",
-             "--request-timing-log", str(self.timing_log), "--engine-process" if engine_process else "--no-engine-process"],
+             "--request-timing-log", str(self.timing_log), "--engine-process" if engine_process else "--no-engine-process",
+             *extra],
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop(ctrl_c=True) signals only the server's processes
         )
@@ -552,6 +553,27 @@ def test_models_health_and_metrics_parse_with_prometheus_client(server, ckpt):
     assert m["hybrid_compile_time_to_first_token_seconds_count"] > 0
     assert m["hybrid_compile_inter_token_latency_seconds_count"] > 0
     assert 0 < m["hybrid_compile_prefix_cache_hit_rate"] < 1
+
+
+def test_serve_speculative_config_with_a_draft_model(ckpt, tmp_path):
+    """``serve --speculative-config`` with a draft model directory (the checkpoint itself, read in the
+    engine process): the completions are transformers' greedy text and /metrics reports the verify
+    steps, the drafts verified and those accepted."""
+    spec = json.dumps({"method": "draft_model", "draft_model": ckpt, "num_draft_tokens": 3})
+    live = LiveServer(ckpt, tmp_path / "server.log", engine_process=True, extra=("--speculative-config", spec))
+    try:
+        live.wait_ready()
+        client = _client(live)
+        for prompt in PROMPTS[:2]:
+            got = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
+            assert got.choices[0].text == hf_text(ckpt, prompt, NEW), prompt
+        m = metrics(live)
+        p = "hybrid_compile_spec_decode_"
+        assert m[p + "verify_steps_total"] > 0 and m[p + "draft_tokens_total"] > 0
+        assert m[p + "accepted_tokens_total"] > 0 and 0 < m[p + "acceptance_rate"] <= 1
+    finally:
+        live.stop()
+    assert "Traceback" not in live.log.read_text(), live.log.read_text()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -187,3 +187,10 @@ class _EngineCollector:
                           pc["admitted_hit_tokens"])
             yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens, since start)",
                         pc["token_hit_rate"])
+        spec = s.get("speculative")
+        if spec is not None:  # (serve --speculative-config)
+            yield counter("spec_decode_verify_steps", "Speculative verify steps run", spec["verify_steps"])
+            yield counter("spec_decode_draft_tokens", "Draft tokens verified", spec["drafted"])
+            yield counter("spec_decode_accepted_tokens", "Draft tokens accepted", spec["accepted"])
+            yield gauge("spec_decode_acceptance_rate", "Accepted / verified draft tokens (since start)",
+                        spec["acceptance_rate"])

@@ -377,6 +377,10 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"  TTFT     p50 {ms(ttft, 'p50')} ms, p90 {ms(ttft, 'p90')} ms, p99 {ms(ttft, 'p99')} ms (time to first token)")
     print(f"  TPOT     p50 {ms(tpot, 'p50')} ms, p90 {ms(tpot, 'p90')} ms, p99 {ms(tpot, 'p99')} ms "
           "(time per output token after the first)")
+    spec = stats.get("speculative")
+    if spec is not None:  # (--speculative-config)
+        print(f"  drafts   {spec['method']}: {spec['verify_steps']} verify steps, {spec['accepted']} of "
+              f"{spec['drafted']} drafts accepted ({100 * spec['acceptance_rate']:.1f} %)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

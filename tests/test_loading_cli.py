@@ -168,6 +168,7 @@ def test_cli_engine_options_reach_the_engine(ckpt, tmp_path, capsys):
                  "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--ssm-state-dtype", "bfloat16",
                  "--compile", "off", "--cuda-graphs", "off", "--speculative-config", spec, "--json", str(path),
                  *SMALL_CLI]) == 0, capsys.readouterr().err
+    assert re.search(r"drafts +ngram: \d+ verify steps, \d+ of \d+ drafts accepted", capsys.readouterr().out)
     stats = json.loads(path.read_text())["engine_stats"]
     assert stats["quantization"]["method"] == "fp8" and stats["quantization"]["fp8_weight_bytes"] > 0
     assert stats["memory"]["dtypes"] == {"kv": ["float8_e4m3fn"], "ssm": ["bfloat16"] * len(stats["memory"]["dtypes"]["ssm"])}

@@ -15,7 +15,11 @@ may have on sm_90.
 Shapes are Kimi-Linear-48B's (32 heads, K = V = 128, bf16 q/k/v, fp32 g); ``--gdn`` builds the
 per-head-gate variant instead (Qwen3-Next: value heads per key head 2, BK 64), ``--fp32`` the
 fp32-input variant (TF32x3 matmuls), ``--fp16`` fp16 inputs (fp32 intermediates, TF32 matmuls). Uses Triton's bundled ``ptxas`` / ``cuobjdump``; must run
-without ``TRITON_INTERPRET``.
+without ``TRITON_INTERPRET``. It builds with the Triton that is importable: the GPU machine's (3.6) compiles
+differently from a newer CPU machine's (KDA gram kernel at 16 / 4: 254 registers with 3.6, 174 with 3.9; intra
+block path at 16 / 2: 388 B of spills against 1,388), so build with that one for its figures:
+``pip download triton==3.6.0 --no-deps -d T && python -m zipfile -e T/triton-3.6.0-*.whl T/site &&
+chmod +x T/site/triton/backends/nvidia/bin/*``, then ``PYTHONPATH=T/site:.``.
 """
 
 from __future__ import annotations

@@ -78,6 +78,12 @@ class Run:
         return self._result
 
 
+def _draft_self(ckpt) -> list[str]:
+    """``--speculative-config`` with the Qwen3-Next checkpoint as its own draft model."""
+    return ["--speculative-config", json.dumps({"method": "draft_model", "draft_model": ckpt["qwen"],
+                                                "num_draft_tokens": 2})]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cli_runs(ckpt):
     """The subprocesses start with the module's first test and run beside the in-process ones;
@@ -91,11 +97,12 @@ def cli_runs(ckpt):
                     stdin="\n".join([CHAT_LINES[0], "", CHAT_LINES[1], "/exit", "never sent"]) + "\n"),
         "missing": Run(["generate", "--model", str(ROOT / "no" / "such" / "dir"), "--prompt", "x"]),
         # tensor parallelism from the command line: ranks spawned by the command, and every rank
-        # running the command under torchrun (only rank 0 prints; the others follow and exit 0)
+        # running the command under torchrun (only rank 0 prints; the others follow and exit 0); both
+        # with a draft model (the checkpoint itself: read on rank 0 only, torchrun's rank 1 keeps the path)
         "generate_tp_spawned": Run(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens",
-                                    str(NEW), "--tensor-parallel-size", "2", *SMALL_CLI]),
+                                    str(NEW), "--tensor-parallel-size", "2", *_draft_self(ckpt), *SMALL_CLI]),
         "generate_tp_torchrun": Run(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens",
-                                     str(NEW), "--tensor-parallel-size", "2", *SMALL_CLI],
+                                     str(NEW), "--tensor-parallel-size", "2", *_draft_self(ckpt), *SMALL_CLI],
                                     launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")),
     }
     yield runs

@@ -139,8 +139,7 @@ def _engine_choices(args: argparse.Namespace) -> dict:
 
 
 def _speculative(args: argparse.Namespace) -> dict:
-    """``--speculative-config``'s fields, its ``draft_model`` directory loaded with transformers onto
-    the model's device (``--dtype``; under ``torchrun`` only on rank 0: the other ranks never draft)."""
+    """``--speculative-config``'s fields (a ``draft_model`` directory is read by ``from_pretrained``)."""
     text = args.speculative_config
     try:
         spec = json.loads(text)
@@ -153,34 +152,11 @@ def _speculative(args: argparse.Namespace) -> dict:
                          "the command line; use method 'ngram', 'mtp' or 'draft_model'")
     from .engine.speculative import SpeculativeConfig
 
-    try:  # the fields checked before a draft model is read (its directory stands in for it here)
+    try:  # (an unknown field is a TypeError there: one error line here)
         SpeculativeConfig.coerce(spec)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--speculative-config: {e}") from None
-    path = spec.get("draft_model")
-    if path is not None:
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"--speculative-config: draft_model must be a checkpoint directory, got {path!r}")
-        from .distributed.group import is_torchrun_follower
-
-        # (a torchrun rank other than 0 keeps the path: its engine drafts nothing, runtime.follower_config)
-        if not is_torchrun_follower(args.tensor_parallel_size):
-            spec["draft_model"] = _draft_model(args, path)
     return spec
-
-
-def _draft_model(args: argparse.Namespace, path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype="auto" if args.dtype == "auto" else getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--speculative-config: draft_model {path!r}: {_one_line(e)}") from None
-    return model.to(device).eval()
 
 
 def _sampling(args: argparse.Namespace) -> dict:

@@ -11,6 +11,7 @@ clear :class:`LoadError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -163,6 +164,29 @@ def _dtype(dtype) -> Any:
     return value
 
 
+def _draft_model_from_directory(engine_config: EngineConfig, device, torch_dtype, trust_remote_code: bool,
+                                tensor_parallel_size: int) -> EngineConfig:
+    """``speculative.draft_model`` given as a checkpoint directory: read with transformers onto the
+    model's device and dtype (as the model itself). Under ``torchrun`` a rank other than 0 keeps the
+    path: its engine drafts nothing (``distributed.runtime.follower_config`` drops the draft model)."""
+    from .distributed.group import is_torchrun_follower
+
+    spec = engine_config.speculative
+    if spec is None or not isinstance(spec.draft_model, (str, os.PathLike)) or is_torchrun_follower(tensor_parallel_size):
+        return engine_config
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.expanduser(os.fspath(spec.draft_model))
+    try:
+        _check_path(path)
+        draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=_device_map(device),
+                                                     trust_remote_code=trust_remote_code).eval()
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(f"SpeculativeConfig.draft_model {path!r}: {first}") from e
+    return dataclasses.replace(engine_config, speculative=dataclasses.replace(spec, draft_model=draft))
+
+
 def _quantization(engine_config: EngineConfig, config, path: str) -> str | None:
     """The checkpoint's quantization (fine-grained FP8), else the requested one; an unsupported
     method is one clear :class:`UnsupportedQuantizationError`."""
@@ -294,6 +318,8 @@ def from_pretrained(
     elif tokenizer not in (False, None):
         tok = tokenizer
 
+    engine_config = _draft_model_from_directory(engine_config, device, torch_dtype, trust_remote_code,
+                                                tensor_parallel_size)
     name = os.path.basename(path.rstrip("/")) or path
     if tensor_parallel_size == 1 and os.path.isfile(os.path.join(path, "random_weights.json")):
         raise LoadError(f"{path!r} holds random_weights.json instead of weights: only tensor_parallel_size > 1 "

@@ -95,7 +95,8 @@ class SpeculativeConfig:
         draft_model: an HF causal LM with the target's vocabulary. A supported hybrid family is
             served by our own engine machinery with its own pools (``drafts.EngineDraftModel``);
             any other model runs through HF's own forward with its KV cache, one request at a
-            time (``drafts.HFDraftModel``).
+            time (``drafts.HFDraftModel``). ``hc.from_pretrained`` also takes a checkpoint
+            directory here, which it reads onto the model's device and dtype.
         ngram_max, ngram_min: longest / shortest n-gram the lookup tries (longest first).
         draft_source: the :class:`DraftSource` of ``method="custom"`` (e.g. a replay draft).
         mtp_checkpoint: ``method="mtp"``: the checkpoint directory whose safetensors hold the

@@ -63,9 +63,8 @@ def vocab_parallel_lm_head(module: nn.Linear, vocab_size: int, tp: TensorParalle
         return tp.all_gather_last(logits)[..., :vocab_size]
 
     module.forward = types.MethodType(lm_head_forward, module)
-    module.vocab_parallel = tp  # (rank r holds rows [r * rows, (r + 1) * rows): VocabParallelRows)
     # an MTP head's draft token map takes its rows this way (models/mtp.py: MTPHead.restrict_vocabulary)
-    module.restricted_rows = lambda token_map: VocabParallelRows(module, token_map)
+    module.restricted_rows = lambda token_map: VocabParallelRows(module, token_map, tp)
 
 
 class VocabParallelRows(nn.Module):
@@ -75,10 +74,9 @@ class VocabParallelRows(nn.Module):
     ids among its own rows (padded with zero rows to the most any rank keeps), the local logits are
     all-gathered and their columns put in the map's order by one ``index_select``."""
 
-    def __init__(self, lm_head: nn.Linear, token_map: torch.Tensor) -> None:
+    def __init__(self, lm_head: nn.Linear, token_map: torch.Tensor, tp: TensorParallelGroup) -> None:
         super().__init__()
-        tp: TensorParallelGroup = lm_head.vocab_parallel
-        self.tp = tp
+        self.tp = tp  # (rank r holds rows [r * rows, (r + 1) * rows) of the LM head)
         weight, bias = lm_head.weight, lm_head.bias
         rows = int(weight.shape[0])
         ids = token_map.to(torch.int64).cpu()

@@ -140,7 +140,8 @@ def run_parent(args) -> dict:
               + ", ".join(f"{k} {s[f'{k}_s']:.1f}" for k in PHASES if s.get(f"{k}_s"))
               + f"; process {process_s:.1f} s (imports {run['import_s']:.1f}, build {run['build_s']:.1f}); "
               + "compiled: " + ", ".join(f"{p} {w['inductor_compiles']} inductor / {w['inductor_cache_hits']} hits / "
-                                         f"{w.get('triton_compiles', 0)} triton" for p, w in work.items()
+                                         f"{w.get('triton_compiles') or 0} triton ({w.get('triton_cache_hits') or 0} from its cache)"
+                                         for p, w in work.items()
                                          if any(w.values()))
               + "; Dynamo frames (trace + backend s): " + ", ".join(
                   f"{f['trace_s']:.1f} + {f['backend_s']:.1f}" for f in run["dynamo_frames"] if f["trace_s"] is not None),

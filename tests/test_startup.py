@@ -16,6 +16,8 @@ import pathlib
 import sys
 import time
 
+import pytest
+
 import hybrid_compile as hc
 from checkpoints import save_checkpoint
 from engine_models import cached_model, make_engine
@@ -143,3 +145,113 @@ def test_second_process_loads_every_piece_from_inductors_cache(tmp_path):
         (frame,) = run["dynamo_frames"]
         assert 0 < frame["trace_s"] and 0 < frame["backend_s"], frame
         assert frame["trace_s"] + frame["backend_s"] <= run["startup"]["compile_s"], (frame, run["startup"])
+
+
+# ---------------------------------------------------------------------------------------------
+# our Triton kernels across processes
+# ---------------------------------------------------------------------------------------------
+
+_CACHE_HITS_CHILD = r'''
+import json, os, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybrid_compile.compilation.compile_counts import TritonCompiles
+
+
+@triton.jit
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+@triton.jit
+def add_two(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 2, mask=offs < n)
+
+
+add_two.__module__ = "torch._inductor.runtime.compile_tasks.generated"  # as Inductor's kernels are named
+seen = []
+triton.knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])  # one installed before: chained
+target = GPUTarget("cuda", 90, 64)  # an sm_90 build needs no GPU
+counts = []
+with TritonCompiles() as compiles:
+    for kernel in (add_one, add_one, add_two, add_two):
+        triton.compile(ASTSource(kernel, {"x_ptr": "*fp32", "n": "i32"}, {"BLOCK": 64}), target=target)
+        counts.append(compiles.cache_hits)
+print(json.dumps(dict(counts=counts, seen=seen, restored=triton.knobs.compilation.listener is not None
+                      and triton.knobs.compilation.listener.__name__ == "<lambda>")))
+'''
+
+
+def test_triton_cache_hits_count_ours_not_inductors(tmp_path):
+    """``TritonCompiles.cache_hits`` (``startup_work``'s ``triton_cache_hits``): a kernel compiled a
+    second time comes from Triton's on-disk cache and counts; Inductor's kernels (their modules are
+    torch's) do not; a listener installed before keeps being called and is restored. Real sm_90
+    compiles through Triton (no GPU needed), in a process without the interpreter."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT))
+    script = tmp_path / "child.py"  # (Triton reads a kernel's source from its file)
+    script.write_text(_CACHE_HITS_CHILD)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["counts"] == [0, 1, 1, 1], result  # ours: miss, hit; Inductor-named: miss, hit (not counted)
+    assert result["seen"] == [False, True, False, True] and result["restored"], result
+
+
+def test_our_kernels_use_inductors_ptxas_unless_the_user_set_one(monkeypatch):
+    """``ops.triton.use_inductors_ptxas``: the variable Inductor sets before it compiles, set at our
+    import (so our kernels' cache keys name one assembler in every process); a user's value stays."""
+    import torch._inductor.runtime.compile_tasks as compile_tasks
+
+    from hybrid_compile.ops.triton import use_inductors_ptxas
+
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/users/ptxas")
+    assert use_inductors_ptxas() == "/opt/users/ptxas"
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    ptxas = pathlib.Path(compile_tasks.__file__).absolute().parents[1] / "bin" / "ptxas"
+    compile_tasks._set_triton_ptxas_path.cache_clear()
+    assert use_inductors_ptxas() == (str(ptxas) if ptxas.is_file() else None)
+
+
+@pytest.mark.gpu
+def test_our_kernels_come_from_tritons_cache_in_the_next_process(tmp_path):
+    """One of our kernels run in a fresh process, then in a second one on the same Triton cache
+    directory in which Inductor set its assembler first (as it does when it loads its cached pieces
+    before our kernels run): the second compiles nothing, every JIT compile a cache hit. Before our
+    import set the assembler, the first process took Triton's ``ptxas`` and the second torch's, and
+    every kernel of ours compiled again in every restart after the first (an H200, torch 2.11)."""
+    import os
+    import subprocess
+
+    child = r'''
+import json, sys, torch
+if sys.argv[1] == "inductor_first":
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    _set_triton_ptxas_path()
+import hybrid_compile  # noqa: F401
+from hybrid_compile.compilation.compile_counts import TritonCompiles
+x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+z = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+with TritonCompiles() as compiles:
+    torch.ops.hybrid_compile.gated_rms_norm(x, w, z, 1e-6, 64, True)
+    torch.cuda.synchronize()
+print(json.dumps(dict(compiles=compiles.total, hits=compiles.cache_hits)))
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT))
+    results = []
+    for order in ("ours_first", "inductor_first"):
+        proc = subprocess.run([sys.executable, "-c", child, order], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = results
+    assert first["compiles"] >= 1 and first["hits"] == 0, results
+    assert second["compiles"] == first["compiles"] and second["hits"] == second["compiles"], results

@@ -107,8 +107,9 @@ class Startup:
         bar.close()
 
     def work_dict(self) -> dict:
-        """``{phase: {"dynamo_graphs", "inductor_compiles", "inductor_cache_hits", "triton_compiles"}}``
-        for every phase that ran (``triton_compiles`` None where Triton's compile hook is missing)."""
+        """``{phase: {"dynamo_graphs", "inductor_compiles", "inductor_cache_hits", "triton_compiles",
+        "triton_cache_hits"}}`` for every phase that ran (the Triton counts None where Triton's compile
+        hook is missing)."""
         return {name: dict(counts) for name, counts in self.work.items()}
 
     def as_dict(self) -> dict:

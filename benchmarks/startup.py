@@ -78,7 +78,9 @@ def run_child(args) -> dict:
                 compile=dict(pieces=stats["compile"]["pieces"],
                              distinct_pieces=stats["compile"].get("distinct_pieces"),
                              caches=stats["compile"]["caches"]),
-                cuda_graphs=stats.get("cuda_graphs"),
+                cuda_graphs={k: stats["compile"].get(k) for k in (
+                    "cuda_graphs", "capture_seconds", "decode_batch_sizes", "token_buckets", "full_graphs",
+                    "piecewise_graphs", "one_token_graph")},
                 profile=_top_functions(profiler, args.profile) if profiler is not None else None)
 
 

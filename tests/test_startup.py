@@ -206,8 +206,11 @@ def test_triton_cache_hits_count_ours_not_inductors(tmp_path):
 
 
 def test_our_kernels_use_inductors_ptxas_unless_the_user_set_one(monkeypatch):
-    """``ops.triton.use_inductors_ptxas``: the variable Inductor sets before it compiles, set at our
-    import (so our kernels' cache keys name one assembler in every process); a user's value stays."""
+    """``ops.triton.use_inductors_ptxas``: the variable Inductor sets before it compiles (its own
+    choice, whatever this torch bundles), set at our import so that our kernels' cache keys name one
+    assembler in every process; a user's value stays."""
+    import os
+
     import torch._inductor.runtime.compile_tasks as compile_tasks
 
     from hybrid_compile.ops.triton import use_inductors_ptxas
@@ -215,9 +218,11 @@ def test_our_kernels_use_inductors_ptxas_unless_the_user_set_one(monkeypatch):
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/users/ptxas")
     assert use_inductors_ptxas() == "/opt/users/ptxas"
     monkeypatch.delenv("TRITON_PTXAS_PATH")
-    ptxas = pathlib.Path(compile_tasks.__file__).absolute().parents[1] / "bin" / "ptxas"
     compile_tasks._set_triton_ptxas_path.cache_clear()
-    assert use_inductors_ptxas() == (str(ptxas) if ptxas.is_file() else None)
+    compile_tasks._set_triton_ptxas_path()
+    inductors = os.environ.pop("TRITON_PTXAS_PATH", None)
+    compile_tasks._set_triton_ptxas_path.cache_clear()
+    assert use_inductors_ptxas() == inductors == os.environ.get("TRITON_PTXAS_PATH")
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 caches, each run a fresh Python process, as a user restarting a server gets.
 
     python benchmarks/startup.py [--model qwen3_next] [--runs 3] [--device cuda] [--tiny]
-        [--cache-dir DIR] [--new-tokens 8] [--max-running-requests N] [--profile N]
+        [--cache-dir DIR] [--new-tokens 8] [--max-running-requests N] [--profile N] [--bytecode-cache]
         [--out benchmarks/results/startup.json]
 
 Each run builds the reference model's random weights on the device (``benchmarks/reference_models.py``;
@@ -23,7 +23,10 @@ reuse them: warm caches. The JSON holds every run; a PNG beside it plots the pha
 (``benchmarks/plots.py::plot_startup``). ``--tiny`` (CPU smoke runs) keeps the model's structure at
 toy sizes. ``--profile N`` runs each ``wrap`` under cProfile and keeps its N costliest functions (by
 own time and by cumulative time) in the run's ``profile`` (the profiler slows the call: its ``wrap_s``
-is then not the start-up's).
+is then not the start-up's). ``--bytecode-cache`` lets the runs keep Python's compiled modules
+(``PYTHONPYCACHEPREFIX`` under ``--cache-dir``) where the environment sets ``PYTHONDONTWRITEBYTECODE``
+(the GPU machine this repository measures on does: without it every process compiles the source of
+each module it imports, torch's included); the first run then writes them, the later ones import them.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ def run_parent(args) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    if args.bytecode_cache:  # Python's compiled modules kept under the cache directory, as an installed package has them
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(cache_dir, "pycache")
     fresh = not any(os.path.exists(os.path.join(cache_dir, d)) for d in ("inductor", "triton"))
     child_args = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--device", args.device,
                   "--new-tokens", str(args.new_tokens), "--profile", str(args.profile)] + (["--tiny"] if args.tiny else []) \
@@ -162,6 +168,10 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="toy sizes of the model (CPU smoke runs)")
     p.add_argument("--cache-dir", default=None, help="where the runs' compile caches live (default: a new temp dir)")
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--bytecode-cache", action="store_true",
+                   help="let the runs write Python's compiled modules (under --cache-dir, PYTHONPYCACHEPREFIX) where "
+                        "the environment forbids it (PYTHONDONTWRITEBYTECODE): each later run then imports them, as "
+                        "from an installed package, instead of compiling ~640 modules' source again")
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="the engine's (decode graphs are captured up to it); default: the engine's default")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take")
@@ -183,6 +193,8 @@ def main(argv=None):
     from benchmarks.plots import plot_startup
 
     result = dict(model=args.model, tiny=args.tiny, device=args.device, max_running_requests=args.max_running_requests,
+                  bytecode_cache=args.bytecode_cache,
+                  dont_write_bytecode_env=os.environ.get("PYTHONDONTWRITEBYTECODE"),
                   device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d"), **run_parent(args))
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"startup_{args.device}.json")

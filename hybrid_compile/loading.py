@@ -219,7 +219,7 @@ def _load_fp8(path: str, config, kwargs: dict, revision: str | None):
 
 def wrap(
     model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, tensor_parallel_size: int = 1,
-    progress: bool = False, **overrides,
+    progress: bool = False, tensor_parallel_timeout: float | None = None, **overrides,
 ) -> HybridEngine:
     """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
 
@@ -231,16 +231,71 @@ def wrap(
     ``generate_batch`` take strings and chat messages and return text. ``progress``: show a tqdm
     bar (stderr) over the start-up phases (pools, patch, compile, capture, warm-up); off, nothing is
     printed. Either way ``engine.stats()["startup"]`` has each phase's seconds (:mod:`.engine.startup`).
+
+    ``tensor_parallel_size`` N > 1 serves the model over N processes, one per device of the
+    model's kind (GPU r for rank r; gloo ranks on the CPU), as ``from_pretrained(dir,
+    tensor_parallel_size=N)`` does: the model is saved once with ``save_pretrained`` (safetensors)
+    into a temporary directory, each rank loads only its shard from it, and the directory is
+    removed as soon as every rank holds its shard (``stats()["tensor_parallel"]["saved_checkpoint_s"]``:
+    the save's seconds). The model in this process stays as it was (its memory too: rank 0's
+    shard is a copy). Not under ``torchrun`` (every rank already holds the whole model there:
+    ``from_pretrained`` loads shards only); not for a model holding FP8 layers (wrap the float
+    model with ``quantization="fp8"``, or load the FP8 checkpoint with ``from_pretrained``).
+    ``tensor_parallel_timeout``: seconds a rank waits in a collective before it gives up (300).
     """
-    if tensor_parallel_size != 1:
-        raise ValueError(
-            f"wrap(tensor_parallel_size={tensor_parallel_size}): a model already loaded in this process is served "
-            "from one device; tensor parallelism loads each rank's shard from the checkpoint itself: use "
-            "hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N)"
-        )
     engine_config = EngineConfig.from_args(config, **overrides)
+    if tensor_parallel_size != 1:
+        return _wrap_tensor_parallel(model, engine_config, tokenizer, tensor_parallel_size, progress,
+                                     tensor_parallel_timeout)
+    if tensor_parallel_timeout is not None:
+        raise ValueError("wrap(tensor_parallel_timeout=...) is for tensor_parallel_size > 1")
     with Startup(progress) as startup:
         return HybridEngine(model, engine_config, tokenizer=tokenizer, startup=startup)
+
+
+def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokenizer, size: int, progress: bool,
+                          timeout: float | None) -> HybridEngine:
+    """:func:`wrap` over ``size`` ranks: save, launch (each rank loads its shard), remove the save."""
+    import shutil
+    import tempfile
+    import time
+
+    from .distributed import launch
+    from .distributed.group import DEFAULT_TIMEOUT_SECONDS, torchrun_env
+    from .distributed.plans import plan_for
+    from .quantization import has_fp8_layers
+
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    where = f"wrap(tensor_parallel_size={size})"
+    if torchrun_env() is not None:
+        raise ValueError(f"{where} under torchrun: every rank already holds the whole model; load each rank's "
+                         "shard with hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N) instead")
+    check_model_type(model.config)
+    if has_fp8_layers(model):
+        raise ValueError(f"{where}: the model holds FP8 layers; wrap the float model with quantization='fp8' (each "
+                         "rank quantizes its shard), or load the FP8 checkpoint with hc.from_pretrained")
+    kinds = {p.device.type for p in model.parameters()}
+    if kinds - {"cpu", "cuda"} or len(kinds) != 1:
+        raise ValueError(f"{where}: the model's weights are on {sorted(kinds)}; they must all be on the CPU or all "
+                         "on CUDA devices (the ranks run on devices of that kind)")
+    plan_for(model.config, size)  # head counts that do not divide: one error, before the save
+    dtype = next(model.parameters()).dtype
+    directory = tempfile.mkdtemp(prefix="hybrid_compile_tp_")
+    try:
+        t0 = time.perf_counter()
+        model.save_pretrained(directory, safe_serialization=True)
+        saved_s = time.perf_counter() - t0
+        config = _load_config(directory, None, bool(getattr(model.config, "auto_map", None)))
+        name = type(model).__name__
+        with Startup(progress, desc=f"loading {name} (rank 0 of {size})") as startup:
+            engine = launch(directory, size, config, engine_config, dtype=dtype, device=kinds.pop(), tokenizer=tokenizer,
+                            trust_remote_code=bool(getattr(config, "auto_map", None)),
+                            timeout=timeout or DEFAULT_TIMEOUT_SECONDS, startup=startup)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # (every rank has read its shard once launch returns)
+    engine.saved_checkpoint_seconds = saved_s
+    return engine
 
 
 def from_pretrained(

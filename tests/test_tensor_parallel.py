@@ -764,8 +764,8 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     model = checkpoints["olmo_hybrid"]["model"]  # 2 KV heads: its cross-rank k_norm needs them split
     with pytest.raises(ShardingError, match="num_key_value_heads=2.*does not divide by 4"):
         hc.from_pretrained(checkpoints["olmo_hybrid"]["dir"], tensor_parallel_size=4, device="cpu")
-    with pytest.raises(ValueError, match="use hc.from_pretrained"):
-        hc.wrap(model, tensor_parallel_size=2)
+    with pytest.raises(ShardingError, match="num_key_value_heads=2.*does not divide by 4"):
+        hc.wrap(model, tensor_parallel_size=4)  # (before the model is saved for the ranks)
     lfm = copy.deepcopy(checkpoints["lfm2"]["model"].config)  # a dense MLP 66 wide: the plan refuses 4 ranks
     lfm.block_auto_adjust_ff_dim, lfm.intermediate_size = False, 66
     with pytest.raises(ShardingError, match="lfm2 has the feed-forward width=66, which does not divide by 4"):
@@ -788,6 +788,62 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
 
     with pytest.raises(ShardingError, match="'llama' has no tensor-parallel sharding plan"):
         plan_for(transformers.LlamaConfig(), 2)
+
+
+def test_wrap_serves_a_model_in_memory_over_two_ranks(checkpoints, tmp_path, monkeypatch):
+    """``hc.wrap(model, tensor_parallel_size=2)``: the model saved once for the ranks (rank 1 spawned
+    here), each loading its shard; greedy tokens equal HF's over two rounds (prefix-cache hits, n-gram
+    drafts); the save is gone once the engine is up; the model in this process is untouched."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (where the save goes)
+    ck = checkpoints["qwen3_next_moe"]
+    model = ck["model"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opts = {k: v for k, v in OPTIONS.items() if k != "device"}  # (the ranks run where the weights are: the CPU)
+    engine = hc.wrap(model, tensor_parallel_size=2, **opts)
+    try:
+        assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+        outputs = [engine.generate_batch(batch, max_new_tokens=NEW) for batch in ck["rounds"]]
+        stats = engine.stats()
+    finally:
+        engine.close()
+    for batch, got, want in zip(ck["rounds"], outputs, ck["expected"]):
+        for prompt, g, w in zip(batch, got, want):
+            em.assert_greedy_equal(model, prompt, g, w, what="wrap over 2 ranks")
+    tp = stats["tensor_parallel"]
+    assert tp["size"] == 2 and tp["saved_checkpoint_s"] > 0 and tp["commands_broadcast"] > 0
+    assert all(r["shard_bytes"] < 0.75 * r["full_model_bytes"] for r in tp["ranks"]), tp["ranks"]
+    assert stats["prefix_cache"]["admitted_hit_tokens"] > 0 and stats["speculative"]["verify_steps"] > 0
+    state = model.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], v) for k, v in weights.items())
+    assert em.hf_greedy(model, ck["rounds"][0][1], NEW) == ck["expected"][0][1]  # (not patched: HF's forward)
+
+
+def test_wrap_over_ranks_refuses_what_it_cannot_serve(checkpoints, tmp_path, monkeypatch):
+    """Each refusal is one clear error before anything is saved or started."""
+    import tempfile
+
+    from hybrid_compile.quantization import quantize_model
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = checkpoints["qwen3_next_dense"]["model"]
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        hc.wrap(model, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_timeout.*is for tensor_parallel_size > 1"):
+        hc.wrap(model, tensor_parallel_timeout=5.0)
+    fp8 = copy.deepcopy(model)
+    assert quantize_model(fp8) > 0
+    with pytest.raises(ValueError, match="holds FP8 layers; wrap the float model with quantization='fp8'"):
+        hc.wrap(fp8, tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="unknown EngineConfig field.*max_total_tokenz"):
+        hc.wrap(model, tensor_parallel_size=2, max_total_tokenz=5)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match="under torchrun: every rank already holds the whole model"):
+        hc.wrap(model, tensor_parallel_size=2)
+    assert not any(tmp_path.iterdir())
 
 
 def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch, capsys):

@@ -59,6 +59,9 @@ class TensorParallelEngine(HybridEngine):
         self.config = config
         self.tp = tp
         self.load_reports: list[LoadReport] = []
+        # seconds hc.wrap(model, tensor_parallel_size=N) spent saving the model for the ranks to load (None:
+        # from_pretrained, the ranks read the user's checkpoint)
+        self.saved_checkpoint_seconds: float | None = None
         self._processes = list(processes or [])
         self._failure: BaseException | None = None
         self._broadcaster = StepBroadcaster(tp)
@@ -144,6 +147,7 @@ class TensorParallelEngine(HybridEngine):
             "all_reduce": ({"mode": "one_shot", "one_shot_max_bytes": one_shot.MAX_BYTES} if self.tp.one_shot
                            else {"mode": dist.get_backend(self.tp.group) if not self.tp.closed else None}),
             "ranks": [dataclasses.asdict(r) for r in self.load_reports],
+            "saved_checkpoint_s": self.saved_checkpoint_seconds,
         }
         return s
 

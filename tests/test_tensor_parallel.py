@@ -299,6 +299,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             fused_moe_routers=stats["fused_moe_routers"], folded_shared_experts=stats["folded_shared_experts"],
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba], raised=case.get("raised", []),
+            prefix_cache={k: v for k, v in stats["prefix_cache"].items() if k.startswith("host")},
         )
     finish_rank(rank, results, result_path)
 
@@ -374,12 +375,35 @@ def _draft_model_cases(checkpoints) -> list[dict]:
     ]
 
 
+def _host_tier_waves(vocab: int) -> list[list[list[int]]]:
+    """Three prompt groups (a 128-token shared prefix each + short questions), then the first group
+    again: on small pools the device evicts the first groups' nodes to the host tier, and the last
+    wave hits them there."""
+    g = torch.Generator().manual_seed(7)
+
+    def rand(n):
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    prefixes = [rand(128) for _ in range(3)]
+    waves = [[p + rand(8), p + rand(12)] for p in prefixes]
+    return waves + [[prefixes[0] + rand(10), list(waves[0][0])]]
+
+
+def _host_tier_case(checkpoints) -> dict:
+    ck = checkpoints["qwen3_next_dense"]
+    options = dict(OPTIONS, max_total_tokens=320, mamba_cache_size=8, chunked_prefill_size=128, prefix_cache_host_tier=True,
+                   prefix_cache_host_bytes=8 << 20)  # (the engine's: 4 MiB a rank)
+    return dict(name="qwen3_next_dense@host_tier", dir=ck["dir"], rounds=_host_tier_waves(_vocab(ck["model"])), n=1,
+                options=options)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory):
     cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
     cases += [_case(checkpoints, name, ck, n, **opts) for name, ck, opts, n in VARIANTS]
     cases.append(_tree_case(checkpoints, "qwen3_next_moe@tree", "qwen3_next_moe"))
     cases += _draft_model_cases(checkpoints)
+    cases.append(_host_tier_case(checkpoints))
     return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
 
 
@@ -451,6 +475,22 @@ def test_draft_model_fault_on_rank0_leaves_the_group_serving(checkpoints, two_ra
     r = _check(checkpoints, two_ranks, "qwen3_next_dense@draft_fault", "qwen3_next_dense")
     assert r["raised"] == ["injected fault in the draft model"], r["raised"]
     assert r["tp"]["commands_broadcast"] > 0
+
+
+def test_host_tier_two_ranks_match_hf(checkpoints, two_ranks):
+    """The prefix cache's host tier under tensor parallelism: rank 0's cache evicts nodes to the host
+    and loads them back on a hit, every rank copying its shard's slots to and from the same host
+    positions (``HOST_WRITE`` / ``HOST_LOAD``); greedy tokens equal HF's, the tier written and hit."""
+    r = two_ranks["qwen3_next_dense@host_tier"]
+    assert "error" not in r, r
+    model = checkpoints["qwen3_next_dense"]["model"]
+    for batch, got in zip(_host_tier_waves(_vocab(model)), r["outputs"], strict=True):
+        for prompt, g in zip(batch, got, strict=True):
+            em.assert_greedy_equal(model, prompt, g, em.hf_greedy(model, prompt, NEW), what="host tier over 2 ranks")
+    st = r["prefix_cache"]
+    assert st["host_tier"] and st["host_written_tokens"] > 0 and st["host_hits"] > 0 and st["host_loaded_tokens"] > 0, st
+    assert st["host_pool"]["load_bytes"] > 0 and st["host_pool"]["kv_tokens"] > 0
+    assert not any(r["pools_used"].values()), r["pools_used"]
 
 
 def test_kernel_warm_up_runs_on_every_rank(checkpoints, two_ranks):

@@ -71,6 +71,8 @@ class TensorParallelEngine(HybridEngine):
             head.step_observer = self._broadcaster.head_observer()
         self.pools.mamba.observer = self._broadcaster
         self.pools.kv.observer = self._broadcaster
+        if self.host_pool is not None:  # the prefix cache's host tier: every rank moves its shard's slots
+            self.host_pool.observer = self._broadcaster
 
     def warm_up_with_followers(self) -> None:
         """The kernels' warm-up (``EngineConfig.warmup_kernels``; default on CUDA), its steps run by
@@ -290,8 +292,7 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     """Load this rank's shard and build its engine (rank 0: a :class:`TensorParallelEngine`);
     ``startup`` times (and shows) the load and the engine's phases (default: a silent one)."""
     if engine_config.prefix_cache_host_tier:
-        # a load back writes K/V and states outside a step, which the other ranks' pools would not see
-        raise ValueError("EngineConfig.prefix_cache_host_tier is not supported with tensor parallelism")
+        engine_config = _host_tier_share(tp, engine_config)
     if engine_config.elastic_pools:
         # every rank's pools would have to resize in step
         raise ValueError("EngineConfig.elastic_pools is not supported with tensor parallelism")
@@ -337,10 +338,12 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
                               mtp_head=mtp_head)
     reports = tp.gather_ints([report.shard_bytes, report.full_model_bytes, report.peak_host_bytes,
                               report.peak_device_bytes, report.served_bytes])
-    capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total()])
+    host = engine.host_pool
+    capacities = tp.gather_ints([engine.pools.kv.allocator.total(), engine.pools.mamba.total(),
+                                 host.kv_capacity() if host is not None else 0, host.mamba_capacity() if host is not None else 0])
     if any(c != capacities[0] for c in capacities):
-        raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ({capacities}); pass "
-                           "max_total_tokens and mamba_cache_size")
+        raise RuntimeError(f"tensor parallelism: the ranks' pools differ in size ([KV tokens, Mamba slots, host KV "
+                           f"tokens, host Mamba slots] per rank: {capacities}); pass max_total_tokens and mamba_cache_size")
     c = engine.runner.compile_stats()
     head = mtp_runner(engine)
     h = head.compile_stats() if head is not None else {}
@@ -352,6 +355,23 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
         engine.load_reports = [LoadReport(*r) for r in reports]
         engine.warm_up_with_followers()
     return engine
+
+
+def _host_tier_share(tp: TensorParallelGroup, engine_config: EngineConfig) -> EngineConfig:
+    """The prefix cache's host tier under tensor parallelism: ``prefix_cache_host_bytes`` (or
+    ``prefix_cache_host_fraction`` of the available host memory) is the engine's, split evenly over
+    the ranks, which share the host; each rank's share is the smallest any rank computed, so that
+    every rank's host pool has the same capacity (rank 0's host allocators choose the positions for
+    all of them, ``step.HOST_WRITE``)."""
+    from ..memory.host_pool import DEFAULT_HOST_FRACTION
+    from ..memory.sizing import available_device_memory
+
+    total = engine_config.prefix_cache_host_bytes
+    if total is None:
+        fraction = engine_config.prefix_cache_host_fraction
+        total = int(available_device_memory("cpu") * (DEFAULT_HOST_FRACTION if fraction is None else fraction))
+    (share,) = tp.all_min([total // tp.size])
+    return dataclasses.replace(engine_config, prefix_cache_host_bytes=share, prefix_cache_host_fraction=None)
 
 
 def _serve_follower(tp: TensorParallelGroup, path: str, config, engine_config: EngineConfig, dtype,

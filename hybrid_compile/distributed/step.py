@@ -19,6 +19,10 @@ does to the device state of the model reaches the followers as one command, in o
 - ``ZERO`` / ``COPY``: Mamba-state writes outside a forward (a new slot zeroed, a prefix-cache
   copy-on-write or checkpoint, an ``n > 1`` fork); ``KV_COPY``: K/V copied to a forked sequence;
   ``COMMIT``: a speculative verify's state commit.
+- ``HOST_WRITE`` / ``HOST_LOAD``: the prefix cache's host tier (``EngineConfig.prefix_cache_host_tier``)
+  moving a node's K/V token slots or Mamba slot to the host or back, with the host positions rank
+  0's host allocators chose: every rank copies its own shard's slots to and from its own host pool
+  (``HostPool.write_at`` / ``load_at``), so the host tier needs no allocator on the other ranks.
 - ``STOP``: the leader's engine closed.
 
 A command is a small header (``torch.distributed.broadcast`` on the gloo control group, which
@@ -38,7 +42,7 @@ from ..compilation.cuda_graphs import GraphBuffers, GraphKey
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
 from .group import TensorParallelGroup
 
-FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH = 1, 2, 3, 4, 5, 6, 7
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH, HOST_WRITE, HOST_LOAD = 1, 2, 3, 4, 5, 6, 7, 8, 9
 TARGET, HEAD = 0, 1  # a FORWARD's runner: the target model's, the MTP head's
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
@@ -143,6 +147,13 @@ class StepBroadcaster:
 
     def commit(self, slots: torch.Tensor, steps: torch.Tensor) -> None:
         self._send([COMMIT, slots.numel()], [slots, steps])
+
+    # -- the host pool's observer (the prefix cache's host tier) ----------------------------
+    def host_write(self, kind: int, dev_idx: torch.Tensor, host_start: int) -> None:
+        self._send([HOST_WRITE, kind, host_start, dev_idx.numel()], [dev_idx])
+
+    def host_load(self, kind: int, host_start: int, dev_idx: torch.Tensor) -> None:
+        self._send([HOST_LOAD, kind, host_start, dev_idx.numel()], [dev_idx])
 
     def stop(self) -> None:
         self._send([STOP], [])
@@ -286,6 +297,13 @@ def follow(engine, tp: TensorParallelGroup) -> int:
         elif cmd == KV_COPY:
             src, dst = _payload(tp, 2 * header[1]).split(header[1])
             engine.pools.kv.copy_state(src, dst)
+        elif cmd in (HOST_WRITE, HOST_LOAD):
+            kind, host_start, n = header[1:4]
+            idx = _payload(tp, n)
+            if cmd == HOST_WRITE:
+                engine.host_pool.write_at(kind, idx, host_start)
+            else:
+                engine.host_pool.load_at(kind, host_start, idx)
         elif cmd == COMMIT:
             slots, steps = _payload(tp, 2 * header[1]).to(torch.int32).split(header[1])
             torch.ops.hybrid_compile.commit_speculative_state(

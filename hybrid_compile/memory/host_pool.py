@@ -35,6 +35,7 @@ from .mamba_pool import MambaPool
 from .sizing import available_device_memory
 
 DEFAULT_HOST_FRACTION = 0.25  # of the available host memory, when no size is given
+KV, MAMBA = 0, 1  # what a copy moves: KV token slots, Mamba slots (write_at / load_at)
 
 
 class RangeAllocator:
@@ -131,6 +132,9 @@ class HostPool:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list = []  # (event, gathered device tensors kept alive until the copy ends)
         self.counters = dict.fromkeys(("write_bytes", "load_bytes", "writes", "loads"), 0)
+        # told every copy with its host position (tensor parallelism: rank 0's step broadcaster, so that
+        # the other ranks copy their shards' slots to and from the same positions: write_at / load_at)
+        self.observer = None
 
     def refresh_device_buffers(self, kv: KVPool, mamba: MambaPool) -> None:
         """Point at the device pools' buffers again after elastic pools resized them (the host
@@ -217,13 +221,9 @@ class HostPool:
     def write_kv(self, dev_slots: torch.Tensor) -> int | None:
         """Copy these device KV slots (one node's, in order) to a fresh host range; its start,
         or ``None`` when no free host range is long enough."""
-        n = dev_slots.numel()
-        start = self.kv_allocator.alloc(n)
-        if start is None:
-            return None
-        self._write(self.kv_buffers, dev_slots, start)
-        self.counters["writes"] += 1
-        self.counters["write_bytes"] += n * self.bytes_per_token
+        start = self.kv_allocator.alloc(dev_slots.numel())
+        if start is not None:
+            self.write_at(KV, dev_slots, start)
         return start
 
     def write_mamba(self, dev_slot: int) -> int | None:
@@ -232,10 +232,18 @@ class HostPool:
         if got is None:
             return None
         host_slot = int(got[0])
-        self._write(self.mamba_buffers, torch.tensor([int(dev_slot)], dtype=torch.int64), host_slot)
-        self.counters["writes"] += 1
-        self.counters["write_bytes"] += self.bytes_per_mamba_slot
+        self.write_at(MAMBA, torch.tensor([int(dev_slot)], dtype=torch.int64), host_slot)
         return host_slot
+
+    def write_at(self, kind: int, dev_idx: torch.Tensor, host_start: int) -> None:
+        """Copy device slots ``dev_idx`` (``kind``: :data:`KV` token slots or :data:`MAMBA` slots) to
+        the host positions from ``host_start`` on, which the caller allocated (the other ranks of a
+        tensor-parallel engine: the positions rank 0's allocators chose)."""
+        self._write(self.kv_buffers if kind == KV else self.mamba_buffers, dev_idx, host_start)
+        self.counters["writes"] += 1
+        self.counters["write_bytes"] += dev_idx.numel() * (self.bytes_per_token if kind == KV else self.bytes_per_mamba_slot)
+        if self.observer is not None:
+            self.observer.host_write(kind, dev_idx, host_start)
 
     # -- host -> device ---------------------------------------------------------------
     def _load(self, buffers, host_start: int, dev_idx: torch.Tensor) -> None:
@@ -258,15 +266,20 @@ class HostPool:
 
     def load_kv(self, host_start: int, dev_slots: torch.Tensor) -> None:
         """Copy the host range starting at ``host_start`` into these device KV slots."""
-        self._load(self.kv_buffers, host_start, dev_slots)
-        self.counters["loads"] += 1
-        self.counters["load_bytes"] += dev_slots.numel() * self.bytes_per_token
+        self.load_at(KV, host_start, dev_slots)
 
     def load_mamba(self, host_slot: int, dev_slot: int) -> None:
         """Copy one host Mamba slot into a device Mamba slot."""
-        self._load(self.mamba_buffers, int(host_slot), torch.tensor([int(dev_slot)], dtype=torch.int64))
+        self.load_at(MAMBA, int(host_slot), torch.tensor([int(dev_slot)], dtype=torch.int64))
+
+    def load_at(self, kind: int, host_start: int, dev_idx: torch.Tensor) -> None:
+        """Copy the host positions from ``host_start`` on into device slots ``dev_idx`` (``kind``:
+        :data:`KV` or :data:`MAMBA`)."""
+        self._load(self.kv_buffers if kind == KV else self.mamba_buffers, host_start, dev_idx)
         self.counters["loads"] += 1
-        self.counters["load_bytes"] += self.bytes_per_mamba_slot
+        self.counters["load_bytes"] += dev_idx.numel() * (self.bytes_per_token if kind == KV else self.bytes_per_mamba_slot)
+        if self.observer is not None:
+            self.observer.host_load(kind, host_start, dev_idx)
 
     def free_kv(self, start: int, n: int) -> None:
         self.kv_allocator.free(start, n)
@@ -292,4 +305,4 @@ class HostPool:
         }
 
 
-__all__ = ["HostPool", "RangeAllocator"]
+__all__ = ["HostPool", "KV", "MAMBA", "RangeAllocator"]

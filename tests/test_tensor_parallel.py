@@ -300,6 +300,7 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
             kv_heads=[a.num_kv_heads for a in engine.layout.attention], conv_dims=[m.conv_dim for m in engine.layout.mamba],
             state_shapes=[list(m.state_shape) for m in engine.layout.mamba], raised=case.get("raised", []),
             prefix_cache={k: v for k, v in stats["prefix_cache"].items() if k.startswith("host")},
+            elastic=stats.get("elastic_pools"), retractions=stats["retractions"],
         )
     finish_rank(rank, results, result_path)
 
@@ -397,6 +398,19 @@ def _host_tier_case(checkpoints) -> dict:
                 options=options)
 
 
+def _elastic_phases(vocab: int) -> list[list[list[int]]]:
+    """Eight short chats (state-bound), then three long documents that outgrow the KV pool."""
+    return [em.random_prompts([12] * 8, vocab, seed=5), em.random_prompts([40, 44, 42], vocab, seed=6)]
+
+
+def _elastic_case(checkpoints) -> dict:
+    ck = checkpoints["qwen3_next_dense"]
+    options = dict(OPTIONS, max_running_requests=8, max_total_tokens=112, mamba_cache_size=32, chunked_prefill_size=64,
+                   elastic_pools=True)
+    return dict(name="qwen3_next_dense@elastic", dir=ck["dir"], rounds=_elastic_phases(_vocab(ck["model"])), n=1,
+                options=options)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints, tmp_path_factory):
     cases = [_case(checkpoints, n, compile=(n == COMPILED)) for n in TWO_RANKS]
@@ -404,6 +418,7 @@ def two_ranks(checkpoints, tmp_path_factory):
     cases.append(_tree_case(checkpoints, "qwen3_next_moe@tree", "qwen3_next_moe"))
     cases += _draft_model_cases(checkpoints)
     cases.append(_host_tier_case(checkpoints))
+    cases.append(_elastic_case(checkpoints))
     return _run_group(2, cases, tmp_path_factory.mktemp("tp2"))[0]
 
 
@@ -490,6 +505,20 @@ def test_host_tier_two_ranks_match_hf(checkpoints, two_ranks):
     st = r["prefix_cache"]
     assert st["host_tier"] and st["host_written_tokens"] > 0 and st["host_hits"] > 0 and st["host_loaded_tokens"] > 0, st
     assert st["host_pool"]["load_bytes"] > 0 and st["host_pool"]["kv_tokens"] > 0
+    assert not any(r["pools_used"].values()), r["pools_used"]
+
+
+def test_elastic_pools_two_ranks_match_hf(checkpoints, two_ranks):
+    """Elastic pools under tensor parallelism: rank 0's scheduler moves memory from the Mamba pool to
+    the KV pool when the long documents arrive, the other ranks resize in step (``RESIZE``); greedy
+    tokens equal HF's and every slot is back after close."""
+    r = two_ranks["qwen3_next_dense@elastic"]
+    assert "error" not in r, r
+    model = checkpoints["qwen3_next_dense"]["model"]
+    for batch, got in zip(_elastic_phases(_vocab(model)), r["outputs"], strict=True):
+        for prompt, g in zip(batch, got, strict=True):
+            em.assert_greedy_equal(model, prompt, g, em.hf_greedy(model, prompt, NEW), what="elastic pools over 2 ranks")
+    assert r["elastic"]["to_kv"] > 0 and r["elastic"]["kv_tokens"] > 112, r["elastic"]
     assert not any(r["pools_used"].values()), r["pools_used"]
 
 

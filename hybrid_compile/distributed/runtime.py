@@ -113,6 +113,13 @@ class TensorParallelEngine(HybridEngine):
     def step(self):
         return self._guarded(super().step)
 
+    def _pools_resized(self) -> None:
+        """Elastic pools moved memory (rank 0's pools already have their new sizes): the other ranks
+        take the same sizes (``RESIZE``), then every rank refreshes its views and captures its full
+        graphs again, by itself (the captures' runs are not broadcast), in the same order."""
+        self._broadcaster.resize(self.pools.kv.allocator.num_pages, self.pools.mamba.total())
+        super()._pools_resized()
+
     def close(self) -> None:
         """Close the engine on every rank and end the group (joins the spawned processes)."""
         if self.tp.closed:
@@ -293,9 +300,6 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     ``startup`` times (and shows) the load and the engine's phases (default: a silent one)."""
     if engine_config.prefix_cache_host_tier:
         engine_config = _host_tier_share(tp, engine_config)
-    if engine_config.elastic_pools:
-        # every rank's pools would have to resize in step
-        raise ValueError("EngineConfig.elastic_pools is not supported with tensor parallelism")
     startup = startup if startup is not None else Startup()
     plan = plan_for(config, tp.size, tp.rank)
     startup.plan("load")

@@ -23,6 +23,10 @@ does to the device state of the model reaches the followers as one command, in o
   moving a node's K/V token slots or Mamba slot to the host or back, with the host positions rank
   0's host allocators chose: every rank copies its own shard's slots to and from its own host pool
   (``HostPool.write_at`` / ``load_at``), so the host tier needs no allocator on the other ranks.
+- ``RESIZE``: elastic pools (``EngineConfig.elastic_pools``) moved memory between the KV and Mamba
+  pools: the new sizes rank 0's pools took (a move takes free entries off the top only, and the
+  other ranks' allocators hold nothing), after which every rank refreshes its views and captures
+  its full CUDA graphs again, in the same order (their warm-up runs' collectives pair up).
 - ``STOP``: the leader's engine closed.
 
 A command is a small header (``torch.distributed.broadcast`` on the gloo control group, which
@@ -42,7 +46,7 @@ from ..compilation.cuda_graphs import GraphBuffers, GraphKey
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
 from .group import TensorParallelGroup
 
-FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH, HOST_WRITE, HOST_LOAD = 1, 2, 3, 4, 5, 6, 7, 8, 9
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH, HOST_WRITE, HOST_LOAD, RESIZE = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 TARGET, HEAD = 0, 1  # a FORWARD's runner: the target model's, the MTP head's
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
@@ -154,6 +158,10 @@ class StepBroadcaster:
 
     def host_load(self, kind: int, host_start: int, dev_idx: torch.Tensor) -> None:
         self._send([HOST_LOAD, kind, host_start, dev_idx.numel()], [dev_idx])
+
+    def resize(self, kv_pages: int, mamba_slots: int) -> None:
+        """Elastic pools: the KV pool's usable pages and the Mamba pool's slots after a move."""
+        self._send([RESIZE, kv_pages, mamba_slots], [])
 
     def stop(self) -> None:
         self._send([STOP], [])
@@ -270,6 +278,23 @@ def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     full.replay(key, requests)
 
 
+def _resize(engine, kv_pages: int, mamba_slots: int) -> None:
+    """A follower's side of ``RESIZE``: the pool that gave memory shrinks first, then the other grows
+    (as rank 0's move did: the grown buffers are paid with what the other gave up), then the engine
+    refreshes its views and captures its full graphs again."""
+    kv, mamba = engine.pools.kv, engine.pools.mamba
+    # outside inference mode, as rank 0's scheduler resizes: the new buffers and the prefix cache's masks
+    # are then normal tensors, which the engine's close may update in place
+    with torch.inference_mode(False):
+        if kv_pages < kv.allocator.num_pages:
+            kv.resize(kv_pages)
+            mamba.resize(mamba_slots)
+        else:
+            mamba.resize(mamba_slots)
+            kv.resize(kv_pages)
+        engine._pools_resized()
+
+
 @torch.inference_mode()
 def follow(engine, tp: TensorParallelGroup) -> int:
     """A follower rank's loop: run rank 0's commands on this rank's engine until ``STOP``; returns
@@ -304,6 +329,8 @@ def follow(engine, tp: TensorParallelGroup) -> int:
                 engine.host_pool.write_at(kind, idx, host_start)
             else:
                 engine.host_pool.load_at(kind, host_start, idx)
+        elif cmd == RESIZE:
+            _resize(engine, header[1], header[2])
         elif cmd == COMMIT:
             slots, steps = _payload(tp, 2 * header[1]).to(torch.int32).split(header[1])
             torch.ops.hybrid_compile.commit_speculative_state(

@@ -24,8 +24,9 @@ keeps every kernel as it is. The cost: a move copies the pools' live range once 
 at the copy bandwidth) and holds the growing pool's old and new buffers at once while it copies,
 and a CUDA graph captured on the old buffers would read freed memory: the full graphs (and the
 speculative commit graphs) are captured again after every move, while the piecewise graphs stay
-(the layer ops between their pieces read the pools at run time). Elastic pools refuse tensor
-parallelism (the other ranks' pools would have to resize in step).
+(the layer ops between their pieces read the pools at run time). Under tensor parallelism rank 0
+decides and the other ranks resize in step (``distributed/step.py``'s ``RESIZE``: the sizes rank
+0's pools took; then every rank refreshes its views and captures its full graphs again).
 Speculative decoding refreshes its views after a move (the slot-indexed state views of its commit,
 an MTP head's KV views; its intermediate buffers are by batch row and stay).
 """

@@ -28,7 +28,9 @@ head (``@mtp``: Qwen3-Next MoE and Qwen3.5 with ``mtp.*`` tensors, the head shar
 steps replaying its piecewise graphs on every rank; ``@mtp_tree``: top-2 MTP draft trees;
 ``@mtp_token_map``: MTP drafts over a draft token map; run them
 alone with ``-k mtp``), a draft model on rank 0 alone (``@draft_model`` / ``@draft_tree``: the checkpoint's
-own weights as the draft, compiled with its own CUDA graphs), and no Triton kernel, Dynamo
+own weights as the draft, compiled with its own CUDA graphs), the prefix cache's host tier
+(``qwen3_next_dense@host_tier``) and elastic pools (``@elastic``: memory moved to a small KV pool while
+serving, every rank resizing and capturing its full graphs again), and no Triton kernel, Dynamo
 graph or Inductor piece compiled after ``from_pretrained`` returned, on rank 0 (engine stats and
 a Triton JIT hook) and on rank 1 (the same counters logged before every step command it receives,
 compared at the command rank 0 had sent when its engine was ready and at the end).
@@ -250,6 +252,13 @@ def _cases() -> list[tuple[str, object, dict]]:
         # an FP8 checkpoint (block scales on 128 x 128 blocks the ranks' shards fall on): each rank reads
         # its e4m3 slices; FP8 GEMVs, cuBLAS's block-scaled GEMM and the FP8 experts inside the graphs
         cases.append(("qwen3_next_fp8@fp8_checkpoint", MODELS["qwen3_next_fp8"], dict(TINY)))
+        # the prefix cache's host tier (every copy to the host and back mirrored on the followers) and elastic
+        # pools (a KV pool too small for the second round: memory moved to it, every rank resizing in step
+        # and capturing its full graphs again, the NCCL all-reduces inside)
+        cases.append(("qwen3_next_dense@host_tier", MODELS["qwen3_next_dense"],
+                      dict(TINY, prefix_cache_host_tier=True, prefix_cache_host_bytes=8 << 20)))
+        cases.append(("qwen3_next_dense@elastic", MODELS["qwen3_next_dense"],
+                      dict(TINY, elastic_pools=True, max_total_tokens=160)))
     for name in MID_DEFAULT:
         cases.append((f"mid_{name}", _mid(name), dict(MID, cuda_graphs=True)))
         cases.append((f"mid_{name}@piecewise", _mid(name), dict(cuda_graphs="piecewise")))
@@ -612,3 +621,12 @@ def test_tp2_mtp_head_replays_its_graphs(served, name):
     assert spec["method"] == "mtp" and spec["verify_steps"] > 0, spec
     source = spec["draft_source"]
     assert source["head_decode_steps"] > 0 and source["window_steps"] > 0, source
+
+
+@pytest.mark.parametrize("name", [n for n in CASE_NAMES if n.endswith("@elastic")])
+def test_tp2_elastic_pools_capture_their_graphs_again(served, name):
+    """Elastic pools at TP: memory moved between the pools while serving (its tokens are checked
+    against one GPU's above, its compiles in test_tp2_no_compiles_after_from_pretrained), and the full
+    graphs were captured again over the new pools (on every rank: rank 1's replays pair with rank 0's)."""
+    r, _ = _result(served, name)
+    assert r["compile"]["full_graph_recaptures"] > 0, r["compile"]

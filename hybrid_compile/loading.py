@@ -220,7 +220,7 @@ def _load_fp8(path: str, config, kwargs: dict, revision: str | None):
 def wrap(
     model: nn.Module, config: EngineConfig | dict | None = None, tokenizer=None, tensor_parallel_size: int = 1,
     progress: bool = False, tensor_parallel_timeout: float | None = None, **overrides,
-) -> HybridEngine:
+) -> HybridEngine | None:
     """Wrap a Hugging Face hybrid model in a :class:`HybridEngine`.
 
     Detects the family from ``model.config.model_type``, patches this instance's layers (other
@@ -238,9 +238,11 @@ def wrap(
     into a temporary directory, each rank loads only its shard from it, and the directory is
     removed as soon as every rank holds its shard (``stats()["tensor_parallel"]["saved_checkpoint_s"]``:
     the save's seconds). The model in this process stays as it was (its memory too: rank 0's
-    shard is a copy). Not under ``torchrun`` (every rank already holds the whole model there:
-    ``from_pretrained`` loads shards only); not for a model holding FP8 layers (wrap the float
-    model with ``quantization="fp8"``, or load the FP8 checkpoint with ``from_pretrained``).
+    shard is a copy). Under ``torchrun`` every rank calls this with its model: rank 0's is saved
+    and served (the others' are not read; the ranks must share a file system), rank 0 gets the
+    engine and the others follow its steps inside the call and return ``None`` once it is closed,
+    as with ``from_pretrained``. Not for a model holding FP8 layers (wrap the float model with
+    ``quantization="fp8"``, or load the FP8 checkpoint with ``from_pretrained``).
     ``tensor_parallel_timeout``: seconds a rank waits in a collective before it gives up (300).
     """
     engine_config = EngineConfig.from_args(config, **overrides)
@@ -254,8 +256,9 @@ def wrap(
 
 
 def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokenizer, size: int, progress: bool,
-                          timeout: float | None) -> HybridEngine:
+                          timeout: float | None) -> HybridEngine | None:
     """:func:`wrap` over ``size`` ranks: save, launch (each rank loads its shard), remove the save."""
+    import copy
     import shutil
     import tempfile
     import time
@@ -263,14 +266,12 @@ def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokeniz
     from .distributed import launch
     from .distributed.group import DEFAULT_TIMEOUT_SECONDS, torchrun_env
     from .distributed.plans import plan_for
+    from .distributed.runtime import shared_checkpoint
     from .quantization import has_fp8_layers
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     where = f"wrap(tensor_parallel_size={size})"
-    if torchrun_env() is not None:
-        raise ValueError(f"{where} under torchrun: every rank already holds the whole model; load each rank's "
-                         "shard with hc.from_pretrained(checkpoint_dir, tensor_parallel_size=N) instead")
     check_model_type(model.config)
     if has_fp8_layers(model):
         raise ValueError(f"{where}: the model holds FP8 layers; wrap the float model with quantization='fp8' (each "
@@ -280,21 +281,32 @@ def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokeniz
         raise ValueError(f"{where}: the model's weights are on {sorted(kinds)}; they must all be on the CPU or all "
                          "on CUDA devices (the ranks run on devices of that kind)")
     plan_for(model.config, size)  # head counts that do not divide: one error, before the save
-    dtype = next(model.parameters()).dtype
-    directory = tempfile.mkdtemp(prefix="hybrid_compile_tp_")
-    try:
+    remote = bool(getattr(model.config, "auto_map", None))
+    saved: dict = {}
+
+    def save(directory: str) -> None:
         t0 = time.perf_counter()
         model.save_pretrained(directory, safe_serialization=True)
-        saved_s = time.perf_counter() - t0
-        config = _load_config(directory, None, bool(getattr(model.config, "auto_map", None)))
-        name = type(model).__name__
-        with Startup(progress, desc=f"loading {name} (rank 0 of {size})") as startup:
-            engine = launch(directory, size, config, engine_config, dtype=dtype, device=kinds.pop(), tokenizer=tokenizer,
-                            trust_remote_code=bool(getattr(config, "auto_map", None)),
-                            timeout=timeout or DEFAULT_TIMEOUT_SECONDS, startup=startup)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)  # (every rank has read its shard once launch returns)
-    engine.saved_checkpoint_seconds = saved_s
+        saved["seconds"], saved["directory"] = time.perf_counter() - t0, directory
+
+    options = dict(dtype=next(model.parameters()).dtype, device=kinds.pop(), tokenizer=tokenizer,
+                   trust_remote_code=remote, timeout=timeout or DEFAULT_TIMEOUT_SECONDS)
+    desc = f"loading {type(model).__name__} (rank 0 of {size})"
+    try:
+        if torchrun_env() is None:
+            save(tempfile.mkdtemp(prefix="hybrid_compile_tp_"))
+            config = _load_config(saved["directory"], None, remote)
+            with Startup(progress, desc=desc) as startup:
+                engine = launch(saved["directory"], size, config, engine_config, startup=startup, **options)
+        else:  # every rank calls this: rank 0 saves its model once, the others read that save
+            with Startup(progress, desc=desc) as startup:
+                engine = launch(lambda tp: shared_checkpoint(tp, save), size, copy.deepcopy(model.config),
+                                engine_config, startup=startup, **options)
+    finally:  # (rank 0: every rank has read its shard once launch returns, or the launch failed)
+        if "directory" in saved:
+            shutil.rmtree(saved["directory"], ignore_errors=True)
+    if engine is not None:
+        engine.saved_checkpoint_seconds = saved.get("seconds")
     return engine
 
 

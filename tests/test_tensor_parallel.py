@@ -907,12 +907,54 @@ def test_wrap_over_ranks_refuses_what_it_cannot_serve(checkpoints, tmp_path, mon
         hc.wrap(fp8, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="unknown EngineConfig field.*max_total_tokenz"):
         hc.wrap(model, tensor_parallel_size=2, max_total_tokenz=5)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(ValueError, match="under torchrun: every rank already holds the whole model"):
-        hc.wrap(model, tensor_parallel_size=2)
     assert not any(tmp_path.iterdir())
+
+
+_WRAP_UNDER_TORCHRUN = """
+import json, os, sys, tempfile
+import transformers
+import hybrid_compile as hc
+ckpt, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()  # every rank's, in memory
+engine = hc.wrap(model, tensor_parallel_size=2, max_total_tokens=512, mamba_cache_size=24, max_running_requests=2,
+                 chunked_prefill_size=32)
+if engine is not None:
+    outputs = engine.generate_batch(prompts, max_new_tokens=%d)
+    saved = engine.stats()["tensor_parallel"]["saved_checkpoint_s"]
+    left = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("hybrid_compile_tp_")]
+    engine.close()
+    json.dump(dict(outputs=outputs, saved=saved, left=left, rank=os.environ["RANK"]), open(out, "w"))
+""" % NEW
+
+
+def test_wrap_under_torchrun_serves_rank0s_model(checkpoints, tmp_path):
+    """Under torchrun every rank calls ``hc.wrap(model, tensor_parallel_size=2)`` with its model in
+    memory: rank 0 saves its model once and publishes the directory in the group's store, both ranks
+    load their shards from it, rank 0 removes it once both hold them; rank 0 gets the engine (HF's
+    greedy tokens), rank 1 follows inside the call."""
+    import subprocess
+
+    ck = checkpoints["qwen3_next_moe"]
+    script, out, tmp = tmp_path / "wrap_torchrun.py", tmp_path / "out.json", tmp_path / "tmp"
+    tmp.mkdir()
+    script.write_text(_WRAP_UNDER_TORCHRUN)
+    prompts = ck["rounds"][0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           ck["dir"], json.dumps(prompts), str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env=checkout_env(OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
+    assert out.exists(), p.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["rank"] == "0" and result["saved"] > 0 and result["left"] == [], result
+    for prompt, g, w in zip(prompts, result["outputs"], ck["expected"][0]):
+        em.assert_greedy_equal(ck["model"], prompt, g, w, what="wrap under torchrun")
+    assert not any(tmp.glob("hybrid_compile_tp_*"))
+    if p.returncode != 0:
+        from test_loading_cli import _aborted_at_exit
+
+        if _aborted_at_exit(p.stderr):  # (the known gloo teardown abort: see that test module)
+            pytest.xfail("a rank aborted at interpreter exit after a complete run (known gloo teardown issue)")
+    assert p.returncode == 0, p.stderr[-4000:]
 
 
 def test_spawned_ranks_memory_and_failure_on_rank0(tmp_path, monkeypatch, capsys):

@@ -411,13 +411,15 @@ def _timedelta(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, device, tokenizer=None,
+def launch(path, size: int, config, engine_config: EngineConfig, *, dtype, device, tokenizer=None,
            trust_remote_code: bool = False, timeout: float = DEFAULT_TIMEOUT_SECONDS,
            startup: Startup | None = None) -> HybridEngine | None:
     """Serve the checkpoint in ``path`` (its ``config`` already read) over ``size`` ranks (module
     docstring). Everything that can be checked is checked before a process starts or a weight is read.
     ``startup``: rank 0's start-up phases (its load and engine; with progress, its bar): the other
-    ranks' are silent."""
+    ranks' are silent. Under torchrun ``path`` may be a function of the rank's group that returns
+    the directory once the group is up (:func:`shared_checkpoint`: rank 0 writes it, the others
+    wait for its name)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     device_type = _resolve_device(device)
@@ -435,6 +437,13 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
         rank, world, local_rank = env
         tp = _group.init_group(rank, size, _group.rank_device(device_type, local_rank), timeout)
         _group.set_current_group(tp)
+        if callable(path):
+            try:
+                path = path(tp)
+            except BaseException:
+                _group.set_current_group(None)
+                tp.shutdown()
+                raise
         if rank != 0:
             try:
                 _serve_follower(tp, path, config, follower_config(engine_config), dtype, trust_remote_code)
@@ -443,6 +452,8 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
             return None
         return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, [], startup)
 
+    if callable(path):
+        raise TypeError("launch: a checkpoint given as a function is for ranks started by torchrun")
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=_timedelta(timeout), wait_for_workers=False)
     threads = max(1, torch.get_num_threads() // size)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -461,6 +472,38 @@ def launch(path: str, size: int, config, engine_config: EngineConfig, *, dtype, 
         raise
     _group.set_current_group(tp)
     return _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes, startup)
+
+
+_CHECKPOINT_KEY = "hybrid_compile/tp/checkpoint"
+_FAILED = "\0"  # the value's first character when rank 0 could not write the checkpoint
+
+
+def shared_checkpoint(tp: TensorParallelGroup, write) -> str:
+    """A checkpoint directory every rank of a torchrun group reads: rank 0 makes a temporary
+    directory and calls ``write(directory)``, then publishes its name in the group's store (under
+    this engine's key prefix); the other ranks wait for it (as long as the write takes) and raise
+    :class:`TensorParallelError` with rank 0's error when the write failed. Rank 0 removes the
+    directory once every rank holds its shard (``hc.wrap``)."""
+    import datetime
+    import tempfile
+
+    if tp.is_leader:
+        directory = tempfile.mkdtemp(prefix="hybrid_compile_tp_")
+        try:
+            write(directory)
+        except BaseException as e:
+            tp.store.set(_CHECKPOINT_KEY, _FAILED + f"{type(e).__name__}: {e}")
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        tp.store.set(_CHECKPOINT_KEY, directory)
+        return directory
+    tp.store.wait([_CHECKPOINT_KEY], datetime.timedelta(days=1))  # (a large model takes long to write)
+    value = tp.store.get(_CHECKPOINT_KEY).decode()
+    if value.startswith(_FAILED):
+        raise TensorParallelError(f"rank 0 could not save the model for the ranks: {value[1:]}")
+    return value
 
 
 def _leader(tp, path, config, engine_config, dtype, trust_remote_code, tokenizer, processes, startup) -> HybridEngine:

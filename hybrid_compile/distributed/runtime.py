@@ -9,6 +9,11 @@
   returns its engine; every other rank follows rank 0's steps inside the call and returns
   ``None`` once rank 0's engine is closed.
 
+``hc.wrap(model, tensor_parallel_size=N)`` (a model in memory) saves the model for the ranks first:
+in the spawned way before they start, under torchrun once the group is up (:func:`shared_checkpoint`).
+The prefix cache's host tier gets an even share of its size per rank (:func:`_host_tier_share`), and
+elastic pools resize every rank's pools in step (:meth:`TensorParallelEngine._pools_resized`).
+
 Every rank loads only its shard (``distributed/loading.py``; with speculative method "mtp" also
 its shard of the MTP head; with method "draft_model" the draft model is rank 0's alone:
 :func:`follower_config`; with ``quantization="fp8"`` it quantizes that shard before anything else

@@ -12,7 +12,7 @@
 ``hc.wrap(model, tensor_parallel_size=N)`` (a model in memory) saves the model for the ranks first:
 in the spawned way before they start, under torchrun once the group is up (:func:`shared_checkpoint`).
 The prefix cache's host tier gets an even share of its size per rank (:func:`_host_tier_share`), and
-elastic pools resize every rank's pools in step (:meth:`TensorParallelEngine._pools_resized`).
+elastic pools resize every rank's pools in step (:meth:`TensorParallelEngine.pools_resized`).
 
 Every rank loads only its shard (``distributed/loading.py``; with speculative method "mtp" also
 its shard of the MTP head; with method "draft_model" the draft model is rank 0's alone:
@@ -118,12 +118,12 @@ class TensorParallelEngine(HybridEngine):
     def step(self):
         return self._guarded(super().step)
 
-    def _pools_resized(self) -> None:
+    def pools_resized(self) -> None:
         """Elastic pools moved memory (rank 0's pools already have their new sizes): the other ranks
         take the same sizes (``RESIZE``), then every rank refreshes its views and captures its full
         graphs again, by itself (the captures' runs are not broadcast), in the same order."""
         self._broadcaster.resize(self.pools.kv.allocator.num_pages, self.pools.mamba.total())
-        super()._pools_resized()
+        super().pools_resized()
 
     def close(self) -> None:
         """Close the engine on every rank and end the group (joins the spawned processes)."""

@@ -292,7 +292,7 @@ def _resize(engine, kv_pages: int, mamba_slots: int) -> None:
         else:
             mamba.resize(mamba_slots)
             kv.resize(kv_pages)
-        engine._pools_resized()
+        engine.pools_resized()
 
 
 @torch.inference_mode()

@@ -302,7 +302,7 @@ class HybridEngine(GenerateAPI):
             decode_checkpoint_interval=config.prefix_cache_track_interval,
         )
         if config.elastic_pools:
-            self.scheduler.elastic = ElasticPools(self.pools, self._pools_resized, cache=self.prefix_cache,
+            self.scheduler.elastic = ElasticPools(self.pools, self.pools_resized, cache=self.prefix_cache,
                                                   running=lambda: self.scheduler.running)
         self.sampler = Sampler(self.layout.vocab_size, self.device, config.max_running_requests)
         try:
@@ -800,8 +800,10 @@ class HybridEngine(GenerateAPI):
         """Forget the finished requests' timings that ``stats()["ttft"]`` / ``["tpot"]`` summarise."""
         self._timings.clear()
 
-    def _pools_resized(self) -> None:
-        """Elastic pools moved memory between the KV and Mamba pools: refresh the views kept."""
+    def pools_resized(self) -> None:
+        """Elastic pools moved memory between the KV and Mamba pools: refresh the views kept (the
+        scheduler's elastic pools call it after a move; under tensor parallelism the other ranks
+        after taking rank 0's new sizes)."""
         self.runner.refresh_pool_views()
         self.runner.graphs.pools_resized(self.runner)
         if self.prefix_cache is not None:

@@ -132,6 +132,7 @@ MODELS = {
     "recurrent_gemma": build_recurrent_gemma,
     "mamba2_one_group": _one_group("mamba2"),
     "bamba_one_group_4": _one_group("bamba"),
+    "bamba_two_groups_4": mm.build_bamba,  # (2 B/C groups over 4 ranks: each on 2 ranks, its norm over them)
     "qwen3_next_4": _qwen3_next_4,
     "nemotron_h_4": _nemotron_h_4,
     "qwen3_next_fp8": _qwen3_next_fp8,
@@ -154,7 +155,7 @@ if hasattr(transformers, "KimiLinearForCausalLM"):  # (transformers >= 5.17)
     TWO_RANKS += ("kimi_linear",)
 KIMI = pytest.mark.skipif("kimi_linear" not in MODELS,
                           reason=f"transformers {transformers.__version__} has no KimiLinearForCausalLM (added in 5.17)")
-FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4")
+FOUR_RANKS = ("qwen3_next_4", "nemotron_h_4", "bamba_one_group_4", "bamba_two_groups_4")
 FOUR_RANKS += ("minimax",)  # one lightning head per rank, its norm over 4 ranks; 2 KV heads replicated in pairs
 COMPILED = "mamba2"  # served compiled (torch.compile with our backend) at 2 ranks
 # variants at 2 ranks: (case name, checkpoint, engine options, sequences per prompt)
@@ -844,6 +845,13 @@ def test_indivisible_heads_fail_before_loading(checkpoints, tmp_path):
     assert granite.num_local_experts > 1
     with pytest.raises(ShardingError, match="granitemoehybrid has intermediate_size=65, which does not divide by 2"):
         plan_for(granite, 2)
+    bamba = copy.deepcopy(checkpoints["bamba"]["model"].config)  # 2 B/C groups: over 4 ranks each on two of them
+    assert bamba.mamba_n_groups == 2
+    plan = plan_for(bamba, 4, 3)
+    assert [(w, g, r) for _, w, g, r in plan.cross_rank_norms] == [(bamba.mamba_n_heads * bamba.mamba_d_head // 2, True, 2)]
+    bamba.mamba_n_groups, bamba.mamba_n_heads = 3, 6
+    with pytest.raises(ShardingError, match="n_groups=3 Mamba2 B/C groups: neither a multiple nor a divisor of 2"):
+        plan_for(bamba, 2)
     with pytest.raises(ShardingError, match="zamba2 has the Mamba2 head count=8, which does not divide by 3"):
         hc.from_pretrained(checkpoints["zamba2"]["dir"], tensor_parallel_size=3, device="cpu")
     if "kimi_linear" in MODELS:  # 2 KDA heads, 4 MLA heads: one error naming the count, before any weight is read

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..models.base import INNER_FORWARD
+from . import one_shot
 from .group import TensorParallelGroup
 
 
@@ -106,17 +107,28 @@ class VocabParallelRows(nn.Module):
         return logits.index_select(-1, self.order)
 
 
-def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, gated: bool) -> None:
-    """An RMSNorm over ``width`` channels split across every rank, on this rank's slice: the mean of
-    squares is the all-reduced sum of squares over ``width``. ``gated``: transformers' Mamba2 gated
-    RMSNorm (the silu gate, then the norm over one group that spans every rank); else a plain
-    RMSNorm (OLMo-Hybrid's attention ``q_norm`` / ``k_norm`` over all heads at once)."""
+def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, gated: bool,
+                        ranks: int | None = None) -> None:
+    """An RMSNorm over ``width`` channels split across ``ranks`` consecutive ranks (default: every
+    rank), on this rank's slice: the mean of squares is the sum of squares over ``width``,
+    all-reduced across those ranks (fewer than all: this rank's subgroup, ``tp.subgroup_name``).
+    ``gated``: transformers' Mamba2 gated RMSNorm (the silu gate, then the norm over one B/C group
+    that spans those ranks); else a plain RMSNorm (OLMo-Hybrid's attention ``q_norm`` / ``k_norm``
+    over all heads at once)."""
     if (gated and getattr(module, "norm_before_gate", False)) or not hasattr(module, "variance_epsilon"):
         raise ValueError(f"tensor parallelism: the norm {type(module).__name__} (gate after the norm, or no "
                          "variance_epsilon) cannot be reduced across ranks")
 
+    if ranks is None or ranks == tp.size:
+        reduce = tp.all_reduce
+    else:
+        name = tp.subgroup_name(ranks)  # (a collective the first time: every rank installs the same norms in order)
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return one_shot.functional_all_reduce(x, name)
+
     def normalised(h: torch.Tensor) -> torch.Tensor:
-        variance = tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / width
+        variance = reduce(h.pow(2).sum(-1, keepdim=True)) / width
         return h * torch.rsqrt(variance + module.variance_epsilon)
 
     def gated_norm_forward(self, hidden_states, gate=None):

@@ -27,7 +27,9 @@ split on its own, so ``[q | k | v]`` rows become ``[q_r | k_r | v_r]``):
   channels, ``A_log`` / ``dt_bias`` per value head; ``out_proj`` / ``o_proj`` by columns.
 - Mamba2: heads (gate, x, dt, ``A_log``, ``D``, ``dt_bias``, norm, ``out_proj``); B/C groups split
   when ``n_groups % size == 0`` (a gated norm class that ignores the groups, normalising the whole
-  width, is then reduced across ranks); one group: B/C replicated, its gated norm reduced across ranks.
+  width, is then reduced across ranks); fewer groups than ranks, ``size % n_groups == 0`` (one
+  group: every rank): each group's B/C replicated on the ``size / n_groups`` consecutive ranks whose
+  heads it serves, its gated norm reduced across those ranks alone (a process subgroup).
 - Mamba1 (Mamba, FalconMamba, Jamba): the ``D_inner`` channels (``in_proj`` rows ``[x | z]``, conv,
   ``dt_proj`` rows and bias, ``A_log`` / ``D`` rows, ``out_proj`` columns); ``x_proj`` contracts over
   the channels, so it takes its input columns and its (dt, B, C) output is all-reduced; the dt/B/C
@@ -155,9 +157,10 @@ class ShardPlan:
     reduced_modules: list[re.Pattern] = field(default_factory=list)
     # modules matching these are reduced only when they are an MLP or MoE block (NemotronH's mixers)
     reduced_blocks: list[re.Pattern] = field(default_factory=list)
-    # RMSNorms over channels split across every rank (layers.cross_rank_rms_norm): (pattern, full width,
-    # gated: a Mamba2 gated norm whose one group spans every rank, n_groups == 1)
-    cross_rank_norms: list[tuple[re.Pattern, int, bool]] = field(default_factory=list)
+    # RMSNorms over channels split across ranks (layers.cross_rank_rms_norm): (pattern, full width, gated: a
+    # Mamba2 gated norm whose group spans several ranks, ranks: how many consecutive ranks one norm spans,
+    # the plan's size but for Mamba2 groups shared by fewer ranks)
+    cross_rank_norms: list[tuple[re.Pattern, int, bool, int]] = field(default_factory=list)
     # Mamba2 gated norms whose B/C groups are split across the ranks: (pattern, full width). Grouped
     # norms stay local; a norm class with no grouping (no ``group_size`` / ``n_groups``: transformers
     # 5.17's Mamba2, Bamba and GraniteMoeHybrid norms normalise the whole width) is reduced across
@@ -268,8 +271,8 @@ def gdn_plan(config, size: int, rank: int) -> ShardPlan:
         _split(kv, size, "num_key_value_heads", family)
         plan.add(r"\.self_attn\.q_norm\.weight", Slice(0, (Segment(heads, hd),)))
         plan.add(r"\.self_attn\.k_norm\.weight", Slice(0, (Segment(kv, hd),)))
-        plan.cross_rank_norms += [(re.compile(r"\.self_attn\.q_norm$"), heads * hd, False),
-                                  (re.compile(r"\.self_attn\.k_norm$"), kv * hd, False)]
+        plan.cross_rank_norms += [(re.compile(r"\.self_attn\.q_norm$"), heads * hd, False, size),
+                                  (re.compile(r"\.self_attn\.k_norm$"), kv * hd, False, size)]
     local_kv = plan.attention(r"\.self_attn", heads, kv, hd, q_rows_per_head=2 * hd if gated else hd)
     hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
     kd, vd = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
@@ -314,20 +317,20 @@ def _mamba_heads(plan: ShardPlan, prefix: str, heads: int, head_dim: int, groups
     """The Mamba2 mixer's parameters (``in_proj`` rows ``[gate | x | B | C | dt]``, conv channels
     ``[x | B | C]``), heads split; B/C groups split when they divide, or with one group, B/C
     replicated on every rank and the gated norm over that group reduced across the ranks
-    (``layers.cross_rank_gated_norm``). Returns the local group count."""
+    (``layers.cross_rank_rms_norm``), and likewise with fewer groups than ranks: a group's B/C on the
+    ranks that serve its heads, its norm reduced across them. Returns the local group count."""
     n = plan.size
     _split(heads, n, "the Mamba2 head count", plan.family)
     if groups % n == 0:
         bc, local_groups = Segment(groups, state), groups // n
         plan.split_group_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim))
-    elif groups == 1:
-        bc, local_groups = Segment(1, state, REPLICATE_UNIT), 1
-        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim, True))
+    elif n % groups == 0:  # (one group: every rank) rank r serves group r // (n / groups): heads split evenly
+        bc, local_groups = Segment(groups, state, REPLICATE_UNIT), 1
+        plan.cross_rank_norms.append((re.compile(prefix + r"\.norm$"), heads * head_dim // groups, True, n // groups))
     else:
         raise ShardingError(
-            f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups: neither 1 nor a "
-            f"multiple of {n} (a group shared by some of the ranks needs a norm reduced over a subgroup; not "
-            "supported yet)"
+            f"tensor_parallel_size={n}: {plan.family} has n_groups={groups} Mamba2 B/C groups: neither a multiple "
+            f"nor a divisor of {n} (a rank's heads would span parts of two groups)"
         )
     x = Segment(heads, head_dim)
     plan.add(prefix + r"\.in_proj\.weight", Slice(0, (x, x, bc, bc, Segment(heads, 1))))
@@ -418,8 +421,8 @@ def falcon_h1_plan(config, size: int, rank: int) -> ShardPlan:
                                   groups="mamba_n_groups", state="mamba_d_state", mlp="feed_forward")
     cfg = plan.config
     if plan.cross_rank_norms and getattr(cfg, "mamba_rms_norm", False) and getattr(cfg, "mamba_norm_before_gate", False):
-        raise ShardingError(f"tensor_parallel_size={size}: falcon_h1 with one Mamba2 group and a norm before the gate "
-                            "is not supported yet")
+        raise ShardingError(f"tensor_parallel_size={size}: falcon_h1 with Mamba2 groups shared by several ranks and a "
+                            "norm before the gate is not supported yet")
     fields["mamba_d_ssm"] = int(cfg.mamba_d_ssm) // size
     plan.local_fields = fields
     return plan
@@ -707,7 +710,7 @@ def minimax_plan(config, size: int, rank: int) -> ShardPlan:
     plan.add(p + r"\.qkv_proj\.weight", Slice(0, (Segment(heads, 3 * hd),)))
     plan.add(p + r"\.output_gate\.weight", Slice(0, (per_head,)))
     plan.add(p + r"\.norm\.weight", Slice(0, (per_head,)))
-    plan.cross_rank_norms.append((re.compile(p + r"\.norm$"), heads * hd, False))
+    plan.cross_rank_norms.append((re.compile(p + r"\.norm$"), heads * hd, False, size))
     plan.add(p + r"\.out_proj\.weight", Slice(1, (per_head,)))
     plan.reduce(r"\.layers\.\d+\.self_attn\.out_proj")
     # the decay buffers the checkpoint holds: [H, 1, 1], [H, B, 1], [H, B, 1], [1, H, B, B]

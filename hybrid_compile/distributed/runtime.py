@@ -258,9 +258,9 @@ def _install_layer_collectives(modules, plan: ShardPlan, tp: TensorParallelGroup
         if name and plan.is_reduced(name, module):
             reduce_output(module, tp)
             reduced += 1
-        for pattern, width, gated in plan.cross_rank_norms:
+        for pattern, width, gated, ranks in plan.cross_rank_norms:
             if name and pattern.search(name):
-                cross_rank_rms_norm(module, width, tp, gated)
+                cross_rank_rms_norm(module, width, tp, gated, ranks)
         for pattern, width in plan.split_group_norms:
             if name and pattern.search(name) and _normalises_whole_width(module):
                 cross_rank_rms_norm(module, width, tp, gated=True)

@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -128,11 +129,15 @@ _SWITCHES = {"auto": None, "on": True, "off": False}
 
 def _engine_choices(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of ``--quantization``, ``--kv-cache-dtype``, ``--ssm-state-dtype``,
-    ``--compile``, ``--cuda-graphs`` and ``--speculative-config`` (each passed on as given: the
-    engine honours it or raises naming it)."""
+    ``--compile``, ``--cuda-graphs``, ``--speculative-config``, ``--prefix-cache-host-tier``,
+    ``--prefix-cache-host-bytes`` and ``--elastic-pools`` (each passed on as given: the engine
+    honours it or raises naming it)."""
     options = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    ssm_state_dtype=args.ssm_state_dtype, compile=_SWITCHES[args.compile],
-                   cuda_graphs=_SWITCHES.get(args.cuda_graphs, args.cuda_graphs))
+                   cuda_graphs=_SWITCHES.get(args.cuda_graphs, args.cuda_graphs),
+                   prefix_cache_host_tier=args.prefix_cache_host_tier, elastic_pools=args.elastic_pools)
+    if args.prefix_cache_host_bytes is not None:  # (without --prefix-cache-host-tier: the engine's error naming it)
+        options["prefix_cache_host_bytes"] = args.prefix_cache_host_bytes
     if args.speculative_config is not None:
         options["speculative"] = _speculative(args)
     return options
@@ -475,7 +480,28 @@ def _add_model_options(p: argparse.ArgumentParser, max_running_requests: int | N
                    help='speculative decoding: a JSON object of SpeculativeConfig fields, e.g. '
                    '\'{"method": "mtp", "num_draft_tokens": 3}\' or \'{"method": "draft_model", "draft_model": DIR}\' '
                    "(a checkpoint directory, loaded onto the model's device); None = off")
+    p.add_argument("--prefix-cache-host-tier", action="store_true",
+                   help="keep the prefix cache's evicted prefixes (their KV and recurrent states) in host memory and "
+                   "load them back on a hit")
+    p.add_argument("--prefix-cache-host-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="the host tier's size (bytes, or with a unit: 512MiB, 8GiB, 8G); None = a quarter of the "
+                   "available host memory")
+    p.add_argument("--elastic-pools", action="store_true",
+                   help="move memory between the KV and recurrent-state pools at run time when one runs out while "
+                   "the other sits free")
     _add_tensor_parallel_option(p)
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _byte_size(text: str) -> int:
+    """``--prefix-cache-host-bytes``: a byte count, or a number with a binary unit (``512MiB``,
+    ``8GiB``, ``8G``, ``1.5g``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or e.g. 512MiB, 8GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def _add_tensor_parallel_option(p: argparse.ArgumentParser) -> None:

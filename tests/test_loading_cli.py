@@ -183,6 +183,28 @@ def test_cli_engine_options_reach_the_engine(ckpt, tmp_path, capsys):
     assert stats["speculative"]["method"] == "ngram" and stats["speculative"]["verify_steps"] > 0
 
 
+def test_cli_host_tier_and_elastic_pools_reach_the_engine(ckpt, tmp_path, capsys):
+    """--prefix-cache-host-tier / --prefix-cache-host-bytes (with a unit) / --elastic-pools are
+    honoured (the bench's engine stats: a host tier of that size, elastic pools); the size alone, or
+    a size that is no size, is one clear error."""
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--model", ckpt["no_tok"], "--num-prompts", "2", "--input-len", "12", "--output-len", "4",
+                 "--prefix-cache-host-tier", "--prefix-cache-host-bytes", "1.5MiB", "--elastic-pools",
+                 "--json", str(path), *SMALL_CLI]) == 0, capsys.readouterr().err
+    stats = json.loads(path.read_text())["engine_stats"]
+    host = stats["prefix_cache"]["host_pool"]
+    assert stats["prefix_cache"]["host_tier"] and 0.5 * 2**20 < host["bytes"] <= 1.5 * 2**20, host
+    assert "to_kv" in stats["elastic_pools"], stats.get("elastic_pools")
+    capsys.readouterr()
+    assert main(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--max-new-tokens", "2",
+                 "--prefix-cache-host-bytes", "8GiB", *SMALL_CLI]) == 2
+    assert_clean_error(2, capsys.readouterr().err, "prefix_cache_host_bytes is set but prefix_cache_host_tier is False")
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", ckpt["qwen"], "--prompt", PROMPT, "--prefix-cache-host-tier",
+              "--prefix-cache-host-bytes", "lots", *SMALL_CLI])
+    assert "not a size: 'lots'" in capsys.readouterr().err
+
+
 def test_cli_speculative_draft_model_prints_transformers_greedy_text(ckpt, capsys):
     """--speculative-config with a draft model directory (the checkpoint itself): the draft model is
     loaded beside the target and the printed text is transformers' greedy text."""

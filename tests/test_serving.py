@@ -609,6 +609,56 @@ class InProcessServer:
         self.thread.join(30)
 
 
+def test_host_tier_and_elastic_pool_metrics_are_the_engines(ckpt):
+    """A server over an engine with the prefix cache's host tier and elastic pools, on pools too small
+    for the workload (three prompt groups with 128-token shared prefixes, then the first again): the
+    completions are transformers' greedy text, and /metrics exports the host tier's and the elastic
+    pools' counters as the engine's stats() has them after the run, the tier written and hit."""
+    holder = {}
+
+    def load():
+        holder["engine"] = hc.from_pretrained(
+            ckpt, device="cpu", max_running_requests=2, max_total_tokens=320, mamba_cache_size=8, chunked_prefill_size=128,
+            prefix_cache_host_tier=True, prefix_cache_host_bytes=4 << 20, elastic_pools=True)
+        return holder["engine"]
+
+    srv = InProcessServer(load)
+    try:
+        deadline = time.monotonic() + 60
+        while _get(srv.base + "/health")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        tok = load_hf(ckpt)[1]
+        g = torch.Generator().manual_seed(7)
+        vocab = load_hf(ckpt)[0].config.vocab_size
+
+        def rand(n):
+            return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+        prefixes = [rand(128) for _ in range(3)]
+        waves = [[p + rand(8), p + rand(12)] for p in prefixes] + [[prefixes[0] + rand(10)]]
+        for wave in waves:
+            r = client.completions.create(model=NAME, prompt=wave, max_tokens=4, temperature=0)
+            for ch in r.choices:
+                assert ch.text == tok.decode(hf_ids(ckpt, wave[ch.index], 4), skip_special_tokens=True)
+        m = metrics(srv)
+        stats = holder["engine"].stats()
+    finally:
+        srv.stop()
+        if "engine" in holder:
+            holder["engine"].close()
+    pc, el, p = stats["prefix_cache"], stats["elastic_pools"], "hybrid_compile_"
+    assert pc["host_written_tokens"] > 0 and pc["host_hits"] > 0, pc
+    for name, key in (("prefix_cache_host_written_tokens_total", "host_written_tokens"),
+                      ("prefix_cache_host_loaded_tokens_total", "host_loaded_tokens"),
+                      ("prefix_cache_host_hits_total", "host_hits"), ("prefix_cache_host_hit_tokens_total", "host_hit_tokens"),
+                      ("prefix_cache_host_kv_tokens", "host_cached_tokens"), ("prefix_cache_host_bytes", "host_bytes_held")):
+        assert m[p + name] == pc[key], (name, m[p + name], pc[key])
+    assert m[p + "elastic_pool_moves_to_kv_total"] == el["to_kv"]
+    assert m[p + "elastic_pool_moves_to_mamba_total"] == el["to_mamba"]
+
+
 def test_503_while_loading_then_a_failed_step_fails_only_its_requests(ckpt):
     release = threading.Event()
     holder = {}

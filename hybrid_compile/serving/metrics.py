@@ -7,7 +7,8 @@ The latency histograms are bucket counts of our own (:class:`_Histogram`, export
 collector as Prometheus histograms): one lock and one bisect per value, where prometheus-client's
 Histogram takes a lock and scans its buckets per ``observe`` — the step loop pays for every value. Engine state (requests running /
 waiting, pool usage, prefix-cache hit rate) is read from ``engine.stats()`` at each scrape,
-between two steps (with the engine in its own process: a stats command answered by the child), and exported by a collector. Tokens/s is the generation rate over the last
+between two steps (with the engine in its own process: a stats command answered by the child), and exported by a collector
+(with the prefix cache's host tier and elastic pools, theirs too). Tokens/s is the generation rate over the last
 ``rate_window`` seconds.
 """
 
@@ -187,6 +188,27 @@ class _EngineCollector:
                           pc["admitted_hit_tokens"])
             yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens, since start)",
                         pc["token_hit_rate"])
+            if pc.get("host_tier"):  # (serve --prefix-cache-host-tier)
+                yield gauge("prefix_cache_host_kv_tokens", "KV tokens the prefix cache holds in host memory",
+                            pc["host_cached_tokens"])
+                yield gauge("prefix_cache_host_mamba_slots", "Mamba states the prefix cache holds in host memory",
+                            pc["host_mamba_slots"])
+                yield gauge("prefix_cache_host_bytes", "Host memory the prefix cache's copies take",
+                            pc["host_bytes_held"])
+                yield counter("prefix_cache_host_hits", "Prefix-cache matches that loaded nodes back "
+                              "from host memory", pc["host_hits"])
+                yield counter("prefix_cache_host_hit_tokens", "Prompt tokens served from the host tier",
+                              pc["host_hit_tokens"])
+                yield counter("prefix_cache_host_written_tokens", "KV tokens written to the host tier",
+                              pc["host_written_tokens"])
+                yield counter("prefix_cache_host_loaded_tokens", "KV tokens loaded back from the host tier",
+                              pc["host_loaded_tokens"])
+        elastic = s.get("elastic_pools")
+        if elastic is not None:  # (serve --elastic-pools)
+            yield counter("elastic_pool_moves_to_kv", "Moves of memory from the Mamba-state pool to the KV pool",
+                          elastic["to_kv"])
+            yield counter("elastic_pool_moves_to_mamba", "Moves of memory from the KV pool to the Mamba-state pool",
+                          elastic["to_mamba"])
         spec = s.get("speculative")
         if spec is not None:  # (serve --speculative-config)
             yield counter("spec_decode_verify_steps", "Speculative verify steps run", spec["verify_steps"])

@@ -285,9 +285,10 @@ def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokeniz
     saved: dict = {}
 
     def save(directory: str) -> None:
+        saved["directory"] = directory  # (removed below even when the save fails half-way)
         t0 = time.perf_counter()
         model.save_pretrained(directory, safe_serialization=True)
-        saved["seconds"], saved["directory"] = time.perf_counter() - t0, directory
+        saved["seconds"] = time.perf_counter() - t0
 
     options = dict(dtype=next(model.parameters()).dtype, device=kinds.pop(), tokenizer=tokenizer,
                    trust_remote_code=remote, timeout=timeout or DEFAULT_TIMEOUT_SECONDS)

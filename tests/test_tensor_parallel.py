@@ -915,6 +915,12 @@ def test_wrap_over_ranks_refuses_what_it_cannot_serve(checkpoints, tmp_path, mon
         hc.wrap(fp8, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="unknown EngineConfig field.*max_total_tokenz"):
         hc.wrap(model, tensor_parallel_size=2, max_total_tokenz=5)
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model, "save_pretrained", failing_save)
+    with pytest.raises(OSError, match="disk full"):  # (the half-written save is removed)
+        hc.wrap(model, tensor_parallel_size=2)
     assert not any(tmp_path.iterdir())
 
 

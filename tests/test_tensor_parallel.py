@@ -915,6 +915,7 @@ def test_wrap_over_ranks_refuses_what_it_cannot_serve(checkpoints, tmp_path, mon
         hc.wrap(fp8, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="unknown EngineConfig field.*max_total_tokenz"):
         hc.wrap(model, tensor_parallel_size=2, max_total_tokenz=5)
+
     def failing_save(*args, **kwargs):
         raise OSError("disk full")
 

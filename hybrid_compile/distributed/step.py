@@ -279,19 +279,12 @@ def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
 
 
 def _resize(engine, kv_pages: int, mamba_slots: int) -> None:
-    """A follower's side of ``RESIZE``: the pool that gave memory shrinks first, then the other grows
-    (as rank 0's move did: the grown buffers are paid with what the other gave up), then the engine
-    refreshes its views and captures its full graphs again."""
-    kv, mamba = engine.pools.kv, engine.pools.mamba
+    """A follower's side of ``RESIZE``: the pools take rank 0's sizes (``MemoryPools.resize_to``, as
+    rank 0's move did), then the engine refreshes its views and captures its full graphs again."""
     # outside inference mode, as rank 0's scheduler resizes: the new buffers and the prefix cache's masks
     # are then normal tensors, which the engine's close may update in place
     with torch.inference_mode(False):
-        if kv_pages < kv.allocator.num_pages:
-            kv.resize(kv_pages)
-            mamba.resize(mamba_slots)
-        else:
-            mamba.resize(mamba_slots)
-            kv.resize(kv_pages)
+        engine.pools.resize_to(kv_pages, mamba_slots)
         engine.pools_resized()
 
 

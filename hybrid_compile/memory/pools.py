@@ -92,8 +92,7 @@ class MemoryPools:
         if gained <= 0:
             return 0
         self.spare_bytes += slots * bps - gained * page
-        self.mamba.resize(self.mamba.total() - slots)
-        self.kv.resize(self.kv.allocator.num_pages + gained)
+        self.resize_to(self.kv.allocator.num_pages + gained, self.mamba.total() - slots)
         m = self.moves
         m["to_kv"] += 1
         m["kv_tokens_gained"] += gained * self.kv.page_size
@@ -113,13 +112,24 @@ class MemoryPools:
         if gained <= 0:
             return 0
         self.spare_bytes += pages * page - gained * bps
-        self.kv.resize(self.kv.allocator.num_pages - pages)
-        self.mamba.resize(self.mamba.total() + gained)
+        self.resize_to(self.kv.allocator.num_pages - pages, self.mamba.total() + gained)
         m = self.moves
         m["to_mamba"] += 1
         m["mamba_slots_gained"] += gained
         m["kv_tokens_given"] += pages * ps
         return gained
+
+    def resize_to(self, kv_pages: int, mamba_slots: int) -> None:
+        """Give the KV pool ``kv_pages`` usable pages and the Mamba pool ``mamba_slots`` slots: the
+        pool that shrinks first, so that the growing one's new buffers are paid with what it gave
+        up (a move of :meth:`move_mamba_to_kv` / :meth:`move_kv_to_mamba`, or under tensor
+        parallelism the sizes rank 0's move took, on the other ranks)."""
+        if kv_pages < self.kv.allocator.num_pages:
+            self.kv.resize(kv_pages)
+            self.mamba.resize(mamba_slots)
+        else:
+            self.mamba.resize(mamba_slots)
+            self.kv.resize(kv_pages)
 
     @classmethod
     def from_specs(

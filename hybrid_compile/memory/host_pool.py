@@ -235,13 +235,18 @@ class HostPool:
         self.write_at(MAMBA, torch.tensor([int(dev_slot)], dtype=torch.int64), host_slot)
         return host_slot
 
+    def _of(self, kind: int) -> tuple[list, int]:
+        """(the buffers, the bytes of one slot) that a copy of ``kind`` (:data:`KV` / :data:`MAMBA`) moves."""
+        return (self.kv_buffers, self.bytes_per_token) if kind == KV else (self.mamba_buffers, self.bytes_per_mamba_slot)
+
     def write_at(self, kind: int, dev_idx: torch.Tensor, host_start: int) -> None:
         """Copy device slots ``dev_idx`` (``kind``: :data:`KV` token slots or :data:`MAMBA` slots) to
         the host positions from ``host_start`` on, which the caller allocated (the other ranks of a
         tensor-parallel engine: the positions rank 0's allocators chose)."""
-        self._write(self.kv_buffers if kind == KV else self.mamba_buffers, dev_idx, host_start)
+        buffers, unit_bytes = self._of(kind)
+        self._write(buffers, dev_idx, host_start)
         self.counters["writes"] += 1
-        self.counters["write_bytes"] += dev_idx.numel() * (self.bytes_per_token if kind == KV else self.bytes_per_mamba_slot)
+        self.counters["write_bytes"] += dev_idx.numel() * unit_bytes
         if self.observer is not None:
             self.observer.host_write(kind, dev_idx, host_start)
 
@@ -275,9 +280,10 @@ class HostPool:
     def load_at(self, kind: int, host_start: int, dev_idx: torch.Tensor) -> None:
         """Copy the host positions from ``host_start`` on into device slots ``dev_idx`` (``kind``:
         :data:`KV` or :data:`MAMBA`)."""
-        self._load(self.kv_buffers if kind == KV else self.mamba_buffers, host_start, dev_idx)
+        buffers, unit_bytes = self._of(kind)
+        self._load(buffers, host_start, dev_idx)
         self.counters["loads"] += 1
-        self.counters["load_bytes"] += dev_idx.numel() * (self.bytes_per_token if kind == KV else self.bytes_per_mamba_slot)
+        self.counters["load_bytes"] += dev_idx.numel() * unit_bytes
         if self.observer is not None:
             self.observer.host_load(kind, host_start, dev_idx)
 

@@ -292,17 +292,14 @@ def _wrap_tensor_parallel(model: nn.Module, engine_config: EngineConfig, tokeniz
 
     options = dict(dtype=next(model.parameters()).dtype, device=kinds.pop(), tokenizer=tokenizer,
                    trust_remote_code=remote, timeout=timeout or DEFAULT_TIMEOUT_SECONDS)
-    desc = f"loading {type(model).__name__} (rank 0 of {size})"
     try:
-        if torchrun_env() is None:
+        if torchrun_env() is None:  # the ranks are started after the save
             save(tempfile.mkdtemp(prefix="hybrid_compile_tp_"))
-            config = _load_config(saved["directory"], None, remote)
-            with Startup(progress, desc=desc) as startup:
-                engine = launch(saved["directory"], size, config, engine_config, startup=startup, **options)
-        else:  # every rank calls this: rank 0 saves its model once, the others read that save
-            with Startup(progress, desc=desc) as startup:
-                engine = launch(lambda tp: shared_checkpoint(tp, save), size, copy.deepcopy(model.config),
-                                engine_config, startup=startup, **options)
+            checkpoint = saved["directory"]
+        else:  # every rank calls this: rank 0 saves its model once the group is up, the others read that save
+            checkpoint = lambda tp: shared_checkpoint(tp, save)  # noqa: E731
+        with Startup(progress, desc=f"loading {type(model).__name__} (rank 0 of {size})") as startup:
+            engine = launch(checkpoint, size, copy.deepcopy(model.config), engine_config, startup=startup, **options)
     finally:  # (rank 0: every rank has read its shard once launch returns, or the launch failed)
         if "directory" in saved:
             shutil.rmtree(saved["directory"], ignore_errors=True)

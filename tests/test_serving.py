@@ -611,7 +611,8 @@ class InProcessServer:
 
 def test_host_tier_and_elastic_pool_metrics_are_the_engines(ckpt):
     """A server over an engine with the prefix cache's host tier and elastic pools, on pools too small
-    for the workload (three prompt groups with 128-token shared prefixes, then the first again): the
+    for test_prefix_cache_host_tier's workload (three prompt groups with 128-token shared prefixes,
+    then the first again): the
     completions are transformers' greedy text, and /metrics exports the host tier's and the elastic
     pools' counters as the engine's stats() has them after the run, the tier written and hit."""
     holder = {}
@@ -629,16 +630,10 @@ def test_host_tier_and_elastic_pool_metrics_are_the_engines(ckpt):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-        tok = load_hf(ckpt)[1]
-        g = torch.Generator().manual_seed(7)
-        vocab = load_hf(ckpt)[0].config.vocab_size
+        from test_prefix_cache_host_tier import _waves
 
-        def rand(n):
-            return torch.randint(1, vocab, (n,), generator=g).tolist()
-
-        prefixes = [rand(128) for _ in range(3)]
-        waves = [[p + rand(8), p + rand(12)] for p in prefixes] + [[prefixes[0] + rand(10)]]
-        for wave in waves:
+        model, tok = load_hf(ckpt)
+        for wave in _waves(model.config.vocab_size):
             r = client.completions.create(model=NAME, prompt=wave, max_tokens=4, temperature=0)
             for ch in r.choices:
                 assert ch.text == tok.decode(hf_ids(ckpt, wave[ch.index], 4), skip_special_tokens=True)

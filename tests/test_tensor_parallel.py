@@ -49,6 +49,8 @@ from lfm3_models import build_lfm3
 from minimax_models import BF16_INIT_STD, build_minimax
 from recurrent_gemma_models import build_recurrent_gemma
 from fp8_models import save_fp8_checkpoint
+from test_elastic_pools import _flip_workload as flip_workload
+from test_prefix_cache_host_tier import _waves as host_tier_waves
 
 NEW = 6
 OPTIONS = dict(device="cpu", max_total_tokens=512, mamba_cache_size=24, max_running_requests=2, chunked_prefill_size=32,
@@ -330,9 +332,11 @@ def _run_group(size: int, cases: list[dict], tmp_path, expect_failure: bool = Fa
     return results, codes
 
 
-def _case(checkpoints, name, checkpoint=None, n=1, **options) -> dict:
+def _case(checkpoints, name, checkpoint=None, n=1, rounds=None, **options) -> dict:
+    """A case of the checkpoint ``checkpoint`` (default: ``name``) over its own rounds (or ``rounds``)."""
     ck = checkpoints[checkpoint or name]
-    return dict(name=name, dir=ck["dir"], rounds=ck["rounds"], n=n, options={**OPTIONS, **options})
+    return dict(name=name, dir=ck["dir"], rounds=ck["rounds"] if rounds is None else rounds, n=n,
+                options={**OPTIONS, **options})
 
 
 def _tree_case(checkpoints, name: str, ck: str) -> dict:
@@ -377,39 +381,27 @@ def _draft_model_cases(checkpoints) -> list[dict]:
     ]
 
 
-def _host_tier_waves(vocab: int) -> list[list[list[int]]]:
-    """Three prompt groups (a 128-token shared prefix each + short questions), then the first group
-    again: on small pools the device evicts the first groups' nodes to the host tier, and the last
-    wave hits them there."""
-    g = torch.Generator().manual_seed(7)
-
-    def rand(n):
-        return torch.randint(1, vocab, (n,), generator=g).tolist()
-
-    prefixes = [rand(128) for _ in range(3)]
-    waves = [[p + rand(8), p + rand(12)] for p in prefixes]
-    return waves + [[prefixes[0] + rand(10), list(waves[0][0])]]
-
-
 def _host_tier_case(checkpoints) -> dict:
-    ck = checkpoints["qwen3_next_dense"]
-    options = dict(OPTIONS, max_total_tokens=320, mamba_cache_size=8, chunked_prefill_size=128, prefix_cache_host_tier=True,
+    """test_prefix_cache_host_tier's workload on its small pools: the device evicts the first prompt
+    groups' shared prefixes to the host tier and the last wave hits them there."""
+    options = dict(max_total_tokens=320, mamba_cache_size=8, chunked_prefill_size=128, prefix_cache_host_tier=True,
                    prefix_cache_host_bytes=8 << 20)  # (the engine's: 4 MiB a rank)
-    return dict(name="qwen3_next_dense@host_tier", dir=ck["dir"], rounds=_host_tier_waves(_vocab(ck["model"])), n=1,
-                options=options)
+    ck = checkpoints["qwen3_next_dense"]
+    return _case(checkpoints, "qwen3_next_dense@host_tier", "qwen3_next_dense", rounds=host_tier_waves(_vocab(ck["model"])),
+                 **options)
 
 
 def _elastic_phases(vocab: int) -> list[list[list[int]]]:
-    """Eight short chats (state-bound), then three long documents that outgrow the KV pool."""
-    return [em.random_prompts([12] * 8, vocab, seed=5), em.random_prompts([40, 44, 42], vocab, seed=6)]
+    """test_elastic_pools' chats (state-bound), then its long documents that outgrow the KV pool."""
+    return [prompts for prompts, _ in flip_workload(vocab)]
 
 
 def _elastic_case(checkpoints) -> dict:
-    ck = checkpoints["qwen3_next_dense"]
-    options = dict(OPTIONS, max_running_requests=8, max_total_tokens=112, mamba_cache_size=32, chunked_prefill_size=64,
+    options = dict(max_running_requests=8, max_total_tokens=112, mamba_cache_size=32, chunked_prefill_size=64,
                    elastic_pools=True)
-    return dict(name="qwen3_next_dense@elastic", dir=ck["dir"], rounds=_elastic_phases(_vocab(ck["model"])), n=1,
-                options=options)
+    ck = checkpoints["qwen3_next_dense"]
+    return _case(checkpoints, "qwen3_next_dense@elastic", "qwen3_next_dense", rounds=_elastic_phases(_vocab(ck["model"])),
+                 **options)
 
 
 @pytest.fixture(scope="module")
@@ -493,16 +485,21 @@ def test_draft_model_fault_on_rank0_leaves_the_group_serving(checkpoints, two_ra
     assert r["tp"]["commands_broadcast"] > 0
 
 
+def _check_workload(model, r: dict, rounds, what: str) -> dict:
+    """A case served over its own workload ``rounds``: no error, every output HF's greedy tokens."""
+    assert "error" not in r, r
+    for batch, got in zip(rounds, r["outputs"], strict=True):
+        for prompt, g in zip(batch, got, strict=True):
+            em.assert_greedy_equal(model, prompt, g, em.hf_greedy(model, prompt, NEW), what=f"{what} over 2 ranks")
+    return r
+
+
 def test_host_tier_two_ranks_match_hf(checkpoints, two_ranks):
     """The prefix cache's host tier under tensor parallelism: rank 0's cache evicts nodes to the host
     and loads them back on a hit, every rank copying its shard's slots to and from the same host
     positions (``HOST_WRITE`` / ``HOST_LOAD``); greedy tokens equal HF's, the tier written and hit."""
-    r = two_ranks["qwen3_next_dense@host_tier"]
-    assert "error" not in r, r
     model = checkpoints["qwen3_next_dense"]["model"]
-    for batch, got in zip(_host_tier_waves(_vocab(model)), r["outputs"], strict=True):
-        for prompt, g in zip(batch, got, strict=True):
-            em.assert_greedy_equal(model, prompt, g, em.hf_greedy(model, prompt, NEW), what="host tier over 2 ranks")
+    r = _check_workload(model, two_ranks["qwen3_next_dense@host_tier"], host_tier_waves(_vocab(model)), "host tier")
     st = r["prefix_cache"]
     assert st["host_tier"] and st["host_written_tokens"] > 0 and st["host_hits"] > 0 and st["host_loaded_tokens"] > 0, st
     assert st["host_pool"]["load_bytes"] > 0 and st["host_pool"]["kv_tokens"] > 0
@@ -513,12 +510,8 @@ def test_elastic_pools_two_ranks_match_hf(checkpoints, two_ranks):
     """Elastic pools under tensor parallelism: rank 0's scheduler moves memory from the Mamba pool to
     the KV pool when the long documents arrive, the other ranks resize in step (``RESIZE``); greedy
     tokens equal HF's and every slot is back after close."""
-    r = two_ranks["qwen3_next_dense@elastic"]
-    assert "error" not in r, r
     model = checkpoints["qwen3_next_dense"]["model"]
-    for batch, got in zip(_elastic_phases(_vocab(model)), r["outputs"], strict=True):
-        for prompt, g in zip(batch, got, strict=True):
-            em.assert_greedy_equal(model, prompt, g, em.hf_greedy(model, prompt, NEW), what="elastic pools over 2 ranks")
+    r = _check_workload(model, two_ranks["qwen3_next_dense@elastic"], _elastic_phases(_vocab(model)), "elastic pools")
     assert r["elastic"]["to_kv"] > 0 and r["elastic"]["kv_tokens"] > 112, r["elastic"]
     assert not any(r["pools_used"].values()), r["pools_used"]
 

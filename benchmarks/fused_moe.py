@@ -23,13 +23,14 @@ projections have the same rows; on a CPU run ``plain_torch``). Our output is che
 first. ``ours_grouped_mm`` (CUDA, bf16): ours with ``torch._grouped_mm`` for the calls above decode
 size (``ops.triton.moe.LARGE_CALLS_PATH``), checked the same way. Prints a table; writes JSON.
 
-``--sweep``: instead, the tile sweep of both kernels of ``moe_grouped_linear`` on the same shapes
+``--sweep``: instead, the tile sweep of the kernels of ``moe_grouped_linear`` on the same shapes
 and routings: for each token count and projection (``up``: the tokens gathered into
 ``gate_up_proj`` / ``up_proj`` with the activation fused as the engine fuses it; ``down``: the
 sorted rows into ``down_proj``, scattered back) the default (the path and tiles the op takes),
 every tensor-core (BM, BN, BK, warps, stages) of :data:`SWEEP_GRID` (16-row tiles only below 16
 tokens) and, up to :data:`GEMV_SWEEP_MAX_TOKENS` tokens, every GEMV (rows per program, BLOCK_N,
-BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` (but tiles of more accumulators than
+BLOCK_K, warps, stages) of :data:`GEMV_SWEEP_GRID` and of the by-expert GEMV
+(``gemv_by_expert``, :data:`GEMV_BY_EXPERT_SWEEP_GRID`) (but tiles of more accumulators than
 :data:`GEMV_SWEEP_MAX_ACCUMULATORS`), each output checked against the default's,
 timed as above; prints the default and the best of each path per case, writes every timing. On
 CPU it needs ``TRITON_INTERPRET=1`` (a smoke run: the interpreter's times mean nothing).
@@ -210,13 +211,22 @@ GEMV_SWEEP_MAX_TOKENS = 64
 #: GEMV tiles holding more fp32 accumulators than this (rows x BLOCK_N x BLOCK_K, twice for
 #: silu_and_mul) are left out: 4x the default tile's 4096, beyond which the registers spill
 GEMV_SWEEP_MAX_ACCUMULATORS = 16384
+#: Tiles of the by-expert GEMV (``path="gemv_by_expert"``: a program per expert and column tile, its
+#: rows ``rows`` at a time): the same fields, more rows a pass (an expert of 64 top-10 tokens over 512
+#: experts has 1.25 rows on average, and a pass reads the slab once for all of them)
+GEMV_BY_EXPERT_SWEEP_GRID = dict(rows=(1, 2, 4), block_n=(8, 16, 32, 64), block_k=(128, 256), warps=(4, 8),
+                                 stages=(2,))
 TINY_GRID = dict(bm=(16,), bn=(16, 32), bk=(32,), warps=(4,), stages=(2,))
 TINY_GEMV_GRID = dict(rows=(1, 2), block_n=(4,), block_k=(16,), warps=(2,), stages=(1,))
+#: The swept kernels (``--sweep-paths``) and their grids, full size and tiny
+SWEEP_PATHS = ("gemv", "gemv_by_expert", "tensor_cores")
+GRIDS = dict(tensor_cores=SWEEP_GRID, gemv=GEMV_SWEEP_GRID, gemv_by_expert=GEMV_BY_EXPERT_SWEEP_GRID)
+TINY_GRIDS = dict(tensor_cores=TINY_GRID, gemv=TINY_GEMV_GRID, gemv_by_expert=TINY_GEMV_GRID)
 
 
-def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid) -> list[dict]:
-    """The default first (the path and tiles ``moe_grouped_linear`` takes), then the grids' other
-    tiles (a grid None: not swept): ``dict(path, config[, rows_per_program])``."""
+def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grids: dict) -> list[dict]:
+    """The default first (the path and tiles ``moe_grouped_linear`` takes), then the other tiles of
+    ``grids`` (path -> grid; a path left out is not swept): ``dict(path, config[, rows_per_program])``."""
     import itertools
 
     from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_gemv_config
@@ -227,12 +237,15 @@ def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grid, gemv_grid)
     else:
         default = dict(path=path, config=list(moe_gemm_config(rows, n, k, experts, dtype, sms=sms, gated=gated)))
     found = [default]
+    grid = grids.get("tensor_cores")
     for c in itertools.product(*grid.values()) if grid is not None else ():
         if (c[0] == 16 or tokens >= 16) and dict(path="tensor_cores", config=list(c)) != default:
             found.append(dict(path="tensor_cores", config=list(c)))
-    if gemv_grid is not None and tokens <= GEMV_SWEEP_MAX_TOKENS:
-        for rpp, *c in itertools.product(*gemv_grid.values()):
-            cand = dict(path="gemv", config=list(c), rows_per_program=rpp)
+    for gemv_path in ("gemv", "gemv_by_expert"):
+        if gemv_path not in grids or tokens > GEMV_SWEEP_MAX_TOKENS:
+            continue
+        for rpp, *c in itertools.product(*grids[gemv_path].values()):
+            cand = dict(path=gemv_path, config=list(c), rows_per_program=rpp)
             accumulators = rpp * c[0] * min(c[1], k) * (2 if gated else 1)
             if cand != default and accumulators <= GEMV_SWEEP_MAX_ACCUMULATORS:
                 found.append(cand)
@@ -244,9 +257,9 @@ def _label(timing) -> str:
     return f"{timing['path']} {tuple(timing['config'])}{rpp}"
 
 
-def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, grids) -> list[dict]:
-    """Tile sweep of both projections of ``name``'s experts (see the module docstring); ``grids`` =
-    (tensor-core grid, GEMV grid)."""
+def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, grids: dict) -> list[dict]:
+    """Tile sweep of both projections of ``name``'s experts (see the module docstring); ``grids``:
+    path -> its grid, of the kernels swept."""
     from hybrid_compile.ops.moe import fused_activation, grouped_output_width, sort_pairs_by_expert
     from hybrid_compile.ops.triton.common import sm_count
     from hybrid_compile.ops.triton.moe import moe_grouped_linear_triton
@@ -276,7 +289,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
                  "down": (down, "none", lambda routing, x, h: (h, None, routing.order))}
         for projection, (weight, activation, operands) in cases.items():
             candidates = _candidates(tokens, tokens * top_k, grouped_output_width(weight.shape[1], activation),
-                                     weight.shape[2], num, dtype, sms, activation == "silu_and_mul", *grids)
+                                     weight.shape[2], num, dtype, sms, activation == "silu_and_mul", grids)
             weight_bytes = hit * weight.shape[1] * weight.shape[2] * weight.element_size()
             want = None
             timings = []
@@ -302,7 +315,7 @@ def sweep_shape(name, cls, config, top_k, tokens_list, device, dtype, iters, gri
             timed = [t for t in timings if "ms" in t]
             best = min(timed, key=lambda t: t["ms"])
             best_by_path = {p: min((t for t in timed if t["path"] == p), key=lambda t: t["ms"])
-                            for p in ("gemv", "tensor_cores") if any(t["path"] == p for t in timed)}
+                            for p in SWEEP_PATHS if any(t["path"] == p for t in timed)}
             rows.append(dict(shape=name, tokens=tokens, projection=projection, activation=activation, experts_hit=hit,
                              calls_per_timing=len(draws), weight_bytes=weight_bytes, default=timed[0], best=best,
                              best_by_path=best_by_path,
@@ -342,8 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="serve one rank's slice: expert widths / tp")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="the tile sweep of our kernels (tensor cores, GEMV) instead")
-    p.add_argument("--sweep-paths", nargs="+", choices=["gemv", "tensor_cores"],
-                   help="with --sweep: the kernels whose grids are swept (default both; the default config is "
+    p.add_argument("--sweep-paths", nargs="+", choices=SWEEP_PATHS,
+                   help="with --sweep: the kernels whose grids are swept (default all; the default config is "
                         "always timed first)")
     p.add_argument("--shapes", nargs="+", choices=SHAPE_NAMES, default=list(SHAPE_NAMES),
                    help="the expert shapes to run (default all)")
@@ -360,9 +373,8 @@ def main(argv=None) -> int:
         if name not in args.shapes:
             continue
         if args.sweep:
-            paths = args.sweep_paths or ("gemv", "tensor_cores")
-            grid, gemv_grid = (TINY_GRID, TINY_GEMV_GRID) if args.tiny else (SWEEP_GRID, GEMV_SWEEP_GRID)
-            grids = (grid if "tensor_cores" in paths else None, gemv_grid if "gemv" in paths else None)
+            paths = args.sweep_paths or SWEEP_PATHS
+            grids = {p: g for p, g in (TINY_GRIDS if args.tiny else GRIDS).items() if p in paths}
             rows += sweep_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters, grids)
         else:
             rows += run_shape(name, cls, config, top_k, args.tokens, device, dtype, args.iters)

@@ -275,7 +275,8 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     scatter (each alone: ``test_grouped_kernel_matches_op_with_gather_and_scatter``), experts with 0-3
     rows, K = 40 (no multiple of BLOCK_K: a partial last step), K = 48 over 16-column steps and K = 1040
     (2-byte weights: the few-rows default of 512-column steps, a partial third); one, three and four
-    rows a program."""
+    rows a program; and the by-expert GEMV (``path="gemv_by_expert"``: a program per expert and column
+    tile), its default and one, two (the 3-row expert in two passes) and four rows a pass."""
     rows = sum(GEMV_COUNTS)
     off = torch.tensor([0, *torch.tensor(GEMV_COUNTS).cumsum(0).tolist()])
     assert tmoe.moe_path(rows, len(GEMV_COUNTS)) == "gemv"
@@ -284,20 +285,22 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     atol, rtol = TOL[dtype]
     n_out = 12
     n = 2 * n_out if activation == "silu_and_mul" else n_out
-    for k, configs in ((40, [(None, None), ((2, 32, 2, 2), 3)]), (48, [((4, 16, 4, 1), 4)]),
-                       (1040, [(None, None)])):  # 1040: a few rows' default over 512-column steps, a partial last
+    by_expert = [("gemv_by_expert", None, None), ("gemv_by_expert", (2, 32, 2, 2), 2)]
+    for k, configs in ((40, [(None, None, None), ("gemv", (2, 32, 2, 2), 3), *by_expert]),
+                       (48, [("gemv", (4, 16, 4, 1), 4), ("gemv_by_expert", (4, 16, 4, 1), 1),
+                             ("gemv_by_expert", (4, 16, 4, 1), 4)]),
+                       (1040, [(None, None, None), *by_expert])):  # 1040: a few rows' default over 512-column steps
         weight = (torch.randn(len(GEMV_COUNTS), n, k) / k ** 0.5).to(dtype)
         x = torch.randn(rows + 3 if g is not None else rows, k).to(dtype)
         want = moe.reference_moe_grouped_linear(x, weight, off, g, s, activation)
         literal = _row_loop(x, weight, off, g, s, activation)
-        for config, rows_per_program in configs:
-            got = tmoe.moe_grouped_linear_triton(x, weight, off, g, s, activation, config=config,
-                                                 path=None if config is None else "gemv",
+        for path, config, rows_per_program in configs:
+            got = tmoe.moe_grouped_linear_triton(x, weight, off, g, s, activation, config=config, path=path,
                                                  rows_per_program=rows_per_program)
             assert got.shape == (rows, n_out) and got.dtype == dtype
-            if config is None:  # the default path: the GEMV's output, bit for bit
+            if path is None:  # the default path: the GEMV's output, bit for bit
                 assert torch.equal(got, tmoe.moe_grouped_linear_triton(x, weight, off, g, s, activation, path="gemv"))
-            msg = f"k={k} {config} rows/program={rows_per_program}"
+            msg = f"k={k} {path} {config} rows/program={rows_per_program}"
             # the reference's fp32 products, summed in another order: an ulp of the output dtype
             torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2,
                                        rtol=1e-5 if dtype == torch.float32 else 1e-2, msg=msg)

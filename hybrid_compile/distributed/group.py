@@ -62,8 +62,6 @@ class TensorParallelGroup:
     closed: bool = field(default=False)
     # the name the functional collective ops take for ``group``; read once here, outside traced code
     group_name: str = field(init=False)
-    # process subgroups of consecutive ranks (subgroup_name): span -> (this rank's group, every group made)
-    _subgroups: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.group_name = self.group.group_name
@@ -79,20 +77,6 @@ class TensorParallelGroup:
         if self.one_shot:
             return torch.ops.hybrid_compile.tp_all_reduce(x, self.group_name)
         return one_shot.functional_all_reduce(x, self.group_name)
-
-    def subgroup_name(self, span: int) -> str:
-        """The collective ops' name of this rank's process subgroup of ``span`` consecutive ranks
-        (ranks ``[k * span, (k + 1) * span)``: a Mamba2 B/C group's norm served by fewer ranks than
-        all). Made the first time a span is asked for, with every subgroup of that span, by every
-        rank in the same order (``torch.distributed.new_group`` is a collective)."""
-        if span == self.size:
-            return self.group_name
-        if span < 1 or self.size % span:
-            raise ValueError(f"tensor parallelism: a subgroup of {span} ranks does not tile {self.size} ranks")
-        if span not in self._subgroups:
-            groups = [dist.new_group(list(range(k, k + span))) for k in range(0, self.size, span)]
-            self._subgroups[span] = (groups[self.rank // span], groups)
-        return self._subgroups[span][0].group_name
 
     def enable_one_shot(self) -> None:
         """Route the model's all-reduces through the one-shot op over symmetric memory (a collective:
@@ -168,13 +152,6 @@ class TensorParallelGroup:
                 dist.barrier(group=self.control)
             except Exception:  # another rank failed meanwhile: its error travels through the store
                 pass
-        for _, groups in self._subgroups.values():
-            for g in groups:
-                try:
-                    dist.destroy_process_group(g)
-                except Exception:
-                    pass
-        self._subgroups.clear()
         try:
             dist.destroy_process_group(self.control)
         except Exception:

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..models.base import INNER_FORWARD
-from . import one_shot
 from .group import TensorParallelGroup
 
 
@@ -111,7 +110,10 @@ def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, 
                         ranks: int | None = None) -> None:
     """An RMSNorm over ``width`` channels split across ``ranks`` consecutive ranks (default: every
     rank), on this rank's slice: the mean of squares is the sum of squares over ``width``,
-    all-reduced across those ranks (fewer than all: this rank's subgroup, ``tp.subgroup_name``).
+    all-reduced across those ranks. Fewer than all (``ranks`` tiles the group): each span of ranks
+    has its own column of one all-reduce over the whole group, this rank's sum in its span's column
+    and zeros elsewhere, so a span's column sums its ranks alone (the group's all-reduce, the one the
+    CUDA graphs already hold, not a communicator of its own).
     ``gated``: transformers' Mamba2 gated RMSNorm (the silu gate, then the norm over one B/C group
     that spans those ranks); else a plain RMSNorm (OLMo-Hybrid's attention ``q_norm`` / ``k_norm``
     over all heads at once)."""
@@ -119,26 +121,31 @@ def cross_rank_rms_norm(module: nn.Module, width: int, tp: TensorParallelGroup, 
         raise ValueError(f"tensor parallelism: the norm {type(module).__name__} (gate after the norm, or no "
                          "variance_epsilon) cannot be reduced across ranks")
 
-    if ranks is None or ranks == tp.size:
-        reduce = tp.all_reduce
-    else:
-        name = tp.subgroup_name(ranks)  # (a collective the first time: every rank installs the same norms in order)
+    ranks = tp.size if ranks is None else ranks
+    if ranks < 1 or tp.size % ranks:
+        raise ValueError(f"tensor parallelism: a norm over {ranks} ranks does not tile {tp.size} ranks")
+    span = tp.rank // ranks
+    if ranks < tp.size:  # this rank's span's column (a buffer: it follows the module to its device)
+        columns = torch.zeros(tp.size // ranks, dtype=torch.float32, device=module.weight.device)
+        columns[span] = 1.0
+        module.register_buffer("tp_norm_column", columns, persistent=False)
 
-        def reduce(x: torch.Tensor) -> torch.Tensor:
-            return one_shot.functional_all_reduce(x, name)
-
-    def normalised(h: torch.Tensor) -> torch.Tensor:
-        variance = reduce(h.pow(2).sum(-1, keepdim=True)) / width
-        return h * torch.rsqrt(variance + module.variance_epsilon)
+    def normalised(self, h: torch.Tensor) -> torch.Tensor:
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if ranks == tp.size:
+            total = tp.all_reduce(squares)
+        else:
+            total = tp.all_reduce(squares * self.tp_norm_column)[..., span:span + 1]
+        return h * torch.rsqrt(total / width + self.variance_epsilon)
 
     def gated_norm_forward(self, hidden_states, gate=None):
         dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)
         if gate is not None:
             h = h * nn.functional.silu(gate.to(torch.float32))
-        return self.weight * normalised(h).to(dtype)
+        return self.weight * normalised(self, h).to(dtype)
 
     def norm_forward(self, hidden_states):
-        return (self.weight * normalised(hidden_states.to(torch.float32))).to(hidden_states.dtype)
+        return (self.weight * normalised(self, hidden_states.to(torch.float32))).to(hidden_states.dtype)
 
     module.forward = types.MethodType(gated_norm_forward if gated else norm_forward, module)

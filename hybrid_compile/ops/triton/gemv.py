@@ -41,8 +41,8 @@ import triton.language as tl
 from .common import apply_activation, cast_rne, expert_row_tile, grouped_row_tiles, pow2, quantize_axis
 from .launch import pdl_launch
 
-__all__ = ["GEMV_MAX_ROWS", "GROUPED_GEMV_TILES", "check_gemv_config", "gemv_kernel", "grouped_gemv_config",
-           "launch_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "GROUPED_GEMV_TILES", "check_gemv_config", "gemv_by_expert_kernel", "gemv_kernel",
+           "grouped_gemv_config", "launch_gemv"]
 
 #: Most rows one GEMV program takes (its accumulators are written out one per row).
 GEMV_MAX_ROWS = 4
@@ -248,6 +248,80 @@ def gemv_kernel(
         _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, HAS_BIAS, SCATTER, ACT)
 
 
+# N and K stay specialized as in gemv_kernel; the expert count is a launch size
+@triton.jit(do_not_specialize=["E"])
+def gemv_by_expert_kernel(
+    a_ptr, gather_ptr, w_ptr, ws_ptr, y_ptr, scatter_ptr, offsets_ptr,
+    N, K, E,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
+    SCALED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, ACT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_W: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # program (expert, column tile), column tiles fastest (an expert's slabs lie back to back): every row
+    # of the expert, ROWS at a time, against its [BLOCK_N, K] slab (one pass when it has at most ROWS rows)
+    GATED: tl.constexpr = ACT == 1
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_n = pid % tiles_n
+    expert = pid // tiles_n
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)
+    n_ok = rn < N
+    G: tl.constexpr = BLOCK_K // GROUP_W
+    rg = tl.arange(0, G)
+    rk = rg[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
+    e64 = expert.to(tl.int64)
+    w_ptr += e64 * stride_we
+    ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
+    ws_up_row = ws_ptr + e64 * stride_wse + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
+    if USE_PDL:  # the expert's rows are the routing's, written by the kernels before
+        tl.extra.cuda.gdc_wait()
+    lo = tl.load(offsets_ptr + expert).to(tl.int32)
+    hi = tl.load(offsets_ptr + expert + 1).to(tl.int32)
+    for chunk in range(0, tl.cdiv(hi - lo, ROWS)):
+        row0 = lo + chunk * ROWS
+        ok0 = row0 < hi
+        ok1 = row0 + 1 < hi
+        ok2 = row0 + 2 < hi
+        ok3 = row0 + 3 < hi
+        src0 = _row_index(gather_ptr, row0, ok0, GATHER)
+        src1 = src0
+        src2 = src0
+        src3 = src0
+        if ROWS >= 2:
+            src1 = _row_index(gather_ptr, row0 + 1, ok1, GATHER)
+        if ROWS >= 3:
+            src2 = _row_index(gather_ptr, row0 + 2, ok2, GATHER)
+        if ROWS >= 4:
+            src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
+        acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        up0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        up1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        up2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        up3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w, w_up, w_scale, w_scale_up, k_ok = _weight_tiles(w_ptr, ws_row, ws_up_row, rn64, n_ok, N, k0, rk, rg, K,
+                                                               stride_wn, stride_wk, stride_wsk, SCALED, GATED,
+                                                               GROUP_W, SCALE_BLOCK, EVEN_K)
+            acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
+                a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
+                ok0, ok1, ok2, ok3,
+                acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, False)
+        _store_row(y_ptr, y_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, False, SCATTER, ACT)
+        if ROWS >= 2:
+            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 1, ok1, N, rn, n_ok, acc1, up1, False, SCATTER, ACT)
+        if ROWS >= 3:
+            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, False, SCATTER, ACT)
+        if ROWS >= 4:
+            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, False, SCATTER, ACT)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def grouped_gemv_config(n: int, k: int, element_bytes: int, gated: bool = False,
                         rows: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a grouped GEMV for ``n`` output columns over ``k``
@@ -284,7 +358,7 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
                 *, expert_offsets: torch.Tensor | None = None, gather_index: torch.Tensor | None = None,
                 scatter_index: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                 scale_block: int = 1, bias: torch.Tensor | None = None, activation: int = 0,
-                pdl: bool | None = None, quantize_a: bool = False) -> torch.Tensor:
+                pdl: bool | None = None, quantize_a: bool = False, by_expert: bool = False) -> torch.Tensor:
     """Fill ``y [R, N]`` with ``act(a[src(r)] @ weight[e(r), cols].T (+ bias))`` for each row ``r``.
 
     ``a [X, K]`` (any strides); ``weight [E, N_w, K]`` (``E == 1`` for a dense call) whose rows
@@ -294,7 +368,9 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     ``[R]``: where each row reads / is stored; ``scale [E, cdiv(N_w, scale_block), cdiv(K,
     scale_block)]``: the weight's fp32 block scales (``BLOCK_N`` then divides ``scale_block``).
     ``quantize_a``: ``a`` is the float activation, which each program quantizes per 128-column group
-    as it streams it (block FP8: ``scale_block`` 128 and ``BLOCK_K`` at least 128)."""
+    as it streams it (block FP8: ``scale_block`` 128 and ``BLOCK_K`` at least 128). ``by_expert``
+    (grouped, no bias, no ``quantize_a``): ``gemv_by_expert_kernel``, a program per (expert, column
+    tile) taking all the expert's rows, ``rows`` at a time, instead of one per (row tile, column tile)."""
     block_n, block_k, warps, stages = config
     if activation == 1 and scale is not None and y.shape[1] % block_n:
         raise ValueError(f"launch_gemv: silu_and_mul with block scales needs BLOCK_N ({block_n}) to divide the "
@@ -305,9 +381,22 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     experts, _, k = weight.shape
     m, n = y.shape
     grouped = expert_offsets is not None
-    tiles_m = grouped_row_tiles(m, rows, experts) if grouped else triton.cdiv(m, rows)
     ws = scale if scale is not None else weight  # (unread without SCALED)
     ws_strides = scale.stride() if scale is not None else (0, 0, 0)
+    if by_expert:
+        if not grouped or bias is not None or quantize_a:
+            raise ValueError("launch_gemv: by_expert needs expert_offsets and takes no bias or quantize_a")
+        gemv_by_expert_kernel[(experts * triton.cdiv(n, block_n),)](
+            a, gather_index if gather_index is not None else a, weight, ws, y,
+            scatter_index if scatter_index is not None else a, expert_offsets, n, k, experts,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *ws_strides,
+            SCALED=scale is not None, GATHER=gather_index is not None, SCATTER=scatter_index is not None,
+            ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+            GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
+            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **pdl_launch(a.device, pdl),
+        )
+        return y
+    tiles_m = grouped_row_tiles(m, rows, experts) if grouped else triton.cdiv(m, rows)
     gemv_kernel[(tiles_m * triton.cdiv(n, block_n),)](
         a, gather_index if gather_index is not None else a, weight, ws, bias if bias is not None else a, y,
         scatter_index if scatter_index is not None else a, expert_offsets if grouped else a,

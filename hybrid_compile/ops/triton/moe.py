@@ -49,13 +49,13 @@ from .fp8 import fp8_gemm_config
 from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_BY_EXPERT_ROWS", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
            "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config",
            "moe_grouped_linear_triton", "moe_path", "moe_sort_pairs_triton"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
 #: :func:`~hybrid_compile.ops.moe.grouped_mm_linear`, the grouped GEMM transformers' experts call).
-MOE_PATHS = ("gemv", "tensor_cores", "grouped_mm")
+MOE_PATHS = ("gemv", "gemv_by_expert", "tensor_cores", "grouped_mm")
 #: Calls of at most this many rows per expert on average take the GEMV (the FP8 experts' earlier
 #: threshold: in an H100 sweep one row per program beat the FP8 tensor cores at every decode size up to
 #: 64 tokens of top-10 routing over 512 experts; a 2026-11-28 H200 sweep moved the FP8 experts to the
@@ -158,6 +158,9 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
 #: (2,560 programs and more) the long steps were 10 / 15 % slower. 384: the folded shared expert's 11th row
 #: at TP 2; one token at TP 1 (640 programs) was not measured and keeps the default.
 MOE_GEMV_LONG_K_MAX_PROGRAMS = 384
+#: Rows of one expert a program of the ``"gemv_by_expert"`` path (:func:`~.gemv.launch_gemv`'s
+#: ``by_expert``: a program per expert and column tile) takes per pass over its weight slab.
+MOE_GEMV_BY_EXPERT_ROWS = 2
 MOE_GEMV_LONG_K = 512
 
 
@@ -192,12 +195,14 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
                               rows_per_program: int | None = None):
     """``moe_grouped_linear`` on the GPU (or under the interpreter).
 
-    ``path``: ``"gemv"``, ``"tensor_cores"`` or ``"grouped_mm"`` (``torch._grouped_mm``, bf16, no
+    ``path``: ``"gemv"``, ``"gemv_by_expert"`` (the GEMV with a program per expert and column tile,
+    :func:`~.gemv.launch_gemv`'s ``by_expert``), ``"tensor_cores"`` or ``"grouped_mm"`` (``torch._grouped_mm``, bf16, no
     ``config``) forces that kernel; ``None``: :func:`moe_path`, except that a ``config`` without a
     ``path`` asks for the tensor cores. ``config``: the path's tiles,
     (BM, BN, BK, warps, stages) for the tensor cores (default :func:`moe_gemm_config`), (BLOCK_N,
-    BLOCK_K, warps, stages) for the GEMV (default :func:`moe_gemv_config`). ``rows_per_program``
-    (GEMV only, 1-4, default 1): rows of one expert a GEMV program takes."""
+    BLOCK_K, warps, stages) for the GEMV (default :func:`moe_gemv_config`; by expert
+    :func:`~.gemv.grouped_gemv_config`). ``rows_per_program`` (GEMV only, 1-4, default 1; by expert
+    :data:`MOE_GEMV_BY_EXPERT_ROWS`): rows of one expert a GEMV program takes (by expert: per pass)."""
     experts, n_rows, k = weight.shape
     check_activation(activation, n_rows)
     if path is not None and path not in MOE_PATHS:
@@ -214,9 +219,11 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
             raise ValueError("moe_grouped_linear_triton: path='grouped_mm' (torch._grouped_mm) takes no `config` "
                              "or `rows_per_program`")
         return grouped_mm_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
-    if path == "gemv":
-        rows_per_program = 1 if rows_per_program is None else rows_per_program
-        config = config or moe_gemv_config(n, k, x.dtype, gated, rows_per_program, total_rows=rows)
+    if path in ("gemv", "gemv_by_expert"):
+        rows_per_program = (1 if path == "gemv" else MOE_GEMV_BY_EXPERT_ROWS) if rows_per_program is None \
+            else rows_per_program
+        config = config or (moe_gemv_config(n, k, x.dtype, gated, rows_per_program, total_rows=rows) if path == "gemv"
+                            else grouped_gemv_config(n, k, x.dtype.itemsize, gated, rows_per_program))
         check_gemv_config("moe_grouped_linear_triton", config, rows_per_program)
     else:
         if rows_per_program is not None:
@@ -231,9 +238,10 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
     if k == 0:  # empty products: every activation maps 0 to 0
         return y.zero_()
     act = GROUPED_ACTIVATIONS.index(activation)
-    if path == "gemv":
+    if path in ("gemv", "gemv_by_expert"):
         return launch_gemv(x, weight, y, config, rows_per_program, expert_offsets=expert_offsets,
-                           gather_index=gather_index, scatter_index=scatter_index, activation=act, pdl=pdl)
+                           gather_index=gather_index, scatter_index=scatter_index, activation=act, pdl=pdl,
+                           by_expert=path == "gemv_by_expert")
     bm, bn, bk, warps, stages = config or moe_gemm_config(rows, n, k, experts, x.dtype, sms=sm_count(x.device),
                                                           gated=gated)
     _grouped_gemm_kernel[(triton.cdiv(n, bn), grouped_row_tiles(rows, bm, experts))](

@@ -375,7 +375,7 @@ def _sort_oracle(ids, experts):
 
 
 SORT_CASES = [(0, 4, 8), (1, 1, 1), (3, 2, 4), (5, 10, 512), (64, 10, 512), (50, 2, 3), (33, 8, 200),
-              (410, 10, 64)]  # the last: 4,100 pairs, above MOE_SORT_MAX_PAIRS (torch's sort)
+              (150, 10, 512), (410, 10, 64)]  # the last: 4,100 pairs, above MOE_SORT_MAX_PAIRS (torch's sort)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
@@ -384,7 +384,8 @@ SORT_CASES = [(0, 4, 8), (1, 1, 1), (3, 2, 4), (5, 10, 512), (64, 10, 512), (50,
 def test_sort_pairs_matches_the_stable_order(impl, tokens, top_k, experts, dtype):
     """``moe_sort_pairs`` (the CPU op, the Triton kernel under the interpreter) against the sort by
     definition: many ties (3 experts over 100 pairs), empty experts (512 experts over 15 pairs),
-    pair counts across the kernel's 64 / 128 blocks, none, and above the kernel's size."""
+    pair counts across the kernel's 16-pair blocks and its 1,024-pair steps (1,500 pairs: two steps),
+    none, and above the kernel's size."""
     assert tokens * top_k <= tmoe.MOE_SORT_MAX_PAIRS or (tokens, top_k) == (410, 10)
     g = torch.Generator().manual_seed(tokens * 1000 + experts)
     ids = torch.randint(0, experts, (tokens, top_k), generator=g).to(dtype)

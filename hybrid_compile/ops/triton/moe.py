@@ -317,6 +317,9 @@ torch.library.register_kernel("hybrid_compile::moe_combine_top_k", "cuda", _comb
 #: extends: the counting is quadratic in the pairs); larger calls (prefill, where the sort is a sliver
 #: of the step) take torch's sort, the CPU implementation's code.
 MOE_SORT_MAX_PAIRS = 4096
+#: The sort kernel's tiles: pairs (or experts) a program ranks, and the widest step over the pairs
+SORT_BLOCK_I = 16
+SORT_MAX_BLOCK_J = 1024
 
 
 @triton.jit(do_not_specialize=["N", "E"])
@@ -330,15 +333,16 @@ def _sort_pairs_kernel(ids, order, token_of_row, offsets, N, E, TOP_K: tl.conste
     lanes = tl.arange(0, BLOCK_I)
     rj = tl.arange(0, BLOCK_J)
     pdl_wait_and_release(USE_PDL)
-    past = 9223372036854775807  # masked pairs: above every expert, never counted
+    # int32 compares (expert ids < E, pair indices < N, both far below 2**31)
+    past = 2147483647  # masked pairs: above every expert, never counted
     if pid < rank_programs:
         i = pid * BLOCK_I + lanes
         i_ok = i < N
-        e_i = tl.where(i_ok, tl.load(ids + i, mask=i_ok, other=0).to(tl.int64), past)
+        e_i = tl.where(i_ok, tl.load(ids + i, mask=i_ok, other=0).to(tl.int32), past)
         rank = tl.zeros((BLOCK_I,), dtype=tl.int32)
         for j0 in range(0, N, BLOCK_J):
             j = j0 + rj
-            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int64), past)
+            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int32), past)
             before = (e_j[None, :] < e_i[:, None]) | ((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None]))
             rank += tl.sum(before.to(tl.int32), axis=1)
         tl.store(order + rank, i.to(tl.int64), mask=i_ok)
@@ -348,8 +352,8 @@ def _sort_pairs_kernel(ids, order, token_of_row, offsets, N, E, TOP_K: tl.conste
         count = tl.zeros((BLOCK_I,), dtype=tl.int32)
         for j0 in range(0, N, BLOCK_J):
             j = j0 + rj
-            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int64), past)
-            count += tl.sum((e_j[None, :] < e[:, None].to(tl.int64)).to(tl.int32), axis=1)
+            e_j = tl.where(j < N, tl.load(ids + j, mask=j < N, other=0).to(tl.int32), past)
+            count += tl.sum((e_j[None, :] < e[:, None]).to(tl.int32), axis=1)
         tl.store(offsets + e, count.to(tl.int64), mask=e <= E)
 
 
@@ -367,10 +371,13 @@ def moe_sort_pairs_triton(top_k_index: torch.Tensor, num_experts: int, pdl: bool
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
     if n == 0:
         return order, offsets.zero_(), token_of_row
-    block_i = 64
+    # a program ranks BLOCK_I pairs (or counts BLOCK_I experts' offsets) against every pair, up to
+    # 1,024 of them in one step: many small programs side by side rather than a few looping (the loop's
+    # steps are serial latency: 64 x 128 tiles took 13 us a call at 640 pairs on an H200)
+    block_i, block_j = SORT_BLOCK_I, min(SORT_MAX_BLOCK_J, pow2(n, 16))
     grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_i)
     _sort_pairs_kernel[(grid,)](ids, order, token_of_row, offsets, n, num_experts, TOP_K=top_k, BLOCK_I=block_i,
-                                BLOCK_J=128, num_warps=4, **pdl_launch(device, pdl))
+                                BLOCK_J=block_j, num_warps=4, **pdl_launch(device, pdl))
     return order, offsets, token_of_row
 
 

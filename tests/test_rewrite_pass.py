@@ -144,6 +144,58 @@ def test_pass_packs_weights_once_and_fuses_shared_input_matmuls():
     _assert_own_storage(block, params, values)
 
 
+class OddProjections(nn.Module):
+    """Three projections of one input, 5 + 1 + 7 = 13 rows: not whole 16-byte output rows in fp32."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(hidden, n, bias=False) for n in (5, 1, 7))
+
+    def forward(self, x):
+        return torch.cat([self.a(x), torch.sigmoid(self.b(x)) * self.c(x)], dim=-1)
+
+
+def test_fused_matmul_over_spare_rows_has_aligned_output_rows(monkeypatch):
+    """A group of 13 fp32 rows is packed into 16 (zero spare rows) and fused as one matmul over all 16,
+    whose extra columns are never read: output equal to eager; a buffer with no spare rows (a packing
+    of the weights lying back to back in a storage of exactly 13 rows) fuses over its 13."""
+    from hybrid_compile.compilation import rewrite
+
+    torch.manual_seed(0)
+    block = OddProjections().eval()
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        expected = block(x)
+    widths = []
+    real_call = rewrite._call
+
+    def recording_call(graph, fake_mode, target, args, kwargs=None):
+        if target is torch.ops.aten.as_strided.default:
+            widths.append(args[1][0])
+        return real_call(graph, fake_mode, target, args, kwargs)
+
+    monkeypatch.setattr(rewrite, "_call", recording_call)
+    backend, out, _, _ = _compile_block(block, x, rewrites=True)
+    torch.testing.assert_close(out, expected)
+    assert backend.stats.rewrites["fused_groups"] == 1 and widths == [16], (backend.stats.rewrites, widths)
+    storage = block.a.weight.untyped_storage()
+    assert storage.nbytes() == 16 * 16 * 4  # 16 rows of 16 fp32
+    spare = torch.empty(0).set_(storage, 13 * 16, (3, 16), (16, 1))
+    assert torch.equal(spare, torch.zeros(3, 16))
+    backend.release_packed_weights()
+
+    # weights already back to back in a storage of exactly their rows: reused as they lie, fused over 13
+    with torch.no_grad():
+        exact = torch.cat([block.a.weight, block.b.weight, block.c.weight])
+        for p, start, n in ((block.a.weight, 0, 5), (block.b.weight, 5, 1), (block.c.weight, 6, 7)):
+            p.data = exact[start:start + n]
+    widths.clear()
+    backend, out, _, _ = _compile_block(block, x, rewrites=True)
+    torch.testing.assert_close(out, expected)
+    assert widths == [13]
+    backend.release_packed_weights()
+
+
 def test_pass_routes_matmuls_to_skinny_mm():
     """With ``skinny_matmuls=True`` (the default on CUDA) every bias-free projection left after the
     fusion (fused gate/up, down, fused q/k/v) becomes ``hybrid_compile::skinny_mm`` (the profiler

@@ -80,10 +80,15 @@ def shapes(tiny: bool, tp: int) -> dict:
                                   (NemotronHExperts, nemo, k2))))
 
 
-def ours_path(rows: int, experts: int, device: torch.device) -> str:
-    """The kernel our ``moe_grouped_linear`` takes on ``device`` for ``rows`` over ``experts``: on CUDA
-    :func:`moe_path`'s (``gemv`` / ``tensor_cores``); elsewhere the op's plain-torch implementation."""
-    return moe_path(rows, experts) if device.type == "cuda" else "plain_torch"
+def ours_path(rows: int, experts: int, device: torch.device, down_k: int) -> str:
+    """The kernels our ``moe_grouped_linear`` takes on ``device`` for ``rows`` over ``experts``: on CUDA
+    :func:`moe_path`'s (``gemv`` / ``gemv_by_expert`` / ``tensor_cores``; ``up/down`` where the
+    projections differ: the down projection's ``down_k`` input channels are short); elsewhere the op's
+    plain-torch implementation."""
+    if device.type != "cuda":
+        return "plain_torch"
+    up, down = moe_path(rows, experts), moe_path(rows, experts, k=down_k)
+    return up if up == down else f"{up}/{down}"
 
 
 def _sync(device):
@@ -162,7 +167,7 @@ def run_shape(name, cls, config, top_k, tokens_list, device, dtype, iters) -> li
 
         row = dict(shape=name, tokens=tokens, experts=num, top_k=top_k, hidden=hidden, intermediate=inter,
                    experts_hit=hit, calls_per_timing=len(draws), weight_bytes=weight_bytes,
-                   path=ours_path(tokens * top_k, num, device), times={})
+                   path=ours_path(tokens * top_k, num, device, inter), times={})
         with torch.inference_mode():
             config._experts_implementation = "eager"
             want = experts(x, idx, w).float()
@@ -229,11 +234,12 @@ def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grids: dict) -> 
     ``grids`` (path -> grid; a path left out is not swept): ``dict(path, config[, rows_per_program])``."""
     import itertools
 
-    from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_gemv_config
+    from hybrid_compile.ops.triton.moe import moe_gemm_config, moe_gemv_tiles
 
-    path = moe_path(rows, experts)
-    if path == "gemv":
-        default = dict(path=path, config=list(moe_gemv_config(n, k, dtype, gated, total_rows=rows)), rows_per_program=1)
+    path = moe_path(rows, experts, dtype, k, gated)
+    if path in ("gemv", "gemv_by_expert"):
+        config, rpp = moe_gemv_tiles(path, n, k, dtype, gated, rows)
+        default = dict(path=path, config=list(config), rows_per_program=rpp)
     else:
         default = dict(path=path, config=list(moe_gemm_config(rows, n, k, experts, dtype, sms=sms, gated=gated)))
     found = [default]
@@ -332,14 +338,14 @@ def print_table(rows) -> None:
     cols = ["hf_" + i for i in IMPLEMENTATIONS] + ["ours_eager", "ours"]
     if any("ours_grouped_mm" in r["times"] for r in rows):
         cols.insert(-2, "ours_grouped_mm")
-    print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} {'ours path':>12s} "
+    print(f"\n{'shape':20s} {'T':>4s} {'hit':>4s} {'MB':>7s} {'ours path':>19s} "
           + " ".join(f"{c + ' ms':>16s}" for c in cols) + f" {'ours GB/s':>9s} {'vs best hf':>10s}")
     for r in rows:
         t = r["times"]
         cells = [f"{t[c]['ms']:.4f}{'g' if t[c]['mode'] == 'cuda_graph' else 'e'}" if "ms" in t.get(c, {}) else
                  ("error" if c in t else "-") for c in cols]
         best = min((t[c]["ms"] for c in cols if c.startswith("hf_") and "ms" in t[c]), default=float("nan"))
-        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4.0f} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>12s} "
+        print(f"{r['shape']:20s} {r['tokens']:4d} {r['experts_hit']:4.0f} {r['weight_bytes'] / 1e6:7.1f} {r['path']:>19s} "
               + " ".join(f"{c:>16s}" for c in cells)
               + f" {t['ours']['gbps']:9.0f} {best / t['ours']['ms']:9.2f}x")
     print("(g: CUDA-graph replays, e: eager calls; MB: expert weights the step reads; ours path: the kernel our "

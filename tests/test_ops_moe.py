@@ -314,6 +314,15 @@ def test_which_path_and_gemv_tiles():
     assert tmoe.moe_path(1024, 512) == "gemv" and tmoe.moe_path(1025, 512) == "tensor_cores"
     assert tmoe.moe_path(10, 512) == "gemv" and tmoe.moe_path(6 * 64, 128) == "tensor_cores"
     bf16, fp32 = torch.bfloat16, torch.float32
+    # by expert: ungated rows of at most 256 channels (the 80B down_proj slices at TP 4 / 2), at least a
+    # row per expert on average (64 tokens of top-10 over 512 experts; not 16)
+    assert tmoe.moe_path(640, 512, bf16, k=128) == tmoe.moe_path(640, 512, bf16, k=256) == "gemv_by_expert"
+    assert tmoe.moe_path(160, 512, bf16, k=128) == "gemv" and tmoe.moe_path(640, 512, bf16, k=512) == "gemv"
+    assert tmoe.moe_path(640, 512, bf16, k=128, gated=True) == "gemv"
+    assert tmoe.moe_path(1025, 512, bf16, k=128) == "grouped_mm"
+    assert tmoe.moe_gemv_tiles("gemv_by_expert", 2048, 128, bf16, False, 640) == ((32, 128, 4, 2), 1)
+    assert tmoe.moe_gemv_tiles("gemv_by_expert", 2048, 256, bf16, False, 640) == ((32, 128, 4, 2), 1)
+    assert tmoe.moe_gemv_tiles("gemv", 2048, 128, bf16, False, 640, rows_per_program=2) == ((16, 128, 4, 2), 2)
     assert tmoe.moe_gemv_config(512, 2048, bf16, gated=True) == (8, 256, 4, 2)  # Qwen3-Next-80B gate_up
     assert tmoe.moe_gemv_config(2048, 512, bf16) == (16, 256, 4, 2)  # its down_proj
     assert tmoe.moe_gemv_config(1856, 2688, torch.float16) == (16, 256, 4, 2)  # Nemotron-3-Nano up

@@ -27,6 +27,9 @@ its rows and too few programs would stream the weights, so the call takes ``gemv
 per (row of an expert, ``BLOCK_N`` output columns), streaming that expert's ``[BLOCK_N, K]`` weight
 slab (``silu_and_mul``: its gate and its up rows) on the CUDA cores with fp32 accumulators, the
 same gather, scatter, activations and shape-only launch; tiles from :data:`~.gemv.GROUPED_GEMV_TILES`.
+Short ungated rows with at least one row per expert (a 64-token step's ``down_proj`` slice under tensor
+parallelism) take its by-expert form (``gemv_by_expert_kernel``: a program per expert and column tile
+over all the expert's rows, reading the slab once; :data:`MOE_GEMV_BY_EXPERT_MAX_K`).
 
 Tiles of the tensor-core kernel: at decode :func:`fp8_gemm_config`'s choice (16-row tiles and column
 tiles narrow enough that about two programs per SM stream the weights); prefill: 64 / 128-row
@@ -49,8 +52,8 @@ from .fp8 import fp8_gemm_config
 from .gemv import check_gemv_config, grouped_gemv_config, launch_gemv
 from .launch import pdl_launch, pdl_wait_and_release
 
-__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_BY_EXPERT_ROWS", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
-           "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config",
+__all__ = ["LARGE_CALLS_PATH", "MOE_GEMV_BY_EXPERT_MAX_K", "MOE_GEMV_BY_EXPERT_ROWS", "MOE_GEMV_LONG_K", "MOE_GEMV_LONG_K_MAX_PROGRAMS", "MOE_GEMV_ROWS_PER_EXPERT",
+           "MOE_PATHS", "MOE_SORT_MAX_PAIRS", "moe_gemm_config", "moe_combine_top_k_triton", "moe_gemv_config", "moe_gemv_tiles",
            "moe_grouped_linear_triton", "moe_path", "moe_sort_pairs_triton"]
 
 #: The kernels :func:`moe_grouped_linear_triton` can take: ours, and ``torch._grouped_mm`` (bf16:
@@ -160,7 +163,15 @@ def moe_gemm_config(rows: int, n: int, k: int, experts: int, dtype: torch.dtype,
 MOE_GEMV_LONG_K_MAX_PROGRAMS = 384
 #: Rows of one expert a program of the ``"gemv_by_expert"`` path (:func:`~.gemv.launch_gemv`'s
 #: ``by_expert``: a program per expert and column tile) takes per pass over its weight slab.
-MOE_GEMV_BY_EXPERT_ROWS = 2
+MOE_GEMV_BY_EXPERT_ROWS = 1
+#: Decode calls take the by-expert GEMV for ungated weights of at most this many input channels with
+#: at least one row per expert on average (:func:`moe_path`): a slab of one or two 128-column steps is
+#: little work per program, and a program per expert reads it once for all the expert's rows, where one
+#: per row re-reads it. On an H200 (2026-11-29, ``benchmarks/fused_moe.py --sweep --sweep-paths
+#: gemv_by_expert --tp 4 / --tp 2``) Qwen3-Next-80B's ``down_proj`` slice (K = 128 / 256) took 86.4 /
+#: 124.0 us against the row GEMV's 102.1 / 147.9 us at 64 tokens (1.25 rows per expert), but 48.2 /
+#: 53.6 against 33.4 / 48.6 us at 16 (0.31); the gated ``gate_up`` (K = 2048) was 0.89-0.96x at both.
+MOE_GEMV_BY_EXPERT_MAX_K = 256
 MOE_GEMV_LONG_K = 512
 
 
@@ -177,13 +188,31 @@ def moe_gemv_config(n: int, k: int, dtype: torch.dtype, gated: bool = False, row
     return block_n, block_k, warps, stages
 
 
-def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None) -> str:
+def moe_gemv_tiles(path: str, n: int, k: int, dtype: torch.dtype, gated: bool, total_rows: int,
+                   rows_per_program: int | None = None) -> tuple[tuple[int, int, int, int], int]:
+    """(config, rows per program) a GEMV ``path`` takes by default: ``"gemv"`` one row a program and
+    :func:`moe_gemv_config`'s tiles for a call of ``total_rows``; ``"gemv_by_expert"``
+    :data:`MOE_GEMV_BY_EXPERT_ROWS` a pass and :func:`~.gemv.grouped_gemv_config`'s tiles. A given
+    ``rows_per_program`` is kept (the tiles then sized for it)."""
+    if rows_per_program is None:
+        rows_per_program = 1 if path == "gemv" else MOE_GEMV_BY_EXPERT_ROWS
+    if path == "gemv":
+        return moe_gemv_config(n, k, dtype, gated, rows_per_program, total_rows=total_rows), rows_per_program
+    return grouped_gemv_config(n, k, dtype.itemsize, gated, rows_per_program), rows_per_program
+
+
+def moe_path(rows: int, experts: int, dtype: torch.dtype | None = None, k: int | None = None,
+             gated: bool = False) -> str:
     """The kernel :func:`moe_grouped_linear_triton` takes by default for ``rows`` sorted rows over
-    ``experts`` of weights in ``dtype``: ``"gemv"`` at decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT`
-    rows per expert on average), else :data:`LARGE_CALLS_PATH` (``"grouped_mm"`` only for bf16)."""
+    ``experts`` of weights in ``dtype`` (``k`` input channels, ``gated``: silu_and_mul): ``"gemv"`` at
+    decode (at most :data:`MOE_GEMV_ROWS_PER_EXPERT` rows per expert on average), by expert
+    (``"gemv_by_expert"``) there for short ungated rows of at least one row per expert on average
+    (:data:`MOE_GEMV_BY_EXPERT_MAX_K`), else :data:`LARGE_CALLS_PATH` (``"grouped_mm"`` only for bf16)."""
     if LARGE_CALLS_PATH not in ("tensor_cores", "grouped_mm"):
         raise ValueError(f'ops.triton.moe.LARGE_CALLS_PATH must be "tensor_cores" or "grouped_mm", got {LARGE_CALLS_PATH!r}')
     if rows <= MOE_GEMV_ROWS_PER_EXPERT * experts:
+        if not gated and k is not None and k <= MOE_GEMV_BY_EXPERT_MAX_K and rows >= experts:
+            return "gemv_by_expert"
         return "gemv"
     if LARGE_CALLS_PATH == "grouped_mm" and dtype != torch.bfloat16:
         return "tensor_cores"
@@ -213,17 +242,15 @@ def moe_grouped_linear_triton(x, weight, expert_offsets, gather_index=None, scat
     n = grouped_output_width(n_rows, activation)
     rows = gather_index.shape[0] if gather_index is not None else x.shape[0]
     gated = activation == "silu_and_mul"
-    path = path or ("tensor_cores" if config is not None else moe_path(rows, experts, weight.dtype))
+    path = path or ("tensor_cores" if config is not None else moe_path(rows, experts, weight.dtype, k, gated))
     if path == "grouped_mm":
         if config is not None or rows_per_program is not None:
             raise ValueError("moe_grouped_linear_triton: path='grouped_mm' (torch._grouped_mm) takes no `config` "
                              "or `rows_per_program`")
         return grouped_mm_linear(x, weight, expert_offsets, gather_index, scatter_index, activation)
     if path in ("gemv", "gemv_by_expert"):
-        rows_per_program = (1 if path == "gemv" else MOE_GEMV_BY_EXPERT_ROWS) if rows_per_program is None \
-            else rows_per_program
-        config = config or (moe_gemv_config(n, k, x.dtype, gated, rows_per_program, total_rows=rows) if path == "gemv"
-                            else grouped_gemv_config(n, k, x.dtype.itemsize, gated, rows_per_program))
+        default, rows_per_program = moe_gemv_tiles(path, n, k, x.dtype, gated, rows, rows_per_program)
+        config = config or default
         check_gemv_config("moe_grouped_linear_triton", config, rows_per_program)
     else:
         if rows_per_program is not None:

@@ -1150,3 +1150,52 @@ def test_cuda_graph_options_checked_before_any_process_starts(tmp_path, monkeypa
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
     with pytest.raises(ValueError, match="TORCH_NCCL_BLOCKING_WAIT=1"):
         hc.from_pretrained(str(tmp_path), tensor_parallel_size=2, device="cuda")
+
+
+class _TableGroup:
+    """A 4-rank group stand-in for one rank: the all-reduce of a norm's sum of squares returns the sum
+    over the ranks of ``table`` (every rank's own sum, known to the test); of a norm's per-span columns
+    (this rank's sum in its span's column, zeros elsewhere) each column's span's sum."""
+
+    size = 4
+
+    def __init__(self, rank: int, table: list[torch.Tensor]):
+        self.rank, self.table = rank, table
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        spans = x.shape[-1]
+        per = self.size // spans
+        assert torch.equal(x[..., self.rank // per:self.rank // per + 1], self.table[self.rank])  # its own sum
+        return torch.cat([sum(self.table[k * per:(k + 1) * per]) for k in range(spans)], dim=-1)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_group_norm_on_two_of_four_ranks_follows_the_built_norm(grouped):
+    """Bamba's 2 B/C groups over 4 ranks: each group's gated norm spans 2 ranks when the built norm
+    normalises per group (transformers 5.24's ``group_size``), but every rank when it ignores the groups
+    (5.17's norm, no ``group_size``: the whole width, as one GPU computes it). Each rank's output
+    equals its channels of the norm over the whole width (HF's grouped norm, or the whole-width mean)."""
+    from hybrid_compile.distributed.runtime import _install_layer_collectives
+
+    config = mm.build_bamba().config
+    width = config.mamba_n_heads * config.mamba_d_head  # 64 channels, 16 on each of the 4 ranks
+    plan = plan_for(config, 4, 1)
+    assert [(w, ranks) for _, w, _, ranks in plan.cross_rank_norms] == [(width // 2, 2)]
+    torch.manual_seed(0)
+    y, gate = torch.randn(3, width), torch.randn(3, width) * 3
+    y[:, width // 2:] *= 4  # the groups' scales differ: a per-group mean is not the whole width's
+    h = y * torch.nn.functional.silu(gate)
+    bamba_norm = transformers.models.bamba.modeling_bamba.BambaRMSNormGated
+    if grouped:
+        want = bamba_norm(width, width // 2)(y, gate)
+    else:
+        want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    local = width // 4
+    table = [h[:, r * local:(r + 1) * local].pow(2).sum(-1, keepdim=True) for r in range(4)]
+    for rank in range(4):
+        norm = bamba_norm(local, local)
+        if not grouped:
+            del norm.group_size  # (5.17's class: no groups)
+        _install_layer_collectives([("model.layers.0.mamba.norm", norm)], plan, _TableGroup(rank, table))
+        cols = slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(norm(y[:, cols], gate[:, cols]), want[:, cols])

@@ -159,7 +159,8 @@ class ShardPlan:
     reduced_blocks: list[re.Pattern] = field(default_factory=list)
     # RMSNorms over channels split across ranks (layers.cross_rank_rms_norm): (pattern, full width, gated: a
     # Mamba2 gated norm whose group spans several ranks, ranks: how many consecutive ranks one norm spans,
-    # the plan's size but for Mamba2 groups shared by fewer ranks)
+    # the plan's size but for Mamba2 groups shared by fewer ranks; such a norm built without grouping,
+    # transformers 5.17's, spans every rank: runtime.install_collectives decides on the built module)
     cross_rank_norms: list[tuple[re.Pattern, int, bool, int]] = field(default_factory=list)
     # Mamba2 gated norms whose B/C groups are split across the ranks: (pattern, full width). Grouped
     # norms stay local; a norm class with no grouping (no ``group_size`` / ``n_groups``: transformers

@@ -260,7 +260,12 @@ def _install_layer_collectives(modules, plan: ShardPlan, tp: TensorParallelGroup
             reduced += 1
         for pattern, width, gated, ranks in plan.cross_rank_norms:
             if name and pattern.search(name):
-                cross_rank_rms_norm(module, width, tp, gated, ranks)
+                if gated and ranks is not None and ranks < tp.size and _normalises_whole_width(module):
+                    # a B/C group's norm on fewer ranks than all, but the built norm ignores the groups
+                    # (transformers 5.17's Bamba / Mamba2 / GraniteMoeHybrid): it spans every rank's channels
+                    cross_rank_rms_norm(module, width * (tp.size // ranks), tp, gated)
+                else:
+                    cross_rank_rms_norm(module, width, tp, gated, ranks)
         for pattern, width in plan.split_group_norms:
             if name and pattern.search(name) and _normalises_whole_width(module):
                 cross_rank_rms_norm(module, width, tp, gated=True)

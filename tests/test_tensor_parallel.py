@@ -1199,3 +1199,47 @@ def test_group_norm_on_two_of_four_ranks_follows_the_built_norm(grouped):
         _install_layer_collectives([("model.layers.0.mamba.norm", norm)], plan, _TableGroup(rank, table))
         cols = slice(rank * local, (rank + 1) * local)
         torch.testing.assert_close(norm(y[:, cols], gate[:, cols]), want[:, cols])
+
+
+def test_rank0_broadcasts_none_of_its_graph_recaptures(monkeypatch):
+    """Elastic pools under CUDA graphs: after ``RESIZE`` every rank captures its full graphs again by
+    itself, so rank 0's capture runs (model calls, pool moves) are not sent (a follower inside its own
+    capture would never receive them: on 2 x H200 rank 0 then waited in the broadcast and rank 1 in its
+    capture's synchronize). The broadcast is on again afterwards, also when the capture fails."""
+    from types import SimpleNamespace
+
+    from hybrid_compile.distributed.runtime import TensorParallelEngine
+    from hybrid_compile.engine import HybridEngine
+
+    class Broadcaster:
+        resized = None
+
+        def resize(self, kv_pages, mamba_slots):
+            self.resized = (kv_pages, mamba_slots)
+
+    eng = TensorParallelEngine.__new__(TensorParallelEngine)
+    eng._broadcaster = Broadcaster()
+    eng.runner = SimpleNamespace(step_observer=None)
+    eng.pools = SimpleNamespace(kv=SimpleNamespace(observer=None, allocator=SimpleNamespace(num_pages=7)),
+                                mamba=SimpleNamespace(observer=None, total=lambda: 3))
+    eng.host_pool = SimpleNamespace(observer=None)
+    eng.speculative = eng.mtp_head = None
+    eng._broadcast(True)
+    observers = lambda: (eng.runner.step_observer, eng.pools.kv.observer, eng.pools.mamba.observer,  # noqa: E731
+                         eng.host_pool.observer)
+    assert observers() == (eng._broadcaster,) * 4
+    seen = []
+
+    def capture(self, fail=False):
+        seen.append(observers())
+        if fail:
+            raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(HybridEngine, "pools_resized", capture)
+    eng.pools_resized()
+    assert eng._broadcaster.resized == (7, 3) and seen == [(None,) * 4]
+    assert observers() == (eng._broadcaster,) * 4
+    monkeypatch.setattr(HybridEngine, "pools_resized", lambda self: capture(self, fail=True))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        eng.pools_resized()
+    assert observers() == (eng._broadcaster,) * 4

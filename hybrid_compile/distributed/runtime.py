@@ -70,14 +70,20 @@ class TensorParallelEngine(HybridEngine):
         self._processes = list(processes or [])
         self._failure: BaseException | None = None
         self._broadcaster = StepBroadcaster(tp)
-        self.runner.step_observer = self._broadcaster
+        self._broadcast(True)
+
+    def _broadcast(self, on: bool) -> None:
+        """Whether rank 0's model calls (the target's and the MTP head's) and its pool moves (KV, Mamba,
+        the prefix cache's host tier: every rank moves its shard's slots) are sent to the other ranks."""
+        b = self._broadcaster if on else None
+        self.runner.step_observer = b
         head = mtp_runner(self)
-        if head is not None:  # the MTP head's forwards: the followers' head runs them too
-            head.step_observer = self._broadcaster.head_observer()
-        self.pools.mamba.observer = self._broadcaster
-        self.pools.kv.observer = self._broadcaster
-        if self.host_pool is not None:  # the prefix cache's host tier: every rank moves its shard's slots
-            self.host_pool.observer = self._broadcaster
+        if head is not None:
+            head.step_observer = b.head_observer() if on else None
+        self.pools.mamba.observer = b
+        self.pools.kv.observer = b
+        if self.host_pool is not None:
+            self.host_pool.observer = b
 
     def warm_up_with_followers(self) -> None:
         """The kernels' warm-up (``EngineConfig.warmup_kernels``; default on CUDA), its steps run by
@@ -123,7 +129,13 @@ class TensorParallelEngine(HybridEngine):
         take the same sizes (``RESIZE``), then every rank refreshes its views and captures its full
         graphs again, by itself (the captures' runs are not broadcast), in the same order."""
         self._broadcaster.resize(self.pools.kv.allocator.num_pages, self.pools.mamba.total())
-        super().pools_resized()
+        # each rank captures by itself (the same graphs in the same order, their all-reduces pairing up):
+        # a capture's warm-up run broadcast from here would meet a follower inside its own capture
+        self._broadcast(False)
+        try:
+            super().pools_resized()
+        finally:
+            self._broadcast(True)
 
     def close(self) -> None:
         """Close the engine on every rank and end the group (joins the spawned processes)."""

@@ -31,6 +31,10 @@ decode rows then measure what drafting costs under tensor parallelism (acceptanc
 head's window and chain steps, each replayed by every rank, plus the verify step); the JSON keeps
 each size's ``speculative`` stats.
 
+On CUDA each of several ``--tp`` sizes runs in a process of its own (this script again with that size):
+a second tensor-parallel engine of one process serves its all-reduces on NCCL (its rank 0 mapped
+a symmetric buffer for the first, its new ranks did not), so the sizes would not be measured alike.
+
 ``--cuda-graphs`` sets the engine's ``cuda_graphs`` (``auto``: its default, both kinds on CUDA;
 ``full`` / ``piecewise`` / ``false``): under tensor parallelism every rank captures the same graphs
 with the NCCL all-reduces inside them.
@@ -289,6 +293,19 @@ def efficiency(results: list[dict]) -> dict:
     return eff
 
 
+def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` and their values (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not any(a.startswith(n + "=") for n in names):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -375,13 +392,27 @@ def main() -> None:
                     gpus=torch.cuda.device_count() if args.device == "cuda" else 0, results=results,
                     scaling=efficiency(results), torch=torch.__version__, args=vars(args))
 
+    def run_apart(tp: int) -> dict:
+        """Size ``tp`` measured by this script in a process of its own: rank 0 of a second engine in one
+        process maps no symmetric buffer with new rank processes (``distributed/one_shot.py``), so its
+        all-reduces would be NCCL's, not the one-shot kernel's that a first engine takes."""
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, f"tp{tp}.json")
+            argv = without_options(sys.argv[1:], ("--tp", "--out"))
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--tp", str(tp), "--out", out], check=True)
+            with open(out) as f:
+                return json.load(f)["results"][0]
+
     def save(current: dict) -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({**result(), "results": results + [current]}, f, indent=1, default=str)
 
     for tp in args.tp:
-        r = run_tp(args, path, tp, vocab, save)
+        r = run_tp(args, path, tp, vocab, save) if len(args.tp) == 1 or args.device != "cuda" else run_apart(tp)
         results.append(r)
         dec = "  ".join(f"b{b} {v['tokens_per_s']:.1f}" for b, v in r["decode"].items())
         pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())

@@ -32,3 +32,19 @@ def test_benchmark_mtp_smoke_run(tmp_path):
     assert spec["method"] == "mtp" and spec["verify_steps"] > 0 and spec["drafted"] == 2 * spec["verified_requests"]
     assert spec["draft_source"]["head_decode_steps"] > 0
     assert os.path.isfile(str(tmp_path / "ckpt" / "tiny_checkpoint_mtp" / "mtp.safetensors"))
+
+
+def test_sizes_measured_apart_get_the_arguments_less_tp_and_out(monkeypatch):
+    """On CUDA each of several ``--tp`` sizes runs the script again with that size alone (a second
+    engine of one process would all-reduce on NCCL): its arguments are the caller's without ``--tp``
+    and ``--out`` in either spelling."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py"])
+    import tensor_parallel
+
+    argv = ["--shape", "qwen3_next_80b", "--tp", "4,2", "--out=x.json", "--batches", "1,64", "--tp=2"]
+    assert tensor_parallel.without_options(argv, ("--tp", "--out")) == ["--shape", "qwen3_next_80b", "--batches",
+                                                                        "1,64"]

@@ -99,3 +99,32 @@ def test_one_shot_op_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
         got = json.load(f)
     want = {name: dict(rule=True, eager=True, graph=True) for name, *_ in CASES}
     assert got == {**want, "opcheck": True}, got
+
+
+def test_second_engine_of_a_process_keeps_nccl_and_serves(tmp_path):
+    """A second tensor-parallel engine in one process (the first closed; its followers new processes):
+    rank 0 mapped a symmetric buffer before and the new ranks did not, and torch numbers those
+    exchanges per process, so "auto" serves on NCCL (stats say why) with the first engine's tokens,
+    and an explicit "one_shot" is one error at start-up (it waited 300 s for the store, then failed)."""
+    import hybrid_compile as hc
+    from test_tensor_parallel import MODELS
+
+    d = tmp_path / "ckpt"
+    MODELS["qwen3_next_dense"]().save_pretrained(d)
+    options = dict(tensor_parallel_size=2, device="cuda", dtype="bfloat16", tokenizer=False, compile=False)
+    prompt = [[3, 14, 15, 9, 2, 6]]
+    first = hc.from_pretrained(str(d), **options)
+    try:
+        assert first.stats()["tensor_parallel"]["all_reduce"]["mode"] == "one_shot"
+        want = first.generate_batch(prompt, max_new_tokens=4)
+    finally:
+        first.close()
+    second = hc.from_pretrained(str(d), **options)
+    try:
+        ar = second.stats()["tensor_parallel"]["all_reduce"]
+        assert ar["mode"] == "nccl" and "per process" in ar["one_shot_unpaired"], ar
+        assert second.generate_batch(prompt, max_new_tokens=4) == want
+    finally:
+        second.close()
+    with pytest.raises(Exception, match="tensor_parallel_all_reduce='one_shot' cannot run here: the ranks' processes"):
+        hc.from_pretrained(str(d), tensor_parallel_all_reduce="one_shot", **options)

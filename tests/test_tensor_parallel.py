@@ -786,7 +786,8 @@ def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
 
 def test_one_shot_all_reduce_option(checkpoints):
     """``tensor_parallel_all_reduce``: an explicit "one_shot" where it cannot run (CPU ranks, a group
-    size its kernel lacks, fp16) or without tensor parallelism raises one error naming the option;
+    size its kernel lacks, fp16, ranks whose processes mapped different numbers of buffers before) or
+    without tensor parallelism raises one error naming the option;
     "auto" keeps NCCL (gloo) there. The op's size and dtype rule picks the one-shot kernel only for
     bf16 / fp32 tensors that fit the buffer in whole 16-byte vectors (the kernel itself:
     tests/test_tensor_parallel_gpu.py, the ``@one_shot`` cases)."""
@@ -809,8 +810,13 @@ def test_one_shot_all_reduce_option(checkpoints):
     with pytest.raises(ValueError, match="sums bfloat16 and float32 tensors, not torch.float16"):
         one_shot.resolve("one_shot", cuda, 2, torch.float16)
     # a failed mapping (here: no such group) is one error naming the option that avoids it
+    before = one_shot.mappings()
     with pytest.raises(RuntimeError, match="symmetric memory failed on cpu .*tensor_parallel_all_reduce='nccl'"):
         one_shot.enable("no such group", torch.device("cpu"))
+    assert one_shot.mappings() == before + 1  # (counted as torch's exchanges are: per process, tried or not)
+    # ranks pair up only with as many mappings before each (a second engine's rank 0 and new followers do not)
+    assert one_shot.unpaired_reason([0, 0]) is None and one_shot.unpaired_reason([2, 2, 2, 2]) is None
+    assert "mapped [1, 0] symmetric buffers before" in one_shot.unpaired_reason([1, 0])
     buffer = torch.empty(64, dtype=torch.uint8)
     takes = one_shot.takes_one_shot
     assert takes(torch.ones(8, dtype=torch.bfloat16), buffer) and takes(torch.ones(2, 8), buffer)

@@ -59,6 +59,8 @@ class TensorParallelGroup:
     owns_default_group: bool = True  # destroy the default group at shutdown (False: the user made it)
     # the model's all-reduces through the one-shot op (one_shot.py; its buffer mapped by enable_one_shot)
     one_shot: bool = False
+    # why "auto" kept the all-reduces on NCCL though the devices could run the one-shot op (None: it did not)
+    one_shot_unpaired: str | None = None
     closed: bool = field(default=False)
     # the name the functional collective ops take for ``group``; read once here, outside traced code
     group_name: str = field(init=False)

@@ -41,6 +41,26 @@ _ALIGN = 16
 
 # group name -> this rank's symmetric buffer (uint8, MAX_BYTES): set by enable(), read by the op
 _buffers: dict[str, torch.Tensor] = {}
+# enable() calls of this process: torch numbers its symmetric-memory exchanges per process, so ranks
+# pair up only when each has mapped as many buffers before (unpaired_reason)
+_mappings = 0
+
+
+def mappings() -> int:
+    """How many times this process mapped a group's symmetric buffer (:func:`enable`)."""
+    return _mappings
+
+
+def unpaired_reason(mappings_by_rank: list[int]) -> str | None:
+    """Why the ranks, which mapped ``mappings_by_rank`` buffers before (:func:`mappings`, by rank),
+    cannot map one together now, or None. Torch's symmetric memory numbers each exchange of a rank's
+    buffer handles per process: a process that served an earlier tensor-parallel engine (rank 0 of a
+    second engine whose other ranks are new processes) waits for keys the others never write."""
+    if len(set(mappings_by_rank)) <= 1:
+        return None
+    return (f"the ranks' processes mapped {mappings_by_rank} symmetric buffers before (an earlier tensor-parallel "
+            "engine of this process, its other ranks new processes): torch numbers symmetric-memory exchanges "
+            "per process, so theirs would not pair up")
 
 
 def unsupported_reason(device: torch.device, size: int, dtype: torch.dtype | None) -> str | None:
@@ -82,6 +102,8 @@ def enable(group_name: str, device: torch.device, max_bytes: int = MAX_BYTES) ->
     every rank of the group calls it at the same point)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
+    global _mappings
+    _mappings += 1
     try:
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, deprecated in newer
             with warnings.catch_warnings():

@@ -171,7 +171,9 @@ class TensorParallelEngine(HybridEngine):
             "commands_broadcast": self._broadcaster.commands,
             # the model's all-reduces: one_shot.py's kernel up to max bytes, NCCL above; or NCCL (gloo) alone
             "all_reduce": ({"mode": "one_shot", "one_shot_max_bytes": one_shot.MAX_BYTES} if self.tp.one_shot
-                           else {"mode": dist.get_backend(self.tp.group) if not self.tp.closed else None}),
+                           else {"mode": dist.get_backend(self.tp.group) if not self.tp.closed else None,
+                                 **({"one_shot_unpaired": self.tp.one_shot_unpaired}
+                                    if self.tp.one_shot_unpaired else {})}),
             "ranks": [dataclasses.asdict(r) for r in self.load_reports],
             "saved_checkpoint_s": self.saved_checkpoint_seconds,
         }
@@ -344,8 +346,17 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
             report.served_bytes = _weight_bytes(model) + head_bytes
         else:
             report.served_bytes = report.shard_bytes
-    if one_shot.resolve(engine_config.tensor_parallel_all_reduce, tp.device, tp.size, getattr(model, "dtype", None)):
-        tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
+    mode = engine_config.tensor_parallel_all_reduce
+    if one_shot.resolve(mode, tp.device, tp.size, getattr(model, "dtype", None)):
+        # (every rank gets the same answer: the counts are gathered)
+        unpaired = one_shot.unpaired_reason([c[0] for c in tp.gather_ints([one_shot.mappings()])])
+        if unpaired is not None and mode == "one_shot":
+            raise ValueError(f"EngineConfig.tensor_parallel_all_reduce='one_shot' cannot run here: {unpaired}; pass "
+                             "'nccl' or 'auto' (NCCL then), or start this engine in a new process")
+        if unpaired is None:
+            tp.enable_one_shot()  # (before the engine compiles and captures: its graphs hold the buffer)
+        else:
+            tp.one_shot_unpaired = unpaired
     install_collectives(model, plan, tp)
     if mtp_head is not None:
         install_mtp_collectives(mtp_head, plan, tp)

@@ -226,7 +226,7 @@ TINY_GEMV_GRID = dict(rows=(1, 2), block_n=(4,), block_k=(16,), warps=(2,), stag
 #: The swept kernels (``--sweep-paths``) and their grids, full size and tiny
 SWEEP_PATHS = ("gemv", "gemv_by_expert", "tensor_cores")
 GRIDS = dict(tensor_cores=SWEEP_GRID, gemv=GEMV_SWEEP_GRID, gemv_by_expert=GEMV_BY_EXPERT_SWEEP_GRID)
-TINY_GRIDS = dict(tensor_cores=TINY_GRID, gemv=TINY_GEMV_GRID, gemv_by_expert=TINY_GEMV_GRID)
+TINY_GRIDS = dict(tensor_cores=TINY_GRID, gemv=TINY_GEMV_GRID, gemv_by_expert=dict(TINY_GEMV_GRID, rows=(2,)))
 
 
 def _candidates(tokens, rows, n, k, experts, dtype, sms, gated, grids: dict) -> list[dict]:

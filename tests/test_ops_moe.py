@@ -276,7 +276,8 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     rows, K = 40 (no multiple of BLOCK_K: a partial last step), K = 48 over 16-column steps and K = 1040
     (2-byte weights: the few-rows default of 512-column steps, a partial third); one, three and four
     rows a program; and the by-expert GEMV (``path="gemv_by_expert"``: a program per expert and column
-    tile), its default and one, two (the 3-row expert in two passes) and four rows a pass."""
+    tile; the default at K = 40 without a gate), one (default), two (the 3-row expert in two passes) and
+    four rows a pass."""
     rows = sum(GEMV_COUNTS)
     off = torch.tensor([0, *torch.tensor(GEMV_COUNTS).cumsum(0).tolist()])
     assert tmoe.moe_path(rows, len(GEMV_COUNTS)) == "gemv"
@@ -285,11 +286,10 @@ def test_gemv_path_matches_the_reference(indexed, dtype, activation):
     atol, rtol = TOL[dtype]
     n_out = 12
     n = 2 * n_out if activation == "silu_and_mul" else n_out
-    by_expert = [("gemv_by_expert", None, None), ("gemv_by_expert", (2, 32, 2, 2), 2)]
-    for k, configs in ((40, [(None, None, None), ("gemv", (2, 32, 2, 2), 3), *by_expert]),
-                       (48, [("gemv", (4, 16, 4, 1), 4), ("gemv_by_expert", (4, 16, 4, 1), 1),
-                             ("gemv_by_expert", (4, 16, 4, 1), 4)]),
-                       (1040, [(None, None, None), *by_expert])):  # 1040: a few rows' default over 512-column steps
+    # (the default path at K = 40 / 48 is the by-expert GEMV for the ungated activations: moe_path)
+    for k, configs in ((40, [(None, None, None), ("gemv", (2, 32, 2, 2), 3), ("gemv_by_expert", (2, 32, 2, 2), 2)]),
+                       (48, [("gemv", (4, 16, 4, 1), 4), ("gemv_by_expert", (4, 16, 4, 1), 4)]),
+                       (1040, [(None, None, None)])):  # 1040: a few rows' default over 512-column steps
         weight = (torch.randn(len(GEMV_COUNTS), n, k) / k ** 0.5).to(dtype)
         x = torch.randn(rows + 3 if g is not None else rows, k).to(dtype)
         want = moe.reference_moe_grouped_linear(x, weight, off, g, s, activation)
@@ -398,11 +398,15 @@ def test_sort_pairs_matches_the_stable_order(impl, tokens, top_k, experts, dtype
     assert tokens * top_k <= tmoe.MOE_SORT_MAX_PAIRS or (tokens, top_k) == (410, 10)
     g = torch.Generator().manual_seed(tokens * 1000 + experts)
     ids = torch.randint(0, experts, (tokens, top_k), generator=g).to(dtype)
-    fn = ops.moe_sort_pairs if impl == "op" else tmoe.moe_sort_pairs_triton
-    order, offsets, token_of_row = fn(ids, experts)
     want = _sort_oracle(ids, experts)
-    assert all(t.dtype == torch.int64 for t in (order, offsets, token_of_row))
-    assert (order.tolist(), offsets.tolist(), token_of_row.tolist()) == want
+    if impl == "op":
+        runs = [ops.moe_sort_pairs(ids, experts)]
+    else:  # the GPU's 16-pair programs and the interpreter's default 64
+        runs = [tmoe.moe_sort_pairs_triton(ids, experts, block_i=tmoe.SORT_BLOCK_I),
+                tmoe.moe_sort_pairs_triton(ids, experts)]
+    for order, offsets, token_of_row in runs:
+        assert all(t.dtype == torch.int64 for t in (order, offsets, token_of_row))
+        assert (order.tolist(), offsets.tolist(), token_of_row.tolist()) == want
 
 
 def test_sort_pairs_opcheck_and_compile():

@@ -347,6 +347,9 @@ MOE_SORT_MAX_PAIRS = 4096
 #: The sort kernel's tiles: pairs (or experts) a program ranks, and the widest step over the pairs
 SORT_BLOCK_I = 16
 SORT_MAX_BLOCK_J = 1024
+#: ... and under Triton's interpreter, whose cost is per program: 64 pairs a program (the suite's tiny
+#: MoE engines sort every layer; tests/test_ops_moe.py checks both sizes)
+SORT_BLOCK_I_INTERPRETED = 64
 
 
 @triton.jit(do_not_specialize=["N", "E"])
@@ -384,9 +387,11 @@ def _sort_pairs_kernel(ids, order, token_of_row, offsets, N, E, TOP_K: tl.conste
         tl.store(offsets + e, count.to(tl.int64), mask=e <= E)
 
 
-def moe_sort_pairs_triton(top_k_index: torch.Tensor, num_experts: int, pdl: bool | None = None):
+def moe_sort_pairs_triton(top_k_index: torch.Tensor, num_experts: int, pdl: bool | None = None,
+                          block_i: int | None = None):
     """``moe_sort_pairs`` on the GPU (or under the interpreter): one launch of ``_sort_pairs_kernel`` up
-    to :data:`MOE_SORT_MAX_PAIRS` pairs, torch's sort above."""
+    to :data:`MOE_SORT_MAX_PAIRS` pairs, torch's sort above; ``block_i`` pairs a program (default
+    :data:`SORT_BLOCK_I`, :data:`SORT_BLOCK_I_INTERPRETED` under the interpreter)."""
     tokens, top_k = top_k_index.shape
     n = tokens * top_k
     if n > MOE_SORT_MAX_PAIRS:
@@ -401,7 +406,8 @@ def moe_sort_pairs_triton(top_k_index: torch.Tensor, num_experts: int, pdl: bool
     # a program ranks BLOCK_I pairs (or counts BLOCK_I experts' offsets) against every pair, up to
     # 1,024 of them in one step: many small programs side by side rather than a few looping (the loop's
     # steps are serial latency: 64 x 128 tiles took 13 us a call at 640 pairs on an H200)
-    block_i, block_j = SORT_BLOCK_I, min(SORT_MAX_BLOCK_J, pow2(n, 16))
+    block_i = block_i or (SORT_BLOCK_I_INTERPRETED if _INTERPRET else SORT_BLOCK_I)
+    block_j = min(SORT_MAX_BLOCK_J, pow2(n, 16))
     grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_i)
     _sort_pairs_kernel[(grid,)](ids, order, token_of_row, offsets, n, num_experts, TOP_K=top_k, BLOCK_I=block_i,
                                 BLOCK_J=block_j, num_warps=4, **pdl_launch(device, pdl))

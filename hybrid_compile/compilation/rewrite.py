@@ -593,13 +593,12 @@ class SharedInputMatmulFusion(CustomGraphPass):
         first_weight = min(run, key=lambda p: p.value.storage_offset())
         k = first.value.shape[1]
         total = sum(p.value.shape[0] for p in run)
-        # a matmul over the spare rows after the run where its storage has them (pack_parameters): output
-        # rows 16-byte aligned; the extra columns are never read
         rows = total
-        if not fp8:
-            room = first_weight.value.untyped_storage().nbytes() // (k * first_weight.value.element_size())
-            rows = _aligned_rows(total, first_weight.value.element_size())
-            rows = rows if rows <= room else total
+        if not fp8:  # over the spare rows after the run where its storage has them (pack_parameters): output
+            # rows 16-byte aligned; the extra columns are never read
+            size = first_weight.value.element_size()
+            if _aligned_rows(total, size) * k * size <= first_weight.value.untyped_storage().nbytes():
+                rows = _aligned_rows(total, size)
         with graph.inserting_before(first.mm):
             packed = _call(graph, fake_mode, aten.as_strided.default, (first_weight.weight, [rows, k], [k, 1], 0))
             if fp8:

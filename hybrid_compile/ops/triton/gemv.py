@@ -150,6 +150,55 @@ def _store_row(y_ptr, bias_ptr, scatter_ptr, row, ok, N, rn, n_ok, acc, acc_up,
     tl.store(y_ptr + dst * N + rn, cast_rne(out, y_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
 
 
+@triton.jit
+def _row_sources(gather_ptr, row0, row_end, ROWS: tl.constexpr, GATHER: tl.constexpr):
+    """Rows ``row0 .. row0 + 3`` of a program: whether each is below ``row_end`` and where each reads
+    (:func:`_row_index`; past ``ROWS``, row ``row0``'s)."""
+    ok0 = row0 < row_end
+    ok1 = row0 + 1 < row_end
+    ok2 = row0 + 2 < row_end
+    ok3 = row0 + 3 < row_end
+    src0 = _row_index(gather_ptr, row0, ok0, GATHER)
+    src1 = src0
+    src2 = src0
+    src3 = src0
+    if ROWS >= 2:
+        src1 = _row_index(gather_ptr, row0 + 1, ok1, GATHER)
+    if ROWS >= 3:
+        src2 = _row_index(gather_ptr, row0 + 2, ok2, GATHER)
+    if ROWS >= 4:
+        src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
+    return ok0, ok1, ok2, ok3, src0, src1, src2, src3
+
+
+@triton.jit
+def _accumulators(BLOCK_N: tl.constexpr, G: tl.constexpr, GROUP_W: tl.constexpr):
+    """Zeroed fp32 accumulators of four rows and their silu_and_mul up products (unused otherwise)."""
+    acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    up3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    return acc0, acc1, acc2, acc3, up0, up1, up2, up3
+
+
+@triton.jit
+def _store_rows(y_ptr, bias_ptr, scatter_ptr, row0, ok0, ok1, ok2, ok3, N, rn, n_ok, acc0, acc1, acc2, acc3,
+                up0, up1, up2, up3, HAS_BIAS: tl.constexpr, SCATTER: tl.constexpr, ACT: tl.constexpr,
+                ROWS: tl.constexpr):
+    """The program's ``ROWS`` rows' outputs (:func:`_store_row`)."""
+    _store_row(y_ptr, bias_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 2:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 1, ok1, N, rn, n_ok, acc1, up1, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 3:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, HAS_BIAS, SCATTER, ACT)
+    if ROWS >= 4:
+        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, HAS_BIAS, SCATTER, ACT)
+
+
 # N and K stay specialized (their divisibility by 16 lets the activation and output rows load and
 # store as vectors); the row count varies per step
 @triton.jit(do_not_specialize=["M", "E", "TILES_M"])
@@ -177,14 +226,7 @@ def gemv_kernel(
     G: tl.constexpr = BLOCK_K // GROUP_W
     rg = tl.arange(0, G)
     rk = rg[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
-    acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    up0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)  # silu_and_mul's up products (unused otherwise)
-    up1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    up2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-    up3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+    acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _accumulators(BLOCK_N, G, GROUP_W)
     if GROUPED:
         # which expert's weight to stream depends on the routing the previous kernels wrote: wait first
         if USE_PDL:
@@ -210,20 +252,7 @@ def gemv_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         k_start = BLOCK_K
-    ok0 = row0 < row_end
-    ok1 = row0 + 1 < row_end
-    ok2 = row0 + 2 < row_end
-    ok3 = row0 + 3 < row_end
-    src0 = _row_index(gather_ptr, row0, ok0, GATHER)
-    src1 = src0
-    src2 = src0
-    src3 = src0
-    if ROWS >= 2:
-        src1 = _row_index(gather_ptr, row0 + 1, ok1, GATHER)
-    if ROWS >= 3:
-        src2 = _row_index(gather_ptr, row0 + 2, ok2, GATHER)
-    if ROWS >= 4:
-        src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
+    ok0, ok1, ok2, ok3, src0, src1, src2, src3 = _row_sources(gather_ptr, row0, row_end, ROWS, GATHER)
     if not GROUPED:
         acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _step(
             a_ptr, rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
@@ -239,13 +268,8 @@ def gemv_kernel(
             acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, QUANT_A)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
-    _store_row(y_ptr, bias_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, HAS_BIAS, SCATTER, ACT)
-    if ROWS >= 2:
-        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 1, ok1, N, rn, n_ok, acc1, up1, HAS_BIAS, SCATTER, ACT)
-    if ROWS >= 3:
-        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, HAS_BIAS, SCATTER, ACT)
-    if ROWS >= 4:
-        _store_row(y_ptr, bias_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, HAS_BIAS, SCATTER, ACT)
+    _store_rows(y_ptr, bias_ptr, scatter_ptr, row0, ok0, ok1, ok2, ok3, N, rn, n_ok, acc0, acc1, acc2, acc3,
+                up0, up1, up2, up3, HAS_BIAS, SCATTER, ACT, ROWS)
 
 
 # N and K stay specialized as in gemv_kernel; the expert count is a launch size
@@ -281,28 +305,8 @@ def gemv_by_expert_kernel(
     hi = tl.load(offsets_ptr + expert + 1).to(tl.int32)
     for chunk in range(0, tl.cdiv(hi - lo, ROWS)):
         row0 = lo + chunk * ROWS
-        ok0 = row0 < hi
-        ok1 = row0 + 1 < hi
-        ok2 = row0 + 2 < hi
-        ok3 = row0 + 3 < hi
-        src0 = _row_index(gather_ptr, row0, ok0, GATHER)
-        src1 = src0
-        src2 = src0
-        src3 = src0
-        if ROWS >= 2:
-            src1 = _row_index(gather_ptr, row0 + 1, ok1, GATHER)
-        if ROWS >= 3:
-            src2 = _row_index(gather_ptr, row0 + 2, ok2, GATHER)
-        if ROWS >= 4:
-            src3 = _row_index(gather_ptr, row0 + 3, ok3, GATHER)
-        acc0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        up0 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        up1 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        up2 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
-        up3 = tl.zeros((BLOCK_N, G, GROUP_W), dtype=tl.float32)
+        ok0, ok1, ok2, ok3, src0, src1, src2, src3 = _row_sources(gather_ptr, row0, hi, ROWS, GATHER)
+        acc0, acc1, acc2, acc3, up0, up1, up2, up3 = _accumulators(BLOCK_N, G, GROUP_W)
         for k0 in range(0, K, BLOCK_K):
             w, w_up, w_scale, w_scale_up, k_ok = _weight_tiles(w_ptr, ws_row, ws_up_row, rn64, n_ok, N, k0, rk, rg, K,
                                                                stride_wn, stride_wk, stride_wsk, SCALED, GATED,
@@ -311,13 +315,8 @@ def gemv_by_expert_kernel(
                 a_ptr, k0 + rk, k_ok, stride_am, stride_ak, w, w_up, w_scale, w_scale_up, src0, src1, src2, src3,
                 ok0, ok1, ok2, ok3,
                 acc0, acc1, acc2, acc3, up0, up1, up2, up3, ROWS, SCALED, GATED, False)
-        _store_row(y_ptr, y_ptr, scatter_ptr, row0, ok0, N, rn, n_ok, acc0, up0, False, SCATTER, ACT)
-        if ROWS >= 2:
-            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 1, ok1, N, rn, n_ok, acc1, up1, False, SCATTER, ACT)
-        if ROWS >= 3:
-            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 2, ok2, N, rn, n_ok, acc2, up2, False, SCATTER, ACT)
-        if ROWS >= 4:
-            _store_row(y_ptr, y_ptr, scatter_ptr, row0 + 3, ok3, N, rn, n_ok, acc3, up3, False, SCATTER, ACT)
+        _store_rows(y_ptr, y_ptr, scatter_ptr, row0, ok0, ok1, ok2, ok3, N, rn, n_ok, acc0, acc1, acc2, acc3,
+                    up0, up1, up2, up3, False, SCATTER, ACT, ROWS)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -382,30 +381,24 @@ def launch_gemv(a: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     m, n = y.shape
     grouped = expert_offsets is not None
     ws = scale if scale is not None else weight  # (unread without SCALED)
-    ws_strides = scale.stride() if scale is not None else (0, 0, 0)
+    gather = gather_index if gather_index is not None else a
+    scatter = scatter_index if scatter_index is not None else a
+    strides = (a.stride(0), a.stride(1), *weight.stride(), *(scale.stride() if scale is not None else (0, 0, 0)))
+    # what both kernels take by keyword
+    shared = dict(SCALED=scale is not None, GATHER=gather_index is not None, SCATTER=scatter_index is not None,
+                  ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+                  GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
+                  EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **pdl_launch(a.device, pdl))
     if by_expert:
         if not grouped or bias is not None or quantize_a:
             raise ValueError("launch_gemv: by_expert needs expert_offsets and takes no bias or quantize_a")
         gemv_by_expert_kernel[(experts * triton.cdiv(n, block_n),)](
-            a, gather_index if gather_index is not None else a, weight, ws, y,
-            scatter_index if scatter_index is not None else a, expert_offsets, n, k, experts,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *ws_strides,
-            SCALED=scale is not None, GATHER=gather_index is not None, SCATTER=scatter_index is not None,
-            ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
-            EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages, **pdl_launch(a.device, pdl),
-        )
+            a, gather, weight, ws, y, scatter, expert_offsets, n, k, experts, *strides, **shared)
         return y
     tiles_m = grouped_row_tiles(m, rows, experts) if grouped else triton.cdiv(m, rows)
     gemv_kernel[(tiles_m * triton.cdiv(n, block_n),)](
-        a, gather_index if gather_index is not None else a, weight, ws, bias if bias is not None else a, y,
-        scatter_index if scatter_index is not None else a, expert_offsets if grouped else a,
-        m, n, k, experts, tiles_m,
-        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), *ws_strides,
-        GROUPED=grouped, SCALED=scale is not None, HAS_BIAS=bias is not None, GATHER=gather_index is not None,
-        SCATTER=scatter_index is not None, ACT=activation, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_W=min(block_k, scale_block) if scale is not None else block_k, SCALE_BLOCK=scale_block,
-        BLOCK_E=pow2(experts), EVEN_K=k % block_k == 0, QUANT_A=quantize_a, num_warps=warps, num_stages=stages,
-        **pdl_launch(a.device, pdl),
+        a, gather, weight, ws, bias if bias is not None else a, y, scatter, expert_offsets if grouped else a,
+        m, n, k, experts, tiles_m, *strides,
+        GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_E=pow2(experts), QUANT_A=quantize_a, **shared,
     )
     return y

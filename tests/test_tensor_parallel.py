@@ -774,12 +774,13 @@ def test_follower_config_keeps_the_draft_model_on_rank0(checkpoints):
     assert follower_config(ngram) is ngram
 
 
-def test_unsupported_speculative_methods_fail_before_launch(checkpoints):
-    """The MTP proposal graphs under tensor parallelism: one clear error naming the option, raised
-    before any rank process starts (MTP drafts themselves: tests/test_tensor_parallel_mtp.py; draft
-    models: test_draft_model_two_ranks_match_hf)."""
+def test_mtp_draft_graphs_that_cannot_run_fail_before_launch(checkpoints):
+    """The MTP proposal graphs asked for (``extra["mtp_draft_graphs"]=True``) where they cannot run (CPU
+    ranks: no full CUDA graphs): the single-process engine's error naming the option, raised before any
+    rank process starts (the proposal graphs at TP: tests/test_tensor_parallel_mtp.py's
+    ``@proposal_graphs`` case, and on GPUs tests/test_tensor_parallel_gpu.py's MTP cases)."""
     d = checkpoints["qwen3_next_dense"]["dir"]
-    with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\].*tensor_parallel_size=2 is not supported"):
+    with pytest.raises(ValueError, match=r"extra\['mtp_draft_graphs'\]=True needs the engine's full CUDA graphs"):
         hc.from_pretrained(d, tensor_parallel_size=2, device="cpu", extra={"mtp_draft_graphs": True},
                            speculative={"method": "mtp", "num_draft_tokens": 2})
 

@@ -611,9 +611,11 @@ def test_tp2_no_compiles_after_from_pretrained(served, name):
 
 @pytest.mark.parametrize("name", [n for n in CASE_NAMES if n in MTP_KINDS])
 def test_tp2_mtp_head_replays_its_graphs(served, name):
-    """MTP drafts at TP: rank 0's head ran compiled with no graph break, its steps replaying its
-    piecewise CUDA graphs (the followers replay each with it: their tokens are checked above, their
-    compiles in test_tp2_no_compiles_after_from_pretrained); chains of drafts were proposed and verified."""
+    """MTP drafts at TP: rank 0's head ran compiled with no graph break, its prefill steps replaying its
+    piecewise CUDA graphs; a chain's every proposal replayed a whole-proposal graph (the proposal graphs,
+    on by default: each rank captured them at start-up and replays rank 0's proposals, ``PROPOSAL``;
+    their tokens are checked above, their compiles in test_tp2_no_compiles_after_from_pretrained), a
+    tree's ran its steps one by one; chains of drafts were proposed and verified."""
     r, _ = _result(served, name)
     head, spec = r["mtp_compile"], r["speculative"]
     assert head is not None and head["graph_breaks"] == 0 and head["recompiles"] == 0, head
@@ -621,6 +623,11 @@ def test_tp2_mtp_head_replays_its_graphs(served, name):
     assert spec["method"] == "mtp" and spec["verify_steps"] > 0, spec
     source = spec["draft_source"]
     assert source["head_decode_steps"] > 0 and source["window_steps"] > 0, source
+    if name.endswith("@mtp_tree"):
+        assert source["mtp_graph_replays"] == 0, source
+    else:
+        assert source["mtp_graph_replays"] > 0, source
+        assert spec["device_draft_steps"] > 0, spec
 
 
 @pytest.mark.parametrize("name", [n for n in CASE_NAMES if n.endswith("@elastic")])

@@ -15,13 +15,17 @@ logits gathered, ``distributed.layers.VocabParallelRows``). Each with chunked pr
 and more prompts than running slots. In fp32 the sharded head's math is the single-process
 head's up to summation order, so the greedy tokens equal the single-process MTP engine's and HF
 ``generate``'s, and every proposal and counter (verify steps, drafted, accepted, the head's step
-counters) equals the single-process run's. The cases run in one group of spawned ranks
+counters) equals the single-process run's. ``@proposal_graphs``: the MTP proposal graphs' body
+(``EngineConfig.extra["mtp_draft_graphs"]``, uncaptured on the CPU), each proposal one ``PROPOSAL``
+command that every rank runs whole. The cases run in one group of spawned ranks
 (``test_tensor_parallel._run_group``). Raised before any rank starts: a checkpoint without
-``mtp.*`` tensors (here) and ``EngineConfig.extra["mtp_draft_graphs"]`` (tests/test_tensor_parallel.py).
+``mtp.*`` tensors (here) and ``EngineConfig.extra["mtp_draft_graphs"]=True`` on CPU ranks
+(tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -50,8 +54,27 @@ CASES = (
     ("nemotron_h", "nemotron_h", dict(method="mtp", num_draft_tokens=2), False),
     # a draft token map (the fixture draws it: _token_map): each rank's LM head rows of the map, gathered
     ("qwen3_next_moe@token_map", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), True),
+    # the proposal graphs' body (mtp_graphs.py, uncaptured on the CPU: _proposal_graphs): each proposal one
+    # PROPOSAL command, every rank running the whole window + chain from rank 0's staged step
+    ("qwen3_next_moe@proposal_graphs", "qwen3_next_moe", dict(method="mtp", num_draft_tokens=3), True),
 )
 ACCEPTING = tuple(c[0] for c in CASES if c[3])
+
+
+@contextlib.contextmanager
+def _proposal_graphs(name: str):
+    """For a ``@proposal_graphs`` case: the MTP draft source builds its proposal graphs, which on the
+    CPU (no full CUDA graphs to capture them in) run their body uncaptured."""
+    if not name.endswith("@proposal_graphs"):
+        yield
+        return
+    from hybrid_compile.engine.speculative import mtp
+
+    saved, mtp.resolve_option = mtp.resolve_option, lambda config, device: True
+    try:
+        yield
+    finally:
+        mtp.resolve_option = saved
 
 
 def _move_mtp_tensors(path: str, to: str) -> None:
@@ -113,7 +136,9 @@ def _rank_main(rank: int, size: int, cases: list[dict], result_path: str) -> Non
     results = {}
     for case in rank_cases(rank, size, cases):
         t0 = time.perf_counter()
-        engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, speculative=case["speculative"], **OPTIONS)
+        with _proposal_graphs(case["name"]):
+            engine = hc.from_pretrained(case["dir"], tensor_parallel_size=size, speculative=case["speculative"],
+                                        **OPTIONS)
         if rank != 0:
             assert engine is None
             continue
@@ -153,7 +178,8 @@ def served(tmp_path_factory):
         if name.endswith("@mtp_checkpoint"):
             spec = dict(spec, mtp_checkpoint=str(tmp_path_factory.mktemp("mtp_head")))
             _move_mtp_tensors(path, spec["mtp_checkpoint"])
-        engine = hc.from_pretrained(path, speculative=spec, **OPTIONS)
+        with _proposal_graphs(name):
+            engine = hc.from_pretrained(path, speculative=spec, **OPTIONS)
         model = engine.model
         prompts = random_prompts((3, 45, 11), vocab_size(model), seed=7)
         one = _serve(engine, prompts)
@@ -178,7 +204,7 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     assert r["outputs"] == one["hf"]
     assert r["prefix_hits"] > 0 and one["prefix_hits"] > 0
     # the same math in fp32: the same proposals and counters as on one process
-    assert r["counters"] == one["counters"] and r["counters"]["verify_steps"] > 0
+    assert r["counters"] == one["counters"] and r["counters"]["verify_steps"] > 0, json.dumps([r["counters"], one["counters"], r["head"], one["head"], r["proposals"], one["proposals"]])
     assert r["head"] == one["head"] and r["head"]["head_decode_steps"] > 0 and r["head"]["window_steps"] > 0
     assert r["proposals"] == one["proposals"]
     if "@tree" not in name:
@@ -196,9 +222,17 @@ def test_mtp_two_ranks_equal_single_process_and_hf(served, name):
     assert r["head_kv_heads"] == max(1, one["head_kv_heads"] // 2)
     h = r["fc"][0]
     assert r["fc"] == [h, 2 * h]
-    # every head forward (extends, windows, chain steps) and every verify step went to rank 1 as a command
-    head_forwards = r["head"]["head_extend_steps"] + r["head"]["head_decode_steps"]
-    assert r["commands"] >= head_forwards + r["counters"]["verify_steps"]
+    # every head forward (extends, windows, chain steps; a proposal graph's window and chain: one command) and
+    # every verify step went to rank 1 as a command
+    head = r["head"]
+    proposals = head["mtp_graph_replays"] + head["mtp_graph_eager_runs"]
+    if name.endswith("@proposal_graphs"):  # (every proposal: the body, run by both ranks)
+        assert head["mtp_graph_eager_runs"] > 0 and head["mtp_graph_fallbacks"] == 0, head
+    else:
+        assert proposals == 0, head
+    k = {c[0]: c[2] for c in CASES}[name]["num_draft_tokens"]
+    head_commands = head["head_extend_steps"] + head["head_decode_steps"] - (k - 1) * proposals
+    assert r["commands"] >= head_commands + r["counters"]["verify_steps"]
     # each rank's shard (the head's part included) is about half the checkpoint (mtp.* tensors included)
     assert all(0.4 * full < shard < 0.75 * full for shard, full in r["shards"]), r["shards"]
     assert not any(r["pools_used"].values()), r["pools_used"]

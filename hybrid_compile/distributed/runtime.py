@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..engine import EngineConfig, HybridEngine
 from ..engine.speculative import SpeculativeConfig
-from ..engine.speculative.mtp_graphs import OPTION as MTP_GRAPHS_OPTION
+from ..engine.speculative.mtp_graphs import resolve_option as resolve_mtp_graphs
 from ..engine.startup import Startup
 from ..models.mtp import check_mtp_checkpoint
 from . import group as _group
@@ -182,12 +182,9 @@ class TensorParallelEngine(HybridEngine):
 
 def _check_options(config: EngineConfig, size: int, device_type: str) -> EngineConfig:
     spec = config.speculative
-    if spec is not None and spec.method == "mtp" and config.extra.get(MTP_GRAPHS_OPTION, False) not in (False, None):
-        raise ValueError(
-            f"EngineConfig.extra[{MTP_GRAPHS_OPTION!r}] (full CUDA graphs of whole MTP proposals) with "
-            f"tensor_parallel_size={size} is not supported: the followers replay the head's steps one forward at a "
-            "time; leave it off (the head's steps still replay its piecewise CUDA graphs)"
-        )
+    if spec is not None and spec.method == "mtp":
+        # the MTP proposal graphs as on one process: an explicit True that cannot run raises here, before launch
+        resolve_mtp_graphs(config, torch.device(device_type))
     # an explicit one-shot all-reduce that cannot run (CPU, 3 ranks, no P2P): one error before launch
     # ("auto" never raises: each rank resolves it with the model's dtype, build_rank_engine)
     if config.tensor_parallel_all_reduce == "one_shot":
@@ -360,9 +357,7 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     install_collectives(model, plan, tp)
     if mtp_head is not None:
         install_mtp_collectives(mtp_head, plan, tp)
-    # the MTP proposal graphs (on by default with full CUDA graphs) stay off: the followers replay the
-    # head's steps one forward at a time (an explicit True is refused before launch, _check_options)
-    extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config), **{MTP_GRAPHS_OPTION: False})
+    extra = dict(engine_config.extra, memory_budget_bytes=_memory_budget(tp, engine_config))
     # (fused_moe stays as given: each rank's engine resolves it, and the fused routers before FP8 experts, as
     # one process does, on the same layout. The all-reduce mode is the group's now, tp.one_shot; the engine's
     # own check refuses 'one_shot')
@@ -384,10 +379,12 @@ def build_rank_engine(tp: TensorParallelGroup, path: str, config, engine_config:
     c = engine.runner.compile_stats()
     head = mtp_runner(engine)
     h = head.compile_stats() if head is not None else {}
-    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0), h.get("piecewise_graphs", 0)])
+    proposals = getattr(engine.speculative.source, "graphs", None) if engine.speculative is not None else None
+    graphs = tp.gather_ints([c.get("full_graphs", 0), c.get("piecewise_graphs", 0), h.get("piecewise_graphs", 0),
+                             -1 if proposals is None else len(proposals.graphs)])
     if any(g != graphs[0] for g in graphs):  # rank 0's every replay pairs with the same graph on every rank
         raise RuntimeError(f"tensor parallelism: the ranks captured different CUDA graphs ([full, piecewise, MTP "
-                           f"head piecewise] per rank: {graphs})")
+                           f"head piecewise, MTP proposal (-1: none built)] per rank: {graphs})")
     if tp.is_leader:
         engine.load_reports = [LoadReport(*r) for r in reports]
         engine.warm_up_with_followers()

@@ -12,6 +12,14 @@ does to the device state of the model reaches the followers as one command, in o
   target's hidden states, or the head's own output in a chain) follows the payload, one broadcast
   each in its own dtype, and its drafts are picked on rank 0 only (they reach the other ranks as the
   verify step's input ids).
+- ``PROPOSAL``: a proposal of the MTP head's proposal graphs (``EngineConfig.extra["mtp_draft_graphs"]``,
+  :mod:`hybrid_compile.engine.speculative.mtp_graphs`): the bucket, the staged step rank 0 copied to
+  its device and its requests' ``req_to_token`` entries before the window (one int64 payload: the
+  graph's metadata op reads them from the map, which on the other ranks only the proposals' own ops
+  write) and the head's hidden-state input rows (one broadcast in their dtype); the other ranks copy
+  them into their own proposal buffers and map and replay the same graph (run its body where
+  nothing was captured). The drafts are rank 0's: they reach the other ranks as the
+  verify step's input ids.
 - ``GRAPH``: a replay of a full CUDA graph (decode or verify) with the step rank 0 built into its
   graph buffers (``GraphBuffers.step_tensors``, a draft tree's mask and parents included); the other
   ranks copy it into their own buffers and replay the same graph. Every rank captured the same
@@ -46,7 +54,7 @@ from ..compilation.cuda_graphs import GraphBuffers, GraphKey
 from ..layers.context import ForwardContext, ForwardMetadata, ForwardMode, forward_context, get_forward_context
 from .group import TensorParallelGroup
 
-FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH, HOST_WRITE, HOST_LOAD, RESIZE = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+FORWARD, ZERO, COPY, COMMIT, STOP, KV_COPY, GRAPH, HOST_WRITE, HOST_LOAD, RESIZE, PROPOSAL = range(1, 12)
 TARGET, HEAD = 0, 1  # a FORWARD's runner: the target model's, the MTP head's
 _HEADER = 64
 _MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
@@ -139,6 +147,16 @@ class StepBroadcaster:
         fields, tensors = graph_step(buffers, md)
         self._send([GRAPH, *fields], tensors)
 
+    def proposal(self, bucket: int, staged: torch.Tensor, hidden: torch.Tensor, req_slots: list[int],
+                 width: int, req_to_token: torch.Tensor) -> None:
+        """An MTP proposal of the proposal graphs' bucket ``bucket``: its staged step (int64, on the
+        device), the first ``width`` ``req_to_token`` entries of its requests' rows ``req_slots`` and
+        the head's hidden-state input rows."""
+        idx = torch.tensor(req_slots, dtype=torch.int64).to(self.tp.device, non_blocking=True)
+        rows = req_to_token[:, :width].index_select(0, idx)
+        self._send([PROPOSAL, bucket, staged.numel(), hidden.shape[0], len(req_slots), width], [staged, idx, rows])
+        dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
+
     # -- the Mamba pool's observer -------------------------------------------------------------
     def zero_slots(self, idx: torch.Tensor) -> None:
         self._send([ZERO, idx.numel()], [idx])
@@ -168,15 +186,19 @@ class StepBroadcaster:
 
 
 class _HeadSteps:
-    """The MTP head runner's step observer on rank 0: its model calls as ``HEAD`` forwards. (Its
-    steps are never built into a full CUDA graph's buffers: the proposal graphs are refused with
-    tensor parallelism, ``runtime._check_options``.)"""
+    """The MTP head runner's step observer on rank 0: its model calls as ``HEAD`` forwards, the
+    proposal graphs' proposals as ``PROPOSAL`` commands. (Its steps are never built into the
+    target's full CUDA graph buffers: a whole proposal is one graph of its own.)"""
 
     def __init__(self, broadcaster: StepBroadcaster) -> None:
         self.broadcaster = broadcaster
 
     def forward(self, compiled: bool, input_ids: torch.Tensor, extra: tuple = (), piecewise: bool = False) -> None:
         self.broadcaster.forward(compiled, input_ids, extra, piecewise, runner=HEAD)
+
+    def proposal(self, bucket: int, staged: torch.Tensor, hidden: torch.Tensor, req_slots: list[int], width: int,
+                 req_to_token: torch.Tensor) -> None:
+        self.broadcaster.proposal(bucket, staged, hidden, req_slots, width, req_to_token)
 
     def replay(self, buffers: GraphBuffers, md: ForwardMetadata) -> None:
         raise RuntimeError("tensor parallelism: the MTP head's steps are not replayed as full CUDA graphs")
@@ -278,6 +300,25 @@ def _replay(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     full.replay(key, requests)
 
 
+def _proposal(engine, tp: TensorParallelGroup, header: list[int]) -> None:
+    """Rank 0's MTP proposal copied into this rank's proposal buffers, then the same bucket's graph
+    replayed (its body run, where none was captured)."""
+    spec = engine.speculative
+    graphs = getattr(spec.source, "graphs", None) if spec is not None else None
+    if graphs is None:
+        raise RuntimeError("tensor parallelism: rank 0 runs an MTP proposal graph, this rank built none")
+    bucket, n, rows, b, width = header[1:6]
+    if graphs.capture and bucket not in graphs.graphs:
+        raise RuntimeError(f"tensor parallelism: rank 0 replays the MTP proposal graph of {bucket} requests, this "
+                           "rank did not capture it")
+    staged, idx, entries = _payload(tp, n + b + b * width).split([n, b, b * width])
+    graphs.staged[:n].copy_(staged)
+    r2t = graphs.runner.pools.req_to_token.req_to_token
+    r2t[:, :width].index_copy_(0, idx, entries.view(b, width).to(r2t.dtype))
+    dist.broadcast(graphs.hidden_in[:rows], 0, group=tp.group)
+    graphs.run_staged(bucket)
+
+
 def _resize(engine, kv_pages: int, mamba_slots: int) -> None:
     """A follower's side of ``RESIZE``: the pools take rank 0's sizes (``MemoryPools.resize_to``, as
     rank 0's move did), then the engine refreshes its views and captures its full graphs again."""
@@ -306,6 +347,9 @@ def follow(engine, tp: TensorParallelGroup) -> int:
             forwards += 1
         elif cmd == GRAPH:
             _replay(engine, tp, header)
+            forwards += 1
+        elif cmd == PROPOSAL:
+            _proposal(engine, tp, header)
             forwards += 1
         elif cmd == ZERO:
             mamba.zero_state(_payload(tp, header[1]))

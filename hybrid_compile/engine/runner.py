@@ -188,6 +188,13 @@ class ModelRunner:
             self.step_observer.forward(False, input_ids, extra)
         return self._forward_fn(self.model)(input_ids, positions, logits_indices, *extra)
 
+    def call_unobserved(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
+        """The model call (compiled where the runner compiles, else eager) without telling the step
+        observer: for steps every tensor-parallel rank runs by itself (the MTP proposal graphs' body)."""
+        if self.compiled:
+            return self.graphs.call(input_ids, positions, logits_indices, *extra)
+        return self._forward_fn(self.model)(input_ids, positions, logits_indices, *extra)
+
     def _call_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, *extra):
         """Packed tokens -> logits through the compiled forward (:meth:`.graph_setup.CompiledGraphs.call`)."""
         if self.step_observer is not None:

@@ -137,9 +137,10 @@ class MTPDraft:
         # EngineConfig.extra["mtp_draft_graphs"]: full CUDA graphs of whole chain proposals (mtp_graphs.py)
         self.graphs: ProposalGraphs | None = None
         if resolve_option(cfg, target.device):
+            # (True on CUDA only: its full graphs; the body without a capture is what the CPU tests run)
             self.graphs = ProposalGraphs(self, cfg.speculative.num_draft_tokens,
                                          cfg.cuda_graph_batch_sizes or cg.default_decode_batch_sizes(cfg.max_running_requests),
-                                         capture=True)
+                                         capture=torch.device(target.device).type == "cuda")
 
     def pick(self, logits: torch.Tensor, topk: int):
         """``tree.pick_next`` of the head's draft logits: over the vocabulary, or over the head's

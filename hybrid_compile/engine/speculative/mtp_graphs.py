@@ -20,7 +20,11 @@ in one ``[bucket, k]`` buffer, read back with one device->host copy.
 
 The same body runs without a capture (``capture=False``): what the CPU tests check against the
 general path; on CUDA it is captured at start-up, after the target's graphs, in the target's
-graph pool. On by default wherever it can run (:func:`resolve_option`): on an H100 it cut the
+graph pool. Under tensor parallelism every rank captures the same graphs at start-up (the head's
+collectives inside them pair up) and rank 0's head runner's step observer sends each proposal's
+staged step and hidden-state rows to the other ranks (``PROPOSAL``, :mod:`hybrid_compile.distributed.step`),
+which copy them into their own buffers and replay the same graph; the body's model calls are not
+broadcast one by one. On by default wherever it can run (:func:`resolve_option`): on an H100 it cut the
 head's cost per forward from 2.2-2.9 ms (eager steps) to 0.5 ms (``benchmarks/speculative.py``).
 """
 
@@ -112,10 +116,10 @@ class ProposalGraphs:
 
     # -- the body (captured, or run as it is) ---------------------------------------------------
     def _forward(self, md, input_ids: torch.Tensor, hidden: torch.Tensor):
+        # (unobserved: under tensor parallelism every rank runs the whole body, from the staged step)
         runner = self.runner
-        fn = runner._call_compiled if runner.compiled else runner._model_forward
         with forward_context(ForwardContext(md, runner.kv_caches, runner.mamba_caches)):
-            return fn(input_ids, md.positions, md.logits_indices, hidden)
+            return runner.call_unobserved(input_ids, md.positions, md.logits_indices, hidden)
 
     def _run(self, bs: int) -> None:
         """The proposal of a bucket over the staged step: drafts into :attr:`drafts` ``[:bs]``."""
@@ -190,12 +194,25 @@ class ProposalGraphs:
         host = torch.tensor(flat, dtype=torch.int64)
         if self.staged.is_cuda:
             host = host.pin_memory()
-        self.staged[: host.shape[0]].copy_(host, non_blocking=True)
+        n = host.shape[0]
+        self.staged[:n].copy_(host, non_blocking=True)
         hidden = torch.cat(hidden_rows)
         self.hidden_in[: hidden.shape[0]].copy_(hidden)
         self.hidden_in[hidden.shape[0]: bs * window].zero_()
+        observer = self.runner.step_observer
+        if observer is not None:  # tensor parallelism: every rank runs this proposal (distributed/step.py)
+            # (with the requests' req_to_token entries before the window, which the head attends to: the other
+            # ranks' maps are written only by the ops of the proposals they run)
+            observer.proposal(bs, self.staged[:n], self.hidden_in[: bs * window],
+                              [r.req_slot for r in window_batch.requests], max(window_batch.prefix_lens),
+                              self.runner.pools.req_to_token.req_to_token)
+        self.run_staged(bs)
+        return self.drafts[:b]
+
+    def run_staged(self, bs: int) -> None:
+        """The proposal of bucket ``bs`` over what :attr:`staged` and :attr:`hidden_in` hold: the
+        captured graph's replay, or the body (``capture`` False)."""
         if self.capture:
             self.graphs[bs].replay()
         else:
             self._run(bs)
-        return self.drafts[:b]

@@ -264,10 +264,12 @@ def assert_greedy_with_continuations(engine, prompts: list[list[int]], new: int)
 
 
 def assert_compiled_without_breaks(engine) -> None:
-    """The target and the MTP head ran compiled, with no graph break."""
+    """The target and the MTP head ran compiled, with no graph break, the head without a recompile
+    (its window, chain and extend steps all served by its one dynamic graph)."""
     assert engine.stats()["compile"]["graph_breaks"] == 0
     head = engine.speculative.source.runner.compile_stats()
     assert head["enabled"] and head["graph_breaks"] == 0 and head["compiled_steps"] > 0
+    assert head["recompiles"] == 0, head["recompile_reasons"]
 
 
 def finish_engine(engine) -> None:

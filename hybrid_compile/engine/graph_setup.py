@@ -154,6 +154,10 @@ class CompiledGraphs:
         self.backend = None
         self.released = False  # release_packed_weights ran: the compiled forward must not run again
         self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
+        # Dynamo's 0/1 specialisations that graphs of batch 1 outside this object's own ask for (the MTP
+        # proposal graphs of one request: a window with one logits row, a chain step of one token), set by
+        # their owner: like the one-token decode graph, not counted as recompiles in stats()
+        self.batch_one_specialisations = 0
         # CUDA graphs (compilation/cuda_graphs.py): full graphs of decode steps, piecewise graphs of the pieces
         self.graph_pool = cg.GraphPool() if full or piecewise else None
         self.piecewise_graphs = cg.PiecewiseGraphs(self.graph_pool) if piecewise else None
@@ -402,8 +406,9 @@ class CompiledGraphs:
             self.full_graphs.forward = None
 
     def _one_token_graphs(self) -> int:
-        """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token)."""
-        return int(self.full_graphs is not None and 1 in self.full_graphs.batch_sizes)
+        """1 when a full decode graph of batch 1 was captured (its compile is specialised to one token),
+        plus :attr:`batch_one_specialisations`."""
+        return int(self.full_graphs is not None and 1 in self.full_graphs.batch_sizes) + self.batch_one_specialisations
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -411,7 +416,7 @@ class CompiledGraphs:
         ``compile_seconds`` (split + Inductor, every graph), ``warmup_seconds`` (the compile at
         construction: Dynamo trace + backend + one run), ``graphs`` (Dynamo compiles of the forward),
         ``recompiles`` (graphs beyond the first and the one-token specialisation of a decode graph of
-        batch 1, see ``cuda_graphs.FullGraphRunner``), ``recompile_reasons`` (Dynamo's first failed guard per
+        batch 1, see ``cuda_graphs.FullGraphRunner``, or those of the MTP proposal graphs' batch 1), ``recompile_reasons`` (Dynamo's first failed guard per
         recompile, the one-token graph's included), ``pieces`` (Inductor-compiled pieces), ``distinct_pieces`` (of them, compiled once each: repeated layers share code), ``laid_out_pieces`` (of the
         rest, those whose fake outputs the backend laid out from their key's first piece instead of running
         them under fake mode), ``splitting_op_calls`` and

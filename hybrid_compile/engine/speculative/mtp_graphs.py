@@ -81,16 +81,22 @@ class ProposalGraphs:
         r2t = pools.req_to_token.req_to_token
         self.padding_slot = pools.kv.PADDING_SLOT
         dev, most = runner.device, self.sizes[-1]
-        self.buffers = cg.GraphBuffers(most, r2t.shape[1], dev, r2t.dtype, self.padding_slot,
-                                       max_tokens_per_request=self.window)
-        # staged rows of the window and of each chain step, then the window's logits rows, per bucket
-        # laid out from offset 0 (one host->device copy)
-        self.staged = torch.zeros(self._staged_size(most), dtype=torch.int64, device=dev)
-        self.hidden_in = torch.zeros(most * self.window, source.head.hidden_size, dtype=source.target.dtype, device=dev)
-        self.drafts = torch.zeros(most, k, dtype=torch.int64, device=dev)
+        # inference tensors, as the head's own outputs that the chain steps feed it: a compiled forward
+        # guards on its inputs' dispatch keys, and a normal tensor here recompiled it twice per proposal shape
+        with torch.inference_mode():
+            self.buffers = cg.GraphBuffers(most, r2t.shape[1], dev, r2t.dtype, self.padding_slot,
+                                           max_tokens_per_request=self.window)
+            # staged rows of the window and of each chain step, then the window's logits rows, per bucket
+            # laid out from offset 0 (one host->device copy)
+            self.staged = torch.zeros(self._staged_size(most), dtype=torch.int64, device=dev)
+            self.hidden_in = torch.zeros(most * self.window, source.head.hidden_size, dtype=source.target.dtype,
+                                         device=dev)
+            self.drafts = torch.zeros(most, k, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture = capture
         self.capture_seconds = 0.0
+        if 1 in self.sizes:  # (one logits row in the window; one token a chain step: Dynamo specialises both)
+            runner.graphs.batch_one_specialisations = 1 + (k > 1)
         if capture:
             # the head runner's pool (none: the head runs without piecewise graphs)
             self.pool = runner.graphs.graph_pool or cg.GraphPool()

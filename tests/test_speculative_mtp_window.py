@@ -242,3 +242,39 @@ def test_kernel_warm_up_leaves_the_head_counters_as_they_were(checkpoint):
     assert len(proposals) > 0 and engine.stats()["speculative"]["draft_source"] == before
     assert before["head_extend_steps"] == before["window_steps"] == 0
     finish_engine(engine)
+
+
+def test_chain_staging_equals_one_uniform_step_each(checkpoint):
+    """``ForwardBatchBuilder.stage_chain`` (a proposal's k - 1 chain steps staged at once, one write of
+    their ``req_to_token`` host entries) gives, at every proposal of a served batch, the rows that
+    ``stage_uniform`` gives for each step on its own, and the same host map entries."""
+    from hybrid_compile.engine.scheduler import ScheduledBatch
+    from hybrid_compile.engine.speculative.mtp_graphs import ProposalGraphs
+    from hybrid_compile.layers.context import ForwardMode
+
+    k = 3
+    engine = _engine(checkpoint, k)
+    source = engine.speculative.source
+    source.graphs = ProposalGraphs(source, k, (1, 2), capture=False)
+    builder = source.runner.batch_builder
+    r2t = engine.pools.req_to_token
+    chains = []
+    staged = builder.stage_chain
+
+    def checked(batch, steps, pad_to):
+        rows = staged(batch, steps, pad_to)
+        host = r2t._req_to_token_host.clone()
+        b = len(batch.requests)
+        per_request = batch.out_cache_loc.view(b, steps)
+        want = [builder.stage_uniform(ScheduledBatch(batch.requests, [p + j for p in batch.prefix_lens], [1] * b,
+                                                     per_request[:, j].contiguous(), ForwardMode.DECODE),
+                                      1, None, True, pad_to)[0] for j in range(steps)]
+        assert rows == want
+        assert torch.equal(r2t._req_to_token_host, host)  # (each step's own write: the entries stage_chain wrote)
+        chains.append((b, steps))
+        return rows
+
+    builder.stage_chain = checked
+    assert_greedy_with_continuations(engine, _prompts(checkpoint, (5, 40, 11), 3), NEW)
+    assert chains and all(steps == k - 1 for _, steps in chains) and {b for b, _ in chains} == {1, 2}
+    finish_engine(engine)

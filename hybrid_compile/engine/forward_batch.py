@@ -314,6 +314,27 @@ class ForwardBatchBuilder:
             rows += md_ops.padding_rows(start, pad_to - b, steps)
         return rows, start
 
+    def stage_chain(self, batch: ScheduledBatch, steps: int, pad_to: int) -> list[list[list[int]]]:
+        """The staged rows of ``steps`` one-token DECODE steps of ``batch``'s requests, one after the
+        other (an MTP proposal's chain, its ids from the device): step ``j`` of request ``i`` at
+        position ``batch.prefix_lens[i] + j`` in KV slot ``batch.out_cache_loc[i * steps + j]``
+        (request-major), each step padded to ``pad_to`` requests; the same rows as :meth:`stage_uniform`
+        of each step, with one host-mirror write of the ``req_to_token`` entries of all of them."""
+        reqs = batch.requests
+        prefix = batch.prefix_lens
+        slots = batch.out_cache_loc.tolist()
+        self.pools.req_to_token.set_decode_tokens([r.req_slot for r in reqs], prefix, slots, write_device=False,
+                                                  steps=steps)
+        fixed = [(r.req_slot, r.mamba_slot, len(r.prompt)) for r in reqs]
+        out = []
+        for j in range(steps):
+            rows, start = [], 0
+            for i, ((req_slot, mamba_slot, prompt_len), p) in enumerate(zip(fixed, prefix)):
+                rows.append(md_ops.staged_row(req_slot, p + j, start, mamba_slot, prompt_len, [slots[i * steps + j]], [0]))
+                start += p + j + 1
+            out.append(rows + md_ops.padding_rows(start, pad_to - len(reqs), 1))
+        return out
+
     def _uniform_outputs(self, b: int, steps: int, total: int) -> tuple[torch.Tensor, ...]:
         """Fresh device tensors for the ``uniform_step_metadata`` outputs of ``b`` requests of
         ``steps`` tokens and ``total`` KV entries (each view 16-byte aligned)."""

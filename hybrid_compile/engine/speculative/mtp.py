@@ -269,9 +269,8 @@ class MTPDraft:
             self.counters["mtp_graph_fallbacks"] += 1
             return None
         try:
-            per_request = slots.view(len(reqs), k - 1)
-            chain = [ScheduledBatch(batch.requests, [r.num_computed + j for r in reqs], [1] * len(reqs),
-                                    per_request[:, j].contiguous(), ForwardMode.DECODE) for j in range(k - 1)]
+            chain = ScheduledBatch(batch.requests, [r.num_computed for r in reqs], [k - 1] * len(reqs), slots,
+                                   ForwardMode.DECODE) if k > 1 else None
             rows = graphs.propose(batch, ids, hidden, lens, chain)
         finally:
             if slots.numel():

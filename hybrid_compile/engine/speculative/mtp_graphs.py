@@ -180,22 +180,25 @@ class ProposalGraphs:
     # -- one proposal ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, window_batch: ScheduledBatch, ids: list[list[int]], hidden_rows: list[torch.Tensor],
-                lens: list[int], chain: list[ScheduledBatch]) -> torch.Tensor:
+                lens: list[int], chain: ScheduledBatch | None) -> torch.Tensor:
         """The drafts ``[b, k]`` (int64, on the device: a view of :attr:`drafts`, valid until the
         next proposal) of a proposal: ``window_batch`` / ``ids`` / ``hidden_rows`` / ``lens``
-        the window step (:meth:`.mtp.MTPDraft._window`), ``chain`` its ``k - 1`` DECODE steps
-        (KV slots taken); the batch fits a bucket (:meth:`bucket`)."""
+        the window step (:meth:`.mtp.MTPDraft._window`), ``chain`` its ``k - 1`` one-token steps
+        (:meth:`~hybrid_compile.engine.forward_batch.ForwardBatchBuilder.stage_chain`: prefix lengths
+        at the first, KV slots taken, request-major; None when ``k`` is 1); the batch fits a bucket
+        (:meth:`bucket`)."""
         b = len(window_batch.requests)
         bs = self.bucket(b)
-        if bs is None or len(chain) != self.k - 1:
-            raise ValueError(f"ProposalGraphs.propose: {b} requests and {len(chain)} chain steps, the graphs hold "
+        steps = 0 if chain is None else chain.out_cache_loc.numel() // max(1, len(chain.requests))
+        if bs is None or steps != self.k - 1:
+            raise ValueError(f"ProposalGraphs.propose: {b} requests and {steps} chain steps, the graphs hold "
                              f"up to {self.sizes[-1]} requests and {self.k - 1} chain steps")
         builder, window = self.runner.batch_builder, self.window
         staged, _ = builder.stage_uniform(window_batch, window, ids, False, pad_to=bs)
         flat = [x for row in staged for x in row]
-        for step in chain:
-            rows, _ = builder.stage_uniform(step, 1, None, True, pad_to=bs)
-            flat += [x for row in rows for x in row]
+        if chain is not None:
+            for rows in builder.stage_chain(chain, steps, bs):
+                flat += [x for row in rows for x in row]
         flat += [i * window + a - 1 for i, a in enumerate(lens)] + [i * window + window - 1 for i in range(b, bs)]
         host = torch.tensor(flat, dtype=torch.int64)
         if self.staged.is_cuda:

@@ -380,6 +380,10 @@ def test_from_pretrained_errors_are_clear(ckpt, tmp_path):
         hc.from_pretrained(ckpt["no_tok"], tokenizer="required")
     with pytest.raises(TypeError, match="unknown EngineConfig field"):
         hc.from_pretrained(ckpt["qwen"], max_runing_requests=2)
+    # an extra key passed as a field: the error says where it goes
+    with pytest.raises(TypeError, match=r"mtp_draft_graphs \(mtp_draft_graphs: a key of the `extra` field, e.g. "
+                                        r"extra=\{'mtp_draft_graphs': ...\}\)"):
+        hc.from_pretrained(ckpt["qwen"], mtp_draft_graphs=False)
     # EngineConfig.extra's keys are checked too (a typo or a field put in extra is never ignored),
     # from from_pretrained / wrap and from a HybridEngine built directly
     with pytest.raises(ValueError, match=r"unknown EngineConfig.extra key\(s\): 'fused_moe'; the keys are 'rewrite_passes'"):

@@ -118,8 +118,11 @@ class EngineConfig:
         if isinstance(config, dict):
             unknown += sorted(set(config) - names)
         if unknown:
+            extra_keys = [u for u in unknown if u in EXTRA_OPTIONS]
+            hint = (f" ({', '.join(extra_keys)}: a key of the `extra` field, e.g. extra={{{extra_keys[0]!r}: ...}})"
+                    if extra_keys else "")
             raise TypeError(
-                f"unknown EngineConfig field(s): {', '.join(unknown)}; valid fields: {', '.join(sorted(names))}"
+                f"unknown EngineConfig field(s): {', '.join(unknown)}{hint}; valid fields: {', '.join(sorted(names))}"
             )
         if config is None:
             base = cls()

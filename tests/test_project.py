@@ -28,6 +28,10 @@ def test_readme_opens_with_main_job_and_test_command_and_ci_runs_the_latter():
     assert "pytest" in test_cmd
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_cmd in ci_lines, "CI must run exactly the README's test command"
+    if re.search(r"\s-n\s", test_cmd):  # (pytest-xdist workers: the extras the command installs must hold it)
+        extras = re.search(r'install -e "\.\[([^\]]*)\]"', test_cmd).group(1).split(",")
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        assert any(re.search(rf"^{e} = \[[^\]]*pytest-xdist", pyproject, re.S | re.M) for e in extras), extras
 
 
 def test_every_kernel_op_is_registered_with_a_fake_impl_and_docstring():

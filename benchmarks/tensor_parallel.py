@@ -29,7 +29,11 @@ free memory, ``memory_fraction``), the activations and the graphs.
 its shard of them (``mtp_checkpoint``). A random head's drafts are all but never accepted, so the
 decode rows then measure what drafting costs under tensor parallelism (acceptance length ~1: the
 head's window and chain steps, each replayed by every rank, plus the verify step); the JSON keeps
-each size's ``speculative`` stats.
+each size's ``speculative`` stats. ``--mtp-baseline`` also serves each size without speculative
+decoding (on CUDA in a process of its own, as the sizes) and keeps, per batch, ``mtp_vs_plain``: the
+tok/s ratio, a verify cycle's and a plain decode step's milliseconds and their ratio
+(``cycle_vs_decode_step``: a head accepting L tokens a cycle decodes at about L / that ratio times
+the plain rate).
 
 On CUDA each of several ``--tp`` sizes runs in a process of its own (this script again with that size):
 a second tensor-parallel engine of one process serves its all-reduces on NCCL (its rank 0 mapped
@@ -41,7 +45,7 @@ with the NCCL all-reduces inside them.
 
     python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --cuda-graphs true --out tp80b.json
     python benchmarks/tensor_parallel.py --shape reference --weights checkpoint --tp 1,2,4 --workdir /data/ckpt
-    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --mtp 3 --batches 1,16 --out tp80b_mtp.json
+    python benchmarks/tensor_parallel.py --shape qwen3_next_80b --tp 2 --mtp 3 --mtp-baseline --batches 1,16 --out tp80b_mtp.json
     python benchmarks/tensor_parallel.py --device cpu --tiny --tp 1,2     # smoke run
 
 Prints a table and writes JSON (``--out``).
@@ -293,16 +297,31 @@ def efficiency(results: list[dict]) -> dict:
     return eff
 
 
-def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """``argv`` without the options ``names`` and their values (``--name value`` or ``--name=value``)."""
+def without_options(argv: list[str], names: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` without the options ``names`` and their values (``--name value`` or ``--name=value``)
+    and the value-less ``flags``."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
         elif a in names:
             skip = True
-        elif not any(a.startswith(n + "=") for n in names):
+        elif a not in flags and not any(a.startswith(n + "=") for n in names):
             out.append(a)
+    return out
+
+
+def mtp_vs_plain(mtp: dict, plain: dict) -> dict:
+    """Per batch of both runs' decode rows: ``tok_s_ratio`` (MTP / plain), ``cycle_ms`` (a verify step:
+    the decode loop's seconds per step), ``decode_step_ms`` (plain) and ``cycle_vs_decode_step``."""
+    out = {}
+    for b, m in mtp["decode"].items():
+        p = plain["decode"].get(b)
+        if not p or not m["steps"] or not p["steps"] or not p["tokens_per_s"]:
+            continue
+        cycle, step = 1e3 * m["seconds"] / m["steps"], 1e3 * p["seconds"] / p["steps"]
+        out[b] = dict(tok_s_ratio=m["tokens_per_s"] / p["tokens_per_s"], cycle_ms=cycle, decode_step_ms=step,
+                      cycle_vs_decode_step=cycle / step)
     return out
 
 
@@ -329,6 +348,8 @@ def main() -> None:
     ap.add_argument("--chunked-prefill", type=int, default=8192)
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="speculative decoding with K drafts of a random MTP head (module docstring)")
+    ap.add_argument("--mtp-baseline", action="store_true",
+                    help="with --mtp: each size also without speculative decoding, and their ratios (mtp_vs_plain)")
     ap.add_argument("--extra", type=json.loads, default={}, help="more EngineConfig fields (JSON)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", nargs="+", metavar="FILE", default=None,
@@ -348,6 +369,8 @@ def main() -> None:
         return
     random_default = args.weights == "random" or (args.weights is None and args.model is None and not args.tiny
                                                   and args.shape != "reference")
+    if args.mtp_baseline and not args.mtp:
+        raise SystemExit("--mtp-baseline compares an MTP run with a plain one: it needs --mtp K")
     args.tp = [int(x) for x in (args.tp or ("2" if random_default else "1,2,4")).split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill = [int(x) for x in args.prefill.split(",")]
@@ -392,19 +415,27 @@ def main() -> None:
                     gpus=torch.cuda.device_count() if args.device == "cuda" else 0, results=results,
                     scaling=efficiency(results), torch=torch.__version__, args=vars(args))
 
-    def run_apart(tp: int) -> dict:
-        """Size ``tp`` measured by this script in a process of its own: rank 0 of a second engine in one
-        process maps no symmetric buffer with new rank processes (``distributed/one_shot.py``), so its
-        all-reduces would be NCCL's, not the one-shot kernel's that a first engine takes."""
+    def run_apart(tp: int, plain: bool = False) -> dict:
+        """Size ``tp`` measured by this script in a process of its own (``plain``: without speculative
+        decoding, the ``--mtp-baseline`` run): rank 0 of a second engine in one process maps no symmetric
+        buffer with new rank processes (``distributed/one_shot.py``), so its all-reduces would be NCCL's,
+        not the one-shot kernel's that a first engine takes."""
         import subprocess
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, f"tp{tp}.json")
-            argv = without_options(sys.argv[1:], ("--tp", "--out"))
+            argv = without_options(sys.argv[1:], ("--tp", "--out") + (("--mtp",) if plain else ()),
+                                   ("--mtp-baseline",) if plain else ())
             subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--tp", str(tp), "--out", out], check=True)
             with open(out) as f:
                 return json.load(f)["results"][0]
+
+    def run_plain(tp: int) -> dict:
+        """The ``--mtp-baseline`` run of size ``tp``: the same engine without speculative decoding."""
+        if args.device == "cuda":
+            return run_apart(tp, plain=True)
+        return run_tp(argparse.Namespace(**{**vars(args), "mtp": 0}), path, tp, vocab, lambda current: None)
 
     def save(current: dict) -> None:
         if args.out:
@@ -413,6 +444,12 @@ def main() -> None:
 
     for tp in args.tp:
         r = run_tp(args, path, tp, vocab, save) if len(args.tp) == 1 or args.device != "cuda" else run_apart(tp)
+        if args.mtp and args.mtp_baseline:
+            r["plain"] = {k: v for k, v in run_plain(tp).items() if k in ("decode", "prefill", "load_seconds")}
+            r["mtp_vs_plain"] = mtp_vs_plain(r, r["plain"])
+            for b, v in r["mtp_vs_plain"].items():
+                print(f"TP {tp}: MTP {args.mtp} vs plain, batch {b}: x{v['tok_s_ratio']:.2f} tok/s, a verify cycle "
+                      f"{v['cycle_ms']:.2f} ms = {v['cycle_vs_decode_step']:.2f} decode steps of {v['decode_step_ms']:.2f} ms")
         results.append(r)
         dec = "  ".join(f"b{b} {v['tokens_per_s']:.1f}" for b, v in r["decode"].items())
         pre = "  ".join(f"{L} {v['tokens_per_s']:.0f}" for L, v in r["prefill"].items())

@@ -618,7 +618,7 @@ def bench_skinny(quick):
                 record("skinny_mm gemv_kernel", f"{name} M={m} N={n} K={k}", Ms(best[0] / copies, best[0].mode),
                        cublas and Ms(cublas / copies, cublas.mode), None, bytes_moved=n * k * 2,
                        note=f"(best tile {best[1]} of {len(SKINNY_GEMV_TILES)}; torch column = cuBLAS)")
-        del weights
+        weights.clear()  # (the copies freed before the next shape's)
         torch.cuda.empty_cache()
 
 

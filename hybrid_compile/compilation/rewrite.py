@@ -597,8 +597,9 @@ class SharedInputMatmulFusion(CustomGraphPass):
         if not fp8:  # over the spare rows after the run where its storage has them (pack_parameters): output
             # rows 16-byte aligned; the extra columns are never read
             size = first_weight.value.element_size()
-            if _aligned_rows(total, size) * k * size <= first_weight.value.untyped_storage().nbytes():
-                rows = _aligned_rows(total, size)
+            aligned = _aligned_rows(total, size)
+            if aligned * k * size <= first_weight.value.untyped_storage().nbytes():
+                rows = aligned
         with graph.inserting_before(first.mm):
             packed = _call(graph, fake_mode, aten.as_strided.default, (first_weight.weight, [rows, k], [k, 1], 0))
             if fp8:

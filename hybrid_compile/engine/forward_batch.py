@@ -121,6 +121,21 @@ def pad_requests(
     return full(input_ids, k, 0), padded
 
 
+def _staged_rows(reqs, prefix: list[int], slots: list[int], ids: list[list[int]], steps: int,
+                 pad_to: int | None) -> tuple[list[list[int]], int]:
+    """The staged rows (``ops.metadata.staged_row``) of requests ``reqs`` of ``steps`` new tokens at
+    ``prefix``, in KV slots ``slots`` (request-major) with ids ``ids[i]``, then padding rows up to
+    ``pad_to`` requests; returns (rows, the ``kv_indices`` entry after the requests)."""
+    rows, start = [], 0
+    for i, (r, p) in enumerate(zip(reqs, prefix)):
+        rows.append(md_ops.staged_row(r.req_slot, p, start, r.mamba_slot, len(r.prompt),
+                                      slots[i * steps: (i + 1) * steps], ids[i]))
+        start += p + steps
+    if pad_to is not None:
+        rows += md_ops.padding_rows(start, pad_to - len(reqs), steps)
+    return rows, start
+
+
 class ForwardBatchBuilder:
     """Builds the forward batch of each step of one model runner: its pools (the step's new
     ``req_to_token`` entries are written on the way), its device, and, once captured, the full
@@ -301,18 +316,12 @@ class ForwardBatchBuilder:
             entries = out_cache_loc
         # checks and the host mirror; the op writes the device map
         r2t.set_decode_tokens(req_slots, prefix, entries, write_device=False, steps=steps)
-        rows, start = [], 0
-        for i, (r, p) in enumerate(zip(reqs, prefix)):
-            if device_ids:
-                ids = [0] * steps
-            else:
-                ids = r.token_ids(p, p + 1) + (list(drafts[i]) if drafts is not None else [])
-            rows.append(md_ops.staged_row(r.req_slot, p, start, r.mamba_slot, len(r.prompt),
-                                          out_cache_loc[i * steps: (i + 1) * steps], ids))
-            start += p + steps
-        if pad_to is not None:
-            rows += md_ops.padding_rows(start, pad_to - b, steps)
-        return rows, start
+        if device_ids:
+            ids = [[0] * steps] * b
+        else:
+            ids = [r.token_ids(p, p + 1) + (list(drafts[i]) if drafts is not None else [])
+                   for i, (r, p) in enumerate(zip(reqs, prefix))]
+        return _staged_rows(reqs, prefix, out_cache_loc, ids, steps, pad_to)
 
     def stage_chain(self, batch: ScheduledBatch, steps: int, pad_to: int) -> list[list[list[int]]]:
         """The staged rows of ``steps`` one-token DECODE steps of ``batch``'s requests, one after the
@@ -325,15 +334,8 @@ class ForwardBatchBuilder:
         slots = batch.out_cache_loc.tolist()
         self.pools.req_to_token.set_decode_tokens([r.req_slot for r in reqs], prefix, slots, write_device=False,
                                                   steps=steps)
-        fixed = [(r.req_slot, r.mamba_slot, len(r.prompt)) for r in reqs]
-        out = []
-        for j in range(steps):
-            rows, start = [], 0
-            for i, ((req_slot, mamba_slot, prompt_len), p) in enumerate(zip(fixed, prefix)):
-                rows.append(md_ops.staged_row(req_slot, p + j, start, mamba_slot, prompt_len, [slots[i * steps + j]], [0]))
-                start += p + j + 1
-            out.append(rows + md_ops.padding_rows(start, pad_to - len(reqs), 1))
-        return out
+        ids = [[0]] * len(reqs)
+        return [_staged_rows(reqs, [p + j for p in prefix], slots[j::steps], ids, 1, pad_to)[0] for j in range(steps)]
 
     def _uniform_outputs(self, b: int, steps: int, total: int) -> tuple[torch.Tensor, ...]:
         """Fresh device tensors for the ``uniform_step_metadata`` outputs of ``b`` requests of

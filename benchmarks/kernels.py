@@ -577,18 +577,20 @@ SKINNY_SHAPES = (("gdn in_proj_qkvz+ba", 12352, 2048), ("mlp gate+up", 11264, 20
                  ("gdn out_proj / attn o_proj", 2048, 4096), ("attn q+k+v", 9216, 2048), ("lm head", 151936, 2048))
 
 
-#: (BLOCK_N, BLOCK_K, warps, stages) tried for the dense GEMV kernel at 3 / 4 rows (bench_skinny)
-SKINNY_GEMV_TILES = ((4, 1024, 4, 2), (8, 512, 4, 2), (4, 512, 4, 2), (16, 256, 4, 2), (8, 1024, 8, 2))
+#: (BLOCK_N, BLOCK_K, warps, stages) tried for the skinny kernel at 2-4 rows (bench_skinny)
+SKINNY_ROW_TILES = ((2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 4, 2), (2, 256, 4, 3), (4, 512, 4, 2),
+                    (4, 1024, 8, 2), (8, 512, 8, 2), (8, 2048, 8, 2))
 
 
 def bench_skinny(quick):
     """skinny_mm (decode projections at 1-4 rows) vs torch.mm (cuBLAS). Each timed call cycles over
     copies of the weight that together exceed the L2 cache, so every matmul streams from HBM as in a
-    decode step; one CUDA graph per system, time per matmul. At 3 and 4 rows (the verify steps of an
-    MTP chain of 2 / 3 drafts at batch 1, where the op calls cuBLAS) also the dense GEMV kernel
-    (``ops/triton/gemv.py``, every row in one program) over :data:`SKINNY_GEMV_TILES`: row
-    ``skinny_mm gemv_kernel``, its best tile against cuBLAS, the tile in the note."""
-    from hybrid_compile.ops.triton.gemv import launch_gemv
+    decode step; one CUDA graph per system, time per matmul. At 2-4 rows (3 / 4: the verify steps of
+    an MTP chain of 2 / 3 drafts at batch 1) also the skinny kernel itself over
+    :data:`SKINNY_ROW_TILES` whatever the op picks: row ``skinny_mm kernel``, its best tile against
+    cuBLAS, the tile in the note (where :func:`~hybrid_compile.ops.triton.linear.use_skinny_kernel`
+    and ``skinny_mm_config`` come from)."""
+    from hybrid_compile.ops.triton.linear import skinny_mm_triton
 
     for name, n, k in SKINNY_SHAPES[:3] if quick else SKINNY_SHAPES:
         copies = max(2, -(-(400 << 20) // (n * k * 2)))
@@ -601,23 +603,22 @@ def bench_skinny(quick):
             record("skinny_mm", f"{name} M={m} N={n} K={k}", ours and Ms(ours / copies, ours.mode),
                    cublas and Ms(cublas / copies, cublas.mode), None, bytes_moved=n * k * 2,
                    note="(torch column = torch.mm, cuBLAS)")
-            if m < 3:
+            if m < 2:
                 continue
-            y = torch.empty(m, n, dtype=BF16, device=DEV)
             want = torch.mm(x, weights[0].t()).float()
             best = None
-            for tile in SKINNY_GEMV_TILES:
-                launch_gemv(x, weights[0][None], y, tile, m)
+            for tile in SKINNY_ROW_TILES:
+                y = skinny_mm_triton(x, weights[0], tile)
                 err = (y.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
                 if not err < 2e-2:
-                    raise AssertionError(f"skinny_mm gemv_kernel {name} M={m} tile {tile}: relative error {err:.2e}")
-                t = safe(lambda: bench(lambda: [launch_gemv(x, w[None], y, tile, m) for w in weights]))
+                    raise AssertionError(f"skinny_mm kernel {name} M={m} tile {tile}: relative error {err:.2e}")
+                t = safe(lambda: bench(lambda: [skinny_mm_triton(x, w, tile) for w in weights]))
                 if t and (best is None or t < best[0]):
                     best = (t, tile)
             if best is not None:
-                record("skinny_mm gemv_kernel", f"{name} M={m} N={n} K={k}", Ms(best[0] / copies, best[0].mode),
+                record("skinny_mm kernel", f"{name} M={m} N={n} K={k}", Ms(best[0] / copies, best[0].mode),
                        cublas and Ms(cublas / copies, cublas.mode), None, bytes_moved=n * k * 2,
-                       note=f"(best tile {best[1]} of {len(SKINNY_GEMV_TILES)}; torch column = cuBLAS)")
+                       note=f"(best tile {best[1]} of {len(SKINNY_ROW_TILES)}; torch column = cuBLAS)")
         weights.clear()  # (the copies freed before the next shape's)
         torch.cuda.empty_cache()
 

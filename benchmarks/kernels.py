@@ -577,7 +577,7 @@ SKINNY_SHAPES = (("gdn in_proj_qkvz+ba", 12352, 2048), ("mlp gate+up", 11264, 20
                  ("gdn out_proj / attn o_proj", 2048, 4096), ("attn q+k+v", 9216, 2048), ("lm head", 151936, 2048))
 
 
-#: (BLOCK_N, BLOCK_K, warps, stages) tried for the skinny kernel at 2-4 rows (bench_skinny)
+#: (BLOCK_N, BLOCK_K, warps, stages) tried for the skinny kernel at 2 rows (bench_skinny)
 SKINNY_ROW_TILES = ((2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 4, 2), (2, 256, 4, 3), (4, 512, 4, 2),
                     (4, 1024, 8, 2), (8, 512, 8, 2), (8, 2048, 8, 2))
 
@@ -585,11 +585,10 @@ SKINNY_ROW_TILES = ((2, 512, 4, 3), (2, 1024, 4, 1), (2, 1024, 4, 2), (2, 256, 4
 def bench_skinny(quick):
     """skinny_mm (decode projections at 1-4 rows) vs torch.mm (cuBLAS). Each timed call cycles over
     copies of the weight that together exceed the L2 cache, so every matmul streams from HBM as in a
-    decode step; one CUDA graph per system, time per matmul. At 2-4 rows (3 / 4: the verify steps of
-    an MTP chain of 2 / 3 drafts at batch 1) also the skinny kernel itself over
-    :data:`SKINNY_ROW_TILES` whatever the op picks: row ``skinny_mm kernel``, its best tile against
-    cuBLAS, the tile in the note (where :func:`~hybrid_compile.ops.triton.linear.use_skinny_kernel`
-    and ``skinny_mm_config`` come from)."""
+    decode step; one CUDA graph per system, time per matmul. At 2 rows also the skinny kernel itself
+    over :data:`SKINNY_ROW_TILES` whatever the op picks: row ``skinny_mm kernel``, its best tile
+    against cuBLAS, the tile in the note (where ``skinny_mm_config``'s 2-row tiles come from).
+    At 3-4 rows the op calls cuBLAS (see :func:`~hybrid_compile.ops.triton.linear.use_skinny_kernel`)."""
     from hybrid_compile.ops.triton.linear import skinny_mm_triton
 
     for name, n, k in SKINNY_SHAPES[:3] if quick else SKINNY_SHAPES:
@@ -603,7 +602,7 @@ def bench_skinny(quick):
             record("skinny_mm", f"{name} M={m} N={n} K={k}", ours and Ms(ours / copies, ours.mode),
                    cublas and Ms(cublas / copies, cublas.mode), None, bytes_moved=n * k * 2,
                    note="(torch column = torch.mm, cuBLAS)")
-            if m < 2:
+            if m != 2:
                 continue
             want = torch.mm(x, weights[0].t()).float()
             best = None

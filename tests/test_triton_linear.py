@@ -26,7 +26,7 @@ def _expected(x, w):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k", [(40, 256), (37, 100), (8, 2048), (1, 16)])
 def test_kernel_matches_fp64_matmul(m, n, k, dtype):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -43,14 +43,15 @@ def test_kernel_matches_fp64_matmul(m, n, k, dtype):
 def test_kernel_tile_configs_and_ragged_k():
     """Every tile shape the config picks (narrow long-row tiles, wide short-row tiles), a ``K`` that is
     not a multiple of the block (masked tail) and explicit configs give the same result."""
-    for m in (1, 2, 3, 4):
+    for m in (1, 2):
         x = torch.randn(m, 4096 + 48)
         w = torch.randn(19, 4096 + 48)
         expected = _expected(x, w)
         for config in (None, (4, 1024, 8, 1), (8, 512, 4, 2), (2, 256, 4, 3), (16, 64, 4, 1), (8, 2048, 8, 2)):
             assert_close(tlin.skinny_mm_triton(x, w, config), expected, torch.float32, msg=f"{m} {config}")
     assert tlin.skinny_mm_config(2048, 5632, 1) == (8, 2048, 8, 2)
-    assert tlin.skinny_mm_config(2048, 5632, 2) == (2, 512, 4, 3)
+    assert tlin.skinny_mm_config(2048, 5632, 2) == (2, 1024, 4, 2)
+    assert tlin.skinny_mm_config(2048, 4096, 2) == (2, 1024, 4, 1)
     assert tlin.skinny_mm_config(12352, 2048, 1)[:2] == (2, 2048)
     assert tlin.skinny_mm_config(40, 256, 1)[:2] == (2, 256)
     assert [tlin.use_skinny_kernel(m, k) for m, k in ((1, 2048), (2, 2048), (2, 4096), (3, 8192))] == [
@@ -60,7 +61,7 @@ def test_kernel_tile_configs_and_ragged_k():
 def test_kernel_edge_shapes_and_errors():
     assert tlin.skinny_mm_triton(torch.randn(0, 32), torch.randn(8, 32)).shape == (0, 8)
     assert torch.equal(tlin.skinny_mm_triton(torch.randn(2, 0), torch.randn(8, 0)), torch.zeros(2, 8))
-    with pytest.raises(ValueError, match="at most 4 rows"):
+    with pytest.raises(ValueError, match="at most 2 rows"):
         tlin.skinny_mm_triton(torch.randn(SKINNY_MAX_ROWS + 1, 32), torch.randn(8, 32))
     with pytest.raises(ValueError, match="weight"):
         ops.skinny_mm(torch.randn(2, 32), torch.randn(8, 31))

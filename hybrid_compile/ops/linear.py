@@ -19,7 +19,7 @@ from .registration import kernel_op
 __all__ = ["SKINNY_MAX_ROWS", "skinny_mm"]
 
 #: Most rows of ``x`` the Triton kernel takes; above this the CUDA op calls ``torch.mm``.
-SKINNY_MAX_ROWS = 4
+SKINNY_MAX_ROWS = 2
 
 
 def _check_skinny_mm(x: torch.Tensor, weight: torch.Tensor) -> None:

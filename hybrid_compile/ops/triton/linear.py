@@ -3,8 +3,8 @@
 
 A matrix-vector kernel that streams the weight once: grid ``cdiv(N, BLOCK_N)``, each program a
 ``[BLOCK_N, BLOCK_K]`` weight tile per step along ``K`` (loads along ``K``, the weight's contiguous
-dimension), multiplied elementwise in fp32 by every row of ``x`` (``ROWS`` = ``M``, 1-4, every
-row in the program so the tile is read once) and accumulated in one ``[BLOCK_N, BLOCK_K]``
+dimension), multiplied elementwise in fp32 by every row of ``x`` (``ROWS`` = ``M``, both rows
+in the program so the tile is read once) and accumulated in one ``[BLOCK_N, BLOCK_K]``
 tile per row that is summed over ``K`` once at the end (no per-step cross-lane reductions). No tensor cores: at a few rows the kernel is bound by the weight's bytes,
 not by FMAs. Tile sizes come from :func:`skinny_mm_config` (measured on an H100 and an H200:
 ``benchmarks/kernels.py --only skinny_mm``). Shape-only launch (no host sync), usable in CUDA graphs.
@@ -38,18 +38,6 @@ def _store_row(y_ptr, row, M, N, rn, n_ok, acc):
 
 
 @triton.jit
-def _more_rows(acc1, acc2, acc3, x_ptr, M, kk, stride_xm, stride_xk, k_ok, w, ROWS: tl.constexpr):
-    """Rows 1 .. ``ROWS - 1`` of one weight tile added to their accumulators (row 0 is the caller's)."""
-    if ROWS >= 2:
-        acc1 += _row_product(x_ptr, 1, M, kk, stride_xm, stride_xk, k_ok, w)
-    if ROWS >= 3:
-        acc2 += _row_product(x_ptr, 2, M, kk, stride_xm, stride_xk, k_ok, w)
-    if ROWS >= 4:
-        acc3 += _row_product(x_ptr, 3, M, kk, stride_xm, stride_xk, k_ok, w)
-    return acc1, acc2, acc3
-
-
-@triton.jit
 def _weight_tile(w_ptr, rn, kk, n_ok, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` weight tile at columns ``kk``, in fp32 (and its column mask)."""
     if EVEN_K:
@@ -80,23 +68,19 @@ def _skinny_mm_kernel(
     # one 2-D accumulator per row (a 3-D [ROWS, BLOCK_N, BLOCK_K] tile costs layout conversions)
     acc0 = _row_product(x_ptr, 0, M, rk, stride_xm, stride_xk, k_ok, w)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1, acc2, acc3 = _more_rows(acc1, acc2, acc3, x_ptr, M, rk, stride_xm, stride_xk, k_ok, w, ROWS)
+    if ROWS >= 2:
+        acc1 += _row_product(x_ptr, 1, M, rk, stride_xm, stride_xk, k_ok, w)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         w, k_ok = _weight_tile(w_ptr, rn, kk, n_ok, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
         acc0 += _row_product(x_ptr, 0, M, kk, stride_xm, stride_xk, k_ok, w)
-        acc1, acc2, acc3 = _more_rows(acc1, acc2, acc3, x_ptr, M, kk, stride_xm, stride_xk, k_ok, w, ROWS)
+        if ROWS >= 2:
+            acc1 += _row_product(x_ptr, 1, M, kk, stride_xm, stride_xk, k_ok, w)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     _store_row(y_ptr, 0, M, N, rn, n_ok, acc0)
     if ROWS >= 2:
         _store_row(y_ptr, 1, M, N, rn, n_ok, acc1)
-    if ROWS >= 3:
-        _store_row(y_ptr, 2, M, N, rn, n_ok, acc2)
-    if ROWS >= 4:
-        _store_row(y_ptr, 3, M, N, rn, n_ok, acc3)
 
 
 def skinny_mm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
@@ -107,11 +91,11 @@ def skinny_mm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     the earlier H200-swept tiles, which stopped at ``BLOCK_K`` 1024): a whole row of 2048 per step
     and two output channels per program; long rows (``k >= 4096``: the down and output
     projections, few output channels) eight channels and 8 warps, so that enough programs stream at
-    once. Two rows: from the H200 sweep; three and four rows (only timed, see
-    :func:`use_skinny_kernel`) the same tiles."""
-    if rows >= 2:
-        block_k = 512 if k % 1024 else 1024
-        return 2, min(block_k, max(16, pow2(k))), 4, 3 if block_k == 512 else 1
+    once. Two rows: from the H200 sweeps (a row of 1024 per step; 2 stages where ``K`` is not a
+    multiple of it: at the MLP's down projection, K = 5632, 8.1 µs against 10.0 with the earlier 512
+    / 3 stages, 2026-11-30)."""
+    if rows == 2:
+        return 2, min(1024, max(16, pow2(k))), 4, 2 if k % 1024 else 1
     if k >= 4096:
         return 8, 2048, 8, 2
     return 2, min(2048, max(16, pow2(k))), 4, 2
@@ -120,7 +104,9 @@ def skinny_mm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
 def use_skinny_kernel(m: int, k: int) -> bool:
     """Whether the Triton kernel beats cuBLAS for ``m`` rows of length ``k`` (H200, bf16): at one row
     always (1.0-1.45x, LM head included); at two rows only for long rows (``k >= 4096``: 1.07-1.3x,
-    where cuBLAS runs split-K plus a reduction kernel); from three rows on, never."""
+    where cuBLAS runs split-K plus a reduction kernel); from three rows on, never (cuBLAS at 3-4 rows
+    takes about its 1-row time on the wide projections; a 4-row build of this kernel and the dense GEMV
+    kernel of :mod:`.gemv` reached 0.5-1.09x cuBLAS there, ``benchmarks/results/kernels_skinny*_h200_2026-11-30.json``)."""
     return m == 1 or (m == 2 and k >= 4096)
 
 

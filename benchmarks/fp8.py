@@ -306,6 +306,18 @@ def _gemv_grid(grid, rows_per_program, k) -> list[tuple]:
     return out
 
 
+def _gemv_grid_arg(text: str) -> dict:
+    """``--gemv-grid``: a JSON object of exactly the four GEMV tile lists, each non-empty integers."""
+    grid = json.loads(text)
+    keys = ("block_n", "block_k", "warps", "stages")
+    if not isinstance(grid, dict) or set(grid) != set(keys) or not all(
+            isinstance(grid[key], list) and grid[key] and all(isinstance(v, int) and v > 0 for v in grid[key])
+            for key in keys):
+        raise argparse.ArgumentTypeError(f"--gemv-grid wants a JSON object of {', '.join(keys)}: non-empty lists of "
+                                         f"positive integers, got {text!r}")
+    return {key: tuple(grid[key]) for key in keys}
+
+
 def _check(got, want, label) -> str | None:
     """None when ``got`` matches ``want`` (bf16 output of an fp32 sum), else what is wrong."""
     err = float((got.float() - want.float()).abs().max())
@@ -409,6 +421,10 @@ def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None) -> list[di
                 for cfg in _gemv_grid(grid, rpp, k):
                     cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg), want,
                                                  fp8_bytes, cfg)
+                    if tfp8.gemv_quantizes_activation(m, n, k, cfg):  # its twin after the quantize kernel
+                        cands[f"gemv_sepq{list(cfg)}"] = (
+                            lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg, quantize_in_gemv=False), want,
+                            fp8_bytes, cfg)
             xq = x.to(fp8_ops.FP8_DTYPE)
             sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
             cands["scaled_mm"] = (lambda: torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
@@ -473,6 +489,10 @@ def sweep_experts(shapes, tokens_list, top_k, grid, device, iters, tc_grid=None)
             for cfg in _gemv_grid(grid, rpp, k):
                 cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off,
                                                                                   config=cfg), want, fp8_bytes, cfg)
+                if tfp8.gemv_quantizes_activation(m, n, k, cfg):  # its twin after the quantize kernel
+                    cands[f"gemv_sepq{list(cfg)}"] = (
+                        lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, expert_offsets=off, config=cfg,
+                                                             quantize_in_gemv=False), want, fp8_bytes, cfg)
             cands["bf16_grouped"] = (lambda: moe_grouped_linear_triton(x, wb, off), want_bf16, 2 * hit * n * k, None)
             offs32 = off[1:].to(torch.int32)
             cands["bf16_torch_grouped_mm"] = (lambda: torch._grouped_mm(x, wb.transpose(-2, -1), offs=offs32),
@@ -531,6 +551,8 @@ def run_sweep(args) -> int:
     else:
         linear, experts, rows, top_k = SWEEP_LINEAR_SHAPES, EXPERT_SHAPES, SWEEP_ROWS, 10
         grid, grid_grouped = GEMV_GRID, GEMV_GRID_GROUPED
+    if args.gemv_grid is not None:
+        grid = grid_grouped = args.gemv_grid
     if args.tp > 1:
         linear, experts = tp_slices(linear, experts, args.tp)
     linear = [] if args.sweep_only == "experts" else linear
@@ -586,6 +608,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="--sweep: the shapes of one rank's shard at this tensor-parallel size (see tp_slices)")
     p.add_argument("--sweep-only", choices=["dense", "experts"], help="--sweep: only these cases")
+    p.add_argument("--gemv-grid", type=_gemv_grid_arg, default=None,
+                   help="--sweep: JSON {block_n, block_k, warps, stages: [values]} for the GEMV of both the dense "
+                        "and the experts cases instead of GEMV_GRID / GEMV_GRID_GROUPED")
     p.add_argument("--sweep-rows", type=int, nargs="+",
                    help="--sweep: dense rows / expert tokens (default 1 2 4 8 16 32 64; with --prefill 4096 8192)")
     p.add_argument("--build-quantized", action="store_true",
@@ -605,8 +630,10 @@ def main(argv=None) -> int:
     if args.build_quantized and (args.sweep or args.no_engines or modes != ["fp8"]):
         p.error("--build-quantized builds the model for the FP8 engine alone: pass --modes fp8 (no --sweep / "
                 "--no-engines)")
-    if not args.sweep and (args.tp != 1 or args.sweep_only or args.sweep_rows):
-        p.error("--tp, --sweep-only and --sweep-rows are options of --sweep: pass --sweep too")
+    if not args.sweep and (args.tp != 1 or args.sweep_only or args.sweep_rows or args.gemv_grid is not None):
+        p.error("--tp, --sweep-only, --sweep-rows and --gemv-grid are options of --sweep: pass --sweep too")
+    if args.prefill and args.gemv_grid is not None:
+        p.error("--gemv-grid: --sweep --prefill times no GEMV")
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
     if args.prefill and not args.sweep:

@@ -87,12 +87,17 @@ def test_decode_sweep_tiny_under_the_interpreter(tmp_path):
 
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--sweep", "--tiny", "--device", "cpu", "--iters", "1",
-           "--out", str(out)]
+           "--gemv-grid", '{"block_n": [8, 16], "block_k": [128], "warps": [4], "stages": [1]}', "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["wrong"] == [] and run["env"]["tiny"] is True
+    # --gemv-grid's tiles, and at one row (the GEMV quantizing its own activation) each tile's twin that
+    # runs after the quantize kernel, both checked against the reference
+    one_row = run["dense"][0]["times"]
+    for cfg in ("[8, 128, 4, 1]", "[16, 128, 4, 1]"):
+        assert "ms" in one_row[f"gemv{cfg}"] and "ms" in one_row[f"gemv_sepq{cfg}"], sorted(one_row)
     assert [(c["shape"], c["rows"]) for c in run["dense"]] == [("tiny", 1), ("tiny", 5)]
     assert [c["tokens"] for c in run["experts"]] == [1, 5]
     for case in run["dense"] + run["experts"]:
@@ -135,6 +140,9 @@ def test_sweep_at_a_tensor_parallel_rank_s_shapes(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--tp", "2"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode != 0 and "options of --sweep" in bad.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--sweep", "--gemv-grid",
+                          '{"block_n": [8]}'], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "--gemv-grid wants" in bad.stderr
 
 
 def test_prefill_sweep_tiny_under_the_interpreter(tmp_path):

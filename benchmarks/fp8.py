@@ -53,7 +53,11 @@ cores) and ``torch._grouped_mm``; and ``torch._scaled_mm`` (dense,
 pre-quantized e4m3, unit row-wise scales). Every output is checked against its CPU-semantics
 reference (``reference_block_linear`` / ``reference_grouped_linear``; bf16: the fp32 product of
 the same bf16 values) before it is timed; a wrong one is reported and the run exits 1. Times:
-median of CUDA-graph replays; GB/s from the weight bytes the call streams (the experts hit).
+median of CUDA-graph replays; GB/s from the weight bytes the call streams (the experts hit). At
+decode sizes a dense case's graph calls the candidate once per copy of its weight, copies adding up
+to :data:`DECODE_SWEEP_BYTES` (``weight_copies``; time per call): one call per replay measured the
+replay's own fixed cost (~17 µs on an H200, whatever the tile) instead of the kernel. The experts'
+cases are one call per replay (their ~20 MB of experts hit stay in the L2).
 Printed per case: the current default (what the op dispatches to), the best FP8 candidate and
 its config and speedup over the default, the best bf16 time and FP8-best / bf16-best.
 
@@ -106,6 +110,8 @@ GEMV_GRID_GROUPED = dict(block_n=(4, 8, 16, 32), block_k=(128, 256, 512), warps=
 #: split their output rows): these split their input columns (row-parallel), and the experts' down_proj
 ROW_PARALLEL = ("gdn out_proj", "attn o_proj", "shared expert down")
 GEMV_SWEEP_MAX_ROWS = 16
+#: decode sizes of --sweep: the dense cases' weight copies add up to at least this many bytes (past the L2)
+DECODE_SWEEP_BYTES = 400 << 20
 #: the engines --modes picks from, in the order they run, with the EngineConfig fields each sets
 #: (fp8 quantizes the model in place, so it runs last)
 MODES = {"bf16_hf_experts": {"fused_moe": False}, "bf16": {}, "fp8": {}}
@@ -113,6 +119,7 @@ TINY_SWEEP = dict(linear=[("tiny", 40, 300)], experts=[("tiny experts gate_up", 
                   top_k=2,
                   grid=dict(block_n=(8,), block_k=(128,), warps=(4,), stages=(1,)))
 TINY_SWEEP["grid_grouped"] = TINY_SWEEP["grid"]
+TINY_SWEEP["copy_bytes"] = 20_000  # two copies of the tiny weight (the copy cycle exercised)
 #: ``--sweep --prefill``: dense rows (a 4k prompt, an 8k prefill chunk) and expert tokens (x top-10 rows)
 PREFILL_ROWS = (4096, 8192)
 #: the tensor-core GEMM's tiles tried there: (BM, BN, warps, stages, GROUP_M)
@@ -325,20 +332,25 @@ def _check(got, want, label) -> str | None:
     return None if err <= tol else f"wrong result ({label}): max |diff| {err:.3g} > {tol:.3g}"
 
 
-def _time_candidates(cands, device, iters) -> dict:
-    """``cands``: label -> (fn, expected, weight bytes, config or None); each checked, then timed."""
+def _time_candidates(cands, device, iters, copies=None) -> dict:
+    """``cands``: label -> (fn, expected, weight bytes, config or None); each checked, then timed.
+    ``copies``: argument tuples of ``fn`` (the weight's copies): checked on the first, timed as one call
+    per copy in turn (the time per call)."""
+    import functools
+
     from fused_moe import time_ms
 
     out = {}
     for label, (fn, want, nbytes, cfg) in cands.items():
         entry = {"config": list(cfg) if cfg is not None else None}
+        calls = [functools.partial(fn, *c) for c in copies] if copies is not None else [fn]
         try:
             with torch.inference_mode():
-                wrong = _check(fn(), want, label)
+                wrong = _check(calls[0](), want, label)
                 if wrong:
                     entry["wrong"] = wrong
                 else:
-                    ms, mode = time_ms(fn, device, iters)
+                    ms, mode = time_ms(calls, device, iters)
                     entry.update(ms=ms, mode=mode, gbps=nbytes / ms / 1e6)
         except Exception as e:  # noqa: BLE001 - a baseline this torch / device lacks is recorded
             entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -394,7 +406,7 @@ def _tc_grid(grid) -> list[tuple]:
     return list(itertools.product(*grid.values())) if grid else []
 
 
-def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None) -> list[dict]:
+def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None, copy_bytes=DECODE_SWEEP_BYTES) -> list[dict]:
     from hybrid_compile.ops.triton import fp8 as tfp8
     from hybrid_compile.ops.triton.linear import skinny_mm_triton
 
@@ -404,37 +416,47 @@ def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None) -> list[di
         q, s = fp8_ops.quantize_weight_blocks(torch.randn(n, k, device=device) / k ** 0.5)
         wb = fp8_ops.dequantize_weight_blocks(q, s, torch.bfloat16)
         fp8_bytes = q.numel() + 4 * s.numel()
+        # decode sizes: each timed graph cycles over copies of the weight that together exceed the L2 cache
+        # (every call streams from HBM, as in a decode step, and a replay's fixed cost is spread over the
+        # calls); the copies share the values, so every copy's product is the reference's
+        n_copies = 1 if tc_grid is not None else max(1, -(-copy_bytes // fp8_bytes))
+        copies = [(q, s, wb)] + [(q.clone(), s.clone(), wb.clone()) for _ in range(n_copies - 1)]
         for m in rows_list:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
             want = fp8_ops.reference_block_linear(x.float(), q, s)
             want_bf16 = x.float() @ wb.float().t()
             rpp = min(m, tfp8.FP8_GEMV_MAX_ROWS)
-            cands = {"tc": (lambda: tfp8.fp8_gemm_triton(x, q, s), want, fp8_bytes, None)}
+            cands = {"tc": (lambda q, s, wb: tfp8.fp8_gemm_triton(x, q, s), want, fp8_bytes, None)}
             if tc_grid is None:  # decode sizes: the earlier decode scheme
-                cands["tc_old"] = (lambda: tfp8.fp8_gemm_triton(x, q, s, quant_in_gemm=True), want, fp8_bytes, None)
+                cands["tc_old"] = (lambda q, s, wb: tfp8.fp8_gemm_triton(x, q, s, quant_in_gemm=True), want, fp8_bytes,
+                                   None)
             for cfg in _tc_grid(tc_grid):
-                cands[f"tc{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemm_triton(x, q, s, config=cfg), want,
+                cands[f"tc{list(cfg)}"] = (lambda q, s, wb, cfg=cfg: tfp8.fp8_gemm_triton(x, q, s, config=cfg), want,
                                            fp8_bytes, cfg)
             if m <= max(GEMV_SWEEP_MAX_ROWS, tfp8.FP8_DECODE_MAX_ROWS):
-                cands["gemv"] = (lambda: tfp8.fp8_gemv_triton(x, q, s), want, fp8_bytes,
+                cands["gemv"] = (lambda q, s, wb: tfp8.fp8_gemv_triton(x, q, s), want, fp8_bytes,
                                  tfp8.fp8_gemv_config(n, k, m))
                 for cfg in _gemv_grid(grid, rpp, k):
-                    cands[f"gemv{list(cfg)}"] = (lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg), want,
-                                                 fp8_bytes, cfg)
+                    cands[f"gemv{list(cfg)}"] = (lambda q, s, wb, cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg),
+                                                 want, fp8_bytes, cfg)
                     if tfp8.gemv_quantizes_activation(m, n, k, cfg):  # its twin after the quantize kernel
                         cands[f"gemv_sepq{list(cfg)}"] = (
-                            lambda cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg, quantize_in_gemv=False), want,
-                            fp8_bytes, cfg)
+                            lambda q, s, wb, cfg=cfg: tfp8.fp8_gemv_triton(x, q, s, config=cfg, quantize_in_gemv=False),
+                            want, fp8_bytes, cfg)
             xq = x.to(fp8_ops.FP8_DTYPE)
             sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
-            cands["scaled_mm"] = (lambda: torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+            cands["scaled_mm"] = (lambda q, s, wb: torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb,
+                                                                     out_dtype=torch.bfloat16),
                                   xq.float() @ q.float().t(), q.numel(), None)
             if m <= 2:
-                cands["bf16_skinny_mm"] = (lambda: skinny_mm_triton(x, wb), want_bf16, 2 * n * k, None)
-            cands["bf16_mm"] = (lambda: torch.mm(x, wb.t()), want_bf16, 2 * n * k, None)
-            case = dict(shape=name, kind="dense", rows=m, n=n, k=k, times=_time_candidates(cands, device, iters))
+                cands["bf16_skinny_mm"] = (lambda q, s, wb: skinny_mm_triton(x, wb), want_bf16, 2 * n * k, None)
+            cands["bf16_mm"] = (lambda q, s, wb: torch.mm(x, wb.t()), want_bf16, 2 * n * k, None)
+            case = dict(shape=name, kind="dense", rows=m, n=n, k=k, weight_copies=n_copies,
+                        times=_time_candidates(cands, device, iters, copies))
             current = "gemv" if tfp8.use_gemv(m) else "tc"
             cases.append(_summarize(case, current))
+        del copies
+        torch.cuda.empty_cache() if device.type == "cuda" else None
     return cases
 
 
@@ -566,7 +588,8 @@ def run_sweep(args) -> int:
     print("shape                   rows  current default (what the op runs)     best FP8 candidate (config: gemv "
           "BLOCK_N, BLOCK_K, warps, stages; tc BM, BN, warps, stages, GROUP_M)       best bf16", flush=True)
     t = time.perf_counter()
-    dense = sweep_dense(linear, rows, grid, device, args.iters, tc_grid)
+    dense = sweep_dense(linear, rows, grid, device, args.iters, tc_grid,
+                        TINY_SWEEP["copy_bytes"] if args.tiny else DECODE_SWEEP_BYTES)
     grouped = sweep_experts(experts, rows, top_k, grid_grouped, device, args.iters, tc_grid)
     wrong = [(c["shape"], c["rows"], label, v["wrong"]) for c in dense + grouped
              for label, v in {**c["times"], **{f"routed {k}": r for k, r in c.get("routed", {}).items()

@@ -129,6 +129,9 @@ def test_gemv_quantizing_its_own_activation(m, k, grouped):
     # the default: batch-1 sizes of the 80B shapes quantize in the GEMV, two rows of its largest do not
     assert tfp8.gemv_quantizes_activation(1, 12288, 2048, tfp8.fp8_gemv_config(12288, 2048, 1))
     assert not tfp8.gemv_quantizes_activation(2, 12288, 2048, tfp8.fp8_gemv_config(12288, 2048, 2))
+    # one row of the output projections quantizes in the GEMV, two rows of them do not (the H200 sweep)
+    assert tfp8.gemv_quantizes_activation(1, 2048, 4096, tfp8.fp8_gemv_config(2048, 4096, 1))
+    assert not tfp8.gemv_quantizes_activation(2, 2048, 4096, tfp8.fp8_gemv_config(2048, 4096, 2))
     assert not tfp8.gemv_quantizes_activation(1, 64, 64, (8, 64, 4, 1))  # a K step narrower than a group
     with pytest.raises(ValueError, match="quantize_a needs"):
         tfp8.fp8_gemv_triton(x, *(_weight(n, k, seed=2)), config=(8, 64, 4, 1), quantize_in_gemv=True)
@@ -155,7 +158,11 @@ def test_gemv_config_and_dispatch():
             bn, bk, warps, stages = tfp8.fp8_gemv_config(n, k, rows)
             assert fp8.FP8_BLOCK % bn == 0 and bk & (bk - 1) == 0 and bk < 2 * k
             assert bn * bk * min(rows, tfp8.FP8_GEMV_MAX_ROWS) <= 16384  # accumulators: 64 a thread at 8 warps
-    assert tfp8.fp8_gemv_config(12288, 2048, 1) == (8, 1024, 4, 2)  # the H100 sweep's one-row tiles
+    # the H200 sweep's 1-2 row tiles by the weight's shape: wide (in_proj_qkvz), long rows (out_proj), the rest
+    assert tfp8.fp8_gemv_config(12288, 2048, 1) == (32, 256, 4, 2)
+    assert tfp8.fp8_gemv_config(2048, 4096, 2) == (8, 512, 8, 2)
+    assert tfp8.fp8_gemv_config(1024, 2048, 1) == (8, 1024, 8, 2)
+    assert tfp8.fp8_gemv_config(2048, 512, 1) == (8, 512, 8, 2)  # BLOCK_K capped at the row
     assert tfp8.fp8_gemv_config(1024, 2048, 1, grouped=True) == (16, 256, 4, 2)
     # the experts' tiles are the float experts' rule (one 256-column step streamed as two of 128: TP 2's down_proj)
     assert tfp8.fp8_gemv_config(2048, 256, 1, grouped=True) == (32, 128, 4, 2)

@@ -92,15 +92,21 @@ FP8_GROUPED_GEMV_EXPERTS_PER_ROW = 16
 #: streamed once per row, from L2 when its programs run side by side.
 FP8_GROUPED_GEMV_ROWS = 1
 #: Most element quantizations a GEMV call repeats when it quantizes its own activation (see
-#: :func:`gemv_quantizes_activation`): batch-1 decode at the Qwen3-Next-80B shapes repeats 0.3-3.1 M
-#: (one row; in_proj_qkvz the most), two rows of in_proj_qkvz 12.6 M. At ~10 instructions an element,
-#: 4 M is about a microsecond of an H200's CUDA cores spread over the call, against the quantize
-#: kernel's launch (3.6 us a call in the 2026-11-28 batch-1 profile) it saves. Not yet timed on a GPU.
-FP8_GEMV_FUSED_QUANT_MAX = 1 << 22
-#: Dense GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) by the call's rows (1, 2, 3-4, 5-8): the H100
-#: sweep's configs with the best geometric mean over the seven dense shapes, each within 2-13 % of
-#: the best config of every shape.
-_DENSE_GEMV_TILES = {1: (8, 1024, 4, 2), 2: (4, 1024, 4, 2), 4: (4, 1024, 8, 2), 8: (2, 512, 4, 2)}
+#: :func:`gemv_quantizes_activation`). H200 sweep, 2026-11-30 (``benchmarks/fp8.py --sweep
+#: --sweep-only dense --sweep-rows 1 2 --gemv-grid ...``, every tile also after the quantize kernel,
+#: ``benchmarks/results/fp8_sweep_dense_h200_2026-11-30.json``): the GEMV quantizing its own rows won
+#: up to ~1 M repeats (one row of the output projections, 1.05 M: 6.7 against 8.5 us) and lost from
+#: ~2 M (two rows of them, 2.1 M: 14.1 against 10.8 us; two rows of q_proj, 4.2 M).
+FP8_GEMV_FUSED_QUANT_MAX = 3 << 19
+#: Dense GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) by the call's rows (1, 2, 3-4, 5-8). 3-8 rows:
+#: the H100 sweep's configs with the best geometric mean over the seven dense shapes, each within
+#: 2-13 % of the best config of every shape. 1-2 rows by the weight's shape (:func:`_dense_shape_kind`),
+#: from the H200 sweep above (each timed call cycling over weight copies past the L2): one row, wide
+#: projections (in_proj_qkvz, q_proj) 11.3 us geometric mean against 13.5 with the earlier (8, 1024,
+#: 4, 2), the others 1.08x; two rows, long rows 10.8 against 18.0 us (after the quantize kernel, by
+#: :data:`FP8_GEMV_FUSED_QUANT_MAX`), wide 18.0 against 21.1.
+_DENSE_GEMV_TILES = {1: (8, 1024, 8, 2), 2: (8, 1024, 8, 2), 4: (4, 1024, 8, 2), 8: (2, 512, 4, 2)}
+_DENSE_GEMV_TILES_BY_SHAPE = {(1, "wide"): (32, 256, 4, 2), (2, "wide"): (16, 256, 4, 2), (2, "long"): (8, 512, 8, 2)}
 #: The tensor-core GEMM's decode tiles (16-row tiles, narrow column tiles) up to this many rows.
 DECODE_TILE_MAX_ROWS = 64
 
@@ -339,8 +345,17 @@ def fp8_gemv_config(n: int, k: int, rows: int, grouped: bool = False,
         if gated:
             block_n = max(1, min(block_n, n & -n))
         return block_n, block_k, warps, stages
-    block_n, block_k, warps, stages = _DENSE_GEMV_TILES[pow2(min(max(rows, 1), FP8_DECODE_MAX_ROWS))]
+    rows = pow2(min(max(rows, 1), FP8_DECODE_MAX_ROWS))
+    block_n, block_k, warps, stages = _DENSE_GEMV_TILES_BY_SHAPE.get((rows, _dense_shape_kind(n, k)),
+                                                                     _DENSE_GEMV_TILES[rows])
     return block_n, min(block_k, pow2(k, 16)), warps, stages
+
+
+def _dense_shape_kind(n: int, k: int) -> str:
+    """A dense weight ``[n, k]`` as the GEMV tiles tell them apart: "wide" (``n >= 8192``: many output
+    columns over short rows, in_proj_qkvz and q_proj of the 80B shape), "long" (``k >= 4096``: the output
+    projections), else "other"."""
+    return "wide" if n >= 8192 and k < 4096 else "long" if k >= 4096 else "other"
 
 
 def fp8_gemv_triton(x, weight, weight_scale_inv, bias=None, expert_offsets=None, config=None,

@@ -247,7 +247,8 @@ def kernel_table(rows_list) -> list[dict]:
             bf16 = bench(lambda: torch.mm(x, wb.t()))
             row = _row(name, m, n, k, ours, scaled, bf16, 1)
             # what the op dispatches to, and our tensor-core kernel beside it where that is cuBLAS
-            row["path"] = "gemv" if tfp8.use_gemv(m) else "cublas" if tfp8.use_cublas(x, q) else "triton"
+            row["path"] = ("gemv" if tfp8.use_gemv(m, weight_shape=(n, k)) else "cublas" if tfp8.use_cublas(x, q)
+                           else "triton")
             if row["path"] == "cublas":
                 row["triton_ms"] = float(bench(lambda: tfp8.fp8_block_linear_triton(x, q, s)))
             table.append(row)
@@ -453,7 +454,7 @@ def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None, copy_bytes
             cands["bf16_mm"] = (lambda q, s, wb: torch.mm(x, wb.t()), want_bf16, 2 * n * k, None)
             case = dict(shape=name, kind="dense", rows=m, n=n, k=k, weight_copies=n_copies,
                         times=_time_candidates(cands, device, iters, copies))
-            current = "gemv" if tfp8.use_gemv(m) else "tc"
+            current = "gemv" if tfp8.use_gemv(m, weight_shape=(n, k)) else "tc"
             cases.append(_summarize(case, current))
         del copies
         torch.cuda.empty_cache() if device.type == "cuda" else None

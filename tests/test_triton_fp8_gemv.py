@@ -152,6 +152,19 @@ def test_no_rows_no_channels_and_bad_arguments():
             tfp8.fp8_gemv_triton(torch.randn(2, 64), q, s, rows_per_program=bad)
 
 
+def test_dense_op_dispatch_follows_the_weight_shape(monkeypatch):
+    """``fp8_block_linear_triton`` without a config: two rows over a wide weight go to the tensor-core
+    GEMM, one row over it and two rows over a narrow one to the GEMV (each path stubbed: the dispatch only)."""
+    calls = []
+    monkeypatch.setattr(tfp8, "fp8_gemv_triton", lambda *a, **kw: calls.append("gemv"))
+    monkeypatch.setattr(tfp8, "fp8_gemm_triton", lambda *a, **kw: calls.append("tc"))
+    wide = torch.empty(8192, 2048, dtype=fp8.FP8_DTYPE)
+    narrow = torch.empty(2048, 4096, dtype=fp8.FP8_DTYPE)
+    for rows, w in ((1, wide), (2, wide), (2, narrow)):
+        tfp8.fp8_block_linear_triton(torch.empty(rows, w.shape[1]), w, torch.empty(1))
+    assert calls == ["gemv", "tc", "gemv"]
+
+
 def test_gemv_config_and_dispatch():
     for n, k in [(12288, 2048), (2048, 4096), (1024, 2048), (2048, 512), (40, 100)]:
         for rows in range(1, tfp8.FP8_DECODE_MAX_ROWS + 1):
@@ -170,6 +183,9 @@ def test_gemv_config_and_dispatch():
     for n, k in [(1024, 2048), (2048, 512), (2048, 256), (2048, 128), (512, 2048), (40, 100)]:
         assert tfp8.fp8_gemv_config(n, k, 1, grouped=True) == moe_gemv_config(n, k, torch.bfloat16)
     assert tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS) and not tfp8.use_gemv(tfp8.FP8_DECODE_MAX_ROWS + 1)
+    # wide projections (in_proj_qkvz, q_proj) take the tensor cores from two rows, the others up to 8 rows
+    assert tfp8.use_gemv(1, weight_shape=(12288, 2048)) and not tfp8.use_gemv(2, weight_shape=(12288, 2048))
+    assert tfp8.use_gemv(8, weight_shape=(2048, 4096)) and tfp8.use_gemv(8, weight_shape=(1024, 2048))
     # experts: one row per 16 of them (512 experts: 3 tokens of top-10), at least the dense calls' 8 rows
     assert tfp8.use_gemv(32, 512) and not tfp8.use_gemv(33, 512)
     assert tfp8.use_gemv(8, 4) and not tfp8.use_gemv(9, 4)

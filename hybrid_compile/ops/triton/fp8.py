@@ -104,7 +104,8 @@ FP8_GEMV_FUSED_QUANT_MAX = 3 << 19
 #: from the H200 sweep above (each timed call cycling over weight copies past the L2): one row, wide
 #: projections (in_proj_qkvz, q_proj) 11.3 us geometric mean against 13.5 with the earlier (8, 1024,
 #: 4, 2), the others 1.08x; two rows, long rows 10.8 against 18.0 us (after the quantize kernel, by
-#: :data:`FP8_GEMV_FUSED_QUANT_MAX`), wide 18.0 against 21.1.
+#: :data:`FP8_GEMV_FUSED_QUANT_MAX`), wide 18.0 against 21.1 (where the GEMV is asked for: the ops take
+#: the tensor cores for wide projections from two rows, :func:`use_gemv`).
 _DENSE_GEMV_TILES = {1: (8, 1024, 8, 2), 2: (8, 1024, 8, 2), 4: (4, 1024, 8, 2), 8: (2, 512, 4, 2)}
 _DENSE_GEMV_TILES_BY_SHAPE = {(1, "wide"): (32, 256, 4, 2), (2, "wide"): (16, 256, 4, 2), (2, "long"): (8, 512, 8, 2)}
 #: The tensor-core GEMM's decode tiles (16-row tiles, narrow column tiles) up to this many rows.
@@ -404,19 +405,23 @@ def gemv_quantizes_activation(m: int, n: int, k: int, config: tuple[int, int, in
     return config[1] >= FP8_GROUP and m * _cdiv(n, config[0]) * k <= FP8_GEMV_FUSED_QUANT_MAX
 
 
-def use_gemv(rows: int, experts: int | None = None) -> bool:
-    """Whether the ops take the GEMV path: a dense call of at most :data:`FP8_DECODE_MAX_ROWS` rows; a
-    grouped one of at most that many or of one row per :data:`FP8_GROUPED_GEMV_EXPERTS_PER_ROW` experts
+def use_gemv(rows: int, experts: int | None = None, *, weight_shape: tuple[int, int] | None = None) -> bool:
+    """Whether the ops take the GEMV path: a dense call of at most :data:`FP8_DECODE_MAX_ROWS` rows (of
+    one row where its ``weight_shape`` ``(N, K)`` is "wide", :func:`_dense_shape_kind`: at two rows the
+    tensor-core GEMM took 14.4 / 15.2 us against the best GEMV tile's 18.8 / 16.5 at in_proj_qkvz / q_proj
+    of the 80B shape on an H200, 2026-11-30, and its time stays flat with the rows where the GEMV's grows);
+    a grouped one of at most that many or of one row per :data:`FP8_GROUPED_GEMV_EXPERTS_PER_ROW` experts
     (decode at batch 1-3 of top-10 over 512 experts: one row on each of a few experts)."""
     if experts is None:
-        return rows <= FP8_DECODE_MAX_ROWS
+        wide = weight_shape is not None and _dense_shape_kind(*weight_shape) == "wide"
+        return rows <= (1 if wide else FP8_DECODE_MAX_ROWS)
     return rows <= max(FP8_DECODE_MAX_ROWS, experts // FP8_GROUPED_GEMV_EXPERTS_PER_ROW)
 
 
 def fp8_block_linear_triton(x, weight, weight_scale_inv, bias=None, config=None, pdl: bool | None = None):
     """``fp8_block_linear``: the GEMV path for few rows (:func:`use_gemv`), else the tensor cores.
     ``config`` = (BM, BN, warps, stages[, GROUP_M]) asks for the tensor-core path with these tiles."""
-    if config is None and use_gemv(x.shape[0]):
+    if config is None and use_gemv(x.shape[0], weight_shape=tuple(weight.shape)):
         return fp8_gemv_triton(x, weight, weight_scale_inv, bias, pdl=pdl)
     return fp8_gemm_triton(x, weight, weight_scale_inv, bias, config=config, pdl=pdl)
 
@@ -480,7 +485,7 @@ def use_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     of other ``K``, padded or not), a row-major weight, a bf16 or fp32 output, on a supporting device
     (``HYBRID_COMPILE_FP8_GEMM=cublas`` makes any other case an error, ``triton`` turns it off)."""
     choice = fp8_gemm_choice()
-    if choice == "triton" or use_gemv(x.shape[0]):
+    if choice == "triton" or use_gemv(x.shape[0]):  # (decode sizes, whatever the shape: our kernels)
         return False
     n, k = weight.shape
     fits = (n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0 and weight.is_contiguous()

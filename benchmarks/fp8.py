@@ -74,6 +74,7 @@ bf16 experts kernels (no GEMV).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -337,8 +338,6 @@ def _time_candidates(cands, device, iters, copies=None) -> dict:
     """``cands``: label -> (fn, expected, weight bytes, config or None); each checked, then timed.
     ``copies``: argument tuples of ``fn`` (the weight's copies): checked on the first, timed as one call
     per copy in turn (the time per call)."""
-    import functools
-
     from fused_moe import time_ms
 
     out = {}
@@ -457,7 +456,8 @@ def sweep_dense(shapes, rows_list, grid, device, iters, tc_grid=None, copy_bytes
             current = "gemv" if tfp8.use_gemv(m, weight_shape=(n, k)) else "tc"
             cases.append(_summarize(case, current))
         del copies
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return cases
 
 

@@ -161,6 +161,16 @@ def test_buckets():
     assert [cg.select_bucket(buckets, n) for n in range(1, 10)] == [2, 2, 4, 4, 8, 8, 8, 8, None]
     assert cg.logits_rows_for_tokens(64, 16) == 16 and cg.logits_rows_for_tokens(4, 16) == 4
     assert cg.logits_rows_for_tokens(8, 1) == 2
+    # a bucket is replayed padded only up to the padding limit (else the step runs at its own size)
+    assert cg.replays_bucket(4159 - 1024, 4096) and not cg.replays_bucket(4159, 8192)
+    assert cg.replays_bucket(8192 - cg.MAX_PIECEWISE_PADDING, 8192)
+    assert not cg.replays_bucket(8192 - cg.MAX_PIECEWISE_PADDING - 1, 8192)
+    assert cg.replays_bucket(7, 8, max_padding=1) and not cg.replays_bucket(6, 8, max_padding=1)
+    assert cg.replays_bucket(8, 8, max_padding=0)
+    for bad in (-1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="piecewise_max_padding"):
+            hc.EngineConfig.from_args(extra={"piecewise_max_padding": bad})
+    assert hc.EngineConfig.from_args(extra={"piecewise_max_padding": 0}).extra["piecewise_max_padding"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,6 +635,9 @@ MODES = {
     "full": dict(compile=True, cuda_graphs="full", **GRAPH_KW),
     "piecewise": dict(compile=True, cuda_graphs="piecewise", **GRAPH_KW),
     "both": dict(compile=True, cuda_graphs=True, **GRAPH_KW),
+    # a step replays a bucket only with at most 3 padding tokens (one request's decode: bucket 4), else the
+    # compiled forward runs at its own size (the 8 requests' decode: 8 tokens, bucket 16)
+    "piecewise_unpadded": dict(compile=True, cuda_graphs="piecewise", extra={"piecewise_max_padding": 3}, **GRAPH_KW),
 }
 
 
@@ -665,7 +678,7 @@ def _eager_reference(kind: str, model) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [pytest.param("qwen3_next_dense", marks=pytest.mark.smoke), "bamba"])
-@pytest.mark.parametrize("mode", ["compiled", "full", "piecewise", "both"])
+@pytest.mark.parametrize("mode", ["compiled", "full", "piecewise", "both", "piecewise_unpadded"])
 def test_greedy_equal_across_modes(kind, mode):
     model = _gpu_model(kind)
     reference = _eager_reference(kind, model)
@@ -676,9 +689,10 @@ def test_greedy_equal_across_modes(kind, mode):
     if mode in ("full", "both"):  # batch 1: a graph of the forward compiled for one token
         assert stats["decode_batch_sizes"] == [4, 1] and stats["full_graphs"] == 2 and stats["one_token_graph"]
         assert stats["cuda_graph_replays"] > 0, stats
-    if mode in ("piecewise", "both"):
+    if mode in ("piecewise", "both", "piecewise_unpadded"):
         assert stats["token_buckets"] == [4, 16, 64] and stats["piecewise_graphs"] == 3 * stats["pieces"]
         assert stats["piecewise_replays"] > 0, stats
+    assert (stats["unpadded_steps"] > 0) == (mode == "piecewise_unpadded"), stats
     if mode != "compiled":
         assert stats["eager_fallbacks"] > 0 and stats["capture_seconds"] > 0, stats
 

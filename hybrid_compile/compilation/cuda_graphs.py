@@ -107,6 +107,20 @@ def select_bucket(buckets: Sequence[int], n: int) -> int | None:
     return None
 
 
+#: The most padding tokens a step takes to replay a token bucket's piecewise graphs (the engine's
+#: ``extra["piecewise_max_padding"]``): a padding request costs what a prompt of its length costs (its
+#: projections, and attention over itself), while the graphs save only the pieces' launches, about
+#: 2 ms of host time a step on the reference model. A 4,159-token mixed step padded to the 8,192
+#: bucket took 100 ms on an H200 where its 4,096-token prefill alone took 49 (2026-11-30).
+MAX_PIECEWISE_PADDING = 1024
+
+
+def replays_bucket(num_tokens: int, bucket: int, max_padding: int = MAX_PIECEWISE_PADDING) -> bool:
+    """Whether a step of ``num_tokens`` replays the piecewise graphs of ``bucket`` (the smallest
+    bucket >= it) padded, rather than running the compiled forward at its own size."""
+    return bucket - num_tokens <= max_padding
+
+
 def logits_rows_for_tokens(num_tokens: int, max_running_requests: int) -> int:
     """Rows of ``logits_indices`` in a piecewise-graph step of ``num_tokens`` (padded) tokens:
     enough for every request of any batch that fits, fixed per bucket."""

@@ -23,6 +23,9 @@ EXTRA_OPTIONS: dict[str, str] = {
     "mtp_draft_graphs": "True / False: full CUDA graphs of whole MTP draft proposals (default: where they run)",
     "fold_shared_experts": "False keeps a MoE block's shared expert out of the routed experts' call "
                            "(models/shared_expert_fold.py; default: folded on the fused experts path)",
+    "piecewise_max_padding": "the most padding tokens a step takes to replay a token bucket's piecewise graphs "
+                             "(default 1024); a step that would need more runs the compiled forward at its "
+                             "own size (stats()['compile']['unpadded_steps'])",
 }
 
 
@@ -151,6 +154,9 @@ class EngineConfig:
         if not isinstance(self.extra.get("inductor_config", {}), dict):
             raise ValueError(f"EngineConfig.extra['inductor_config'] must be a dict of Inductor config patches, got "
                              f"{self.extra['inductor_config']!r}")
+        pad = self.extra.get("piecewise_max_padding")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+            raise ValueError(f"EngineConfig.extra['piecewise_max_padding'] must be an integer >= 0, got {pad!r}")
         budget = self.extra.get("memory_budget_bytes")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise ValueError(f"EngineConfig.extra['memory_budget_bytes'] must be a positive integer, got {budget!r}")

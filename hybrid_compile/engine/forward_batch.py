@@ -366,14 +366,11 @@ class ForwardBatchBuilder:
         qsl[1:] = torch.cumsum(extend, 0)
         kv_indptr = torch.zeros_like(qsl)
         kv_indptr[1:] = torch.cumsum(seq, 0)
-        # KV slots of every token of every request, gathered on the device from req_to_token
-        rows = torch.repeat_interleave(req_slots, seq)
-        cols = _segment_arange(seq)
         mamba = torch.tensor([r.mamba_slot for r in batch.requests], dtype=torch.int32)
         prompt_lens = torch.tensor([len(r.prompt) for r in batch.requests], dtype=torch.int32)
         # two host->device copies in all (input ids first: offset 0 of its device tensor)
-        input_ids, positions, out_cache_loc, logits_indices, rows, cols = to_device_packed(
-            [torch.tensor(ids, dtype=torch.int64), positions, batch.out_cache_loc, qsl[1:].to(torch.int64) - 1, rows, cols],
+        input_ids, positions, out_cache_loc, logits_indices, req_slots_d = to_device_packed(
+            [torch.tensor(ids, dtype=torch.int64), positions, batch.out_cache_loc, qsl[1:].to(torch.int64) - 1, req_slots],
             torch.int64, dev,
         )
         qsl_d, kv_indptr_d, seq_d, prefix_d, mamba_d, prompt_d = to_device_packed(
@@ -389,7 +386,10 @@ class ForwardBatchBuilder:
             has_initial_state=prefix_d > 0,
             out_cache_loc=out_cache_loc,
             kv_indptr=kv_indptr_d,
-            kv_indices=self.pools.req_to_token.req_to_token[rows, cols],
+            # KV slots of every token of every request, gathered on the device from req_to_token (host
+            # work per new token only: the requests' contexts can be far longer than the step)
+            kv_indices=md_ops.request_token_slots(self.pools.req_to_token.req_to_token, req_slots_d, seq_d,
+                                                  kv_indptr_d, int(kv_indptr[-1])),
             logits_indices=logits_indices,
             extend_lens_cpu=list(batch.extend_lens),
             seq_lens_cpu=seq.tolist(),

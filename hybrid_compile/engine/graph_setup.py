@@ -153,7 +153,8 @@ class CompiledGraphs:
         self._code = None  # ... and its code object (Dynamo's compiled entries hang on it)
         self.backend = None
         self.released = False  # release_packed_weights ran: the compiled forward must not run again
-        self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0)
+        self.counters = dict(warmup_seconds=0.0, graph_breaks=0, compiled_steps=0, padded_steps=0, eager_fallbacks=0,
+                             unpadded_steps=0)
         # Dynamo's 0/1 specialisations that graphs of batch 1 outside this object's own ask for (the MTP
         # proposal graphs of one request: a window with one logits row, a chain step of one token), set by
         # their owner: like the one-token decode graph, not counted as recompiles in stats()
@@ -177,6 +178,10 @@ class CompiledGraphs:
         if config is not None:
             self.inductor_config.update(config.extra.get("inductor_config") or {})
         self.token_buckets: tuple[int, ...] = ()
+        # the most padding tokens a step takes to replay a bucket (cg.MAX_PIECEWISE_PADDING)
+        self.max_padding = (config.extra.get("piecewise_max_padding") if config is not None else None)
+        if self.max_padding is None:
+            self.max_padding = cg.MAX_PIECEWISE_PADDING
         if piecewise:
             self.token_buckets = cg.normalize_buckets(
                 config.piecewise_cuda_graph_tokens
@@ -254,6 +259,19 @@ class CompiledGraphs:
     def logits_rows(self, num_tokens: int) -> int:
         """Rows of ``logits_indices`` in a piecewise-graph step of ``num_tokens`` (padded) tokens."""
         return cg.logits_rows_for_tokens(num_tokens, self.max_running_requests)
+
+    def piecewise_bucket(self, num_tokens: int, batch_size: int) -> tuple[int | None, bool]:
+        """``(bucket, unpadded)`` of a step of ``num_tokens`` tokens and ``batch_size`` requests: the
+        token bucket whose piecewise graphs it replays, or None; ``unpadded``: a bucket fits it, but only
+        with more than ``max_padding`` padding tokens, so the compiled forward runs at the step's own
+        size instead (counted in ``unpadded_steps``; :func:`~hybrid_compile.compilation.cuda_graphs.replays_bucket`)."""
+        bucket = cg.select_bucket(self.token_buckets, num_tokens)
+        if bucket is None or batch_size > self.logits_rows(bucket):
+            return None, False
+        if not cg.replays_bucket(num_tokens, bucket, self.max_padding):
+            self.counters["unpadded_steps"] += 1
+            return None, True
+        return bucket, False
 
     def capture_cuda_graphs(self, runner: "ModelRunner") -> None:
         config, full, piecewise = self.config, self.full, self.piecewise
@@ -433,7 +451,8 @@ class CompiledGraphs:
         ``piecewise_copied_bytes`` (inputs copied into the pieces' captured inputs),
         ``full_graph_recaptures`` (full graphs captured again after elastic pools moved memory) and
         ``eager_fallbacks`` (steps with graphs on that no graph fitted, verify steps included: the
-        compiled path ran)."""
+        compiled path ran) and ``unpadded_steps`` (steps that fitted a token bucket only with more than
+        ``extra["piecewise_max_padding"]`` padding tokens: the compiled path ran at their own size)."""
         if not self.enabled:
             return {"enabled": False}
         s = self.backend.stats
@@ -472,4 +491,6 @@ class CompiledGraphs:
             "piecewise_copied_bytes": pw.copied_bytes if pw else 0,
             "full_graph_recaptures": full.recaptures if full else 0,
             "eager_fallbacks": c["eager_fallbacks"],
+            "unpadded_steps": c["unpadded_steps"],
+            "piecewise_max_padding": self.max_padding,
         }

@@ -12,10 +12,11 @@ The compiled forward and its CUDA graphs are set up at construction by :mod:`.gr
 (:attr:`ModelRunner.graphs`). Each step then takes one path (:meth:`ModelRunner.forward`): eager
 when compile is off; with compile on, a DECODE step of at most the largest decode bucket replays
 a full graph (its metadata built straight into the graph's stable buffers, rows padded up to the
-bucket); other DECODE / EXTEND steps of at most the largest token bucket are padded up to it
-and replay the pieces' graphs with the layer ops eager between them; any other step runs the
-compiled forward without graphs (counted as an eager fallback; a step of one request padded to
-two, :func:`~.forward_batch.pad_requests`).
+bucket); other DECODE / EXTEND steps of at most the largest token bucket are padded up to the
+smallest bucket that holds them and replay the pieces' graphs with the layer ops eager between them,
+unless that takes more than ``max_padding`` padding tokens (then the compiled forward runs at the
+step's own size: ``unpadded_steps``); any other step runs the compiled forward without graphs
+(counted as an eager fallback; a step of one request padded to two, :func:`~.forward_batch.pad_requests`).
 
 Speculative verify steps (:meth:`ModelRunner.forward_verify`, ``draft_len = k + 1`` tokens per
 request) take the same path: a full TARGET_VERIFY graph of the batch-size bucket when one fits
@@ -265,8 +266,8 @@ class ModelRunner:
         if md.graph_key is not None:  # built into the full graph's buffers
             return self._outputs(self._replay_full_graph(md), b, n)
         if graphs.piecewise_graphs is not None and md.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-            bucket = cg.select_bucket(graphs.token_buckets, md.num_tokens)
-            if bucket is not None and b <= graphs.logits_rows(bucket):
+            bucket, unpadded = graphs.piecewise_bucket(md.num_tokens, b)
+            if bucket is not None:
                 pad = bucket - md.num_tokens
                 # decode steps stay decode steps: one-token padding requests; else one request of them all
                 pad_lens = ([1] * pad if md.mode is ForwardMode.DECODE else [pad]) if pad else []
@@ -275,7 +276,9 @@ class ModelRunner:
                 out = self._run_compiled(padded_ids, padded, graphs_mode=graphs.piecewise_graphs.REPLAY, extra=extra)
                 graphs.piecewise_graphs.replays += 1
                 return self._outputs(out, b, md.num_tokens)
-        if graphs.graph_pool is not None:  # graphs on, but no graph fits this step: the compiled path
+        else:
+            unpadded = False
+        if graphs.graph_pool is not None and not unpadded:  # graphs on, but no graph fits this step
             graphs.counters["eager_fallbacks"] += 1
         if b < _MIN_COMPILED_BATCH:
             input_ids, md = pad_requests(input_ids, md, [1] * (_MIN_COMPILED_BATCH - b), self.pools.kv.PADDING_SLOT)

@@ -204,12 +204,25 @@ def uniform_step_metadata(
     req_to_token[slot[real, None], positions_2d[real]] = entries[real].to(req_to_token.dtype)
     # every token of every request: req_to_token row entries 0 .. seq-1 (the new ones written above)
     total = int(start[-1] + seq[-1])
-    owner = torch.repeat_interleave(torch.arange(rows, device=dev), seq, output_size=total)
-    col = torch.arange(total, device=dev) - start[owner]
-    of_request = real[owner]
-    kv = torch.full((total,), padding_slot, dtype=kv_indices.dtype, device=dev)
-    kv[of_request] = req_to_token[slot[owner][of_request], col[of_request]]
-    kv_indices[:total] = kv
+    kv_indices[:total] = request_token_slots(req_to_token, slot, seq, start, total, padding_slot)
+
+
+def request_token_slots(req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                        starts: torch.Tensor, total: int, padding_slot: int | None = None) -> torch.Tensor:
+    """``[total]`` KV slots of every token of every request, in position order: request ``i``'s
+    ``req_to_token[req_slots[i], 0 .. seq_lens[i] - 1]`` at offset ``starts[i]`` (``starts`` its
+    ``kv_indptr``, ``total`` the last request's end, known to the caller: no host sync). With
+    ``padding_slot``, a request of slot < 0 (a padding row) gets that slot for each of its tokens."""
+    dev = seq_lens.device
+    owner = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=dev), seq_lens, output_size=total)
+    col = torch.arange(total, device=dev) - starts[owner]
+    rows = req_slots.to(torch.int64)[owner]
+    if padding_slot is None:
+        return req_to_token[rows, col]
+    of_request = rows >= 0
+    kv = torch.full((total,), padding_slot, dtype=req_to_token.dtype, device=dev)
+    kv[of_request] = req_to_token[rows[of_request], col[of_request]]
+    return kv
 
 
 @uniform_step_metadata.register_fake

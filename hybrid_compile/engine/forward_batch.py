@@ -77,37 +77,39 @@ def pad_requests(
     k = sum(pad_lens)
     dev = input_ids.device
 
-    def cat(t: torch.Tensor, values) -> torch.Tensor:
-        return torch.cat([t, torch.as_tensor(values, dtype=t.dtype).to(dev)])
-
     def full(t: torch.Tensor, count: int, value) -> torch.Tensor:
         return torch.cat([t, torch.full((count,), value, dtype=t.dtype, device=dev)])
 
     ends = torch.tensor(pad_lens, dtype=torch.int64).cumsum(0)
     local_positions = torch.cat([torch.arange(p, dtype=torch.int64) for p in pad_lens]) if pad_lens else ends
+    lens = torch.tensor(pad_lens, dtype=torch.int64)
+    # the padding requests' values go over in one copy per dtype from pinned memory (a copy from pageable
+    # memory would make the host wait for the GPU's work so far)
+    positions, logits = to_device_packed([local_positions, n + ends - 1], md.positions.dtype, dev)
+    qsl, seq, kv_ends, prompt = to_device_packed([n + ends, lens, ends, lens], md.query_start_loc.dtype, dev)
     p = len(pad_lens)
     padded = dataclasses.replace(
         md,
-        positions=cat(md.positions, local_positions),
-        query_start_loc=cat(md.query_start_loc, n + ends),
-        seq_lens=cat(md.seq_lens, pad_lens),
+        positions=torch.cat([md.positions, positions]),
+        query_start_loc=torch.cat([md.query_start_loc, qsl]),
+        seq_lens=torch.cat([md.seq_lens, seq.to(md.seq_lens.dtype)]),
         prefix_lens=full(md.prefix_lens, p, 0),
         mamba_cache_indices=full(md.mamba_cache_indices, p, -1),
         has_initial_state=full(md.has_initial_state, p, False),
         out_cache_loc=full(md.out_cache_loc, k, -1),
-        kv_indptr=torch.cat([md.kv_indptr, md.kv_indptr[-1:] + ends.to(md.kv_indptr.dtype).to(dev)]),
+        kv_indptr=torch.cat([md.kv_indptr, md.kv_indptr[-1:] + kv_ends.to(md.kv_indptr.dtype)]),
         kv_indices=full(md.kv_indices, k, padding_slot),
-        logits_indices=cat(md.logits_indices, n + ends - 1),
+        logits_indices=torch.cat([md.logits_indices, logits.to(md.logits_indices.dtype)]),
         extend_lens_cpu=list(md.extend_lens_cpu) + pad_lens,
         seq_lens_cpu=list(md.seq_lens_cpu) + pad_lens,
-        prompt_lens=None if md.prompt_lens is None else cat(md.prompt_lens, pad_lens),
+        prompt_lens=None if md.prompt_lens is None else torch.cat([md.prompt_lens, prompt.to(md.prompt_lens.dtype)]),
         graph_key=None,
     )
     if md.tree_mask is not None:  # a draft tree's verify: padding tokens see everything (their KV is padding)
         padded.tree_mask = full(md.tree_mask, k, -1)
         steps = md.draft_len
         verify_pads = next((i for i, n in enumerate(pad_lens) if n != steps), len(pad_lens))
-        chain = torch.tensor(md_ops.padding_tree(steps)[0], dtype=md.tree_parents.dtype, device=dev)
+        chain, = to_device_packed([torch.tensor(md_ops.padding_tree(steps)[0])], md.tree_parents.dtype, dev)
         padded.tree_parents = torch.cat([md.tree_parents, chain.expand(verify_pads, steps)])
     for name in ("track_slots", "track_lens"):  # prefix-cache checkpoints (layers/tracking.py)
         t = getattr(md, name, None)
@@ -373,8 +375,10 @@ class ForwardBatchBuilder:
             [torch.tensor(ids, dtype=torch.int64), positions, batch.out_cache_loc, qsl[1:].to(torch.int64) - 1, req_slots],
             torch.int64, dev,
         )
-        qsl_d, kv_indptr_d, seq_d, prefix_d, mamba_d, prompt_d = to_device_packed(
-            [qsl, kv_indptr, seq, prefix, mamba, prompt_lens], torch.int32, dev
+        tracked = batch.track_slots is not None
+        track = [torch.tensor(batch.track_slots), torch.tensor(batch.track_lens)] if tracked else []
+        qsl_d, kv_indptr_d, seq_d, prefix_d, mamba_d, prompt_d, *track_d = to_device_packed(
+            [qsl, kv_indptr, seq, prefix, mamba, prompt_lens, *track], torch.int32, dev
         )
         md = ForwardMetadata(
             mode=batch.mode,
@@ -395,10 +399,11 @@ class ForwardBatchBuilder:
             seq_lens_cpu=seq.tolist(),
             prompt_lens=prompt_d,
         )
-        if batch.track_slots is not None:
-            # prefix-cache checkpoints inside the extend (scheduler-chosen; layers/tracking.py)
-            md.track_slots = torch.tensor(batch.track_slots, dtype=torch.int32).to(dev)
-            md.track_lens = torch.tensor(batch.track_lens, dtype=torch.int32).to(dev)
+        if tracked:
+            # prefix-cache checkpoints inside the extend (scheduler-chosen; layers/tracking.py), in the
+            # same copy as the other int32 tensors (a copy of its own from pageable memory would wait
+            # for the GPU's work so far)
+            md.track_slots, md.track_lens = track_d
             md.has_tracking = any(s >= 0 for s in batch.track_slots)
         return input_ids, md
 

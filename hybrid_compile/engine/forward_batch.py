@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..layers.context import ForwardMetadata, ForwardMode
+from ..memory.allocator import repeat_counts, segment_arange
 from ..ops import metadata as md_ops
 from .transfer import aligned as _aligned, to_device_packed
 
@@ -49,13 +50,6 @@ if TYPE_CHECKING:
 
 #: The forward batch of one step: (packed input ids ``[N]``, its forward metadata).
 ForwardBatch = tuple[torch.Tensor, ForwardMetadata]
-
-
-def _segment_arange(lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(n) for each n in lengths."""
-    total = int(lengths.sum())
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
 
 
 def pad_requests(
@@ -360,7 +354,7 @@ class ForwardBatchBuilder:
         ids: list[int] = []
         for r, p, n in zip(batch.requests, batch.prefix_lens, batch.extend_lens):
             ids.extend(r.token_ids(p, p + n))
-        positions = torch.repeat_interleave(prefix, extend) + _segment_arange(extend)
+        positions = repeat_counts(prefix, extend) + segment_arange(extend)
         req_slots = torch.tensor([r.req_slot for r in batch.requests], dtype=torch.int64)
         self.pools.req_to_token.set_tokens_batch(req_slots, prefix, extend, batch.out_cache_loc)
 

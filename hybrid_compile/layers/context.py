@@ -88,6 +88,16 @@ class ForwardMetadata:
     def batch_size(self) -> int:
         return int(self.mamba_cache_indices.shape[0])
 
+    def memo(self, key, build):
+        """``build()``, computed once per step: device tensors that every layer op of a kind derives
+        alike from this metadata (the prefix-cache tracking rows of ``layers/tracking.py``) are built
+        by the first layer that asks, not once per layer. Kept on this object only: a copy with other
+        tensors (``dataclasses.replace``, padding) starts without them."""
+        memos = self.__dict__.setdefault("_memos", {})
+        if key not in memos:
+            memos[key] = build()
+        return memos[key]
+
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])

@@ -45,9 +45,13 @@ def track_ssm_checkpoints(
     """Copy each tracked request's chunk state at its checkpoint (row ``offset_b +
     track_lens[b] // chunk_size`` of the ``_varlen`` layout) into its track slot (quantized into
     an FP8 pool's values and ``ssm_scales``, one scale per vector along ``scale_dim``)."""
-    offsets = chunk_row_offsets(md.query_start_loc, chunk_size)
-    lens = md.track_lens.to(torch.int64)
-    slots = md.track_slots.to(torch.int64)
-    keep = (slots >= 0) & (lens >= 0) & (md.mamba_cache_indices >= 0)
-    src = torch.where(keep, offsets + torch.div(lens, chunk_size, rounding_mode="floor"), -1)
-    _kernels.track_chunk_states(ssm_states, chunk_states, src, torch.where(keep, slots, -1), ssm_scales, scale_dim)
+    def rows():  # the same for every layer of the step with this chunk size: built once (md.memo)
+        offsets = chunk_row_offsets(md.query_start_loc, chunk_size)
+        lens = md.track_lens.to(torch.int64)
+        slots = md.track_slots.to(torch.int64)
+        keep = (slots >= 0) & (lens >= 0) & (md.mamba_cache_indices >= 0)
+        src = torch.where(keep, offsets + torch.div(lens, chunk_size, rounding_mode="floor"), -1)
+        return src, torch.where(keep, slots, -1)
+
+    src, dst = md.memo(("track_chunk_rows", chunk_size), rows)
+    _kernels.track_chunk_states(ssm_states, chunk_states, src, dst, ssm_scales, scale_dim)

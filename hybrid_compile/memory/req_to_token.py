@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .allocator import IndexLike, InvalidSlotError, SlotAllocator, as_index_tensor, segment_arange
+from .allocator import IndexLike, InvalidSlotError, SlotAllocator, as_index_tensor, repeat_counts, segment_arange
 from .mamba_pool import MambaPool
 
 
@@ -162,8 +162,8 @@ class ReqToTokenPool:
             return
         if bool((values < 0).any()) or bool((values > torch.iinfo(torch.int32).max).any()):
             raise InvalidSlotError("set_tokens_batch: token slots must be in [0, 2**31)")
-        rows = torch.repeat_interleave(reqs, lens)
-        cols = torch.repeat_interleave(start, lens) + segment_arange(lens)
+        rows = repeat_counts(reqs, lens)
+        cols = repeat_counts(start, lens) + segment_arange(lens)
         vals32 = values.to(torch.int32)
         flat = rows * self.max_context_len + cols
         # (index_copy_, not an advanced-index assignment: torch's CPU index kernel goes multi-threaded

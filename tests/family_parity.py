@@ -65,6 +65,7 @@ def check_batch_with_chunked_prefill(family: Family) -> None:
         stats = engine.stats()
         family.assert_hf(prompts, got, "batch")
         assert stats["decode_steps"] > 0 and stats["extend_steps"] > 0
+        assert stats["mixed_steps"] > 0 and stats["mixed_decode_rows"] > 0, stats  # decode rows split off
         assert_pools_restored(engine, initial_free)
 
 

@@ -104,6 +104,12 @@ def test_generate_batch_with_chunked_prefill_and_joining_requests_matches_hf(kin
     assert mixed, "no step mixed a decode with a prefill chunk (no request joined while others decoded)"
     assert stats["requests_finished"] == stats["requests_added"] == len(prompts)
     assert stats["generated_tokens"] == len(prompts) * new
+    # mixed steps ran their decode rows as a DECODE part of the step (ForwardMetadata.mixed_parts), packed
+    # after its prefill chunks
+    assert 0 < stats["mixed_steps"] <= stats["extend_steps"] and stats["mixed_decode_rows"] >= stats["mixed_steps"]
+    for step in mixed:
+        kinds = [n > 1 for _, _, n in step]
+        assert kinds == sorted(kinds, reverse=True), f"decode rows before a prefill chunk: {step}"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -138,6 +138,7 @@ class StepBroadcaster:
         for t in tensors:
             header += [0, -1] if t is None else [_DTYPES.index(t.dtype), t.numel()]
         header += [len(v) for v in lists]
+        header += list(md.decode_rows) if md.decode_rows is not None else [-1, -1]  # a mixed step's decode rows
         self._send(header, [t for t in tensors if t is not None], host=[x for v in lists for x in v])
         for e in extra:  # (after the payload: the follower knows its shapes and dtype from its runner)
             dist.broadcast(e.contiguous(), 0, group=self.tp.group)
@@ -247,6 +248,8 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
     n_specs = 1 + len(_MD_TENSORS)
     specs = [(header[at + 2 * i], header[at + 1 + 2 * i]) for i in range(n_specs)]
     list_lens = header[at + 2 * n_specs: at + 2 * n_specs + len(_MD_LISTS)]
+    rows_at = at + 2 * n_specs + len(_MD_LISTS)
+    decode_rows = tuple(header[rows_at: rows_at + 2]) if header[rows_at] >= 0 else None
     # the host-side lists come over gloo, so this rank never waits for its GPU to read them back
     # (it queues the forward while its previous one still runs, as rank 0 does)
     host = _host_ints(tp, sum(list_lens))
@@ -272,7 +275,8 @@ def _forward(engine, tp: TensorParallelGroup, header: list[int]) -> None:
         start += n
     if fields["tree_parents"] is not None:
         fields["tree_parents"] = fields["tree_parents"].view(-1, draft_len)
-    md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists)
+    md = ForwardMetadata(mode=_MODES[mode], draft_len=draft_len, has_tracking=bool(has_tracking), **fields, **lists,
+                         decode_rows=decode_rows)
     inter = runner.intermediate_caches if verify else {}
     with forward_context(ForwardContext(md, runner.kv_caches, runner.mamba_caches, inter)):
         if piecewise:

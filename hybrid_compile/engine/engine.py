@@ -324,6 +324,9 @@ class HybridEngine(GenerateAPI):
         self._undelivered: list[StepOutput] = []
         self._counters = dict(
             requests_added=0, requests_finished=0, steps=0, decode_steps=0, extend_steps=0,
+            # extend steps with decode rows, which the layer ops run through their decode paths
+            # (ForwardMetadata.mixed_parts), and those rows
+            mixed_steps=0, mixed_decode_rows=0,
             prefill_tokens=0, decode_tokens=0, generated_tokens=0, forward_seconds=0.0,
             overlapped_steps=0,  # decode steps launched before the previous step's tokens were read
             requests_aborted=0,
@@ -601,6 +604,9 @@ class HybridEngine(GenerateAPI):
         c["forward_seconds"] += time.perf_counter() - t0
         c["steps"] += 1
         c["decode_steps" if batch.mode.value == "decode" else "extend_steps"] += 1
+        if batch.decode_rows is not None:
+            c["mixed_steps"] += 1
+            c["mixed_decode_rows"] += batch.decode_rows[1] - batch.decode_rows[0]
         sample_rows, sample_reqs = [], []
         for row, (r, n) in enumerate(zip(batch.requests, batch.extend_lens)):
             # prompt positions count as prefill, fed-back output tokens as decode (also inside a

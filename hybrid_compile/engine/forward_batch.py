@@ -392,6 +392,7 @@ class ForwardBatchBuilder:
             extend_lens_cpu=list(batch.extend_lens),
             seq_lens_cpu=seq.tolist(),
             prompt_lens=prompt_d,
+            decode_rows=batch.decode_rows if batch.mode is ForwardMode.EXTEND else None,
         )
         if tracked:
             # prefix-cache checkpoints inside the extend (scheduler-chosen; layers/tracking.py), in the

@@ -76,10 +76,25 @@ class ScheduledBatch:
     # a DECODE step's input ids already on the device (int64 [B]: the tokens the step before
     # sampled, not yet appended to the requests; engine overlap), or None: from the requests
     input_ids: torch.Tensor | None = None
+    # a mixed EXTEND step: requests [start, end) decode one token each, after the prefills
+    # (ForwardMetadata.decode_rows: the layer ops run them through their decode path)
+    decode_rows: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+
+def _decodes_last(reqs: list[Request], lens: list[int], slots: torch.Tensor):
+    """A mixed step's requests reordered prefills first, decoding requests after them (each keeping
+    its KV slots), so that the layer ops take the decode rows as one DECODE part:
+    ``(requests, lengths, slots, (first decode row, end))``."""
+    ends = torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()
+    pieces = [slots[e - n: e] for e, n in zip(ends, lens)]
+    order = [i for i, r in enumerate(reqs) if not r.decoding] + [i for i, r in enumerate(reqs) if r.decoding]
+    first = sum(1 for r in reqs if not r.decoding)
+    return ([reqs[i] for i in order], [lens[i] for i in order], torch.cat([pieces[i] for i in order]),
+            (first, len(reqs)))
 
 
 class Scheduler:
@@ -498,19 +513,23 @@ class Scheduler:
         if not reqs:
             return None
         out_cache_loc = torch.cat(out)
+        decode = all(r.decoding for r in reqs)
+        decode_rows = None
+        if not decode and any(r.decoding for r in reqs):
+            reqs, lens, out_cache_loc, decode_rows = _decodes_last(reqs, lens, out_cache_loc)
         offset = 0
         for r, n in zip(reqs, lens):
             # the slots belong to the request from now on (freed with it on finish/retraction)
             r.kv_slots = torch.cat([r.kv_slots, out_cache_loc[offset : offset + n]])
             offset += n
         prefix = [r.num_computed for r in reqs]
-        decode = all(r.decoding for r in reqs)
         batch = ScheduledBatch(
             requests=reqs,
             prefix_lens=prefix,
             extend_lens=lens,
             out_cache_loc=out_cache_loc,
             mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            decode_rows=decode_rows,
         )
         self._drop_pending_checkpoints()
         self._plan_checkpoints(batch)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from ..ops.registration import kernel_op
 
 _kernels = torch.ops.hybrid_compile
@@ -79,6 +79,10 @@ def attention_layer(
         ``[N, Hq, Dv]`` in q's dtype.
     """
     _check(q, k, v)
+    split = by_mixed_parts(lambda q, k, v: attention_layer(q, k, v, layer_id, scale, sliding_window, logit_softcap),
+                           q, k, v)
+    if split is not None:  # a mixed step: its decode rows through decode attention
+        return split
     # HF's eager attention hands over views of [1, H, T, D] tensors, whose head stride is T * D:
     # Triton specialises kernels on a stride's divisibility, so such a stride would JIT-compile new
     # variants as T (or the decode batch) changes. Those get a token-major copy; token-major views
@@ -160,6 +164,10 @@ def mla_layer(
         ``[N, H, V]`` in q's dtype (before the output projection).
     """
     _check_mla(q_nope, q_rope, latent, k_rope, w_uk, w_uv)
+    split = by_mixed_parts(lambda qn, qr, lat, kr: mla_layer(qn, qr, lat, kr, w_uk, w_uv, layer_id, scale),
+                           q_nope, q_rope, latent, k_rope)
+    if split is not None:  # a mixed step: its decode rows through decode attention
+        return split
     ctx = require_forward_context("hybrid_compile::mla_layer")
     md = ctx.metadata
     k_cache, v_cache, k_scale, v_scale = ctx.kv_cache(layer_id)

@@ -13,6 +13,7 @@ Outside an engine step there is no context and the patched layers run HF's own c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -60,6 +61,10 @@ class ForwardMetadata:
         graph_key: host-side: the full CUDA graph (``compilation/cuda_graphs.GraphKey``) whose stable
             buffers hold this step's metadata (the tensors here are views of its first rows; the
             rows past them are padding requests): the step replays that graph. None otherwise.
+        decode_rows: host-side, EXTEND (a mixed step): requests ``[start, end)`` are decode rows, one
+            generated token each with a state to continue from and no checkpoint inside the step, packed
+            after the prefill requests (and before any padding request); the layer ops run them through
+            their decode path (:meth:`mixed_parts`). None: none.
     """
 
     mode: ForwardMode
@@ -83,6 +88,7 @@ class ForwardMetadata:
     tree_mask: torch.Tensor | None = None
     tree_parents: torch.Tensor | None = None
     graph_key: Any = None
+    decode_rows: tuple[int, int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +108,52 @@ class ForwardMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def mixed_parts(self) -> "MixedParts | None":
+        """A mixed step's two parts (``decode_rows``; built once per step, :meth:`memo`): the prefill
+        requests as an EXTEND step and the decode rows as a DECODE step, each with metadata of its own
+        (fresh tensors, 16-byte aligned: a slice's offset would specialise a Triton kernel anew). None
+        for any other step."""
+        if self.mode is not ForwardMode.EXTEND or self.decode_rows is None:
+            return None
+        return self.memo("mixed_parts", self._build_mixed_parts)
+
+    def _build_mixed_parts(self) -> "MixedParts":
+        start, end = self.decode_rows
+        lens, seqs = self.extend_lens_cpu, self.seq_lens_cpu
+        if start <= 0 or any(n != 1 for n in lens[start:end]) or end > len(lens):
+            raise ValueError(f"decode_rows {self.decode_rows}: decode rows are one-token requests after at least one "
+                             f"prefill request, got extend lengths {lens[:end + 1]}")
+        tokens = sum(lens[:start])
+        kv_start, kv_end = sum(seqs[:start]), sum(seqs[:end])
+        d = end - start
+
+        def rows(t):
+            return None if t is None else t[start:end].clone()
+
+        dev = self.positions.device
+        extend = dataclasses.replace(
+            self, positions=self.positions[:tokens], query_start_loc=self.query_start_loc[: start + 1],
+            seq_lens=self.seq_lens[:start], prefix_lens=self.prefix_lens[:start],
+            mamba_cache_indices=self.mamba_cache_indices[:start], has_initial_state=self.has_initial_state[:start],
+            out_cache_loc=self.out_cache_loc[:tokens], kv_indptr=self.kv_indptr[: start + 1],
+            logits_indices=self.logits_indices[:0], extend_lens_cpu=list(lens[:start]), seq_lens_cpu=list(seqs[:start]),
+            prompt_lens=None if self.prompt_lens is None else self.prompt_lens[:start],
+            track_slots=None if self.track_slots is None else self.track_slots[:start],
+            track_lens=None if self.track_lens is None else self.track_lens[:start],
+            graph_key=None, decode_rows=None,
+        )
+        decode = ForwardMetadata(
+            mode=ForwardMode.DECODE, positions=self.positions[tokens: tokens + d].clone(),
+            query_start_loc=torch.arange(d + 1, dtype=self.query_start_loc.dtype, device=dev),
+            seq_lens=rows(self.seq_lens), prefix_lens=rows(self.prefix_lens),
+            mamba_cache_indices=rows(self.mamba_cache_indices), has_initial_state=rows(self.has_initial_state),
+            out_cache_loc=self.out_cache_loc[tokens: tokens + d].clone(),
+            kv_indptr=self.kv_indptr[start: end + 1] - kv_start, kv_indices=self.kv_indices[kv_start:kv_end].clone(),
+            logits_indices=self.logits_indices[:0], extend_lens_cpu=[1] * d, seq_lens_cpu=list(seqs[start:end]),
+            prompt_lens=rows(self.prompt_lens),
+        )
+        return MixedParts(extend, decode, tokens, d)
+
     def verify_rows(self) -> int:
         """TARGET_VERIFY: the leading requests that run ``draft_len`` tokens each (the verify batch,
         padding rows with Mamba index -1 included). Trailing requests of another length (filler of
@@ -118,6 +170,38 @@ class ForwardMetadata:
         if self.num_tokens % steps:
             raise ValueError(f"TARGET_VERIFY: {self.num_tokens} tokens are not a whole number of {steps}-token requests")
         return self.num_tokens // steps
+
+
+@dataclass(frozen=True)
+class MixedParts:
+    """A mixed EXTEND step split for the layer ops (:meth:`ForwardMetadata.mixed_parts`): the first
+    ``extend_tokens`` tokens are the prefill requests' (``extend``, an EXTEND step), the next
+    ``decode_tokens`` the decode rows' (``decode``, a DECODE step: one token per request); tokens past
+    them belong to padding requests."""
+
+    extend: ForwardMetadata
+    decode: ForwardMetadata
+    extend_tokens: int
+    decode_tokens: int
+
+    def run(self, ctx: "ForwardContext", layer, *per_token: torch.Tensor | None) -> torch.Tensor:
+        """``layer(*tokens)`` (a layer op's call, reading the forward context's metadata) over the
+        prefill part and over the decode part, each under its own metadata in ``ctx``; the outputs
+        concatenated in token order, padding tokens' rows zero (nothing reads them). A per-token
+        argument may be None (an absent optional input)."""
+        n = per_token[0].shape[0]
+        e, d = self.extend_tokens, self.decode_tokens
+        whole = ctx.metadata
+        outs = []
+        try:
+            for md, lo, hi in ((self.extend, 0, e), (self.decode, e, e + d)):
+                ctx.metadata = md
+                outs.append(layer(*(None if t is None else t[lo:hi] for t in per_token)))
+        finally:
+            ctx.metadata = whole
+        if n > e + d:
+            outs.append(outs[0].new_zeros(n - e - d, *outs[0].shape[1:]))
+        return torch.cat(outs)
 
 
 @dataclass(frozen=True)
@@ -234,3 +318,14 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _current = None
+
+
+def by_mixed_parts(layer, *per_token: torch.Tensor | None) -> torch.Tensor | None:
+    """In a mixed step (``ForwardMetadata.mixed_parts``), a layer op's output over its two parts:
+    ``layer(*tokens)`` re-enters the op under the prefill part's metadata, then the decode part's
+    (:meth:`MixedParts.run`); None in any other step (or outside a forward), where the op runs
+    itself. Each linear or attention layer op calls it first, so that a mixed step's decode rows cost
+    what they cost in a decode step: no chunked scan over one-token requests, decode attention."""
+    ctx = get_forward_context()
+    parts = None if ctx is None else ctx.metadata.mixed_parts()
+    return None if parts is None else parts.run(ctx, layer, *per_token)

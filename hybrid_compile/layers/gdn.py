@@ -35,7 +35,7 @@ import torch
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from ..ops.fp8_cache import GDN_STATE_SCALE_DIM
 from ..ops.gdn import GDN_CHUNK_SIZE
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
 from ..ops.registration import kernel_op
 
@@ -94,6 +94,11 @@ def gdn_layer(
         ``[N, Hv, V]`` core attention output in mixed_qkv's dtype (zeros for padding rows).
     """
     _check(mixed_qkv, a, b, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    split = by_mixed_parts(
+        lambda x, a, b: gdn_layer(x, a, b, conv_weight, conv_bias, A_log, dt_bias, layer_id, num_k_heads, head_k_dim,
+                                  num_v_heads, head_v_dim, activation, beta_scale), mixed_qkv, a, b)
+    if split is not None:  # a mixed step: its decode rows through the decode path (no chunked scan)
+        return split
 
     def gates(n: int):
         return _gating(A_log, a[:n], b[:n], dt_bias, beta_scale)
@@ -240,6 +245,11 @@ def kda_layer(
         ``[N, H, K]`` core attention output in mixed_qkv's dtype (zeros for padding rows).
     """
     _check_kda(mixed_qkv, g, beta, num_heads, head_dim)
+    split = by_mixed_parts(
+        lambda x, g, beta: kda_layer(x, g, beta, conv_weight, conv_bias, layer_id, num_heads, head_dim, activation),
+        mixed_qkv, g, beta)
+    if split is not None:  # a mixed step: its decode rows through the decode path (no chunked scan)
+        return split
     return _delta_rule_core("kda_layer", mixed_qkv, conv_weight, conv_bias, layer_id, num_heads, head_dim,
                             num_heads, head_dim, activation, lambda n: (g[:n], beta[:n]))
 

@@ -26,7 +26,7 @@ import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from ..ops.lightning import LIGHTNING_CHUNK_SIZE, LIGHTNING_STATE_SCALE_DIM
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from .tracking import tracking, track_ssm_checkpoints
 from ..ops.registration import kernel_op
 
@@ -59,6 +59,9 @@ def lightning_layer(qkv: torch.Tensor, slope: torch.Tensor, layer_id: int, num_h
         ``[N, H, D]`` core attention output in qkv's dtype (zeros for padding rows).
     """
     _check(qkv, slope, num_heads, head_dim)
+    split = by_mixed_parts(lambda x: lightning_layer(x, slope, layer_id, num_heads, head_dim), qkv)
+    if split is not None:  # a mixed step: its decode rows through the decode path (no chunked scan)
+        return split
     ctx = require_forward_context("hybrid_compile::lightning_layer")
     md = ctx.metadata
     _, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)  # scales: an FP8 state pool's, else None

@@ -28,7 +28,7 @@ import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
 from ..ops.fp8_cache import MAMBA1_STATE_SCALE_DIM
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from .tracking import track_ssm_checkpoints, tracking
 from ..ops.registration import kernel_op
 
@@ -77,6 +77,11 @@ def mamba1_ssm_layer(
         ``[N_tok, D_inner]`` gated SSM output in x's dtype (zeros for padding rows).
     """
     _check(x, dt, B, C, z)
+    split = by_mixed_parts(
+        lambda x, dt, B, C, z: mamba1_ssm_layer(x, dt, B, C, z, A_log, D, dt_bias, layer_id, chunk_size, dt_softplus),
+        x, dt, B, C, z)
+    if split is not None:  # a mixed step: its decode rows through the state update (no scan)
+        return split
     ctx = require_forward_context("hybrid_compile::mamba1_ssm_layer")
     md = ctx.metadata
     _, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)  # scales: an FP8 state pool's, else None

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from ..ops.fp8_cache import MAMBA2_STATE_SCALE_DIM
 from .tracking import track_conv_checkpoints, track_ssm_checkpoints, tracking
 from ..ops.registration import kernel_op
@@ -125,6 +125,11 @@ def mamba2_layer(
         ``[N, H, P]`` SSM output in xBC's dtype (zeros for padding rows).
     """
     _check(xBC, dt, num_heads, head_dim, n_groups, state_size)
+    split = by_mixed_parts(
+        lambda x, t: mamba2_layer(x, t, conv_weight, conv_bias, A_log, D, dt_bias, layer_id, num_heads, head_dim, n_groups,
+                                  state_size, activation, chunk_size, dt_min, dt_max, clamp_decode_dt), xBC, dt)
+    if split is not None:  # a mixed step: its decode rows through the decode path (no chunked scan)
+        return split
     ctx = require_forward_context("hybrid_compile::mamba2_layer")
     md = ctx.metadata
     conv_states, ssm_states, ssm_scales = ctx.mamba_cache(layer_id)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (registers the kernel ops)
-from .context import ForwardMode, require_forward_context
+from .context import ForwardMode, by_mixed_parts, require_forward_context
 from .tracking import track_conv_checkpoints, tracking
 from ..ops.registration import kernel_op
 
@@ -65,6 +65,9 @@ def short_conv_layer(
         ``[N, D]`` conv output in x's dtype (zeros for padding rows).
     """
     _check(x, conv_weight)
+    split = by_mixed_parts(lambda x: short_conv_layer(x, conv_weight, conv_bias, layer_id, activation), x)
+    if split is not None:  # a mixed step: its decode rows through the conv update
+        return split
     ctx = require_forward_context("hybrid_compile::short_conv_layer")
     md = ctx.metadata
     conv_states = ctx.mamba_cache(layer_id)[0]

@@ -385,3 +385,23 @@ def test_speculative_benchmark_tree_rows_tiny(tmp_path):
     # a tree's verify forward runs the recurrent update over its nodes (the custom op among the host ops)
     ops = {o["name"] for o in rows[(2, 8, "tree_replay_q0.0")]["step_profile"]["top_host_ops"]}
     assert any(name.startswith("hybrid_compile::") for name in ops), ops
+
+
+def test_mixed_steps_benchmark_smoke(tmp_path):
+    """benchmarks/mixed_steps.py --tiny --device cpu: prefill, decode and mixed step timed per case (the
+    mixed step holds the decode rows, run as its DECODE part), the continuous-batching workload's
+    counters and the timed forwards' split, JSON written (no speed asserted)."""
+    out = tmp_path / "mixed.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mixed_steps.py"), "--tiny", "--device", "cpu", "--prompts", "40",
+           "--decodes", "2", "--repeats", "1", "--cb", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    case = result["mixed"]["D2_P40"]
+    assert case["mixed"]["mode"] == "extend" and case["mixed"]["tokens"] == 42 and case["mixed"]["decode_rows"] == 2
+    assert case["decode"]["mode"] == "decode" and case["decode"]["requests"] == 2
+    assert case["prefill"]["tokens"] == 40 and case["ratio"] > 0
+    run, split = result["continuous_batching"]
+    assert run["requests"] == 10 and run["out_tok_s"] > 0 and run["mixed_steps"] > 0
+    assert run["mixed_decode_rows"] >= run["mixed_steps"] and run["steps"] == run["extend_steps"] + run["decode_steps"]
+    assert split["timed_forwards"]["extend"]["steps"] > 0 and split["timed_forwards"]["decode"]["steps"] > 0

@@ -99,3 +99,36 @@ def test_no_split_outside_mixed_steps_and_bad_rows_are_refused():
         _step(decode_rows=(1, 4)).mixed_parts()  # request 1 has 2 new tokens
     with pytest.raises(ValueError, match="decode rows are one-token requests"):
         _step(decode_rows=(0, 0)).mixed_parts()  # no prefill request before them
+
+
+def test_tensor_parallel_forward_command_carries_the_decode_rows(monkeypatch):
+    """Rank 0's FORWARD command of a mixed step (``distributed/step.py``) gives a follower the same
+    metadata, its decode rows included, so that every rank splits the step alike: the command's
+    broadcasts recorded on the sending side and replayed on the receiving one."""
+    from types import SimpleNamespace
+
+    from hybrid_compile.distributed import step
+
+    sent = []
+    monkeypatch.setattr(step.dist, "broadcast", lambda t, src, group=None: sent.append(t.clone()))
+    tp = SimpleNamespace(control=None, group=None, device=torch.device("cpu"))
+    for decode_rows in ((2, 4), None):
+        sent.clear()
+        md = _step(decode_rows)
+        ids = torch.arange(sum(EXTEND))
+        with forward_context(ForwardContext(md, {}, {})):
+            step.StepBroadcaster(tp).forward(False, ids)
+        replay = iter(sent)
+        monkeypatch.setattr(step.dist, "broadcast", lambda t, src, group=None: t.copy_(next(replay)))
+        seen = []
+
+        def model_forward(input_ids, positions, logits_indices, *extra):
+            seen.append((input_ids.clone(), step.get_forward_context().metadata))
+
+        runner = SimpleNamespace(extra_inputs=(), kv_caches={}, mamba_caches={}, intermediate_caches={},
+                                 _model_forward=model_forward)
+        step._forward(SimpleNamespace(runner=runner), tp, step._receive(tp))
+        (got_ids, got), = seen
+        assert torch.equal(got_ids, ids) and got.decode_rows == decode_rows and got.mode is ForwardMode.EXTEND
+        assert got.extend_lens_cpu == md.extend_lens_cpu and torch.equal(got.kv_indices, md.kv_indices)
+        monkeypatch.setattr(step.dist, "broadcast", lambda t, src, group=None: sent.append(t.clone()))

@@ -732,3 +732,20 @@ def test_memory_pools_on_cuda_allocate_without_host_sync():
     pools.token_allocator.free(slots)
     pools.req_to_token.free(reqs)
     pools.check_all_free()
+
+
+def test_host_index_arithmetic_equals_torch():
+    """``repeat_counts`` / ``segment_arange`` (the numpy path of a step's host index arithmetic) give
+    torch's ``repeat_interleave`` / concatenated ``arange`` results, zero counts and empty inputs included."""
+    from hybrid_compile.memory.allocator import repeat_counts, segment_arange
+
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 5, 40):
+        counts = torch.randint(0, 4, (n,), generator=g)
+        values = torch.randint(-5, 100, (n,), generator=g)
+        got = repeat_counts(values, counts)
+        assert got.dtype == torch.int64 and torch.equal(got, torch.repeat_interleave(values, counts))
+        assert torch.equal(repeat_counts(values.tolist(), counts.tolist()), got)
+        arange = segment_arange(counts)
+        want = torch.cat([torch.arange(int(c)) for c in counts]) if n else torch.zeros(0, dtype=torch.int64)
+        assert arange.dtype == torch.int64 and torch.equal(arange, want)

@@ -9,7 +9,9 @@ Every timed forward is ``engine.runner.forward`` with the device synchronised be
 ``wall_ms`` until the GPU finished. Per prompt length P (``--prompts``) the best of ``--repeats``
 prefills of one P-token prompt alone; per decode batch D (``--decodes``) a decode step of D
 requests (prompts of ``--context`` tokens); per (D, P) the mixed step of those D requests decoding
-when a P-token prompt arrives, and ``ratio = mixed / (prefill P + decode D)`` (issue goal: <= 1.1).
+when a P-token prompt arrives, and ``ratio = mixed / (prefill P + decode D)`` (issue goal: <= 1.1); the mixed steps again with the
+decode rows inside the extend paths (``mixed_unsplit``: the scheduler's ``split_mixed_steps`` off, as
+``EngineConfig.extra["split_mixed_steps"] = False`` sets it), same process.
 With ``--cb N``: the continuous-batching workload of ``benchmarks/e2e.py`` (256 requests of random
 prompt and output lengths, queued at once; ``max_running_requests`` 64, ``chunked_prefill_size``
 8192), N runs in the same process, each with output tok/s, mean TTFT and the engine's step counters
@@ -191,27 +193,34 @@ def main(argv=None) -> dict:
                      memory_fraction=0.5)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = dict(device=device_name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), tiny=tiny,
-                  wrap_s=time.perf_counter() - t, context=context, prefill={}, mixed={})
+                  wrap_s=time.perf_counter() - t, context=context, prefill={}, mixed={}, mixed_unsplit={})
     timer = ForwardTimer(engine)
     engine.generate_batch(random_token_prompts(2, 40, vocab, 1), max_new_tokens=4)  # warm-up
     engine.clear_prefix_cache()
     for length in prompts:
         result["prefill"][length] = prefill(engine, timer, vocab, length, args.repeats)
     for d in decodes:
-        for length, (dec, mix) in decode_and_mixed(engine, timer, vocab, d, prompts, context, args.repeats).items():
-            pre = result["prefill"][length]
-            result["mixed"][f"D{d}_P{length}"] = dict(
-                decode=dec, mixed=mix, prefill=pre, ratio=mix["wall_ms"] / (pre["wall_ms"] + dec["wall_ms"]))
+        for split in (True, False):  # the decode rows as a DECODE part, and (same process) inside the extend paths
+            engine.scheduler.split_mixed_steps = split
+            for length, (dec, mix) in decode_and_mixed(engine, timer, vocab, d, prompts, context, args.repeats).items():
+                pre = result["prefill"][length]
+                result["mixed" if split else "mixed_unsplit"][f"D{d}_P{length}"] = dict(
+                    decode=dec, mixed=mix, prefill=pre, ratio=mix["wall_ms"] / (pre["wall_ms"] + dec["wall_ms"]))
+    engine.scheduler.split_mixed_steps = True
     if args.cb:
         result["continuous_batching"] = continuous_batching(engine, timer, vocab, tiny, args.cb)
     result["compile"] = {k: v for k, v in engine.stats().get("compile", {}).items() if isinstance(v, (int, float, bool))}
     engine.close()
     print(f"mixed steps on {device_name} (decode requests' context {context} tokens); ms wall (host)")
-    print(f"{'case':>12} {'prefill':>16} {'decode':>16} {'mixed':>16} {'ratio':>6}")
+    print(f"{'case':>12} {'prefill':>16} {'decode':>16} {'mixed':>16} {'ratio':>6} {'unsplit':>16} {'ratio':>6}")
+
+    def cell(r):
+        return f"{r['wall_ms']:7.1f} ({r['host_ms']:5.1f})"
+
     for key, m in result["mixed"].items():
-        def cell(r):
-            return f"{r['wall_ms']:7.1f} ({r['host_ms']:5.1f})"
-        print(f"{key:>12} {cell(m['prefill']):>16} {cell(m['decode']):>16} {cell(m['mixed']):>16} {m['ratio']:6.2f}")
+        u = result["mixed_unsplit"][key]
+        print(f"{key:>12} {cell(m['prefill']):>16} {cell(m['decode']):>16} {cell(m['mixed']):>16} {m['ratio']:6.2f} "
+              f"{cell(u['mixed']):>16} {u['ratio']:6.2f}")
     for row in result.get("continuous_batching", []):
         print(json.dumps(row))
     out = args.out or os.path.join("benchmarks", "results", f"mixed_steps_{'cpu' if args.device == 'cpu' else 'cuda'}.json")

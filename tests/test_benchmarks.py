@@ -401,6 +401,8 @@ def test_mixed_steps_benchmark_smoke(tmp_path):
     assert case["mixed"]["mode"] == "extend" and case["mixed"]["tokens"] == 42 and case["mixed"]["decode_rows"] == 2
     assert case["decode"]["mode"] == "decode" and case["decode"]["requests"] == 2
     assert case["prefill"]["tokens"] == 40 and case["ratio"] > 0
+    unsplit = result["mixed_unsplit"]["D2_P40"]["mixed"]
+    assert unsplit["tokens"] == 42 and unsplit["decode_rows"] == 0  # the same step, decode rows in the extend paths
     run, split = result["continuous_batching"]
     assert run["requests"] == 10 and run["out_tok_s"] > 0 and run["mixed_steps"] > 0
     assert run["mixed_decode_rows"] >= run["mixed_steps"] and run["steps"] == run["extend_steps"] + run["decode_steps"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hybrid_compile as hc
+from engine_models import assert_greedy_equal, cached_model, hf_greedy_cached, make_engine, random_prompts, vocab_size
 from hybrid_compile.engine.forward_batch import pad_requests
 from hybrid_compile.layers.context import ForwardContext, ForwardMetadata, ForwardMode, by_mixed_parts, forward_context
 
@@ -132,3 +134,21 @@ def test_tensor_parallel_forward_command_carries_the_decode_rows(monkeypatch):
         assert torch.equal(got_ids, ids) and got.decode_rows == decode_rows and got.mode is ForwardMode.EXTEND
         assert got.extend_lens_cpu == md.extend_lens_cpu and torch.equal(got.kv_indices, md.kv_indices)
         monkeypatch.setattr(step.dist, "broadcast", lambda t, src, group=None: sent.append(t.clone()))
+
+
+def test_split_mixed_steps_switch_both_ways_match_hf():
+    """``extra={"split_mixed_steps": False}`` keeps a mixed step's decode rows in the extend paths; both
+    ways give transformers' greedy tokens, and only the split engine counts mixed steps."""
+    model = cached_model("qwen3_next_dense", 0)
+    prompts = random_prompts([30, 5, 70, 12], vocab_size(model), seed=3)
+    expected = [hf_greedy_cached(model, ("qwen3_next_dense", 0), p, 8) for p in prompts]
+    for split in (True, False):
+        with make_engine(model, chunked_prefill_size=32, max_running_requests=3,
+                         extra={"split_mixed_steps": split}) as engine:
+            got = engine.generate_batch(prompts, max_new_tokens=8, do_sample=False)
+            stats = engine.stats()
+        for p, g, e in zip(prompts, got, expected):
+            assert_greedy_equal(model, p, g, e, f"split_mixed_steps={split}")
+        assert stats["extend_steps"] > 0 and (stats["mixed_steps"] > 0) == split, stats
+    with pytest.raises(ValueError, match="split_mixed_steps"):
+        hc.EngineConfig.from_args(extra={"split_mixed_steps": "no"})

@@ -23,6 +23,8 @@ EXTRA_OPTIONS: dict[str, str] = {
     "mtp_draft_graphs": "True / False: full CUDA graphs of whole MTP draft proposals (default: where they run)",
     "fold_shared_experts": "False keeps a MoE block's shared expert out of the routed experts' call "
                            "(models/shared_expert_fold.py; default: folded on the fused experts path)",
+    "split_mixed_steps": "False runs a mixed step's decode rows through the layer ops' extend paths with its "
+                         "prefill chunks instead of their decode paths (ForwardMetadata.mixed_parts)",
     "piecewise_max_padding": "the most padding tokens a step takes to replay a token bucket's piecewise graphs "
                              "(default 1024); a step that would need more runs the compiled forward at its "
                              "own size (stats()['compile']['unpadded_steps'])",
@@ -37,6 +39,7 @@ _EXTRA_SWITCHES = {
     "speculative_commit_graphs": (True, False),
     "mtp_draft_graphs": (True, False, None),
     "fold_shared_experts": (True, False),
+    "split_mixed_steps": (True, False),
 }
 
 

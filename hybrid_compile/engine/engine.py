@@ -300,6 +300,7 @@ class HybridEngine(GenerateAPI):
             max_running_requests=config.max_running_requests,
             prefix_cache=self.prefix_cache,
             decode_checkpoint_interval=config.prefix_cache_track_interval,
+            split_mixed_steps=config.extra.get("split_mixed_steps", True),
         )
         if config.elastic_pools:
             self.scheduler.elastic = ElasticPools(self.pools, self.pools_resized, cache=self.prefix_cache,

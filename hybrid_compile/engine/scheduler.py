@@ -110,8 +110,13 @@ class Scheduler:
         max_running_requests: int,
         prefix_cache: HybridRadixCache | NullPrefixCache | None = None,
         decode_checkpoint_interval: int = 0,
+        split_mixed_steps: bool = True,
     ) -> None:
         self.pools = pools
+        # a mixed step's decoding requests packed after its prefill chunks, as its decode rows (the
+        # layer ops' decode paths run them: ForwardMetadata.mixed_parts); False: in running order, run
+        # through the extend paths with the prefills (EngineConfig.extra["split_mixed_steps"])
+        self.split_mixed_steps = split_mixed_steps
         # None: no prefix cache (a NullPrefixCache: one code path); its policy places checkpoints
         self.cache = prefix_cache if prefix_cache is not None else NullPrefixCache(pools)
         self.decode_checkpoint_interval = decode_checkpoint_interval  # 0: no decode checkpoints
@@ -515,7 +520,7 @@ class Scheduler:
         out_cache_loc = torch.cat(out)
         decode = all(r.decoding for r in reqs)
         decode_rows = None
-        if not decode and any(r.decoding for r in reqs):
+        if self.split_mixed_steps and not decode and any(r.decoding for r in reqs):
             reqs, lens, out_cache_loc, decode_rows = _decodes_last(reqs, lens, out_cache_loc)
         offset = 0
         for r, n in zip(reqs, lens):

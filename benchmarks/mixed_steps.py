@@ -4,7 +4,8 @@
     python benchmarks/mixed_steps.py                       # reference Qwen3-Next, bf16, CUDA
     python benchmarks/mixed_steps.py --tiny --device cpu   # CPU smoke run
 
-Every timed forward is ``engine.runner.forward`` with the device synchronised before and after it:
+Every timed forward is ``engine.runner.forward`` under ``benchmarks/profiling.py``'s ``StepTrace`` (the device
+synchronised before and after it):
 ``host_ms`` is the time until the forward returned (the host's work, while the GPU runs behind it),
 ``wall_ms`` until the GPU finished. Per prompt length P (``--prompts``) the best of ``--repeats``
 prefills of one P-token prompt alone; per decode batch D (``--decodes``) a decode step of D
@@ -39,47 +40,26 @@ import hybrid_compile as hc  # noqa: E402
 from hybrid_compile import SamplingParams  # noqa: E402
 
 from benchmarks import e2e  # noqa: E402
-from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts, sync_device  # noqa: E402
+from benchmarks.profiling import StepTrace  # noqa: E402
+from benchmarks.reference_models import build_qwen3_next_reference, random_token_prompts  # noqa: E402
 
 
-class ForwardTimer:
-    """Times every ``engine.runner.forward`` (synchronised before and after) while ``on``."""
+def _ms(row: dict) -> dict:
+    """A :class:`~benchmarks.profiling.StepTrace` row with its times in milliseconds."""
+    out = {k: v for k, v in row.items() if k not in ("seconds", "host_seconds")}
+    return dict(out, host_ms=1e3 * row["host_seconds"], wall_ms=1e3 * row["seconds"])
 
-    def __init__(self, engine) -> None:
-        self.engine, self.rows, self.on = engine, [], False
-        runner = engine.runner
-        inner = runner.forward
 
-        def timed(batch, *args, **kwargs):
-            if not self.on:
-                return inner(batch, *args, **kwargs)
-            dev = engine.device
-            sync_device(dev)
-            t0 = time.perf_counter()
-            out = inner(batch, *args, **kwargs)
-            t1 = time.perf_counter()
-            sync_device(dev)
-            t2 = time.perf_counter()
-            self.rows.append(dict(mode=batch.mode.value, requests=len(batch.requests), tokens=sum(batch.extend_lens),
-                                  decode_rows=0 if batch.decode_rows is None else batch.decode_rows[1] - batch.decode_rows[0],
-                                  host_ms=1e3 * (t1 - t0), wall_ms=1e3 * (t2 - t0)))
-            return out
-
-        runner.forward = timed
-
-    def first(self, mode: str, steps) -> dict:
-        """Run ``steps()`` (engine steps) with timing on; the first timed forward of ``mode``."""
-        self.rows.clear()
-        self.on = True
-        try:
-            for _ in range(4):
-                steps()
-                hit = [r for r in self.rows if r["mode"] == mode]
-                if hit:
-                    return hit[0]
-        finally:
-            self.on = False
-        raise RuntimeError(f"no {mode} forward in 4 engine steps")
+def first_forward(engine, mode: str, steps) -> dict:
+    """Run ``steps()`` (engine steps) with every forward timed (``StepTrace``) until one of ``mode`` ran:
+    that forward's row."""
+    with StepTrace(engine) as trace:
+        for _ in range(4):
+            steps()
+            hit = [r for r in trace.rows if r["mode"] == mode]
+            if hit:
+                return _ms(hit[0])
+    raise RuntimeError(f"no {mode} forward in 4 engine steps")
 
 
 def _finish(engine, rids) -> None:
@@ -93,17 +73,17 @@ def _finish(engine, rids) -> None:
     engine.clear_prefix_cache()
 
 
-def prefill(engine, timer, vocab: int, length: int, repeats: int) -> dict:
+def prefill(engine, vocab: int, length: int, repeats: int) -> dict:
     best = None
     for i in range(repeats):
         rid = engine.add_request(random_token_prompts(1, length, vocab, 10 + i)[0], SamplingParams(max_new_tokens=1))
-        row = timer.first("extend", engine.step)
+        row = first_forward(engine, "extend", engine.step)
         _finish(engine, [rid])
         best = row if best is None or row["wall_ms"] < best["wall_ms"] else best
     return best
 
 
-def decode_and_mixed(engine, timer, vocab: int, batch: int, lengths: list[int], context: int, repeats: int) -> dict:
+def decode_and_mixed(engine, vocab: int, batch: int, lengths: list[int], context: int, repeats: int) -> dict:
     """Per prompt length: the decode step of ``batch`` requests (best of repeats), then the mixed step
     when one prompt of that length arrives (best of repeats)."""
     out = {}
@@ -114,16 +94,16 @@ def decode_and_mixed(engine, timer, vocab: int, batch: int, lengths: list[int], 
                     for p in random_token_prompts(batch, context, vocab, 20 + i)]
             while not all(engine.request(r).output for r in rids):
                 engine.step()
-            decodes.append(timer.first("decode", engine.step))
+            decodes.append(first_forward(engine, "decode", engine.step))
             rids.append(engine.add_request(random_token_prompts(1, length, vocab, 30 + i)[0],
                                            SamplingParams(max_new_tokens=1)))
-            mixed.append(timer.first("extend", engine.step))
+            mixed.append(first_forward(engine, "extend", engine.step))
             _finish(engine, rids)
         out[length] = (min(decodes, key=lambda r: r["wall_ms"]), min(mixed, key=lambda r: r["wall_ms"]))
     return out
 
 
-def continuous_batching(engine, timer, vocab: int, tiny: bool, runs: int) -> list[dict]:
+def continuous_batching(engine, vocab: int, tiny: bool, runs: int) -> list[dict]:
     s = e2e.settings_for(tiny, False)
     out = []
     for i in range(runs):
@@ -144,19 +124,15 @@ def continuous_batching(engine, timer, vocab: int, tiny: bool, runs: int) -> lis
         engine.clear_prefix_cache()
         out.append(row)
     # the same workload once more with every forward timed: where its steps' time goes
-    timer.rows.clear()
-    timer.on = True
-    try:
+    with StepTrace(engine) as trace:
         prompts, outs = e2e.request_list(s, vocab)
         e2e.OurSystem(engine, str(engine.device)).run(prompts, outs)
-    finally:
-        timer.on = False
     engine.clear_prefix_cache()
     split = {}
     for mode in ("extend", "decode"):
-        rows = [r for r in timer.rows if r["mode"] == mode]
-        split[mode] = dict(steps=len(rows), wall_s=sum(r["wall_ms"] for r in rows) / 1e3,
-                           host_s=sum(r["host_ms"] for r in rows) / 1e3)
+        rows = [r for r in trace.rows if r["mode"] == mode]
+        split[mode] = dict(steps=len(rows), wall_s=sum(r["seconds"] for r in rows),
+                           host_s=sum(r["host_seconds"] for r in rows))
     out.append(dict(timed_forwards=split))
     return out
 
@@ -194,21 +170,20 @@ def main(argv=None) -> dict:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = dict(device=device_name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), tiny=tiny,
                   wrap_s=time.perf_counter() - t, context=context, prefill={}, mixed={}, mixed_unsplit={})
-    timer = ForwardTimer(engine)
     engine.generate_batch(random_token_prompts(2, 40, vocab, 1), max_new_tokens=4)  # warm-up
     engine.clear_prefix_cache()
     for length in prompts:
-        result["prefill"][length] = prefill(engine, timer, vocab, length, args.repeats)
+        result["prefill"][length] = prefill(engine, vocab, length, args.repeats)
     for d in decodes:
         for split in (True, False):  # the decode rows as a DECODE part, and (same process) inside the extend paths
             engine.scheduler.split_mixed_steps = split
-            for length, (dec, mix) in decode_and_mixed(engine, timer, vocab, d, prompts, context, args.repeats).items():
+            for length, (dec, mix) in decode_and_mixed(engine, vocab, d, prompts, context, args.repeats).items():
                 pre = result["prefill"][length]
                 result["mixed" if split else "mixed_unsplit"][f"D{d}_P{length}"] = dict(
                     decode=dec, mixed=mix, prefill=pre, ratio=mix["wall_ms"] / (pre["wall_ms"] + dec["wall_ms"]))
     engine.scheduler.split_mixed_steps = True
     if args.cb:
-        result["continuous_batching"] = continuous_batching(engine, timer, vocab, tiny, args.cb)
+        result["continuous_batching"] = continuous_batching(engine, vocab, tiny, args.cb)
     result["compile"] = {k: v for k, v in engine.stats().get("compile", {}).items() if isinstance(v, (int, float, bool))}
     engine.close()
     print(f"mixed steps on {device_name} (decode requests' context {context} tokens); ms wall (host)")

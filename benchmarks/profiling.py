@@ -23,7 +23,9 @@ from .reference_models import random_token_prompts, sync_device
 
 
 class StepTrace:
-    """``with StepTrace(engine) as trace: ...`` records one row per ``engine.runner.forward``."""
+    """``with StepTrace(engine) as trace: ...`` records one row per ``engine.runner.forward``:
+    ``seconds`` until the device finished it, ``host_seconds`` until the call returned (the host's
+    work, the device running behind it), and the step's shape (``decode_rows``: a mixed step's)."""
 
     def __init__(self, engine):
         self.engine, self.rows = engine, []
@@ -37,11 +39,14 @@ class StepTrace:
             sync_device(device)
             t0 = time.perf_counter()
             out = inner(batch, *args, **kwargs)
+            host = time.perf_counter() - t0
             sync_device(device)
             tracked = sum(1 for s in (batch.track_slots or []) if s >= 0)
+            rows = batch.decode_rows
             self.rows.append(dict(
                 mode=batch.mode.value, requests=len(batch.requests), tokens=batch.num_tokens,
                 prefix_tokens=sum(batch.prefix_lens), tracked=tracked, seconds=time.perf_counter() - t0,
+                host_seconds=host, decode_rows=0 if rows is None else rows[1] - rows[0],
             ))
             return out
 

@@ -157,12 +157,11 @@ class EngineConfig:
         if not isinstance(self.extra.get("inductor_config", {}), dict):
             raise ValueError(f"EngineConfig.extra['inductor_config'] must be a dict of Inductor config patches, got "
                              f"{self.extra['inductor_config']!r}")
-        pad = self.extra.get("piecewise_max_padding")
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
-            raise ValueError(f"EngineConfig.extra['piecewise_max_padding'] must be an integer >= 0, got {pad!r}")
-        budget = self.extra.get("memory_budget_bytes")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise ValueError(f"EngineConfig.extra['memory_budget_bytes'] must be a positive integer, got {budget!r}")
+        for key, least, what in (("piecewise_max_padding", 0, "an integer >= 0"),
+                                 ("memory_budget_bytes", 1, "a positive integer")):
+            v = self.extra.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise ValueError(f"EngineConfig.extra[{key!r}] must be {what}, got {v!r}")
 
         def positive(name):
             v = getattr(self, name)
